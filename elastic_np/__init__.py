@@ -1,0 +1,21 @@
+"""elastic_np: float64 oracles and Numba/CUDA kernels for Elastic-Softmax attention.
+
+The float64 reference lives in `elastic_np.reference`; `attention` and
+`attention_backward` dispatch to a backend ("reference", "cpu", "cuda").
+"""
+
+from elastic_np import reference, testing
+from elastic_np._dispatch import BackendUnavailableError, attention, attention_backward
+from elastic_np._options import AttentionGrads, DynamicWindow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "AttentionGrads",
+    "DynamicWindow",
+    "BackendUnavailableError",
+    "reference",
+    "testing",
+]

@@ -1,0 +1,3 @@
+from elastic_np.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The public attention entry points: validate once, then hand over to a backend.
+
+A backend is a module with two functions,
+
+- ``forward(problem) -> (out, lse)``
+- ``backward(problem, dout, out, lse) -> AttentionGrads``
+
+that take a validated `~elastic_np._options.AttentionProblem`. The reference
+backend computes in float64; the kernels keep the input dtype.
+"""
+
+import importlib
+
+from elastic_np import _options, reference
+
+BACKENDS = ("reference", "cpu", "cuda")
+_KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (missing package or device)."""
+
+
+class _ReferenceBackend:
+    dtypes = None  # any real float, computed in float64
+
+    @staticmethod
+    def forward(problem):
+        return reference._forward(problem)
+
+    @staticmethod
+    def backward(problem, dout, out, lse):
+        return reference._backward(problem, dout, out, lse)
+
+
+def get_backend(name):
+    """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
+    if name == "auto":
+        name = "cuda" if _cuda_is_available() else "cpu"
+    if name == "reference":
+        return _ReferenceBackend
+    if name not in _KERNEL_MODULES:
+        raise ValueError(
+            f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
+        )
+    try:
+        module = importlib.import_module(_KERNEL_MODULES[name])
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
+    module.check_available()
+    return module
+
+
+def _cuda_is_available():
+    try:
+        module = importlib.import_module(_KERNEL_MODULES["cuda"])
+    except ImportError:
+        return False
+    return module.is_available()
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    kv_lengths=None,
+    mask=None,
+    nvm=False,
+    tau=1.0,
+    beta=0.0,
+    dynamic_window=None,
+    return_lse=False,
+    backend="auto",
+):
+    r"""Scaled dot-product attention with Elastic-Softmax, masks and a dynamic window.
+
+    Computes, for every batch ``b``, query head ``h``, query ``i``:
+
+    .. math::
+
+        \mathrm{out}_i = \frac{\sum_{j\,\mathrm{kept}} e^{z_{ij}} v_j}
+                              {\sum_{j\,\mathrm{kept}} e^{z_{ij}} + \beta_h},
+        \qquad z_{ij} = \frac{\mathrm{scale}\; q_i\cdot k_j}{\tau_h} + \log G_{ij}
+
+    See `elastic_np.reference.attention` for the full definition of which
+    entries are kept.
+
+    Parameters
+    ----------
+    q : array_like, shape (B, H, N, D)
+    k : array_like, shape (B, Hkv, M, D)
+    v : array_like, shape (B, Hkv, M, Dv)
+        ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
+    scale : float, optional
+        Score scale; ``1/sqrt(D)`` by default.
+    causal : bool, optional
+        Keep ``j <= i + (M - N)`` (bottom-right aligned, as FlashAttention).
+    window_size : (int, int), optional
+        ``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``;
+        ``-1`` leaves a side unbounded.
+    kv_lengths : array_like of int, shape (B,), optional
+        Keep ``j < kv_lengths[b]``.
+    mask : array_like of bool, optional
+        Broadcastable to ``(B, H, N, M)``; True keeps.
+    nvm : bool, optional
+        Negative Value Masking: drop scores below 0.
+    tau, beta : float or array_like of shape (H,), optional
+        Temperature (``> 0``) and denominator offset (``>= 0``).
+    dynamic_window : DynamicWindow, optional
+        Learnable bell-curve window gate.
+    return_lse : bool, optional
+        Also return the log-denominator ``lse`` of shape ``(B, H, N)``.
+    backend : {"auto", "reference", "cpu", "cuda"}, optional
+        "auto" picks "cuda" when a GPU is usable, else "cpu".
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, N, Dv)
+        In the input dtype for "cpu" and "cuda", float64 for "reference".
+    lse : ndarray, shape (B, H, N)
+        Only with ``return_lse=True``; same dtype as ``out``.
+
+    Raises
+    ------
+    TypeError
+        For a dtype the backend does not take (the kernels: float32 and
+        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask.
+    ValueError
+        For inconsistent shapes or an out-of-range option; the message names it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> q = k = v = np.ones((1, 1, 3, 8))
+    >>> enp.attention(q, k, v, causal=True, backend="reference").shape
+    (1, 1, 3, 8)
+    """
+    module = get_backend(backend)
+    problem = _options.prepare(
+        q, k, v, scale=scale, causal=causal, window_size=window_size,
+        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
+        dynamic_window=dynamic_window, dtypes=module.dtypes,
+    )
+    out, lse = module.forward(problem)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    kv_lengths=None,
+    mask=None,
+    nvm=False,
+    tau=1.0,
+    beta=0.0,
+    dynamic_window=None,
+    backend="auto",
+):
+    """Gradients of `attention` for ``q, k, v, tau, beta`` and the window's ``sigma``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (B, H, N, Dv)
+        Cotangent of ``out``.
+    q, k, v : array_like
+        The inputs given to `attention`.
+    out, lse : array_like
+        What `attention` returned with ``return_lse=True``.
+    scale, causal, window_size, kv_lengths, mask, nvm, tau, beta, dynamic_window
+        The options given to `attention`.
+    backend : {"auto", "reference", "cpu", "cuda"}, optional
+
+    Returns
+    -------
+    AttentionGrads
+        ``dq``, ``dk``, ``dv`` in the input dtype (float64 for "reference");
+        ``dtau``, ``dbeta``, ``dsigma`` in the shapes of ``tau``, ``beta``,
+        ``sigma`` (``dsigma`` None without a dynamic window).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 1, 4, 8)) for _ in range(3))
+    >>> out, lse = enp.attention(q, k, v, tau=0.5, return_lse=True, backend="reference")
+    >>> grads = enp.attention_backward(np.ones_like(out), q, k, v, out, lse,
+    ...                                tau=0.5, backend="reference")
+    >>> grads.dk.shape, isinstance(grads.dtau, float)
+    ((1, 1, 4, 8), True)
+    """
+    module = get_backend(backend)
+    problem = _options.prepare(
+        q, k, v, scale=scale, causal=causal, window_size=window_size,
+        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
+        dynamic_window=dynamic_window, dtypes=module.dtypes,
+    )
+    dtype = None if module.dtypes is not None else problem.dtype
+    dout, out, lse = reference.check_backward_arrays(problem, dout, out, lse, dtype=dtype)
+    return module.backward(problem, dout, out, lse)

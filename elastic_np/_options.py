@@ -1,0 +1,298 @@
+"""The attention options: public types and the one place they are validated.
+
+`prepare` turns the user's ``q, k, v`` and keyword options into an
+`AttentionProblem` whose fields every backend reads: per-head ``tau`` and
+``beta`` arrays, per-(batch, head) ``sigma``, ``kv_lengths`` filled in, the
+mask broadcast (as a view) to ``(B, H, N, M)``.
+"""
+
+import dataclasses
+import operator
+from typing import Optional
+
+import numpy as np
+
+from elastic_np import _validation
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicWindow:
+    """A learnable bell-curve window over key positions.
+
+    For query ``i`` and key ``j`` (``N`` queries, ``M`` keys) the window is
+
+    .. math::
+
+        x_{ij} = \\frac{2 (j - i - (M - N))}{M - 1}, \\quad
+        f_{ij} = \\frac{e^{-x_{ij}^2 / (2\\sigma^2)}}{\\sigma\\sqrt{2\\pi}}, \\quad
+        G_{ij} = \\tanh(\\mathrm{sharpness}\\cdot f_{ij}\\,[f_{ij} > \\mathrm{threshold}])
+
+    (``x = 0`` when ``M = 1``). Keys with ``G = 0`` are removed and the others
+    get ``log G`` added to their logit.
+
+    Parameters
+    ----------
+    sigma : float or array_like
+        Width of the bell, ``> 0``, broadcastable to ``(B, H)``. Learnable: the
+        backward returns ``dsigma`` in this shape.
+    sharpness : float, optional
+        Gate steepness, ``> 0``. Fixed.
+    threshold : float, optional
+        Bell values at or below it close the gate, ``>= 0``. Fixed.
+
+    Examples
+    --------
+    >>> import elastic_np as enp
+    >>> enp.DynamicWindow(0.5, sharpness=4.0, threshold=0.1)
+    DynamicWindow(sigma=array(0.5), sharpness=4.0, threshold=0.1)
+    """
+
+    sigma: np.ndarray
+    sharpness: float = 1.0
+    threshold: float = 0.0
+
+    def __post_init__(self):
+        sigma = np.array(self.sigma, dtype=np.float64) if _is_real(self.sigma) else None
+        if sigma is None:
+            raise TypeError(f"`sigma` must be a real number or array, got {self.sigma!r}")
+        if not (np.isfinite(sigma).all() and (sigma > 0).all()):
+            raise ValueError(f"`sigma` must be finite and > 0, got {self.sigma!r}")
+        sigma.setflags(write=False)
+        object.__setattr__(self, "sigma", sigma)
+        object.__setattr__(
+            self, "sharpness", _validation.positive_scalar(self.sharpness, "sharpness")
+        )
+        object.__setattr__(
+            self, "threshold", _validation.nonnegative_scalar(self.threshold, "threshold")
+        )
+
+    def __repr__(self):
+        return (
+            f"DynamicWindow(sigma={self.sigma!r}, sharpness={self.sharpness!r}, "
+            f"threshold={self.threshold!r})"
+        )
+
+
+def _is_real(value):
+    arr = np.asarray(value)
+    return arr.dtype != np.bool_ and (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionGrads:
+    """Gradients returned by ``attention_backward``.
+
+    Attributes
+    ----------
+    dq, dk, dv : ndarray
+        Gradients of ``q``, ``k``, ``v``, in their shapes (``dk`` and ``dv``
+        summed over the query heads of a group under grouped-query attention).
+    dtau, dbeta : float or ndarray
+        Gradients of ``tau`` and ``beta`` in the shape they were given in
+        (a Python float for a scalar, shape ``(H,)`` for per-head values).
+    dsigma : float or ndarray or None
+        Gradient of the dynamic window's ``sigma`` in its shape, or None
+        without a dynamic window.
+    """
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dtau: object
+    dbeta: object
+    dsigma: Optional[object] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionProblem:
+    """Validated attention inputs, in the form every backend reads.
+
+    ``q``, ``k``, ``v`` are the caller's arrays (never written to), ``tau`` and
+    ``beta`` are float64 ``(H,)``, ``sigma`` float64 ``(B, H)`` or None,
+    ``kv_lengths`` int64 ``(B,)``, ``mask`` a read-only boolean view of shape
+    ``(B, H, N, M)`` or None, ``window`` a pair of ints (``-1`` unbounded).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scale: float
+    causal: bool
+    window: tuple
+    kv_lengths: np.ndarray
+    mask: Optional[np.ndarray]
+    nvm: bool
+    tau: np.ndarray
+    beta: np.ndarray
+    sigma: Optional[np.ndarray]
+    sharpness: float
+    threshold: float
+    tau_shape: tuple
+    beta_shape: tuple
+    sigma_shape: Optional[tuple]
+
+    @property
+    def shape(self):
+        """``(B, H, Hkv, N, M, D, Dv)``."""
+        B, H, N, D = self.q.shape
+        _, Hkv, M, Dv = self.v.shape
+        return B, H, Hkv, N, M, D, Dv
+
+    @property
+    def group_size(self):
+        """Query heads per key/value head: head ``h`` reads kv head ``h // group_size``."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh):
+        """Build `AttentionGrads` from per-head ``dtau``, ``dbeta`` and per-(b, h) ``dsigma``."""
+        return AttentionGrads(
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            dtau=sum_to_shape(dtau_h, self.tau_shape),
+            dbeta=sum_to_shape(dbeta_h, self.beta_shape),
+            dsigma=None if self.sigma is None else sum_to_shape(dsigma_bh, self.sigma_shape),
+        )
+
+
+def sum_to_shape(grad, shape):
+    """Sum a broadcast gradient back to ``shape``; a Python float for ``shape == ()``."""
+    grad = np.asarray(grad, dtype=np.float64)
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
+    )
+    out = grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
+    return float(out) if shape == () else out
+
+
+def prepare(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    kv_lengths=None,
+    mask=None,
+    nvm=False,
+    tau=1.0,
+    beta=0.0,
+    dynamic_window=None,
+    dtypes=None,
+    check_finite=True,
+):
+    """Validate the attention inputs and options; return an `AttentionProblem`.
+
+    ``dtypes`` restricts the accepted dtype of ``q, k, v`` (the kernels take
+    float32 and float64, all three the same); with ``dtypes=None`` any real
+    floating dtype is accepted and converted to float64 (the reference).
+    """
+    q, k, v = (np.asarray(a) for a in (q, k, v))
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _validation.check_real_float_dtype(a, name)
+        if a.ndim != 4:
+            raise ValueError(f"`{name}` must have 4 dimensions (B, heads, length, dim), got shape {a.shape}")
+    if dtypes is None:
+        q, k, v = (a.astype(np.float64, copy=False) for a in (q, k, v))
+    else:
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if a.dtype not in dtypes:
+                names = " or ".join(str(d) for d in dtypes)
+                raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {names}")
+        if not q.dtype == k.dtype == v.dtype:
+            raise TypeError(
+                f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+    B, H, N, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    Hkv, M = k.shape[1], k.shape[2]
+    if k.shape[3] != D:
+        raise ValueError(f"`k` head dim {k.shape[3]} != `q` head dim {D}")
+    if v.shape[1:3] != (Hkv, M):
+        raise ValueError(f"`v` shape {v.shape} does not match `k` shape {k.shape} in heads/length")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
+    if check_finite:
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if not np.isfinite(a).all():
+                raise ValueError(f"`{name}` contains NaN or inf")
+
+    scale = 1.0 / np.sqrt(D) if scale is None else _validation.real_scalar(scale, "scale")
+    if not np.isfinite(scale):
+        raise ValueError(f"`scale` must be finite, got {scale!r}")
+    window = _window(window_size)
+    kv_lengths = _kv_lengths(kv_lengths, B, M)
+    mask = _mask(mask, (B, H, N, M))
+    tau, tau_shape = _validation.per_head(tau, H, "tau", positive=True)
+    beta, beta_shape = _validation.per_head(beta, H, "beta", positive=False)
+
+    if dynamic_window is None:
+        sigma = sigma_shape = None
+        sharpness, threshold = 1.0, 0.0
+    else:
+        if not isinstance(dynamic_window, DynamicWindow):
+            raise TypeError("`dynamic_window` must be an elastic_np.DynamicWindow or None")
+        sigma_shape = dynamic_window.sigma.shape
+        try:
+            sigma = np.broadcast_to(dynamic_window.sigma, (B, H)).copy()
+        except ValueError:
+            raise ValueError(
+                f"`sigma` of shape {sigma_shape} is not broadcastable to (B, H) = ({B}, {H})"
+            ) from None
+        sharpness, threshold = dynamic_window.sharpness, dynamic_window.threshold
+
+    return AttentionProblem(
+        q=q, k=k, v=v, scale=float(scale), causal=bool(causal), window=window,
+        kv_lengths=kv_lengths, mask=mask, nvm=bool(nvm), tau=tau, beta=beta,
+        sigma=sigma, sharpness=sharpness, threshold=threshold,
+        tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
+    )
+
+
+def _window(window_size):
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"`window_size` must be a pair of integers (left, right), got {window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(f"`window_size` entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    return (left, right)
+
+
+def _kv_lengths(kv_lengths, B, M):
+    if kv_lengths is None:
+        return np.full(B, M, dtype=np.int64)
+    lengths = np.asarray(kv_lengths)
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(f"`kv_lengths` must hold integers, got dtype {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"`kv_lengths` must have shape (B,) = ({B},), got {lengths.shape}")
+    if ((lengths < 0) | (lengths > M)).any():
+        raise ValueError(f"`kv_lengths` must lie in [0, M] = [0, {M}], got {lengths.tolist()}")
+    return lengths.astype(np.int64)
+
+
+def _mask(mask, shape):
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"`mask` must be a boolean array, got dtype {mask.dtype}")
+    try:
+        return np.broadcast_to(mask, shape)
+    except ValueError:
+        raise ValueError(
+            f"`mask` of shape {mask.shape} is not broadcastable to (B, H, N, M) = {shape}"
+        ) from None

@@ -1,0 +1,112 @@
+"""Input validation shared by every public function.
+
+Every check that a public function makes lives here, so that each error
+message names the offending parameter in the same words everywhere.
+"""
+
+import numbers
+import operator
+
+import numpy as np
+
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
+    """Return ``x`` as a float64 array, rejecting integer, complex and bad values.
+
+    Parameters
+    ----------
+    x : array_like
+        A real floating-point array (any of float16, float32, float64, longdouble).
+    name : str
+        The parameter name used in error messages.
+    check_finite : bool
+        Reject NaN and infinite entries with a `ValueError`.
+    allow_neg_inf : bool
+        With ``check_finite``, still accept ``-inf`` (a masked logit).
+    """
+    x = np.asarray(x)
+    check_real_float_dtype(x, name)
+    x = x.astype(np.float64, copy=False)
+    if check_finite:
+        bad = np.isnan(x) | (x == np.inf) if allow_neg_inf else ~np.isfinite(x)
+        if bad.any():
+            what = "NaN or +inf" if allow_neg_inf else "NaN or inf"
+            raise ValueError(
+                f"`{name}` contains {what} at index {np.argwhere(bad)[0].tolist()}; "
+                "pass check_finite=False to skip this check"
+            )
+    return x
+
+
+def check_real_float_dtype(x, name):
+    if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(
+            f"`{name}` must be a real floating-point array, got dtype {x.dtype}"
+        )
+
+
+def positive_scalar(value, name):
+    """A finite float > 0, else a `ValueError` naming ``name``."""
+    value = real_scalar(value, name)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"`{name}` must be finite and > 0, got {value!r}")
+    return value
+
+
+def nonnegative_scalar(value, name):
+    """A finite float >= 0, else a `ValueError` naming ``name``."""
+    value = real_scalar(value, name)
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be finite and >= 0, got {value!r}")
+    return value
+
+
+def real_scalar(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (numbers.Real, np.floating, np.integer)
+    ):
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            return real_scalar(value[()], name)
+        raise TypeError(f"`{name}` must be a real number, got {value!r}")
+    return float(value)
+
+
+def reduction_axis(x, axis, name="x"):
+    """Normalise ``axis`` for ``x`` and reject an empty reduction axis."""
+    if x.ndim == 0:
+        raise ValueError(f"`{name}` must have at least one dimension")
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"`axis` must be an integer, got {axis!r}") from None
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"`axis` {axis} is out of bounds for `{name}` of dimension {x.ndim}")
+    axis %= x.ndim
+    if x.shape[axis] == 0:
+        raise ValueError(f"`{name}` has an empty reduction axis (axis={axis})")
+    return axis
+
+
+def per_head(value, H, name, *, positive):
+    """Broadcast a scalar or ``(H,)`` parameter to a float64 ``(H,)`` array.
+
+    Returns the array and the shape of ``value`` as given (``()`` for a scalar),
+    which is the shape its gradient is returned in.
+    """
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    ):
+        raise TypeError(f"`{name}` must be a real number or an array of shape (H,)")
+    if arr.shape not in ((), (H,)):
+        raise ValueError(
+            f"`{name}` must be a scalar or have shape (H,) = ({H},), got shape {arr.shape}"
+        )
+    arr = arr.astype(np.float64)
+    bound_ok = arr > 0 if positive else arr >= 0
+    if not (np.isfinite(arr).all() and bound_ok.all()):
+        rule = "> 0" if positive else ">= 0"
+        raise ValueError(f"`{name}` must be finite and {rule}, got {value!r}")
+    return np.broadcast_to(arr, (H,)).copy(), arr.shape
