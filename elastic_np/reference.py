@@ -85,7 +85,7 @@ def softmax(x, axis=-1, *, check_finite=True):
     x, axis = _logits(x, axis, check_finite)
     e = np.exp(x - _safe_max(x, axis))
     total = e.sum(axis=axis, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
 def log_softmax(x, axis=-1, *, check_finite=True):
@@ -115,11 +115,15 @@ def log_softmax(x, axis=-1, *, check_finite=True):
     array([-0.693147, -0.693147])
     """
     x, axis = _logits(x, axis, check_finite)
-    m = _safe_max(x, axis)
-    lse = m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
-    with np.errstate(invalid="ignore"):
-        out = x - lse
-    return np.where(np.isneginf(lse), -np.inf, out)
+    shifted = x - _safe_max(x, axis)
+    # log(sum_j exp(shifted_j)) = log1p(sum of the terms other than one maximum's 1):
+    # exact to rounding even when the maximum dominates and the result is near 0.
+    e = np.exp(shifted)
+    first_max = np.expand_dims(np.argmax(shifted, axis=axis), axis)
+    np.put_along_axis(e, first_max, 0.0, axis=axis)
+    empty = np.isneginf(np.max(x, axis=axis, keepdims=True))
+    log_sum = np.where(empty, np.inf, np.log1p(e.sum(axis=axis, keepdims=True)))
+    return shifted - log_sum
 
 
 def nvm(x):
@@ -166,7 +170,7 @@ def _elastic_stats(x, tau, beta, axis, use_nvm, check_finite):
     with np.errstate(divide="ignore", over="ignore"):
         denominator = row_sum + np.exp(np.log(beta) - m)
         log_denominator = np.logaddexp(m + np.log(row_sum), np.log(beta))
-    y = np.divide(e, denominator, out=np.zeros_like(e), where=denominator > 0)
+    y = np.divide(e, denominator, out=np.zeros_like(e), where=denominator != 0)
     return x_tilde, y, log_denominator, axis
 
 
@@ -281,7 +285,7 @@ def online_softmax(x, block_size=None, axis=-1, *, check_finite=True):
         m = m_new
     m_ref = np.where(np.isneginf(m), 0.0, m)[..., None]
     e = np.exp(xs - m_ref)
-    y = np.divide(e, l[..., None], out=np.zeros_like(e), where=l[..., None] > 0)
+    y = np.divide(e, l[..., None], out=np.zeros_like(e), where=l[..., None] != 0)
     return np.moveaxis(y, -1, axis)
 
 
@@ -368,7 +372,7 @@ def elastic_softmax_vjp(x, dy, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_fi
     delta = np.sum(dy * y, axis=axis, keepdims=True)
     dz = np.where(kept, y * (dy - delta), 0.0)
     dx = dz / tau
-    dtau = -np.sum(np.where(kept, dz * x_tilde, 0.0)) / tau**2
+    dtau = -np.sum(dz * np.where(kept, x_tilde, 0.0)) / tau**2
     # delta / D = delta * exp(-log D); an empty row with beta = 0 has delta = 0, D = 0.
     with np.errstate(over="ignore", invalid="ignore"):
         per_row = np.where(delta == 0, 0.0, delta * np.exp(-log_denominator))
