@@ -616,7 +616,7 @@ def _backward(p, dout, out, lse):
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
-    dtau = -np.sum(np.where(keep, dz * s, 0.0), axis=(0, 2, 3)) / p.tau**2
+    dtau = -np.sum(dz * s, axis=(0, 2, 3)) / p.tau**2
     with np.errstate(over="ignore", invalid="ignore"):
         per_row = np.where(delta == 0, 0.0, delta * np.exp(-lse))
     dbeta = -per_row.sum(axis=(0, 2))
@@ -627,5 +627,5 @@ def _backward(p, dout, out, lse):
         sigma = p.sigma[:, :, None, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             dlogG = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
-        dsigma = np.sum(np.where(keep, dz * dlogG, 0.0), axis=(2, 3))
+        dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma)

@@ -47,7 +47,7 @@ class GradcheckReport:
         return "\n".join(lines)
 
 
-def gradcheck(fn, inputs, claimed, *, dout=None, eps=1e-6, rtol=1e-6, atol=0.0, raise_on_failure=True):
+def gradcheck(fn, inputs, claimed, *, dout=None, eps=1e-6, rtol=1e-6, atol=None, raise_on_failure=True):
     r"""Check claimed gradients against central finite differences.
 
     The function checked is the scalar loss ``L = sum(dout * fn(**inputs))``.
@@ -77,6 +77,9 @@ def gradcheck(fn, inputs, claimed, *, dout=None, eps=1e-6, rtol=1e-6, atol=0.0, 
     rtol, atol : float, optional
         An input passes when ``max|claimed - numerical| <= atol + rtol * scale``
         with ``scale`` the larger of the two gradients' maximum magnitudes.
+        ``atol=None`` (default) uses the rounding noise of the differences,
+        ``10 * eps_float64 * max(|L|, 1) / h``: below it finite differences
+        cannot tell a gradient from zero.
     raise_on_failure : bool, optional
         Raise `GradcheckError` with the report when any input fails (default);
         otherwise return the report.
@@ -111,6 +114,9 @@ def gradcheck(fn, inputs, claimed, *, dout=None, eps=1e-6, rtol=1e-6, atol=0.0, 
 
     def loss(**args):
         return float(np.sum(dout * np.asarray(fn(**args), dtype=np.float64)))
+
+    if atol is None:
+        atol = 10 * np.finfo(np.float64).eps * max(abs(loss(**inputs)), 1.0) / eps
 
     entries = []
     for name, grad in claimed.items():

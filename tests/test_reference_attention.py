@@ -1,0 +1,346 @@
+"""The float64 attention oracle and its hand-derived backward."""
+
+import warnings
+
+import mpmath
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import reference as ref
+from elastic_np.testing import gradcheck
+
+SHAPE = dict(B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2)
+
+
+def make_qkv(seed, B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2, nvm_margin=None):
+    """Seeded q, k, v; with ``nvm_margin``, redrawn until every score is that far from 0."""
+    rng = np.random.default_rng(seed)
+    while True:
+        q = rng.standard_normal((B, H, N, D))
+        k = rng.standard_normal((B, Hkv, M, D))
+        v = rng.standard_normal((B, Hkv, M, Dv))
+        if nvm_margin is None:
+            return q, k, v
+        s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, H // Hkv, axis=1))
+        if np.abs(s).min() * D**-0.5 > nvm_margin:
+            return q, k, v
+
+
+def threshold_in_gap(sigma, N, M, sharpness=1.0):
+    """A bell threshold midway in the widest gap between the window's values, far from every f."""
+    problem = enp._options.prepare(*make_qkv(0, B=1, H=1, Hkv=1, N=N, M=M),
+                                   dynamic_window=enp.DynamicWindow(sigma, sharpness))
+    f = np.unique(ref.window_gate(problem)[1])
+    gaps = np.diff(f)
+    i = np.argmax(gaps[: len(gaps) - 1]) if len(gaps) > 1 else 0  # keep the peak in the band
+    return float((f[i] + f[i + 1]) / 2)
+
+
+def sigma_threshold_case():
+    sigma = np.array([[0.4, 0.7, 1.1, 0.5], [0.9, 0.3, 0.6, 0.8]])
+    return enp.DynamicWindow(sigma, sharpness=2.0, threshold=threshold_in_gap(0.5, 5, 7, 2.0))
+
+
+CASES = {
+    "plain": {},
+    "scale": {"scale": 0.3},
+    "causal": {"causal": True},
+    "window": {"window_size": (2, 1)},
+    "window_left_only": {"window_size": (1, -1)},
+    "kv_lengths": {"kv_lengths": np.array([7, 4])},
+    "mask": {"mask": np.random.default_rng(9).random((5, 7)) < 0.7},
+    "nvm": {"nvm": True},
+    "tau_beta_scalar": {"tau": 0.6, "beta": 0.8},
+    "tau_beta_per_head": {"tau": np.array([0.5, 1.0, 1.7, 2.2]), "beta": np.array([0.0, 0.3, 1.0, 4.0])},
+    "dynamic_window": {"dynamic_window": enp.DynamicWindow(0.6, sharpness=3.0)},
+    "dynamic_window_threshold": {"dynamic_window": sigma_threshold_case()},
+    "combined": {
+        "causal": True, "window_size": (3, -1), "nvm": True, "kv_lengths": np.array([6, 7]),
+        "mask": np.random.default_rng(10).random((2, 1, 5, 7)) < 0.85,
+        "tau": np.array([0.5, 1.0, 1.7, 2.2]), "beta": np.array([0.1, 0.3, 1.0, 4.0]),
+        "dynamic_window": enp.DynamicWindow(np.array([0.5, 0.8, 1.2, 2.0]), sharpness=1.5),
+    },
+}
+
+
+def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
+    """Hand-derived gradients of every input against central differences."""
+    q, k, v = make_qkv(seed, **shape, nvm_margin=1e-4 if options.get("nvm") else None)
+    window = options.get("dynamic_window")
+    fixed = {key: val for key, val in options.items() if key not in ("tau", "beta", "dynamic_window")}
+    tau, beta = options.get("tau", 1.0), options.get("beta", 0.0)
+    inputs = {"q": q, "k": k, "v": v, "tau": tau}
+    # central differences need beta > 0 (beta = 0 is the edge of the domain)
+    check_beta = np.all(np.asarray(beta) > 0)
+    inputs["beta"] = beta
+
+    def fn(q, k, v, tau, beta, sigma=None):
+        dyn = None if sigma is None else enp.DynamicWindow(sigma, window.sharpness, window.threshold)
+        return ref.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dyn, **fixed)[0]
+
+    if window is not None:
+        inputs["sigma"] = np.array(window.sigma)
+    out, lse = fn(**inputs), ref.attention(q, k, v, **options)[1]
+    dout = np.random.default_rng(seed + 100).standard_normal(out.shape)
+    grads = ref.attention_backward(dout, q, k, v, out, lse, **options)
+    claimed = {"q": grads.dq, "k": grads.dk, "v": grads.dv, "tau": grads.dtau}
+    if check_beta:
+        claimed["beta"] = grads.dbeta
+    if window is not None:
+        claimed["sigma"] = grads.dsigma
+    report = gradcheck(fn, inputs, claimed, dout=dout, rtol=rtol)
+    assert report
+    return grads
+
+
+class TestAttentionBackward:
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_gradients_match_finite_differences(self, case):
+        check_gradients(CASES[case])
+
+    @pytest.mark.parametrize("N, M", [(1, 6), (6, 1), (7, 4), (1, 1)])
+    def test_lengths_and_causal_alignment(self, N, M):
+        shape = dict(SHAPE, N=N, M=M)
+        check_gradients({"causal": True, "beta": 0.5, "tau": 0.7}, shape=shape)
+        check_gradients({"window_size": (1, 0), "dynamic_window": enp.DynamicWindow(0.8)}, shape=shape)
+
+    def test_multi_query_heads(self):
+        check_gradients({"nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1))
+
+    def test_beta_gradient_at_zero_one_sided(self):
+        q, k, v = make_qkv(3)
+        out, lse = ref.attention(q, k, v, causal=True)
+        dout = np.ones_like(out)
+        g = ref.attention_backward(dout, q, k, v, out, lse, causal=True)
+        h = 1e-7
+        loss = lambda beta: np.sum(dout * ref.attention(q, k, v, causal=True, beta=beta)[0])
+        np.testing.assert_allclose(g.dbeta, (loss(h) - loss(0.0)) / h, rtol=1e-5)
+
+    @pytest.mark.parametrize("beta", [0.0, 0.7])
+    def test_empty_rows(self, beta):
+        q, k, v = make_qkv(4)
+        options = {"kv_lengths": np.array([0, 7]), "causal": True, "beta": beta}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, lse = ref.attention(q, k, v, **options)
+            g = ref.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+        np.testing.assert_array_equal(out[0], 0.0)
+        np.testing.assert_array_equal(lse[0], np.log(beta) if beta else -np.inf)
+        for grad in (g.dq, g.dk, g.dv, g.dtau, g.dbeta):
+            assert np.isfinite(grad).all()
+        np.testing.assert_array_equal(g.dq[0], 0.0)
+        if beta:
+            check_gradients(options)
+
+    def test_rows_emptied_by_nvm_and_causal(self):
+        # N > M with causal: the first N - M query rows see no key at all.
+        q, k, v = make_qkv(5, N=6, M=3)
+        out, lse = ref.attention(q, k, v, causal=True, beta=0.0)
+        np.testing.assert_array_equal(out[:, :, :3], 0.0)
+        assert np.isneginf(lse[:, :, :3]).all() and np.isfinite(lse[:, :, 3:]).all()
+
+    @pytest.mark.parametrize("tau_shape, beta_shape, sigma_shape", [((), (), ()), ((4,), (4,), (2, 4)), ((), (4,), (4,)), ((4,), (), (2, 1))])
+    def test_parameter_gradients_come_back_in_their_shapes(self, tau_shape, beta_shape, sigma_shape):
+        q, k, v = make_qkv(6)
+        opts = {"tau": np.full(tau_shape, 0.9) if tau_shape else 0.9,
+                "beta": np.full(beta_shape, 0.5) if beta_shape else 0.5,
+                "dynamic_window": enp.DynamicWindow(np.full(sigma_shape, 0.7) if sigma_shape else 0.7)}
+        out, lse = ref.attention(q, k, v, **opts)
+        g = ref.attention_backward(np.ones_like(out), q, k, v, out, lse, **opts)
+        for grad, shape in ((g.dtau, tau_shape), (g.dbeta, beta_shape), (g.dsigma, sigma_shape)):
+            assert np.shape(grad) == shape
+            if shape == ():
+                assert isinstance(grad, float)
+        assert ref.attention_backward(np.ones_like(out), q, k, v, out, lse).dsigma is None
+
+
+class TestAttentionForward:
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_rows_are_elastic_softmax_of_masked_scores(self, case):
+        options = CASES[case]
+        q, k, v = make_qkv(1)
+        out, lse = ref.attention(q, k, v, **options)
+        problem = enp._options.prepare(q, k, v, **options)
+        keep = ref.structural_keep(problem)
+        kk, vv = (np.repeat(a, 2, axis=1) for a in (k, v))
+        s = problem.scale * q @ np.swapaxes(kk, -1, -2)
+        tau = problem.tau[:, None, None]
+        if problem.sigma is None:
+            # attention = elastic_softmax(scores with -inf outside the mask) @ v
+            masked = np.where(keep, s, -np.inf)
+            for h in range(4):
+                y = ref.elastic_softmax(masked[:, h], tau=problem.tau[h], beta=problem.beta[h], nvm=problem.nvm)
+                np.testing.assert_allclose(out[:, h], y @ vv[:, h], rtol=1e-13, atol=1e-15)
+        else:
+            G = ref.window_gate(problem)[0]
+            keep = keep & (G > 0) & ((s >= 0) if problem.nvm else True)
+            with np.errstate(divide="ignore"):
+                z = np.where(keep, s / tau + np.log(G), -np.inf)
+            for h in range(4):
+                y = ref.elastic_softmax(z[:, h], beta=problem.beta[h], nvm=False)
+                np.testing.assert_allclose(out[:, h], y @ vv[:, h], rtol=1e-13, atol=1e-15)
+
+    def test_agrees_with_extended_precision(self):
+        q, k, v = make_qkv(2, B=1, H=2, Hkv=1, N=3, M=5, D=4, Dv=3)
+        window = enp.DynamicWindow(0.8, sharpness=2.0)
+        tau, beta = np.array([0.7, 1.3]), np.array([0.2, 2.5])
+        out, lse = ref.attention(q, k, v, causal=True, nvm=True, tau=tau, beta=beta, dynamic_window=window)
+        mpmath.mp.dps = 40
+        for h in range(2):
+            for i in range(3):
+                weights, values = [], []
+                for j in range(5):
+                    s = sum(mpmath.mpf(q[0, h, i, d]) * mpmath.mpf(k[0, 0, j, d]) for d in range(4)) / 2
+                    x = mpmath.mpf(2 * (j - i - 2)) / 4
+                    f = mpmath.exp(-x**2 / (2 * mpmath.mpf(0.8) ** 2)) / (mpmath.mpf(0.8) * mpmath.sqrt(2 * mpmath.pi))
+                    if j <= i + 2 and s >= 0:
+                        weights.append(mpmath.exp(s / mpmath.mpf(tau[h])) * mpmath.tanh(2 * f))
+                        values.append([mpmath.mpf(v[0, 0, j, e]) for e in range(3)])
+                denominator = mpmath.fsum(weights) + mpmath.mpf(beta[h])
+                assert float(mpmath.log(denominator)) == pytest.approx(lse[0, h, i], rel=1e-13)
+                for e in range(3):
+                    exact = mpmath.fsum(w * val[e] for w, val in zip(weights, values)) / denominator
+                    assert float(exact) == pytest.approx(out[0, h, i, e], rel=1e-13, abs=1e-300)
+
+    def test_returns_float64_and_leaves_inputs_alone(self):
+        q, k, v = (a.astype(np.float32) for a in make_qkv(3))
+        copies = [a.copy() for a in (q, k, v)]
+        for a in (q, k, v):
+            a.setflags(write=False)
+        mask = np.ones((5, 7), bool)
+        out, lse = ref.attention(q, k, v, mask=mask, tau=np.array([1.0, 2.0, 3.0, 4.0]))
+        assert out.dtype == lse.dtype == np.float64
+        for a, c in zip((q, k, v), copies):
+            np.testing.assert_array_equal(a, c)
+
+    def test_non_contiguous_inputs(self):
+        q, k, v = make_qkv(4, D=6)
+        qs, ks = q[..., ::2], k[..., ::2]
+        np.testing.assert_allclose(ref.attention(qs, ks, v)[0],
+                                   ref.attention(qs.copy(), ks.copy(), v)[0], rtol=1e-14, atol=1e-15)
+
+
+class TestDispatch:
+    def test_reference_backend_is_the_oracle(self):
+        q, k, v = make_qkv(5)
+        opts = CASES["combined"]
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="reference", **opts)
+        np.testing.assert_array_equal(out, ref.attention(q, k, v, **opts)[0])
+        np.testing.assert_array_equal(enp.attention(q, k, v, backend="reference", **opts), out)
+        g = enp.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="reference", **opts)
+        g_ref = ref.attention_backward(np.ones_like(out), q, k, v, out, lse, **opts)
+        np.testing.assert_array_equal(g.dq, g_ref.dq)
+        assert g.dtau.shape == (4,) and g.dsigma.shape == (4,)
+
+    def test_unknown_backend(self):
+        with pytest.raises(ValueError, match="`backend`"):
+            enp.attention(*make_qkv(0), backend="tpu")
+
+    def test_types_are_immutable(self):
+        window = enp.DynamicWindow(np.array([0.5, 1.0]))
+        with pytest.raises(Exception):
+            window.sharpness = 2.0
+        with pytest.raises(ValueError):
+            window.sigma[0] = 3.0
+        q, k, v = make_qkv(0)
+        out, lse = ref.attention(q, k, v)
+        grads = ref.attention_backward(out, q, k, v, out, lse)
+        with pytest.raises(Exception):
+            grads.dq = None
+
+
+class TestValidation:
+    @pytest.mark.parametrize("kwargs, error, name", [
+        ({"window_size": 3}, ValueError, "window_size"),
+        ({"window_size": (1, 2, 3)}, ValueError, "window_size"),
+        ({"window_size": (-2, 0)}, ValueError, "window_size"),
+        ({"kv_lengths": np.array([8, 1])}, ValueError, "kv_lengths"),
+        ({"kv_lengths": np.array([-1, 1])}, ValueError, "kv_lengths"),
+        ({"kv_lengths": np.array([1])}, ValueError, "kv_lengths"),
+        ({"kv_lengths": np.array([1.0, 2.0])}, TypeError, "kv_lengths"),
+        ({"mask": np.ones((5, 7))}, TypeError, "mask"),
+        ({"mask": np.ones((5, 6), bool)}, ValueError, "mask"),
+        ({"tau": 0.0}, ValueError, "tau"),
+        ({"tau": np.ones(3)}, ValueError, "tau"),
+        ({"beta": -0.1}, ValueError, "beta"),
+        ({"beta": np.array([0.0, 0.0, np.nan, 0.0])}, ValueError, "beta"),
+        ({"scale": np.nan}, ValueError, "scale"),
+        ({"dynamic_window": 0.5}, TypeError, "dynamic_window"),
+        ({"dynamic_window": enp.DynamicWindow(np.ones(3))}, ValueError, "sigma"),
+    ])
+    def test_bad_options_name_the_parameter(self, kwargs, error, name):
+        with pytest.raises(error, match=f"`{name}`"):
+            ref.attention(*make_qkv(0), **kwargs)
+
+    @pytest.mark.parametrize("kwargs, error, name", [
+        ({"sigma": 0.0}, ValueError, "sigma"),
+        ({"sigma": -1.0}, ValueError, "sigma"),
+        ({"sigma": np.inf}, ValueError, "sigma"),
+        ({"sigma": "wide"}, TypeError, "sigma"),
+        ({"sigma": 1.0, "sharpness": 0.0}, ValueError, "sharpness"),
+        ({"sigma": 1.0, "threshold": -0.1}, ValueError, "threshold"),
+    ])
+    def test_dynamic_window_validation(self, kwargs, error, name):
+        with pytest.raises(error, match=f"`{name}`"):
+            enp.DynamicWindow(**kwargs)
+
+    def test_shapes(self):
+        q, k, v = make_qkv(0)
+        with pytest.raises(ValueError, match="multiple"):
+            ref.attention(q[:, :3], k, v)
+        with pytest.raises(ValueError, match="`k` head dim"):
+            ref.attention(q, k[..., :2], v)
+        with pytest.raises(ValueError, match="`v`"):
+            ref.attention(q, k, v[:, :, :3])
+        with pytest.raises(ValueError, match="batch"):
+            ref.attention(q, k[:1], v[:1])
+        with pytest.raises(ValueError, match="`q` must have 4"):
+            ref.attention(q[0], k, v)
+        with pytest.raises(TypeError, match="`q`"):
+            ref.attention(q.astype(int), k, v)
+        with pytest.raises(ValueError, match="`k` contains NaN"):
+            ref.attention(q, np.where(k > 1, np.nan, k), v)
+
+    def test_backward_arrays(self):
+        q, k, v = make_qkv(0)
+        out, lse = ref.attention(q, k, v)
+        with pytest.raises(ValueError, match="`dout` must have shape"):
+            ref.attention_backward(out[..., :1], q, k, v, out, lse)
+        with pytest.raises(ValueError, match="`lse` must have shape"):
+            ref.attention_backward(out, q, k, v, out, lse[..., :2])
+        with pytest.raises(ValueError, match="`out` contains NaN"):
+            ref.attention_backward(out, q, k, v, out * np.nan, lse)
+
+
+
+class TestAgainstTorch:
+    @pytest.fixture(autouse=True)
+    def _torch(self):
+        self.torch = pytest.importorskip("torch")
+
+    @pytest.mark.parametrize("options", [
+        {}, {"causal": True}, {"scale": 0.25}, {"mask": True}, {"gqa": True},
+    ], ids=["plain", "causal", "scale", "mask", "gqa"])
+    def test_forward_and_backward(self, options):
+        torch = self.torch
+        gqa = options.pop("gqa", False) if "gqa" in options else False
+        use_mask = options.pop("mask", False) if "mask" in options else False
+        q, k, v = make_qkv(7, B=2, H=4, Hkv=2 if gqa else 4, N=6, M=6, D=5, Dv=3)
+        mask = np.random.default_rng(1).random((2, 4, 6, 6)) < 0.7
+        mask[..., 0] = True  # torch gives NaN for rows with nothing kept
+        kwargs = dict(options)
+        if use_mask:
+            kwargs["mask"] = mask
+        out, lse = ref.attention(q, k, v, **kwargs)
+        dout = np.random.default_rng(2).standard_normal(out.shape)
+        g = ref.attention_backward(dout, q, k, v, out, lse, **kwargs)
+
+        tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+        t_out = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=torch.tensor(mask) if use_mask else None,
+            is_causal=options.get("causal", False), scale=options.get("scale"), enable_gqa=gqa)
+        t_out.backward(torch.tensor(dout))
+        np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-12, atol=1e-14)
+        for mine, theirs in ((g.dq, tq), (g.dk, tk), (g.dv, tv)):
+            np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-11, atol=1e-13)
