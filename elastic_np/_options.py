@@ -212,6 +212,8 @@ def prepare(
                 f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
             )
     B, H, N, D = q.shape
+    if D == 0:
+        raise ValueError("`q` and `k` must have a head dim D >= 1, got D = 0")
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
     Hkv, M = k.shape[1], k.shape[2]

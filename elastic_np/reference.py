@@ -506,7 +506,7 @@ def _forward(p):
 
 def _log_denominator(z, beta):
     """``log(sum_j exp(z_ij) + beta_h)`` per row, stable; ``log(beta)`` for an empty row."""
-    m = np.max(z, axis=-1, keepdims=True)
+    m = np.max(z, axis=-1, keepdims=True, initial=-np.inf)  # M = 0: every row is empty
     m = np.where(np.isneginf(m), 0.0, m)
     row_sum = np.exp(z - m).sum(axis=-1)
     with np.errstate(divide="ignore"):

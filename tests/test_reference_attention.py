@@ -133,6 +133,16 @@ class TestAttentionBackward:
         if beta:
             check_gradients(options)
 
+    @pytest.mark.parametrize("B, N, M", [(1, 3, 0), (1, 0, 3), (0, 2, 3)])
+    def test_empty_dimensions(self, B, N, M):
+        q, k, v = np.ones((B, 2, N, 4)), np.ones((B, 1, M, 4)), np.ones((B, 1, M, 3))
+        out, lse = ref.attention(q, k, v, beta=0.5)
+        assert out.shape == (B, 2, N, 3) and lse.shape == (B, 2, N)
+        np.testing.assert_array_equal(out, 0.0 if M == 0 else 1.0)
+        g = ref.attention_backward(np.ones_like(out), q, k, v, out, lse, beta=0.5)
+        assert g.dq.shape == q.shape and g.dk.shape == k.shape and g.dv.shape == v.shape
+        assert np.isfinite(g.dbeta).all() and np.isfinite(g.dq).all()
+
     def test_rows_emptied_by_nvm_and_causal(self):
         # N > M with causal: the first N - M query rows see no key at all.
         q, k, v = make_qkv(5, N=6, M=3)
@@ -295,6 +305,8 @@ class TestValidation:
             ref.attention(q, k, v[:, :, :3])
         with pytest.raises(ValueError, match="batch"):
             ref.attention(q, k[:1], v[:1])
+        with pytest.raises(ValueError, match="head dim D >= 1"):
+            ref.attention(q[..., :0], k[..., :0], v)
         with pytest.raises(ValueError, match="`q` must have 4"):
             ref.attention(q[0], k, v)
         with pytest.raises(TypeError, match="`q`"):
