@@ -1,0 +1,84 @@
+"""Docstring examples and the examples in the documentation pages run as doctests.
+
+Each module is imported by name; one that needs an optional package (the CUDA
+backend without numba-cuda, for instance) is skipped, not failed, when that
+import fails.
+"""
+
+import doctest
+import importlib
+import pathlib
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+MODULES = [
+    "elastic_np",
+    "elastic_np._dispatch",
+    "elastic_np._options",
+    "elastic_np.reference",
+    "elastic_np.testing",
+    "elastic_np.cli",
+    "elastic_np.cpu",
+    "elastic_np.cuda",
+]
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def _import(modname):
+    if not (ROOT / (modname.replace(".", "/") + ".py")).exists() and modname != "elastic_np":
+        pytest.skip(f"{modname} is not in this checkout")
+    try:
+        return importlib.import_module(modname)
+    except ImportError as exc:  # an optional dependency is missing
+        pytest.skip(f"{modname} cannot be imported here: {exc}")
+
+
+def _run(tests):
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    printopts = np.get_printoptions()
+    try:
+        for test in tests:
+            runner.run(test)
+    finally:
+        np.set_printoptions(**printopts)
+    return runner.summarize(verbose=False)
+
+
+@pytest.mark.parametrize("modname", MODULES)
+def test_module_docstring_examples(modname):
+    module = _import(modname)
+    tests = [t for t in doctest.DocTestFinder().find(module, modname) if t.examples]
+    result = _run(tests)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {modname}"
+
+
+def test_public_functions_have_examples():
+    """Every public function of the documented modules shows an example."""
+    import elastic_np
+
+    missing = []
+    for modname in ("elastic_np", "elastic_np.reference", "elastic_np.testing"):
+        module = importlib.import_module(modname)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj) and not isinstance(obj, type):
+                if ">>>" not in (obj.__doc__ or ""):
+                    missing.append(f"{modname}.{name}")
+    assert elastic_np.reference.__all__
+    assert not missing, f"public functions without an example: {missing}"
+
+
+PAGES = sorted(p.name for p in DOCS.glob("*.rst"))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_documentation_page_examples(page):
+    text = (DOCS / page).read_text()
+    parser = doctest.DocTestParser()
+    test = parser.get_doctest(text, {}, page, str(DOCS / page), 0)
+    result = _run([test])
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in docs/{page}"
