@@ -104,3 +104,31 @@ def test_sphinx_build_is_clean(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "html" / "_images" / "window_gate.png").exists()
     assert (tmp_path / "html" / "api.html").exists()
+
+
+def test_performance_hook_renders_saved_results(tmp_path):
+    """A results file becomes a plot and a table; no file, no figures."""
+    pytest.importorskip("matplotlib")
+    import json
+    import runpy
+
+    script = runpy.run_path(str(DOCS / "scripts" / "performance.py"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text = pathlib.Path(script["main"](str(tmp_path / "out0"), results_dir=str(empty))).read_text()
+    assert "No benchmark results" in text
+
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [
+        {"implementation": impl, "pass": "forward", "dtype": "float32", "N": n, "M": n,
+         "D": 64, "causal": False, "time_s": t, "gflops": g}
+        for impl, n, t, g in [("a", 256, 0.001, 10.0), ("a", 512, 0.004, 11.0),
+                              ("b", 256, 0.002, 5.0), ("b", 512, 0.008, 5.5)]
+    ]
+    (results / "machine-x.json").write_text(json.dumps(
+        {"machine": {"cpu": "test"}, "command": "elastic-np bench", "results": rows}))
+    out = tmp_path / "out1"
+    text = pathlib.Path(script["main"](str(out), results_dir=str(results))).read_text()
+    assert "performance_0.png" in text and (out / "performance_0.png").exists()
+    assert ".. list-table::" in text and "11.0" in text and '"cpu": "test"' in text

@@ -83,9 +83,10 @@ def _plot(rows, path, title):
     plt.close(fig)
 
 
-def main(outdir):
+def main(outdir, results_dir=RESULTS):
+    """Write ``performance_results.inc`` (and plots) for the files in ``results_dir``."""
     os.makedirs(outdir, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(RESULTS, "*.json")))
+    files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
     parts = []
     for n, name in enumerate(files):
         with open(name) as fh:
