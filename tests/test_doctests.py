@@ -72,6 +72,22 @@ def test_public_functions_have_examples():
     assert not missing, f"public functions without an example: {missing}"
 
 
+def test_public_functions_document_parameters_and_returns():
+    """numpydoc sections that the API pages render for every public function."""
+    docscrape = pytest.importorskip("numpydoc.docscrape")
+    incomplete = []
+    for modname in ("elastic_np", "elastic_np.reference", "elastic_np.testing"):
+        module = importlib.import_module(modname)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj) and not isinstance(obj, type):
+                doc = docscrape.FunctionDoc(obj)
+                lacking = [s for s in ("Parameters", "Returns", "Examples") if not doc[s]]
+                if lacking:
+                    incomplete.append(f"{modname}.{name}: {lacking}")
+    assert not incomplete, f"docstrings without required sections: {incomplete}"
+
+
 PAGES = sorted(p.name for p in DOCS.glob("*.rst"))
 
 
