@@ -67,5 +67,16 @@ def _draw_figures(app):
         module["main"](out)
 
 
+def _remove_stale_stubs(app):
+    """Delete autosummary stubs of earlier builds (a removed name would warn)."""
+    out = os.path.join(DOCS, "generated")
+    if os.path.isdir(out):
+        for name in os.listdir(out):
+            if name.endswith(".rst"):
+                os.remove(os.path.join(out, name))
+
+
 def setup(app):
+    # Runs before autosummary writes the stubs of this build (priority 500).
+    app.connect("builder-inited", _remove_stale_stubs, priority=100)
     app.connect("builder-inited", _draw_figures)
