@@ -18,7 +18,14 @@ _KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
 
 
 class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (missing package or device)."""
+    """The requested backend cannot run here (missing package or device).
+
+    Examples
+    --------
+    >>> import elastic_np as enp
+    >>> issubclass(enp.BackendUnavailableError, RuntimeError)
+    True
+    """
 
 
 class _ReferenceBackend:
@@ -189,6 +196,12 @@ def attention_backward(
         ``dq``, ``dk``, ``dv`` in the input dtype (float64 for "reference");
         ``dtau``, ``dbeta``, ``dsigma`` in the shapes of ``tau``, ``beta``,
         ``sigma`` (``dsigma`` None without a dynamic window).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `attention`, and for ``dout``, ``out`` or ``lse`` of the wrong
+        shape or dtype, or with NaN.
 
     Examples
     --------

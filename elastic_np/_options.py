@@ -40,6 +40,13 @@ class DynamicWindow:
     threshold : float, optional
         Bell values at or below it close the gate, ``>= 0``. Fixed.
 
+    Raises
+    ------
+    TypeError
+        For a non-real ``sigma``, ``sharpness`` or ``threshold``.
+    ValueError
+        For ``sigma <= 0``, ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
+
     Examples
     --------
     >>> import elastic_np as enp
@@ -95,6 +102,16 @@ class AttentionGrads:
     dsigma : float or ndarray or None
         Gradient of the dynamic window's ``sigma`` in its shape, or None
         without a dynamic window.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> q = k = v = np.ones((1, 2, 3, 4))
+    >>> out, lse = enp.reference.attention(q, k, v, tau=np.array([1.0, 2.0]))
+    >>> grads = enp.reference.attention_backward(out, q, k, v, out, lse, tau=np.array([1.0, 2.0]))
+    >>> grads.dtau.shape, grads.dsigma is None
+    ((2,), True)
     """
 
     dq: np.ndarray

@@ -108,6 +108,13 @@ def log_softmax(x, axis=-1, *, check_finite=True):
         Same shape as ``x``; ``-inf`` at masked entries, and ``-inf`` for a
         whole row that is all ``-inf`` (the log of the zero row `softmax` gives).
 
+    Raises
+    ------
+    TypeError
+        For integer, boolean or complex ``x``.
+    ValueError
+        For an empty reduction axis or non-finite values (see ``check_finite``).
+
     Examples
     --------
     >>> from elastic_np import reference as ref
@@ -140,6 +147,11 @@ def nvm(x):
     Returns
     -------
     ndarray of float64
+
+    Raises
+    ------
+    TypeError
+        For integer, boolean or complex ``x``.
 
     Examples
     --------
@@ -260,6 +272,13 @@ def online_softmax(x, block_size=None, axis=-1, *, check_finite=True):
     ndarray of float64
         Equal to ``softmax(x, axis)`` up to rounding.
 
+    Raises
+    ------
+    TypeError
+        For a non-integer ``block_size`` or integer, boolean or complex ``x``.
+    ValueError
+        For ``block_size < 1``, an empty reduction axis or non-finite values.
+
     Examples
     --------
     >>> from elastic_np import reference as ref
@@ -308,6 +327,13 @@ def softmax_vjp(y, dy, axis=-1):
     ndarray of float64
         ``dx``, same shape as ``y``.
 
+    Raises
+    ------
+    TypeError
+        For integer, boolean or complex ``y`` or ``dy``.
+    ValueError
+        For shapes that differ, an empty reduction axis or non-finite values.
+
     Examples
     --------
     >>> from elastic_np import reference as ref
@@ -355,6 +381,11 @@ def elastic_softmax_vjp(x, dy, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_fi
     dbeta : float
         Summed over every row; a row with nothing kept and ``beta = 0``
         contributes 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `elastic_softmax`; a `ValueError` also when ``dy``'s shape differs.
 
     Examples
     --------
@@ -479,6 +510,15 @@ def attention(q, k, v, **options):
     out : ndarray of float64, shape (B, H, N, Dv)
     lse : ndarray of float64, shape (B, H, N)
 
+    Raises
+    ------
+    TypeError
+        For non-float ``q``, ``k``, ``v``, a non-boolean ``mask``, integer-free
+        ``kv_lengths`` or a ``dynamic_window`` that is not a `DynamicWindow`.
+    ValueError
+        For inconsistent shapes, non-finite inputs or an out-of-range option;
+        the message names the parameter.
+
     Examples
     --------
     >>> import numpy as np
@@ -554,6 +594,12 @@ def attention_backward(dout, q, k, v, out, lse, **options):
         ``dq, dk, dv`` in float64 and the shapes of ``q, k, v``; ``dtau``,
         ``dbeta``, ``dsigma`` in the shapes ``tau``, ``beta`` and ``sigma``
         were given in (``dsigma`` is None without a dynamic window).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `attention`, and for ``dout``, ``out``, ``lse`` of the wrong
+        shape or with NaN (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
 
     Examples
     --------

@@ -12,7 +12,18 @@ __all__ = ["gradcheck", "GradcheckError", "GradcheckReport"]
 
 
 class GradcheckError(AssertionError):
-    """A claimed gradient disagrees with finite differences."""
+    """A claimed gradient disagrees with finite differences; the message holds the report.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from elastic_np.testing import gradcheck, GradcheckError
+    >>> try:
+    ...     gradcheck(lambda x: x**2, {"x": np.array([1.0])}, {"x": np.array([2.1])})
+    ... except GradcheckError:
+    ...     print("caught")
+    caught
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +40,24 @@ class GradcheckEntry:
 
 @dataclasses.dataclass(frozen=True)
 class GradcheckReport:
-    """Result of `gradcheck`: one `GradcheckEntry` per checked input; true when all pass."""
+    """Result of `gradcheck`: true when every input passed; prints as a table.
+
+    Attributes
+    ----------
+    entries : tuple of GradcheckEntry
+        One per checked input: its name, the index of the worst element, the
+        claimed and numerical values there, the normwise error and whether it passed.
+    rtol : float
+        The relative tolerance used.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from elastic_np.testing import gradcheck
+    >>> report = gradcheck(lambda x: 2 * x, {"x": np.array([1.0, 3.0])}, {"x": np.array([2.0, 2.0])})
+    >>> bool(report), report.entries[0].name
+    (True, 'x')
+    """
 
     entries: tuple
     rtol: float
