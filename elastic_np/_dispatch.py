@@ -51,6 +51,11 @@ def get_backend(name):
     return module
 
 
+def _prepare(module):
+    """The backend's own ``prepare`` (one that keeps device arrays on the device), else the common one."""
+    return getattr(module, "prepare", _options.prepare)
+
+
 def _cuda_is_available():
     try:
         module = importlib.import_module(_KERNEL_MODULES["cuda"])
@@ -141,7 +146,7 @@ def attention(
     (1, 1, 3, 8)
     """
     module = get_backend(backend)
-    problem = _options.prepare(
+    problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, dtypes=module.dtypes,
@@ -203,11 +208,12 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     module = get_backend(backend)
-    problem = _options.prepare(
+    problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, dtypes=module.dtypes,
     )
     dtype = None if module.dtypes is not None else problem.dtype
-    dout, out, lse = reference.check_backward_arrays(problem, dout, out, lse, dtype=dtype)
+    check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)
+    dout, out, lse = check(problem, dout, out, lse, dtype=dtype)
     return module.backward(problem, dout, out, lse)
