@@ -139,6 +139,17 @@ def _gate(b, h, i, j, N, M, fopts, gate):
 
 
 @cuda.jit(device=True)
+def _compensated_add(total, carry, term):
+    """Neumaier's compensated sum: add ``term`` to ``total`` keeping the lost low part in ``carry``."""
+    new_total = total + term
+    if abs(total) >= abs(term):
+        carry += (total - new_total) + term
+    else:
+        carry += (term - new_total) + total
+    return new_total, carry
+
+
+@cuda.jit(device=True)
 def _log_add_exp(a, b):
     """``log(exp(a) + exp(b))`` for finite ``a``, ``b``."""
     hi = max(a, b)
@@ -230,11 +241,20 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
         return
     beta_h = beta[h]
     if row_sum > zero:
-        # lse = log(row_sum * exp(row_max) + beta); out = acc * exp(row_max - lse)
+        # lse = log(row_sum * exp(row_max) + beta); out = acc / (row_sum + beta exp(-row_max)),
+        # normalised directly rather than by exp(row_max - lse), which would turn
+        # the rounding of lse into a relative error of out
         row_lse = row_max + math.log(row_sum)
+        norm = fopts[F_ONE] / row_sum
         if beta_h > zero:
-            row_lse = _log_add_exp(row_lse, math.log(beta_h))
-        norm = math.exp(row_max - row_lse)
+            log_beta = math.log(beta_h)
+            row_lse = _log_add_exp(row_lse, log_beta)
+            gap = log_beta - row_max  # beta exp(-row_max) = exp(gap); no exp of a positive gap
+            if gap > zero:
+                shrink = math.exp(-gap)
+                norm = shrink / (row_sum * shrink + fopts[F_ONE])
+            else:
+                norm = fopts[F_ONE] / (row_sum + math.exp(gap))
     else:  # nothing kept: out = 0, lse = log(beta)
         row_lse = fopts[F_NEG_INF]
         if beta_h > zero:
@@ -301,8 +321,11 @@ def _backward_dq_kernel(
             row_delta += dout[b, h, i, d] * out[b, h, i, d]
         delta[b, h, i] = row_delta
         row_lse = lse[b, h, i]
+    # compensated sums: a float32 kernel's dtau and dsigma stay as accurate as a pairwise sum
     sum_dz_s = zero
+    carry_dz_s = zero
     sum_dz_dlogg = zero
+    carry_dz_dlogg = zero
 
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
     for j0 in range(lo, hi, block_n):
@@ -342,11 +365,11 @@ def _backward_dq_kernel(
             ds = dz / tau_h
             for d in range(D):
                 dq_acc[t * q_stride + d] += ds * k_tile[jj * D + d]
-            sum_dz_s += dz * s
+            sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
                 sigma_term = x * x * gate[b, h, G_INV_SIGMA3] - gate[b, h, G_INV_SIGMA]
                 dlogg = fopts[F_SHARPNESS] * (fopts[F_ONE] - G * G) / G * f * sigma_term
-                sum_dz_dlogg += dz * dlogg
+                sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
 
     row_dbeta = zero
     if row:
@@ -354,15 +377,16 @@ def _backward_dq_kernel(
             dq[b, h, i, d] = scale * dq_acc[t * q_stride + d]
         if row_delta != zero:
             row_dbeta = row_delta * math.exp(-row_lse)
-    sums[P_DTAU * block_m + t] = sum_dz_s
+    sums[P_DTAU * block_m + t] = sum_dz_s + carry_dz_s
     sums[P_DBETA * block_m + t] = row_dbeta
-    sums[P_DSIGMA * block_m + t] = sum_dz_dlogg
+    sums[P_DSIGMA * block_m + t] = sum_dz_dlogg + carry_dz_dlogg
     cuda.syncthreads()
     for c in range(t, P_COUNT, block_m):
         total = zero
+        carry = zero
         for r in range(block_m):
-            total += sums[c * block_m + r]
-        partials[b, h, cuda.blockIdx.x, c] = total
+            total, carry = _compensated_add(total, carry, sums[c * block_m + r])
+        partials[b, h, cuda.blockIdx.x, c] = total + carry
 
 
 @cuda.jit(cache=True)
