@@ -481,3 +481,125 @@ def _device_functions_compiled_for(cc):
         yield
     finally:
         dispatcher.get_current_device = current
+
+
+# ---------------------------------------------------------------------------
+# Benchmark (needs a GPU and PyTorch with CUDA)
+# ---------------------------------------------------------------------------
+
+
+def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
+    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
+
+    Both run on the same GPU and the same device memory (torch CUDA tensors
+    are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
+    forward and forward + backward, plain attention with ``N = M``.
+
+    Parameters
+    ----------
+    B, H, N, D : int, optional
+        Batch, heads, sequence length, head dim.
+    causal : bool, optional
+    repeat : int, optional
+        Best of this many timed runs, after one warm-up run (which compiles).
+
+    Returns
+    -------
+    dict
+        ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
+        in seconds, plus ``"tflops"`` with the same layout (FlashAttention's
+        FLOP convention).
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without a usable GPU, or when PyTorch has no CUDA.
+    """
+    import torch
+
+    from elastic_np import _bench, _dispatch
+
+    if not is_available():
+        check_available()
+        raise BackendUnavailableError("bench() times real kernels; the CUDA simulator does not count")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench() compares with PyTorch on the GPU; this torch has no CUDA")
+    cuda = _cuda()
+    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
+
+    def ours_forward():
+        _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
+        cuda.synchronize()
+
+    def ours_forward_backward():
+        out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
+        _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda")
+        cuda.synchronize()
+
+    gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def torch_forward():
+        with torch.no_grad():
+            sdpa(tq, tk, tv, is_causal=causal)
+        torch.cuda.synchronize()
+
+    def torch_forward_backward():
+        out = sdpa(gq, gk, gv, is_causal=causal)
+        out.backward(tdout)
+        torch.cuda.synchronize()
+
+    timings = {"elastic_np": {}, "torch": {}}
+    for who, fwd, fwd_bwd in (
+        ("elastic_np", ours_forward, ours_forward_backward),
+        ("torch", torch_forward, torch_forward_backward),
+    ):
+        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            fn()  # warm-up (compiles)
+            timings[who][what] = _bench.best_time(fn, repeat=repeat)
+    flops = {
+        "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
+        "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
+    }
+    timings["tflops"] = {
+        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in ("elastic_np", "torch")
+    }
+    return timings
+
+
+def _main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_np.cuda", description="CUDA backend: PTX check and GPU benchmark"
+    )
+    parser.add_argument("--ptx", nargs="*", metavar="CC", help="compile every kernel for these capabilities (e.g. 8.0 9.0)")
+    parser.add_argument("--bench", action="store_true", help="time against torch SDPA on the GPU (float32)")
+    parser.add_argument("--shape", nargs=4, type=int, default=(4, 16, 4096, 64), metavar=("B", "H", "N", "D"))
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+    if args.ptx is not None:
+        for cc in args.ptx or ["8.0", "9.0"]:
+            major, minor = (int(part) for part in cc.split("."))
+            code = ptx(cc=(major, minor))
+            for name, text in code.items():
+                if ".entry" not in text:
+                    raise SystemExit(f"{name}: no kernel entry in the PTX for sm_{major}{minor}")
+                print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
+    if args.bench:
+        B, H, N, D = args.shape
+        result = bench(B, H, N, D, causal=args.causal)
+        print(f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal}")
+        for what in ("forward", "forward+backward"):
+            ours, theirs = result["elastic_np"][what], result["torch"][what]
+            print(
+                f"{what:17s} elastic_np {ours * 1e3:9.3f} ms ({result['tflops']['elastic_np'][what]:6.2f} TFLOP/s)"
+                f"   torch SDPA {theirs * 1e3:9.3f} ms ({result['tflops']['torch'][what]:6.2f} TFLOP/s)"
+                f"   speed ratio {theirs / ours:5.2f}"
+            )
+
+
+if __name__ == "__main__":
+    _main()
