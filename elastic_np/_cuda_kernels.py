@@ -158,9 +158,10 @@ def _log_add_exp(a, b):
 
 @cuda.jit(cache=True)
 def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, gate, block_n, out, lse):
-    """One block per (query tile, batch * head); thread ``t`` owns query row ``i0 + t``.
+    """One block per (batch * head, query tile); thread ``t`` owns query row ``i0 + t``.
 
-    The block walks the K/V tiles of its key range (staged in shared memory)
+    The grid is one-dimensional, query tiles fastest, so that the blocks that
+    share a head's K/V run side by side. The block walks the K/V tiles of its key range (staged in shared memory)
     and each thread keeps an online softmax: running max ``row_max``, running
     sum ``row_sum`` and the unnormalised output row ``acc`` (in shared memory).
     """
@@ -170,10 +171,12 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
     Dv = v.shape[3]
     block_m = cuda.blockDim.x
     t = cuda.threadIdx.x
-    b = cuda.blockIdx.y // H
-    h = cuda.blockIdx.y % H
+    n_tiles = (N + block_m - 1) // block_m
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // H
+    h = cuda.blockIdx.x // n_tiles % H
     hk = h // (H // Hkv)
-    i0 = cuda.blockIdx.x * block_m
+    i0 = tile * block_m
     i1 = min(i0 + block_m, N)
     i = i0 + t
     row = i < N
@@ -269,9 +272,9 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
 def _backward_dq_kernel(
     q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_n, dout, out, lse, dq, delta, partials
 ):
-    """One block per (query tile, batch * head); thread ``t`` owns query row ``i0 + t``.
+    """One block per (batch * head, query tile), laid out as in `_forward_kernel`.
 
-    Recomputes ``p = exp(z - lse)`` tile by tile and accumulates ``dq``. Also
+    Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)`` tile by tile and accumulates ``dq``. Also
     writes ``delta = dout . out`` per row (read by the dk/dv kernel) and the
     block's partial sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one
     thread in row order, so the result does not depend on scheduling).
@@ -282,10 +285,12 @@ def _backward_dq_kernel(
     Dv = v.shape[3]
     block_m = cuda.blockDim.x
     t = cuda.threadIdx.x
-    b = cuda.blockIdx.y // H
-    h = cuda.blockIdx.y % H
+    n_tiles = (N + block_m - 1) // block_m
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // H
+    h = cuda.blockIdx.x // n_tiles % H
     hk = h // (H // Hkv)
-    i0 = cuda.blockIdx.x * block_m
+    i0 = tile * block_m
     i1 = min(i0 + block_m, N)
     i = i0 + t
     row = i < N
@@ -386,14 +391,14 @@ def _backward_dq_kernel(
         carry = zero
         for r in range(block_m):
             total, carry = _compensated_add(total, carry, sums[c * block_m + r])
-        partials[b, h, cuda.blockIdx.x, c] = total + carry
+        partials[b, h, tile, c] = total + carry
 
 
 @cuda.jit(cache=True)
 def _backward_dkdv_kernel(
     q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_m, dout, lse, delta, dk, dv
 ):
-    """One block per (key tile, batch * kv head); thread ``t`` owns key ``j0 + t``.
+    """One block per (batch * kv head, key tile), key tiles fastest; thread ``t`` owns key ``j0 + t``.
 
     Loops over the query heads of the group and the query tiles that can see
     the key tile, accumulating ``dk`` and ``dv`` in shared memory: each key is
@@ -406,9 +411,10 @@ def _backward_dkdv_kernel(
     group = H // Hkv
     block_n = cuda.blockDim.x
     t = cuda.threadIdx.x
-    b = cuda.blockIdx.y // Hkv
-    hk = cuda.blockIdx.y % Hkv
-    j0 = cuda.blockIdx.x * block_n
+    n_tiles = (M + block_n - 1) // block_n
+    b = cuda.blockIdx.x // n_tiles // Hkv
+    hk = cuda.blockIdx.x // n_tiles % Hkv
+    j0 = cuda.blockIdx.x % n_tiles * block_n
     j1 = min(j0 + block_n, M)
     j = j0 + t
     col = j < M

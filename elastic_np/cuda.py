@@ -8,7 +8,7 @@ validate, allocate and launch. Importing `elastic_np` never imports
 
 Design
 ------
-Forward (``_forward_kernel``): one block per (query tile, batch * head), one
+Forward (``_forward_kernel``): one block per (batch * head, query tile), one
 thread per query row. The block stages K/V tiles in shared memory and every
 thread runs an online softmax for its row (running max and sum in registers,
 the unnormalised output row in shared memory), then writes ``out`` and
@@ -17,12 +17,12 @@ dynamic-window band can reach are visited.
 
 Backward, recomputing the probabilities from ``lse``:
 
-- ``dk``, ``dv``: ``_backward_dkdv_kernel``, one block per (key tile, batch *
-  kv head), one thread per key, looping over the group's query heads and the
+- ``dk``, ``dv``: ``_backward_dkdv_kernel``, one block per (batch * kv head,
+  key tile), one thread per key, looping over the group's query heads and the
   query tiles that can see the key tile. Each ``dk``/``dv`` row has a single
   owner, so there are no atomics and the summation order is fixed.
-- ``dq``: a second kernel, ``_backward_dq_kernel``, one block per (query
-  tile, batch * head), one thread per query row, looping over key tiles. This
+- ``dq``: a second kernel, ``_backward_dq_kernel``, one block per (batch *
+  head, query tile), one thread per query row, looping over key tiles. This
   costs a second recomputation of the scores but keeps ``dq`` free of atomics
   too (float atomics would make ``dq`` depend on scheduling) and needs no
   extra ``(B, H, N, D)`` buffer per key tile.
@@ -349,7 +349,7 @@ def forward(p):
         o = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
-        kern._forward_kernel[(_blocks(N, threads), B * H), threads, 0, shared](
+        kern._forward_kernel[_blocks(N, threads) * B * H, threads, 0, shared](
             q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
             o["tau"], o["beta"], o["gate"], tile, out, lse,
         )
@@ -383,14 +383,14 @@ def backward(p, dout, out, lse):
         if N > 0:
             partials_dev = cuda.device_array(partials.shape, dtype=dtype)
             shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
-            kern._backward_dq_kernel[(_blocks(N, dq_threads), B * H), dq_threads, 0, shared](
+            kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
                 *common, dq_tile, dout, out, lse, dq, delta, partials_dev
             )
             partials = partials_dev.copy_to_host()
         if M > 0:
             threads, tile = _tiles("dkdv", dtype.itemsize, D, Dv)
             shared = _shared_elements("dkdv", threads, tile, D, Dv) * dtype.itemsize
-            kern._backward_dkdv_kernel[(_blocks(M, threads), B * Hkv), threads, 0, shared](
+            kern._backward_dkdv_kernel[_blocks(M, threads) * B * Hkv, threads, 0, shared](
                 *common, tile, dout, lse, delta, dk, dv
             )
     partials = partials.astype(np.float64)

@@ -1,5 +1,7 @@
 """Without the simulator and without a GPU, the CUDA backend says what is missing."""
 
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _dispatch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(enp.__file__)))
 
 
 def _gpu_present():
@@ -47,3 +51,9 @@ def test_missing_numba_cuda_is_named(monkeypatch):
     with pytest.raises(enp.BackendUnavailableError, match="numba-cuda") as info:
         cuda.check_available()
     assert 'pip install "elastic_np[cuda]"' in str(info.value)
+
+
+def test_importing_elastic_np_does_not_import_numba_cuda():
+    code = "import sys, elastic_np; sys.exit('numba.cuda' in sys.modules or 'elastic_np.cuda' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
