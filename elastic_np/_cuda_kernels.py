@@ -106,18 +106,21 @@ def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
 
 
 @cuda.jit(device=True)
-def _structural_keep(b, h, i, j, N, M, iopts, kv_lengths, mask):
-    """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``."""
-    d = j - i - (M - N)
-    if iopts[I_CAUSAL] != 0 and d > 0:
+def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
+    """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
+
+    ``off = M - N``; the options come in as scalars the kernel read once.
+    """
+    d = j - i - off
+    if causal and d > 0:
         return False
-    if iopts[I_LEFT] >= 0 and d < -iopts[I_LEFT]:
+    if left >= 0 and d < -left:
         return False
-    if iopts[I_RIGHT] >= 0 and d > iopts[I_RIGHT]:
+    if right >= 0 and d > right:
         return False
-    if j >= kv_lengths[b]:
+    if j >= kv_length:
         return False
-    if iopts[I_HAS_MASK] != 0:
+    if has_mask:
         mb = b if mask.shape[0] > 1 else 0
         mh = h if mask.shape[1] > 1 else 0
         mi = i if mask.shape[2] > 1 else 0
@@ -128,13 +131,13 @@ def _structural_keep(b, h, i, j, N, M, iopts, kv_lengths, mask):
 
 
 @cuda.jit(device=True)
-def _gate(b, h, i, j, N, M, fopts, gate):
+def _gate(i, j, off, x_scale, norm, inv_two_sigma2, threshold, sharpness, fopts):
     """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, position ``x``."""
-    x = fopts[F_X_SCALE] * _real(j - i - (M - N), fopts)
-    f = gate[b, h, G_NORM] * math.exp(-(x * x) * gate[b, h, G_INV_TWO_SIGMA2])
+    x = x_scale * _real(j - i - off, fopts)
+    f = norm * math.exp(-(x * x) * inv_two_sigma2)
     G = fopts[F_ZERO]
-    if f > fopts[F_THRESHOLD]:
-        G = math.tanh(fopts[F_SHARPNESS] * f)
+    if f > threshold:
+        G = math.tanh(sharpness * f)
     return G, f, x
 
 
@@ -200,6 +203,23 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
     tau_h = tau[h]
     nvm = iopts[I_NVM] != 0
     has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    g_norm = zero
+    g_inv_two_sigma2 = zero
+    g_inv_sigma = zero
+    g_inv_sigma3 = zero
+    if has_gate:
+        g_norm = gate[b, h, G_NORM]
+        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+        g_inv_sigma = gate[b, h, G_INV_SIGMA]
+        g_inv_sigma3 = gate[b, h, G_INV_SIGMA3]
     row_max = fopts[F_NEG_INF]
     row_sum = zero
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
@@ -215,7 +235,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, N, M, iopts, kv_lengths, mask):
+            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                 continue
             dot = zero
             for d in range(D):
@@ -225,7 +245,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
                 continue
             z = s / tau_h
             if has_gate:
-                G, f, x = _gate(b, h, i, j, N, M, fopts, gate)
+                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -319,6 +339,23 @@ def _backward_dq_kernel(
     tau_h = tau[h]
     nvm = iopts[I_NVM] != 0
     has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    g_norm = zero
+    g_inv_two_sigma2 = zero
+    g_inv_sigma = zero
+    g_inv_sigma3 = zero
+    if has_gate:
+        g_norm = gate[b, h, G_NORM]
+        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+        g_inv_sigma = gate[b, h, G_INV_SIGMA]
+        g_inv_sigma3 = gate[b, h, G_INV_SIGMA3]
     row_delta = zero
     row_lse = zero
     if row:
@@ -345,7 +382,7 @@ def _backward_dq_kernel(
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, N, M, iopts, kv_lengths, mask):
+            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                 continue
             dot = zero
             for d in range(D):
@@ -358,7 +395,7 @@ def _backward_dq_kernel(
             f = zero
             x = zero
             if has_gate:
-                G, f, x = _gate(b, h, i, j, N, M, fopts, gate)
+                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -372,8 +409,8 @@ def _backward_dq_kernel(
                 dq_acc[t * q_stride + d] += ds * k_tile[jj * D + d]
             sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
-                sigma_term = x * x * gate[b, h, G_INV_SIGMA3] - gate[b, h, G_INV_SIGMA]
-                dlogg = fopts[F_SHARPNESS] * (fopts[F_ONE] - G * G) / G * f * sigma_term
+                sigma_term = x * x * g_inv_sigma3 - g_inv_sigma
+                dlogg = sharpness * (fopts[F_ONE] - G * G) / G * f * sigma_term
                 sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
 
     row_dbeta = zero
@@ -448,8 +485,21 @@ def _backward_dkdv_kernel(
     scale = fopts[F_SCALE]
     nvm = iopts[I_NVM] != 0
     has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
     for h in range(hk * group, (hk + 1) * group):
         tau_h = tau[h]
+        g_norm = zero
+        g_inv_two_sigma2 = zero
+        if has_gate:
+            g_norm = gate[b, h, G_NORM]
+            g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
         lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
         for i0 in range(lo, hi, block_m):
             im = min(block_m, hi - i0)
@@ -466,7 +516,7 @@ def _backward_dkdv_kernel(
                 continue
             for ii in range(im):
                 i = i0 + ii
-                if not _structural_keep(b, h, i, j, N, M, iopts, kv_lengths, mask):
+                if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                     continue
                 dot = zero
                 for d in range(D):
@@ -476,7 +526,7 @@ def _backward_dkdv_kernel(
                     continue
                 z = s / tau_h
                 if has_gate:
-                    G, f, x = _gate(b, h, i, j, N, M, fopts, gate)
+                    G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                     if not G > zero:
                         continue
                     z += math.log(G)
