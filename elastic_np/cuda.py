@@ -40,8 +40,9 @@ dtype, so there is one compiled specialisation per dtype (float32, float64).
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
 NumPy arrays. Device arrays (anything with ``__cuda_array_interface__``:
 numba device arrays, CuPy arrays, PyTorch CUDA tensors) must be C-contiguous;
-they are used in place and the results are numba device arrays, with no host
-round trip. Device inputs are not scanned for NaN or inf. ``mask`` and
+they are used in place and, when any input is a device array, the results are
+numba device arrays, with no host round trip (NumPy inputs next to them are
+copied to the device). Device inputs are not scanned for NaN or inf. ``mask`` and
 ``kv_lengths`` are small option arrays and are taken from the host.
 """
 
@@ -361,15 +362,15 @@ def forward(p):
 def backward(p, dout, out, lse):
     """Run the backward kernels; return `~elastic_np.AttentionGrads`.
 
-    ``dq``, ``dk``, ``dv`` are NumPy arrays for a NumPy problem and device
-    arrays for a device problem; ``dtau``, ``dbeta``, ``dsigma`` are always on
+    ``dq``, ``dk``, ``dv`` are device arrays when any of the arrays is one,
+    NumPy arrays otherwise; ``dtau``, ``dbeta``, ``dsigma`` are always on
     the host, in the shapes of ``tau``, ``beta``, ``sigma``.
     """
     cuda = _cuda()
     kern = _kernels()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
-    on_device = _is_device(p.q)
+    on_device = any(_is_device(a) for a in (p.q, dout, out, lse))
     q, k, v, dout, out, lse = (_to_device(a) for a in (p.q, p.k, p.v, dout, out, lse))
     dq = cuda.device_array((B, H, N, D), dtype=dtype)
     dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)

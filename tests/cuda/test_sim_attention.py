@@ -241,6 +241,8 @@ def test_device_arrays_are_validated():
         enp.attention(dq_, dk_, numba_cuda.to_device(np.ascontiguousarray(v[:, :, :3])), backend="cuda")
     with pytest.raises(TypeError, match="`q`"):
         enp.attention(numba_cuda.to_device(q.astype(np.float16)), dk_, dk_, backend="cuda")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        enp.attention(dq_, dk_, numba_cuda.to_device(np.zeros((1, 2, 4, 16)))[..., ::2], backend="cuda")
     out, lse = enp.attention(dq_, dk_, dk_, return_lse=True, backend="cuda")
     with pytest.raises(ValueError, match="`lse`"):
         enp.attention_backward(out, dq_, dk_, dk_, out, numba_cuda.to_device(np.zeros((1, 2, 3))), backend="cuda")
@@ -262,3 +264,17 @@ def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     assert threads >= 1 and tile >= 1
     with pytest.raises(ValueError, match="shared memory"):
         cuda._tiles("forward", 8, 4096, 4096)
+
+
+def test_mixed_host_and_device_inputs():
+    from numba import cuda as numba_cuda
+
+    q, k, v, dout = make_problem(6, N=6, M=9)
+    out, lse = enp.attention(numba_cuda.to_device(q), k, v, return_lse=True, backend="cuda", beta=0.5)
+    assert cuda._is_device(out)
+    want_out, want_lse = reference.attention(q, k, v, beta=0.5)
+    np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-12, atol=1e-12)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", beta=0.5)
+    want = reference.attention_backward(dout, q, k, v, want_out, want_lse, beta=0.5)
+    np.testing.assert_allclose(grads.dk.copy_to_host(), want.dk, rtol=1e-12, atol=1e-12)
+    assert abs(grads.dbeta - want.dbeta) <= 1e-12
