@@ -7,6 +7,11 @@ A backend is a module with two functions,
 
 that take a validated `~elastic_np._options.AttentionProblem`. The reference
 backend computes in float64; the kernels keep the input dtype.
+
+A backend may also define ``prepare`` and ``check_backward_arrays`` with the
+signatures of `elastic_np._options.prepare` and
+`elastic_np.reference.check_backward_arrays`; they replace those two (the CUDA
+backend uses this to validate device arrays without copying them to the host).
 """
 
 import importlib

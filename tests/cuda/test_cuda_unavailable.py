@@ -57,3 +57,11 @@ def test_importing_elastic_np_does_not_import_numba_cuda():
     code = "import sys, elastic_np; sys.exit('numba.cuda' in sys.modules or 'elastic_np.cuda' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_bench_without_gpu_raises_clear_error():
+    pytest.importorskip("torch")
+    from elastic_np import cuda
+
+    with pytest.raises(enp.BackendUnavailableError, match="GPU"):
+        cuda.bench(1, 1, 8, 4)
