@@ -164,9 +164,10 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
     """One block per (batch * head, query tile); thread ``t`` owns query row ``i0 + t``.
 
     The grid is one-dimensional, query tiles fastest, so that the blocks that
-    share a head's K/V run side by side. The block walks the K/V tiles of its key range (staged in shared memory)
-    and each thread keeps an online softmax: running max ``row_max``, running
-    sum ``row_sum`` and the unnormalised output row ``acc`` (in shared memory).
+    share a head's K/V run side by side. The block walks the K/V tiles of its
+    key range (staged in shared memory) and each thread keeps an online
+    softmax: running max ``row_max``, running sum ``row_sum`` and the
+    unnormalised output row ``acc`` (in shared memory).
     """
     B, H, N, D = q.shape
     Hkv = k.shape[1]
@@ -213,13 +214,9 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
     sharpness = fopts[F_SHARPNESS]
     g_norm = zero
     g_inv_two_sigma2 = zero
-    g_inv_sigma = zero
-    g_inv_sigma3 = zero
     if has_gate:
         g_norm = gate[b, h, G_NORM]
         g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
-        g_inv_sigma = gate[b, h, G_INV_SIGMA]
-        g_inv_sigma3 = gate[b, h, G_INV_SIGMA3]
     row_max = fopts[F_NEG_INF]
     row_sum = zero
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)

@@ -278,3 +278,53 @@ def test_mixed_host_and_device_inputs():
     want = reference.attention_backward(dout, q, k, v, want_out, want_lse, beta=0.5)
     np.testing.assert_allclose(grads.dk.copy_to_host(), want.dk, rtol=1e-12, atol=1e-12)
     assert abs(grads.dbeta - want.dbeta) <= 1e-12
+
+
+def random_options(rng, B, H, N, M):
+    """A seeded mix of every option, so that the tile-skipping rules meet each other."""
+    opts = {}
+    if rng.random() < 0.5:
+        opts["causal"] = True
+    if rng.random() < 0.5:
+        opts["window_size"] = (int(rng.integers(-1, 8)), int(rng.integers(-1, 8)))
+    if rng.random() < 0.5:
+        opts["kv_lengths"] = rng.integers(0, M + 1, size=B)
+    if rng.random() < 0.4:
+        opts["mask"] = rng.random((B, 1, N, M)) < 0.7
+    if rng.random() < 0.5:
+        opts["nvm"] = True
+    opts["tau"] = rng.uniform(0.5, 2.0, size=H) if rng.random() < 0.5 else float(rng.uniform(0.5, 2.0))
+    opts["beta"] = rng.uniform(0.0, 1.0, size=H) if rng.random() < 0.5 else 0.0
+    if rng.random() < 0.5:
+        opts["dynamic_window"] = enp.DynamicWindow(
+            rng.uniform(0.2, 1.0, size=(B, H)), sharpness=float(rng.uniform(1, 4)),
+            threshold=float(rng.choice([0.0, 0.2])),
+        )
+    return opts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_float64_random_option_mix(seed):
+    rng = np.random.default_rng(100 + seed)
+    B, Hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    H = Hkv * int(rng.integers(1, 3))
+    N, M = int(rng.integers(1, 20)), int(rng.integers(1, 24))
+    shape = dict(B=B, H=H, Hkv=Hkv, N=N, M=M, D=int(rng.integers(1, 7)), Dv=int(rng.integers(1, 7)))
+    opts = random_options(rng, B, H, N, M)
+    q, k, v, dout = make_problem(seed, **shape)
+    assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
+
+
+@pytest.mark.parametrize("sigma, threshold, M", [(0.15, 0.3, 32), (0.4, 0.05, 57), (0.05, 2.0, 16), (3.0, 0.1, 20)])
+def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M):
+    N = M - 3
+    q, k, v, _ = make_problem(0, N=N, M=M, D=2)
+    p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold))
+    band = cuda._window_band(p)
+    G = reference.window_gate(p)[0][0, 0]
+    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+    open_offsets = np.abs(offset[G > 0])
+    assert (open_offsets <= band[0, 0]).all()  # the kernels skip nothing the gate keeps
+    widest = open_offsets.max(initial=-1)
+    # and visit at most two extra diagonals per side (of those the matrix has)
+    assert min(band[0, 0], np.abs(offset).max()) <= max(widest, 0) + 2
