@@ -7,6 +7,11 @@ A backend is a module with two functions,
 
 that take a validated `~elastic_np._options.AttentionProblem`. The reference
 backend computes in float64; the kernels keep the input dtype.
+
+A backend may also define ``prepare`` and ``check_backward_arrays`` with the
+signatures of `elastic_np._options.prepare` and
+`elastic_np.reference.check_backward_arrays`; they replace those two (the CUDA
+backend uses this to validate device arrays without copying them to the host).
 """
 
 import importlib
@@ -56,6 +61,11 @@ def get_backend(name):
         raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
     module.check_available()
     return module
+
+
+def _prepare(module):
+    """The backend's own ``prepare`` (one that keeps device arrays on the device), else the common one."""
+    return getattr(module, "prepare", _options.prepare)
 
 
 def _cuda_is_available():
@@ -148,7 +158,7 @@ def attention(
     (1, 1, 3, 8)
     """
     module = get_backend(backend)
-    problem = _options.prepare(
+    problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, dtypes=module.dtypes,
@@ -216,11 +226,12 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     module = get_backend(backend)
-    problem = _options.prepare(
+    problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, dtypes=module.dtypes,
     )
     dtype = None if module.dtypes is not None else problem.dtype
-    dout, out, lse = reference.check_backward_arrays(problem, dout, out, lse, dtype=dtype)
+    check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)
+    dout, out, lse = check(problem, dout, out, lse, dtype=dtype)
     return module.backward(problem, dout, out, lse)

@@ -1,0 +1,552 @@
+"""The numba.cuda kernels of `elastic_np.cuda` (imported only by that module).
+
+Importing this module imports ``numba.cuda``; `elastic_np.cuda` does so only
+when the CUDA backend is asked for. The host functions that launch these
+kernels, and the reasoning behind the design, are in `elastic_np.cuda`.
+
+Conventions shared by every kernel:
+
+- ``q, k, v`` are C-contiguous ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
+  ``(B, Hkv, M, Dv)`` arrays of one real dtype; every floating argument is in
+  that dtype, so a float32 kernel computes in float32 throughout.
+- Options travel as runtime values: ``iopts`` (int64, indexed by the ``I_*``
+  constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
+  ``(H,)``, ``gate`` ``(B, H, G_COUNT)`` (the window's per-(b, h) constants),
+  ``band`` int64 ``(B, H)`` (half-width in keys of the window's open band, -1
+  unbounded), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
+  four dims either full or 1 (broadcast).
+- Shared memory is one dynamic array, carved into tiles by offsets. A tile that
+  a thread reads along its own row has a row stride of ``dim + 1`` so that the
+  threads of a warp fall in different banks.
+"""
+
+import math
+
+from numba import cuda
+
+# iopts
+I_CAUSAL = 0
+I_LEFT = 1
+I_RIGHT = 2
+I_HAS_MASK = 3
+I_NVM = 4
+I_HAS_GATE = 5
+I_COUNT = 6
+
+# fopts
+F_SCALE = 0
+F_SHARPNESS = 1
+F_THRESHOLD = 2
+F_X_SCALE = 3  # 2 / (M - 1), or 0 for M = 1
+F_ZERO = 4
+F_NEG_INF = 5
+F_ONE = 6
+F_COUNT = 7
+
+# gate, per (b, h)
+G_NORM = 0  # 1 / (sigma sqrt(2 pi))
+G_INV_TWO_SIGMA2 = 1  # 1 / (2 sigma^2)
+G_INV_SIGMA = 2
+G_INV_SIGMA3 = 3
+G_COUNT = 4
+
+# partials of the dq kernel, per (b, h, query tile)
+P_DTAU = 0  # sum dz * s
+P_DBETA = 1  # sum delta * exp(-lse)
+P_DSIGMA = 2  # sum dz * dlogG/dsigma
+P_COUNT = 3
+
+
+@cuda.jit(device=True)
+def _real(value, like):
+    """``value`` converted to the dtype of the array ``like``."""
+    cell = cuda.local.array(1, dtype=like.dtype)
+    cell[0] = value
+    return cell[0]
+
+
+@cuda.jit(device=True)
+def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
+    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep: the tiles outside are skipped."""
+    off = M - N
+    lo = 0
+    hi = kv_lengths[b]
+    if iopts[I_CAUSAL] != 0:
+        hi = min(hi, i1 + off)
+    if iopts[I_RIGHT] >= 0:
+        hi = min(hi, i1 + off + iopts[I_RIGHT])
+    if iopts[I_LEFT] >= 0:
+        lo = max(lo, i0 + off - iopts[I_LEFT])
+    r = band[b, h]
+    if r >= 0:
+        lo = max(lo, i0 + off - r)
+        hi = min(hi, i1 + off + r)
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
+    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)``."""
+    off = M - N
+    lo = 0
+    hi = N
+    if j0 >= kv_lengths[b]:
+        hi = 0
+    if iopts[I_CAUSAL] != 0:
+        lo = max(lo, j0 - off)
+    if iopts[I_RIGHT] >= 0:
+        lo = max(lo, j0 - off - iopts[I_RIGHT])
+    if iopts[I_LEFT] >= 0:
+        hi = min(hi, j1 - off + iopts[I_LEFT])
+    r = band[b, h]
+    if r >= 0:
+        lo = max(lo, j0 - off - r)
+        hi = min(hi, j1 - off + r)
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
+    """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
+
+    ``off = M - N``; the options come in as scalars the kernel read once.
+    """
+    d = j - i - off
+    if causal and d > 0:
+        return False
+    if left >= 0 and d < -left:
+        return False
+    if right >= 0 and d > right:
+        return False
+    if j >= kv_length:
+        return False
+    if has_mask:
+        mb = b if mask.shape[0] > 1 else 0
+        mh = h if mask.shape[1] > 1 else 0
+        mi = i if mask.shape[2] > 1 else 0
+        mj = j if mask.shape[3] > 1 else 0
+        if mask[mb, mh, mi, mj] == 0:
+            return False
+    return True
+
+
+@cuda.jit(device=True)
+def _gate(i, j, off, x_scale, norm, inv_two_sigma2, threshold, sharpness, fopts):
+    """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, position ``x``."""
+    x = x_scale * _real(j - i - off, fopts)
+    f = norm * math.exp(-(x * x) * inv_two_sigma2)
+    G = fopts[F_ZERO]
+    if f > threshold:
+        G = math.tanh(sharpness * f)
+    return G, f, x
+
+
+@cuda.jit(device=True)
+def _compensated_add(total, carry, term):
+    """Neumaier's compensated sum: add ``term`` to ``total`` keeping the lost low part in ``carry``."""
+    new_total = total + term
+    if abs(total) >= abs(term):
+        carry += (total - new_total) + term
+    else:
+        carry += (term - new_total) + total
+    return new_total, carry
+
+
+@cuda.jit(device=True)
+def _log_add_exp(a, b):
+    """``log(exp(a) + exp(b))`` for finite ``a``, ``b``."""
+    hi = max(a, b)
+    return hi + math.log1p(math.exp(min(a, b) - hi))
+
+
+@cuda.jit(cache=True)
+def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, gate, block_n, out, lse):
+    """One block per (batch * head, query tile); thread ``t`` owns query row ``i0 + t``.
+
+    The grid is one-dimensional, query tiles fastest, so that the blocks that
+    share a head's K/V run side by side. The block walks the K/V tiles of its
+    key range (staged in shared memory) and each thread keeps an online
+    softmax: running max ``row_max``, running sum ``row_sum`` and the
+    unnormalised output row ``acc`` (in shared memory).
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    block_m = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    n_tiles = (N + block_m - 1) // block_m
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // H
+    h = cuda.blockIdx.x // n_tiles % H
+    hk = h // (H // Hkv)
+    i0 = tile * block_m
+    i1 = min(i0 + block_m, N)
+    i = i0 + t
+    row = i < N
+
+    q_stride = D + 1
+    acc_stride = Dv + 1
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    q_tile = smem[: block_m * q_stride]
+    acc = smem[block_m * q_stride : block_m * (q_stride + acc_stride)]
+    k_base = block_m * (q_stride + acc_stride)
+    k_tile = smem[k_base : k_base + block_n * D]
+    v_tile = smem[k_base + block_n * D : k_base + block_n * (D + Dv)]
+
+    zero = fopts[F_ZERO]
+    for idx in range(t, (i1 - i0) * D, block_m):
+        q_tile[(idx // D) * q_stride + idx % D] = q[b, h, i0 + idx // D, idx % D]
+    for d in range(Dv):
+        acc[t * acc_stride + d] = zero
+
+    scale = fopts[F_SCALE]
+    tau_h = tau[h]
+    nvm = iopts[I_NVM] != 0
+    has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    g_norm = zero
+    g_inv_two_sigma2 = zero
+    if has_gate:
+        g_norm = gate[b, h, G_NORM]
+        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+    row_max = fopts[F_NEG_INF]
+    row_sum = zero
+    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    for j0 in range(lo, hi, block_n):
+        jn = min(block_n, hi - j0)
+        cuda.syncthreads()  # the previous tile is consumed (and q_tile written)
+        for idx in range(t, jn * D, block_m):
+            k_tile[idx] = k[b, hk, j0 + idx // D, idx % D]
+        for idx in range(t, jn * Dv, block_m):
+            v_tile[idx] = v[b, hk, j0 + idx // Dv, idx % Dv]
+        cuda.syncthreads()
+        if not row:
+            continue
+        for jj in range(jn):
+            j = j0 + jj
+            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+                continue
+            dot = zero
+            for d in range(D):
+                dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
+            s = scale * dot
+            if nvm and s < zero:
+                continue
+            z = s / tau_h
+            if has_gate:
+                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                if not G > zero:
+                    continue
+                z += math.log(G)
+            if z > row_max:
+                rescale = math.exp(row_max - z)
+                row_sum *= rescale
+                for d in range(Dv):
+                    acc[t * acc_stride + d] *= rescale
+                row_max = z
+            p = math.exp(z - row_max)
+            row_sum += p
+            for d in range(Dv):
+                acc[t * acc_stride + d] += p * v_tile[jj * Dv + d]
+
+    if not row:
+        return
+    beta_h = beta[h]
+    if row_sum > zero:
+        # lse = log(row_sum * exp(row_max) + beta); out = acc / (row_sum + beta exp(-row_max)),
+        # normalised directly rather than by exp(row_max - lse), which would turn
+        # the rounding of lse into a relative error of out
+        row_lse = row_max + math.log(row_sum)
+        norm = fopts[F_ONE] / row_sum
+        if beta_h > zero:
+            log_beta = math.log(beta_h)
+            row_lse = _log_add_exp(row_lse, log_beta)
+            gap = log_beta - row_max  # beta exp(-row_max) = exp(gap); no exp of a positive gap
+            if gap > zero:
+                shrink = math.exp(-gap)
+                norm = shrink / (row_sum * shrink + fopts[F_ONE])
+            else:
+                norm = fopts[F_ONE] / (row_sum + math.exp(gap))
+    else:  # nothing kept: out = 0, lse = log(beta)
+        row_lse = fopts[F_NEG_INF]
+        if beta_h > zero:
+            row_lse = math.log(beta_h)
+        norm = zero
+    lse[b, h, i] = row_lse
+    for d in range(Dv):
+        out[b, h, i, d] = acc[t * acc_stride + d] * norm
+
+
+@cuda.jit(cache=True)
+def _backward_dq_kernel(
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_n, dout, out, lse, dq, delta, partials
+):
+    """One block per (batch * head, query tile), laid out as in `_forward_kernel`.
+
+    Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)`` tile by tile and accumulates ``dq``. Also
+    writes ``delta = dout . out`` per row (read by the dk/dv kernel) and the
+    block's partial sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one
+    thread in row order, so the result does not depend on scheduling).
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    block_m = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    n_tiles = (N + block_m - 1) // block_m
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // H
+    h = cuda.blockIdx.x // n_tiles % H
+    hk = h // (H // Hkv)
+    i0 = tile * block_m
+    i1 = min(i0 + block_m, N)
+    i = i0 + t
+    row = i < N
+
+    q_stride = D + 1
+    do_stride = Dv + 1
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    q_tile = smem[: block_m * q_stride]
+    do_tile = smem[block_m * q_stride : block_m * (q_stride + do_stride)]
+    dq_base = block_m * (q_stride + do_stride)
+    dq_acc = smem[dq_base : dq_base + block_m * q_stride]
+    k_base = dq_base + block_m * q_stride
+    k_tile = smem[k_base : k_base + block_n * D]
+    v_tile = smem[k_base + block_n * D : k_base + block_n * (D + Dv)]
+    sums = smem[k_base + block_n * (D + Dv) : k_base + block_n * (D + Dv) + P_COUNT * block_m]
+
+    zero = fopts[F_ZERO]
+    for idx in range(t, (i1 - i0) * D, block_m):
+        q_tile[(idx // D) * q_stride + idx % D] = q[b, h, i0 + idx // D, idx % D]
+    for idx in range(t, (i1 - i0) * Dv, block_m):
+        do_tile[(idx // Dv) * do_stride + idx % Dv] = dout[b, h, i0 + idx // Dv, idx % Dv]
+    for d in range(D):
+        dq_acc[t * q_stride + d] = zero
+
+    scale = fopts[F_SCALE]
+    tau_h = tau[h]
+    nvm = iopts[I_NVM] != 0
+    has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    g_norm = zero
+    g_inv_two_sigma2 = zero
+    g_inv_sigma = zero
+    g_inv_sigma3 = zero
+    if has_gate:
+        g_norm = gate[b, h, G_NORM]
+        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+        g_inv_sigma = gate[b, h, G_INV_SIGMA]
+        g_inv_sigma3 = gate[b, h, G_INV_SIGMA3]
+    row_delta = zero
+    row_lse = zero
+    if row:
+        for d in range(Dv):
+            row_delta += dout[b, h, i, d] * out[b, h, i, d]
+        delta[b, h, i] = row_delta
+        row_lse = lse[b, h, i]
+    # compensated sums: a float32 kernel's dtau and dsigma stay as accurate as a pairwise sum
+    sum_dz_s = zero
+    carry_dz_s = zero
+    sum_dz_dlogg = zero
+    carry_dz_dlogg = zero
+
+    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    for j0 in range(lo, hi, block_n):
+        jn = min(block_n, hi - j0)
+        cuda.syncthreads()
+        for idx in range(t, jn * D, block_m):
+            k_tile[idx] = k[b, hk, j0 + idx // D, idx % D]
+        for idx in range(t, jn * Dv, block_m):
+            v_tile[idx] = v[b, hk, j0 + idx // Dv, idx % Dv]
+        cuda.syncthreads()
+        if not row:
+            continue
+        for jj in range(jn):
+            j = j0 + jj
+            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+                continue
+            dot = zero
+            for d in range(D):
+                dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
+            s = scale * dot
+            if nvm and s < zero:
+                continue
+            z = s / tau_h
+            G = zero
+            f = zero
+            x = zero
+            if has_gate:
+                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                if not G > zero:
+                    continue
+                z += math.log(G)
+            p = math.exp(z - row_lse)
+            dp = zero
+            for d in range(Dv):
+                dp += do_tile[t * do_stride + d] * v_tile[jj * Dv + d]
+            dz = p * (dp - row_delta)
+            ds = dz / tau_h
+            for d in range(D):
+                dq_acc[t * q_stride + d] += ds * k_tile[jj * D + d]
+            sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
+            if has_gate:
+                sigma_term = x * x * g_inv_sigma3 - g_inv_sigma
+                dlogg = sharpness * (fopts[F_ONE] - G * G) / G * f * sigma_term
+                sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
+
+    row_dbeta = zero
+    if row:
+        for d in range(D):
+            dq[b, h, i, d] = scale * dq_acc[t * q_stride + d]
+        if row_delta != zero:
+            row_dbeta = row_delta * math.exp(-row_lse)
+    sums[P_DTAU * block_m + t] = sum_dz_s + carry_dz_s
+    sums[P_DBETA * block_m + t] = row_dbeta
+    sums[P_DSIGMA * block_m + t] = sum_dz_dlogg + carry_dz_dlogg
+    cuda.syncthreads()
+    for c in range(t, P_COUNT, block_m):
+        total = zero
+        carry = zero
+        for r in range(block_m):
+            total, carry = _compensated_add(total, carry, sums[c * block_m + r])
+        partials[b, h, tile, c] = total + carry
+
+
+@cuda.jit(cache=True)
+def _backward_dkdv_kernel(
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_m, dout, lse, delta, dk, dv
+):
+    """One block per (batch * kv head, key tile), key tiles fastest; thread ``t`` owns key ``j0 + t``.
+
+    Loops over the query heads of the group and the query tiles that can see
+    the key tile, accumulating ``dk`` and ``dv`` in shared memory: each key is
+    written by exactly one thread, so no atomics and a fixed summation order.
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    group = H // Hkv
+    block_n = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    n_tiles = (M + block_n - 1) // block_n
+    b = cuda.blockIdx.x // n_tiles // Hkv
+    hk = cuda.blockIdx.x // n_tiles % Hkv
+    j0 = cuda.blockIdx.x % n_tiles * block_n
+    j1 = min(j0 + block_n, M)
+    j = j0 + t
+    col = j < M
+
+    k_stride = D + 1
+    v_stride = Dv + 1
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    k_tile = smem[: block_n * k_stride]
+    v_tile = smem[block_n * k_stride : block_n * (k_stride + v_stride)]
+    dk_base = block_n * (k_stride + v_stride)
+    dk_acc = smem[dk_base : dk_base + block_n * k_stride]
+    dv_base = dk_base + block_n * k_stride
+    dv_acc = smem[dv_base : dv_base + block_n * v_stride]
+    q_base = dv_base + block_n * v_stride
+    q_tile = smem[q_base : q_base + block_m * D]
+    do_base = q_base + block_m * D
+    do_tile = smem[do_base : do_base + block_m * Dv]
+    lse_tile = smem[do_base + block_m * Dv : do_base + block_m * (Dv + 1)]
+    delta_tile = smem[do_base + block_m * (Dv + 1) : do_base + block_m * (Dv + 2)]
+
+    zero = fopts[F_ZERO]
+    for idx in range(t, (j1 - j0) * D, block_n):
+        k_tile[(idx // D) * k_stride + idx % D] = k[b, hk, j0 + idx // D, idx % D]
+    for idx in range(t, (j1 - j0) * Dv, block_n):
+        v_tile[(idx // Dv) * v_stride + idx % Dv] = v[b, hk, j0 + idx // Dv, idx % Dv]
+    for d in range(D):
+        dk_acc[t * k_stride + d] = zero
+    for d in range(Dv):
+        dv_acc[t * v_stride + d] = zero
+
+    scale = fopts[F_SCALE]
+    nvm = iopts[I_NVM] != 0
+    has_gate = iopts[I_HAS_GATE] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    kv_length = kv_lengths[b]
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    for h in range(hk * group, (hk + 1) * group):
+        tau_h = tau[h]
+        g_norm = zero
+        g_inv_two_sigma2 = zero
+        if has_gate:
+            g_norm = gate[b, h, G_NORM]
+            g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+        lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
+        for i0 in range(lo, hi, block_m):
+            im = min(block_m, hi - i0)
+            cuda.syncthreads()
+            for idx in range(t, im * D, block_n):
+                q_tile[idx] = q[b, h, i0 + idx // D, idx % D]
+            for idx in range(t, im * Dv, block_n):
+                do_tile[idx] = dout[b, h, i0 + idx // Dv, idx % Dv]
+            for idx in range(t, im, block_n):
+                lse_tile[idx] = lse[b, h, i0 + idx]
+                delta_tile[idx] = delta[b, h, i0 + idx]
+            cuda.syncthreads()
+            if not col:
+                continue
+            for ii in range(im):
+                i = i0 + ii
+                if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+                    continue
+                dot = zero
+                for d in range(D):
+                    dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
+                s = scale * dot
+                if nvm and s < zero:
+                    continue
+                z = s / tau_h
+                if has_gate:
+                    G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                    if not G > zero:
+                        continue
+                    z += math.log(G)
+                p = math.exp(z - lse_tile[ii])
+                dp = zero
+                for d in range(Dv):
+                    dp += do_tile[ii * Dv + d] * v_tile[t * v_stride + d]
+                ds = p * (dp - delta_tile[ii]) / tau_h
+                for d in range(Dv):
+                    dv_acc[t * v_stride + d] += p * do_tile[ii * Dv + d]
+                for d in range(D):
+                    dk_acc[t * k_stride + d] += ds * q_tile[ii * D + d]
+
+    if not col:
+        return
+    for d in range(D):
+        dk[b, hk, j, d] = scale * dk_acc[t * k_stride + d]
+    for d in range(Dv):
+        dv[b, hk, j, d] = dv_acc[t * v_stride + d]
+
+
+KERNELS = {
+    "_forward_kernel": _forward_kernel,
+    "_backward_dq_kernel": _backward_dq_kernel,
+    "_backward_dkdv_kernel": _backward_dkdv_kernel,
+}

@@ -1,0 +1,616 @@
+"""The numba.cuda backend: tiled attention kernels, forward and backward.
+
+Selected with ``backend="cuda"`` (or ``"auto"`` when a GPU is usable). The
+kernels live in `elastic_np._cuda_kernels`, their tunables in
+`elastic_np._cuda_config`; this module holds the host functions that
+validate, allocate and launch. Importing `elastic_np` never imports
+``numba.cuda``: this module imports it on first use.
+
+Design
+------
+Forward (``_forward_kernel``): one block per (batch * head, query tile), one
+thread per query row. The block stages K/V tiles in shared memory and every
+thread runs an online softmax for its row (running max and sum in registers,
+the unnormalised output row in shared memory), then writes ``out`` and
+``lse``. Only the key tiles that the causal, window, ``kv_lengths`` and
+dynamic-window band can reach are visited.
+
+Backward, recomputing the probabilities from ``lse``:
+
+- ``dk``, ``dv``: ``_backward_dkdv_kernel``, one block per (batch * kv head,
+  key tile), one thread per key, looping over the group's query heads and the
+  query tiles that can see the key tile. Each ``dk``/``dv`` row has a single
+  owner, so there are no atomics and the summation order is fixed.
+- ``dq``: a second kernel, ``_backward_dq_kernel``, one block per (batch *
+  head, query tile), one thread per query row, looping over key tiles. This
+  costs a second recomputation of the scores but keeps ``dq`` free of atomics
+  too (float atomics would make ``dq`` depend on scheduling) and needs no
+  extra ``(B, H, N, D)`` buffer per key tile.
+- ``dtau``, ``dbeta``, ``dsigma``: every ``dq`` block adds its rows' terms in
+  row order (compensated sums, so a float32 kernel loses nothing to the
+  length of the sum) and writes one partial per (batch, head, query tile);
+  the host sums these few numbers in float64 in a fixed order. The result is
+  deterministic, the partials are tiny next to ``q``, and the scalars must
+  come back to the host anyway (they are returned as floats or small NumPy
+  arrays). The ``dq`` kernel also writes ``delta = dout . out`` per row, which
+  the ``dk``/``dv`` kernel, launched after it, reads.
+
+All kernels take the options as runtime arguments and compute in the input
+dtype, so there is one compiled specialisation per dtype (float32, float64).
+Tile sizes are runtime values too (`elastic_np._cuda_config`, shrunk until
+the dynamic shared memory fits ``MAX_SHARED_BYTES`` for the head dims).
+
+Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
+``torch.nn.functional.scaled_dot_product_attention`` in float32 on the same
+GPU (B=4, H=16, N=4096, D=64 by default). The kernels are plain SIMT code
+(one thread per row, operands from shared memory, no tensor cores), written
+for clarity and exact agreement with the reference first.
+
+Arrays: NumPy inputs are copied to the GPU and the results copied back as
+NumPy arrays. Device arrays (anything with ``__cuda_array_interface__``:
+numba device arrays, CuPy arrays, PyTorch CUDA tensors) must be C-contiguous;
+they are used in place and, when any input is a device array, the results are
+numba device arrays, with no host round trip (NumPy inputs next to them are
+copied to the device). Device inputs are not scanned for NaN or inf.
+``mask`` and ``kv_lengths`` are small option arrays and are taken from the
+host.
+"""
+
+import contextlib
+import dataclasses
+import math
+import types
+
+import numpy as np
+
+from elastic_np import _cuda_config as config
+from elastic_np import _options, reference
+from elastic_np._dispatch import BackendUnavailableError
+
+__all__ = [
+    "dtypes",
+    "is_available",
+    "check_available",
+    "prepare",
+    "check_backward_arrays",
+    "forward",
+    "backward",
+    "ptx",
+    "bench",
+]
+
+#: The dtypes the kernels take (``q``, ``k``, ``v`` share one).
+dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+
+_INSTALL_HINT = 'install it with `pip install "elastic_np[cuda]"` (numba-cuda with the CUDA 13 toolkit wheels)'
+
+
+def _cuda():
+    """``numba.cuda``, imported on first use."""
+    try:
+        from numba import cuda
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"backend 'cuda' needs the numba-cuda package, which could not be imported ({exc}); "
+            + _INSTALL_HINT
+        ) from exc
+    return cuda
+
+
+def _kernels():
+    _cuda()
+    from elastic_np import _cuda_kernels
+
+    return _cuda_kernels
+
+
+def _simulator():
+    from numba import config as numba_config
+
+    return bool(getattr(numba_config, "ENABLE_CUDASIM", 0))
+
+
+def is_available():
+    """True when a real CUDA GPU and its driver are usable (never under the CUDA simulator).
+
+    Returns
+    -------
+    bool
+    """
+    try:
+        cuda = _cuda()
+    except BackendUnavailableError:
+        return False
+    if _simulator():
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+def check_available():
+    """Raise `BackendUnavailableError` unless the kernels can run here.
+
+    They run on a usable GPU, or on the CUDA simulator when
+    ``NUMBA_ENABLE_CUDASIM=1`` was set before ``numba`` was imported (slow;
+    for tests).
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Saying what is missing (numba-cuda, the CUDA driver, a GPU) and how to
+        install the CUDA extra.
+    """
+    cuda = _cuda()
+    if _simulator():
+        return
+    try:
+        if cuda.is_available():
+            return
+        cuda.current_context()  # raises with the driver's reason
+        reason = "no usable CUDA GPU was found"
+    except Exception as exc:
+        reason = " ".join(str(exc).split()).rstrip(" :.") or type(exc).__name__
+    raise BackendUnavailableError(
+        f"backend 'cuda' needs an NVIDIA GPU with its CUDA driver, and here: {reason}. "
+        f"On a machine with a GPU, {_INSTALL_HINT}; here, use backend='cpu'."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Inputs: NumPy arrays or device arrays
+# ---------------------------------------------------------------------------
+
+
+def _is_device(a):
+    if hasattr(a, "__cuda_array_interface__"):
+        return True
+    if _simulator():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return isinstance(a, FakeCUDAArray)
+    return False
+
+
+def _as_device_array(a, name):
+    """A device array as a numba device array, checked C-contiguous (no copy)."""
+    cuda = _cuda()
+    if not _simulator():
+        a = cuda.as_cuda_array(a)
+    if not a.is_c_contiguous():
+        raise ValueError(f"`{name}` must be a C-contiguous device array")
+    return a
+
+
+def _to_device(a):
+    """``a`` on the device: device arrays as they are, NumPy arrays copied."""
+    if _is_device(a):
+        return a
+    return _cuda().to_device(np.ascontiguousarray(a))
+
+
+def prepare(q, k, v, *, dtypes=dtypes, **options):
+    """Validate the inputs like `elastic_np._options.prepare`, keeping device arrays on the device.
+
+    With NumPy inputs this is `~elastic_np._options.prepare`. When any of
+    ``q``, ``k``, ``v`` is a device array, shapes and dtypes are validated
+    from the array metadata (no copy to the host, no NaN scan), the others
+    are copied to the device, and the returned problem holds device arrays.
+    """
+    if not any(_is_device(a) for a in (q, k, v)):
+        return _options.prepare(q, k, v, dtypes=dtypes, **options)
+    arrays = []
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        arrays.append(_as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a)))
+    placeholders = [np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape) for a in arrays]
+    problem = _options.prepare(*placeholders, dtypes=dtypes, check_finite=False, **options)
+    return dataclasses.replace(problem, q=arrays[0], k=arrays[1], v=arrays[2])
+
+
+def check_backward_arrays(p, dout, out, lse, dtype=None):
+    """Validate ``dout``, ``out``, ``lse``; device arrays stay on the device.
+
+    NumPy arrays with a NumPy problem go through
+    `elastic_np.reference.check_backward_arrays`; otherwise shapes and dtypes
+    are checked from the metadata and NumPy arrays are copied to the device.
+    """
+    if not any(_is_device(a) for a in (p.q, dout, out, lse)):
+        return reference.check_backward_arrays(p, dout, out, lse, dtype=dtype)
+    B, H, Hkv, N, M, D, Dv = p.shape
+    arrays = []
+    for name, a, shape in (
+        ("dout", dout, (B, H, N, Dv)),
+        ("out", out, (B, H, N, Dv)),
+        ("lse", lse, (B, H, N)),
+    ):
+        a = _as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a))
+        if tuple(a.shape) != shape:
+            raise ValueError(f"`{name}` must have shape {shape}, got {tuple(a.shape)}")
+        if a.dtype != p.dtype:
+            raise TypeError(f"`{name}` has dtype {a.dtype}, expected {p.dtype} like `q`")
+        arrays.append(a)
+    return arrays
+
+
+# ---------------------------------------------------------------------------
+# Launch helpers
+# ---------------------------------------------------------------------------
+
+
+def _shared_elements(kind, threads, tile, D, Dv):
+    """Elements of dynamic shared memory one block of ``kind`` uses (see the kernels' layouts)."""
+    if kind == "forward":
+        return threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv)
+    if kind == "dq":
+        return 2 * threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv) + 3 * threads
+    return 2 * threads * (D + 1) + 2 * threads * (Dv + 1) + tile * (D + Dv + 2)  # dkdv
+
+
+def _tiles(kind, itemsize, D, Dv):
+    """``(threads, tile)`` for ``kind`` from the config, halved until the shared memory fits."""
+    threads, tile = {
+        "forward": (config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N),
+        "dq": (config.DQ_BLOCK_M, config.DQ_BLOCK_N),
+        "dkdv": (config.DKDV_BLOCK_N, config.DKDV_BLOCK_M),
+    }[kind]
+    while _shared_elements(kind, threads, tile, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        if tile > 1:
+            tile //= 2
+        elif threads > 1:
+            threads //= 2
+        else:
+            raise ValueError(
+                f"head dims D={D}, Dv={Dv} need more shared memory than "
+                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
+            )
+    return threads, tile
+
+
+def _window_band(p):
+    """Per-(b, h) half-width, in keys, of the band where the window's bell exceeds the threshold.
+
+    ``f > threshold`` holds exactly where ``|x| < sigma sqrt(-2 log c)`` with
+    ``c = threshold sigma sqrt(2 pi)`` (nowhere when ``c >= 1``); ``x`` moves
+    by ``2 / (M - 1)`` per key. One key of margin keeps the band conservative;
+    the kernels still test the gate entry by entry. -1 means unbounded.
+    """
+    B, H, Hkv, N, M, D, Dv = p.shape
+    band = np.full((B, H), -1, dtype=np.int64)
+    if p.sigma is None or p.threshold <= 0 or M <= 1:
+        return band
+    c = p.threshold * p.sigma * math.sqrt(2 * math.pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        half_width_x = p.sigma * np.sqrt(np.maximum(-2.0 * np.log(np.minimum(c, 1.0)), 0.0))
+    half_width = np.minimum(np.floor(half_width_x * (M - 1) / 2.0) + 1, M + N)
+    band[...] = np.where(c >= 1.0, 0, half_width).astype(np.int64)
+    return band
+
+
+def _launch_options(p):
+    """The runtime option arrays every kernel takes, on the device."""
+    cuda = _cuda()
+    kern = _kernels()
+    B, H, Hkv, N, M, D, Dv = p.shape
+    dtype = p.dtype
+    iopts = np.zeros(kern.I_COUNT, dtype=np.int64)
+    iopts[kern.I_CAUSAL] = p.causal
+    iopts[kern.I_LEFT], iopts[kern.I_RIGHT] = p.window
+    iopts[kern.I_HAS_MASK] = p.mask is not None
+    iopts[kern.I_NVM] = p.nvm
+    iopts[kern.I_HAS_GATE] = p.sigma is not None
+    fopts = np.zeros(kern.F_COUNT, dtype=dtype)
+    fopts[kern.F_SCALE] = p.scale
+    fopts[kern.F_SHARPNESS] = p.sharpness
+    fopts[kern.F_THRESHOLD] = p.threshold
+    fopts[kern.F_X_SCALE] = 2.0 / (M - 1) if M > 1 else 0.0
+    fopts[kern.F_NEG_INF] = -np.inf
+    fopts[kern.F_ONE] = 1.0
+    if p.sigma is None:
+        gate = np.zeros((1, 1, kern.G_COUNT), dtype=dtype)
+    else:
+        sigma = p.sigma
+        gate = np.empty((B, H, kern.G_COUNT), dtype=dtype)
+        gate[..., kern.G_NORM] = 1.0 / (sigma * math.sqrt(2 * math.pi))
+        gate[..., kern.G_INV_TWO_SIGMA2] = 1.0 / (2.0 * sigma**2)
+        gate[..., kern.G_INV_SIGMA] = 1.0 / sigma
+        gate[..., kern.G_INV_SIGMA3] = 1.0 / sigma**3
+    if p.mask is None:
+        mask = np.ones((1, 1, 1, 1), dtype=np.uint8)
+    else:
+        # keep broadcast (zero-stride) dims at size 1 instead of materialising them
+        index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in p.mask.strides)
+        mask = np.ascontiguousarray(p.mask[index]).view(np.uint8)
+    host = dict(
+        mask=mask,
+        kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
+        band=_window_band(p),
+        iopts=iopts,
+        fopts=fopts,
+        tau=p.tau.astype(dtype),
+        beta=p.beta.astype(dtype),
+        gate=gate,
+    )
+    return {name: cuda.to_device(a) for name, a in host.items()}
+
+
+def _blocks(n, size):
+    return (n + size - 1) // size
+
+
+# ---------------------------------------------------------------------------
+# Backend interface
+# ---------------------------------------------------------------------------
+
+
+def forward(p):
+    """Run the forward kernel on a validated problem; return ``(out, lse)``.
+
+    NumPy arrays for a NumPy problem, device arrays for a device problem.
+    """
+    cuda = _cuda()
+    kern = _kernels()
+    B, H, Hkv, N, M, D, Dv = p.shape
+    dtype = p.dtype
+    on_device = _is_device(p.q)
+    q, k, v = (_to_device(a) for a in (p.q, p.k, p.v))
+    out = cuda.device_array((B, H, N, Dv), dtype=dtype)
+    lse = cuda.device_array((B, H, N), dtype=dtype)
+    if B * H * N > 0:
+        o = _launch_options(p)
+        threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
+        shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
+        kern._forward_kernel[_blocks(N, threads) * B * H, threads, 0, shared](
+            q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
+            o["tau"], o["beta"], o["gate"], tile, out, lse,
+        )
+    if on_device:
+        return out, lse
+    return out.copy_to_host(), lse.copy_to_host()
+
+
+def backward(p, dout, out, lse):
+    """Run the backward kernels; return `~elastic_np.AttentionGrads`.
+
+    ``dq``, ``dk``, ``dv`` are device arrays when any of the arrays is one,
+    NumPy arrays otherwise; ``dtau``, ``dbeta``, ``dsigma`` are always on
+    the host, in the shapes of ``tau``, ``beta``, ``sigma``.
+    """
+    cuda = _cuda()
+    kern = _kernels()
+    B, H, Hkv, N, M, D, Dv = p.shape
+    dtype = p.dtype
+    on_device = any(_is_device(a) for a in (p.q, dout, out, lse))
+    q, k, v, dout, out, lse = (_to_device(a) for a in (p.q, p.k, p.v, dout, out, lse))
+    dq = cuda.device_array((B, H, N, D), dtype=dtype)
+    dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)
+    dv = cuda.device_array((B, Hkv, M, Dv), dtype=dtype)
+    delta = cuda.device_array((B, H, N), dtype=dtype)
+    dq_threads, dq_tile = _tiles("dq", dtype.itemsize, D, Dv)
+    partials = np.zeros((B, H, _blocks(N, dq_threads), kern.P_COUNT), dtype=dtype)
+    if B * H * max(N, M) > 0:
+        o = _launch_options(p)
+        common = (q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["gate"])
+        if N > 0:
+            partials_dev = cuda.device_array(partials.shape, dtype=dtype)
+            shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
+            kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
+                *common, dq_tile, dout, out, lse, dq, delta, partials_dev
+            )
+            partials = partials_dev.copy_to_host()
+        if M > 0:
+            threads, tile = _tiles("dkdv", dtype.itemsize, D, Dv)
+            shared = _shared_elements("dkdv", threads, tile, D, Dv) * dtype.itemsize
+            kern._backward_dkdv_kernel[_blocks(M, threads) * B * Hkv, threads, 0, shared](
+                *common, tile, dout, lse, delta, dk, dv
+            )
+    partials = partials.astype(np.float64)
+    dtau_h = -partials[..., kern.P_DTAU].sum(axis=(0, 2)) / p.tau**2
+    dbeta_h = -partials[..., kern.P_DBETA].sum(axis=(0, 2))
+    dsigma_bh = partials[..., kern.P_DSIGMA].sum(axis=2) if p.sigma is not None else None
+    if not on_device:
+        dq, dk, dv = dq.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
+    return p.reduce_grads(dq, dk, dv, dtau_h, dbeta_h, dsigma_bh)
+
+
+# ---------------------------------------------------------------------------
+# PTX
+# ---------------------------------------------------------------------------
+
+
+def _signatures(dtype):
+    """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
+    from numba import types as nbt
+
+    real = nbt.float64 if dtype == np.float64 else nbt.float32
+
+    def arr(ndim, kind=real):
+        return nbt.Array(kind, ndim, "C")
+
+    common = (
+        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(2, nbt.int64),
+        arr(1, nbt.int64), arr(1), arr(1),
+    )
+    return {
+        "_forward_kernel": common + (arr(1), arr(3), nbt.int64, arr(4), arr(3)),
+        "_backward_dq_kernel": common + (arr(3), nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4)),
+        "_backward_dkdv_kernel": common + (arr(3), nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
+    }
+
+
+def ptx(cc=(9, 0)):
+    """Compile every kernel, for each dtype, to PTX for compute capability ``cc``.
+
+    Needs no GPU: numba-cuda's NVVM does the work.
+
+    Parameters
+    ----------
+    cc : (int, int), optional
+        Compute capability, e.g. ``(8, 0)`` for A100 or ``(9, 0)`` for H100.
+
+    Returns
+    -------
+    dict of str to str
+        ``"<kernel>[<dtype>]"`` to its PTX text.
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without numba-cuda, or under the CUDA simulator (which compiles nothing).
+    """
+    cuda = _cuda()
+    if _simulator():
+        raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    kern = _kernels()
+    cc = tuple(int(c) for c in cc)
+    result = {}
+    with _device_functions_compiled_for(cc):
+        for dtype in dtypes:
+            signatures = _signatures(dtype)
+            for name, kernel in kern.KERNELS.items():
+                code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
+                result[f"{name}[{dtype.name}]"] = code
+    return result
+
+
+@contextlib.contextmanager
+def _device_functions_compiled_for(cc):
+    """Let ``compile_ptx`` compile the kernels' device functions without a GPU.
+
+    numba-cuda compiles a called device function for the compute capability of
+    the current device, which needs a driver; `compile_ptx` itself does not.
+    Inside this context the device functions see a device of capability ``cc``.
+    """
+    from numba.cuda import dispatcher
+
+    current = dispatcher.get_current_device
+    if is_available():
+        yield
+        return
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = current
+
+
+# ---------------------------------------------------------------------------
+# Benchmark (needs a GPU and PyTorch with CUDA)
+# ---------------------------------------------------------------------------
+
+
+def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
+    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
+
+    Both run on the same GPU and the same device memory (torch CUDA tensors
+    are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
+    forward and forward + backward, plain attention with ``N = M``.
+
+    Parameters
+    ----------
+    B, H, N, D : int, optional
+        Batch, heads, sequence length, head dim.
+    causal : bool, optional
+    repeat : int, optional
+        Best of this many timed runs, after one warm-up run (which compiles).
+
+    Returns
+    -------
+    dict
+        ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
+        in seconds, plus ``"tflops"`` with the same layout (FlashAttention's
+        FLOP convention).
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without a usable GPU, or when PyTorch has no CUDA.
+    """
+    import torch
+
+    from elastic_np import _bench, _dispatch
+
+    if not is_available():
+        check_available()
+        raise BackendUnavailableError("bench() times real kernels; the CUDA simulator does not count")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench() compares with PyTorch on the GPU; this torch has no CUDA")
+    cuda = _cuda()
+    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
+
+    def ours_forward():
+        _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
+        cuda.synchronize()
+
+    def ours_forward_backward():
+        out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
+        _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda")
+        cuda.synchronize()
+
+    gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def torch_forward():
+        with torch.no_grad():
+            sdpa(tq, tk, tv, is_causal=causal)
+        torch.cuda.synchronize()
+
+    def torch_forward_backward():
+        out = sdpa(gq, gk, gv, is_causal=causal)
+        out.backward(tdout)
+        torch.cuda.synchronize()
+
+    timings = {"elastic_np": {}, "torch": {}}
+    for who, fwd, fwd_bwd in (
+        ("elastic_np", ours_forward, ours_forward_backward),
+        ("torch", torch_forward, torch_forward_backward),
+    ):
+        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            fn()  # warm-up (compiles)
+            timings[who][what] = _bench.best_time(fn, repeat=repeat)
+    flops = {
+        "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
+        "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
+    }
+    timings["tflops"] = {
+        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in ("elastic_np", "torch")
+    }
+    return timings
+
+
+def _main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_np.cuda", description="CUDA backend: PTX check and GPU benchmark"
+    )
+    parser.add_argument("--ptx", nargs="*", metavar="CC", help="compile every kernel for these capabilities (e.g. 8.0 9.0)")
+    parser.add_argument("--bench", action="store_true", help="time against torch SDPA on the GPU (float32)")
+    parser.add_argument("--shape", nargs=4, type=int, default=(4, 16, 4096, 64), metavar=("B", "H", "N", "D"))
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+    if args.ptx is not None:
+        for cc in args.ptx or ["8.0", "9.0"]:
+            major, minor = (int(part) for part in cc.split("."))
+            code = ptx(cc=(major, minor))
+            for name, text in code.items():
+                if ".entry" not in text:
+                    raise SystemExit(f"{name}: no kernel entry in the PTX for sm_{major}{minor}")
+                print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
+    if args.bench:
+        B, H, N, D = args.shape
+        result = bench(B, H, N, D, causal=args.causal)
+        print(f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal}")
+        for what in ("forward", "forward+backward"):
+            ours, theirs = result["elastic_np"][what], result["torch"][what]
+            print(
+                f"{what:17s} elastic_np {ours * 1e3:9.3f} ms ({result['tflops']['elastic_np'][what]:6.2f} TFLOP/s)"
+                f"   torch SDPA {theirs * 1e3:9.3f} ms ({result['tflops']['torch'][what]:6.2f} TFLOP/s)"
+                f"   speed ratio {theirs / ours:5.2f}"
+            )
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,36 @@
+"""CUDA tests run in two invocations.
+
+- ``NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/cuda``: the kernels on the
+  CUDA simulator (``test_sim_*.py``). The variable must be set before numba is
+  imported, hence a process of its own, so the simulator never leaks into the
+  other tests.
+- the main ``python -m pytest``: everything here that needs no simulator (the
+  error without a GPU, PTX compilation); the simulator tests are not collected.
+"""
+
+import os
+
+import pytest
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+if SIMULATOR:
+    collect_ignore_glob = ["test_cuda_*.py"]
+else:
+    collect_ignore_glob = ["test_sim_*.py"]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of a few rows, so that small problems still run on multi-block grids."""
+    from elastic_np import _cuda_config
+
+    for name, value in {
+        "FORWARD_BLOCK_M": 8,
+        "FORWARD_BLOCK_N": 8,
+        "DQ_BLOCK_M": 8,
+        "DQ_BLOCK_N": 4,
+        "DKDV_BLOCK_N": 8,
+        "DKDV_BLOCK_M": 4,
+    }.items():
+        monkeypatch.setattr(_cuda_config, name, value)

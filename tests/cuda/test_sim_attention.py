@@ -1,0 +1,330 @@
+"""The CUDA kernels on the CUDA simulator, held to the float64 oracle.
+
+Run with ``NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/cuda`` (see conftest).
+Shapes are small and tiles are patched small (``small_tiles``), so every case
+runs several blocks, ragged last tiles and skipped tiles.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import _options, cuda, reference
+
+pytestmark = pytest.mark.usefixtures("small_tiles")
+
+GRAD_FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")
+
+
+def make_problem(seed, B=1, H=2, Hkv=None, N=12, M=12, D=8, Dv=None, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    Hkv = H if Hkv is None else Hkv
+    Dv = D if Dv is None else Dv
+    q = rng.standard_normal((B, H, N, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, M, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype)
+    dout = rng.standard_normal((B, H, N, Dv)).astype(dtype)
+    return q, k, v, dout
+
+
+def run_cuda(q, k, v, dout, opts):
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", **opts)
+    return out, lse, grads
+
+
+def run_reference(q, k, v, dout, opts):
+    out, lse = reference.attention(q, k, v, **opts)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    return out, lse, grads
+
+
+def naive_float32(q, k, v, dout, opts):
+    """The reference formulas evaluated in float32: the baseline of the float32 rule."""
+    p = _options.prepare(q, k, v, dtypes=(np.dtype(np.float32),), **opts)
+    f32 = dict(tau=p.tau.astype(np.float32), beta=p.beta.astype(np.float32))
+    if p.sigma is not None:
+        f32["sigma"] = p.sigma.astype(np.float32)
+    p = dataclasses.replace(p, **f32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        out, lse = reference._forward(p)
+        grads = reference._backward(p, dout, out.astype(np.float32), lse.astype(np.float32))
+    return out, lse, grads
+
+
+def items(out, lse, grads):
+    yield "out", out
+    yield "lse", lse
+    for name in GRAD_FIELDS:
+        value = getattr(grads, name)
+        if value is not None:
+            yield name, value
+
+
+def max_error(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[~finite], want[~finite])  # -inf lse of empty rows
+    return float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
+
+
+def assert_float64_close(got, want):
+    """Every output within 1e-12 relative (to the array's scale) of the oracle."""
+    for (name, g), (_, w) in zip(items(*got), items(*want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, name
+        if name in ("out", "lse", "dq", "dk", "dv"):
+            assert g.dtype == np.float64, name
+        scale = max(1.0, float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0)))
+        assert max_error(g, w) <= 1e-12 * scale, (name, max_error(g, w))
+
+
+def rounding_allowance(want):
+    """FlashAttention's ``fwd_atol``: twice the error of one float32 operation on the result."""
+    w = np.asarray(want, dtype=np.float32)
+    w = w[np.isfinite(w)]
+    return 2 * float(np.max(np.abs((w + np.float32(0.3)) - np.float32(0.3) - w), initial=0.0))
+
+
+def summation_allowance(q, k, v, dout, opts):
+    """For ``dtau``, ``dbeta``, ``dsigma``: twice float32's epsilon times the sum of |terms|.
+
+    Each of them is one sum over every kept entry (of ``dz * s / tau**2``,
+    ``delta * exp(-lse)``, ``dz * dlogG/dsigma``), and those terms cancel
+    (``sum_j dz_ij = 0`` when ``beta = 0``): the rounding of a float32
+    evaluation of such a sum is bounded by ``eps * sum |terms|``, not by the
+    size of the result, and the error of any one evaluation (the naive one
+    included) is a single draw below that bound.
+    """
+    q, k, v, dout = (a.astype(np.float64) for a in (q, k, v, dout))
+    p = _options.prepare(q, k, v, **opts)
+    out, lse = reference._forward(p)
+    s, z, keep, gate = reference._attention_logits(p)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
+        v_h = np.repeat(p.v, p.group_size, axis=1)
+        delta = np.sum(dout * out, axis=-1)
+        dz = probs * (dout @ np.swapaxes(v_h, -1, -2) - delta[..., None])
+        dtau = np.sum(np.abs(np.where(keep, dz * s, 0.0)), axis=(0, 2, 3)) / p.tau**2
+        dbeta = np.sum(np.abs(np.where(delta == 0, 0.0, delta * np.exp(-lse))), axis=(0, 2))
+        dsigma = None
+        if gate is not None:
+            G, f, x = gate
+            sigma = p.sigma[:, :, None, None]
+            dlogg = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
+            dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
+    bounds = p.reduce_grads(None, None, None, dtau, dbeta, dsigma)
+    eps = float(np.finfo(np.float32).eps)
+    return {
+        name: 2 * eps * float(np.max(getattr(bounds, name)))
+        for name in ("dtau", "dbeta", "dsigma")
+        if getattr(bounds, name) is not None
+    }
+
+
+def assert_float32_rule(got, naive, want, summation):
+    """The float32 rule of FlashAttention's tests, and at most 1e-5 (relative to scale).
+
+    ``error <= 2 * naive_error + allowance``, where ``naive_error`` is the
+    error of the reference formulas evaluated in float32 and the allowance is
+    FlashAttention's rounding allowance, or `summation_allowance` for the
+    gradients of the per-head parameters.
+    """
+    for (name, g), (_, n), (_, w) in zip(items(*got), items(*naive), items(*want)):
+        g = np.asarray(g)
+        if name in ("out", "lse", "dq", "dk", "dv"):
+            assert g.dtype == np.float32, name
+        scale = max(1.0, float(np.max(np.abs(np.asarray(w)[np.isfinite(w)]), initial=0.0)))
+        err, naive_err = max_error(g, w), max_error(n, w)
+        allowance = summation[name] if name in summation else rounding_allowance(w)
+        assert err <= 2 * naive_err + allowance, (name, err, naive_err, allowance)
+        assert err <= 1e-5 * scale, (name, err)
+
+
+CASES = {
+    "plain, N != M": (dict(N=17, M=29, D=16), {}),
+    "causal and window": (dict(N=24, M=24), dict(causal=True, window_size=(6, 0))),
+    "two-sided window, decoding": (dict(N=5, M=37), dict(causal=True, window_size=(9, 2))),
+    "elastic per head, GQA": (
+        dict(H=4, Hkv=2, N=20, M=33),
+        dict(nvm=True, tau=np.array([0.5, 1.0, 2.0, 1.5]), beta=np.array([0.0, 0.3, 1.0, 2.0])),
+    ),
+    "dynamic window with band": (
+        dict(N=32, M=32, D=4, Dv=6),
+        dict(
+            dynamic_window=enp.DynamicWindow(np.array([0.15, 0.4]), sharpness=3.0, threshold=0.3),
+            beta=0.2,
+        ),
+    ),
+    "kv_lengths and empty rows": (
+        dict(B=2, N=14, M=21),
+        dict(kv_lengths=[11, 0], beta=np.array([0.0, 0.7]), causal=True),
+    ),
+    "broadcast mask with empty rows": (dict(N=13, M=18), "mask"),
+    "single key, window gate": (
+        dict(N=6, M=1),
+        dict(dynamic_window=enp.DynamicWindow(0.7, sharpness=2.0, threshold=0.1), nvm=True),
+    ),
+}
+
+
+def case_options(name, shape):
+    opts = CASES[name][1]
+    if opts == "mask":
+        rng = np.random.default_rng(5)
+        mask = rng.random((1, 1, shape["N"], shape["M"])) < 0.6
+        mask[0, 0, 3] = False  # a row with nothing kept, beta = 0: lse = -inf
+        opts = dict(mask=mask, nvm=True, tau=0.8)
+    return opts
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_float64_matches_reference(name):
+    shape = CASES[name][0]
+    opts = case_options(name, shape)
+    q, k, v, dout = make_problem(1, **shape)
+    copies = [a.copy() for a in (q, k, v, dout)]
+    got = run_cuda(q, k, v, dout, opts)
+    want = run_reference(q, k, v, dout, opts)
+    assert_float64_close(got, want)
+    for a, c in zip((q, k, v, dout), copies):
+        np.testing.assert_array_equal(a, c)  # inputs untouched
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "plain, N != M",
+        "elastic per head, GQA",
+        "dynamic window with band",
+        "kv_lengths and empty rows",
+        "broadcast mask with empty rows",
+    ],
+)
+def test_float32_rule(name):
+    shape = CASES[name][0]
+    opts = case_options(name, shape)
+    q, k, v, dout = make_problem(2, **shape, dtype=np.float32)
+    got = run_cuda(q, k, v, dout, opts)
+    want = run_reference(*(a.astype(np.float64) for a in (q, k, v, dout)), opts)
+    naive = naive_float32(q, k, v, dout, opts)
+    assert_float32_rule(got, naive, want, summation_allowance(q, k, v, dout, opts))
+
+
+def test_device_arrays_stay_on_device():
+    from numba import cuda as numba_cuda
+
+    opts = dict(causal=True, nvm=True, tau=0.7, beta=0.5)
+    q, k, v, dout = make_problem(3, H=2, Hkv=1, N=10, M=15)
+    host = run_cuda(q, k, v, dout, opts)
+    dq_, dk_, dv_, ddout = (numba_cuda.to_device(a) for a in (q, k, v, dout))
+    out, lse = enp.attention(dq_, dk_, dv_, return_lse=True, backend="cuda", **opts)
+    assert cuda._is_device(out) and cuda._is_device(lse)
+    grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, backend="cuda", **opts)
+    for name in ("dq", "dk", "dv"):
+        assert cuda._is_device(getattr(grads, name)), name
+        np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name))
+    np.testing.assert_array_equal(out.copy_to_host(), host[0])
+    np.testing.assert_array_equal(lse.copy_to_host(), host[1])
+    assert grads.dtau == host[2].dtau and grads.dbeta == host[2].dbeta
+
+
+def test_device_arrays_are_validated():
+    from numba import cuda as numba_cuda
+
+    q, k, v, _ = make_problem(4, N=4, M=4)
+    dq_, dk_ = numba_cuda.to_device(q), numba_cuda.to_device(k)
+    with pytest.raises(ValueError, match="`v`"):
+        enp.attention(dq_, dk_, numba_cuda.to_device(np.ascontiguousarray(v[:, :, :3])), backend="cuda")
+    with pytest.raises(TypeError, match="`q`"):
+        enp.attention(numba_cuda.to_device(q.astype(np.float16)), dk_, dk_, backend="cuda")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        enp.attention(dq_, dk_, numba_cuda.to_device(np.zeros((1, 2, 4, 16)))[..., ::2], backend="cuda")
+    out, lse = enp.attention(dq_, dk_, dk_, return_lse=True, backend="cuda")
+    with pytest.raises(ValueError, match="`lse`"):
+        enp.attention_backward(out, dq_, dk_, dk_, out, numba_cuda.to_device(np.zeros((1, 2, 3))), backend="cuda")
+
+
+def test_simulator_is_not_picked_by_auto():
+    assert cuda.is_available() is False
+    cuda.check_available()  # the simulator runs the kernels when asked for explicitly
+
+
+def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
+    from elastic_np import _cuda_config
+
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 32)
+    threads, tile = cuda._tiles("forward", 8, 64, 64)
+    assert cuda._shared_elements("forward", threads, tile, 64, 64) * 8 <= 48 * 1024
+    assert threads >= 1 and tile >= 1
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda._tiles("forward", 8, 4096, 4096)
+
+
+def test_mixed_host_and_device_inputs():
+    from numba import cuda as numba_cuda
+
+    q, k, v, dout = make_problem(6, N=6, M=9)
+    out, lse = enp.attention(numba_cuda.to_device(q), k, v, return_lse=True, backend="cuda", beta=0.5)
+    assert cuda._is_device(out)
+    want_out, want_lse = reference.attention(q, k, v, beta=0.5)
+    np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-12, atol=1e-12)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", beta=0.5)
+    want = reference.attention_backward(dout, q, k, v, want_out, want_lse, beta=0.5)
+    np.testing.assert_allclose(grads.dk.copy_to_host(), want.dk, rtol=1e-12, atol=1e-12)
+    assert abs(grads.dbeta - want.dbeta) <= 1e-12
+
+
+def random_options(rng, B, H, N, M):
+    """A seeded mix of every option, so that the tile-skipping rules meet each other."""
+    opts = {}
+    if rng.random() < 0.5:
+        opts["causal"] = True
+    if rng.random() < 0.5:
+        opts["window_size"] = (int(rng.integers(-1, 8)), int(rng.integers(-1, 8)))
+    if rng.random() < 0.5:
+        opts["kv_lengths"] = rng.integers(0, M + 1, size=B)
+    if rng.random() < 0.4:
+        opts["mask"] = rng.random((B, 1, N, M)) < 0.7
+    if rng.random() < 0.5:
+        opts["nvm"] = True
+    opts["tau"] = rng.uniform(0.5, 2.0, size=H) if rng.random() < 0.5 else float(rng.uniform(0.5, 2.0))
+    opts["beta"] = rng.uniform(0.0, 1.0, size=H) if rng.random() < 0.5 else 0.0
+    if rng.random() < 0.5:
+        opts["dynamic_window"] = enp.DynamicWindow(
+            rng.uniform(0.2, 1.0, size=(B, H)), sharpness=float(rng.uniform(1, 4)),
+            threshold=float(rng.choice([0.0, 0.2])),
+        )
+    return opts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_float64_random_option_mix(seed):
+    rng = np.random.default_rng(100 + seed)
+    B, Hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    H = Hkv * int(rng.integers(1, 3))
+    N, M = int(rng.integers(1, 20)), int(rng.integers(1, 24))
+    shape = dict(B=B, H=H, Hkv=Hkv, N=N, M=M, D=int(rng.integers(1, 7)), Dv=int(rng.integers(1, 7)))
+    opts = random_options(rng, B, H, N, M)
+    q, k, v, dout = make_problem(seed, **shape)
+    assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
+
+
+@pytest.mark.parametrize("sigma, threshold, M", [(0.15, 0.3, 32), (0.4, 0.05, 57), (0.05, 2.0, 16), (3.0, 0.1, 20)])
+def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M):
+    N = M - 3
+    q, k, v, _ = make_problem(0, N=N, M=M, D=2)
+    p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold))
+    band = cuda._window_band(p)
+    G = reference.window_gate(p)[0][0, 0]
+    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+    open_offsets = np.abs(offset[G > 0])
+    assert (open_offsets <= band[0, 0]).all()  # the kernels skip nothing the gate keeps
+    widest = open_offsets.max(initial=-1)
+    # and visit at most two extra diagonals per side (of those the matrix has)
+    assert min(band[0, 0], np.abs(offset).max()) <= max(widest, 0) + 2
