@@ -308,6 +308,7 @@ class Row:
     allowed: float
     passed: bool
     note: str = ""
+    baseline: float = float("nan")  # error of the naive evaluation in the same dtype
 
 
 @dataclasses.dataclass
@@ -410,7 +411,7 @@ def _compare(report, case, dtype, quantity, got, want, naive):
     naive_error, _ = worst_error(naive, want)
     allowed = max(2.0 * naive_error, FLOOR[np.dtype(dtype)] * _magnitude(want))
     report.rows.append(Row(case, np.dtype(dtype).name, quantity, error, allowed,
-                           bool(error <= allowed), note))
+                           bool(error <= allowed), note, naive_error))
 
 
 def _fail(report, case, dtype, quantity, exc):

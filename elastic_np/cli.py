@@ -84,18 +84,22 @@ def _backend_functions(name):
 
 
 def _compile(name, module, progress):
-    """Call a kernel backend once per dtype, forward and backward: the first JIT compile."""
-    import elastic_np as enp
+    """Run a kernel backend once per dtype on the plain and the combined case, forward
+    and backward: the first JIT compile of every specialisation the battery uses."""
+    from elastic_np import _conformance
 
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
     start = time.perf_counter()
     fn, backward = _backend_functions(name)
+    warmup = [c for c in _conformance.CASES if c.name in ("plain", "combined")]
     for dtype in dtypes:
-        q = np.ones((1, 1, 2, 4), dtype=dtype)
-        fn(q, q, q)
-        backward(q, q, q, q)
+        for case in warmup:
+            q, k, v, dout, options = _conformance.draw_inputs(case, dtype)
+            q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
+            fn(q, k, v, **options)
+            backward(dout, q, k, v, **options)
     return time.perf_counter() - start
 
 
@@ -169,6 +173,8 @@ def _bench(args):
             import matplotlib  # noqa: F401
         except ImportError:
             return _usage_error("bench", "--plot needs matplotlib: pip install 'elastic_np[bench]'")
+    if args.min_time is not None and not args.min_time >= 0:
+        return _usage_error("bench", f"argument --min-time: expected seconds >= 0, got {args.min_time}")
     if args.quick:
         seqs = args.seq or [64, 128]
         heads, dim = args.heads or 2, args.dim or 32
@@ -177,6 +183,8 @@ def _bench(args):
         seqs = args.seq or [256, 512, 1024, 2048]
         heads, dim = args.heads or 8, args.dim or 64
         repeat, min_time, matmul_n = args.repeat or 5, 0.5, 2048
+    if args.min_time is not None:
+        min_time = args.min_time
     impls = _bench.implementations(args.causal)
     available = sum(not isinstance(fns, str) for fns in impls.values())
     with Progress(len(seqs) * available * len(_bench.PASSES), "elastic-np bench",
@@ -243,7 +251,11 @@ def build_parser():
     bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true", help="causal attention")
-    bench.add_argument("--repeat", type=_positive_int, help="timed runs per measurement")
+    bench.add_argument("--repeat", type=_positive_int,
+                       help="timed runs per measurement, the best is kept (default 5)")
+    bench.add_argument("--min-time", type=float, metavar="SECONDS",
+                       help="keep timing each measurement until this long was spent "
+                            "(default 0.5, 0.05 with --quick)")
     bench.add_argument("--plot", metavar="FILE.png",
                        help="write a log-log plot of time against sequence length")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")

@@ -115,7 +115,7 @@ def test_check_subprocess():
 def test_bench_quick_json_and_plot(tmp_path, capsys):
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--quick", "--seq", "8", "16", "--heads", "1", "--dim", "4",
-            "--repeat", "1", "--json", str(json_path), "--plot", str(png_path)]
+            "--repeat", "1", "--min-time", "0", "--json", str(json_path), "--plot", str(png_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "implementation" in out and "GFLOP/s" in out and "peak MiB" in out
@@ -173,6 +173,7 @@ def test_peak_memory_sees_a_numpy_allocation():
     (["bench", "--seq", "0"], "--seq"),
     (["bench", "--heads", "two"], "--heads"),
     (["bench", "--dtype", "float16"], "--dtype"),
+    (["bench", "--min-time", "-1"], "--min-time"),
     (["check", "--backend", "tpu"], "--backend"),
     (["check", "--frobnicate"], "--frobnicate"),
     (["explode"], "explode"),
