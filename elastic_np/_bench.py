@@ -106,13 +106,16 @@ def best_time(fn, *, repeat=5, number=1, min_time=0.0):
     return best
 
 
-def matmul_peak_gflops(dtype=np.float32, n=2048, repeat=5):
-    """GFLOP/s of ``np.dot`` on two ``n x n`` matrices: this machine's practical peak."""
+def matmul_peak_gflops(dtype=np.float32, n=2048, repeat=5, min_time=0.0):
+    """GFLOP/s of ``np.dot`` on two ``n x n`` matrices: this machine's practical peak.
+
+    The best of ``repeat`` runs (more until ``min_time`` seconds were spent).
+    """
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
     np.dot(a, b)
-    return 2.0 * n**3 / best_time(lambda: np.dot(a, b), repeat=repeat) / 1e9
+    return 2.0 * n**3 / best_time(lambda: np.dot(a, b), repeat=repeat, min_time=min_time) / 1e9
 
 
 def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
@@ -158,29 +161,58 @@ def _rss_bytes():
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_memory_mib(fn):
+def _release_free_heap():
+    """Hand freed heap memory back to the system (glibc), so resident memory starts low."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_mib(fn, interval=2e-4):
     """Approximate peak memory of one call of ``fn()``, in MiB.
 
-    The larger of the peak of allocations traced by `tracemalloc` during the
-    call (NumPy and Python objects) and the growth of the resident memory
-    across the call while its result is still alive. Memory that an allocator
-    tracemalloc does not see (torch's, Numba's) takes and frees within the
-    call is missed, so for those this is a lower bound.
+    The larger of two measurements taken during the call: the peak of the
+    allocations `tracemalloc` traces (NumPy arrays and Python objects), and the
+    high-water mark of the process's resident memory above its level before the
+    call, sampled every ``interval`` seconds by a thread (freed heap memory is
+    handed back to the system first, so that reused memory counts). The sampler
+    only runs while ``fn`` releases the GIL (NumPy, torch and ``nogil`` Numba
+    kernels do); for code that holds it, only what is still allocated when the
+    call returns is seen, so the figure is a lower bound.
     """
     import gc
+    import threading
     import tracemalloc
 
     gc.collect()
-    rss_before = _rss_bytes()
+    _release_free_heap()
+    baseline = _rss_bytes()
+    high = [baseline]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            high[0] = max(high[0], _rss_bytes())
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
     tracemalloc.start()
+    sampler.start()
     try:
         result = fn()
-        rss_after = _rss_bytes()
+        high[0] = max(high[0], _rss_bytes())
         traced_peak = tracemalloc.get_traced_memory()[1]
     finally:
+        stop.set()
+        sampler.join()
         tracemalloc.stop()
     del result
-    return max(traced_peak, rss_after - rss_before, 0) / 2**20
+    return max(traced_peak, high[0] - baseline, 0) / 2**20
 
 
 def _kernel_runner(backend, causal):
@@ -274,7 +306,7 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     unavailable = {name: reason for name, reason in impls.items() if isinstance(reason, str)}
 
     notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
-    peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5))
+    peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
 
     compile_s = {}
     small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
