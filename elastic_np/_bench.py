@@ -264,8 +264,8 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     For each sequence length ``N`` (``M = N``) and each of forward and forward
     + backward, measures the best-of-``repeat`` wall time, the throughput by
     `attention_flops`, its fraction of this machine's matrix-multiply peak
-    (`matmul_peak_gflops`, measured before and after, the better kept) and the approximate peak memory (`peak_memory_mib`)
-    of: the elastic_np CPU kernel and CUDA kernel (when available), the naive
+    (`matmul_peak_gflops`, measured before and after, the better kept) and
+    the approximate peak memory (`peak_memory_mib`) of: the elastic_np CPU kernel and CUDA kernel (when available), the naive
     NumPy attention and PyTorch's ``scaled_dot_product_attention`` (when
     installed). Every implementation is called once before it is timed, so the
     first JIT compile is excluded and reported separately.
@@ -395,7 +395,8 @@ def plot(comparison, path):
     names = dict.fromkeys(r["impl"] for r in comparison["results"])
     for color, name in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2, names):
         for pass_name, style in zip(PASSES, ("-", "--")):
-            rows = [r for r in comparison["results"] if r["impl"] == name and r["pass"] == pass_name]
+            rows = [r for r in comparison["results"]
+                    if r["impl"] == name and r["pass"] == pass_name]
             if rows:
                 ax.loglog([r["seq"] for r in rows], [r["time_s"] for r in rows], style,
                           marker="o", color=color, label=f"{name}, {pass_name}")

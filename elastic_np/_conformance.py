@@ -178,7 +178,8 @@ def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
         s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, H // Hkv, axis=1))
         if np.min(np.abs(s)) > margin * np.max(np.abs(s)):
             return q, k, v, dout, options
-    raise RuntimeError(f"could not draw inputs away from the NVM jump for case {case.name!r}")  # pragma: no cover
+    raise RuntimeError(  # pragma: no cover
+        f"could not draw inputs away from the NVM jump for case {case.name!r}")
 
 
 def select_cases(supported):
@@ -247,7 +248,8 @@ def naive_backward(dout, out, lse, cache, dtype):
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
     dq = t(p.scale) * (ds @ kk)
-    dk = (t(p.scale) * (np.swapaxes(ds, -1, -2) @ p.q)).reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
+    dk = t(p.scale) * (np.swapaxes(ds, -1, -2) @ p.q)
+    dk = dk.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
     dtau = -np.sum(np.where(keep, dz * s, t(0)), axis=(0, 2, 3)) / (tau[:, 0, 0] ** 2)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -391,7 +393,8 @@ def supported_options(fn, options=None):
 def _unpack_forward(result):
     if isinstance(result, (tuple, list)):
         if len(result) != 2:
-            raise TypeError(f"fn returned a sequence of {len(result)} items; expected out or (out, lse)")
+            raise TypeError(
+                f"fn returned a sequence of {len(result)} items; expected out or (out, lse)")
         return result[0], result[1]
     return result, None
 
@@ -401,7 +404,8 @@ def _unpack_backward(result):
         return {name: result.get(name) for name in _GRAD_NAMES}
     if isinstance(result, (tuple, list)):
         if not 3 <= len(result) <= 6:
-            raise TypeError(f"backward returned {len(result)} items; expected 3 to 6 (dq, dk, dv, ...)")
+            raise TypeError(
+                f"backward returned {len(result)} items; expected 3 to 6 (dq, dk, dv, ...)")
         return dict(zip(_GRAD_NAMES, result))
     return {name: getattr(result, name, None) for name in _GRAD_NAMES}
 

@@ -174,7 +174,8 @@ def _bench(args):
         except ImportError:
             return _usage_error("bench", "--plot needs matplotlib: pip install 'elastic_np[bench]'")
     if args.min_time is not None and not args.min_time >= 0:
-        return _usage_error("bench", f"argument --min-time: expected seconds >= 0, got {args.min_time}")
+        return _usage_error(
+            "bench", f"argument --min-time: expected seconds >= 0, got {args.min_time}")
     if args.quick:
         seqs = args.seq or [64, 128]
         heads, dim = args.heads or 2, args.dim or 32

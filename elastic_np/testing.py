@@ -193,7 +193,8 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
         ``fn(q, k, v, **opts)`` with NumPy arrays ``q`` ``(B, H, N, D)``, ``k``
         ``(B, Hkv, M, D)``, ``v`` ``(B, Hkv, M, Dv)`` in the dtype under test,
         returning ``out`` ``(B, H, N, Dv)`` or ``(out, lse)`` with ``lse``
-        ``(B, H, N)`` (then ``lse`` is checked too). ``opts`` holds only the
+        ``(B, H, N)`` (then ``lse`` is checked too); results are compared in
+        float64 whatever their dtype. ``opts`` holds only the
         options the case sets, with the meanings of `elastic_np.attention`:
         ``scale`` (float), ``causal`` (bool), ``window_size`` (pair of ints),
         ``kv_lengths`` (int array ``(B,)``), ``mask`` (bool array ``(B, 1, N,
