@@ -236,8 +236,10 @@ def implementations(causal=False):
     for backend in ("cpu", "cuda"):
         try:
             _dispatch.get_backend(backend)
-        except (_dispatch.BackendUnavailableError, ImportError) as exc:
-            impls[f"elastic_np {backend}"] = str(exc) or "not available"
+        except Exception as exc:  # a missing package or device, whatever its error type
+            impls[f"elastic_np {backend}"] = (
+                str(exc) if isinstance(exc, _dispatch.BackendUnavailableError)
+                else f"{type(exc).__name__}: {exc}") or "not available"
         else:
             impls[f"elastic_np {backend}"] = _kernel_runner(backend, causal)
     impls["naive numpy"] = (

@@ -115,10 +115,12 @@ def _check(args):
     for name in requested:
         try:
             modules[name] = _dispatch.get_backend(name)
-        except (_dispatch.BackendUnavailableError, ImportError) as exc:
+        except Exception as exc:  # a missing package or device, whatever its error type
+            reason = str(exc) if isinstance(exc, _dispatch.BackendUnavailableError) else (
+                f"backend {name!r} is not available: {type(exc).__name__}: {exc}")
             if explicit:
-                return _usage_error("check", str(exc))
-            skipped[name] = str(exc)
+                return _usage_error("check", reason)
+            skipped[name] = reason
 
     dtypes = [np.dtype(d) for d in args.dtype]
     supported = _conformance.OPTION_NAMES + _conformance.CAPABILITIES

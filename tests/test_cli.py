@@ -75,6 +75,23 @@ def test_check_named_unavailable_backend_is_an_error(name, capsys):
     assert line.startswith("elastic-np check: error: ") and repr(name) in line
 
 
+def test_backend_failing_to_start_is_skipped_or_an_error(monkeypatch, capsys):
+    real = elastic_np._dispatch.get_backend
+
+    def failing_cuda(name):
+        if name == "cuda":
+            raise RuntimeError("driver missing")
+        return real(name)
+
+    monkeypatch.setattr(elastic_np._dispatch, "get_backend", failing_cuda)
+    assert cli.main(["check", "--quick", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert ("backend 'cuda': skipped (backend 'cuda' is not available: "
+            "RuntimeError: driver missing)") in out
+    assert cli.main(["check", "--quick", "--backend", "cuda"]) == 2
+    assert "RuntimeError: driver missing" in capsys.readouterr().err
+
+
 def test_check_failure_exits_1(monkeypatch, capsys):
     honest = cli._backend_functions
 
