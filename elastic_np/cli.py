@@ -130,7 +130,10 @@ def _check(args):
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
             if name != "reference":
-                compile_s[name] = _compile(name, module, progress)
+                try:
+                    compile_s[name] = _compile(name, module, progress)
+                except Exception as exc:  # the battery below reports each failing case
+                    progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
             fn, backward = _backend_functions(name)
             reports.append(_conformance.run_battery(
