@@ -106,10 +106,308 @@ def best_time(fn, *, repeat=5, number=1, min_time=0.0):
     return best
 
 
-def matmul_peak_gflops(dtype=np.float32, n=2048, repeat=5):
-    """GFLOP/s of ``np.dot`` on two ``n x n`` matrices: this machine's practical peak."""
+def matmul_peak_gflops(dtype=np.float32, n=2048, repeat=5, min_time=0.0):
+    """GFLOP/s of ``np.dot`` on two ``n x n`` matrices: this machine's practical peak.
+
+    The best of ``repeat`` runs (more until ``min_time`` seconds were spent).
+    """
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
     np.dot(a, b)
-    return 2.0 * n**3 / best_time(lambda: np.dot(a, b), repeat=repeat) / 1e9
+    return 2.0 * n**3 / best_time(lambda: np.dot(a, b), repeat=repeat, min_time=min_time) / 1e9
+
+
+def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
+    """Plain NumPy forward and backward in the input dtype: ``(out, dq, dk, dv)``.
+
+    Materialises the score matrix, as an autograd framework would without a
+    fused kernel.
+    """
+    B, H, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    group = H // Hkv
+    scale = q.dtype.type(1.0 / np.sqrt(D) if scale is None else scale)
+    kk = np.repeat(k, group, axis=1) if group > 1 else k
+    vv = np.repeat(v, group, axis=1) if group > 1 else v
+    s = (q @ np.swapaxes(kk, -1, -2)) * scale
+    if causal:
+        i = np.arange(N)[:, None] + (M - N)
+        s = np.where(np.arange(M)[None, :] <= i, s, -np.inf)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = p @ vv
+    dp = dout @ np.swapaxes(vv, -1, -2)
+    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
+    dq = (ds @ kk) * scale
+    dk = (np.swapaxes(ds, -1, -2) @ q) * scale
+    dv = np.swapaxes(p, -1, -2) @ dout
+    if group > 1:
+        dk = dk.reshape(B, Hkv, group, M, D).sum(axis=2)
+        dv = dv.reshape(B, Hkv, group, M, v.shape[-1]).sum(axis=2)
+    return out, dq, dk, dv
+
+
+def _rss_bytes():
+    """Resident memory of this process (Linux ``/proc``); 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _release_free_heap():
+    """Hand freed heap memory back to the system (glibc), so resident memory starts low."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_mib(fn, interval=2e-4):
+    """Approximate peak memory of one call of ``fn()``, in MiB.
+
+    The larger of two measurements taken during the call: the peak of the
+    allocations `tracemalloc` traces (NumPy arrays and Python objects), and the
+    high-water mark of the process's resident memory above its level before the
+    call, sampled every ``interval`` seconds by a thread (freed heap memory is
+    handed back to the system first, so that reused memory counts). The sampler
+    only runs while ``fn`` releases the GIL (NumPy, torch and ``nogil`` Numba
+    kernels do); for code that holds it, only what is still allocated when the
+    call returns is seen, so the figure is a lower bound.
+    """
+    import gc
+    import threading
+    import tracemalloc
+
+    gc.collect()
+    _release_free_heap()
+    baseline = _rss_bytes()
+    high = [baseline]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            high[0] = max(high[0], _rss_bytes())
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    tracemalloc.start()
+    sampler.start()
+    try:
+        result = fn()
+        high[0] = max(high[0], _rss_bytes())
+        traced_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        stop.set()
+        sampler.join()
+        tracemalloc.stop()
+    del result
+    return max(traced_peak, high[0] - baseline, 0) / 2**20
+
+
+def _kernel_runner(backend, causal):
+    import elastic_np as enp
+
+    def forward(q, k, v, dout):
+        return enp.attention(q, k, v, causal=causal, backend=backend)
+
+    def forward_backward(q, k, v, dout):
+        out, lse = enp.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+        return enp.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
+
+    return forward, forward_backward
+
+
+def implementations(causal=False):
+    """``{name: (forward, forward_backward) or reason unavailable}`` in display order."""
+    from elastic_np import _dispatch
+
+    impls = {}
+    for backend in ("cpu", "cuda"):
+        try:
+            _dispatch.get_backend(backend)
+        except Exception as exc:  # a missing package or device, whatever its error type
+            impls[f"elastic_np {backend}"] = (
+                str(exc) if isinstance(exc, _dispatch.BackendUnavailableError)
+                else f"{type(exc).__name__}: {exc}") or "not available"
+        else:
+            impls[f"elastic_np {backend}"] = _kernel_runner(backend, causal)
+    impls["naive numpy"] = (
+        lambda q, k, v, dout: naive_attention(q, k, v, causal=causal),
+        lambda q, k, v, dout: naive_attention_backward(q, k, v, dout, causal=causal),
+    )
+    if torch_available():
+        impls["torch sdpa"] = (
+            lambda q, k, v, dout: torch_sdpa(q, k, v, causal=causal),
+            lambda q, k, v, dout: torch_sdpa(q, k, v, causal=causal, backward=True, dout=dout),
+        )
+    else:
+        impls["torch sdpa"] = "torch is not installed"
+    return impls
+
+
+PASSES = ("forward", "forward+backward")
+
+
+def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, repeat=3,
+            min_time=0.0, matmul_n=2048, impls=None, progress=None):
+    """Time every available implementation side by side, in this process.
+
+    For each sequence length ``N`` (``M = N``) and each of forward and forward
+    + backward, measures the best-of-``repeat`` wall time, the throughput by
+    `attention_flops`, its fraction of this machine's matrix-multiply peak
+    (`matmul_peak_gflops`, measured before and after, the better kept) and
+    the approximate peak memory (`peak_memory_mib`) of: the elastic_np CPU kernel and CUDA kernel (when available), the naive
+    NumPy attention and PyTorch's ``scaled_dot_product_attention`` (when
+    installed). Every implementation is called once before it is timed, so the
+    first JIT compile is excluded and reported separately.
+
+    Parameters
+    ----------
+    seqs : sequence of int
+        Sequence lengths.
+    batch, heads, dim : int, optional
+        ``B``, ``H`` and ``D`` (``Dv = D``).
+    dtype : {np.float32, np.float64}, optional
+    causal : bool, optional
+    repeat : int, optional
+        Timed runs per measurement; the best is kept.
+    min_time : float, optional
+        Keep running (beyond ``repeat``) until this many seconds were spent,
+        which makes the best run more robust on a busy machine.
+    matmul_n : int, optional
+        Matrix size of the peak measurement.
+    impls : dict, optional
+        What `implementations` returns (by default, called with ``causal``).
+    progress : callable, optional
+        ``progress(kind, message)`` with kind ``"stage"`` (a step without progress of
+        its own, such as a compile) or ``"step"`` (one measurement done).
+
+    Returns
+    -------
+    dict
+        ``config``, ``matmul_peak_gflops``, ``compile_s`` (seconds of the first call
+        of each kernel), ``unavailable`` (name: reason) and ``results``: a list of
+        dicts with ``impl``, ``pass``, ``seq``, ``time_s``, ``gflops``,
+        ``fraction_of_peak`` and ``peak_mib``.
+    """
+    dtype = np.dtype(dtype)
+    notify = progress or (lambda kind, message: None)
+    impls = implementations(causal) if impls is None else impls
+    available = {name: fns for name, fns in impls.items() if not isinstance(fns, str)}
+    unavailable = {name: reason for name, reason in impls.items() if isinstance(reason, str)}
+
+    notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
+    peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
+
+    compile_s = {}
+    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
+    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
+    for name, fns in available.items():
+        if name.startswith("elastic_np"):
+            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
+            start = time.perf_counter()
+            for fn in fns:
+                fn(*small, dout_small)
+            compile_s[name] = time.perf_counter() - start
+
+    # One implementation at a time over every size: switching between thread
+    # pools (OpenBLAS, torch's OpenMP, Numba's) on every call makes the idle
+    # pool's spinning threads compete with the busy one.
+    inputs = {}
+    for seq in seqs:
+        q, k, v = make_inputs(batch, heads, seq, seq, dim, dtype=dtype, seed=seq)
+        dout = np.random.default_rng(seq).standard_normal(q.shape).astype(dtype)
+        inputs[seq] = (q, k, v, dout)
+    results = []
+    for name, fns in available.items():
+        for seq in seqs:
+            for pass_name, fn in zip(PASSES, fns):
+                call = lambda fn=fn, args=inputs[seq]: fn(*args)  # noqa: E731
+                best_time(call, repeat=1, min_time=min_time / 2)  # warm up
+                seconds = best_time(call, repeat=repeat, min_time=min_time)
+                flops = attention_flops(batch, heads, seq, seq, dim, causal=causal,
+                                        backward=pass_name != "forward")
+                gflops = flops / seconds / 1e9
+                results.append({
+                    "impl": name, "pass": pass_name, "seq": int(seq), "time_s": seconds,
+                    "gflops": gflops, "fraction_of_peak": gflops / peak,
+                    "peak_mib": peak_memory_mib(call),
+                })
+                notify("step", f"{name} {pass_name} N={seq}")
+    order = {name: i for i, name in enumerate(available)}
+    results.sort(key=lambda r: (r["seq"], r["pass"] != "forward", order[r["impl"]]))
+    # The peak again, after the measurements: on a busy machine the better of the two.
+    peak_after = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
+    if peak_after > peak:
+        peak = peak_after
+        for r in results:
+            r["fraction_of_peak"] = r["gflops"] / peak
+    return {
+        "config": {"batch": batch, "heads": heads, "dim": dim, "dtype": dtype.name,
+                   "causal": bool(causal), "seqs": [int(s) for s in seqs], "repeat": repeat,
+                   "min_time": min_time},
+        "matmul_peak_gflops": peak,
+        "compile_s": compile_s,
+        "unavailable": unavailable,
+        "results": results,
+    }
+
+
+def format_table(comparison):
+    """The results of `compare` as a text table."""
+    cfg = comparison["config"]
+    lines = [
+        f"attention B={cfg['batch']} H={cfg['heads']} D={cfg['dim']} {cfg['dtype']}"
+        f"{' causal' if cfg['causal'] else ''}; matrix-multiply peak "
+        f"{comparison['matmul_peak_gflops']:.1f} GFLOP/s",
+        f"  {'implementation':<18} {'pass':<16} {'N':>6} {'time (ms)':>10} {'GFLOP/s':>9} "
+        f"{'of peak':>8} {'peak MiB':>9}",
+    ]
+    for r in comparison["results"]:
+        lines.append(
+            f"  {r['impl']:<18} {r['pass']:<16} {r['seq']:>6} {1e3 * r['time_s']:>10.3f} "
+            f"{r['gflops']:>9.2f} {100 * r['fraction_of_peak']:>7.1f}% {r['peak_mib']:>9.1f}"
+        )
+    for name, seconds in comparison["compile_s"].items():
+        lines.append(f"  {name}: first call (JIT compile) {seconds:.2f} s")
+    for name, reason in comparison["unavailable"].items():
+        lines.append(f"  {name}: unavailable ({reason})")
+    return "\n".join(lines)
+
+
+def plot(comparison, path):
+    """Log-log plot of time against sequence length, one line per implementation and pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = dict.fromkeys(r["impl"] for r in comparison["results"])
+    for color, name in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2, names):
+        for pass_name, style in zip(PASSES, ("-", "--")):
+            rows = [r for r in comparison["results"]
+                    if r["impl"] == name and r["pass"] == pass_name]
+            if rows:
+                ax.loglog([r["seq"] for r in rows], [r["time_s"] for r in rows], style,
+                          marker="o", color=color, label=f"{name}, {pass_name}")
+    cfg = comparison["config"]
+    ax.set_xlabel("sequence length N = M")
+    ax.set_ylabel("time (s)")
+    ax.set_title(f"attention B={cfg['batch']} H={cfg['heads']} D={cfg['dim']} {cfg['dtype']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

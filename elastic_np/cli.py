@@ -1,7 +1,21 @@
-"""The ``elastic-np`` command-line tool."""
+"""The ``elastic-np`` command-line tool.
+
+Subcommands:
+
+- ``elastic-np check [--backend cpu|cuda|reference|all] [--quick]``: the
+  conformance battery of each backend against the float64 oracles, and the
+  oracles' gradients against finite differences; exit code 1 on any failure.
+- ``elastic-np bench [--quick] [--seq N ...] [--heads H] [--dim D] [--dtype ...]
+  [--plot FILE.png] [--json FILE]``: side-by-side timings.
+- ``elastic-np example`` (also with no subcommand): a worked example.
+
+Bad arguments give a one-line error and exit code 2.
+"""
 
 import argparse
+import json
 import sys
+import time
 
 import numpy as np
 
@@ -26,22 +40,246 @@ def _example(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _usage_error(command, message):
+    print(f"elastic-np {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------
+
+_KERNEL_BACKENDS = ("cpu", "cuda")
+
+
+def _backend_functions(name):
+    """``fn`` and ``backward`` in the form `check_attention` takes, for a backend."""
+    import elastic_np as enp
+
+    def fn(q, k, v, **options):
+        return enp.attention(q, k, v, return_lse=True, backend=name, **options)
+
+    def backward(dout, q, k, v, **options):
+        out, lse = enp.attention(q, k, v, return_lse=True, backend=name, **options)
+        return enp.attention_backward(dout, q, k, v, out, lse, backend=name, **options)
+
+    return fn, backward
+
+
+def _compile(name, module, progress):
+    """Run a kernel backend once per dtype on the plain and the combined case, forward
+    and backward: the first JIT compile of every specialisation the battery uses."""
+    from elastic_np import _conformance
+
+    dtypes = module.dtypes or (np.dtype(np.float64),)
+    progress.stage(f"{name}: first JIT compile of the kernels "
+                   f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
+    start = time.perf_counter()
+    fn, backward = _backend_functions(name)
+    warmup = [c for c in _conformance.CASES if c.name in ("plain", "combined")]
+    for dtype in dtypes:
+        for case in warmup:
+            q, k, v, dout, options = _conformance.draw_inputs(case, dtype)
+            q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
+            fn(q, k, v, **options)
+            backward(dout, q, k, v, **options)
+    return time.perf_counter() - start
+
+
+def _check(args):
+    from elastic_np import _conformance, _dispatch
+    from elastic_np._progress import Progress
+
+    if args.backend == "all":
+        requested, explicit = _KERNEL_BACKENDS, False
+    else:
+        requested, explicit = (args.backend,), True
+    modules, skipped = {}, {}
+    for name in requested:
+        try:
+            modules[name] = _dispatch.get_backend(name)
+        except Exception as exc:  # a missing package or device, whatever its error type
+            reason = str(exc) if isinstance(exc, _dispatch.BackendUnavailableError) else (
+                f"backend {name!r} is not available: {type(exc).__name__}: {exc}")
+            if explicit:
+                return _usage_error("check", reason)
+            skipped[name] = reason
+
+    dtypes = [np.dtype(d) for d in args.dtype]
+    supported = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
+    cases, _ = _conformance.select_cases(supported)
+    steps = len(modules) * len(cases) * len(dtypes) + len(_conformance.CASES)
+    reports, compile_s = [], {}
+    with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
+        for name, module in modules.items():
+            if name != "reference":
+                try:
+                    compile_s[name] = _compile(name, module, progress)
+                except Exception as exc:  # the battery below reports each failing case
+                    progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
+            backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
+            fn, backward = _backend_functions(name)
+            reports.append(_conformance.run_battery(
+                fn, backward=backward, supported=supported, dtypes=backend_dtypes,
+                quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",
+                progress=progress.update,
+            ))
+        reports.append(_conformance.check_oracle_gradients(
+            quick=args.quick, seed=args.seed, progress=progress.update))
+
+    for report in reports:
+        print(report)
+        print()
+    for name, seconds in compile_s.items():
+        print(f"backend {name!r}: first JIT compile took {seconds:.1f} s")
+    for name, reason in skipped.items():
+        print(f"backend {name!r}: skipped ({reason})")
+    rows = [row for report in reports for row in report.rows]
+    failed = [row for row in rows if not row.passed]
+    checked = ", ".join(modules) or "none"
+    if failed:
+        cases = sorted({f"{row.case} ({row.dtype})" for row in failed})
+        print(f"FAIL: {len(failed)} of {len(rows)} checks failed (backends checked: {checked}); "
+              f"failing cases: {', '.join(cases)}")
+        return 1
+    print(f"PASS: {len(rows)} checks passed (backends checked: {checked}"
+          + (f"; skipped: {', '.join(skipped)}" if skipped else "") + ")")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------
+
+
+def _bench(args):
+    from elastic_np import _bench
+    from elastic_np._progress import Progress
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _usage_error("bench", "--plot needs matplotlib: pip install 'elastic_np[bench]'")
+    if args.min_time is not None and not args.min_time >= 0:
+        return _usage_error(
+            "bench", f"argument --min-time: expected seconds >= 0, got {args.min_time}")
+    if args.quick:
+        seqs = args.seq or [64, 128]
+        heads, dim = args.heads or 2, args.dim or 32
+        repeat, min_time, matmul_n = args.repeat or 5, 0.05, 1024
+    else:
+        seqs = args.seq or [256, 512, 1024, 2048]
+        heads, dim = args.heads or 8, args.dim or 64
+        repeat, min_time, matmul_n = args.repeat or 5, 0.5, 2048
+    if args.min_time is not None:
+        min_time = args.min_time
+    impls = _bench.implementations(args.causal)
+    available = sum(not isinstance(fns, str) for fns in impls.values())
+    with Progress(len(seqs) * available * len(_bench.PASSES), "elastic-np bench",
+                  delay=args.progress_delay) as progress:
+        def notify(kind, message):
+            if kind == "stage":
+                progress.stage(message)
+            else:
+                progress.update(message)
+
+        comparison = _bench.compare(
+            seqs, batch=args.batch, heads=heads, dim=dim, dtype=np.dtype(args.dtype),
+            causal=args.causal, repeat=repeat, min_time=min_time, matmul_n=matmul_n, impls=impls,
+            progress=notify,
+        )
+    print(_bench.format_table(comparison))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(comparison, f, indent=2)
+        print(f"results written to {args.json}")
+    if args.plot is not None:
+        _bench.plot(comparison, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="elastic-np",
         description="Float64 oracles and fast kernels for Elastic-Softmax attention.",
     )
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     example = sub.add_parser("example", help="evaluate the oracles on a worked example")
     example.set_defaults(func=_example)
+
+    check = sub.add_parser(
+        "check", help="check the backends against the float64 oracles",
+        description="Run the conformance battery (every option alone and combined, forward "
+                    "and every gradient) of each backend against the float64 oracles, and "
+                    "the oracles' gradients against finite differences. Exit code 1 on any "
+                    "failure.",
+    )
+    check.add_argument("--backend", choices=("cpu", "cuda", "reference", "all"), default="all",
+                       help="backend to check; 'all' (default) checks every available kernel "
+                            "backend and reports the others as skipped; 'reference' checks "
+                            "the float64 backend itself")
+    check.add_argument("--quick", action="store_true", help="tiny sizes (well under a minute)")
+    check.add_argument("--dtype", nargs="+", choices=("float32", "float64"),
+                       default=["float32", "float64"], help="dtypes to check (default: both)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    check.set_defaults(func=_check)
+
+    bench = sub.add_parser(
+        "bench", help="time the kernels against naive NumPy and PyTorch",
+        description="Side-by-side time, GFLOP/s, fraction of the matrix-multiply peak and "
+                    "peak memory of the elastic_np kernels, naive NumPy attention and "
+                    "torch's scaled_dot_product_attention, forward and forward+backward.",
+    )
+    bench.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    bench.add_argument("--seq", type=_positive_int, nargs="+", metavar="N",
+                       help="sequence lengths (N = M)")
+    bench.add_argument("--heads", type=_positive_int, help="number of heads H")
+    bench.add_argument("--dim", type=_positive_int, help="head dimension D")
+    bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    bench.add_argument("--causal", action="store_true", help="causal attention")
+    bench.add_argument("--repeat", type=_positive_int,
+                       help="timed runs per measurement, the best is kept (default 5)")
+    bench.add_argument("--min-time", type=float, metavar="SECONDS",
+                       help="keep timing each measurement until this long was spent "
+                            "(default 0.5, 0.05 with --quick)")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="write a log-log plot of time against sequence length")
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.set_defaults(func=_bench)
+    for p in (check, bench):
+        p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv=None):
+    """Run the ``elastic-np`` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["example"])
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            args = parser.parse_args(["example"])
+    except SystemExit as exc:
+        return exc.code
     return args.func(args)
 
 

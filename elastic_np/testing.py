@@ -1,14 +1,18 @@
 """Tools for testing numerical code against elastic_np's oracles.
 
 `gradcheck` compares a claimed gradient with central finite differences for any
-function of NumPy arrays and scalars.
+function of NumPy arrays and scalars. `check_attention` runs any attention
+implementation (a PyTorch or JAX kernel wrapped in a few lines) through the
+conformance battery against the float64 oracles.
 """
 
 import dataclasses
 
 import numpy as np
 
-__all__ = ["gradcheck", "GradcheckError", "GradcheckReport"]
+from elastic_np._conformance import ConformanceReport
+
+__all__ = ["gradcheck", "GradcheckError", "GradcheckReport", "check_attention", "ConformanceReport"]
 
 
 class GradcheckError(AssertionError):
@@ -196,3 +200,96 @@ def _central_differences(loss, inputs, name, eps):
         x[index] = saved
         numerical[index] = (up - down) / (2 * h)
     return numerical
+
+
+def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.float64), seed=0,
+                    quick=True):
+    r"""Run an attention implementation through the conformance battery.
+
+    Each case of the battery (plain, explicit scale, causal, causal with
+    ``N < M`` and ``N > M``, window, ``kv_lengths``, rows with nothing kept,
+    mask, NVM, ``tau``, ``beta``, per-head ``tau``/``beta``, dynamic window,
+    grouped-query attention and all of them combined) draws seeded inputs,
+    calls ``fn`` and compares the result with the float64 oracle
+    `elastic_np.reference.attention` evaluated on the same (dtype-rounded)
+    inputs. A quantity passes when its largest absolute error is at most
+
+    .. math:: \max(2\,e_\text{naive},\ \text{floor} \cdot \max|\text{oracle}|)
+
+    where :math:`e_\text{naive}` is the error of the contract's formula
+    evaluated naively with every operation in the same dtype (the
+    FlashAttention rule) and the floor is ``1e-12`` for float64 and ``1e-5``
+    for float32: an honest float32 kernel passes and a 0.1% error is caught.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(q, k, v, **opts)`` with NumPy arrays ``q`` ``(B, H, N, D)``, ``k``
+        ``(B, Hkv, M, D)``, ``v`` ``(B, Hkv, M, Dv)`` in the dtype under test,
+        returning ``out`` ``(B, H, N, Dv)`` or ``(out, lse)`` with ``lse``
+        ``(B, H, N)`` (then ``lse`` is checked too); results are compared in
+        float64 whatever their dtype. ``opts`` holds only the
+        options the case sets, with the meanings of `elastic_np.attention`:
+        ``scale`` (float), ``causal`` (bool), ``window_size`` (pair of ints),
+        ``kv_lengths`` (int array ``(B,)``), ``mask`` (bool array ``(B, 1, N,
+        M)``, True keeps), ``nvm`` (bool), ``tau``, ``beta`` (float or array
+        ``(H,)``), ``dynamic_window`` (an `elastic_np.DynamicWindow`).
+    backward : callable, optional
+        ``backward(dout, q, k, v, **opts)`` returning the gradients of
+        ``sum(dout * out)``: a tuple ``(dq, dk, dv)``, optionally followed by
+        ``dtau, dbeta, dsigma`` (in the shapes of ``tau``, ``beta`` and the
+        window's ``sigma``; None where not computed), or an object or dict with
+        those names, such as `elastic_np.AttentionGrads`. ``dq, dk, dv`` are
+        always checked; ``dtau``, ``dbeta``, ``dsigma`` when the case sets the
+        option and they are returned.
+    options : iterable of str, optional
+        Options ``fn`` takes besides the keyword parameters of its signature
+        (a ``**kwargs`` parameter declares nothing), and capabilities that no
+        signature shows: ``"gqa"`` (``k``, ``v`` with fewer heads than ``q``)
+        and ``"bottom_right_causal"`` (causal with ``N != M``, with key ``j``
+        visible to query ``i`` when ``j <= i + M - N``). PyTorch's
+        ``is_causal`` is aligned top-left, so a wrapper of
+        ``scaled_dot_product_attention`` must not declare
+        ``"bottom_right_causal"``; its causal cases then run with ``N == M``
+        only, where both conventions agree. A case runs only when ``fn`` has
+        every option it needs; the others are listed as skipped.
+    dtypes : sequence of dtypes, optional
+        float32 and/or float64.
+    seed : int, optional
+        Seed of the inputs.
+    quick : bool, optional
+        Small shapes (the default); ``False`` uses longer sequences and head
+        dims (about five times as long, four times as wide).
+
+    Returns
+    -------
+    ConformanceReport
+        True when every compared quantity passed; ``str()`` is the table
+        (case, dtype, quantity, worst error, allowed error, pass/FAIL) with the
+        skipped cases. An exception raised by ``fn`` or ``backward`` is a
+        failed row naming it, not an error.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name in ``options`` or a dtype other than float32 and
+        float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> def fn(q, k, v, causal=False, beta=0.0):
+    ...     return enp.attention(q, k, v, causal=causal, beta=beta, backend="reference")
+    >>> report = enp.testing.check_attention(fn)
+    >>> bool(report), sorted({row.case for row in report.rows})
+    (True, ['beta', 'causal', 'plain'])
+    """
+    from elastic_np import _conformance
+
+    supported = _conformance.supported_options(fn, options)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return _conformance.run_battery(
+        fn, backward=backward, supported=supported, dtypes=dtypes, quick=quick, seed=seed,
+        title=f"check_attention({name})",
+    )

@@ -1,0 +1,531 @@
+"""The conformance battery: cases, tolerances and the report.
+
+Every case draws seeded inputs, evaluates the float64 oracle on them (after
+rounding them to the dtype under test, so that only the computation is
+measured, not the rounding of the inputs) and compares what the implementation
+returns with it. The allowed error follows the FlashAttention rule:
+
+    allowed = max(2 * error of a naive evaluation in the same dtype,
+                  floor * max |oracle|)
+
+with ``floor`` 1e-12 for float64 and 1e-5 for float32 (so a float32 error of
+0.1% is always caught). The naive evaluation is the contract's formula
+written out with whole arrays in NumPy, every operation in the dtype under
+test; the oracle is `elastic_np.reference`.
+"""
+
+import dataclasses
+import inspect
+
+import numpy as np
+
+from elastic_np import reference
+from elastic_np._options import DynamicWindow, prepare, sum_to_shape
+
+#: Keyword options of the attention, in the order of the contract.
+OPTION_NAMES = (
+    "scale", "causal", "window_size", "kv_lengths", "mask", "nvm", "tau", "beta",
+    "dynamic_window",
+)
+#: Capabilities that are not keyword options and are only declared via ``options``:
+#: ``"gqa"``: ``k``, ``v`` with fewer heads than ``q`` (grouped-query attention);
+#: ``"bottom_right_causal"``: causal with ``N != M``, aligned bottom-right as in
+#: the contract (torch's ``is_causal`` is top-left aligned, so it must not declare it).
+CAPABILITIES = ("gqa", "bottom_right_causal")
+
+#: Relative floor of the allowed error, scaled by the largest magnitude of the oracle.
+FLOOR = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+#: Relative tolerance of the oracle's gradients against central differences (the contract).
+GRADCHECK_RTOL = 1e-6
+
+_GRAD_NAMES = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One battery case: a shape and the options it passes.
+
+    ``quick`` and ``full`` are ``(B, H, Hkv, N, M, D, Dv)``; ``requires`` names
+    the options and capabilities the implementation must have for the case to
+    run; ``make_options(rng, shape)`` returns the keyword options.
+    """
+
+    name: str
+    requires: frozenset
+    quick: tuple
+    full: tuple
+    make_options: object
+
+    def shape(self, quick):
+        return self.quick if quick else self.full
+
+
+def _sizes(B=2, H=2, Hkv=None, N=11, M=None, D=8, Dv=6, *, full_scale=5):
+    """Quick and full shapes: the full one has longer sequences and head dims."""
+    Hkv = H if Hkv is None else Hkv
+    M = N if M is None else M
+    quick = (B, H, Hkv, N, M, D, Dv)
+    full = (B, 2 * H, 2 * Hkv, N * full_scale + 2, M * full_scale + 2, 4 * D, 4 * Dv)
+    return quick, full
+
+
+def _mask(rng, shape):
+    """Random boolean mask of shape (B, 1, N, M), each row keeping at least one key."""
+    B, H, Hkv, N, M, D, Dv = shape
+    mask = rng.random((B, 1, N, M)) < 0.7
+    mask[:, :, np.arange(N), rng.integers(0, M, size=N)] = True
+    return mask
+
+
+def _window_threshold(sigma, N, M, start=0.1):
+    """A threshold for the dynamic window that no bell value comes close to.
+
+    The gate jumps where the bell crosses the threshold; keeping every bell
+    value 0.1% away from it means that no rounding flips an entry in or out.
+    """
+    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+    x = 2.0 * offset / (M - 1) if M > 1 else np.zeros((N, M))
+    s = np.asarray(sigma, dtype=np.float64).reshape(-1)[:, None, None]
+    f = np.exp(-(x**2) / (2 * s**2)) / (s * np.sqrt(2 * np.pi))
+    for t in start * (1 + 0.037 * np.arange(200)):
+        if np.min(np.abs(f - t)) > 1e-3 * t:
+            return float(t)
+    raise RuntimeError("no threshold away from the bell values found")  # pragma: no cover
+
+
+def _dynamic_window(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    sigma = rng.uniform(0.3, 0.8, size=(B, H))
+    return DynamicWindow(sigma, sharpness=4.0, threshold=_window_threshold(sigma, N, M))
+
+
+def _combined(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    lengths = np.array([M - 1, M // 2, 0][:B] + [M] * max(B - 3, 0))
+    return {
+        "scale": 0.4,
+        "causal": True,
+        "window_size": (M // 2, -1),
+        "kv_lengths": lengths,
+        "mask": _mask(rng, shape),
+        "nvm": True,
+        "tau": rng.uniform(0.5, 1.5, size=H),
+        "beta": rng.uniform(0.2, 2.0, size=H),
+        "dynamic_window": _dynamic_window(rng, shape),
+    }
+
+
+def _case(name, requires, sizes, make_options):
+    quick, full = sizes
+    return Case(name, frozenset(requires), quick, full, make_options)
+
+
+CASES = (
+    _case("plain", (), _sizes(), lambda rng, s: {}),
+    _case("scale", ("scale",), _sizes(), lambda rng, s: {"scale": 0.3}),
+    _case("causal", ("causal",), _sizes(), lambda rng, s: {"causal": True}),
+    _case("causal N<M", ("causal", "bottom_right_causal"), _sizes(N=5, M=11),
+          lambda rng, s: {"causal": True}),
+    _case("causal N>M", ("causal", "bottom_right_causal"), _sizes(N=11, M=5),
+          lambda rng, s: {"causal": True}),
+    _case("window", ("window_size",), _sizes(), lambda rng, s: {"window_size": (3, 2)}),
+    _case("kv_lengths", ("kv_lengths",), _sizes(),
+          lambda rng, s: {"kv_lengths": np.array([s[4] - 3, s[4] // 2])}),
+    _case("empty rows", ("kv_lengths",), _sizes(),
+          lambda rng, s: {"kv_lengths": np.array([s[4], 0])}),
+    _case("mask", ("mask",), _sizes(), lambda rng, s: {"mask": _mask(rng, s)}),
+    _case("nvm", ("nvm",), _sizes(), lambda rng, s: {"nvm": True}),
+    _case("tau", ("tau",), _sizes(), lambda rng, s: {"tau": 0.6}),
+    _case("beta", ("beta",), _sizes(), lambda rng, s: {"beta": 1.5}),
+    _case("tau, beta per head", ("tau", "beta"), _sizes(),
+          lambda rng, s: {"tau": rng.uniform(0.5, 1.5, size=s[1]),
+                          "beta": rng.uniform(0.2, 2.0, size=s[1])}),
+    _case("dynamic window", ("dynamic_window",), _sizes(),
+          lambda rng, s: {"dynamic_window": _dynamic_window(rng, s)}),
+    _case("gqa", ("gqa",), _sizes(H=4, Hkv=2), lambda rng, s: {}),
+    _case("combined", OPTION_NAMES + CAPABILITIES, _sizes(B=3, H=4, Hkv=2, N=7, M=13),
+          _combined),
+)
+
+
+def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
+    """Seeded inputs of ``case``: ``(q, k, v, dout, options)``.
+
+    ``q, k, v, dout`` are float64 arrays holding values exactly representable
+    in ``dtype``. Under ``nvm``, the inputs are drawn again until no score lies
+    within ``margin`` (relative to the largest score) of 0, where NVM jumps.
+    ``dims`` overrides ``(D, Dv)``.
+    """
+    dtype = np.dtype(dtype)
+    B, H, Hkv, N, M, D, Dv = case.shape(quick)
+    if dims is not None:
+        D, Dv = dims
+    shape = (B, H, Hkv, N, M, D, Dv)
+    for attempt in range(200):
+        rng = np.random.default_rng([seed, attempt, len(case.name)])
+        q = rng.standard_normal((B, H, N, D)).astype(dtype).astype(np.float64)
+        k = rng.standard_normal((B, Hkv, M, D)).astype(dtype).astype(np.float64)
+        v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype).astype(np.float64)
+        dout = rng.standard_normal((B, H, N, Dv)).astype(dtype).astype(np.float64)
+        options = case.make_options(rng, shape)
+        if not options.get("nvm"):
+            return q, k, v, dout, options
+        s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, H // Hkv, axis=1))
+        if np.min(np.abs(s)) > margin * np.max(np.abs(s)):
+            return q, k, v, dout, options
+    raise RuntimeError(  # pragma: no cover
+        f"could not draw inputs away from the NVM jump for case {case.name!r}")
+
+
+def select_cases(supported):
+    """Split `CASES` into those whose requirements ``supported`` covers and the rest."""
+    supported = frozenset(supported)
+    run = [c for c in CASES if c.requires <= supported]
+    skipped = [(c, sorted(c.requires - supported)) for c in CASES if not c.requires <= supported]
+    return run, skipped
+
+
+# ---------------------------------------------------------------------------
+# The naive evaluation in one dtype (the baseline of the tolerance)
+# ---------------------------------------------------------------------------
+
+
+def naive_forward(q, k, v, options, dtype):
+    """The contract's forward with whole arrays, every operation in ``dtype``.
+
+    Returns ``(out, lse, cache)``; ``cache`` feeds `naive_backward`.
+    """
+    dtype = np.dtype(dtype)
+    t = dtype.type
+    p = prepare(*(np.asarray(a, dtype=dtype) for a in (q, k, v)), dtypes=(dtype,), **options)
+    B, H, Hkv, N, M, D, Dv = p.shape
+    kk = np.repeat(p.k, p.group_size, axis=1)
+    vv = np.repeat(p.v, p.group_size, axis=1)
+    s = (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale)
+    keep = reference.structural_keep(p)
+    if p.nvm:
+        keep = keep & (s >= 0)
+    tau = p.tau.astype(dtype)[:, None, None]
+    z = s / tau
+    gate = None
+    if p.sigma is not None:
+        offset = (np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)).astype(dtype)
+        x = t(2) * offset / t(M - 1) if M > 1 else np.zeros((N, M), dtype=dtype)
+        sigma = p.sigma.astype(dtype)[:, :, None, None]
+        f = np.exp(-(x * x) / (t(2) * sigma * sigma)) / (sigma * t(np.sqrt(2 * np.pi)))
+        G = np.tanh(t(p.sharpness) * np.where(f > t(p.threshold), f, t(0)))
+        keep = keep & (G > 0)
+        with np.errstate(divide="ignore"):
+            z = z + np.log(G)
+        gate = (G, f, x, sigma)
+    z = np.where(keep, z, t(-np.inf))
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), t(0), m)
+    e = np.exp(z - m)
+    with np.errstate(divide="ignore", over="ignore"):
+        l = e.sum(axis=-1, keepdims=True) + np.exp(np.log(p.beta.astype(dtype))[:, None, None] - m)
+        lse = (m + np.log(l))[..., 0]
+    probs = np.divide(e, l, out=np.zeros_like(e), where=l > 0)
+    out = probs @ vv
+    return out, lse, (p, s, keep, probs, kk, vv, gate)
+
+
+def naive_backward(dout, out, lse, cache, dtype):
+    """The contract's backward, every operation in ``dtype``; returns a dict of gradients."""
+    dtype = np.dtype(dtype)
+    t = dtype.type
+    p, s, keep, probs, kk, vv, gate = cache
+    B, H, Hkv, N, M, D, Dv = p.shape
+    dout = np.asarray(dout, dtype=dtype)
+    tau = p.tau.astype(dtype)[:, None, None]
+    dP = dout @ np.swapaxes(vv, -1, -2)
+    delta = np.sum(dout * out, axis=-1)
+    dz = probs * (dP - delta[..., None])
+    ds = dz / tau
+    dq = t(p.scale) * (ds @ kk)
+    dk = t(p.scale) * (np.swapaxes(ds, -1, -2) @ p.q)
+    dk = dk.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
+    dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
+    dtau = -np.sum(np.where(keep, dz * s, t(0)), axis=(0, 2, 3)) / (tau[:, 0, 0] ** 2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        per_row = np.where(delta == 0, t(0), delta * np.exp(-lse))
+    dbeta = -per_row.sum(axis=(0, 2))
+    grads = {
+        "dq": dq, "dk": dk, "dv": dv,
+        "dtau": sum_to_shape(dtau, p.tau_shape),
+        "dbeta": sum_to_shape(dbeta, p.beta_shape),
+    }
+    if gate is not None:
+        G, f, x, sigma = gate
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dlogG = t(p.sharpness) * (t(1) - G * G) / G * f * (x * x / sigma**3 - t(1) / sigma)
+            dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
+        grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
+    return grads
+
+
+# ---------------------------------------------------------------------------
+# Errors and the report
+# ---------------------------------------------------------------------------
+
+
+def worst_error(got, want):
+    """Largest absolute difference; infinite for NaN, a wrong shape or mismatched infinities."""
+    want = np.asarray(want, dtype=np.float64)
+    try:
+        got = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError):
+        return np.inf, f"not an array of numbers: {type(got).__name__}"
+    if got.shape != want.shape:
+        return np.inf, f"shape {got.shape}, expected {want.shape}"
+    if np.isnan(got).any():
+        return np.inf, "NaN in result"
+    finite = np.isfinite(want)
+    if (got[~finite] != want[~finite]).any() or not np.isfinite(got[finite]).all():
+        return np.inf, "infinities differ from the oracle's"
+    if not finite.any():
+        return 0.0, ""
+    return float(np.max(np.abs(got[finite] - want[finite]))), ""
+
+
+def _magnitude(want):
+    want = np.asarray(want, dtype=np.float64)
+    finite = want[np.isfinite(want)]
+    return float(np.max(np.abs(finite))) if finite.size else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of a report: a quantity of one case in one dtype."""
+
+    case: str
+    dtype: str
+    quantity: str
+    error: float
+    allowed: float
+    passed: bool
+    note: str = ""
+    baseline: float = float("nan")  # error of the naive evaluation in the same dtype
+
+
+@dataclasses.dataclass
+class ConformanceReport:
+    """The result of a conformance run: true when every row passed.
+
+    Attributes
+    ----------
+    title : str
+        What was checked.
+    rows : list of Row
+        One per case, dtype and quantity compared.
+    skipped : list of (str, list of str)
+        Cases not run and the options or capabilities they needed.
+    """
+
+    title: str
+    rows: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    def __bool__(self):
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    @property
+    def failures(self):
+        """The rows that failed."""
+        return [r for r in self.rows if not r.passed]
+
+    @property
+    def failed_cases(self):
+        """Names of the cases with at least one failed row."""
+        return sorted({r.case for r in self.failures})
+
+    def __str__(self):
+        width = max([len(r.case) for r in self.rows] + [4])
+        lines = [self.title,
+                 f"  {'case':<{width}}  {'dtype':<7}  {'quantity':<8}  {'worst error':>11}  "
+                 f"{'allowed':>9}  result"]
+        for r in self.rows:
+            lines.append(
+                f"  {r.case:<{width}}  {r.dtype:<7}  {r.quantity:<8}  {r.error:>11.2e}  "
+                f"{r.allowed:>9.2e}  {'pass' if r.passed else 'FAIL'}"
+                + (f"  ({r.note})" if r.note else "")
+            )
+        if not self.rows:
+            lines.append("  (nothing was run)")
+        passed = sum(r.passed for r in self.rows)
+        lines.append(f"  {passed}/{len(self.rows)} passed")
+        if self.skipped:
+            lines.append("  skipped: " + "; ".join(
+                f"{name} (needs {', '.join(needs)})" for name, needs in self.skipped))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Running an implementation through the battery
+# ---------------------------------------------------------------------------
+
+
+def supported_options(fn, options=None):
+    """Option and capability names ``fn`` takes: its keyword parameters plus ``options``."""
+    known = set(OPTION_NAMES) | set(CAPABILITIES)
+    declared = set(options or ())
+    unknown = declared - known
+    if unknown:
+        raise ValueError(
+            f"`options` names unknown options {sorted(unknown)}; known: {sorted(known)}"
+        )
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    from_signature = {
+        name for name, param in params.items()
+        if name in OPTION_NAMES and param.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return from_signature | declared
+
+
+def _unpack_forward(result):
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise TypeError(
+                f"fn returned a sequence of {len(result)} items; expected out or (out, lse)")
+        return result[0], result[1]
+    return result, None
+
+
+def _unpack_backward(result):
+    if isinstance(result, dict):
+        return {name: result.get(name) for name in _GRAD_NAMES}
+    if isinstance(result, (tuple, list)):
+        if not 3 <= len(result) <= 6:
+            raise TypeError(
+                f"backward returned {len(result)} items; expected 3 to 6 (dq, dk, dv, ...)")
+        return dict(zip(_GRAD_NAMES, result))
+    return {name: getattr(result, name, None) for name in _GRAD_NAMES}
+
+
+def _compare(report, case, dtype, quantity, got, want, naive):
+    error, note = worst_error(got, want)
+    naive_error, _ = worst_error(naive, want)
+    allowed = max(2.0 * naive_error, FLOOR[np.dtype(dtype)] * _magnitude(want))
+    report.rows.append(Row(case, np.dtype(dtype).name, quantity, error, allowed,
+                           bool(error <= allowed), note, naive_error))
+
+
+def _fail(report, case, dtype, quantity, exc):
+    message = f"raised {type(exc).__name__}: {exc}".splitlines()[0][:100]
+    report.rows.append(Row(case, np.dtype(dtype).name, quantity, np.inf, np.nan, False, message))
+
+
+def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float64),
+                quick=True, seed=0, title="conformance", progress=None):
+    """Run every case ``supported`` covers through ``fn`` (and ``backward``).
+
+    See `elastic_np.testing.check_attention` for the calling conventions.
+    ``progress`` is called as ``progress(step_label)`` after each case and dtype.
+    """
+    dtypes = [np.dtype(d) for d in dtypes]
+    for d in dtypes:
+        if d not in FLOOR:
+            raise ValueError(f"`dtypes` may hold float32 and float64, got {d}")
+    cases, skipped = select_cases(supported)
+    report = ConformanceReport(title=title, skipped=[(c.name, needs) for c, needs in skipped])
+    for case in cases:
+        for dtype in dtypes:
+            _run_case(report, case, dtype, fn, backward, quick, seed)
+            if progress is not None:
+                progress(f"{case.name} {dtype.name}")
+    return report
+
+
+def _run_case(report, case, dtype, fn, backward, quick, seed):
+    q, k, v, dout, options = draw_inputs(case, dtype, quick=quick, seed=seed)
+    out_ref, lse_ref = reference.attention(q, k, v, **options)
+    out_naive, lse_naive, cache = naive_forward(q, k, v, options, dtype)
+    args = [np.array(a, dtype=dtype) for a in (q, k, v)]
+    try:
+        out, lse = _unpack_forward(fn(*args, **options))
+    except Exception as exc:  # the implementation under test failed: report, go on
+        _fail(report, case.name, dtype, "out", exc)
+        return
+    _compare(report, case.name, dtype, "out", out, out_ref, out_naive)
+    if lse is not None:
+        _compare(report, case.name, dtype, "lse", lse, lse_ref, lse_naive)
+    if backward is None:
+        return
+    with np.errstate(invalid="ignore", divide="ignore"):  # inf * 0 off the band; masked out
+        grads_ref = reference.attention_backward(dout, q, k, v, out_ref, lse_ref, **options)
+    grads_naive = naive_backward(dout, out_naive, lse_naive, cache, dtype)
+    try:
+        grads = _unpack_backward(backward(np.array(dout, dtype=dtype), *args, **options))
+    except Exception as exc:
+        _fail(report, case.name, dtype, "grads", exc)
+        return
+    for name in _GRAD_NAMES:
+        want = getattr(grads_ref, name)
+        if name in ("dq", "dk", "dv"):
+            got = grads[name]
+        else:
+            # tau, beta, sigma gradients: checked when the case sets the option
+            # and the implementation returns them.
+            option = {"dtau": "tau", "dbeta": "beta", "dsigma": "dynamic_window"}[name]
+            got = grads.get(name)
+            if option not in options or got is None:
+                continue
+        _compare(report, case.name, dtype, name, got, want, grads_naive[name])
+
+
+# ---------------------------------------------------------------------------
+# The oracles' own gradients
+# ---------------------------------------------------------------------------
+
+
+def check_oracle_gradients(*, quick=True, seed=0, progress=None):
+    """`elastic_np.reference.attention_backward` against central differences, every case.
+
+    Runs in float64 with head dims 4 and 3 (every element of every input is
+    perturbed twice); inputs are drawn away from the NVM jump and the window
+    threshold. Returns a `ConformanceReport`.
+    """
+    from elastic_np.testing import gradcheck
+
+    report = ConformanceReport(title="float64 oracle gradients vs central differences")
+    for case in CASES:
+        q, k, v, dout, options = draw_inputs(case, np.float64, quick=True, seed=seed,
+                                             margin=1e-3, dims=(4, 3))
+        out, lse = reference.attention(q, k, v, **options)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
+        fixed = {n: options[n] for n in options if n not in ("tau", "beta", "dynamic_window")}
+        window = options.get("dynamic_window")
+        inputs = {"q": q, "k": k, "v": v}
+        claimed = {"dq": grads.dq, "dk": grads.dk, "dv": grads.dv}
+        for name, grad in (("tau", grads.dtau), ("beta", grads.dbeta)):
+            if name in options:
+                inputs[name] = options[name]
+                claimed["d" + name] = grad
+        if window is not None:
+            inputs["sigma"] = np.array(window.sigma)
+            claimed["dsigma"] = grads.dsigma
+
+        def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None):
+            dw = None if sigma is None else DynamicWindow(
+                sigma, sharpness=window.sharpness, threshold=window.threshold)
+            return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw, **fixed)[0]
+
+        result = gradcheck(
+            loss_fn, inputs, {name[1:]: g for name, g in claimed.items()},
+            dout=dout, rtol=GRADCHECK_RTOL, raise_on_failure=False,
+        )
+        for entry in result.entries:
+            report.rows.append(Row(case.name, "float64", "d" + entry.name, entry.error,
+                                   GRADCHECK_RTOL, entry.passed, "relative"))
+        if progress is not None:
+            progress(case.name)
+    return report

@@ -1,0 +1,225 @@
+"""The ``elastic-np`` command line: check, bench, example, argument errors."""
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import elastic_np
+from elastic_np import _conformance, cli
+from elastic_np._progress import Progress
+
+
+def available(name):
+    if importlib.util.find_spec(f"elastic_np.{name}") is None:
+        return False
+    try:
+        elastic_np._dispatch.get_backend(name)
+    except elastic_np.BackendUnavailableError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------
+
+
+def test_check_quick_reference(capsys):
+    assert cli.main(["check", "--quick", "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "backend 'reference' vs the float64 oracle" in out
+    assert "float64 oracle gradients vs central differences" in out
+    for case in _conformance.CASES:
+        assert f"  {case.name} " in out
+    assert "worst error" in out and "allowed" in out
+    assert "FAIL" not in out
+    assert out.strip().splitlines()[-1].startswith("PASS: ")
+
+
+def test_check_quick_all_reports_unavailable_backends_as_skipped(capsys):
+    assert cli.main(["check", "--quick"]) == 0
+    captured = capsys.readouterr()
+    for name in ("cpu", "cuda"):
+        if available(name):
+            assert f"backend '{name}' vs the float64 oracle" in captured.out
+            assert f"backend '{name}': first JIT compile took" in captured.out
+            assert f"{name}: first JIT compile of the kernels" in captured.err
+        else:
+            assert f"backend '{name}': skipped" in captured.out
+    assert "float64 oracle gradients" in captured.out
+    assert captured.out.strip().splitlines()[-1].startswith("PASS: ")
+
+
+@pytest.mark.skipif(not available("cpu"), reason="the cpu backend is not available")
+def test_check_quick_cpu(capsys):
+    assert cli.main(["check", "--quick", "--backend", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "backend 'cpu' vs the float64 oracle" in out
+    assert "(backends checked: cpu)" in out
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_check_named_unavailable_backend_is_an_error(name, capsys):
+    if available(name):
+        pytest.skip(f"the {name} backend is available here")
+    assert cli.main(["check", "--quick", "--backend", name]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("elastic-np check: error: ") and repr(name) in line
+
+
+def test_backend_failing_to_start_is_skipped_or_an_error(monkeypatch, capsys):
+    real = elastic_np._dispatch.get_backend
+
+    def failing_cuda(name):
+        if name == "cuda":
+            raise RuntimeError("driver missing")
+        return real(name)
+
+    monkeypatch.setattr(elastic_np._dispatch, "get_backend", failing_cuda)
+    assert cli.main(["check", "--quick", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert ("backend 'cuda': skipped (backend 'cuda' is not available: "
+            "RuntimeError: driver missing)") in out
+    assert cli.main(["check", "--quick", "--backend", "cuda"]) == 2
+    assert "RuntimeError: driver missing" in capsys.readouterr().err
+
+
+def test_check_failure_exits_1(monkeypatch, capsys):
+    honest = cli._backend_functions
+
+    def broken(name):
+        fn, backward = honest(name)
+
+        def wrong_beta(q, k, v, beta=0.0, **options):
+            return fn(q, k, v, beta=np.multiply(beta, 1.01), **options)
+
+        return wrong_beta, backward
+
+    monkeypatch.setattr(cli, "_backend_functions", broken)
+    assert cli.main(["check", "--quick", "--backend", "reference", "--dtype", "float64"]) == 1
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FAIL: ")
+    assert "beta (float64)" in last and "combined (float64)" in last
+    assert "plain (float64)" not in last
+
+
+def test_check_subprocess():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(elastic_np.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, "-m", "elastic_np", "check", "--quick"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "float64 oracle gradients vs central differences" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: ")
+
+
+# ---------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------
+
+
+def test_bench_quick_json_and_plot(tmp_path, capsys):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--quick", "--seq", "8", "16", "--heads", "1", "--dim", "4",
+            "--repeat", "1", "--min-time", "0", "--json", str(json_path), "--plot", str(png_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "implementation" in out and "GFLOP/s" in out and "peak MiB" in out
+    assert f"results written to {json_path}" in out and f"plot written to {png_path}" in out
+
+    data = json.loads(json_path.read_text())
+    assert data["config"] == {**data["config"], "heads": 1, "dim": 4, "seqs": [8, 16],
+                              "dtype": "float32", "batch": 1}
+    assert data["matmul_peak_gflops"] > 0
+    impls = {r["impl"] for r in data["results"]}
+    assert "naive numpy" in impls
+    torch_installed = importlib.util.find_spec("torch") is not None
+    assert ("torch sdpa" in impls) == torch_installed
+    if available("cpu"):
+        assert "elastic_np cpu" in impls and "elastic_np cpu" in data["compile_s"]
+    else:
+        assert "elastic_np cpu" in data["unavailable"]
+        assert "elastic_np cpu: unavailable" in out
+    for impl in impls:
+        rows = [r for r in data["results"] if r["impl"] == impl]
+        assert {(r["pass"], r["seq"]) for r in rows} == {
+            (p, n) for p in ("forward", "forward+backward") for n in (8, 16)}
+        for r in rows:
+            assert r["time_s"] > 0 and r["gflops"] > 0 and r["peak_mib"] >= 0
+            assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / data["matmul_peak_gflops"])
+            assert f"{r['impl']:<18} {r['pass']:<16} {r['seq']:>6}" in out
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_naive_backward_matches_reference():
+    from elastic_np import _bench, reference
+
+    q, k, v = _bench.make_inputs(1, 4, 5, 7, 3, Hkv=2, dtype=np.float64)
+    dout = np.random.default_rng(1).standard_normal((1, 4, 5, 3))
+    out, dq, dk, dv = _bench.naive_attention_backward(q, k, v, dout, causal=True)
+    ref_out, lse = reference.attention(q, k, v, causal=True)
+    grads = reference.attention_backward(dout, q, k, v, ref_out, lse, causal=True)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-13)
+    for got, want in ((dq, grads.dq), (dk, grads.dk), (dv, grads.dv)):
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+def test_peak_memory_sees_a_numpy_allocation():
+    from elastic_np._bench import peak_memory_mib
+
+    assert peak_memory_mib(lambda: np.ones(4 * 2**20 // 8)) >= 3.9
+
+
+# ---------------------------------------------------------------------------
+# arguments, example, progress
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--seq", "0"], "--seq"),
+    (["bench", "--heads", "two"], "--heads"),
+    (["bench", "--dtype", "float16"], "--dtype"),
+    (["bench", "--min-time", "-1"], "--min-time"),
+    (["check", "--backend", "tpu"], "--backend"),
+    (["check", "--frobnicate"], "--frobnicate"),
+    (["explode"], "explode"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(argv, words, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("elastic-np") and "error:" in line and words in line
+
+
+def test_no_subcommand_prints_the_example(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "softmax(x)" in out and "attention(causal, nvm, tau=0.5, beta=1)" in out
+
+
+def test_progress_bar_draws_after_the_delay():
+    stream = io.StringIO()
+    with Progress(4, "work", stream=stream, delay=0.0) as bar:
+        bar.stage("compiling (first JIT compile)")
+        bar.update("a")
+        bar.update("b")
+    text = stream.getvalue()
+    assert "compiling (first JIT compile)\n" in text
+    assert "work [############............] 2/4" in text
+    assert text.endswith("\n")
+
+    quiet = io.StringIO()
+    with Progress(4, "work", stream=quiet, delay=60.0) as bar:
+        bar.update("a")
+    assert quiet.getvalue() == ""
