@@ -14,8 +14,11 @@ vectorises them with AVX-512/AVX2 and fused multiply-adds:
 
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
 be larger than the block used, which is always the top-left corner (the row
-length of the array is its leading dimension). Every function compiles once per
-dtype; sizes and ``accumulate`` are runtime arguments.
+length of the array is its leading dimension). Each function is compiled for
+explicit signatures, one per dtype, when this module is imported (or loaded
+from the cache): sizes and ``accumulate`` are runtime arguments, the factors
+``a`` and ``b`` may be read-only, and any other layout (a column slice, for
+instance) is a typing error rather than a slower extra specialisation.
 
 The innermost loops run along the rows of ``b``, ``c`` and ``x`` (contiguous),
 so the tiles are fastest with ``n`` a multiple of 16 (float32) or 8 (float64)
@@ -35,6 +38,24 @@ __all__ = ["matmul_nn", "matmul_tn", "exp_inplace"]
 # allows contraction of a*b+c into FMA.
 _MATMUL_OPTIONS = dict(cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 _EXP_OPTIONS = dict(cache=True, fastmath={"contract"}, boundscheck=False, error_model="numpy")
+
+# Explicit signatures: exactly one compiled version per dtype, whatever the
+# caller passes (literal True/False or sizes, int32 sizes, read-only factors),
+# and a clear typing error for anything that is not a 2-D C-contiguous array.
+_DTYPES = (types.float32, types.float64)
+
+
+def _matrix(dtype, readonly=False):
+    return types.Array(dtype, 2, "C", readonly=readonly)
+
+
+def _matmul_signature(dtype, *flags):
+    ro, rw = _matrix(dtype, readonly=True), _matrix(dtype)
+    return types.void(ro, ro, rw, types.intp, types.intp, types.intp, *flags)
+
+
+_MATMUL_SIGNATURES = [_matmul_signature(dtype, types.boolean) for dtype in _DTYPES]
+_EXP_SIGNATURES = {dtype: types.void(_matrix(dtype), types.intp, types.intp) for dtype in _DTYPES}
 
 
 # ---------------------------------------------------------------------------
@@ -121,7 +142,7 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed):
                 ci[j] += aip * bp[j]
 
 
-@njit(cache=True)
+@njit(_MATMUL_SIGNATURES, cache=True)
 def matmul_nn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``.
 
@@ -154,7 +175,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     _matmul(a, b, c, m, n, k, accumulate, False)
 
 
-@njit(cache=True)
+@njit(_MATMUL_SIGNATURES, cache=True)
 def matmul_tn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``.
 
@@ -213,7 +234,7 @@ _LN2_HI = 6.93147180369123816490e-01
 _LN2_LO = 1.90821492927058770002e-10
 
 
-@njit(**_EXP_OPTIONS)
+@njit([_EXP_SIGNATURES[types.float64]], **_EXP_OPTIONS)
 def _exp_f64(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float64 (see `exp_inplace`)."""
     for i in range(m):
@@ -267,7 +288,7 @@ _C4_F32 = np.float32(1.0 / 24.0)
 _C3_F32 = np.float32(1.0 / 6.0)
 
 
-@njit(**_EXP_OPTIONS)
+@njit([_EXP_SIGNATURES[types.float32]], **_EXP_OPTIONS)
 def _exp_f32(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float32 (see `exp_inplace`)."""
     for i in range(m):
@@ -312,7 +333,7 @@ def _exp_block_overload(x, m, n):
     return None
 
 
-@njit(cache=True)
+@njit(list(_EXP_SIGNATURES.values()), cache=True)
 def exp_inplace(x, m, n):
     r"""Exponential of the block ``x[:m, :n]``, in place.
 

@@ -161,10 +161,40 @@ def test_vectorised(dtype):
 def test_one_specialisation_per_dtype(dtype):
     rng = np.random.default_rng(3)
     a = rng.standard_normal((8, 8)).astype(dtype)
+    frozen = a.copy()
+    frozen.setflags(write=False)
     for fn in (matmul_nn, matmul_tn):
-        fn(a, a, a.copy(), 8, 8, 8, True)
-        fn(a, a, a.copy(), np.int64(5), 3, 2, np.bool_(False))
-        assert len([s for s in fn.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
-    exp_inplace(a, 8, 8)
-    exp_inplace(a, np.int64(2), 3)
-    assert len([s for s in exp_inplace.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
+        c = np.zeros((8, 8), dtype)
+        fn(frozen, frozen, c, np.int32(8), np.int16(8), 8, np.bool_(False))  # read-only factors, any ints
+        np.testing.assert_allclose(c, (frozen.T if fn is matmul_tn else frozen) @ frozen, rtol=1e-5)
+        assert len(fn.signatures) == 2
+        with pytest.raises(TypeError):
+            fn(a[:, :4], a, c, 4, 4, 4, False)  # not C-contiguous
+        with pytest.raises(TypeError):
+            fn(a, a, c.astype(np.float32 if dtype == np.float64 else np.float64), 4, 4, 4, False)  # mixed dtypes
+    exp_inplace(a, np.int32(2), 3)
+    assert len(exp_inplace.signatures) == 2
+    with pytest.raises(TypeError):
+        exp_inplace(frozen, 2, 2)  # written in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_called_from_jitted_code(dtype):
+    # the way the kernels call them: literal flags and sizes inside njit code
+    @numba.njit
+    def tile_softmax_times_v(s, v, out):
+        exp_inplace(s, 5, 6)
+        matmul_nn(s, v, out, 5, 3, 6, False)
+        matmul_tn(s, s, out, 6, 3, 5, True)
+
+    rng = np.random.default_rng(11)
+    s = rng.uniform(-3, 0, (5, 6)).astype(dtype)
+    v = rng.standard_normal((6, 3)).astype(dtype)
+    out = np.zeros((6, 3), dtype)
+    p = np.exp(s.astype(np.float64))
+    tile_softmax_times_v(s, v, out)
+    expected = np.zeros((6, 3))
+    expected[:5] = p @ v
+    expected += p.T @ p[:, :3]
+    np.testing.assert_allclose(out, expected, rtol=20 * np.finfo(dtype).eps)
+    assert len(matmul_nn.signatures) == len(matmul_tn.signatures) == len(exp_inplace.signatures) == 2
