@@ -537,6 +537,7 @@ def _backward_dq_kernel(
         dtau_acc = np.zeros(block_q)  # sum_j dz * s / tau per query
         dsigma_acc = np.zeros(block_q)
         _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+        delta_r = delta[b, h, i0 : i0 + bq]
 
         off_lo, off_hi = _offset_range(opt, b, h, N, M)
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
@@ -550,22 +551,27 @@ def _backward_dq_kernel(
                     pt[c, r] = st[c, r] - lse_t[r]
             exp_inplace(pt, bk, bq)
             matmul_nn(v[b, hk, j0 : j0 + bk], dout_t[b, h, it], dpt, bk, bq, Dv, False)
+            # dz in the working dtype feeds dq; the dtau and dsigma sums take
+            # dz in float64 against the float64 delta, so that rounding delta
+            # to float32 does not bias them.
             for c in range(bk):
                 if opt.has_gate:
                     base = j0 + c - shift - i0 + M - 1
                     for r in range(bq):
                         p = pt[c, r]
-                        dz = p * (dpt[c, r] - delta_t[r])
-                        dpt[c, r] = dz
+                        dp = dpt[c, r]
+                        dpt[c, r] = p * (dp - delta_t[r])
                         if p != 0:
-                            dtau_acc[r] += dz * (st[c, r] - opt.log_gate[b, h, base - r])
+                            dz = float(p) * (float(dp) - delta_r[r])
+                            dtau_acc[r] += dz * (float(st[c, r]) - opt.log_gate[b, h, base - r])
                             dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
                 else:
                     for r in range(bq):
                         p = pt[c, r]
-                        dz = p * (dpt[c, r] - delta_t[r])
-                        dpt[c, r] = dz
-                        dtau_acc[r] += dz * (st[c, r] if p != 0 else 0.0)
+                        dp = dpt[c, r]
+                        dpt[c, r] = p * (dp - delta_t[r])
+                        s = float(st[c, r]) if p != 0 else 0.0
+                        dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
             matmul_tn(dpt, k[b, hk, j0 : j0 + bk], dq_acc, bq, D, bk, True)
 
         factor = opt.scale / opt.tau[h]
