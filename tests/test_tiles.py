@@ -106,6 +106,26 @@ def test_exp_accuracy_in_ulps(dtype):
     assert worst <= 1.0
 
 
+@pytest.mark.parametrize(
+    "dtype,coefficients,bound",
+    [(np.float64, _tiles._EXP_Q_F64, 1.7e-17), (np.float32, _tiles._EXP_Q_F32, 1.2e-8)],
+)
+def test_exp_polynomial_is_the_chebyshev_fit(dtype, coefficients, bound):
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(50):
+        half_width = mpmath.log(2) / 2 * mpmath.mpf("1.0005")
+
+        def q(r):
+            return (mpmath.exp(r) - 1 - r) / r**2 if r != 0 else mpmath.mpf(0.5)
+
+        fit = mpmath.chebyfit(q, [-half_width, half_width], len(coefficients))
+        assert [dtype(float(c)) for c in fit] == list(coefficients)
+        # relative error of 1 + r + r**2 q(r) with the rounded coefficients
+        poly = [mpmath.mpf(float(c)) for c in coefficients] + [1, 1]
+        rel = [abs(mpmath.polyval(poly, r) / mpmath.exp(r) - 1) for r in mpmath.linspace(-half_width, half_width, 801)]
+        assert max(rel) < bound
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exp_special_values(dtype):
     lo, hi = EXP_RANGE[dtype]
