@@ -62,6 +62,23 @@ def test_matmul_zero_k_overwrites_with_zero(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_propagates_nan_and_inf(dtype, transpose_a):
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((9, 9)).astype(dtype)
+    b = rng.standard_normal((9, 10)).astype(dtype)
+    a[2, 5] = np.nan  # row 2 of the product (row 5 when a is stored transposed)
+    b[6, 3] = np.inf  # column 3 of the product
+    c = np.zeros((9, 10), dtype)
+    (matmul_tn if transpose_a else matmul_nn)(a, b, c, 9, 10, 9, False)
+    with np.errstate(invalid="ignore"):
+        expected = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(c), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(c), np.isinf(expected))
+    assert np.isnan(c).any() and np.isinf(c).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_repeatable(dtype):
     rng = np.random.default_rng(5)
     a = rng.standard_normal((64, 64)).astype(dtype)
