@@ -77,6 +77,8 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed):
     of ``b`` at a time, so each vector of ``b`` loaded feeds four rows and each
     load/store of ``c`` carries four fused multiply-adds; the 16 elements of
     ``A`` involved stay in registers (broadcast) across the loop over ``n``.
+    The update is written ``c = c + a0 x0 + a1 x1 + ...`` (left to right) so
+    that it compiles to four FMAs, not a multiply, three FMAs and an add.
     Leftover rows and leftover ``k`` fall back to rank-1 updates.
     """
     if not accumulate:
@@ -117,10 +119,10 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed):
                 x1 = b1[j]
                 x2 = b2[j]
                 x3 = b3[j]
-                c0[j] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
-                c1[j] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
-                c2[j] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
-                c3[j] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
+                c0[j] = c0[j] + a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
+                c1[j] = c1[j] + a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
+                c2[j] = c2[j] + a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
+                c3[j] = c3[j] + a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
         for p in range(k4, k):
             bp = b[p]
             a0 = _a_at(a, i, p, transposed)
