@@ -47,7 +47,7 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 BLOCK_Q = 128
 BLOCK_K = 64
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
-DQ_SHARES_BYTES = 1 << 27
+DQ_SHARES_BYTES = 1 << 25
 
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
