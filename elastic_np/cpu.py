@@ -593,6 +593,12 @@ def _backward_kernel(
         dv_acc = np.zeros((block_k, Dv), dtype=k.dtype)
         k_j = k[b, hk, j0 : j0 + bk]
         v_j = v[b, hk, j0 : j0 + bk]
+        # NVM tests s before log G is added: with a gate it stays in the
+        # logits pass, otherwise it joins the pass that forms z - lse (the
+        # logits z themselves are read only where p != 0).
+        nvm_in_logits = opt.nvm and opt.has_gate
+        nvm_in_exp = opt.nvm and not opt.has_gate
+        neg_inf = -np.inf
         for g in range(group):
             h = hk * group + g
             off_lo, off_hi = _offset_range(opt, b, h, N, M)
@@ -613,16 +619,24 @@ def _backward_kernel(
                 bq = min(block_q, N - i0)
                 share = dq_shares[t, b, h, i0 : i0 + bq]
                 matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
-                if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, opt.nvm):
+                if not _logits_tile(
+                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
+                ):
                     for r in range(bq):
                         for d in range(D):
                             share[r, d] = 0.0
                     continue
                 _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
                 delta_r = delta[b, h, i0 : i0 + bq]
-                for c in range(bk):
-                    for r in range(bq):
-                        pt[c, r] = st[c, r] - lse_t[r]
+                if nvm_in_exp:
+                    for c in range(bk):
+                        for r in range(bq):
+                            x = st[c, r]
+                            pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
+                else:
+                    for c in range(bk):
+                        for r in range(bq):
+                            pt[c, r] = st[c, r] - lse_t[r]
                 exp_inplace(pt, bk, bq)
                 matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
                 matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
