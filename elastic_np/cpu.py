@@ -427,6 +427,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         row_max = np.full(block_q, -np.inf, dtype=q.dtype)
         tile_max = np.empty(block_q, dtype=q.dtype)
         shift_by = np.empty(block_q, dtype=q.dtype)
+        rescale_by = np.empty(block_q, dtype=q.dtype)
         tile_sum = np.empty(block_q, dtype=q.dtype)
         row_sum = np.zeros(block_q)
 
@@ -471,13 +472,13 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     row_sum[r] *= alpha
                     if alpha != 1.0:
                         rescale = True
-                    tile_sum[r] = alpha  # reused: the factor for acc
+                    rescale_by[r] = alpha
                 else:
-                    tile_sum[r] = 1.0
+                    rescale_by[r] = 1.0
                 row_max[r] = new_max
             if rescale:
                 for r in range(bq):
-                    alpha = tile_sum[r]
+                    alpha = rescale_by[r]
                     for d in range(Dv):
                         acc[r, d] *= alpha
             for c in range(bk):
