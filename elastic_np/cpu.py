@@ -432,7 +432,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         row_sum = np.zeros(block_q)
 
         # NVM tests s before log G is added: with a gate it stays in the
-        # logits pass, otherwise it joins the row-max pass.
+        # logits pass, otherwise it joins the row-max and shift passes.
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_max = opt.nvm and not opt.has_gate
         neg_inf = -np.inf
@@ -452,9 +452,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     row = st[c]
                     for r in range(bq):
                         x = row[r]
-                        x = x if x >= 0 else neg_inf
-                        row[r] = x
-                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
+                        tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
             else:
                 for c in range(bk):
                     row = st[c]
@@ -481,9 +479,17 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     alpha = rescale_by[r]
                     for d in range(Dv):
                         acc[r, d] *= alpha
-            for c in range(bk):
-                for r in range(bq):
-                    st[c, r] -= shift_by[r]
+            if nvm_in_max:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        x = row[r]
+                        row[r] = x - shift_by[r] if x >= 0 else neg_inf
+            else:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        row[r] -= shift_by[r]
             exp_inplace(st, bk, bq)
             for r in range(bq):
                 tile_sum[r] = 0.0
