@@ -1,0 +1,170 @@
+"""Tile primitives of the CPU kernels against NumPy."""
+
+import platform
+import re
+
+import numba
+import numpy as np
+import pytest
+
+from elastic_np import _tiles
+from elastic_np._tiles import exp_inplace, matmul_nn, matmul_tn
+
+DTYPES = [np.float32, np.float64]
+# odd sizes hit every leftover path of the 4-row x 4-deep register blocking
+SIZES = [(1, 1, 1), (7, 59, 97), (97, 7, 59), (59, 97, 7), (12, 33, 6), (64, 64, 64), (33, 130, 64)]
+
+
+def _operands(rng, dtype, m, n, k, transpose_a):
+    pad = 3
+    a_shape = (k + pad, m + pad) if transpose_a else (m + pad, k + pad)
+    a = rng.standard_normal(a_shape).astype(dtype)
+    b = rng.standard_normal((k + pad, n + pad)).astype(dtype)
+    c = rng.standard_normal((m + pad, n + 2 * pad)).astype(dtype)
+    return a, b, c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SIZES)
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul(dtype, m, n, k, accumulate, transpose_a):
+    rng = np.random.default_rng(1000 * m + 10 * n + k)
+    a, b, c = _operands(rng, dtype, m, n, k, transpose_a)
+    a64, b64, c0 = a.astype(np.float64), b.astype(np.float64), c.copy()
+    prod = (a64[:k, :m].T if transpose_a else a64[:m, :k]) @ b64[:k, :n]
+    expected = c0.astype(np.float64)
+    expected[:m, :n] = prod + (expected[:m, :n] if accumulate else 0.0)
+    a_in, b_in = a.copy(), b.copy()
+    fn = matmul_tn if transpose_a else matmul_nn
+    fn(a, b, c, m, n, k, accumulate)
+    assert c.dtype == dtype
+    # error bound: eps * k * sum |a||b| (+ |c| when accumulating)
+    mag = (np.abs(a64[:k, :m].T) if transpose_a else np.abs(a64[:m, :k])) @ np.abs(b64[:k, :n])
+    if accumulate:
+        mag += np.abs(c0[:m, :n])
+    bound = 2 * (k + 1) * np.finfo(dtype).eps * mag
+    assert np.all(np.abs(c[:m, :n] - expected[:m, :n]) <= bound + np.finfo(dtype).tiny)
+    # outside the block nothing changes, and the inputs are untouched
+    outside = np.ones(c.shape, bool)
+    outside[:m, :n] = False
+    np.testing.assert_array_equal(c[outside], c0[outside])
+    np.testing.assert_array_equal(a, a_in)
+    np.testing.assert_array_equal(b, b_in)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_zero_k_overwrites_with_zero(dtype):
+    c = np.ones((4, 5), dtype)
+    a = np.ones((4, 4), dtype)
+    matmul_nn(a, a, c, 3, 4, 0, False)
+    assert np.all(c[:3, :4] == 0) and np.all(c[3] == 1) and np.all(c[:, 4] == 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_repeatable(dtype):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((64, 64)).astype(dtype)
+    b = rng.standard_normal((64, 96)).astype(dtype)
+    first, second = np.zeros((64, 96), dtype), np.zeros((64, 96), dtype)
+    matmul_tn(a, b, first, 64, 96, 64, False)
+    matmul_tn(a, b, second, 64, 96, 64, False)
+    np.testing.assert_array_equal(first, second)
+
+
+def _ulp_error(got, x, dtype):
+    """|got - exp(x)| in units of the spacing of ``dtype`` at exp(x) (x87 long double reference)."""
+    exact = np.exp(x.astype(np.longdouble))
+    spacing = np.spacing(np.abs(exact.astype(dtype))).astype(np.longdouble)
+    spacing = np.maximum(spacing, np.finfo(dtype).smallest_subnormal)
+    return (np.abs(got.astype(np.longdouble) - exact) / spacing).astype(np.float64)
+
+
+# the finite range of exp in each dtype (below it the result is 0 or subnormal)
+EXP_RANGE = {np.float32: (-104.0, 88.72), np.float64: (-745.2, 709.78)}
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs x87 long double for a reference")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exp_accuracy_in_ulps(dtype):
+    rng = np.random.default_rng(7)
+    lo, hi = EXP_RANGE[dtype]
+    x = np.concatenate(
+        [
+            np.linspace(lo, hi, 200_001),
+            rng.uniform(-20, 0, 50_000),
+            rng.uniform(-1, 1, 50_000),
+            rng.uniform(-1e-6, 1e-6, 1000),
+            [0.0, -0.0, 1e-30, -1e-30, 0.5 * np.log(2), -0.5 * np.log(2), np.log(2), lo, hi],
+        ]
+    ).astype(dtype)
+    got = x.reshape(5, -1).copy()
+    exp_inplace(got, *got.shape)
+    ulp = _ulp_error(got.ravel(), x, dtype)
+    worst = ulp.max()
+    print(f"{np.dtype(dtype).name}: max error {worst:.3f} ulp at x = {x[np.argmax(ulp)]!r}")
+    assert worst <= 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exp_special_values(dtype):
+    lo, hi = EXP_RANGE[dtype]
+    x = np.array([-np.inf, -1e30, -1e4, -800.0, -746.0, lo - 1.0, -0.0, 0.0, np.inf, 1e4, 1e30, np.nan], dtype)
+    got = x.reshape(1, -1).copy()
+    exp_inplace(got, 1, x.size)
+    got = got[0]
+    expected = np.array([0, 0, 0, 0, 0, 0, 1, 1, np.inf, np.inf, np.inf, np.nan], dtype)
+    np.testing.assert_array_equal(got, expected)
+    # edges of the range: -104 and -88 (float32 subnormal / smallest normal), the overflow threshold
+    edges = np.array([lo, -104.0, -88.0, -87.3, hi, 0.999 * hi], dtype)
+    got = edges.reshape(1, -1).copy()
+    exp_inplace(got, 1, edges.size)
+    assert np.all(np.isfinite(got))
+    assert np.all(_ulp_error(got[0], edges, dtype) <= 1.0)
+    above = np.array([[np.nextafter(dtype(hi), dtype(np.inf)) * dtype(1.001), 2 * hi]], dtype)
+    exp_inplace(above, 1, 2)
+    assert np.all(above == np.inf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", [(1, 1), (7, 59), (97, 7), (59, 97)])
+def test_exp_block_only(dtype, m, n):
+    rng = np.random.default_rng(m * n)
+    x = rng.uniform(-30, 0, (m + 2, n + 3)).astype(dtype)
+    x[0, 0] = -np.inf
+    x0 = x.copy()
+    exp_inplace(x, m, n)
+    np.testing.assert_allclose(x[:m, :n], np.exp(x0[:m, :n]), rtol=2 * np.finfo(dtype).eps, atol=0)
+    np.testing.assert_array_equal(x[m:], x0[m:])
+    np.testing.assert_array_equal(x[:, n:], x0[:, n:])
+
+
+def _packed_arithmetic(asm):
+    """Packed (SIMD) multiply or FMA instructions of an x86 listing."""
+    return re.findall(r"\bv?(?:fmadd\w*|mul)p[sd]\s+%?[xyz]mm", asm)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 listing")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vectorised(dtype):
+    # cached code cannot be inspected: compile uncached copies with the same options
+    x = np.zeros((2, 2), dtype)
+    exp_fn = _tiles._exp_f64 if dtype == np.float64 else _tiles._exp_f32
+    for fn, args in ((exp_fn, (x, 2, 2)), (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False))):
+        options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
+        copy = numba.njit(**options)(fn.py_func)
+        copy(*args)
+        assert len(_packed_arithmetic(copy.inspect_asm(copy.signatures[0]))) >= 8, fn.__name__
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_specialisation_per_dtype(dtype):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((8, 8)).astype(dtype)
+    for fn in (matmul_nn, matmul_tn):
+        fn(a, a, a.copy(), 8, 8, 8, True)
+        fn(a, a, a.copy(), np.int64(5), 3, 2, np.bool_(False))
+        assert len([s for s in fn.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
+    exp_inplace(a, 8, 8)
+    exp_inplace(a, np.int64(2), 3)
+    assert len([s for s in exp_inplace.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
