@@ -1,0 +1,194 @@
+"""The asv suite: it imports, has what a dashboard needs, and never times a compilation.
+
+The suite lives in ``asv_benchmarks/benchmarks`` (not an installed package);
+it is imported here with the ``quick`` profile, the one CI's dry run uses.
+"""
+
+import importlib
+import importlib.util
+import inspect
+import itertools
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from elastic_np import _bench, _options
+from elastic_np import reference as ref
+
+ASV_DIR = pathlib.Path(__file__).resolve().parents[1] / "asv_benchmarks"
+MODULES = ["bench_vector", "bench_reference", "bench_cpu", "bench_compare", "bench_cuda"]
+KINDS = ("time_", "peakmem_", "track_")
+
+
+@pytest.fixture(scope="module")
+def suite():
+    """The benchmark modules, imported fresh under the quick profile."""
+    previous = os.environ.get("ELASTIC_NP_ASV_PROFILE")
+    os.environ["ELASTIC_NP_ASV_PROFILE"] = "quick"
+    sys.path.insert(0, str(ASV_DIR))
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        del sys.modules[name]
+    try:
+        modules = {name: importlib.import_module(f"benchmarks.{name}") for name in MODULES}
+        yield modules
+    finally:
+        sys.path.remove(str(ASV_DIR))
+        if previous is None:
+            del os.environ["ELASTIC_NP_ASV_PROFILE"]
+        else:
+            os.environ["ELASTIC_NP_ASV_PROFILE"] = previous
+
+
+def benchmark_methods(suite):
+    """``(class, method name)`` for every benchmark the suite defines."""
+    found = []
+    for module in suite.values():
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            for name, _ in inspect.getmembers(cls, inspect.isfunction):
+                if name.startswith(KINDS):
+                    found.append((cls, name))
+    return found
+
+
+def param_sets(cls):
+    return list(itertools.product(*cls.params)) if hasattr(cls, "params") else [()]
+
+
+def test_suite_has_at_least_ten_benchmarks_of_three_kinds(suite):
+    methods = benchmark_methods(suite)
+    assert len(methods) >= 10
+    kinds = {kind for _, name in methods for kind in KINDS if name.startswith(kind)}
+    assert kinds == set(KINDS)
+
+
+def test_every_track_benchmark_has_a_unit(suite):
+    units = {
+        name: getattr(cls, name).unit
+        for cls, name in benchmark_methods(suite)
+        if name.startswith("track_")
+    }
+    assert units
+    assert set(units.values()) <= {"GFLOP/s", "relative error"}
+    assert {"GFLOP/s", "relative error"} <= set(units.values())
+
+
+def test_quick_profile_keeps_grids_small(suite):
+    common = suite["bench_cpu"].common
+    assert common.PROFILE == "quick"
+    runs = sum(len(param_sets(cls)) for cls, _ in benchmark_methods(suite))
+    assert runs <= 250, runs
+
+
+def test_unknown_profile_is_rejected(monkeypatch):
+    monkeypatch.setenv("ELASTIC_NP_ASV_PROFILE", "fast")
+    monkeypatch.syspath_prepend(str(ASV_DIR))
+    spec = importlib.util.spec_from_file_location(
+        "_profile_check", ASV_DIR / "benchmarks" / "common.py"
+    )
+    with pytest.raises(ValueError, match="ELASTIC_NP_ASV_PROFILE"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def _package_dispatchers():
+    """Every Numba dispatcher defined at module level in the imported elastic_np modules."""
+    from numba.core.dispatcher import Dispatcher
+
+    for name, module in list(sys.modules.items()):
+        if name == "elastic_np" or name.startswith("elastic_np."):
+            for obj in list(vars(module).values()):
+                if isinstance(obj, Dispatcher):
+                    yield obj
+
+
+def test_no_benchmark_compiles_while_measured(suite, monkeypatch):
+    """After ``setup``, a benchmark call neither compiles nor loads a Numba kernel.
+
+    asv runs each benchmark in a fresh process, so every one must warm its
+    kernels up itself. Here each runs once starting from dispatchers emptied of
+    their compiled code, and any specialisation added during the measured call
+    (compiled, or loaded from Numba's on-disk cache) fails the test. A benchmark
+    that skips in ``setup`` (backend or torch unavailable) is left out; the
+    oracles always run.
+    """
+    from numba.core.dispatcher import Dispatcher
+
+    added = []
+    add_overload = Dispatcher.add_overload
+
+    def recording_add_overload(self, cres):
+        added.append(f"{self.py_func.__qualname__}{tuple(cres.signature.args)}")
+        return add_overload(self, cres)
+
+    monkeypatch.setattr(Dispatcher, "add_overload", recording_add_overload)
+    ran = set()
+    for cls, name in benchmark_methods(suite):
+        for params in param_sets(cls):
+            for dispatcher in _package_dispatchers():
+                dispatcher._reset_overloads()
+            instance = cls()
+            cache = (instance.setup_cache(),) if hasattr(cls, "setup_cache") else ()
+            try:
+                if hasattr(instance, "setup"):
+                    instance.setup(*cache, *params)
+            except NotImplementedError:
+                continue
+            added.clear()
+            getattr(instance, name)(*cache, *params)
+            assert not added, f"{cls.__name__}.{name}{params} added {added}"
+            ran.add((cls.__name__, name))
+    assert ("VectorOracles", "time_softmax") in ran
+    assert ("ReferenceAttention", "time_backward") in ran
+    if importlib.util.find_spec("elastic_np.cpu") is not None:
+        assert ("CPUForward", "time_forward") in ran
+        assert ("CPUBackward", "time_forward_backward") in ran
+        assert ("CPUThroughput", "track_forward_gflops") in ran
+        assert ("LongSequenceMemory", "peakmem_forward") in ran
+
+
+class TestFlops:
+    def common(self, suite):
+        return suite["bench_cpu"].common
+
+    @pytest.mark.parametrize(("N", "M"), [(7, 7), (5, 9), (9, 5)])
+    def test_matches_the_package_count(self, suite, N, M):
+        common = self.common(suite)
+        for causal in (False, True):
+            expected = _bench.attention_flops(1, 4, N, M, 64, causal=causal)
+            assert common.flops(N, M, causal=causal) == expected
+            assert common.flops(N, M, causal=causal, backward=True) == 3.5 * expected
+
+    @pytest.mark.parametrize("variant", ["plain", "causal", "window", "dynamic_window"])
+    @pytest.mark.parametrize(("N", "M"), [(100, 100), (37, 100)])
+    def test_kept_pairs_match_the_oracle(self, suite, variant, N, M):
+        """The count equals the entries the oracle keeps structurally and by the gate."""
+        common = self.common(suite)
+        options = common.variant_options(variant)
+        q, k, v = (np.zeros((1, 1, n, 4)) for n in (N, M, M))
+        p = _options.prepare(q, k, v, **options)
+        keep = ref.structural_keep(p)
+        if p.sigma is not None:
+            keep = keep & (ref.window_gate(p)[0] > 0)
+        assert common.kept_pairs(N, M, **options) == int(keep.sum())
+
+    def test_window_is_cheaper_than_causal(self, suite):
+        common = self.common(suite)
+        causal = common.flops(1024, **common.variant_options("causal"))
+        window = common.flops(1024, **common.variant_options("window"))
+        assert window < causal / 4
+
+
+class TestRelativeError:
+    def test_normwise(self, suite):
+        common = suite["bench_cpu"].common
+        assert common.relative_error([1.0, -4.0], [1.0, -2.0]) == 1.0
+        assert common.relative_error(2.0, 2.0) == 0.0
+
+    def test_shape_mismatch_is_an_error(self, suite):
+        common = suite["bench_cpu"].common
+        with pytest.raises(ValueError, match="shape"):
+            common.relative_error(np.zeros(3), np.zeros(4))
