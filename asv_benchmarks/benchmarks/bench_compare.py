@@ -10,6 +10,11 @@ from .common import DTYPES, LONG_SEQ_LENS, SEQ_LENS, AttentionCase
 
 KERNEL, NAIVE, TORCH = "cpu kernel", "naive numpy", "torch sdpa"
 
+try:  # imported once with the suite, not in every benchmark process
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 
 def _implementation(impl, causal, N, dtype, backward=False):
     """A no-argument callable running ``impl`` on the seeded inputs, already warmed up."""

@@ -11,7 +11,14 @@ import numpy as np
 from elastic_np import reference as ref
 
 from . import common
-from .common import ACCURACY_SEQ_LEN, DTYPES, SEQ_LENS, VARIANTS, AttentionCase
+from .common import (
+    ACCURACY_DTYPES,
+    ACCURACY_SEQ_LEN,
+    DTYPES,
+    SEQ_LENS,
+    VARIANTS,
+    AttentionCase,
+)
 
 
 class CPUForward:
@@ -79,7 +86,7 @@ class CPUAccuracy:
     ``N = 200`` is not a multiple of any tile, so partial tiles are covered.
     """
 
-    params = [VARIANTS, DTYPES]
+    params = [VARIANTS, ACCURACY_DTYPES]
     param_names = ["variant", "dtype"]
     timeout = 300
 

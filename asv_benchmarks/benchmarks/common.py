@@ -10,10 +10,13 @@ The environment variable ``ELASTIC_NP_ASV_PROFILE`` picks the parameter
 grids when the suite is imported (asv reads the grids at discovery):
 
 ``regular`` (default)
-    Sequence lengths 256 and 1024, long sequences of 4096 for ``peakmem_``.
+    Sequence lengths 256 and 1024, float32 and float64, long sequences of
+    4096 for ``peakmem_``.
 ``quick``
-    One short sequence length (128) and long sequences of 1024: what CI's
-    ``asv run --python=same --quick --dry-run`` uses to stay within minutes.
+    One short sequence length (128), float32 only in the timing grids, long
+    sequences of 1024: what CI's ``asv run --python=same --quick --dry-run``
+    uses to stay within minutes. Every option set still runs once, and the
+    accuracy benchmarks keep both dtypes.
 
 Compilation
 -----------
@@ -36,8 +39,13 @@ except ImportError:  # pragma: no cover - only on very old commits
 
 PROFILE = os.environ.get("ELASTIC_NP_ASV_PROFILE", "regular")
 _PROFILES = {
-    "regular": {"seq_lens": [256, 1024], "long_seq_lens": [4096], "repeat": 5},
-    "quick": {"seq_lens": [128], "long_seq_lens": [1024], "repeat": 1},
+    "regular": {
+        "seq_lens": [256, 1024],
+        "long_seq_lens": [4096],
+        "dtypes": ["float32", "float64"],
+        "repeat": 5,
+    },
+    "quick": {"seq_lens": [128], "long_seq_lens": [1024], "dtypes": ["float32"], "repeat": 1},
 }
 if PROFILE not in _PROFILES:
     raise ValueError(
@@ -49,7 +57,9 @@ SEQ_LENS = _PROFILES[PROFILE]["seq_lens"]
 LONG_SEQ_LENS = _PROFILES[PROFILE]["long_seq_lens"]
 #: Timed repetitions inside a ``track_`` throughput benchmark (best of).
 TRACK_REPEAT = _PROFILES[PROFILE]["repeat"]
-DTYPES = ["float32", "float64"]
+#: dtypes of the timing grids; the accuracy benchmarks always cover both.
+DTYPES = _PROFILES[PROFILE]["dtypes"]
+ACCURACY_DTYPES = ["float32", "float64"]
 
 #: Batch, query heads, head dimension of every attention benchmark.
 BATCH, HEADS, HEAD_DIM = 1, 4, 64
