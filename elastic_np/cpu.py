@@ -41,8 +41,12 @@ __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
 dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: Queries per tile (the vector axis of every tile) and keys per tile.
-BLOCK_Q = 64
+BLOCK_Q = 128
 BLOCK_K = 64
+
+# Reassociation lets LLVM vectorise the row sums; no flag that assumes
+# finite values, since -inf marks every removed entry.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -317,11 +321,12 @@ def _query_range(j0, bk, N, M, off_lo, off_hi):
 
 
 @njit(cache=True)
-def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
+def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     """Turn ``st[c, r] = s_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
 
     Removed entries become ``-inf``: outside the offset range, ``s < 0`` under
-    NVM, a closed gate or a false mask entry; the others get ``log G`` added.
+    NVM (when ``nvm``, which the forward leaves to its own first pass when it
+    can), a closed gate or a false mask entry; the others get ``log G`` added.
     Returns False when the mask leaves nothing in the tile (so the caller
     may skip it); True otherwise.
     """
@@ -329,7 +334,7 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
     # Whole tile inside [off_lo, off_hi]: the last key with the first query
     # and the first key with the last query are the extreme offsets.
     inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
-    if inside and not (opt.nvm or opt.has_mask or opt.has_gate):
+    if inside and not (nvm or opt.has_mask or opt.has_gate):
         return True
     neg_inf = -np.inf
     s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
@@ -344,10 +349,10 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
             row[r] = neg_inf
         for r in range(r_hi, bq):
             row[r] = neg_inf
-        if opt.nvm:
+        if nvm:
             for r in range(r_lo, r_hi):
-                if row[r] < 0:
-                    row[r] = neg_inf
+                x = row[r]
+                row[r] = x if x >= 0 else neg_inf
         if opt.has_gate:
             base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
             for r in range(r_lo, r_hi):
@@ -382,7 +387,7 @@ def _log_add_exp(a, b):
 # ---------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -409,18 +414,36 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         tile_sum = np.empty(block_q, dtype=q.dtype)
         row_sum = np.zeros(block_q)
 
+        # NVM tests s before log G is added: with a gate it stays in the
+        # logits pass, otherwise it joins the row-max pass.
+        nvm_in_logits = opt.nvm and opt.has_gate
+        nvm_in_max = opt.nvm and not opt.has_gate
+        neg_inf = -np.inf
         off_lo, off_hi = _offset_range(opt, b, h, N, M)
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
-            if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
+            if not _logits_tile(
+                st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
+            ):
                 continue
             for r in range(bq):
                 tile_max[r] = -np.inf
-            for c in range(bk):
-                for r in range(bq):
-                    tile_max[r] = max(tile_max[r], st[c, r])
+            if nvm_in_max:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        x = row[r]
+                        x = x if x >= 0 else neg_inf
+                        row[r] = x
+                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
+            else:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        x = row[r]
+                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
             rescale = False
             for r in range(bq):
                 new_max = max(row_max[r], tile_max[r])
@@ -537,35 +560,41 @@ def _backward_dq_kernel(
         dtau_acc = np.zeros(block_q)  # sum_j dz * s / tau per query
         dsigma_acc = np.zeros(block_q)
         _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+        delta_r = delta[b, h, i0 : i0 + bq]
 
         off_lo, off_hi = _offset_range(opt, b, h, N, M)
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             matmul_nn(k[b, hk, j0 : j0 + bk], q_scaled_t[b, h, it], st, bk, bq, D, False)
-            if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
+            if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, opt.nvm):
                 continue
             for c in range(bk):
                 for r in range(bq):
                     pt[c, r] = st[c, r] - lse_t[r]
             exp_inplace(pt, bk, bq)
             matmul_nn(v[b, hk, j0 : j0 + bk], dout_t[b, h, it], dpt, bk, bq, Dv, False)
+            # dz in the working dtype feeds dq; the dtau and dsigma sums take
+            # dz in float64 against the float64 delta, so that rounding delta
+            # to float32 does not bias them.
             for c in range(bk):
                 if opt.has_gate:
                     base = j0 + c - shift - i0 + M - 1
                     for r in range(bq):
                         p = pt[c, r]
-                        dz = p * (dpt[c, r] - delta_t[r])
-                        dpt[c, r] = dz
+                        dp = dpt[c, r]
+                        dpt[c, r] = p * (dp - delta_t[r])
                         if p != 0:
-                            dtau_acc[r] += dz * (st[c, r] - opt.log_gate[b, h, base - r])
+                            dz = float(p) * (float(dp) - delta_r[r])
+                            dtau_acc[r] += dz * (float(st[c, r]) - opt.log_gate[b, h, base - r])
                             dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
                 else:
                     for r in range(bq):
                         p = pt[c, r]
-                        dz = p * (dpt[c, r] - delta_t[r])
-                        dpt[c, r] = dz
-                        dtau_acc[r] += dz * (st[c, r] if p != 0 else 0.0)
+                        dp = dpt[c, r]
+                        dpt[c, r] = p * (dp - delta_t[r])
+                        s = float(st[c, r]) if p != 0 else 0.0
+                        dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
             matmul_tn(dpt, k[b, hk, j0 : j0 + bk], dq_acc, bq, D, bk, True)
 
         factor = opt.scale / opt.tau[h]
@@ -619,7 +648,7 @@ def _backward_dkdv_kernel(
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
                 matmul_nn(k[b, hk, j0 : j0 + bk], q_scaled_t[b, h, it], st, bk, bq, D, False)
-                if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi):
+                if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, opt.nvm):
                     continue
                 _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
                 for c in range(bk):

@@ -62,6 +62,23 @@ def test_matmul_zero_k_overwrites_with_zero(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_propagates_nan_and_inf(dtype, transpose_a):
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((9, 9)).astype(dtype)
+    b = rng.standard_normal((9, 10)).astype(dtype)
+    a[2, 5] = np.nan  # row 2 of the product (row 5 when a is stored transposed)
+    b[6, 3] = np.inf  # column 3 of the product
+    c = np.zeros((9, 10), dtype)
+    (matmul_tn if transpose_a else matmul_nn)(a, b, c, 9, 10, 9, False)
+    with np.errstate(invalid="ignore"):
+        expected = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(c), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(c), np.isinf(expected))
+    assert np.isnan(c).any() and np.isinf(c).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_repeatable(dtype):
     rng = np.random.default_rng(5)
     a = rng.standard_normal((64, 64)).astype(dtype)
@@ -104,6 +121,29 @@ def test_exp_accuracy_in_ulps(dtype):
     worst = ulp.max()
     print(f"{np.dtype(dtype).name}: max error {worst:.3f} ulp at x = {x[np.argmax(ulp)]!r}")
     assert worst <= 1.0
+
+
+@pytest.mark.parametrize(
+    "dtype,coefficients,bound",
+    [(np.float64, _tiles._EXP_Q_F64, 1.7e-17), (np.float32, _tiles._EXP_Q_F32, 1.2e-8)],
+)
+def test_exp_polynomial_is_the_chebyshev_fit(dtype, coefficients, bound):
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(50):
+        half_width = mpmath.log(2) / 2 * mpmath.mpf("1.0005")
+
+        def q(r):
+            return (mpmath.exp(r) - 1 - r) / r**2 if r != 0 else mpmath.mpf(0.5)
+
+        fit = mpmath.chebyfit(q, [-half_width, half_width], len(coefficients))
+        # the stored coefficients are this fit, up to the last bit or two
+        np.testing.assert_allclose(
+            np.array([float(c) for c in fit]), np.array(coefficients, np.float64), rtol=2 * np.finfo(dtype).eps, atol=0
+        )
+        # relative error of 1 + r + r**2 q(r) with the rounded coefficients
+        poly = [mpmath.mpf(float(c)) for c in coefficients] + [1, 1]
+        rel = [abs(mpmath.polyval(poly, r) / mpmath.exp(r) - 1) for r in mpmath.linspace(-half_width, half_width, 801)]
+        assert max(rel) < bound
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -161,10 +201,40 @@ def test_vectorised(dtype):
 def test_one_specialisation_per_dtype(dtype):
     rng = np.random.default_rng(3)
     a = rng.standard_normal((8, 8)).astype(dtype)
+    frozen = a.copy()
+    frozen.setflags(write=False)
     for fn in (matmul_nn, matmul_tn):
-        fn(a, a, a.copy(), 8, 8, 8, True)
-        fn(a, a, a.copy(), np.int64(5), 3, 2, np.bool_(False))
-        assert len([s for s in fn.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
-    exp_inplace(a, 8, 8)
-    exp_inplace(a, np.int64(2), 3)
-    assert len([s for s in exp_inplace.signatures if s[0].dtype == numba.from_dtype(np.dtype(dtype))]) == 1
+        c = np.zeros((8, 8), dtype)
+        fn(frozen, frozen, c, np.int32(8), np.int16(8), 8, np.bool_(False))  # read-only factors, any ints
+        np.testing.assert_allclose(c, (frozen.T if fn is matmul_tn else frozen) @ frozen, rtol=1e-5)
+        assert len(fn.signatures) == 2
+        with pytest.raises(TypeError):
+            fn(a[:, :4], a, c, 4, 4, 4, False)  # not C-contiguous
+        with pytest.raises(TypeError):
+            fn(a, a, c.astype(np.float32 if dtype == np.float64 else np.float64), 4, 4, 4, False)  # mixed dtypes
+    exp_inplace(a, np.int32(2), 3)
+    assert len(exp_inplace.signatures) == 2
+    with pytest.raises(TypeError):
+        exp_inplace(frozen, 2, 2)  # written in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_called_from_jitted_code(dtype):
+    # the way the kernels call them: literal flags and sizes inside njit code
+    @numba.njit
+    def tile_softmax_times_v(s, v, out):
+        exp_inplace(s, 5, 6)
+        matmul_nn(s, v, out, 5, 3, 6, False)
+        matmul_tn(s, s, out, 6, 3, 5, True)
+
+    rng = np.random.default_rng(11)
+    s = rng.uniform(-3, 0, (5, 6)).astype(dtype)
+    v = rng.standard_normal((6, 3)).astype(dtype)
+    out = np.zeros((6, 3), dtype)
+    p = np.exp(s.astype(np.float64))
+    tile_softmax_times_v(s, v, out)
+    expected = np.zeros((6, 3))
+    expected[:5] = p @ v
+    expected += p.T @ p[:, :3]
+    np.testing.assert_allclose(out, expected, rtol=20 * np.finfo(dtype).eps)
+    assert len(matmul_nn.signatures) == len(matmul_tn.signatures) == len(exp_inplace.signatures) == 2

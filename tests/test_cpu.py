@@ -1,0 +1,415 @@
+"""The Numba CPU kernels against the float64 oracle.
+
+float64 results must agree with `elastic_np.reference` to 1e-12 relative;
+float32 results within twice the error of a float32 naive evaluation (and
+1e-5 absolute on unit-scale inputs). Most cases shrink the tile sizes so that
+small shapes still cross several query and key tiles.
+"""
+
+import numba
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import _dispatch, _options, cpu, reference
+
+DTYPES = [np.float64, np.float32]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 queries x 5 keys: every test shape spans several of both."""
+    monkeypatch.setattr(cpu, "BLOCK_Q", 8)
+    monkeypatch.setattr(cpu, "BLOCK_K", 5)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _inputs(dtype, B=2, H=4, Hkv=2, N=23, M=31, D=8, Dv=6, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, N, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, M, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype)
+    dout = rng.standard_normal((B, H, N, Dv)).astype(dtype)
+    return q, k, v, dout
+
+
+def _naive_float32(p, dout):
+    """The contract evaluated naively in float32: full score matrix, NumPy reductions.
+
+    The baseline of the float32 accuracy rule; returns ``(out, lse, grads)``
+    with ``grads = (dq, dk, dv, dtau_h, dbeta_h, dsigma_bh)``.
+    """
+    f4 = np.float32
+    B, H, Hkv, N, M, D, Dv = p.shape
+    g = p.group_size
+    q = p.q.astype(f4)
+    k = np.repeat(p.k.astype(f4), g, axis=1)
+    v = np.repeat(p.v.astype(f4), g, axis=1)
+    dout = dout.astype(f4)
+    tau = p.tau.astype(f4)[:, None, None]
+    s = (q @ np.swapaxes(k, -1, -2)) * f4(p.scale)
+    keep = reference.structural_keep(p)
+    if p.nvm:
+        keep = keep & (s >= 0)
+    z = s / tau
+    if p.sigma is not None:
+        G, fbell, x = reference.window_gate(p)
+        keep = keep & (G > 0)
+        with np.errstate(divide="ignore"):
+            z = z + np.log(G).astype(f4)
+    z = np.where(keep, z, f4(-np.inf))
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), f4(0), m)
+    with np.errstate(divide="ignore"):
+        log_beta = np.log(p.beta.astype(f4))[None, :, None]
+        lse = np.logaddexp(m[..., 0] + np.log(np.exp(z - m).sum(axis=-1)), log_beta)
+    with np.errstate(invalid="ignore"):
+        probs = np.where(keep, np.exp(z - lse[..., None]), f4(0))
+    out = probs @ v
+
+    dP = dout @ np.swapaxes(v, -1, -2)
+    delta = np.sum(dout * out, axis=-1)
+    dz = probs * (dP - delta[..., None])
+    ds = dz / tau
+    dq = f4(p.scale) * (ds @ k)
+    dk = (f4(p.scale) * (np.swapaxes(ds, -1, -2) @ q)).reshape(B, Hkv, g, M, D).sum(axis=2)
+    dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, g, M, Dv).sum(axis=2)
+    dtau = -np.sum(np.where(keep, dz * s, f4(0)), axis=(0, 2, 3)) / tau[:, 0, 0] ** 2
+    with np.errstate(over="ignore", invalid="ignore"):
+        dbeta = -np.where(delta == 0, f4(0), delta * np.exp(-lse)).sum(axis=(0, 2))
+    dsigma = None
+    if p.sigma is not None:
+        sig = p.sigma.astype(f4)[:, :, None, None]
+        G, fbell, x = (a.astype(f4) for a in (G, fbell, x))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dlogG = f4(p.sharpness) * (1 - G**2) / G * fbell * (x**2 / sig**3 - 1 / sig)
+            dsigma = np.sum(np.where(keep, dz * dlogG, f4(0)), axis=(2, 3))
+    return out, lse, (dq, dk, dv, dtau, dbeta, dsigma)
+
+
+def _naive_float32_orderings(q, k, v, dout, opts, orderings=4, seed=0):
+    """Naive float32 results in several summation orders: ``[(out, lse, dq, ..., dsigma), ...]``.
+
+    A float32 evaluation has no preferred order of its sums, so the baseline
+    of the accuracy rule is the worst of a few equally valid ones: the head
+    dimensions of ``q, k`` (and of ``v, dout``) are permuted together, which
+    changes every dot product's rounding and nothing else.
+    """
+    rng = np.random.default_rng(seed)
+    D, Dv = q.shape[3], v.shape[3]
+    results = []
+    for n in range(orderings):
+        pd = np.arange(D) if n == 0 else rng.permutation(D)
+        pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
+        p = _options.prepare(q[..., pd], k[..., pd], v[..., pv], dtypes=cpu.dtypes, **opts)
+        out, lse, (dq, dk, dv, dtau, dbeta, dsigma) = _naive_float32(p, dout[..., pv])
+        ipd, ipv = np.argsort(pd), np.argsort(pv)
+        results.append([
+            out[..., ipv], lse, dq[..., ipd], dk[..., ipd], dv[..., ipv],
+            _options.sum_to_shape(dtau, p.tau_shape),
+            _options.sum_to_shape(dbeta, p.beta_shape),
+            None if dsigma is None else _options.sum_to_shape(dsigma, p.sigma_shape),
+        ])
+    return [list(per_field) for per_field in zip(*results)]
+
+
+def assert_close(name, result, oracle, dtype, naive=None):
+    """Check shape and dtype, then the accuracy rule; print the worst difference.
+
+    float64: ``max|result - oracle| <= 1e-12 * max(1, max|oracle|)``.
+    float32: at most twice the error of a naive float32 evaluation (the worst
+    of ``naive``, a list of evaluations in different summation orders, plus
+    one float32 ulp of the scale) and at most ``1e-5 * max(1, max|oracle|)``.
+    ``-inf`` (an empty row's lse with beta = 0) must sit at the same places.
+    ``out``, ``lse``, ``dq``, ``dk``, ``dv`` keep the input dtype; ``dtau``,
+    ``dbeta``, ``dsigma`` come back in float64 like ``tau``, ``beta``, ``sigma``.
+    """
+    result = np.asarray(result)
+    oracle = np.asarray(oracle, dtype=np.float64)
+    assert result.shape == oracle.shape, f"{name}: shape {result.shape} != {oracle.shape}"
+    if name in ("out", "lse", "dq", "dk", "dv"):
+        assert result.dtype == dtype, f"{name}: dtype {result.dtype} != {np.dtype(dtype)}"
+    inf_r, inf_o = np.isneginf(result), np.isneginf(oracle)
+    np.testing.assert_array_equal(inf_r, inf_o, err_msg=f"{name}: -inf entries differ")
+    assert np.isfinite(result[~inf_r]).all(), f"{name}: NaN or inf"
+    finite = ~inf_o
+    r64 = result.astype(np.float64)[finite]
+    o64 = oracle[finite]
+    scale = max(1.0, float(np.abs(o64).max(initial=0.0)))
+    err = float(np.abs(r64 - o64).max(initial=0.0))
+    if np.dtype(dtype) == np.float64:
+        bound = 1e-12 * scale
+        print(f"{name}: worst |diff| {err:.3e} (bound {bound:.1e})")
+        assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.1e}"
+        return
+    naive_err = max(
+        float(np.abs(np.asarray(n, dtype=np.float64)[finite] - o64).max(initial=0.0))
+        for n in naive
+    )
+    bound = min(2 * naive_err + np.finfo(np.float32).eps * scale, 1e-5 * scale)
+    print(f"{name}: worst |diff| {err:.3e}, naive float32 {naive_err:.3e} (bound {bound:.1e})")
+    assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.3e} (naive {naive_err:.3e})"
+
+
+def check_case(dtype, opts, seed=0, **shape):
+    """Forward and backward of the CPU backend against the oracle, for one option set."""
+    q, k, v, dout = _inputs(dtype, seed=seed, **shape)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **opts)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **opts)
+
+    q64, k64, v64, dout64 = (a.astype(np.float64) for a in (q, k, v, dout))
+    ref_out, ref_lse = reference.attention(q64, k64, v64, **opts)
+    with np.errstate(all="ignore"):
+        ref_grads = reference.attention_backward(dout64, q64, k64, v64, ref_out, ref_lse, **opts)
+
+    naive = [None] * 8
+    if dtype == np.float32:
+        naive = _naive_float32_orderings(q, k, v, dout, opts)
+    assert_close("out", out, ref_out, dtype, naive[0])
+    assert_close("lse", lse, ref_lse, dtype, naive[1])
+    for i, field in enumerate(("dq", "dk", "dv", "dtau", "dbeta", "dsigma")):
+        got, want = getattr(grads, field), getattr(ref_grads, field)
+        if want is None:
+            assert got is None, field
+            continue
+        assert np.shape(got) == np.shape(want), field
+        if np.shape(want) == ():
+            assert isinstance(got, float), f"{field} should be a Python float"
+        assert_close(field, got, want, dtype, naive[2 + i])
+    return out, lse, grads
+
+
+# ---------------------------------------------------------------------------
+# Every option alone and combined
+# ---------------------------------------------------------------------------
+
+_RNG = np.random.default_rng(42)
+_MASK_NM = _RNG.random((23, 31)) > 0.3
+_MASK_B1NM = _RNG.random((2, 1, 23, 31)) > 0.4
+_SIGMA_BH = np.array([[0.3, 0.5, 0.8, 1.2], [0.6, 0.25, 0.4, 2.0]])
+
+CASES = {
+    "plain": {},
+    "scale": dict(scale=0.3),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(5, 3)),
+    "window-left": dict(window_size=(4, -1)),
+    "window-right": dict(window_size=(-1, 2)),
+    "causal-window": dict(causal=True, window_size=(6, 0)),
+    "kv-lengths": dict(kv_lengths=[17, 31]),
+    "mask-nm": dict(mask=_MASK_NM),
+    "mask-b1nm": dict(mask=_MASK_B1NM),
+    "nvm": dict(nvm=True),
+    "tau-beta-scalar": dict(tau=0.7, beta=0.5),
+    "tau-beta-per-head": dict(tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5]),
+    "elastic": dict(nvm=True, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5]),
+    "window-gate": dict(dynamic_window=enp.DynamicWindow(0.4, sharpness=3.0, threshold=0.2)),
+    "window-gate-zero-threshold": dict(dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=2.0)),
+    "window-gate-per-batch": dict(
+        dynamic_window=enp.DynamicWindow([[0.3], [0.7]], sharpness=5.0, threshold=0.1)
+    ),
+    "everything": dict(
+        causal=True, window_size=(12, -1), kv_lengths=[20, 29], mask=_MASK_B1NM, nvm=True,
+        tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5],
+        dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=3.0, threshold=0.05),
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_options(small_tiles, dtype, case):
+    check_case(dtype, CASES[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_gqa(small_tiles, dtype):
+    check_case(dtype, dict(causal=True, nvm=True, tau=0.6), H=3, Hkv=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_query(small_tiles, dtype):
+    check_case(dtype, dict(window_size=(3, 7), beta=1.0), H=4, Hkv=1)
+
+
+# ---------------------------------------------------------------------------
+# Sizes: not multiples of the tile, degenerate lengths, empty rows
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype,opts",
+    [
+        (np.float64, dict(causal=True, nvm=True, tau=0.8, beta=0.5)),
+        (np.float32, dict(window_size=(300, 40), kv_lengths=[1000], tau=[1.5, 0.7], beta=0.2)),
+    ],
+)
+def test_default_tiles_odd_sizes(dtype, opts):
+    check_case(dtype, opts, B=1, H=2, Hkv=1, N=97, M=1025, D=59, Dv=59)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,opts",
+    [
+        (dict(N=1, M=31), dict(causal=True)),
+        (dict(N=1, M=31), dict(beta=0.5, nvm=True)),
+        (dict(N=23, M=1), dict(causal=True, beta=0.4)),
+        (dict(N=23, M=1), dict(dynamic_window=enp.DynamicWindow(0.5))),
+        (dict(N=1, M=1), dict(tau=0.3)),
+        (dict(N=31, M=12), dict(causal=True)),
+        (dict(N=31, M=12), dict(causal=True, beta=[0.0, 0.5, 1.0, 2.0], window_size=(3, -1))),
+    ],
+)
+def test_degenerate_lengths(small_tiles, dtype, shape, opts):
+    check_case(dtype, opts, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.7])
+def test_empty_rows(small_tiles, dtype, beta):
+    # N > M causal: the first N - M queries see no key; kv_lengths = 0 empties batch 1;
+    # the mask removes every key of query 5.
+    mask = np.ones((40, 13), dtype=bool)
+    mask[5] = False
+    opts = dict(causal=True, kv_lengths=[13, 0], mask=mask, beta=beta, tau=0.9)
+    out, lse, grads = check_case(dtype, opts, N=40, M=13)
+    empty = np.zeros((2, 4, 40), dtype=bool)
+    empty[:, :, :27] = True
+    empty[1] = True
+    empty[:, :, 5] = True
+    assert (out[empty] == 0).all()
+    want = np.log(dtype(beta)) if beta > 0 else -np.inf
+    np.testing.assert_array_equal(lse[empty], np.full(empty.sum(), want, dtype=dtype))
+    for field in ("dq", "dk", "dv"):
+        assert np.isfinite(getattr(grads, field)).all()
+    assert np.isfinite(grads.dtau) and np.isfinite(grads.dbeta)
+    assert (grads.dq[empty] == 0).all()
+    assert (grads.dk[1] == 0).all() and (grads.dv[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_closed_everywhere(small_tiles, dtype):
+    # threshold above the bell's peak 1/(sigma sqrt(2 pi)): every row is empty.
+    opts = dict(beta=0.5, dynamic_window=enp.DynamicWindow(0.5, threshold=1.0))
+    out, lse, grads = check_case(dtype, opts)
+    assert (out == 0).all()
+    assert grads.dsigma == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_narrow_gate_on_long_keys(dtype):
+    # A narrow band over many keys: only tiles near the diagonal are visited.
+    opts = dict(dynamic_window=enp.DynamicWindow(0.02, sharpness=4.0, threshold=1.0), tau=0.5)
+    check_case(dtype, opts, B=1, H=2, Hkv=2, N=90, M=700, D=16, Dv=16)
+
+
+# ---------------------------------------------------------------------------
+# Inputs: layout, mutation, determinism, dtypes, dispatch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs(small_tiles, dtype):
+    q, k, v, dout = _inputs(dtype)
+    # Same values through transposed and strided views.
+    qn = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    kn = np.concatenate([k, k], axis=3)[..., ::2]
+    kn[...] = k
+    vn = np.asfortranarray(v)
+    doutn = np.asfortranarray(dout)
+    assert not (qn.flags.c_contiguous or kn.flags.c_contiguous or vn.flags.c_contiguous)
+    mask = np.asfortranarray(_MASK_NM)
+    opts = dict(causal=True, nvm=True, tau=0.7, mask=mask[None, None])
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **opts)
+    outn, lsen = enp.attention(qn, kn, vn, return_lse=True, backend="cpu", **opts)
+    np.testing.assert_array_equal(out, outn)
+    np.testing.assert_array_equal(lse, lsen)
+    g = enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **opts)
+    gn = enp.attention_backward(
+        doutn, qn, kn, vn, np.asfortranarray(outn), lsen[..., ::-1][..., ::-1], backend="cpu", **opts
+    )
+    for field in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(g, field), getattr(gn, field))
+    assert g.dtau == gn.dtau and g.dbeta == gn.dbeta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inputs_unmodified_and_deterministic(small_tiles, dtype):
+    q, k, v, dout = _inputs(dtype)
+    mask = _MASK_B1NM.copy()
+    sigma = _SIGMA_BH.copy()
+    tau = np.array([0.5, 1.0, 2.0, 0.8])
+    beta = np.array([0.0, 0.3, 1.0, 2.5])
+    lengths = np.array([20, 29])
+    opts = dict(
+        causal=True, kv_lengths=lengths, mask=mask, nvm=True, tau=tau, beta=beta,
+        dynamic_window=enp.DynamicWindow(sigma, sharpness=3.0, threshold=0.05),
+    )
+    inputs = (q, k, v, dout, mask, sigma, tau, beta, lengths)
+    copies = [a.copy() for a in inputs]
+
+    def run():
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **opts)
+        lse_in, out_in = lse.copy(), out.copy()
+        g = enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **opts)
+        np.testing.assert_array_equal(out, out_in)
+        np.testing.assert_array_equal(lse, lse_in)
+        return out, lse, g
+
+    first = run()
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        second = run()
+    finally:
+        numba.set_num_threads(threads)
+    for a, b in zip(inputs, copies):
+        np.testing.assert_array_equal(a, b)
+    # Same bits, whatever the thread count.
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[1], second[1])
+    for field in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma"):
+        np.testing.assert_array_equal(getattr(first[2], field), getattr(second[2], field))
+
+
+def test_dtype_errors():
+    q, k, v, dout = _inputs(np.float32)
+    with pytest.raises(TypeError, match="`q` has dtype float16"):
+        enp.attention(q.astype(np.float16), k, v, backend="cpu")
+    with pytest.raises(TypeError, match="share one dtype"):
+        enp.attention(q, k.astype(np.float64), v, backend="cpu")
+    with pytest.raises(TypeError, match="`k`"):
+        enp.attention(q, k.astype(np.int32), v, backend="cpu")
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    with pytest.raises(TypeError, match="`dout` has dtype float64"):
+        enp.attention_backward(dout.astype(np.float64), q, k, v, out, lse, backend="cpu")
+    with pytest.raises(TypeError, match="`lse` has dtype float64"):
+        enp.attention_backward(dout, q, k, v, out, lse.astype(np.float64), backend="cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_dtype_follows_input(dtype):
+    q, k, v, _ = _inputs(dtype, N=5, M=7)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    assert out.dtype == dtype and lse.dtype == dtype
+
+
+def test_auto_backend_without_gpu():
+    if _dispatch._cuda_is_available():
+        pytest.skip("a GPU is usable here, so 'auto' picks cuda")
+    assert _dispatch.get_backend("auto") is cpu
+    q, k, v, _ = _inputs(np.float32, N=5, M=7)
+    np.testing.assert_array_equal(
+        enp.attention(q, k, v, backend="auto"), enp.attention(q, k, v, backend="cpu")
+    )
+
+
+def test_is_available():
+    assert cpu.is_available()
+    cpu.check_available()
+    assert np.dtype(np.float32) in cpu.dtypes and np.dtype(np.float64) in cpu.dtypes
