@@ -8,13 +8,16 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+import json
 import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import elastic_np
 from elastic_np import _bench, _options
 from elastic_np import reference as ref
 
@@ -94,53 +97,68 @@ def test_unknown_profile_is_rejected(monkeypatch):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-def _package_dispatchers():
-    """Every Numba dispatcher defined at module level in the imported elastic_np modules."""
-    from numba.core.dispatcher import Dispatcher
+# Runs every benchmark of one class in a fresh interpreter, as asv does, and
+# records each Numba specialisation added (compiled, or loaded from the on-disk
+# cache) while a benchmark is measured.
+_COLD_RUN = """
+import itertools, json, sys
+from numba.core.dispatcher import Dispatcher
+sys.path.insert(0, sys.argv[1])
+module_name, class_name = sys.argv[2], sys.argv[3]
+added = []
+add_overload = Dispatcher.add_overload
+def recording_add_overload(self, cres):
+    added.append(self.py_func.__qualname__ + str(tuple(cres.signature.args)))
+    return add_overload(self, cres)
+Dispatcher.add_overload = recording_add_overload
+module = __import__("benchmarks." + module_name, fromlist=[class_name])
+cls = getattr(module, class_name)
+report = {"ran": [], "skipped": [], "compiled": []}
+methods = sorted(n for n in dir(cls) if n.startswith(("time_", "peakmem_", "track_")))
+for name in methods:
+    for params in itertools.product(*getattr(cls, "params", [])):
+        instance = cls()
+        cache = (instance.setup_cache(),) if hasattr(cls, "setup_cache") else ()
+        try:
+            if hasattr(instance, "setup"):
+                instance.setup(*cache, *params)
+        except NotImplementedError:
+            report["skipped"].append(name)
+            continue
+        added.clear()
+        getattr(instance, name)(*cache, *params)
+        if added:
+            report["compiled"].append([name, repr(params), list(added)])
+        report["ran"].append(name)
+print(json.dumps(report))
+"""
 
-    for name, module in list(sys.modules.items()):
-        if name == "elastic_np" or name.startswith("elastic_np."):
-            for obj in list(vars(module).values()):
-                if isinstance(obj, Dispatcher):
-                    yield obj
 
-
-def test_no_benchmark_compiles_while_measured(suite, monkeypatch):
+def test_no_benchmark_compiles_while_measured(suite):
     """After ``setup``, a benchmark call neither compiles nor loads a Numba kernel.
 
     asv runs each benchmark in a fresh process, so every one must warm its
-    kernels up itself. Here each runs once starting from dispatchers emptied of
-    their compiled code, and any specialisation added during the measured call
-    (compiled, or loaded from Numba's on-disk cache) fails the test. A benchmark
-    that skips in ``setup`` (backend or torch unavailable) is left out; the
-    oracles always run.
+    kernels up itself. Each class runs here in a fresh interpreter, every
+    benchmark and parameter set once, and any specialisation added during a
+    measured call (compiled, or loaded from Numba's on-disk cache) fails the
+    test. A benchmark that skips in ``setup`` (backend or torch unavailable) is
+    left out; the oracles always run.
     """
-    from numba.core.dispatcher import Dispatcher
-
-    added = []
-    add_overload = Dispatcher.add_overload
-
-    def recording_add_overload(self, cres):
-        added.append(f"{self.py_func.__qualname__}{tuple(cres.signature.args)}")
-        return add_overload(self, cres)
-
-    monkeypatch.setattr(Dispatcher, "add_overload", recording_add_overload)
+    package_root = str(pathlib.Path(elastic_np.__file__).resolve().parents[1])
+    env = dict(os.environ, ELASTIC_NP_ASV_PROFILE="quick")
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
+    classes = sorted({(cls.__module__.split(".")[-1], cls.__name__)
+                      for cls, _ in benchmark_methods(suite)})
     ran = set()
-    for cls, name in benchmark_methods(suite):
-        for params in param_sets(cls):
-            for dispatcher in _package_dispatchers():
-                dispatcher._reset_overloads()
-            instance = cls()
-            cache = (instance.setup_cache(),) if hasattr(cls, "setup_cache") else ()
-            try:
-                if hasattr(instance, "setup"):
-                    instance.setup(*cache, *params)
-            except NotImplementedError:
-                continue
-            added.clear()
-            getattr(instance, name)(*cache, *params)
-            assert not added, f"{cls.__name__}.{name}{params} added {added}"
-            ran.add((cls.__name__, name))
+    for module_name, class_name in classes:
+        result = subprocess.run(
+            [sys.executable, "-c", _COLD_RUN, str(ASV_DIR), module_name, class_name],
+            capture_output=True, text=True, env=env, check=False,
+        )
+        assert result.returncode == 0, f"{class_name}:\n{result.stderr[-3000:]}"
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        assert not report["compiled"], f"{class_name}: {report['compiled']}"
+        ran.update((class_name, name) for name in report["ran"])
     assert ("VectorOracles", "time_softmax") in ran
     assert ("ReferenceAttention", "time_backward") in ran
     if importlib.util.find_spec("elastic_np.cpu") is not None:
