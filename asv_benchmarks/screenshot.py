@@ -6,6 +6,12 @@ that a graph was drawn: the page's DOM holds flot's plot canvas, and the
 screenshot holds coloured pixels (the plotted lines and markers; the page
 itself is white, grey and blue-grey text). Not run in CI.
 
+The dashboard loads jQuery, flot, Bootstrap and a few plugins from CDNs. So
+that the page works on a machine without internet access, the script installs
+the same packages from the npm registry with ``npm`` (into a cache directory),
+copies them into ``html/vendor/`` and points the pages there (``--no-vendor``
+keeps the CDN links).
+
 Usage, from ``asv_benchmarks/`` after ``asv run`` (see the README)::
 
     python screenshot.py --publish                   # asv publish, then the screenshot
@@ -43,6 +49,55 @@ CHROMIUM_FLAGS = [
     # Let the dashboard's JavaScript fetch its JSON and draw before the capture.
     "--virtual-time-budget=15000",
 ]
+
+
+# The dashboard's external scripts and styles, by file name in their CDN URL:
+# the npm package that holds the same file, and its path in node_modules.
+ASSETS = {
+    "jquery-3.3.1.min.js": ("jquery@3.3.1", "jquery/dist/jquery.min.js"),
+    "jquery.flot.min.js": ("flot@0.8.3", "flot/jquery.flot.js"),
+    "jquery.flot.time.min.js": ("flot@0.8.3", "flot/jquery.flot.time.js"),
+    "jquery.flot.selection.min.js": ("flot@0.8.3", "flot/jquery.flot.selection.js"),
+    "jquery.flot.categories.min.js": ("flot@0.8.3", "flot/jquery.flot.categories.js"),
+    "jquery.flot.orderBars.js": (
+        "flot-orderbars@1.0.0", "flot-orderbars/js/jquery.flot.orderBars.js"
+    ),
+    "stupidtable.min.js": ("stupid-table-plugin@1.1.3", "stupid-table-plugin/stupidtable.min.js"),
+    "md5.min.js": ("blueimp-md5@2.19.0", "blueimp-md5/js/md5.min.js"),
+    "bootstrap.min.js": ("bootstrap@3.1.1", "bootstrap/dist/js/bootstrap.min.js"),
+    "bootstrap.min.css": ("bootstrap@3.1.1", "bootstrap/dist/css/bootstrap.min.css"),
+}
+ASSET_CACHE = pathlib.Path.home() / ".cache" / "elastic_np" / "asv-dashboard-assets"
+
+
+def vendor(html, cache=ASSET_CACHE):
+    """Serve the dashboard's CDN scripts and styles from ``html/vendor/`` (installed with npm)."""
+    pages = sorted(html.glob("*.html"))
+    urls = set()
+    for page in pages:
+        urls.update(re.findall(r'(?:src|href)="(https?://[^"]+\.(?:js|css))"', page.read_text()))
+    known = {url: ASSETS[url.rsplit("/", 1)[-1]] for url in urls if url.rsplit("/", 1)[-1] in ASSETS}
+    for url in sorted(urls - set(known)):
+        print(f"warning: no local copy of {url}", file=sys.stderr)
+    missing = sorted({spec for spec, path in known.values()
+                      if not (cache / "node_modules" / path).exists()})
+    if missing:
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["npm", "install", "--no-save", "--no-audit", "--no-fund", "--prefix", str(cache),
+             *missing],
+            check=True,
+        )
+    (html / "vendor").mkdir(exist_ok=True)
+    for url, (spec, path) in known.items():
+        shutil.copyfile(cache / "node_modules" / path, html / "vendor" / url.rsplit("/", 1)[-1])
+    for page in pages:
+        text = page.read_text()
+        for url in known:
+            text = text.replace(f'"{url}"', f'"vendor/{url.rsplit("/", 1)[-1]}"')
+        # The CDN's integrity hashes are of its minified builds, not of these files.
+        text = re.sub(r'((?:src|href)="vendor/[^"]+"[^>]*?)\s+integrity="[^"]*"', r"\1", text)
+        page.write_text(text)
 
 
 def publish(branch=None):
@@ -113,6 +168,8 @@ def main(argv=None):
     parser.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     parser.add_argument("--publish", action="store_true", help="run asv publish first")
     parser.add_argument("--branch", help="publish this branch instead of the configured ones")
+    parser.add_argument("--no-vendor", action="store_true",
+                        help="keep the dashboard's CDN links (needs internet access)")
     args = parser.parse_args(argv)
 
     if args.publish:
@@ -120,6 +177,8 @@ def main(argv=None):
     html = pathlib.Path(args.html_dir)
     if not (html / "index.html").exists():
         parser.error(f"{html / 'index.html'} not found: run `asv publish` first")
+    if not args.no_vendor:
+        vendor(html)
     graph_dir = html / "graphs"
     if not any(graph_dir.rglob(f"{args.benchmark}.json")):
         parser.error(f"no graph data for {args.benchmark} under {graph_dir}")
