@@ -18,12 +18,15 @@ contiguous axis of the tile.
 
 - forward: ``prange`` over (batch, head, query tile), the online-softmax
   recurrence with the ``beta`` term folded in at the end.
-- backward: recomputation from ``lse`` (FlashAttention-2), two passes without
-  racing writes: one over (batch, kv head, key tile) owning ``dk``, ``dv``
-  (the query heads of a group summed inside the task), one over (batch, head,
-  query tile) owning ``dq`` and writing per-task partial sums of ``dtau``,
-  ``dbeta``, ``dsigma`` that the host reduces in a fixed order. Results are
-  the same bits on every run and for every thread count.
+- backward: recomputation from ``lse`` (FlashAttention-2), one ``prange``
+  over (batch, kv head, key tile): each task owns its ``dk``, ``dv`` rows
+  (the query heads of a group summed inside the task) and writes its key
+  tile's share of ``dq`` into a buffer of its own, together with per-task
+  partial sums of ``dtau`` and ``dsigma``; the shares are then added in
+  key-tile order (in chunks of key tiles when they would take more than
+  `DQ_SHARES_BYTES`). No two tasks write the same memory and every sum runs
+  in a fixed order, so results are the same bits on every run and for every
+  thread count.
 
 The number of threads follows `numba.set_num_threads`.
 """
@@ -43,6 +46,8 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
 BLOCK_K = 64
+#: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
+DQ_SHARES_BYTES = 1 << 25
 
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
@@ -136,25 +141,36 @@ def backward(problem, dout, out, lse):
     q_scaled_t = np.zeros((B, H, n_qt, D, BLOCK_Q), dtype=dtype)
     dout_t = np.zeros((B, H, n_qt, Dv, BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
-    _backward_prepare(q, dout, out, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta)
-
-    dq = np.empty_like(q)
-    dtau_part = np.zeros((B, H, n_qt))
-    dbeta_part = np.zeros((B, H, n_qt))
-    dsigma_part = np.zeros((B, H, n_qt))
-    _backward_dq_kernel(
-        k, v, q_scaled_t, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K,
-        dq, dtau_part, dbeta_part, dsigma_part,
+    dbeta_bh = np.empty((B, H))
+    _backward_prepare(
+        q, dout, out, lse, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta, dbeta_bh
     )
+
+    # One pass over key tiles gives dk, dv and each key tile's share of dq;
+    # the shares are summed in key-tile order afterwards (no racing writes).
+    # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
+    n_kt = -(-M // BLOCK_K)
+    share_bytes = max(B * H * N * D * q.itemsize, 1)
+    chunk = int(min(max(DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
+    dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
+    share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
+    dq = np.zeros_like(q)
     dk = np.empty_like(k)
     dv = np.empty_like(v)
-    _backward_dkdv_kernel(
-        k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K, dk, dv
-    )
+    dtau_part = np.zeros((B, H, n_kt))
+    dsigma_part = np.zeros((B, H, n_kt))
+    for kt0 in range(0, n_kt, chunk):
+        kt1 = min(kt0 + chunk, n_kt)
+        _backward_kernel(
+            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K,
+            kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
+        )
+        _sum_dq_shares(dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
+    _scale_dq(dq, opt)
     return problem.reduce_grads(
         dq, dk, dv,
-        dtau_part.sum(axis=(0, 2)),
-        dbeta_part.sum(axis=(0, 2)),
+        dtau_part.sum(axis=2),
+        dbeta_bh,
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
     )
 
@@ -411,11 +427,12 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         row_max = np.full(block_q, -np.inf, dtype=q.dtype)
         tile_max = np.empty(block_q, dtype=q.dtype)
         shift_by = np.empty(block_q, dtype=q.dtype)
+        rescale_by = np.empty(block_q, dtype=q.dtype)
         tile_sum = np.empty(block_q, dtype=q.dtype)
         row_sum = np.zeros(block_q)
 
         # NVM tests s before log G is added: with a gate it stays in the
-        # logits pass, otherwise it joins the row-max pass.
+        # logits pass, otherwise it joins the row-max and shift passes.
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_max = opt.nvm and not opt.has_gate
         neg_inf = -np.inf
@@ -435,9 +452,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     row = st[c]
                     for r in range(bq):
                         x = row[r]
-                        x = x if x >= 0 else neg_inf
-                        row[r] = x
-                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
+                        tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
             else:
                 for c in range(bk):
                     row = st[c]
@@ -455,18 +470,26 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     row_sum[r] *= alpha
                     if alpha != 1.0:
                         rescale = True
-                    tile_sum[r] = alpha  # reused: the factor for acc
+                    rescale_by[r] = alpha
                 else:
-                    tile_sum[r] = 1.0
+                    rescale_by[r] = 1.0
                 row_max[r] = new_max
             if rescale:
                 for r in range(bq):
-                    alpha = tile_sum[r]
+                    alpha = rescale_by[r]
                     for d in range(Dv):
                         acc[r, d] *= alpha
-            for c in range(bk):
-                for r in range(bq):
-                    st[c, r] -= shift_by[r]
+            if nvm_in_max:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        x = row[r]
+                        row[r] = x - shift_by[r] if x >= 0 else neg_inf
+            else:
+                for c in range(bk):
+                    row = st[c]
+                    for r in range(bq):
+                        row[r] -= shift_by[r]
             exp_inplace(st, bk, bq)
             for r in range(bq):
                 tile_sum[r] = 0.0
@@ -500,13 +523,17 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
 
 
 @njit(parallel=True, cache=True)
-def _backward_prepare(q, dout, out, opt, block_q, q_scaled, q_scaled_t, dout_t, delta):
+def _backward_prepare(
+    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta
+):
+    """Scaled queries (rows and Q^T tiles), dout^T tiles, delta and dbeta per (b, h)."""
     B, H, N, D = q.shape
     Dv = dout.shape[3]
     for bh in prange(B * H):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
+        dbeta_bh = 0.0
         for i in range(N):
             it = i // block_q
             r = i - it * block_q
@@ -515,10 +542,14 @@ def _backward_prepare(q, dout, out, opt, block_q, q_scaled, q_scaled_t, dout_t, 
                 acc += float(dout[b, h, i, d]) * float(out[b, h, i, d])
                 dout_t[b, h, it, d, r] = dout[b, h, i, d]
             delta[b, h, i] = acc
+            # dbeta = -sum_i delta_i exp(-lse_i); 0 for an empty row with beta = 0
+            if acc != 0.0:
+                dbeta_bh -= acc * math.exp(-float(lse[b, h, i]))
             for d in range(D):
                 x = q[b, h, i, d] * factor
                 q_scaled[b, h, i, d] = x
                 q_scaled_t[b, h, it, d, r] = x
+        dbeta[b, h] = dbeta_bh
 
 
 @njit(cache=True)
@@ -532,138 +563,157 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 
 @njit(parallel=True, cache=True)
-def _backward_dq_kernel(
-    k, v, q_scaled_t, dout_t, lse, delta, opt, block_q, block_k,
-    dq, dtau_part, dbeta_part, dsigma_part,
+def _backward_kernel(
+    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
+    kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
 ):
+    """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau and dsigma sums.
+
+    ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
+    of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
+    ``kt0 + t``; rows outside the range are not written.
+    """
     B, Hkv, M, D = k.shape
     Dv = v.shape[3]
-    H, n_qt = q_scaled_t.shape[1], q_scaled_t.shape[2]
-    N = lse.shape[2]
+    H, N = q_scaled.shape[1], q_scaled.shape[2]
     group = H // Hkv
     shift = M - N
-    for task in prange(B * H * n_qt):
-        bh = task // n_qt
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        it = _zigzag(task % n_qt, n_qt)
-        i0 = it * block_q
-        bq = min(block_q, N - i0)
+    n_chunk = kt1 - kt0
+    for task in prange(B * Hkv * n_chunk):
+        bhk = task // n_chunk
+        b = bhk // Hkv
+        hk = bhk % Hkv
+        t = _zigzag(task % n_chunk, n_chunk)
+        kt = kt0 + t
+        j0 = kt * block_k
+        bk_all = min(block_k, M - j0)
+        bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
 
         st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
         pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
         dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
         lse_t = np.empty(block_q, dtype=k.dtype)
         delta_t = np.empty(block_q, dtype=k.dtype)
-        dq_acc = np.zeros((block_q, D), dtype=k.dtype)
-        dtau_acc = np.zeros(block_q)  # sum_j dz * s / tau per query
-        dsigma_acc = np.zeros(block_q)
-        _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-        delta_r = delta[b, h, i0 : i0 + bq]
-
-        off_lo, off_hi = _offset_range(opt, b, h, N, M)
-        j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
-        for j0 in range(j_lo, j_hi, block_k):
-            bk = min(block_k, j_hi - j0)
-            matmul_nn(k[b, hk, j0 : j0 + bk], q_scaled_t[b, h, it], st, bk, bq, D, False)
-            if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, opt.nvm):
-                continue
-            for c in range(bk):
-                for r in range(bq):
-                    pt[c, r] = st[c, r] - lse_t[r]
-            exp_inplace(pt, bk, bq)
-            matmul_nn(v[b, hk, j0 : j0 + bk], dout_t[b, h, it], dpt, bk, bq, Dv, False)
-            # dz in the working dtype feeds dq; the dtau and dsigma sums take
-            # dz in float64 against the float64 delta, so that rounding delta
-            # to float32 does not bias them.
-            for c in range(bk):
-                if opt.has_gate:
-                    base = j0 + c - shift - i0 + M - 1
-                    for r in range(bq):
-                        p = pt[c, r]
-                        dp = dpt[c, r]
-                        dpt[c, r] = p * (dp - delta_t[r])
-                        if p != 0:
-                            dz = float(p) * (float(dp) - delta_r[r])
-                            dtau_acc[r] += dz * (float(st[c, r]) - opt.log_gate[b, h, base - r])
-                            dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
-                else:
-                    for r in range(bq):
-                        p = pt[c, r]
-                        dp = dpt[c, r]
-                        dpt[c, r] = p * (dp - delta_t[r])
-                        s = float(st[c, r]) if p != 0 else 0.0
-                        dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
-            matmul_tn(dpt, k[b, hk, j0 : j0 + bk], dq_acc, bq, D, bk, True)
-
-        factor = opt.scale / opt.tau[h]
-        dbeta = 0.0
-        dtau = 0.0
-        dsigma = 0.0
-        for r in range(bq):
-            for d in range(D):
-                dq[b, h, i0 + r, d] = dq_acc[r, d] * factor
-            dtau += dtau_acc[r]
-            dsigma += dsigma_acc[r]
-            row_delta = delta[b, h, i0 + r]
-            if row_delta != 0.0:
-                dbeta += row_delta * math.exp(-float(lse[b, h, i0 + r]))
-        # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-        dtau_part[b, h, it] = -dtau / opt.tau[h]
-        dbeta_part[b, h, it] = -dbeta
-        dsigma_part[b, h, it] = dsigma
-
-
-@njit(parallel=True, cache=True)
-def _backward_dkdv_kernel(
-    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k, dk, dv
-):
-    B, Hkv, M, D = k.shape
-    Dv = v.shape[3]
-    H, N = q_scaled.shape[1], q_scaled.shape[2]
-    group = H // Hkv
-    n_kt = (M + block_k - 1) // block_k
-    for task in prange(B * Hkv * n_kt):
-        bhk = task // n_kt
-        b = bhk // Hkv
-        hk = bhk % Hkv
-        j0 = _zigzag(task % n_kt, n_kt) * block_k
-        bk_all = min(block_k, M - j0)
-        bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
-
-        st = np.empty((block_k, block_q), dtype=k.dtype)  # logits, then probabilities
-        dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
-        lse_t = np.empty(block_q, dtype=k.dtype)
-        delta_t = np.empty(block_q, dtype=k.dtype)
+        dtau_acc = np.empty(block_q)
+        dsigma_acc = np.empty(block_q)
         dk_acc = np.zeros((block_k, D), dtype=k.dtype)
         dv_acc = np.zeros((block_k, Dv), dtype=k.dtype)
-        for g in range(group if bk > 0 else 0):
+        k_j = k[b, hk, j0 : j0 + bk]
+        v_j = v[b, hk, j0 : j0 + bk]
+        # NVM tests s before log G is added: with a gate it stays in the
+        # logits pass, otherwise it joins the pass that forms z - lse (the
+        # logits z themselves are read only where p != 0).
+        nvm_in_logits = opt.nvm and opt.has_gate
+        nvm_in_exp = opt.nvm and not opt.has_gate
+        neg_inf = -np.inf
+        for g in range(group):
             h = hk * group + g
             off_lo, off_hi = _offset_range(opt, b, h, N, M)
             i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
-            if i_lo >= i_hi:
+            if bk == 0 or i_lo >= i_hi:
+                share_rows[t, b, h, 0] = 0
+                share_rows[t, b, h, 1] = 0
                 continue
-            for it in range(i_lo // block_q, (i_hi - 1) // block_q + 1):
+            it_lo = i_lo // block_q
+            it_hi = (i_hi - 1) // block_q + 1
+            share_rows[t, b, h, 0] = it_lo * block_q
+            share_rows[t, b, h, 1] = min(it_hi * block_q, N)
+            for r in range(block_q):
+                dtau_acc[r] = 0.0
+                dsigma_acc[r] = 0.0
+            for it in range(it_lo, it_hi):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
-                matmul_nn(k[b, hk, j0 : j0 + bk], q_scaled_t[b, h, it], st, bk, bq, D, False)
-                if not _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, opt.nvm):
+                share = dq_shares[t, b, h, i0 : i0 + bq]
+                matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
+                if not _logits_tile(
+                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
+                ):
+                    for r in range(bq):
+                        for d in range(D):
+                            share[r, d] = 0.0
                     continue
                 _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                delta_r = delta[b, h, i0 : i0 + bq]
+                if nvm_in_exp:
+                    for c in range(bk):
+                        for r in range(bq):
+                            x = st[c, r]
+                            pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
+                else:
+                    for c in range(bk):
+                        for r in range(bq):
+                            pt[c, r] = st[c, r] - lse_t[r]
+                exp_inplace(pt, bk, bq)
+                matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
+                matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                # dz in the working dtype feeds the products; the dtau and
+                # dsigma sums take dz in float64 against the float64 delta.
                 for c in range(bk):
-                    for r in range(bq):
-                        st[c, r] -= lse_t[r]
-                exp_inplace(st, bk, bq)
-                matmul_nn(st, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
-                matmul_nn(v[b, hk, j0 : j0 + bk], dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                for c in range(bk):
-                    for r in range(bq):
-                        dpt[c, r] = st[c, r] * (dpt[c, r] - delta_t[r])
+                    if opt.has_gate:
+                        base = j0 + c - shift - i0 + M - 1
+                        for r in range(bq):
+                            p = pt[c, r]
+                            dp = dpt[c, r]
+                            dpt[c, r] = p * (dp - delta_t[r])
+                            if p != 0:
+                                dz = float(p) * (float(dp) - delta_r[r])
+                                dtau_acc[r] += dz * (
+                                    float(st[c, r]) - opt.log_gate[b, h, base - r]
+                                )
+                                dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
+                    else:
+                        for r in range(bq):
+                            p = pt[c, r]
+                            dp = dpt[c, r]
+                            dpt[c, r] = p * (dp - delta_t[r])
+                            s = float(st[c, r]) if p != 0 else 0.0
+                            dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
                 # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
                 matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
+                # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+                matmul_tn(dpt, k_j, share, bq, D, bk, False)
+            dtau = 0.0
+            dsigma = 0.0
+            for r in range(block_q):
+                dtau += dtau_acc[r]
+                dsigma += dsigma_acc[r]
+            # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
+            dtau_part[b, h, kt] = -dtau / opt.tau[h]
+            dsigma_part[b, h, kt] = dsigma
         for c in range(bk_all):
             for d in range(D):
                 dk[b, hk, j0 + c, d] = dk_acc[c, d]
             for d in range(Dv):
                 dv[b, hk, j0 + c, d] = dv_acc[c, d]
+
+
+@njit(parallel=True, cache=True)
+def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq):
+    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
+    B, H, N, D = dq.shape
+    n_qt = (N + block_q - 1) // block_q
+    for task in prange(B * H * n_qt):
+        bh = task // n_qt
+        b = bh // H
+        h = bh % H
+        i0 = (task % n_qt) * block_q
+        i1 = min(i0 + block_q, N)
+        for t in range(n_shares):
+            lo = max(share_rows[t, b, h, 0], i0)
+            hi = min(share_rows[t, b, h, 1], i1)
+            for i in range(lo, hi):
+                for d in range(D):
+                    dq[b, h, i, d] += dq_shares[t, b, h, i, d]
+
+
+@njit(parallel=True, cache=True)
+def _scale_dq(dq, opt):
+    B, H, N, D = dq.shape
+    for bh in prange(B * H):
+        b = bh // H
+        h = bh % H
+        factor = opt.scale / opt.tau[h]
+        for i in range(N):
+            for d in range(D):
+                dq[b, h, i, d] *= factor

@@ -227,6 +227,13 @@ def test_options(small_tiles, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_shares_in_chunks(small_tiles, monkeypatch, dtype):
+    # One key tile per chunk: the dq shares are summed over many chunks.
+    monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 1)
+    check_case(dtype, CASES["everything"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_no_gqa(small_tiles, dtype):
     check_case(dtype, dict(causal=True, nvm=True, tau=0.6), H=3, Hkv=3)
 
