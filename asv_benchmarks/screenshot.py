@@ -76,7 +76,8 @@ def vendor(html, cache=ASSET_CACHE):
     urls = set()
     for page in pages:
         urls.update(re.findall(r'(?:src|href)="(https?://[^"]+\.(?:js|css))"', page.read_text()))
-    known = {url: ASSETS[url.rsplit("/", 1)[-1]] for url in urls if url.rsplit("/", 1)[-1] in ASSETS}
+    names = {url: url.rsplit("/", 1)[-1] for url in urls}
+    known = {url: ASSETS[name] for url, name in names.items() if name in ASSETS}
     for url in sorted(urls - set(known)):
         print(f"warning: no local copy of {url}", file=sys.stderr)
     missing = sorted({spec for spec, path in known.values()
@@ -122,7 +123,7 @@ def _load_config(path):
 
 
 def serve(directory):
-    """Start a quiet HTTP server for ``directory`` on 127.0.0.1; return it (port in ``server_port``)."""
+    """Serve ``directory`` quietly on 127.0.0.1; return the server (port in ``server_port``)."""
 
     class QuietHandler(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
@@ -186,7 +187,8 @@ def main(argv=None):
     server = serve(html)
     try:
         fragment = args.benchmark + (f"?{args.query}" if args.query else "")
-        url = f"http://127.0.0.1:{server.server_port}/index.html#{urllib.parse.quote(fragment, safe='?=&,.')}"
+        fragment = urllib.parse.quote(fragment, safe="?=&,.'")
+        url = f"http://127.0.0.1:{server.server_port}/index.html#{fragment}"
         out = pathlib.Path(args.out).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
         chromium(url, f"--screenshot={out}", f"--window-size={args.window_size}",

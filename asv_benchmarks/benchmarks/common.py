@@ -96,7 +96,7 @@ def kv_heads(variant):
 
 
 def make_inputs(N, dtype, *, M=None, Hkv=HEADS, seed=SEED):
-    """Seeded ``q, k, v`` of shapes ``(BATCH, HEADS, N, HEAD_DIM)`` and ``(BATCH, Hkv, M, HEAD_DIM)``."""
+    """Seeded ``q`` ``(BATCH, HEADS, N, HEAD_DIM)`` and ``k, v`` ``(BATCH, Hkv, M, HEAD_DIM)``."""
     require_bench_helpers()
     M = N if M is None else M
     return _bench.make_inputs(
