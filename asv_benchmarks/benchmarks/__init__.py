@@ -1,0 +1,1 @@
+"""asv benchmarks of elastic_np: oracles, CPU and CUDA kernels, NumPy and torch baselines."""
