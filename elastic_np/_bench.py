@@ -42,20 +42,26 @@ def attention_flops(B, H, N, M, D, Dv=None, *, causal=False, backward=False):
 
 def naive_attention(q, k, v, *, causal=False, scale=None):
     """Plain NumPy attention in the input dtype, materialising the score matrix."""
+    p, kk, vv, scale = _naive_probabilities(q, k, v, causal, scale)
+    return p @ vv
+
+
+def _naive_probabilities(q, k, v, causal, scale):
+    """Softmax probabilities ``(B, H, N, M)``, ``k`` and ``v`` repeated per query head, and the scale."""
     B, H, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
-    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    scale = q.dtype.type(1.0 / np.sqrt(D) if scale is None else scale)
     if Hkv != H:
         k = np.repeat(k, H // Hkv, axis=1)
         v = np.repeat(v, H // Hkv, axis=1)
-    s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+    s = (q @ np.swapaxes(k, -1, -2)) * scale
     if causal:
         i = np.arange(N)[:, None] + (M - N)
         s = np.where(np.arange(M)[None, :] <= i, s, -np.inf)
     s = s - s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    return p @ v
+    return p, k, v, scale
 
 
 def torch_available():
@@ -127,16 +133,7 @@ def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
     B, H, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     group = H // Hkv
-    scale = q.dtype.type(1.0 / np.sqrt(D) if scale is None else scale)
-    kk = np.repeat(k, group, axis=1) if group > 1 else k
-    vv = np.repeat(v, group, axis=1) if group > 1 else v
-    s = (q @ np.swapaxes(kk, -1, -2)) * scale
-    if causal:
-        i = np.arange(N)[:, None] + (M - N)
-        s = np.where(np.arange(M)[None, :] <= i, s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
+    p, kk, vv, scale = _naive_probabilities(q, k, v, causal, scale)
     out = p @ vv
     dp = dout @ np.swapaxes(vv, -1, -2)
     ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
