@@ -6,6 +6,7 @@ attention, a naive NumPy attention, PyTorch's ``scaled_dot_product_attention``
 peak.
 """
 
+import os
 import time
 
 import numpy as np
@@ -62,6 +63,27 @@ def _naive_probabilities(q, k, v, causal, scale):
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
     return p, k, v, scale
+
+
+def machine_info():
+    """Processor, core count, thread count and library versions, for a results file."""
+    import platform
+
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__}
+    if torch_available():
+        import torch
+
+        info["torch"] = torch.__version__
+    return info
 
 
 def torch_available():
@@ -153,8 +175,6 @@ def _rss_bytes():
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -208,8 +208,10 @@ def _bench(args):
         )
     print(_bench.format_table(comparison))
     if args.json is not None:
+        record = {"machine": _bench.machine_info(),
+                  "command": " ".join(["elastic-np", *sys.argv[1:]]), **comparison}
         with open(args.json, "w") as f:
-            json.dump(comparison, f, indent=2)
+            json.dump(record, f, indent=2)
         print(f"results written to {args.json}")
     if args.plot is not None:
         _bench.plot(comparison, args.plot)

@@ -142,6 +142,7 @@ def test_bench_quick_json_and_plot(tmp_path, capsys):
     assert data["config"] == {**data["config"], "heads": 1, "dim": 4, "seqs": [8, 16],
                               "dtype": "float32", "batch": 1}
     assert data["matmul_peak_gflops"] > 0
+    assert data["machine"]["cores"] >= 1 and data["command"].startswith("elastic-np bench")
     impls = {r["impl"] for r in data["results"]}
     assert "naive numpy" in impls
     torch_installed = importlib.util.find_spec("torch") is not None

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import elastic_np
@@ -120,15 +121,15 @@ def test_performance_hook_renders_saved_results(tmp_path):
 
     results = tmp_path / "results"
     results.mkdir()
-    rows = [
-        {"implementation": impl, "pass": "forward", "dtype": "float32", "N": n, "M": n,
-         "D": 64, "causal": False, "time_s": t, "gflops": g}
-        for impl, n, t, g in [("a", 256, 0.001, 10.0), ("a", 512, 0.004, 11.0),
-                              ("b", 256, 0.002, 5.0), ("b", 512, 0.008, 5.5)]
-    ]
-    (results / "machine-x.json").write_text(json.dumps(
-        {"machine": {"cpu": "test"}, "command": "elastic-np bench", "results": rows}))
+    from elastic_np import _bench
+
+    impls = {"naive numpy": _bench.implementations(False)["naive numpy"]}
+    run = _bench.compare([16, 32], batch=1, heads=1, dim=8, dtype=np.dtype(np.float32),
+                         causal=False, repeat=1, min_time=0.0, matmul_n=64, impls=impls)
+    run = {"machine": {"cpu": "test"}, "command": "elastic-np bench --seq 16 32", **run}
+    (results / "machine-x.json").write_text(json.dumps(run))
     out = tmp_path / "out1"
     text = pathlib.Path(script["main"](str(out), results_dir=str(results))).read_text()
     assert "performance_0.png" in text and (out / "performance_0.png").exists()
-    assert ".. list-table::" in text and "11.0" in text and '"cpu": "test"' in text
+    assert ".. code-block:: text" in text and "naive numpy" in text and '"cpu": "test"' in text
+    assert "elastic-np bench --seq 16 32" in text
