@@ -209,7 +209,7 @@ def _bench(args):
     print(_bench.format_table(comparison))
     if args.json is not None:
         record = {"machine": _bench.machine_info(),
-                  "command": " ".join(["elastic-np", *sys.argv[1:]]), **comparison}
+                  "command": " ".join(["elastic-np", *args.argv]), **comparison}
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
         print(f"results written to {args.json}")
@@ -282,6 +282,7 @@ def main(argv=None):
             args = parser.parse_args(["example"])
     except SystemExit as exc:
         return exc.code
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 
