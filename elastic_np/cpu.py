@@ -45,7 +45,7 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
-BLOCK_K = 64
+BLOCK_K = 128
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25
 
