@@ -11,6 +11,9 @@ vectorises them with AVX-512/AVX2 and fused multiply-adds:
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
+``exp_shift_sum(x, m, n, shift, nvm, sums)``
+    ``x[:m, :n] = exp(x[:m, :n] - shift[:n])`` (0 where NVM removes the
+    entry) and ``sums[:n] += x[:m, :n].sum(axis=0)``, in one pass
 
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
 be larger than the block used, which is always the top-left corner (the row
@@ -31,7 +34,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["matmul_nn", "matmul_tn", "exp_inplace"]
+__all__ = ["matmul_nn", "matmul_tn", "exp_inplace", "exp_shift_sum"]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
@@ -252,33 +255,57 @@ _EXP_Q_F64 = (
 )
 
 
+@njit(**_OPTIONS)
+def _exp_f64_scalar(v):
+    """Vectorisable ``exp(v)``, float64 (see `exp_inplace`)."""
+    # exp(-746) < 2**-1075 rounds to 0; exp(710) overflows to inf. Arguments
+    # below -746 (masked entries are -inf) give 0 by a final select, not by an
+    # underflowing product (see _exp_f32_scalar).
+    x = v
+    if x < -746.0:
+        x = -1.0
+    if x > 710.0:
+        x = 710.0
+    t = np.floor(x * _LOG2E + 0.5)
+    r = (x - t * _LN2_HI) - t * _LN2_LO
+    # 1 + r + r**2 q(r), q a degree-9 Chebyshev fit (see exp_inplace), by Horner.
+    c = _EXP_Q_F64
+    q = (((((((((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]) * r + c[5]) * r
+           + c[6]) * r + c[7]) * r + c[8]) * r + c[9])
+    p = (q * r + 1.0) * r + 1.0
+    # 2**t = 2**t1 * 2**t2, each factor a normal number built in its
+    # exponent field, so that subnormal and overflowing results round
+    # once, in the last product.
+    e = np.int64(t)
+    e1 = e >> 1
+    e2 = e - e1
+    y = p * _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+    if v < -746.0:
+        y = 0.0
+    return y
+
+
+def _exp_any(v):
+    """``exp(v)`` of the dtype of ``v`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_exp_any)
+def _exp_any_overload(v):
+    if v == types.float64:
+        return lambda v: _exp_f64_scalar(v)
+    if v == types.float32:
+        return lambda v: _exp_f32_scalar(v)
+    return None
+
+
 @njit([_EXP_SIGNATURES[types.float64]], **_OPTIONS)
 def _exp_f64(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float64 (see `exp_inplace`)."""
     for i in range(m):
         row = x[i]
         for j in range(n):
-            v = row[j]
-            # exp(-746) < 2**-1075 rounds to 0; exp(710) overflows to inf.
-            if v < -746.0:
-                v = -746.0
-            if v > 710.0:
-                v = 710.0
-            t = np.floor(v * _LOG2E + 0.5)
-            r = (v - t * _LN2_HI) - t * _LN2_LO
-            # 1 + r + r**2 q(r), q a degree-9 Chebyshev fit (see exp_inplace).
-            p = _EXP_Q_F64[0]
-            for c in _EXP_Q_F64[1:]:
-                p = p * r + c
-            p = p * r + 1.0
-            p = p * r + 1.0
-            # 2**t = 2**t1 * 2**t2, each factor a normal number built in its
-            # exponent field, so that subnormal and overflowing results round
-            # once, in the last product.
-            e = np.int64(t)
-            e1 = e >> 1
-            e2 = e - e1
-            row[j] = p * _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+            row[j] = _exp_any(row[j])
 
 
 # float32: Cody-Waite split of ln 2 (Cephes): LN2_HI has 9 significant bits,
@@ -290,6 +317,8 @@ _HALF_F32 = np.float32(0.5)
 _ONE_F32 = np.float32(1.0)
 _LO_F32 = np.float32(-104.0)
 _HI_F32 = np.float32(89.0)
+_ZERO_ARG_F32 = np.float32(-1.0)
+_ZERO_F32 = np.float32(0.0)
 # As _EXP_Q_F64, degree 4, rounded to float32: relative error 1.1e-8.
 _EXP_Q_F32 = (
     np.float32(0.0013926213141530752),
@@ -300,32 +329,42 @@ _EXP_Q_F32 = (
 )
 
 
+@njit(**_OPTIONS)
+def _exp_f32_scalar(v):
+    """Vectorisable ``exp(v)``, float32 (see `exp_inplace`)."""
+    # exp(-104) < 2**-150 rounds to 0; exp(89) overflows to inf. Arguments
+    # below -104 (masked entries are -inf) give 0 by a final select, not by an
+    # underflowing product: the polynomial runs on a harmless stand-in, since
+    # underflow costs a microcode assist per element on some CPUs.
+    x = v
+    if x < _LO_F32:
+        x = _ZERO_ARG_F32
+    if x > _HI_F32:
+        x = _HI_F32
+    t = np.floor(x * _LOG2E_F32 + _HALF_F32)
+    r = (x - t * _LN2_HI_F32) - t * _LN2_LO_F32
+    # 1 + r + r**2 q(r), q a degree-4 Chebyshev fit (see exp_inplace), by Horner.
+    c = _EXP_Q_F32
+    q = (((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]
+    p = (q * r + _ONE_F32) * r + _ONE_F32
+    e = np.int32(t)
+    e1 = e >> 1
+    e2 = e - e1
+    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
+    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
+    y = p * s1 * s2
+    if v < _LO_F32:
+        y = _ZERO_F32
+    return y
+
+
 @njit([_EXP_SIGNATURES[types.float32]], **_OPTIONS)
 def _exp_f32(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float32 (see `exp_inplace`)."""
     for i in range(m):
         row = x[i]
         for j in range(n):
-            v = row[j]
-            # exp(-104) < 2**-150 rounds to 0; exp(89) overflows to inf.
-            if v < _LO_F32:
-                v = _LO_F32
-            if v > _HI_F32:
-                v = _HI_F32
-            t = np.floor(v * _LOG2E_F32 + _HALF_F32)
-            r = (v - t * _LN2_HI_F32) - t * _LN2_LO_F32
-            # 1 + r + r**2 q(r), q a degree-4 Chebyshev fit (see exp_inplace).
-            p = _EXP_Q_F32[0]
-            for c in _EXP_Q_F32[1:]:
-                p = p * r + c
-            p = p * r + _ONE_F32
-            p = p * r + _ONE_F32
-            e = np.int32(t)
-            e1 = e >> 1
-            e2 = e - e1
-            s1 = _float_from_bits(np.int32((e1 + 127) << 23))
-            s2 = _float_from_bits(np.int32((e2 + 127) << 23))
-            row[j] = p * s1 * s2
+            row[j] = _exp_any(row[j])
 
 
 def _exp_block(x, m, n):
@@ -339,6 +378,20 @@ def _exp_block_overload(x, m, n):
         return lambda x, m, n: _exp_f64(x, m, n)
     if isinstance(x, types.Array) and x.dtype == types.float32:
         return lambda x, m, n: _exp_f32(x, m, n)
+    return None
+
+
+def _neg_inf(x):
+    """``-inf`` in the dtype of the array ``x`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_neg_inf, inline="always")
+def _neg_inf_overload(x):
+    if isinstance(x, types.Array) and x.dtype == types.float64:
+        return lambda x: np.float64(-np.inf)
+    if isinstance(x, types.Array) and x.dtype == types.float32:
+        return lambda x: np.float32(-np.inf)
     return None
 
 
@@ -390,3 +443,63 @@ def exp_inplace(x, m, n):
     numpy.exp
     """
     _exp_block(x, m, n)
+
+
+_EXP_SHIFT_SUM_SIGNATURES = [
+    types.void(
+        _matrix(dtype), types.intp, types.intp, types.Array(dtype, 1, "C", readonly=True),
+        types.boolean, types.Array(dtype, 1, "C"),
+    )
+    for dtype in _DTYPES
+]
+
+
+@njit(_EXP_SHIFT_SUM_SIGNATURES, **_OPTIONS)
+def exp_shift_sum(x, m, n, shift, nvm, sums):
+    r"""Shifted exponential of the block ``x[:m, :n]`` in place, with its column sums.
+
+    ``x[i, j] = exp(x[i, j] - shift[j])`` and ``sums[j] += x[i, j]`` (over
+    ``i`` in order), in one pass over the block; with ``nvm``, entries with
+    ``x[i, j] < 0`` (or NaN) become 0 instead.
+
+    Parameters
+    ----------
+    x : ndarray, float32 or float64, shape (>= m, >= n)
+        2-D C-contiguous array; only the block ``x[:m, :n]`` is changed.
+    m, n : int
+        Block sizes.
+    shift : ndarray, shape (>= n,)
+        Subtracted from every row of the block.
+    nvm : bool
+        Zero the entries that are negative before the shift.
+    sums : ndarray, shape (>= n,)
+        Column sums of the exponentials are added to ``sums[:n]``.
+
+    Notes
+    -----
+    The exponential is the one of `exp_inplace` (same bits); the sums run
+    over the rows in order, so they match a separate pass exactly. This is
+    the softmax step of the forward tiles (scores stored transposed, one
+    column per query): subtracting the running maximum, exponentiating and
+    summing together saves two passes over the tile.
+
+    See Also
+    --------
+    exp_inplace
+    """
+    neg_inf = _neg_inf(x)
+    if nvm:
+        for i in range(m):
+            row = x[i]
+            for j in range(n):
+                v = row[j]
+                e = _exp_any(v - shift[j] if v >= 0 else neg_inf)
+                row[j] = e
+                sums[j] += e
+    else:
+        for i in range(m):
+            row = x[i]
+            for j in range(n):
+                e = _exp_any(row[j] - shift[j])
+                row[j] = e
+                sums[j] += e

@@ -37,7 +37,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from elastic_np._tiles import exp_inplace, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
 
@@ -45,7 +45,7 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
-BLOCK_K = 64
+BLOCK_K = 128
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25
 
@@ -479,23 +479,9 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                     alpha = rescale_by[r]
                     for d in range(Dv):
                         acc[r, d] *= alpha
-            if nvm_in_max:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        x = row[r]
-                        row[r] = x - shift_by[r] if x >= 0 else neg_inf
-            else:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        row[r] -= shift_by[r]
-            exp_inplace(st, bk, bq)
             for r in range(bq):
                 tile_sum[r] = 0.0
-            for c in range(bk):
-                for r in range(bq):
-                    tile_sum[r] += st[c, r]
+            exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
             for r in range(bq):
                 row_sum[r] += tile_sum[r]
             matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)

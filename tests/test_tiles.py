@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_np import _tiles
-from elastic_np._tiles import exp_inplace, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
 
 DTYPES = [np.float32, np.float64]
 # odd sizes hit every leftover path of the 4-row x 4-deep register blocking
@@ -179,6 +179,38 @@ def test_exp_block_only(dtype, m, n):
     np.testing.assert_array_equal(x[:, n:], x0[:, n:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", [(1, 1), (7, 59), (97, 7), (64, 128)])
+@pytest.mark.parametrize("nvm", [False, True])
+def test_exp_shift_sum_is_the_separate_passes(dtype, m, n, nvm):
+    # same bits as shift, then exp_inplace, then row-by-row column sums
+    rng = np.random.default_rng(m + n + nvm)
+    x = rng.uniform(-30, 5, (m + 2, n + 3)).astype(dtype)
+    x[0, 0] = -np.inf
+    if m > 1 and n > 2:
+        x[1, 2] = np.nan
+        x[m - 1, n - 1] = -2e4  # below the range of exp: exactly 0
+    shift = rng.uniform(-2, 5, n + 3).astype(dtype)
+    sums0 = rng.uniform(0, 3, n + 3).astype(dtype)
+    x0 = x.copy()
+    expected = x0[:m, :n] - shift[:n]
+    if nvm:
+        expected = np.where(x0[:m, :n] >= 0, expected, dtype(-np.inf)).astype(dtype)
+    exp_inplace(expected, m, n)
+    expected_sums = sums0.copy()
+    for i in range(m):
+        expected_sums[:n] += expected[i]
+    sums = sums0.copy()
+    exp_shift_sum(x, m, n, shift, nvm, sums)
+    np.testing.assert_array_equal(x[:m, :n], expected)
+    np.testing.assert_array_equal(sums, expected_sums)
+    np.testing.assert_array_equal(x[m:], x0[m:])
+    np.testing.assert_array_equal(x[:, n:], x0[:, n:])
+    if m > 1 and n > 2:
+        assert np.isnan(x[1, 2]) != nvm  # NVM removes NaN scores, otherwise NaN propagates
+    assert len(exp_shift_sum.signatures) == 2
+
+
 def _packed_arithmetic(asm):
     """Packed (SIMD) multiply or FMA instructions of an x86 listing."""
     return re.findall(r"\bv?(?:fmadd\w*|mul)p[sd]\s+%?[xyz]mm", asm)
@@ -190,7 +222,12 @@ def test_vectorised(dtype):
     # cached code cannot be inspected: compile uncached copies with the same options
     x = np.zeros((2, 2), dtype)
     exp_fn = _tiles._exp_f64 if dtype == np.float64 else _tiles._exp_f32
-    for fn, args in ((exp_fn, (x, 2, 2)), (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False))):
+    row = np.zeros(2, dtype)
+    for fn, args in (
+        (exp_fn, (x, 2, 2)),
+        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False)),
+        (_tiles.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
+    ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
         copy = numba.njit(**options)(fn.py_func)
         copy(*args)
