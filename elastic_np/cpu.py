@@ -105,7 +105,7 @@ def forward(problem):
     lse : ndarray, shape (B, H, N)
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
-    q, k, v = (np.ascontiguousarray(a) for a in (problem.q, problem.k, problem.v))
+    q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
     opt = _options(problem, with_sigma_grad=False)
@@ -130,7 +130,7 @@ def backward(problem, dout, out, lse):
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out, lse = (
-        np.ascontiguousarray(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
+        _kernel_array(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
     )
     opt = _options(problem, with_sigma_grad=True)
     n_qt = -(-N // BLOCK_Q)
@@ -173,6 +173,17 @@ def backward(problem, dout, out, lse):
         dbeta_bh,
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
     )
+
+
+def _kernel_array(a):
+    """``a`` itself when C-contiguous and writable, else a copy that is.
+
+    The kernels never write to their inputs, but a read-only or strided array
+    is another Numba type, and every new type compiles every kernel again.
+    """
+    if a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, order="C", copy=True)
 
 
 def _options(p, with_sigma_grad):
@@ -220,7 +231,7 @@ def _compact_mask(mask):
     have stride 0, so a ``(N, M)`` mask stays ``N * M`` booleans.
     """
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in mask.strides)
-    compact = np.ascontiguousarray(mask[index])
+    compact = _kernel_array(mask[index])
     strides = [
         0 if s == 0 or n == 1 else cs // compact.itemsize
         for s, n, cs in zip(mask.strides, compact.shape, compact.strides)

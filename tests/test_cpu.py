@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _dispatch, _options, cpu, reference
+from elastic_np import _bench, _dispatch, _options, cpu, reference
 
 DTYPES = [np.float64, np.float32]
 
@@ -420,3 +420,18 @@ def test_is_available():
     assert cpu.is_available()
     cpu.check_available()
     assert np.dtype(np.float32) in cpu.dtypes and np.dtype(np.float64) in cpu.dtypes
+
+
+def test_one_compiled_kernel_per_dtype():
+    """Read-only, strided and broadcast inputs and masks reuse the same compiled kernels."""
+    for dtype in (np.float32, np.float64):
+        q, k, v = (a.astype(dtype) for a in _bench.make_inputs(1, 2, 9, 11, 4, seed=3))
+        for a in (q, k, v):
+            a.setflags(write=False)
+        mask = np.broadcast_to(np.random.default_rng(0).random((9, 11)) < 0.8, (1, 2, 9, 11))
+        for options in ({}, {"mask": mask}, {"mask": np.ones((9, 11), bool)}):
+            out, lse = enp.attention(q, k[..., ::1], v, return_lse=True, backend="cpu", **options)
+            out.setflags(write=False)
+            enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
+    for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._scale_dq):
+        assert len(kernel.signatures) <= 2, kernel.signatures
