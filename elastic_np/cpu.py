@@ -166,7 +166,9 @@ def backward(problem, dout, out, lse):
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
         )
         _sum_dq_shares(dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
-    _scale_dq(dq, opt)
+    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
+    factor = (problem.scale / problem.tau)[None, :, None, None]
+    np.multiply(dq, factor, out=dq, casting="unsafe")
     return problem.reduce_grads(
         dq, dk, dv,
         dtau_part.sum(axis=2),
@@ -702,15 +704,3 @@ def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq):
             for i in range(lo, hi):
                 for d in range(D):
                     dq[b, h, i, d] += dq_shares[t, b, h, i, d]
-
-
-@njit(parallel=True, cache=True)
-def _scale_dq(dq, opt):
-    B, H, N, D = dq.shape
-    for bh in prange(B * H):
-        b = bh // H
-        h = bh % H
-        factor = opt.scale / opt.tau[h]
-        for i in range(N):
-            for d in range(D):
-                dq[b, h, i, d] *= factor
