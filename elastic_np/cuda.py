@@ -86,8 +86,14 @@ _INSTALL_HINT = 'install it with `pip install "elastic_np[cuda]"` (numba-cuda wi
 
 
 def _cuda():
-    """``numba.cuda``, imported on first use."""
+    """``numba.cuda``, imported on first use.
+
+    The kernels need the numba-cuda package (the CUDA target that Numba itself
+    ships is older and lacks what they use), so its absence is reported even
+    where ``from numba import cuda`` would still succeed.
+    """
     try:
+        import numba_cuda  # noqa: F401
         from numba import cuda
     except ImportError as exc:
         raise BackendUnavailableError(

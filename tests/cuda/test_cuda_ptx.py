@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-pytest.importorskip("numba.cuda")
+pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
 from elastic_np import _cuda_kernels, cuda  # noqa: E402
 
