@@ -158,6 +158,12 @@ class AttentionProblem:
         return B, H, Hkv, N, M, D, Dv
 
     @property
+    def backward_shapes(self):
+        """``(name, shape)`` of the arrays the backward takes besides the inputs."""
+        B, H, Hkv, N, M, D, Dv = self.shape
+        return (("dout", (B, H, N, Dv)), ("out", (B, H, N, Dv)), ("lse", (B, H, N)))
+
+    @property
     def group_size(self):
         """Query heads per key/value head: head ``h`` reads kv head ``h // group_size``."""
         return self.q.shape[1] // self.k.shape[1]

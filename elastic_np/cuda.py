@@ -223,13 +223,8 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
     """
     if not any(_is_device(a) for a in (p.q, dout, out, lse)):
         return reference.check_backward_arrays(p, dout, out, lse, dtype=dtype)
-    B, H, Hkv, N, M, D, Dv = p.shape
     arrays = []
-    for name, a, shape in (
-        ("dout", dout, (B, H, N, Dv)),
-        ("out", out, (B, H, N, Dv)),
-        ("lse", lse, (B, H, N)),
-    ):
+    for (name, shape), a in zip(p.backward_shapes, (dout, out, lse)):
         a = _as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a))
         if tuple(a.shape) != shape:
             raise ValueError(f"`{name}` must have shape {shape}, got {tuple(a.shape)}")

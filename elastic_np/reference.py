@@ -623,13 +623,8 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
     ``dtype=None`` requires the problem's dtype (the kernels); a dtype
     converts to it (the reference).
     """
-    B, H, Hkv, N, M, D, Dv = p.shape
     arrays = []
-    for name, a, shape in (
-        ("dout", dout, (B, H, N, Dv)),
-        ("out", out, (B, H, N, Dv)),
-        ("lse", lse, (B, H, N)),
-    ):
+    for (name, shape), a in zip(p.backward_shapes, (dout, out, lse)):
         a = np.asarray(a)
         _validation.check_real_float_dtype(a, name)
         if a.shape != shape:

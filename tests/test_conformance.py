@@ -6,21 +6,13 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, reference
+from elastic_np import _conformance, cli, reference
 from elastic_np.testing import check_attention
 
 ALL = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
 
 
-def backend_functions(name):
-    def fn(q, k, v, **options):
-        return enp.attention(q, k, v, return_lse=True, backend=name, **options)
-
-    def backward(dout, q, k, v, **options):
-        out, lse = enp.attention(q, k, v, return_lse=True, backend=name, **options)
-        return enp.attention_backward(dout, q, k, v, out, lse, backend=name, **options)
-
-    return fn, backward
+backend_functions = cli._backend_functions
 
 
 def cpu_available():

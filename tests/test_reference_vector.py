@@ -67,6 +67,12 @@ def random_array(rng, shape, low=-3.0, high=3.0):
     return rng.uniform(low, high, size=shape)
 
 
+def random_shape_and_axis(rng):
+    """A shape of 1 to 3 dimensions of sizes 1 to 4, and a valid axis (possibly negative)."""
+    ndim = int(rng.integers(1, 4))
+    return tuple(rng.integers(1, 5, size=ndim)), int(rng.integers(-ndim, ndim))
+
+
 def away_from_zero(rng, shape, margin=0.05):
     """Random values with |x| >= margin, so NVM's jump at 0 stays out of finite differences."""
     x = rng.uniform(margin, 3.0, size=shape)
@@ -297,9 +303,7 @@ class TestSoftmaxVjp:
     @pytest.mark.parametrize("seed", range(4))
     def test_gradcheck(self, seed):
         rng = np.random.default_rng(seed)
-        ndim = rng.integers(1, 4)
-        shape = tuple(rng.integers(1, 5, size=ndim))
-        axis = int(rng.integers(-ndim, ndim))
+        shape, axis = random_shape_and_axis(rng)
         x = random_array(rng, shape)
         dy = random_array(rng, shape)
         dx = ref.softmax_vjp(ref.softmax(x, axis=axis), dy, axis=axis)
@@ -314,9 +318,7 @@ class TestElasticSoftmaxVjp:
     @pytest.mark.parametrize("seed", range(8))
     def test_gradcheck(self, seed):
         rng = np.random.default_rng(seed)
-        ndim = rng.integers(1, 4)
-        shape = tuple(rng.integers(1, 5, size=ndim))
-        axis = int(rng.integers(-ndim, ndim))
+        shape, axis = random_shape_and_axis(rng)
         use_nvm = bool(seed % 2)
         tau = float(rng.uniform(0.3, 3.0))
         beta = float(rng.uniform(0.1, 3.0))
