@@ -90,6 +90,9 @@ def attention(
     tau=1.0,
     beta=0.0,
     dynamic_window=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
     return_lse=False,
     backend="auto",
 ):
@@ -129,6 +132,15 @@ def attention(
         Temperature (``> 0``) and denominator offset (``>= 0``).
     dynamic_window : DynamicWindow, optional
         Learnable bell-curve window gate.
+    softcap : float, optional
+        Soft-capping: the score becomes ``softcap * tanh(score / softcap)``
+        (``> 0``; None for none), before ALiBi, bias, NVM and temperature.
+    alibi_slopes : array_like, shape (H,) or (B, H), optional
+        ALiBi: adds ``-slope * |i + (M - N) - j|`` to the score. Fixed (no gradient).
+    bias : array_like of float, optional
+        Additive score bias broadcastable to ``(B, H, N, M)``, added after the
+        soft-cap and before NVM; ``-inf`` removes an entry. Learnable: the
+        backward returns ``dbias`` in its shape.
     return_lse : bool, optional
         Also return the log-denominator ``lse`` of shape ``(B, H, N)``.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
@@ -161,7 +173,8 @@ def attention(
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
-        dynamic_window=dynamic_window, dtypes=module.dtypes,
+        dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, dtypes=module.dtypes,
     )
     out, lse = module.forward(problem)
     return (out, lse) if return_lse else out
@@ -184,6 +197,9 @@ def attention_backward(
     tau=1.0,
     beta=0.0,
     dynamic_window=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
     backend="auto",
 ):
     """Gradients of `attention` for ``q, k, v, tau, beta`` and the window's ``sigma``.
@@ -196,16 +212,19 @@ def attention_backward(
         The inputs given to `attention`.
     out, lse : array_like
         What `attention` returned with ``return_lse=True``.
-    scale, causal, window_size, kv_lengths, mask, nvm, tau, beta, dynamic_window
-        The options given to `attention`.
+    **options
+        The options given to `attention` (``scale``, ``causal``,
+        ``window_size``, ``kv_lengths``, ``mask``, ``nvm``, ``tau``, ``beta``,
+        ``dynamic_window``, ``softcap``, ``alibi_slopes``, ``bias``).
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
     Returns
     -------
     AttentionGrads
         ``dq``, ``dk``, ``dv`` in the input dtype (float64 for "reference");
-        ``dtau``, ``dbeta``, ``dsigma`` in the shapes of ``tau``, ``beta``,
-        ``sigma`` (``dsigma`` None without a dynamic window).
+        ``dtau``, ``dbeta``, ``dsigma``, ``dbias`` in the shapes of ``tau``,
+        ``beta``, ``sigma``, ``bias`` (``dsigma`` None without a dynamic
+        window, ``dbias`` None without a bias; ``dbias`` in the dtype of ``dq``).
 
     Raises
     ------
@@ -229,7 +248,8 @@ def attention_backward(
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
         kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
-        dynamic_window=dynamic_window, dtypes=module.dtypes,
+        dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, dtypes=module.dtypes,
     )
     dtype = None if module.dtypes is not None else problem.dtype
     check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)

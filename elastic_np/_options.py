@@ -102,6 +102,10 @@ class AttentionGrads:
     dsigma : float or ndarray or None
         Gradient of the dynamic window's ``sigma`` in its shape, or None
         without a dynamic window.
+    dbias : ndarray or None
+        Gradient of the additive ``bias`` in the shape it was given in (the
+        sum over the axes it was broadcast along), in the dtype of ``dq``; None
+        without a bias.
 
     Examples
     --------
@@ -120,6 +124,7 @@ class AttentionGrads:
     dtau: object
     dbeta: object
     dsigma: Optional[object] = None
+    dbias: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -130,6 +135,10 @@ class AttentionProblem:
     ``beta`` are float64 ``(H,)``, ``sigma`` float64 ``(B, H)`` or None,
     ``kv_lengths`` int64 ``(B,)``, ``mask`` a read-only boolean view of shape
     ``(B, H, N, M)`` or None, ``window`` a pair of ints (``-1`` unbounded).
+    The score modifiers: ``softcap`` a float ``> 0`` or None, ``alibi``
+    float64 ``(B, H)`` slopes or None, ``bias`` a read-only view of the
+    caller's floating array broadcast to ``(B, H, N, M)`` (its own dtype) or
+    None, with ``bias_shape`` the shape it was given in.
     """
 
     q: np.ndarray
@@ -149,6 +158,10 @@ class AttentionProblem:
     tau_shape: tuple
     beta_shape: tuple
     sigma_shape: Optional[tuple]
+    softcap: Optional[float] = None
+    alibi: Optional[np.ndarray] = None
+    bias: Optional[np.ndarray] = None
+    bias_shape: Optional[tuple] = None
 
     @property
     def shape(self):
@@ -172,8 +185,18 @@ class AttentionProblem:
     def dtype(self):
         return self.q.dtype
 
-    def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh):
-        """Build `AttentionGrads` from per-head ``dtau``, ``dbeta`` and per-(b, h) ``dsigma``."""
+    def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias=None):
+        """Build `AttentionGrads` from per-head ``dtau``, ``dbeta`` and per-(b, h) ``dsigma``.
+
+        ``dbias`` is the gradient of the score in any shape that broadcasts
+        to the bias's 4-D shape (``(B, H, N, M)``, or already summed over the
+        axes the bias is broadcast along); it is summed to ``bias_shape`` and
+        returned in the dtype of ``dq``.
+        """
+        if self.bias is not None:
+            dbias = _sum_to(dbias, self.bias_shape).astype(dq.dtype, copy=False)
+        else:
+            dbias = None
         return AttentionGrads(
             dq=dq,
             dk=dk,
@@ -181,18 +204,23 @@ class AttentionProblem:
             dtau=sum_to_shape(dtau_h, self.tau_shape),
             dbeta=sum_to_shape(dbeta_h, self.beta_shape),
             dsigma=None if self.sigma is None else sum_to_shape(dsigma_bh, self.sigma_shape),
+            dbias=dbias,
         )
 
 
 def sum_to_shape(grad, shape):
     """Sum a broadcast gradient back to ``shape``; a Python float for ``shape == ()``."""
-    grad = np.asarray(grad, dtype=np.float64)
+    out = _sum_to(np.asarray(grad, dtype=np.float64), shape)
+    return float(out) if shape == () else out
+
+
+def _sum_to(grad, shape):
+    """Sum ``grad`` over the leading axes and the axes where ``shape`` has 1."""
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
     )
-    out = grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
-    return float(out) if shape == () else out
+    return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
 
 
 def prepare(
@@ -209,6 +237,9 @@ def prepare(
     tau=1.0,
     beta=0.0,
     dynamic_window=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
     dtypes=None,
     check_finite=True,
 ):
@@ -275,11 +306,17 @@ def prepare(
             ) from None
         sharpness, threshold = dynamic_window.sharpness, dynamic_window.threshold
 
+    if softcap is not None:
+        softcap = _validation.positive_scalar(softcap, "softcap")
+    alibi = _alibi(alibi_slopes, B, H)
+    bias, bias_shape = _bias(bias, (B, H, N, M), check_finite)
+
     return AttentionProblem(
         q=q, k=k, v=v, scale=float(scale), causal=bool(causal), window=window,
         kv_lengths=kv_lengths, mask=mask, nvm=bool(nvm), tau=tau, beta=beta,
         sigma=sigma, sharpness=sharpness, threshold=threshold,
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
+        softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
     )
 
 
@@ -321,3 +358,44 @@ def _mask(mask, shape):
         raise ValueError(
             f"`mask` of shape {mask.shape} is not broadcastable to (B, H, N, M) = {shape}"
         ) from None
+
+
+def _alibi(slopes, B, H):
+    """ALiBi slopes as float64 ``(B, H)``, from shape ``(H,)`` or ``(B, H)``."""
+    if slopes is None:
+        return None
+    arr = np.asarray(slopes)
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    ):
+        raise TypeError(f"`alibi_slopes` must be a real array, got dtype {arr.dtype}")
+    if arr.shape not in ((H,), (B, H)):
+        raise ValueError(
+            f"`alibi_slopes` must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+            f"got {arr.shape}"
+        )
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("`alibi_slopes` contains NaN or inf")
+    return np.broadcast_to(arr, (B, H)).copy()
+
+
+def _bias(bias, shape, check_finite):
+    """The bias as a read-only view broadcast to ``shape``, and the shape it came in."""
+    if bias is None:
+        return None, None
+    bias = np.asarray(bias)
+    _validation.check_real_float_dtype(bias, "bias")
+    if bias.ndim > 4:
+        raise ValueError(f"`bias` must have at most 4 dimensions, got shape {bias.shape}")
+    try:
+        view = np.broadcast_to(bias, shape)
+    except ValueError:
+        raise ValueError(
+            f"`bias` of shape {bias.shape} is not broadcastable to (B, H, N, M) = {shape}"
+        ) from None
+    if check_finite:
+        # -inf removes an entry, like a false mask entry; NaN and +inf are errors.
+        if (np.isnan(bias) | (bias == np.inf)).any():
+            raise ValueError("`bias` contains NaN or +inf (-inf is allowed: it removes the entry)")
+    return view, bias.shape

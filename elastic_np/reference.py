@@ -416,15 +416,41 @@ def elastic_softmax_vjp(x, dy, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_fi
 # ---------------------------------------------------------------------------
 
 
-def _attention_logits(p):
-    """Scores ``s``, logits ``z`` (``-inf`` where removed), keep mask and gate terms.
+def scores(p):
+    """The final score ``s`` of every entry and the soft-cap's slope.
 
-    Returns ``(s, z, keep, gate)`` with ``gate = (G, f, x)`` or None.
+    ``s = softcap tanh(scale q.k / softcap) - slope |j - i - (M - N)| + bias``
+    in that order (each term only when its option is given), ``(B, H, N, M)``;
+    ``-inf`` where the bias is ``-inf``. The slope ``ds / ds_raw = 1 - tanh^2``
+    is returned with it (None without a soft-cap).
     """
     B, H, Hkv, N, M, D, Dv = p.shape
     k = np.repeat(p.k, p.group_size, axis=1)  # query head h reads kv head h // group_size
     s = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k)
+    cap_slope = None
+    if p.softcap is not None:
+        t = np.tanh(s / p.softcap)
+        s = p.softcap * t
+        cap_slope = 1.0 - t * t
+    if p.alibi is not None:
+        s = s - p.alibi[:, :, None, None] * np.abs(_offsets(N, M))
+    if p.bias is not None:
+        s = s + p.bias
+    return s, cap_slope
+
+
+def _attention_logits(p):
+    """Scores ``s``, logits ``z`` (``-inf`` where removed), keep mask, gate and cap terms.
+
+    ``s`` is the final score (see `scores`), the one NVM tests and ``tau``
+    divides; it is set to 0 where the bias removes an entry. Returns
+    ``(s, z, keep, gate, cap_slope)`` with ``gate = (G, f, x)`` or None.
+    """
+    s, cap_slope = scores(p)
     keep = structural_keep(p)
+    if p.bias is not None:
+        keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
+        s = np.where(keep, s, 0.0)  # and stays out of the dtau sum
     if p.nvm:
         keep = keep & (s >= 0)
     z = s / p.tau[:, None, None]
@@ -436,7 +462,12 @@ def _attention_logits(p):
             z = z + np.log(G)
         gate = (G, f, x)
     z = np.where(keep, z, -np.inf)
-    return s, z, keep, gate
+    return s, z, keep, gate, cap_slope
+
+
+def _offsets(N, M):
+    """``(N, M)`` offsets ``j - i - (M - N)`` of key ``j`` from query ``i`` (bottom-right aligned)."""
+    return np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
 
 
 def structural_keep(p):
@@ -465,8 +496,7 @@ def window_gate(p):
     ``G`` and ``f`` are ``(B, H, N, M)``; ``x`` is ``(N, M)``.
     """
     B, H, Hkv, N, M, D, Dv = p.shape
-    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
-    x = 2.0 * offset / (M - 1) if M > 1 else np.zeros((N, M))
+    x = 2.0 * _offsets(N, M) / (M - 1) if M > 1 else np.zeros((N, M))
     sigma = p.sigma[:, :, None, None]
     f = np.exp(-(x**2) / (2 * sigma**2)) / (sigma * np.sqrt(2 * np.pi))
     G = np.tanh(p.sharpness * np.where(f > p.threshold, f, 0.0))
@@ -536,7 +566,7 @@ def attention(q, k, v, **options):
 
 
 def _forward(p):
-    s, z, keep, gate = _attention_logits(p)
+    s, z, keep, gate, cap_slope = _attention_logits(p)
     lse = _log_denominator(z, p.beta)
     with np.errstate(invalid="ignore"):
         probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
@@ -640,7 +670,7 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
 
 def _backward(p, dout, out, lse):
     B, H, Hkv, N, M, D, Dv = p.shape
-    s, z, keep, gate = _attention_logits(p)
+    s, z, keep, gate, cap_slope = _attention_logits(p)
     with np.errstate(invalid="ignore"):
         probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
     k = np.repeat(p.k, p.group_size, axis=1)
@@ -649,10 +679,11 @@ def _backward(p, dout, out, lse):
     dP = dout @ np.swapaxes(v, -1, -2)
     delta = np.sum(dout * out, axis=-1)
     dz = probs * (dP - delta[..., None])  # zero where not kept, since probs is
-    ds = dz / p.tau[:, None, None]
+    ds = dz / p.tau[:, None, None]  # d loss / d s, the final score: also dbias
+    ds_raw = ds if cap_slope is None else ds * cap_slope
 
-    dq = p.scale * ds @ k
-    dk_h = p.scale * np.swapaxes(ds, -1, -2) @ p.q
+    dq = p.scale * ds_raw @ k
+    dk_h = p.scale * np.swapaxes(ds_raw, -1, -2) @ p.q
     dv_h = np.swapaxes(probs, -1, -2) @ dout
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
@@ -669,4 +700,4 @@ def _backward(p, dout, out, lse):
         with np.errstate(divide="ignore", invalid="ignore"):
             dlogG = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
         dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
-    return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma)
+    return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)

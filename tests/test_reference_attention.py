@@ -13,8 +13,12 @@ from elastic_np.testing import gradcheck
 SHAPE = dict(B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2)
 
 
-def make_qkv(seed, B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2, nvm_margin=None):
-    """Seeded q, k, v; with ``nvm_margin``, redrawn until every score is that far from 0."""
+def make_qkv(seed, B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2, nvm_margin=None, options=None):
+    """Seeded q, k, v; with ``nvm_margin``, redrawn until every final score is that far from 0.
+
+    The final score is the one NVM tests: after the soft-cap, ALiBi and the
+    bias of ``options``.
+    """
     rng = np.random.default_rng(seed)
     while True:
         q = rng.standard_normal((B, H, N, D))
@@ -22,8 +26,8 @@ def make_qkv(seed, B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2, nvm_margin=None):
         v = rng.standard_normal((B, Hkv, M, Dv))
         if nvm_margin is None:
             return q, k, v
-        s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, H // Hkv, axis=1))
-        if np.abs(s).min() * D**-0.5 > nvm_margin:
+        s = ref.scores(enp._options.prepare(q, k, v, **(options or {})))[0]
+        if np.abs(s[np.isfinite(s)]).min() > nvm_margin:
             return q, k, v
 
 
@@ -41,6 +45,11 @@ def sigma_threshold_case():
     sigma = np.array([[0.4, 0.7, 1.1, 0.5], [0.9, 0.3, 0.6, 0.8]])
     return enp.DynamicWindow(sigma, sharpness=2.0, threshold=threshold_in_gap(0.5, 5, 7, 2.0))
 
+
+_rng = np.random.default_rng(11)
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+BIAS_FULL = _rng.standard_normal((2, 4, 5, 7))
+BIAS_KEYS = np.where(_rng.random((2, 1, 1, 7)) < 0.25, -np.inf, _rng.standard_normal((2, 1, 1, 7)))
 
 CASES = {
     "plain": {},
@@ -61,26 +70,50 @@ CASES = {
         "tau": np.array([0.5, 1.0, 1.7, 2.2]), "beta": np.array([0.1, 0.3, 1.0, 4.0]),
         "dynamic_window": enp.DynamicWindow(np.array([0.5, 0.8, 1.2, 2.0]), sharpness=1.5),
     },
+    "softcap": {"softcap": 0.8},
+    "alibi": {"alibi_slopes": SLOPES},
+    "alibi_per_batch": {"alibi_slopes": np.stack([SLOPES, SLOPES[::-1]])},
+    "bias": {"bias": BIAS_FULL},
+    "bias_rows_keys": {"bias": _rng.standard_normal((5, 7))},
+    "bias_neg_inf": {"bias": BIAS_KEYS, "beta": 0.3},
+    "modifiers_combined": {
+        "softcap": 1.5, "alibi_slopes": SLOPES, "bias": BIAS_FULL[:, :, :, :],
+        "causal": True, "window_size": (4, -1), "nvm": True,
+        "tau": np.array([0.5, 1.0, 1.7, 2.2]), "beta": np.array([0.1, 0.3, 1.0, 4.0]),
+    },
+    "modifiers_gate": {
+        "softcap": 2.0, "bias": BIAS_KEYS, "dynamic_window": enp.DynamicWindow(0.7, sharpness=2.0),
+        "nvm": True, "tau": 0.8,
+    },
 }
 
 
 def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
     """Hand-derived gradients of every input against central differences."""
-    q, k, v = make_qkv(seed, **shape, nvm_margin=1e-4 if options.get("nvm") else None)
+    margin = 1e-4 if options.get("nvm") else None
+    q, k, v = make_qkv(seed, **shape, nvm_margin=margin, options=options)
     window = options.get("dynamic_window")
-    fixed = {key: val for key, val in options.items() if key not in ("tau", "beta", "dynamic_window")}
+    learnable = ("tau", "beta", "dynamic_window", "bias")
+    fixed = {key: val for key, val in options.items() if key not in learnable}
     tau, beta = options.get("tau", 1.0), options.get("beta", 0.0)
     inputs = {"q": q, "k": k, "v": v, "tau": tau}
     # central differences need beta > 0 (beta = 0 is the edge of the domain)
     check_beta = np.all(np.asarray(beta) > 0)
     inputs["beta"] = beta
 
-    def fn(q, k, v, tau, beta, sigma=None):
+    # -inf bias entries stay -inf (they remove the entry; the claimed gradient there is 0)
+    removed = np.isneginf(options["bias"]) if "bias" in options else False
+
+    def fn(q, k, v, tau, beta, sigma=None, bias=None):
         dyn = None if sigma is None else enp.DynamicWindow(sigma, window.sharpness, window.threshold)
-        return ref.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dyn, **fixed)[0]
+        if bias is not None:
+            bias = np.where(removed, -np.inf, bias)
+        return ref.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dyn, bias=bias, **fixed)[0]
 
     if window is not None:
         inputs["sigma"] = np.array(window.sigma)
+    if "bias" in options:
+        inputs["bias"] = np.where(removed, 0.0, options["bias"])
     out, lse = fn(**inputs), ref.attention(q, k, v, **options)[1]
     dout = np.random.default_rng(seed + 100).standard_normal(out.shape)
     grads = ref.attention_backward(dout, q, k, v, out, lse, **options)
@@ -89,6 +122,11 @@ def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
         claimed["beta"] = grads.dbeta
     if window is not None:
         claimed["sigma"] = grads.dsigma
+    if "bias" in options:
+        claimed["bias"] = grads.dbias
+        assert grads.dbias.shape == np.shape(options["bias"])
+    else:
+        assert grads.dbias is None
     report = gradcheck(fn, inputs, claimed, dout=dout, rtol=rtol)
     assert report
     return grads
@@ -107,6 +145,20 @@ class TestAttentionBackward:
 
     def test_multi_query_heads(self):
         check_gradients({"nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1))
+        check_gradients({"softcap": 1.0, "alibi_slopes": SLOPES[:3], "bias": BIAS_FULL[:, :3],
+                         "nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1))
+
+    @pytest.mark.parametrize("shape", [(), (7,), (1, 7), (4, 1, 1), (2, 1, 5, 1), (1, 4, 5, 7)])
+    def test_bias_gradient_in_the_bias_shape(self, shape):
+        bias = np.random.default_rng(12).standard_normal(shape)
+        check_gradients({"bias": bias, "causal": True})
+
+    @pytest.mark.parametrize("N, M", [(1, 6), (6, 1), (1, 1)])
+    def test_modifiers_at_length_one(self, N, M):
+        shape = dict(SHAPE, N=N, M=M)
+        bias = np.random.default_rng(13).standard_normal((N, M))
+        check_gradients({"softcap": 1.2, "alibi_slopes": SLOPES, "bias": bias, "causal": True,
+                         "beta": 0.5}, shape=shape)
 
     def test_beta_gradient_at_zero_one_sided(self):
         q, k, v = make_qkv(3)
@@ -165,6 +217,20 @@ class TestAttentionBackward:
         assert ref.attention_backward(np.ones_like(out), q, k, v, out, lse).dsigma is None
 
 
+def modified_scores(s, options):
+    """The score modifiers written out from the contract: soft-cap, then ALiBi, then bias."""
+    N, M = s.shape[-2:]
+    if "softcap" in options:
+        s = options["softcap"] * np.tanh(s / options["softcap"])
+    if "alibi_slopes" in options:
+        slopes = np.broadcast_to(options["alibi_slopes"], s.shape[:2])[:, :, None, None]
+        i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+        s = s - slopes * np.abs(i + (M - N) - j)
+    if "bias" in options:
+        s = s + options["bias"]
+    return s
+
+
 class TestAttentionForward:
     @pytest.mark.parametrize("case", sorted(CASES))
     def test_rows_are_elastic_softmax_of_masked_scores(self, case):
@@ -174,7 +240,8 @@ class TestAttentionForward:
         problem = enp._options.prepare(q, k, v, **options)
         keep = ref.structural_keep(problem)
         kk, vv = (np.repeat(a, 2, axis=1) for a in (k, v))
-        s = problem.scale * q @ np.swapaxes(kk, -1, -2)
+        s = modified_scores(problem.scale * q @ np.swapaxes(kk, -1, -2), options)
+        keep = keep & np.isfinite(s)
         tau = problem.tau[:, None, None]
         if problem.sigma is None:
             # attention = elastic_softmax(scores with -inf outside the mask) @ v
@@ -212,6 +279,33 @@ class TestAttentionForward:
                 for e in range(3):
                     exact = mpmath.fsum(w * val[e] for w, val in zip(weights, values)) / denominator
                     assert float(exact) == pytest.approx(out[0, h, i, e], rel=1e-13, abs=1e-300)
+
+    def test_modifiers_agree_with_extended_precision(self):
+        q, k, v = make_qkv(9, B=1, H=1, Hkv=1, N=3, M=4, D=2, Dv=2)
+        bias = np.random.default_rng(5).standard_normal((3, 4))
+        cap, slope = 0.9, 0.3
+        out, lse = ref.attention(q, k, v, softcap=cap, alibi_slopes=np.array([slope]), bias=bias,
+                                 tau=0.6, beta=0.4)
+        mpmath.mp.dps = 40
+        for i in range(3):
+            weights = []
+            for j in range(4):
+                s = sum(mpmath.mpf(q[0, 0, i, d]) * mpmath.mpf(k[0, 0, j, d]) for d in range(2))
+                s = cap * mpmath.tanh(s / mpmath.sqrt(2) / cap) - slope * abs(i + 1 - j) + bias[i, j]
+                weights.append(mpmath.exp(s / mpmath.mpf(0.6)))
+            denominator = mpmath.fsum(weights) + mpmath.mpf(0.4)
+            assert float(mpmath.log(denominator)) == pytest.approx(lse[0, 0, i], rel=1e-13)
+            for e in range(2):
+                exact = mpmath.fsum(w * mpmath.mpf(v[0, 0, j, e]) for j, w in enumerate(weights))
+                assert float(exact / denominator) == pytest.approx(out[0, 0, i, e], rel=1e-13)
+
+    def test_nvm_acts_on_the_final_score(self):
+        q, k, v = make_qkv(10, B=1, H=1, Hkv=1, N=1, M=2, D=1, Dv=1)
+        q[:] = 1.0
+        k[0, 0, :, 0] = [-1.0, 1.0]  # raw scores -1 and +1
+        out = ref.attention(q, k, v, nvm=True, bias=np.array([2.0, -2.0]))[0]
+        # the bias turns the first score to +1 (kept) and the second to -1 (removed)
+        np.testing.assert_allclose(out[0, 0, 0, 0], v[0, 0, 0, 0], rtol=1e-15)
 
     def test_returns_float64_and_leaves_inputs_alone(self):
         q, k, v = (a.astype(np.float32) for a in make_qkv(3))
@@ -278,6 +372,20 @@ class TestValidation:
         ({"scale": np.nan}, ValueError, "scale"),
         ({"dynamic_window": 0.5}, TypeError, "dynamic_window"),
         ({"dynamic_window": enp.DynamicWindow(np.ones(3))}, ValueError, "sigma"),
+        ({"softcap": 0.0}, ValueError, "softcap"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"softcap": np.inf}, ValueError, "softcap"),
+        ({"softcap": "tight"}, TypeError, "softcap"),
+        ({"alibi_slopes": np.ones(3)}, ValueError, "alibi_slopes"),
+        ({"alibi_slopes": np.ones((3, 4))}, ValueError, "alibi_slopes"),
+        ({"alibi_slopes": np.array([1.0, np.nan, 1.0, 1.0])}, ValueError, "alibi_slopes"),
+        ({"alibi_slopes": np.ones(4, bool)}, TypeError, "alibi_slopes"),
+        ({"bias": np.ones((5, 6))}, ValueError, "bias"),
+        ({"bias": np.ones((1, 2, 4, 5, 7))}, ValueError, "bias"),
+        ({"bias": np.ones((5, 7), int)}, TypeError, "bias"),
+        ({"bias": np.ones((5, 7), bool)}, TypeError, "bias"),
+        ({"bias": np.full((5, 7), np.inf)}, ValueError, "bias"),
+        ({"bias": np.full((5, 7), np.nan)}, ValueError, "bias"),
     ])
     def test_bad_options_name_the_parameter(self, kwargs, error, name):
         with pytest.raises(error, match=f"`{name}`"):
@@ -330,6 +438,20 @@ class TestAgainstTorch:
     @pytest.fixture(autouse=True)
     def _torch(self):
         self.torch = pytest.importorskip("torch")
+
+    def test_bias_is_torch_float_mask(self):
+        torch = self.torch
+        q, k, v = make_qkv(8, B=2, H=4, Hkv=4, N=6, M=5, D=5, Dv=3)
+        bias = np.random.default_rng(3).standard_normal((1, 4, 6, 5))
+        out, lse = ref.attention(q, k, v, bias=bias)
+        dout = np.random.default_rng(4).standard_normal(out.shape)
+        g = ref.attention_backward(dout, q, k, v, out, lse, bias=bias)
+        tq, tk, tv, tb = (torch.tensor(a, requires_grad=True) for a in (q, k, v, bias))
+        t_out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tb)
+        t_out.backward(torch.tensor(dout))
+        np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-12, atol=1e-14)
+        for mine, theirs in ((g.dq, tq), (g.dk, tk), (g.dv, tv), (g.dbias, tb)):
+            np.testing.assert_allclose(mine, theirs.grad.numpy(), rtol=1e-11, atol=1e-13)
 
     @pytest.mark.parametrize("options", [
         {}, {"causal": True}, {"scale": 0.25}, {"mask": True}, {"gqa": True},
