@@ -24,5 +24,10 @@ DKDV_BLOCK_N = 32
 #: Backward ``dk``/``dv`` kernel: queries per shared-memory Q/dout tile.
 DKDV_BLOCK_M = 16
 
+#: Backward ``dbias`` kernel (broadcast biases only): at most this many threads
+#: per block, one block per entry of the bias, each thread summing a fixed share
+#: of the entries it stands for.
+DBIAS_THREADS = 128
+
 #: Upper bound on dynamic shared memory per block (the default limit without opt-in).
 MAX_SHARED_BYTES = 48 * 1024

@@ -11,10 +11,18 @@ Conventions shared by every kernel:
   that dtype, so a float32 kernel computes in float32 throughout.
 - Options travel as runtime values: ``iopts`` (int64, indexed by the ``I_*``
   constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
-  ``(H,)``, ``gate`` ``(B, H, G_COUNT)`` (the window's per-(b, h) constants),
+  ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
+  window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
   ``band`` int64 ``(B, H)`` (half-width in keys of the window's open band, -1
   unbounded), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
   four dims either full or 1 (broadcast).
+- The additive ``bias`` is a flat array (the dtype) of the caller's distinct
+  entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
+  the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is
+  broadcast along. Without a bias it is a one-element dummy, never read.
+- The score of an entry is built in the contract's order (`_score`): scaled
+  dot product, soft-cap (``fopts[F_SOFTCAP] > 0``), ALiBi, bias; a ``-inf``
+  bias removes the entry like a false mask entry, and NVM tests the final score.
 - Shared memory is one dynamic array, carved into tiles by offsets. A tile that
   a thread reads along its own row has a row stride of ``dim + 1`` so that the
   threads of a warp fall in different banks.
@@ -31,7 +39,14 @@ I_RIGHT = 2
 I_HAS_MASK = 3
 I_NVM = 4
 I_HAS_GATE = 5
-I_COUNT = 6
+I_HAS_ALIBI = 6
+I_HAS_BIAS = 7
+I_BIAS_SB = 8  # element strides of the bias, 0 where broadcast
+I_BIAS_SH = 9
+I_BIAS_SI = 10
+I_BIAS_SJ = 11
+I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
+I_COUNT = 13
 
 # fopts
 F_SCALE = 0
@@ -41,14 +56,16 @@ F_X_SCALE = 3  # 2 / (M - 1), or 0 for M = 1
 F_ZERO = 4
 F_NEG_INF = 5
 F_ONE = 6
-F_COUNT = 7
+F_SOFTCAP = 7  # 0: no soft-cap
+F_COUNT = 8
 
-# gate, per (b, h)
-G_NORM = 0  # 1 / (sigma sqrt(2 pi))
-G_INV_TWO_SIGMA2 = 1  # 1 / (2 sigma^2)
-G_INV_SIGMA = 2
-G_INV_SIGMA3 = 3
-G_COUNT = 4
+# bh_consts, per (b, h)
+C_NORM = 0  # 1 / (sigma sqrt(2 pi))
+C_INV_TWO_SIGMA2 = 1  # 1 / (2 sigma^2)
+C_INV_SIGMA = 2
+C_INV_SIGMA3 = 3
+C_ALIBI = 4  # the ALiBi slope
+C_COUNT = 5
 
 # partials of the dq kernel, per (b, h, query tile)
 P_DTAU = 0  # sum dz * s
@@ -159,8 +176,26 @@ def _log_add_exp(a, b):
     return hi + math.log1p(math.exp(min(a, b) - hi))
 
 
+@cuda.jit(device=True)
+def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
+    """The final score of an entry at offset ``d = j - i - (M - N)`` and ``ds / ds_raw``.
+
+    ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
+    (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
+    ``bias_value`` are 0 when not given). The slope of the soft-cap,
+    ``1 - tanh^2``, is 1 without one.
+    """
+    s = scale * dot
+    cap_slope = fopts[F_ONE]
+    if softcap > fopts[F_ZERO]:
+        t = math.tanh(s / softcap)
+        s = softcap * t
+        cap_slope = fopts[F_ONE] - t * t
+    return s - alibi_slope * _real(abs(d), fopts) + bias_value, cap_slope
+
+
 @cuda.jit(cache=True)
-def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, gate, block_n, out, lse):
+def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_n, out, lse):
     """One block per (batch * head, query tile); thread ``t`` owns query row ``i0 + t``.
 
     The grid is one-dimensional, query tiles fastest, so that the blocks that
@@ -212,11 +247,19 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
     x_scale = fopts[F_X_SCALE]
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
+    softcap = fopts[F_SOFTCAP]
+    neg_inf = fopts[F_NEG_INF]
+    has_bias = iopts[I_HAS_BIAS] != 0
+    bias_row = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + i * iopts[I_BIAS_SI]
+    bias_sj = iopts[I_BIAS_SJ]
+    alibi_slope = zero
+    if iopts[I_HAS_ALIBI] != 0:
+        alibi_slope = bh_consts[b, h, C_ALIBI]
     g_norm = zero
     g_inv_two_sigma2 = zero
     if has_gate:
-        g_norm = gate[b, h, G_NORM]
-        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+        g_norm = bh_consts[b, h, C_NORM]
+        g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
     row_max = fopts[F_NEG_INF]
     row_sum = zero
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
@@ -234,10 +277,15 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
             j = j0 + jj
             if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                 continue
+            bias_value = zero
+            if has_bias:
+                bias_value = bias[bias_row + j * bias_sj]
+                if bias_value == neg_inf:  # removed, like a false mask entry
+                    continue
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s = scale * dot
+            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
             if nvm and s < zero:
                 continue
             z = s / tau_h
@@ -287,14 +335,18 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, ga
 
 @cuda.jit(cache=True)
 def _backward_dq_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_n, dout, out, lse, dq, delta, partials
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, out, lse, dq, delta, partials, dbias
 ):
     """One block per (batch * head, query tile), laid out as in `_forward_kernel`.
 
-    Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)`` tile by tile and accumulates ``dq``. Also
-    writes ``delta = dout . out`` per row (read by the dk/dv kernel) and the
-    block's partial sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one
-    thread in row order, so the result does not depend on scheduling).
+    Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)``
+    tile by tile and accumulates ``dq``. Also writes ``delta = dout . out``
+    per row (read by the dk/dv and dbias kernels) and the block's partial
+    sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one thread in row
+    order, so the result does not depend on scheduling). When the bias is
+    full (``iopts[I_DBIAS_FULL]``), ``dbias`` is ``(B, H, N, M)`` and the
+    thread writes row ``i`` of it (``ds``, 0 where nothing is kept): one
+    owner per entry, no reduction; otherwise ``dbias`` is a dummy.
     """
     B, H, N, D = q.shape
     Hkv = k.shape[1]
@@ -344,15 +396,23 @@ def _backward_dq_kernel(
     x_scale = fopts[F_X_SCALE]
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
+    softcap = fopts[F_SOFTCAP]
+    neg_inf = fopts[F_NEG_INF]
+    has_bias = iopts[I_HAS_BIAS] != 0
+    bias_row = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + i * iopts[I_BIAS_SI]
+    bias_sj = iopts[I_BIAS_SJ]
+    alibi_slope = zero
+    if iopts[I_HAS_ALIBI] != 0:
+        alibi_slope = bh_consts[b, h, C_ALIBI]
     g_norm = zero
     g_inv_two_sigma2 = zero
     g_inv_sigma = zero
     g_inv_sigma3 = zero
     if has_gate:
-        g_norm = gate[b, h, G_NORM]
-        g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
-        g_inv_sigma = gate[b, h, G_INV_SIGMA]
-        g_inv_sigma3 = gate[b, h, G_INV_SIGMA3]
+        g_norm = bh_consts[b, h, C_NORM]
+        g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
+        g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
+        g_inv_sigma3 = bh_consts[b, h, C_INV_SIGMA3]
     row_delta = zero
     row_lse = zero
     if row:
@@ -360,6 +420,10 @@ def _backward_dq_kernel(
             row_delta += dout[b, h, i, d] * out[b, h, i, d]
         delta[b, h, i] = row_delta
         row_lse = lse[b, h, i]
+    dbias_full = iopts[I_DBIAS_FULL] != 0
+    if dbias_full and row:
+        for j in range(M):  # this thread owns row i of dbias: zero where nothing is kept
+            dbias[b, h, i, j] = zero
     # compensated sums: a float32 kernel's dtau and dsigma stay as accurate as a pairwise sum
     sum_dz_s = zero
     carry_dz_s = zero
@@ -381,10 +445,15 @@ def _backward_dq_kernel(
             j = j0 + jj
             if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                 continue
+            bias_value = zero
+            if has_bias:
+                bias_value = bias[bias_row + j * bias_sj]
+                if bias_value == neg_inf:  # removed, like a false mask entry
+                    continue
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s = scale * dot
+            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
             if nvm and s < zero:
                 continue
             z = s / tau_h
@@ -401,9 +470,12 @@ def _backward_dq_kernel(
             for d in range(Dv):
                 dp += do_tile[t * do_stride + d] * v_tile[jj * Dv + d]
             dz = p * (dp - row_delta)
-            ds = dz / tau_h
+            ds = dz / tau_h  # d loss / d s, the final score: dbias[b, h, i, j]
+            if dbias_full:
+                dbias[b, h, i, j] = ds
+            ds_raw = ds * cap_slope
             for d in range(D):
-                dq_acc[t * q_stride + d] += ds * k_tile[jj * D + d]
+                dq_acc[t * q_stride + d] += ds_raw * k_tile[jj * D + d]
             sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
                 sigma_term = x * x * g_inv_sigma3 - g_inv_sigma
@@ -430,7 +502,7 @@ def _backward_dq_kernel(
 
 @cuda.jit(cache=True)
 def _backward_dkdv_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, gate, block_m, dout, lse, delta, dk, dv
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_m, dout, lse, delta, dk, dv
 ):
     """One block per (batch * kv head, key tile), key tiles fastest; thread ``t`` owns key ``j0 + t``.
 
@@ -490,13 +562,23 @@ def _backward_dkdv_kernel(
     x_scale = fopts[F_X_SCALE]
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
+    softcap = fopts[F_SOFTCAP]
+    neg_inf = fopts[F_NEG_INF]
+    has_bias = iopts[I_HAS_BIAS] != 0
+    bias_si = iopts[I_BIAS_SI]
+    bias_col = j * iopts[I_BIAS_SJ]
+    has_alibi = iopts[I_HAS_ALIBI] != 0
     for h in range(hk * group, (hk + 1) * group):
         tau_h = tau[h]
         g_norm = zero
         g_inv_two_sigma2 = zero
         if has_gate:
-            g_norm = gate[b, h, G_NORM]
-            g_inv_two_sigma2 = gate[b, h, G_INV_TWO_SIGMA2]
+            g_norm = bh_consts[b, h, C_NORM]
+            g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
+        alibi_slope = zero
+        if has_alibi:
+            alibi_slope = bh_consts[b, h, C_ALIBI]
+        bias_bh = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + bias_col
         lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
         for i0 in range(lo, hi, block_m):
             im = min(block_m, hi - i0)
@@ -515,10 +597,15 @@ def _backward_dkdv_kernel(
                 i = i0 + ii
                 if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
                     continue
+                bias_value = zero
+                if has_bias:
+                    bias_value = bias[bias_bh + i * bias_si]
+                    if bias_value == neg_inf:
+                        continue
                 dot = zero
                 for d in range(D):
                     dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
-                s = scale * dot
+                s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
                 if nvm and s < zero:
                     continue
                 z = s / tau_h
@@ -531,11 +618,11 @@ def _backward_dkdv_kernel(
                 dp = zero
                 for d in range(Dv):
                     dp += do_tile[ii * Dv + d] * v_tile[t * v_stride + d]
-                ds = p * (dp - delta_tile[ii]) / tau_h
+                ds_raw = p * (dp - delta_tile[ii]) / tau_h * cap_slope
                 for d in range(Dv):
                     dv_acc[t * v_stride + d] += p * do_tile[ii * Dv + d]
                 for d in range(D):
-                    dk_acc[t * k_stride + d] += ds * q_tile[ii * D + d]
+                    dk_acc[t * k_stride + d] += ds_raw * q_tile[ii * D + d]
 
     if not col:
         return
@@ -545,8 +632,112 @@ def _backward_dkdv_kernel(
         dv[b, hk, j, d] = dv_acc[t * v_stride + d]
 
 
+@cuda.jit(cache=True)
+def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
+    """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
+
+    ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
+    whose dims are the full ones where the bias's stride is nonzero and 1
+    where it is broadcast). The block's entry stands for the ``R`` entries
+    ``(b, h, i, j)`` along the broadcast axes; thread ``t`` takes the ``r``-th
+    of them for ``r = t, t + blockDim, ...``, recomputes ``ds`` (the score,
+    ``p = exp(z - lse)`` and ``dP = dout . v``, with ``delta`` from the dq
+    kernel) and sums it, compensated; thread 0 then adds the threads' sums in
+    thread order. The work per entry is fixed, so the result does not depend
+    on scheduling, and no ``(B, H, N, M)`` temporary exists.
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    group = H // Hkv
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    e = cuda.blockIdx.x
+
+    sb = iopts[I_BIAS_SB]
+    sh = iopts[I_BIAS_SH]
+    si = iopts[I_BIAS_SI]
+    sj = iopts[I_BIAS_SJ]
+    # compact dims (1 where broadcast) and the spans of the broadcast axes
+    cb_n = B if sb != 0 else 1
+    ch_n = H if sh != 0 else 1
+    ci_n = N if si != 0 else 1
+    cj_n = M if sj != 0 else 1
+    rb_n = B // cb_n
+    rh_n = H // ch_n
+    ri_n = N // ci_n
+    rj_n = M // cj_n
+    cj = e % cj_n
+    ci = e // cj_n % ci_n
+    ch = e // (cj_n * ci_n) % ch_n
+    cb = e // (cj_n * ci_n * ch_n)
+    bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
+
+    zero = fopts[F_ZERO]
+    scale = fopts[F_SCALE]
+    softcap = fopts[F_SOFTCAP]
+    nvm = iopts[I_NVM] != 0
+    has_gate = iopts[I_HAS_GATE] != 0
+    has_alibi = iopts[I_HAS_ALIBI] != 0
+    causal = iopts[I_CAUSAL] != 0
+    left = iopts[I_LEFT]
+    right = iopts[I_RIGHT]
+    has_mask = iopts[I_HAS_MASK] != 0
+    x_scale = fopts[F_X_SCALE]
+    threshold = fopts[F_THRESHOLD]
+    sharpness = fopts[F_SHARPNESS]
+    total = zero
+    carry = zero
+    if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
+        for r in range(t, rb_n * rh_n * ri_n * rj_n, threads):
+            b = cb + r // (rj_n * ri_n * rh_n)
+            h = ch + r // (rj_n * ri_n) % rh_n
+            i = ci + r // rj_n % ri_n
+            j = cj + r % rj_n
+            if not _structural_keep(b, h, i, j, M - N, kv_lengths[b], causal, left, right, has_mask, mask):
+                continue
+            hk = h // group
+            dot = zero
+            for d in range(D):
+                dot += q[b, h, i, d] * k[b, hk, j, d]
+            alibi_slope = zero
+            if has_alibi:
+                alibi_slope = bh_consts[b, h, C_ALIBI]
+            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
+            if nvm and s < zero:
+                continue
+            tau_h = tau[h]
+            z = s / tau_h
+            if has_gate:
+                G, f, x = _gate(
+                    i, j, M - N, x_scale, bh_consts[b, h, C_NORM], bh_consts[b, h, C_INV_TWO_SIGMA2],
+                    threshold, sharpness, fopts,
+                )
+                if not G > zero:
+                    continue
+                z += math.log(G)
+            p = math.exp(z - lse[b, h, i])
+            dp = zero
+            for d in range(Dv):
+                dp += dout[b, h, i, d] * v[b, hk, j, d]
+            ds = p * (dp - delta[b, h, i]) / tau_h
+            total, carry = _compensated_add(total, carry, ds)
+
+    sums = cuda.shared.array(0, dtype=q.dtype)
+    sums[t] = total + carry
+    cuda.syncthreads()
+    if t == 0:
+        total = zero
+        carry = zero
+        for r in range(threads):
+            total, carry = _compensated_add(total, carry, sums[r])
+        dbias[e] = total + carry
+
+
 KERNELS = {
     "_forward_kernel": _forward_kernel,
     "_backward_dq_kernel": _backward_dq_kernel,
     "_backward_dkdv_kernel": _backward_dkdv_kernel,
+    "_backward_dbias_kernel": _backward_dbias_kernel,
 }

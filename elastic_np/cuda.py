@@ -35,6 +35,30 @@ Backward, recomputing the probabilities from ``lse``:
   arrays). The ``dq`` kernel also writes ``delta = dout . out`` per row, which
   the ``dk``/``dv`` kernel, launched after it, reads.
 
+Score modifiers: every kernel builds the score in the contract's order
+(scaled dot product, soft-cap, ALiBi, bias, then NVM on the final score), the
+options being runtime values (``softcap`` in ``fopts``, 0 for none; the ALiBi
+slope with the window's per-(b, h) constants; the bias as a flat array of the
+caller's distinct entries, in the kernel dtype, with four element strides,
+0 on the axes it is broadcast along, read entry by entry like the mask; a
+one-element dummy without a bias). The backward kernels multiply ``ds`` by the
+soft-cap's slope ``1 - tanh^2`` before it enters ``dq`` and ``dk``. ``dbias``
+is ``ds`` summed over the bias's broadcast axes, deterministically and without
+atomics:
+
+- a full ``(B, H, N, M)`` bias: the ``dq`` kernel, whose threads own query
+  rows, writes ``ds`` straight into ``dbias`` (each entry has one writer,
+  under GQA too, since query heads are distinct); no extra pass.
+- a broadcast bias: ``_backward_dbias_kernel``, launched after the ``dq``
+  kernel (it reads ``delta``), one block per entry of the bias's compact
+  shape (``dbias`` is allocated in that shape, never ``(B, H, N, M)``); its
+  threads recompute ``ds`` for the entries the bias entry stands for, in a
+  fixed assignment, and the block adds their sums in thread order. This is a
+  third recomputation of the scores and of ``dout . v``, without shared-memory
+  tiling: about ``B H N M (D + Dv)`` multiply-adds read from global memory
+  (cache), the cost of one more backward pass over the kept entries; a bias
+  broadcast over every axis (scalar-like) is summed by a single block.
+
 All kernels take the options as runtime arguments and compute in the input
 dtype, so there is one compiled specialisation per dtype (float32, float64).
 Tile sizes are runtime values too (`elastic_np._cuda_config`, shrunk until
@@ -53,7 +77,11 @@ they are used in place and, when any input is a device array, the results are
 numba device arrays, with no host round trip (NumPy inputs next to them are
 copied to the device). Device inputs are not scanned for NaN or inf.
 ``mask`` and ``kv_lengths`` are small option arrays and are taken from the
-host.
+host. ``bias`` may be a NumPy array (its distinct entries are copied to the
+device, converted to the kernel dtype when they differ) or a C-contiguous
+device array of the kernel dtype, used in place (one of another dtype makes
+a round trip through the host to be converted); with a device bias the
+results are device arrays, ``dbias`` too.
 """
 
 import contextlib
@@ -203,15 +231,27 @@ def prepare(q, k, v, *, dtypes=dtypes, **options):
     ``q``, ``k``, ``v`` is a device array, shapes and dtypes are validated
     from the array metadata (no copy to the host, no NaN scan), the others
     are copied to the device, and the returned problem holds device arrays.
+    A device ``bias`` is validated the same way and kept as it is (in the
+    caller's shape, not broadcast) in the problem's ``bias``.
     """
+    bias = options.get("bias")
+    device_bias = None
+    if bias is not None and _is_device(bias):
+        device_bias = _as_device_array(bias, "bias")
+        # validated from its metadata; the problem carries the device array itself
+        options["bias"] = np.broadcast_to(np.zeros((), dtype=device_bias.dtype), device_bias.shape)
     if not any(_is_device(a) for a in (q, k, v)):
-        return _options.prepare(q, k, v, dtypes=dtypes, **options)
-    arrays = []
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        arrays.append(_as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a)))
-    placeholders = [np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape) for a in arrays]
-    problem = _options.prepare(*placeholders, dtypes=dtypes, check_finite=False, **options)
-    return dataclasses.replace(problem, q=arrays[0], k=arrays[1], v=arrays[2])
+        problem = _options.prepare(q, k, v, dtypes=dtypes, **options)
+    else:
+        arrays = []
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            arrays.append(_as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a)))
+        placeholders = [np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape) for a in arrays]
+        problem = _options.prepare(*placeholders, dtypes=dtypes, check_finite=False, **options)
+        problem = dataclasses.replace(problem, q=arrays[0], k=arrays[1], v=arrays[2])
+    if device_bias is not None:
+        problem = dataclasses.replace(problem, bias=device_bias)
+    return problem
 
 
 def check_backward_arrays(p, dout, out, lse, dtype=None):
@@ -300,6 +340,11 @@ def _launch_options(p):
     iopts[kern.I_HAS_MASK] = p.mask is not None
     iopts[kern.I_NVM] = p.nvm
     iopts[kern.I_HAS_GATE] = p.sigma is not None
+    iopts[kern.I_HAS_ALIBI] = p.alibi is not None
+    bias, bias_strides, bias_compact = _bias_operand(p)
+    iopts[kern.I_HAS_BIAS] = p.bias is not None
+    iopts[kern.I_BIAS_SB : kern.I_BIAS_SJ + 1] = bias_strides
+    iopts[kern.I_DBIAS_FULL] = p.bias is not None and bias_compact == (B, H, N, M)
     fopts = np.zeros(kern.F_COUNT, dtype=dtype)
     fopts[kern.F_SCALE] = p.scale
     fopts[kern.F_SHARPNESS] = p.sharpness
@@ -307,15 +352,19 @@ def _launch_options(p):
     fopts[kern.F_X_SCALE] = 2.0 / (M - 1) if M > 1 else 0.0
     fopts[kern.F_NEG_INF] = -np.inf
     fopts[kern.F_ONE] = 1.0
-    if p.sigma is None:
-        gate = np.zeros((1, 1, kern.G_COUNT), dtype=dtype)
+    fopts[kern.F_SOFTCAP] = 0.0 if p.softcap is None else p.softcap
+    if p.sigma is None and p.alibi is None:
+        bh_consts = np.zeros((1, 1, kern.C_COUNT), dtype=dtype)
     else:
-        sigma = p.sigma
-        gate = np.empty((B, H, kern.G_COUNT), dtype=dtype)
-        gate[..., kern.G_NORM] = 1.0 / (sigma * math.sqrt(2 * math.pi))
-        gate[..., kern.G_INV_TWO_SIGMA2] = 1.0 / (2.0 * sigma**2)
-        gate[..., kern.G_INV_SIGMA] = 1.0 / sigma
-        gate[..., kern.G_INV_SIGMA3] = 1.0 / sigma**3
+        bh_consts = np.zeros((B, H, kern.C_COUNT), dtype=dtype)
+        if p.sigma is not None:
+            sigma = p.sigma
+            bh_consts[..., kern.C_NORM] = 1.0 / (sigma * math.sqrt(2 * math.pi))
+            bh_consts[..., kern.C_INV_TWO_SIGMA2] = 1.0 / (2.0 * sigma**2)
+            bh_consts[..., kern.C_INV_SIGMA] = 1.0 / sigma
+            bh_consts[..., kern.C_INV_SIGMA3] = 1.0 / sigma**3
+        if p.alibi is not None:
+            bh_consts[..., kern.C_ALIBI] = p.alibi
     if p.mask is None:
         mask = np.ones((1, 1, 1, 1), dtype=np.uint8)
     else:
@@ -330,9 +379,46 @@ def _launch_options(p):
         fopts=fopts,
         tau=p.tau.astype(dtype),
         beta=p.beta.astype(dtype),
-        gate=gate,
+        bh_consts=bh_consts,
     )
-    return {name: cuda.to_device(a) for name, a in host.items()}
+    options = {name: cuda.to_device(a) for name, a in host.items()}
+    options["bias"] = bias
+    options["bias_compact"] = bias_compact
+    return options
+
+
+def _bias_operand(p):
+    """The bias as the kernels read it: ``(flat device array, element strides, compact shape)``.
+
+    The flat array holds the caller's entries in C order over the compact
+    shape (the bias's own shape padded to four dims: the full dims, 1 on the
+    axes it is broadcast along), in the kernel dtype; the strides are 0 on
+    those axes. ``dbias`` is computed in that shape. NumPy biases are copied
+    (only their own entries, converted if the dtype differs);
+    a device bias of the kernel dtype is used in place. Without a bias: a
+    one-element dummy, strides 0, compact shape None.
+    """
+    cuda = _cuda()
+    dtype = p.dtype
+    if p.bias is None:
+        return cuda.to_device(np.zeros(1, dtype=dtype)), (0, 0, 0, 0), None
+    if _is_device(p.bias):
+        compact = (1,) * (4 - p.bias.ndim) + tuple(p.bias.shape)
+        flat = p.bias.reshape(max(1, p.bias.size)) if p.bias.ndim != 1 else p.bias
+        if flat.dtype != dtype:
+            flat = cuda.to_device(flat.copy_to_host().astype(dtype))
+    else:
+        # the caller's own entries (its shape, padded), not the (B, H, N, M) broadcast
+        compact = _dbias_shape(p)
+        index = tuple(slice(0, 1) if n == 1 else slice(None) for n in compact)
+        host = np.ascontiguousarray(p.bias[index], dtype=dtype)
+        flat = cuda.to_device(host.reshape(-1))
+    strides = []
+    step = 1
+    for n in reversed(compact):
+        strides.append(step if n > 1 else 0)
+        step *= n
+    return flat, tuple(reversed(strides)), tuple(int(n) for n in compact)
 
 
 def _blocks(n, size):
@@ -353,7 +439,7 @@ def forward(p):
     kern = _kernels()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
-    on_device = _is_device(p.q)
+    on_device = any(_is_device(a) for a in (p.q, p.bias))
     q, k, v = (_to_device(a) for a in (p.q, p.k, p.v))
     out = cuda.device_array((B, H, N, Dv), dtype=dtype)
     lse = cuda.device_array((B, H, N), dtype=dtype)
@@ -363,7 +449,7 @@ def forward(p):
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
         kern._forward_kernel[_blocks(N, threads) * B * H, threads, 0, shared](
             q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
-            o["tau"], o["beta"], o["gate"], tile, out, lse,
+            o["tau"], o["beta"], o["bh_consts"], o["bias"], tile, out, lse,
         )
     if on_device:
         return out, lse
@@ -373,15 +459,16 @@ def forward(p):
 def backward(p, dout, out, lse):
     """Run the backward kernels; return `~elastic_np.AttentionGrads`.
 
-    ``dq``, ``dk``, ``dv`` are device arrays when any of the arrays is one,
-    NumPy arrays otherwise; ``dtau``, ``dbeta``, ``dsigma`` are always on
-    the host, in the shapes of ``tau``, ``beta``, ``sigma``.
+    ``dq``, ``dk``, ``dv`` (and ``dbias``, in the bias's shape) are device
+    arrays when any of the arrays is one, NumPy arrays otherwise; ``dtau``,
+    ``dbeta``, ``dsigma`` are always on the host, in the shapes of ``tau``,
+    ``beta``, ``sigma``.
     """
     cuda = _cuda()
     kern = _kernels()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
-    on_device = any(_is_device(a) for a in (p.q, dout, out, lse))
+    on_device = any(_is_device(a) for a in (p.q, dout, out, lse, p.bias))
     q, k, v, dout, out, lse = (_to_device(a) for a in (p.q, p.k, p.v, dout, out, lse))
     dq = cuda.device_array((B, H, N, D), dtype=dtype)
     dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)
@@ -389,14 +476,24 @@ def backward(p, dout, out, lse):
     delta = cuda.device_array((B, H, N), dtype=dtype)
     dq_threads, dq_tile = _tiles("dq", dtype.itemsize, D, Dv)
     partials = np.zeros((B, H, _blocks(N, dq_threads), kern.P_COUNT), dtype=dtype)
+    dbias = None
     if B * H * max(N, M) > 0:
         o = _launch_options(p)
-        common = (q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["gate"])
+        compact = o["bias_compact"]
+        full = compact == (B, H, N, M)
+        if compact is not None:
+            # full: the dq kernel writes every entry; broadcast: one entry per block below
+            dbias = cuda.device_array(compact if full else math.prod(compact), dtype=dtype)
+        common = (
+            q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"],
+            o["bh_consts"], o["bias"],
+        )
         if N > 0:
             partials_dev = cuda.device_array(partials.shape, dtype=dtype)
             shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
             kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
-                *common, dq_tile, dout, out, lse, dq, delta, partials_dev
+                *common, dq_tile, dout, out, lse, dq, delta, partials_dev,
+                dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
             )
             partials = partials_dev.copy_to_host()
         if M > 0:
@@ -405,13 +502,37 @@ def backward(p, dout, out, lse):
             kern._backward_dkdv_kernel[_blocks(M, threads) * B * Hkv, threads, 0, shared](
                 *common, tile, dout, lse, delta, dk, dv
             )
+        if compact is not None and not full:
+            if N * M > 0:
+                # the broadcast entries one compact entry stands for
+                spans = (B * H * N * M) // math.prod(compact)
+                threads = max(1, min(config.DBIAS_THREADS, spans))
+                kern._backward_dbias_kernel[math.prod(compact), threads, 0, threads * dtype.itemsize](
+                    q, k, v, o["mask"], o["kv_lengths"], o["iopts"], o["fopts"], o["tau"],
+                    o["bh_consts"], o["bias"], dout, lse, delta, dbias,
+                )
+            else:
+                dbias = None
+    if p.bias is not None and dbias is None:  # nothing to sum: an empty problem
+        dbias = cuda.to_device(np.zeros(_dbias_shape(p), dtype=dtype))
     partials = partials.astype(np.float64)
     dtau_h = -partials[..., kern.P_DTAU].sum(axis=(0, 2)) / p.tau**2
     dbeta_h = -partials[..., kern.P_DBETA].sum(axis=(0, 2))
     dsigma_bh = partials[..., kern.P_DSIGMA].sum(axis=2) if p.sigma is not None else None
     if not on_device:
         dq, dk, dv = dq.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()
-    return p.reduce_grads(dq, dk, dv, dtau_h, dbeta_h, dsigma_bh)
+        if dbias is not None:
+            dbias = dbias.copy_to_host().reshape(_dbias_shape(p))
+        return p.reduce_grads(dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias=dbias)
+    grads = dataclasses.replace(p, bias=None).reduce_grads(dq, dk, dv, dtau_h, dbeta_h, dsigma_bh)
+    if dbias is not None:
+        dbias = dbias.reshape(p.bias_shape)
+    return dataclasses.replace(grads, dbias=dbias)
+
+
+def _dbias_shape(p):
+    """The bias's shape padded to four dims (the shape ``dbias`` is computed in)."""
+    return (1,) * (4 - len(p.bias_shape)) + tuple(p.bias_shape)
 
 
 # ---------------------------------------------------------------------------
@@ -428,14 +549,19 @@ def _signatures(dtype):
     def arr(ndim, kind=real):
         return nbt.Array(kind, ndim, "C")
 
+    # q, k, v, mask, kv_lengths, band, iopts, fopts, tau
     common = (
         arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(2, nbt.int64),
         arr(1, nbt.int64), arr(1), arr(1),
     )
+    bh_consts_bias = (arr(3), arr(1))
     return {
-        "_forward_kernel": common + (arr(1), arr(3), nbt.int64, arr(4), arr(3)),
-        "_backward_dq_kernel": common + (arr(3), nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4)),
-        "_backward_dkdv_kernel": common + (arr(3), nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
+        "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
+        "_backward_dq_kernel": common + bh_consts_bias
+        + (nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4), arr(4)),
+        "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
+        "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
+        + (arr(4), arr(3), arr(3), arr(1)),
     }
 
 

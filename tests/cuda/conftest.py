@@ -32,5 +32,6 @@ def small_tiles(monkeypatch):
         "DQ_BLOCK_N": 4,
         "DKDV_BLOCK_N": 8,
         "DKDV_BLOCK_M": 4,
+        "DBIAS_THREADS": 4,
     }.items():
         monkeypatch.setattr(_cuda_config, name, value)
