@@ -15,7 +15,8 @@ from elastic_np import _options, cuda, reference
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
-GRAD_FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")
+GRAD_FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
+ARRAY_FIELDS = ("out", "lse", "dq", "dk", "dv", "dbias")
 
 
 def make_problem(seed, B=1, H=2, Hkv=None, N=12, M=12, D=8, Dv=None, dtype=np.float64):
@@ -47,6 +48,10 @@ def naive_float32(q, k, v, dout, opts):
     f32 = dict(tau=p.tau.astype(np.float32), beta=p.beta.astype(np.float32))
     if p.sigma is not None:
         f32["sigma"] = p.sigma.astype(np.float32)
+    if p.alibi is not None:
+        f32["alibi"] = p.alibi.astype(np.float32)
+    if p.bias is not None:
+        f32["bias"] = p.bias.astype(np.float32)
     p = dataclasses.replace(p, **f32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         out, lse = reference._forward(p)
@@ -76,7 +81,7 @@ def assert_float64_close(got, want):
     for (name, g), (_, w) in zip(items(*got), items(*want)):
         g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape, name
-        if name in ("out", "lse", "dq", "dk", "dv"):
+        if name in ARRAY_FIELDS:
             assert g.dtype == np.float64, name
         scale = max(1.0, float(np.max(np.abs(w[np.isfinite(w)]), initial=0.0)))
         assert max_error(g, w) <= 1e-12 * scale, (name, max_error(g, w))
@@ -90,10 +95,11 @@ def rounding_allowance(want):
 
 
 def summation_allowance(q, k, v, dout, opts):
-    """For ``dtau``, ``dbeta``, ``dsigma``: twice float32's epsilon times the sum of |terms|.
+    """For ``dtau``, ``dbeta``, ``dsigma``, ``dbias``: twice float32's epsilon times the sum of |terms|.
 
-    Each of them is one sum over every kept entry (of ``dz * s / tau**2``,
-    ``delta * exp(-lse)``, ``dz * dlogG/dsigma``), and those terms cancel
+    Each of them is one sum over kept entries (of ``dz * s / tau**2``,
+    ``delta * exp(-lse)``, ``dz * dlogG/dsigma``, and ``ds`` over the axes a
+    bias is broadcast along), and those terms cancel
     (``sum_j dz_ij = 0`` when ``beta = 0``): the rounding of a float32
     evaluation of such a sum is bounded by ``eps * sum |terms|``, not by the
     size of the result, and the error of any one evaluation (the naive one
@@ -102,7 +108,7 @@ def summation_allowance(q, k, v, dout, opts):
     q, k, v, dout = (a.astype(np.float64) for a in (q, k, v, dout))
     p = _options.prepare(q, k, v, **opts)
     out, lse = reference._forward(p)
-    s, z, keep, gate = reference._attention_logits(p)
+    s, z, keep, gate, _ = reference._attention_logits(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
         v_h = np.repeat(p.v, p.group_size, axis=1)
@@ -116,13 +122,17 @@ def summation_allowance(q, k, v, dout, opts):
             sigma = p.sigma[:, :, None, None]
             dlogg = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
-    bounds = p.reduce_grads(None, None, None, dtau, dbeta, dsigma)
+        dbias = None if p.bias is None else np.abs(dz / p.tau[:, None, None])
+    bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
     eps = float(np.finfo(np.float32).eps)
-    return {
+    allowance = {
         name: 2 * eps * float(np.max(getattr(bounds, name)))
         for name in ("dtau", "dbeta", "dsigma")
         if getattr(bounds, name) is not None
     }
+    if dbias is not None:
+        allowance["dbias"] = 2 * eps * float(np.max(_options._sum_to(dbias, p.bias_shape), initial=0.0))
+    return allowance
 
 
 def assert_float32_rule(got, naive, want, summation):
@@ -135,8 +145,9 @@ def assert_float32_rule(got, naive, want, summation):
     """
     for (name, g), (_, n), (_, w) in zip(items(*got), items(*naive), items(*want)):
         g = np.asarray(g)
-        if name in ("out", "lse", "dq", "dk", "dv"):
+        if name in ARRAY_FIELDS:
             assert g.dtype == np.float32, name
+            assert g.shape == np.shape(w), name
         scale = max(1.0, float(np.max(np.abs(np.asarray(w)[np.isfinite(w)]), initial=0.0)))
         err, naive_err = max_error(g, w), max_error(n, w)
         allowance = summation[name] if name in summation else rounding_allowance(w)
@@ -328,3 +339,208 @@ def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M):
     widest = open_offsets.max(initial=-1)
     # and visit at most two extra diagonals per side (of those the matrix has)
     assert min(band[0, 0], np.abs(offset).max()) <= max(widest, 0) + 2
+
+
+# ---------------------------------------------------------------------------
+# Score modifiers: softcap, ALiBi, bias (and dbias)
+# ---------------------------------------------------------------------------
+
+
+def bias_of(shape, seed=7, neg_inf=None, dtype=np.float64):
+    """A seeded bias of ``shape``, with ``-inf`` at the index ``neg_inf`` (removed entries)."""
+    bias = np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+    if neg_inf is not None:
+        bias[neg_inf] = -np.inf
+    return bias
+
+
+MOD_CASES = {
+    "softcap": (dict(N=11, M=13), lambda: dict(softcap=0.7)),
+    "softcap, causal window, nvm, tau per head": (
+        dict(N=12, M=12),
+        lambda: dict(softcap=2.0, causal=True, window_size=(5, 1), nvm=True, tau=np.array([0.6, 1.4])),
+    ),
+    "alibi (H,)": (dict(N=9, M=14), lambda: dict(alibi_slopes=np.array([0.5, 0.125]))),
+    "alibi (B, H), GQA, beta, decoding": (
+        dict(B=2, H=4, Hkv=2, N=3, M=17),
+        lambda: dict(alibi_slopes=np.linspace(0.05, 0.8, 8).reshape(2, 4), beta=0.4, causal=True),
+    ),
+    "full bias, GQA, nvm, beta per head": (
+        dict(B=2, H=4, Hkv=2, N=10, M=11),
+        lambda: dict(bias=bias_of((2, 4, 10, 11)), nvm=True, beta=np.array([0.0, 0.2, 0.5, 1.0])),
+    ),
+    "(N, M) bias, window": (dict(B=2, N=10, M=13), lambda: dict(bias=bias_of((10, 13)), window_size=(4, 4))),
+    "(1, H, 1, M) key padding, causal": (
+        dict(B=2, N=9, M=12),
+        lambda: dict(bias=bias_of((1, 2, 1, 12), neg_inf=(0, 1, 0, slice(8, None))), causal=True),
+    ),
+    "(B, 1, 1, M) key padding, empty rows": (
+        dict(B=2, N=7, M=10),
+        lambda: dict(bias=bias_of((2, 1, 1, 10), neg_inf=(1, 0, 0, slice(0, 5))), causal=True, tau=0.9),
+    ),
+    "(B, H, N, 1) bias, dynamic window": (
+        dict(B=2, N=9, M=16),
+        lambda: dict(
+            bias=bias_of((2, 2, 9, 1)), tau=np.array([0.7, 1.3]),
+            dynamic_window=enp.DynamicWindow(np.array([0.3, 0.6]), sharpness=2.0, threshold=0.2),
+        ),
+    ),
+    "scalar-like (1,) bias, softcap, alibi, nvm": (
+        dict(B=2, H=4, Hkv=1, N=6, M=9),
+        lambda: dict(bias=np.array([0.3]), softcap=1.2, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]), nvm=True),
+    ),
+    "everything at once": (
+        dict(B=2, H=4, Hkv=2, N=13, M=15, D=5, Dv=3),
+        lambda: dict(
+            softcap=1.5, alibi_slopes=np.array([0.05, 0.1, 0.2, 0.4]),
+            bias=bias_of((1, 4, 13, 15), neg_inf=(0, 2, slice(0, 4), slice(0, 3))),
+            causal=True, window_size=(9, 0), nvm=True, tau=np.array([0.5, 1.0, 2.0, 1.5]), beta=0.3,
+            kv_lengths=[15, 12], mask=np.random.default_rng(3).random((2, 1, 13, 15)) < 0.8,
+            dynamic_window=enp.DynamicWindow(0.5, sharpness=3.0, threshold=0.05),
+        ),
+    ),
+    "N = 1, bias over keys": (dict(N=1, M=9), lambda: dict(bias=bias_of((9,)), softcap=0.9, alibi_slopes=[0.2, 0.4])),
+    "M = 1, row bias": (dict(B=2, N=6, M=1), lambda: dict(bias=bias_of((2, 1, 6, 1)), alibi_slopes=[0.3, 0.6], beta=0.5)),
+    "float32 bias with float64 q": (
+        dict(N=8, M=11), lambda: dict(bias=bias_of((2, 8, 11), dtype=np.float32), softcap=3.0),
+    ),
+    "caller's broadcast view as bias": (
+        dict(B=2, N=7, M=9), lambda: dict(bias=np.broadcast_to(bias_of((7, 9)), (2, 2, 7, 9))),
+    ),
+}
+
+MOD_FLOAT32 = [
+    "softcap",
+    "alibi (B, H), GQA, beta, decoding",
+    "full bias, GQA, nvm, beta per head",
+    "(1, H, 1, M) key padding, causal",
+    "(B, H, N, 1) bias, dynamic window",
+    "scalar-like (1,) bias, softcap, alibi, nvm",
+    "everything at once",
+]
+
+
+@pytest.mark.parametrize("name", list(MOD_CASES))
+def test_modifiers_float64_match_reference(name):
+    shape, options = MOD_CASES[name]
+    opts = options()
+    q, k, v, dout = make_problem(11, **shape)
+    inputs = (q, k, v, dout) + ((opts["bias"],) if "bias" in opts else ())
+    copies = [a.copy() for a in inputs]
+    got = run_cuda(q, k, v, dout, opts)
+    want = run_reference(q, k, v, dout, opts)
+    assert_float64_close(got, want)
+    if "bias" in opts:
+        assert got[2].dbias.shape == np.shape(opts["bias"])
+    for a, c in zip(inputs, copies):
+        np.testing.assert_array_equal(a, c)  # inputs untouched, the bias too
+
+
+@pytest.mark.parametrize("name", MOD_FLOAT32)
+def test_modifiers_float32_rule(name):
+    shape, options = MOD_CASES[name]
+    opts = options()
+    q, k, v, dout = make_problem(12, **shape, dtype=np.float32)
+    got = run_cuda(q, k, v, dout, opts)
+    want = run_reference(*(a.astype(np.float64) for a in (q, k, v, dout)), opts)
+    naive = naive_float32(q, k, v, dout, opts)
+    assert_float32_rule(got, naive, want, summation_allowance(q, k, v, dout, opts))
+
+
+def test_float64_bias_with_float32_q():
+    q, k, v, dout = make_problem(13, N=9, M=10, dtype=np.float32)
+    bias = bias_of((1, 2, 9, 10), neg_inf=(0, 0, 2, slice(None)))
+    opts = dict(bias=bias, alibi_slopes=[0.25, 0.5])
+    got = run_cuda(q, k, v, dout, opts)
+    assert got[2].dbias.dtype == np.float32 and got[2].dbias.shape == bias.shape
+    want = run_reference(*(a.astype(np.float64) for a in (q, k, v, dout)), opts)
+    naive = naive_float32(q, k, v, dout, opts)
+    assert_float32_rule(got, naive, want, summation_allowance(q, k, v, dout, opts))
+
+
+def test_dbias_is_deterministic_and_any_thread_count_agrees():
+    from elastic_np import _cuda_config
+
+    q, k, v, dout = make_problem(14, B=2, H=2, N=9, M=10)
+    opts = dict(bias=np.array([0.2]), softcap=1.0, causal=True)
+    first = run_cuda(q, k, v, dout, opts)[2].dbias
+    again = run_cuda(q, k, v, dout, opts)[2].dbias
+    assert first.tobytes() == again.tobytes()  # same bits, run after run
+    _cuda_config.DBIAS_THREADS = 1  # (restored by the small_tiles fixture)
+    serial = run_cuda(q, k, v, dout, opts)[2].dbias
+    want = run_reference(q, k, v, dout, opts)[2].dbias
+    assert abs(serial - want) <= 1e-12 * max(1.0, abs(want)) and abs(first - want) <= 1e-12 * max(1.0, abs(want))
+
+
+def test_device_bias_stays_on_device():
+    from numba import cuda as numba_cuda
+
+    q, k, v, dout = make_problem(15, B=2, H=2, Hkv=1, N=8, M=11)
+    for bias in (bias_of((2, 1, 1, 11), neg_inf=(0, 0, 0, slice(9, None))), bias_of((2, 2, 8, 11))):
+        opts = dict(causal=True, softcap=2.0, alibi_slopes=[0.1, 0.3], beta=0.2)
+        host = run_cuda(q, k, v, dout, dict(opts, bias=bias))
+        device_bias = numba_cuda.to_device(bias)
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", bias=device_bias, **opts)
+        assert cuda._is_device(out) and cuda._is_device(lse)
+        grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", bias=device_bias, **opts)
+        assert cuda._is_device(grads.dbias) and tuple(grads.dbias.shape) == bias.shape
+        np.testing.assert_array_equal(out.copy_to_host(), host[0])
+        for name in ("dq", "dk", "dv", "dbias"):
+            np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name), err_msg=name)
+        np.testing.assert_array_equal(device_bias.copy_to_host(), bias)  # untouched
+
+
+def test_device_inputs_with_a_host_bias_and_a_device_bias_of_another_dtype():
+    from numba import cuda as numba_cuda
+
+    q, k, v, dout = make_problem(16, N=7, M=9)
+    bias = bias_of((7, 9), dtype=np.float32)
+    opts = dict(bias=bias, nvm=True)
+    host = run_cuda(q, k, v, dout, opts)
+    dq_, dk_, dv_, ddout = (numba_cuda.to_device(a) for a in (q, k, v, dout))
+    for b in (bias, numba_cuda.to_device(bias)):
+        out, lse = enp.attention(dq_, dk_, dv_, return_lse=True, backend="cuda", bias=b, nvm=True)
+        grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, backend="cuda", bias=b, nvm=True)
+        assert grads.dbias.dtype == np.float64 and tuple(grads.dbias.shape) == (7, 9)
+        np.testing.assert_array_equal(grads.dbias.copy_to_host(), host[2].dbias)
+        np.testing.assert_array_equal(grads.dq.copy_to_host(), host[2].dq)
+
+
+def test_device_bias_is_validated():
+    from numba import cuda as numba_cuda
+
+    q, k, v, _ = make_problem(17, N=4, M=5)
+    with pytest.raises(ValueError, match="`bias`"):
+        enp.attention(q, k, v, backend="cuda", bias=numba_cuda.to_device(np.zeros((3, 5))))
+    with pytest.raises(TypeError, match="`bias`"):
+        enp.attention(q, k, v, backend="cuda", bias=numba_cuda.to_device(np.zeros((4, 5), dtype=np.int32)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        enp.attention(q, k, v, backend="cuda", bias=numba_cuda.to_device(np.zeros((4, 10)))[:, ::2])
+
+
+def random_modifiers(rng, B, H, N, M):
+    """A seeded mix of the score modifiers, the bias in a random broadcast shape."""
+    opts = {}
+    if rng.random() < 0.5:
+        opts["softcap"] = float(rng.uniform(0.5, 3.0))
+    if rng.random() < 0.5:
+        opts["alibi_slopes"] = rng.uniform(0.0, 0.5, size=(B, H) if rng.random() < 0.5 else (H,))
+    if rng.random() < 0.7:
+        shape = tuple(n if rng.random() < 0.5 else 1 for n in (B, H, N, M))
+        shape = shape[int(rng.integers(0, 3)) :] if shape[0] == 1 else shape  # drop leading axes sometimes
+        bias = rng.standard_normal(shape)
+        bias[rng.random(shape) < 0.15] = -np.inf
+        opts["bias"] = bias
+    return opts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_modifiers_float64_random_option_mix(seed):
+    rng = np.random.default_rng(300 + seed)
+    B, Hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    H = Hkv * int(rng.integers(1, 3))
+    N, M = int(rng.integers(1, 14)), int(rng.integers(1, 16))
+    shape = dict(B=B, H=H, Hkv=Hkv, N=N, M=M, D=int(rng.integers(1, 6)), Dv=int(rng.integers(1, 6)))
+    opts = dict(random_options(rng, B, H, N, M), **random_modifiers(rng, B, H, N, M))
+    q, k, v, dout = make_problem(seed, **shape)
+    assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
