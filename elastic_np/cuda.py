@@ -626,18 +626,41 @@ def _device_functions_compiled_for(cc):
 # ---------------------------------------------------------------------------
 
 
-def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
+#: Bias shapes `bench` can add, as functions of ``(B, H, N)`` (``M = N``).
+BENCH_BIAS_SHAPES = {
+    "full": lambda B, H, N: (B, H, N, N),
+    "keys": lambda B, H, N: (N, N),
+    "padding": lambda B, H, N: (B, 1, 1, N),
+    "rows": lambda B, H, N: (B, H, N, 1),
+    "scalar": lambda B, H, N: (1,),
+}
+
+
+def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10):
     """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
 
     Both run on the same GPU and the same device memory (torch CUDA tensors
     are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
-    forward and forward + backward, plain attention with ``N = M``.
+    forward and forward + backward, with ``N = M``.
+
+    With score modifiers (``softcap``, ``alibi``, ``bias``) the kernels are
+    timed with them and, in the same run, without them (``"elastic_np
+    plain"``), so that their cost is a ratio measured side by side. PyTorch
+    gets the bias as its float ``attn_mask`` (with its gradient); it has no
+    soft-cap or ALiBi, so those are ours alone.
 
     Parameters
     ----------
     B, H, N, D : int, optional
         Batch, heads, sequence length, head dim.
     causal : bool, optional
+    softcap : float, optional
+        Soft-cap of the scores.
+    alibi : bool, optional
+        ALiBi with the usual geometric slopes ``2**(-8 (h + 1) / H)``.
+    bias : str, optional
+        A key of `BENCH_BIAS_SHAPES`: the bias's shape (a device array; the
+        backward computes ``dbias``).
     repeat : int, optional
         Best of this many timed runs, after one warm-up run (which compiles).
 
@@ -645,8 +668,8 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
     -------
     dict
         ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
-        in seconds, plus ``"tflops"`` with the same layout (FlashAttention's
-        FLOP convention).
+        in seconds (and ``"elastic_np plain"`` with modifiers), plus
+        ``"tflops"`` with the same layout (FlashAttention's FLOP convention).
 
     Raises
     ------
@@ -662,38 +685,63 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
         raise BackendUnavailableError("bench() times real kernels; the CUDA simulator does not count")
     if not torch.cuda.is_available():
         raise BackendUnavailableError("bench() compares with PyTorch on the GPU; this torch has no CUDA")
+    if bias is not None and bias not in BENCH_BIAS_SHAPES:
+        raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
     cuda = _cuda()
+    rng = np.random.default_rng(1)
     q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
-    dout = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
     tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
+    modifiers = {}
+    if softcap is not None:
+        modifiers["softcap"] = softcap
+    if alibi:
+        modifiers["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    tbias = None
+    if bias is not None:
+        tbias = torch.from_numpy(rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)).cuda()
+        modifiers["bias"] = tbias
 
-    def ours_forward():
-        _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
-        cuda.synchronize()
+    def ours(options):
+        def forward():
+            _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            cuda.synchronize()
 
-    def ours_forward_backward():
-        out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda")
-        _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda")
-        cuda.synchronize()
+        def forward_backward():
+            out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
+            cuda.synchronize()
+
+        return forward, forward_backward
 
     gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+    gbias = None if tbias is None else tbias.clone().requires_grad_(True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal_mask = None
+    if causal and tbias is not None:  # torch takes is_causal or attn_mask, not both
+        causal_mask = torch.ones(N, N, dtype=torch.bool, device=tq.device).tril().logical_not()
+
+    def torch_mask(t):
+        if t is None:
+            return None
+        return t if causal_mask is None else t.masked_fill(causal_mask, float("-inf"))
 
     def torch_forward():
         with torch.no_grad():
-            sdpa(tq, tk, tv, is_causal=causal)
+            sdpa(tq, tk, tv, attn_mask=torch_mask(tbias), is_causal=causal and tbias is None)
         torch.cuda.synchronize()
 
     def torch_forward_backward():
-        out = sdpa(gq, gk, gv, is_causal=causal)
+        out = sdpa(gq, gk, gv, attn_mask=torch_mask(gbias), is_causal=causal and gbias is None)
         out.backward(tdout)
         torch.cuda.synchronize()
 
-    timings = {"elastic_np": {}, "torch": {}}
-    for who, fwd, fwd_bwd in (
-        ("elastic_np", ours_forward, ours_forward_backward),
-        ("torch", torch_forward, torch_forward_backward),
-    ):
+    runs = {"elastic_np": ours(modifiers), "torch": (torch_forward, torch_forward_backward)}
+    if modifiers:
+        runs["elastic_np plain"] = ours({})
+    timings = {}
+    for who, (fwd, fwd_bwd) in runs.items():
+        timings[who] = {}
         for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
             fn()  # warm-up (compiles)
             timings[who][what] = _bench.best_time(fn, repeat=repeat)
@@ -702,7 +750,7 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, repeat=10):
         "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
     }
     timings["tflops"] = {
-        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in ("elastic_np", "torch")
+        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in runs
     }
     return timings
 
@@ -717,6 +765,9 @@ def _main(argv=None):
     parser.add_argument("--bench", action="store_true", help="time against torch SDPA on the GPU (float32)")
     parser.add_argument("--shape", nargs=4, type=int, default=(4, 16, 4096, 64), metavar=("B", "H", "N", "D"))
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--softcap", type=float, default=None, help="time with this soft-cap of the scores")
+    parser.add_argument("--alibi", action="store_true", help="time with ALiBi (geometric slopes)")
+    parser.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES), default=None, help="time with a bias of this shape")
     args = parser.parse_args(argv)
     if args.ptx is not None:
         for cc in args.ptx or ["8.0", "9.0"]:
@@ -728,15 +779,22 @@ def _main(argv=None):
                 print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
     if args.bench:
         B, H, N, D = args.shape
-        result = bench(B, H, N, D, causal=args.causal)
-        print(f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal}")
+        result = bench(B, H, N, D, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias)
+        print(
+            f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal} "
+            f"softcap={args.softcap} alibi={args.alibi} bias={args.bias}"
+        )
         for what in ("forward", "forward+backward"):
             ours, theirs = result["elastic_np"][what], result["torch"][what]
-            print(
+            line = (
                 f"{what:17s} elastic_np {ours * 1e3:9.3f} ms ({result['tflops']['elastic_np'][what]:6.2f} TFLOP/s)"
                 f"   torch SDPA {theirs * 1e3:9.3f} ms ({result['tflops']['torch'][what]:6.2f} TFLOP/s)"
                 f"   speed ratio {theirs / ours:5.2f}"
             )
+            if "elastic_np plain" in result:
+                plain = result["elastic_np plain"][what]
+                line += f"   modifiers cost x{ours / plain:5.2f} over plain ({plain * 1e3:.3f} ms)"
+            print(line)
 
 
 if __name__ == "__main__":
