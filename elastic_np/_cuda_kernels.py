@@ -344,9 +344,9 @@ def _backward_dq_kernel(
     per row (read by the dk/dv and dbias kernels) and the block's partial
     sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one thread in row
     order, so the result does not depend on scheduling). When the bias is
-    full (``iopts[I_DBIAS_FULL]``), ``dbias`` is ``(B, H, N, M)`` and the
-    thread writes row ``i`` of it (``ds``, 0 where nothing is kept): one
-    owner per entry, no reduction; otherwise ``dbias`` is a dummy.
+    full (``iopts[I_DBIAS_FULL]``), ``dbias`` is ``(B, H, N, M)``: the block
+    zeroes its rows, then each thread writes ``ds`` where its row keeps an
+    entry (one writer per entry, no reduction); otherwise ``dbias`` is a dummy.
     """
     B, H, N, D = q.shape
     Hkv = k.shape[1]
@@ -421,9 +421,11 @@ def _backward_dq_kernel(
         delta[b, h, i] = row_delta
         row_lse = lse[b, h, i]
     dbias_full = iopts[I_DBIAS_FULL] != 0
-    if dbias_full and row:
-        for j in range(M):  # this thread owns row i of dbias: zero where nothing is kept
-            dbias[b, h, i, j] = zero
+    if dbias_full:
+        # the block owns rows [i0, i1) of dbias: zero them together (coalesced); the
+        # syncthreads opening the tile loop orders this before the threads write ds
+        for idx in range(t, (i1 - i0) * M, block_m):
+            dbias[b, h, i0 + idx // M, idx % M] = zero
     # compensated sums: a float32 kernel's dtau and dsigma stay as accurate as a pairwise sum
     sum_dz_s = zero
     carry_dz_s = zero

@@ -544,3 +544,19 @@ def test_modifiers_float64_random_option_mix(seed):
     opts = dict(random_options(rng, B, H, N, M), **random_modifiers(rng, B, H, N, M))
     q, k, v, dout = make_problem(seed, **shape)
     assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 2, 9, 10), (1, 2, 1, 10), None])
+def test_every_output_entry_is_written(monkeypatch, bias_shape):
+    """Device buffers start as NaN here, so an entry a kernel leaves unwritten shows."""
+    from numba import cuda as numba_cuda
+
+    def poisoned(shape, dtype=np.float64, **kwargs):
+        return numba_cuda.to_device(np.full(shape, np.nan, dtype=dtype))
+
+    monkeypatch.setattr(numba_cuda, "device_array", poisoned)
+    q, k, v, dout = make_problem(18, B=2, N=9, M=10)
+    opts = dict(causal=True, window_size=(3, 0), softcap=1.0, kv_lengths=[10, 6])
+    if bias_shape is not None:
+        opts["bias"] = bias_of(bias_shape, neg_inf=(0, 1, slice(None), 0))
+    assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
