@@ -39,7 +39,7 @@ Score modifiers: every kernel builds the score in the contract's order
 (scaled dot product, soft-cap, ALiBi, bias, then NVM on the final score), the
 options being runtime values (``softcap`` in ``fopts``, 0 for none; the ALiBi
 slope with the window's per-(b, h) constants; the bias as a flat array of the
-caller's distinct entries, in the kernel dtype, with four element strides,
+caller's own entries (its shape), in the kernel dtype, with four element strides,
 0 on the axes it is broadcast along, read entry by entry like the mask; a
 one-element dummy without a bias). The backward kernels multiply ``ds`` by the
 soft-cap's slope ``1 - tanh^2`` before it enters ``dq`` and ``dk``. ``dbias``
@@ -66,7 +66,9 @@ the dynamic shared memory fits ``MAX_SHARED_BYTES`` for the head dims).
 
 Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
 ``torch.nn.functional.scaled_dot_product_attention`` in float32 on the same
-GPU (B=4, H=16, N=4096, D=64 by default). The kernels are plain SIMT code
+GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
+``--bias {full,keys,padding,rows,scalar}`` time the score modifiers, next to
+plain attention in the same run. The kernels are plain SIMT code
 (one thread per row, operands from shared memory, no tensor cores), written
 for clarity and exact agreement with the reference first.
 
