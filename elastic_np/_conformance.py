@@ -20,13 +20,15 @@ import inspect
 import numpy as np
 
 from elastic_np import reference
-from elastic_np._options import DynamicWindow, prepare, sum_to_shape
+from elastic_np._options import DynamicWindow, prepare, reduce_to_shape, sum_to_shape
 
 #: Keyword options of the attention, in the order of the contract.
 OPTION_NAMES = (
     "scale", "causal", "window_size", "kv_lengths", "mask", "nvm", "tau", "beta",
-    "dynamic_window",
+    "dynamic_window", "softcap", "alibi_slopes", "bias",
 )
+#: The score modifiers among them (a case combining them needs all three).
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "bias")
 #: Capabilities that are not keyword options and are only declared via ``options``:
 #: ``"gqa"``: ``k``, ``v`` with fewer heads than ``q`` (grouped-query attention);
 #: ``"bottom_right_causal"``: causal with ``N != M``, aligned bottom-right as in
@@ -38,7 +40,9 @@ FLOOR = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
 #: Relative tolerance of the oracle's gradients against central differences (the contract).
 GRADCHECK_RTOL = 1e-6
 
-_GRAD_NAMES = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")
+_GRAD_NAMES = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
+#: The option each parameter gradient belongs to (checked when the case sets it).
+_GRAD_OPTION = {"dtau": "tau", "dbeta": "beta", "dsigma": "dynamic_window", "dbias": "bias"}
 
 
 # ---------------------------------------------------------------------------
@@ -120,6 +124,40 @@ def _combined(rng, shape):
     }
 
 
+def _slopes(rng, shape):
+    """ALiBi slopes of the usual geometric form, ``2^(-8 (h + 1) / H)``."""
+    H = shape[1]
+    return 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+
+
+def _bias(rng, shape, broadcast=(), neg_inf=0.0):
+    """A unit-scale bias of shape ``(B, H, N, M)`` with size 1 on the ``broadcast`` axes.
+
+    A fraction ``neg_inf`` of its entries is ``-inf`` (the entry is removed).
+    """
+    B, H, Hkv, N, M, D, Dv = shape
+    full = [B, H, N, M]
+    bias_shape = tuple(1 if axis in broadcast else n for axis, n in enumerate(full))
+    bias = rng.standard_normal(bias_shape)
+    if neg_inf:
+        bias[rng.random(bias_shape) < neg_inf] = -np.inf
+    return bias
+
+
+def _modifiers_combined(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    return {
+        "causal": True,
+        "window_size": (M // 2, -1),
+        "nvm": True,
+        "tau": rng.uniform(0.5, 1.5, size=H),
+        "beta": rng.uniform(0.2, 2.0, size=H),
+        "softcap": 1.5,
+        "alibi_slopes": _slopes(rng, shape),
+        "bias": _bias(rng, shape, broadcast=(0,), neg_inf=0.1),
+    }
+
+
 def _case(name, requires, sizes, make_options):
     quick, full = sizes
     return Case(name, frozenset(requires), quick, full, make_options)
@@ -148,17 +186,34 @@ CASES = (
     _case("dynamic window", ("dynamic_window",), _sizes(),
           lambda rng, s: {"dynamic_window": _dynamic_window(rng, s)}),
     _case("gqa", ("gqa",), _sizes(H=4, Hkv=2), lambda rng, s: {}),
-    _case("combined", OPTION_NAMES + CAPABILITIES, _sizes(B=3, H=4, Hkv=2, N=7, M=13),
-          _combined),
+    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) | set(CAPABILITIES),
+          _sizes(B=3, H=4, Hkv=2, N=7, M=13), _combined),
+    _case("softcap", ("softcap",), _sizes(), lambda rng, s: {"softcap": 0.8}),
+    _case("alibi", ("alibi_slopes",), _sizes(N=7, M=13),  # N != M: the offset is aligned
+          lambda rng, s: {"alibi_slopes": _slopes(rng, s)}),
+    _case("softcap + bias", ("softcap", "bias"), _sizes(),  # the cap comes before the bias
+          lambda rng, s: {"softcap": 1.2, "bias": 2 * _bias(rng, s)}),
+    _case("bias", ("bias",), _sizes(), lambda rng, s: {"bias": _bias(rng, s)}),
+    _case("bias (N, M)", ("bias",), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(0, 1))[0, 0]}),
+    _case("bias keys, -inf", ("bias",), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(1, 2), neg_inf=0.2)}),
+    # a per-query bias cancels out of the softmax unless beta > 0 (the sink)
+    _case("bias queries", ("bias", "beta"), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(0, 3)), "beta": 0.7}),
+    _case("modifiers combined", ("causal", "window_size", "nvm", "tau", "beta", "gqa",
+                                 "bottom_right_causal") + MODIFIER_NAMES,
+          _sizes(B=2, H=4, Hkv=2, N=7, M=13), _modifiers_combined),
 )
 
 
 def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
     """Seeded inputs of ``case``: ``(q, k, v, dout, options)``.
 
-    ``q, k, v, dout`` are float64 arrays holding values exactly representable
-    in ``dtype``. Under ``nvm``, the inputs are drawn again until no score lies
-    within ``margin`` (relative to the largest score) of 0, where NVM jumps.
+    ``q, k, v, dout`` (and a ``bias`` option) are float64 arrays holding values
+    exactly representable in ``dtype``. Under ``nvm``, the inputs are drawn
+    again until no final score lies within ``margin`` (relative to the largest
+    score) of 0, where NVM jumps.
     ``dims`` overrides ``(D, Dv)``.
     """
     dtype = np.dtype(dtype)
@@ -173,10 +228,14 @@ def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
         v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype).astype(np.float64)
         dout = rng.standard_normal((B, H, N, Dv)).astype(dtype).astype(np.float64)
         options = case.make_options(rng, shape)
+        if "bias" in options:
+            options["bias"] = options["bias"].astype(dtype).astype(np.float64)
         if not options.get("nvm"):
             return q, k, v, dout, options
-        s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, H // Hkv, axis=1))
-        if np.min(np.abs(s)) > margin * np.max(np.abs(s)):
+        # NVM jumps where the final score (after soft-cap, ALiBi, bias) is 0
+        s = np.abs(reference.scores(prepare(q, k, v, **options))[0])
+        s = s[np.isfinite(s)]
+        if s.size == 0 or np.min(s) > margin * np.max(s):
             return q, k, v, dout, options
     raise RuntimeError(  # pragma: no cover
         f"could not draw inputs away from the NVM jump for case {case.name!r}")
@@ -207,7 +266,20 @@ def naive_forward(q, k, v, options, dtype):
     kk = np.repeat(p.k, p.group_size, axis=1)
     vv = np.repeat(p.v, p.group_size, axis=1)
     s = (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale)
+    cap_slope = None
+    if p.softcap is not None:
+        cap = t(p.softcap)
+        th = np.tanh(s / cap)
+        s = cap * th
+        cap_slope = t(1) - th * th
     keep = reference.structural_keep(p)
+    if p.alibi is not None:
+        distance = np.abs(reference._offsets(N, M)).astype(dtype)
+        s = s - p.alibi.astype(dtype)[:, :, None, None] * distance
+    if p.bias is not None:
+        bias = p.bias.astype(dtype)
+        keep = keep & (bias > -np.inf)
+        s = np.where(keep, s + bias, t(0))
     if p.nvm:
         keep = keep & (s >= 0)
     tau = p.tau.astype(dtype)[:, None, None]
@@ -232,14 +304,14 @@ def naive_forward(q, k, v, options, dtype):
         lse = (m + np.log(l))[..., 0]
     probs = np.divide(e, l, out=np.zeros_like(e), where=l > 0)
     out = probs @ vv
-    return out, lse, (p, s, keep, probs, kk, vv, gate)
+    return out, lse, (p, s, keep, probs, kk, vv, gate, cap_slope)
 
 
 def naive_backward(dout, out, lse, cache, dtype):
     """The contract's backward, every operation in ``dtype``; returns a dict of gradients."""
     dtype = np.dtype(dtype)
     t = dtype.type
-    p, s, keep, probs, kk, vv, gate = cache
+    p, s, keep, probs, kk, vv, gate, cap_slope = cache
     B, H, Hkv, N, M, D, Dv = p.shape
     dout = np.asarray(dout, dtype=dtype)
     tau = p.tau.astype(dtype)[:, None, None]
@@ -247,8 +319,9 @@ def naive_backward(dout, out, lse, cache, dtype):
     delta = np.sum(dout * out, axis=-1)
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
-    dq = t(p.scale) * (ds @ kk)
-    dk = t(p.scale) * (np.swapaxes(ds, -1, -2) @ p.q)
+    ds_raw = ds if cap_slope is None else ds * cap_slope
+    dq = t(p.scale) * (ds_raw @ kk)
+    dk = t(p.scale) * (np.swapaxes(ds_raw, -1, -2) @ p.q)
     dk = dk.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
     dtau = -np.sum(np.where(keep, dz * s, t(0)), axis=(0, 2, 3)) / (tau[:, 0, 0] ** 2)
@@ -266,6 +339,8 @@ def naive_backward(dout, out, lse, cache, dtype):
             dlogG = t(p.sharpness) * (t(1) - G * G) / G * f * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
+    if p.bias is not None:
+        grads["dbias"] = reduce_to_shape(ds, p.bias_shape)
     return grads
 
 
@@ -449,6 +524,8 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
     out_ref, lse_ref = reference.attention(q, k, v, **options)
     out_naive, lse_naive, cache = naive_forward(q, k, v, options, dtype)
     args = [np.array(a, dtype=dtype) for a in (q, k, v)]
+    if "bias" in options:  # the implementation gets the bias in the dtype under test
+        options = dict(options, bias=options["bias"].astype(dtype))
     try:
         out, lse = _unpack_forward(fn(*args, **options))
     except Exception as exc:  # the implementation under test failed: report, go on
@@ -472,11 +549,10 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
         if name in ("dq", "dk", "dv"):
             got = grads[name]
         else:
-            # tau, beta, sigma gradients: checked when the case sets the option
-            # and the implementation returns them.
-            option = {"dtau": "tau", "dbeta": "beta", "dsigma": "dynamic_window"}[name]
+            # tau, beta, sigma, bias gradients: checked when the case sets the
+            # option and the implementation returns them.
             got = grads.get(name)
-            if option not in options or got is None:
+            if _GRAD_OPTION[name] not in options or got is None:
                 continue
         _compare(report, case.name, dtype, name, got, want, grads_naive[name])
 
@@ -502,22 +578,30 @@ def check_oracle_gradients(*, quick=True, seed=0, progress=None):
         out, lse = reference.attention(q, k, v, **options)
         with np.errstate(invalid="ignore", divide="ignore"):
             grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
-        fixed = {n: options[n] for n in options if n not in ("tau", "beta", "dynamic_window")}
+        learnable = ("tau", "beta", "dynamic_window", "bias")
+        fixed = {n: options[n] for n in options if n not in learnable}
         window = options.get("dynamic_window")
         inputs = {"q": q, "k": k, "v": v}
         claimed = {"dq": grads.dq, "dk": grads.dk, "dv": grads.dv}
-        for name, grad in (("tau", grads.dtau), ("beta", grads.dbeta)):
+        for name, grad in (("tau", grads.dtau), ("beta", grads.dbeta), ("bias", grads.dbias)):
             if name in options:
                 inputs[name] = options[name]
                 claimed["d" + name] = grad
         if window is not None:
             inputs["sigma"] = np.array(window.sigma)
             claimed["dsigma"] = grads.dsigma
+        # -inf bias entries stay -inf: they are removed, and their gradient is 0
+        removed = np.isneginf(options["bias"]) if "bias" in options else False
+        if "bias" in options:
+            inputs["bias"] = np.where(removed, 0.0, options["bias"])
 
-        def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None):
+        def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None, bias=None):
             dw = None if sigma is None else DynamicWindow(
                 sigma, sharpness=window.sharpness, threshold=window.threshold)
-            return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw, **fixed)[0]
+            if bias is not None:
+                bias = np.where(removed, -np.inf, bias)
+            return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw,
+                                       bias=bias, **fixed)[0]
 
         result = gradcheck(
             loss_fn, inputs, {name[1:]: g for name, g in claimed.items()},

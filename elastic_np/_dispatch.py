@@ -106,8 +106,10 @@ def attention(
                               {\sum_{j\,\mathrm{kept}} e^{z_{ij}} + \beta_h},
         \qquad z_{ij} = \frac{\mathrm{scale}\; q_i\cdot k_j}{\tau_h} + \log G_{ij}
 
-    See `elastic_np.reference.attention` for the full definition of which
-    entries are kept.
+    where the score ``scale * q_i . k_j`` may first be soft-capped and get
+    ALiBi and a bias added (``softcap``, ``alibi_slopes``, ``bias``). See
+    `elastic_np.reference.attention` for the full definition of which entries
+    are kept.
 
     Parameters
     ----------

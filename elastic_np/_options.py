@@ -194,7 +194,7 @@ class AttentionProblem:
         returned in the dtype of ``dq``.
         """
         if self.bias is not None:
-            dbias = _sum_to(dbias, self.bias_shape).astype(dq.dtype, copy=False)
+            dbias = reduce_to_shape(dbias, self.bias_shape).astype(dq.dtype, copy=False)
         else:
             dbias = None
         return AttentionGrads(
@@ -210,12 +210,12 @@ class AttentionProblem:
 
 def sum_to_shape(grad, shape):
     """Sum a broadcast gradient back to ``shape``; a Python float for ``shape == ()``."""
-    out = _sum_to(np.asarray(grad, dtype=np.float64), shape)
+    out = reduce_to_shape(np.asarray(grad, dtype=np.float64), shape)
     return float(out) if shape == () else out
 
 
-def _sum_to(grad, shape):
-    """Sum ``grad`` over the leading axes and the axes where ``shape`` has 1."""
+def reduce_to_shape(grad, shape):
+    """Sum ``grad`` over the leading axes and the axes where ``shape`` has 1, keeping its dtype."""
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1

@@ -515,9 +515,11 @@ def attention(q, k, v, **options):
         \mathrm{lse}_i = \log\Big(\sum_{j\,\mathrm{kept}} e^{z_{ij}} + \beta_h\Big), \quad
         \mathrm{out}_i = \sum_{j\,\mathrm{kept}} e^{z_{ij} - \mathrm{lse}_i} v_j
 
-    An entry is kept when the causal, window, ``kv_lengths`` and ``mask``
-    conditions hold, ``s_ij >= 0`` under ``nvm=True``, and the dynamic window's
-    gate is open. A row with nothing kept gives ``out = 0`` and
+    With the score modifiers, ``s`` is the final score of `scores`: the
+    soft-cap ``softcap * tanh(s / softcap)``, then ``- slope |i + M - N - j|``
+    (ALiBi) and ``+ bias``. An entry is kept when the causal, window,
+    ``kv_lengths`` and ``mask`` conditions hold, the bias is not ``-inf``,
+    ``s_ij >= 0`` under ``nvm=True``, and the dynamic window's gate is open. A row with nothing kept gives ``out = 0`` and
     ``lse = log(beta)`` (``-inf`` for ``beta = 0``).
 
     Parameters
@@ -533,7 +535,10 @@ def attention(q, k, v, **options):
         ``kv_lengths=None``, ``mask=None`` (boolean, broadcastable to
         ``(B, H, N, M)``, True keeps), ``nvm=False``, ``tau=1.0``,
         ``beta=0.0`` (scalars or shape ``(H,)``), ``dynamic_window=None``
-        (a `~elastic_np.DynamicWindow`), ``check_finite=True``.
+        (a `~elastic_np.DynamicWindow`), ``softcap=None`` (float ``> 0``),
+        ``alibi_slopes=None`` (``(H,)`` or ``(B, H)``), ``bias=None`` (float,
+        broadcastable to ``(B, H, N, M)``; ``-inf`` removes an entry),
+        ``check_finite=True``.
 
     Returns
     -------
@@ -584,7 +589,7 @@ def _log_denominator(z, beta):
 
 
 def attention_backward(dout, q, k, v, out, lse, **options):
-    r"""Hand-derived backward of `attention`: gradients for ``q, k, v, tau, beta, sigma``.
+    r"""Hand-derived backward of `attention`: gradients for ``q, k, v, tau, beta, sigma, bias``.
 
     With :math:`p_{ij} = e^{z_{ij} - \mathrm{lse}_i}` on kept entries:
 
@@ -603,8 +608,10 @@ def attention_backward(dout, q, k, v, out, lse, **options):
 
         d\tau_h = -\frac{1}{\tau_h^2}\sum_{b,i,j} dz_{ij} s_{ij}, \quad
         d\beta_h = -\sum_{b,i} \delta_i e^{-\mathrm{lse}_i}, \quad
-        d\sigma_{bh} = \sum_{i,j} dz_{ij}\,\frac{\partial \log G_{ij}}{\partial\sigma}
+        d\sigma_{bh} = \sum_{i,j} dz_{ij}\,\frac{\partial \log G_{ij}}{\partial\sigma}, \quad
+        d\mathrm{bias}_{bhij} = ds_{ij}
 
+    With a soft-cap, ``dq`` and ``dk`` take ``ds * (1 - tanh^2(s_raw / softcap))``.
     The probabilities are recomputed from ``lse``, as a fused kernel does.
 
     Parameters
@@ -622,8 +629,9 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     -------
     AttentionGrads
         ``dq, dk, dv`` in float64 and the shapes of ``q, k, v``; ``dtau``,
-        ``dbeta``, ``dsigma`` in the shapes ``tau``, ``beta`` and ``sigma``
-        were given in (``dsigma`` is None without a dynamic window).
+        ``dbeta``, ``dsigma``, ``dbias`` in the shapes ``tau``, ``beta``,
+        ``sigma`` and ``bias`` were given in (``dsigma`` is None without a
+        dynamic window, ``dbias`` None without a bias).
 
     Raises
     ------

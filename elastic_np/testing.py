@@ -209,7 +209,9 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
     Each case of the battery (plain, explicit scale, causal, causal with
     ``N < M`` and ``N > M``, window, ``kv_lengths``, rows with nothing kept,
     mask, NVM, ``tau``, ``beta``, per-head ``tau``/``beta``, dynamic window,
-    grouped-query attention and all of them combined) draws seeded inputs,
+    grouped-query attention and all of them combined; soft-cap, ALiBi, bias in
+    four shapes, and the modifiers combined with causal, window, NVM, ``tau``,
+    ``beta`` and grouped-query attention) draws seeded inputs,
     calls ``fn`` and compares the result with the float64 oracle
     `elastic_np.reference.attention` evaluated on the same (dtype-rounded)
     inputs. A quantity passes when its largest absolute error is at most
@@ -233,15 +235,18 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
         ``scale`` (float), ``causal`` (bool), ``window_size`` (pair of ints),
         ``kv_lengths`` (int array ``(B,)``), ``mask`` (bool array ``(B, 1, N,
         M)``, True keeps), ``nvm`` (bool), ``tau``, ``beta`` (float or array
-        ``(H,)``), ``dynamic_window`` (an `elastic_np.DynamicWindow`).
+        ``(H,)``), ``dynamic_window`` (an `elastic_np.DynamicWindow`),
+        ``softcap`` (float), ``alibi_slopes`` (array ``(H,)``), ``bias``
+        (float array broadcastable to ``(B, H, N, M)``, in the dtype under
+        test; ``-inf`` entries remove the entry).
     backward : callable, optional
         ``backward(dout, q, k, v, **opts)`` returning the gradients of
         ``sum(dout * out)``: a tuple ``(dq, dk, dv)``, optionally followed by
-        ``dtau, dbeta, dsigma`` (in the shapes of ``tau``, ``beta`` and the
-        window's ``sigma``; None where not computed), or an object or dict with
-        those names, such as `elastic_np.AttentionGrads`. ``dq, dk, dv`` are
-        always checked; ``dtau``, ``dbeta``, ``dsigma`` when the case sets the
-        option and they are returned.
+        ``dtau, dbeta, dsigma, dbias`` (in the shapes of ``tau``, ``beta``, the
+        window's ``sigma`` and ``bias``; None where not computed), or an object
+        or dict with those names, such as `elastic_np.AttentionGrads`. ``dq,
+        dk, dv`` are always checked; ``dtau``, ``dbeta``, ``dsigma``, ``dbias``
+        when the case sets the option and they are returned.
     options : iterable of str, optional
         Options ``fn`` takes besides the keyword parameters of its signature
         (a ``**kwargs`` parameter declares nothing), and capabilities that no

@@ -103,6 +103,35 @@ def test_torch_sdpa_passes():
     assert quantities == {"out", "dq", "dk", "dv"}
 
 
+def sdpa_bias(q, k, v, bias=None):
+    """torch's SDPA with a float ``attn_mask``: an additive bias (-inf removes)."""
+    torch = _torch()
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    attn_mask = None if bias is None else torch.from_numpy(np.asarray(bias, dtype=q.dtype))
+    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=attn_mask).numpy()
+
+
+def sdpa_bias_backward(dout, q, k, v, bias=None):
+    torch = _torch()
+    tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+    tb = None if bias is None else torch.tensor(np.asarray(bias, dtype=q.dtype), requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tb)
+    out.backward(torch.from_numpy(dout))
+    grads = {"dq": tq.grad.numpy(), "dk": tk.grad.numpy(), "dv": tv.grad.numpy()}
+    if tb is not None:
+        grads["dbias"] = tb.grad.numpy()
+    return grads
+
+
+def test_torch_float_attn_mask_passes_as_a_bias():
+    _torch()
+    report = check_attention(sdpa_bias, backward=sdpa_bias_backward)
+    assert report, str(report)
+    assert {row.case for row in report.rows} == {
+        "plain", "bias", "bias (N, M)", "bias keys, -inf"}
+    assert ("bias keys, -inf", "dbias") in {(r.case, r.quantity) for r in report.rows}
+
+
 # ---------------------------------------------------------------------------
 # Broken implementations are caught
 # ---------------------------------------------------------------------------
@@ -228,6 +257,45 @@ def test_nan_and_exceptions_are_failures_not_errors():
     report = check_attention(raises)
     assert report.failed_cases == ["causal"]
     assert "raised NotImplementedError: no causal here" in str(report)
+
+
+def test_wrong_modifiers_are_caught():
+    def softcap_after_bias(q, k, v, softcap=None, bias=None):
+        if softcap is None or bias is None:
+            return reference.attention(q, k, v, softcap=softcap, bias=bias)
+        # the cap applied to the biased score: tanh((s + b) / c) c, wrong order
+        N, M, D = q.shape[2], k.shape[2], q.shape[3]
+        s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, q.shape[1] // k.shape[1], 1)) / np.sqrt(D)
+        z = softcap * np.tanh((s + bias) / softcap)
+        return reference.softmax(z) @ np.repeat(v, q.shape[1] // k.shape[1], 1)
+
+    def alibi_top_left(q, k, v, alibi_slopes=None):
+        if alibi_slopes is None:
+            return reference.attention(q, k, v)
+        N, M = q.shape[2], k.shape[2]
+        slopes = np.broadcast_to(alibi_slopes, q.shape[:2])[:, :, None, None]
+        bias = -slopes * np.abs(np.arange(N)[:, None] - np.arange(M)[None, :])
+        return reference.attention(q, k, v, bias=bias)
+
+    def ignores_softcap(q, k, v, softcap=None):
+        return reference.attention(q, k, v)
+
+    assert check_attention(ignores_softcap).failed_cases == ["softcap"]
+    assert check_attention(alibi_top_left).failed_cases == ["alibi"]
+    assert check_attention(softcap_after_bias).failed_cases == ["softcap + bias"]
+
+    fn, backward = backend_functions("reference")
+
+    def bad_dbias(dout, q, k, v, **options):
+        g = backward(dout, q, k, v, **options)
+        dbias = None if g.dbias is None else g.dbias * 1.001
+        return {"dq": g.dq, "dk": g.dk, "dv": g.dv, "dbias": dbias}
+
+    report = check_attention(fn, backward=bad_dbias, options=ALL)
+    assert {r.quantity for r in report.failures} == {"dbias"}
+    assert {r.case for r in report.failures} == {
+        "bias", "bias (N, M)", "bias keys, -inf", "bias queries", "softcap + bias",
+        "modifiers combined"}
 
 
 def test_wrong_shape_is_a_failure():
