@@ -131,7 +131,7 @@ def summation_allowance(q, k, v, dout, opts):
         if getattr(bounds, name) is not None
     }
     if dbias is not None:
-        allowance["dbias"] = 2 * eps * float(np.max(_options._sum_to(dbias, p.bias_shape), initial=0.0))
+        allowance["dbias"] = 2 * eps * float(np.max(_options.reduce_to_shape(dbias, p.bias_shape), initial=0.0))
     return allowance
 
 
