@@ -502,36 +502,23 @@ def _like_overload(x, arr):
 def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope):
     """Turn ``st[c, r] = s_raw_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
 
-    The score modifiers come first, in the contract's order: the soft-cap
-    ``s = softcap tanh(s_raw / softcap)``, ALiBi ``- slope |off|`` and the
-    bias, each divided by ``tau_h`` like the score. Removed entries then
-    become ``-inf``: outside the offset range, ``s < 0`` under NVM on the
-    final ``s`` (when ``nvm``, which the forward leaves to its own first pass
-    when it can), a closed gate, a false mask entry or a ``-inf`` bias; the
-    others get ``log G`` added. With ``want_slope`` (and a soft-cap),
-    ``slope[c, r]`` receives ``ds / ds_raw = 1 - tanh^2`` (0 outside the
-    offset range). Returns False when the mask or the bias leaves nothing in
-    the tile (so the caller may skip it); True otherwise.
+    The score modifiers come first, in the contract's order (see
+    `_modify_tile`). Removed entries then become ``-inf``: outside the
+    offset range, ``s < 0`` under NVM on the final ``s`` (when ``nvm``, which
+    the forward leaves to its own first pass when it can), a closed gate, a
+    false mask entry (a ``-inf`` bias is ``-inf`` already); the others get
+    ``log G`` added. Returns False when the mask leaves nothing in the tile
+    (so the caller may skip it); True otherwise.
     """
+    if opt.has_softcap or opt.has_alibi or opt.has_bias:
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope)
     shift = M - N
-    has_mod = opt.has_softcap or opt.has_alibi or opt.has_bias
     # Whole tile inside [off_lo, off_hi]: the last key with the first query
     # and the first key with the last query are the extreme offsets.
     inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
-    if inside and not (nvm or opt.has_mask or opt.has_gate or has_mod):
+    if inside and not (nvm or opt.has_mask or opt.has_gate):
         return True
     neg_inf = -np.inf
-    s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
-    inv_tau = 1.0 / opt.tau[h]
-    # in the tile's dtype, so that float32 tiles stay float32
-    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
-    cap_over_tau = _like(opt.softcap * inv_tau, st)
-    alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
-    inv_tau_t = _like(inv_tau, st)
-    one = _like(1.0, st)
-    zero = _like(0.0, st)
-    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
-    check_kept = opt.has_mask or opt.has_bias
     any_kept = False
     for c in range(bk):
         j = j0 + c
@@ -543,55 +530,102 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope
             row[r] = neg_inf
         for r in range(r_hi, bq):
             row[r] = neg_inf
+        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
+        any_kept = any_kept or kept
+    return any_kept
+
+
+#: Keys per block when a tile adds a bias laid out along the keys.
+_BIAS_KEYS = 32
+
+
+@njit(cache=True)
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
+    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
+
+    ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
+    ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
+    removes afterwards are computed too (every tile entry is finite here, so
+    that nothing is lost and the loops run from 0 and vectorise). With
+    ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
+    1 - tanh^2``.
+    """
+    shift = M - N
+    inv_tau = 1.0 / opt.tau[h]
+    # in the tile's dtype, so that float32 tiles stay float32
+    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+    cap_over_tau = _like(opt.softcap * inv_tau, st)
+    alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
+    inv_tau_t = _like(inv_tau, st)
+    one = _like(1.0, st)
+    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    # A bias contiguous along the keys (the usual C order, b_i > 1) is added
+    # in blocks of keys after the other passes: for each query, one short
+    # contiguous run of the caller's row; the other layouts row by row.
+    by_rows = opt.has_bias and (b_i <= 1 or b_j == 0)
+    for c in range(bk):
+        row = st[c]
         if opt.has_softcap:
             if want_slope:
                 slope_row = slope[c]
-                for r in range(r_lo):
-                    slope_row[r] = zero
-                for r in range(r_hi, bq):
-                    slope_row[r] = zero
-                for r in range(r_lo, r_hi):
+                for r in range(bq):
                     t = tanh_any(row[r] * tau_over_cap)
                     row[r] = cap_over_tau * t
                     slope_row[r] = one - t * t
             else:
-                for r in range(r_lo, r_hi):
+                for r in range(bq):
                     row[r] = cap_over_tau * tanh_any(row[r] * tau_over_cap)
         if opt.has_alibi:
-            base = j - shift - i0  # off of (j, i0 + r) is base - r
-            for r in range(r_lo, r_hi):
+            base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
+            for r in range(bq):
                 row[r] -= alibi_over_tau * _like(abs(base - r), st)
-        if opt.has_bias:
-            start = b * b_b + h * b_h + j * b_j + i0 * b_i
+        if by_rows:
+            start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
                 add = opt.bias[start] * inv_tau_t
-                for r in range(r_lo, r_hi):
+                for r in range(bq):
                     row[r] += add
             else:
-                for r in range(r_lo, r_hi):
-                    row[r] += opt.bias[start + r * b_i] * inv_tau_t
-        if nvm:
-            for r in range(r_lo, r_hi):
-                x = row[r]
-                row[r] = x if x >= 0 else neg_inf
-        if opt.has_gate:
-            base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
-            for r in range(r_lo, r_hi):
-                row[r] += opt.log_gate[b, h, base - r]
-        if opt.has_mask:
-            start = b * s_b + h * s_h + j * s_j + i0 * s_i
-            for r in range(r_lo, r_hi):
-                if not opt.mask[start + r * s_i]:
-                    row[r] = neg_inf
-        if check_kept:
-            if not any_kept:
-                for r in range(r_lo, r_hi):
-                    if row[r] > neg_inf:
-                        any_kept = True
-                        break
-        elif r_hi > r_lo:
-            any_kept = True
-    return any_kept
+                bias_col = opt.bias[start : start + bq]
+                for r in range(bq):
+                    row[r] += bias_col[r] * inv_tau_t
+    if opt.has_bias and not by_rows:
+        # st[c, r] += bias[i0 + r, j0 + c]: a block of _BIAS_KEYS tile rows
+        # (a few lines per set of the cache) against one caller's row at a time
+        start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
+        for cb in range(0, bk, _BIAS_KEYS):
+            nc = min(_BIAS_KEYS, bk - cb)
+            for r in range(bq):
+                at = start0 + r * b_i + cb * b_j
+                bias_row = opt.bias[at : at + (nc - 1) * b_j + 1 : b_j]
+                for c in range(nc):
+                    st[cb + c, r] += bias_row[c] * inv_tau_t
+
+
+@njit(cache=True)
+def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
+    """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
+    neg_inf = -np.inf
+    if nvm:
+        for r in range(r_lo, r_hi):
+            x = row[r]
+            row[r] = x if x >= 0 else neg_inf
+    if opt.has_gate:
+        base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
+        for r in range(r_lo, r_hi):
+            row[r] += opt.log_gate[b, h, base - r]
+    if opt.has_mask:
+        s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
+        start = b * s_b + h * s_h + j * s_j + i0 * s_i
+        for r in range(r_lo, r_hi):
+            if not opt.mask[start + r * s_i]:
+                row[r] = neg_inf
+    if check_kept:
+        for r in range(r_lo, r_hi):
+            if row[r] > neg_inf:
+                return True
+        return False
+    return r_hi > r_lo
 
 
 @njit(cache=True)
