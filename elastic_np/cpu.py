@@ -3,7 +3,9 @@
 The contract is the one of `elastic_np.reference.attention` (see the
 project's contract, section 2): every option (causal, ``window_size``,
 ``kv_lengths``, boolean ``mask``, NVM, per-head ``tau`` and ``beta``, the
-dynamic window) in float32 or float64, output in the input dtype.
+dynamic window, and the score modifiers ``softcap``, ``alibi_slopes`` and an
+additive ``bias`` with its gradient) in float32 or float64, output in the
+input dtype.
 
 Layout of the work
 ------------------
@@ -27,6 +29,16 @@ contiguous axis of the tile.
   `DQ_SHARES_BYTES`). No two tasks write the same memory and every sum runs
   in a fixed order, so results are the same bits on every run and for every
   thread count.
+- score modifiers: applied to each tile where its logits are formed
+  (`_logits_tile`), before NVM, the temperature's division (already in the
+  scaled queries) and the gate: ``tanh`` is the vectorised one of
+  `elastic_np._tiles`, the bias is read tile by tile from its distinct
+  entries (no copy when its dtype is the kernel's). ``dbias`` is written by
+  the task that owns each of its elements: when the bias is broadcast over
+  the batch or the heads, each task walks a fixed range of (batch, kv head)
+  pairs (a "lane") and the lanes' float64 partials are summed in order; when
+  it is broadcast over the keys, each key tile keeps a partial of its own
+  (like the shares of dq), summed in key-tile order.
 
 The number of threads follows `numba.set_num_threads`.
 """
@@ -35,9 +47,10 @@ import collections
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
-from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn, tanh_any
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
 
@@ -48,6 +61,10 @@ BLOCK_Q = 128
 BLOCK_K = 128
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25
+#: Memory for the backward's float64 partials of a broadcast bias's gradient.
+DBIAS_PARTIALS_BYTES = 1 << 25
+#: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
+DBIAS_MIN_TASKS = 64
 
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
@@ -73,6 +90,13 @@ _Options = collections.namedtuple(
         "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (M - N), + M - 1
         "dlog_gate",  # float64, same shape: d log G / d sigma (0 where G = 0)
         "band",  # int64 (B, H, 2): offsets [lo, hi] where the gate is open
+        "has_softcap",  # bool
+        "softcap",  # float (1.0 when off)
+        "has_alibi",  # bool
+        "alibi",  # float64 (B, H) slopes (1 x 1 zeros when off)
+        "has_bias",  # bool
+        "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
+        "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
     ],
 )
 
@@ -108,13 +132,13 @@ def forward(problem):
     q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
-    opt = _options(problem, with_sigma_grad=False)
+    opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
     _forward_kernel(q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse)
     return out, lse
 
 
 def backward(problem, dout, out, lse):
-    """Gradients of the attention for ``q, k, v, tau, beta, sigma``.
+    """Gradients of the attention for ``q, k, v, tau, beta, sigma, bias``.
 
     Parameters
     ----------
@@ -132,7 +156,7 @@ def backward(problem, dout, out, lse):
     q, k, v, dout, out, lse = (
         _kernel_array(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
     )
-    opt = _options(problem, with_sigma_grad=True)
+    opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     n_qt = -(-N // BLOCK_Q)
 
     # Per-head scaled queries q * scale / tau_h, row-major and as Q^T tiles,
@@ -159,13 +183,16 @@ def backward(problem, dout, out, lse):
     dv = np.empty_like(v)
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
+    plan = _DbiasPlan(problem, dtype, n_kt, chunk)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _backward_kernel(
             k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
+            plan.params, plan.strides, plan.direct, plan.partials,
         )
         _sum_dq_shares(dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
+        plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
     factor = (problem.scale / problem.tau)[None, :, None, None]
     np.multiply(dq, factor, out=dq, casting="unsafe")
@@ -174,7 +201,79 @@ def backward(problem, dout, out, lse):
         dtau_part.sum(axis=2),
         dbeta_bh,
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
+        dbias=plan.result(),
     )
+
+
+class _DbiasPlan:
+    """Where the backward writes ``dbias``, and how the pieces are summed.
+
+    ``dbias`` is computed in its compact shape: the full ``(B, H, N, M)`` with
+    size 1 on the axes the bias is broadcast along (`reduce_grads` turns it
+    into the bias's own shape). Modes (``params[0]``):
+
+    - 0: no bias.
+    - 1: nothing to reduce; each element is written once, in the kernel
+      dtype, straight into `direct`.
+    - 2: a reduction; float64 ``partials[slot]``. Broadcast over the batch
+      (heads) folds the batch (kv-head) loop into the tasks, split into
+      ``lanes`` fixed ranges of (batch, kv head) pairs, one slot per lane;
+      broadcast over the keys adds one slot per key tile of a chunk. The
+      slots are summed in order: the same bits for every thread count.
+
+    ``params = [mode, fold_b, fold_h, lanes, slots_per_lane]``; ``strides``
+    are the element strides of ``(b, h, i, j)`` into the compact ``dbias``.
+    """
+
+    def __init__(self, p, dtype, n_kt, chunk):
+        B, H, Hkv, N, M, D, Dv = p.shape
+        self.params = np.array([0, 0, 0, 1, 1], dtype=np.int64)
+        self.strides = np.zeros(4, dtype=np.int64)
+        self.direct = np.zeros(1, dtype=dtype)
+        self.partials = np.zeros((1, 1))
+        self.total = None
+        if p.bias is None:
+            return
+        full = (B, H, N, M)
+        given = (1,) * (4 - len(p.bias_shape)) + tuple(p.bias_shape)
+        reduced = [given[a] == 1 and full[a] > 1 for a in range(4)]
+        self.shape = tuple(1 if r else n for r, n in zip(reduced, full))
+        size = int(np.prod(self.shape))
+        step = 1
+        for a in (3, 2, 1, 0):
+            self.strides[a] = 0 if self.shape[a] == 1 else step
+            step *= self.shape[a]
+        if not any(reduced):
+            self.params[0] = 1
+            self.direct = np.zeros(size, dtype=dtype)
+            return
+        fold_b, fold_h, per_key_tile = reduced[0], reduced[1], reduced[3]
+        pairs = (B if fold_b else 1) * (Hkv if fold_h else 1)
+        outer = (1 if fold_b else B) * (1 if fold_h else Hkv)
+        slots_per_lane = chunk if per_key_tile else 1
+        by_memory = DBIAS_PARTIALS_BYTES // max(8 * size * slots_per_lane, 1)
+        lanes = min(pairs, max(-(-DBIAS_MIN_TASKS // (outer * n_kt)), 1), max(by_memory, 1))
+        self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane)
+        self.partials = np.zeros((lanes * slots_per_lane, size))
+        self.per_key_tile = per_key_tile
+        self.total = np.zeros(size)
+
+    def after_chunk(self):
+        """Fold the per-key-tile slots of a chunk into the total, in slot order."""
+        if self.params[0] == 2 and self.per_key_tile:
+            self.total += self.partials.sum(axis=0)
+            self.partials[...] = 0.0
+
+    def result(self):
+        """The compact ``dbias`` (None without a bias)."""
+        mode = self.params[0]
+        if mode == 0:
+            return None
+        if mode == 1:
+            return self.direct.reshape(self.shape)
+        if not self.per_key_tile:
+            self.total += self.partials.sum(axis=0)
+        return self.total.reshape(self.shape)
 
 
 def _kernel_array(a):
@@ -188,7 +287,7 @@ def _kernel_array(a):
     return np.array(a, order="C", copy=True)
 
 
-def _options(p, with_sigma_grad):
+def _options(p, with_sigma_grad, dtype):
     B, H, Hkv, N, M, D, Dv = p.shape
     if p.mask is None:
         mask = np.ones(1, dtype=np.bool_)
@@ -207,6 +306,12 @@ def _options(p, with_sigma_grad):
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
             with_sigma_grad, log_gate, dlog_gate, band,
         )
+    if p.bias is None:
+        bias = np.zeros(1, dtype=dtype)
+        bias.setflags(write=False)
+        bias_strides = np.zeros(4, dtype=np.int64)
+    else:
+        bias, bias_strides = _compact_bias(p.bias, dtype)
     return _Options(
         scale=float(p.scale),
         causal=bool(p.causal),
@@ -223,6 +328,13 @@ def _options(p, with_sigma_grad):
         log_gate=log_gate,
         dlog_gate=dlog_gate,
         band=band,
+        has_softcap=p.softcap is not None,
+        softcap=float(p.softcap) if p.softcap is not None else 1.0,
+        has_alibi=p.alibi is not None,
+        alibi=np.zeros((1, 1)) if p.alibi is None else np.ascontiguousarray(p.alibi, np.float64),
+        has_bias=p.bias is not None,
+        bias=bias,
+        bias_strides=bias_strides,
     )
 
 
@@ -239,6 +351,29 @@ def _compact_mask(mask):
         for s, n, cs in zip(mask.strides, compact.shape, compact.strides)
     ]
     return compact.reshape(-1), np.array(strides, dtype=np.int64)
+
+
+def _compact_bias(bias, dtype):
+    """The distinct entries of a broadcast bias view, flat and read-only, with element strides.
+
+    ``bias[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``. The caller's
+    memory is used as it is (no copy) when it has the kernel dtype and its
+    distinct entries are contiguous in C or Fortran order; otherwise they are
+    copied, converted, in C order. Always read-only, so that the kernels see
+    one array type.
+    """
+    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
+    compact = bias[index]
+    if not (compact.dtype == dtype and (compact.flags.c_contiguous or compact.flags.f_contiguous)):
+        compact = np.ascontiguousarray(compact, dtype=dtype)
+    flat = compact.ravel(order="K")  # a view: the memory order of a contiguous array
+    strides = [
+        0 if s == 0 or n == 1 else cs // compact.itemsize
+        for s, n, cs in zip(bias.strides, compact.shape, compact.strides)
+    ]
+    flat = flat.view()
+    flat.setflags(write=False)
+    return flat, np.array(strides, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------
@@ -349,16 +484,34 @@ def _query_range(j0, bk, N, M, off_lo, off_hi):
     return i_lo, max(i_hi, i_lo)
 
 
-@njit(cache=True)
-def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
-    """Turn ``st[c, r] = s_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
+def _like(x, arr):
+    """``x`` as a scalar of the dtype of the array ``arr`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
 
-    Removed entries become ``-inf``: outside the offset range, ``s < 0`` under
-    NVM (when ``nvm``, which the forward leaves to its own first pass when it
-    can), a closed gate or a false mask entry; the others get ``log G`` added.
-    Returns False when the mask leaves nothing in the tile (so the caller
-    may skip it); True otherwise.
+
+@overload(_like, inline="always")
+def _like_overload(x, arr):
+    if isinstance(arr, types.Array) and arr.dtype == types.float32:
+        return lambda x, arr: np.float32(x)
+    if isinstance(arr, types.Array) and arr.dtype == types.float64:
+        return lambda x, arr: np.float64(x)
+    return None
+
+
+@njit(cache=True)
+def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope):
+    """Turn ``st[c, r] = s_raw_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
+
+    The score modifiers come first, in the contract's order (see
+    `_modify_tile`). Removed entries then become ``-inf``: outside the
+    offset range, ``s < 0`` under NVM on the final ``s`` (when ``nvm``, which
+    the forward leaves to its own first pass when it can), a closed gate, a
+    false mask entry (a ``-inf`` bias is ``-inf`` already); the others get
+    ``log G`` added. Returns False when the mask leaves nothing in the tile
+    (so the caller may skip it); True otherwise.
     """
+    if opt.has_softcap or opt.has_alibi or opt.has_bias:
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope)
     shift = M - N
     # Whole tile inside [off_lo, off_hi]: the last key with the first query
     # and the first key with the last query are the extreme offsets.
@@ -366,7 +519,6 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     if inside and not (nvm or opt.has_mask or opt.has_gate):
         return True
     neg_inf = -np.inf
-    s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
     any_kept = False
     for c in range(bk):
         j = j0 + c
@@ -378,27 +530,102 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
             row[r] = neg_inf
         for r in range(r_hi, bq):
             row[r] = neg_inf
-        if nvm:
-            for r in range(r_lo, r_hi):
-                x = row[r]
-                row[r] = x if x >= 0 else neg_inf
-        if opt.has_gate:
-            base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
-            for r in range(r_lo, r_hi):
-                row[r] += opt.log_gate[b, h, base - r]
-        if opt.has_mask:
-            start = b * s_b + h * s_h + j * s_j + i0 * s_i
-            for r in range(r_lo, r_hi):
-                if not opt.mask[start + r * s_i]:
-                    row[r] = neg_inf
-            if not any_kept:
-                for r in range(r_lo, r_hi):
-                    if row[r] > neg_inf:
-                        any_kept = True
-                        break
-        elif r_hi > r_lo:
-            any_kept = True
+        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
+        any_kept = any_kept or kept
     return any_kept
+
+
+#: Keys per block when a tile adds a bias laid out along the keys.
+_BIAS_KEYS = 32
+
+
+@njit(cache=True)
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
+    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
+
+    ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
+    ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
+    removes afterwards are computed too (every tile entry is finite here, so
+    that nothing is lost and the loops run from 0 and vectorise). With
+    ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
+    1 - tanh^2``.
+    """
+    shift = M - N
+    inv_tau = 1.0 / opt.tau[h]
+    # in the tile's dtype, so that float32 tiles stay float32
+    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+    cap_over_tau = _like(opt.softcap * inv_tau, st)
+    alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
+    inv_tau_t = _like(inv_tau, st)
+    one = _like(1.0, st)
+    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    # A bias contiguous along the keys (the usual C order, b_i > 1) is added
+    # in blocks of keys after the other passes: for each query, one short
+    # contiguous run of the caller's row; the other layouts row by row.
+    by_rows = opt.has_bias and (b_i <= 1 or b_j == 0)
+    for c in range(bk):
+        row = st[c]
+        if opt.has_softcap:
+            if want_slope:
+                slope_row = slope[c]
+                for r in range(bq):
+                    t = tanh_any(row[r] * tau_over_cap)
+                    row[r] = cap_over_tau * t
+                    slope_row[r] = one - t * t
+            else:
+                for r in range(bq):
+                    row[r] = cap_over_tau * tanh_any(row[r] * tau_over_cap)
+        if opt.has_alibi:
+            base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
+            for r in range(bq):
+                row[r] -= alibi_over_tau * _like(abs(base - r), st)
+        if by_rows:
+            start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
+            if b_i == 0:
+                add = opt.bias[start] * inv_tau_t
+                for r in range(bq):
+                    row[r] += add
+            else:
+                bias_col = opt.bias[start : start + bq]
+                for r in range(bq):
+                    row[r] += bias_col[r] * inv_tau_t
+    if opt.has_bias and not by_rows:
+        # st[c, r] += bias[i0 + r, j0 + c]: a block of _BIAS_KEYS tile rows
+        # (a few lines per set of the cache) against one caller's row at a time
+        start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
+        for cb in range(0, bk, _BIAS_KEYS):
+            nc = min(_BIAS_KEYS, bk - cb)
+            for r in range(bq):
+                at = start0 + r * b_i + cb * b_j
+                bias_row = opt.bias[at : at + (nc - 1) * b_j + 1 : b_j]
+                for c in range(nc):
+                    st[cb + c, r] += bias_row[c] * inv_tau_t
+
+
+@njit(cache=True)
+def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
+    """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
+    neg_inf = -np.inf
+    if nvm:
+        for r in range(r_lo, r_hi):
+            x = row[r]
+            row[r] = x if x >= 0 else neg_inf
+    if opt.has_gate:
+        base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
+        for r in range(r_lo, r_hi):
+            row[r] += opt.log_gate[b, h, base - r]
+    if opt.has_mask:
+        s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
+        start = b * s_b + h * s_h + j * s_j + i0 * s_i
+        for r in range(r_lo, r_hi):
+            if not opt.mask[start + r * s_i]:
+                row[r] = neg_inf
+    if check_kept:
+        for r in range(r_lo, r_hi):
+            if row[r] > neg_inf:
+                return True
+        return False
+    return r_hi > r_lo
 
 
 @njit(cache=True)
@@ -443,6 +670,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         rescale_by = np.empty(block_q, dtype=q.dtype)
         tile_sum = np.empty(block_q, dtype=q.dtype)
         row_sum = np.zeros(block_q)
+        no_slope = np.empty((1, 1), dtype=q.dtype)
 
         # NVM tests s before log G is added: with a gate it stays in the
         # logits pass, otherwise it joins the row-max and shift passes.
@@ -455,7 +683,8 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
             bk = min(block_k, j_hi - j0)
             matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
             if not _logits_tile(
-                st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
+                st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
+                no_slope, False,
             ):
                 continue
             for r in range(bq):
@@ -565,12 +794,16 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials,
 ):
-    """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau and dsigma sums.
+    """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
     ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
     of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
-    ``kt0 + t``; rows outside the range are not written.
+    ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
+    where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
+    and, when the bias is broadcast over the batch or the heads, a lane of
+    (batch, kv head) pairs.
     """
     B, Hkv, M, D = k.shape
     Dv = v.shape[3]
@@ -578,113 +811,179 @@ def _backward_kernel(
     group = H // Hkv
     shift = M - N
     n_chunk = kt1 - kt0
-    for task in prange(B * Hkv * n_chunk):
-        bhk = task // n_chunk
-        b = bhk // Hkv
-        hk = bhk % Hkv
+    dbias_mode = dbias_params[0]
+    fold_b = dbias_params[1] != 0
+    fold_h = dbias_params[2] != 0
+    lanes = dbias_params[3]
+    slots_per_lane = dbias_params[4]
+    d_b, d_h, d_i, d_j = dbias_strides[0], dbias_strides[1], dbias_strides[2], dbias_strides[3]
+    outer_h = 1 if fold_h else Hkv
+    pairs_h = Hkv if fold_h else 1
+    pairs = (B if fold_b else 1) * pairs_h
+    n_outer = (1 if fold_b else B) * outer_h
+    for task in prange(n_outer * lanes * n_chunk):
+        rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
+        lane = rest % lanes
+        outer = rest // lanes
         kt = kt0 + t
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
-        bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
+        slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
 
         st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
         pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
         dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
+        slope = np.empty((block_k, block_q) if opt.has_softcap else (1, 1), dtype=k.dtype)
         lse_t = np.empty(block_q, dtype=k.dtype)
         delta_t = np.empty(block_q, dtype=k.dtype)
         dtau_acc = np.empty(block_q)
         dsigma_acc = np.empty(block_q)
-        dk_acc = np.zeros((block_k, D), dtype=k.dtype)
-        dv_acc = np.zeros((block_k, Dv), dtype=k.dtype)
-        k_j = k[b, hk, j0 : j0 + bk]
-        v_j = v[b, hk, j0 : j0 + bk]
+        dk_acc = np.empty((block_k, D), dtype=k.dtype)
+        dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
         # NVM tests s before log G is added: with a gate it stays in the
         # logits pass, otherwise it joins the pass that forms z - lse (the
         # logits z themselves are read only where p != 0).
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_exp = opt.nvm and not opt.has_gate
         neg_inf = -np.inf
-        for g in range(group):
-            h = hk * group + g
-            off_lo, off_hi = _offset_range(opt, b, h, N, M)
-            i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
-            if bk == 0 or i_lo >= i_hi:
-                share_rows[t, b, h, 0] = 0
-                share_rows[t, b, h, 1] = 0
-                continue
-            it_lo = i_lo // block_q
-            it_hi = (i_hi - 1) // block_q + 1
-            share_rows[t, b, h, 0] = it_lo * block_q
-            share_rows[t, b, h, 1] = min(it_hi * block_q, N)
-            for r in range(block_q):
-                dtau_acc[r] = 0.0
-                dsigma_acc[r] = 0.0
-            for it in range(it_lo, it_hi):
-                i0 = it * block_q
-                bq = min(block_q, N - i0)
-                share = dq_shares[t, b, h, i0 : i0 + bq]
-                matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
-                if not _logits_tile(
-                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
-                ):
-                    for r in range(bq):
-                        for d in range(D):
-                            share[r, d] = 0.0
+        for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
+            b = pair // pairs_h if fold_b else outer // outer_h
+            hk = pair % pairs_h if fold_h else outer % outer_h
+            bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
+            k_j = k[b, hk, j0 : j0 + bk]
+            v_j = v[b, hk, j0 : j0 + bk]
+            for c in range(block_k):
+                for d in range(D):
+                    dk_acc[c, d] = 0.0
+                for d in range(Dv):
+                    dv_acc[c, d] = 0.0
+            for g in range(group):
+                h = hk * group + g
+                off_lo, off_hi = _offset_range(opt, b, h, N, M)
+                i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
+                if bk == 0 or i_lo >= i_hi:
+                    share_rows[t, b, h, 0] = 0
+                    share_rows[t, b, h, 1] = 0
+                    dtau_part[b, h, kt] = 0.0
+                    dsigma_part[b, h, kt] = 0.0
                     continue
-                _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                delta_r = delta[b, h, i0 : i0 + bq]
-                if nvm_in_exp:
-                    for c in range(bk):
+                it_lo = i_lo // block_q
+                it_hi = (i_hi - 1) // block_q + 1
+                share_rows[t, b, h, 0] = it_lo * block_q
+                share_rows[t, b, h, 1] = min(it_hi * block_q, N)
+                inv_tau = 1.0 / opt.tau[h]
+                inv_tau_t = _like(inv_tau, dpt)
+                for r in range(block_q):
+                    dtau_acc[r] = 0.0
+                    dsigma_acc[r] = 0.0
+                for it in range(it_lo, it_hi):
+                    i0 = it * block_q
+                    bq = min(block_q, N - i0)
+                    share = dq_shares[t, b, h, i0 : i0 + bq]
+                    matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
+                    if not _logits_tile(
+                        st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
+                        slope, True,
+                    ):
                         for r in range(bq):
-                            x = st[c, r]
-                            pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
-                else:
-                    for c in range(bk):
-                        for r in range(bq):
-                            pt[c, r] = st[c, r] - lse_t[r]
-                exp_inplace(pt, bk, bq)
-                matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
-                matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                # dz in the working dtype feeds the products; the dtau and
-                # dsigma sums take dz in float64 against the float64 delta.
-                for c in range(bk):
-                    if opt.has_gate:
-                        base = j0 + c - shift - i0 + M - 1
-                        for r in range(bq):
-                            p = pt[c, r]
-                            dp = dpt[c, r]
-                            dpt[c, r] = p * (dp - delta_t[r])
-                            if p != 0:
-                                dz = float(p) * (float(dp) - delta_r[r])
-                                dtau_acc[r] += dz * (
-                                    float(st[c, r]) - opt.log_gate[b, h, base - r]
-                                )
-                                dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
+                            for d in range(D):
+                                share[r, d] = 0.0
+                        continue
+                    _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                    delta_r = delta[b, h, i0 : i0 + bq]
+                    if nvm_in_exp:
+                        for c in range(bk):
+                            for r in range(bq):
+                                x = st[c, r]
+                                pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
                     else:
-                        for r in range(bq):
-                            p = pt[c, r]
-                            dp = dpt[c, r]
-                            dpt[c, r] = p * (dp - delta_t[r])
-                            s = float(st[c, r]) if p != 0 else 0.0
-                            dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
-                # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
-                # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                matmul_tn(dpt, k_j, share, bq, D, bk, False)
-            dtau = 0.0
-            dsigma = 0.0
-            for r in range(block_q):
-                dtau += dtau_acc[r]
-                dsigma += dsigma_acc[r]
-            # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-            dtau_part[b, h, kt] = -dtau / opt.tau[h]
-            dsigma_part[b, h, kt] = dsigma
-        for c in range(bk_all):
-            for d in range(D):
-                dk[b, hk, j0 + c, d] = dk_acc[c, d]
-            for d in range(Dv):
-                dv[b, hk, j0 + c, d] = dv_acc[c, d]
+                        for c in range(bk):
+                            for r in range(bq):
+                                pt[c, r] = st[c, r] - lse_t[r]
+                    exp_inplace(pt, bk, bq)
+                    matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
+                    matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                    # dz in the working dtype feeds the products; the dtau and
+                    # dsigma sums take dz in float64 against the float64 delta.
+                    for c in range(bk):
+                        if opt.has_gate:
+                            base = j0 + c - shift - i0 + M - 1
+                            for r in range(bq):
+                                p = pt[c, r]
+                                dp = dpt[c, r]
+                                dpt[c, r] = p * (dp - delta_t[r])
+                                if p != 0:
+                                    dz = float(p) * (float(dp) - delta_r[r])
+                                    dtau_acc[r] += dz * (
+                                        float(st[c, r]) - opt.log_gate[b, h, base - r]
+                                    )
+                                    dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
+                        else:
+                            for r in range(bq):
+                                p = pt[c, r]
+                                dp = dpt[c, r]
+                                dpt[c, r] = p * (dp - delta_t[r])
+                                s = float(st[c, r]) if p != 0 else 0.0
+                                dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
+                    # dbias = ds = dz / tau_h, before the soft-cap's slope
+                    if dbias_mode == 1:
+                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
+                        for c in range(bk):
+                            row = dpt[c]
+                            at = start + c * d_j
+                            for r in range(bq):
+                                dbias_direct[at + r * d_i] = row[r] * inv_tau_t
+                    elif dbias_mode == 2:
+                        part = dbias_partials[slot]
+                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
+                        if d_i == 0:
+                            for c in range(bk):
+                                row = dpt[c]
+                                # four running sums: no single chain of additions
+                                a0 = 0.0
+                                a1 = 0.0
+                                a2 = 0.0
+                                a3 = 0.0
+                                r4 = bq - bq % 4
+                                for r in range(0, r4, 4):
+                                    a0 += float(row[r])
+                                    a1 += float(row[r + 1])
+                                    a2 += float(row[r + 2])
+                                    a3 += float(row[r + 3])
+                                for r in range(r4, bq):
+                                    a0 += float(row[r])
+                                part[start + c * d_j] += ((a0 + a1) + (a2 + a3)) * inv_tau
+                        else:
+                            for c in range(bk):
+                                row = dpt[c]
+                                at = start + c * d_j
+                                for r in range(bq):
+                                    part[at + r * d_i] += float(row[r]) * inv_tau
+                    if opt.has_softcap:
+                        # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
+                        for c in range(bk):
+                            row = dpt[c]
+                            slope_row = slope[c]
+                            for r in range(bq):
+                                row[r] *= slope_row[r]
+                    # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
+                    matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
+                    # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+                    matmul_tn(dpt, k_j, share, bq, D, bk, False)
+                dtau = 0.0
+                dsigma = 0.0
+                for r in range(block_q):
+                    dtau += dtau_acc[r]
+                    dsigma += dsigma_acc[r]
+                # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
+                dtau_part[b, h, kt] = -dtau / opt.tau[h]
+                dsigma_part[b, h, kt] = dsigma
+            for c in range(bk_all):
+                for d in range(D):
+                    dk[b, hk, j0 + c, d] = dk_acc[c, d]
+                for d in range(Dv):
+                    dv[b, hk, j0 + c, d] = dv_acc[c, d]
 
 
 @njit(parallel=True, cache=True)

@@ -41,7 +41,7 @@ def _naive_float32(p, dout):
     """The contract evaluated naively in float32: full score matrix, NumPy reductions.
 
     The baseline of the float32 accuracy rule; returns ``(out, lse, grads)``
-    with ``grads = (dq, dk, dv, dtau_h, dbeta_h, dsigma_bh)``.
+    with ``grads = (dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias)``.
     """
     f4 = np.float32
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -52,7 +52,19 @@ def _naive_float32(p, dout):
     dout = dout.astype(f4)
     tau = p.tau.astype(f4)[:, None, None]
     s = (q @ np.swapaxes(k, -1, -2)) * f4(p.scale)
+    cap_slope = None
+    if p.softcap is not None:
+        t = np.tanh(s / f4(p.softcap))
+        s = f4(p.softcap) * t
+        cap_slope = f4(1) - t * t
+    if p.alibi is not None:
+        offsets = np.abs(np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)).astype(f4)
+        s = s - p.alibi.astype(f4)[:, :, None, None] * offsets
     keep = reference.structural_keep(p)
+    if p.bias is not None:
+        s = s + p.bias.astype(f4)
+        keep = keep & (p.bias > -np.inf)
+        s = np.where(keep, s, f4(0))
     if p.nvm:
         keep = keep & (s >= 0)
     z = s / tau
@@ -75,6 +87,9 @@ def _naive_float32(p, dout):
     delta = np.sum(dout * out, axis=-1)
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
+    dbias = None if p.bias is None else _options._sum_to(ds, p.bias_shape)
+    if cap_slope is not None:
+        ds = ds * cap_slope
     dq = f4(p.scale) * (ds @ k)
     dk = (f4(p.scale) * (np.swapaxes(ds, -1, -2) @ q)).reshape(B, Hkv, g, M, D).sum(axis=2)
     dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, g, M, Dv).sum(axis=2)
@@ -88,11 +103,11 @@ def _naive_float32(p, dout):
         with np.errstate(divide="ignore", invalid="ignore"):
             dlogG = f4(p.sharpness) * (1 - G**2) / G * fbell * (x**2 / sig**3 - 1 / sig)
             dsigma = np.sum(np.where(keep, dz * dlogG, f4(0)), axis=(2, 3))
-    return out, lse, (dq, dk, dv, dtau, dbeta, dsigma)
+    return out, lse, (dq, dk, dv, dtau, dbeta, dsigma, dbias)
 
 
 def _naive_float32_orderings(q, k, v, dout, opts, orderings=4, seed=0):
-    """Naive float32 results in several summation orders: ``[(out, lse, dq, ..., dsigma), ...]``.
+    """Naive float32 results in several summation orders: ``[(out, lse, dq, ..., dbias), ...]``.
 
     A float32 evaluation has no preferred order of its sums, so the baseline
     of the accuracy rule is the worst of a few equally valid ones: the head
@@ -106,13 +121,14 @@ def _naive_float32_orderings(q, k, v, dout, opts, orderings=4, seed=0):
         pd = np.arange(D) if n == 0 else rng.permutation(D)
         pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
         p = _options.prepare(q[..., pd], k[..., pd], v[..., pv], dtypes=cpu.dtypes, **opts)
-        out, lse, (dq, dk, dv, dtau, dbeta, dsigma) = _naive_float32(p, dout[..., pv])
+        out, lse, (dq, dk, dv, dtau, dbeta, dsigma, dbias) = _naive_float32(p, dout[..., pv])
         ipd, ipv = np.argsort(pd), np.argsort(pv)
         results.append([
             out[..., ipv], lse, dq[..., ipd], dk[..., ipd], dv[..., ipv],
             _options.sum_to_shape(dtau, p.tau_shape),
             _options.sum_to_shape(dbeta, p.beta_shape),
             None if dsigma is None else _options.sum_to_shape(dsigma, p.sigma_shape),
+            dbias,
         ])
     return [list(per_field) for per_field in zip(*results)]
 
@@ -125,13 +141,13 @@ def assert_close(name, result, oracle, dtype, naive=None):
     of ``naive``, a list of evaluations in different summation orders, plus
     one float32 ulp of the scale) and at most ``1e-5 * max(1, max|oracle|)``.
     ``-inf`` (an empty row's lse with beta = 0) must sit at the same places.
-    ``out``, ``lse``, ``dq``, ``dk``, ``dv`` keep the input dtype; ``dtau``,
+    ``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``dbias`` keep the input dtype; ``dtau``,
     ``dbeta``, ``dsigma`` come back in float64 like ``tau``, ``beta``, ``sigma``.
     """
     result = np.asarray(result)
     oracle = np.asarray(oracle, dtype=np.float64)
     assert result.shape == oracle.shape, f"{name}: shape {result.shape} != {oracle.shape}"
-    if name in ("out", "lse", "dq", "dk", "dv"):
+    if name in ("out", "lse", "dq", "dk", "dv", "dbias"):
         assert result.dtype == dtype, f"{name}: dtype {result.dtype} != {np.dtype(dtype)}"
     inf_r, inf_o = np.isneginf(result), np.isneginf(oracle)
     np.testing.assert_array_equal(inf_r, inf_o, err_msg=f"{name}: -inf entries differ")
@@ -166,12 +182,12 @@ def check_case(dtype, opts, seed=0, **shape):
     with np.errstate(all="ignore"):
         ref_grads = reference.attention_backward(dout64, q64, k64, v64, ref_out, ref_lse, **opts)
 
-    naive = [None] * 8
+    naive = [None] * 9
     if dtype == np.float32:
         naive = _naive_float32_orderings(q, k, v, dout, opts)
     assert_close("out", out, ref_out, dtype, naive[0])
     assert_close("lse", lse, ref_lse, dtype, naive[1])
-    for i, field in enumerate(("dq", "dk", "dv", "dtau", "dbeta", "dsigma")):
+    for i, field in enumerate(("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")):
         got, want = getattr(grads, field), getattr(ref_grads, field)
         if want is None:
             assert got is None, field
@@ -191,6 +207,29 @@ _RNG = np.random.default_rng(42)
 _MASK_NM = _RNG.random((23, 31)) > 0.3
 _MASK_B1NM = _RNG.random((2, 1, 23, 31)) > 0.4
 _SIGMA_BH = np.array([[0.3, 0.5, 0.8, 1.2], [0.6, 0.25, 0.4, 2.0]])
+_ALIBI_H = np.array([0.5, 0.25, 0.125, 0.0625])
+_ALIBI_BH = np.array([[0.3, 0.05, 0.0, 0.2], [0.1, 0.4, 0.02, 0.07]])
+
+
+def _bias(shape, seed=0, pad=0.0):
+    """A random bias of ``shape``; a fraction ``pad`` of its entries is ``-inf``."""
+    rng = np.random.default_rng(seed)
+    bias = rng.standard_normal(shape)
+    return np.where(rng.random(shape) < pad, -np.inf, bias)
+
+
+# Bias shapes for (B, H, N, M) = (2, 4, 23, 31): every pattern of broadcasting.
+BIASES = {
+    "full": _bias((2, 4, 23, 31), 1),
+    "nm": _bias((23, 31), 2),
+    "1h1m-keypad": _bias((1, 4, 1, 31), 3, pad=0.25),
+    "b11m-keypad": _bias((2, 1, 1, 31), 4, pad=0.3),
+    "bhn1": _bias((2, 4, 23, 1), 5),
+    "b1n1": _bias((2, 1, 23, 1), 6),
+    "scalar": np.array([0.7]),
+    "full-some-inf": _bias((2, 4, 23, 31), 7, pad=0.1),
+    "1hnm": _bias((1, 4, 23, 31), 8),
+}
 
 CASES = {
     "plain": {},
@@ -217,7 +256,40 @@ CASES = {
         tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5],
         dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=3.0, threshold=0.05),
     ),
+    # score modifiers, alone and with the other options
+    "softcap": dict(softcap=1.5),
+    "softcap-tight": dict(softcap=0.2, scale=2.0),
+    "alibi-h": dict(alibi_slopes=_ALIBI_H),
+    "alibi-bh": dict(alibi_slopes=_ALIBI_BH),
+    "softcap-causal": dict(softcap=0.8, causal=True),
+    "softcap-window": dict(softcap=1.0, window_size=(5, 3)),
+    "softcap-nvm": dict(softcap=1.2, nvm=True),
+    "softcap-tau-beta": dict(softcap=0.9, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5]),
+    "alibi-causal": dict(alibi_slopes=_ALIBI_H, causal=True),
+    "alibi-window": dict(alibi_slopes=_ALIBI_BH, window_size=(4, -1)),
+    "alibi-nvm-tau": dict(alibi_slopes=[0.05, 0.1, 0.0, 0.02], nvm=True, tau=[0.5, 1.0, 2.0, 0.8]),
+    "alibi-beta": dict(alibi_slopes=_ALIBI_H, beta=0.6),
+    "bias-nvm": dict(bias=BIASES["nm"], nvm=True),
+    "bias-causal": dict(bias=BIASES["full"], causal=True),
+    "bias-window-tau-beta": dict(
+        bias=BIASES["1h1m-keypad"], window_size=(6, 2), tau=[0.5, 1.0, 2.0, 0.8], beta=0.4
+    ),
+    "bias-gate": dict(
+        bias=BIASES["bhn1"], dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=2.0)
+    ),
+    "modifiers-gate-nvm": dict(
+        softcap=1.1, alibi_slopes=_ALIBI_H, bias=BIASES["b11m-keypad"], nvm=True,
+        dynamic_window=enp.DynamicWindow(0.6, sharpness=3.0, threshold=0.1),
+    ),
+    "modifiers-everything": dict(
+        causal=True, window_size=(12, -1), kv_lengths=[20, 29], mask=_MASK_B1NM, nvm=True,
+        tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5],
+        dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=3.0, threshold=0.05),
+        softcap=1.3, alibi_slopes=_ALIBI_BH, bias=BIASES["full-some-inf"],
+    ),
 }
+for _name, _bias_array in BIASES.items():
+    CASES[f"bias-{_name}"] = dict(bias=_bias_array)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -432,6 +504,163 @@ def test_one_compiled_kernel_per_dtype():
         for options in ({}, {"mask": mask}, {"mask": np.ones((9, 11), bool)}):
             out, lse = enp.attention(q, k[..., ::1], v, return_lse=True, backend="cpu", **options)
             out.setflags(write=False)
+            enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
+    for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
+        assert len(kernel.signatures) <= 2, kernel.signatures
+
+
+# ---------------------------------------------------------------------------
+# Score modifiers: bias shapes, dtypes, reductions, no copies
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_name", ["full", "nm", "1h1m-keypad", "bhn1", "scalar"])
+def test_bias_other_dtype(small_tiles, dtype, bias_name):
+    # a float32 bias with float64 q and a float64 bias with float32 q
+    other = np.float32 if dtype == np.float64 else np.float64
+    bias = BIASES[bias_name].astype(other)
+    _, _, grads = check_case(dtype, dict(bias=bias, softcap=2.0, alibi_slopes=_ALIBI_H))
+    assert grads.dbias.shape == bias.shape and grads.dbias.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,bias_shape",
+    [
+        (dict(N=1, M=31), (1, 31)),
+        (dict(N=1, M=31), (2, 4, 1, 1)),
+        (dict(N=23, M=1), (2, 4, 23, 1)),
+        (dict(N=23, M=1), (1,)),
+        (dict(N=1, M=1), (2, 1, 1, 1)),
+        (dict(N=31, M=12), (4, 31, 12)),
+        (dict(B=1, H=3, Hkv=1, N=17, M=9), (3, 1, 9)),
+    ],
+)
+def test_modifiers_degenerate_lengths(small_tiles, dtype, shape, bias_shape):
+    H = shape.get("H", 4)
+    opts = dict(
+        bias=_bias(bias_shape, 11, pad=0.1), softcap=1.2, alibi_slopes=np.linspace(0.1, 0.4, H),
+        causal=True, beta=0.3,
+    )
+    check_case(dtype, opts, **shape)
+
+
+@pytest.mark.parametrize(
+    "dtype,opts",
+    [
+        (np.float64, dict(softcap=5.0, alibi_slopes=[0.01, 0.002], causal=True, tau=0.8)),
+        (np.float32, dict(softcap=2.0, bias=_bias((2, 97, 1025), 12, pad=0.05), beta=0.2)),
+        (np.float64, dict(bias=_bias((1, 2, 1, 1025), 13, pad=0.2), nvm=True, kv_lengths=[1000])),
+        (np.float32, dict(bias=_bias((97, 1), 14), window_size=(300, 40))),
+    ],
+)
+def test_modifiers_default_tiles_odd_sizes(dtype, opts):
+    check_case(dtype, opts, B=1, H=2, Hkv=1, N=97, M=1025, D=59, Dv=59)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_name", ["nm", "bhn1", "b1n1", "scalar", "1hnm"])
+@pytest.mark.parametrize("min_tasks,partial_bytes", [(1, 1 << 25), (10**6, 1 << 25), (10**6, 1)])
+def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes):
+    # one lane or one per (batch, kv head) pair; one key tile per chunk of dq shares
+    monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 1)
+    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", min_tasks)
+    monkeypatch.setattr(cpu, "DBIAS_PARTIALS_BYTES", partial_bytes)
+    check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
+
+
+def test_dbias_plan_lanes():
+    # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
+    q, k, v, _ = _inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
+    p = _options.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
+    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
+    assert plan.params.tolist() == [2, 1, 1, 4, 1]
+    assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
+    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=64, chunk=8)
+    assert plan.params.tolist() == [2, 1, 1, 1, 1]
+    p = _options.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
+    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
+    assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
+    p = _options.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
+    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
+    assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_bias_not_copied(dtype, order):
+    q, k, v, _ = _inputs(dtype)
+    for bias in (BIASES["full"], BIASES["nm"], BIASES["1h1m-keypad"], BIASES["bhn1"]):
+        bias = np.array(bias, dtype=dtype, order=order)
+        p = _options.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
+        opt = cpu._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
+        assert np.shares_memory(opt.bias, bias)
+        assert opt.bias.size == bias.size and not opt.bias.flags.writeable
+        # the same entries through the strides
+        b_, h_, i_, j_ = (np.arange(n)[:, None, None, None] for n in (2, 4, 23, 31))
+        idx = (b_ * opt.bias_strides[0] + np.swapaxes(h_, 0, 1) * opt.bias_strides[1]
+               + np.moveaxis(i_, 0, 2) * opt.bias_strides[2] + np.moveaxis(j_, 0, 3) * opt.bias_strides[3])
+        np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
+    # another dtype or a strided bias is converted / copied, never the caller's array written
+    other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
+    opt = cpu._options(_options.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
+    strided = np.concatenate([BIASES["nm"]] * 2, axis=1)[:, ::2].astype(dtype)
+    opt = cpu._options(_options.prepare(q, k, v, bias=strided, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    np.testing.assert_array_equal(opt.bias.reshape(23, 31), strided)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_name", ["full", "nm", "b11m-keypad", "bhn1", "scalar"])
+def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch, dtype, bias_name):
+    monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
+    q, k, v, dout = _inputs(dtype)
+    bias = BIASES[bias_name].astype(dtype)
+    slopes = _ALIBI_BH.copy()
+    opts = dict(bias=bias, alibi_slopes=slopes, softcap=1.5, causal=True, tau=0.7, nvm=True)
+    inputs = (q, k, v, dout, bias, slopes)
+    copies = [a.copy() for a in inputs]
+
+    def run():
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **opts)
+        return out, lse, enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **opts)
+
+    first = run()
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        second = run()
+    finally:
+        numba.set_num_threads(threads)
+    for a, b in zip(inputs, copies):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[1], second[1])
+    for field in ("dq", "dk", "dv", "dtau", "dbeta", "dbias"):
+        np.testing.assert_array_equal(getattr(first[2], field), getattr(second[2], field))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_large_is_plain(small_tiles, dtype):
+    # tanh(x / cap) cap -> x: a huge cap is the plain attention to rounding
+    q, k, v, dout = _inputs(dtype)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", softcap=1e8)
+    plain, plain_lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    np.testing.assert_allclose(out, plain, rtol=0, atol=20 * np.finfo(dtype).eps)
+
+
+def test_one_compiled_kernel_per_dtype_with_modifiers():
+    for dtype in (np.float32, np.float64):
+        q, k, v = (a.astype(dtype) for a in _bench.make_inputs(1, 2, 9, 11, 4, seed=3))
+        for options in (
+            {"softcap": 2.0},
+            {"alibi_slopes": [0.1, 0.2]},
+            {"bias": np.zeros((9, 11), np.float32)},
+            {"bias": np.zeros((1, 2, 9, 11), np.float64)},
+            {"bias": np.broadcast_to(np.zeros(11, dtype), (9, 11)), "softcap": 3.0},
+        ):
+            out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
     for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
         assert len(kernel.signatures) <= 2, kernel.signatures

@@ -124,3 +124,55 @@ class CPUAccuracy:
         return max(errors)
 
     track_backward_error.unit = "relative error"
+
+
+#: Score modifiers benchmarked on the CPU kernel: the option set, by name.
+MODIFIERS = ["softcap", "alibi", "bias_full", "bias_nm", "bias_keypad"]
+
+
+def modifier_options(modifier, N):
+    """Keyword options of one entry of `MODIFIERS` for ``N`` queries and keys."""
+    B, H = common.BATCH, common.HEADS
+    rng = np.random.default_rng(common.SEED + 2)
+    if modifier == "softcap":
+        return {"softcap": 5.0}
+    if modifier == "alibi":
+        return {"alibi_slopes": 2.0 ** (-8.0 * np.arange(1, H + 1) / H)}
+    if modifier == "bias_full":
+        return {"bias": rng.standard_normal((B, H, N, N))}
+    if modifier == "bias_nm":
+        return {"bias": rng.standard_normal((N, N))}
+    if modifier == "bias_keypad":
+        # key padding: -inf on a tenth of the keys, broadcast over heads and queries
+        return {"bias": np.where(rng.random((B, 1, 1, N)) < 0.1, -np.inf, 0.0)}
+    raise ValueError(f"unknown modifier {modifier!r}; expected one of {MODIFIERS}")
+
+
+class CPUScoreModifiers:
+    """Forward, backward and forward + backward of the CPU kernel with a score modifier.
+
+    Compare with `CPUForward` / `CPUBackward` of the "plain" variant; the
+    bias is in the inputs' dtype (read without a copy).
+    """
+
+    params = [MODIFIERS, SEQ_LENS, DTYPES]
+    param_names = ["modifier", "N", "dtype"]
+    timeout = 300
+
+    def setup(self, modifier, N, dtype):
+        self.case = AttentionCase("cpu", "plain", N, dtype)
+        options = modifier_options(modifier, N)
+        if "bias" in options:
+            options["bias"] = options["bias"].astype(dtype)
+        self.case.options = options
+        self.out, self.lse = common.warm_up(self.case.forward)
+        common.warm_up(lambda: self.case.backward(self.out, self.lse))
+
+    def time_forward(self, modifier, N, dtype):
+        self.case.forward()
+
+    def time_backward(self, modifier, N, dtype):
+        self.case.backward(self.out, self.lse)
+
+    def time_forward_backward(self, modifier, N, dtype):
+        self.case.forward_backward()

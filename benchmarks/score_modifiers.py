@@ -1,0 +1,127 @@
+"""Cost of the score modifiers (softcap, ALiBi, bias) on the CPU kernels.
+
+Measured in one process, the variants interleaved over several rounds (best
+of ``--repeat`` calls per round): the time of each variant over plain
+attention, forward and forward + backward, as a ratio per round (range and
+median over the rounds). For a bias, the extra time over plain is set
+beside the time to read the bias once (``bias.sum()`` and a copy into a
+preallocated array, timed in the same rounds): the goal is a bias that
+costs no more than reading it.
+
+A broadcast bias is read by the kernel once per (batch, head) it is
+broadcast over, so "reading it" is shown for the caller's array and for the
+whole broadcast ``(B, H, N, M)`` view (``np.broadcast_to(bias, ...).sum()``).
+
+Usage: ``python benchmarks/score_modifiers.py [--rounds R] [--n N] [--heads H] [--dtype float32] [--threads T]``
+"""
+
+import argparse
+
+import numba
+import numpy as np
+
+import elastic_np as enp
+from elastic_np import _bench
+
+
+def _ranges(values, fmt="{:.3f}"):
+    values = np.asarray(values)
+    return f"{fmt.format(values.min())}-{fmt.format(values.max())} (median {fmt.format(np.median(values))})"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=2, help="best of REPEAT calls per round")
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        numba.set_num_threads(args.threads)
+
+    B, H, N, D = 1, args.heads, args.n, args.dim
+    dt = np.dtype(args.dtype)
+    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=dt)
+    dout = np.random.default_rng(1).standard_normal(q.shape).astype(dt)
+    rng = np.random.default_rng(2)
+    slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)  # the ALiBi paper's slopes
+    biases = {
+        "bias (B,H,N,M)": rng.standard_normal((B, H, N, N)).astype(dt),
+        "bias (N,M)": rng.standard_normal((N, N)).astype(dt),
+        "bias (B,1,1,M)": np.where(rng.random((B, 1, 1, N)) < 0.1, -np.inf, 0.0).astype(dt),
+    }
+    variants = {
+        "plain": {},
+        "softcap": {"softcap": 5.0},
+        "alibi": {"alibi_slopes": slopes},
+        "softcap+alibi": {"softcap": 5.0, "alibi_slopes": slopes},
+    }
+    variants.update({name: {"bias": bias} for name, bias in biases.items()})
+    print(
+        f"B={B} H={H} N=M={N} D={D} {dt.name}, {args.rounds} rounds, best of {args.repeat}, "
+        f"{numba.get_num_threads()} threads"
+    )
+
+    def fwd(options):
+        return lambda: enp.attention(q, k, v, backend="cpu", **options)
+
+    def fwd_bwd(options):
+        def run():
+            out, lse = enp.attention(q, k, v, backend="cpu", return_lse=True, **options)
+            return enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **options)
+
+        return run
+
+    cases = {}
+    for name, options in variants.items():
+        cases[(name, "fwd")] = fwd(options)
+        if not args.no_backward:
+            cases[(name, "fwd+bwd")] = fwd_bwd(options)
+    for name, bias in biases.items():
+        copy_into = np.empty_like(bias)
+        cases[(name, "read: sum")] = lambda bias=bias: bias.sum()
+        cases[(name, "read: copy")] = lambda bias=bias, out=copy_into: np.copyto(out, bias)
+        cases[(name, "read: broadcast sum")] = lambda bias=bias: np.broadcast_to(bias, (B, H, N, N)).sum()
+    for fn in cases.values():  # compile and warm up
+        fn()
+
+    times = {key: [] for key in cases}
+    for _ in range(args.rounds):
+        for key, fn in cases.items():
+            times[key].append(_bench.best_time(fn, repeat=args.repeat))
+    times = {key: np.array(t) for key, t in times.items()}
+
+    print(f"\n{'variant':<16} {'pass':<8} {'time s (median)':>16}  ratio to plain, per round")
+    for name in variants:
+        for kind in ("fwd", "fwd+bwd"):
+            if (name, kind) not in times:
+                continue
+            t = times[(name, kind)]
+            ratio = t / times[("plain", kind)]
+            best = t.min() / times[("plain", kind)].min()
+            print(f"{name:<16} {kind:<8} {np.median(t):>16.4f}  {_ranges(ratio)}; of the best rounds {best:.3f}")
+
+    print(
+        f"\n{'bias':<16} {'pass':<8} extra over plain s  |  read once s: sum, copy, broadcast sum  |"
+        "  extra / read (sum), per round"
+    )
+    for name in biases:
+        read_sum, read_copy = times[(name, "read: sum")], times[(name, "read: copy")]
+        read_all = times[(name, "read: broadcast sum")]
+        for kind in ("fwd", "fwd+bwd"):
+            if (name, kind) not in times:
+                continue
+            extra = times[(name, kind)] - times[("plain", kind)]
+            print(
+                f"{name:<16} {kind:<8} {_ranges(extra, '{:+.4f}')}  |  "
+                f"{np.median(read_sum):.4f}, {np.median(read_copy):.4f}, {np.median(read_all):.4f}  |  "
+                f"{_ranges(extra / read_sum, '{:+.2f}')}"
+            )
+
+
+if __name__ == "__main__":
+    main()
