@@ -87,7 +87,7 @@ def _naive_float32(p, dout):
     delta = np.sum(dout * out, axis=-1)
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
-    dbias = None if p.bias is None else _options._sum_to(ds, p.bias_shape)
+    dbias = None if p.bias is None else _options.reduce_to_shape(ds, p.bias_shape)
     if cap_slope is not None:
         ds = ds * cap_slope
     dq = f4(p.scale) * (ds @ k)
