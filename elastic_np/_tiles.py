@@ -34,6 +34,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 __all__ = ["matmul_nn", "matmul_tn", "exp_inplace", "exp_shift_sum", "tanh_inplace", "tanh_any"]
@@ -612,3 +613,149 @@ def tanh_inplace(x, m, n):
         row = x[i]
         for j in range(n):
             row[j] = tanh_any(row[j])
+
+
+# ---------------------------------------------------------------------------
+# Prefetch
+# ---------------------------------------------------------------------------
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the CPU to bring ``arr.ravel()[index]`` into the cache (jit code only).
+
+    ``llvm.prefetch`` (a read, high locality, data cache): it never faults and
+    changes no value, so an index past the end is harmless. Kernels use it
+    where their access pattern defeats the hardware prefetcher, such as a
+    tile of a C-order array read as many short rows far apart.
+    """
+    if not (isinstance(arr, types.Array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # read (0), high temporal locality (3), data cache (1)
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen
+
+
+# ---------------------------------------------------------------------------
+# Transposed add of a block
+# ---------------------------------------------------------------------------
+
+#: Bytes of the square blocks `transpose_add` moves: a 512-bit vector per row,
+#: 16 float32 or 8 float64 (LLVM splits it on hosts with narrower registers).
+TRANSPOSE_BYTES = 64
+
+
+def _transpose_in_registers(builder, rows):
+    """Transpose ``W`` vectors of ``W`` lanes: ``log2(W)`` rounds of two-source shuffles.
+
+    Round ``bit`` pairs rows ``i`` and ``i + bit`` (``bit`` clear in ``i``) and
+    swaps the entries whose column has the bit set in row ``i`` with those
+    where it is clear in row ``i + bit``: each round swaps one bit of the row
+    and column indices, so after all rounds entry ``(r, c)`` sits at ``(c, r)``.
+    """
+    width = len(rows)
+    rows = list(rows)
+    i32 = ir.IntType(32)
+    bit = 1
+    while bit < width:
+        low = [j if not j & bit else width + j - bit for j in range(width)]
+        high = [j + bit if not j & bit else width + j for j in range(width)]
+        low, high = (ir.Constant(ir.VectorType(i32, width), m) for m in (low, high))
+        for i in range(width):
+            if not i & bit:
+                a, b = rows[i], rows[i + bit]
+                rows[i] = builder.shuffle_vector(a, b, low)
+                rows[i + bit] = builder.shuffle_vector(a, b, high)
+        bit *= 2
+    return rows
+
+
+def _make_transpose(store):
+    """``transpose_add`` (``store=False``) or ``transpose_store`` (see their docstrings)."""
+
+    def codegen(context, builder, signature, args):
+        x_ty, flat_ty = signature.args[:2]
+        x_val, flat_val, start, stride, row0, col0, scale_val = args
+        ir_float = context.get_value_type(x_ty.dtype)
+        itemsize = context.get_abi_sizeof(ir_float)
+        width = TRANSPOSE_BYTES // itemsize
+        vec = ir.VectorType(ir_float, width)
+        intp = context.get_value_type(types.intp)
+        i32 = ir.IntType(32)
+        x_arr = context.make_array(x_ty)(context, builder, x_val)
+        lead = cgutils.unpack_tuple(builder, x_arr.shape, 2)[1]
+        flat_data = context.make_array(flat_ty)(context, builder, flat_val).data
+
+        def vector_at(data, index):
+            return builder.bitcast(builder.gep(data, [index], inbounds=True), vec.as_pointer())
+
+        def flat_run(r):  # the r-th run of `flat`
+            return vector_at(flat_data, builder.add(start, builder.mul(stride, ir.Constant(intp, r))))
+
+        def x_row(c):  # row0 + c of x, from column col0
+            index = builder.add(builder.mul(builder.add(row0, ir.Constant(intp, c)), lead), col0)
+            return vector_at(x_arr.data, index)
+
+        undef = ir.Constant(vec, ir.Undefined)
+        splat = builder.shuffle_vector(
+            builder.insert_element(undef, scale_val, ir.Constant(i32, 0)),
+            undef, ir.Constant(ir.VectorType(i32, width), [0] * width),
+        )
+        if store:
+            rows = [builder.load(x_row(c), align=itemsize) for c in range(width)]
+            for r, row in enumerate(_transpose_in_registers(builder, rows)):
+                builder.store(builder.fmul(row, splat), flat_run(r), align=itemsize)
+        else:
+            rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
+            for c, row in enumerate(_transpose_in_registers(builder, rows)):
+                ptr = x_row(c)
+                total = builder.fadd(builder.load(ptr, align=itemsize), builder.fmul(row, splat))
+                builder.store(total, ptr, align=itemsize)
+        return context.get_dummy_value()
+
+    def typer(typingctx, x, flat, start, stride, row0, col0, scale):
+        if not (isinstance(x, types.Array) and isinstance(flat, types.Array)):
+            return None
+        if x.ndim != 2 or flat.ndim != 1 or x.dtype != flat.dtype or scale != x.dtype:
+            return None
+        if store and not flat.mutable:
+            return None
+        sig = types.void(x, flat, types.intp, types.intp, types.intp, types.intp, scale)
+        return sig, codegen
+
+    return typer
+
+
+@intrinsic
+def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
+    """``x[row0 + c, col0 + r] += scale * src[start + r * stride + c]`` for ``r, c < W``.
+
+    ``W = TRANSPOSE_BYTES // itemsize``; ``x`` is a 2-D C-contiguous array,
+    ``src`` a 1-D array of the same dtype, ``scale`` a float of that dtype
+    (jit code only). The ``W`` runs of ``src`` are loaded as vectors,
+    transposed in registers, multiplied by ``scale`` and added to ``W`` rows of
+    ``x`` (one product and one sum per entry): a block of a C-order bias added
+    to a key-major score tile without a scalar gather or scatter.
+    """
+    return _make_transpose(store=False)(typingctx, x, src, start, stride, row0, col0, scale)
+
+
+@intrinsic
+def transpose_store(typingctx, x, dst, start, stride, row0, col0, scale):
+    """``dst[start + r * stride + c] = scale * x[row0 + c, col0 + r]`` for ``r, c < W``.
+
+    The inverse direction of `transpose_add` (jit code only): ``W`` rows of the
+    tile ``x`` are loaded, transposed in registers, multiplied by ``scale``
+    and stored as ``W`` runs of ``dst``: a key-major gradient tile written
+    into a C-order ``dbias``.
+    """
+    return _make_transpose(store=True)(typingctx, x, dst, start, stride, row0, col0, scale)

@@ -553,6 +553,11 @@ def test_modifiers_degenerate_lengths(small_tiles, dtype, shape, bias_shape):
         (np.float32, dict(softcap=2.0, bias=_bias((2, 97, 1025), 12, pad=0.05), beta=0.2)),
         (np.float64, dict(bias=_bias((1, 2, 1, 1025), 13, pad=0.2), nvm=True, kv_lengths=[1000])),
         (np.float32, dict(bias=_bias((97, 1), 14), window_size=(300, 40))),
+        # whole 8 x 8 float64 blocks through registers, and the edges
+        (np.float64, dict(bias=_bias((1, 2, 97, 1025), 15, pad=0.05), causal=True)),
+        # an (N, M) bias: dbias summed over the heads through transposed blocks
+        (np.float32, dict(bias=_bias((97, 1025), 16), softcap=3.0)),
+        (np.float64, dict(bias=_bias((97, 1025), 17, pad=0.05), beta=0.5)),
     ],
 )
 def test_modifiers_default_tiles_odd_sizes(dtype, opts):

@@ -1,0 +1,58 @@
+"""`elastic_np._tiles.transpose_add` and `prefetch`: exact against NumPy."""
+
+import numpy as np
+import pytest
+from numba import njit
+
+from elastic_np._tiles import TRANSPOSE_BYTES, prefetch, transpose_add, transpose_store
+
+
+@njit(cache=True)
+def _add_blocks(x, src, start, stride, blocks_r, blocks_c, scale):
+    width = TRANSPOSE_BYTES // x.itemsize
+    for cb in range(blocks_c):
+        for rb in range(blocks_r):
+            prefetch(src, start + (rb + 1) * width * stride)  # past the end is harmless
+            transpose_add(x, src, start + rb * width * stride + cb * width, stride,
+                          cb * width, rb * width, scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_add_matches_numpy(dtype):
+    width = TRANSPOSE_BYTES // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(0)
+    rows, cols, lead = 3 * width, 2 * width, 5 * width + 3  # src rows lead elements apart
+    src = rng.standard_normal(rows * lead + 7).astype(dtype)
+    x = rng.standard_normal((cols + 1, rows + 2)).astype(dtype)
+    expected = x.copy()
+    start = 7
+    block = src[start : start + rows * lead].reshape(rows, lead)[:, :cols]
+    scale = dtype(0.75)
+    expected[:cols, :rows] += scale * block.T
+    src_before = src.copy()
+    _add_blocks(x, src, start, lead, 3, 2, scale)
+    np.testing.assert_array_equal(x, expected)  # one product and one sum per entry
+    np.testing.assert_array_equal(src, src_before)
+
+
+@njit(cache=True)
+def _store_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
+    width = TRANSPOSE_BYTES // x.itemsize
+    for cb in range(blocks_c):
+        for rb in range(blocks_r):
+            transpose_store(x, dst, start + rb * width * stride + cb * width, stride,
+                            cb * width, rb * width, scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_store_matches_numpy(dtype):
+    width = TRANSPOSE_BYTES // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(1)
+    rows, cols, lead = 2 * width, 3 * width, 4 * width + 5
+    x = rng.standard_normal((cols + 2, rows + 1)).astype(dtype)
+    dst = np.full(rows * lead + 9, np.nan, dtype=dtype)
+    start, scale = 5, dtype(1.25)
+    _store_blocks(x, dst, start, lead, 2, 3, scale)
+    view = dst[start : start + rows * lead].reshape(rows, lead)
+    np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
+    assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
