@@ -11,7 +11,8 @@ from elastic_np import _tiles
 from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
 
 DTYPES = [np.float32, np.float64]
-# odd sizes hit every leftover path of the 4-row x 4-deep register blocking
+# odd sizes hit every leftover path of the register blocking: rows past the last
+# block of rows, vectors past the last panel, columns past the last whole vector
 SIZES = [(1, 1, 1), (7, 59, 97), (97, 7, 59), (59, 97, 7), (12, 33, 6), (64, 64, 64), (33, 130, 64)]
 
 
@@ -87,6 +88,30 @@ def test_matmul_repeatable(dtype):
     matmul_tn(a, b, first, 64, 96, 64, False)
     matmul_tn(a, b, second, 64, 96, 64, False)
     np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_same_bits_on_every_path(dtype, transpose_a):
+    # an element's bits do not depend on which path (register block, single row,
+    # single vector, scalar tail column) computes it: partial tiles agree with whole ones
+    m, n, k = 11, 83, 37
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal((k, m) if transpose_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    fn = matmul_tn if transpose_a else matmul_nn
+    whole = c0.copy()
+    fn(a, b, whole, m, n, k, True)
+    for i in range(m):  # one row at a time
+        a_row = np.ascontiguousarray(a[:, i : i + 1] if transpose_a else a[i : i + 1])
+        row = c0[i : i + 1].copy()
+        fn(a_row, b, row, 1, n, k, True)
+        np.testing.assert_array_equal(row, whole[i : i + 1])
+    for j in range(n):  # one column at a time: always the scalar tail
+        col = np.ascontiguousarray(c0[:, j : j + 1])
+        fn(a, np.ascontiguousarray(b[:, j : j + 1]), col, m, 1, k, True)
+        np.testing.assert_array_equal(col, whole[:, j : j + 1])
 
 
 def _ulp_error(got, x, dtype):
