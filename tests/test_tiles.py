@@ -148,6 +148,33 @@ def test_exp_accuracy_in_ulps(dtype):
     assert worst <= 1.0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pow2_scalings_agree(dtype):
+    # ldexp (used with AVX-512) and the two exponent fields (elsewhere) round
+    # p * 2**t once, to the same bits, over the whole range exp needs, subnormals included
+    f64 = dtype == np.float64
+    fields = _tiles._pow2_fields_f64 if f64 else _tiles._pow2_fields_f32
+
+    @numba.njit
+    def both(p, t, by_ldexp, by_fields):
+        for i in range(p.size):
+            by_ldexp[i] = _tiles._ldexp(p[i], np.int32(t[i]))
+            by_fields[i] = fields(p[i], t[i])
+
+    rng = np.random.default_rng(17)
+    t_lo, t_hi = (-1077, 1025) if f64 else (-151, 129)
+    t = np.repeat(np.arange(t_lo, t_hi + 1), 40).astype(dtype)
+    p = rng.uniform(np.sqrt(0.5), np.sqrt(2.0), t.size).astype(dtype)
+    p[::7] = np.nextafter(dtype(1), dtype(0))  # rounding ties and edges near 1
+    by_ldexp, by_fields = np.empty_like(p), np.empty_like(p)
+    both(p, t, by_ldexp, by_fields)
+    with np.errstate(over="ignore"):
+        expected = np.ldexp(p, t.astype(np.int32))
+    np.testing.assert_array_equal(by_fields, expected)
+    np.testing.assert_array_equal(by_ldexp, expected)
+    assert np.any((expected > 0) & (expected < np.finfo(dtype).tiny)) and np.any(np.isinf(expected))
+
+
 @pytest.mark.parametrize(
     "dtype,coefficients,bound",
     [(np.float64, _tiles._EXP_Q_F64, 1.7e-17), (np.float32, _tiles._EXP_Q_F32, 1.2e-8)],
@@ -239,8 +266,8 @@ def test_exp_shift_sum_is_the_separate_passes(dtype, m, n, nvm):
 
 
 def _packed_arithmetic(asm):
-    """Packed (SIMD) multiply or FMA instructions of an x86 listing."""
-    return re.findall(r"\bv?(?:fmadd\w*|mul)p[sd]\s+%?[xyz]mm", asm)
+    """Packed (SIMD) multiply, scale or FMA (any sign) instructions of an x86 listing (AT&T)."""
+    return re.findall(r"\bv?(?:fn?m(?:add|sub)\w*|mul|scalef)p[sd]\s[^\n]*%[xyz]mm", asm)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 listing")
