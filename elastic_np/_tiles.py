@@ -11,6 +11,9 @@ LLVM vectorises:
     ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
 ``matmul_tn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
+``matmul_nn_max(a, b, c, m, n, k, col_max)``
+    ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
+    column maxima of ``c[:m, :n]``, in one pass
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
 ``exp_shift_sum(x, m, n, shift, nvm, sums)``
@@ -37,7 +40,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["matmul_nn", "matmul_tn", "exp_inplace", "exp_shift_sum"]
+__all__ = ["matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum"]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
@@ -99,7 +102,7 @@ _MR = 4
 _NR = 4 if _REGISTERS == 32 else 2
 
 
-def _make_block(rows, vectors, transposed):
+def _make_block(rows, vectors, transposed, with_max=False):
     """Intrinsic ``c[i:i+rows, j:j+vectors*W] += A[i:i+rows, :k] @ b[:k, j:j+vectors*W]``.
 
     ``W`` is the number of elements of the dtype in a SIMD register and ``A``
@@ -107,79 +110,100 @@ def _make_block(rows, vectors, transposed):
     ``c`` are loaded once, updated by fused multiply-adds in registers over
     the whole ``k`` loop (one broadcast element of ``A`` per row and one
     vector of ``b`` per column chunk at each step) and stored once.
+    ``with_max`` adds an argument ``col_max`` (1-D) after ``k``: each column's
+    ``col_max[j']`` is then replaced by ``c[i', j']`` wherever that is
+    greater, over the block's rows in order, from the registers.
     """
 
-    @intrinsic
-    def block(typingctx, a, b, c, i, j, k):
-        sig = types.void(a, b, c, types.intp, types.intp, types.intp)
+    def codegen(context, builder, signature, args):
+        a_ty, b_ty, c_ty = signature.args[:3]
+        a_val, b_val, c_val, i_val, j_val, k_val = args[:6]
+        ir_float = context.get_value_type(a_ty.dtype)
+        width = _VECTOR_BYTES // context.get_abi_sizeof(ir_float)
+        vec_ty = ir.VectorType(ir_float, width)
+        align = context.get_abi_sizeof(ir_float)
+        intp = context.get_value_type(types.intp)
+        flags = ("contract",)
 
-        def codegen(context, builder, signature, args):
-            a_ty, b_ty, c_ty = signature.args[:3]
-            a_val, b_val, c_val, i_val, j_val, k_val = args
-            ir_float = context.get_value_type(a_ty.dtype)
-            width = _VECTOR_BYTES // context.get_abi_sizeof(ir_float)
-            vec_ty = ir.VectorType(ir_float, width)
-            align = context.get_abi_sizeof(ir_float)
-            intp = context.get_value_type(types.intp)
-            flags = ("contract",)
+        def data_and_lead(ty, val):
+            arr = context.make_array(ty)(context, builder, val)
+            shape = cgutils.unpack_tuple(builder, arr.shape, 2)
+            return arr.data, shape[1]
 
-            def data_and_lead(ty, val):
-                arr = context.make_array(ty)(context, builder, val)
-                shape = cgutils.unpack_tuple(builder, arr.shape, 2)
-                return arr.data, shape[1]
+        a_ptr, a_lead = data_and_lead(a_ty, a_val)
+        b_ptr, b_lead = data_and_lead(b_ty, b_val)
+        c_ptr, c_lead = data_and_lead(c_ty, c_val)
 
-            a_ptr, a_lead = data_and_lead(a_ty, a_val)
-            b_ptr, b_lead = data_and_lead(b_ty, b_val)
-            c_ptr, c_lead = data_and_lead(c_ty, c_val)
+        def element_ptr(ptr, lead, row, col):
+            index = builder.add(builder.mul(row, lead), col)
+            return builder.gep(ptr, [index], inbounds=True)
 
-            def element_ptr(ptr, lead, row, col):
-                index = builder.add(builder.mul(row, lead), col)
-                return builder.gep(ptr, [index], inbounds=True)
+        def vector_ptr(ptr, lead, row, col):
+            return builder.bitcast(element_ptr(ptr, lead, row, col), vec_ty.as_pointer())
 
-            def vector_ptr(ptr, lead, row, col):
-                return builder.bitcast(element_ptr(ptr, lead, row, col), vec_ty.as_pointer())
+        def column(t):
+            return builder.add(j_val, ir.Constant(intp, t * width))
 
-            def column(t):
-                return builder.add(j_val, ir.Constant(intp, t * width))
+        def row(r):
+            return builder.add(i_val, ir.Constant(intp, r))
 
-            def row(r):
-                return builder.add(i_val, ir.Constant(intp, r))
-
-            accs = [
-                [cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)
+        accs = [
+            [cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)
+        ]
+        for r in range(rows):
+            for t in range(vectors):
+                value = builder.load(vector_ptr(c_ptr, c_lead, row(r), column(t)), align=align)
+                builder.store(value, accs[r][t])
+        zero_vec = ir.Constant(vec_ty, ir.Undefined)
+        zero_idx = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
+        with cgutils.for_range(builder, k_val) as loop:
+            p = loop.index
+            b_vecs = [
+                builder.load(vector_ptr(b_ptr, b_lead, p, column(t)), align=align)
+                for t in range(vectors)
             ]
             for r in range(rows):
+                if transposed:
+                    a_elem = builder.load(element_ptr(a_ptr, a_lead, p, row(r)))
+                else:
+                    a_elem = builder.load(element_ptr(a_ptr, a_lead, row(r), p))
+                splat = builder.shuffle_vector(
+                    builder.insert_element(zero_vec, a_elem, ir.Constant(ir.IntType(32), 0)),
+                    zero_vec, zero_idx,
+                )
                 for t in range(vectors):
-                    value = builder.load(vector_ptr(c_ptr, c_lead, row(r), column(t)), align=align)
-                    builder.store(value, accs[r][t])
-            zero_vec = ir.Constant(vec_ty, ir.Undefined)
-            zero_idx = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
-            with cgutils.for_range(builder, k_val) as loop:
-                p = loop.index
-                b_vecs = [
-                    builder.load(vector_ptr(b_ptr, b_lead, p, column(t)), align=align)
-                    for t in range(vectors)
-                ]
+                    acc = builder.load(accs[r][t])
+                    product = builder.fmul(splat, b_vecs[t], flags=flags)
+                    builder.store(builder.fadd(acc, product, flags=flags), accs[r][t])
+        for r in range(rows):
+            for t in range(vectors):
+                ptr = vector_ptr(c_ptr, c_lead, row(r), column(t))
+                builder.store(builder.load(accs[r][t]), ptr, align=align)
+        if with_max:
+            max_arr = context.make_array(signature.args[6])(context, builder, args[6])
+            for t in range(vectors):
+                ptr = builder.bitcast(
+                    builder.gep(max_arr.data, [column(t)], inbounds=True), vec_ty.as_pointer()
+                )
+                current = builder.load(ptr, align=align)
                 for r in range(rows):
-                    if transposed:
-                        a_elem = builder.load(element_ptr(a_ptr, a_lead, p, row(r)))
-                    else:
-                        a_elem = builder.load(element_ptr(a_ptr, a_lead, row(r), p))
-                    splat = builder.shuffle_vector(
-                        builder.insert_element(zero_vec, a_elem, ir.Constant(ir.IntType(32), 0)),
-                        zero_vec, zero_idx,
-                    )
-                    for t in range(vectors):
-                        acc = builder.load(accs[r][t])
-                        product = builder.fmul(splat, b_vecs[t], flags=flags)
-                        builder.store(builder.fadd(acc, product, flags=flags), accs[r][t])
-            for r in range(rows):
-                for t in range(vectors):
-                    ptr = vector_ptr(c_ptr, c_lead, row(r), column(t))
-                    builder.store(builder.load(accs[r][t]), ptr, align=align)
-            return context.get_dummy_value()
+                    value = builder.load(accs[r][t])
+                    greater = builder.fcmp_ordered(">", value, current)
+                    current = builder.select(greater, value, current)
+                builder.store(current, ptr, align=align)
+        return context.get_dummy_value()
 
-        return sig, codegen
+    if with_max:
+
+        @intrinsic
+        def block(typingctx, a, b, c, i, j, k, col_max):
+            return types.void(a, b, c, types.intp, types.intp, types.intp, col_max), codegen
+
+    else:
+
+        @intrinsic
+        def block(typingctx, a, b, c, i, j, k):
+            return types.void(a, b, c, types.intp, types.intp, types.intp), codegen
 
     return block
 
@@ -198,6 +222,7 @@ _block_tn = _BLOCKS[_MR, _NR, True]
 _block_tn_r1 = _BLOCKS[1, _NR, True]
 _block_tn_v1 = _BLOCKS[_MR, 1, True]
 _block_tn_r1_v1 = _BLOCKS[1, 1, True]
+_block_nn_max = _make_block(_MR, _NR, False, with_max=True)
 
 
 def _vector_width(x):
@@ -214,8 +239,11 @@ def _vector_width_overload(x):
 
 
 @njit(**_OPTIONS)
-def _matmul(a, b, c, m, n, k, accumulate, transposed):
+def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, with_max):
     """``c[:m, :n] (+)= A @ b[:k, :n]`` with ``A = a[:m, :k]`` or ``a[:k, :m].T``.
+
+    With ``with_max`` (and not ``transposed``), also ``col_max[j] = c[i, j]``
+    wherever that is greater, over ``i`` in order (see `matmul_nn_max`).
 
     Register blocking: blocks of ``_MR`` rows by ``_NR`` SIMD vectors of ``c``
     stay in registers over the whole ``k`` loop (see `_make_block`), with
@@ -239,6 +267,8 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed):
         for i in range(0, m_block, _MR):
             if transposed:
                 _block_tn(a, b, c, i, j, k)
+            elif with_max:
+                _block_nn_max(a, b, c, i, j, k, col_max)
             else:
                 _block_nn(a, b, c, i, j, k)
         for i in range(m_block, m):
@@ -267,6 +297,18 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed):
                 bp = b[p]
                 for j in range(j_tail, n):
                     ci[j] += aip * bp[j]
+    if with_max:
+        # what the register blocks left: their columns' leftover rows, then
+        # every row of the other columns
+        j_panel = n_panel * width
+        for i in range(m_block, m):
+            ci = c[i]
+            for j in range(j_panel):
+                col_max[j] = ci[j] if ci[j] > col_max[j] else col_max[j]
+        for i in range(m):
+            ci = c[i]
+            for j in range(j_panel, n):
+                col_max[j] = ci[j] if ci[j] > col_max[j] else col_max[j]
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -300,7 +342,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     --------
     matmul_tn
     """
-    _matmul(a, b, c, m, n, k, accumulate, False)
+    _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), False)
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -331,7 +373,44 @@ def matmul_tn(a, b, c, m, n, k, accumulate):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, accumulate, True)
+    _matmul(a, b, c, m, n, k, accumulate, True, c.reshape(c.size), False)
+
+
+_MATMUL_MAX_SIGNATURES = [
+    types.void(
+        _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
+        types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"),
+    )
+    for dtype in _DTYPES
+]
+
+
+@njit(_MATMUL_MAX_SIGNATURES, cache=True)
+def matmul_nn_max(a, b, c, m, n, k, col_max):
+    """Tile product ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and its column maxima.
+
+    Parameters
+    ----------
+    a, b, c, m, n, k
+        As in `matmul_nn` (``c[:m, :n]`` is overwritten).
+    col_max : ndarray, shape (>= n,)
+        ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
+        for ``i`` from 0 to ``m - 1`` in order; NaN entries of ``c`` are
+        passed over.
+
+    Notes
+    -----
+    ``c`` has the bits of `matmul_nn` and ``col_max`` those of the loop
+    ``col_max[j] = x if x > col_max[j] else col_max[j]`` over the rows of the
+    product afterwards; most of the maxima are taken while the block is still
+    in registers, which saves that pass over ``c`` (the scores of a forward
+    tile, whose column maxima are the new running maxima).
+
+    See Also
+    --------
+    matmul_nn
+    """
+    _matmul(a, b, c, m, n, k, False, False, col_max, True)
 
 
 # ---------------------------------------------------------------------------

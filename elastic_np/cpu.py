@@ -37,7 +37,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
 
@@ -350,6 +350,16 @@ def _query_range(j0, bk, N, M, off_lo, off_hi):
 
 
 @njit(cache=True)
+def _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
+    """True when `_logits_tile` leaves the tile as it is (and returns True)."""
+    shift = M - N
+    # Whole tile inside [off_lo, off_hi]: the last key with the first query
+    # and the first key with the last query are the extreme offsets.
+    inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
+    return inside and not (nvm or opt.has_mask or opt.has_gate)
+
+
+@njit(cache=True)
 def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     """Turn ``st[c, r] = s_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
 
@@ -359,12 +369,9 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     Returns False when the mask leaves nothing in the tile (so the caller
     may skip it); True otherwise.
     """
-    shift = M - N
-    # Whole tile inside [off_lo, off_hi]: the last key with the first query
-    # and the first key with the last query are the extreme offsets.
-    inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
-    if inside and not (nvm or opt.has_mask or opt.has_gate):
+    if _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
         return True
+    shift = M - N
     neg_inf = -np.inf
     s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
     any_kept = False
@@ -453,25 +460,31 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
-            matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
-            if not _logits_tile(
-                st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
-            ):
-                continue
             for r in range(bq):
                 tile_max[r] = -np.inf
-            if nvm_in_max:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        x = row[r]
-                        tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
+            if not opt.nvm and _logits_untouched(
+                opt, i0, bq, j0, bk, N, M, off_lo, off_hi, False
+            ):
+                # scores are the logits: their maxima come with the product
+                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max)
             else:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        x = row[r]
-                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
+                matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
+                if not _logits_tile(
+                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits
+                ):
+                    continue
+                if nvm_in_max:
+                    for c in range(bk):
+                        row = st[c]
+                        for r in range(bq):
+                            x = row[r]
+                            tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
+                else:
+                    for c in range(bk):
+                        row = st[c]
+                        for r in range(bq):
+                            x = row[r]
+                            tile_max[r] = x if x > tile_max[r] else tile_max[r]
             rescale = False
             for r in range(bq):
                 new_max = max(row_max[r], tile_max[r])

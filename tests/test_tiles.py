@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_np import _tiles
-from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 
 DTYPES = [np.float32, np.float64]
 # odd sizes hit every leftover path of the register blocking: rows past the last
@@ -112,6 +112,36 @@ def test_matmul_same_bits_on_every_path(dtype, transpose_a):
         col = np.ascontiguousarray(c0[:, j : j + 1])
         fn(a, np.ascontiguousarray(b[:, j : j + 1]), col, m, 1, k, True)
         np.testing.assert_array_equal(col, whole[:, j : j + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SIZES + [(128, 128, 64), (9, 64, 5)])
+def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k):
+    rng = np.random.default_rng(m + 7 * n + 31 * k)
+    a, b, c = _operands(rng, dtype, m, n, k, False)
+    if m > 2 and k > 1:
+        a[1, 0] = np.nan  # a NaN row of the product: passed over by the max
+    col_max0 = rng.standard_normal(n + 5).astype(dtype)
+    col_max0[: n // 3] = -np.inf
+    col_max0[n // 3 : n // 2] = 10.0  # already above every entry
+    b[:k, n - 1] = 0.0  # a column of +0.0 products: a -0.0 maximum stays -0.0
+    col_max0[n - 1] = -0.0
+    expected_c = c.copy()
+    matmul_nn(a, b, expected_c, m, n, k, False)
+    expected_max = col_max0.copy()
+    for i in range(m):
+        for j in range(n):
+            x = expected_c[i, j]
+            expected_max[j] = x if x > expected_max[j] else expected_max[j]
+    col_max = col_max0.copy()
+    a_in, b_in = a.copy(), b.copy()
+    matmul_nn_max(a, b, c, m, n, k, col_max)
+    np.testing.assert_array_equal(c, expected_c)
+    np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected_max))
+    np.testing.assert_array_equal(col_max, expected_max)
+    np.testing.assert_array_equal(a, a_in)
+    np.testing.assert_array_equal(b, b_in)
+    assert len(matmul_nn_max.signatures) == 2
 
 
 def _ulp_error(got, x, dtype):
@@ -279,7 +309,7 @@ def test_vectorised(dtype):
     row = np.zeros(2, dtype)
     for fn, args in (
         (exp_fn, (x, 2, 2)),
-        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False)),
+        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), True)),
         (_tiles.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
     ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
