@@ -11,9 +11,9 @@ LLVM vectorises:
     ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
 ``matmul_tn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
-``matmul_nn_max(a, b, c, m, n, k, col_max)``
+``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)``
     ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
-    column maxima of ``c[:m, :n]``, in one pass
+    column maxima of ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
 ``exp_shift_sum(x, m, n, shift, nvm, sums)``
@@ -102,7 +102,7 @@ _MR = 4
 _NR = 4 if _REGISTERS == 32 else 2
 
 
-def _make_block(rows, vectors, transposed, with_max=False):
+def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
     """Intrinsic ``c[i:i+rows, j:j+vectors*W] += A[i:i+rows, :k] @ b[:k, j:j+vectors*W]``.
 
     ``W`` is the number of elements of the dtype in a SIMD register and ``A``
@@ -112,7 +112,8 @@ def _make_block(rows, vectors, transposed, with_max=False):
     vector of ``b`` per column chunk at each step) and stored once.
     ``with_max`` adds an argument ``col_max`` (1-D) after ``k``: each column's
     ``col_max[j']`` is then replaced by ``c[i', j']`` wherever that is
-    greater, over the block's rows in order, from the registers.
+    greater (and, with ``nonneg``, ``>= 0``), over the block's rows in order,
+    from the registers.
     """
 
     def codegen(context, builder, signature, args):
@@ -189,6 +190,9 @@ def _make_block(rows, vectors, transposed, with_max=False):
                 for r in range(rows):
                     value = builder.load(accs[r][t])
                     greater = builder.fcmp_ordered(">", value, current)
+                    if nonneg:
+                        zero = ir.Constant(vec_ty, [0.0] * width)
+                        greater = builder.and_(greater, builder.fcmp_ordered(">=", value, zero))
                     current = builder.select(greater, value, current)
                 builder.store(current, ptr, align=align)
         return context.get_dummy_value()
@@ -223,6 +227,7 @@ _block_tn_r1 = _BLOCKS[1, _NR, True]
 _block_tn_v1 = _BLOCKS[_MR, 1, True]
 _block_tn_r1_v1 = _BLOCKS[1, 1, True]
 _block_nn_max = _make_block(_MR, _NR, False, with_max=True)
+_block_nn_max_nonneg = _make_block(_MR, _NR, False, with_max=True, nonneg=True)
 
 
 def _vector_width(x):
@@ -239,11 +244,12 @@ def _vector_width_overload(x):
 
 
 @njit(**_OPTIONS)
-def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, with_max):
+def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
     """``c[:m, :n] (+)= A @ b[:k, :n]`` with ``A = a[:m, :k]`` or ``a[:k, :m].T``.
 
-    With ``with_max`` (and not ``transposed``), also ``col_max[j] = c[i, j]``
-    wherever that is greater, over ``i`` in order (see `matmul_nn_max`).
+    With ``max_mode`` 1 (2) and not ``transposed``, also ``col_max[j] = c[i, j]``
+    wherever that is greater (and ``>= 0``), over ``i`` in order (see
+    `matmul_nn_max`); 0: no maxima.
 
     Register blocking: blocks of ``_MR`` rows by ``_NR`` SIMD vectors of ``c``
     stay in registers over the whole ``k`` loop (see `_make_block`), with
@@ -267,8 +273,10 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, with_max):
         for i in range(0, m_block, _MR):
             if transposed:
                 _block_tn(a, b, c, i, j, k)
-            elif with_max:
+            elif max_mode == 1:
                 _block_nn_max(a, b, c, i, j, k, col_max)
+            elif max_mode == 2:
+                _block_nn_max_nonneg(a, b, c, i, j, k, col_max)
             else:
                 _block_nn(a, b, c, i, j, k)
         for i in range(m_block, m):
@@ -297,18 +305,21 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, with_max):
                 bp = b[p]
                 for j in range(j_tail, n):
                     ci[j] += aip * bp[j]
-    if with_max:
+    if max_mode != 0:
         # what the register blocks left: their columns' leftover rows, then
         # every row of the other columns
+        nonneg = max_mode == 2
         j_panel = n_panel * width
         for i in range(m_block, m):
             ci = c[i]
             for j in range(j_panel):
-                col_max[j] = ci[j] if ci[j] > col_max[j] else col_max[j]
+                x = ci[j]
+                col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
         for i in range(m):
             ci = c[i]
             for j in range(j_panel, n):
-                col_max[j] = ci[j] if ci[j] > col_max[j] else col_max[j]
+                x = ci[j]
+                col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -342,7 +353,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     --------
     matmul_tn
     """
-    _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), False)
+    _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -373,20 +384,20 @@ def matmul_tn(a, b, c, m, n, k, accumulate):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, accumulate, True, c.reshape(c.size), False)
+    _matmul(a, b, c, m, n, k, accumulate, True, c.reshape(c.size), 0)
 
 
 _MATMUL_MAX_SIGNATURES = [
     types.void(
         _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
-        types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"),
+        types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"), types.boolean,
     )
     for dtype in _DTYPES
 ]
 
 
 @njit(_MATMUL_MAX_SIGNATURES, cache=True)
-def matmul_nn_max(a, b, c, m, n, k, col_max):
+def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
     """Tile product ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and its column maxima.
 
     Parameters
@@ -397,11 +408,15 @@ def matmul_nn_max(a, b, c, m, n, k, col_max):
         ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
         for ``i`` from 0 to ``m - 1`` in order; NaN entries of ``c`` are
         passed over.
+    nonneg : bool
+        Only entries ``>= 0`` count (the maxima of the logits under NVM,
+        which removes negative scores).
 
     Notes
     -----
     ``c`` has the bits of `matmul_nn` and ``col_max`` those of the loop
-    ``col_max[j] = x if x > col_max[j] else col_max[j]`` over the rows of the
+    ``col_max[j] = x if x > col_max[j] else col_max[j]`` (``x > col_max[j]
+    and x >= 0`` with ``nonneg``) over the rows of the
     product afterwards; most of the maxima are taken while the block is still
     in registers, which saves that pass over ``c`` (the scores of a forward
     tile, whose column maxima are the new running maxima).
@@ -410,7 +425,7 @@ def matmul_nn_max(a, b, c, m, n, k, col_max):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, False, False, col_max, True)
+    _matmul(a, b, c, m, n, k, False, False, col_max, 2 if nonneg else 1)
 
 
 # ---------------------------------------------------------------------------

@@ -462,11 +462,9 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
             bk = min(block_k, j_hi - j0)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            if not opt.nvm and _logits_untouched(
-                opt, i0, bq, j0, bk, N, M, off_lo, off_hi, False
-            ):
+            if _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits):
                 # scores are the logits: their maxima come with the product
-                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max)
+                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max, nvm_in_max)
             else:
                 matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
                 if not _logits_tile(

@@ -116,9 +116,11 @@ def test_matmul_same_bits_on_every_path(dtype, transpose_a):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SIZES + [(128, 128, 64), (9, 64, 5)])
-def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k):
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg):
     rng = np.random.default_rng(m + 7 * n + 31 * k)
     a, b, c = _operands(rng, dtype, m, n, k, False)
+    a = np.abs(a)
     if m > 2 and k > 1:
         a[1, 0] = np.nan  # a NaN row of the product: passed over by the max
     col_max0 = rng.standard_normal(n + 5).astype(dtype)
@@ -126,16 +128,20 @@ def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k):
     col_max0[n // 3 : n // 2] = 10.0  # already above every entry
     b[:k, n - 1] = 0.0  # a column of +0.0 products: a -0.0 maximum stays -0.0
     col_max0[n - 1] = -0.0
+    if n > 1:
+        col_max0[n - 2] = -np.inf  # a column of entries <= 0: with nonneg, -inf stays but for 0
+        b[:k, n - 2] = -np.abs(b[:k, n - 2])
     expected_c = c.copy()
     matmul_nn(a, b, expected_c, m, n, k, False)
     expected_max = col_max0.copy()
     for i in range(m):
         for j in range(n):
             x = expected_c[i, j]
-            expected_max[j] = x if x > expected_max[j] else expected_max[j]
+            keep = x > expected_max[j] and (x >= 0 or not nonneg)
+            expected_max[j] = x if keep else expected_max[j]
     col_max = col_max0.copy()
     a_in, b_in = a.copy(), b.copy()
-    matmul_nn_max(a, b, c, m, n, k, col_max)
+    matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)
     np.testing.assert_array_equal(c, expected_c)
     np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected_max))
     np.testing.assert_array_equal(col_max, expected_max)
@@ -309,7 +315,7 @@ def test_vectorised(dtype):
     row = np.zeros(2, dtype)
     for fn, args in (
         (exp_fn, (x, 2, 2)),
-        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), True)),
+        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
         (_tiles.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
     ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
