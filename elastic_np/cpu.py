@@ -46,6 +46,10 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
 BLOCK_K = 128
+#: The backward's key tiles are this many times BLOCK_K long: every key tile
+#: reads all the query-side tiles (q, dout, both layouts) once, so longer key
+#: tiles halve that traffic and the dq shares.
+BACKWARD_K_FACTOR = 2
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25
 
@@ -149,7 +153,8 @@ def backward(problem, dout, out, lse):
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).
     # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
-    n_kt = -(-M // BLOCK_K)
+    block_k = BLOCK_K * BACKWARD_K_FACTOR
+    n_kt = -(-M // block_k)
     share_bytes = max(B * H * N * D * q.itemsize, 1)
     chunk = int(min(max(DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
     dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
@@ -162,7 +167,7 @@ def backward(problem, dout, out, lse):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _backward_kernel(
-            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K,
+            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, block_k,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
         )
         _sum_dq_shares(dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
