@@ -19,14 +19,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from elastic_np._tiles import matmul_nn, matmul_tn  # noqa: E402
+from elastic_np._tiles import matmul_nn, matmul_nn_max, matmul_tn  # noqa: E402
 
-# (label, transposed a, m, n, k): the products of the forward and backward tiles
+# (label, kind, m, n, k): the products of the forward and backward tiles
 SHAPES = [
-    ("fwd S^T = K Q^T", False, 128, 128, 64),
-    ("fwd O += P V", True, 128, 64, 128),
-    ("bwd dV += P dO", False, 128, 64, 128),
-    ("bwd dq share = dS^T K", True, 128, 64, 128),
+    ("fwd S^T = K Q^T", "nn", 128, 128, 64),
+    ("fwd S^T, with col max", "nn_max", 128, 128, 64),
+    ("fwd O += P V", "tn", 128, 64, 128),
+    ("bwd dV += P dO", "nn", 256, 64, 128),
+    ("bwd dq share = dS^T K", "tn", 128, 64, 256),
 ]
 
 
@@ -40,6 +41,17 @@ def _loop_nn(a, b, c, m, n, k, reps):
 def _loop_tn(a, b, c, m, n, k, reps):
     for _ in range(reps):
         matmul_tn(a, b, c, m, n, k, True)
+
+
+@njit  # not cached: the cache would not see changes to _tiles
+def _loop_nn_max(a, b, c, m, n, k, reps):
+    col_max = np.empty(n, c.dtype)
+    for _ in range(reps):
+        col_max[:] = -np.inf
+        matmul_nn_max(a, b, c, m, n, k, col_max, False)
+
+
+_LOOPS = {"nn": _loop_nn, "tn": _loop_tn, "nn_max": _loop_nn_max}
 
 
 def _best(fn, rounds):
@@ -60,11 +72,12 @@ def main(argv=None):
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
     print(f"{'product':26s} {'m,n,k':>12s} {'ours GF/s':>10s} {'np.dot GF/s':>12s} {'ratio':>6s}")
-    for label, transposed, m, n, k in SHAPES:
+    for label, kind, m, n, k in SHAPES:
+        transposed = kind == "tn"
         a = rng.standard_normal((k, m) if transposed else (m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
         c = np.zeros((m, n), dtype)
-        loop = _loop_tn if transposed else _loop_nn
+        loop = _LOOPS[kind]
         loop(a, b, c, m, n, k, 1)
         a_op = a.T if transposed else a
         reps = args.reps
