@@ -1,14 +1,19 @@
 """Single-threaded tile primitives for the Numba CPU attention kernels.
 
 Small dense building blocks that the ``@njit(parallel=True)`` kernels of
-`elastic_np.cpu` call once per tile, inside a ``prange`` task. They are plain
-loops (no BLAS, so they never start threads of their own), written so that LLVM
-vectorises them with AVX-512/AVX2 and fused multiply-adds:
+`elastic_np.cpu` call once per tile, inside a ``prange`` task. They use no
+BLAS (so they never start threads of their own): the products are register-
+blocked micro-kernels written as LLVM vector code (AVX-512, AVX2 or SSE,
+whichever the host has, with fused multiply-adds), the rest are loops that
+LLVM vectorises:
 
 ``matmul_nn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
 ``matmul_tn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
+``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)``
+    ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
+    column maxima of ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
 ``exp_shift_sum(x, m, n, shift, nvm, sums)``
@@ -23,10 +28,10 @@ from the cache): sizes and ``accumulate`` are runtime arguments, the factors
 ``a`` and ``b`` may be read-only, and any other layout (a column slice, for
 instance) is a typing error rather than a slower extra specialisation.
 
-The innermost loops run along the rows of ``b``, ``c`` and ``x`` (contiguous),
-so the tiles are fastest with ``n`` a multiple of 16 (float32) or 8 (float64)
-and ``n >= 64``; ``a`` is read one element at a time and may be in either
-layout at no extra cost.
+The vectors run along the rows of ``b``, ``c`` and ``x`` (contiguous), so the
+tiles are fastest with ``n`` a multiple of the SIMD width (16 float32 or 8
+float64 elements with AVX-512) and ``n >= 64``; ``a`` is read one element at a
+time (broadcast) and may be in either layout at no extra cost.
 """
 
 import math
@@ -37,7 +42,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["matmul_nn", "matmul_tn", "exp_inplace", "exp_shift_sum", "tanh_inplace", "tanh_any"]
+__all__ = [
+    "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
+    "tanh_any", "prefetch", "transpose_add", "transpose_store",
+]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
@@ -75,79 +83,248 @@ def _a_at(a, row, col, transposed):
     return a[col, row] if transposed else a[row, col]
 
 
+def _vector_bytes():
+    """Bytes of the widest SIMD register LLVM targets here (64, 32 or 16)."""
+    from numba.core import config
+    from llvmlite import binding
+
+    if config.CPU_NAME is not None:  # a portable cache: assume no more than SSE2
+        features = config.CPU_FEATURES or ""
+        if "+avx512f" in features:
+            return 64
+        return 32 if "+avx2" in features else 16
+    features = binding.get_host_cpu_features()
+    if features.get("avx512f"):
+        return 64
+    return 32 if features.get("avx") else 16
+
+
+#: SIMD register width in bytes and the register count that sizes the blocks.
+_VECTOR_BYTES = _vector_bytes()
+_REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
+#: Micro-kernel block: rows of c by vectors of c kept in registers over the k loop.
+_MR = 4
+_NR = 4 if _REGISTERS == 32 else 2
+
+
+def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
+    """Intrinsic ``c[i:i+rows, j:j+vectors*W] += A[i:i+rows, :k] @ b[:k, j:j+vectors*W]``.
+
+    ``W`` is the number of elements of the dtype in a SIMD register and ``A``
+    is ``a`` or ``a.T`` (``transposed``). The ``rows * vectors`` vectors of
+    ``c`` are loaded once, updated by fused multiply-adds in registers over
+    the whole ``k`` loop (one broadcast element of ``A`` per row and one
+    vector of ``b`` per column chunk at each step) and stored once.
+    ``with_max`` adds an argument ``col_max`` (1-D) after ``k``: each column's
+    ``col_max[j']`` is then replaced by ``c[i', j']`` wherever that is
+    greater (and, with ``nonneg``, ``>= 0``), over the block's rows in order,
+    from the registers.
+    """
+
+    def codegen(context, builder, signature, args):
+        a_ty, b_ty, c_ty = signature.args[:3]
+        a_val, b_val, c_val, i_val, j_val, k_val = args[:6]
+        ir_float = context.get_value_type(a_ty.dtype)
+        width = _VECTOR_BYTES // context.get_abi_sizeof(ir_float)
+        vec_ty = ir.VectorType(ir_float, width)
+        align = context.get_abi_sizeof(ir_float)
+        intp = context.get_value_type(types.intp)
+        flags = ("contract",)
+
+        def data_and_lead(ty, val):
+            arr = context.make_array(ty)(context, builder, val)
+            shape = cgutils.unpack_tuple(builder, arr.shape, 2)
+            return arr.data, shape[1]
+
+        a_ptr, a_lead = data_and_lead(a_ty, a_val)
+        b_ptr, b_lead = data_and_lead(b_ty, b_val)
+        c_ptr, c_lead = data_and_lead(c_ty, c_val)
+
+        def element_ptr(ptr, lead, row, col):
+            index = builder.add(builder.mul(row, lead), col)
+            return builder.gep(ptr, [index], inbounds=True)
+
+        def vector_ptr(ptr, lead, row, col):
+            return builder.bitcast(element_ptr(ptr, lead, row, col), vec_ty.as_pointer())
+
+        def column(t):
+            return builder.add(j_val, ir.Constant(intp, t * width))
+
+        def row(r):
+            return builder.add(i_val, ir.Constant(intp, r))
+
+        accs = [
+            [cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)
+        ]
+        for r in range(rows):
+            for t in range(vectors):
+                value = builder.load(vector_ptr(c_ptr, c_lead, row(r), column(t)), align=align)
+                builder.store(value, accs[r][t])
+        zero_vec = ir.Constant(vec_ty, ir.Undefined)
+        zero_idx = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
+        with cgutils.for_range(builder, k_val) as loop:
+            p = loop.index
+            b_vecs = [
+                builder.load(vector_ptr(b_ptr, b_lead, p, column(t)), align=align)
+                for t in range(vectors)
+            ]
+            for r in range(rows):
+                if transposed:
+                    a_elem = builder.load(element_ptr(a_ptr, a_lead, p, row(r)))
+                else:
+                    a_elem = builder.load(element_ptr(a_ptr, a_lead, row(r), p))
+                splat = builder.shuffle_vector(
+                    builder.insert_element(zero_vec, a_elem, ir.Constant(ir.IntType(32), 0)),
+                    zero_vec, zero_idx,
+                )
+                for t in range(vectors):
+                    acc = builder.load(accs[r][t])
+                    product = builder.fmul(splat, b_vecs[t], flags=flags)
+                    builder.store(builder.fadd(acc, product, flags=flags), accs[r][t])
+        for r in range(rows):
+            for t in range(vectors):
+                ptr = vector_ptr(c_ptr, c_lead, row(r), column(t))
+                builder.store(builder.load(accs[r][t]), ptr, align=align)
+        if with_max:
+            max_arr = context.make_array(signature.args[6])(context, builder, args[6])
+            for t in range(vectors):
+                ptr = builder.bitcast(
+                    builder.gep(max_arr.data, [column(t)], inbounds=True), vec_ty.as_pointer()
+                )
+                current = builder.load(ptr, align=align)
+                for r in range(rows):
+                    value = builder.load(accs[r][t])
+                    greater = builder.fcmp_ordered(">", value, current)
+                    if nonneg:
+                        zero = ir.Constant(vec_ty, [0.0] * width)
+                        greater = builder.and_(greater, builder.fcmp_ordered(">=", value, zero))
+                    current = builder.select(greater, value, current)
+                builder.store(current, ptr, align=align)
+        return context.get_dummy_value()
+
+    if with_max:
+
+        @intrinsic
+        def block(typingctx, a, b, c, i, j, k, col_max):
+            return types.void(a, b, c, types.intp, types.intp, types.intp, col_max), codegen
+
+    else:
+
+        @intrinsic
+        def block(typingctx, a, b, c, i, j, k):
+            return types.void(a, b, c, types.intp, types.intp, types.intp), codegen
+
+    return block
+
+
+_BLOCKS = {
+    (rows, vectors, transposed): _make_block(rows, vectors, transposed)
+    for rows in (_MR, 1)
+    for vectors in (_NR, 1)
+    for transposed in (False, True)
+}
+_block_nn = _BLOCKS[_MR, _NR, False]
+_block_nn_r1 = _BLOCKS[1, _NR, False]
+_block_nn_v1 = _BLOCKS[_MR, 1, False]
+_block_nn_r1_v1 = _BLOCKS[1, 1, False]
+_block_tn = _BLOCKS[_MR, _NR, True]
+_block_tn_r1 = _BLOCKS[1, _NR, True]
+_block_tn_v1 = _BLOCKS[_MR, 1, True]
+_block_tn_r1_v1 = _BLOCKS[1, 1, True]
+_block_nn_max = _make_block(_MR, _NR, False, with_max=True)
+_block_nn_max_nonneg = _make_block(_MR, _NR, False, with_max=True, nonneg=True)
+
+
+def _vector_width(x):
+    """Elements of the dtype of the array ``x`` in one SIMD register (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_vector_width, inline="always")
+def _vector_width_overload(x):
+    if isinstance(x, types.Array):
+        width = _VECTOR_BYTES * 8 // x.dtype.bitwidth
+        return lambda x: width
+    return None
+
+
 @njit(**_OPTIONS)
-def _matmul(a, b, c, m, n, k, accumulate, transposed):
+def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
     """``c[:m, :n] (+)= A @ b[:k, :n]`` with ``A = a[:m, :k]`` or ``a[:k, :m].T``.
 
-    Register blocking: four rows of ``c`` are updated together with four rows
-    of ``b`` at a time, so each vector of ``b`` loaded feeds four rows and each
-    load/store of ``c`` carries four fused multiply-adds; the 16 elements of
-    ``A`` involved stay in registers (broadcast) across the loop over ``n``.
-    The update is written ``c = c + a0 x0 + a1 x1 + ...`` (left to right) so
-    that it compiles to four FMAs, not a multiply, three FMAs and an add.
-    Leftover rows and leftover ``k`` fall back to rank-1 updates.
+    With ``max_mode`` 1 (2) and not ``transposed``, also ``col_max[j] = c[i, j]``
+    wherever that is greater (and ``>= 0``), over ``i`` in order (see
+    `matmul_nn_max`); 0: no maxima.
+
+    Register blocking: blocks of ``_MR`` rows by ``_NR`` SIMD vectors of ``c``
+    stay in registers over the whole ``k`` loop (see `_make_block`), with
+    column panels outermost so that the panel of ``b`` stays in cache while
+    the rows of ``A`` stream past. Leftover rows and vectors use blocks of one
+    row or one vector; the columns past the last whole vector, a scalar loop.
+    Every element is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of ``k``,
+    with fused multiply-adds, whichever path computes it.
     """
     if not accumulate:
         for i in range(m):
             ci = c[i]
             for j in range(n):
                 ci[j] = 0.0
-    m4 = m - m % 4
-    k4 = k - k % 4
-    for i in range(0, m4, 4):
-        c0 = c[i]
-        c1 = c[i + 1]
-        c2 = c[i + 2]
-        c3 = c[i + 3]
-        for p in range(0, k4, 4):
-            b0 = b[p]
-            b1 = b[p + 1]
-            b2 = b[p + 2]
-            b3 = b[p + 3]
-            a00 = _a_at(a, i, p, transposed)
-            a01 = _a_at(a, i, p + 1, transposed)
-            a02 = _a_at(a, i, p + 2, transposed)
-            a03 = _a_at(a, i, p + 3, transposed)
-            a10 = _a_at(a, i + 1, p, transposed)
-            a11 = _a_at(a, i + 1, p + 1, transposed)
-            a12 = _a_at(a, i + 1, p + 2, transposed)
-            a13 = _a_at(a, i + 1, p + 3, transposed)
-            a20 = _a_at(a, i + 2, p, transposed)
-            a21 = _a_at(a, i + 2, p + 1, transposed)
-            a22 = _a_at(a, i + 2, p + 2, transposed)
-            a23 = _a_at(a, i + 2, p + 3, transposed)
-            a30 = _a_at(a, i + 3, p, transposed)
-            a31 = _a_at(a, i + 3, p + 1, transposed)
-            a32 = _a_at(a, i + 3, p + 2, transposed)
-            a33 = _a_at(a, i + 3, p + 3, transposed)
-            for j in range(n):
-                x0 = b0[j]
-                x1 = b1[j]
-                x2 = b2[j]
-                x3 = b3[j]
-                c0[j] = c0[j] + a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
-                c1[j] = c1[j] + a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
-                c2[j] = c2[j] + a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
-                c3[j] = c3[j] + a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
-        for p in range(k4, k):
-            bp = b[p]
-            a0 = _a_at(a, i, p, transposed)
-            a1 = _a_at(a, i + 1, p, transposed)
-            a2 = _a_at(a, i + 2, p, transposed)
-            a3 = _a_at(a, i + 3, p, transposed)
-            for j in range(n):
-                x = bp[j]
-                c0[j] += a0 * x
-                c1[j] += a1 * x
-                c2[j] += a2 * x
-                c3[j] += a3 * x
-    for i in range(m4, m):
-        ci = c[i]
-        for p in range(k):
-            aip = _a_at(a, i, p, transposed)
-            bp = b[p]
-            for j in range(n):
-                ci[j] += aip * bp[j]
+    width = _vector_width(c)
+    n_vec = n // width
+    n_panel = n_vec - n_vec % _NR
+    m_block = m - m % _MR
+    for jv in range(0, n_panel, _NR):
+        j = jv * width
+        for i in range(0, m_block, _MR):
+            if transposed:
+                _block_tn(a, b, c, i, j, k)
+            elif max_mode == 1:
+                _block_nn_max(a, b, c, i, j, k, col_max)
+            elif max_mode == 2:
+                _block_nn_max_nonneg(a, b, c, i, j, k, col_max)
+            else:
+                _block_nn(a, b, c, i, j, k)
+        for i in range(m_block, m):
+            if transposed:
+                _block_tn_r1(a, b, c, i, j, k)
+            else:
+                _block_nn_r1(a, b, c, i, j, k)
+    for jv in range(n_panel, n_vec):
+        j = jv * width
+        for i in range(0, m_block, _MR):
+            if transposed:
+                _block_tn_v1(a, b, c, i, j, k)
+            else:
+                _block_nn_v1(a, b, c, i, j, k)
+        for i in range(m_block, m):
+            if transposed:
+                _block_tn_r1_v1(a, b, c, i, j, k)
+            else:
+                _block_nn_r1_v1(a, b, c, i, j, k)
+    j_tail = n_vec * width
+    if j_tail < n:
+        for i in range(m):
+            ci = c[i]
+            for p in range(k):
+                aip = _a_at(a, i, p, transposed)
+                bp = b[p]
+                for j in range(j_tail, n):
+                    ci[j] += aip * bp[j]
+    if max_mode != 0:
+        # what the register blocks left: their columns' leftover rows, then
+        # every row of the other columns
+        nonneg = max_mode == 2
+        j_panel = n_panel * width
+        for i in range(m_block, m):
+            ci = c[i]
+            for j in range(j_panel):
+                x = ci[j]
+                col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
+        for i in range(m):
+            ci = c[i]
+            for j in range(j_panel, n):
+                x = ci[j]
+                col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -171,8 +348,9 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     Notes
     -----
     ``a``, ``b``, ``c`` are 2-D C-contiguous arrays of one dtype (float32 or
-    float64). Single-threaded. Each element of ``c`` is updated in steps of
-    four products, fused multiply-adds in a fixed order, so the result matches
+    float64). Single-threaded. Each element of ``c`` is ``c + a_0 b_0 + a_1 b_1
+    + ...`` in the order of ``k`` (fused multiply-adds where the CPU has them),
+    whatever its position in the block, so the result matches
     ``a @ b`` within the usual ``k * eps`` bound (not bit for bit) and depends
     on the inputs only: repeated calls give identical bits.
 
@@ -180,7 +358,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     --------
     matmul_tn
     """
-    _matmul(a, b, c, m, n, k, accumulate, False)
+    _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
 @njit(_MATMUL_SIGNATURES, cache=True)
@@ -211,7 +389,48 @@ def matmul_tn(a, b, c, m, n, k, accumulate):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, accumulate, True)
+    _matmul(a, b, c, m, n, k, accumulate, True, c.reshape(c.size), 0)
+
+
+_MATMUL_MAX_SIGNATURES = [
+    types.void(
+        _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
+        types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"), types.boolean,
+    )
+    for dtype in _DTYPES
+]
+
+
+@njit(_MATMUL_MAX_SIGNATURES, cache=True)
+def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
+    """Tile product ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and its column maxima.
+
+    Parameters
+    ----------
+    a, b, c, m, n, k
+        As in `matmul_nn` (``c[:m, :n]`` is overwritten).
+    col_max : ndarray, shape (>= n,)
+        ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
+        for ``i`` from 0 to ``m - 1`` in order; NaN entries of ``c`` are
+        passed over.
+    nonneg : bool
+        Only entries ``>= 0`` count (the maxima of the logits under NVM,
+        which removes negative scores).
+
+    Notes
+    -----
+    ``c`` has the bits of `matmul_nn` and ``col_max`` those of the loop
+    ``col_max[j] = x if x > col_max[j] else col_max[j]`` (``x > col_max[j]
+    and x >= 0`` with ``nonneg``) over the rows of the
+    product afterwards; most of the maxima are taken while the block is still
+    in registers, which saves that pass over ``c`` (the scores of a forward
+    tile, whose column maxima are the new running maxima).
+
+    See Also
+    --------
+    matmul_nn
+    """
+    _matmul(a, b, c, m, n, k, False, False, col_max, 2 if nonneg else 1)
 
 
 # ---------------------------------------------------------------------------
@@ -233,6 +452,69 @@ def _float_from_bits(typingctx, bits):
         return builder.bitcast(args[0], llvm_type)
 
     return sig, codegen
+
+
+@intrinsic
+def _ldexp(typingctx, x, n):
+    """``x * 2**n`` rounded once (``llvm.ldexp``), float32 or float64 ``x``, int32 ``n``."""
+    if x not in (types.float32, types.float64) or n != types.int32:
+        return None
+    sig = x(x, types.int32)
+
+    def codegen(context, builder, signature, args):
+        llvm_type = context.get_value_type(signature.args[0])
+        name = "llvm.ldexp.f32.i32" if signature.args[0] == types.float32 else "llvm.ldexp.f64.i32"
+        fnty = ir.FunctionType(llvm_type, [llvm_type, ir.IntType(32)])
+        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+    return sig, codegen
+
+
+#: ``llvm.ldexp`` compiles to one vectorised instruction (vscalefps/pd) with
+#: AVX-512; elsewhere it may become a library call per element, so the
+#: exponential builds its power of two from exponent fields instead.
+_HAS_VECTOR_LDEXP = _VECTOR_BYTES == 64
+
+
+@njit(**_OPTIONS)
+def _pow2_fields_f64(p, t):
+    """``p * 2**t`` (float64 ``p`` near 1, integral float ``t`` in [-1100, 1100]), rounded once.
+
+    2**t = 2**t1 * 2**t2, each factor a normal number built in its exponent
+    field: p * 2**t1 is exact, and subnormal or overflowing results round
+    once, in the last product.
+    """
+    e = np.int64(t)
+    e1 = e >> 1
+    e2 = e - e1
+    return p * _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+
+
+@njit(**_OPTIONS)
+def _pow2_fields_f32(p, t):
+    """``p * 2**t`` (float32 ``p`` near 1, integral float ``t`` in [-160, 160]), rounded once."""
+    e = np.int32(t)
+    e1 = e >> 1
+    e2 = e - e1
+    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
+    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
+    return p * s1 * s2
+
+
+@njit(**_OPTIONS)
+def _pow2_scale_f64(p, t):
+    """``p * 2**t`` rounded once: ``ldexp`` where it vectorises, else `_pow2_fields_f64`."""
+    if _HAS_VECTOR_LDEXP:
+        return _ldexp(p, np.int32(t))
+    return _pow2_fields_f64(p, t)
+
+
+@njit(**_OPTIONS)
+def _pow2_scale_f32(p, t):
+    """``p * 2**t`` rounded once: ``ldexp`` where it vectorises, else `_pow2_fields_f32`."""
+    if _HAS_VECTOR_LDEXP:
+        return _ldexp(p, np.int32(t))
+    return _pow2_fields_f32(p, t)
 
 
 # float64: Cody-Waite split of ln 2 (fdlibm): LN2_HI has 32 significant bits,
@@ -276,13 +558,7 @@ def _exp_f64_scalar(v):
     q = (((((((((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]) * r + c[5]) * r
            + c[6]) * r + c[7]) * r + c[8]) * r + c[9])
     p = (q * r + 1.0) * r + 1.0
-    # 2**t = 2**t1 * 2**t2, each factor a normal number built in its
-    # exponent field, so that subnormal and overflowing results round
-    # once, in the last product.
-    e = np.int64(t)
-    e1 = e >> 1
-    e2 = e - e1
-    y = p * _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+    y = _pow2_scale_f64(p, t)
     if v < -746.0:
         y = 0.0
     return y
@@ -350,12 +626,7 @@ def _exp_f32_scalar(v):
     c = _EXP_Q_F32
     q = (((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]
     p = (q * r + _ONE_F32) * r + _ONE_F32
-    e = np.int32(t)
-    e1 = e >> 1
-    e2 = e - e1
-    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
-    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
-    y = p * s1 * s2
+    y = _pow2_scale_f32(p, t)
     if v < _LO_F32:
         y = _ZERO_F32
     return y
@@ -428,11 +699,12 @@ def exp_inplace(x, m, n):
     coefficients rounded to the working precision the polynomial is within
     :math:`1.6 \cdot 10^{-17}` (float64, 0.15 ulp) and :math:`1.1 \cdot 10^{-8}`
     (float32, 0.2 ulp) relative of :math:`e^r`.
-    The power :math:`2^t` is written directly into the exponent field of two
-    floats :math:`2^{t_1} 2^{t_2}`, :math:`t_1 = \lfloor t/2 \rfloor`, both normal,
-    so that results in the subnormal range and overflow round once, in the last
-    product. The rest of the error is the rounding of the Horner evaluation:
-    in all, at most 1 ulp (asserted by the tests against a long double
+    The power :math:`2^t` is applied with one rounding, so that results in the
+    subnormal range and overflow round once: by ``ldexp`` (one ``vscalef``
+    instruction) with AVX-512, elsewhere by writing it into the exponent
+    fields of two floats :math:`2^{t_1} 2^{t_2}`, :math:`t_1 = \lfloor t/2 \rfloor`,
+    both normal, and multiplying (the same bits). The rest of the error is the
+    rounding of the Horner evaluation: in all, at most 1 ulp (asserted by the tests against a long double
     reference over the whole finite range; measured: 0.91 ulp in float32,
     0.93 ulp in float64).
 

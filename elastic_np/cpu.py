@@ -51,8 +51,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from elastic_np._tiles import (
-    TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_tn, prefetch, tanh_any,
-    transpose_add, transpose_store,
+    TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
+    tanh_any, transpose_add, transpose_store,
 )
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
@@ -62,6 +62,10 @@ dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
 BLOCK_K = 128
+#: The backward's key tiles are this many times BLOCK_K long: every key tile
+#: reads all the query-side tiles (q, dout, both layouts) once, so longer key
+#: tiles halve that traffic and the dq shares.
+BACKWARD_K_FACTOR = 2
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25
 #: Memory for the backward's float64 partials of a broadcast bias's gradient.
@@ -176,7 +180,8 @@ def backward(problem, dout, out, lse):
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).
     # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
-    n_kt = -(-M // BLOCK_K)
+    block_k = BLOCK_K * BACKWARD_K_FACTOR
+    n_kt = -(-M // block_k)
     share_bytes = max(B * H * N * D * q.itemsize, 1)
     chunk = int(min(max(DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
     dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
@@ -190,7 +195,7 @@ def backward(problem, dout, out, lse):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _backward_kernel(
-            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, BLOCK_K,
+            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, block_k,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
             plan.params, plan.strides, plan.direct, plan.partials,
         )
@@ -487,6 +492,23 @@ def _query_range(j0, bk, N, M, off_lo, off_hi):
     return i_lo, max(i_hi, i_lo)
 
 
+@njit(cache=True)
+def _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
+    """True when no entry of the tile is removed (inside the offset range, no NVM, mask or gate)."""
+    shift = M - N
+    # Whole tile inside [off_lo, off_hi]: the last key with the first query
+    # and the first key with the last query are the extreme offsets.
+    inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
+    return inside and not (nvm or opt.has_mask or opt.has_gate)
+
+
+@njit(cache=True)
+def _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
+    """True when `_logits_tile` leaves the tile as it is (and returns True)."""
+    modified = opt.has_softcap or opt.has_alibi or opt.has_bias
+    return not modified and _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
+
+
 def _like(x, arr):
     """``x`` as a scalar of the dtype of the array ``arr`` (jit code only)."""
     raise NotImplementedError("only callable from compiled code")
@@ -515,12 +537,9 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope
     """
     if opt.has_softcap or opt.has_alibi or opt.has_bias:
         _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope)
-    shift = M - N
-    # Whole tile inside [off_lo, off_hi]: the last key with the first query
-    # and the first key with the last query are the extreme offsets.
-    inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
-    if inside and not (nvm or opt.has_mask or opt.has_gate):
+    if _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
         return True
+    shift = M - N
     neg_inf = -np.inf
     any_kept = False
     for c in range(bk):
@@ -715,26 +734,30 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
             bk = min(block_k, j_hi - j0)
             if opt.has_bias and j0 + block_k < j_hi:
                 _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
-            matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
-            if not _logits_tile(
-                st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-                no_slope, False,
-            ):
-                continue
             for r in range(bq):
                 tile_max[r] = -np.inf
-            if nvm_in_max:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        x = row[r]
-                        tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
+            if _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits):
+                # scores are the logits: their maxima come with the product
+                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max, nvm_in_max)
             else:
-                for c in range(bk):
-                    row = st[c]
-                    for r in range(bq):
-                        x = row[r]
-                        tile_max[r] = x if x > tile_max[r] else tile_max[r]
+                matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
+                if not _logits_tile(
+                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
+                    no_slope, False,
+                ):
+                    continue
+                if nvm_in_max:
+                    for c in range(bk):
+                        row = st[c]
+                        for r in range(bq):
+                            x = row[r]
+                            tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
+                else:
+                    for c in range(bk):
+                        row = st[c]
+                        for r in range(bq):
+                            x = row[r]
+                            tile_max[r] = x if x > tile_max[r] else tile_max[r]
             rescale = False
             for r in range(bq):
                 new_max = max(row_max[r], tile_max[r])

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from elastic_np import _tiles
-from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_tn
+from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 
 DTYPES = [np.float32, np.float64]
-# odd sizes hit every leftover path of the 4-row x 4-deep register blocking
+# odd sizes hit every leftover path of the register blocking: rows past the last
+# block of rows, vectors past the last panel, columns past the last whole vector
 SIZES = [(1, 1, 1), (7, 59, 97), (97, 7, 59), (59, 97, 7), (12, 33, 6), (64, 64, 64), (33, 130, 64)]
 
 
@@ -89,6 +90,66 @@ def test_matmul_repeatable(dtype):
     np.testing.assert_array_equal(first, second)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_same_bits_on_every_path(dtype, transpose_a):
+    # an element's bits do not depend on which path (register block, single row,
+    # single vector, scalar tail column) computes it: partial tiles agree with whole ones
+    m, n, k = 11, 83, 37
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal((k, m) if transpose_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    fn = matmul_tn if transpose_a else matmul_nn
+    whole = c0.copy()
+    fn(a, b, whole, m, n, k, True)
+    for i in range(m):  # one row at a time
+        a_row = np.ascontiguousarray(a[:, i : i + 1] if transpose_a else a[i : i + 1])
+        row = c0[i : i + 1].copy()
+        fn(a_row, b, row, 1, n, k, True)
+        np.testing.assert_array_equal(row, whole[i : i + 1])
+    for j in range(n):  # one column at a time: always the scalar tail
+        col = np.ascontiguousarray(c0[:, j : j + 1])
+        fn(a, np.ascontiguousarray(b[:, j : j + 1]), col, m, 1, k, True)
+        np.testing.assert_array_equal(col, whole[:, j : j + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SIZES + [(128, 128, 64), (9, 64, 5)])
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg):
+    rng = np.random.default_rng(m + 7 * n + 31 * k)
+    a, b, c = _operands(rng, dtype, m, n, k, False)
+    a = np.abs(a)
+    if m > 2 and k > 1:
+        a[1, 0] = np.nan  # a NaN row of the product: passed over by the max
+    col_max0 = rng.standard_normal(n + 5).astype(dtype)
+    col_max0[: n // 3] = -np.inf
+    col_max0[n // 3 : n // 2] = 10.0  # already above every entry
+    b[:k, n - 1] = 0.0  # a column of +0.0 products: a -0.0 maximum stays -0.0
+    col_max0[n - 1] = -0.0
+    if n > 1:
+        col_max0[n - 2] = -np.inf  # a column of entries <= 0: with nonneg, -inf stays but for 0
+        b[:k, n - 2] = -np.abs(b[:k, n - 2])
+    expected_c = c.copy()
+    matmul_nn(a, b, expected_c, m, n, k, False)
+    expected_max = col_max0.copy()
+    for i in range(m):
+        for j in range(n):
+            x = expected_c[i, j]
+            keep = x > expected_max[j] and (x >= 0 or not nonneg)
+            expected_max[j] = x if keep else expected_max[j]
+    col_max = col_max0.copy()
+    a_in, b_in = a.copy(), b.copy()
+    matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)
+    np.testing.assert_array_equal(c, expected_c)
+    np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected_max))
+    np.testing.assert_array_equal(col_max, expected_max)
+    np.testing.assert_array_equal(a, a_in)
+    np.testing.assert_array_equal(b, b_in)
+    assert len(matmul_nn_max.signatures) == 2
+
+
 def _ulp_error(got, x, dtype):
     """|got - exp(x)| in units of the spacing of ``dtype`` at exp(x) (x87 long double reference)."""
     exact = np.exp(x.astype(np.longdouble))
@@ -121,6 +182,33 @@ def test_exp_accuracy_in_ulps(dtype):
     worst = ulp.max()
     print(f"{np.dtype(dtype).name}: max error {worst:.3f} ulp at x = {x[np.argmax(ulp)]!r}")
     assert worst <= 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pow2_scalings_agree(dtype):
+    # ldexp (used with AVX-512) and the two exponent fields (elsewhere) round
+    # p * 2**t once, to the same bits, over the whole range exp needs, subnormals included
+    f64 = dtype == np.float64
+    fields = _tiles._pow2_fields_f64 if f64 else _tiles._pow2_fields_f32
+
+    @numba.njit
+    def both(p, t, by_ldexp, by_fields):
+        for i in range(p.size):
+            by_ldexp[i] = _tiles._ldexp(p[i], np.int32(t[i]))
+            by_fields[i] = fields(p[i], t[i])
+
+    rng = np.random.default_rng(17)
+    t_lo, t_hi = (-1077, 1025) if f64 else (-151, 129)
+    t = np.repeat(np.arange(t_lo, t_hi + 1), 40).astype(dtype)
+    p = rng.uniform(np.sqrt(0.5), np.sqrt(2.0), t.size).astype(dtype)
+    p[::7] = np.nextafter(dtype(1), dtype(0))  # rounding ties and edges near 1
+    by_ldexp, by_fields = np.empty_like(p), np.empty_like(p)
+    both(p, t, by_ldexp, by_fields)
+    with np.errstate(over="ignore"):
+        expected = np.ldexp(p, t.astype(np.int32))
+    np.testing.assert_array_equal(by_fields, expected)
+    np.testing.assert_array_equal(by_ldexp, expected)
+    assert np.any((expected > 0) & (expected < np.finfo(dtype).tiny)) and np.any(np.isinf(expected))
 
 
 @pytest.mark.parametrize(
@@ -214,8 +302,8 @@ def test_exp_shift_sum_is_the_separate_passes(dtype, m, n, nvm):
 
 
 def _packed_arithmetic(asm):
-    """Packed (SIMD) multiply or FMA instructions of an x86 listing."""
-    return re.findall(r"\bv?(?:fmadd\w*|mul)p[sd]\s+%?[xyz]mm", asm)
+    """Packed (SIMD) multiply, scale or FMA (any sign) instructions of an x86 listing (AT&T)."""
+    return re.findall(r"\bv?(?:fn?m(?:add|sub)\w*|mul|scalef)p[sd]\s[^\n]*%[xyz]mm", asm)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 listing")
@@ -227,7 +315,7 @@ def test_vectorised(dtype):
     row = np.zeros(2, dtype)
     for fn, args in (
         (exp_fn, (x, 2, 2)),
-        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False)),
+        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
         (_tiles.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
     ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
