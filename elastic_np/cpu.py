@@ -654,6 +654,25 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
 
 
 @njit(cache=True)
+def _store_transposed(tile, bk, bq, dst, start, stride, scale):
+    """``dst[start + r * stride + c] = scale * tile[c, r]`` for ``c < bk``, ``r < bq``.
+
+    Square blocks of ``W`` go through SIMD registers (`transpose_store`), the
+    edges element by element: a key-major tile written out query-major.
+    """
+    width = TRANSPOSE_BYTES // tile.itemsize
+    bk_w = bk - bk % width
+    bq_w = bq - bq % width
+    for cb in range(0, bk_w, width):
+        for rb in range(0, bq_w, width):
+            transpose_store(tile, dst, start + rb * stride + cb, stride, cb, rb, scale)
+    for c in range(bk):
+        row = tile[c]
+        for r in range(0 if c >= bk_w else bq_w, bq):
+            dst[start + r * stride + c] = row[r] * scale
+
+
+@njit(cache=True)
 def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf
@@ -990,23 +1009,9 @@ def _backward_kernel(
                                 dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
                     # dbias = ds = dz / tau_h, before the soft-cap's slope
                     if dbias_mode == 1:
-                        # dbias[i0 + r, j0 + c] = dz[c, r] / tau: W x W blocks
-                        # transposed in registers (d_j = 1), then the edges
+                        # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
                         start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
-                        width = TRANSPOSE_BYTES // dpt.itemsize
-                        bk_w = bk - bk % width
-                        bq_w = bq - bq % width
-                        for cb in range(0, bk_w, width):
-                            for rb in range(0, bq_w, width):
-                                transpose_store(
-                                    dpt, dbias_direct, start + rb * d_i + cb, d_i, cb, rb,
-                                    inv_tau_t,
-                                )
-                        for c in range(bk):
-                            row = dpt[c]
-                            at = start + c * d_j
-                            for r in range(0 if c >= bk_w else bq_w, bq):
-                                dbias_direct[at + r * d_i] = row[r] * inv_tau_t
+                        _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
                     elif dbias_mode == 2:
                         part = dbias_partials[slot]
                         start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
@@ -1028,21 +1033,9 @@ def _backward_kernel(
                                     a0 += float(row[r])
                                 part[start + c * d_j] += ((a0 + a1) + (a2 + a3)) * inv_tau
                         elif d_j == 1 and d_i > 1:
-                            # keys contiguous in dbias: transpose the tile into
-                            # dz_t (W x W blocks in registers, then the edges),
-                            # then add along the keys, a run per query
-                            width = TRANSPOSE_BYTES // dpt.itemsize
-                            bk_w = bk - bk % width
-                            bq_w = bq - bq % width
-                            for cb in range(0, bk_w, width):
-                                for rb in range(0, bq_w, width):
-                                    transpose_store(
-                                        dpt, dz_t, rb * block_k + cb, block_k, cb, rb, one_t
-                                    )
-                            for c in range(bk):
-                                row = dpt[c]
-                                for r in range(0 if c >= bk_w else bq_w, bq):
-                                    dz_t[r * block_k + c] = row[r]
+                            # keys contiguous in dbias: the tile transposed into
+                            # dz_t, then added along the keys, a run per query
+                            _store_transposed(dpt, bk, bq, dz_t, 0, block_k, one_t)
                             for r in range(bq):
                                 at = start + r * d_i
                                 base = r * block_k
