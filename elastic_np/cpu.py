@@ -633,24 +633,37 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
                 for r in range(bq):
                     row[r] += bias_col[r] * inv_tau_t
     if opt.has_bias and not by_rows:
-        # st[c, r] += bias[i0 + r, j0 + c]: read row by row (runs of keys) and
-        # added transposed. With the keys contiguous (b_j = 1), square blocks of
-        # W x W move through SIMD registers; the edges, and any other layout,
-        # go element by element, a block of _BIAS_KEYS keys at a time.
+        # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
-        width = TRANSPOSE_BYTES // st.itemsize
-        bk_w = bk - bk % width if b_j == 1 else 0
-        bq_w = bq - bq % width if b_j == 1 else 0
-        for cb in range(0, bk_w, width):
-            for rb in range(0, bq_w, width):
-                transpose_add(st, opt.bias, start0 + rb * b_i + cb, b_i, cb, rb, inv_tau_t)
-        for cb in range(0, bk, _BIAS_KEYS):
-            nc = min(_BIAS_KEYS, bk - cb)
-            for r in range(bq):
-                c_lo = 0 if r >= bq_w else min(max(bk_w - cb, 0), nc)
-                at = start0 + r * b_i + cb * b_j
-                for c in range(c_lo, nc):
-                    st[cb + c, r] += opt.bias[at + c * b_j] * inv_tau_t
+        if b_j == 1:
+            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t)
+        else:
+            # any other layout element by element, _BIAS_KEYS keys at a time
+            for cb in range(0, bk, _BIAS_KEYS):
+                nc = min(_BIAS_KEYS, bk - cb)
+                for r in range(bq):
+                    at = start0 + r * b_i + cb * b_j
+                    for c in range(nc):
+                        st[cb + c, r] += opt.bias[at + c * b_j] * inv_tau_t
+
+
+@njit(cache=True)
+def _add_transposed(tile, bk, bq, src, start, stride, scale):
+    """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
+
+    The inverse direction of `_store_transposed`: square blocks of ``W`` go
+    through SIMD registers (`transpose_add`), the edges element by element.
+    """
+    width = TRANSPOSE_BYTES // tile.itemsize
+    bk_w = bk - bk % width
+    bq_w = bq - bq % width
+    for cb in range(0, bk_w, width):
+        for rb in range(0, bq_w, width):
+            transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+    for c in range(bk):
+        row = tile[c]
+        for r in range(0 if c >= bk_w else bq_w, bq):
+            row[r] += src[start + r * stride + c] * scale
 
 
 @njit(cache=True)
