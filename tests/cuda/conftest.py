@@ -5,7 +5,9 @@
   imported, hence a process of its own, so the simulator never leaks into the
   other tests.
 - the main ``python -m pytest``: everything here that needs no simulator (the
-  error without a GPU, PTX compilation); the simulator tests are not collected.
+  error without a GPU, PTX compilation); the kernel tests (``test_sim_*.py``)
+  are collected too when a real CUDA GPU is usable, so that on a GPU machine
+  ``python -m pytest tests/cuda`` runs them on the hardware.
 """
 
 import os
@@ -14,9 +16,18 @@ import pytest
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
+
+def _gpu_usable():
+    try:
+        from elastic_np import cuda
+    except ImportError:
+        return False
+    return cuda.is_available()
+
+
 if SIMULATOR:
     collect_ignore_glob = ["test_cuda_*.py"]
-else:
+elif not _gpu_usable():
     collect_ignore_glob = ["test_sim_*.py"]
 
 
