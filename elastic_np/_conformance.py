@@ -344,6 +344,110 @@ def naive_backward(dout, out, lse, cache, dtype):
     return grads
 
 
+def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0):
+    """`naive_forward` and `naive_backward` in several summation orders.
+
+    An evaluation in float32 has no preferred order of its sums, so the
+    baseline of the kernels' float32 rule (`float32_allowed`) is the worst of
+    a few equally valid ones: the head dimensions of ``q, k`` (and of ``v,
+    dout``) are permuted together, which changes the rounding of every dot
+    product and nothing else. The first ordering is the given one.
+
+    Returns
+    -------
+    list of dict
+        One per ordering: ``"out"``, ``"lse"`` and the gradients of
+        `naive_backward`, in the caller's head-dimension order.
+    """
+    rng = np.random.default_rng(seed)
+    D, Dv = np.shape(q)[-1], np.shape(v)[-1]
+    results = []
+    for n in range(orderings):
+        pd = np.arange(D) if n == 0 else rng.permutation(D)
+        pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
+        out, lse, cache = naive_forward(q[..., pd], k[..., pd], v[..., pv], options, dtype)
+        grads = naive_backward(np.asarray(dout)[..., pv], out, lse, cache, dtype)
+        ipd, ipv = np.argsort(pd), np.argsort(pv)
+        grads.update(dq=grads["dq"][..., ipd], dk=grads["dk"][..., ipd], dv=grads["dv"][..., ipv])
+        results.append(dict(grads, out=out[..., ipv], lse=lse))
+    return results
+
+
+def summation_allowance(q, k, v, dout, options):
+    """The rounding allowance of the gradients that are one cancelling sum.
+
+    ``dtau``, ``dbeta``, ``dsigma`` and a broadcast ``dbias`` each sum terms
+    over many entries (``dz * s / tau**2``, ``delta * exp(-lse)``,
+    ``dz * dlogG/dsigma``, ``ds``) that cancel (``sum_j dz_ij = 0`` when
+    ``beta = 0``): the rounding of a float32 evaluation of such a sum is of
+    the order of ``eps * sum |terms|``, not of the size of the result.
+
+    Returns
+    -------
+    dict
+        ``{name: 2 * eps * max(sum |terms|)}`` for the gradients the options
+        produce, ``eps`` float32's.
+    """
+    q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
+    p = prepare(q, k, v, **options)
+    out, lse = reference._forward(p)
+    s, z, keep, gate, _ = reference._attention_logits(p)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
+        v_h = np.repeat(p.v, p.group_size, axis=1)
+        delta = np.sum(dout * out, axis=-1)
+        dz = probs * (dout @ np.swapaxes(v_h, -1, -2) - delta[..., None])
+        dtau = np.sum(np.abs(np.where(keep, dz * s, 0.0)), axis=(0, 2, 3)) / p.tau**2
+        dbeta = np.sum(np.abs(np.where(delta == 0, 0.0, delta * np.exp(-lse))), axis=(0, 2))
+        dsigma = None
+        if gate is not None:
+            G, f, x = gate
+            sigma = p.sigma[:, :, None, None]
+            dlogg = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
+            dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
+    bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
+    eps = float(np.finfo(np.float32).eps)
+    allowance = {
+        name: 2 * eps * float(np.max(getattr(bounds, name)))
+        for name in ("dtau", "dbeta", "dsigma")
+        if getattr(bounds, name) is not None
+    }
+    if p.bias is not None:
+        terms = reduce_to_shape(np.abs(dz / p.tau[:, None, None]), p.bias_shape)
+        allowance["dbias"] = 2 * eps * float(np.max(terms, initial=0.0))
+    return allowance
+
+
+def float32_allowed(want, naive, rounding=None):
+    """The float32 rule of the kernel tests: the error allowed against the oracle.
+
+    ``min(2 * naive_error + rounding, 1e-5 * scale)`` with ``scale = max(1,
+    max |want|)``, where ``naive_error`` is the worst error of ``naive``, the
+    same quantity from each ordering of `naive_orderings`: twice a naive
+    float32 evaluation's error (FlashAttention's rule), an allowance for
+    rounding the result itself, and never more than the contract's ``1e-5``.
+
+    Parameters
+    ----------
+    want : array_like
+        The float64 oracle's value.
+    naive : list of array_like
+        The naive evaluations' values.
+    rounding : float, optional
+        Default one float32 ulp of ``scale``; `summation_allowance` gives the
+        one of the gradients that are a cancelling sum.
+
+    Returns
+    -------
+    allowed, naive_error : float
+    """
+    scale = max(1.0, _magnitude(want))
+    naive_error = max(worst_error(n, want)[0] for n in naive)
+    if rounding is None:
+        rounding = float(np.finfo(np.float32).eps) * scale
+    return min(2.0 * naive_error + rounding, FLOOR[np.dtype(np.float32)] * scale), naive_error
+
+
 # ---------------------------------------------------------------------------
 # Errors and the report
 # ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _bench, _dispatch, _options, cpu, reference
+from elastic_np import _bench, _conformance, _dispatch, _options, cpu, reference
 
 DTYPES = [np.float64, np.float32]
 
@@ -37,109 +37,14 @@ def _inputs(dtype, B=2, H=4, Hkv=2, N=23, M=31, D=8, Dv=6, seed=0):
     return q, k, v, dout
 
 
-def _naive_float32(p, dout):
-    """The contract evaluated naively in float32: full score matrix, NumPy reductions.
-
-    The baseline of the float32 accuracy rule; returns ``(out, lse, grads)``
-    with ``grads = (dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias)``.
-    """
-    f4 = np.float32
-    B, H, Hkv, N, M, D, Dv = p.shape
-    g = p.group_size
-    q = p.q.astype(f4)
-    k = np.repeat(p.k.astype(f4), g, axis=1)
-    v = np.repeat(p.v.astype(f4), g, axis=1)
-    dout = dout.astype(f4)
-    tau = p.tau.astype(f4)[:, None, None]
-    s = (q @ np.swapaxes(k, -1, -2)) * f4(p.scale)
-    cap_slope = None
-    if p.softcap is not None:
-        t = np.tanh(s / f4(p.softcap))
-        s = f4(p.softcap) * t
-        cap_slope = f4(1) - t * t
-    if p.alibi is not None:
-        offsets = np.abs(np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)).astype(f4)
-        s = s - p.alibi.astype(f4)[:, :, None, None] * offsets
-    keep = reference.structural_keep(p)
-    if p.bias is not None:
-        s = s + p.bias.astype(f4)
-        keep = keep & (p.bias > -np.inf)
-        s = np.where(keep, s, f4(0))
-    if p.nvm:
-        keep = keep & (s >= 0)
-    z = s / tau
-    if p.sigma is not None:
-        G, fbell, x = reference.window_gate(p)
-        keep = keep & (G > 0)
-        with np.errstate(divide="ignore"):
-            z = z + np.log(G).astype(f4)
-    z = np.where(keep, z, f4(-np.inf))
-    m = np.max(z, axis=-1, keepdims=True)
-    m = np.where(np.isneginf(m), f4(0), m)
-    with np.errstate(divide="ignore"):
-        log_beta = np.log(p.beta.astype(f4))[None, :, None]
-        lse = np.logaddexp(m[..., 0] + np.log(np.exp(z - m).sum(axis=-1)), log_beta)
-    with np.errstate(invalid="ignore"):
-        probs = np.where(keep, np.exp(z - lse[..., None]), f4(0))
-    out = probs @ v
-
-    dP = dout @ np.swapaxes(v, -1, -2)
-    delta = np.sum(dout * out, axis=-1)
-    dz = probs * (dP - delta[..., None])
-    ds = dz / tau
-    dbias = None if p.bias is None else _options.reduce_to_shape(ds, p.bias_shape)
-    if cap_slope is not None:
-        ds = ds * cap_slope
-    dq = f4(p.scale) * (ds @ k)
-    dk = (f4(p.scale) * (np.swapaxes(ds, -1, -2) @ q)).reshape(B, Hkv, g, M, D).sum(axis=2)
-    dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, g, M, Dv).sum(axis=2)
-    dtau = -np.sum(np.where(keep, dz * s, f4(0)), axis=(0, 2, 3)) / tau[:, 0, 0] ** 2
-    with np.errstate(over="ignore", invalid="ignore"):
-        dbeta = -np.where(delta == 0, f4(0), delta * np.exp(-lse)).sum(axis=(0, 2))
-    dsigma = None
-    if p.sigma is not None:
-        sig = p.sigma.astype(f4)[:, :, None, None]
-        G, fbell, x = (a.astype(f4) for a in (G, fbell, x))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            dlogG = f4(p.sharpness) * (1 - G**2) / G * fbell * (x**2 / sig**3 - 1 / sig)
-            dsigma = np.sum(np.where(keep, dz * dlogG, f4(0)), axis=(2, 3))
-    return out, lse, (dq, dk, dv, dtau, dbeta, dsigma, dbias)
-
-
-def _naive_float32_orderings(q, k, v, dout, opts, orderings=4, seed=0):
-    """Naive float32 results in several summation orders: ``[(out, lse, dq, ..., dbias), ...]``.
-
-    A float32 evaluation has no preferred order of its sums, so the baseline
-    of the accuracy rule is the worst of a few equally valid ones: the head
-    dimensions of ``q, k`` (and of ``v, dout``) are permuted together, which
-    changes every dot product's rounding and nothing else.
-    """
-    rng = np.random.default_rng(seed)
-    D, Dv = q.shape[3], v.shape[3]
-    results = []
-    for n in range(orderings):
-        pd = np.arange(D) if n == 0 else rng.permutation(D)
-        pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
-        p = _options.prepare(q[..., pd], k[..., pd], v[..., pv], dtypes=cpu.dtypes, **opts)
-        out, lse, (dq, dk, dv, dtau, dbeta, dsigma, dbias) = _naive_float32(p, dout[..., pv])
-        ipd, ipv = np.argsort(pd), np.argsort(pv)
-        results.append([
-            out[..., ipv], lse, dq[..., ipd], dk[..., ipd], dv[..., ipv],
-            _options.sum_to_shape(dtau, p.tau_shape),
-            _options.sum_to_shape(dbeta, p.beta_shape),
-            None if dsigma is None else _options.sum_to_shape(dsigma, p.sigma_shape),
-            dbias,
-        ])
-    return [list(per_field) for per_field in zip(*results)]
-
-
-def assert_close(name, result, oracle, dtype, naive=None):
+def assert_close(name, result, oracle, dtype, naive=None, rounding=None):
     """Check shape and dtype, then the accuracy rule; print the worst difference.
 
     float64: ``max|result - oracle| <= 1e-12 * max(1, max|oracle|)``.
-    float32: at most twice the error of a naive float32 evaluation (the worst
-    of ``naive``, a list of evaluations in different summation orders, plus
-    one float32 ulp of the scale) and at most ``1e-5 * max(1, max|oracle|)``.
+    float32: `elastic_np._conformance.float32_allowed`, twice the worst error of
+    ``naive`` (naive float32 evaluations in several summation orders) plus
+    ``rounding`` (default one float32 ulp of the scale), and at most
+    ``1e-5 * max(1, max|oracle|)``.
     ``-inf`` (an empty row's lse with beta = 0) must sit at the same places.
     ``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``dbias`` keep the input dtype; ``dtau``,
     ``dbeta``, ``dsigma`` come back in float64 like ``tau``, ``beta``, ``sigma``.
@@ -162,11 +67,7 @@ def assert_close(name, result, oracle, dtype, naive=None):
         print(f"{name}: worst |diff| {err:.3e} (bound {bound:.1e})")
         assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.1e}"
         return
-    naive_err = max(
-        float(np.abs(np.asarray(n, dtype=np.float64)[finite] - o64).max(initial=0.0))
-        for n in naive
-    )
-    bound = min(2 * naive_err + np.finfo(np.float32).eps * scale, 1e-5 * scale)
+    bound, naive_err = _conformance.float32_allowed(oracle, naive, rounding)
     print(f"{name}: worst |diff| {err:.3e}, naive float32 {naive_err:.3e} (bound {bound:.1e})")
     assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.3e} (naive {naive_err:.3e})"
 
@@ -182,12 +83,14 @@ def check_case(dtype, opts, seed=0, **shape):
     with np.errstate(all="ignore"):
         ref_grads = reference.attention_backward(dout64, q64, k64, v64, ref_out, ref_lse, **opts)
 
-    naive = [None] * 9
+    naive, summation = {}, {}
     if dtype == np.float32:
-        naive = _naive_float32_orderings(q, k, v, dout, opts)
-    assert_close("out", out, ref_out, dtype, naive[0])
-    assert_close("lse", lse, ref_lse, dtype, naive[1])
-    for i, field in enumerate(("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")):
+        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32)
+        naive = {name: [n[name] for n in orderings] for name in orderings[0]}
+        summation = _conformance.summation_allowance(q, k, v, dout, opts)
+    assert_close("out", out, ref_out, dtype, naive.get("out"))
+    assert_close("lse", lse, ref_lse, dtype, naive.get("lse"))
+    for field in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias"):
         got, want = getattr(grads, field), getattr(ref_grads, field)
         if want is None:
             assert got is None, field
@@ -195,7 +98,7 @@ def check_case(dtype, opts, seed=0, **shape):
         assert np.shape(got) == np.shape(want), field
         if np.shape(want) == ():
             assert isinstance(got, float), f"{field} should be a Python float"
-        assert_close(field, got, want, dtype, naive[2 + i])
+        assert_close(field, got, want, dtype, naive.get(field), summation.get(field))
     return out, lse, grads
 
 
