@@ -181,7 +181,8 @@ def test_exp_accuracy_in_ulps(dtype):
     ulp = _ulp_error(got.ravel(), x, dtype)
     worst = ulp.max()
     print(f"{np.dtype(dtype).name}: max error {worst:.3f} ulp at x = {x[np.argmax(ulp)]!r}")
-    assert worst <= 1.0
+    # without fused multiply-adds each Horner step rounds twice (see exp_inplace)
+    assert worst <= (1.0 if _tiles.HAS_FMA else 1.25)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
