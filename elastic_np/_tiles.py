@@ -1,7 +1,7 @@
 """Single-threaded tile primitives for the Numba CPU attention kernels.
 
-Small dense building blocks that the ``@njit(parallel=True)`` kernels of
-`elastic_np.cpu` call once per tile, inside a ``prange`` task. They use no
+Small dense building blocks that the kernels of `elastic_np.cpu` call once
+per tile, inside a task that one thread runs. They use no
 BLAS (so they never start threads of their own): the products are register-
 blocked micro-kernels written as LLVM vector code (AVX-512, AVX2 or SSE,
 whichever the host has, with fused multiply-adds), the rest are loops that

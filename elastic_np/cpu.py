@@ -18,10 +18,10 @@ causal, ``window_size``, ``kv_lengths`` and the dynamic-window band leave.
 Per-query running statistics (``row_max``, ``row_sum``) are vectors along the
 contiguous axis of the tile.
 
-- forward: ``prange`` over (batch, head, query tile), the online-softmax
+- forward: one task per (batch, head, query tile), the online-softmax
   recurrence with the ``beta`` term folded in at the end.
-- backward: recomputation from ``lse`` (FlashAttention-2), one ``prange``
-  over (batch, kv head, key tile): each task owns its ``dk``, ``dv`` rows
+- backward: recomputation from ``lse`` (FlashAttention-2), one task per
+  (batch, kv head, key tile): each task owns its ``dk``, ``dv`` rows
   (the query heads of a group summed inside the task) and writes its key
   tile's share of ``dq`` into a buffer of its own, together with per-task
   partial sums of ``dtau`` and ``dsigma``; the shares are then added in
@@ -40,14 +40,19 @@ contiguous axis of the tile.
   it is broadcast over the keys, each key tile keeps a partial of its own
   (like the shares of dq), summed in key-tile order.
 
-The number of threads follows `numba.set_num_threads`.
+The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
+kernels release the GIL), as many as `numba.get_num_threads` says, so the
+number of threads follows `numba.set_num_threads`.
 """
 
 import collections
+import concurrent.futures
 import math
+import os
 
+import numba
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import overload
 
 from elastic_np._tiles import (
@@ -140,7 +145,7 @@ def forward(problem):
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
-    _forward_kernel(q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse)
+    _run_tasks(_forward_kernel, q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse)
     return out, lse
 
 
@@ -173,8 +178,8 @@ def backward(problem, dout, out, lse):
     dout_t = np.zeros((B, H, n_qt, Dv, BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
     dbeta_bh = np.empty((B, H))
-    _backward_prepare(
-        q, dout, out, lse, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta, dbeta_bh
+    _run_tasks(
+        _backward_prepare, q, dout, out, lse, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta, dbeta_bh
     )
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
@@ -194,12 +199,12 @@ def backward(problem, dout, out, lse):
     plan = _DbiasPlan(problem, dtype, n_kt, chunk)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        _backward_kernel(
-            k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, block_k,
+        _run_tasks(
+            _backward_kernel, k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, block_k,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
             plan.params, plan.strides, plan.direct, plan.partials,
         )
-        _sum_dq_shares(dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
     factor = (problem.scale / problem.tau)[None, :, None, None]
@@ -293,6 +298,39 @@ def _kernel_array(a):
     if a.flags.c_contiguous and a.flags.writeable:
         return a
     return np.array(a, order="C", copy=True)
+
+
+_pool = None  # (threads, executor)
+
+
+def _forget_pool():
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)  # a forked child has none of the threads
+
+
+def _run_tasks(kernel, *args):
+    """Run ``kernel(*args, first, step)`` on ``numba.get_num_threads()`` threads.
+
+    Thread ``t`` runs the tasks ``t, t + T, t + 2T, ...`` of the kernel's
+    task loop (the kernels release the GIL). Every task writes outputs of its
+    own, so the result has the same bits for every thread count. Threads
+    instead of ``prange``: a parallel Numba function compiles its loop body
+    again as a gufunc and LLVM optimises it once per level it is linked into,
+    which tripled the first compile of these kernels.
+    """
+    global _pool
+    threads = numba.get_num_threads()
+    if threads == 1:
+        kernel(*args, 0, 1)
+        return
+    if _pool is None or _pool[0] < threads:
+        _pool = (threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="elastic_np"))
+    futures = [_pool[1].submit(kernel, *args, t, threads) for t in range(threads)]
+    for future in futures:
+        future.result()
 
 
 def _options(p, with_sigma_grad, dtype):
@@ -726,13 +764,13 @@ def _log_add_exp(a, b):
 # ---------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     n_qt = (N + block_q - 1) // block_q
-    for task in prange(B * H * n_qt):
+    for task in range(first, B * H * n_qt, step):
         bh = task // n_qt
         b = bh // H
         h = bh % H
@@ -839,14 +877,14 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
 # ---------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True)
+@njit(nogil=True, cache=True)
 def _backward_prepare(
-    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta
+    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta, first, step
 ):
     """Scaled queries (rows and Q^T tiles), dout^T tiles, delta and dbeta per (b, h)."""
     B, H, N, D = q.shape
     Dv = dout.shape[3]
-    for bh in prange(B * H):
+    for bh in range(first, B * H, step):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
@@ -879,11 +917,11 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
         delta_t[r] = delta[b, h, i0 + r]
 
 
-@njit(parallel=True, cache=True)
+@njit(nogil=True, cache=True)
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-    dbias_params, dbias_strides, dbias_direct, dbias_partials,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials, first, step,
 ):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
@@ -910,7 +948,7 @@ def _backward_kernel(
     pairs_h = Hkv if fold_h else 1
     pairs = (B if fold_b else 1) * pairs_h
     n_outer = (1 if fold_b else B) * outer_h
-    for task in prange(n_outer * lanes * n_chunk):
+    for task in range(first, n_outer * lanes * n_chunk, step):
         rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
         lane = rest % lanes
@@ -1086,12 +1124,12 @@ def _backward_kernel(
                     dv[b, hk, j0 + c, d] = dv_acc[c, d]
 
 
-@njit(parallel=True, cache=True)
-def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq):
+@njit(nogil=True, cache=True)
+def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, first, step):
     """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
     B, H, N, D = dq.shape
     n_qt = (N + block_q - 1) // block_q
-    for task in prange(B * H * n_qt):
+    for task in range(first, B * H * n_qt, step):
         bh = task // n_qt
         b = bh // H
         h = bh % H

@@ -6,6 +6,8 @@ float32 results within twice the error of a float32 naive evaluation (and
 small shapes still cross several query and key tiles.
 """
 
+import os
+
 import numba
 import numpy as np
 import pytest
@@ -561,3 +563,41 @@ def test_one_compiled_kernel_per_dtype_with_modifiers():
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
     for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
         assert len(kernel.signatures) <= 2, kernel.signatures
+
+
+def test_concurrent_calls_from_python_threads_agree_with_sequential_ones():
+    """Calls from several Python threads share the kernels' thread pool safely."""
+    import concurrent.futures
+
+    problems = [_inputs(np.float32, seed=s) for s in range(4)]
+
+    def run(inputs):
+        q, k, v, dout = inputs
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", causal=True)
+        return out, enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", causal=True).dq
+
+    sequential = [run(p) for p in problems]
+    with concurrent.futures.ThreadPoolExecutor(4) as callers:
+        concurrent_results = list(callers.map(run, problems))
+    for (out_a, dq_a), (out_b, dq_b) in zip(sequential, concurrent_results):
+        np.testing.assert_array_equal(out_a, out_b)
+        np.testing.assert_array_equal(dq_a, dq_b)
+
+
+def _attention_cpu(q, k, v):
+    return enp.attention(q, k, v, backend="cpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_the_kernels():
+    """The thread pool does not survive a fork; the child makes its own (no hang)."""
+    import multiprocessing
+    import warnings
+
+    q, k, v, _ = _inputs(np.float32)
+    want = _attention_cpu(q, k, v)  # the parent's pool exists now
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            got = pool.apply_async(_attention_cpu, (q, k, v)).get(timeout=300)
+    np.testing.assert_array_equal(got, want)
