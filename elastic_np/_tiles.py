@@ -11,9 +11,9 @@ LLVM vectorises:
     ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
 ``matmul_tn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
-``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)``
-    ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
-    column maxima of ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
+``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)``
+    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
+    column maxima of the new ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
 ``exp_shift_sum(x, m, n, shift, nvm, sums)``
@@ -44,7 +44,7 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
-    "tanh_any", "prefetch", "transpose_add", "transpose_store",
+    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
 ]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
@@ -396,19 +396,20 @@ _MATMUL_MAX_SIGNATURES = [
     types.void(
         _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
         types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"), types.boolean,
+        types.boolean,
     )
     for dtype in _DTYPES
 ]
 
 
 @njit(_MATMUL_MAX_SIGNATURES, cache=True)
-def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
-    """Tile product ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and its column maxima.
+def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
+    """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
 
     Parameters
     ----------
-    a, b, c, m, n, k
-        As in `matmul_nn` (``c[:m, :n]`` is overwritten).
+    a, b, c, m, n, k, accumulate
+        As in `matmul_nn`.
     col_max : ndarray, shape (>= n,)
         ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
         for ``i`` from 0 to ``m - 1`` in order; NaN entries of ``c`` are
@@ -430,7 +431,7 @@ def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, False, False, col_max, 2 if nonneg else 1)
+    _matmul(a, b, c, m, n, k, accumulate, False, col_max, 2 if nonneg else 1)
 
 
 # ---------------------------------------------------------------------------
@@ -951,8 +952,9 @@ def _transpose_in_registers(builder, rows):
     return rows
 
 
-def _make_transpose(store):
-    """``transpose_add`` (``store=False``) or ``transpose_store`` (see their docstrings)."""
+def _make_transpose(mode):
+    """``transpose_add``, ``transpose_load`` or ``transpose_store`` (``mode`` "add", "load", "store")."""
+    store = mode == "store"
 
     def codegen(context, builder, signature, args):
         x_ty, flat_ty = signature.args[:2]
@@ -990,7 +992,9 @@ def _make_transpose(store):
             rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
             for c, row in enumerate(_transpose_in_registers(builder, rows)):
                 ptr = x_row(c)
-                total = builder.fadd(builder.load(ptr, align=itemsize), builder.fmul(row, splat))
+                total = builder.fmul(row, splat)
+                if mode == "add":
+                    total = builder.fadd(builder.load(ptr, align=itemsize), total)
                 builder.store(total, ptr, align=itemsize)
         return context.get_dummy_value()
 
@@ -1018,7 +1022,18 @@ def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
     ``x`` (one product and one sum per entry): a block of a C-order bias added
     to a key-major score tile without a scalar gather or scatter.
     """
-    return _make_transpose(store=False)(typingctx, x, src, start, stride, row0, col0, scale)
+    return _make_transpose("add")(typingctx, x, src, start, stride, row0, col0, scale)
+
+
+@intrinsic
+def transpose_load(typingctx, x, src, start, stride, row0, col0, scale):
+    """``x[row0 + c, col0 + r] = scale * src[start + r * stride + c]`` for ``r, c < W``.
+
+    As `transpose_add`, overwriting the block of ``x`` instead of adding to
+    it (jit code only): a bias tile stored into a score tile that a product
+    then accumulates onto.
+    """
+    return _make_transpose("load")(typingctx, x, src, start, stride, row0, col0, scale)
 
 
 @intrinsic
@@ -1030,4 +1045,4 @@ def transpose_store(typingctx, x, dst, start, stride, row0, col0, scale):
     and stored as ``W`` runs of ``dst``: a key-major gradient tile written
     into a C-order ``dbias``.
     """
-    return _make_transpose(store=True)(typingctx, x, dst, start, stride, row0, col0, scale)
+    return _make_transpose("store")(typingctx, x, dst, start, stride, row0, col0, scale)

@@ -52,7 +52,7 @@ from numba.extending import overload
 
 from elastic_np._tiles import (
     TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
-    tanh_any, transpose_add, transpose_store,
+    tanh_any, transpose_add, transpose_load, transpose_store,
 )
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
@@ -502,13 +502,6 @@ def _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     return inside and not (nvm or opt.has_mask or opt.has_gate)
 
 
-@njit(cache=True)
-def _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
-    """True when `_logits_tile` leaves the tile as it is (and returns True)."""
-    modified = opt.has_softcap or opt.has_alibi or opt.has_bias
-    return not modified and _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
-
-
 def _like(x, arr):
     """``x`` as a scalar of the dtype of the array ``arr`` (jit code only)."""
     raise NotImplementedError("only callable from compiled code")
@@ -524,21 +517,62 @@ def _like_overload(x, arr):
 
 
 @njit(cache=True)
-def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope):
-    """Turn ``st[c, r] = s_raw_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
+def _logits_tile(
+    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope,
+    tile_max, want_max, nonneg,
+):
+    """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
-    The score modifiers come first, in the contract's order (see
-    `_modify_tile`). Removed entries then become ``-inf``: outside the
-    offset range, ``s < 0`` under NVM on the final ``s`` (when ``nvm``, which
-    the forward leaves to its own first pass when it can), a closed gate, a
-    false mask entry (a ``-inf`` bias is ``-inf`` already); the others get
-    ``log G`` added. Returns False when the mask leaves nothing in the tile
-    (so the caller may skip it); True otherwise.
+    The product ``K_j Q^T`` (``k_j`` the tile's keys, ``q_t`` its queries
+    scaled by ``scale / tau_h``, transposed) gives ``s_raw / tau_h``; the
+    score modifiers follow in the contract's order (see `_modify_tile`).
+    Without a soft-cap (or NVM) they are additive: they are stored first and
+    the product accumulates onto them (one pass over the tile less). Removed
+    entries then become ``-inf``: outside the offset range, ``s < 0`` under
+    NVM on the final ``s`` (when ``nvm``, which the forward leaves to its own
+    first pass when it can), a closed gate, a false mask entry (a ``-inf``
+    bias is ``-inf`` already); the others get ``log G`` added.
+
+    Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves nothing
+    in the tile (so the caller may skip it); ``maxed`` is True when, with
+    ``want_max``, ``tile_max[:bq]`` was raised to the column maxima of the
+    logits (of those ``>= 0`` with ``nonneg``) along with the product, which
+    it is whenever nothing is removed and no modifier is added after the
+    product.
     """
-    if opt.has_softcap or opt.has_alibi or opt.has_bias:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope)
-    if _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
-        return True
+    removes_nothing = _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
+    additive = opt.has_alibi or opt.has_bias
+    # Accumulating the product onto the bias rounds s with partial sums that
+    # include it; under NVM its sign decides removal, so it is then formed in
+    # the contract's order, the product first (measured: dtau's error in
+    # float32 doubles otherwise).
+    additive_first = additive and not opt.has_softcap and not opt.nvm
+    fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    if additive_first:
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, False, True)
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, True)
+    else:
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, False)
+        if opt.has_softcap or additive:
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, False)
+            if fuse_max:
+                # soft-cap alone: tanh is odd and increasing, so the capped
+                # tile's maxima (and its entries >= 0) are the raw ones capped
+                # (the same expression as in _modify_tile)
+                tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+                cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
+                for r in range(bq):
+                    x = tile_max[r]
+                    if x > -np.inf:
+                        tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
+    if removes_nothing:
+        return True, fuse_max
     shift = M - N
     neg_inf = -np.inf
     any_kept = False
@@ -554,7 +588,7 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope
             row[r] = neg_inf
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
         any_kept = any_kept or kept
-    return any_kept
+    return any_kept, False
 
 
 #: Keys per block when a tile adds a bias laid out along the keys.
@@ -583,7 +617,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
 
 @njit(cache=True)
-def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
@@ -591,7 +625,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
     removes afterwards are computed too (every tile entry is finite here, so
     that nothing is lost and the loops run from 0 and vectorise). With
     ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
-    1 - tanh^2``.
+    1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
+    receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     """
     shift = M - N
     inv_tau = 1.0 / opt.tau[h]
@@ -606,6 +641,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
     # in blocks of keys after the other passes: for each query, one short
     # contiguous run of the caller's row; the other layouts row by row.
     by_rows = opt.has_bias and (b_i <= 1 or b_j == 0)
+    # with `overwrite`, the first term stored into the tile is not added
+    bias_fresh = overwrite and not opt.has_alibi
     for c in range(bk):
         row = st[c]
         if opt.has_softcap:
@@ -620,23 +657,35 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
                     row[r] = cap_over_tau * tanh_any(row[r] * tau_over_cap)
         if opt.has_alibi:
             base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
-            for r in range(bq):
-                row[r] -= alibi_over_tau * _like(abs(base - r), st)
+            if overwrite:
+                for r in range(bq):
+                    row[r] = -(alibi_over_tau * _like(abs(base - r), st))
+            else:
+                for r in range(bq):
+                    row[r] -= alibi_over_tau * _like(abs(base - r), st)
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
                 add = opt.bias[start] * inv_tau_t
-                for r in range(bq):
-                    row[r] += add
+                if bias_fresh:
+                    for r in range(bq):
+                        row[r] = add
+                else:
+                    for r in range(bq):
+                        row[r] += add
             else:
                 bias_col = opt.bias[start : start + bq]
-                for r in range(bq):
-                    row[r] += bias_col[r] * inv_tau_t
+                if bias_fresh:
+                    for r in range(bq):
+                        row[r] = bias_col[r] * inv_tau_t
+                else:
+                    for r in range(bq):
+                        row[r] += bias_col[r] * inv_tau_t
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
         if b_j == 1:
-            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t)
+            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
             for cb in range(0, bk, _BIAS_KEYS):
@@ -644,26 +693,32 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
                 for r in range(bq):
                     at = start0 + r * b_i + cb * b_j
                     for c in range(nc):
-                        st[cb + c, r] += opt.bias[at + c * b_j] * inv_tau_t
+                        x = opt.bias[at + c * b_j] * inv_tau_t
+                        st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
 
 
 @njit(cache=True)
-def _add_transposed(tile, bk, bq, src, start, stride, scale):
+def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
-    The inverse direction of `_store_transposed`: square blocks of ``W`` go
-    through SIMD registers (`transpose_add`), the edges element by element.
+    (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
+    `_store_transposed`: square blocks of ``W`` go through SIMD registers
+    (`transpose_add`, `transpose_load`), the edges element by element.
     """
     width = TRANSPOSE_BYTES // tile.itemsize
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     for cb in range(0, bk_w, width):
         for rb in range(0, bq_w, width):
-            transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            if overwrite:
+                transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            else:
+                transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            row[r] += src[start + r * stride + c] * scale
+            x = src[start + r * stride + c] * scale
+            row[r] = x if overwrite else row[r] + x
 
 
 @njit(cache=True)
@@ -768,16 +823,13 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse):
                 _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            if _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits):
-                # scores are the logits: their maxima come with the product
-                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max, nvm_in_max)
-            else:
-                matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
-                if not _logits_tile(
-                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-                    no_slope, False,
-                ):
-                    continue
+            kept, maxed = _logits_tile(
+                st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
+                off_lo, off_hi, nvm_in_logits, no_slope, False, tile_max, True, nvm_in_max,
+            )
+            if not kept:
+                continue
+            if not maxed:
                 if nvm_in_max:
                     for c in range(bk):
                         row = st[c]
@@ -975,11 +1027,11 @@ def _backward_kernel(
                     share = dq_shares[t, b, h, i0 : i0 + bq]
                     if opt.has_bias and it + 1 < it_hi:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk, N, M)
-                    matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
-                    if not _logits_tile(
-                        st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-                        slope, True,
-                    ):
+                    kept, _ = _logits_tile(
+                        st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
+                        off_lo, off_hi, nvm_in_logits, slope, True, lse_t, False, False,
+                    )
+                    if not kept:
                         for r in range(bq):
                             for d in range(D):
                                 share[r, d] = 0.0
