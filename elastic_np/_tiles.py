@@ -811,27 +811,42 @@ def _tanh_f64_scalar(v):
 
 _TWO_F32 = np.float32(2.0)
 _NEG_TWO_F32 = np.float32(-2.0)
+#: Below -20 = -2|v| (|v| > 10) tanh rounds to +-1 in float32 (1 - tanh|v| < 5e-9).
+_TANH_LO_F32 = np.float32(-20.0)
+#: 1.5 * 2**23 + 127: adding it to a float y with |y| < 2**21 rounds y to an
+#: integer n and leaves n + 127, the biased exponent of 2**n, in the low bits.
+_ROUND_F32 = np.float32(12582912.0 + 127.0)
+
+
+@intrinsic
+def _bits_f32(typingctx, x):
+    """The bits of a float32 as an int32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
 
 
 @njit(**_OPTIONS)
 def _tanh_f32_scalar(v):
     """Vectorisable ``tanh(v)``, float32 (see `tanh_inplace`)."""
     x = _NEG_TWO_F32 * abs(v)
-    if x < _LO_F32:
-        x = _LO_F32  # |v| > 52: tanh rounds to +-1
-    t = np.floor(x * _LOG2E_F32 + _HALF_F32)
+    if x < _TANH_LO_F32:
+        x = _TANH_LO_F32
+    # t = round(x / ln 2) in [-29, 0], and 2**t straight from the bits of k
+    k = x * _LOG2E_F32 + _ROUND_F32
+    t = k - _ROUND_F32
     r = (x - t * _LN2_HI_F32) - t * _LN2_LO_F32
     c = _EXP_Q_F32
     q = (((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]
     em1_r = q * r * r + r
-    e = np.int32(t)
-    e1 = e >> 1
-    e2 = e - e1
-    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
-    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
-    two_t = s1 * s2
+    two_t = _float_from_bits(np.int32(_bits_f32(k) << 23))
     u = (two_t - _ONE_F32) + two_t * em1_r
-    return math.copysign(abs(u) / (_TWO_F32 + u), v)
+    # |u| / (2 + u) with the sign of v (copysign takes only the magnitude of u)
+    return math.copysign(u / (_TWO_F32 + u), v)
 
 
 def tanh_any(v):
