@@ -710,6 +710,29 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bk,bq", [(1, 5), (7, 13), (128, 128), (10, 128)])
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_column_max_is_the_loop_in_order(dtype, bk, bq, nonneg):
+    rng = np.random.default_rng(bk * 131 + bq)
+    st = rng.standard_normal((bk + 2, 130)).astype(dtype)
+    st[rng.random(st.shape) < 0.1] = -np.inf
+    # signed zeros: the first of equal maxima stays
+    st[0, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    st[bk - 1, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    col_max = np.full(131, -np.inf, dtype)
+    col_max[::3] = rng.standard_normal(44).astype(dtype)
+    expected = col_max.copy()
+    for c in range(bk):
+        for r in range(bq):
+            x = st[c, r]
+            if x > expected[r] and (x >= 0 or not nonneg):
+                expected[r] = x
+    cpu._column_max(st, bk, bq, col_max, nonneg)
+    np.testing.assert_array_equal(col_max, expected)
+    np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_softcap_large_is_plain(small_tiles, dtype):
     # tanh(x / cap) cap -> x: a huge cap is the plain attention to rounding
     q, k, v, dout = _inputs(dtype)
