@@ -29,22 +29,14 @@ def _ranges(values, fmt="{:.3f}"):
     return f"{fmt.format(values.min())}-{fmt.format(values.max())} (median {fmt.format(np.median(values))})"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=2, help="best of REPEAT calls per round")
-    parser.add_argument("--n", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        numba.set_num_threads(args.threads)
+def make_cases(n=2048, heads=8, dim=64, dtype="float32", backward=True):
+    """The timed cases: ``(variants, biases, cases)``, ``cases[(name, pass)]`` a callable.
 
-    B, H, N, D = 1, args.heads, args.n, args.dim
-    dt = np.dtype(args.dtype)
+    Every input comes from fixed seeds, so separate processes (for instance
+    two versions of the package, see ``compare_trees.py``) time the same work.
+    """
+    B, H, N, D = 1, heads, n, dim
+    dt = np.dtype(dtype)
     q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=dt)
     dout = np.random.default_rng(1).standard_normal(q.shape).astype(dt)
     rng = np.random.default_rng(2)
@@ -61,10 +53,6 @@ def main(argv=None):
         "softcap+alibi": {"softcap": 5.0, "alibi_slopes": slopes},
     }
     variants.update({name: {"bias": bias} for name, bias in biases.items()})
-    print(
-        f"B={B} H={H} N=M={N} D={D} {dt.name}, {args.rounds} rounds, best of {args.repeat}, "
-        f"{numba.get_num_threads()} threads"
-    )
 
     def fwd(options):
         return lambda: enp.attention(q, k, v, backend="cpu", **options)
@@ -79,13 +67,37 @@ def main(argv=None):
     cases = {}
     for name, options in variants.items():
         cases[(name, "fwd")] = fwd(options)
-        if not args.no_backward:
+        if backward:
             cases[(name, "fwd+bwd")] = fwd_bwd(options)
     for name, bias in biases.items():
         copy_into = np.empty_like(bias)
         cases[(name, "read: sum")] = lambda bias=bias: bias.sum()
         cases[(name, "read: copy")] = lambda bias=bias, out=copy_into: np.copyto(out, bias)
         cases[(name, "read: broadcast sum")] = lambda bias=bias: np.broadcast_to(bias, (B, H, N, N)).sum()
+    return variants, biases, cases
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=2, help="best of REPEAT calls per round")
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        numba.set_num_threads(args.threads)
+
+    variants, biases, cases = make_cases(
+        args.n, args.heads, args.dim, args.dtype, backward=not args.no_backward
+    )
+    print(
+        f"B=1 H={args.heads} N=M={args.n} D={args.dim} {args.dtype}, {args.rounds} rounds, "
+        f"best of {args.repeat}, {numba.get_num_threads()} threads"
+    )
     for fn in cases.values():  # compile and warm up
         fn()
 

@@ -48,7 +48,7 @@ def _loop_nn_max(a, b, c, m, n, k, reps):
     col_max = np.empty(n, c.dtype)
     for _ in range(reps):
         col_max[:] = -np.inf
-        matmul_nn_max(a, b, c, m, n, k, col_max, False)
+        matmul_nn_max(a, b, c, m, n, k, col_max, False, False)
 
 
 _LOOPS = {"nn": _loop_nn, "tn": _loop_tn, "nn_max": _loop_nn_max}

@@ -394,8 +394,9 @@ def _bias(bias, shape, check_finite):
         raise ValueError(
             f"`bias` of shape {bias.shape} is not broadcastable to (B, H, N, M) = {shape}"
         ) from None
-    if check_finite:
-        # -inf removes an entry, like a false mask entry; NaN and +inf are errors.
-        if (np.isnan(bias) | (bias == np.inf)).any():
-            raise ValueError("`bias` contains NaN or +inf (-inf is allowed: it removes the entry)")
+    # -inf removes an entry, like a false mask entry; NaN and +inf are errors.
+    # The maximum has both (NaN propagates) in one pass with no temporaries:
+    # a bias may be as large as the score matrix.
+    if check_finite and bias.size and not np.max(bias) < np.inf:
+        raise ValueError("`bias` contains NaN or +inf (-inf is allowed: it removes the entry)")
     return view, bias.shape

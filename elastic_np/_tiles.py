@@ -11,9 +11,9 @@ LLVM vectorises:
     ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
 ``matmul_tn(a, b, c, m, n, k, accumulate)``
     ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
-``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)``
-    ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
-    column maxima of ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
+``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)``
+    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
+    column maxima of the new ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
 ``exp_inplace(x, m, n)``
     ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
 ``exp_shift_sum(x, m, n, shift, nvm, sums)``
@@ -44,7 +44,7 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
-    "tanh_any", "prefetch", "transpose_add", "transpose_store",
+    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
 ]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
@@ -400,19 +400,20 @@ _MATMUL_MAX_SIGNATURES = [
     types.void(
         _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
         types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"), types.boolean,
+        types.boolean,
     )
     for dtype in _DTYPES
 ]
 
 
 @njit(_MATMUL_MAX_SIGNATURES, cache=True)
-def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
-    """Tile product ``c[:m, :n] = a[:m, :k] @ b[:k, :n]`` and its column maxima.
+def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
+    """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
 
     Parameters
     ----------
-    a, b, c, m, n, k
-        As in `matmul_nn` (``c[:m, :n]`` is overwritten).
+    a, b, c, m, n, k, accumulate
+        As in `matmul_nn`.
     col_max : ndarray, shape (>= n,)
         ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
         for ``i`` from 0 to ``m - 1`` in order; NaN entries of ``c`` are
@@ -434,7 +435,7 @@ def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, False, False, col_max, 2 if nonneg else 1)
+    _matmul(a, b, c, m, n, k, accumulate, False, col_max, 2 if nonneg else 1)
 
 
 # ---------------------------------------------------------------------------
@@ -817,27 +818,42 @@ def _tanh_f64_scalar(v):
 
 _TWO_F32 = np.float32(2.0)
 _NEG_TWO_F32 = np.float32(-2.0)
+#: Below -20 = -2|v| (|v| > 10) tanh rounds to +-1 in float32 (1 - tanh|v| < 5e-9).
+_TANH_LO_F32 = np.float32(-20.0)
+#: 1.5 * 2**23 + 127: adding it to a float y with |y| < 2**21 rounds y to an
+#: integer n and leaves n + 127, the biased exponent of 2**n, in the low bits.
+_ROUND_F32 = np.float32(12582912.0 + 127.0)
+
+
+@intrinsic
+def _bits_f32(typingctx, x):
+    """The bits of a float32 as an int32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
 
 
 @njit(**_OPTIONS)
 def _tanh_f32_scalar(v):
     """Vectorisable ``tanh(v)``, float32 (see `tanh_inplace`)."""
     x = _NEG_TWO_F32 * abs(v)
-    if x < _LO_F32:
-        x = _LO_F32  # |v| > 52: tanh rounds to +-1
-    t = np.floor(x * _LOG2E_F32 + _HALF_F32)
+    if x < _TANH_LO_F32:
+        x = _TANH_LO_F32
+    # t = round(x / ln 2) in [-29, 0], and 2**t straight from the bits of k
+    k = x * _LOG2E_F32 + _ROUND_F32
+    t = k - _ROUND_F32
     r = (x - t * _LN2_HI_F32) - t * _LN2_LO_F32
     c = _EXP_Q_F32
     q = (((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]
     em1_r = q * r * r + r
-    e = np.int32(t)
-    e1 = e >> 1
-    e2 = e - e1
-    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
-    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
-    two_t = s1 * s2
+    two_t = _float_from_bits(np.int32(_bits_f32(k) << 23))
     u = (two_t - _ONE_F32) + two_t * em1_r
-    return math.copysign(abs(u) / (_TWO_F32 + u), v)
+    # |u| / (2 + u) with the sign of v (copysign takes only the magnitude of u)
+    return math.copysign(u / (_TWO_F32 + u), v)
 
 
 def tanh_any(v):
@@ -958,8 +974,9 @@ def _transpose_in_registers(builder, rows):
     return rows
 
 
-def _make_transpose(store):
-    """``transpose_add`` (``store=False``) or ``transpose_store`` (see their docstrings)."""
+def _make_transpose(mode):
+    """``transpose_add``, ``transpose_load`` or ``transpose_store`` (``mode`` "add", "load", "store")."""
+    store = mode == "store"
 
     def codegen(context, builder, signature, args):
         x_ty, flat_ty = signature.args[:2]
@@ -997,7 +1014,9 @@ def _make_transpose(store):
             rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
             for c, row in enumerate(_transpose_in_registers(builder, rows)):
                 ptr = x_row(c)
-                total = builder.fadd(builder.load(ptr, align=itemsize), builder.fmul(row, splat))
+                total = builder.fmul(row, splat)
+                if mode == "add":
+                    total = builder.fadd(builder.load(ptr, align=itemsize), total)
                 builder.store(total, ptr, align=itemsize)
         return context.get_dummy_value()
 
@@ -1025,7 +1044,18 @@ def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
     ``x`` (one product and one sum per entry): a block of a C-order bias added
     to a key-major score tile without a scalar gather or scatter.
     """
-    return _make_transpose(store=False)(typingctx, x, src, start, stride, row0, col0, scale)
+    return _make_transpose("add")(typingctx, x, src, start, stride, row0, col0, scale)
+
+
+@intrinsic
+def transpose_load(typingctx, x, src, start, stride, row0, col0, scale):
+    """``x[row0 + c, col0 + r] = scale * src[start + r * stride + c]`` for ``r, c < W``.
+
+    As `transpose_add`, overwriting the block of ``x`` instead of adding to
+    it (jit code only): a bias tile stored into a score tile that a product
+    then accumulates onto.
+    """
+    return _make_transpose("load")(typingctx, x, src, start, stride, row0, col0, scale)
 
 
 @intrinsic
@@ -1037,4 +1067,4 @@ def transpose_store(typingctx, x, dst, start, stride, row0, col0, scale):
     and stored as ``W`` runs of ``dst``: a key-major gradient tile written
     into a C-order ``dbias``.
     """
-    return _make_transpose(store=True)(typingctx, x, dst, start, stride, row0, col0, scale)
+    return _make_transpose("store")(typingctx, x, dst, start, stride, row0, col0, scale)

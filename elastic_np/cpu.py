@@ -57,7 +57,7 @@ from numba.extending import overload
 
 from elastic_np._tiles import (
     TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
-    tanh_any, transpose_add, transpose_store,
+    tanh_any, transpose_add, transpose_load, transpose_store,
 )
 
 __all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
@@ -540,13 +540,6 @@ def _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     return inside and not (nvm or opt.has_mask or opt.has_gate)
 
 
-@njit(cache=True)
-def _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
-    """True when `_logits_tile` leaves the tile as it is (and returns True)."""
-    modified = opt.has_softcap or opt.has_alibi or opt.has_bias
-    return not modified and _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
-
-
 def _like(x, arr):
     """``x`` as a scalar of the dtype of the array ``arr`` (jit code only)."""
     raise NotImplementedError("only callable from compiled code")
@@ -562,21 +555,62 @@ def _like_overload(x, arr):
 
 
 @njit(cache=True)
-def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope):
-    """Turn ``st[c, r] = s_raw_ij / tau_h`` (key ``j0 + c``, query ``i0 + r``) into logits.
+def _logits_tile(
+    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope,
+    tile_max, want_max, nonneg,
+):
+    """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
-    The score modifiers come first, in the contract's order (see
-    `_modify_tile`). Removed entries then become ``-inf``: outside the
-    offset range, ``s < 0`` under NVM on the final ``s`` (when ``nvm``, which
-    the forward leaves to its own first pass when it can), a closed gate, a
-    false mask entry (a ``-inf`` bias is ``-inf`` already); the others get
-    ``log G`` added. Returns False when the mask leaves nothing in the tile
-    (so the caller may skip it); True otherwise.
+    The product ``K_j Q^T`` (``k_j`` the tile's keys, ``q_t`` its queries
+    scaled by ``scale / tau_h``, transposed) gives ``s_raw / tau_h``; the
+    score modifiers follow in the contract's order (see `_modify_tile`).
+    Without a soft-cap (or NVM) they are additive: they are stored first and
+    the product accumulates onto them (one pass over the tile less). Removed
+    entries then become ``-inf``: outside the offset range, ``s < 0`` under
+    NVM on the final ``s`` (when ``nvm``, which the forward leaves to its own
+    first pass when it can), a closed gate, a false mask entry (a ``-inf``
+    bias is ``-inf`` already); the others get ``log G`` added.
+
+    Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves nothing
+    in the tile (so the caller may skip it); ``maxed`` is True when, with
+    ``want_max``, ``tile_max[:bq]`` was raised to the column maxima of the
+    logits (of those ``>= 0`` with ``nonneg``) along with the product, which
+    it is whenever nothing is removed and no modifier is added after the
+    product.
     """
-    if opt.has_softcap or opt.has_alibi or opt.has_bias:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope)
-    if _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
-        return True
+    removes_nothing = _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
+    additive = opt.has_alibi or opt.has_bias
+    # Accumulating the product onto the bias rounds s with partial sums that
+    # include it; under NVM its sign decides removal, so it is then formed in
+    # the contract's order, the product first (measured: dtau's error in
+    # float32 doubles otherwise).
+    additive_first = additive and not opt.has_softcap and not opt.nvm
+    fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    if additive_first:
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, False, True)
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, True)
+    else:
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, False)
+        if opt.has_softcap or additive:
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, False)
+            if fuse_max:
+                # soft-cap alone: tanh is odd and increasing, so the capped
+                # tile's maxima (and its entries >= 0) are the raw ones capped
+                # (the same expression as in _modify_tile)
+                tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+                cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
+                for r in range(bq):
+                    x = tile_max[r]
+                    if x > -np.inf:
+                        tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
+    if removes_nothing:
+        return True, fuse_max
     shift = M - N
     neg_inf = -np.inf
     any_kept = False
@@ -592,7 +626,7 @@ def _logits_tile(st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope
             row[r] = neg_inf
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
         any_kept = any_kept or kept
-    return any_kept
+    return any_kept, False
 
 
 #: Keys per block when a tile adds a bias laid out along the keys.
@@ -621,7 +655,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
 
 @njit(cache=True)
-def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
@@ -629,7 +663,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
     removes afterwards are computed too (every tile entry is finite here, so
     that nothing is lost and the loops run from 0 and vectorise). With
     ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
-    1 - tanh^2``.
+    1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
+    receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     """
     shift = M - N
     inv_tau = 1.0 / opt.tau[h]
@@ -638,43 +673,51 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
     cap_over_tau = _like(opt.softcap * inv_tau, st)
     alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
     inv_tau_t = _like(inv_tau, st)
-    one = _like(1.0, st)
     b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
     # A bias contiguous along the keys (the usual C order, b_i > 1) is added
     # in blocks of keys after the other passes: for each query, one short
     # contiguous run of the caller's row; the other layouts row by row.
     by_rows = opt.has_bias and (b_i <= 1 or b_j == 0)
-    for c in range(bk):
-        row = st[c]
-        if opt.has_softcap:
-            if want_slope:
-                slope_row = slope[c]
-                for r in range(bq):
-                    t = tanh_any(row[r] * tau_over_cap)
-                    row[r] = cap_over_tau * t
-                    slope_row[r] = one - t * t
-            else:
-                for r in range(bq):
-                    row[r] = cap_over_tau * tanh_any(row[r] * tau_over_cap)
+    # with `overwrite`, the first term stored into the tile is not added
+    bias_fresh = overwrite and not opt.has_alibi
+    if opt.has_softcap:
+        _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope)
+    # Rows are slices of length bq (loops over range(bq) on whole rows did not
+    # run vectorised), offsets int32 (int64 to float has no AVX2 instruction):
+    # 2.3 against 12.6 us per 128 x 128 float32 tile for ALiBi.
+    for c in range(bk if opt.has_alibi or by_rows else 0):
+        row = st[c, :bq]
         if opt.has_alibi:
             base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
-            for r in range(bq):
-                row[r] -= alibi_over_tau * _like(abs(base - r), st)
+            if overwrite:
+                for r in range(row.shape[0]):
+                    row[r] = -(alibi_over_tau * _like(abs(np.int32(base - r)), st))
+            else:
+                for r in range(row.shape[0]):
+                    row[r] -= alibi_over_tau * _like(abs(np.int32(base - r)), st)
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
                 add = opt.bias[start] * inv_tau_t
-                for r in range(bq):
-                    row[r] += add
+                if bias_fresh:
+                    for r in range(row.shape[0]):
+                        row[r] = add
+                else:
+                    for r in range(row.shape[0]):
+                        row[r] += add
             else:
                 bias_col = opt.bias[start : start + bq]
-                for r in range(bq):
-                    row[r] += bias_col[r] * inv_tau_t
+                if bias_fresh:
+                    for r in range(row.shape[0]):
+                        row[r] = bias_col[r] * inv_tau_t
+                else:
+                    for r in range(row.shape[0]):
+                        row[r] += bias_col[r] * inv_tau_t
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
         if b_j == 1:
-            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t)
+            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
             for cb in range(0, bk, _BIAS_KEYS):
@@ -682,26 +725,115 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope):
                 for r in range(bq):
                     at = start0 + r * b_i + cb * b_j
                     for c in range(nc):
-                        st[cb + c, r] += opt.bias[at + c * b_j] * inv_tau_t
+                        x = opt.bias[at + c * b_j] * inv_tau_t
+                        st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _column_max(st, bk, bq, col_max, nonneg):
+    """``col_max[r] = st[c, r]`` wherever that is greater (and ``>= 0`` with ``nonneg``), ``c`` in order.
+
+    Four rows per load and store of ``col_max`` (2.7 against 12 us per
+    128 x 128 float32 tile, measured): the same comparisons in the same order.
+    """
+    m = col_max[:bq]
+    bk4 = bk - bk % 4
+    for c in range(0, bk4, 4):
+        r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
+        if nonneg:
+            for r in range(m.shape[0]):
+                x = m[r]
+                x = r0[r] if (r0[r] > x and r0[r] >= 0) else x
+                x = r1[r] if (r1[r] > x and r1[r] >= 0) else x
+                x = r2[r] if (r2[r] > x and r2[r] >= 0) else x
+                x = r3[r] if (r3[r] > x and r3[r] >= 0) else x
+                m[r] = x
+        else:
+            for r in range(m.shape[0]):
+                x = m[r]
+                x = r0[r] if r0[r] > x else x
+                x = r1[r] if r1[r] > x else x
+                x = r2[r] if r2[r] > x else x
+                x = r3[r] if r3[r] > x else x
+                m[r] = x
+    for c in range(bk4, bk):
+        row = st[c, :bq]
+        for r in range(m.shape[0]):
+            x = row[r]
+            m[r] = x if (x > m[r] and (x >= 0 or not nonneg)) else m[r]
 
 
 @njit(cache=True)
-def _add_transposed(tile, bk, bq, src, start, stride, scale):
+def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
+    """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
+
+    With ``want_slope``, ``slope[c, r] = 1 - tanh^2`` too. Rows go four at a
+    time: four independent chains of the tangent's arithmetic in flight hide
+    its latency (measured: 10 against 13 us per 128 x 128 float32 tile; the
+    rows are taken as slices of length ``bq``, without which LLVM's
+    vectorised loop was not the one that ran: 75 us).
+    """
+    one = _like(1.0, st)
+    bk4 = bk - bk % 4
+    for c in range(0, bk4, 4):
+        r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
+        if want_slope:
+            s0, s1 = slope[c, :bq], slope[c + 1, :bq]
+            s2, s3 = slope[c + 2, :bq], slope[c + 3, :bq]
+            for r in range(r0.shape[0]):
+                t0 = tanh_any(r0[r] * tau_over_cap)
+                t1 = tanh_any(r1[r] * tau_over_cap)
+                t2 = tanh_any(r2[r] * tau_over_cap)
+                t3 = tanh_any(r3[r] * tau_over_cap)
+                r0[r] = cap_over_tau * t0
+                r1[r] = cap_over_tau * t1
+                r2[r] = cap_over_tau * t2
+                r3[r] = cap_over_tau * t3
+                s0[r] = one - t0 * t0
+                s1[r] = one - t1 * t1
+                s2[r] = one - t2 * t2
+                s3[r] = one - t3 * t3
+        else:
+            for r in range(r0.shape[0]):
+                t0 = tanh_any(r0[r] * tau_over_cap)
+                t1 = tanh_any(r1[r] * tau_over_cap)
+                t2 = tanh_any(r2[r] * tau_over_cap)
+                t3 = tanh_any(r3[r] * tau_over_cap)
+                r0[r] = cap_over_tau * t0
+                r1[r] = cap_over_tau * t1
+                r2[r] = cap_over_tau * t2
+                r3[r] = cap_over_tau * t3
+    for c in range(bk4, bk):
+        row = st[c]
+        for r in range(bq):
+            t = tanh_any(row[r] * tau_over_cap)
+            row[r] = cap_over_tau * t
+            if want_slope:
+                slope[c, r] = one - t * t
+
+
+@njit(cache=True)
+def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
-    The inverse direction of `_store_transposed`: square blocks of ``W`` go
-    through SIMD registers (`transpose_add`), the edges element by element.
+    (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
+    `_store_transposed`: square blocks of ``W`` go through SIMD registers
+    (`transpose_add`, `transpose_load`), the edges element by element.
     """
     width = TRANSPOSE_BYTES // tile.itemsize
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     for cb in range(0, bk_w, width):
         for rb in range(0, bq_w, width):
-            transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            if overwrite:
+                transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            else:
+                transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            row[r] += src[start + r * stride + c] * scale
+            x = src[start + r * stride + c] * scale
+            row[r] = x if overwrite else row[r] + x
 
 
 @njit(cache=True)
@@ -806,28 +938,14 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
                 _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            if _logits_untouched(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits):
-                # scores are the logits: their maxima come with the product
-                matmul_nn_max(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, tile_max, nvm_in_max)
-            else:
-                matmul_nn(k[b, hk, j0 : j0 + bk], q_t, st, bk, bq, D, False)
-                if not _logits_tile(
-                    st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-                    no_slope, False,
-                ):
-                    continue
-                if nvm_in_max:
-                    for c in range(bk):
-                        row = st[c]
-                        for r in range(bq):
-                            x = row[r]
-                            tile_max[r] = x if (x > tile_max[r] and x >= 0) else tile_max[r]
-                else:
-                    for c in range(bk):
-                        row = st[c]
-                        for r in range(bq):
-                            x = row[r]
-                            tile_max[r] = x if x > tile_max[r] else tile_max[r]
+            kept, maxed = _logits_tile(
+                st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
+                off_lo, off_hi, nvm_in_logits, no_slope, False, tile_max, True, nvm_in_max,
+            )
+            if not kept:
+                continue
+            if not maxed:
+                _column_max(st, bk, bq, tile_max, nvm_in_max)
             rescale = False
             for r in range(bq):
                 new_max = max(row_max[r], tile_max[r])
@@ -1013,11 +1131,11 @@ def _backward_kernel(
                     share = dq_shares[t, b, h, i0 : i0 + bq]
                     if opt.has_bias and it + 1 < it_hi:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk, N, M)
-                    matmul_nn(k_j, q_scaled_t[b, h, it], st, bk, bq, D, False)
-                    if not _logits_tile(
-                        st, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-                        slope, True,
-                    ):
+                    kept, _ = _logits_tile(
+                        st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
+                        off_lo, off_hi, nvm_in_logits, slope, True, lse_t, False, False,
+                    )
+                    if not kept:
                         for r in range(bq):
                             for d in range(D):
                                 share[r, d] = 0.0
@@ -1086,12 +1204,13 @@ def _backward_kernel(
                         elif d_j == 1 and d_i > 1:
                             # keys contiguous in dbias: the tile transposed into
                             # dz_t, then added along the keys, a run per query
+                            # (runs as slices: vectorised, 8.6 against 38.6 us a tile)
                             _store_transposed(dpt, bk, bq, dz_t, 0, block_k, one_t)
                             for r in range(bq):
-                                at = start + r * d_i
-                                base = r * block_k
-                                for c in range(bk):
-                                    part[at + c] += float(dz_t[base + c]) * inv_tau
+                                dst = part[start + r * d_i : start + r * d_i + bk]
+                                src = dz_t[r * block_k : r * block_k + bk]
+                                for c in range(dst.shape[0]):
+                                    dst[c] += float(src[c]) * inv_tau
                         else:
                             for c in range(bk):
                                 row = dpt[c]

@@ -170,6 +170,9 @@ CASES = {
     "softcap-window": dict(softcap=1.0, window_size=(5, 3)),
     "softcap-nvm": dict(softcap=1.2, nvm=True),
     "softcap-tau-beta": dict(softcap=0.9, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5]),
+    "softcap-mask": dict(softcap=1.5, mask=_MASK_NM),
+    "softcap-alibi": dict(softcap=1.5, alibi_slopes=_ALIBI_H),
+    "softcap-nvm-window": dict(softcap=0.9, nvm=True, window_size=(7, 2)),
     "alibi-causal": dict(alibi_slopes=_ALIBI_H, causal=True),
     "alibi-window": dict(alibi_slopes=_ALIBI_BH, window_size=(4, -1)),
     "alibi-nvm-tau": dict(alibi_slopes=[0.05, 0.1, 0.0, 0.02], nvm=True, tau=[0.5, 1.0, 2.0, 0.8]),
@@ -178,6 +181,13 @@ CASES = {
     "bias-causal": dict(bias=BIASES["full"], causal=True),
     "bias-window-tau-beta": dict(
         bias=BIASES["1h1m-keypad"], window_size=(6, 2), tau=[0.5, 1.0, 2.0, 0.8], beta=0.4
+    ),
+    "bias-keypad-causal": dict(bias=BIASES["b11m-keypad"], causal=True),
+    "bias-fortran-order": dict(bias=np.asfortranarray(BIASES["full"])),
+    "alibi-bias-nvm": dict(alibi_slopes=_ALIBI_BH, bias=BIASES["full"], nvm=True),
+    "alibi-bias-mask": dict(alibi_slopes=_ALIBI_H, bias=BIASES["bhn1"], mask=_MASK_B1NM),
+    "alibi-bias-fortran-window": dict(
+        alibi_slopes=_ALIBI_H, bias=np.asfortranarray(BIASES["full-some-inf"]), window_size=(5, 3)
     ),
     "bias-gate": dict(
         bias=BIASES["bhn1"], dynamic_window=enp.DynamicWindow(_SIGMA_BH, sharpness=2.0)
@@ -538,6 +548,93 @@ def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch,
     opts = dict(bias=bias, alibi_slopes=slopes, softcap=1.5, causal=True, tau=0.7, nvm=True)
     inputs = (q, k, v, dout, bias, slopes)
     check_unmodified_and_deterministic(q, k, v, dout, opts, inputs, "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "opts,fused",
+    [
+        (dict(softcap=0.7), True),
+        (dict(softcap=0.7, nvm=True), True),
+        (dict(softcap=0.7, kv_lengths=[31, 25]), True),  # kv_lengths only shortens the tile
+        (dict(softcap=0.7, mask=_MASK_NM), False),
+        (dict(softcap=0.7, window_size=(2, 2)), False),
+        (dict(softcap=0.7, nvm=True, dynamic_window=enp.DynamicWindow(0.8, sharpness=3.0)), False),
+        (dict(softcap=0.7, alibi_slopes=_ALIBI_H), False),
+        (dict(softcap=0.7, bias=BIASES["full"]), False),
+        (dict(bias=BIASES["full"]), True),
+        (dict(bias=BIASES["full"], nvm=True), False),  # under NVM the product comes first
+        (dict(alibi_slopes=_ALIBI_BH, bias=BIASES["nm"]), True),
+        (dict(alibi_slopes=_ALIBI_BH, bias=np.asfortranarray(BIASES["full"])), True),
+        (dict(bias=BIASES["b11m-keypad"]), True),
+        (dict(alibi_slopes=_ALIBI_H, causal=True), False),
+        (dict(bias=BIASES["bhn1"], mask=_MASK_NM), False),
+    ],
+)
+def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
+    # Where nothing is removed and no modifier follows the soft-cap, the
+    # forward takes a tile's column maxima with the product (capped after the
+    # soft-cap: tanh is increasing): the same logits bits and the maxima of
+    # a separate pass. Elsewhere the maxima are left to the caller.
+    q, k, v, _ = _inputs(dtype)
+    p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
+    opt = cpu._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
+    b, h, hk, N, M, D = 1, 2, 1, 23, 31, 8
+    i0, bq, j0, bk = 8, 12, 5, 20
+    bk = min(bk, int(opt.kv_lengths[b]) - j0)
+    off_lo, off_hi = cpu._offset_range(opt, b, h, N, M)
+    nvm_in_logits = opt.nvm and opt.has_gate
+    nonneg = opt.nvm and not opt.has_gate
+    q_t = np.zeros((D, 16), dtype)
+    q_t[:, :bq] = (q[b, h, i0 : i0 + bq] * (opt.scale / opt.tau[h])).T
+    k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
+    slope = np.empty((1, 1), dtype)
+
+    def logits(want_max):
+        st = np.full((bk + 1, 16), np.nan, dtype)
+        tile_max = np.full(16, -np.inf, dtype)
+        kept, maxed = cpu._logits_tile(
+            st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
+            slope, False, tile_max, want_max, nonneg,
+        )
+        assert kept
+        return st, tile_max, maxed
+
+    st, tile_max, maxed = logits(True)
+    st_plain, untouched, maxed_plain = logits(False)
+    assert maxed == fused and not maxed_plain
+    np.testing.assert_array_equal(st, st_plain)
+    assert np.isnan(st[bk:]).all() and np.isnan(st[:, bq:]).all()
+    assert (untouched == -np.inf).all()
+    if fused:
+        kept = np.where(st[:bk, :bq] >= 0, st[:bk, :bq], -np.inf) if nonneg else st[:bk, :bq]
+        np.testing.assert_array_equal(tile_max[:bq], kept.max(axis=0))
+        assert (tile_max[bq:] == -np.inf).all()
+    else:
+        assert (tile_max == -np.inf).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bk,bq", [(1, 5), (7, 13), (128, 128), (10, 128)])
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_column_max_is_the_loop_in_order(dtype, bk, bq, nonneg):
+    rng = np.random.default_rng(bk * 131 + bq)
+    st = rng.standard_normal((bk + 2, 130)).astype(dtype)
+    st[rng.random(st.shape) < 0.1] = -np.inf
+    # signed zeros: the first of equal maxima stays
+    st[0, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    st[bk - 1, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    col_max = np.full(131, -np.inf, dtype)
+    col_max[::3] = rng.standard_normal(44).astype(dtype)
+    expected = col_max.copy()
+    for c in range(bk):
+        for r in range(bq):
+            x = st[c, r]
+            if x > expected[r] and (x >= 0 or not nonneg):
+                expected[r] = x
+    cpu._column_max(st, bk, bq, col_max, nonneg)
+    np.testing.assert_array_equal(col_max, expected)
+    np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -386,6 +386,10 @@ class TestValidation:
         ({"bias": np.ones((5, 7), bool)}, TypeError, "bias"),
         ({"bias": np.full((5, 7), np.inf)}, ValueError, "bias"),
         ({"bias": np.full((5, 7), np.nan)}, ValueError, "bias"),
+        # one bad entry among -inf ones (the check is a maximum: NaN must not hide)
+        ({"bias": np.where(np.eye(5, 7) > 0, np.nan, -np.inf)}, ValueError, "bias"),
+        ({"bias": np.where(np.eye(5, 7) > 0, -np.inf, np.nan)}, ValueError, "bias"),
+        ({"bias": np.where(np.eye(5, 7) > 0, np.inf, -np.inf).astype(np.float32)}, ValueError, "bias"),
     ])
     def test_bad_options_name_the_parameter(self, kwargs, error, name):
         with pytest.raises(error, match=f"`{name}`"):

@@ -117,7 +117,8 @@ def test_matmul_same_bits_on_every_path(dtype, transpose_a):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SIZES + [(128, 128, 64), (9, 64, 5)])
 @pytest.mark.parametrize("nonneg", [False, True])
-def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg):
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg, accumulate):
     rng = np.random.default_rng(m + 7 * n + 31 * k)
     a, b, c = _operands(rng, dtype, m, n, k, False)
     a = np.abs(a)
@@ -132,7 +133,7 @@ def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg):
         col_max0[n - 2] = -np.inf  # a column of entries <= 0: with nonneg, -inf stays but for 0
         b[:k, n - 2] = -np.abs(b[:k, n - 2])
     expected_c = c.copy()
-    matmul_nn(a, b, expected_c, m, n, k, False)
+    matmul_nn(a, b, expected_c, m, n, k, accumulate)
     expected_max = col_max0.copy()
     for i in range(m):
         for j in range(n):
@@ -141,7 +142,7 @@ def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg):
             expected_max[j] = x if keep else expected_max[j]
     col_max = col_max0.copy()
     a_in, b_in = a.copy(), b.copy()
-    matmul_nn_max(a, b, c, m, n, k, col_max, nonneg)
+    matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)
     np.testing.assert_array_equal(c, expected_c)
     np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected_max))
     np.testing.assert_array_equal(col_max, expected_max)
