@@ -902,6 +902,17 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
     n_qt = (N + block_q - 1) // block_q
+    # scratch of the thread, reused by its tasks
+    q_t = np.empty((D, block_q), dtype=q.dtype)  # scaled Q^T of the tile
+    st = np.empty((block_k, block_q), dtype=q.dtype)
+    acc = np.empty((block_q, Dv), dtype=q.dtype)
+    row_max = np.empty(block_q, dtype=q.dtype)
+    tile_max = np.empty(block_q, dtype=q.dtype)
+    shift_by = np.empty(block_q, dtype=q.dtype)
+    rescale_by = np.empty(block_q, dtype=q.dtype)
+    tile_sum = np.empty(block_q, dtype=q.dtype)
+    row_sum = np.empty(block_q)
+    no_slope = np.empty((1, 1), dtype=q.dtype)
     for task in range(first, B * H * n_qt, step):
         bh = task // n_qt
         b = bh // H
@@ -911,19 +922,12 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
         bq = min(block_q, N - i0)
 
         factor = opt.scale / opt.tau[h]
-        q_t = np.empty((D, block_q), dtype=q.dtype)  # scaled Q^T of the tile
         for r in range(bq):
             for d in range(D):
                 q_t[d, r] = q[b, h, i0 + r, d] * factor
-        st = np.empty((block_k, block_q), dtype=q.dtype)
-        acc = np.zeros((block_q, Dv), dtype=q.dtype)
-        row_max = np.full(block_q, -np.inf, dtype=q.dtype)
-        tile_max = np.empty(block_q, dtype=q.dtype)
-        shift_by = np.empty(block_q, dtype=q.dtype)
-        rescale_by = np.empty(block_q, dtype=q.dtype)
-        tile_sum = np.empty(block_q, dtype=q.dtype)
-        row_sum = np.zeros(block_q)
-        no_slope = np.empty((1, 1), dtype=q.dtype)
+        acc[:] = 0.0
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
 
         # NVM tests s before log G is added: with a gate it stays in the
         # logits pass, otherwise it joins the row-max and shift passes.
@@ -1066,6 +1070,20 @@ def _backward_kernel(
     pairs_h = Hkv if fold_h else 1
     pairs = (B if fold_b else 1) * pairs_h
     n_outer = (1 if fold_b else B) * outer_h
+    # scratch of the thread, reused by its tasks
+    st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
+    pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
+    dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
+    # dz transposed, query-major, for a reduced dbias laid out along the keys
+    dz_t = np.empty(block_q * block_k if dbias_mode == 2 else 1, dtype=k.dtype)
+    one_t = _like(1.0, dpt)
+    slope = np.empty((block_k, block_q) if opt.has_softcap else (1, 1), dtype=k.dtype)
+    lse_t = np.empty(block_q, dtype=k.dtype)
+    delta_t = np.empty(block_q, dtype=k.dtype)
+    dtau_acc = np.empty(block_q)
+    dsigma_acc = np.empty(block_q)
+    dk_acc = np.empty((block_k, D), dtype=k.dtype)
+    dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
     for task in range(first, n_outer * lanes * n_chunk, step):
         rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
@@ -1076,19 +1094,6 @@ def _backward_kernel(
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
 
-        st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
-        pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
-        dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
-        # dz transposed, query-major, for a reduced dbias laid out along the keys
-        dz_t = np.empty(block_q * block_k if dbias_mode == 2 else 1, dtype=k.dtype)
-        one_t = _like(1.0, dpt)
-        slope = np.empty((block_k, block_q) if opt.has_softcap else (1, 1), dtype=k.dtype)
-        lse_t = np.empty(block_q, dtype=k.dtype)
-        delta_t = np.empty(block_q, dtype=k.dtype)
-        dtau_acc = np.empty(block_q)
-        dsigma_acc = np.empty(block_q)
-        dk_acc = np.empty((block_k, D), dtype=k.dtype)
-        dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
         # NVM tests s before log G is added: with a gate it stays in the
         # logits pass, otherwise it joins the pass that forms z - lse (the
         # logits z themselves are read only where p != 0).
