@@ -312,14 +312,14 @@ os.register_at_fork(after_in_child=_forget_pool)  # a forked child has none of t
 
 
 def _run_tasks(kernel, *args):
-    """Run ``kernel(*args, first, step)`` on ``numba.get_num_threads()`` threads.
+    """Run ``kernel(*args, part, parts)`` on ``numba.get_num_threads()`` threads.
 
-    Thread ``t`` runs the tasks ``t, t + T, t + 2T, ...`` of the kernel's
-    task loop (the kernels release the GIL). Every task writes outputs of its
-    own, so the result has the same bits for every thread count. Threads
-    instead of ``prange``: a parallel Numba function compiles its loop body
-    again as a gufunc and LLVM optimises it once per level it is linked into,
-    which tripled the first compile of these kernels.
+    Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
+    tasks (`_task_range`; the kernels release the GIL). Every task writes
+    outputs of its own, so the result has the same bits for every thread
+    count. Threads instead of ``prange``: a parallel Numba function compiles
+    its loop body again as a gufunc and LLVM optimises it once per level it
+    is linked into, which doubled the first compile of these kernels.
     """
     global _pool
     threads = numba.get_num_threads()
@@ -331,6 +331,18 @@ def _run_tasks(kernel, *args):
     futures = [_pool[1].submit(kernel, *args, t, threads) for t in range(threads)]
     for future in futures:
         future.result()
+
+
+@njit(cache=True)
+def _task_range(n, part, parts):
+    """The tasks of thread ``part`` of ``parts``: a contiguous share of ``range(n)``.
+
+    Contiguous, as ``prange`` schedules them: consecutive tasks alternate a
+    cheap and a costly tile under a causal mask (`_zigzag`), so any run of
+    them is balanced, where every ``parts``-th task would not be (with two
+    threads, one would get every cheap tile).
+    """
+    return range(n * part // parts, n * (part + 1) // parts)
 
 
 def _options(p, with_sigma_grad, dtype):
@@ -897,7 +909,7 @@ def _log_add_exp(a, b):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
@@ -913,7 +925,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
     tile_sum = np.empty(block_q, dtype=q.dtype)
     row_sum = np.empty(block_q)
     no_slope = np.empty((1, 1), dtype=q.dtype)
-    for task in range(first, B * H * n_qt, step):
+    for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
         h = bh % H
@@ -1001,12 +1013,12 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, first, step):
 
 @njit(nogil=True, cache=True)
 def _backward_prepare(
-    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta, first, step
+    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta, part, parts
 ):
     """Scaled queries (rows and Q^T tiles), dout^T tiles, delta and dbeta per (b, h)."""
     B, H, N, D = q.shape
     Dv = dout.shape[3]
-    for bh in range(first, B * H, step):
+    for bh in _task_range(B * H, part, parts):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
@@ -1043,7 +1055,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-    dbias_params, dbias_strides, dbias_direct, dbias_partials, first, step,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials, part, parts,
 ):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
@@ -1084,7 +1096,7 @@ def _backward_kernel(
     dsigma_acc = np.empty(block_q)
     dk_acc = np.empty((block_k, D), dtype=k.dtype)
     dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
-    for task in range(first, n_outer * lanes * n_chunk, step):
+    for task in _task_range(n_outer * lanes * n_chunk, part, parts):
         rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
         lane = rest % lanes
@@ -1249,11 +1261,11 @@ def _backward_kernel(
 
 
 @njit(nogil=True, cache=True)
-def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, first, step):
+def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
     """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
     B, H, N, D = dq.shape
     n_qt = (N + block_q - 1) // block_q
-    for task in range(first, B * H * n_qt, step):
+    for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
         h = bh % H
