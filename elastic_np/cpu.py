@@ -568,8 +568,7 @@ def _like_overload(x, arr):
 
 @njit(cache=True)
 def _logits_tile(
-    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, want_slope,
-    tile_max, want_max, nonneg,
+    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
 ):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
@@ -583,13 +582,20 @@ def _logits_tile(
     first pass when it can), a closed gate, a false mask entry (a ``-inf``
     bias is ``-inf`` already); the others get ``log G`` added.
 
+    ``slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
+    tile's shape (the backward), not when it is empty.
+    ``tile_max`` (length ``bq`` or more; empty when not wanted) is raised to
+    the column maxima of the logits (of those ``>= 0`` with ``nonneg``) when
+    they come with the product: whenever nothing is removed and no modifier
+    is added after the product. Both are told by the arrays, not by flags:
+    a literal flag would compile this function once per value.
+
     Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves nothing
-    in the tile (so the caller may skip it); ``maxed`` is True when, with
-    ``want_max``, ``tile_max[:bq]`` was raised to the column maxima of the
-    logits (of those ``>= 0`` with ``nonneg``) along with the product, which
-    it is whenever nothing is removed and no modifier is added after the
-    product.
+    in the tile (so the caller may skip it); ``maxed`` is True when
+    ``tile_max[:bq]`` holds the maxima.
     """
+    want_slope = slope.shape[0] > 0
+    want_max = tile_max.shape[0] > 0
     removes_nothing = _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
     additive = opt.has_alibi or opt.has_bias
     # Accumulating the product onto the bias rounds s with partial sums that
@@ -599,7 +605,7 @@ def _logits_tile(
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     if additive_first:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, False, True)
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -610,7 +616,7 @@ def _logits_tile(
         else:
             matmul_nn(k_j, q_t, st, bk, bq, D, False)
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, False)
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -924,7 +930,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     rescale_by = np.empty(block_q, dtype=q.dtype)
     tile_sum = np.empty(block_q, dtype=q.dtype)
     row_sum = np.empty(block_q)
-    no_slope = np.empty((1, 1), dtype=q.dtype)
+    no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
@@ -956,7 +962,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
-                off_lo, off_hi, nvm_in_logits, no_slope, False, tile_max, True, nvm_in_max,
+                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
             )
             if not kept:
                 continue
@@ -1089,8 +1095,9 @@ def _backward_kernel(
     # dz transposed, query-major, for a reduced dbias laid out along the keys
     dz_t = np.empty(block_q * block_k if dbias_mode == 2 else 1, dtype=k.dtype)
     one_t = _like(1.0, dpt)
-    slope = np.empty((block_k, block_q) if opt.has_softcap else (1, 1), dtype=k.dtype)
+    slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
     lse_t = np.empty(block_q, dtype=k.dtype)
+    no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     delta_t = np.empty(block_q, dtype=k.dtype)
     dtau_acc = np.empty(block_q)
     dsigma_acc = np.empty(block_q)
@@ -1150,7 +1157,7 @@ def _backward_kernel(
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk, N, M)
                     kept, _ = _logits_tile(
                         st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
-                        off_lo, off_hi, nvm_in_logits, slope, True, lse_t, False, False,
+                        off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm,
                     )
                     if not kept:
                         for r in range(bq):
