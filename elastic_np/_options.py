@@ -138,7 +138,9 @@ class AttentionProblem:
     The score modifiers: ``softcap`` a float ``> 0`` or None, ``alibi``
     float64 ``(B, H)`` slopes or None, ``bias`` a read-only view of the
     caller's floating array broadcast to ``(B, H, N, M)`` (its own dtype) or
-    None, with ``bias_shape`` the shape it was given in.
+    None, with ``bias_shape`` the shape it was given in; ``bias_unchecked``
+    is True when its values are still to be checked, by the backend (see
+    `prepare`'s ``defer_bias_check``).
     """
 
     q: np.ndarray
@@ -162,6 +164,7 @@ class AttentionProblem:
     alibi: Optional[np.ndarray] = None
     bias: Optional[np.ndarray] = None
     bias_shape: Optional[tuple] = None
+    bias_unchecked: bool = False
 
     @property
     def shape(self):
@@ -242,12 +245,17 @@ def prepare(
     bias=None,
     dtypes=None,
     check_finite=True,
+    defer_bias_check=False,
 ):
     """Validate the attention inputs and options; return an `AttentionProblem`.
 
     ``dtypes`` restricts the accepted dtype of ``q, k, v`` (the kernels take
     float32 and float64, all three the same); with ``dtypes=None`` any real
     floating dtype is accepted and converted to float64 (the reference).
+    With ``check_finite=False`` no value is checked. ``defer_bias_check``
+    leaves the check of the bias's values to a backend whose kernels read
+    every entry anyway (the problem's ``bias_unchecked`` is then True; the
+    backend raises `BIAS_VALUES_ERROR` as `check_bias_values` would).
     """
     q, k, v = (np.asarray(a) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -309,7 +317,7 @@ def prepare(
     if softcap is not None:
         softcap = _validation.positive_scalar(softcap, "softcap")
     alibi = _alibi(alibi_slopes, B, H)
-    bias, bias_shape = _bias(bias, (B, H, N, M), check_finite)
+    bias, bias_shape = _bias(bias, (B, H, N, M), check_finite and not defer_bias_check)
 
     return AttentionProblem(
         q=q, k=k, v=v, scale=float(scale), causal=bool(causal), window=window,
@@ -317,6 +325,7 @@ def prepare(
         sigma=sigma, sharpness=sharpness, threshold=threshold,
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
         softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
+        bias_unchecked=bias is not None and check_finite and defer_bias_check,
     )
 
 
@@ -380,7 +389,7 @@ def _alibi(slopes, B, H):
     return np.broadcast_to(arr, (B, H)).copy()
 
 
-def _bias(bias, shape, check_finite):
+def _bias(bias, shape, check_values):
     """The bias as a read-only view broadcast to ``shape``, and the shape it came in."""
     if bias is None:
         return None, None
@@ -394,9 +403,21 @@ def _bias(bias, shape, check_finite):
         raise ValueError(
             f"`bias` of shape {bias.shape} is not broadcastable to (B, H, N, M) = {shape}"
         ) from None
-    # -inf removes an entry, like a false mask entry; NaN and +inf are errors.
-    # The maximum has both (NaN propagates) in one pass with no temporaries:
-    # a bias may be as large as the score matrix.
-    if check_finite and bias.size and not np.max(bias) < np.inf:
-        raise ValueError("`bias` contains NaN or +inf (-inf is allowed: it removes the entry)")
+    if check_values:
+        check_bias_values(bias)
     return view, bias.shape
+
+
+#: The error for a bias with NaN or +inf, wherever it is found.
+BIAS_VALUES_ERROR = "`bias` contains NaN or +inf (-inf is allowed: it removes the entry)"
+
+
+def check_bias_values(bias):
+    """Raise ValueError when ``bias`` has a NaN or a ``+inf``.
+
+    ``-inf`` removes an entry, like a false mask entry, and is allowed. The
+    maximum finds both (NaN propagates) in one pass with no temporaries: a
+    bias may be as large as the score matrix.
+    """
+    if bias.size and not np.max(bias) < np.inf:
+        raise ValueError(BIAS_VALUES_ERROR)

@@ -55,12 +55,13 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from elastic_np import _options as options_module
 from elastic_np._tiles import (
     TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
     tanh_any, transpose_add, transpose_load, transpose_store,
 )
 
-__all__ = ["dtypes", "is_available", "check_available", "forward", "backward"]
+__all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward"]
 
 dtypes = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -109,6 +110,7 @@ _Options = collections.namedtuple(
         "has_bias",  # bool
         "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
+        "check_bias",  # bool: the kernels count the bias's NaN and +inf entries (`_count_bad_bias`)
     ],
 )
 
@@ -128,6 +130,18 @@ def check_available():
 # ---------------------------------------------------------------------------
 
 
+def prepare(q, k, v, **options):
+    """`elastic_np._options.prepare`, leaving the bias's values to the kernels.
+
+    The kernels read every bias entry anyway, so they also count its NaN and
+    ``+inf`` entries (`_count_bad_bias`), including those of tiles a mask
+    skips, and `forward` and `backward` raise the same ValueError as the
+    check before the call would: a separate pass over a bias as large as
+    the score matrix cost as much as the kernel's own read of it.
+    """
+    return options_module.prepare(q, k, v, defer_bias_check=True, **options)
+
+
 def forward(problem):
     """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
 
@@ -145,7 +159,9 @@ def forward(problem):
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
-    _run_tasks(_forward_kernel, q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse)
+    bad_bias = np.zeros((B, H, -(-N // BLOCK_Q)), dtype=np.int64)
+    _run_tasks(_forward_kernel, q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse, bad_bias)
+    _raise_on_bad_bias(bad_bias)
     return out, lse
 
 
@@ -196,16 +212,18 @@ def backward(problem, dout, out, lse):
     dv = np.empty_like(v)
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
+    bad_bias = np.zeros((B, H, n_kt), dtype=np.int64)
     plan = _DbiasPlan(problem, dtype, n_kt, chunk)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _run_tasks(
             _backward_kernel, k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, BLOCK_Q, block_k,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-            plan.params, plan.strides, plan.direct, plan.partials,
+            plan.params, plan.strides, plan.direct, plan.partials, bad_bias,
         )
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, BLOCK_Q, dq)
         plan.after_chunk()
+    _raise_on_bad_bias(bad_bias)
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
     factor = (problem.scale / problem.tau)[None, :, None, None]
     np.multiply(dq, factor, out=dq, casting="unsafe")
@@ -289,6 +307,12 @@ class _DbiasPlan:
         return self.total.reshape(self.shape)
 
 
+def _raise_on_bad_bias(counts):
+    """Raise `elastic_np._options.BIAS_VALUES_ERROR` when the kernels counted a NaN or +inf bias entry."""
+    if counts.any():
+        raise ValueError(options_module.BIAS_VALUES_ERROR)
+
+
 def _kernel_array(a):
     """``a`` itself when C-contiguous and writable, else a copy that is.
 
@@ -364,12 +388,20 @@ def _options(p, with_sigma_grad, dtype):
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
             with_sigma_grad, log_gate, dlog_gate, band,
         )
+    check_bias = p.bias_unchecked
     if p.bias is None:
         bias = np.zeros(1, dtype=dtype)
         bias.setflags(write=False)
         bias_strides = np.zeros(4, dtype=np.int64)
     else:
         bias, bias_strides = _compact_bias(p.bias, dtype)
+        if check_bias and not np.may_share_memory(bias, p.bias):
+            # converted: the caller's values are checked, then the converted
+            # ones (a float64 entry beyond the float32 range becomes +inf)
+            options_module.check_bias_values(p.bias)
+            if bias.size and not np.max(bias) < np.inf:
+                raise ValueError(f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype")
+            check_bias = False
     return _Options(
         scale=float(p.scale),
         causal=bool(p.causal),
@@ -393,6 +425,7 @@ def _options(p, with_sigma_grad, dtype):
         has_bias=p.bias is not None,
         bias=bias,
         bias_strides=bias_strides,
+        check_bias=check_bias,
     )
 
 
@@ -423,7 +456,8 @@ def _compact_bias(bias, dtype):
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
     compact = bias[index]
     if not (compact.dtype == dtype and (compact.flags.c_contiguous or compact.flags.f_contiguous)):
-        compact = np.ascontiguousarray(compact, dtype=dtype)
+        with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (`_options`)
+            compact = np.ascontiguousarray(compact, dtype=dtype)
     flat = compact.ravel(order="K")  # a view: the memory order of a contiguous array
     strides = [
         0 if s == 0 or n == 1 else cs // compact.itemsize
@@ -673,6 +707,38 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
 
 @njit(cache=True)
+def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
+    """How many bias entries of head ``(b, h)``, queries ``[i0, i1)``, keys ``[j0, j1)`` are NaN or ``+inf``.
+
+    0 unless ``opt.check_bias``. A caller covers a block of the entries;
+    along an axis the bias is broadcast over, only the block at index 0
+    counts (``b = 0``, ``h = 0``, ``i0 = 0``, ``j0 = 0``), and a single
+    entry of it: every distinct entry is counted once over the blocks that
+    cover ``(B, H, N, M)``. Not fastmath: the comparison must see NaN.
+    """
+    s_b, s_h, s_i, s_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    if not opt.check_bias or i0 >= i1 or j0 >= j1:
+        return 0
+    if (s_b == 0 and b > 0) or (s_h == 0 and h > 0) or (s_i == 0 and i0 > 0) or (s_j == 0 and j0 > 0):
+        return 0
+    if s_i == 0:
+        i1 = i0 + 1
+    if s_j == 0:
+        j1 = j0 + 1
+    bad = 0
+    for i in range(i0, i1):
+        at = b * s_b + h * s_h + i * s_i
+        if s_j == 1:
+            row = opt.bias[at + j0 : at + j1]
+            for c in range(row.shape[0]):
+                bad += 0 if row[c] < np.inf else 1
+        else:
+            for j in range(j0, j1):
+                bad += 0 if opt.bias[at + j * s_j] < np.inf else 1
+    return bad
+
+
+@njit(cache=True)
 def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
@@ -915,7 +981,8 @@ def _log_add_exp(a, b):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, parts):
+    """Query tiles: ``out`` and ``lse``; ``bad_bias[b, h, tile]`` counts the tile's NaN and +inf bias entries."""
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
@@ -936,7 +1003,8 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         b = bh // H
         h = bh % H
         hk = h // group
-        i0 = _zigzag(task % n_qt, n_qt) * block_q
+        qt = _zigzag(task % n_qt, n_qt)
+        i0 = qt * block_q
         bq = min(block_q, N - i0)
 
         factor = opt.scale / opt.tau[h]
@@ -954,6 +1022,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         neg_inf = -np.inf
         off_lo, off_hi = _offset_range(opt, b, h, N, M)
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
+        bad = 0
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             if opt.has_bias and j0 + block_k < j_hi:
@@ -964,6 +1033,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
                 off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
             )
+            bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
             if not kept:
                 continue
             if not maxed:
@@ -994,6 +1064,10 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
             for r in range(bq):
                 row_sum[r] += tile_sum[r]
             matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
+        # the bias of the keys skipped, which no tile read
+        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, 0, j_lo)
+        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j_hi, M)
+        bad_bias[b, h, qt] = bad
 
         # lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
@@ -1061,7 +1135,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-    dbias_params, dbias_strides, dbias_direct, dbias_partials, part, parts,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials, bad_bias, part, parts,
 ):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
@@ -1070,7 +1144,8 @@ def _backward_kernel(
     ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
     where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
     and, when the bias is broadcast over the batch or the heads, a lane of
-    (batch, kv head) pairs.
+    (batch, kv head) pairs. ``bad_bias[b, h, kt]`` counts the NaN and +inf
+    bias entries of the key tile, over all queries.
     """
     B, Hkv, M, D = k.shape
     Dv = v.shape[3]
@@ -1135,6 +1210,7 @@ def _backward_kernel(
                 off_lo, off_hi = _offset_range(opt, b, h, N, M)
                 i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
                 if bk == 0 or i_lo >= i_hi:
+                    bad_bias[b, h, kt] = _count_bad_bias(opt, b, h, 0, N, j0, j0 + bk_all)
                     share_rows[t, b, h, 0] = 0
                     share_rows[t, b, h, 1] = 0
                     dtau_part[b, h, kt] = 0.0
@@ -1142,6 +1218,12 @@ def _backward_kernel(
                     continue
                 it_lo = i_lo // block_q
                 it_hi = (i_hi - 1) // block_q + 1
+                # the bias of the queries skipped, which no tile reads, and
+                # of the keys past kv_lengths
+                rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
+                bad = _count_bad_bias(opt, b, h, 0, rows_lo, j0, j0 + bk_all)
+                bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
+                bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
                 share_rows[t, b, h, 0] = it_lo * block_q
                 share_rows[t, b, h, 1] = min(it_hi * block_q, N)
                 inv_tau = 1.0 / opt.tau[h]
@@ -1159,6 +1241,7 @@ def _backward_kernel(
                         st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
                         off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm,
                     )
+                    bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
                     if not kept:
                         for r in range(bq):
                             for d in range(D):
@@ -1260,6 +1343,7 @@ def _backward_kernel(
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                 dtau_part[b, h, kt] = -dtau / opt.tau[h]
                 dsigma_part[b, h, kt] = dsigma
+                bad_bias[b, h, kt] = bad
             for c in range(bk_all):
                 for d in range(D):
                     dk[b, hk, j0 + c, d] = dk_acc[c, d]

@@ -538,6 +538,76 @@ def test_bias_not_copied(dtype, order):
     np.testing.assert_array_equal(opt.bias.reshape(23, 31), strided)
 
 
+# Options that skip tiles: the kernels never read those entries for the
+# attention, yet a NaN or +inf there must raise as the reference's check does.
+_SKIPPING = {
+    "causal-kv-lengths": dict(causal=True, kv_lengths=[17, 31]),
+    "window": dict(window_size=(3, 1)),
+    "mask-none-kept": dict(mask=np.zeros((23, 31), bool)),
+    "plain": {},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_name", ["full", "nm", "1h1m-keypad", "bhn1", "b1n1", "scalar", "fortran"])
+@pytest.mark.parametrize("skipping", list(_SKIPPING))
+def test_bias_values_checked_by_the_kernels(small_tiles, dtype, bias_name, skipping):
+    """NaN or +inf anywhere in the bias raises, forward and backward; -inf does not.
+
+    ``cpu.prepare`` leaves the check to the kernels, which count the bad
+    entries as they read the bias (also in the tiles a mask skips). Every
+    entry of the caller's array is tried, or 24 of them at random and the
+    corners.
+    """
+    q, k, v, dout = _inputs(dtype)
+    opts = _SKIPPING[skipping]
+    base = np.asfortranarray(BIASES["full"]) if bias_name == "fortran" else BIASES[bias_name]
+    base = np.array(base, dtype=dtype, order="K")
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", bias=base, **opts)
+    rng = np.random.default_rng(len(bias_name) * 7 + len(skipping))
+    flat = list(range(base.size))
+    if base.size > 30:
+        flat = [0, base.size - 1] + list(rng.choice(base.size, 24, replace=False))
+    for n, at in enumerate(flat):
+        bad_value = (np.nan, np.inf)[n % 2]
+        for value, raises in ((bad_value, True), (-np.inf, False)):
+            bias = base.copy(order="K")
+            bias[np.unravel_index(at, bias.shape)] = value
+            problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes, **opts)
+            assert problem.bias_unchecked  # not checked before the kernels
+            if raises:
+                with pytest.raises(ValueError, match="`bias` contains NaN or \\+inf"):
+                    cpu.forward(problem)
+                with pytest.raises(ValueError, match="`bias` contains NaN or \\+inf"):
+                    cpu.backward(problem, dout, out, lse)
+            else:
+                cpu.forward(problem)
+                cpu.backward(problem, dout, out, lse)
+
+
+def test_bias_values_checked_before_conversion():
+    # a float64 bias beyond the float32 range is finite: the float32 kernels
+    # convert it, so its values are checked on the caller's array, before
+    q, k, v, _ = _inputs(np.float32)
+    bias = np.zeros((23, 31))
+    bias[3, 4] = np.nan
+    problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
+    with pytest.raises(ValueError, match="`bias` contains NaN"):
+        cpu.forward(problem)
+    bias[3, 4] = 1e300
+    problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
+    with pytest.raises(ValueError, match="`bias` has finite entries beyond the range of float32"):
+        cpu.forward(problem)
+    bias[3, 4] = -1e300  # -inf once converted: removes the entry, as a float32 score would
+    problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
+    assert not cpu._options(problem, False, np.dtype(np.float32)).check_bias
+    # no check at all when the caller asks for none
+    bias[3, 4] = np.nan
+    problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes, check_finite=False)
+    assert not problem.bias_unchecked
+    assert not cpu._options(problem, False, np.dtype(np.float32)).check_bias
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["full", "nm", "b11m-keypad", "bhn1", "scalar"])
 def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch, dtype, bias_name):
@@ -697,3 +767,4 @@ def test_a_forked_child_runs_the_kernels():
         with multiprocessing.get_context("fork").Pool(1) as pool:
             got = pool.apply_async(_attention_cpu, (q, k, v)).get(timeout=300)
     np.testing.assert_array_equal(got, want)
+
