@@ -49,6 +49,7 @@ import collections
 import concurrent.futures
 import math
 import os
+import threading
 
 import numba
 import numpy as np
@@ -325,11 +326,13 @@ def _kernel_array(a):
 
 
 _pool = None  # (threads, executor)
+_pool_lock = threading.Lock()
 
 
 def _forget_pool():
-    global _pool
+    global _pool, _pool_lock
     _pool = None
+    _pool_lock = threading.Lock()  # a thread of the parent may have held it
 
 
 os.register_at_fork(after_in_child=_forget_pool)  # a forked child has none of the threads
@@ -350,9 +353,12 @@ def _run_tasks(kernel, *args):
     if threads == 1:
         kernel(*args, 0, 1)
         return
-    if _pool is None or _pool[0] < threads:
-        _pool = (threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="elastic_np"))
-    futures = [_pool[1].submit(kernel, *args, t, threads) for t in range(threads)]
+    with _pool_lock:  # another Python thread may replace the pool meanwhile
+        if _pool is None or _pool[0] < threads:
+            if _pool is not None:
+                _pool[1].shutdown(wait=False)  # its idle threads exit; queued tasks still run
+            _pool = (threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="elastic_np"))
+        futures = [_pool[1].submit(kernel, *args, t, threads) for t in range(threads)]
     for future in futures:
         future.result()
 

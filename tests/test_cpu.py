@@ -768,3 +768,22 @@ def test_a_forked_child_runs_the_kernels():
             got = pool.apply_async(_attention_cpu, (q, k, v)).get(timeout=300)
     np.testing.assert_array_equal(got, want)
 
+
+def test_a_smaller_pool_is_shut_down_when_more_threads_are_asked_for(monkeypatch):
+    import concurrent.futures
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two Numba threads")
+    small = concurrent.futures.ThreadPoolExecutor(1)
+    small.submit(int).result()  # one idle worker thread
+    monkeypatch.setattr(cpu, "_pool", (1, small))
+    q, k, v, _ = _inputs(np.float32)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        np.testing.assert_array_equal(_attention_cpu(q, k, v), _attention_cpu(q, k, v))
+    finally:
+        numba.set_num_threads(threads)
+    assert cpu._pool[0] == 2 and cpu._pool[1] is not small
+    with pytest.raises(RuntimeError, match="shutdown"):
+        small.submit(int)  # shut down, its thread gone
