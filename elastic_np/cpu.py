@@ -913,8 +913,11 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     width = TRANSPOSE_BYTES // tile.itemsize
     bk_w = bk - bk % width
     bq_w = bq - bq % width
-    for cb in range(0, bk_w, width):
-        for rb in range(0, bq_w, width):
+    # W runs of src at a time, each read along: W streams the hardware
+    # prefetcher follows (with the blocks down the runs first, bq streams at
+    # once, a whole 2048^2 float32 bias took 37 against 23 ms, one thread)
+    for rb in range(0, bq_w, width):
+        for cb in range(0, bk_w, width):
             if overwrite:
                 transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
             else:
@@ -936,8 +939,8 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     width = TRANSPOSE_BYTES // tile.itemsize
     bk_w = bk - bk % width
     bq_w = bq - bq % width
-    for cb in range(0, bk_w, width):
-        for rb in range(0, bq_w, width):
+    for rb in range(0, bq_w, width):  # W runs of dst at a time, as in `_add_transposed`
+        for cb in range(0, bk_w, width):
             transpose_store(tile, dst, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
