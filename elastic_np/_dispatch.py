@@ -11,7 +11,9 @@ backend computes in float64; the kernels keep the input dtype.
 A backend may also define ``prepare`` and ``check_backward_arrays`` with the
 signatures of `elastic_np._options.prepare` and
 `elastic_np.reference.check_backward_arrays`; they replace those two (the CUDA
-backend uses this to validate device arrays without copying them to the host).
+backend uses this to validate device arrays without copying them to the host;
+the CPU backend leaves the check of the bias's values to its kernels, which
+read every entry anyway).
 """
 
 import importlib

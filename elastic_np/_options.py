@@ -3,7 +3,9 @@
 `prepare` turns the user's ``q, k, v`` and keyword options into an
 `AttentionProblem` whose fields every backend reads: per-head ``tau`` and
 ``beta`` arrays, per-(batch, head) ``sigma``, ``kv_lengths`` filled in, the
-mask broadcast (as a view) to ``(B, H, N, M)``.
+mask broadcast (as a view) to ``(B, H, N, M)``. One check may be left to a
+backend: that of the bias's values (``defer_bias_check``), for kernels that
+read every entry anyway.
 """
 
 import dataclasses

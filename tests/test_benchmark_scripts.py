@@ -1,0 +1,25 @@
+"""The scripts in ``benchmarks/`` run end to end on a tiny problem (their figures are not checked)."""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+
+import score_modifiers  # noqa: E402
+
+
+def test_score_modifiers_prints_every_case(capsys):
+    score_modifiers.main(["--n", "64", "--heads", "2", "--dim", "16", "--rounds", "1", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for variant in ("plain", "softcap", "alibi", "bias (B,H,N,M)", "bias (N,M)", "bias (B,1,1,M)"):
+        assert f"\n{variant:<16} fwd+bwd" in out
+    assert "extra / memory" in out
+
+
+def test_score_modifiers_cases_compute_the_same_work():
+    variants, biases, cases = score_modifiers.make_cases(n=32, heads=2, dim=8)
+    for name in biases:
+        assert {(name, "read"), (name, "write"), (name, "fwd"), (name, "fwd+bwd")} <= set(cases)
+    grads = cases[("bias (N,M)", "fwd+bwd")]()
+    assert grads.dbias.shape == biases["bias (N,M)"].shape
