@@ -33,7 +33,9 @@ contiguous axis of the tile.
   (`_logits_tile`), before NVM, the temperature's division (already in the
   scaled queries) and the gate: ``tanh`` is the vectorised one of
   `elastic_np._tiles`, the bias is read tile by tile from its distinct
-  entries (no copy when its dtype is the kernel's). ``dbias`` is written by
+  entries (no copy when its dtype is the kernel's), and its NaN and ``+inf``
+  entries are counted as it is read (`prepare`, `_count_bad_bias`), also in
+  the tiles a mask skips. ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
