@@ -66,10 +66,13 @@ def _naive_probabilities(q, k, v, causal, scale):
 
 
 def machine_info():
-    """Processor, core count, thread count and library versions, for a results file."""
+    """Processor, its SIMD width, core and thread counts and library versions, for a results file."""
     import platform
 
     import numba
+
+    import elastic_np
+    from elastic_np import _tiles
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -77,8 +80,10 @@ def machine_info():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
-            "python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__}
+    info = {"cpu": cpu, "simd_bits": 8 * _tiles._VECTOR_BYTES, "fma": _tiles.HAS_FMA,
+            "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "python": platform.python_version(), "elastic_np": elastic_np.__version__,
+            "numpy": np.__version__, "numba": numba.__version__}
     if torch_available():
         import torch
 
