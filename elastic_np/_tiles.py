@@ -107,7 +107,10 @@ HAS_FMA = "fma" in _FEATURES
 _VECTOR_BYTES = _vector_bytes(_FEATURES)
 _REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
 #: Micro-kernel block: rows of c by vectors of c kept in registers over the k loop.
-_MR = 4
+#: With 16 registers, 6 x 2 accumulators (the usual AVX2 shape) leave 4 for
+#: the b vectors and the broadcast: against 4 x 2, the plain forward took 8%
+#: (float32) and 15% (float64) less time, interleaved rounds on an AVX2 host.
+_MR = 4 if _REGISTERS == 32 else 6
 _NR = 4 if _REGISTERS == 32 else 2
 
 
