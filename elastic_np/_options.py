@@ -414,12 +414,12 @@ def _bias(bias, shape, check_values):
 BIAS_VALUES_ERROR = "`bias` contains NaN or +inf (-inf is allowed: it removes the entry)"
 
 
-def check_bias_values(bias):
-    """Raise ValueError when ``bias`` has a NaN or a ``+inf``.
+def check_bias_values(bias, message=BIAS_VALUES_ERROR):
+    """Raise ValueError(``message``) when ``bias`` has a NaN or a ``+inf``.
 
     ``-inf`` removes an entry, like a false mask entry, and is allowed. The
     maximum finds both (NaN propagates) in one pass with no temporaries: a
     bias may be as large as the score matrix.
     """
     if bias.size and not np.max(bias) < np.inf:
-        raise ValueError(BIAS_VALUES_ERROR)
+        raise ValueError(message)

@@ -409,8 +409,9 @@ def _options(p, with_sigma_grad, dtype):
             # converted: the caller's values are checked, then the converted
             # ones (a float64 entry beyond the float32 range becomes +inf)
             options_module.check_bias_values(p.bias)
-            if bias.size and not np.max(bias) < np.inf:
-                raise ValueError(f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype")
+            options_module.check_bias_values(
+                bias, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
+            )
             check_bias = False
     return _Options(
         scale=float(p.scale),
@@ -1237,8 +1238,8 @@ def _backward_kernel(
                 bad = _count_bad_bias(opt, b, h, 0, rows_lo, j0, j0 + bk_all)
                 bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
                 bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
-                share_rows[t, b, h, 0] = it_lo * block_q
-                share_rows[t, b, h, 1] = min(it_hi * block_q, N)
+                share_rows[t, b, h, 0] = rows_lo
+                share_rows[t, b, h, 1] = rows_hi
                 inv_tau = 1.0 / opt.tau[h]
                 inv_tau_t = _like(inv_tau, dpt)
                 for r in range(block_q):
