@@ -901,7 +901,12 @@ def tanh_inplace(x, m, n):
     exact and :math:`r + r^2 q(r)` is accurate relative to itself, so that
     small arguments keep full relative accuracy (``tanh(x) = x`` for tiny
     ``x``) and the quotient adds a few roundings. The tests bound the error
-    at 4 ulp against mpmath. ``tanh(+-inf) = +-1``; ``nan`` gives ``nan``.
+    at 4 ulp against mpmath (a scan of every float32 in
+    :math:`[2^{-126}, 12]` measured 2.50 ulp at most) and check that the
+    result never decreases from one float to the next: the forward kernel
+    caps a tile's raw maxima rather than taking the maxima of the capped
+    tile, which is the same only for a non-decreasing tangent.
+    ``tanh(+-inf) = +-1``; ``nan`` gives ``nan``.
 
     See Also
     --------

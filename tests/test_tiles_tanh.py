@@ -65,6 +65,22 @@ def test_tanh_special_values(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_tanh_is_non_decreasing_over_consecutive_floats(dtype):
+    # The forward kernel caps a tile's raw column maxima instead of taking the
+    # maxima of the capped tile: the same only while tanh never decreases.
+    # Windows of consecutive floats around the reduction's steps, where the
+    # float32 argument is clamped (|x| = 10) and where tanh reaches 1.
+    int_type = np.int32 if dtype == np.float32 else np.int64
+    centers = [1e-6, 1e-3, 0.1, np.log(2) / 4, 0.5, 3 * np.log(2) / 4, 1.0, 2.0, 4.5, 9.0, 10.0, 19.0]
+    for center in centers:
+        bits = np.array([center], dtype).view(int_type)[0]
+        x = (bits + np.arange(-50_000, 50_000, dtype=int_type)).view(dtype).reshape(1, -1).copy()
+        tanh_inplace(x, *x.shape)
+        steps = np.diff(x.ravel())
+        assert (steps >= 0).all(), f"tanh decreases near {center}: {np.flatnonzero(steps < 0)[:5]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tanh_block_only(dtype):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((6, 9)).astype(dtype)
