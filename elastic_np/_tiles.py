@@ -40,11 +40,12 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.np import numpy_support
 from numba.extending import intrinsic, overload
 
 __all__ = [
     "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
-    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
+    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store", "transpose_width",
 ]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
@@ -952,9 +953,30 @@ def prefetch(typingctx, arr, index):
 # Transposed add of a block
 # ---------------------------------------------------------------------------
 
-#: Bytes of the square blocks `transpose_add` moves: a 512-bit vector per row,
-#: 16 float32 or 8 float64 (LLVM splits it on hosts with narrower registers).
-TRANSPOSE_BYTES = 64
+#: Entries per side of the square blocks the transposes move, at least: with
+#: AVX2, 8 x 8 float32 blocks (a register per row) took 25-35% less time than
+#: 16 x 16 ones (two registers per row, and spills), and 8 x 8 float64 blocks
+#: (two per row) half the time of 4 x 4 ones (measured per 128 x 128 tile).
+_MIN_TRANSPOSE_WIDTH = 8
+
+
+def transpose_width(x):
+    """Entries per side ``W`` of the square blocks `transpose_add` and co. move.
+
+    A SIMD register of the dtype per row, or 8 entries where that is fewer
+    (two or more registers per row). ``x`` is a dtype or an array (an array
+    in jit code, where the width is a compile-time constant).
+    """
+    dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
+    return max(_VECTOR_BYTES // dtype.itemsize, _MIN_TRANSPOSE_WIDTH)
+
+
+@overload(transpose_width, inline="always")
+def _transpose_width_overload(x):
+    if isinstance(x, types.Array):
+        width = transpose_width(numpy_support.as_dtype(x.dtype))
+        return lambda x: width
+    return None
 
 
 def _transpose_in_registers(builder, rows):
@@ -991,7 +1013,7 @@ def _make_transpose(mode):
         x_val, flat_val, start, stride, row0, col0, scale_val = args
         ir_float = context.get_value_type(x_ty.dtype)
         itemsize = context.get_abi_sizeof(ir_float)
-        width = TRANSPOSE_BYTES // itemsize
+        width = transpose_width(numpy_support.as_dtype(x_ty.dtype))
         vec = ir.VectorType(ir_float, width)
         intp = context.get_value_type(types.intp)
         i32 = ir.IntType(32)
@@ -1045,7 +1067,7 @@ def _make_transpose(mode):
 def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
     """``x[row0 + c, col0 + r] += scale * src[start + r * stride + c]`` for ``r, c < W``.
 
-    ``W = TRANSPOSE_BYTES // itemsize``; ``x`` is a 2-D C-contiguous array,
+    ``W = transpose_width(x)``; ``x`` is a 2-D C-contiguous array,
     ``src`` a 1-D array of the same dtype, ``scale`` a float of that dtype
     (jit code only). The ``W`` runs of ``src`` are loaded as vectors,
     transposed in registers, multiplied by ``scale`` and added to ``W`` rows of

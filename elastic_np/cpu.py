@@ -60,8 +60,8 @@ from numba.extending import overload
 
 from elastic_np import _options as options_module
 from elastic_np._tiles import (
-    TRANSPOSE_BYTES, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
-    tanh_any, transpose_add, transpose_load, transpose_store,
+    exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
+    tanh_any, transpose_add, transpose_load, transpose_store, transpose_width,
 )
 
 __all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward"]
@@ -915,7 +915,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     `_store_transposed`: square blocks of ``W`` go through SIMD registers
     (`transpose_add`, `transpose_load`), the edges element by element.
     """
-    width = TRANSPOSE_BYTES // tile.itemsize
+    width = transpose_width(tile)
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     # W runs of src at a time, each read along: W streams the hardware
@@ -941,7 +941,7 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     Square blocks of ``W`` go through SIMD registers (`transpose_store`), the
     edges element by element: a key-major tile written out query-major.
     """
-    width = TRANSPOSE_BYTES // tile.itemsize
+    width = transpose_width(tile)
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     for rb in range(0, bq_w, width):  # W runs of dst at a time, as in `_add_transposed`

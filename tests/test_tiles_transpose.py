@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from numba import njit
 
-from elastic_np._tiles import TRANSPOSE_BYTES, prefetch, transpose_add, transpose_load, transpose_store
+from elastic_np._tiles import prefetch, transpose_add, transpose_load, transpose_store, transpose_width
 
 
 @njit(cache=True)
 def _add_blocks(x, src, start, stride, blocks_r, blocks_c, scale):
-    width = TRANSPOSE_BYTES // x.itemsize
+    width = transpose_width(x)
     for cb in range(blocks_c):
         for rb in range(blocks_r):
             prefetch(src, start + (rb + 1) * width * stride)  # past the end is harmless
@@ -19,7 +19,7 @@ def _add_blocks(x, src, start, stride, blocks_r, blocks_c, scale):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_transpose_add_matches_numpy(dtype):
-    width = TRANSPOSE_BYTES // np.dtype(dtype).itemsize
+    width = transpose_width(dtype)
     rng = np.random.default_rng(0)
     rows, cols, lead = 3 * width, 2 * width, 5 * width + 3  # src rows lead elements apart
     src = rng.standard_normal(rows * lead + 7).astype(dtype)
@@ -37,7 +37,7 @@ def test_transpose_add_matches_numpy(dtype):
 
 @njit(cache=True)
 def _load_blocks(x, src, start, stride, blocks_r, blocks_c, scale):
-    width = TRANSPOSE_BYTES // x.itemsize
+    width = transpose_width(x)
     for cb in range(blocks_c):
         for rb in range(blocks_r):
             transpose_load(x, src, start + rb * width * stride + cb * width, stride,
@@ -46,7 +46,7 @@ def _load_blocks(x, src, start, stride, blocks_r, blocks_c, scale):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_transpose_load_matches_numpy(dtype):
-    width = TRANSPOSE_BYTES // np.dtype(dtype).itemsize
+    width = transpose_width(dtype)
     rng = np.random.default_rng(2)
     rows, cols, lead = 2 * width, 3 * width, 3 * width + 1
     src = rng.standard_normal(rows * lead + 4).astype(dtype)
@@ -62,7 +62,7 @@ def test_transpose_load_matches_numpy(dtype):
 
 @njit(cache=True)
 def _store_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
-    width = TRANSPOSE_BYTES // x.itemsize
+    width = transpose_width(x)
     for cb in range(blocks_c):
         for rb in range(blocks_r):
             transpose_store(x, dst, start + rb * width * stride + cb * width, stride,
@@ -71,7 +71,7 @@ def _store_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_transpose_store_matches_numpy(dtype):
-    width = TRANSPOSE_BYTES // np.dtype(dtype).itemsize
+    width = transpose_width(dtype)
     rng = np.random.default_rng(1)
     rows, cols, lead = 2 * width, 3 * width, 4 * width + 5
     x = rng.standard_normal((cols + 2, rows + 1)).astype(dtype)
@@ -81,3 +81,14 @@ def test_transpose_store_matches_numpy(dtype):
     view = dst[start : start + rows * lead].reshape(rows, lead)
     np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
     assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_width_is_the_same_in_jit_code(dtype):
+    @njit
+    def width_of(x):
+        return transpose_width(x)
+
+    x = np.zeros(3, dtype)
+    assert width_of(x) == transpose_width(x) == transpose_width(dtype)
+    assert transpose_width(dtype) >= 8
