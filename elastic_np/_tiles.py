@@ -45,7 +45,8 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
-    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store", "transpose_width",
+    "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
+    "transpose_accumulate", "transpose_width",
 ]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
@@ -1005,8 +1006,11 @@ def _transpose_in_registers(builder, rows):
 
 
 def _make_transpose(mode):
-    """``transpose_add``, ``transpose_load`` or ``transpose_store`` (``mode`` "add", "load", "store")."""
-    store = mode == "store"
+    """``transpose_add``, ``transpose_load``, ``transpose_store`` or ``transpose_accumulate``.
+
+    (``mode`` "add", "load", "store" or "accumulate".)
+    """
+    store = mode in ("store", "accumulate")
 
     def codegen(context, builder, signature, args):
         x_ty, flat_ty = signature.args[:2]
@@ -1020,18 +1024,23 @@ def _make_transpose(mode):
         x_arr = context.make_array(x_ty)(context, builder, x_val)
         lead = cgutils.unpack_tuple(builder, x_arr.shape, 2)[1]
         flat_data = context.make_array(flat_ty)(context, builder, flat_val).data
+        # "accumulate": the runs of `flat` are float64, whatever the dtype of x
+        flat_float = context.get_value_type(flat_ty.dtype)
+        flat_vec = ir.VectorType(flat_float, width)
+        flat_align = context.get_abi_sizeof(flat_float)
 
-        def vector_at(data, index):
-            return builder.bitcast(builder.gep(data, [index], inbounds=True), vec.as_pointer())
+        def vector_at(data, index, ty=vec):
+            return builder.bitcast(builder.gep(data, [index], inbounds=True), ty.as_pointer())
 
         def flat_run(r):  # the r-th run of `flat`
-            return vector_at(flat_data, builder.add(start, builder.mul(stride, ir.Constant(intp, r))))
+            index = builder.add(start, builder.mul(stride, ir.Constant(intp, r)))
+            return vector_at(flat_data, index, flat_vec)
 
         def x_row(c):  # row0 + c of x, from column col0
             index = builder.add(builder.mul(builder.add(row0, ir.Constant(intp, c)), lead), col0)
             return vector_at(x_arr.data, index)
 
-        undef = ir.Constant(vec, ir.Undefined)
+        undef = ir.Constant(flat_vec, ir.Undefined)
         splat = builder.shuffle_vector(
             builder.insert_element(undef, scale_val, ir.Constant(i32, 0)),
             undef, ir.Constant(ir.VectorType(i32, width), [0] * width),
@@ -1039,7 +1048,14 @@ def _make_transpose(mode):
         if store:
             rows = [builder.load(x_row(c), align=itemsize) for c in range(width)]
             for r, row in enumerate(_transpose_in_registers(builder, rows)):
-                builder.store(builder.fmul(row, splat), flat_run(r), align=itemsize)
+                ptr = flat_run(r)
+                if mode == "accumulate":
+                    if flat_vec != vec:
+                        row = builder.fpext(row, flat_vec)
+                    total = builder.fadd(builder.load(ptr, align=flat_align), builder.fmul(row, splat))
+                    builder.store(total, ptr, align=flat_align)
+                else:
+                    builder.store(builder.fmul(row, splat), ptr, align=itemsize)
         else:
             rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
             for c, row in enumerate(_transpose_in_registers(builder, rows)):
@@ -1053,7 +1069,9 @@ def _make_transpose(mode):
     def typer(typingctx, x, flat, start, stride, row0, col0, scale):
         if not (isinstance(x, types.Array) and isinstance(flat, types.Array)):
             return None
-        if x.ndim != 2 or flat.ndim != 1 or x.dtype != flat.dtype or scale != x.dtype:
+        if x.ndim != 2 or flat.ndim != 1 or scale != flat.dtype:
+            return None
+        if flat.dtype != (types.float64 if mode == "accumulate" else x.dtype):
             return None
         if store and not flat.mutable:
             return None
@@ -1098,3 +1116,15 @@ def transpose_store(typingctx, x, dst, start, stride, row0, col0, scale):
     into a C-order ``dbias``.
     """
     return _make_transpose("store")(typingctx, x, dst, start, stride, row0, col0, scale)
+
+
+@intrinsic
+def transpose_accumulate(typingctx, x, dst, start, stride, row0, col0, scale):
+    """``dst[start + r * stride + c] += scale * x[row0 + c, col0 + r]`` for ``r, c < W``, in float64.
+
+    As `transpose_store` into a float64 ``dst`` (``scale`` a float64), the
+    block of ``x`` (float32 or float64) widened to float64 and added (one
+    product and one sum per entry; jit code only): a key-major gradient tile
+    added into the float64 partial sums of a broadcast ``dbias``.
+    """
+    return _make_transpose("accumulate")(typingctx, x, dst, start, stride, row0, col0, scale)

@@ -61,7 +61,8 @@ from numba.extending import overload
 from elastic_np import _options as options_module
 from elastic_np._tiles import (
     exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch,
-    tanh_any, transpose_add, transpose_load, transpose_store, transpose_width,
+    tanh_any, transpose_accumulate, transpose_add, transpose_load, transpose_store,
+    transpose_width,
 )
 
 __all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward"]
@@ -954,6 +955,25 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
 
 
 @njit(cache=True)
+def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
+    """``dst[start + r * stride + c] += scale * tile[c, r]`` in float64, for ``c < bk``, ``r < bq``.
+
+    `_store_transposed` into float64 partial sums (`transpose_accumulate`):
+    a key-major tile added into a query-major float64 ``dbias``.
+    """
+    width = transpose_width(tile)
+    bk_w = bk - bk % width
+    bq_w = bq - bq % width
+    for rb in range(0, bq_w, width):
+        for cb in range(0, bk_w, width):
+            transpose_accumulate(tile, dst, start + rb * stride + cb, stride, cb, rb, scale)
+    for c in range(bk):
+        row = tile[c]
+        for r in range(0 if c >= bk_w else bq_w, bq):
+            dst[start + r * stride + c] += float(row[r]) * scale
+
+
+@njit(cache=True)
 def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf
@@ -1181,9 +1201,6 @@ def _backward_kernel(
     st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
     pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
     dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
-    # dz transposed, query-major, for a reduced dbias laid out along the keys
-    dz_t = np.empty(block_q * block_k if dbias_mode == 2 else 1, dtype=k.dtype)
-    one_t = _like(1.0, dpt)
     slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
     lse_t = np.empty(block_q, dtype=k.dtype)
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
@@ -1323,15 +1340,8 @@ def _backward_kernel(
                                     a0 += float(row[r])
                                 part[start + c * d_j] += ((a0 + a1) + (a2 + a3)) * inv_tau
                         elif d_j == 1 and d_i > 1:
-                            # keys contiguous in dbias: the tile transposed into
-                            # dz_t, then added along the keys, a run per query
-                            # (runs as slices: vectorised, 8.6 against 38.6 us a tile)
-                            _store_transposed(dpt, bk, bq, dz_t, 0, block_k, one_t)
-                            for r in range(bq):
-                                dst = part[start + r * d_i : start + r * d_i + bk]
-                                src = dz_t[r * block_k : r * block_k + bk]
-                                for c in range(dst.shape[0]):
-                                    dst[c] += float(src[c]) * inv_tau
+                            # keys contiguous in dbias: the tile added transposed
+                            _accumulate_transposed(dpt, bk, bq, part, start, d_i, inv_tau)
                         else:
                             for c in range(bk):
                                 row = dpt[c]

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from elastic_np._tiles import prefetch, transpose_add, transpose_load, transpose_store, transpose_width
+from elastic_np._tiles import (
+    prefetch, transpose_accumulate, transpose_add, transpose_load, transpose_store, transpose_width,
+)
 
 
 @njit(cache=True)
@@ -81,6 +83,32 @@ def test_transpose_store_matches_numpy(dtype):
     view = dst[start : start + rows * lead].reshape(rows, lead)
     np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
     assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
+
+
+@njit(cache=True)
+def _accumulate_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
+    width = transpose_width(x)
+    for cb in range(blocks_c):
+        for rb in range(blocks_r):
+            transpose_accumulate(x, dst, start + rb * width * stride + cb * width, stride,
+                                 cb * width, rb * width, scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_accumulate_adds_in_float64(dtype):
+    width = transpose_width(dtype)
+    rng = np.random.default_rng(4)
+    rows, cols, lead = 3 * width, 2 * width, 3 * width + 7
+    x = rng.standard_normal((cols + 1, rows + 3)).astype(dtype)
+    dst = rng.standard_normal(rows * lead + 4)  # float64 whatever the dtype of x
+    before = dst.copy()
+    start, scale = 4, 1.0 / 3.0
+    _accumulate_blocks(x, dst, start, lead, 3, 2, scale)
+    expected = before.copy()
+    view = expected[start : start + rows * lead].reshape(rows, lead)
+    # one float64 product and one sum per entry, as the kernel's scalar edges
+    view[:, :cols] += x[:cols, :rows].T.astype(np.float64) * scale
+    np.testing.assert_array_equal(dst, expected)  # nothing else written either
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
