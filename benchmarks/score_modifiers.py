@@ -3,7 +3,7 @@
 Measured in one process, the variants interleaved over several rounds (best
 of ``--repeat`` calls per round): the time of each variant over plain
 attention, forward and forward + backward, as a ratio per round (range and
-median over the rounds). For a bias, the extra time over plain is set
+median over the rounds, with a bootstrap 95% interval of the median). For a bias, the extra time over plain is set
 beside the memory work it cannot avoid, timed in the same rounds: the
 forward reads the bias once, the backward reads it again and writes
 ``dbias``. The goal is a bias that costs no more than that.
@@ -25,9 +25,27 @@ import elastic_np as enp
 from elastic_np import _bench
 
 
+def median_interval(values, level=0.95, draws=4000, seed=0):
+    """Percentile-bootstrap interval of the median over rounds: ``(low, high)``.
+
+    The rounds are resampled with replacement (fixed seed, so a rerun on the
+    same figures prints the same interval). On a noisy machine this is what
+    tells "at the goal" from "within the noise of it".
+    """
+    values = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(values, size=(draws, values.size)), axis=1)
+    low, high = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
 def _ranges(values, fmt="{:.3f}"):
     values = np.asarray(values)
-    return f"{fmt.format(values.min())}-{fmt.format(values.max())} (median {fmt.format(np.median(values))})"
+    low, high = median_interval(values)
+    return (
+        f"{fmt.format(values.min())}-{fmt.format(values.max())} "
+        f"(median {fmt.format(np.median(values))}, 95% {fmt.format(low)}-{fmt.format(high)})"
+    )
 
 
 def make_cases(n=2048, heads=8, dim=64, dtype="float32", backward=True):

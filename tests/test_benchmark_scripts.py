@@ -3,6 +3,8 @@
 import os
 import sys
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
@@ -23,3 +25,17 @@ def test_score_modifiers_cases_compute_the_same_work():
         assert {(name, "read"), (name, "write"), (name, "fwd"), (name, "fwd+bwd")} <= set(cases)
     grads = cases[("bias (N,M)", "fwd+bwd")]()
     assert grads.dbias.shape == biases["bias (N,M)"].shape
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_rounds():
+    rng = np.random.default_rng(0)
+    few = 1.1 + 0.1 * rng.standard_normal(5)
+    many = 1.1 + 0.1 * rng.standard_normal(200)
+    for values in (few, many):
+        low, high = score_modifiers.median_interval(values)
+        assert low <= np.median(values) <= high
+        assert score_modifiers.median_interval(values) == (low, high)  # fixed seed
+    assert np.subtract(*score_modifiers.median_interval(many)[::-1]) < np.subtract(
+        *score_modifiers.median_interval(few)[::-1]
+    )
+    assert score_modifiers.median_interval([1.2]) == (1.2, 1.2)
