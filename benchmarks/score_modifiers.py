@@ -137,7 +137,7 @@ def main(argv=None):
             print(f"{name:<16} {kind:<8} {np.median(t):>16.4f}  {_ranges(ratio)}; of the best rounds {best:.3f}")
 
     print(
-        f"\n{'bias':<16} {'pass':<8} {'extra over plain s':<40}  {'memory s':>8}  "
+        f"\n{'bias':<16} {'pass':<8} {'extra over plain s':<58}  {'memory s':>8}  "
         "extra / memory, per round"
     )
     for name in biases:
@@ -149,7 +149,7 @@ def main(argv=None):
                 continue
             extra = times[(name, kind)] - times[("plain", kind)]
             print(
-                f"{name:<16} {kind:<8} {_ranges(extra, '{:+.4f}'):<40}  {np.median(memory[kind]):>8.4f}  "
+                f"{name:<16} {kind:<8} {_ranges(extra, '{:+.4f}'):<58}  {np.median(memory[kind]):>8.4f}  "
                 f"{_ranges(extra / memory[kind], '{:+.2f}')}"
             )
     print(
