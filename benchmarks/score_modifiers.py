@@ -3,10 +3,11 @@
 Measured in one process, the variants interleaved over several rounds (best
 of ``--repeat`` calls per round): the time of each variant over plain
 attention, forward and forward + backward, as a ratio per round (range and
-median over the rounds, with a bootstrap 95% interval of the median). For a bias, the extra time over plain is set
-beside the memory work it cannot avoid, timed in the same rounds: the
-forward reads the bias once, the backward reads it again and writes
-``dbias``. The goal is a bias that costs no more than that.
+median over the rounds, with a bootstrap 95% interval of the median). For a
+bias, the extra time over plain is set beside the memory work it cannot
+avoid, timed in the same rounds: the forward reads the bias once, the
+backward reads it again and writes ``dbias``. The goal is a bias that costs
+no more than that.
 
 A broadcast bias is read by the kernel once per (batch, head) it is
 broadcast over, so a read is timed on the whole broadcast ``(B, H, N, M)``
