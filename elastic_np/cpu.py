@@ -40,7 +40,11 @@ contiguous axis of the tile.
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
   it is broadcast over the keys, each key tile keeps a partial of its own
-  (like the shares of dq), summed in key-tile order.
+  (like the shares of dq), summed in key-tile order. A task takes the query
+  tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
+  its heads share is read once for them all and their ``dbias`` is summed in
+  cache, then written out once; with a single lane the rounded sum is the
+  result (`_DbiasPlan`).
 
 The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
 kernels release the GIL), as many as `numba.get_num_threads` says, so the
@@ -82,6 +86,10 @@ DQ_SHARES_BYTES = 1 << 25
 DBIAS_PARTIALS_BYTES = 1 << 25
 #: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
 DBIAS_MIN_TASKS = 64
+#: (batch, kv head) pairs of a lane whose query tiles a backward task
+#: interleaves: each tile of a broadcast bias, and of its float64 dbias
+#: partial, is then used by all their heads while it is in cache.
+DBIAS_PAIR_BATCH = 8
 
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
@@ -255,14 +263,21 @@ class _DbiasPlan:
       ``lanes`` fixed ranges of (batch, kv head) pairs, one slot per lane;
       broadcast over the keys adds one slot per key tile of a chunk. The
       slots are summed in order: the same bits for every thread count.
+    - 3: as 2 for a bias broadcast over the heads and laid out along the
+      keys, when one task sums each element over all its (batch, head)
+      pairs (one lane, one batch of pairs, below): the float64 sum is
+      rounded once and written into `direct`, with no partials.
 
-    ``params = [mode, fold_b, fold_h, lanes, slots_per_lane]``; ``strides``
+    A task interleaves the query tiles of ``pair_batch`` pairs of its lane
+    at a time (`DBIAS_PAIR_BATCH`).
+
+    ``params = [mode, fold_b, fold_h, lanes, slots_per_lane, pair_batch]``; ``strides``
     are the element strides of ``(b, h, i, j)`` into the compact ``dbias``.
     """
 
     def __init__(self, p, dtype, n_kt, chunk):
         B, H, Hkv, N, M, D, Dv = p.shape
-        self.params = np.array([0, 0, 0, 1, 1], dtype=np.int64)
+        self.params = np.array([0, 0, 0, 1, 1, 1], dtype=np.int64)
         self.strides = np.zeros(4, dtype=np.int64)
         self.direct = np.zeros(1, dtype=dtype)
         self.partials = np.zeros((1, 1))
@@ -288,9 +303,15 @@ class _DbiasPlan:
         slots_per_lane = chunk if per_key_tile else 1
         by_memory = DBIAS_PARTIALS_BYTES // max(8 * size * slots_per_lane, 1)
         lanes = min(pairs, max(-(-DBIAS_MIN_TASKS // (outer * n_kt)), 1), max(by_memory, 1))
-        self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane)
-        self.partials = np.zeros((lanes * slots_per_lane, size))
+        pair_batch = min(DBIAS_PAIR_BATCH, -(-pairs // lanes))
         self.per_key_tile = per_key_tile
+        by_heads = self.strides[1] == 0 and self.strides[2] > 1 and self.strides[3] == 1
+        if by_heads and lanes == 1 and pair_batch == pairs:
+            self.params[:] = (3, fold_b, fold_h, 1, 1, pair_batch)
+            self.direct = np.zeros(size, dtype=dtype)
+            return
+        self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane, pair_batch)
+        self.partials = np.zeros((lanes * slots_per_lane, size))
         self.total = np.zeros(size) if per_key_tile else None
 
     def after_chunk(self):
@@ -304,7 +325,7 @@ class _DbiasPlan:
         mode = self.params[0]
         if mode == 0:
             return None
-        if mode == 1:
+        if mode != 2:
             return self.direct.reshape(self.shape)
         if not self.per_key_tile:
             # the slots in order; a single slot is the sum (no 0 + x pass,
@@ -615,6 +636,7 @@ def _like_overload(x, arr):
 @njit(cache=True)
 def _logits_tile(
     st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
+    bias_t,
 ):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
@@ -629,7 +651,9 @@ def _logits_tile(
     bias is ``-inf`` already); the others get ``log G`` added.
 
     ``slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
-    tile's shape (the backward), not when it is empty.
+    tile's shape (the backward), not when it is empty. ``bias_t``, when
+    not empty, holds the tile's bias key-major (``bias_t[c, r]``), loaded
+    once for the heads that share it (see `_modify_tile`).
     ``tile_max`` (length ``bq`` or more; empty when not wanted) is raised to
     the column maxima of the logits (of those ``>= 0`` with ``nonneg``) when
     they come with the product: whenever nothing is removed and no modifier
@@ -651,7 +675,7 @@ def _logits_tile(
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     if additive_first:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -662,7 +686,7 @@ def _logits_tile(
         else:
             matmul_nn(k_j, q_t, st, bk, bq, D, False)
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -751,7 +775,7 @@ def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
 
 
 @njit(cache=True)
-def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite, bias_t):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
@@ -761,6 +785,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
     1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
+    A bias contiguous along the keys comes from ``bias_t[:bk, :bq]`` (the
+    tile's entries, key-major) when that is not empty, else from ``opt.bias``.
     """
     shift = M - N
     inv_tau = 1.0 / opt.tau[h]
@@ -812,7 +838,17 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
-        if b_j == 1:
+        if bias_t.shape[0] > 0:
+            for c in range(bk):
+                row = st[c, :bq]
+                bias_row = bias_t[c, :bq]
+                if bias_fresh:
+                    for r in range(row.shape[0]):
+                        row[r] = bias_row[r] * inv_tau_t
+                else:
+                    for r in range(row.shape[0]):
+                        row[r] += bias_row[r] * inv_tau_t
+        elif b_j == 1:
             _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
@@ -1032,6 +1068,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
     tile_sum = np.empty(block_q, dtype=q.dtype)
     row_sum = np.empty(block_q)
     no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
+    no_bias_t = np.empty((0, 0), dtype=q.dtype)  # a task has one head: it reads its bias tiles itself
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
@@ -1065,7 +1102,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
-                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
+                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
             )
             bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
             if not kept:
@@ -1197,6 +1234,11 @@ def _backward_kernel(
     pairs_h = Hkv if fold_h else 1
     pairs = (B if fold_b else 1) * pairs_h
     n_outer = (1 if fold_b else B) * outer_h
+    # A task interleaves the query tiles of up to `pair_batch` (batch, kv
+    # head) pairs of its lane, heads inner: a broadcast bias tile and its
+    # dbias partial are used by every head while they are in cache.
+    pair_batch = dbias_params[5]
+    heads = pair_batch * group
     # scratch of the thread, reused by its tasks
     st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
     pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
@@ -1205,10 +1247,31 @@ def _backward_kernel(
     lse_t = np.empty(block_q, dtype=k.dtype)
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     delta_t = np.empty(block_q, dtype=k.dtype)
-    dtau_acc = np.empty(block_q)
-    dsigma_acc = np.empty(block_q)
-    dk_acc = np.empty((block_k, D), dtype=k.dtype)
-    dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
+    # A dbias broadcast over heads and laid out along the keys: the batch's
+    # dz / tau_h are summed key-major (contiguous adds, in cache), then
+    # written transposed into the partial once per query tile.
+    sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
+    dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0))
+    # A bias the batch's heads share, laid out along the keys: each tile is
+    # loaded key-major once for them all (one transpose instead of one per head).
+    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    share_bias = opt.has_bias and heads > 1 and b_h == 0 and b_j == 1 and b_i > 1
+    bias_t = np.empty((block_k, block_q) if share_bias else (0, 0), dtype=k.dtype)
+    one = _like(1.0, bias_t)
+    dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
+    dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
+    # per head of the batch: dtau and dsigma sums by query, bad bias entries,
+    # and offsets [off_lo, off_hi] and query tiles [it_lo, it_hi)
+    dtau_acc = np.empty((heads, block_q))
+    dsigma_acc = np.empty((heads, block_q))
+    bad = np.empty(heads, dtype=np.int64)
+    spans = np.empty((heads, 4), dtype=np.int64)
+    # NVM tests s before log G is added: with a gate it stays in the logits
+    # pass, otherwise it joins the pass that forms z - lse (the logits z
+    # themselves are read only where p != 0).
+    nvm_in_logits = opt.nvm and opt.has_gate
+    nvm_in_exp = opt.nvm and not opt.has_gate
+    neg_inf = -np.inf
     for task in _task_range(n_outer * lanes * n_chunk, part, parts):
         rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
@@ -1218,162 +1281,221 @@ def _backward_kernel(
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
-
-        # NVM tests s before log G is added: with a gate it stays in the
-        # logits pass, otherwise it joins the pass that forms z - lse (the
-        # logits z themselves are read only where p != 0).
-        nvm_in_logits = opt.nvm and opt.has_gate
-        nvm_in_exp = opt.nvm and not opt.has_gate
-        neg_inf = -np.inf
-        for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
-            b = pair // pairs_h if fold_b else outer // outer_h
-            hk = pair % pairs_h if fold_h else outer % outer_h
-            bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
-            k_j = k[b, hk, j0 : j0 + bk]
-            v_j = v[b, hk, j0 : j0 + bk]
-            for c in range(block_k):
-                for d in range(D):
-                    dk_acc[c, d] = 0.0
-                for d in range(Dv):
-                    dv_acc[c, d] = 0.0
-            for g in range(group):
-                h = hk * group + g
-                off_lo, off_hi = _offset_range(opt, b, h, N, M)
-                i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
-                if bk == 0 or i_lo >= i_hi:
-                    bad_bias[b, h, kt] = _count_bad_bias(opt, b, h, 0, N, j0, j0 + bk_all)
-                    share_rows[t, b, h, 0] = 0
-                    share_rows[t, b, h, 1] = 0
-                    dtau_part[b, h, kt] = 0.0
-                    dsigma_part[b, h, kt] = 0.0
-                    continue
-                it_lo = i_lo // block_q
-                it_hi = (i_hi - 1) // block_q + 1
-                # the bias of the queries skipped, which no tile reads, and
-                # of the keys past kv_lengths
-                rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
-                bad = _count_bad_bias(opt, b, h, 0, rows_lo, j0, j0 + bk_all)
-                bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
-                bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
-                share_rows[t, b, h, 0] = rows_lo
-                share_rows[t, b, h, 1] = rows_hi
-                inv_tau = 1.0 / opt.tau[h]
-                inv_tau_t = _like(inv_tau, dpt)
-                for r in range(block_q):
-                    dtau_acc[r] = 0.0
-                    dsigma_acc[r] = 0.0
-                for it in range(it_lo, it_hi):
-                    i0 = it * block_q
-                    bq = min(block_q, N - i0)
-                    share = dq_shares[t, b, h, i0 : i0 + bq]
-                    if opt.has_bias and it + 1 < it_hi:
-                        _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk, N, M)
-                    kept, _ = _logits_tile(
-                        st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
-                        off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm,
-                    )
-                    bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
-                    if not kept:
-                        for r in range(bq):
-                            for d in range(D):
-                                share[r, d] = 0.0
+        lane_hi = (lane + 1) * pairs // lanes
+        for first in range(lane * pairs // lanes, lane_hi, pair_batch):
+            n_pairs = min(pair_batch, lane_hi - first)
+            it_first = N
+            it_last = 0
+            for pp in range(n_pairs):
+                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
+                dk_acc[pp, :bk_all] = 0.0
+                dv_acc[pp, :bk_all] = 0.0
+                for g in range(group):
+                    hh = pp * group + g
+                    h = hk * group + g
+                    off_lo, off_hi = _offset_range(opt, b, h, N, M)
+                    i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
+                    spans[hh, 0] = off_lo
+                    spans[hh, 1] = off_hi
+                    dtau_acc[hh] = 0.0
+                    dsigma_acc[hh] = 0.0
+                    if bk == 0 or i_lo >= i_hi:
+                        bad[hh] = _count_bad_bias(opt, b, h, 0, N, j0, j0 + bk_all)
+                        spans[hh, 2] = 0
+                        spans[hh, 3] = 0
+                        share_rows[t, b, h, 0] = 0
+                        share_rows[t, b, h, 1] = 0
                         continue
-                    _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                    delta_r = delta[b, h, i0 : i0 + bq]
-                    if nvm_in_exp:
-                        for c in range(bk):
+                    it_lo = i_lo // block_q
+                    it_hi = (i_hi - 1) // block_q + 1
+                    spans[hh, 2] = it_lo
+                    spans[hh, 3] = it_hi
+                    it_first = min(it_first, it_lo)
+                    it_last = max(it_last, it_hi)
+                    # the bias of the queries skipped, which no tile reads, and
+                    # of the keys past kv_lengths
+                    rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
+                    n_bad = _count_bad_bias(opt, b, h, 0, rows_lo, j0, j0 + bk_all)
+                    n_bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
+                    n_bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
+                    bad[hh] = n_bad
+                    share_rows[t, b, h, 0] = rows_lo
+                    share_rows[t, b, h, 1] = rows_hi
+            for it in range(it_first, it_last):
+                i0 = it * block_q
+                bq = min(block_q, N - i0)
+                summed = False  # dz_sum holds this query tile's sum
+                bias_loaded = False  # bias_t holds this query tile's bias
+                for pp in range(n_pairs):
+                    b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                    bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
+                    k_j = k[b, hk, j0 : j0 + bk]
+                    v_j = v[b, hk, j0 : j0 + bk]
+                    dk_pair = dk_acc[pp]
+                    dv_pair = dv_acc[pp]
+                    for g in range(group):
+                        hh = pp * group + g
+                        h = hk * group + g
+                        if it < spans[hh, 2] or it >= spans[hh, 3]:
+                            continue
+                        off_lo, off_hi = spans[hh, 0], spans[hh, 1]
+                        inv_tau = 1.0 / opt.tau[h]
+                        inv_tau_t = _like(inv_tau, dpt)
+                        share = dq_shares[t, b, h, i0 : i0 + bq]
+                        if opt.has_bias and it + 1 < spans[hh, 3] and not bias_loaded:
+                            _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
+                        if share_bias and not bias_loaded:
+                            # b is the batch's own, or the bias does not depend on it
+                            start = b * b_b + i0 * b_i + j0
+                            _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, True)
+                            bias_loaded = True
+                        kept, _ = _logits_tile(
+                            st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
+                            off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm, bias_t,
+                        )
+                        bad[hh] += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
+                        if not kept:
                             for r in range(bq):
-                                x = st[c, r]
-                                pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
-                    else:
-                        for c in range(bk):
-                            for r in range(bq):
-                                pt[c, r] = st[c, r] - lse_t[r]
-                    exp_inplace(pt, bk, bq)
-                    matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
-                    matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                    # dz in the working dtype feeds the products; the dtau and
-                    # dsigma sums take dz in float64 against the float64 delta.
-                    for c in range(bk):
-                        if opt.has_gate:
-                            base = j0 + c - shift - i0 + M - 1
-                            for r in range(bq):
-                                p = pt[c, r]
-                                dp = dpt[c, r]
-                                dpt[c, r] = p * (dp - delta_t[r])
-                                if p != 0:
-                                    dz = float(p) * (float(dp) - delta_r[r])
-                                    dtau_acc[r] += dz * (
-                                        float(st[c, r]) - opt.log_gate[b, h, base - r]
-                                    )
-                                    dsigma_acc[r] += dz * opt.dlog_gate[b, h, base - r]
-                        else:
-                            for r in range(bq):
-                                p = pt[c, r]
-                                dp = dpt[c, r]
-                                dpt[c, r] = p * (dp - delta_t[r])
-                                s = float(st[c, r]) if p != 0 else 0.0
-                                dtau_acc[r] += float(p) * (float(dp) - delta_r[r]) * s
-                    # dbias = ds = dz / tau_h, before the soft-cap's slope
-                    if dbias_mode == 1:
-                        # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
-                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
-                        _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
-                    elif dbias_mode == 2:
-                        part = dbias_partials[slot]
-                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
-                        if d_i == 0:
+                                for d in range(D):
+                                    share[r, d] = 0.0
+                            continue
+                        _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                        delta_r = delta[b, h, i0 : i0 + bq]
+                        dtau_h = dtau_acc[hh]
+                        dsigma_h = dsigma_acc[hh]
+                        if nvm_in_exp:
                             for c in range(bk):
-                                row = dpt[c]
-                                # four running sums: no single chain of additions
-                                a0 = 0.0
-                                a1 = 0.0
-                                a2 = 0.0
-                                a3 = 0.0
-                                r4 = bq - bq % 4
-                                for r in range(0, r4, 4):
-                                    a0 += float(row[r])
-                                    a1 += float(row[r + 1])
-                                    a2 += float(row[r + 2])
-                                    a3 += float(row[r + 3])
-                                for r in range(r4, bq):
-                                    a0 += float(row[r])
-                                part[start + c * d_j] += ((a0 + a1) + (a2 + a3)) * inv_tau
-                        elif d_j == 1 and d_i > 1:
-                            # keys contiguous in dbias: the tile added transposed
-                            _accumulate_transposed(dpt, bk, bq, part, start, d_i, inv_tau)
-                        else:
-                            for c in range(bk):
-                                row = dpt[c]
-                                at = start + c * d_j
                                 for r in range(bq):
-                                    part[at + r * d_i] += float(row[r]) * inv_tau
-                    if opt.has_softcap:
-                        # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
+                                    x = st[c, r]
+                                    pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
+                        else:
+                            for c in range(bk):
+                                for r in range(bq):
+                                    pt[c, r] = st[c, r] - lse_t[r]
+                        exp_inplace(pt, bk, bq)
+                        matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_pair, bk, Dv, bq, True)
+                        matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                        # dz in the working dtype feeds the products; the dtau and
+                        # dsigma sums take dz in float64 against the float64 delta.
                         for c in range(bk):
-                            row = dpt[c]
-                            slope_row = slope[c]
+                            if opt.has_gate:
+                                base = j0 + c - shift - i0 + M - 1
+                                for r in range(bq):
+                                    p = pt[c, r]
+                                    dp = dpt[c, r]
+                                    dpt[c, r] = p * (dp - delta_t[r])
+                                    if p != 0:
+                                        dz = float(p) * (float(dp) - delta_r[r])
+                                        dtau_h[r] += dz * (
+                                            float(st[c, r]) - opt.log_gate[b, h, base - r]
+                                        )
+                                        dsigma_h[r] += dz * opt.dlog_gate[b, h, base - r]
+                            else:
+                                for r in range(bq):
+                                    p = pt[c, r]
+                                    dp = dpt[c, r]
+                                    dpt[c, r] = p * (dp - delta_t[r])
+                                    s = float(st[c, r]) if p != 0 else 0.0
+                                    dtau_h[r] += float(p) * (float(dp) - delta_r[r]) * s
+                        # dbias = ds = dz / tau_h, before the soft-cap's slope
+                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
+                        if dbias_mode == 1:
+                            # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
+                            _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
+                        elif sum_heads:
+                            if not summed:
+                                dz_sum[:bk_all, :bq] = 0.0
+                                summed = True
+                            for c in range(bk):
+                                row = dpt[c]
+                                sum_row = dz_sum[c]
+                                for r in range(bq):
+                                    sum_row[r] += float(row[r]) * inv_tau
+                        elif dbias_mode == 2:
+                            partial = dbias_partials[slot]
+                            if d_i == 0:
+                                _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
+                            elif d_j == 1 and d_i > 1:
+                                # keys contiguous in dbias: the tile added transposed
+                                _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
+                            else:
+                                for c in range(bk):
+                                    row = dpt[c]
+                                    at = start + c * d_j
+                                    for r in range(bq):
+                                        partial[at + r * d_i] += float(row[r]) * inv_tau
+                        if opt.has_softcap:
+                            # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
+                            for c in range(bk):
+                                row = dpt[c]
+                                slope_row = slope[c]
+                                for r in range(bq):
+                                    row[r] *= slope_row[r]
+                        # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
+                        matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_pair, bk, D, bq, True)
+                        # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+                        matmul_tn(dpt, k_j, share, bq, D, bk, False)
+                if summed:
+                    start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b
+                    start += i0 * d_i + j0
+                    partial = dbias_partials[slot]
+                    if dbias_mode == 3:
+                        # the whole sum, rounded once to the kernel dtype
+                        for c in range(bk_all):
                             for r in range(bq):
-                                row[r] *= slope_row[r]
-                    # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                    matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
-                    # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                    matmul_tn(dpt, k_j, share, bq, D, bk, False)
-                dtau = 0.0
-                dsigma = 0.0
-                for r in range(block_q):
-                    dtau += dtau_acc[r]
-                    dsigma += dsigma_acc[r]
-                # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-                dtau_part[b, h, kt] = -dtau / opt.tau[h]
-                dsigma_part[b, h, kt] = dsigma
-                bad_bias[b, h, kt] = bad
-            for c in range(bk_all):
-                for d in range(D):
-                    dk[b, hk, j0 + c, d] = dk_acc[c, d]
-                for d in range(Dv):
-                    dv[b, hk, j0 + c, d] = dv_acc[c, d]
+                                pt[c, r] = dz_sum[c, r]
+                        _store_transposed(pt, bk_all, bq, dbias_direct, start, d_i, one)
+                    elif first == lane * pairs // lanes:
+                        # the lane's first batch is the first to write these entries
+                        _store_transposed(dz_sum, bk_all, bq, partial, start, d_i, 1.0)
+                    else:
+                        _accumulate_transposed(dz_sum, bk_all, bq, partial, start, d_i, 1.0)
+            for pp in range(n_pairs):
+                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                for g in range(group):
+                    hh = pp * group + g
+                    h = hk * group + g
+                    dtau = 0.0
+                    dsigma = 0.0
+                    for r in range(block_q):
+                        dtau += dtau_acc[hh, r]
+                        dsigma += dsigma_acc[hh, r]
+                    # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
+                    dtau_part[b, h, kt] = -dtau / opt.tau[h]
+                    dsigma_part[b, h, kt] = dsigma
+                    bad_bias[b, h, kt] = bad[hh]
+                dk[b, hk, j0 : j0 + bk_all] = dk_acc[pp, :bk_all]
+                dv[b, hk, j0 : j0 + bk_all] = dv_acc[pp, :bk_all]
 
+
+@njit(cache=True)
+def _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h):
+    """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
+    b = pair // pairs_h if fold_b else outer // outer_h
+    hk = pair % pairs_h if fold_h else outer % outer_h
+    return b, hk
+
+
+@njit(cache=True)
+def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
+    """``dst[start + c * stride] += scale * sum_r tile[c, r]`` in float64, for ``c < bk``."""
+    for c in range(bk):
+        row = tile[c]
+        # four running sums: no single chain of additions
+        a0 = 0.0
+        a1 = 0.0
+        a2 = 0.0
+        a3 = 0.0
+        r4 = bq - bq % 4
+        for r in range(0, r4, 4):
+            a0 += float(row[r])
+            a1 += float(row[r + 1])
+            a2 += float(row[r + 2])
+            a3 += float(row[r + 3])
+        for r in range(r4, bq):
+            a0 += float(row[r])
+        dst[start + c * stride] += ((a0 + a1) + (a2 + a3)) * scale
 
 @njit(nogil=True, cache=True)
 def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):

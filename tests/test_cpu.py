@@ -488,30 +488,57 @@ def test_modifiers_default_tiles_odd_sizes(dtype, opts):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["nm", "bhn1", "b1n1", "scalar", "1hnm"])
-@pytest.mark.parametrize("min_tasks,partial_bytes", [(1, 1 << 25), (10**6, 1 << 25), (10**6, 1)])
-def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes):
-    # one lane or one per (batch, kv head) pair; one key tile per chunk of dq shares
+@pytest.mark.parametrize(
+    "min_tasks,partial_bytes,pair_batch",
+    # lanes of one pair; one lane in batches of 4 (all), 3 (then 1) and 1 pair
+    [(10**6, 1 << 25, 8), (1, 1 << 25, 8), (1, 1 << 25, 3), (10**6, 1, 1)],
+)
+def test_dbias_lanes_and_chunks(
+    small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes, pair_batch
+):
+    # one key tile per chunk of dq shares
     monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 1)
     monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", min_tasks)
     monkeypatch.setattr(cpu, "DBIAS_PARTIALS_BYTES", partial_bytes)
+    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", pair_batch)
     check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
 
 
-def test_dbias_plan_lanes():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pair_batch", [8, 3])
+def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype, pair_batch):
+    # a task's heads visit different query tiles (a gate per head, lengths
+    # per batch) and some tiles none: the sum over heads and its write-out
+    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", pair_batch)
+    sigma = np.array([[0.05, 0.5, 0.1, 1.2], [0.6, 0.08, 0.4, 2.0]])
+    opts = dict(
+        bias=BIASES["nm"], kv_lengths=[9, 31], nvm=True, tau=[0.5, 1.0, 2.0, 0.8],
+        dynamic_window=enp.DynamicWindow(sigma, sharpness=3.0, threshold=0.3),
+    )
+    check_case(dtype, opts)
+
+
+def test_dbias_plan_lanes(monkeypatch):
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = _inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
     p = _options.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
     plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
-    assert plan.params.tolist() == [2, 1, 1, 4, 1]
+    assert plan.params.tolist() == [2, 1, 1, 4, 1, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
+    # one lane, its 4 pairs in one batch: the sums go straight to `direct`
+    plan = cpu._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
+    assert plan.params.tolist() == [3, 1, 1, 1, 1, 4]
+    assert plan.direct.shape == (23 * 31,) and plan.direct.dtype == np.float32
+    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", 3)
     plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=64, chunk=8)
-    assert plan.params.tolist() == [2, 1, 1, 1, 1]
+    assert plan.params.tolist() == [2, 1, 1, 1, 1, 3] and plan.partials.shape == (1, 23 * 31)
     p = _options.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
     plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
     p = _options.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
     plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
-    assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
+    assert plan.params.tolist() == [2, 0, 0, 1, 3, 1] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -635,6 +662,8 @@ def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch,
         (dict(bias=BIASES["full"]), True),
         (dict(bias=BIASES["full"], nvm=True), False),  # under NVM the product comes first
         (dict(alibi_slopes=_ALIBI_BH, bias=BIASES["nm"]), True),
+        (dict(bias=BIASES["nm"], tau=[0.5, 1.0, 3.0, 0.8]), True),
+        (dict(alibi_slopes=_ALIBI_BH, bias=BIASES["nm"], tau=[0.5, 1.0, 3.0, 0.8]), True),
         (dict(alibi_slopes=_ALIBI_BH, bias=np.asfortranarray(BIASES["full"])), True),
         (dict(bias=BIASES["b11m-keypad"]), True),
         (dict(alibi_slopes=_ALIBI_H, causal=True), False),
@@ -645,7 +674,8 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     # Where nothing is removed and no modifier follows the soft-cap, the
     # forward takes a tile's column maxima with the product (capped after the
     # soft-cap: tanh is increasing): the same logits bits and the maxima of
-    # a separate pass. Elsewhere the maxima are left to the caller.
+    # a separate pass. Elsewhere the maxima are left to the caller. A bias
+    # along the keys given as a key-major tile (`bias_t`) gives the same bits.
     q, k, v, _ = _inputs(dtype)
     p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
     opt = cpu._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
@@ -660,12 +690,12 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
     no_slope = np.empty((0, 0), dtype)
 
-    def logits(want_max):
+    def logits(want_max, bias_t=no_slope):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
         kept, maxed = cpu._logits_tile(
             st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-            no_slope, tile_max, nonneg,
+            no_slope, tile_max, nonneg, bias_t,
         )
         assert kept
         return st, tile_max, maxed
@@ -675,6 +705,11 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     assert maxed == fused and not maxed_plain
     np.testing.assert_array_equal(st, st_plain)
     assert np.isnan(st[bk:]).all() and np.isnan(st[:, bq:]).all()
+    if opt.has_bias and opt.bias_strides[3] == 1 and opt.bias_strides[2] > 1:
+        bias_t = np.full((bk + 1, 16), np.nan, dtype)
+        full = np.broadcast_to(opts["bias"], (2, 4, N, M))
+        bias_t[:bk, :bq] = full[b, h, i0 : i0 + bq, j0 : j0 + bk].T
+        np.testing.assert_array_equal(logits(False, bias_t)[0], st_plain)
     if fused:
         kept = np.where(st[:bk, :bq] >= 0, st[:bk, :bq], -np.inf) if nonneg else st[:bk, :bq]
         np.testing.assert_array_equal(tile_max[:bq], kept.max(axis=0))
