@@ -222,7 +222,8 @@ def sum_to_shape(grad, shape):
 def reduce_to_shape(grad, shape):
     """Sum ``grad`` over the leading axes and the axes where ``shape`` has 1, keeping its dtype."""
     lead = grad.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(
+    # axes of length 1 need no sum (NumPy would copy the whole array for it)
+    axes = tuple(i for i in range(lead) if grad.shape[i] != 1) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
     )
     return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)

@@ -541,6 +541,20 @@ def test_dbias_plan_lanes(monkeypatch):
     assert plan.params.tolist() == [2, 0, 0, 1, 3, 1] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
+def test_reduce_to_shape_sums_only_axes_longer_than_one():
+    # dbias computed in its compact (1, 1, N, M) shape comes back as a view:
+    # no pass over it to "sum" axes of length 1
+    grad = np.arange(2 * 3 * 4, dtype=np.float32).reshape(1, 1, 6, 4)
+    out = _options.reduce_to_shape(grad, (6, 4))
+    assert out.shape == (6, 4) and out.dtype == np.float32 and np.shares_memory(out, grad)
+    full = np.arange(2 * 3 * 6 * 4, dtype=np.float64).reshape(2, 3, 6, 4)
+    for shape in [(6, 4), (3, 1, 4), (1, 6, 1), (2, 1, 1, 1), ()]:
+        lead = full.ndim - len(shape)
+        axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1)
+        want = full.sum(axis=axes, keepdims=True).reshape(shape)
+        np.testing.assert_array_equal(_options.reduce_to_shape(full, shape), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("order", ["C", "F"])
 def test_bias_not_copied(dtype, order):
