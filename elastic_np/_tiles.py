@@ -465,6 +465,22 @@ def _float_from_bits(typingctx, bits):
 
 
 @intrinsic
+def _float_bits(typingctx, x):
+    """The bits of a float64 (float32) as an int64 (int32): the inverse of `_float_from_bits`."""
+    if x == types.float64:
+        sig, llvm_type = types.int64(types.float64), ir.IntType(64)
+    elif x == types.float32:
+        sig, llvm_type = types.int32(types.float32), ir.IntType(32)
+    else:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_type)
+
+    return sig, codegen
+
+
+@intrinsic
 def _ldexp(typingctx, x, n):
     """``x * 2**n`` rounded once (``llvm.ldexp``), float32 or float64 ``x``, int32 ``n``."""
     if x not in (types.float32, types.float64) or n != types.int32:
@@ -494,10 +510,23 @@ def _pow2_fields_f64(p, t):
     field: p * 2**t1 is exact, and subnormal or overflowing results round
     once, in the last product.
     """
-    e = np.int64(t)
-    e1 = e >> 1
-    e2 = e - e1
-    return p * _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+    t1 = np.floor(t * 0.5)
+    return p * _pow2_f64(t1) * _pow2_f64(t - t1)
+
+
+#: 1.5 * 2**52: adding it to an integral float64 n, |n| < 2**51, leaves n in
+#: the low bits of the sum (two's complement, in the bits below the exponent).
+_ROUND_F64 = 6755399441055744.0
+
+
+@njit(**_OPTIONS)
+def _pow2_f64(n):
+    """``2**n`` for an integral float64 ``n`` in [-1022, 1023], built in its exponent field.
+
+    Without a float-to-int64 conversion, which AVX2 lacks (LLVM did it
+    element by element): 16% of a float64 exp, 23% of a tanh.
+    """
+    return _float_from_bits((_float_bits(n + _ROUND_F64) + 1023) << 52)
 
 
 @njit(**_OPTIONS)
@@ -798,6 +827,10 @@ def exp_shift_sum(x, m, n, shift, nvm, sums):
 # ---------------------------------------------------------------------------
 
 
+#: Below -64 = -2|v| (|v| > 32) tanh rounds to +-1 in float64 (1 - tanh|v| < 2**-90).
+_TANH_LO_F64 = -64.0
+
+
 @njit(**_OPTIONS)
 def _tanh_f64_scalar(v):
     """Vectorisable ``tanh(v)``, float64 (see `tanh_inplace`)."""
@@ -805,18 +838,15 @@ def _tanh_f64_scalar(v):
     # expm1 = (2**t - 1) + 2**t (r + r**2 q(r)), both terms exact or accurate
     # relative to themselves, without the cancellation of exp(.) - 1.
     x = -2.0 * abs(v)
-    if x < -746.0:
-        x = -746.0  # |v| > 373: tanh rounds to +-1, and no NaN from -inf
+    if x < _TANH_LO_F64:
+        x = _TANH_LO_F64  # and no NaN from -inf
     t = np.floor(x * _LOG2E + 0.5)
     r = (x - t * _LN2_HI) - t * _LN2_LO
     c = _EXP_Q_F64
     q = (((((((((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]) * r + c[5]) * r
            + c[6]) * r + c[7]) * r + c[8]) * r + c[9])
     em1_r = q * r * r + r
-    e = np.int64(t)
-    e1 = e >> 1
-    e2 = e - e1
-    two_t = _float_from_bits((e1 + 1023) << 52) * _float_from_bits((e2 + 1023) << 52)
+    two_t = _pow2_f64(t)  # t in [-93, 0]
     u = (two_t - 1.0) + two_t * em1_r
     return math.copysign(abs(u) / (2.0 + u), v)
 
@@ -828,18 +858,6 @@ _TANH_LO_F32 = np.float32(-20.0)
 #: 1.5 * 2**23 + 127: adding it to a float y with |y| < 2**21 rounds y to an
 #: integer n and leaves n + 127, the biased exponent of 2**n, in the low bits.
 _ROUND_F32 = np.float32(12582912.0 + 127.0)
-
-
-@intrinsic
-def _bits_f32(typingctx, x):
-    """The bits of a float32 as an int32."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
 
 
 @njit(**_OPTIONS)
@@ -855,7 +873,7 @@ def _tanh_f32_scalar(v):
     c = _EXP_Q_F32
     q = (((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]
     em1_r = q * r * r + r
-    two_t = _float_from_bits(np.int32(_bits_f32(k) << 23))
+    two_t = _float_from_bits(np.int32(_float_bits(k) << 23))
     u = (two_t - _ONE_F32) + two_t * em1_r
     # |u| / (2 + u) with the sign of v (copysign takes only the magnitude of u)
     return math.copysign(u / (_TWO_F32 + u), v)

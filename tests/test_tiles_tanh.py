@@ -69,9 +69,10 @@ def test_tanh_is_non_decreasing_over_consecutive_floats(dtype):
     # The forward kernel caps a tile's raw column maxima instead of taking the
     # maxima of the capped tile: the same only while tanh never decreases.
     # Windows of consecutive floats around the reduction's steps, where the
-    # float32 argument is clamped (|x| = 10) and where tanh reaches 1.
+    # argument is clamped (|x| = 10 in float32, 32 in float64) and where tanh
+    # reaches 1.
     int_type = np.int32 if dtype == np.float32 else np.int64
-    centers = [1e-6, 1e-3, 0.1, np.log(2) / 4, 0.5, 3 * np.log(2) / 4, 1.0, 2.0, 4.5, 9.0, 10.0, 19.0]
+    centers = [1e-6, 1e-3, 0.1, np.log(2) / 4, 0.5, 3 * np.log(2) / 4, 1.0, 2.0, 4.5, 9.0, 10.0, 19.0, 32.0]
     for center in centers:
         bits = np.array([center], dtype).view(int_type)[0]
         x = (bits + np.arange(-50_000, 50_000, dtype=int_type)).view(dtype).reshape(1, -1).copy()
