@@ -828,26 +828,13 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                     for r in range(row.shape[0]):
                         row[r] += add
             else:
-                bias_col = opt.bias[start : start + bq]
-                if bias_fresh:
-                    for r in range(row.shape[0]):
-                        row[r] = bias_col[r] * inv_tau_t
-                else:
-                    for r in range(row.shape[0]):
-                        row[r] += bias_col[r] * inv_tau_t
+                _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh)
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
         if bias_t.shape[0] > 0:
             for c in range(bk):
-                row = st[c, :bq]
-                bias_row = bias_t[c, :bq]
-                if bias_fresh:
-                    for r in range(row.shape[0]):
-                        row[r] = bias_row[r] * inv_tau_t
-                else:
-                    for r in range(row.shape[0]):
-                        row[r] += bias_row[r] * inv_tau_t
+                _add_scaled(st[c, :bq], bias_t[c, :bq], inv_tau_t, bias_fresh)
         elif b_j == 1:
             _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
@@ -859,6 +846,17 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                     for c in range(nc):
                         x = opt.bias[at + c * b_j] * inv_tau_t
                         st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
+
+
+@njit(cache=True)
+def _add_scaled(row, src, scale, overwrite):
+    """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``."""
+    if overwrite:
+        for r in range(row.shape[0]):
+            row[r] = src[r] * scale
+    else:
+        for r in range(row.shape[0]):
+            row[r] += src[r] * scale
 
 
 @njit(cache=True, fastmath=_FASTMATH)
