@@ -43,8 +43,8 @@ contiguous axis of the tile.
   (like the shares of dq), summed in key-tile order. A task takes the query
   tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
   its heads share is read once for them all and their ``dbias`` is summed in
-  cache, then written out once; with a single lane the rounded sum is the
-  result (`_DbiasPlan`).
+  cache, then written out once; when one task takes all the terms of each
+  element, the rounded sum is the result (`_DbiasPlan`).
 
 The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
 kernels release the GIL), as many as `numba.get_num_threads` says, so the
