@@ -660,9 +660,10 @@ def _logits_tile(
     is added after the product. Both are told by the arrays, not by flags:
     a literal flag would compile this function once per value.
 
-    Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves nothing
-    in the tile (so the caller may skip it); ``maxed`` is True when
-    ``tile_max[:bq]`` holds the maxima.
+    Returns ``(kept, maxed, clean)``: ``kept`` is False when the mask leaves
+    nothing in the tile (so the caller may skip it); ``maxed`` is True when
+    ``tile_max[:bq]`` holds the maxima; ``clean`` is True when the tile's
+    bias entries were checked as they were read (see `_modify_tile`).
     """
     want_slope = slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
@@ -674,8 +675,9 @@ def _logits_tile(
     # float32 doubles otherwise).
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    clean = not opt.has_bias
     if additive_first:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+        clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -686,7 +688,7 @@ def _logits_tile(
         else:
             matmul_nn(k_j, q_t, st, bk, bq, D, False)
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+            clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -698,7 +700,7 @@ def _logits_tile(
                     if x > -np.inf:
                         tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
     if removes_nothing:
-        return True, fuse_max
+        return True, fuse_max, clean
     shift = M - N
     neg_inf = -np.inf
     any_kept = False
@@ -714,7 +716,7 @@ def _logits_tile(
             row[r] = neg_inf
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
         any_kept = any_kept or kept
-    return any_kept, False
+    return any_kept, False, clean
 
 
 #: Keys per block when a tile adds a bias laid out along the keys.
@@ -787,6 +789,10 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     A bias contiguous along the keys comes from ``bias_t[:bk, :bq]`` (the
     tile's entries, key-major) when that is not empty, else from ``opt.bias``.
+
+    Returns True when there is no bias, or when the tile's bias entries were
+    read from ``opt.bias`` and checked as they were (`_add_transposed`) and
+    none is NaN or ``+inf``: the caller need not count them (`_count_bad_bias`).
     """
     shift = M - N
     inv_tau = 1.0 / opt.tau[h]
@@ -836,7 +842,7 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
             for c in range(bk):
                 _add_scaled(st[c, :bq], bias_t[c, :bq], inv_tau_t, bias_fresh)
         elif b_j == 1:
-            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
+            return _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
             for cb in range(0, bk, _BIAS_KEYS):
@@ -846,6 +852,7 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                     for c in range(nc):
                         x = opt.bias[at + c * b_j] * inv_tau_t
                         st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
+    return not opt.has_bias
 
 
 @njit(cache=True)
@@ -949,6 +956,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
     `_store_transposed`: square blocks of ``W`` go through SIMD registers
     (`transpose_add`, `transpose_load`), the edges element by element.
+    Returns True when no entry read is NaN or ``+inf``.
     """
     width = transpose_width(tile)
     bk_w = bk - bk % width
@@ -956,17 +964,21 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     # W runs of src at a time, each read along: W streams the hardware
     # prefetcher follows (with the blocks down the runs first, bq streams at
     # once, a whole 2048^2 float32 bias took 37 against 23 ms, one thread)
+    flagged = 0
     for rb in range(0, bq_w, width):
         for cb in range(0, bk_w, width):
             if overwrite:
-                transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+                flagged |= transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
             else:
-                transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+                flagged |= transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            x = src[start + r * stride + c] * scale
+            value = src[start + r * stride + c]
+            flagged |= 0 if value < np.inf else 1
+            x = value * scale
             row[r] = x if overwrite else row[r] + x
+    return flagged == 0
 
 
 @njit(cache=True)
@@ -1098,11 +1110,12 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
                 _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            kept, maxed = _logits_tile(
+            kept, maxed, clean = _logits_tile(
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
                 off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
             )
-            bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
+            if not clean:
+                bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
             if not kept:
                 continue
             if not maxed:
@@ -1325,6 +1338,7 @@ def _backward_kernel(
                 bq = min(block_q, N - i0)
                 summed = False  # dz_sum holds this query tile's sum
                 bias_loaded = False  # bias_t holds this query tile's bias
+                bias_t_clean = False  # and none of its entries is NaN or +inf
                 for pp in range(n_pairs):
                     b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                     bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
@@ -1346,13 +1360,14 @@ def _backward_kernel(
                         if share_bias and not bias_loaded:
                             # b is the batch's own, or the bias does not depend on it
                             start = b * b_b + i0 * b_i + j0
-                            _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, True)
+                            bias_t_clean = _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, True)
                             bias_loaded = True
-                        kept, _ = _logits_tile(
+                        kept, _, clean = _logits_tile(
                             st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
                             off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm, bias_t,
                         )
-                        bad[hh] += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
+                        if not (clean or (share_bias and bias_t_clean)):
+                            bad[hh] += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache
                         if not kept:
                             for r in range(bq):
                                 for d in range(D):
