@@ -857,7 +857,11 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
 
 @njit(cache=True)
 def _add_scaled(row, src, scale, overwrite):
-    """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``."""
+    """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``.
+
+    In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
+    with a float64 ``scale`` is widened first (one product, one sum).
+    """
     if overwrite:
         for r in range(row.shape[0]):
             row[r] = src[r] * scale
@@ -1421,10 +1425,7 @@ def _backward_kernel(
                                 dz_sum[:bk_all, :bq] = 0.0
                                 summed = True
                             for c in range(bk):
-                                row = dpt[c]
-                                sum_row = dz_sum[c]
-                                for r in range(bq):
-                                    sum_row[r] += float(row[r]) * inv_tau
+                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau, False)
                         elif dbias_mode == 2:
                             partial = dbias_partials[slot]
                             if d_i == 0:
@@ -1452,7 +1453,6 @@ def _backward_kernel(
                 if summed:
                     start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b
                     start += i0 * d_i + j0
-                    partial = dbias_partials[slot]
                     if dbias_mode == 3:
                         # the whole sum, rounded once to the kernel dtype
                         for c in range(bk_all):
@@ -1461,9 +1461,9 @@ def _backward_kernel(
                         _store_transposed(pt, bk_all, bq, dbias_direct, start, d_i, one)
                     elif first == lane * pairs // lanes:
                         # the lane's first batch is the first to write these entries
-                        _store_transposed(dz_sum, bk_all, bq, partial, start, d_i, 1.0)
+                        _store_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
                     else:
-                        _accumulate_transposed(dz_sum, bk_all, bq, partial, start, d_i, 1.0)
+                        _accumulate_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
             for pp in range(n_pairs):
                 b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                 for g in range(group):
