@@ -43,8 +43,8 @@ contiguous axis of the tile.
   (like the shares of dq), summed in key-tile order. A task takes the query
   tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
   its heads share is read once for them all and their ``dbias`` is summed in
-  cache, then written out once; when one task takes all the terms of each
-  element, the rounded sum is the result (`_DbiasPlan`).
+  cache (in the kernel dtype), then written out once; when one task takes
+  all the terms of each element, that sum is the result (`_DbiasPlan`).
 
 The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
 kernels release the GIL), as many as `numba.get_num_threads` says, so the
@@ -265,8 +265,8 @@ class _DbiasPlan:
       slots are summed in order: the same bits for every thread count.
     - 3: as 2 for a bias broadcast over the heads and laid out along the
       keys, when one task sums each element over all its (batch, head)
-      pairs (one lane, one batch of pairs, below): the float64 sum is
-      rounded once and written into `direct`, with no partials.
+      pairs (one lane, one batch of pairs, below): that sum, in the kernel
+      dtype, is written into `direct`, with no partials.
 
     A task interleaves the query tiles of ``pair_batch`` pairs of its lane
     at a time (`DBIAS_PAIR_BATCH`).
@@ -1263,10 +1263,10 @@ def _backward_kernel(
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     delta_t = np.empty(block_q, dtype=k.dtype)
     # A dbias broadcast over heads and laid out along the keys: the batch's
-    # dz / tau_h are summed key-major (contiguous adds, in cache), then
-    # written transposed into the partial once per query tile.
+    # dz / tau_h are summed key-major in the kernel dtype, each row as it is
+    # formed (in cache), then written out transposed once per query tile.
     sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
-    dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0))
+    dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
     # A bias the batch's heads share, laid out along the keys: each tile is
     # loaded key-major once for them all (one transpose instead of one per head).
     b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
@@ -1395,6 +1395,9 @@ def _backward_kernel(
                         matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
                         # dz in the working dtype feeds the products; the dtau and
                         # dsigma sums take dz in float64 against the float64 delta.
+                        if sum_heads and not summed:
+                            dz_sum[:bk_all, :bq] = 0.0
+                            summed = True
                         for c in range(bk):
                             if opt.has_gate:
                                 base = j0 + c - shift - i0 + M - 1
@@ -1415,18 +1418,15 @@ def _backward_kernel(
                                     dpt[c, r] = p * (dp - delta_t[r])
                                     s = float(st[c, r]) if p != 0 else 0.0
                                     dtau_h[r] += float(p) * (float(dp) - delta_r[r]) * s
+                            if sum_heads:
+                                # this head's dbias row (below) into the heads' sum
+                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
                         # dbias = ds = dz / tau_h, before the soft-cap's slope
                         start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
                         if dbias_mode == 1:
                             # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
                             _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
-                        elif sum_heads:
-                            if not summed:
-                                dz_sum[:bk_all, :bq] = 0.0
-                                summed = True
-                            for c in range(bk):
-                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau, False)
-                        elif dbias_mode == 2:
+                        elif dbias_mode == 2 and not sum_heads:
                             partial = dbias_partials[slot]
                             if d_i == 0:
                                 _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
@@ -1454,14 +1454,8 @@ def _backward_kernel(
                     start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b
                     start += i0 * d_i + j0
                     if dbias_mode == 3:
-                        # the whole sum, rounded once to the kernel dtype
-                        for c in range(bk_all):
-                            for r in range(bq):
-                                pt[c, r] = dz_sum[c, r]
-                        _store_transposed(pt, bk_all, bq, dbias_direct, start, d_i, one)
-                    elif first == lane * pairs // lanes:
-                        # the lane's first batch is the first to write these entries
-                        _store_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
+                        # the whole sum: the result
+                        _store_transposed(dz_sum, bk_all, bq, dbias_direct, start, d_i, one)
                     else:
                         _accumulate_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
             for pp in range(n_pairs):
