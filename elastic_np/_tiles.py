@@ -35,6 +35,7 @@ time (broadcast) and may be in either layout at no extra cost.
 """
 
 import math
+import platform
 
 import numpy as np
 from llvmlite import ir
@@ -46,7 +47,7 @@ from numba.extending import intrinsic, overload
 __all__ = [
     "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
     "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
-    "transpose_accumulate", "transpose_width",
+    "transpose_stream", "stream_fence", "transpose_accumulate", "transpose_width", "stream_width",
 ]
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
@@ -1023,12 +1024,47 @@ def _transpose_in_registers(builder, rows):
     return rows
 
 
-def _make_transpose(mode):
-    """``transpose_add``, ``transpose_load``, ``transpose_store`` or ``transpose_accumulate``.
+#: Bytes of a cache line, the unit in which `transpose_stream` writes.
+_LINE_BYTES = 64
 
-    (``mode`` "add", "load", "store" or "accumulate".)
+
+def stream_width(x):
+    """Entries per run ``L`` of `transpose_stream`: whole cache lines, at least ``W``.
+
+    ``x`` is a dtype or an array (an array in jit code, where the width is a
+    compile-time constant).
     """
-    store = mode in ("store", "accumulate")
+    dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
+    return max(_LINE_BYTES // dtype.itemsize, transpose_width(dtype))
+
+
+@overload(stream_width, inline="always")
+def _stream_width_overload(x):
+    if isinstance(x, types.Array):
+        width = stream_width(numpy_support.as_dtype(x.dtype))
+        return lambda x: width
+    return None
+
+
+def _concatenate(builder, vectors):
+    """One vector of the entries of ``vectors`` (a power of two of them, of one type), in order."""
+    i32 = ir.IntType(32)
+    while len(vectors) > 1:
+        n = vectors[0].type.count
+        order = ir.Constant(ir.VectorType(i32, 2 * n), list(range(2 * n)))
+        vectors = [
+            builder.shuffle_vector(vectors[i], vectors[i + 1], order)
+            for i in range(0, len(vectors), 2)
+        ]
+    return vectors[0]
+
+
+def _make_transpose(mode):
+    """``transpose_add``, ``transpose_load``, ``transpose_store``, ``transpose_stream`` or ``transpose_accumulate``.
+
+    (``mode`` "add", "load", "store", "stream" or "accumulate".)
+    """
+    store = mode in ("store", "stream", "accumulate")
 
     def codegen(context, builder, signature, args):
         x_ty, flat_ty = signature.args[:2]
@@ -1063,6 +1099,24 @@ def _make_transpose(mode):
             builder.insert_element(undef, scale_val, ir.Constant(i32, 0)),
             undef, ir.Constant(ir.VectorType(i32, width), [0] * width),
         )
+        if mode == "stream":
+            # L / W blocks side by side: each run of dst, L entries, is whole
+            # cache lines, written with non-temporal stores
+            line = stream_width(numpy_support.as_dtype(x_ty.dtype))
+            nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
+            blocks = [
+                _transpose_in_registers(
+                    builder, [builder.load(x_row(g + c), align=itemsize) for c in range(width)]
+                )
+                for g in range(0, line, width)
+            ]
+            line_splat = _concatenate(builder, [splat] * len(blocks))
+            for r in range(width):
+                run = _concatenate(builder, [block[r] for block in blocks])
+                ptr = builder.bitcast(flat_run(r), run.type.as_pointer())
+                out = builder.store(builder.fmul(run, line_splat), ptr, align=_LINE_BYTES)
+                out.set_metadata("nontemporal", nontemporal)
+            return context.get_dummy_value()
         if store:
             rows = [builder.load(x_row(c), align=itemsize) for c in range(width)]
             for r, row in enumerate(_transpose_in_registers(builder, rows)):
@@ -1143,6 +1197,42 @@ def transpose_store(typingctx, x, dst, start, stride, row0, col0, scale):
     into a C-order ``dbias``.
     """
     return _make_transpose("store")(typingctx, x, dst, start, stride, row0, col0, scale)
+
+
+@intrinsic
+def transpose_stream(typingctx, x, dst, start, stride, row0, col0, scale):
+    """``dst[start + r * stride + c] = scale * x[row0 + c, col0 + r]`` for ``r < W``, ``c < L``.
+
+    As `transpose_store` for ``L / W`` blocks side by side (``L =
+    stream_width(x)``), so that each of the ``W`` runs of ``dst`` is whole
+    cache lines, written with non-temporal stores: they go to memory without
+    first reading the lines into the cache (jit code only). For results that
+    are written once and not read again by the kernel, such as a ``dbias``
+    with no reduction. The address of ``dst[start]`` and ``stride`` entries
+    must be multiples of the cache line (64 bytes), or the stores fault; the
+    stores are weakly ordered, so a writer ends with `stream_fence`.
+    """
+    return _make_transpose("stream")(typingctx, x, dst, start, stride, row0, col0, scale)
+
+
+#: x86 orders non-temporal stores with ``sfence`` (LLVM's fence is a locked
+#: instruction there, which the manuals do not say orders them).
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+@intrinsic
+def stream_fence(typingctx):
+    """Order the non-temporal stores before it before any later store (jit code only)."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.sfence"), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @intrinsic

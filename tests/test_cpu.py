@@ -14,6 +14,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _bench, _conformance, _dispatch, _options, cpu, reference
+from elastic_np._tiles import stream_width
 
 DTYPES = [np.float64, np.float32]
 
@@ -517,6 +518,35 @@ def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch,
         dynamic_window=enp.DynamicWindow(sigma, sharpness=3.0, threshold=0.3),
     )
     check_case(dtype, opts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["full", "nm"])
+def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
+    # 48 keys, whole cache lines in both dtypes: the rows of dbias start on
+    # lines and `_store_transposed` streams them (per head; and the sum over
+    # heads, one lane in one batch), the 37 queries leave edges to it
+    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", 1)
+    bias = _bias((2, 4, 37, 48), 11) if layout == "full" else _bias((37, 48), 12)
+    check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("on_lines", [True, False])
+def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
+    # runs starting on cache lines are streamed, others stored: the same entries
+    line = stream_width(dtype)
+    bk, bq, stride = 2 * line + 3, 21, 3 * line
+    tile = np.random.default_rng(7).standard_normal((bk + 1, bq + 2)).astype(dtype)
+    dst = cpu._zeros_on_lines(bq * stride + 2 * line, dtype)
+    assert dst.ctypes.data % 64 == 0
+    dst[:] = np.nan
+    start = line if on_lines else line + 1
+    cpu._store_transposed(tile, bk, bq, dst, start, stride, dtype(0.5))
+    view = dst[start : start + bq * stride].reshape(bq, stride)
+    np.testing.assert_array_equal(view[:, :bk], dtype(0.5) * tile[:bk, :bq].T)
+    assert np.isnan(view[:, bk:]).all() and np.isnan(dst[:start]).all()  # nothing else written
+    assert np.isnan(dst[start + bq * stride :]).all()
 
 
 def test_dbias_plan_lanes(monkeypatch):

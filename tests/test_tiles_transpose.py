@@ -1,11 +1,12 @@
-"""`elastic_np._tiles.transpose_add`, `transpose_load`, `transpose_store` and `prefetch`: exact against NumPy."""
+"""`elastic_np._tiles.transpose_add`, `transpose_load`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
 
 import numpy as np
 import pytest
 from numba import njit
 
 from elastic_np._tiles import (
-    prefetch, transpose_accumulate, transpose_add, transpose_load, transpose_store, transpose_width,
+    prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_load,
+    transpose_store, transpose_stream, transpose_width,
 )
 
 
@@ -117,6 +118,35 @@ def test_transpose_store_matches_numpy(dtype):
     view = dst[start : start + rows * lead].reshape(rows, lead)
     np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
     assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
+
+
+@njit(cache=True)
+def _stream_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
+    width, line = transpose_width(x), stream_width(x)
+    for cb in range(blocks_c):
+        for rb in range(blocks_r):
+            transpose_stream(x, dst, start + rb * width * stride + cb * line, stride,
+                             cb * line, rb * width, scale)
+    stream_fence()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_stream_writes_whole_lines_as_numpy(dtype):
+    width, line = transpose_width(dtype), stream_width(dtype)
+    # runs of whole 64-byte lines, L / W blocks of W x W side by side
+    assert line % width == 0 and line * np.dtype(dtype).itemsize % 64 == 0
+    rng = np.random.default_rng(5)
+    rows, cols, lead = 2 * width, 2 * line, 3 * line
+    x = rng.standard_normal((cols + 3, rows + 2)).astype(dtype)
+    buffer = np.full(rows * lead + 4 * line, np.nan, dtype=dtype)
+    first = (-buffer.ctypes.data // buffer.itemsize) % line  # dst[start] on a line
+    dst = buffer[first:]
+    start, scale = line, dtype(-0.75)
+    _stream_blocks(x, dst, start, lead, 2, 2, scale)
+    view = dst[start : start + rows * lead].reshape(rows, lead)
+    np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
+    assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
+    assert np.isnan(dst[start + rows * lead :]).all()
 
 
 @njit(cache=True)
