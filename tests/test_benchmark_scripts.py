@@ -17,6 +17,8 @@ def test_score_modifiers_prints_every_case(capsys):
     for variant in ("plain", "softcap", "alibi", "bias (B,H,N,M)", "bias (N,M)", "bias (B,1,1,M)"):
         assert f"\n{variant:<16} fwd+bwd" in out
     assert "extra / memory" in out
+    # a least-disturbed figure on every line: 7 variants x 2 passes, 3 biases x 2 passes
+    assert out.count("of the best rounds") == 14 + 6
 
 
 def test_score_modifiers_cases_compute_the_same_work():
