@@ -980,6 +980,20 @@ def prefetch(typingctx, arr, index):
 _MIN_TRANSPOSE_WIDTH = 8
 
 
+def _constant_in_jit_code(width_of):
+    """Give ``width_of(array)`` to jit code too, as a compile-time constant of the array's dtype."""
+
+    @overload(width_of, inline="always")
+    def _width_overload(x):
+        if isinstance(x, types.Array):
+            width = width_of(numpy_support.as_dtype(x.dtype))
+            return lambda x: width
+        return None
+
+    return width_of
+
+
+@_constant_in_jit_code
 def transpose_width(x):
     """Entries per side ``W`` of the square blocks `transpose_add` and co. move.
 
@@ -989,14 +1003,6 @@ def transpose_width(x):
     """
     dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
     return max(_VECTOR_BYTES // dtype.itemsize, _MIN_TRANSPOSE_WIDTH)
-
-
-@overload(transpose_width, inline="always")
-def _transpose_width_overload(x):
-    if isinstance(x, types.Array):
-        width = transpose_width(numpy_support.as_dtype(x.dtype))
-        return lambda x: width
-    return None
 
 
 def _transpose_in_registers(builder, rows):
@@ -1028,6 +1034,7 @@ def _transpose_in_registers(builder, rows):
 _LINE_BYTES = 64
 
 
+@_constant_in_jit_code
 def stream_width(x):
     """Entries per run ``L`` of `transpose_stream`: whole cache lines, at least ``W``.
 
@@ -1036,14 +1043,6 @@ def stream_width(x):
     """
     dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
     return max(_LINE_BYTES // dtype.itemsize, transpose_width(dtype))
-
-
-@overload(stream_width, inline="always")
-def _stream_width_overload(x):
-    if isinstance(x, types.Array):
-        width = stream_width(numpy_support.as_dtype(x.dtype))
-        return lambda x: width
-    return None
 
 
 def _concatenate(builder, vectors):
