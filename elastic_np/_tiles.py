@@ -1098,35 +1098,31 @@ def _make_transpose(mode):
             builder.insert_element(undef, scale_val, ir.Constant(i32, 0)),
             undef, ir.Constant(ir.VectorType(i32, width), [0] * width),
         )
-        if mode == "stream":
-            # L / W blocks side by side: each run of dst, L entries, is whole
-            # cache lines, written with non-temporal stores
-            line = stream_width(numpy_support.as_dtype(x_ty.dtype))
-            nontemporal = builder.module.add_metadata([ir.Constant(i32, 1)])
+        if store:
+            # "stream": L / W blocks side by side, so that each run of dst (L
+            # entries) is whole cache lines, written with non-temporal stores
+            line = stream_width(numpy_support.as_dtype(x_ty.dtype)) if mode == "stream" else width
             blocks = [
                 _transpose_in_registers(
                     builder, [builder.load(x_row(g + c), align=itemsize) for c in range(width)]
                 )
                 for g in range(0, line, width)
             ]
-            line_splat = _concatenate(builder, [splat] * len(blocks))
+            run_splat = _concatenate(builder, [splat] * len(blocks))
             for r in range(width):
                 run = _concatenate(builder, [block[r] for block in blocks])
-                ptr = builder.bitcast(flat_run(r), run.type.as_pointer())
-                out = builder.store(builder.fmul(run, line_splat), ptr, align=_LINE_BYTES)
-                out.set_metadata("nontemporal", nontemporal)
-            return context.get_dummy_value()
-        if store:
-            rows = [builder.load(x_row(c), align=itemsize) for c in range(width)]
-            for r, row in enumerate(_transpose_in_registers(builder, rows)):
-                ptr = flat_run(r)
                 if mode == "accumulate":
+                    ptr = flat_run(r)
                     if flat_vec != vec:
-                        row = builder.fpext(row, flat_vec)
-                    total = builder.fadd(builder.load(ptr, align=flat_align), builder.fmul(row, splat))
+                        run = builder.fpext(run, flat_vec)
+                    total = builder.fadd(builder.load(ptr, align=flat_align), builder.fmul(run, splat))
                     builder.store(total, ptr, align=flat_align)
+                elif mode == "stream":
+                    ptr = builder.bitcast(flat_run(r), run.type.as_pointer())
+                    out = builder.store(builder.fmul(run, run_splat), ptr, align=_LINE_BYTES)
+                    out.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(i32, 1)]))
                 else:
-                    builder.store(builder.fmul(row, splat), ptr, align=itemsize)
+                    builder.store(builder.fmul(run, splat), flat_run(r), align=itemsize)
             return context.get_dummy_value()
         rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
         # the runs' NaN and +inf entries (unordered or >= inf), before scaling
