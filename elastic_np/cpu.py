@@ -87,8 +87,8 @@ DBIAS_PARTIALS_BYTES = 1 << 25
 #: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
 DBIAS_MIN_TASKS = 64
 #: (batch, kv head) pairs of a lane whose query tiles a backward task
-#: interleaves: each tile of a broadcast bias, and of its float64 dbias
-#: partial, is then used by all their heads while it is in cache.
+#: interleaves: each tile of a broadcast bias, and of its dbias sum over
+#: heads, is then used by all their heads while it is in cache.
 DBIAS_PAIR_BATCH = 8
 
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
@@ -1525,6 +1525,7 @@ def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
         for r in range(r4, bq):
             a0 += float(row[r])
         dst[start + c * stride] += ((a0 + a1) + (a2 + a3)) * scale
+
 
 @njit(nogil=True, cache=True)
 def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):

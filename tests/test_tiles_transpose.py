@@ -98,12 +98,19 @@ def test_transpose_load_matches_numpy(dtype):
 
 
 @njit(cache=True)
-def _store_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
+def _store_blocks(x, dst, start, stride, blocks_r, blocks_c, scale, stream):
+    """Blocks of W x W (`transpose_store`), or of W x L (`transpose_stream`)."""
     width = transpose_width(x)
+    cols = stream_width(x) if stream else width
     for cb in range(blocks_c):
         for rb in range(blocks_r):
-            transpose_store(x, dst, start + rb * width * stride + cb * width, stride,
-                            cb * width, rb * width, scale)
+            at = start + rb * width * stride + cb * cols
+            if stream:
+                transpose_stream(x, dst, at, stride, cb * cols, rb * width, scale)
+            else:
+                transpose_store(x, dst, at, stride, cb * cols, rb * width, scale)
+    if stream:
+        stream_fence()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -114,20 +121,10 @@ def test_transpose_store_matches_numpy(dtype):
     x = rng.standard_normal((cols + 2, rows + 1)).astype(dtype)
     dst = np.full(rows * lead + 9, np.nan, dtype=dtype)
     start, scale = 5, dtype(1.25)
-    _store_blocks(x, dst, start, lead, 2, 3, scale)
+    _store_blocks(x, dst, start, lead, 2, 3, scale, False)
     view = dst[start : start + rows * lead].reshape(rows, lead)
     np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
     assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
-
-
-@njit(cache=True)
-def _stream_blocks(x, dst, start, stride, blocks_r, blocks_c, scale):
-    width, line = transpose_width(x), stream_width(x)
-    for cb in range(blocks_c):
-        for rb in range(blocks_r):
-            transpose_stream(x, dst, start + rb * width * stride + cb * line, stride,
-                             cb * line, rb * width, scale)
-    stream_fence()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -142,7 +139,7 @@ def test_transpose_stream_writes_whole_lines_as_numpy(dtype):
     first = (-buffer.ctypes.data // buffer.itemsize) % line  # dst[start] on a line
     dst = buffer[first:]
     start, scale = line, dtype(-0.75)
-    _stream_blocks(x, dst, start, lead, 2, 2, scale)
+    _store_blocks(x, dst, start, lead, 2, 2, scale, True)
     view = dst[start : start + rows * lead].reshape(rows, lead)
     np.testing.assert_array_equal(view[:, :cols], scale * x[:cols, :rows].T)
     assert np.isnan(view[:, cols:]).all() and np.isnan(dst[:start]).all()  # nothing else written
