@@ -589,9 +589,8 @@ def _exp_q_f64(r):
     exponential is one long chain of dependent operations per entry, and
     the out-of-order window rather than the FMA ports bounds how many
     entries are in flight. Measured per 128 x 128 tile, against Horner's
-    rule: `exp_inplace` 26.7 against 30.1 us, `exp_shift_sum` 28.5 against
-    58.8 us (four rows at a time, where Horner's chains spilled registers),
-    `tanh_inplace` 34.7 against 37.8 us.
+    rule (both four rows at a time): `exp_inplace` 24.9 against 30.8 us,
+    `exp_shift_sum` 27.2 against 32.4 us; `tanh_inplace` 37.0 against 39.1 us.
     The last step is Horner's, so that ``q`` rounds once at the size of its
     leading term, as before; ``t``'s extra roundings are scaled by
     ``|r| <= 0.35``.
@@ -870,7 +869,7 @@ def exp_shift_sum(x, m, n, shift, nvm, sums):
     time: the exponential is one long chain of dependent operations per
     entry, and four independent ones in flight hide more of its latency
     (measured, with the polynomials of `_exp_q_f64` and `_exp_f32_scalar`:
-    10.3 against 13.4 us per 128 x 128 float32 tile, 28.5 against 37.6 us
+    11.1 against 12.6 us per 128 x 128 float32 tile, 27.2 against 38.0 us
     in float64, for one row at a time and Horner's rule).
 
     See Also
