@@ -687,6 +687,13 @@ _EXP_Q_F32 = (
 
 
 @njit(**_OPTIONS)
+def _exp_q_f32(r, r2):
+    """``q(r)`` of `_EXP_Q_F32` (``r2 = r * r``): the upper terms in a pair, then Horner (see `_exp_q_f64`)."""
+    c = _EXP_Q_F32
+    return ((c[0] * r + c[1]) * r2 + (c[2] * r + c[3])) * r + c[4]
+
+
+@njit(**_OPTIONS)
 def _exp_f32_scalar(v):
     """Vectorisable ``exp(v)``, float32 (see `exp_inplace`)."""
     # exp(-104) < 2**-150 rounds to 0; exp(89) overflows to inf. Arguments
@@ -701,8 +708,7 @@ def _exp_f32_scalar(v):
     t = np.floor(x * _LOG2E_F32 + _HALF_F32)
     r = (x - t * _LN2_HI_F32) - t * _LN2_LO_F32
     # 1 + r + r**2 q(r), q a degree-4 Chebyshev fit (see exp_inplace)
-    c = _EXP_Q_F32
-    q = ((c[0] * r + c[1]) * (r * r) + (c[2] * r + c[3])) * r + c[4]
+    q = _exp_q_f32(r, r * r)
     p = (q * r + _ONE_F32) * r + _ONE_F32
     y = _pow2_scale_f32(p, t)
     if v < _LO_F32:
@@ -928,9 +934,8 @@ def _tanh_f32_scalar(v):
     k = x * _LOG2E_F32 + _ROUND_F32
     t = k - _ROUND_F32
     r = (x - t * _LN2_HI_F32) - t * _LN2_LO_F32
-    c = _EXP_Q_F32
     r2 = r * r
-    q = ((c[0] * r + c[1]) * r2 + (c[2] * r + c[3])) * r + c[4]
+    q = _exp_q_f32(r, r2)
     em1_r = q * r2 + r
     two_t = _float_from_bits(np.int32(_float_bits(k) << 23))
     u = (two_t - _ONE_F32) + two_t * em1_r
