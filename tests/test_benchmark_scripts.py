@@ -29,6 +29,16 @@ def test_score_modifiers_cases_compute_the_same_work():
     assert grads.dbias.shape == biases["bias (N,M)"].shape
 
 
+def test_memory_work_reads_the_broadcast_bias_and_writes_its_shape():
+    rng = np.random.default_rng(0)
+    for shape in [(2, 3, 5, 7), (5, 7), (2, 1, 1, 7), (1, 3, 5, 7)]:
+        bias = rng.standard_normal(shape).astype(np.float32)
+        want = np.broadcast_to(bias.astype(np.float64), (2, 3, 5, 7)).sum()
+        np.testing.assert_allclose(score_modifiers.read_bias(bias, 2, 3, 5), want, rtol=1e-6)
+        written = score_modifiers.write_like(bias)
+        assert written.shape == bias.shape and written.dtype == bias.dtype and (written == 1).all()
+
+
 def test_median_interval_brackets_the_median_and_narrows_with_rounds():
     rng = np.random.default_rng(0)
     few = 1.1 + 0.1 * rng.standard_normal(5)
