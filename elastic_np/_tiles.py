@@ -874,7 +874,7 @@ def exp_shift_sum(x, m, n, shift, nvm, sums):
     summing together saves two passes over the tile. Rows go four at a
     time: the exponential is one long chain of dependent operations per
     entry, and four independent ones in flight hide more of its latency
-    (measured, with the polynomials of `_exp_q_f64` and `_exp_f32_scalar`:
+    (measured, with the polynomials of `_exp_q_f64` and `_exp_q_f32`:
     11.1 against 12.6 us per 128 x 128 float32 tile, 27.2 against 38.0 us
     in float64, for one row at a time and Horner's rule).
 
