@@ -812,8 +812,9 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
     # A bias contiguous along the keys (the usual C order, b_i > 1) is added
     # in blocks of keys after the other passes: for each query, one short
-    # contiguous run of the caller's row; the other layouts row by row.
-    by_rows = opt.has_bias and (b_i <= 1 or b_j == 0)
+    # contiguous run of the caller's row; a bias contiguous or constant along
+    # the queries row by row; other layouts entry by entry.
+    by_rows = opt.has_bias and b_i <= 1
     # with `overwrite`, the first term stored into the tile is not added
     bias_fresh = overwrite and not opt.has_alibi
     if opt.has_softcap:

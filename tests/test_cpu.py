@@ -214,6 +214,41 @@ def test_options(small_tiles, dtype, case):
     check_case(dtype, CASES[case])
 
 
+def _laid_out(bias, layout):
+    """The values of ``bias`` in another memory layout: a view where numpy gives one.
+
+    ``"strided"`` is every other entry along every axis of a NaN-filled
+    array, so that an entry read through wrong strides shows.
+    """
+    if layout == "C":
+        return np.ascontiguousarray(bias)
+    if layout == "F":
+        return np.asfortranarray(bias)
+    if layout == "queries-contiguous":  # the last two axes transposed in memory, as `.mT` gives
+        return np.ascontiguousarray(np.swapaxes(bias, -1, -2)).swapaxes(-1, -2)
+    if layout == "strided":
+        big = np.full(tuple(2 * n + 1 for n in bias.shape), np.nan, dtype=bias.dtype)
+        view = big[(slice(1, None, 2),) * bias.ndim]
+        view[...] = bias
+        return view
+    if layout == "reversed":  # negative strides along the keys
+        return np.ascontiguousarray(bias[..., ::-1])[..., ::-1]
+    raise ValueError(layout)
+
+
+_LAYOUTS = ["C", "F", "queries-contiguous", "strided", "reversed"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_name", ["full", "nm", "bhn1", "b1n1", "1h1m-keypad", "1hnm"])
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_bias_layouts(small_tiles, dtype, bias_name, layout):
+    # With beta and NVM a bias constant along the keys changes the result
+    # (softmax alone is blind to it): every layout must be read at its strides.
+    bias = _laid_out(BIASES[bias_name].astype(dtype), layout)
+    check_case(dtype, dict(bias=bias, beta=[0.0, 0.3, 1.0, 2.5], nvm=True, tau=0.8))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dq_shares_in_chunks(small_tiles, monkeypatch, dtype):
     # One key tile per chunk: the dq shares are summed over many chunks.
