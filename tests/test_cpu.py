@@ -621,27 +621,27 @@ def test_reduce_to_shape_sums_only_axes_longer_than_one():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("order", ["C", "F"])
-def test_bias_not_copied(dtype, order):
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_bias_not_copied(dtype, layout):
+    # The kernels read the caller's memory at its strides; only negative
+    # strides (or another dtype, below) make a copy. Never written.
     q, k, v, _ = _inputs(dtype)
-    for bias in (BIASES["full"], BIASES["nm"], BIASES["1h1m-keypad"], BIASES["bhn1"]):
-        bias = np.array(bias, dtype=dtype, order=order)
+    for name in ("full", "nm", "1h1m-keypad", "bhn1"):
+        bias = _laid_out(BIASES[name].astype(dtype), layout)
         p = _options.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
         opt = cpu._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
-        assert np.shares_memory(opt.bias, bias)
-        assert opt.bias.size == bias.size and not opt.bias.flags.writeable
+        assert np.shares_memory(opt.bias, bias) == (layout != "reversed" or bias.shape[-1] == 1)
+        assert not opt.bias.flags.writeable
         # the same entries through the strides
         b_, h_, i_, j_ = (np.arange(n)[:, None, None, None] for n in (2, 4, 23, 31))
         idx = (b_ * opt.bias_strides[0] + np.swapaxes(h_, 0, 1) * opt.bias_strides[1]
                + np.moveaxis(i_, 0, 2) * opt.bias_strides[2] + np.moveaxis(j_, 0, 3) * opt.bias_strides[3])
         np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
-    # another dtype or a strided bias is converted / copied, never the caller's array written
+    # another dtype is converted into a copy, never the caller's array written
     other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
     opt = cpu._options(_options.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
     assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
-    strided = np.concatenate([BIASES["nm"]] * 2, axis=1)[:, ::2].astype(dtype)
-    opt = cpu._options(_options.prepare(q, k, v, bias=strided, dtypes=cpu.dtypes), False, np.dtype(dtype))
-    np.testing.assert_array_equal(opt.bias.reshape(23, 31), strided)
+    np.testing.assert_array_equal(opt.bias.reshape(23, 31), other.astype(dtype))
 
 
 # Options that skip tiles: the kernels never read those entries for the
@@ -655,7 +655,9 @@ _SKIPPING = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias_name", ["full", "nm", "1h1m-keypad", "bhn1", "b1n1", "scalar", "fortran"])
+@pytest.mark.parametrize(
+    "bias_name", ["full", "nm", "1h1m-keypad", "bhn1", "b1n1", "scalar", "fortran", "full-mT", "nm-mT"]
+)
 @pytest.mark.parametrize("skipping", list(_SKIPPING))
 def test_bias_values_checked_by_the_kernels(small_tiles, dtype, bias_name, skipping):
     """NaN or +inf anywhere in the bias raises, forward and backward; -inf does not.
@@ -667,7 +669,12 @@ def test_bias_values_checked_by_the_kernels(small_tiles, dtype, bias_name, skipp
     """
     q, k, v, dout = _inputs(dtype)
     opts = _SKIPPING[skipping]
-    base = np.asfortranarray(BIASES["full"]) if bias_name == "fortran" else BIASES[bias_name]
+    if bias_name == "fortran":
+        base = np.asfortranarray(BIASES["full"])
+    elif bias_name.endswith("-mT"):  # queries contiguous
+        base = _laid_out(BIASES[bias_name[:-3]], "queries-contiguous")
+    else:
+        base = BIASES[bias_name]
     base = np.array(base, dtype=dtype, order="K")
     out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", bias=base, **opts)
     rng = np.random.default_rng(len(bias_name) * 7 + len(skipping))
@@ -777,9 +784,11 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
             no_slope, tile_max, nonneg, bias_t,
         )
         assert kept
-        # checked as read: a bias along the keys read through the transposes (no NaN or +inf here)
+        # checked as read (no NaN or +inf here): a bias along the keys read through
+        # the transposes, a bias contiguous or constant along the queries row by row
         along_keys = opt.bias_strides[3] == 1 and opt.bias_strides[2] > 1
-        assert clean == (not opt.has_bias or (along_keys and bias_t.size == 0))
+        by_rows = opt.bias_strides[2] <= 1
+        assert clean == (not opt.has_bias or (along_keys and bias_t.size == 0) or by_rows)
         return st, tile_max, maxed
 
     st, tile_max, maxed = logits(True)
