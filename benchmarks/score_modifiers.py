@@ -74,14 +74,23 @@ def _fill_rows(rows):
 
 
 def read_bias(bias, B, H, N):
-    """Read ``bias`` as the kernels do: its broadcast ``(B, H, N, M)`` view, once."""
-    bias4 = np.ascontiguousarray(bias).reshape((1,) * (4 - bias.ndim) + bias.shape)
-    return _read_broadcast(bias4, B, H, N)
+    """Read ``bias`` as the kernels do: its broadcast ``(B, H, N, M)`` view, once.
+
+    A bias laid out along the queries (``.mT`` of a C-order array, as the
+    kernels read it without a copy) is read in its memory order: its
+    transpose, ``M`` rows per head.
+    """
+    bias4 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    rows = N
+    if not bias4.flags.c_contiguous and bias4.mT.flags.c_contiguous:
+        bias4 = bias4.mT
+        rows = bias4.shape[2]
+    return _read_broadcast(np.ascontiguousarray(bias4), B, H, rows)
 
 
 def write_like(bias):
-    """Write a fresh array of the bias's shape, as the backward writes ``dbias``."""
-    out = np.empty_like(bias)
+    """Write a fresh array of the bias's shape, as the backward writes ``dbias`` (C order)."""
+    out = np.empty(bias.shape, dtype=bias.dtype)
     _fill_rows(out.reshape(-1, out.shape[-1]))
     return out
 
@@ -100,6 +109,8 @@ def make_cases(n=2048, heads=8, dim=64, dtype="float32", backward=True):
     slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)  # the ALiBi paper's slopes
     biases = {
         "bias (B,H,N,M)": rng.standard_normal((B, H, N, N)).astype(dt),
+        # the same shape laid out along the queries: added without a transpose
+        "bias mT(B,H,N,M)": np.ascontiguousarray(rng.standard_normal((B, H, N, N)).astype(dt).mT).mT,
         "bias (N,M)": rng.standard_normal((N, N)).astype(dt),
         "bias (B,1,1,M)": np.where(rng.random((B, 1, 1, N)) < 0.1, -np.inf, 0.0).astype(dt),
     }

@@ -14,11 +14,12 @@ import score_modifiers  # noqa: E402
 def test_score_modifiers_prints_every_case(capsys):
     score_modifiers.main(["--n", "64", "--heads", "2", "--dim", "16", "--rounds", "1", "--repeat", "1"])
     out = capsys.readouterr().out
-    for variant in ("plain", "softcap", "alibi", "bias (B,H,N,M)", "bias (N,M)", "bias (B,1,1,M)"):
+    biases = ("bias (B,H,N,M)", "bias mT(B,H,N,M)", "bias (N,M)", "bias (B,1,1,M)")
+    for variant in ("plain", "softcap", "alibi") + biases:
         assert f"\n{variant:<16} fwd+bwd" in out
     assert "extra / memory" in out
-    # a least-disturbed figure on every line: 7 variants x 2 passes, 3 biases x 2 passes
-    assert out.count("of the best rounds") == 14 + 6
+    # a least-disturbed figure on every line: 8 variants x 2 passes, 4 biases x 2 passes
+    assert out.count("of the best rounds") == 16 + 8
 
 
 def test_score_modifiers_cases_compute_the_same_work():
@@ -32,11 +33,13 @@ def test_score_modifiers_cases_compute_the_same_work():
 def test_memory_work_reads_the_broadcast_bias_and_writes_its_shape():
     rng = np.random.default_rng(0)
     for shape in [(2, 3, 5, 7), (5, 7), (2, 1, 1, 7), (1, 3, 5, 7)]:
-        bias = rng.standard_normal(shape).astype(np.float32)
-        want = np.broadcast_to(bias.astype(np.float64), (2, 3, 5, 7)).sum()
-        np.testing.assert_allclose(score_modifiers.read_bias(bias, 2, 3, 5), want, rtol=1e-6)
-        written = score_modifiers.write_like(bias)
-        assert written.shape == bias.shape and written.dtype == bias.dtype and (written == 1).all()
+        c_order = rng.standard_normal(shape).astype(np.float32)
+        along_queries = np.ascontiguousarray(c_order.mT).mT  # same values, read in memory order
+        for bias in (c_order, along_queries):
+            want = np.broadcast_to(bias.astype(np.float64), (2, 3, 5, 7)).sum()
+            np.testing.assert_allclose(score_modifiers.read_bias(bias, 2, 3, 5), want, rtol=1e-6)
+            written = score_modifiers.write_like(bias)
+            assert written.shape == bias.shape and written.dtype == bias.dtype and (written == 1).all()
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_rounds():

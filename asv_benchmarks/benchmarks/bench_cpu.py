@@ -127,7 +127,7 @@ class CPUAccuracy:
 
 
 #: Score modifiers benchmarked on the CPU kernel: the option set, by name.
-MODIFIERS = ["softcap", "alibi", "bias_full", "bias_nm", "bias_keypad"]
+MODIFIERS = ["softcap", "alibi", "bias_full", "bias_full_mT", "bias_nm", "bias_keypad"]
 
 
 def modifier_options(modifier, N):
@@ -140,6 +140,9 @@ def modifier_options(modifier, N):
         return {"alibi_slopes": 2.0 ** (-8.0 * np.arange(1, H + 1) / H)}
     if modifier == "bias_full":
         return {"bias": rng.standard_normal((B, H, N, N))}
+    if modifier == "bias_full_mT":
+        # the same shape laid out along the queries: read at its strides, no transpose
+        return {"bias": np.ascontiguousarray(rng.standard_normal((B, H, N, N)).mT).mT}
     if modifier == "bias_nm":
         return {"bias": rng.standard_normal((N, N))}
     if modifier == "bias_keypad":
