@@ -917,10 +917,10 @@ def _add_scaled(row, src, scale, overwrite):
 
     In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
     with a float64 ``scale`` is widened first (one product, one sum).
-    Inlined into its callers: when it was compiled and cached on its own
-    first (a call from Python), kernels compiled later in another process
-    linked that copy and their gradients differed in the last bits
-    (measured: 1460 of 5209 float32 entries).
+    Inlined into its callers: compiled on its own first (a call from
+    Python), it changed the last bits of kernels compiled after it, also in
+    another process through the cache (measured: 1460 of 5209 float32
+    entries of a backward).
     """
     if overwrite:
         for r in range(row.shape[0]):
