@@ -94,6 +94,11 @@ DBIAS_PAIR_BATCH = 8
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+# Numba compiles a function that sets no `fastmath` with the flags of whatever
+# compiles it first (a kernel's, or none from Python), and keeps that version:
+# the kernels' bits then depended on the order things were compiled in. Every
+# njit function here states its own: _FASTMATH for the forward's tile code
+# (which it had when the forward compiled it first), False elsewhere.
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -397,7 +402,7 @@ def _run_tasks(kernel, *args):
         future.result()
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _task_range(n, part, parts):
     """The tasks of thread ``part`` of ``parts``: a contiguous share of ``range(n)``.
 
@@ -523,7 +528,7 @@ def _compact_bias(bias, dtype):
 # ---------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_gate, band):
     """Tabulate the dynamic-window gate by offset ``off = j - i - (M - N)``.
 
@@ -585,13 +590,13 @@ def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_
             band[b, h, 1] = last - (M - 1)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _zigzag(t, n):
     """Visit tiles 0, n-1, 1, n-2, ...: cheap and costly causal tiles alternate."""
     return t // 2 if t % 2 == 0 else n - 1 - t // 2
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _offset_range(opt, b, h, N, M):
     """Offsets ``off = j - i - (M - N)`` that causal, the window and the gate band allow: ``[lo, hi]``."""
     lo = -(M + 1)
@@ -608,7 +613,7 @@ def _offset_range(opt, b, h, N, M):
     return lo, hi
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _key_range(opt, b, i0, bq, N, M, off_lo, off_hi):
     """Keys ``[j_lo, j_hi)`` that queries ``i0 .. i0 + bq - 1`` may keep."""
     shift = M - N
@@ -617,7 +622,7 @@ def _key_range(opt, b, i0, bq, N, M, off_lo, off_hi):
     return j_lo, max(j_hi, j_lo)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _query_range(j0, bk, N, M, off_lo, off_hi):
     """Queries ``[i_lo, i_hi)`` that keys ``j0 .. j0 + bk - 1`` may be kept by."""
     shift = M - N
@@ -626,7 +631,7 @@ def _query_range(j0, bk, N, M, off_lo, off_hi):
     return i_lo, max(i_hi, i_lo)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
     """True when no entry of the tile is removed (inside the offset range, no NVM, mask or gate)."""
     shift = M - N
@@ -650,7 +655,7 @@ def _like_overload(x, arr):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _logits_tile(
     st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
     bias_t,
@@ -740,7 +745,7 @@ def _logits_tile(
 _BIAS_KEYS = 32
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
     """Prefetch the bias of the tile ``[i0, i0 + bq) x [j0, j0 + bk)``, one line at a time.
 
@@ -766,7 +771,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
             prefetch(opt.bias, at + c)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
     """How many bias entries of head ``(b, h)``, queries ``[i0, i1)``, keys ``[j0, j1)`` are NaN or ``+inf``.
 
@@ -802,7 +807,7 @@ def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
     return bad
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _count_bad(values):
     """How many of ``values`` are NaN or ``+inf`` (not fastmath: the comparison must see NaN)."""
     bad = 0
@@ -811,7 +816,7 @@ def _count_bad(values):
     return bad
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite, bias_t):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
@@ -917,10 +922,10 @@ def _add_scaled(row, src, scale, overwrite):
 
     In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
     with a float64 ``scale`` is widened first (one product, one sum).
-    Inlined into its callers: compiled on its own first (a call from
-    Python), it changed the last bits of kernels compiled after it, also in
-    another process through the cache (measured: 1460 of 5209 float32
-    entries of a backward).
+    Inlined into its callers, whose `fastmath` it takes (see `_FASTMATH`):
+    compiled on its own first (a call from Python), it kept no flags and
+    changed the last bits of kernels compiled after it (measured: 1460 of
+    5209 float32 entries of a backward).
     """
     if overwrite:
         for r in range(row.shape[0]):
@@ -964,7 +969,7 @@ def _column_max(st, bk, bq, col_max, nonneg):
             m[r] = x if (x > m[r] and (x >= 0 or not nonneg)) else m[r]
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
     """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
 
@@ -1013,7 +1018,7 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
                 slope[c, r] = one - t * t
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
@@ -1045,7 +1050,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     return flagged == 0
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + r * stride + c] = scale * tile[c, r]`` for ``c < bk``, ``r < bq``.
 
@@ -1078,7 +1083,7 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
         stream_fence()
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + r * stride + c] += scale * tile[c, r]`` in float64, for ``c < bk``, ``r < bq``.
 
@@ -1097,7 +1102,7 @@ def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
             dst[start + r * stride + c] += float(row[r]) * scale
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf
@@ -1123,7 +1128,7 @@ def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept)
     return r_hi > r_lo
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FASTMATH)
 def _log_add_exp(a, b):
     if b == -np.inf:
         return a
@@ -1251,7 +1256,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
 # ---------------------------------------------------------------------------
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _backward_prepare(
     q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta, part, parts
 ):
@@ -1281,7 +1286,7 @@ def _backward_prepare(
         dbeta[b, h] = dbeta_bh
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
     for r in range(bq):
         value = lse[b, h, i0 + r]
@@ -1291,7 +1296,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
         delta_t[r] = delta[b, h, i0 + r]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
@@ -1550,7 +1555,7 @@ def _backward_kernel(
                 dv[b, hk, j0 : j0 + bk_all] = dv_acc[pp, :bk_all]
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h):
     """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
     b = pair // pairs_h if fold_b else outer // outer_h
@@ -1558,7 +1563,7 @@ def _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h):
     return b, hk
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + c * stride] += scale * sum_r tile[c, r]`` in float64, for ``c < bk``."""
     for c in range(bk):
@@ -1579,7 +1584,7 @@ def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
         dst[start + c * stride] += ((a0 + a1) + (a2 + a3)) * scale
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
     """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
     B, H, N, D = dq.shape
