@@ -878,22 +878,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                 else:
                     for r in range(row.shape[0]):
                         row[r] += add
-            else:
-                # inline, not a call per row: 1.8 against 5.0 us per 128 x 128
-                # float32 tile in cache (measured)
-                src = opt.bias[start : start + bq]
-                finite = True
-                if bias_fresh:
-                    for r in range(row.shape[0]):
-                        x = src[r]
-                        finite &= x < np.inf
-                        row[r] = x * inv_tau_t
-                else:
-                    for r in range(row.shape[0]):
-                        x = src[r]
-                        finite &= x < np.inf
-                        row[r] += x * inv_tau_t
-                bad += 0 if finite else 1
+            elif not _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh):
+                bad += 1
     if by_rows:
         return bad == 0
     if opt.has_bias:
@@ -920,19 +906,27 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
 def _add_scaled(row, src, scale, overwrite):
     """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``.
 
-    In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
-    with a float64 ``scale`` is widened first (one product, one sum).
+    Returns True when no entry of ``src`` is NaN or ``+inf`` (a bias
+    checked as it is read; callers that need no check ignore it). In the
+    dtype of ``row``: a float32 ``src`` added to a float64 ``row`` with a
+    float64 ``scale`` is widened first (one product, one sum).
     Inlined into its callers, whose `fastmath` it takes (see `_FASTMATH`):
     compiled on its own first (a call from Python), it kept no flags and
     changed the last bits of kernels compiled after it (measured: 1460 of
     5209 float32 entries of a backward).
     """
+    finite = True
     if overwrite:
         for r in range(row.shape[0]):
-            row[r] = src[r] * scale
+            x = src[r]
+            finite &= x < np.inf
+            row[r] = x * scale
     else:
         for r in range(row.shape[0]):
-            row[r] += src[r] * scale
+            x = src[r]
+            finite &= x < np.inf
+            row[r] += x * scale
+    return finite
 
 
 @njit(cache=True, fastmath=_FASTMATH)
