@@ -115,6 +115,7 @@ _Options = collections.namedtuple(
         "tau",  # float64 (H,)
         "beta",  # float64 (H,)
         "kv_lengths",  # int64 (B,)
+        "kv_ends",  # int64 (B,): the key length offsets align to, off = j - i - (kv_ends[b] - N)
         "mask",  # bool, 1-D: the mask's distinct entries, C order
         "mask_strides",  # int64 (4,): element strides of (b, h, i, j) into `mask`, 0 when broadcast
         "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (M - N), + M - 1
@@ -459,6 +460,7 @@ def _options(p, with_sigma_grad, dtype):
         tau=np.ascontiguousarray(p.tau, dtype=np.float64),
         beta=np.ascontiguousarray(p.beta, dtype=np.float64),
         kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
+        kv_ends=np.full(B, M, dtype=np.int64),
         mask=mask,
         mask_strides=mask_strides,
         log_gate=log_gate,
