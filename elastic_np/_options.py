@@ -142,7 +142,8 @@ class AttentionProblem:
     caller's floating array broadcast to ``(B, H, N, M)`` (its own dtype) or
     None, with ``bias_shape`` the shape it was given in; ``bias_unchecked``
     is True when its values are still to be checked, by the backend (see
-    `prepare`'s ``defer_bias_check``).
+    `prepare`'s ``defer_bias_check``); ``kv_unchecked`` likewise for the
+    keys and values below ``kv_lengths`` (`check_cache_values`).
     """
 
     q: np.ndarray
@@ -167,6 +168,7 @@ class AttentionProblem:
     bias: Optional[np.ndarray] = None
     bias_shape: Optional[tuple] = None
     bias_unchecked: bool = False
+    kv_unchecked: bool = False
 
     @property
     def shape(self):
@@ -249,6 +251,7 @@ def prepare(
     dtypes=None,
     check_finite=True,
     defer_bias_check=False,
+    defer_kv_check=False,
 ):
     """Validate the attention inputs and options; return an `AttentionProblem`.
 
@@ -259,6 +262,8 @@ def prepare(
     leaves the check of the bias's values to a backend whose kernels read
     every entry anyway (the problem's ``bias_unchecked`` is then True; the
     backend raises `BIAS_VALUES_ERROR` as `check_bias_values` would).
+    ``defer_kv_check`` likewise leaves `check_cache_values` to the backend
+    (the problem's ``kv_unchecked`` is then True).
     """
     q, k, v = (np.asarray(a) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -288,16 +293,16 @@ def prepare(
         raise ValueError(f"`v` shape {v.shape} does not match `k` shape {k.shape} in heads/length")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-    if check_finite:
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            if not np.isfinite(a).all():
-                raise ValueError(f"`{name}` contains NaN or inf")
+    if check_finite and not np.isfinite(q).all():
+        raise ValueError("`q` contains NaN or inf")
 
     scale = 1.0 / np.sqrt(D) if scale is None else _validation.real_scalar(scale, "scale")
     if not np.isfinite(scale):
         raise ValueError(f"`scale` must be finite, got {scale!r}")
     window = _window(window_size)
     kv_lengths = _kv_lengths(kv_lengths, B, M)
+    if check_finite and not defer_kv_check:
+        check_cache_values(k, v, kv_lengths)
     mask = _mask(mask, (B, H, N, M))
     tau, tau_shape = _validation.per_head(tau, H, "tau", positive=True)
     beta, beta_shape = _validation.per_head(beta, H, "beta", positive=False)
@@ -329,6 +334,7 @@ def prepare(
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
         softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
         bias_unchecked=bias is not None and check_finite and defer_bias_check,
+        kv_unchecked=check_finite and defer_kv_check,
     )
 
 
@@ -413,6 +419,23 @@ def _bias(bias, shape, check_values):
 
 #: The error for a bias with NaN or +inf, wherever it is found.
 BIAS_VALUES_ERROR = "`bias` contains NaN or +inf (-inf is allowed: it removes the entry)"
+
+
+def check_cache_values(k, v, kv_lengths):
+    """Raise ValueError naming ``k`` or ``v`` when a key below ``kv_lengths[b]`` holds NaN or inf.
+
+    The keys of batch entry ``b`` at or beyond ``kv_lengths[b]`` are padding
+    (a preallocated cache's free slots): never read, so never checked.
+    """
+    M = k.shape[2]
+    whole = bool((kv_lengths == M).all())
+    for name, a in (("k", k), ("v", v)):
+        if whole:
+            finite = np.isfinite(a).all()
+        else:
+            finite = all(np.isfinite(a[b, :, :n]).all() for b, n in enumerate(kv_lengths))
+        if not finite:
+            raise ValueError(f"`{name}` contains NaN or inf")
 
 
 def check_bias_values(bias, message=BIAS_VALUES_ERROR):

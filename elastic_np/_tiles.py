@@ -233,6 +233,12 @@ _BLOCKS = {
     for vectors in (_NR, 1)
     for transposed in (False, True)
 }
+# Leftover rows of c in blocks of 4 and 2 (of 1, each block's k loop would be
+# one chain of dependent fused multiply-adds per vector: latency-bound).
+_block_nn_r4 = _make_block(4, _NR, False)
+_block_nn_r2 = _make_block(2, _NR, False)
+_block_tn_r4 = _make_block(4, _NR, True)
+_block_tn_r2 = _make_block(2, _NR, True)
 _block_nn = _BLOCKS[_MR, _NR, False]
 _block_nn_r1 = _BLOCKS[1, _NR, False]
 _block_nn_v1 = _BLOCKS[_MR, 1, False]
@@ -269,8 +275,9 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
     Register blocking: blocks of ``_MR`` rows by ``_NR`` SIMD vectors of ``c``
     stay in registers over the whole ``k`` loop (see `_make_block`), with
     column panels outermost so that the panel of ``b`` stays in cache while
-    the rows of ``A`` stream past. Leftover rows and vectors use blocks of one
-    row or one vector; the columns past the last whole vector, a scalar loop.
+    the rows of ``A`` stream past. Leftover rows use blocks of 4, 2 and 1
+    rows, leftover vectors blocks of one vector; the columns past the last
+    whole vector, a scalar loop.
     Every element is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of ``k``,
     with fused multiply-adds, whichever path computes it.
     """
@@ -294,7 +301,20 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
                 _block_nn_max_nonneg(a, b, c, i, j, k, col_max)
             else:
                 _block_nn(a, b, c, i, j, k)
-        for i in range(m_block, m):
+        i = m_block
+        if _MR > 4 and i + 4 <= m:
+            if transposed:
+                _block_tn_r4(a, b, c, i, j, k)
+            else:
+                _block_nn_r4(a, b, c, i, j, k)
+            i += 4
+        if i + 2 <= m:
+            if transposed:
+                _block_tn_r2(a, b, c, i, j, k)
+            else:
+                _block_nn_r2(a, b, c, i, j, k)
+            i += 2
+        for i in range(i, m):
             if transposed:
                 _block_tn_r1(a, b, c, i, j, k)
             else:

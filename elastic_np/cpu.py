@@ -149,15 +149,24 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._options.prepare`, leaving the bias's values to the kernels.
+    """`elastic_np._options.prepare`, leaving the bias's values, and the keys' and values', to the kernels.
 
     The kernels read every bias entry anyway, so they also count its NaN and
     ``+inf`` entries (`_count_bad_bias`), including those of tiles a mask
     skips, and `forward` and `backward` raise the same ValueError as the
     check before the call would: a separate pass over a bias as large as
-    the score matrix cost as much as the kernel's own read of it.
+    the score matrix cost as much as the kernel's own read of it. The decode
+    kernel finds a NaN or inf key or value as it reads them
+    (`elastic_np._decode`): at decode shapes a separate pass over the cache
+    costs as much as the attention; the other paths check them first.
     """
-    return options_module.prepare(q, k, v, defer_bias_check=True, **options)
+    return options_module.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
+
+
+def _check_cache(problem):
+    """The check `prepare` deferred, for the paths that do not make it as they read."""
+    if problem.kv_unchecked:
+        options_module.check_cache_values(problem.k, problem.v, problem.kv_lengths)
 
 
 def forward(problem):
@@ -172,6 +181,11 @@ def forward(problem):
     out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
     """
+    from elastic_np import _decode  # it builds on this module
+
+    if _decode.takes(problem):
+        return _decode.forward(problem)
+    _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
@@ -197,6 +211,7 @@ def backward(problem, dout, out, lse):
     -------
     AttentionGrads
     """
+    _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out, lse = (

@@ -11,6 +11,8 @@ entry (it gets weight 0). With ``check_finite=False`` nothing is checked and a
 NaN propagates to the rows it touches.
 """
 
+import dataclasses
+
 import numpy as np
 
 from elastic_np import _validation
@@ -570,7 +572,17 @@ def attention(q, k, v, **options):
     return _forward(p)
 
 
+def _without_padding(p):
+    """``p`` with the keys and values past each ``kv_lengths[b]`` set to 0: padding is never read."""
+    M = p.k.shape[2]
+    if (p.kv_lengths == M).all():
+        return p
+    kept = np.arange(M)[None, None, :, None] < p.kv_lengths[:, None, None, None]
+    return dataclasses.replace(p, k=np.where(kept, p.k, 0.0), v=np.where(kept, p.v, 0.0))
+
+
 def _forward(p):
+    p = _without_padding(p)
     s, z, keep, gate, cap_slope = _attention_logits(p)
     lse = _log_denominator(z, p.beta)
     with np.errstate(invalid="ignore"):
@@ -678,6 +690,7 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
 
 def _backward(p, dout, out, lse):
     B, H, Hkv, N, M, D, Dv = p.shape
+    p = _without_padding(p)
     s, z, keep, gate, cap_slope = _attention_logits(p)
     with np.errstate(invalid="ignore"):
         probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)

@@ -1,0 +1,385 @@
+"""Numba CPU decode kernel: a few new queries against a long key/value cache.
+
+Decoding attends ``N <= DECODE_MAX_QUERIES`` queries per sequence to ``M``
+cached keys; its cost is reading ``K`` and ``V`` once, so the kernel is laid
+out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
+
+- a task is one (batch, kv head, key split): the ``group * N`` query rows of
+  the kv head's query heads are stacked (row ``r = g * N + i`` is query ``i``
+  of head ``hk * group + g``), so each key and value row is read once for
+  all of them;
+- score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
+  pipeline, the exponential, the row maxima and sums run along the keys;
+  ``Q K^T`` is the register-blocked product of `elastic_np._tiles` with
+  the key tile transposed once;
+- split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
+  the keys each pair may keep are cut into ``n_split`` ranges, one task
+  each, whose partial ``(max, sum, unnormalised out)`` are merged in split
+  order (`_merge_kernel`). ``n_split`` depends on the shape only, so the
+  result has the same bits for every thread count.
+
+The logits are those of the prefill tiles, rounding included (the queries
+scaled by ``scale / tau_h``, the score modifiers divided by ``tau_h``): the
+backward, which recomputes them with the prefill tiles, then sees the
+``lse`` it would have computed itself.
+"""
+
+import math
+
+import numpy as np
+from numba import njit
+
+from elastic_np import _options as options_module
+from elastic_np._tiles import exp_inplace, matmul_nn, prefetch, tanh_any, transpose_store, transpose_width
+from elastic_np.cpu import (
+    _FASTMATH, _like, _log_add_exp, _offset_range, _options, _run_tasks, _task_range,
+    _kernel_array,
+)
+
+#: Queries per sequence up to which `elastic_np.cpu.forward` takes this kernel.
+DECODE_MAX_QUERIES = 16
+#: Stacked rows (query heads of a group x queries) up to which it does.
+DECODE_MAX_ROWS = 128
+#: Keys per tile.
+DECODE_BLOCK_K = 256
+#: Tasks the keys are split into when there are fewer (batch, kv head) pairs.
+DECODE_MIN_TASKS = 32
+#: Fewest keys of a split.
+DECODE_MIN_SPLIT_KEYS = 512
+
+
+def takes(problem):
+    """True when the decode kernel computes this problem's forward."""
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    return 1 <= N <= DECODE_MAX_QUERIES and (H // Hkv) * N <= DECODE_MAX_ROWS
+
+
+def splits(B, Hkv, M):
+    """Key splits per (batch, kv head): from the shape alone, never the thread count."""
+    if B * Hkv == 0 or B * Hkv >= DECODE_MIN_TASKS:
+        return 1
+    wanted = -(-DECODE_MIN_TASKS // (B * Hkv))
+    return max(1, min(wanted, M // DECODE_MIN_SPLIT_KEYS))
+
+
+def forward(problem):
+    """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype."""
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
+    opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
+    if opt.check_bias:
+        options_module.check_bias_values(problem.bias)
+    rows = (H // Hkv) * N
+    n_split = splits(B, Hkv, M)
+    part_max = np.empty((B, Hkv, n_split, rows))
+    part_sum = np.empty((B, Hkv, n_split, rows))
+    part_acc = np.empty((B, Hkv, n_split, rows, Dv), dtype=q.dtype)
+    read = np.zeros((B, Hkv, 2), dtype=np.int64)
+    suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
+    _run_tasks(
+        _decode_kernel, q, k, v, opt, n_split, DECODE_BLOCK_K, part_max, part_sum, part_acc, read, suspect,
+    )
+    if problem.kv_unchecked:
+        _check_cache(problem, read, suspect)
+    out = np.empty((B, H, N, Dv), dtype=q.dtype)
+    lse = np.empty((B, H, N), dtype=q.dtype)
+    _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out, lse, 0, 1)  # small: one thread
+    return out, lse
+
+
+def _check_cache(problem, read, suspect):
+    """`elastic_np._options.check_cache_values` for what the kernel did not check as it read.
+
+    A suspect split (a sum that is not finite) is checked again exactly: it
+    was a NaN or inf key or value, or a product that overflowed (no error);
+    the keys below ``kv_lengths[b]`` that no split read are checked here.
+    """
+    k, v = problem.k, problem.v
+    if suspect.any():
+        options_module.check_cache_values(k, v, problem.kv_lengths)
+    lengths = problem.kv_lengths[:, None]
+    for b, hk in np.argwhere((read[..., 0] > 0) | (read[..., 1] < lengths)):
+        lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b, 0]
+        for name, a in (("k", k), ("v", v)):
+            unread = (a[b, hk, :lo], a[b, hk, hi:length]) if hi > lo else (a[b, hk, :length],)
+            if not all(np.isfinite(part).all() for part in unread):
+                raise ValueError(f"`{name}` contains NaN or inf")
+
+
+@njit(cache=True, fastmath=False)
+def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
+    """Keys ``[row_lo[r], row_hi[r])`` each stacked row may keep; their union's ``(lo, hi)``."""
+    shift = opt.kv_ends[b] - N
+    length = opt.kv_lengths[b]
+    u_lo, u_hi = length, 0
+    for g in range(group):
+        off_lo, off_hi = _offset_range(opt, b, hk * group + g, N, M)
+        for i in range(N):
+            r = g * N + i
+            lo = max(i + shift + off_lo, 0)
+            hi = max(min(i + shift + off_hi + 1, length), lo)
+            row_lo[r], row_hi[r] = lo, hi
+            if hi > lo:
+                u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
+    return u_lo, max(u_hi, u_lo)
+
+
+@njit(cache=True, fastmath=False)
+def _prefetch_rows(a, j0, n):
+    """Prefetch rows ``j0 .. j0 + n - 1`` of the 2-D C-contiguous ``a``, a cache line at a time."""
+    step = max(64 // a.itemsize, 1)
+    row = a.shape[1]
+    flat = a.reshape(a.size)
+    for at in range(j0 * row, (j0 + n) * row, step):
+        prefetch(flat, at)
+
+
+@njit(cache=True, fastmath=False)
+def _transpose_keys(k_tile, kt, bk, D):
+    """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one."""
+    width = transpose_width(kt)
+    stride = kt.shape[1]
+    flat = kt.reshape(kt.size)
+    bk_w = bk - bk % width
+    d_w = D - D % width
+    one = _like(1.0, kt)
+    for d0 in range(0, d_w, width):
+        for c0 in range(0, bk_w, width):
+            transpose_store(k_tile, flat, d0 * stride + c0, stride, c0, d0, one)
+    for c in range(bk):
+        kc = k_tile[c]
+        for d in range(0 if c >= bk_w else d_w, D):
+            kt[d, c] = kc[d]
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _additive_row(z, opt, b, h, i, j0, shift):
+    """``z[c] = (- alibi |off| + bias) / tau_h`` for key ``j0 + c``, as `_modify_tile` overwrites a tile."""
+    inv_tau = 1.0 / opt.tau[h]
+    base = j0 - i - shift
+    if opt.has_alibi:
+        alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
+        for c in range(z.shape[0]):
+            z[c] = -(alibi_over_tau * _like(abs(np.int32(base + c)), z))
+    if opt.has_bias:
+        inv_tau_t = _like(inv_tau, z)
+        s_j = opt.bias_strides[3]
+        at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
+        for c in range(z.shape[0]):
+            x = opt.bias[at + c * s_j] * inv_tau_t
+            z[c] = z[c] + x if opt.has_alibi else x
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
+    """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
+
+    The score modifiers, each divided by ``tau_h`` like the product, with the
+    arithmetic of `elastic_np.cpu._modify_tile` (the backward recomputes these
+    logits with it); then ``-inf`` outside ``[lo, hi)`` (causal, window,
+    ``kv_lengths``, the gate's band) and where NVM, a closed gate, a false
+    mask entry or a ``-inf`` bias removes the key; ``log G`` added.
+    With ``modified``, ``z`` holds the product added onto `_additive_row`
+    already. Returns the row's maximum.
+    """
+    bk = z.shape[0]
+    neg_inf = -np.inf
+    inv_tau = 1.0 / opt.tau[h]
+    if opt.has_softcap:
+        tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
+        cap_over_tau = _like(opt.softcap * inv_tau, z)
+        for c in range(bk):
+            z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
+    base = j0 - i - shift  # the offset of key j0 + c is base + c
+    if opt.has_alibi and not modified:
+        alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
+        for c in range(bk):
+            z[c] -= alibi_over_tau * _like(abs(np.int32(base + c)), z)
+    if opt.has_bias and not modified:
+        inv_tau_t = _like(inv_tau, z)
+        s_j = opt.bias_strides[3]
+        at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
+        if s_j == 1:
+            for c in range(bk):
+                z[c] += opt.bias[at + c] * inv_tau_t
+        else:
+            for c in range(bk):
+                z[c] += opt.bias[at + c * s_j] * inv_tau_t
+    if opt.nvm:
+        for c in range(bk):
+            z[c] = z[c] if z[c] >= 0 else neg_inf
+    c_lo = min(max(lo - j0, 0), bk)
+    c_hi = max(min(hi - j0, bk), c_lo)
+    for c in range(c_lo):
+        z[c] = neg_inf
+    for c in range(c_hi, bk):
+        z[c] = neg_inf
+    if opt.has_gate:
+        at = base + M - 1  # the table's index of offset base + c is at + c
+        for c in range(c_lo, c_hi):
+            z[c] += opt.log_gate[b, h, at + c]
+    if opt.has_mask:
+        s_j = opt.mask_strides[3]
+        at = b * opt.mask_strides[0] + h * opt.mask_strides[1] + i * opt.mask_strides[2] + j0 * s_j
+        for c in range(c_lo, c_hi):
+            if not opt.mask[at + c * s_j]:
+                z[c] = neg_inf
+    return _row_max(z, c_lo, c_hi)
+
+
+@njit(cache=True, fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
+def _row_max(z, c_lo, c_hi):
+    """``max(z[c_lo:c_hi])``, ``-inf`` when empty (no NaN reaches it: it may assume none)."""
+    m = -np.inf
+    for c in range(c_lo, c_hi):
+        m = max(m, z[c])
+    return m
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _decode_kernel(
+    q, k, v, opt, n_split, block_k, part_max, part_sum, part_acc, read, suspect, part, parts
+):
+    """Tasks (batch, kv head, split): partial ``(max, sum, acc)`` of every stacked row.
+
+    ``read[b, hk]`` receives the keys ``[lo, hi)`` the splits of ``(b, hk)``
+    read; ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
+    overflow) may have reached split ``s``'s sums.
+    """
+    B, H, N, D = q.shape
+    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = H // Hkv
+    rows = group * N
+    dtype = q.dtype
+    qs = np.empty((rows, D), dtype=dtype)
+    kt = np.empty((D, block_k), dtype=dtype)
+    st = np.empty((rows, block_k), dtype=dtype)
+    acc = np.empty((rows, Dv), dtype=dtype)
+    row_max = np.empty(rows, dtype=dtype)
+    row_sum = np.empty(rows)
+    shift_by = np.empty(rows, dtype=dtype)
+    row_lo = np.empty(rows, dtype=np.int64)
+    row_hi = np.empty(rows, dtype=np.int64)
+    # the prefill tiles' order: additive modifiers first, the product added onto them
+    additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
+    for task in _task_range(B * Hkv * n_split, part, parts):
+        s = task % n_split
+        b = task // n_split // Hkv
+        hk = task // n_split % Hkv
+        shift = opt.kv_ends[b] - N
+        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
+        read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
+        a = u_lo + (u_hi - u_lo) * s // n_split
+        e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
+        checksum = _like(0.0, q)
+        for g in range(group):
+            h = hk * group + g
+            factor = opt.scale / opt.tau[h]
+            for i in range(N):
+                for d in range(D):
+                    qs[g * N + i, d] = q[b, h, i, d] * factor
+        acc[:] = 0.0
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+        for j0 in range(a, e, block_k):
+            bk = min(block_k, e - j0)
+            k_tile = k[b, hk, j0 : j0 + bk]
+            if j0 + bk < e:  # the next tile's keys and values, while this one computes
+                _prefetch_rows(k[b, hk], j0 + bk, min(block_k, e - j0 - bk))
+                _prefetch_rows(v[b, hk], j0 + bk, min(block_k, e - j0 - bk))
+            for c in range(bk):  # not finite when a key holds NaN or inf (or the sum overflows)
+                kc = k_tile[c]
+                for d in range(D):
+                    checksum += kc[d] * _like(0.0, q)
+            # Q K^T as the prefill tiles form it (the same products in the same
+            # order): the backward recomputes these logits bit for bit
+            _transpose_keys(k_tile, kt, bk, D)
+            if additive_first:
+                for r in range(rows):
+                    _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, shift)
+            matmul_nn(qs, kt, st, rows, bk, D, additive_first)
+            any_kept = False
+            for r in range(rows):
+                h = hk * group + r // N
+                i = r % N
+                tile_max = _score_row(
+                    st[r, :bk], opt, b, h, i, j0, shift, row_lo[r], row_hi[r], M, N, additive_first
+                )
+                new_max = max(row_max[r], tile_max)
+                # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
+                shift_by[r] = new_max if new_max > -np.inf else 0.0
+                if new_max > row_max[r]:
+                    alpha = math.exp(row_max[r] - shift_by[r])
+                    row_sum[r] *= alpha
+                    if alpha != 1.0:
+                        for d in range(Dv):
+                            acc[r, d] *= alpha
+                row_max[r] = new_max
+                any_kept = any_kept or tile_max > -np.inf
+                z = st[r, :bk]
+                for c in range(bk):
+                    z[c] -= shift_by[r]
+            if not any_kept:
+                for c in range(bk):  # the values no product reads
+                    for d in range(Dv):
+                        checksum += v[b, hk, j0 + c, d] * _like(0.0, q)
+                continue
+            exp_inplace(st, rows, bk)
+            for r in range(rows):
+                z = st[r, :bk]
+                total = _like(0.0, st)
+                for c in range(bk):
+                    total += z[c]
+                row_sum[r] += total
+            matmul_nn(st, v[b, hk, j0 : j0 + bk], acc, rows, Dv, bk, True)
+        for r in range(rows):
+            for d in range(Dv):
+                checksum += acc[r, d] * _like(0.0, q)
+        suspect[b, hk, s] = not checksum == 0.0
+        for r in range(rows):
+            part_max[b, hk, s, r] = row_max[r]
+            part_sum[b, hk, s, r] = row_sum[r]
+            for d in range(Dv):
+                part_acc[b, hk, s, r, d] = acc[r, d]
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
+    """Merge the splits of each stacked row in split order, with ``beta_h`` added once.
+
+    ``lse = logaddexp(m + log l, log beta)`` with ``m = max_s m_s``,
+    ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``.
+    """
+    B, Hkv, n_split, rows = part_max.shape
+    Dv = part_acc.shape[4]
+    group = rows // N if N > 0 else 0
+    weight = np.empty(n_split)
+    for task in _task_range(B * Hkv, part, parts):
+        b = task // Hkv
+        hk = task % Hkv
+        for r in range(rows):
+            h = hk * group + r // N
+            i = r % N
+            log_beta = math.log(beta[h]) if beta[h] > 0 else -np.inf
+            m = -np.inf
+            for s in range(n_split):
+                m = max(m, part_max[b, hk, s, r])
+            total = 0.0
+            if m > -np.inf:
+                for s in range(n_split):
+                    if part_max[b, hk, s, r] > -np.inf:
+                        total += part_sum[b, hk, s, r] * math.exp(part_max[b, hk, s, r] - m)
+            if total > 0.0:
+                lse_r = _log_add_exp(m + math.log(total), log_beta)
+                for s in range(n_split):
+                    weight[s] = math.exp(part_max[b, hk, s, r] - lse_r)  # 0 for an empty split
+                for d in range(Dv):
+                    x = 0.0
+                    for s in range(n_split):
+                        x += float(part_acc[b, hk, s, r, d]) * weight[s]
+                    out[b, h, i, d] = x
+                lse[b, h, i] = lse_r
+            else:
+                for d in range(Dv):
+                    out[b, h, i, d] = 0.0
+                lse[b, h, i] = log_beta
