@@ -46,10 +46,10 @@ def _torch_attention(q, k, v, N, M):
     import torch
 
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-    # bottom-right causal: query i keeps keys j <= i + M - N (all of them for N = 1)
-    mask = None if N == 1 else torch.ones(N, M, dtype=torch.bool).tril(M - N)
 
     def run():
+        # bottom-right causal: query i keeps keys j <= i + M - N (all of them for N = 1)
+        mask = None if N == 1 else torch.ones(N, M, dtype=torch.bool).tril(M - N)
         with torch.no_grad():
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
 
