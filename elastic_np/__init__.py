@@ -1,11 +1,13 @@
 """elastic_np: float64 oracles and Numba/CUDA kernels for Elastic-Softmax attention.
 
 The float64 reference lives in `elastic_np.reference`; `attention` and
-`attention_backward` dispatch to a backend ("reference", "cpu", "cuda").
+`attention_backward` dispatch to a backend ("reference", "cpu", "cuda");
+`merge_attention` combines attention computed over disjoint key sets.
 """
 
 from elastic_np import reference, testing
 from elastic_np._dispatch import BackendUnavailableError, attention, attention_backward
+from elastic_np._merge import merge_attention
 from elastic_np._options import AttentionGrads, DynamicWindow
 
 __version__ = "0.1.0"
@@ -13,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_backward",
+    "merge_attention",
     "AttentionGrads",
     "DynamicWindow",
     "BackendUnavailableError",

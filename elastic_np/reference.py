@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from elastic_np import _validation
+from elastic_np._merge import merge_attention_float64 as merge_attention
 from elastic_np._options import AttentionGrads, prepare
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "elastic_softmax_vjp",
     "attention",
     "attention_backward",
+    "merge_attention",
 ]
 
 
