@@ -24,7 +24,7 @@ from elastic_np._options import DynamicWindow, prepare, reduce_to_shape, sum_to_
 
 #: Keyword options of the attention, in the order of the contract.
 OPTION_NAMES = (
-    "scale", "causal", "window_size", "kv_lengths", "mask", "nvm", "tau", "beta",
+    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
     "dynamic_window", "softcap", "alibi_slopes", "bias",
 )
 #: The score modifiers among them (a case combining them needs all three).
@@ -186,7 +186,12 @@ CASES = (
     _case("dynamic window", ("dynamic_window",), _sizes(),
           lambda rng, s: {"dynamic_window": _dynamic_window(rng, s)}),
     _case("gqa", ("gqa",), _sizes(H=4, Hkv=2), lambda rng, s: {}),
-    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) | set(CAPABILITIES),
+    # new queries at the end of each sequence of a ragged cache
+    _case("aligned to kv_lengths", ("causal", "window_size", "kv_lengths", "align"),
+          _sizes(B=3, N=5, M=11),
+          lambda rng, s: {"causal": True, "window_size": (4, -1), "align": "kv_lengths",
+                          "kv_lengths": np.array([s[4], s[4] - 4, 3])}),
+    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align"} | set(CAPABILITIES),
           _sizes(B=3, H=4, Hkv=2, N=7, M=13), _combined),
     _case("softcap", ("softcap",), _sizes(), lambda rng, s: {"softcap": 0.8}),
     _case("alibi", ("alibi_slopes",), _sizes(N=7, M=13),  # N != M: the offset is aligned
@@ -274,7 +279,7 @@ def naive_forward(q, k, v, options, dtype):
         cap_slope = t(1) - th * th
     keep = reference.structural_keep(p)
     if p.alibi is not None:
-        distance = np.abs(reference._offsets(N, M)).astype(dtype)
+        distance = np.abs(reference._offsets(p)).astype(dtype)
         s = s - p.alibi.astype(dtype)[:, :, None, None] * distance
     if p.bias is not None:
         bias = p.bias.astype(dtype)
@@ -286,8 +291,7 @@ def naive_forward(q, k, v, options, dtype):
     z = s / tau
     gate = None
     if p.sigma is not None:
-        offset = (np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)).astype(dtype)
-        x = t(2) * offset / t(M - 1) if M > 1 else np.zeros((N, M), dtype=dtype)
+        x = reference.window_position(p).astype(dtype)
         sigma = p.sigma.astype(dtype)[:, :, None, None]
         f = np.exp(-(x * x) / (t(2) * sigma * sigma)) / (sigma * t(np.sqrt(2 * np.pi)))
         G = np.tanh(t(p.sharpness) * np.where(f > t(p.threshold), f, t(0)))

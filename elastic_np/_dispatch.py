@@ -87,6 +87,7 @@ def attention(
     causal=False,
     window_size=(-1, -1),
     kv_lengths=None,
+    align="array",
     mask=None,
     nvm=False,
     tau=1.0,
@@ -127,7 +128,14 @@ def attention(
         ``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``;
         ``-1`` leaves a side unbounded.
     kv_lengths : array_like of int, shape (B,), optional
-        Keep ``j < kv_lengths[b]``.
+        Keep ``j < kv_lengths[b]``; the keys past it (a preallocated cache's
+        padding) are never read.
+    align : {"array", "kv_lengths"}, optional
+        Where the last query sits: at the array's last key (``"array"``, query
+        ``i`` at position ``i + M - N``) or at each sequence's last key
+        (``"kv_lengths"``, at ``i + kv_lengths[b] - N``), as for new queries
+        appended to a ragged cache. Causal, the window, ALiBi and the dynamic
+        window measure offsets from there; ``M`` above then reads ``kv_lengths[b]``.
     mask : array_like of bool, optional
         Broadcastable to ``(B, H, N, M)``; True keeps.
     nvm : bool, optional
@@ -176,7 +184,7 @@ def attention(
     module = get_backend(backend)
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
-        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
+        kv_lengths=kv_lengths, align=align, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, dtypes=module.dtypes,
     )
@@ -196,6 +204,7 @@ def attention_backward(
     causal=False,
     window_size=(-1, -1),
     kv_lengths=None,
+    align="array",
     mask=None,
     nvm=False,
     tau=1.0,
@@ -218,7 +227,7 @@ def attention_backward(
         What `attention` returned with ``return_lse=True``.
     **options
         The options given to `attention` (``scale``, ``causal``,
-        ``window_size``, ``kv_lengths``, ``mask``, ``nvm``, ``tau``, ``beta``,
+        ``window_size``, ``kv_lengths``, ``align``, ``mask``, ``nvm``, ``tau``, ``beta``,
         ``dynamic_window``, ``softcap``, ``alibi_slopes``, ``bias``).
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
@@ -251,7 +260,7 @@ def attention_backward(
     module = get_backend(backend)
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
-        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
+        kv_lengths=kv_lengths, align=align, mask=mask, nvm=nvm, tau=tau, beta=beta,
         dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, dtypes=module.dtypes,
     )

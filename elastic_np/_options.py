@@ -16,6 +16,9 @@ import numpy as np
 
 from elastic_np import _validation
 
+#: The values of ``align``: where the last query sits (see `AttentionProblem.kv_ends`).
+ALIGNS = ("array", "kv_lengths")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicWindow:
@@ -29,7 +32,8 @@ class DynamicWindow:
         f_{ij} = \\frac{e^{-x_{ij}^2 / (2\\sigma^2)}}{\\sigma\\sqrt{2\\pi}}, \\quad
         G_{ij} = \\tanh(\\mathrm{sharpness}\\cdot f_{ij}\\,[f_{ij} > \\mathrm{threshold}])
 
-    (``x = 0`` when ``M = 1``). Keys with ``G = 0`` are removed and the others
+    (``x = 0`` when ``M = 1``; with ``align="kv_lengths"``, ``M`` reads
+    ``kv_lengths[b]``, the sequence's own length). Keys with ``G = 0`` are removed and the others
     get ``log G`` added to their logit.
 
     Parameters
@@ -136,7 +140,8 @@ class AttentionProblem:
     ``q``, ``k``, ``v`` are the caller's arrays (never written to), ``tau`` and
     ``beta`` are float64 ``(H,)``, ``sigma`` float64 ``(B, H)`` or None,
     ``kv_lengths`` int64 ``(B,)``, ``mask`` a read-only boolean view of shape
-    ``(B, H, N, M)`` or None, ``window`` a pair of ints (``-1`` unbounded).
+    ``(B, H, N, M)`` or None, ``window`` a pair of ints (``-1`` unbounded),
+    ``align`` ``"array"`` or ``"kv_lengths"`` (see `kv_ends`).
     The score modifiers: ``softcap`` a float ``> 0`` or None, ``alibi``
     float64 ``(B, H)`` slopes or None, ``bias`` a read-only view of the
     caller's floating array broadcast to ``(B, H, N, M)`` (its own dtype) or
@@ -169,6 +174,20 @@ class AttentionProblem:
     bias_shape: Optional[tuple] = None
     bias_unchecked: bool = False
     kv_unchecked: bool = False
+    align: str = "array"
+
+    @property
+    def kv_ends(self):
+        """int64 ``(B,)``: the key position after batch ``b``'s last query.
+
+        Query ``i`` of batch ``b`` sits at position ``i + kv_ends[b] - N``;
+        causal, the window, ALiBi and the dynamic window measure the offset
+        ``j - i - (kv_ends[b] - N)`` from it. ``M`` for ``align="array"``,
+        ``kv_lengths`` for ``align="kv_lengths"``.
+        """
+        if self.align == "kv_lengths":
+            return self.kv_lengths
+        return np.full(self.q.shape[0], self.k.shape[2], dtype=np.int64)
 
     @property
     def shape(self):
@@ -240,6 +259,7 @@ def prepare(
     causal=False,
     window_size=(-1, -1),
     kv_lengths=None,
+    align="array",
     mask=None,
     nvm=False,
     tau=1.0,
@@ -301,6 +321,8 @@ def prepare(
         raise ValueError(f"`scale` must be finite, got {scale!r}")
     window = _window(window_size)
     kv_lengths = _kv_lengths(kv_lengths, B, M)
+    if align not in ALIGNS:
+        raise ValueError(f"`align` must be one of {ALIGNS}, got {align!r}")
     if check_finite and not defer_kv_check:
         check_cache_values(k, v, kv_lengths)
     mask = _mask(mask, (B, H, N, M))
@@ -334,7 +356,7 @@ def prepare(
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
         softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
         bias_unchecked=bias is not None and check_finite and defer_bias_check,
-        kv_unchecked=check_finite and defer_kv_check,
+        kv_unchecked=check_finite and defer_kv_check, align=align,
     )
 
 

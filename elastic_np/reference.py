@@ -437,7 +437,7 @@ def scores(p):
         s = p.softcap * t
         cap_slope = 1.0 - t * t
     if p.alibi is not None:
-        s = s - p.alibi[:, :, None, None] * np.abs(_offsets(N, M))
+        s = s - p.alibi[:, :, None, None] * np.abs(_offsets(p))
     if p.bias is not None:
         s = s + p.bias
     return s, cap_slope
@@ -469,38 +469,53 @@ def _attention_logits(p):
     return s, z, keep, gate, cap_slope
 
 
-def _offsets(N, M):
-    """``(N, M)`` offsets ``j - i - (M - N)`` of key ``j`` from query ``i`` (bottom-right aligned)."""
-    return np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+def _offsets(p):
+    """``(B, 1, N, M)`` offsets ``j - i - (E_b - N)`` of key ``j`` from query ``i``.
+
+    ``E_b = p.kv_ends[b]`` is where the last query sits: ``M`` (bottom-right
+    aligned to the array) or ``kv_lengths[b]`` (to the sequence).
+    """
+    B, H, Hkv, N, M, D, Dv = p.shape
+    shift = (p.kv_ends - N)[:, None, None, None]
+    return np.arange(M)[None, None, None, :] - np.arange(N)[None, None, :, None] - shift
 
 
 def structural_keep(p):
     """Boolean ``(B, H, N, M)``: causal, ``window_size``, ``kv_lengths`` and ``mask`` together."""
     B, H, Hkv, N, M, D, Dv = p.shape
-    i = np.arange(N)[:, None] + (M - N)  # bottom-right aligned query position
-    j = np.arange(M)[None, :]
-    keep = np.ones((N, M), dtype=bool)
+    off = _offsets(p)
+    keep = np.ones(off.shape, dtype=bool)
     if p.causal:
-        keep &= j <= i
+        keep &= off <= 0
     left, right = p.window
     if left >= 0:
-        keep &= j >= i - left
+        keep &= off >= -left
     if right >= 0:
-        keep &= j <= i + right
-    keep = keep[None, None] & (j < p.kv_lengths[:, None, None, None])
+        keep &= off <= right
+    keep &= np.arange(M) < p.kv_lengths[:, None, None, None]
     keep = np.broadcast_to(keep, (B, H, N, M))
     if p.mask is not None:
         keep = keep & p.mask
     return keep
 
 
+def window_position(p):
+    """The dynamic window's position ``x = 2 off / (E_b - 1)``, ``(B, 1, N, M)``.
+
+    ``off`` is the offset of `_offsets` and ``E_b = kv_ends[b]`` (``x = 0``
+    where ``E_b <= 1``).
+    """
+    ends = p.kv_ends[:, None, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ends > 1, 2.0 * _offsets(p) / (ends - 1), 0.0)
+
+
 def window_gate(p):
     """The dynamic window: gate ``G``, bell ``f`` (before thresholding) and position ``x``.
 
-    ``G`` and ``f`` are ``(B, H, N, M)``; ``x`` is ``(N, M)``.
+    ``G`` and ``f`` are ``(B, H, N, M)``; ``x`` is `window_position`'s.
     """
-    B, H, Hkv, N, M, D, Dv = p.shape
-    x = 2.0 * _offsets(N, M) / (M - 1) if M > 1 else np.zeros((N, M))
+    x = window_position(p)
     sigma = p.sigma[:, :, None, None]
     f = np.exp(-(x**2) / (2 * sigma**2)) / (sigma * np.sqrt(2 * np.pi))
     G = np.tanh(p.sharpness * np.where(f > p.threshold, f, 0.0))
@@ -521,7 +536,8 @@ def attention(q, k, v, **options):
 
     With the score modifiers, ``s`` is the final score of `scores`: the
     soft-cap ``softcap * tanh(s / softcap)``, then ``- slope |i + M - N - j|``
-    (ALiBi) and ``+ bias``. An entry is kept when the causal, window,
+    (ALiBi) and ``+ bias``. With ``align="kv_lengths"`` every ``M`` in the
+    offsets (causal, window, ALiBi, the dynamic window) reads ``kv_lengths[b]``. An entry is kept when the causal, window,
     ``kv_lengths`` and ``mask`` conditions hold, the bias is not ``-inf``,
     ``s_ij >= 0`` under ``nvm=True``, and the dynamic window's gate is open. A row with nothing kept gives ``out = 0`` and
     ``lse = log(beta)`` (``-inf`` for ``beta = 0``).
@@ -536,7 +552,7 @@ def attention(q, k, v, **options):
     **options
         ``scale=None`` (``1/sqrt(D)``), ``causal=False`` (bottom-right
         aligned: ``j <= i + M - N``), ``window_size=(-1, -1)``,
-        ``kv_lengths=None``, ``mask=None`` (boolean, broadcastable to
+        ``kv_lengths=None``, ``align="array"`` (or ``"kv_lengths"``), ``mask=None`` (boolean, broadcastable to
         ``(B, H, N, M)``, True keeps), ``nvm=False``, ``tau=1.0``,
         ``beta=0.0`` (scalars or shape ``(H,)``), ``dynamic_window=None``
         (a `~elastic_np.DynamicWindow`), ``softcap=None`` (float ``> 0``),
