@@ -118,7 +118,7 @@ _Options = collections.namedtuple(
         "kv_ends",  # int64 (B,): the key length offsets align to, off = j - i - (kv_ends[b] - N)
         "mask",  # bool, 1-D: the mask's distinct entries, C order
         "mask_strides",  # int64 (4,): element strides of (b, h, i, j) into `mask`, 0 when broadcast
-        "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (M - N), + M - 1
+        "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (kv_ends[b] - N), + M - 1
         "dlog_gate",  # float64, same shape: d log G / d sigma (0 where G = 0)
         "band",  # int64 (B, H, 2): offsets [lo, hi] where the gate is open
         "has_softcap",  # bool
@@ -447,7 +447,7 @@ def _options(p, with_sigma_grad, dtype):
         band = np.empty((B, H, 2), dtype=np.int64)
         _window_tables(
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
-            with_sigma_grad, log_gate, dlog_gate, band,
+            np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, band,
         )
     check_bias = p.bias_unchecked
     if p.bias is None:
@@ -475,7 +475,7 @@ def _options(p, with_sigma_grad, dtype):
         tau=np.ascontiguousarray(p.tau, dtype=np.float64),
         beta=np.ascontiguousarray(p.beta, dtype=np.float64),
         kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
-        kv_ends=np.full(B, M, dtype=np.int64),
+        kv_ends=np.ascontiguousarray(p.kv_ends, dtype=np.int64),
         mask=mask,
         mask_strides=mask_strides,
         log_gate=log_gate,
@@ -546,8 +546,8 @@ def _compact_bias(bias, dtype):
 
 
 @njit(cache=True, fastmath=False)
-def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_gate, band):
-    """Tabulate the dynamic-window gate by offset ``off = j - i - (M - N)``.
+def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate, dlog_gate, band):
+    """Tabulate the dynamic-window gate by offset ``off = j - i - (E_b - N)``, ``E_b = ends[b]``.
 
     Fills ``log_gate[b, h, off + M - 1] = log G`` (``-inf`` where the gate is
     closed) and, with ``with_grad``, ``dlog_gate`` with ``d log G / d sigma``
@@ -558,12 +558,14 @@ def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_
     ``x^2 < 2 sigma^2 log(1 / (threshold sigma sqrt(2 pi)))`` (where ``f``
     does not underflow to 0 for ``threshold = 0``), widened by a margin; the
     table is evaluated only there, and the band is then trimmed to the entries
-    that are exactly open.
+    that are exactly open. The position is ``x = 2 off / (E_b - 1)`` (0 for
+    ``E_b <= 1``); the offsets run over ``[1 - M, N - 1]`` whatever ``E_b``.
     """
     B, H = sigma.shape
     width = log_gate.shape[2]
     root_2pi = math.sqrt(2 * math.pi)
     for b in range(B):
+        E = ends[b]
         for h in range(H):
             s = sigma[b, h]
             for t in range(width):
@@ -580,9 +582,9 @@ def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_
                 band[b, h, 0] = 1
                 band[b, h, 1] = 0
                 continue
-            if M > 1:
+            if E > 1:
                 x_max = s * math.sqrt(2.0 * y_max) * (1.0 + 1e-6) + 1e-12
-                reach = min(x_max * (M - 1) / 2.0 + 2.0, float(N + M + 1))
+                reach = min(x_max * (E - 1) / 2.0 + 2.0, float(N + M + 1))
                 off_reach = int(reach)
             else:
                 off_reach = N + M + 1
@@ -592,7 +594,7 @@ def _window_tables(sigma, sharpness, threshold, N, M, with_grad, log_gate, dlog_
             last = -1
             for t in range(lo_t, hi_t + 1):
                 off = t - (M - 1)
-                x = 2.0 * off / (M - 1) if M > 1 else 0.0
+                x = 2.0 * off / (E - 1) if E > 1 else 0.0
                 f = math.exp(-(x * x) / (2 * s * s)) / (s * root_2pi)
                 g = math.tanh(sharpness * (f if f > threshold else 0.0))
                 if g > 0.0:
@@ -615,7 +617,7 @@ def _zigzag(t, n):
 
 @njit(cache=True, fastmath=False)
 def _offset_range(opt, b, h, N, M):
-    """Offsets ``off = j - i - (M - N)`` that causal, the window and the gate band allow: ``[lo, hi]``."""
+    """Offsets ``off = j - i - (kv_ends[b] - N)`` that causal, the window and the gate band allow: ``[lo, hi]``."""
     lo = -(M + 1)
     hi = N + 1
     if opt.causal:
@@ -633,25 +635,25 @@ def _offset_range(opt, b, h, N, M):
 @njit(cache=True, fastmath=False)
 def _key_range(opt, b, i0, bq, N, M, off_lo, off_hi):
     """Keys ``[j_lo, j_hi)`` that queries ``i0 .. i0 + bq - 1`` may keep."""
-    shift = M - N
+    shift = opt.kv_ends[b] - N
     j_lo = max(i0 + shift + off_lo, 0)
     j_hi = min(i0 + bq + shift + off_hi, opt.kv_lengths[b])
     return j_lo, max(j_hi, j_lo)
 
 
 @njit(cache=True, fastmath=False)
-def _query_range(j0, bk, N, M, off_lo, off_hi):
+def _query_range(opt, b, j0, bk, N, off_lo, off_hi):
     """Queries ``[i_lo, i_hi)`` that keys ``j0 .. j0 + bk - 1`` may be kept by."""
-    shift = M - N
+    shift = opt.kv_ends[b] - N
     i_lo = max(j0 - shift - off_hi, 0)
     i_hi = min(j0 + bk - shift - off_lo, N)
     return i_lo, max(i_hi, i_lo)
 
 
 @njit(cache=True, fastmath=False)
-def _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm):
+def _removes_nothing(opt, b, i0, bq, j0, bk, N, off_lo, off_hi, nvm):
     """True when no entry of the tile is removed (inside the offset range, no NVM, mask or gate)."""
-    shift = M - N
+    shift = opt.kv_ends[b] - N
     # Whole tile inside [off_lo, off_hi]: the last key with the first query
     # and the first key with the last query are the extreme offsets.
     inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
@@ -706,7 +708,7 @@ def _logits_tile(
     """
     want_slope = slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
-    removes_nothing = _removes_nothing(opt, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm)
+    removes_nothing = _removes_nothing(opt, b, i0, bq, j0, bk, N, off_lo, off_hi, nvm)
     additive = opt.has_alibi or opt.has_bias
     # Accumulating the product onto the bias rounds s with partial sums that
     # include it; under NVM its sign decides removal, so it is then formed in
@@ -740,7 +742,7 @@ def _logits_tile(
                         tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
     if removes_nothing:
         return True, fuse_max, clean
-    shift = M - N
+    shift = opt.kv_ends[b] - N
     neg_inf = -np.inf
     any_kept = False
     for c in range(bk):
@@ -852,7 +854,7 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     `_add_transposed`) and none is NaN or ``+inf``: the caller need not
     count them (`_count_bad_bias`).
     """
-    shift = M - N
+    shift = opt.kv_ends[b] - N
     inv_tau = 1.0 / opt.tau[h]
     # in the tile's dtype, so that float32 tiles stay float32
     tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
@@ -1327,7 +1329,6 @@ def _backward_kernel(
     Dv = v.shape[3]
     H, N = q_scaled.shape[1], q_scaled.shape[2]
     group = H // Hkv
-    shift = M - N
     n_chunk = kt1 - kt0
     dbias_mode = dbias_params[0]
     fold_b = dbias_params[1] != 0
@@ -1400,7 +1401,7 @@ def _backward_kernel(
                     hh = pp * group + g
                     h = hk * group + g
                     off_lo, off_hi = _offset_range(opt, b, h, N, M)
-                    i_lo, i_hi = _query_range(j0, bk, N, M, off_lo, off_hi)
+                    i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
                     spans[hh, 0] = off_lo
                     spans[hh, 1] = off_hi
                     dtau_acc[hh] = 0.0
@@ -1490,7 +1491,7 @@ def _backward_kernel(
                             summed = True
                         for c in range(bk):
                             if opt.has_gate:
-                                base = j0 + c - shift - i0 + M - 1
+                                base = j0 + c - (opt.kv_ends[b] - N) - i0 + M - 1
                                 for r in range(bq):
                                     p = pt[c, r]
                                     dp = dpt[c, r]
