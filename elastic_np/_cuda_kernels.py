@@ -46,18 +46,18 @@ I_BIAS_SH = 9
 I_BIAS_SI = 10
 I_BIAS_SJ = 11
 I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
-I_COUNT = 13
+I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_shift`)
+I_COUNT = 14
 
 # fopts
 F_SCALE = 0
 F_SHARPNESS = 1
 F_THRESHOLD = 2
-F_X_SCALE = 3  # 2 / (M - 1), or 0 for M = 1
-F_ZERO = 4
-F_NEG_INF = 5
-F_ONE = 6
-F_SOFTCAP = 7  # 0: no soft-cap
-F_COUNT = 8
+F_ZERO = 3
+F_NEG_INF = 4
+F_ONE = 5
+F_SOFTCAP = 6  # 0: no soft-cap
+F_COUNT = 7
 
 # bh_consts, per (b, h)
 C_NORM = 0  # 1 / (sigma sqrt(2 pi))
@@ -65,7 +65,8 @@ C_INV_TWO_SIGMA2 = 1  # 1 / (2 sigma^2)
 C_INV_SIGMA = 2
 C_INV_SIGMA3 = 3
 C_ALIBI = 4  # the ALiBi slope
-C_COUNT = 5
+C_X_SCALE = 5  # the window's 2 / (E_b - 1), or 0 for E_b <= 1 (E_b: see `_shift`)
+C_COUNT = 6
 
 # partials of the dq kernel, per (b, h, query tile)
 P_DTAU = 0  # sum dz * s
@@ -83,9 +84,21 @@ def _real(value, like):
 
 
 @cuda.jit(device=True)
+def _shift(b, N, M, iopts, kv_lengths):
+    """``E_b - N``: query ``i`` of batch ``b`` sits at position ``i + E_b - N``.
+
+    ``E_b`` is ``M`` (``align="array"``) or ``kv_lengths[b]`` (``align="kv_lengths"``);
+    entry ``(i, j)`` is at offset ``j - i - (E_b - N)``.
+    """
+    if iopts[I_ALIGN_KV] != 0:
+        return kv_lengths[b] - N
+    return M - N
+
+
+@cuda.jit(device=True)
 def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
     """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep: the tiles outside are skipped."""
-    off = M - N
+    off = _shift(b, N, M, iopts, kv_lengths)
     lo = 0
     hi = kv_lengths[b]
     if iopts[I_CAUSAL] != 0:
@@ -104,7 +117,7 @@ def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
 @cuda.jit(device=True)
 def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
     """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)``."""
-    off = M - N
+    off = _shift(b, N, M, iopts, kv_lengths)
     lo = 0
     hi = N
     if j0 >= kv_lengths[b]:
@@ -126,7 +139,7 @@ def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
 def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
     """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
 
-    ``off = M - N``; the options come in as scalars the kernel read once.
+    ``off`` is `_shift`'s; the options come in as scalars the kernel read once.
     """
     d = j - i - off
     if causal and d > 0:
@@ -178,7 +191,7 @@ def _log_add_exp(a, b):
 
 @cuda.jit(device=True)
 def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
-    """The final score of an entry at offset ``d = j - i - (M - N)`` and ``ds / ds_raw``.
+    """The final score of an entry at offset ``d`` (see `_shift`) and ``ds / ds_raw``.
 
     ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
     (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
@@ -244,7 +257,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     right = iopts[I_RIGHT]
     has_mask = iopts[I_HAS_MASK] != 0
     kv_length = kv_lengths[b]
-    x_scale = fopts[F_X_SCALE]
+    shift = _shift(b, N, M, iopts, kv_lengths)
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
     softcap = fopts[F_SOFTCAP]
@@ -257,9 +270,11 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
         alibi_slope = bh_consts[b, h, C_ALIBI]
     g_norm = zero
     g_inv_two_sigma2 = zero
+    x_scale = zero
     if has_gate:
         g_norm = bh_consts[b, h, C_NORM]
         g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
+        x_scale = bh_consts[b, h, C_X_SCALE]
     row_max = fopts[F_NEG_INF]
     row_sum = zero
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
@@ -275,7 +290,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+            if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
                 continue
             bias_value = zero
             if has_bias:
@@ -285,12 +300,12 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
+            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
             if nvm and s < zero:
                 continue
             z = s / tau_h
             if has_gate:
-                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -393,7 +408,7 @@ def _backward_dq_kernel(
     right = iopts[I_RIGHT]
     has_mask = iopts[I_HAS_MASK] != 0
     kv_length = kv_lengths[b]
-    x_scale = fopts[F_X_SCALE]
+    shift = _shift(b, N, M, iopts, kv_lengths)
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
     softcap = fopts[F_SOFTCAP]
@@ -408,9 +423,11 @@ def _backward_dq_kernel(
     g_inv_two_sigma2 = zero
     g_inv_sigma = zero
     g_inv_sigma3 = zero
+    x_scale = zero
     if has_gate:
         g_norm = bh_consts[b, h, C_NORM]
         g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
+        x_scale = bh_consts[b, h, C_X_SCALE]
         g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
         g_inv_sigma3 = bh_consts[b, h, C_INV_SIGMA3]
     row_delta = zero
@@ -445,7 +462,7 @@ def _backward_dq_kernel(
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+            if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
                 continue
             bias_value = zero
             if has_bias:
@@ -455,7 +472,7 @@ def _backward_dq_kernel(
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
+            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
             if nvm and s < zero:
                 continue
             z = s / tau_h
@@ -463,7 +480,7 @@ def _backward_dq_kernel(
             f = zero
             x = zero
             if has_gate:
-                G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -561,7 +578,7 @@ def _backward_dkdv_kernel(
     right = iopts[I_RIGHT]
     has_mask = iopts[I_HAS_MASK] != 0
     kv_length = kv_lengths[b]
-    x_scale = fopts[F_X_SCALE]
+    shift = _shift(b, N, M, iopts, kv_lengths)
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
     softcap = fopts[F_SOFTCAP]
@@ -574,9 +591,11 @@ def _backward_dkdv_kernel(
         tau_h = tau[h]
         g_norm = zero
         g_inv_two_sigma2 = zero
+        x_scale = zero
         if has_gate:
             g_norm = bh_consts[b, h, C_NORM]
             g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
+            x_scale = bh_consts[b, h, C_X_SCALE]
         alibi_slope = zero
         if has_alibi:
             alibi_slope = bh_consts[b, h, C_ALIBI]
@@ -597,7 +616,7 @@ def _backward_dkdv_kernel(
                 continue
             for ii in range(im):
                 i = i0 + ii
-                if not _structural_keep(b, h, i, j, M - N, kv_length, causal, left, right, has_mask, mask):
+                if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
                     continue
                 bias_value = zero
                 if has_bias:
@@ -607,12 +626,12 @@ def _backward_dkdv_kernel(
                 dot = zero
                 for d in range(D):
                     dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
-                s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
+                s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
                 if nvm and s < zero:
                     continue
                 z = s / tau_h
                 if has_gate:
-                    G, f, x = _gate(i, j, M - N, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                    G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
                     if not G > zero:
                         continue
                     z += math.log(G)
@@ -686,7 +705,6 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
     left = iopts[I_LEFT]
     right = iopts[I_RIGHT]
     has_mask = iopts[I_HAS_MASK] != 0
-    x_scale = fopts[F_X_SCALE]
     threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
     total = zero
@@ -697,7 +715,8 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             h = ch + r // (rj_n * ri_n) % rh_n
             i = ci + r // rj_n % ri_n
             j = cj + r % rj_n
-            if not _structural_keep(b, h, i, j, M - N, kv_lengths[b], causal, left, right, has_mask, mask):
+            shift = _shift(b, N, M, iopts, kv_lengths)
+            if not _structural_keep(b, h, i, j, shift, kv_lengths[b], causal, left, right, has_mask, mask):
                 continue
             hk = h // group
             dot = zero
@@ -706,14 +725,14 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             alibi_slope = zero
             if has_alibi:
                 alibi_slope = bh_consts[b, h, C_ALIBI]
-            s, cap_slope = _score(dot, j - i - (M - N), scale, softcap, alibi_slope, bias_value, fopts)
+            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
             if nvm and s < zero:
                 continue
             tau_h = tau[h]
             z = s / tau_h
             if has_gate:
                 G, f, x = _gate(
-                    i, j, M - N, x_scale, bh_consts[b, h, C_NORM], bh_consts[b, h, C_INV_TWO_SIGMA2],
+                    i, j, shift, bh_consts[b, h, C_X_SCALE], bh_consts[b, h, C_NORM], bh_consts[b, h, C_INV_TWO_SIGMA2],
                     threshold, sharpness, fopts,
                 )
                 if not G > zero:

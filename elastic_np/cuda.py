@@ -315,18 +315,21 @@ def _window_band(p):
 
     ``f > threshold`` holds exactly where ``|x| < sigma sqrt(-2 log c)`` with
     ``c = threshold sigma sqrt(2 pi)`` (nowhere when ``c >= 1``); ``x`` moves
-    by ``2 / (M - 1)`` per key. One key of margin keeps the band conservative;
-    the kernels still test the gate entry by entry. -1 means unbounded.
+    by ``2 / (E_b - 1)`` per key (``E_b``: ``M``, or ``kv_lengths[b]`` with
+    ``align="kv_lengths"``; ``x = 0`` for ``E_b <= 1``). One key of margin
+    keeps the band conservative; the kernels still test the gate entry by
+    entry. -1 means unbounded.
     """
     B, H, Hkv, N, M, D, Dv = p.shape
     band = np.full((B, H), -1, dtype=np.int64)
-    if p.sigma is None or p.threshold <= 0 or M <= 1:
+    if p.sigma is None or p.threshold <= 0:
         return band
     c = p.threshold * p.sigma * math.sqrt(2 * math.pi)
+    ends = p.kv_ends[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         half_width_x = p.sigma * np.sqrt(np.maximum(-2.0 * np.log(np.minimum(c, 1.0)), 0.0))
-    half_width = np.minimum(np.floor(half_width_x * (M - 1) / 2.0) + 1, M + N)
-    band[...] = np.where(c >= 1.0, 0, half_width).astype(np.int64)
+    half_width = np.minimum(np.floor(half_width_x * np.maximum(ends - 1, 0) / 2.0) + 1, M + N)
+    band[...] = np.where(c >= 1.0, 0, np.where(ends > 1, half_width, -1)).astype(np.int64)
     return band
 
 
@@ -347,11 +350,11 @@ def _launch_options(p):
     iopts[kern.I_HAS_BIAS] = p.bias is not None
     iopts[kern.I_BIAS_SB : kern.I_BIAS_SJ + 1] = bias_strides
     iopts[kern.I_DBIAS_FULL] = p.bias is not None and bias_compact == (B, H, N, M)
+    iopts[kern.I_ALIGN_KV] = p.align == "kv_lengths"
     fopts = np.zeros(kern.F_COUNT, dtype=dtype)
     fopts[kern.F_SCALE] = p.scale
     fopts[kern.F_SHARPNESS] = p.sharpness
     fopts[kern.F_THRESHOLD] = p.threshold
-    fopts[kern.F_X_SCALE] = 2.0 / (M - 1) if M > 1 else 0.0
     fopts[kern.F_NEG_INF] = -np.inf
     fopts[kern.F_ONE] = 1.0
     fopts[kern.F_SOFTCAP] = 0.0 if p.softcap is None else p.softcap
@@ -365,6 +368,9 @@ def _launch_options(p):
             bh_consts[..., kern.C_INV_TWO_SIGMA2] = 1.0 / (2.0 * sigma**2)
             bh_consts[..., kern.C_INV_SIGMA] = 1.0 / sigma
             bh_consts[..., kern.C_INV_SIGMA3] = 1.0 / sigma**3
+            ends = p.kv_ends[:, None].astype(np.float64)
+            with np.errstate(divide="ignore"):
+                bh_consts[..., kern.C_X_SCALE] = np.where(ends > 1, 2.0 / (ends - 1), 0.0)
         if p.alibi is not None:
             bh_consts[..., kern.C_ALIBI] = p.alibi
     if p.mask is None:

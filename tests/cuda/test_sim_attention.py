@@ -109,6 +109,14 @@ CASES = {
         dict(kv_lengths=[11, 0], beta=np.array([0.0, 0.7]), causal=True),
     ),
     "broadcast mask with empty rows": (dict(N=13, M=18), "mask"),
+    "ragged cache aligned to kv_lengths": (
+        dict(B=3, N=5, M=21),
+        dict(
+            kv_lengths=[21, 9, 2], align="kv_lengths", causal=True, window_size=(6, -1),
+            alibi_slopes=[0.2, 0.05], beta=0.3,
+            dynamic_window=enp.DynamicWindow([[0.3], [0.5], [0.9]], sharpness=3.0, threshold=0.1),
+        ),
+    ),
     "single key, window gate": (
         dict(N=6, M=1),
         dict(dynamic_window=enp.DynamicWindow(0.7, sharpness=2.0, threshold=0.1), nvm=True),
@@ -147,6 +155,7 @@ def test_float64_matches_reference(name):
         "dynamic window with band",
         "kv_lengths and empty rows",
         "broadcast mask with empty rows",
+        "ragged cache aligned to kv_lengths",
     ],
 )
 def test_float32_rule(name):
@@ -245,6 +254,8 @@ def random_options(rng, B, H, N, M):
             rng.uniform(0.2, 1.0, size=(B, H)), sharpness=float(rng.uniform(1, 4)),
             threshold=float(rng.choice([0.0, 0.2])),
         )
+    if "kv_lengths" in opts and rng.random() < 0.5:
+        opts["align"] = "kv_lengths"
     return opts
 
 
@@ -261,18 +272,24 @@ def test_float64_random_option_mix(seed):
 
 
 @pytest.mark.parametrize("sigma, threshold, M", [(0.15, 0.3, 32), (0.4, 0.05, 57), (0.05, 2.0, 16), (3.0, 0.1, 20)])
-def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M):
+@pytest.mark.parametrize("length", [None, 0, 1, 2, 11])
+def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M, length):
+    """The band of each sequence, aligned to the array or (``length``) to its own end."""
     N = M - 3
     q, k, v, _ = make_problem(0, N=N, M=M, D=2)
-    p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold))
+    aligned = {} if length is None else dict(kv_lengths=[length], align="kv_lengths")
+    p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
     band = cuda._window_band(p)
     G = reference.window_gate(p)[0][0, 0]
-    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+    end = M if length is None else length
+    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (end - N)
     open_offsets = np.abs(offset[G > 0])
-    assert (open_offsets <= band[0, 0]).all()  # the kernels skip nothing the gate keeps
+    if band[0, 0] >= 0:
+        assert (open_offsets <= band[0, 0]).all()  # the kernels skip nothing the gate keeps
     widest = open_offsets.max(initial=-1)
-    # and visit at most two extra diagonals per side (of those the matrix has)
-    assert min(band[0, 0], np.abs(offset).max()) <= max(widest, 0) + 2
+    # and visit at most two extra diagonals per side (of those the sequence has)
+    reach = np.abs(offset[:, :end]).max(initial=0)
+    assert min(band[0, 0] if band[0, 0] >= 0 else reach, reach) <= max(widest, 0) + 2
 
 
 # ---------------------------------------------------------------------------
