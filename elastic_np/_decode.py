@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _options as options_module
-from elastic_np._tiles import exp_inplace, matmul_nn, prefetch, tanh_any, transpose_store, transpose_width
+from elastic_np._tiles import exp_inplace, matmul_nn, tanh_any, transpose_store, transpose_width
 from elastic_np.cpu import (
     _FASTMATH, _like, _log_add_exp, _offset_range, _options, _run_tasks, _task_range,
     _kernel_array,
@@ -122,16 +122,6 @@ def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
             if hi > lo:
                 u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
     return u_lo, max(u_hi, u_lo)
-
-
-@njit(cache=True, fastmath=False)
-def _prefetch_rows(a, j0, n):
-    """Prefetch rows ``j0 .. j0 + n - 1`` of the 2-D C-contiguous ``a``, a cache line at a time."""
-    step = max(64 // a.itemsize, 1)
-    row = a.shape[1]
-    flat = a.reshape(a.size)
-    for at in range(j0 * row, (j0 + n) * row, step):
-        prefetch(flat, at)
 
 
 @njit(cache=True, fastmath=False)
@@ -284,13 +274,18 @@ def _decode_kernel(
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
             k_tile = k[b, hk, j0 : j0 + bk]
-            if j0 + bk < e:  # the next tile's keys and values, while this one computes
-                _prefetch_rows(k[b, hk], j0 + bk, min(block_k, e - j0 - bk))
-                _prefetch_rows(v[b, hk], j0 + bk, min(block_k, e - j0 - bk))
-            for c in range(bk):  # not finite when a key holds NaN or inf (or the sum overflows)
+            v_tile = v[b, hk, j0 : j0 + bk]
+            # Not finite when a key or value holds NaN or inf. These passes also
+            # read the tile in memory order: the products read V in column strips,
+            # which streams from memory far worse than rows in order.
+            for c in range(bk):
                 kc = k_tile[c]
                 for d in range(D):
                     checksum += kc[d] * _like(0.0, q)
+            for c in range(bk):
+                vc = v_tile[c]
+                for d in range(Dv):
+                    checksum += vc[d] * _like(0.0, q)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
@@ -320,9 +315,6 @@ def _decode_kernel(
                 for c in range(bk):
                     z[c] -= shift_by[r]
             if not any_kept:
-                for c in range(bk):  # the values no product reads
-                    for d in range(Dv):
-                        checksum += v[b, hk, j0 + c, d] * _like(0.0, q)
                 continue
             exp_inplace(st, rows, bk)
             for r in range(rows):
@@ -331,7 +323,7 @@ def _decode_kernel(
                 for c in range(bk):
                     total += z[c]
                 row_sum[r] += total
-            matmul_nn(st, v[b, hk, j0 : j0 + bk], acc, rows, Dv, bk, True)
+            matmul_nn(st, v_tile, acc, rows, Dv, bk, True)
         for r in range(rows):
             for d in range(Dv):
                 checksum += acc[r, d] * _like(0.0, q)
