@@ -19,11 +19,10 @@ import argparse
 import concurrent.futures
 import time
 
-import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _bench
+from elastic_np import _bench, cpu
 
 #: The shapes of the CPU inference issue: (B, H, Hkv, N, M, D).
 SHAPES = ((1, 32, 8, 1, 8192, 128), (4, 32, 8, 1, 4096, 128), (1, 32, 8, 16, 8192, 128), (1, 8, 8, 16, 8192, 64))
@@ -100,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="*", help="B,H,Hkv,N,M,D each (default: the issue's shapes)")
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    threads = numba.get_num_threads()
+    threads = cpu.thread_count()
     if _bench.torch_available():
         import torch
 

@@ -73,6 +73,7 @@ def machine_info():
 
     import elastic_np
     from elastic_np import _tiles
+    from elastic_np.cpu import thread_count
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -81,7 +82,7 @@ def machine_info():
     except (OSError, StopIteration):
         pass
     info = {"cpu": cpu, "simd_bits": 8 * _tiles._VECTOR_BYTES, "fma": _tiles.HAS_FMA,
-            "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "cores": os.cpu_count(), "numba_threads": thread_count(),
             "python": platform.python_version(), "elastic_np": elastic_np.__version__,
             "numpy": np.__version__, "numba": numba.__version__}
     if torch_available():

@@ -48,7 +48,7 @@ contiguous axis of the tile.
 
 The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
 kernels release the GIL), as many as `numba.get_num_threads` says, so the
-number of threads follows `numba.set_num_threads`.
+number of threads follows `numba.set_num_threads` (`thread_count`).
 """
 
 import collections
@@ -58,6 +58,7 @@ import os
 import threading
 
 import numba
+import numba.np.ufunc.parallel as _numba_parallel
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -393,8 +394,23 @@ def _forget_pool():
 os.register_at_fork(after_in_child=_forget_pool)  # a forked child has none of the threads
 
 
+def thread_count():
+    """The threads the kernels run on: `numba.get_num_threads`, without starting Numba's threads.
+
+    ``numba.get_num_threads()`` first launches Numba's threading layer, which
+    may load an OpenMP runtime beside another library's (PyTorch's), and that
+    slows the other library's parallel code in the same process. The kernels
+    never use that layer, so until something else has launched it (as
+    ``numba.set_num_threads`` does) the count is its default,
+    ``numba.config.NUMBA_NUM_THREADS``, the value it would report.
+    """
+    if getattr(_numba_parallel, "_is_initialized", True):
+        return numba.get_num_threads()
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def _run_tasks(kernel, *args):
-    """Run ``kernel(*args, part, parts)`` on ``numba.get_num_threads()`` threads.
+    """Run ``kernel(*args, part, parts)`` on `thread_count` threads.
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`; the kernels release the GIL). Every task writes
@@ -404,7 +420,7 @@ def _run_tasks(kernel, *args):
     is linked into, which doubled the first compile of these kernels.
     """
     global _pool
-    threads = numba.get_num_threads()
+    threads = thread_count()
     if threads == 1:
         kernel(*args, 0, 1)
         return

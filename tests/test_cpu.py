@@ -7,6 +7,9 @@ small shapes still cross several query and key tiles.
 """
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import numba
 import numpy as np
@@ -928,3 +931,24 @@ def test_a_smaller_pool_is_shut_down_when_more_threads_are_asked_for(monkeypatch
     assert cpu._pool[0] == 2 and cpu._pool[1] is not small
     with pytest.raises(RuntimeError, match="shutdown"):
         small.submit(int)  # shut down, its thread gone
+
+
+def test_kernels_do_not_launch_numbas_threading_layer():
+    """Launching it can load a second OpenMP runtime beside another library's (PyTorch's)."""
+    code = textwrap.dedent(
+        """
+        import numba, numba.np.ufunc.parallel as parallel, numpy as np
+        import elastic_np as enp
+        from elastic_np import cpu
+        q = np.ones((1, 2, 3, 4), np.float32)
+        enp.attention(q, q, q, backend="cpu")
+        enp.attention(q[:, :, :1], q, q, backend="cpu")  # the decode kernel
+        assert not parallel._is_initialized, "launched"
+        assert cpu.thread_count() == numba.config.NUMBA_NUM_THREADS
+        numba.set_num_threads(1)  # the user's setting launches it, and is followed
+        assert cpu.thread_count() == 1
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

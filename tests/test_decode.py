@@ -6,12 +6,11 @@
 cross several of both; the backward of these cases runs the prefill kernels.
 """
 
-import numba
 import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _decode, _options, reference
+from elastic_np import _decode, _options, cpu, reference
 from test_cpu import assert_close, check_case
 
 DTYPES = [np.float64, np.float32]
@@ -131,7 +130,7 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype):
     assert _decode.splits(1, 2, 3000) > 1
     results = []
     for threads in (1, 2, 4):
-        monkeypatch.setattr(numba, "get_num_threads", lambda threads=threads: threads)
+        monkeypatch.setattr(cpu, "thread_count", lambda threads=threads: threads)
         results.append(enp.attention(q, k, v, return_lse=True, backend="cpu", **opts))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])
