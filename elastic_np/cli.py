@@ -7,6 +7,9 @@ Subcommands:
   oracles' gradients against finite differences; exit code 1 on any failure.
 - ``elastic-np bench [--quick] [--seq N ...] [--heads H] [--dim D] [--dtype ...]
   [--plot FILE.png] [--json FILE]``: side-by-side timings.
+- ``elastic-np bench --decode [--quick] [--shape B,H,Hkv,N,M,D ...] [--dtype ...]
+  [--rounds R] [--json FILE]``: decoding against a KV cache, beside torch SDPA
+  and a streaming read of the cache's bytes.
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
@@ -173,6 +176,11 @@ def _bench(args):
     from elastic_np import _bench
     from elastic_np._progress import Progress
 
+    if args.decode:
+        return _bench_decode(args)
+    if args.shape is not None or args.rounds is not None:
+        flag = "--shape" if args.shape is not None else "--rounds"
+        return _usage_error("bench", f"argument {flag}: only with --decode")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -202,7 +210,7 @@ def _bench(args):
                 progress.update(message)
 
         comparison = _bench.compare(
-            seqs, batch=args.batch, heads=heads, dim=dim, dtype=np.dtype(args.dtype),
+            seqs, batch=args.batch or 1, heads=heads, dim=dim, dtype=np.dtype(args.dtype),
             causal=args.causal, repeat=repeat, min_time=min_time, matmul_n=matmul_n, impls=impls,
             progress=notify,
         )
@@ -216,6 +224,42 @@ def _bench(args):
     if args.plot is not None:
         _bench.plot(comparison, args.plot)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _bench_decode(args):
+    from elastic_np import _bench, _bench_decode, _dispatch
+    from elastic_np._progress import Progress
+
+    prefill_only = {"--seq": args.seq, "--heads": args.heads, "--dim": args.dim,
+                    "--batch": args.batch, "--causal": args.causal or None,
+                    "--repeat": args.repeat, "--min-time": args.min_time, "--plot": args.plot}
+    for flag, value in prefill_only.items():
+        if value is not None:
+            return _usage_error("bench", f"argument {flag}: not with --decode "
+                                         "(decode shapes are given by --shape)")
+    try:
+        shapes = [_bench_decode.parse_shape(s) for s in args.shape] if args.shape else (
+            _bench_decode.QUICK_SHAPES if args.quick else _bench_decode.SHAPES)
+    except ValueError as exc:
+        return _usage_error("bench", f"argument --shape: {exc}")
+    try:
+        _dispatch.get_backend("cpu")
+    except _dispatch.BackendUnavailableError as exc:
+        print(f"elastic-np bench --decode: the cpu backend is unavailable: {exc}", file=sys.stderr)
+        return 1
+    rounds = args.rounds or (3 if args.quick else 7)
+    with Progress(len(shapes), "elastic-np bench --decode", delay=args.progress_delay) as progress:
+        result = _bench_decode.compare(
+            shapes, args.dtype, rounds=rounds, calls=1 if args.quick else 3,
+            progress=lambda shape: progress.update(",".join(map(str, shape)) + " done"))
+    print(_bench_decode.format_table(result))
+    if args.json is not None:
+        record = {"machine": _bench.machine_info(),
+                  "command": " ".join(["elastic-np", *args.argv]), **result}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"results written to {args.json}")
     return 0
 
 
@@ -256,7 +300,7 @@ def build_parser():
                        help="sequence lengths (N = M)")
     bench.add_argument("--heads", type=_positive_int, help="number of heads H")
     bench.add_argument("--dim", type=_positive_int, help="head dimension D")
-    bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    bench.add_argument("--batch", type=_positive_int, help="batch size B (default 1)")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true", help="causal attention")
     bench.add_argument("--repeat", type=_positive_int,
@@ -267,6 +311,14 @@ def build_parser():
     bench.add_argument("--plot", metavar="FILE.png",
                        help="write a log-log plot of time against sequence length")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.add_argument("--decode", action="store_true",
+                       help="decoding: few new queries against a long KV cache (causal, GQA), "
+                            "beside torch SDPA and a streaming read of the cache")
+    bench.add_argument("--shape", nargs="+", metavar="B,H,Hkv,N,M,D",
+                       help="decode shapes (with --decode; default: four shapes with "
+                            "H=32, Hkv=8, M=4096-8192, N=1 and 16)")
+    bench.add_argument("--rounds", type=_positive_int,
+                       help="interleaved rounds per decode shape (default 7, 3 with --quick)")
     bench.set_defaults(func=_bench)
     for p in (check, bench):
         p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)

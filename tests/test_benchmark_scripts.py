@@ -54,12 +54,3 @@ def test_median_interval_brackets_the_median_and_narrows_with_rounds():
         *score_modifiers.median_interval(few)[::-1]
     )
     assert score_modifiers.median_interval([1.2]) == (1.2, 1.2)
-
-
-def test_decode_prints_every_shape(capsys):
-    import decode
-
-    decode.main(["--rounds", "1", "--calls", "1", "--shapes", "1,4,2,1,64,8", "2,4,4,3,40,8"])
-    out = capsys.readouterr().out
-    assert out.count("of a streaming read") == 2
-    assert "(B,H,Hkv,N,M,D)=(2, 4, 4, 3, 40, 8)" in out

@@ -172,6 +172,48 @@ def test_bench_quick_json_and_plot(tmp_path, capsys):
         assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.skipif(not available("cpu"), reason="the decode benchmark times the cpu backend")
+def test_bench_decode_json_and_table(tmp_path, capsys):
+    json_path = tmp_path / "decode.json"
+    argv = ["bench", "--decode", "--shape", "1,4,2,1,64,8", "2,4,4,3,40,8", "--rounds", "2",
+            "--dtype", "float64", "--json", str(json_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "decode, float64, causal" in out and f"results written to {json_path}" in out
+    data = json.loads(json_path.read_text())
+    assert data["command"].startswith("elastic-np bench --decode")
+    assert data["rounds"] == 2 and data["dtype"] == "float64" and data["threads"] >= 1
+    shapes = [tuple(r["shape"].values()) for r in data["rows"]]
+    assert shapes == [(1, 4, 2, 1, 64, 8), (2, 4, 4, 3, 40, 8)]
+    torch_installed = importlib.util.find_spec("torch") is not None
+    for row, shape in zip(data["rows"], ["1,4,2,1,64,8", "2,4,4,3,40,8"]):
+        assert row["ours_ms"] > 0 and row["cache_gb_per_s"] > 0 and row["read_gb_per_s"] > 0
+        ratios = [row["fraction_of_read"]] + ([row["torch_over_ours"]] if torch_installed else [])
+        for r in ratios:
+            assert 0 < r["min"] <= r["median"] <= r["max"]
+        assert ("torch_ms" in row) == torch_installed
+        assert any(line.split()[:1] == [shape] for line in out.splitlines())
+
+
+def test_streaming_read_reads_every_byte():
+    from elastic_np import _bench_decode
+
+    for nbytes, threads, dtype in [(4 * 3_000_001, 2, np.float32), (8 * 5, 3, np.float64), (1, 1, np.float64)]:
+        with _bench_decode.StreamingRead(nbytes, threads, dtype) as read:
+            assert read() == max(nbytes // np.dtype(dtype).itemsize, 1)
+
+
+def test_decode_benchmark_times_the_same_attention_in_torch():
+    pytest.importorskip("torch")
+    from elastic_np import _bench_decode, reference
+
+    for shape in [(2, 4, 2, 3, 11, 5), (1, 4, 1, 1, 7, 3)]:
+        q, k, v = _bench_decode.make_inputs(shape, np.float64, seed=3)
+        got = _bench_decode.torch_decode(q, k, v)().numpy()
+        want, _ = reference.attention(q, k, v, causal=True)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_naive_backward_matches_reference():
     from elastic_np import _bench, reference
 
@@ -201,6 +243,12 @@ def test_peak_memory_sees_a_numpy_allocation():
     (["bench", "--heads", "two"], "--heads"),
     (["bench", "--dtype", "float16"], "--dtype"),
     (["bench", "--min-time", "-1"], "--min-time"),
+    (["bench", "--decode", "--shape", "1,2,3"], "--shape"),
+    (["bench", "--decode", "--shape", "1,3,2,1,8,8"], "Hkv=2"),
+    (["bench", "--decode", "--shape", "1,2,2,0,8,8"], "--shape"),
+    (["bench", "--decode", "--seq", "8"], "--seq"),
+    (["bench", "--decode", "--rounds", "0"], "--rounds"),
+    (["bench", "--shape", "1,1,1,1,1,1"], "--decode"),
     (["check", "--backend", "tpu"], "--backend"),
     (["check", "--frobnicate"], "--frobnicate"),
     (["explode"], "explode"),
