@@ -78,6 +78,7 @@ def forward(problem):
     suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
     _run_tasks(
         _decode_kernel, q, k, v, opt, n_split, DECODE_BLOCK_K, part_max, part_sum, part_acc, read, suspect,
+        work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
         _check_cache(problem, read, suspect)
@@ -98,7 +99,10 @@ def _check_cache(problem, read, suspect):
     if suspect.any():
         options_module.check_cache_values(k, v, problem.kv_lengths)
     lengths = problem.kv_lengths[:, None]
-    for b, hk in np.argwhere((read[..., 0] > 0) | (read[..., 1] < lengths)):
+    unread = (read[..., 0] > 0) | (read[..., 1] < lengths)
+    if not unread.any():
+        return
+    for b, hk in np.argwhere(unread):
         lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b, 0]
         for name, a in (("k", k), ("v", v)):
             unread = (a[b, hk, :lo], a[b, hk, hi:length]) if hi > lo else (a[b, hk, :length],)

@@ -4,6 +4,7 @@ Every check that a public function makes lives here, so that each error
 message names the offending parameter in the same words everywhere.
 """
 
+import math
 import numbers
 import operator
 
@@ -95,6 +96,10 @@ def per_head(value, H, name, *, positive):
     Returns the array and the shape of ``value`` as given (``()`` for a scalar),
     which is the shape its gradient is returned in.
     """
+    if type(value) is float or (type(value) is int and abs(value) < 2**53):
+        # the common case, without NumPy's per-call overhead
+        if math.isfinite(value) and (value > 0 if positive else value >= 0):
+            return np.full(H, float(value)), ()
     arr = np.asarray(value)
     if arr.dtype == np.bool_ or not (
         np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)

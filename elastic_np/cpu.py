@@ -193,7 +193,8 @@ def forward(problem):
     lse = np.empty((B, H, N), dtype=q.dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
     bad_bias = np.zeros((B, H, -(-N // BLOCK_Q)), dtype=np.int64)
-    _run_tasks(_forward_kernel, q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse, bad_bias)
+    _run_tasks(_forward_kernel, q, k, v, opt, BLOCK_Q, BLOCK_K, out, lse, bad_bias,
+               work=B * H * N * M * (D + Dv))
     _raise_on_bad_bias(bad_bias)
     return out, lse
 
@@ -409,8 +410,16 @@ def thread_count():
     return numba.config.NUMBA_NUM_THREADS
 
 
-def _run_tasks(kernel, *args):
+#: Multiply-adds below which a call runs on the calling thread: handing work to
+#: the pool and waiting for it costs about as much as this much arithmetic.
+SERIAL_WORK = 1 << 21
+
+
+def _run_tasks(kernel, *args, work=None):
     """Run ``kernel(*args, part, parts)`` on `thread_count` threads.
+
+    With ``work`` (the multiply-adds of the call, an estimate) below
+    `SERIAL_WORK`, on the calling thread alone.
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`; the kernels release the GIL). Every task writes
@@ -421,7 +430,7 @@ def _run_tasks(kernel, *args):
     """
     global _pool
     threads = thread_count()
-    if threads == 1:
+    if threads == 1 or (work is not None and work < SERIAL_WORK):
         kernel(*args, 0, 1)
         return
     with _pool_lock:  # another Python thread may replace the pool meanwhile

@@ -23,6 +23,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(cpu, "BLOCK_Q", 4)
     monkeypatch.setattr(cpu, "BLOCK_K", 5)
     monkeypatch.setattr(_decode, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
     monkeypatch.setattr(_decode, "DECODE_MIN_SPLIT_KEYS", 7)
     monkeypatch.setattr(_decode, "DECODE_MIN_TASKS", 64)
 

@@ -20,6 +20,7 @@ DTYPES = [np.float64, np.float32]
 def decode_tiles(monkeypatch):
     """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks."""
     monkeypatch.setattr(_decode, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
     monkeypatch.setattr(_decode, "DECODE_MIN_SPLIT_KEYS", 7)
     monkeypatch.setattr(_decode, "DECODE_MIN_TASKS", 64)
 
@@ -128,6 +129,7 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype):
     v = rng.standard_normal((1, 2, 3000, 16)).astype(dtype)
     opts = dict(causal=True, nvm=True, beta=0.5, softcap=2.0)
     assert _decode.splits(1, 2, 3000) > 1
+    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
     results = []
     for threads in (1, 2, 4):
         monkeypatch.setattr(cpu, "thread_count", lambda threads=threads: threads)
