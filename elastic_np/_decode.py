@@ -32,8 +32,8 @@ from numba import njit
 from elastic_np import _options as options_module
 from elastic_np._tiles import exp_inplace, matmul_nn, tanh_any, transpose_store, transpose_width
 from elastic_np.cpu import (
-    _FASTMATH, _like, _log_add_exp, _offset_range, _options, _run_tasks, _task_range,
-    _kernel_array,
+    _FASTMATH, _like, _log_add_exp, _offset_range, _options, _query_factor, _run_tasks, _task_range,
+    _kernel_array, scale_logits_row,
 )
 
 #: Queries per sequence up to which `elastic_np.cpu.forward` takes this kernel.
@@ -168,6 +168,8 @@ def _additive_row(z, opt, b, h, i, j0, shift):
 def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
     """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
 
+    (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._query_factor`.)
+
     The score modifiers, each divided by ``tau_h`` like the product, with the
     arithmetic of `elastic_np.cpu._modify_tile` (the backward recomputes these
     logits with it); then ``-inf`` outside ``[lo, hi)`` (causal, window,
@@ -179,6 +181,8 @@ def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
     bk = z.shape[0]
     neg_inf = -np.inf
     inv_tau = 1.0 / opt.tau[h]
+    if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
+        scale_logits_row(z, opt, h)
     if opt.has_softcap:
         tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
         cap_over_tau = _like(opt.softcap * inv_tau, z)
@@ -268,7 +272,7 @@ def _decode_kernel(
         checksum = _like(0.0, q)
         for g in range(group):
             h = hk * group + g
-            factor = opt.scale / opt.tau[h]
+            factor = _query_factor(opt, h)
             for i in range(N):
                 for d in range(D):
                     qs[g * N + i, d] = q[b, h, i, d] * factor

@@ -753,6 +753,8 @@ def _logits_tile(
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
         else:
             matmul_nn(k_j, q_t, st, bk, bq, D, False)
+        if opt.nvm:
+            _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
             clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
             if fuse_max:
@@ -783,6 +785,36 @@ def _logits_tile(
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
         any_kept = any_kept or kept
     return any_kept, False, clean
+
+
+@njit(cache=True, fastmath=False)
+def _query_factor(opt, h):
+    """What the queries of head ``h`` are multiplied by before ``Q K^T``: ``scale / tau_h``.
+
+    Under NVM, 1: the product is scaled afterwards (`_scale_logits`), so that
+    a score ``q . k`` that is exactly 0 stays 0 and is kept (``s >= 0``);
+    rounding ``q * scale / tau_h`` first could make it ``-eps``.
+    """
+    return 1.0 if opt.nvm else opt.scale / opt.tau[h]
+
+
+@njit(cache=True, fastmath=False)
+def _scale_logits(st, bk, bq, opt, h, tile_max):
+    """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `_query_factor` is 1).
+
+    A positive factor keeps every sign, and the maxima (rounding is monotone).
+    """
+    for c in range(bk):
+        scale_logits_row(st[c, :bq], opt, h)
+    scale_logits_row(tile_max, opt, h)
+
+
+@njit(cache=True, fastmath=False)
+def scale_logits_row(z, opt, h):
+    """``z *= scale / tau_h`` in ``z``'s dtype, without fast-math: the same bits wherever inlined."""
+    factor = _like(opt.scale / opt.tau[h], z)
+    for c in range(z.shape[0]):
+        z[c] *= factor
 
 
 #: Keys per block when a tile adds a bias laid out along the keys.
@@ -1209,7 +1241,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
         i0 = qt * block_q
         bq = min(block_q, N - i0)
 
-        factor = opt.scale / opt.tau[h]
+        factor = _query_factor(opt, h)
         for r in range(bq):
             for d in range(D):
                 q_t[d, r] = q[b, h, i0 + r, d] * factor
@@ -1305,6 +1337,7 @@ def _backward_prepare(
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
+        logit_factor = _query_factor(opt, h)
         dbeta_bh = 0.0
         for i in range(N):
             it = i // block_q
@@ -1318,9 +1351,8 @@ def _backward_prepare(
             if acc != 0.0:
                 dbeta_bh -= acc * math.exp(-float(lse[b, h, i]))
             for d in range(D):
-                x = q[b, h, i, d] * factor
-                q_scaled[b, h, i, d] = x
-                q_scaled_t[b, h, it, d, r] = x
+                q_scaled[b, h, i, d] = q[b, h, i, d] * factor
+                q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
         dbeta[b, h] = dbeta_bh
 
 

@@ -509,3 +509,16 @@ def test_every_output_entry_is_written(monkeypatch, bias_shape):
     if bias_shape is not None:
         opts["bias"] = bias_of(bias_shape, neg_inf=(0, 1, slice(None), 0))
     assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
+
+
+@pytest.mark.parametrize("opts", [dict(scale=0.3), dict(tau=0.3, softcap=0.7), dict(tau=np.array([0.7, 1.3]))])
+def test_nvm_keeps_exact_zero_scores(opts):
+    """Integer-valued, zero-padded inputs: many ``q . k`` are exactly 0, which NVM keeps."""
+    rng = np.random.default_rng(4)
+    q = rng.integers(-2, 3, (1, 2, 12, 6)).astype(np.float64)
+    k = rng.integers(-2, 3, (1, 2, 12, 6)).astype(np.float64)
+    q[..., 4:] = k[..., 4:] = 0.0
+    v, dout = rng.standard_normal((1, 2, 12, 6)), rng.standard_normal((1, 2, 12, 6))
+    assert (np.einsum("bhnd,bhmd->bhnm", q, k) == 0).mean() > 0.1
+    opts = dict(opts, nvm=True)
+    assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
