@@ -274,9 +274,10 @@ def naive_forward(q, k, v, options, dtype):
     cap_slope = None
     if p.softcap is not None:
         cap = t(p.softcap)
-        th = np.tanh(s / cap)
-        s = cap * th
-        cap_slope = t(1) - th * th
+        x = s / cap
+        s = cap * np.tanh(x)
+        e = np.exp(t(-2) * np.abs(x))  # 1 - tanh^2 = 4 e / (1 + e)^2, no cancellation
+        cap_slope = t(4) * e / ((t(1) + e) * (t(1) + e))
     keep = reference.structural_keep(p)
     if p.alibi is not None:
         distance = np.abs(reference._offsets(p)).astype(dtype)
@@ -339,8 +340,9 @@ def naive_backward(dout, out, lse, cache, dtype):
     }
     if gate is not None:
         G, f, x, sigma = gate
-        with np.errstate(divide="ignore", invalid="ignore"):
-            dlogG = t(p.sharpness) * (t(1) - G * G) / G * f * (x * x / sigma**3 - t(1) / sigma)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            y = t(p.sharpness) * np.where(G > 0, f, t(1))
+            dlogG = t(p.sharpness) * (t(2) / np.sinh(t(2) * y)) * f * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
@@ -407,7 +409,9 @@ def summation_allowance(q, k, v, dout, options):
         if gate is not None:
             G, f, x = gate
             sigma = p.sigma[:, :, None, None]
-            dlogg = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
+            with np.errstate(over="ignore"):
+                dlogg = p.sharpness * (2 / np.sinh(2 * p.sharpness * np.where(G > 0, f, 1.0))) * f
+            dlogg = dlogg * (x**2 / sigma**3 - 1 / sigma)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
     bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
     eps = float(np.finfo(np.float32).eps)

@@ -70,9 +70,8 @@ C_COUNT = 6
 
 # partials of the dq kernel, per (b, h, query tile)
 P_DTAU = 0  # sum dz * s
-P_DBETA = 1  # sum delta * exp(-lse)
-P_DSIGMA = 2  # sum dz * dlogG/dsigma
-P_COUNT = 3
+P_DSIGMA = 1  # sum dz * dlogG/dsigma
+P_COUNT = 2
 
 
 @cuda.jit(device=True)
@@ -196,14 +195,18 @@ def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
     ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
     (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
     ``bias_value`` are 0 when not given). The slope of the soft-cap,
-    ``1 - tanh^2``, is 1 without one.
+    ``1 - tanh^2``, is 1 without one; it is evaluated as ``4 e / (1 + e)^2``
+    with ``e = exp(-2 |x|)``, ``x = s / softcap``, as ``1 - t * t`` cancels to
+    nothing once ``t`` rounds to 1.
     """
     s = scale * dot
     cap_slope = fopts[F_ONE]
     if softcap > fopts[F_ZERO]:
-        t = math.tanh(s / softcap)
-        s = softcap * t
-        cap_slope = fopts[F_ONE] - t * t
+        x = s / softcap
+        s = softcap * math.tanh(x)
+        e = math.exp(-(abs(x) + abs(x)))
+        one_e = fopts[F_ONE] + e
+        cap_slope = ((e + e) + (e + e)) / (one_e * one_e)
     return s - alibi_slope * _real(abs(d), fopts) + bias_value, cap_slope
 
 
@@ -498,17 +501,15 @@ def _backward_dq_kernel(
             sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
                 sigma_term = x * x * g_inv_sigma3 - g_inv_sigma
-                dlogg = sharpness * (fopts[F_ONE] - G * G) / G * f * sigma_term
+                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y), y = sharpness f: no cancellation
+                y = sharpness * f
+                dlogg = sharpness * ((fopts[F_ONE] + fopts[F_ONE]) / math.sinh(y + y)) * f * sigma_term
                 sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
 
-    row_dbeta = zero
     if row:
         for d in range(D):
             dq[b, h, i, d] = scale * dq_acc[t * q_stride + d]
-        if row_delta != zero:
-            row_dbeta = row_delta * math.exp(-row_lse)
     sums[P_DTAU * block_m + t] = sum_dz_s + carry_dz_s
-    sums[P_DBETA * block_m + t] = row_dbeta
     sums[P_DSIGMA * block_m + t] = sum_dz_dlogg + carry_dz_dlogg
     cuda.syncthreads()
     for c in range(t, P_COUNT, block_m):

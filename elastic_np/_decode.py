@@ -376,7 +376,7 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                 for d in range(Dv):
                     x = 0.0
                     for s in range(n_split):
-                        x += float(part_acc[b, hk, s, r, d]) * weight[s]
+                        x += np.float64(part_acc[b, hk, s, r, d]) * weight[s]
                     out[b, h, i, d] = x
                 lse[b, h, i] = lse_r
             else:

@@ -234,6 +234,20 @@ class AttentionProblem:
         )
 
 
+def sink_gradient(delta, lse):
+    """``dbeta`` per head: ``-sum_{b,i} delta_i exp(-lse_i)``, in float64, over ``(B, H, N)`` rows.
+
+    A row with ``delta = 0`` adds nothing (an empty row with ``beta = 0`` has
+    ``lse = -inf``). float64 throughout: ``exp(-lse)`` of a float32 ``lse``
+    below -88.7 would overflow float32.
+    """
+    delta = np.asarray(delta, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        per_row = np.exp(-lse, out=np.zeros_like(lse), where=delta != 0) * delta
+    return -per_row.sum(axis=(0, 2))
+
+
 def sum_to_shape(grad, shape):
     """Sum a broadcast gradient back to ``shape``; a Python float for ``shape == ()``."""
     out = reduce_to_shape(np.asarray(grad, dtype=np.float64), shape)

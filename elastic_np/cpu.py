@@ -65,7 +65,7 @@ from numba.extending import overload
 
 from elastic_np import _options as options_module
 from elastic_np._tiles import (
-    exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch, stream_fence,
+    exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch, sech2_any, stream_fence,
     stream_width, tanh_any, transpose_accumulate, transpose_add, transpose_load, transpose_store,
     transpose_stream, transpose_width,
 )
@@ -325,8 +325,9 @@ class _DbiasPlan:
         outer = (1 if fold_b else B) * (1 if fold_h else Hkv)
         slots_per_lane = chunk if per_key_tile else 1
         by_memory = DBIAS_PARTIALS_BYTES // max(8 * size * slots_per_lane, 1)
-        lanes = min(pairs, max(-(-DBIAS_MIN_TASKS // (outer * n_kt)), 1), max(by_memory, 1))
-        pair_batch = min(DBIAS_PAIR_BATCH, -(-pairs // lanes))
+        # an empty batch or key set leaves pairs, outer or n_kt at 0: one lane of nothing
+        lanes = max(min(pairs, -(-DBIAS_MIN_TASKS // max(outer * n_kt, 1)), max(by_memory, 1)), 1)
+        pair_batch = max(min(DBIAS_PAIR_BATCH, -(-pairs // lanes)), 1)
         self.per_key_tile = per_key_tile
         by_heads = self.strides[1] == 0 and self.strides[2] > 1 and self.strides[3] == 1
         if by_heads and lanes == 1 and pair_batch == pairs:
@@ -625,8 +626,10 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
                 if g > 0.0:
                     log_gate[b, h, t] = math.log(g)
                     if with_grad:
+                        # (1 - g^2) / g = 2 / sinh(2y), y = sharpness f: no cancellation as g -> 1
+                        y = sharpness * f
                         dlog_gate[b, h, t] = (
-                            sharpness * (1 - g * g) / g * f * (x * x / (s * s * s) - 1 / s)
+                            sharpness * (2.0 / math.sinh(2.0 * y)) * f * (x * x / (s * s * s) - 1 / s)
                         )
                     first = min(first, t)
                     last = max(last, t)
@@ -1043,13 +1046,12 @@ def _column_max(st, bk, bq, col_max, nonneg):
 def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
     """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
 
-    With ``want_slope``, ``slope[c, r] = 1 - tanh^2`` too. Rows go four at a
+    With ``want_slope``, ``slope[c, r] = 1 - tanh^2`` too, by `sech2_any`
+    (``1 - t * t`` cancels once the cap saturates). Rows go four at a
     time: four independent chains of the tangent's arithmetic in flight hide
-    its latency (measured: 10 against 13 us per 128 x 128 float32 tile; the
-    rows are taken as slices of length ``bq``, without which LLVM's
-    vectorised loop was not the one that ran: 75 us).
+    its latency; the rows are taken as slices of length ``bq``, without
+    which LLVM's vectorised loop was not the one that ran.
     """
-    one = _like(1.0, st)
     bk4 = bk - bk % 4
     for c in range(0, bk4, 4):
         r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
@@ -1057,18 +1059,18 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
             s0, s1 = slope[c, :bq], slope[c + 1, :bq]
             s2, s3 = slope[c + 2, :bq], slope[c + 3, :bq]
             for r in range(r0.shape[0]):
-                t0 = tanh_any(r0[r] * tau_over_cap)
-                t1 = tanh_any(r1[r] * tau_over_cap)
-                t2 = tanh_any(r2[r] * tau_over_cap)
-                t3 = tanh_any(r3[r] * tau_over_cap)
-                r0[r] = cap_over_tau * t0
-                r1[r] = cap_over_tau * t1
-                r2[r] = cap_over_tau * t2
-                r3[r] = cap_over_tau * t3
-                s0[r] = one - t0 * t0
-                s1[r] = one - t1 * t1
-                s2[r] = one - t2 * t2
-                s3[r] = one - t3 * t3
+                x0 = r0[r] * tau_over_cap
+                x1 = r1[r] * tau_over_cap
+                x2 = r2[r] * tau_over_cap
+                x3 = r3[r] * tau_over_cap
+                r0[r] = cap_over_tau * tanh_any(x0)
+                r1[r] = cap_over_tau * tanh_any(x1)
+                r2[r] = cap_over_tau * tanh_any(x2)
+                r3[r] = cap_over_tau * tanh_any(x3)
+                s0[r] = sech2_any(x0)
+                s1[r] = sech2_any(x1)
+                s2[r] = sech2_any(x2)
+                s3[r] = sech2_any(x3)
         else:
             for r in range(r0.shape[0]):
                 t0 = tanh_any(r0[r] * tau_over_cap)
@@ -1082,10 +1084,10 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
     for c in range(bk4, bk):
         row = st[c]
         for r in range(bq):
-            t = tanh_any(row[r] * tau_over_cap)
-            row[r] = cap_over_tau * t
+            x = row[r] * tau_over_cap
+            row[r] = cap_over_tau * tanh_any(x)
             if want_slope:
-                slope[c, r] = one - t * t
+                slope[c, r] = sech2_any(x)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -1169,7 +1171,7 @@ def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            dst[start + r * stride + c] += float(row[r]) * scale
+            dst[start + r * stride + c] += np.float64(row[r]) * scale
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -1309,7 +1311,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
         for r in range(bq):
             i = i0 + r
             if row_sum[r] > 0.0:
-                m = float(row_max[r])
+                m = np.float64(row_max[r])
                 lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
                 weight = math.exp(m - lse_r)
                 for d in range(Dv):
@@ -1344,12 +1346,14 @@ def _backward_prepare(
             r = i - it * block_q
             acc = 0.0
             for d in range(Dv):
-                acc += float(dout[b, h, i, d]) * float(out[b, h, i, d])
+                acc += np.float64(dout[b, h, i, d]) * np.float64(out[b, h, i, d])
                 dout_t[b, h, it, d, r] = dout[b, h, i, d]
             delta[b, h, i] = acc
-            # dbeta = -sum_i delta_i exp(-lse_i); 0 for an empty row with beta = 0
+            # dbeta = -sum_i delta_i exp(-lse_i); 0 for an empty row with beta = 0.
+            # In float64 (Numba's float() of a float32 stays a float32): a float32
+            # lse below -88.7 would overflow exp(-lse).
             if acc != 0.0:
-                dbeta_bh -= acc * math.exp(-float(lse[b, h, i]))
+                dbeta_bh -= acc * math.exp(-np.float64(lse[b, h, i]))
             for d in range(D):
                 q_scaled[b, h, i, d] = q[b, h, i, d] * factor
                 q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
@@ -1554,9 +1558,9 @@ def _backward_kernel(
                                     dp = dpt[c, r]
                                     dpt[c, r] = p * (dp - delta_t[r])
                                     if p != 0:
-                                        dz = float(p) * (float(dp) - delta_r[r])
+                                        dz = np.float64(p) * (np.float64(dp) - delta_r[r])
                                         dtau_h[r] += dz * (
-                                            float(st[c, r]) - opt.log_gate[b, h, base - r]
+                                            np.float64(st[c, r]) - opt.log_gate[b, h, base - r]
                                         )
                                         dsigma_h[r] += dz * opt.dlog_gate[b, h, base - r]
                             else:
@@ -1564,8 +1568,8 @@ def _backward_kernel(
                                     p = pt[c, r]
                                     dp = dpt[c, r]
                                     dpt[c, r] = p * (dp - delta_t[r])
-                                    s = float(st[c, r]) if p != 0 else 0.0
-                                    dtau_h[r] += float(p) * (float(dp) - delta_r[r]) * s
+                                    s = np.float64(st[c, r]) if p != 0 else 0.0
+                                    dtau_h[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
                             if sum_heads:
                                 # this head's dbias row (below) into the heads' sum
                                 _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
@@ -1586,7 +1590,7 @@ def _backward_kernel(
                                     row = dpt[c]
                                     at = start + c * d_j
                                     for r in range(bq):
-                                        partial[at + r * d_i] += float(row[r]) * inv_tau
+                                        partial[at + r * d_i] += np.float64(row[r]) * inv_tau
                         if opt.has_softcap:
                             # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
                             for c in range(bk):
@@ -1644,12 +1648,12 @@ def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
         a3 = 0.0
         r4 = bq - bq % 4
         for r in range(0, r4, 4):
-            a0 += float(row[r])
-            a1 += float(row[r + 1])
-            a2 += float(row[r + 2])
-            a3 += float(row[r + 3])
+            a0 += np.float64(row[r])
+            a1 += np.float64(row[r + 1])
+            a2 += np.float64(row[r + 2])
+            a3 += np.float64(row[r + 3])
         for r in range(r4, bq):
-            a0 += float(row[r])
+            a0 += np.float64(row[r])
         dst[start + c * stride] += ((a0 + a1) + (a2 + a3)) * scale
 
 

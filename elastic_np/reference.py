@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np import _validation
 from elastic_np._merge import merge_attention_float64 as merge_attention
-from elastic_np._options import AttentionGrads, prepare
+from elastic_np._options import AttentionGrads, prepare, sink_gradient
 
 __all__ = [
     "softmax",
@@ -433,9 +433,11 @@ def scores(p):
     s = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k)
     cap_slope = None
     if p.softcap is not None:
-        t = np.tanh(s / p.softcap)
-        s = p.softcap * t
-        cap_slope = 1.0 - t * t
+        x = s / p.softcap
+        s = p.softcap * np.tanh(x)
+        # 1 - tanh(x)^2 as 4 e / (1 + e)^2, e = exp(-2|x|): 1 - t * t cancels once t rounds to 1
+        e = np.exp(-2 * np.abs(x))
+        cap_slope = 4 * e / (1 + e) ** 2
     if p.alibi is not None:
         s = s - p.alibi[:, :, None, None] * np.abs(_offsets(p))
     if p.bias is not None:
@@ -728,15 +730,16 @@ def _backward(p, dout, out, lse):
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
     dtau = -np.sum(dz * s, axis=(0, 2, 3)) / p.tau**2
-    with np.errstate(over="ignore", invalid="ignore"):
-        per_row = np.where(delta == 0, 0.0, delta * np.exp(-lse))
-    dbeta = -per_row.sum(axis=(0, 2))
+    dbeta = sink_gradient(delta, lse)
 
     dsigma = None
     if gate is not None:
         G, f, x = gate
         sigma = p.sigma[:, :, None, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            dlogG = p.sharpness * (1 - G**2) / G * f * (x**2 / sigma**3 - 1 / sigma)
+        # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) at y = sharpness f, without the
+        # cancellation of 1 - G^2 once G rounds to 1 (0 where G = 0 is removed by keep)
+        y = p.sharpness * np.where(G > 0, f, 1.0)
+        with np.errstate(over="ignore"):
+            dlogG = p.sharpness * (2 / np.sinh(2 * y)) * f * (x**2 / sigma**3 - 1 / sigma)
         dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
