@@ -301,7 +301,7 @@ def naive_forward(q, k, v, options, dtype):
             z = z + np.log(G)
         gate = (G, f, x, sigma)
     z = np.where(keep, z, t(-np.inf))
-    m = np.max(z, axis=-1, keepdims=True)
+    m = np.max(z, axis=-1, keepdims=True, initial=t(-np.inf))  # M = 0 has no entries
     m = np.where(np.isneginf(m), t(0), m)
     e = np.exp(z - m)
     with np.errstate(divide="ignore", over="ignore"):

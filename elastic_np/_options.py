@@ -9,6 +9,7 @@ read every entry anyway.
 """
 
 import dataclasses
+import math
 import operator
 from typing import Optional
 
@@ -211,6 +212,12 @@ class AttentionProblem:
     def dtype(self):
         return self.q.dtype
 
+    def sink_gradient(self, delta, lse):
+        """``dbeta`` per head, or summed over the heads when ``beta`` is shared (see `sink_gradient`)."""
+        if math.prod(self.beta_shape) > 1:
+            return sink_gradient(delta, lse)
+        return sink_gradient(delta, lse, per_head=False).reshape(1)
+
     def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias=None):
         """Build `AttentionGrads` from per-head ``dtau``, ``dbeta`` and per-(b, h) ``dsigma``.
 
@@ -234,18 +241,35 @@ class AttentionProblem:
         )
 
 
-def sink_gradient(delta, lse):
-    """``dbeta`` per head: ``-sum_{b,i} delta_i exp(-lse_i)``, in float64, over ``(B, H, N)`` rows.
+def sink_gradient(delta, lse, per_head=True):
+    """``dbeta``: ``-sum_{b,i} delta_i exp(-lse_i)`` per head (over every row without ``per_head``).
+
+    ``delta`` and ``lse`` are ``(B, H, N)``; returns ``(H,)`` float64, or a
+    0-d array without ``per_head`` (a ``beta`` shared by the heads).
 
     A row with ``delta = 0`` adds nothing (an empty row with ``beta = 0`` has
-    ``lse = -inf``). float64 throughout: ``exp(-lse)`` of a float32 ``lse``
+    ``lse = -inf``). The sum is taken relative to its largest factor,
+    ``-exp(a) sum_i delta_i exp(-lse_i - a)`` with ``a = max(-lse_i)``: a head
+    whose rows overflow ``exp(-lse)`` gets the sign of the sum and ``inf``,
+    not ``inf - inf = NaN``, and a sum that fits float64 is not lost to an
+    overflowing term. float64 throughout: ``exp(-lse)`` of a float32 ``lse``
     below -88.7 would overflow float32.
     """
     delta = np.asarray(delta, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
-    with np.errstate(over="ignore"):
-        per_row = np.exp(-lse, out=np.zeros_like(lse), where=delta != 0) * delta
-    return -per_row.sum(axis=(0, 2))
+    axes = (0, 2) if per_head else (0, 1, 2)
+    live = delta != 0
+    exponent = np.where(live, -lse, -np.inf)
+    top = exponent.max(axis=axes, keepdims=True, initial=-np.inf)
+    top = np.where(np.isfinite(top), top, 0.0)
+    scaled = np.where(live, delta * np.exp(exponent - top), 0.0).sum(axis=axes)
+    top = top.reshape(scaled.shape)
+    with np.errstate(over="ignore", divide="ignore"):
+        grad = -scaled * np.exp(top)
+        wide = ~np.isfinite(grad) & (scaled != 0)  # exp(top) alone overflows: the product may not
+        grad = np.asarray(grad)
+        grad[wide] = -np.sign(scaled[wide]) * np.exp(top[wide] + np.log(np.abs(scaled[wide])))
+    return grad
 
 
 def sum_to_shape(grad, shape):

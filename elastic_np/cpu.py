@@ -228,10 +228,7 @@ def backward(problem, dout, out, lse):
     q_scaled_t = np.zeros((B, H, n_qt, D, BLOCK_Q), dtype=dtype)
     dout_t = np.zeros((B, H, n_qt, Dv, BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
-    dbeta_bh = np.empty((B, H))
-    _run_tasks(
-        _backward_prepare, q, dout, out, lse, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta, dbeta_bh
-    )
+    _run_tasks(_backward_prepare, q, dout, out, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta)
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).
@@ -265,7 +262,7 @@ def backward(problem, dout, out, lse):
     return problem.reduce_grads(
         dq, dk, dv,
         dtau_part.sum(axis=2),
-        dbeta_bh,
+        problem.sink_gradient(delta, lse),
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
         dbias=plan.result(),
     )
@@ -1329,10 +1326,8 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _backward_prepare(
-    q, dout, out, lse, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, dbeta, part, parts
-):
-    """Scaled queries (rows and Q^T tiles), dout^T tiles, delta and dbeta per (b, h)."""
+def _backward_prepare(q, dout, out, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, part, parts):
+    """Scaled queries (rows and Q^T tiles), dout^T tiles and delta in float64."""
     B, H, N, D = q.shape
     Dv = dout.shape[3]
     for bh in _task_range(B * H, part, parts):
@@ -1340,7 +1335,6 @@ def _backward_prepare(
         h = bh % H
         factor = opt.scale / opt.tau[h]
         logit_factor = _query_factor(opt, h)
-        dbeta_bh = 0.0
         for i in range(N):
             it = i // block_q
             r = i - it * block_q
@@ -1349,15 +1343,9 @@ def _backward_prepare(
                 acc += np.float64(dout[b, h, i, d]) * np.float64(out[b, h, i, d])
                 dout_t[b, h, it, d, r] = dout[b, h, i, d]
             delta[b, h, i] = acc
-            # dbeta = -sum_i delta_i exp(-lse_i); 0 for an empty row with beta = 0.
-            # In float64 (Numba's float() of a float32 stays a float32): a float32
-            # lse below -88.7 would overflow exp(-lse).
-            if acc != 0.0:
-                dbeta_bh -= acc * math.exp(-np.float64(lse[b, h, i]))
             for d in range(D):
                 q_scaled[b, h, i, d] = q[b, h, i, d] * factor
                 q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
-        dbeta[b, h] = dbeta_bh
 
 
 @njit(cache=True, fastmath=False)

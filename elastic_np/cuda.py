@@ -96,7 +96,6 @@ import numpy as np
 from elastic_np import _cuda_config as config
 from elastic_np import _options, reference
 from elastic_np._dispatch import BackendUnavailableError
-from elastic_np._options import sink_gradient
 
 __all__ = [
     "dtypes",
@@ -527,7 +526,7 @@ def backward(p, dout, out, lse):
     partials = partials.astype(np.float64)
     dtau_h = -partials[..., kern.P_DTAU].sum(axis=(0, 2)) / p.tau**2
     # dbeta on the host in float64: exp(-lse) overflows float32 once lse < -88.7
-    dbeta_h = sink_gradient(delta.copy_to_host(), lse.copy_to_host())
+    dbeta_h = p.sink_gradient(delta.copy_to_host(), lse.copy_to_host())
     dsigma_bh = partials[..., kern.P_DSIGMA].sum(axis=2) if p.sigma is not None else None
     if not on_device:
         dq, dk, dv = dq.copy_to_host(), dk.copy_to_host(), dv.copy_to_host()

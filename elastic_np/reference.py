@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np import _validation
 from elastic_np._merge import merge_attention_float64 as merge_attention
-from elastic_np._options import AttentionGrads, prepare, sink_gradient
+from elastic_np._options import AttentionGrads, prepare
 
 __all__ = [
     "softmax",
@@ -730,7 +730,7 @@ def _backward(p, dout, out, lse):
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
     dtau = -np.sum(dz * s, axis=(0, 2, 3)) / p.tau**2
-    dbeta = sink_gradient(delta, lse)
+    dbeta = p.sink_gradient(delta, lse)
 
     dsigma = None
     if gate is not None:

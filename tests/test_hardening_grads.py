@@ -44,6 +44,29 @@ def test_float32_dbeta_of_rows_of_both_signs_is_finite():
     np.testing.assert_allclose(grads.dbeta, want.dbeta, rtol=1e-3)
 
 
+def test_dbeta_of_overflowing_rows_of_both_signs_is_an_infinity_not_nan():
+    """Rows whose exp(-lse) overflows float64 in two heads, with a beta shared by the heads."""
+    q = np.array([10.0, -13.0, 60.0, 10.0, -53.0, 36.0]).reshape(1, 2, 3, 1)
+    k = np.array([130.0, 95.0]).reshape(1, 2, 1, 1)
+    v = np.array([-0.7, -1.3]).reshape(1, 2, 1, 1)
+    dout = np.array([-0.6, 0.04, -2.3, -0.2, -1.2, -0.7]).reshape(1, 2, 3, 1)
+    for backend, dtype in (("reference", np.float64), ("cpu", np.float64), ("cpu", np.float32)):
+        args = [a.astype(dtype) for a in (q, k, v)]
+        out, lse = enp.attention(*args, scale=1.0, return_lse=True, backend=backend)
+        grads = enp.attention_backward(dout.astype(dtype), *args, out, lse, scale=1.0, backend=backend)
+        # the row with lse = -95 * 53 dominates: delta = -1.2 * -1.3 > 0, dbeta = -inf
+        assert grads.dbeta == -np.inf, (backend, dtype)
+
+
+def test_dbeta_that_fits_float64_survives_an_overflowing_factor():
+    # exp(-lse) = exp(720) overflows, delta = 1e-10 brings the product back to 1e-10 e^720 ~ 1e303
+    from elastic_np._options import sink_gradient
+
+    delta = np.array([[[1e-10]]])
+    lse = np.array([[[-720.0]]])
+    np.testing.assert_allclose(sink_gradient(delta, lse), [-1e-10 * np.exp(360.0) * np.exp(360.0)], rtol=1e-13)
+
+
 # --- empty batches and key sets with every bias broadcast shape ---------------------------
 
 EMPTY_SHAPES = {  # (B, H, Hkv, N, M)
