@@ -18,7 +18,7 @@ read every entry anyway).
 
 import importlib
 
-from elastic_np import _options, reference
+from elastic_np import _options, _validation, reference
 
 BACKENDS = ("reference", "cpu", "cuda")
 _KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
@@ -181,6 +181,7 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
+    return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,

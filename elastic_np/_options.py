@@ -19,6 +19,18 @@ from elastic_np import _validation
 #: The values of ``align``: where the last query sits (see `AttentionProblem.kv_ends`).
 ALIGNS = ("array", "kv_lengths")
 
+#: The attention options every backend takes, as keywords (`prepare` takes private ones too).
+OPTION_NAMES = (
+    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
+    "dynamic_window", "softcap", "alibi_slopes", "bias",
+)
+
+#: The smallest ``sigma``: the smallest normal float64 (see `DynamicWindow`).
+SIGMA_MIN = float(np.finfo(np.float64).tiny)
+
+#: ``window_size`` entries are int64 in the kernels.
+WINDOW_MAX = 2**63 - 1
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicWindow:
@@ -39,7 +51,10 @@ class DynamicWindow:
     Parameters
     ----------
     sigma : float or array_like
-        Width of the bell, ``> 0``, broadcastable to ``(B, H)``. Learnable: the
+        Width of the bell, broadcastable to ``(B, H)``, at least the smallest
+        normal float64, ``2.2250738585072014e-308`` (below it the bell's
+        peak ``1 / (sigma sqrt(2 pi))`` overflows); the float32 kernels take
+        ``sigma >= 1.1754944e-38``, the smallest normal float32. Learnable: the
         backward returns ``dsigma`` in this shape.
     sharpness : float, optional
         Gate steepness, ``> 0``. Fixed.
@@ -51,7 +66,8 @@ class DynamicWindow:
     TypeError
         For a non-real ``sigma``, ``sharpness`` or ``threshold``.
     ValueError
-        For ``sigma <= 0``, ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
+        For ``sigma`` below the smallest normal float64 (``sigma <= 0``
+        included), ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
 
     Examples
     --------
@@ -70,6 +86,11 @@ class DynamicWindow:
             raise TypeError(f"`sigma` must be a real number or array, got {self.sigma!r}")
         if not (np.isfinite(sigma).all() and (sigma > 0).all()):
             raise ValueError(f"`sigma` must be finite and > 0, got {self.sigma!r}")
+        if (sigma < SIGMA_MIN).any():
+            raise ValueError(
+                f"`sigma` must be at least {SIGMA_MIN!r}, the smallest normal float64 "
+                f"(the bell's peak 1 / (sigma sqrt(2 pi)) overflows below it), got {self.sigma!r}"
+            )
         sigma.setflags(write=False)
         object.__setattr__(self, "sigma", sigma)
         object.__setattr__(
@@ -285,6 +306,9 @@ def prepare(
     ``defer_kv_check`` likewise leaves `check_cache_values` to the backend
     (the problem's ``kv_unchecked`` is then True).
     """
+    causal = _validation.boolean(causal, "causal")
+    nvm = _validation.boolean(nvm, "nvm")
+    check_finite = _validation.boolean(check_finite, "check_finite")
     q, k, v = (np.asarray(a) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
         _validation.check_real_float_dtype(a, name)
@@ -348,10 +372,14 @@ def prepare(
         softcap = _validation.positive_scalar(softcap, "softcap")
     alibi = _alibi(alibi_slopes, B, H)
     bias, bias_shape = _bias(bias, (B, H, N, M), check_finite and not defer_bias_check)
+    check_dtype_range(
+        np.float64 if dtypes is None else q.dtype, scale=scale, tau=tau, beta=beta, softcap=softcap,
+        alibi=alibi, sigma=sigma, sharpness=sharpness, threshold=threshold,
+    )
 
     return AttentionProblem(
-        q=q, k=k, v=v, scale=float(scale), causal=bool(causal), window=window,
-        kv_lengths=kv_lengths, mask=mask, nvm=bool(nvm), tau=tau, beta=beta,
+        q=q, k=k, v=v, scale=float(scale), causal=causal, window=window,
+        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         sigma=sigma, sharpness=sharpness, threshold=threshold,
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
         softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
@@ -368,9 +396,51 @@ def _window(window_size):
         raise ValueError(
             f"`window_size` must be a pair of integers (left, right), got {window_size!r}"
         ) from None
-    if left < -1 or right < -1:
-        raise ValueError(f"`window_size` entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    if not (-1 <= left <= WINDOW_MAX and -1 <= right <= WINDOW_MAX):
+        raise ValueError(
+            f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {window_size!r}"
+        )
     return (left, right)
+
+
+def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold):
+    """Reject options that ``dtype``, the dtype a backend computes in, cannot hold.
+
+    Every backend computes with the options, and with the factors the
+    kernels form from them (``scale / tau``, ``softcap / tau``,
+    ``tau / softcap``, ``slope / tau``), in its dtype: float64 for the
+    reference, the input dtype for the kernels. Each must be a finite normal
+    number of that dtype, or 0 where 0 is a valid value; ``beta``,
+    ``sharpness`` and ``threshold`` must only not overflow (a ``beta`` below
+    the normal range still acts as the tiny sink it is). Otherwise a kernel
+    would compute with ``inf`` or 0 and silently give empty rows. One check
+    here, before any backend runs, so that every backend rejects the same
+    values with the same message.
+    """
+    dtype = np.dtype(dtype)
+    check = _validation.check_in_dtype_range
+    where = ", the dtype of the computation"
+    with np.errstate(over="ignore", under="ignore"):
+        check("`tau`", tau, dtype, zero_ok=False, why=where)
+        check("`scale`", scale, dtype, zero_ok=True, why=where)
+        check("`scale` / `tau`", scale / tau, dtype, zero_ok=scale == 0,
+              why=", the factor of the scores in the kernels")
+        if softcap is not None:
+            check("`softcap`", softcap, dtype, zero_ok=False, why=where)
+            check("`softcap` / `tau`", softcap / tau, dtype, zero_ok=False, why=", a factor of the kernels")
+            check("`tau` / `softcap`", tau / softcap, dtype, zero_ok=False, why=", a factor of the kernels")
+        if alibi is not None:
+            check("`alibi_slopes`", alibi, dtype, zero_ok=alibi == 0, why=where)
+            check("`alibi_slopes` / `tau`", alibi / tau[None, :], dtype, zero_ok=alibi == 0,
+                  why=", a factor of the kernels")
+        if sigma is not None:
+            check("`sigma`", sigma, dtype, zero_ok=False, why=where)
+    for name, value in (("`beta`", beta), ("`sharpness`", sharpness), ("`threshold`", threshold)):
+        if (np.asarray(value) > np.finfo(dtype).max).any():
+            raise ValueError(
+                f"{name} = {float(np.max(value))!r} overflows {dtype}{where}: it must be at most "
+                f"{float(np.finfo(dtype).max):.6g}"
+            )
 
 
 def _kv_lengths(kv_lengths, B, M):
