@@ -343,7 +343,7 @@ def prepare(
     scale = 1.0 / np.sqrt(D) if scale is None else _validation.real_scalar(scale, "scale")
     if not np.isfinite(scale):
         raise ValueError(f"`scale` must be finite, got {scale!r}")
-    window = _window(window_size)
+    window = _window(window_size, N + M)
     kv_lengths = _kv_lengths(kv_lengths, B, M)
     if align not in ALIGNS:
         raise ValueError(f"`align` must be one of {ALIGNS}, got {align!r}")
@@ -388,7 +388,12 @@ def prepare(
     )
 
 
-def _window(window_size):
+def _window(window_size, span):
+    """``(left, right)`` validated; a side of ``span`` or more, which bounds nothing, becomes -1.
+
+    Every offset ``j - i - (E_b - N)`` lies in ``(-span, span)``, so a wider
+    side is unbounded; as -1 it cannot overflow the kernels' int64 arithmetic.
+    """
     try:
         left, right = window_size
         left, right = operator.index(left), operator.index(right)
@@ -400,7 +405,7 @@ def _window(window_size):
         raise ValueError(
             f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {window_size!r}"
         )
-    return (left, right)
+    return tuple(-1 if side >= span else side for side in (left, right))
 
 
 def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold):
