@@ -421,31 +421,56 @@ def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpne
     would compute with ``inf`` or 0 and silently give empty rows. One check
     here, before any backend runs, so that every backend rejects the same
     values with the same message.
+
+    The per-head values are checked through their extremes (a quotient's
+    extremes are the quotients of the extremes), in Python floats: this
+    runs on every call, small decoding steps included.
     """
+    if tau.size == 0:  # no heads: nothing is computed
+        return
     dtype = np.dtype(dtype)
-    check = _validation.check_in_dtype_range
-    where = ", the dtype of the computation"
-    with np.errstate(over="ignore", under="ignore"):
-        check("`tau`", tau, dtype, zero_ok=False, why=where)
-        check("`scale`", scale, dtype, zero_ok=True, why=where)
-        check("`scale` / `tau`", scale / tau, dtype, zero_ok=scale == 0,
-              why=", the factor of the scores in the kernels")
-        if softcap is not None:
-            check("`softcap`", softcap, dtype, zero_ok=False, why=where)
-            check("`softcap` / `tau`", softcap / tau, dtype, zero_ok=False, why=", a factor of the kernels")
-            check("`tau` / `softcap`", tau / softcap, dtype, zero_ok=False, why=", a factor of the kernels")
-        if alibi is not None:
-            check("`alibi_slopes`", alibi, dtype, zero_ok=alibi == 0, why=where)
-            check("`alibi_slopes` / `tau`", alibi / tau[None, :], dtype, zero_ok=alibi == 0,
-                  why=", a factor of the kernels")
-        if sigma is not None:
-            check("`sigma`", sigma, dtype, zero_ok=False, why=where)
-    for name, value in (("`beta`", beta), ("`sharpness`", sharpness), ("`threshold`", threshold)):
-        if (np.asarray(value) > np.finfo(dtype).max).any():
-            raise ValueError(
-                f"{name} = {float(np.max(value))!r} overflows {dtype}{where}: it must be at most "
-                f"{float(np.finfo(dtype).max):.6g}"
+    tiny, big = _dtype_limits(dtype)
+    where, factor = ", the dtype of the computation", ", a factor of the kernels' scores"
+
+    def check(name, lo, hi, zero_ok, values, why=where):
+        # lo, hi: the smallest and largest magnitude; 0 only where the numerator is 0
+        if not (hi <= big and (lo >= tiny or (lo == 0 and zero_ok))):
+            with np.errstate(over="ignore", under="ignore"):
+                _validation.check_in_dtype_range(name, values(), dtype, zero_ok=zero_ok, why=why)
+
+    tau_lo, tau_hi = float(tau.min()), float(tau.max())
+    size = abs(scale)
+    check("`tau`", tau_lo, tau_hi, False, lambda: tau)
+    check("`scale`", size, size, True, lambda: scale)
+    check("`scale` / `tau`", size / tau_hi, size / tau_lo, scale == 0, lambda: scale / tau, factor)
+    if softcap is not None:
+        check("`softcap`", softcap, softcap, False, lambda: softcap)
+        check("`softcap` / `tau`", softcap / tau_hi, softcap / tau_lo, False, lambda: softcap / tau, factor)
+        check("`tau` / `softcap`", tau_lo / softcap, tau_hi / softcap, False, lambda: tau / softcap, factor)
+    if sigma is not None and sigma.size:
+        check("`sigma`", float(sigma.min()), float(sigma.max()), False, lambda: sigma)
+    if alibi is not None:
+        with np.errstate(over="ignore", under="ignore"):
+            _validation.check_in_dtype_range("`alibi_slopes`", alibi, dtype, zero_ok=alibi == 0, why=where)
+            _validation.check_in_dtype_range(
+                "`alibi_slopes` / `tau`", alibi / tau, dtype, zero_ok=alibi == 0, why=factor
             )
+    for name, value in (("`beta`", float(beta.max())), ("`sharpness`", sharpness), ("`threshold`", threshold)):
+        if value > big:
+            raise ValueError(
+                f"{name} = {value!r} overflows {dtype}{where}: it must be at most {big:.6g}"
+            )
+
+
+_LIMITS = {}
+
+
+def _dtype_limits(dtype):
+    """``(smallest normal, largest)`` finite numbers of ``dtype``, as Python floats."""
+    if dtype not in _LIMITS:
+        info = np.finfo(dtype)
+        _LIMITS[dtype] = (float(info.tiny), float(info.max))
+    return _LIMITS[dtype]
 
 
 def _kv_lengths(kv_lengths, B, M):
