@@ -169,9 +169,12 @@ def attention(
     ------
     TypeError
         For a dtype the backend does not take (the kernels: float32 and
-        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask.
+        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask, or a
+        ``causal``, ``nvm`` or ``return_lse`` that is not a bool.
     ValueError
-        For inconsistent shapes or an out-of-range option; the message names it.
+        For inconsistent shapes or an out-of-range option, including one
+        that the dtype of the computation cannot hold (see the contract's
+        "Values that are rejected"); the message names it.
 
     Examples
     --------
@@ -225,7 +228,9 @@ def attention_backward(
     q, k, v : array_like
         The inputs given to `attention`.
     out, lse : array_like
-        What `attention` returned with ``return_lse=True``.
+        What `attention` returned with ``return_lse=True``. Only their
+        shapes, dtypes and values (no NaN or inf; ``lse`` may be ``-inf``)
+        are checked, not that they belong to these inputs.
     **options
         The options given to `attention` (``scale``, ``causal``,
         ``window_size``, ``kv_lengths``, ``align``, ``mask``, ``nvm``, ``tau``, ``beta``,

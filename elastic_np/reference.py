@@ -212,13 +212,15 @@ def elastic_softmax(x, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_finite=Tru
     x : array_like
         Real logits; ``-inf`` marks a masked entry.
     tau : float, optional
-        Temperature, finite and ``> 0``.
+        Temperature, finite and ``> 0``. Any such ``tau`` is computed: the
+        logits are shifted by their maximum before the division, so a
+        ``tau`` for which ``x / tau`` overflows gives the limit, the argmax.
     beta : float, optional
         Offset in the denominator (an attention sink), finite and ``>= 0``.
     axis : int, optional
         The axis to normalise along.
     nvm : bool, optional
-        Apply Negative Value Masking to ``x`` first (default).
+        Apply Negative Value Masking to ``x`` first (default); a bool.
     check_finite : bool, optional
         Raise a `ValueError` for NaN or ``+inf`` in ``x`` (default).
 
@@ -574,7 +576,7 @@ def attention(q, k, v, **options):
         (a `~elastic_np.DynamicWindow`), ``softcap=None`` (float ``> 0``),
         ``alibi_slopes=None`` (``(H,)`` or ``(B, H)``), ``bias=None`` (float,
         broadcastable to ``(B, H, N, M)``; ``-inf`` removes an entry),
-        ``check_finite=True``.
+        ``check_finite=True``. Any other keyword is a `TypeError`.
 
     Returns
     -------
@@ -585,10 +587,15 @@ def attention(q, k, v, **options):
     ------
     TypeError
         For non-float ``q``, ``k``, ``v``, a non-boolean ``mask``, integer-free
-        ``kv_lengths`` or a ``dynamic_window`` that is not a `DynamicWindow`.
+        ``kv_lengths``, a ``dynamic_window`` that is not a `DynamicWindow`,
+        a ``causal``, ``nvm`` or ``check_finite`` that is not a bool, or an
+        unknown keyword.
     ValueError
-        For inconsistent shapes, non-finite inputs or an out-of-range option;
-        the message names the parameter.
+        For inconsistent shapes, non-finite inputs or an out-of-range option
+        (options and the factors ``scale / tau``, ``softcap / tau``,
+        ``slope / tau`` must be normal float64 numbers, see
+        :ref:`contract-rejected`), or logits ``s / tau`` that overflow
+        float64; the message names the parameter.
 
     Examples
     --------
@@ -679,7 +686,10 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     q, k, v : array_like
         The inputs of the forward.
     out, lse : array_like
-        The forward's outputs.
+        The forward's outputs. Only their shapes and values (no NaN or inf;
+        ``lse`` may be ``-inf``) are checked, not that they are what the
+        forward returned for these inputs: an inconsistent ``lse`` (``-inf``
+        for a row that keeps entries, say) gives meaningless gradients.
     **options
         The same options as the forward.
 
@@ -695,7 +705,7 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     ------
     TypeError, ValueError
         As for `attention`, and for ``dout``, ``out``, ``lse`` of the wrong
-        shape or with NaN (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
+        shape or with NaN or inf (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
 
     Examples
     --------
