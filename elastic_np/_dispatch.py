@@ -49,6 +49,10 @@ class _ReferenceBackend:
 
 def get_backend(name):
     """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
+        )
     if name == "auto":
         name = "cuda" if _cuda_is_available() else "cpu"
     if name == "reference":

@@ -345,7 +345,7 @@ def prepare(
         raise ValueError(f"`scale` must be finite, got {scale!r}")
     window = _window(window_size, N + M)
     kv_lengths = _kv_lengths(kv_lengths, B, M)
-    if align not in ALIGNS:
+    if not isinstance(align, str) or align not in ALIGNS:
         raise ValueError(f"`align` must be one of {ALIGNS}, got {align!r}")
     if check_finite and not defer_kv_check:
         check_cache_values(k, v, kv_lengths)
@@ -396,6 +396,8 @@ def _window(window_size, span):
     """
     try:
         left, right = window_size
+        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
+            raise TypeError("a bool is not a window side")
         left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise ValueError(

@@ -39,7 +39,7 @@ def backends():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sigma", [1e-120, 1e-170, 1e-300])
+@pytest.mark.parametrize("sigma", [1e-30, 1e-120, 1e-170, 1e-300])
 @pytest.mark.parametrize("backend,dtype", backends())
 def test_tiny_sigma_keeps_only_the_aligned_key(backend, dtype, sigma):
     """Narrower than one key: only offset 0 is open, with G = 1, and dsigma = 0 (not NaN, not an error)."""
@@ -214,6 +214,18 @@ def test_numpy_booleans_are_booleans():
     np.testing.assert_array_equal(got[0], want[0])
     got = enp.attention(q, k, v, causal=np.True_, return_lse=np.True_, backend="cpu")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("align", np.array(["array", "kv_lengths"])), ("backend", np.array(["cpu", "reference"])),
+    ("window_size", (True, 0)), ("window_size", (0, np.True_)),
+])
+def test_string_and_integer_options_are_not_truth_tested(name, value):
+    """The siblings of the boolean options: NumPy's ambiguity message, or a bool taken for 1."""
+    q, k, v, dout = inputs()
+    options = {"backend": "reference", name: value}
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        enp.attention(q, k, v, **options)
 
 
 @pytest.mark.parametrize("keyword", ["defer_bias_check", "defer_kv_check", "dtypes", "return_lse", "causl"])
