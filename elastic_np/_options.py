@@ -375,6 +375,7 @@ def prepare(
     check_dtype_range(
         np.float64 if dtypes is None else q.dtype, scale=scale, tau=tau, beta=beta, softcap=softcap,
         alibi=alibi, sigma=sigma, sharpness=sharpness, threshold=threshold,
+        uniform=tau_shape == () and beta_shape == (),
     )
 
     return AttentionProblem(
@@ -407,10 +408,10 @@ def _window(window_size, span):
         raise ValueError(
             f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {window_size!r}"
         )
-    return tuple(-1 if side >= span else side for side in (left, right))
+    return (-1 if left >= span else left, -1 if right >= span else right)
 
 
-def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold):
+def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold, uniform=False):
     """Reject options that ``dtype``, the dtype a backend computes in, cannot hold.
 
     Every backend computes with the options, and with the factors the
@@ -426,7 +427,8 @@ def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpne
 
     The per-head values are checked through their extremes (a quotient's
     extremes are the quotients of the extremes), in Python floats: this
-    runs on every call, small decoding steps included.
+    runs on every call, small decoding steps included. ``uniform`` says that
+    ``tau`` and ``beta`` each hold one value (given as scalars).
     """
     if tau.size == 0:  # no heads: nothing is computed
         return
@@ -440,7 +442,11 @@ def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpne
             with np.errstate(over="ignore", under="ignore"):
                 _validation.check_in_dtype_range(name, values(), dtype, zero_ok=zero_ok, why=why)
 
-    tau_lo, tau_hi = float(tau.min()), float(tau.max())
+    if uniform:
+        tau_lo = tau_hi = float(tau[0])
+        beta_hi = float(beta[0])
+    else:
+        tau_lo, tau_hi, beta_hi = float(tau.min()), float(tau.max()), float(beta.max())
     size = abs(scale)
     check("`tau`", tau_lo, tau_hi, False, lambda: tau)
     check("`scale`", size, size, True, lambda: scale)
@@ -457,7 +463,7 @@ def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpne
             _validation.check_in_dtype_range(
                 "`alibi_slopes` / `tau`", alibi / tau, dtype, zero_ok=alibi == 0, why=factor
             )
-    for name, value in (("`beta`", float(beta.max())), ("`sharpness`", sharpness), ("`threshold`", threshold)):
+    for name, value in (("`beta`", beta_hi), ("`sharpness`", sharpness), ("`threshold`", threshold)):
         if value > big:
             raise ValueError(
                 f"{name} = {value!r} overflows {dtype}{where}: it must be at most {big:.6g}"
