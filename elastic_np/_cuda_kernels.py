@@ -59,14 +59,13 @@ F_ONE = 5
 F_SOFTCAP = 6  # 0: no soft-cap
 F_COUNT = 7
 
-# bh_consts, per (b, h)
+# bh_consts, per (b, h); the window works with u = x / sigma, which neither
+# over- nor underflows where the bell is open, unlike sigma^2 and sigma^3
 C_NORM = 0  # 1 / (sigma sqrt(2 pi))
-C_INV_TWO_SIGMA2 = 1  # 1 / (2 sigma^2)
-C_INV_SIGMA = 2
-C_INV_SIGMA3 = 3
-C_ALIBI = 4  # the ALiBi slope
-C_X_SCALE = 5  # the window's 2 / (E_b - 1), or 0 for E_b <= 1 (E_b: see `_shift`)
-C_COUNT = 6
+C_INV_SIGMA = 1  # 1 / sigma
+C_ALIBI = 2  # the ALiBi slope
+C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_shift`)
+C_COUNT = 4
 
 # partials of the dq kernel, per (b, h, query tile)
 P_DTAU = 0  # sum dz * s
@@ -160,14 +159,14 @@ def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, 
 
 
 @cuda.jit(device=True)
-def _gate(i, j, off, x_scale, norm, inv_two_sigma2, threshold, sharpness, fopts):
-    """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, position ``x``."""
-    x = x_scale * _real(j - i - off, fopts)
-    f = norm * math.exp(-(x * x) * inv_two_sigma2)
+def _gate(i, j, off, u_scale, norm, threshold, sharpness, fopts):
+    """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, ``u = x / sigma``."""
+    u = u_scale * _real(j - i - off, fopts)
+    f = norm * math.exp(-(u * u) / (fopts[F_ONE] + fopts[F_ONE]))
     G = fopts[F_ZERO]
     if f > threshold:
         G = math.tanh(sharpness * f)
-    return G, f, x
+    return G, f, u
 
 
 @cuda.jit(device=True)
@@ -272,12 +271,10 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     if iopts[I_HAS_ALIBI] != 0:
         alibi_slope = bh_consts[b, h, C_ALIBI]
     g_norm = zero
-    g_inv_two_sigma2 = zero
-    x_scale = zero
+    u_scale = zero
     if has_gate:
         g_norm = bh_consts[b, h, C_NORM]
-        g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
-        x_scale = bh_consts[b, h, C_X_SCALE]
+        u_scale = bh_consts[b, h, C_U_SCALE]
     row_max = fopts[F_NEG_INF]
     row_sum = zero
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
@@ -308,7 +305,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
                 continue
             z = s / tau_h
             if has_gate:
-                G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -423,16 +420,12 @@ def _backward_dq_kernel(
     if iopts[I_HAS_ALIBI] != 0:
         alibi_slope = bh_consts[b, h, C_ALIBI]
     g_norm = zero
-    g_inv_two_sigma2 = zero
     g_inv_sigma = zero
-    g_inv_sigma3 = zero
-    x_scale = zero
+    u_scale = zero
     if has_gate:
         g_norm = bh_consts[b, h, C_NORM]
-        g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
-        x_scale = bh_consts[b, h, C_X_SCALE]
+        u_scale = bh_consts[b, h, C_U_SCALE]
         g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
-        g_inv_sigma3 = bh_consts[b, h, C_INV_SIGMA3]
     row_delta = zero
     row_lse = zero
     if row:
@@ -481,9 +474,9 @@ def _backward_dq_kernel(
             z = s / tau_h
             G = zero
             f = zero
-            x = zero
+            u = zero
             if has_gate:
-                G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
                 if not G > zero:
                     continue
                 z += math.log(G)
@@ -500,7 +493,7 @@ def _backward_dq_kernel(
                 dq_acc[t * q_stride + d] += ds_raw * k_tile[jj * D + d]
             sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
-                sigma_term = x * x * g_inv_sigma3 - g_inv_sigma
+                sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
                 # d log G / dy = (1 - G^2) / G = 2 / sinh(2y), y = sharpness f: no cancellation
                 y = sharpness * f
                 dlogg = sharpness * ((fopts[F_ONE] + fopts[F_ONE]) / math.sinh(y + y)) * f * sigma_term
@@ -591,12 +584,10 @@ def _backward_dkdv_kernel(
     for h in range(hk * group, (hk + 1) * group):
         tau_h = tau[h]
         g_norm = zero
-        g_inv_two_sigma2 = zero
-        x_scale = zero
+        u_scale = zero
         if has_gate:
             g_norm = bh_consts[b, h, C_NORM]
-            g_inv_two_sigma2 = bh_consts[b, h, C_INV_TWO_SIGMA2]
-            x_scale = bh_consts[b, h, C_X_SCALE]
+            u_scale = bh_consts[b, h, C_U_SCALE]
         alibi_slope = zero
         if has_alibi:
             alibi_slope = bh_consts[b, h, C_ALIBI]
@@ -632,7 +623,7 @@ def _backward_dkdv_kernel(
                     continue
                 z = s / tau_h
                 if has_gate:
-                    G, f, x = _gate(i, j, shift, x_scale, g_norm, g_inv_two_sigma2, threshold, sharpness, fopts)
+                    G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
                     if not G > zero:
                         continue
                     z += math.log(G)
@@ -732,9 +723,8 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             tau_h = tau[h]
             z = s / tau_h
             if has_gate:
-                G, f, x = _gate(
-                    i, j, shift, bh_consts[b, h, C_X_SCALE], bh_consts[b, h, C_NORM], bh_consts[b, h, C_INV_TWO_SIGMA2],
-                    threshold, sharpness, fopts,
+                G, f, u = _gate(
+                    i, j, shift, bh_consts[b, h, C_U_SCALE], bh_consts[b, h, C_NORM], threshold, sharpness, fopts,
                 )
                 if not G > zero:
                     continue

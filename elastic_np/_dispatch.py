@@ -18,7 +18,7 @@ read every entry anyway).
 
 import importlib
 
-from elastic_np import _options, reference
+from elastic_np import _options, _validation, reference
 
 BACKENDS = ("reference", "cpu", "cuda")
 _KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
@@ -49,6 +49,10 @@ class _ReferenceBackend:
 
 def get_backend(name):
     """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
+        )
     if name == "auto":
         name = "cuda" if _cuda_is_available() else "cpu"
     if name == "reference":
@@ -169,9 +173,12 @@ def attention(
     ------
     TypeError
         For a dtype the backend does not take (the kernels: float32 and
-        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask.
+        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask, or a
+        ``causal``, ``nvm`` or ``return_lse`` that is not a bool.
     ValueError
-        For inconsistent shapes or an out-of-range option; the message names it.
+        For inconsistent shapes or an out-of-range option, including one
+        that the dtype of the computation cannot hold (see the contract's
+        "Values that are rejected"); the message names it.
 
     Examples
     --------
@@ -181,6 +188,7 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
+    return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
     problem = _prepare(module)(
         q, k, v, scale=scale, causal=causal, window_size=window_size,
@@ -224,7 +232,9 @@ def attention_backward(
     q, k, v : array_like
         The inputs given to `attention`.
     out, lse : array_like
-        What `attention` returned with ``return_lse=True``.
+        What `attention` returned with ``return_lse=True``. Only their
+        shapes, dtypes and values (no NaN or inf; ``lse`` may be ``-inf``)
+        are checked, not that they belong to these inputs.
     **options
         The options given to `attention` (``scale``, ``causal``,
         ``window_size``, ``kv_lengths``, ``align``, ``mask``, ``nvm``, ``tau``, ``beta``,

@@ -20,6 +20,18 @@ from elastic_np import _validation
 #: The values of ``align``: where the last query sits (see `AttentionProblem.kv_ends`).
 ALIGNS = ("array", "kv_lengths")
 
+#: The attention options every backend takes, as keywords (`prepare` takes private ones too).
+OPTION_NAMES = (
+    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
+    "dynamic_window", "softcap", "alibi_slopes", "bias",
+)
+
+#: The smallest ``sigma``: the smallest normal float64 (see `DynamicWindow`).
+SIGMA_MIN = float(np.finfo(np.float64).tiny)
+
+#: ``window_size`` entries are int64 in the kernels.
+WINDOW_MAX = 2**63 - 1
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicWindow:
@@ -40,7 +52,10 @@ class DynamicWindow:
     Parameters
     ----------
     sigma : float or array_like
-        Width of the bell, ``> 0``, broadcastable to ``(B, H)``. Learnable: the
+        Width of the bell, broadcastable to ``(B, H)``, at least the smallest
+        normal float64, ``2.2250738585072014e-308`` (below it the bell's
+        peak ``1 / (sigma sqrt(2 pi))`` overflows); the float32 kernels take
+        ``sigma >= 1.1754944e-38``, the smallest normal float32. Learnable: the
         backward returns ``dsigma`` in this shape.
     sharpness : float, optional
         Gate steepness, ``> 0``. Fixed.
@@ -52,7 +67,8 @@ class DynamicWindow:
     TypeError
         For a non-real ``sigma``, ``sharpness`` or ``threshold``.
     ValueError
-        For ``sigma <= 0``, ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
+        For ``sigma`` below the smallest normal float64 (``sigma <= 0``
+        included), ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
 
     Examples
     --------
@@ -71,6 +87,11 @@ class DynamicWindow:
             raise TypeError(f"`sigma` must be a real number or array, got {self.sigma!r}")
         if not (np.isfinite(sigma).all() and (sigma > 0).all()):
             raise ValueError(f"`sigma` must be finite and > 0, got {self.sigma!r}")
+        if (sigma < SIGMA_MIN).any():
+            raise ValueError(
+                f"`sigma` must be at least {SIGMA_MIN!r}, the smallest normal float64 "
+                f"(the bell's peak 1 / (sigma sqrt(2 pi)) overflows below it), got {self.sigma!r}"
+            )
         sigma.setflags(write=False)
         object.__setattr__(self, "sigma", sigma)
         object.__setattr__(
@@ -323,6 +344,9 @@ def prepare(
     ``defer_kv_check`` likewise leaves `check_cache_values` to the backend
     (the problem's ``kv_unchecked`` is then True).
     """
+    causal = _validation.boolean(causal, "causal")
+    nvm = _validation.boolean(nvm, "nvm")
+    check_finite = _validation.boolean(check_finite, "check_finite")
     q, k, v = (np.asarray(a) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
         _validation.check_real_float_dtype(a, name)
@@ -357,9 +381,9 @@ def prepare(
     scale = 1.0 / np.sqrt(D) if scale is None else _validation.real_scalar(scale, "scale")
     if not np.isfinite(scale):
         raise ValueError(f"`scale` must be finite, got {scale!r}")
-    window = _window(window_size)
+    window = _window(window_size, N + M)
     kv_lengths = _kv_lengths(kv_lengths, B, M)
-    if align not in ALIGNS:
+    if not isinstance(align, str) or align not in ALIGNS:
         raise ValueError(f"`align` must be one of {ALIGNS}, got {align!r}")
     if check_finite and not defer_kv_check:
         check_cache_values(k, v, kv_lengths)
@@ -386,10 +410,15 @@ def prepare(
         softcap = _validation.positive_scalar(softcap, "softcap")
     alibi = _alibi(alibi_slopes, B, H)
     bias, bias_shape = _bias(bias, (B, H, N, M), check_finite and not defer_bias_check)
+    check_dtype_range(
+        np.float64 if dtypes is None else q.dtype, scale=scale, tau=tau, beta=beta, softcap=softcap,
+        alibi=alibi, sigma=sigma, sharpness=sharpness, threshold=threshold,
+        uniform=tau_shape == () and beta_shape == (),
+    )
 
     return AttentionProblem(
-        q=q, k=k, v=v, scale=float(scale), causal=bool(causal), window=window,
-        kv_lengths=kv_lengths, mask=mask, nvm=bool(nvm), tau=tau, beta=beta,
+        q=q, k=k, v=v, scale=float(scale), causal=causal, window=window,
+        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
         sigma=sigma, sharpness=sharpness, threshold=threshold,
         tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
         softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
@@ -398,17 +427,96 @@ def prepare(
     )
 
 
-def _window(window_size):
+def _window(window_size, span):
+    """``(left, right)`` validated; a side of ``span`` or more, which bounds nothing, becomes -1.
+
+    Every offset ``j - i - (E_b - N)`` lies in ``(-span, span)``, so a wider
+    side is unbounded; as -1 it cannot overflow the kernels' int64 arithmetic.
+    """
     try:
         left, right = window_size
+        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
+            raise TypeError("a bool is not a window side")
         left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise ValueError(
             f"`window_size` must be a pair of integers (left, right), got {window_size!r}"
         ) from None
-    if left < -1 or right < -1:
-        raise ValueError(f"`window_size` entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    return (left, right)
+    if not (-1 <= left <= WINDOW_MAX and -1 <= right <= WINDOW_MAX):
+        raise ValueError(
+            f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {window_size!r}"
+        )
+    return (-1 if left >= span else left, -1 if right >= span else right)
+
+
+def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold, uniform=False):
+    """Reject options that ``dtype``, the dtype a backend computes in, cannot hold.
+
+    Every backend computes with the options, and with the factors the
+    kernels form from them (``scale / tau``, ``softcap / tau``,
+    ``tau / softcap``, ``slope / tau``), in its dtype: float64 for the
+    reference, the input dtype for the kernels. Each must be a finite normal
+    number of that dtype, or 0 where 0 is a valid value; ``beta``,
+    ``sharpness`` and ``threshold`` must only not overflow (a ``beta`` below
+    the normal range still acts as the tiny sink it is). Otherwise a kernel
+    would compute with ``inf`` or 0 and silently give empty rows. One check
+    here, before any backend runs, so that every backend rejects the same
+    values with the same message.
+
+    The per-head values are checked through their extremes (a quotient's
+    extremes are the quotients of the extremes), in Python floats: this
+    runs on every call, small decoding steps included. ``uniform`` says that
+    ``tau`` and ``beta`` each hold one value (given as scalars).
+    """
+    if tau.size == 0:  # no heads: nothing is computed
+        return
+    dtype = np.dtype(dtype)
+    tiny, big = _dtype_limits(dtype)
+    where, factor = ", the dtype of the computation", ", a factor of the kernels' scores"
+
+    def check(name, lo, hi, zero_ok, values, why=where):
+        # lo, hi: the smallest and largest magnitude; 0 only where the numerator is 0
+        if not (hi <= big and (lo >= tiny or (lo == 0 and zero_ok))):
+            with np.errstate(over="ignore", under="ignore"):
+                _validation.check_in_dtype_range(name, values(), dtype, zero_ok=zero_ok, why=why)
+
+    if uniform:
+        tau_lo = tau_hi = float(tau[0])
+        beta_hi = float(beta[0])
+    else:
+        tau_lo, tau_hi, beta_hi = float(tau.min()), float(tau.max()), float(beta.max())
+    size = abs(scale)
+    check("`tau`", tau_lo, tau_hi, False, lambda: tau)
+    check("`scale`", size, size, True, lambda: scale)
+    check("`scale` / `tau`", size / tau_hi, size / tau_lo, scale == 0, lambda: scale / tau, factor)
+    if softcap is not None:
+        check("`softcap`", softcap, softcap, False, lambda: softcap)
+        check("`softcap` / `tau`", softcap / tau_hi, softcap / tau_lo, False, lambda: softcap / tau, factor)
+        check("`tau` / `softcap`", tau_lo / softcap, tau_hi / softcap, False, lambda: tau / softcap, factor)
+    if sigma is not None and sigma.size:
+        check("`sigma`", float(sigma.min()), float(sigma.max()), False, lambda: sigma)
+    if alibi is not None:
+        with np.errstate(over="ignore", under="ignore"):
+            _validation.check_in_dtype_range("`alibi_slopes`", alibi, dtype, zero_ok=alibi == 0, why=where)
+            _validation.check_in_dtype_range(
+                "`alibi_slopes` / `tau`", alibi / tau, dtype, zero_ok=alibi == 0, why=factor
+            )
+    for name, value in (("`beta`", beta_hi), ("`sharpness`", sharpness), ("`threshold`", threshold)):
+        if value > big:
+            raise ValueError(
+                f"{name} = {value!r} overflows {dtype}{where}: it must be at most {big:.6g}"
+            )
+
+
+_LIMITS = {}
+
+
+def _dtype_limits(dtype):
+    """``(smallest normal, largest)`` finite numbers of ``dtype``, as Python floats."""
+    if dtype not in _LIMITS:
+        info = np.finfo(dtype)
+        _LIMITS[dtype] = (float(info.tiny), float(info.max))
+    return _LIMITS[dtype]
 
 
 def _kv_lengths(kv_lengths, B, M):

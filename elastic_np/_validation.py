@@ -115,3 +115,37 @@ def per_head(value, H, name, *, positive):
         rule = "> 0" if positive else ">= 0"
         raise ValueError(f"`{name}` must be finite and {rule}, got {value!r}")
     return np.broadcast_to(arr, (H,)).copy(), arr.shape
+
+
+def boolean(value, name):
+    """``value`` as a bool when it is one (Python or NumPy), else a `TypeError` naming ``name``.
+
+    Truth-testing would take ``"False"`` for True and fail on an array with
+    NumPy's ambiguity message; integers are not accepted either.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}")
+
+
+def check_in_dtype_range(name, values, dtype, *, zero_ok, why=""):
+    """Raise a `ValueError` naming ``name`` unless every value fits ``dtype`` as a normal number.
+
+    A value fits when it is finite and its magnitude lies between the
+    smallest normal number of ``dtype`` and its maximum; 0 fits where
+    ``zero_ok`` (a bool or a boolean array like ``values``) is True. Below
+    the normal range a value loses precision or becomes 0; above it, it is
+    ``inf``. ``values`` are float64 (a quotient computed in float64 that
+    over- or underflows there is out of range for either dtype).
+    """
+    info = np.finfo(dtype)
+    size = np.abs(np.asarray(values, dtype=np.float64))
+    fits = (size <= info.max) & ((size >= info.tiny) | ((size == 0) & zero_ok))
+    if not fits.all():
+        bad = float(np.asarray(values, dtype=np.float64).ravel()[np.argmin(fits.ravel())])
+        zero = "0 or " if np.any(zero_ok) else ""
+        raise ValueError(
+            f"{name} = {bad!r} is out of the range of {np.dtype(dtype)}{why}: it must be "
+            f"{zero}between {float(info.tiny):.6g} and {float(info.max):.6g} in magnitude "
+            "(below, it underflows; above, it overflows)"
+        )

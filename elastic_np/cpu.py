@@ -618,16 +618,16 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
             for t in range(lo_t, hi_t + 1):
                 off = t - (M - 1)
                 x = 2.0 * off / (E - 1) if E > 1 else 0.0
-                f = math.exp(-(x * x) / (2 * s * s)) / (s * root_2pi)
+                u = x / s  # divided first: s * s and s**3 underflow for a tiny sigma
+                f = math.exp(-0.5 * (u * u)) / (s * root_2pi)
                 g = math.tanh(sharpness * (f if f > threshold else 0.0))
                 if g > 0.0:
                     log_gate[b, h, t] = math.log(g)
                     if with_grad:
+                        # d log G / d sigma = sharpness (1 - G^2) / G f (x^2 / s^3 - 1 / s), with
                         # (1 - g^2) / g = 2 / sinh(2y), y = sharpness f: no cancellation as g -> 1
                         y = sharpness * f
-                        dlog_gate[b, h, t] = (
-                            sharpness * (2.0 / math.sinh(2.0 * y)) * f * (x * x / (s * s * s) - 1 / s)
-                        )
+                        dlog_gate[b, h, t] = sharpness * (2.0 / math.sinh(2.0 * y)) * f * ((u * u - 1.0) / s)
                     first = min(first, t)
                     last = max(last, t)
             band[b, h, 0] = first - (M - 1)

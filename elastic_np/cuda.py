@@ -363,14 +363,13 @@ def _launch_options(p):
     else:
         bh_consts = np.zeros((B, H, kern.C_COUNT), dtype=dtype)
         if p.sigma is not None:
+            # finite in the dtype for sigma >= its smallest normal (`_options.check_dtype_range`)
             sigma = p.sigma
             bh_consts[..., kern.C_NORM] = 1.0 / (sigma * math.sqrt(2 * math.pi))
-            bh_consts[..., kern.C_INV_TWO_SIGMA2] = 1.0 / (2.0 * sigma**2)
             bh_consts[..., kern.C_INV_SIGMA] = 1.0 / sigma
-            bh_consts[..., kern.C_INV_SIGMA3] = 1.0 / sigma**3
             ends = p.kv_ends[:, None].astype(np.float64)
             with np.errstate(divide="ignore"):
-                bh_consts[..., kern.C_X_SCALE] = np.where(ends > 1, 2.0 / (ends - 1), 0.0)
+                bh_consts[..., kern.C_U_SCALE] = np.where(ends > 1, 2.0 / (ends - 1), 0.0) / sigma
         if p.alibi is not None:
             bh_consts[..., kern.C_ALIBI] = p.alibi
     if p.mask is None:
@@ -524,7 +523,7 @@ def backward(p, dout, out, lse):
     if p.bias is not None and dbias is None:  # nothing to sum: an empty problem
         dbias = cuda.to_device(np.zeros(_dbias_shape(p), dtype=dtype))
     partials = partials.astype(np.float64)
-    dtau_h = -partials[..., kern.P_DTAU].sum(axis=(0, 2)) / p.tau**2
+    dtau_h = -(partials[..., kern.P_DTAU].sum(axis=(0, 2)) / p.tau) / p.tau  # tau**2 may underflow
     # dbeta on the host in float64: exp(-lse) overflows float32 once lse < -88.7
     dbeta_h = p.sink_gradient(delta.copy_to_host(), lse.copy_to_host())
     dsigma_bh = partials[..., kern.P_DSIGMA].sum(axis=2) if p.sigma is not None else None

@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np import _validation
 from elastic_np._merge import merge_attention_float64 as merge_attention
-from elastic_np._options import AttentionGrads, prepare
+from elastic_np._options import OPTION_NAMES, AttentionGrads, prepare
 
 __all__ = [
     "softmax",
@@ -39,6 +39,7 @@ __all__ = [
 
 
 def _logits(x, axis, check_finite, name="x"):
+    check_finite = _validation.boolean(check_finite, "check_finite")
     x = _validation.real_float_array(x, name, check_finite=check_finite, allow_neg_inf=True)
     return x, _validation.reduction_axis(x, axis, name)
 
@@ -175,11 +176,15 @@ def _elastic_stats(x, tau, beta, axis, use_nvm, check_finite):
     """
     tau = _validation.positive_scalar(tau, "tau")
     beta = _validation.nonnegative_scalar(beta, "beta")
+    use_nvm = _validation.boolean(use_nvm, "nvm")
     x, axis = _logits(x, axis, check_finite)
     x_tilde = nvm(x) if use_nvm else x
-    z = x_tilde / tau
-    m = _safe_max(z, axis)
-    e = np.exp(z - m)
+    x_max = _safe_max(x_tilde, axis)
+    with np.errstate(over="ignore"):
+        # shifted before the division: x / tau may overflow for a small tau
+        # where (x - max x) / tau <= 0 cannot (it may go to -inf: weight 0)
+        e = np.exp((x_tilde - x_max) / tau)
+        m = x_max / tau  # inf when it overflows: then log D is inf and beta's term 0
     row_sum = e.sum(axis=axis, keepdims=True)
     # beta * exp(-m) as exp(log(beta) - m): it may overflow to inf (then y = 0,
     # the right limit) but never makes inf * 0; log(0) = -inf gives 0 for beta = 0.
@@ -207,13 +212,15 @@ def elastic_softmax(x, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_finite=Tru
     x : array_like
         Real logits; ``-inf`` marks a masked entry.
     tau : float, optional
-        Temperature, finite and ``> 0``.
+        Temperature, finite and ``> 0``. Any such ``tau`` is computed: the
+        logits are shifted by their maximum before the division, so a
+        ``tau`` for which ``x / tau`` overflows gives the limit, the argmax.
     beta : float, optional
         Offset in the denominator (an attention sink), finite and ``>= 0``.
     axis : int, optional
         The axis to normalise along.
     nvm : bool, optional
-        Apply Negative Value Masking to ``x`` first (default).
+        Apply Negative Value Masking to ``x`` first (default); a bool.
     check_finite : bool, optional
         Raise a `ValueError` for NaN or ``+inf`` in ``x`` (default).
 
@@ -407,7 +414,8 @@ def elastic_softmax_vjp(x, dy, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_fi
     delta = np.sum(dy * y, axis=axis, keepdims=True)
     dz = np.where(kept, y * (dy - delta), 0.0)
     dx = dz / tau
-    dtau = -np.sum(dz * np.where(kept, x_tilde, 0.0)) / tau**2
+    # divided twice: tau**2 underflows for tau < 1.5e-154
+    dtau = -(np.sum(dz * np.where(kept, x_tilde, 0.0)) / tau) / tau
     # delta / D = delta * exp(-log D); an empty row with beta = 0 has delta = 0, D = 0.
     with np.errstate(over="ignore", invalid="ignore"):
         per_row = np.where(delta == 0, 0.0, delta * np.exp(-log_denominator))
@@ -430,18 +438,20 @@ def scores(p):
     """
     B, H, Hkv, N, M, D, Dv = p.shape
     k = np.repeat(p.k, p.group_size, axis=1)  # query head h reads kv head h // group_size
-    s = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k)
-    cap_slope = None
-    if p.softcap is not None:
-        x = s / p.softcap
-        s = p.softcap * np.tanh(x)
-        # 1 - tanh(x)^2 as 4 e / (1 + e)^2, e = exp(-2|x|): 1 - t * t cancels once t rounds to 1
-        e = np.exp(-2 * np.abs(x))
-        cap_slope = 4 * e / (1 + e) ** 2
-    if p.alibi is not None:
-        s = s - p.alibi[:, :, None, None] * np.abs(_offsets(p))
-    if p.bias is not None:
-        s = s + p.bias
+    # an overflow is either harmless (-inf: weight 0) or found by `_attention_logits`
+    with np.errstate(over="ignore"):
+        s = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k)
+        cap_slope = None
+        if p.softcap is not None:
+            x = s / p.softcap
+            s = p.softcap * np.tanh(x)
+            # 1 - tanh(x)^2 as 4 e / (1 + e)^2, e = exp(-2|x|): 1 - t * t cancels once t rounds to 1
+            e = np.exp(-2 * np.abs(x))
+            cap_slope = 4 * e / (1 + e) ** 2
+        if p.alibi is not None:
+            s = s - p.alibi[:, :, None, None] * np.abs(_offsets(p))
+        if p.bias is not None:
+            s = s + p.bias
     return s, cap_slope
 
 
@@ -459,7 +469,13 @@ def _attention_logits(p):
         s = np.where(keep, s, 0.0)  # and stays out of the dtau sum
     if p.nvm:
         keep = keep & (s >= 0)
-    z = s / p.tau[:, None, None]
+    with np.errstate(over="ignore"):
+        z = s / p.tau[:, None, None]
+    if not (np.where(keep, z, 0.0) < np.inf).all():  # +inf or NaN where kept
+        raise ValueError(
+            "the logits `scale * q . k / tau` (with the score modifiers) overflow float64: "
+            "reduce `scale` or the inputs, or raise `tau`"
+        )
     gate = None
     if p.sigma is not None:
         G, f, x = window_gate(p)
@@ -519,7 +535,9 @@ def window_gate(p):
     """
     x = window_position(p)
     sigma = p.sigma[:, :, None, None]
-    f = np.exp(-(x**2) / (2 * sigma**2)) / (sigma * np.sqrt(2 * np.pi))
+    with np.errstate(over="ignore"):
+        u = x / sigma  # divided first: sigma**2 underflows for sigma < 1.5e-154
+        f = np.exp(-0.5 * (u * u)) / (sigma * np.sqrt(2 * np.pi))
     G = np.tanh(p.sharpness * np.where(f > p.threshold, f, 0.0))
     return G, f, x
 
@@ -560,7 +578,7 @@ def attention(q, k, v, **options):
         (a `~elastic_np.DynamicWindow`), ``softcap=None`` (float ``> 0``),
         ``alibi_slopes=None`` (``(H,)`` or ``(B, H)``), ``bias=None`` (float,
         broadcastable to ``(B, H, N, M)``; ``-inf`` removes an entry),
-        ``check_finite=True``.
+        ``check_finite=True``. Any other keyword is a `TypeError`.
 
     Returns
     -------
@@ -571,10 +589,15 @@ def attention(q, k, v, **options):
     ------
     TypeError
         For non-float ``q``, ``k``, ``v``, a non-boolean ``mask``, integer-free
-        ``kv_lengths`` or a ``dynamic_window`` that is not a `DynamicWindow`.
+        ``kv_lengths``, a ``dynamic_window`` that is not a `DynamicWindow`,
+        a ``causal``, ``nvm`` or ``check_finite`` that is not a bool, or an
+        unknown keyword.
     ValueError
-        For inconsistent shapes, non-finite inputs or an out-of-range option;
-        the message names the parameter.
+        For inconsistent shapes, non-finite inputs or an out-of-range option
+        (options and the factors ``scale / tau``, ``softcap / tau``,
+        ``slope / tau`` must be normal float64 numbers, see
+        :ref:`contract-rejected`), or logits ``s / tau`` that overflow
+        float64; the message names the parameter.
 
     Examples
     --------
@@ -588,8 +611,20 @@ def attention(q, k, v, **options):
     >>> lse.round(6)
     array([[[2.      , 2.693147]]])
     """
-    p = prepare(q, k, v, **options)
+    p = prepare(q, k, v, **_attention_options(options, "attention"))
     return _forward(p)
+
+
+def _attention_options(options, function):
+    """``options`` when each is an attention option or ``check_finite``; else a `TypeError`.
+
+    `prepare` also takes private keywords (``dtypes``, ``defer_bias_check``,
+    ``defer_kv_check``) that must not reach it from here.
+    """
+    for name in options:
+        if name not in OPTION_NAMES and name != "check_finite":
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return options
 
 
 def _without_padding(p):
@@ -653,7 +688,10 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     q, k, v : array_like
         The inputs of the forward.
     out, lse : array_like
-        The forward's outputs.
+        The forward's outputs. Only their shapes and values (no NaN or inf;
+        ``lse`` may be ``-inf``) are checked, not that they are what the
+        forward returned for these inputs: an inconsistent ``lse`` (``-inf``
+        for a row that keeps entries, say) gives meaningless gradients.
     **options
         The same options as the forward.
 
@@ -669,7 +707,7 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     ------
     TypeError, ValueError
         As for `attention`, and for ``dout``, ``out``, ``lse`` of the wrong
-        shape or with NaN (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
+        shape or with NaN or inf (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
 
     Examples
     --------
@@ -682,7 +720,7 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     >>> g.dq.shape, type(g.dbeta).__name__
     ((1, 2, 3, 4), 'float')
     """
-    p = prepare(q, k, v, **options)
+    p = prepare(q, k, v, **_attention_options(options, "attention_backward"))
     dout, out, lse = check_backward_arrays(p, dout, out, lse, dtype=np.float64)
     return _backward(p, dout, out, lse)
 
@@ -729,7 +767,11 @@ def _backward(p, dout, out, lse):
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
-    dtau = -np.sum(dz * s, axis=(0, 2, 3)) / p.tau**2
+    # only entries with weight: a score of -inf (a slope |off| beyond float64)
+    # has p = dz = 0 and no term; divided twice, as tau**2 may underflow
+    with np.errstate(invalid="ignore"):
+        dz_s = np.where(probs > 0, dz * s, 0.0)
+    dtau = -(np.sum(dz_s, axis=(0, 2, 3)) / p.tau) / p.tau
     dbeta = p.sink_gradient(delta, lse)
 
     dsigma = None
@@ -739,7 +781,8 @@ def _backward(p, dout, out, lse):
         # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) at y = sharpness f, without the
         # cancellation of 1 - G^2 once G rounds to 1 (0 where G = 0 is removed by keep)
         y = p.sharpness * np.where(G > 0, f, 1.0)
-        with np.errstate(over="ignore"):
-            dlogG = p.sharpness * (2 / np.sinh(2 * y)) * f * (x**2 / sigma**3 - 1 / sigma)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            u = x / sigma  # (x^2 / sigma^3 - 1 / sigma) without sigma**3, which underflows
+            dlogG = p.sharpness * (2 / np.sinh(2 * y)) * f * ((u * u - 1) / sigma)
         dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
