@@ -66,10 +66,8 @@ def _validate(diff, traced, fixed, constants):
         fill = diff["k"].shape[2] if name == "kv_lengths" else _PLACEHOLDERS[name]
         stand_in[name] = np.broadcast_to(np.array(fill, dtype=x.dtype), x.shape)
     learnable = {name: stand_in.get(name, constants.get(name)) for name in common.LEARNABLE}
-    options = common.numpy_options({**fixed, **stand_in}, learnable)
+    options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
     module = _dispatch.get_backend(options.pop("backend"))
-    for name in ("q", "k", "v"):
-        options.pop(name, None)
     _options.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
 
 

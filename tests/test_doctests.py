@@ -24,8 +24,9 @@ MODULES = ["elastic_np"] + sorted(
 
 
 def _optional(modname):
-    """The CUDA modules may need an optional extra (``pip install ".[cuda]"``)."""
-    return "cuda" in modname.rpartition(".")[2]
+    """The CUDA modules and the framework adapters need an optional extra (``pip install ".[cuda]"``)."""
+    name = modname.rpartition(".")[2]
+    return "cuda" in name or name in ("torch", "jax")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
