@@ -16,6 +16,8 @@ An option given as a ``jax.Array`` (``tau``, ``beta``, the window's
 constant, passed to the kernels as it is.
 """
 
+import collections
+
 import numpy as np
 
 import jax
@@ -69,6 +71,39 @@ def _validate(diff, traced, fixed, constants):
     options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
     module = _dispatch.get_backend(options.pop("backend"))
     _options.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
+
+
+#: The custom-VJP functions made so far, by their fixed options: a new one
+#: would make jax compile its callbacks again at every call outside ``jit``.
+_FUNCTIONS = collections.OrderedDict()
+_FUNCTIONS_KEPT = 64
+
+
+def _hashable(value):
+    """``value`` as a hashable key (arrays by dtype, shape and bytes)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    hash(value)
+    return value
+
+
+def _attention_function(fixed, constants, q_dtype, out_shape, lse_shape):
+    """`_make_attention`, the same function for the same arguments (the last `_FUNCTIONS_KEPT`)."""
+    try:
+        key = _hashable((fixed, constants, str(q_dtype), out_shape, lse_shape))
+    except TypeError:  # an option jax would not hash either: make one for this call
+        return _make_attention(fixed, constants, q_dtype, out_shape, lse_shape)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        function = _make_attention(fixed, constants, q_dtype, out_shape, lse_shape)
+        _FUNCTIONS[key] = function
+        while len(_FUNCTIONS) > _FUNCTIONS_KEPT:
+            _FUNCTIONS.popitem(last=False)
+    return function
 
 
 def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
@@ -217,6 +252,6 @@ def attention(
     _validate(diff, traced, fixed, constants)
     B, H, N, _ = q.shape
     out_shape = (B, H, N, v.shape[-1])
-    function = _make_attention(fixed, constants, q.dtype, out_shape, (B, H, N))
+    function = _attention_function(fixed, constants, q.dtype, out_shape, (B, H, N))
     out, lse = function(diff, traced)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

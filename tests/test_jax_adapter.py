@@ -190,3 +190,29 @@ class TestArguments:
             enpj.attention(q[0], q, q)
         with pytest.raises(ValueError, match="`backend`"):
             enpj.attention(q, q, q, backend="gpu")
+
+
+class TestFunctionCache:
+    def test_equal_options_reuse_one_function_and_different_ones_do_not(self):
+        from elastic_np import jax as module
+
+        q = jnp.ones((1, 2, 3, 4))
+        bias = np.zeros((3, 3), dtype=np.float32)
+        module._FUNCTIONS.clear()
+        enpj.attention(q, q, q, causal=True, bias=bias)
+        enpj.attention(q, q, q, causal=True, bias=bias.copy())
+        assert len(module._FUNCTIONS) == 1
+        enpj.attention(q, q, q, causal=True, bias=bias + 1)
+        enpj.attention(q, q, q, causal=False, bias=bias)
+        enpj.attention(q[:, :, :2], q, q, causal=True, bias=bias[:2])
+        assert len(module._FUNCTIONS) == 4
+
+    def test_the_cache_is_bounded(self, monkeypatch):
+        from elastic_np import jax as module
+
+        monkeypatch.setattr(module, "_FUNCTIONS_KEPT", 2)
+        module._FUNCTIONS.clear()
+        q = jnp.ones((1, 1, 3, 4))
+        for tau in (0.5, 0.6, 0.7):
+            np.testing.assert_allclose(enpj.attention(q, q, q, tau=tau), 1.0)
+        assert len(module._FUNCTIONS) == 2
