@@ -5,6 +5,7 @@ intersphinx. Figures are drawn at build time by the scripts in
 ``docs/scripts`` into ``docs/generated`` (not committed).
 """
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -39,6 +40,8 @@ autosummary_generate = True
 autosummary_imported_members = False
 autodoc_typehints = "none"
 autodoc_default_options = {"members": False}
+# The framework adapters' pages build without the frameworks installed.
+autodoc_mock_imports = [name for name in ("torch", "jax") if importlib.util.find_spec(name) is None]
 
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False

@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
@@ -54,3 +55,14 @@ def test_median_interval_brackets_the_median_and_narrows_with_rounds():
         *score_modifiers.median_interval(few)[::-1]
     )
     assert score_modifiers.median_interval([1.2]) == (1.2, 1.2)
+
+
+def test_torch_adapter_overhead_prints_both_ratios(capsys):
+    pytest.importorskip("torch")
+    import torch_adapter_overhead
+
+    torch_adapter_overhead.main(["--n", "32", "--heads", "2", "--dim", "8", "--rounds", "2", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for variant in ("plain", "tau+beta"):
+        assert f"  {variant:9s} adapter" in out
+    assert out.count("adapter/direct median") == 2

@@ -24,8 +24,9 @@ MODULES = ["elastic_np"] + sorted(
 
 
 def _optional(modname):
-    """The CUDA modules may need an optional extra (``pip install ".[cuda]"``)."""
-    return "cuda" in modname.rpartition(".")[2]
+    """The CUDA modules and the framework adapters need an optional extra (``pip install ".[cuda]"``)."""
+    name = modname.rpartition(".")[2]
+    return "cuda" in name or name in ("torch", "jax")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -90,10 +91,14 @@ def test_public_functions_document_parameters_and_returns():
 
 
 PAGES = sorted(p.name for p in DOCS.glob("*.rst"))
+#: Pages whose examples need optional packages: skipped without them.
+PAGE_NEEDS = {"frameworks.rst": ("torch", "jax")}
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_documentation_page_examples(page):
+    for package in PAGE_NEEDS.get(page, ()):
+        pytest.importorskip(package)
     text = (DOCS / page).read_text()
     parser = doctest.DocTestParser()
     test = parser.get_doctest(text, {}, page, str(DOCS / page), 0)

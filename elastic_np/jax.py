@@ -1,0 +1,257 @@
+"""JAX adapter: `attention` with a custom VJP over the CPU kernels.
+
+``import elastic_np.jax`` imports jax (``pip install "elastic_np[jax]"``);
+``import elastic_np`` does not.
+
+`attention` is a ``jax.custom_vjp`` function whose forward and backward
+call `elastic_np.attention` and `elastic_np.attention_backward` through
+``jax.pure_callback``, with the shapes and dtypes of the results declared,
+so it works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (one kernel call
+per mapped element). The residuals are the inputs, ``out`` and ``lse``: the
+backward never computes the forward again. The callbacks run on the host; jax
+hands them read-only buffers, which the kernels copy once.
+
+An option given as a ``jax.Array`` (``tau``, ``beta``, the window's
+``sigma``, ``bias``) is differentiable; a Python number or NumPy array is a
+constant, passed to the kernels as it is.
+"""
+
+import collections
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from elastic_np import _adapter_common as common
+from elastic_np import _dispatch, _options
+from elastic_np._adapter_common import DynamicWindow
+
+__all__ = ["attention", "DynamicWindow"]
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
+def _check_dtype(x, name):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype not in _KERNEL_DTYPES:
+        raise TypeError(
+            f"`{name}` has dtype {x.dtype}; the elastic_np kernels take float32 or float64: "
+            "convert it with .astype(jnp.float32)"
+        )
+
+
+def _host(tree):
+    """NumPy arrays of the jax arrays a callback receives (views, no copy)."""
+    return {name: np.asarray(value) for name, value in tree.items()}
+
+
+#: Values that stand for traced options in `_validate`: valid whatever the option.
+_PLACEHOLDERS = {"q": 0, "k": 0, "v": 0, "tau": 1, "beta": 0, "sigma": 1, "bias": 0,
+                 "mask": True, "alibi_slopes": 0}
+
+
+def _validate(diff, traced, fixed, constants):
+    """Raise the errors of `elastic_np.attention` now, rather than from inside a callback.
+
+    ``q``, ``k``, ``v`` and traced arrays are stood for by zero-stride arrays
+    of their shape and dtype holding a valid value; everything else is
+    checked as it is.
+    """
+    stand_in = {}
+    for name, x in {**diff, **traced}.items():
+        if name not in ("q", "k", "v"):  # those the callback checks, once
+            try:
+                stand_in[name] = np.asarray(x)
+                continue
+            except jax.errors.TracerArrayConversionError:
+                pass
+        fill = diff["k"].shape[2] if name == "kv_lengths" else _PLACEHOLDERS[name]
+        stand_in[name] = np.broadcast_to(np.array(fill, dtype=x.dtype), x.shape)
+    learnable = {name: stand_in.get(name, constants.get(name)) for name in common.LEARNABLE}
+    options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
+    module = _dispatch.get_backend(options.pop("backend"))
+    _options.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
+
+
+#: The custom-VJP functions made so far, by their fixed options: a new one
+#: would make jax compile its callbacks again at every call outside ``jit``.
+_FUNCTIONS = collections.OrderedDict()
+_FUNCTIONS_KEPT = 64
+
+
+def _hashable(value):
+    """``value`` as a hashable key (arrays by dtype, shape and bytes)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    hash(value)
+    return value
+
+
+def _attention_function(fixed, constants, q_dtype, out_shape, lse_shape):
+    """`_make_attention`, the same function for the same arguments (the last `_FUNCTIONS_KEPT`)."""
+    try:
+        key = _hashable((fixed, constants, str(q_dtype), out_shape, lse_shape))
+    except TypeError:  # an option jax would not hash either: make one for this call
+        return _make_attention(fixed, constants, q_dtype, out_shape, lse_shape)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        function = _make_attention(fixed, constants, q_dtype, out_shape, lse_shape)
+        _FUNCTIONS[key] = function
+        while len(_FUNCTIONS) > _FUNCTIONS_KEPT:
+            _FUNCTIONS.popitem(last=False)
+    return function
+
+
+def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
+    """The custom-VJP function ``(diff, traced) -> (out, lse)`` for one set of fixed options.
+
+    ``diff`` holds ``q``, ``k``, ``v`` and the learnable options given as jax
+    arrays; ``traced`` the non-differentiable options given as jax arrays
+    (``kv_lengths``, ``mask``, ``alibi_slopes``); ``constants`` the rest.
+    """
+    results = (jax.ShapeDtypeStruct(out_shape, q_dtype), jax.ShapeDtypeStruct(lse_shape, q_dtype))
+
+    def numpy_call(diff, traced):
+        learnable = {name: diff.get(name, constants.get(name)) for name in common.LEARNABLE}
+        options = common.numpy_options({**fixed, **traced}, learnable)
+        return diff["q"], diff["k"], diff["v"], options
+
+    def forward_callback(diff, traced):
+        q, k, v, options = numpy_call(_host(diff), _host(traced))
+        out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
+        return out.astype(q_dtype, copy=False), lse.astype(q_dtype, copy=False)
+
+    def backward_callback(diff, traced, out, lse, dout):
+        diff = _host(diff)
+        q, k, v, options = numpy_call(diff, _host(traced))
+        grads = _dispatch.attention_backward(np.asarray(dout), q, k, v, np.asarray(out),
+                                             np.asarray(lse), **options)
+        cotangents = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
+        cotangents.update({n: common.grad_of(grads, n) for n in common.LEARNABLE if n in diff})
+        return {
+            name: np.asarray(g).astype(diff[name].dtype, copy=False).reshape(diff[name].shape)
+            for name, g in cotangents.items()
+        }
+
+    def run(diff, traced):
+        return jax.pure_callback(forward_callback, results, diff, traced, vmap_method="sequential")
+
+    def run_forward(diff, traced):
+        out, lse = run(diff, traced)
+        return (out, lse), (diff, traced, out, lse)
+
+    def run_backward(residuals, cotangents):
+        diff, traced, out, lse = residuals
+        dout, _ = cotangents  # lse carries no gradient (see `attention`)
+        shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in diff.items()}
+        grads = jax.pure_callback(backward_callback, shapes, diff, traced, out, lse, dout,
+                                  vmap_method="sequential")
+        return grads, None
+
+    function = jax.custom_vjp(run)
+    function.defvjp(run_forward, run_backward)
+    return function
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    kv_lengths=None,
+    align="array",
+    mask=None,
+    nvm=False,
+    tau=1.0,
+    beta=0.0,
+    dynamic_window=None,
+    softcap=None,
+    alibi_slopes=None,
+    bias=None,
+    return_lse=False,
+    backend="auto",
+):
+    """`elastic_np.attention` on jax arrays, differentiable in every learnable input.
+
+    Parameters
+    ----------
+    q, k, v : jax.Array or array_like
+        Shapes ``(B, H, N, D)``, ``(B, Hkv, M, D)``, ``(B, Hkv, M, Dv)``,
+        float32 or float64 (float64 needs ``jax_enable_x64``), the same for
+        all three.
+    tau, beta : float or jax.Array of shape () or (H,), optional
+        Temperature (``> 0``) and the sink, the denominator's offset
+        (``>= 0``); a jax array gets a gradient.
+    dynamic_window : DynamicWindow or elastic_np.DynamicWindow, optional
+        The bell-curve window; with `DynamicWindow` a jax array ``sigma``
+        (broadcastable to ``(B, H)``) gets a gradient.
+    bias : jax.Array, optional
+        Additive score bias broadcastable to ``(B, H, N, M)``; gets a gradient
+        in its own shape.
+    scale, causal, window_size, kv_lengths, align, mask, nvm, softcap, alibi_slopes
+        As in `elastic_np.attention`; no gradient. Under ``jax.jit`` the
+        Python options (``causal``, ``window_size`` ...) must be static.
+    return_lse : bool, optional
+        Also return ``lse`` of shape ``(B, H, N)``, under ``stop_gradient``.
+    backend : {"auto", "cpu", "reference"}, optional
+        "auto" runs the CPU kernels; "reference" the float64 oracle, its
+        results cast to the dtype of ``q``.
+
+    Returns
+    -------
+    out : jax.Array, shape (B, H, N, Dv)
+        In the dtype of ``q``.
+    lse : jax.Array, shape (B, H, N)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        For float16 or bfloat16 inputs (convert them with ``.astype(jnp.float32)``)
+        or ``q``, ``k``, ``v`` of different dtypes.
+    ValueError
+        As `elastic_np.attention`, when the call is made (or traced). Checks
+        of values only a callback sees (a traced ``tau`` <= 0, NaN in ``q``)
+        come in the ``jax.errors.JaxRuntimeError`` that the callback raises.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import elastic_np.jax as enpj
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, 5, 8))
+    >>> def loss(beta):
+    ...     return enpj.attention(q, k, v, causal=True, tau=0.8, beta=beta).sum()
+    >>> jax.jit(jax.grad(loss))(jnp.array([0.5, 1.0])).shape
+    (2,)
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    sigma, sharpness, threshold = common.window_parts(dynamic_window)
+    given = {"tau": tau, "beta": beta, "sigma": sigma, "bias": bias}
+    diff = {"q": q, "k": k, "v": v}
+    diff.update({n: x for n, x in given.items() if isinstance(x, jax.Array)})
+    for name, x in diff.items():
+        _check_dtype(x, name)
+    if q.ndim != 4:
+        raise ValueError(f"`q` must have 4 dimensions (B, heads, length, dim), got shape {q.shape}")
+    constants = {n: x for n, x in given.items() if n not in diff}
+    fixed = {
+        "scale": scale, "causal": causal, "window_size": window_size, "align": align,
+        "nvm": nvm, "softcap": softcap, "sharpness": sharpness, "threshold": threshold,
+        "backend": common.kernel_backend(backend),
+    }
+    traced = {}
+    for name, x in (("kv_lengths", kv_lengths), ("mask", mask), ("alibi_slopes", alibi_slopes)):
+        (traced if isinstance(x, jax.Array) else fixed)[name] = x
+    _validate(diff, traced, fixed, constants)
+    B, H, N, _ = q.shape
+    out_shape = (B, H, N, v.shape[-1])
+    function = _attention_function(fixed, constants, q.dtype, out_shape, (B, H, N))
+    out, lse = function(diff, traced)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -1,0 +1,270 @@
+"""elastic_np.torch: autograd through the kernels, against gradcheck and the NumPy entry points."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import elastic_np as enp  # noqa: E402
+import elastic_np.torch as enpt  # noqa: E402
+from elastic_np import _dispatch  # noqa: E402
+
+LEARNED = ("q", "k", "v", "tau", "beta", "sigma", "bias")
+
+
+def make_case(name, dtype=np.float64, seed=0):
+    """Inputs (NumPy) and fixed options of a named case; every learnable input is present."""
+    rng = np.random.default_rng(seed)
+    if name == "causal-nvm-gqa-window-bias":
+        B, H, Hkv, N, M, D, Dv = 1, 4, 2, 5, 5, 3, 2
+        fixed = dict(causal=True, nvm=True, sharpness=4.0, threshold=0.0)
+        learn = dict(tau=rng.uniform(0.5, 1.5, H), beta=rng.uniform(0.2, 1.0, H),
+                     sigma=rng.uniform(0.4, 0.8, H), bias=rng.standard_normal((N, M)))
+    elif name == "sliding-kvlen-softcap-alibi":
+        B, H, Hkv, N, M, D, Dv = 2, 2, 2, 4, 6, 3, 3
+        fixed = dict(window_size=(2, 1), kv_lengths=np.array([6, 5]), softcap=5.0,
+                     alibi_slopes=np.array([0.5, 0.25]), sharpness=2.0, threshold=0.0)
+        learn = dict(tau=np.array(0.8), beta=np.array(0.5), sigma=rng.uniform(0.4, 0.8, (B, H)),
+                     bias=rng.standard_normal((B, H, N, M)))
+    else:
+        raise ValueError(name)
+    arrays = dict(q=rng.standard_normal((B, H, N, D)), k=rng.standard_normal((B, Hkv, M, D)),
+                  v=rng.standard_normal((B, Hkv, M, Dv)), **learn)
+    return {n: a.astype(dtype) for n, a in arrays.items()}, fixed
+
+
+CASES = ("causal-nvm-gqa-window-bias", "sliding-kvlen-softcap-alibi")
+
+
+def torch_call(arrays, fixed, **extra):
+    """``out`` of elastic_np.torch.attention for tensors ``arrays``."""
+    fixed = dict(fixed)
+    window = enpt.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
+    return enpt.attention(arrays["q"], arrays["k"], arrays["v"], tau=arrays["tau"],
+                          beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window,
+                          **fixed, **extra)
+
+
+def numpy_options(arrays, fixed):
+    fixed = dict(fixed)
+    window = enp.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
+    return dict(tau=arrays["tau"], beta=arrays["beta"], bias=arrays["bias"],
+                dynamic_window=window, **fixed)
+
+
+def tensors(arrays, requires_grad=LEARNED):
+    return {n: torch.tensor(a, requires_grad=n in requires_grad) for n, a in arrays.items()}
+
+
+class TestGradcheck:
+    @pytest.mark.parametrize("case", CASES)
+    def test_every_input_together(self, case):
+        arrays, fixed = make_case(case)
+        inputs = tensors(arrays)
+
+        def f(*values):
+            return torch_call(dict(zip(LEARNED, values)), fixed)
+
+        assert torch.autograd.gradcheck(f, tuple(inputs[n] for n in LEARNED))
+
+    @pytest.mark.parametrize("case", CASES)
+    @pytest.mark.parametrize("name", LEARNED)
+    def test_each_input_alone(self, case, name):
+        arrays, fixed = make_case(case, seed=1)
+        inputs = tensors(arrays, requires_grad=(name,))
+
+        def f(x):
+            return torch_call({**inputs, name: x}, fixed)
+
+        assert torch.autograd.gradcheck(f, (inputs[name],))
+
+    def test_against_the_reference_backend(self):
+        arrays, fixed = make_case(CASES[0], seed=2)
+        kernel = tensors(arrays)
+        oracle = tensors(arrays)
+        torch_call(kernel, fixed).square().sum().backward()
+        torch_call(oracle, fixed, backend="reference").square().sum().backward()
+        for name in LEARNED:
+            torch.testing.assert_close(kernel[name].grad, oracle[name].grad, rtol=1e-12, atol=1e-12)
+
+
+class TestFloat32:
+    @pytest.mark.parametrize("case", CASES)
+    def test_forward_and_gradients_are_the_numpy_entry_points_bits(self, case):
+        arrays, fixed = make_case(case, dtype=np.float32)
+        inputs = tensors(arrays)
+        out, lse = torch_call(inputs, fixed, return_lse=True)
+        dout = np.random.default_rng(5).standard_normal(out.shape).astype(np.float32)
+        out.backward(torch.from_numpy(dout))
+
+        options = numpy_options(arrays, fixed)
+        want_out, want_lse = enp.attention(arrays["q"], arrays["k"], arrays["v"], return_lse=True,
+                                           backend="cpu", **options)
+        grads = enp.attention_backward(dout, arrays["q"], arrays["k"], arrays["v"], want_out,
+                                       want_lse, backend="cpu", **options)
+        np.testing.assert_array_equal(out.detach().numpy(), want_out)
+        np.testing.assert_array_equal(lse.numpy(), want_lse)
+        for name in LEARNED:
+            got = inputs[name].grad
+            assert got.dtype == torch.float32 and got.shape == inputs[name].shape, name
+            want = np.asarray(getattr(grads, "d" + name), dtype=np.float32)
+            np.testing.assert_array_equal(got.numpy(), want.reshape(got.shape), err_msg=name)
+
+    def test_training_step_gives_finite_gradients_and_moves_the_parameters(self):
+        torch.manual_seed(0)
+        attn = enpt.ElasticAttention(4, tau=0.7, beta=1.0, causal=True,
+                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=4.0))
+        proj = torch.nn.Linear(16, 16)
+        x = torch.randn(2, 4, 32, 16)
+        target = torch.randn(2, 4, 32, 16)
+        before = {n: p.detach().clone() for n, p in attn.named_parameters()}
+        optimizer = torch.optim.SGD([*attn.parameters(), *proj.parameters()], lr=0.1)
+        loss = torch.nn.functional.mse_loss(attn(proj(x), proj(x), x), target)
+        loss.backward()
+        for name, p in [*attn.named_parameters(), *proj.named_parameters()]:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert p.grad.abs().sum() > 0, name
+        optimizer.step()
+        for name, p in attn.named_parameters():
+            assert not torch.equal(p, before[name]), name
+
+
+class TestTensors:
+    def test_inputs_are_never_modified(self):
+        arrays, fixed = make_case(CASES[0], dtype=np.float32)
+        inputs = tensors(arrays)
+        copies = {n: t.detach().clone() for n, t in inputs.items()}
+        dout = torch.randn(1, 4, 5, 2)
+        dout_copy = dout.clone()
+        torch_call(inputs, fixed).backward(dout)
+        for name, t in inputs.items():
+            assert torch.equal(t.detach(), copies[name]), name
+        assert torch.equal(dout, dout_copy)
+
+    def test_contiguous_tensors_reach_the_kernels_without_a_copy(self, monkeypatch):
+        seen = {}
+        real = _dispatch.attention
+
+        def spy(q, k, v, **options):
+            seen.update(q=q, k=k, v=v, bias=options["bias"])
+            return real(q, k, v, **options)
+
+        monkeypatch.setattr(_dispatch, "attention", spy)
+        arrays, fixed = make_case(CASES[1], dtype=np.float32)
+        inputs = tensors(arrays)
+        out = torch_call(inputs, fixed)
+        for name in ("q", "k", "v", "bias"):
+            assert np.shares_memory(seen[name], inputs[name].detach().numpy()), name
+        assert out.dtype == torch.float32
+
+    def test_the_forward_runs_once_and_lse_is_kept(self, monkeypatch):
+        calls = []
+        real = _dispatch.attention
+        monkeypatch.setattr(_dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        arrays, fixed = make_case(CASES[0], dtype=np.float32)
+        inputs = tensors(arrays)
+        torch_call(inputs, fixed).sum().backward()
+        assert len(calls) == 1 and inputs["q"].grad is not None
+
+    def test_non_contiguous_inputs_give_the_same_bits(self):
+        arrays, fixed = make_case(CASES[0], dtype=np.float32)
+        plain = tensors(arrays)
+        strided = tensors(arrays)
+        leaves = {}
+        for name in ("q", "k", "v", "bias"):
+            # the same values, stored transposed: a non-contiguous view of a leaf
+            leaves[name] = strided[name].detach().mT.contiguous().requires_grad_()
+            strided[name] = leaves[name].mT
+        assert not strided["q"].is_contiguous()
+        out = torch_call(plain, fixed)
+        out.sum().backward()
+        out_strided = torch_call(strided, fixed)
+        out_strided.sum().backward()
+        assert torch.equal(out, out_strided)
+        for name in LEARNED:
+            grad = leaves[name].grad.mT if name in leaves else strided[name].grad
+            assert torch.equal(grad, plain[name].grad), name
+
+    def test_only_requested_gradients_are_returned(self):
+        arrays, fixed = make_case(CASES[0], dtype=np.float32)
+        inputs = tensors(arrays, requires_grad=("v", "beta"))
+        torch_call(inputs, fixed).sum().backward()
+        assert inputs["v"].grad is not None and inputs["beta"].grad is not None
+        assert all(inputs[n].grad is None for n in ("q", "k", "tau", "sigma", "bias"))
+
+    def test_python_numbers_and_lse_without_gradient(self):
+        q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+        out, lse = enpt.attention(q, k, v, tau=0.5, beta=1.0, return_lse=True)
+        want_out, want_lse = enp.attention(q.detach().numpy(), k.detach().numpy(),
+                                           v.detach().numpy(), tau=0.5, beta=1.0,
+                                           return_lse=True, backend="cpu")
+        assert torch.equal(out.detach(), torch.from_numpy(want_out))
+        assert torch.equal(lse, torch.from_numpy(want_lse)) and not lse.requires_grad
+
+    @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+    def test_no_grad_and_inference_mode(self, mode):
+        arrays, fixed = make_case(CASES[1], dtype=np.float32)
+        want = torch_call(tensors(arrays, requires_grad=()), fixed)
+        with mode():
+            got = torch_call(tensors(arrays), fixed)
+            module = enpt.ElasticAttention(2)(*(torch.randn(1, 2, 3, 4) for _ in range(3)))
+        assert torch.equal(got, want) and not got.requires_grad and not module.requires_grad
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_dtypes_are_refused_with_a_hint(self, dtype):
+        q = torch.randn(1, 1, 3, 4, dtype=dtype)
+        with pytest.raises(TypeError, match=r"`q` has dtype .*\.float\(\)"):
+            enpt.attention(q, q, q)
+        with pytest.raises(TypeError, match=r"`tau` has dtype .*\.float\(\)"):
+            enpt.attention(q.float(), q.float(), q.float(), tau=torch.ones((), dtype=dtype))
+        with pytest.raises(TypeError, match=r"\.float\(\)"):
+            enpt.ElasticAttention(1)(q, q, q)
+
+    def test_other_devices_and_bad_arguments_are_refused(self):
+        meta = torch.empty(1, 1, 3, 4, device="meta")
+        cpu = torch.randn(1, 1, 3, 4)
+        with pytest.raises(TypeError, match="`k` is on device meta.*CPU tensors"):
+            enpt.attention(cpu, meta, cpu)
+        with pytest.raises(TypeError, match="`q` must be a torch.Tensor"):
+            enpt.attention(cpu.numpy(), cpu, cpu)
+        with pytest.raises(ValueError, match="`tau` must be finite and > 0"):
+            enpt.attention(cpu, cpu, cpu, tau=torch.tensor(-1.0))
+        with pytest.raises(TypeError, match="`dynamic_window`"):
+            enpt.attention(cpu, cpu, cpu, dynamic_window=0.5)
+
+
+class TestElasticAttention:
+    def test_parametrisation_gives_the_initial_values(self):
+        attn = enpt.ElasticAttention(3, tau=0.3, beta=2.0,
+                                     dynamic_window=enp.DynamicWindow([0.2, 0.4, 0.6]),
+                                     dtype=torch.float64)
+        torch.testing.assert_close(attn.tau, torch.full((3,), 0.3, dtype=torch.float64))
+        torch.testing.assert_close(attn.beta, torch.full((3,), 2.0, dtype=torch.float64))
+        torch.testing.assert_close(attn.sigma, torch.tensor([0.2, 0.4, 0.6], dtype=torch.float64))
+
+    def test_is_the_functional_call_with_its_parameters(self):
+        torch.manual_seed(1)
+        attn = enpt.ElasticAttention(2, tau=0.6, beta=0.4, causal=True, nvm=True,
+                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=3.0))
+        q, k, v = (torch.randn(1, 2, 7, 4) for _ in range(3))
+        want = enp.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, nvm=True,
+                             tau=attn.tau.detach().numpy(), beta=attn.beta.detach().numpy(),
+                             dynamic_window=enp.DynamicWindow(attn.sigma.detach().numpy(), 3.0),
+                             backend="cpu")
+        assert torch.equal(attn(q, k, v), torch.from_numpy(want))
+
+    def test_fixed_parameters_and_a_fixed_zero_sink(self):
+        attn = enpt.ElasticAttention(2, beta=0.0, learn_beta=False, learn_tau=False)
+        assert [n for n, p in attn.named_parameters() if p.requires_grad] == []
+        assert torch.equal(attn.beta, torch.zeros(2))
+        q = torch.randn(1, 2, 3, 4, requires_grad=True)
+        attn(q, q, q).sum().backward()
+        assert attn.raw_tau.grad is None and q.grad is not None
+
+    def test_bad_initial_values(self):
+        with pytest.raises(ValueError, match="`beta` must be finite and > 0 when learned"):
+            enpt.ElasticAttention(2, beta=0.0)
+        with pytest.raises(ValueError, match="`tau`"):
+            enpt.ElasticAttention(2, tau=0.0)
+        with pytest.raises(ValueError, match="`num_heads`"):
+            enpt.ElasticAttention(0)
