@@ -342,7 +342,8 @@ def naive_backward(dout, out, lse, cache, dtype):
         G, f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             y = t(p.sharpness) * np.where(G > 0, f, t(1))
-            dlogG = t(p.sharpness) * (t(2) / np.sinh(t(2) * y)) * f * (x * x / sigma**3 - t(1) / sigma)
+            dlog_dy = t(4) * np.exp(t(-2) * y) / -np.expm1(t(-4) * y)  # 2 / sinh(2y)
+            dlogG = t(p.sharpness) * dlog_dy * f * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
@@ -410,7 +411,8 @@ def summation_allowance(q, k, v, dout, options):
             G, f, x = gate
             sigma = p.sigma[:, :, None, None]
             with np.errstate(over="ignore"):
-                dlogg = p.sharpness * (2 / np.sinh(2 * p.sharpness * np.where(G > 0, f, 1.0))) * f
+                y = p.sharpness * np.where(G > 0, f, 1.0)
+                dlogg = p.sharpness * (4 * np.exp(-2 * y) / -np.expm1(-4 * y)) * f
             dlogg = dlogg * (x**2 / sigma**3 - 1 / sigma)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
     bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)

@@ -494,9 +494,12 @@ def _backward_dq_kernel(
             sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
             if has_gate:
                 sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
-                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y), y = sharpness f: no cancellation
+                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
+                # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
                 y = sharpness * f
-                dlogg = sharpness * ((fopts[F_ONE] + fopts[F_ONE]) / math.sinh(y + y)) * f * sigma_term
+                e = math.exp(-(y + y))
+                dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
+                dlogg = sharpness * dlog_dy * f * sigma_term
                 sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
 
     if row:

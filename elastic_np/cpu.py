@@ -625,9 +625,11 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
                     log_gate[b, h, t] = math.log(g)
                     if with_grad:
                         # d log G / d sigma = sharpness (1 - G^2) / G f (x^2 / s^3 - 1 / s), with
-                        # (1 - g^2) / g = 2 / sinh(2y), y = sharpness f: no cancellation as g -> 1
+                        # (1 - g^2) / g = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y), y = sharpness f:
+                        # no cancellation as g -> 1, no overflow as y grows
                         y = sharpness * f
-                        dlog_gate[b, h, t] = sharpness * (2.0 / math.sinh(2.0 * y)) * f * ((u * u - 1.0) / s)
+                        dlog_dy = 4.0 * math.exp(-2.0 * y) / -math.expm1(-4.0 * y)
+                        dlog_gate[b, h, t] = sharpness * dlog_dy * f * ((u * u - 1.0) / s)
                     first = min(first, t)
                     last = max(last, t)
             band[b, h, 0] = first - (M - 1)

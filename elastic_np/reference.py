@@ -783,6 +783,8 @@ def _backward(p, dout, out, lse):
         y = p.sharpness * np.where(G > 0, f, 1.0)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             u = x / sigma  # (x^2 / sigma^3 - 1 / sigma) without sigma**3, which underflows
-            dlogG = p.sharpness * (2 / np.sinh(2 * y)) * f * ((u * u - 1) / sigma)
+            # 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y): no overflow as y grows
+            dlog_dy = 4 * np.exp(-2 * y) / -np.expm1(-4 * y)
+            dlogG = p.sharpness * dlog_dy * f * ((u * u - 1) / sigma)
         dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
