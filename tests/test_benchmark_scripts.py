@@ -54,3 +54,17 @@ def test_median_interval_brackets_the_median_and_narrows_with_rounds():
         *score_modifiers.median_interval(few)[::-1]
     )
     assert score_modifiers.median_interval([1.2]) == (1.2, 1.2)
+
+
+def test_dask_scaling_prints_the_ratio_and_each_worker_peak(capsys):
+    import pytest
+
+    pytest.importorskip("distributed")
+    import dask_scaling
+
+    dask_scaling.main(["--n", "128", "--heads", "2", "--dim", "8", "--chunk", "64", "--rounds", "1",
+                       "--repeat", "1", "--keys", "8192", "--key-chunk", "2048", "--memory-limit", "512"])
+    out = capsys.readouterr().out
+    assert "ratio cluster / direct over 1 rounds" in out and "ratio threads / direct" in out
+    assert "completed in" in out and "finite: True" in out
+    assert out.count("peak resident") == 2

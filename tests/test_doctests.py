@@ -24,8 +24,9 @@ MODULES = ["elastic_np"] + sorted(
 
 
 def _optional(modname):
-    """The CUDA modules may need an optional extra (``pip install ".[cuda]"``)."""
-    return "cuda" in modname.rpartition(".")[2]
+    """The CUDA modules and `elastic_np.dask` may need an optional extra (``".[cuda]"``, ``".[dask]"``)."""
+    name = modname.rpartition(".")[2]
+    return "cuda" in name or name == "dask"
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
