@@ -200,12 +200,17 @@ def _unflip(a, reverse, length, axis, broadcast=False):
     return np.flip(a, axis) if reverse else a
 
 
+def _rows(a, batches):
+    """Batch rows ``batches`` of ``a``: ``a`` itself (no copy) when they are all of them, in order."""
+    return a if batches == list(range(a.shape[0])) else a[batches]
+
+
 def _take(a, batches, keys=None):
     """Rows ``batches`` of a block-shaped option array (size-1 axes kept), keys cut to ``keys``."""
     if a is None:
         return None
     if a.shape[0] > 1:
-        a = a[list(batches)]
+        a = _rows(a, list(batches))
     if keys is not None and a.shape[3] > 1:
         a = a[..., :keys]
     return a
@@ -251,9 +256,9 @@ def _local_arrays(spec, call, block, q, k, v, mask, bias):
     batches = list(call.batches)
     m = call.key_limits[0] if call.aligned else k.shape[2]
     rev, P, Q = call.reverse, call.pad_keys, call.pad_queries
-    q = _flip_pad(q[batches], rev, Q, 2)
-    k = _flip_pad(k[batches][:, :, :m], rev, P, 2)
-    v = _flip_pad(v[batches][:, :, :m], rev, P, 2)
+    q = _flip_pad(_rows(q, batches), rev, Q, 2)
+    k = _flip_pad(_rows(k, batches)[:, :, :m], rev, P, 2)
+    v = _flip_pad(_rows(v, batches)[:, :, :m], rev, P, 2)
     cut = m if call.aligned else None
     mask = _take(mask, batches, cut)
     bias = _take(bias, batches, cut)
@@ -292,24 +297,30 @@ def kernel_threads(n):
 
 
 def forward_block(spec, block, q, k, v, mask, bias, kv_first):
-    """The block's partial ``(out, lse)`` in float64, with ``beta = 0``.
+    """The block's partial ``(out, lse)`` with ``beta = 0``, in the backend's dtype.
 
     ``q``, ``mask``, ``bias`` are the block's chunks (option arrays with
     size-1 axes where broadcast); ``k``, ``v`` the key chunk over the kv
-    heads from ``kv_first`` that cover the block's query heads.
+    heads from ``kv_first`` that cover the block's query heads. Batches the
+    block keeps nothing of get ``out = 0``, ``lse = -inf``.
     """
     b0, b1, h0, h1, i0, i1, j0, j1 = block
     n = i1 - i0
-    out = np.zeros((b1 - b0, h1 - h0, n, v.shape[3]))
-    lse = np.full((b1 - b0, h1 - h0, n), -np.inf)
     k, v, _ = _expand_heads(spec, block, k, v, kv_first)
+    out = lse = None
     with kernel_threads(spec.threads):
         for call in plan(spec, block):
             ql, kl, vl, ml, bl = _local_arrays(spec, call, block, q, k, v, mask, bias)
             opts = _local_options(spec, call, block, call.batches, ml, bl)
             o, s = _dispatch.attention(ql, kl, vl, return_lse=True, backend=spec.backend, **opts)
-            out[list(call.batches)] = _unflip(o, call.reverse, n, 2)
-            lse[list(call.batches)] = _unflip(s, call.reverse, n, 2)
+            o, s = _unflip(o, call.reverse, n, 2), _unflip(s, call.reverse, n, 2)
+            if list(call.batches) == list(range(b1 - b0)):  # one call for the whole block
+                return o, s
+            if out is None:
+                out = np.zeros((b1 - b0, h1 - h0, n, v.shape[3]), dtype=o.dtype)
+                lse = np.full((b1 - b0, h1 - h0, n), -np.inf, dtype=s.dtype)
+            out[list(call.batches)] = o
+            lse[list(call.batches)] = s
     return out, lse
 
 
@@ -342,8 +353,8 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
             opts = _local_options(spec, call, block, call.batches, ml, bl)
             rev, Q = call.reverse, call.pad_queries
             grads = _dispatch.attention_backward(
-                _flip_pad(dout[bs], rev, Q, 2), ql, kl, vl, _flip_pad(out[bs], rev, Q, 2),
-                _flip_pad(lse[bs], rev, Q, 2, fill=pad_lse), backend=spec.backend, **opts,
+                _flip_pad(_rows(dout, bs), rev, Q, 2), ql, kl, vl, _flip_pad(_rows(out, bs), rev, Q, 2),
+                _flip_pad(_rows(lse, bs), rev, Q, 2, fill=pad_lse), backend=spec.backend, **opts,
             )
             m = kl.shape[2] - call.pad_keys
             dq[bs] = _unflip(grads.dq, rev, n, 2)

@@ -32,7 +32,6 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
 from elastic_np import _dask_blocks, _dispatch, _options
-from elastic_np._merge import merge_attention_float64
 from elastic_np._options import AttentionGrads
 
 __all__ = ["attention", "attention_backward", "compute_grads"]
@@ -80,8 +79,11 @@ class _Setup:
         """The block task's arguments that come from chunks: q, k, v, mask, bias, kv_first."""
         bi, hi, ii, ji = index
         cover, kv_first = self.kv_cover(block)
-        k = (np.concatenate, [(self.k.name, bi, c, ji, 0) for c in cover], 1)
-        v = (np.concatenate, [(self.v.name, bi, c, ji, 0) for c in cover], 1)
+        if len(cover) == 1:  # no copy
+            k, v = (self.k.name, bi, cover[0], ji, 0), (self.v.name, bi, cover[0], ji, 0)
+        else:
+            k = (np.concatenate, [(self.k.name, bi, c, ji, 0) for c in cover], 1)
+            v = (np.concatenate, [(self.v.name, bi, c, ji, 0) for c in cover], 1)
         return (self.q.name, bi, hi, ii, 0), k, v, self._option_key(self.mask, index), \
             self._option_key(self.bias, index), kv_first
 
@@ -155,11 +157,29 @@ def _graph(name, dsk, inputs, extra=None):
 
 
 def _merge_pair(a, b):
-    return merge_attention_float64([a[0], b[0]], [a[1], b[1]])
+    r"""Two partials over disjoint key sets, ``beta = 0``, as one in float64 (`merge_attention`'s formula).
+
+    Written out rather than calling `elastic_np.reference.merge_attention` so that it
+    allocates only the result and one temporary of the ``out`` size: Dask's
+    worker processes start with ``MALLOC_TRIM_THRESHOLD_`` set, which makes
+    every large allocation a fresh ``mmap``.
+    """
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        lse = np.logaddexp(lse_a.astype(np.float64, copy=False), lse_b)
+        shift = np.where(np.isneginf(lse), 0.0, lse)  # a row kept by neither: weights 0, not NaN
+        out = np.multiply(out_a, np.exp(lse_a - shift)[..., None], dtype=np.float64)
+        out += np.multiply(out_b, np.exp(lse_b - shift)[..., None], dtype=np.float64)
+    return out, lse
 
 
 def _finish(partial, beta, dtype):
-    out, lse = merge_attention_float64([partial[0]], [partial[1]], beta=beta)
+    """The root: ``beta`` (per head) added once to the merged denominator, rounded once to ``dtype``."""
+    out_p, lse_p = partial
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        lse = np.logaddexp(lse_p.astype(np.float64, copy=False), np.log(beta)[:, None])
+        shift = np.where(np.isneginf(lse), 0.0, lse)
+        out = np.multiply(out_p, np.exp(lse_p - shift)[..., None], dtype=np.float64)
     return out.astype(dtype, copy=False), lse.astype(dtype, copy=False)
 
 
