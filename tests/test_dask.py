@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
@@ -61,9 +62,12 @@ def _cases(N, M):
 
 # (N, M, q chunks (batch, heads, rows), key chunk): heads by 3 cut the groups of 2;
 # rows and keys in uneven pieces cut the causal diagonal and the windows.
+# Key chunks much longer than query chunks make some shifted blocks append queries; heads by 2
+# keep whole groups.
 CHUNKINGS = {
     "N<M": (13, 17, (1, 3, 4), 5),
     "N>M": (19, 11, (2, 1, 6), 4),
+    "long_keys": (13, 17, (2, 2, 3), 8),
 }
 
 
@@ -141,6 +145,14 @@ def test_rows_and_batches_with_nothing_kept():
     mask[:5] = False
     opts = dict(kv_lengths=[0, M], mask=mask, window_size=(1, 0), causal=True, beta=np.array([0.0, 1.0, 0.0, 2.0]))
     _check(np.float64, opts, (N, M, (1, 2, 4), 3))
+
+
+@pytest.mark.parametrize("M, key_chunk", [(9, 1), (1, 1)])
+def test_dynamic_window_over_single_key_chunks(M, key_chunk):
+    """Chunks of one key (the block's own position needs a second key), and M = 1 (x = 0 everywhere)."""
+    opts = dict(dynamic_window=enp.DynamicWindow(np.array([0.3, 0.5, 0.8, 1.0]), 3.0, 0.01), causal=True,
+                alibi_slopes=np.full(H, 0.25))
+    _check(np.float64, opts, (6, M, (1, 2, 4), key_chunk))
 
 
 def test_pairs_that_keep_nothing_are_no_tasks():
@@ -280,8 +292,14 @@ def _kernel_threads_in_worker():
 
 
 def test_worker_kernels_run_on_one_thread(client):
-    for seen, default in client.run(_kernel_threads_in_worker).values():
+    """A block task on each worker's task thread: its kernels see one thread, whatever Numba's default."""
+    for worker in client.scheduler_info()["workers"]:
+        seen, default = client.submit(_kernel_threads_in_worker, pure=False, workers=[worker]).result()
         assert seen and set(seen) == {1}, (seen, default)
+
+
+def _reference_partial(k, v, q64):
+    return reference.attention(q64, k.astype(np.float64), v.astype(np.float64))
 
 
 def _peak_rss():
@@ -300,11 +318,9 @@ def test_keys_larger_than_a_worker_memory_limit(client):
     out, lse = client.compute([out, lse], sync=True)
     peaks = client.run(_peak_rss)
     assert all(p < WORKER_MEMORY for p in peaks.values()), peaks
-    # the oracle, a key chunk at a time in float64, merged
+    # the oracle: float64 partials over each key chunk, computed where the chunk is made, merged
     q64 = q.astype(np.float64)
-    parts = []
-    for j in range(0, M, 4 * chunk):
-        kc, vc = client.compute([k[:, :, j:j + 4 * chunk], v[:, :, j:j + 4 * chunk]], sync=True)
-        parts.append(reference.attention(q64, kc.astype(np.float64), vc.astype(np.float64)))
-    want, want_lse = reference.merge_attention(*zip(*parts))
+    parts = [dask.delayed(_reference_partial)(kc, vc, q64)
+             for kc, vc in zip(k.to_delayed().ravel(), v.to_delayed().ravel())]
+    want, want_lse = reference.merge_attention(*zip(*client.compute(parts, sync=True)))
     assert np.abs(out - want).max() <= 1e-5 and np.abs(lse - want_lse).max() <= 1e-5 * np.abs(want_lse).max()
