@@ -61,11 +61,6 @@ class BlockSpec:
     backend: str
     threads: int  # kernel threads per task
 
-    @property
-    def positional(self):
-        """True when some option reads the offset of a key from a query."""
-        return self.causal or self.window != (-1, -1) or self.alibi is not None or self.sigma is not None
-
 
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -120,7 +115,7 @@ def plan(spec, block):
     b0, b1, h0, h1, i0, i1, j0, j1 = block
     n, m = i1 - i0, j1 - j0
     lo, hi = _structural_range(spec)
-    kept, shifts = [], []
+    kept = []
     for b in range(b0, b1):
         limit = int(min(max(spec.kv_lengths[b] - j0, 0), m))
         if n == 0 or limit == 0:
@@ -335,7 +330,7 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
     that of the whole problem and the shares add up to the gradient.
     """
     b0, b1, h0, h1, i0, i1, j0, j1 = block
-    n, m_chunk = i1 - i0, j1 - j0
+    n = i1 - i0
     Bc, Hc = b1 - b0, h1 - h0
     dq = np.zeros((Bc, Hc, n, q.shape[3]))
     dk_full, dv_full = np.zeros(k.shape), np.zeros(v.shape)

@@ -334,54 +334,59 @@ def attention_backward(
                                (dout.name, *row, 0), (out.name, *row, 0), (lse.name, *row),
                                m_key, b_key, kv_first)
         done.append((index, block))
-    by_row = {}
-    for index, block in done:
-        by_row.setdefault(index[:3], []).append((blk,) + index)
+    # Each block's result is split into its fields on the worker that holds it, so that a sum
+    # moves only the field it needs; the sums are binary trees in block order (fixed bits).
+    fields = {"dq": 0, "dk": 1, "dv": 2, "dtau": 3, "dsigma": 4, "dbias": 5}
+    for index, _ in done:
+        for field, slot in fields.items():
+            dsk[(f"{blk}-{field}",) + index] = (operator.getitem, (blk,) + index, slot)
     layers = {}
-    # dq: the key chunks' shares of each query chunk, summed in key order
     qc = setup.q.chunks
-    layers[dq_n] = {
-        (dq_n, bi, hi, ii, 0): (_sum_shares, [(operator.getitem, key, 0) for key in by_row.get((bi, hi, ii), [])],
-                                (qc[0][bi], qc[1][hi], qc[2][ii], D), setup.dtype)
-        for bi in range(len(qc[0])) for hi in range(len(qc[1])) for ii in range(len(qc[2]))
-    }
-    # dk, dv: every block's share of the kv heads of each chunk of k, in block order
+    by_row = {}
+    for index, _ in done:
+        by_row.setdefault(index[:3], []).append((f"{blk}-dq",) + index)
+    layers[dq_n] = {}
+    for row in np.ndindex(*setup.q.numblocks[:3]):
+        shape = tuple(qc[ax][row[ax]] for ax in range(3)) + (D,)
+        _tree_sum(dsk, layers[dq_n], f"{blk}-dq-sum", row, by_row.get(row, []), shape, setup.dtype,
+                  (dq_n,) + row + (0,))
+    # dk, dv: every block's share of the kv heads of each chunk of k
     kc = setup.k.chunks
     k_starts = setup.offsets(kc[1])
-    for slot, (lname, width) in ((1, (dk_n, D)), (2, (dv_n, Dv))):
+    for field, lname, width in (("dk", dk_n, D), ("dv", dv_n, Dv)):
         shares = {}
         for index, block in done:
             cover, kv_first = setup.kv_cover(block)
             for c in cover:
-                lo, hi = int(k_starts[c]) - kv_first, int(k_starts[c + 1]) - kv_first
-                shares.setdefault((index[0], c, index[3]), []).append(
-                    (_heads, (operator.getitem, (blk,) + index, slot), lo, hi))
-        layers[lname] = {
-            (lname, bi, c, ji, 0): (_sum_shares, shares.get((bi, c, ji), []),
-                                    (kc[0][bi], kc[1][c], kc[2][ji], width), setup.dtype)
-            for bi in range(len(kc[0])) for c in range(len(kc[1])) for ji in range(len(kc[2]))
-        }
+                key = (f"{blk}-{field}-heads",) + index + (c,)
+                dsk[key] = (_heads, (f"{blk}-{field}",) + index,
+                            int(k_starts[c]) - kv_first, int(k_starts[c + 1]) - kv_first)
+                shares.setdefault((index[0], c, index[3]), []).append(key)
+        layers[lname] = {}
+        for chunk in np.ndindex(*setup.k.numblocks[:3]):
+            shape = tuple(kc[ax][chunk[ax]] for ax in range(3)) + (width,)
+            _tree_sum(dsk, layers[lname], f"{blk}-{field}-sum", chunk, shares.get(chunk, []), shape,
+                      setup.dtype, (lname,) + chunk + (0,))
     # dtau, dsigma from the blocks; dbeta from whole rows (it is a function of the row alone)
-    heads = [(block[0], block[2], (blk,) + index) for index, block in done]
-    ob, oh = setup.offsets(qc[0]), setup.offsets(qc[1])
-    row_blocks = [(bi, hi, ii) for bi in range(len(qc[0])) for hi in range(len(qc[1]))
-                  for ii in range(len(qc[2]))]
+    heads = [(block[0], block[2], index) for index, block in done]
+    oh = setup.offsets(qc[1])
+    row_blocks = list(np.ndindex(*setup.q.numblocks[:3]))
     dbeta_rows = [(_dask_blocks.dbeta_rows, (dout.name, *r, 0), (out.name, *r, 0), (lse.name, *r))
                   for r in row_blocks]
     small = {
         "dtau": (problem.tau_shape, (_per_head, [h0 for _, h0, _ in heads],
-                                     [(operator.getitem, key, 3) for *_, key in heads], H, problem.tau_shape)),
+                                     [(f"{blk}-dtau",) + index for *_, index in heads], H, problem.tau_shape)),
         "dbeta": (problem.beta_shape, (_per_head, [int(oh[r[1]]) for r in row_blocks], dbeta_rows, H,
                                        problem.beta_shape)),
     }
     if problem.sigma is not None:
         small["dsigma"] = (problem.sigma_shape, (
-            _per_batch_head, [(b0, h0) for b0, h0, _ in heads], [(operator.getitem, key, 4) for *_, key in heads],
+            _per_batch_head, [(b0, h0) for b0, h0, _ in heads], [(f"{blk}-dsigma",) + index for *_, index in heads],
             (B, H), problem.sigma_shape))
     for field, (shape, task) in small.items():
         layers[f"{small_n}-{field}"] = {(f"{small_n}-{field}",) + (0,) * len(shape): task}
     if setup.bias is not None:
-        layers[dbias_n] = _dbias_layer(setup, dbias_n, blk, done)
+        layers[dbias_n] = _dbias_layer(setup, dsk, dbias_n, blk, done)
     deps = [a for a in (setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse) if a is not None]
     graph = HighLevelGraph.from_collections(blk, dsk, dependencies=deps)
     all_layers, all_deps = dict(graph.layers), dict(graph.dependencies)
@@ -433,14 +438,6 @@ def _rows_array(a, shape, chunks, name):
     return a.rechunk(chunks)
 
 
-def _sum_shares(shares, shape, dtype):
-    """The shares summed in the order given (float64), rounded once to ``dtype``; zeros when none."""
-    total = np.zeros(shape)
-    for share in shares:
-        total += share
-    return total.astype(dtype, copy=False)
-
-
 def _heads(a, lo, hi):
     """Heads ``lo:hi`` (axis 1) of a block's ``dk`` or ``dv``."""
     return a[:, lo:hi]
@@ -462,15 +459,40 @@ def _per_batch_head(firsts, shares, BH, shape):
     return np.asarray(_options.sum_to_shape(total, shape), dtype=np.float64)
 
 
-def _dbias_layer(setup, name, blk, done):
-    """Tasks of ``dbias`` chunked like the 4-D bias: each chunk sums the blocks over its broadcast axes."""
+def _dbias_layer(setup, dsk, name, blk, done):
+    """``dbias`` chunked like the 4-D bias: each chunk sums its blocks (over the broadcast axes)."""
     bias = setup.bias
     shares = {}
     for index, _ in done:
         chunk = tuple(0 if bias.shape[ax] == 1 else index[ax] for ax in range(4))
-        shares.setdefault(chunk, []).append((operator.getitem, (blk,) + index, 5))
+        shares.setdefault(chunk, []).append((f"{blk}-dbias",) + index)
     layer = {}
     for chunk in np.ndindex(*bias.numblocks):
         shape = tuple(bias.chunks[ax][chunk[ax]] for ax in range(4))
-        layer[(name,) + chunk] = (_sum_shares, shares.get(chunk, []), shape, setup.dtype)
+        _tree_sum(dsk, layer, f"{blk}-dbias-sum", chunk, shares.get(chunk, []), shape, setup.dtype,
+                  (name,) + chunk)
     return layer
+
+
+def _tree_sum(dsk, out_layer, name, where, leaves, shape, dtype, out_key):
+    """Tasks summing ``leaves`` (float64 arrays) in a binary tree in their order, rounded once to ``dtype``.
+
+    The tree's tasks go into ``dsk``, the rounded sum ``out_key`` into
+    ``out_layer``; zeros when there are no leaves.
+    """
+    level, depth = list(leaves), 0
+    while len(level) > 1:
+        nxt = []
+        for t in range(0, len(level) - 1, 2):
+            key = (name,) + tuple(where) + (depth, t // 2)
+            dsk[key] = (operator.add, level[t], level[t + 1])
+            nxt.append(key)
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level, depth = nxt, depth + 1
+    out_layer[out_key] = (_rounded, level[0] if level else None, shape, dtype)
+
+
+def _rounded(total, shape, dtype):
+    """A float64 sum in ``dtype`` (zeros of ``shape`` for no sum)."""
+    return np.zeros(shape, dtype=dtype) if total is None else total.astype(dtype, copy=False)
