@@ -12,14 +12,13 @@ Two measurements:
 2. **Keys beyond a worker's memory limit**: ``K`` and ``V`` generated on the
    workers in key chunks, larger together than ``--memory-limit`` of each
    worker, a few queries attending to all of them; the wall time and each
-   worker's peak resident memory (``ru_maxrss`` of a fresh cluster).
+   worker's peak resident memory (``VmHWM``, Linux, of a fresh cluster).
 
 Usage: ``python benchmarks/dask_scaling.py [--n N] [--heads H] [--dim D] [--chunk C]
 [--rounds R] [--keys M] [--memory-limit MIB]``
 """
 
 import argparse
-import resource
 import time
 import warnings
 
@@ -30,7 +29,13 @@ import elastic_np as enp
 
 
 def _peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory in bytes: ``VmHWM`` (``ru_maxrss`` of a spawned
+    worker also counts the parent's memory at the fork before its ``exec``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _cluster(distributed, workers, memory_limit):
