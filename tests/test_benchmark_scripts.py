@@ -66,3 +66,15 @@ def test_torch_adapter_overhead_prints_both_ratios(capsys):
     for variant in ("plain", "tau+beta"):
         assert f"  {variant:9s} adapter" in out
     assert out.count("adapter/direct median") == 2
+
+
+def test_dask_scaling_prints_the_ratio_and_each_worker_peak(capsys):
+    pytest.importorskip("distributed")
+    import dask_scaling
+
+    dask_scaling.main(["--n", "128", "--heads", "2", "--dim", "8", "--chunk", "64", "--rounds", "1",
+                       "--repeat", "1", "--keys", "8192", "--key-chunk", "2048", "--memory-limit", "512"])
+    out = capsys.readouterr().out
+    assert "ratio cluster / direct over 1 rounds" in out and "ratio threads / direct" in out
+    assert "completed in" in out and "finite: True" in out
+    assert out.count("peak resident") == 2

@@ -24,9 +24,9 @@ MODULES = ["elastic_np"] + sorted(
 
 
 def _optional(modname):
-    """The CUDA modules and the framework adapters need an optional extra (``pip install ".[cuda]"``)."""
+    """The CUDA modules, the framework adapters and `elastic_np.dask` need an optional extra."""
     name = modname.rpartition(".")[2]
-    return "cuda" in name or name in ("torch", "jax")
+    return "cuda" in name or name in ("torch", "jax", "dask")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
