@@ -375,8 +375,6 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
 
 
 def dbeta_rows(dout, out, lse):
-    """``dbeta`` per head from whole rows: ``-sum_i (dout_i . out_i) exp(-lse_i)`` (0 where the product is 0)."""
+    """`~elastic_np._options.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i``."""
     delta = np.einsum("bhnd,bhnd->bhn", dout.astype(np.float64), out.astype(np.float64))
-    with np.errstate(over="ignore", invalid="ignore"):
-        per_row = np.where(delta == 0, 0.0, delta * np.exp(-lse.astype(np.float64)))
-    return -per_row.sum(axis=(0, 2))
+    return _options.sink_terms(delta, lse, (0, 2))

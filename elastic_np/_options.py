@@ -269,26 +269,47 @@ def sink_gradient(delta, lse, per_head=True):
     0-d array without ``per_head`` (a ``beta`` shared by the heads).
 
     A row with ``delta = 0`` adds nothing (an empty row with ``beta = 0`` has
-    ``lse = -inf``). The sum is taken relative to its largest factor,
-    ``-exp(a) sum_i delta_i exp(-lse_i - a)`` with ``a = max(-lse_i)``: a head
-    whose rows overflow ``exp(-lse)`` gets the sign of the sum and ``inf``,
-    not ``inf - inf = NaN``, and a sum that fits float64 is not lost to an
-    overflowing term. float64 throughout: ``exp(-lse)`` of a float32 ``lse``
-    below -88.7 would overflow float32.
+    ``lse = -inf``). The sum is taken relative to its largest factor (see
+    `sink_terms`): a head whose rows overflow ``exp(-lse)`` gets the sign of
+    the sum and ``inf``, not ``inf - inf = NaN``, and a sum that fits float64
+    is not lost to an overflowing term. float64 throughout: ``exp(-lse)`` of a
+    float32 ``lse`` below -88.7 would overflow float32.
+    """
+    return sink_from_terms(*sink_terms(delta, lse, (0, 2) if per_head else (0, 1, 2)))
+
+
+def sink_terms(delta, lse, axes):
+    """``(top, scaled)`` with ``sum delta_i exp(-lse_i) = scaled * exp(top)`` over ``axes``.
+
+    ``top = max(-lse_i)`` over the rows with ``delta_i != 0`` (0 where there
+    are none): partial sums over disjoint rows combine exactly with
+    `merge_sink_terms`.
     """
     delta = np.asarray(delta, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
-    axes = (0, 2) if per_head else (0, 1, 2)
     live = delta != 0
     exponent = np.where(live, -lse, -np.inf)
     top = exponent.max(axis=axes, keepdims=True, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0.0)
     scaled = np.where(live, delta * np.exp(exponent - top), 0.0).sum(axis=axes)
-    top = top.reshape(scaled.shape)
+    return top.reshape(scaled.shape), scaled
+
+
+def merge_sink_terms(a, b):
+    """The `sink_terms` of two disjoint sets of rows, combined."""
+    (top_a, scaled_a), (top_b, scaled_b) = a, b
+    top = np.where(scaled_a == 0, top_b, np.where(scaled_b == 0, top_a, np.maximum(top_a, top_b)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (np.where(scaled_a == 0, 0.0, scaled_a * np.exp(top_a - top))
+                  + np.where(scaled_b == 0, 0.0, scaled_b * np.exp(top_b - top)))
+    return top, scaled
+
+
+def sink_from_terms(top, scaled):
+    """``dbeta = -scaled * exp(top)``, of the sign of ``scaled`` and ``inf`` only where it overflows."""
     with np.errstate(over="ignore", divide="ignore"):
-        grad = -scaled * np.exp(top)
+        grad = np.asarray(-scaled * np.exp(top))
         wide = ~np.isfinite(grad) & (scaled != 0)  # exp(top) alone overflows: the product may not
-        grad = np.asarray(grad)
         grad[wide] = -np.sign(scaled[wide]) * np.exp(top[wide] + np.log(np.abs(scaled[wide])))
     return grad
 

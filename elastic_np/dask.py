@@ -23,6 +23,7 @@ Requires ``pip install "elastic_np[dask]"`` (``dask[array]`` and
 """
 
 import dataclasses
+import math
 import operator
 
 import dask
@@ -376,7 +377,7 @@ def attention_backward(
     small = {
         "dtau": (problem.tau_shape, (_per_head, [h0 for _, h0, _ in heads],
                                      [(f"{blk}-dtau",) + index for *_, index in heads], H, problem.tau_shape)),
-        "dbeta": (problem.beta_shape, (_per_head, [int(oh[r[1]]) for r in row_blocks], dbeta_rows, H,
+        "dbeta": (problem.beta_shape, (_sink_per_head, [int(oh[r[1]]) for r in row_blocks], dbeta_rows, H,
                                        problem.beta_shape)),
     }
     if problem.sigma is not None:
@@ -449,6 +450,22 @@ def _per_head(firsts, shares, H, shape):
     for h0, share in zip(firsts, shares):
         total[h0:h0 + len(share)] += share
     return np.asarray(_options.sum_to_shape(total, shape), dtype=np.float64)
+
+
+def _sink_per_head(firsts, terms, H, shape):
+    """``dbeta`` from the row chunks' `~elastic_np._options.sink_terms` (heads from ``h0``), merged in order."""
+    top, scaled = np.zeros(H), np.zeros(H)
+    for h0, part in zip(firsts, terms):
+        heads = slice(h0, h0 + len(part[1]))
+        top[heads], scaled[heads] = _options.merge_sink_terms((top[heads], scaled[heads]), part)
+    if math.prod(shape) > 1:
+        return np.asarray(_options.sum_to_shape(_options.sink_from_terms(top, scaled), shape), dtype=np.float64)
+    if H == 0:
+        return np.zeros(shape)
+    shared = (top[:1], scaled[:1])  # one beta for every head: its rows merged over the heads too
+    for h in range(1, H):
+        shared = _options.merge_sink_terms(shared, (top[h:h + 1], scaled[h:h + 1]))
+    return _options.sink_from_terms(*shared).reshape(shape)
 
 
 def _per_batch_head(firsts, shares, BH, shape):

@@ -154,6 +154,23 @@ def test_dynamic_window_over_single_key_chunks(M, key_chunk):
     _check(np.float64, opts, (6, M, (1, 2, 4), key_chunk))
 
 
+@pytest.mark.parametrize("beta", [0.0, np.zeros(2)])  # shared by the heads, and per head
+def test_dbeta_of_overflowing_rows_in_different_chunks_is_an_infinity(beta):
+    """exp(-lse) overflows in rows of both signs of delta, in different row and head chunks."""
+    q = np.array([10.0, -13.0, 60.0, 10.0, -53.0, 36.0]).reshape(1, 2, 3, 1)
+    k = np.array([130.0, 95.0]).reshape(1, 2, 1, 1)
+    v = np.array([-0.7, -1.3]).reshape(1, 2, 1, 1)
+    dout = np.array([-0.6, 0.04, -2.3, -0.2, -1.2, -0.7]).reshape(1, 2, 3, 1)
+    qd = da.from_array(q, chunks=(1, 1, 1, 1))
+    out, lse = enpd.attention(qd, k, v, scale=1.0, beta=beta, return_lse=True, backend="cpu")
+    grads = enpd.compute_grads(enpd.attention_backward(dout, qd, k, v, out, lse, scale=1.0, beta=beta,
+                                                       backend="cpu"), scheduler="sync")
+    want = enp.attention_backward(dout, q, k, v, *enp.attention(q, k, v, scale=1.0, beta=beta, return_lse=True),
+                                  scale=1.0, beta=beta, backend="reference")
+    np.testing.assert_array_equal(grads.dbeta, want.dbeta)
+    assert np.isneginf(grads.dbeta).any()
+
+
 def test_pairs_that_keep_nothing_are_no_tasks():
     """Causal over 4 x 4 chunks of 8: 10 partial tasks, not 16; a window of 0 leaves the 4 diagonal ones."""
     q = da.zeros((1, 1, 32, 4), chunks=(1, 1, 8, 4))
