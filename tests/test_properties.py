@@ -7,7 +7,7 @@ backward. The allowance is the first-order effect of rounding the logits, at lea
 the terms (`allowances`); float32 results are checked for ``NaN`` and for the
 same accept/reject decision.
 
-CI runs ``ELASTIC_NP_PROPERTY_EXAMPLES`` examples per test (default 150); a
+CI runs ``ELASTIC_NP_PROPERTY_EXAMPLES`` examples per test (default 300); a
 nightly run takes more: ``ELASTIC_NP_PROPERTY_EXAMPLES=5000 python -m pytest
 tests/test_properties.py``.
 """
@@ -23,7 +23,7 @@ import elastic_np as enp
 from elastic_np import _conformance, reference
 from elastic_np._options import prepare
 
-EXAMPLES = int(os.environ.get("ELASTIC_NP_PROPERTY_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("ELASTIC_NP_PROPERTY_EXAMPLES", "300"))
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
