@@ -92,7 +92,7 @@ def test_public_functions_document_parameters_and_returns():
 
 PAGES = sorted(p.name for p in DOCS.glob("*.rst"))
 #: Pages whose examples need optional packages: skipped without them.
-PAGE_NEEDS = {"frameworks.rst": ("torch", "jax")}
+PAGE_NEEDS = {"frameworks.rst": ("torch", "jax"), "dask.rst": ("dask", "distributed")}
 
 
 @pytest.mark.parametrize("page", PAGES)
