@@ -19,7 +19,10 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from elastic_np._tiles import matmul_nn, matmul_nn_max, matmul_tn  # noqa: E402
+from elastic_np._tiles import compile_for, matmul_nn, matmul_nn_max, matmul_tn  # noqa: E402
+
+for _dtype in (np.float32, np.float64):
+    compile_for(_dtype)
 
 # (label, kind, m, n, k): the products of the forward and backward tiles
 SHAPES = [

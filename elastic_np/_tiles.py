@@ -23,8 +23,9 @@ LLVM vectorises:
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
 be larger than the block used, which is always the top-left corner (the row
 length of the array is its leading dimension). Each function is compiled for
-explicit signatures, one per dtype, when this module is imported (or loaded
-from the cache): sizes and ``accumulate`` are runtime arguments, the factors
+explicit signatures, one per dtype, when `compile_for` is first called for that
+dtype (or loaded from the cache): a float32 caller never waits for the float64
+versions. Sizes and ``accumulate`` are runtime arguments, the factors
 ``a`` and ``b`` may be read-only, and any other layout (a column slice, for
 instance) is a typing error rather than a slower extra specialisation.
 
@@ -36,6 +37,7 @@ time (broadcast) and may be in either layout at no extra cost.
 
 import math
 import platform
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -45,7 +47,7 @@ from numba.np import numpy_support
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
+    "compile_for", "matmul_nn", "matmul_tn", "matmul_nn_max", "exp_inplace", "exp_shift_sum", "tanh_inplace",
     "tanh_any", "prefetch", "transpose_add", "transpose_load", "transpose_store",
     "transpose_stream", "stream_fence", "transpose_accumulate", "transpose_width", "stream_width",
 ]
@@ -69,6 +71,53 @@ def _matrix(dtype, readonly=False):
 def _matmul_signature(dtype, *flags):
     ro, rw = _matrix(dtype, readonly=True), _matrix(dtype)
     return types.void(ro, ro, rw, types.intp, types.intp, types.intp, *flags)
+
+
+#: The functions with explicit signatures and their signatures; see `compile_for`.
+_TYPED = []
+_COMPILED = set()
+_COMPILE_LOCK = threading.Lock()
+
+
+def _typed(signatures, **options):
+    """``njit(signatures, **options)``, each dtype's signatures compiled by `compile_for`.
+
+    After the first `compile_for` the dispatcher compiles nothing else: a call
+    with other types is a typing error, as with eager signatures.
+    """
+
+    def wrap(fn):
+        dispatcher = njit(**options)(fn)
+        _TYPED.append((dispatcher, list(signatures)))
+        return dispatcher
+
+    return wrap
+
+
+def compile_for(dtype):
+    """Compile (or load from the cache) the signatures of ``dtype`` of every tile function.
+
+    Call it before the first compiled caller of that dtype is typed (the CPU
+    backend's entry points do); cheap once done.
+    """
+    dtype = np.dtype(dtype)
+    if dtype in _COMPILED:
+        return
+    element = numpy_support.from_dtype(dtype)
+    with _COMPILE_LOCK:
+        if dtype in _COMPILED:
+            return
+        for dispatcher, signatures in _TYPED:  # in definition order: callees first
+            mine = [s for s in signatures if s.args[0].dtype == element]
+            if not mine:
+                continue
+            dispatcher.disable_compile(False)
+            try:
+                for signature in mine:
+                    dispatcher.compile(signature)
+            finally:
+                dispatcher.disable_compile()
+        _COMPILED.add(dtype)
 
 
 _MATMUL_SIGNATURES = [_matmul_signature(dtype, types.boolean) for dtype in _DTYPES]
@@ -357,7 +406,7 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
                 col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
 
 
-@njit(_MATMUL_SIGNATURES, cache=True)
+@_typed(_MATMUL_SIGNATURES, cache=True)
 def matmul_nn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``.
 
@@ -391,7 +440,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
-@njit(_MATMUL_SIGNATURES, cache=True)
+@_typed(_MATMUL_SIGNATURES, cache=True)
 def matmul_tn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``.
 
@@ -432,7 +481,7 @@ _MATMUL_MAX_SIGNATURES = [
 ]
 
 
-@njit(_MATMUL_MAX_SIGNATURES, cache=True)
+@_typed(_MATMUL_MAX_SIGNATURES, cache=True)
 def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
 
@@ -679,7 +728,7 @@ def _exp_rows(x, m, n):
             row[j] = _exp_any(row[j])
 
 
-@njit([_EXP_SIGNATURES[types.float64]], **_OPTIONS)
+@_typed([_EXP_SIGNATURES[types.float64]], **_OPTIONS)
 def _exp_f64(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float64 (see `exp_inplace`)."""
     _exp_rows(x, m, n)
@@ -736,7 +785,7 @@ def _exp_f32_scalar(v):
     return y
 
 
-@njit([_EXP_SIGNATURES[types.float32]], **_OPTIONS)
+@_typed([_EXP_SIGNATURES[types.float32]], **_OPTIONS)
 def _exp_f32(x, m, n):
     """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float32 (see `exp_inplace`)."""
     _exp_rows(x, m, n)
@@ -770,7 +819,7 @@ def _neg_inf_overload(x):
     return None
 
 
-@njit(list(_EXP_SIGNATURES.values()), cache=True)
+@_typed(list(_EXP_SIGNATURES.values()), cache=True)
 def exp_inplace(x, m, n):
     r"""Exponential of the block ``x[:m, :n]``, in place.
 
@@ -864,7 +913,7 @@ _EXP_SHIFT_SUM_SIGNATURES = [
 ]
 
 
-@njit(_EXP_SHIFT_SUM_SIGNATURES, **_OPTIONS)
+@_typed(_EXP_SHIFT_SUM_SIGNATURES, **_OPTIONS)
 def exp_shift_sum(x, m, n, shift, nvm, sums):
     r"""Shifted exponential of the block ``x[:m, :n]`` in place, with its column sums.
 
@@ -1020,7 +1069,7 @@ def _sech2_any_overload(v):
     return None
 
 
-@njit(list(_EXP_SIGNATURES.values()), **_OPTIONS)
+@_typed(list(_EXP_SIGNATURES.values()), **_OPTIONS)
 def tanh_inplace(x, m, n):
     r"""Hyperbolic tangent of the block ``x[:m, :n]``, in place.
 

@@ -65,7 +65,7 @@ from numba.extending import overload
 
 from elastic_np import _options as options_module
 from elastic_np._tiles import (
-    exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch, sech2_any, stream_fence,
+    compile_for, exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, prefetch, sech2_any, stream_fence,
     stream_width, tanh_any, transpose_accumulate, transpose_add, transpose_load, transpose_store,
     transpose_stream, transpose_width,
 )
@@ -184,6 +184,7 @@ def forward(problem):
     """
     from elastic_np import _decode  # it builds on this module
 
+    compile_for(problem.dtype)
     if _decode.takes(problem):
         return _decode.forward(problem)
     _check_cache(problem)
@@ -214,6 +215,7 @@ def backward(problem, dout, out, lse):
     AttentionGrads
     """
     _check_cache(problem)
+    compile_for(problem.dtype)
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out, lse = (

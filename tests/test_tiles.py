@@ -11,6 +11,8 @@ from elastic_np import _tiles
 from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 
 DTYPES = [np.float32, np.float64]
+for _dtype in DTYPES:
+    _tiles.compile_for(_dtype)
 # odd sizes hit every leftover path of the register blocking: rows past the last
 # block of rows, vectors past the last panel, columns past the last whole vector
 SIZES = [(1, 1, 1), (7, 59, 97), (97, 7, 59), (59, 97, 7), (12, 33, 6), (64, 64, 64), (33, 130, 64)]

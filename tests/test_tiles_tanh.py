@@ -8,9 +8,11 @@ import numba
 import numpy as np
 import pytest
 
-from elastic_np._tiles import tanh_any, tanh_inplace
+from elastic_np._tiles import compile_for, tanh_any, tanh_inplace
 
 DTYPES = [np.float32, np.float64]
+for _dtype in DTYPES:
+    compile_for(_dtype)
 
 
 def _ulp_error(got, x, dtype):
