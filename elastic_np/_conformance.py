@@ -276,8 +276,7 @@ def naive_forward(q, k, v, options, dtype):
         cap = t(p.softcap)
         x = s / cap
         s = cap * np.tanh(x)
-        e = np.exp(t(-2) * np.abs(x))  # 1 - tanh^2 = 4 e / (1 + e)^2, no cancellation
-        cap_slope = t(4) * e / ((t(1) + e) * (t(1) + e))
+        cap_slope = reference._tanh_slope(x)
     keep = reference.structural_keep(p)
     if p.alibi is not None:
         distance = np.abs(reference._offsets(p)).astype(dtype)
@@ -342,8 +341,7 @@ def naive_backward(dout, out, lse, cache, dtype):
         G, f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             y = t(p.sharpness) * np.where(G > 0, f, t(1))
-            dlog_dy = t(4) * np.exp(t(-2) * y) / -np.expm1(t(-4) * y)  # 2 / sinh(2y)
-            dlogG = t(p.sharpness) * dlog_dy * f * (x * x / sigma**3 - t(1) / sigma)
+            dlogG = t(p.sharpness) * reference._log_tanh_slope(y) * f * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
@@ -410,10 +408,8 @@ def summation_allowance(q, k, v, dout, options):
         if gate is not None:
             G, f, x = gate
             sigma = p.sigma[:, :, None, None]
-            with np.errstate(over="ignore"):
-                y = p.sharpness * np.where(G > 0, f, 1.0)
-                dlogg = p.sharpness * (4 * np.exp(-2 * y) / -np.expm1(-4 * y)) * f
-            dlogg = dlogg * (x**2 / sigma**3 - 1 / sigma)
+            y = p.sharpness * np.where(G > 0, f, 1.0)
+            dlogg = p.sharpness * reference._log_tanh_slope(y) * f * (x**2 / sigma**3 - 1 / sigma)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
     bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
     eps = float(np.finfo(np.float32).eps)

@@ -164,7 +164,7 @@ def allowances(q, k, v, dout, options):
         if gate is not None:
             G, f, x = gate
             y = p.sharpness * np.where(G > 0, f, 1.0)
-            dlogg = p.sharpness * (2 / np.sinh(2 * y)) * f * (x**2 / p.sigma[:, :, None, None] ** 3
+            dlogg = p.sharpness * reference._log_tanh_slope(y) * f * (x**2 / p.sigma[:, :, None, None] ** 3
                                                              + 1 / p.sigma[:, :, None, None])
             terms["dsigma"] = np.sum(np.where(keep, dz * dlogg, 0.0), axis=(2, 3))
     relative = max(32 * np.finfo(np.float64).eps * (1.0 + zmax), _conformance.FLOOR[np.dtype(np.float64)])
