@@ -306,10 +306,13 @@ def merge_sink_terms(a, b):
 
 
 def sink_from_terms(top, scaled):
-    """``dbeta = -scaled * exp(top)``, of the sign of ``scaled`` and ``inf`` only where it overflows."""
-    with np.errstate(over="ignore", divide="ignore"):
-        grad = np.asarray(-scaled * np.exp(top))
-        wide = ~np.isfinite(grad) & (scaled != 0)  # exp(top) alone overflows: the product may not
+    """``dbeta = -scaled * exp(top)``, of the sign of ``scaled`` and ``inf`` only where it overflows.
+
+    A sum that cancels exactly (``scaled = 0``) is 0, whatever ``exp(top)``.
+    """
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        grad = np.asarray(np.where(scaled == 0, 0.0, -scaled * np.exp(top)))
+        wide = ~np.isfinite(grad)  # exp(top) alone overflows: the product may not
         grad[wide] = -np.sign(scaled[wide]) * np.exp(top[wide] + np.log(np.abs(scaled[wide])))
     return grad
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np import _validation
 from elastic_np._merge import merge_attention_float64 as merge_attention
-from elastic_np._options import OPTION_NAMES, AttentionGrads, prepare
+from elastic_np._options import OPTION_NAMES, AttentionGrads, prepare, sink_from_terms, sink_terms
 
 __all__ = [
     "softmax",
@@ -416,10 +416,9 @@ def elastic_softmax_vjp(x, dy, tau=1.0, beta=0.0, axis=-1, nvm=True, *, check_fi
     dx = dz / tau
     # divided twice: tau**2 underflows for tau < 1.5e-154
     dtau = -(np.sum(dz * np.where(kept, x_tilde, 0.0)) / tau) / tau
-    # delta / D = delta * exp(-log D); an empty row with beta = 0 has delta = 0, D = 0.
-    with np.errstate(over="ignore", invalid="ignore"):
-        per_row = np.where(delta == 0, 0.0, delta * np.exp(-log_denominator))
-    dbeta = -np.sum(per_row)
+    # -sum delta / D = -sum delta exp(-log D), relative to its largest factor (see
+    # `sink_gradient`): rows of both signs whose exp(-log D) overflows give inf, not NaN
+    dbeta = sink_from_terms(*sink_terms(delta, log_denominator, None))
     return dx, float(dtau), float(dbeta)
 
 

@@ -58,6 +58,27 @@ def test_dbeta_of_overflowing_rows_of_both_signs_is_an_infinity_not_nan():
         assert grads.dbeta == -np.inf, (backend, dtype)
 
 
+def test_dbeta_of_overflowing_rows_that_cancel_exactly_is_zero():
+    """Two equal rows with exp(-lse) = exp(1000) and opposite delta: the sum is exactly 0, not NaN."""
+    q = np.full((1, 1, 2, 1), -10.0)
+    k = np.full((1, 1, 1, 1), 100.0)
+    v = np.ones((1, 1, 1, 1))
+    dout = np.array([1.0, -1.0]).reshape(1, 1, 2, 1)
+    for backend, dtype in (("reference", np.float64), ("cpu", np.float64), ("cpu", np.float32)):
+        args = [a.astype(dtype) for a in (q, k, v)]
+        out, lse = enp.attention(*args, scale=1.0, return_lse=True, backend=backend)
+        grads = enp.attention_backward(dout.astype(dtype), *args, out, lse, scale=1.0, backend=backend)
+        assert grads.dbeta == 0.0, (backend, dtype, grads.dbeta)
+
+
+def test_elastic_softmax_vjp_dbeta_of_overflowing_rows():
+    # log D = x / tau = -1000 and -1100: exp(-log D) overflows in both rows
+    dy = np.array([[1.0], [-1.0]])
+    options = dict(tau=1e-3, beta=0.0, nvm=False)
+    assert reference.elastic_softmax_vjp(np.array([[-1.0], [-1.1]]), dy, **options)[2] == np.inf
+    assert reference.elastic_softmax_vjp(np.array([[-1.0], [-1.0]]), dy, **options)[2] == 0.0
+
+
 def test_dbeta_that_fits_float64_survives_an_overflowing_factor():
     # exp(-lse) = exp(720) overflows, delta = 1e-10 brings the product back to 1e-10 e^720 ~ 1e303
     from elastic_np._options import sink_gradient
