@@ -313,7 +313,15 @@ def _vector_width_overload(x):
     return None
 
 
-@njit(**_OPTIONS)
+# One signature per dtype for the body the three products share: called with
+# the constants True, False and 0, it would compile once for each.
+_MATMUL_BODY_SIGNATURES = [
+    _matmul_signature(dtype, types.boolean, types.boolean, types.Array(dtype, 1, "C"), types.intp)
+    for dtype in _DTYPES
+]
+
+
+@_typed(_MATMUL_BODY_SIGNATURES, **_OPTIONS)
 def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
     """``c[:m, :n] (+)= A @ b[:k, :n]`` with ``A = a[:m, :k]`` or ``a[:k, :m].T``.
 

@@ -860,6 +860,8 @@ def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
     counts (``b = 0``, ``h = 0``, ``i0 = 0``, ``j0 = 0``), and a single
     entry of it: every distinct entry is counted once over the blocks that
     cover ``(B, H, N, M)``. Not fastmath: the comparison must see NaN.
+    Callers pass ``np.intp(0)``, never a literal 0, which would compile a
+    specialisation of its own.
     """
     s_b, s_h, s_i, s_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
     if not opt.check_bias or i0 >= i1 or j0 >= j1:
@@ -1303,7 +1305,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
                 row_sum[r] += tile_sum[r]
             matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
         # the bias of the keys skipped, which no tile read
-        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, 0, j_lo)
+        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, np.intp(0), j_lo)
         bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j_hi, M)
         bad_bias[b, h, qt] = bad
 
@@ -1460,7 +1462,7 @@ def _backward_kernel(
                     dtau_acc[hh] = 0.0
                     dsigma_acc[hh] = 0.0
                     if bk == 0 or i_lo >= i_hi:
-                        bad[hh] = _count_bad_bias(opt, b, h, 0, N, j0, j0 + bk_all)
+                        bad[hh] = _count_bad_bias(opt, b, h, np.intp(0), N, j0, j0 + bk_all)
                         spans[hh, 2] = 0
                         spans[hh, 3] = 0
                         share_rows[t, b, h, 0] = 0
@@ -1475,7 +1477,7 @@ def _backward_kernel(
                     # the bias of the queries skipped, which no tile reads, and
                     # of the keys past kv_lengths
                     rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
-                    n_bad = _count_bad_bias(opt, b, h, 0, rows_lo, j0, j0 + bk_all)
+                    n_bad = _count_bad_bias(opt, b, h, np.intp(0), rows_lo, j0, j0 + bk_all)
                     n_bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
                     n_bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
                     bad[hh] = n_bad
@@ -1508,7 +1510,7 @@ def _backward_kernel(
                         if share_bias and not bias_loaded:
                             # b is the batch's own, or the bias does not depend on it
                             start = b * b_b + i0 * b_i + j0
-                            bias_t_clean = _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, True)
+                            bias_t_clean = _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, np.bool_(True))
                             bias_loaded = True
                         kept, _, clean = _logits_tile(
                             st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
