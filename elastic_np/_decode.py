@@ -36,6 +36,8 @@ from elastic_np.cpu import (
     _kernel_array, scale_logits_row,
 )
 
+#: The typed tile functions the kernel calls (see `elastic_np._tiles.compile_for`).
+TILES = (matmul_nn, exp_inplace)
 #: Queries per sequence up to which `elastic_np.cpu.forward` takes this kernel.
 DECODE_MAX_QUERIES = 16
 #: Stacked rows (query heads of a group x queries) up to which it does.

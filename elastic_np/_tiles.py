@@ -73,51 +73,57 @@ def _matmul_signature(dtype, *flags):
     return types.void(ro, ro, rw, types.intp, types.intp, types.intp, *flags)
 
 
-#: The functions with explicit signatures and their signatures; see `compile_for`.
+#: The functions with explicit signatures: (dispatcher, signatures, typed callees); see `compile_for`.
 _TYPED = []
 _COMPILED = set()
 _COMPILE_LOCK = threading.Lock()
 
 
-def _typed(signatures, **options):
+def _typed(signatures, needs=(), **options):
     """``njit(signatures, **options)``, each dtype's signatures compiled by `compile_for`.
 
-    After the first `compile_for` the dispatcher compiles nothing else: a call
-    with other types is a typing error, as with eager signatures.
+    ``needs``: the typed functions it calls, compiled before it. After its
+    first `compile_for` the dispatcher compiles nothing else: a call with
+    other types is a typing error, as with eager signatures.
     """
 
     def wrap(fn):
         dispatcher = njit(**options)(fn)
-        _TYPED.append((dispatcher, list(signatures)))
+        _TYPED.append((dispatcher, list(signatures), tuple(needs)))
         return dispatcher
 
     return wrap
 
 
-def compile_for(dtype):
-    """Compile (or load from the cache) the signatures of ``dtype`` of every tile function.
+def compile_for(dtype, functions=None):
+    """Compile (or load from the cache) the signatures of ``dtype`` of the tile functions.
 
-    Call it before the first compiled caller of that dtype is typed (the CPU
-    backend's entry points do); cheap once done.
+    ``functions``: the typed tile functions a caller uses (what they call
+    comes with them); all of them by default. Call it before the first
+    compiled caller of that dtype is typed (the CPU backend's entry points
+    do, each for what its kernels call); cheap once done.
     """
     dtype = np.dtype(dtype)
-    if dtype in _COMPILED:
+    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions)
+    if all((dtype, d) in _COMPILED for d in wanted):
         return
     element = numpy_support.from_dtype(dtype)
     with _COMPILE_LOCK:
-        if dtype in _COMPILED:
-            return
-        for dispatcher, signatures in _TYPED:  # in definition order: callees first
-            mine = [s for s in signatures if s.args[0].dtype == element]
-            if not mine:
+        for dispatcher, signatures, needs in reversed(_TYPED):  # what a function needs is defined before it
+            if dispatcher in wanted:
+                wanted.update(needs)
+        for dispatcher, signatures, _ in _TYPED:  # in definition order: callees first
+            if dispatcher not in wanted or (dtype, dispatcher) in _COMPILED:
                 continue
-            dispatcher.disable_compile(False)
-            try:
-                for signature in mine:
-                    dispatcher.compile(signature)
-            finally:
-                dispatcher.disable_compile()
-        _COMPILED.add(dtype)
+            mine = [s for s in signatures if s.args[0].dtype == element]
+            if mine:
+                dispatcher.disable_compile(False)
+                try:
+                    for signature in mine:
+                        dispatcher.compile(signature)
+                finally:
+                    dispatcher.disable_compile()
+            _COMPILED.add((dtype, dispatcher))
 
 
 _MATMUL_SIGNATURES = [_matmul_signature(dtype, types.boolean) for dtype in _DTYPES]
@@ -414,7 +420,7 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
                 col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
 
 
-@_typed(_MATMUL_SIGNATURES, cache=True)
+@_typed(_MATMUL_SIGNATURES, cache=True, needs=(_matmul,))
 def matmul_nn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``.
 
@@ -448,7 +454,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
-@_typed(_MATMUL_SIGNATURES, cache=True)
+@_typed(_MATMUL_SIGNATURES, cache=True, needs=(_matmul,))
 def matmul_tn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``.
 
@@ -489,7 +495,7 @@ _MATMUL_MAX_SIGNATURES = [
 ]
 
 
-@_typed(_MATMUL_MAX_SIGNATURES, cache=True)
+@_typed(_MATMUL_MAX_SIGNATURES, cache=True, needs=(_matmul,))
 def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
 
@@ -827,7 +833,7 @@ def _neg_inf_overload(x):
     return None
 
 
-@_typed(list(_EXP_SIGNATURES.values()), cache=True)
+@_typed(list(_EXP_SIGNATURES.values()), needs=(_exp_f64, _exp_f32), cache=True)
 def exp_inplace(x, m, n):
     r"""Exponential of the block ``x[:m, :n]``, in place.
 

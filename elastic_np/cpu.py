@@ -95,6 +95,9 @@ DBIAS_PAIR_BATCH = 8
 # Reassociation lets LLVM vectorise the row sums; no flag that assumes
 # finite values, since -inf marks every removed entry.
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+# The typed tile functions each pass calls: a first call compiles only those (`compile_for`).
+_FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
+_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace)
 # Numba compiles a function that sets no `fastmath` with the flags of whatever
 # compiles it first (a kernel's, or none from Python), and keeps that version:
 # the kernels' bits then depended on the order things were compiled in. Every
@@ -184,9 +187,10 @@ def forward(problem):
     """
     from elastic_np import _decode  # it builds on this module
 
-    compile_for(problem.dtype)
     if _decode.takes(problem):
+        compile_for(problem.dtype, _decode.TILES)
         return _decode.forward(problem)
+    compile_for(problem.dtype, _FORWARD_TILES)
     _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
@@ -215,7 +219,7 @@ def backward(problem, dout, out, lse):
     AttentionGrads
     """
     _check_cache(problem)
-    compile_for(problem.dtype)
+    compile_for(problem.dtype, _BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out, lse = (

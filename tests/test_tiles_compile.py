@@ -1,16 +1,19 @@
 """The tile functions compile one dtype at a time: a float32 call never waits for float64."""
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = """
 import numpy as np
 from numba import types
 from elastic_np import _tiles
-assert all(len(d.overloads) == 0 for d, _ in _tiles._TYPED), "compiled at import"
+assert all(len(d.overloads) == 0 for d, _, _ in _tiles._TYPED), "compiled at import"
 _tiles.compile_for(np.float32)
 _tiles.compile_for(np.float32)
-for dispatcher, signatures in _tiles._TYPED:
+for dispatcher, signatures, _ in _tiles._TYPED:
     want = {s.args for s in signatures if s.args[0].dtype == types.float32}
     assert set(dispatcher.overloads) == want, (dispatcher, set(dispatcher.overloads), want)
 try:
@@ -31,3 +34,37 @@ def test_compile_for_compiles_only_its_dtype():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+PATH_FIRST = """
+import numpy as np
+import elastic_np as enp
+from elastic_np import _tiles
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 4, n, 16)).astype(np.float32) for n in (24, 24, 24))
+for step in {steps!r}:
+    if step == "decode":
+        enp.attention(q[:, :, :1], k, v, causal=True, softcap=20.0, beta=0.5)
+    elif step == "forward":
+        out, lse = enp.attention(q, k, v, causal=True, softcap=20.0, beta=0.5, return_lse=True)
+    else:
+        enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=20.0, beta=0.5)
+compiled = sorted(d.py_func.__name__ for d, _, _ in _tiles._TYPED if d.overloads)
+print(" ".join(compiled))
+"""
+
+
+@pytest.mark.parametrize(
+    "steps, compiled",
+    [
+        (("decode",), "_exp_f32 _matmul exp_inplace matmul_nn"),
+        (("forward", "backward"), "_exp_f32 _matmul exp_inplace exp_shift_sum matmul_nn matmul_nn_max matmul_tn"),
+    ],
+)
+def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
+    """A first call compiles the tile functions its kernels call, and only those (fresh cache)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    script = PATH_FIRST.format(steps=steps)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == compiled
