@@ -166,8 +166,7 @@ _VECTOR_BYTES = _vector_bytes(_FEATURES)
 _REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
 #: Micro-kernel block: rows of c by vectors of c kept in registers over the k loop.
 #: With 16 registers, 6 x 2 accumulators (the usual AVX2 shape) leave 4 for
-#: the b vectors and the broadcast: against 4 x 2, the plain forward took 8%
-#: (float32) and 15% (float64) less time, interleaved rounds on an AVX2 host.
+#: the b vectors and the broadcast, as AVX2 matrix-multiply kernels do.
 _MR = 4 if _REGISTERS == 32 else 6
 _NR = 4 if _REGISTERS == 32 else 2
 
@@ -608,7 +607,7 @@ def _pow2_f64(n):
     """``2**n`` for an integral float64 ``n`` in [-1022, 1023], built in its exponent field.
 
     Without a float-to-int64 conversion, which AVX2 lacks (LLVM did it
-    element by element): 16% of a float64 exp, 23% of a tanh.
+    element by element, a large share of an exp or tanh).
     """
     return _float_from_bits((_float_bits(n + _ROUND_F64) + 1023) << 52)
 
@@ -671,9 +670,7 @@ def _exp_q_f64(r):
     ``r**4``: five multiply-adds deep rather than Horner's nine. The
     exponential is one long chain of dependent operations per entry, and
     the out-of-order window rather than the FMA ports bounds how many
-    entries are in flight. Measured per 128 x 128 tile, against Horner's
-    rule (both four rows at a time): `exp_inplace` 24.9 against 30.8 us,
-    `exp_shift_sum` 27.2 against 32.4 us; `tanh_inplace` 37.0 against 39.1 us.
+    entries are in flight, so a shallower chain keeps more of them going.
     The last step is Horner's, so that ``q`` rounds once at the size of its
     leading term, as before; ``t``'s extra roundings are scaled by
     ``|r| <= 0.35``.
@@ -956,10 +953,7 @@ def exp_shift_sum(x, m, n, shift, nvm, sums):
     column per query): subtracting the running maximum, exponentiating and
     summing together saves two passes over the tile. Rows go four at a
     time: the exponential is one long chain of dependent operations per
-    entry, and four independent ones in flight hide more of its latency
-    (measured, with the polynomials of `_exp_q_f64` and `_exp_q_f32`:
-    11.1 against 12.6 us per 128 x 128 float32 tile, 27.2 against 38.0 us
-    in float64, for one row at a time and Horner's rule).
+    entry, and four independent ones in flight hide more of its latency.
 
     See Also
     --------
@@ -1158,10 +1152,9 @@ def prefetch(typingctx, arr, index):
 # Transposed add of a block
 # ---------------------------------------------------------------------------
 
-#: Entries per side of the square blocks the transposes move, at least. With
-#: AVX2 (one thread, 128 x 128 tiles), 8 x 8 float32 blocks (a register per
-#: row) took 17-33% less time than 16 x 16 ones (two registers per row, and
-#: spills), and 4 x 4 float64 blocks up to twice the time of 8 x 8 ones.
+#: Entries per side of the square blocks the transposes move, at least: with
+#: AVX2, 8 x 8 float32 blocks (a register per row) beat 16 x 16 ones (two
+#: registers per row, and spills), and 8 x 8 float64 blocks beat 4 x 4 ones.
 _MIN_TRANSPOSE_WIDTH = 8
 
 

@@ -355,8 +355,7 @@ class _DbiasPlan:
         if mode != 2:
             return self.direct.reshape(self.shape)
         if not self.per_key_tile:
-            # the slots in order; a single slot is the sum (no 0 + x pass,
-            # 14 ms for a 2048 x 2048 dbias)
+            # the slots in order; a single slot is the sum (no 0 + x pass)
             self.total = self.partials[0] if len(self.partials) == 1 else self.partials.sum(axis=0)
         return self.total.reshape(self.shape)
 
@@ -835,10 +834,8 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
     A bias laid out along the keys is read by a tile as ``bq`` short runs,
     a whole row of the caller's array apart (a bias laid out along the
-    queries as ``bk`` runs): too many streams for the hardware prefetcher
-    (measured: a 2048 x 2048 float32 bias read tile by tile took 8-14 ms
-    against 0.6 ms in order, 3.6 ms with this). Kernels call it for the
-    next tile while they compute the current one.
+    queries as ``bk`` runs): too many streams for the hardware prefetcher.
+    Kernels call it for the next tile while they compute the current one.
     """
     s_i, s_j = opt.bias_strides[2], opt.bias_strides[3]
     if not opt.has_bias or min(s_i, s_j) != 1 or max(s_i, s_j) <= 1:
@@ -897,7 +894,7 @@ def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
 def _count_bad(values):
     """How many of ``values`` are NaN or ``+inf`` (not fastmath: the comparison must see NaN)."""
     bad = 0
-    for r in range(values.shape[0]):  # indexed: 2.4 against 8.1 us per 128 x 128 tile over `for x in`
+    for r in range(values.shape[0]):  # indexed: `for x in values` does not vectorise
         bad += 0 if values[r] < np.inf else 1
     return bad
 
@@ -941,8 +938,7 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     if opt.has_softcap:
         _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope)
     # Rows are slices of length bq (loops over range(bq) on whole rows did not
-    # run vectorised), offsets int32 (int64 to float has no AVX2 instruction):
-    # 2.3 against 12.6 us per 128 x 128 float32 tile for ALiBi.
+    # run vectorised), offsets int32 (int64 to float has no AVX2 instruction).
     for c in range(bk if opt.has_alibi or by_rows else 0):
         row = st[c, :bq]
         if opt.has_alibi:
@@ -1019,8 +1015,8 @@ def _add_scaled(row, src, scale, overwrite):
 def _column_max(st, bk, bq, col_max, nonneg):
     """``col_max[r] = st[c, r]`` wherever that is greater (and ``>= 0`` with ``nonneg``), ``c`` in order.
 
-    Four rows per load and store of ``col_max`` (2.7 against 12 us per
-    128 x 128 float32 tile, measured): the same comparisons in the same order.
+    Four rows per load and store of ``col_max``: the same comparisons in the
+    same order, a quarter of the loads and stores.
     """
     m = col_max[:bq]
     bk4 = bk - bk % 4
@@ -1110,8 +1106,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     # W runs of src at a time, each read along: W streams the hardware
-    # prefetcher follows (with the blocks down the runs first, bq streams at
-    # once, a whole 2048^2 float32 bias took 37 against 23 ms, one thread)
+    # prefetcher follows (the blocks down the runs first would be bq streams)
     flagged = 0
     for rb in range(0, bq_w, width):
         for cb in range(0, bk_w, width):
@@ -1137,10 +1132,7 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     edges element by element: a key-major tile written out query-major, into
     a result the kernel does not read again. Where the runs of ``dst`` start
     on cache lines, their whole lines are streamed (`transpose_stream`): the
-    runs are short and far apart, and ordinary stores first read each line
-    (measured, one thread: 8 x 2048 x 2048 float32 entries written in this
-    pattern took 21-24 ms with ordinary stores and 6.1-6.3 ms streamed, or
-    31-35 ms and 20-21 ms into freshly allocated memory).
+    runs are short and far apart, and ordinary stores first read each line.
     """
     width = transpose_width(tile)
     line = stream_width(tile)
