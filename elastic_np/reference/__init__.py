@@ -22,13 +22,21 @@ from elastic_np.reference._attention import (  # noqa: F401  (the private helper
     _log_tanh_slope,
     _offsets,
     _tanh_slope,
+    _without_padding,
     attention,
     scores,
     structural_keep,
     window_gate,
     window_position,
 )
-from elastic_np.reference._backward import _backward, attention_backward, check_backward_arrays  # noqa: F401
+from elastic_np.reference._backward import (  # noqa: F401
+    _backward,
+    _dlog_gate,
+    _dtau_terms,
+    _score_gradient,
+    attention_backward,
+    check_backward_arrays,
+)
 from elastic_np.reference._merge import merge_attention
 from elastic_np.reference._softmax import (
     elastic_softmax,

@@ -1,4 +1,10 @@
-"""The attention forward in float64: scores, masks, the dynamic window and ``(out, lse)``."""
+"""The attention forward: scores, masks, the dynamic window and ``(out, lse)``.
+
+The functions taking a prepared problem ``p`` compute in the dtype of
+``p.q`` (the options are cast to it): float64 for the oracle, and the dtype
+under test for the conformance kit's naive evaluation, whose error sets the
+float32 tolerances. One formula serves both.
+"""
 
 import dataclasses
 
@@ -15,20 +21,22 @@ def scores(p):
     ``-inf`` where the bias is ``-inf``. The slope ``ds / ds_raw = 1 - tanh^2``
     is returned with it (None without a soft-cap).
     """
-    B, H, Hkv, N, M, D, Dv = p.shape
+    t = p.q.dtype.type
     k = np.repeat(p.k, p.group_size, axis=1)  # query head h reads kv head h // group_size
     # an overflow is either harmless (-inf: weight 0) or found by `_attention_logits`
     with np.errstate(over="ignore"):
-        s = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k)
+        s = t(p.scale) * np.einsum("bhnd,bhmd->bhnm", p.q, k)
         cap_slope = None
         if p.softcap is not None:
-            x = s / p.softcap
-            s = p.softcap * np.tanh(x)
+            cap = t(p.softcap)
+            x = s / cap
+            s = cap * np.tanh(x)
             cap_slope = _tanh_slope(x)
         if p.alibi is not None:
-            s = s - p.alibi[:, :, None, None] * np.abs(_offsets(p))
+            distance = np.abs(_offsets(p)).astype(s.dtype)
+            s = s - p.alibi.astype(s.dtype)[:, :, None, None] * distance
         if p.bias is not None:
-            s = s + p.bias
+            s = s + p.bias.astype(s.dtype)
     return s, cap_slope
 
 
@@ -40,17 +48,18 @@ def _attention_logits(p):
     ``(s, z, keep, gate, cap_slope)`` with ``gate = (G, f, x)`` or None.
     """
     s, cap_slope = scores(p)
+    t = s.dtype.type
     keep = structural_keep(p)
     if p.bias is not None:
         keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
-        s = np.where(keep, s, 0.0)  # and stays out of the dtau sum
+        s = np.where(keep, s, t(0))  # and stays out of the dtau sum
     if p.nvm:
         keep = keep & (s >= 0)
     with np.errstate(over="ignore"):
-        z = s / p.tau[:, None, None]
-    if not (np.where(keep, z, 0.0) < np.inf).all():  # +inf or NaN where kept
+        z = s / p.tau.astype(s.dtype)[:, None, None]
+    if not (np.where(keep, z, t(0)) < np.inf).all():  # +inf or NaN where kept
         raise ValueError(
-            "the logits `scale * q . k / tau` (with the score modifiers) overflow float64: "
+            f"the logits `scale * q . k / tau` (with the score modifiers) overflow {s.dtype}: "
             "reduce `scale` or the inputs, or raise `tau`"
         )
     gate = None
@@ -60,7 +69,7 @@ def _attention_logits(p):
         with np.errstate(divide="ignore"):
             z = z + np.log(G)
         gate = (G, f, x)
-    z = np.where(keep, z, -np.inf)
+    z = np.where(keep, z, t(-np.inf))
     return s, z, keep, gate, cap_slope
 
 
@@ -128,14 +137,17 @@ def _log_tanh_slope(y):
 def window_gate(p):
     """The dynamic window: gate ``G``, bell ``f`` (before thresholding) and position ``x``.
 
-    ``G`` and ``f`` are ``(B, H, N, M)``; ``x`` is `window_position`'s.
+    ``G`` and ``f`` are ``(B, H, N, M)``; ``x`` is `window_position`'s. All
+    three are in the dtype of ``p.q``.
     """
-    x = window_position(p)
-    sigma = p.sigma[:, :, None, None]
+    dtype = p.q.dtype
+    t = dtype.type
+    x = window_position(p).astype(dtype, copy=False)
+    sigma = p.sigma.astype(dtype)[:, :, None, None]
     with np.errstate(over="ignore"):
         u = x / sigma  # divided first: sigma**2 underflows for sigma < 1.5e-154
-        f = np.exp(-0.5 * (u * u)) / (sigma * np.sqrt(2 * np.pi))
-    G = np.tanh(p.sharpness * np.where(f > p.threshold, f, 0.0))
+        f = np.exp(-0.5 * (u * u)) / (sigma * t(np.sqrt(2 * np.pi)))
+    G = np.tanh(t(p.sharpness) * np.where(f > t(p.threshold), f, t(0)))
     return G, f, x
 
 
@@ -238,7 +250,7 @@ def _forward(p):
     s, z, keep, gate, cap_slope = _attention_logits(p)
     lse = _log_denominator(z, p.beta)
     with np.errstate(invalid="ignore"):
-        probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
+        probs = np.where(keep, np.exp(z - lse[..., None]), z.dtype.type(0))
     v = np.repeat(p.v, p.group_size, axis=1)
     return probs @ v, lse
 
@@ -249,4 +261,4 @@ def _log_denominator(z, beta):
     m = np.where(np.isneginf(m), 0.0, m)
     row_sum = np.exp(z - m).sum(axis=-1)
     with np.errstate(divide="ignore"):
-        return np.logaddexp(m[..., 0] + np.log(row_sum), np.log(beta)[:, None])
+        return np.logaddexp(m[..., 0] + np.log(row_sum), np.log(beta.astype(z.dtype))[:, None])

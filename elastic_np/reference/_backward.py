@@ -1,4 +1,4 @@
-"""The hand-derived attention backward in float64 (the steps of the derivations page)."""
+"""The hand-derived attention backward (the steps of the derivations page), generic in dtype like `_attention`."""
 
 import numpy as np
 
@@ -99,42 +99,67 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
 
 
 def _backward(p, dout, out, lse):
+    """The gradients in the dtype of ``p.q``, as `AttentionGrads`; ``dbeta`` in float64 (see `sink_gradient`)."""
     B, H, Hkv, N, M, D, Dv = p.shape
+    dtype = p.q.dtype
+    t = dtype.type
     p = _without_padding(p)
-    s, z, keep, gate, cap_slope = _attention_logits(p)
-    with np.errstate(invalid="ignore"):
-        probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
+    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse)
     k = np.repeat(p.k, p.group_size, axis=1)
-    v = np.repeat(p.v, p.group_size, axis=1)
-
-    dP = dout @ np.swapaxes(v, -1, -2)
-    delta = np.sum(dout * out, axis=-1)
-    dz = probs * (dP - delta[..., None])  # zero where not kept, since probs is
-    ds = dz / p.tau[:, None, None]  # d loss / d s, the final score: also dbias
+    ds = dz / p.tau.astype(dtype)[:, None, None]  # d loss / d s, the final score: also dbias
     ds_raw = ds if cap_slope is None else ds * cap_slope
 
-    dq = p.scale * ds_raw @ k
-    dk_h = p.scale * np.swapaxes(ds_raw, -1, -2) @ p.q
+    dq = t(p.scale) * ds_raw @ k
+    dk_h = t(p.scale) * np.swapaxes(ds_raw, -1, -2) @ p.q
     dv_h = np.swapaxes(probs, -1, -2) @ dout
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
-    # only entries with weight: a score of -inf (a slope |off| beyond float64)
-    # has p = dz = 0 and no term; divided twice, as tau**2 may underflow
-    with np.errstate(invalid="ignore"):
-        dz_s = np.where(probs > 0, dz * s, 0.0)
-    dtau = -(np.sum(dz_s, axis=(0, 2, 3)) / p.tau) / p.tau
+    tau = p.tau.astype(dtype)
+    dtau = -(np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3)) / tau) / tau
     dbeta = p.sink_gradient(delta, lse)
-
     dsigma = None
     if gate is not None:
-        G, f, x = gate
-        sigma = p.sigma[:, :, None, None]
-        # d log G / dsigma = (d log G / dy) sharpness df/dsigma at y = sharpness f
-        # (where G = 0, y = sharpness: any finite value, removed by keep)
-        y = p.sharpness * np.where(G > 0, f, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            u = x / sigma  # (x^2 / sigma^3 - 1 / sigma) without sigma**3, which underflows
-            dlogG = p.sharpness * _log_tanh_slope(y) * f * ((u * u - 1) / sigma)
-        dsigma = np.sum(dz * np.where(keep, dlogG, 0.0), axis=(2, 3))
+        dsigma = np.sum(dz * np.where(keep, _dlog_gate(p, *gate), t(0)), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
+
+
+def _score_gradient(p, dout, out, lse):
+    """The forward recomputed from ``lse`` and ``dz = d loss / d z``, the gradient of the logits.
+
+    Returns ``(s, keep, gate, cap_slope, probs, delta, dz)``: `_attention_logits`'s
+    terms, ``p = exp(z - lse)`` on kept entries, ``delta = dout . out`` and
+    ``dz = p (dout . v - delta)``, in the dtype of ``p.q``.
+    """
+    s, z, keep, gate, cap_slope = _attention_logits(p)
+    with np.errstate(invalid="ignore"):
+        probs = np.where(keep, np.exp(z - lse[..., None]), z.dtype.type(0))
+    v = np.repeat(p.v, p.group_size, axis=1)
+    dP = dout @ np.swapaxes(v, -1, -2)
+    delta = np.sum(dout * out, axis=-1)
+    dz = probs * (dP - delta[..., None])  # zero where not kept, since probs is
+    return s, keep, gate, cap_slope, probs, delta, dz
+
+
+def _dtau_terms(s, probs, dz):
+    """``dz * s`` on the entries with weight, the terms of ``-tau**2 dtau``.
+
+    A score of -inf (a slope ``|off|`` beyond the dtype) has ``p = dz = 0``
+    and no term; the sum is divided by ``tau`` twice, as ``tau**2`` may underflow.
+    """
+    with np.errstate(invalid="ignore"):
+        return np.where(probs > 0, dz * s, s.dtype.type(0))
+
+
+def _dlog_gate(p, G, f, x):
+    """``d log G / d sigma`` per entry of the dynamic window (see `window_gate`).
+
+    The chain ``(d log G / dy) sharpness df/dsigma`` at ``y = sharpness f``;
+    where ``G = 0``, ``y = sharpness`` (any finite value, removed by keep).
+    """
+    t = f.dtype.type
+    sigma = p.sigma.astype(f.dtype)[:, :, None, None]
+    y = t(p.sharpness) * np.where(G > 0, f, t(1))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        u = x / sigma  # (x^2 / sigma^3 - 1 / sigma) without sigma**3, which underflows
+        return t(p.sharpness) * _log_tanh_slope(y) * f * ((u * u - 1) / sigma)

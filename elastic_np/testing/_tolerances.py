@@ -156,20 +156,14 @@ def summation_allowance(q, k, v, dout, options):
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     p = prepare(q, k, v, **options)
     out, lse = reference._forward(p)
-    s, z, keep, gate, _ = reference._attention_logits(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
-        v_h = np.repeat(p.v, p.group_size, axis=1)
-        delta = np.sum(dout * out, axis=-1)
-        dz = probs * (dout @ np.swapaxes(v_h, -1, -2) - delta[..., None])
-        dtau = np.sum(np.abs(np.where(keep, dz * s, 0.0)), axis=(0, 2, 3)) / p.tau**2
+        s, keep, gate, _, probs, delta, dz = reference._score_gradient(
+            reference._without_padding(p), dout, out, lse)
+        dtau = np.sum(np.abs(reference._dtau_terms(s, probs, dz)), axis=(0, 2, 3)) / p.tau**2
         dbeta = np.sum(np.abs(np.where(delta == 0, 0.0, delta * np.exp(-lse))), axis=(0, 2))
         dsigma = None
         if gate is not None:
-            G, f, x = gate
-            sigma = p.sigma[:, :, None, None]
-            y = p.sharpness * np.where(G > 0, f, 1.0)
-            dlogg = p.sharpness * reference._log_tanh_slope(y) * f * (x**2 / sigma**3 - 1 / sigma)
+            dlogg = reference._dlog_gate(p, *gate)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
     bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
     eps = float(np.finfo(np.float32).eps)
