@@ -19,7 +19,9 @@ from elastic_np._options import AttentionGrads  # noqa: F401  (a name of the for
 from elastic_np.reference._attention import (  # noqa: F401  (the private helpers serve the kernels' tests)
     _attention_logits,
     _forward,
+    _kept_scores,
     _log_tanh_slope,
+    _modify_scores,
     _offsets,
     _tanh_slope,
     _without_padding,

@@ -23,9 +23,15 @@ def scores(p):
     """
     t = p.q.dtype.type
     k = np.repeat(p.k, p.group_size, axis=1)  # query head h reads kv head h // group_size
+    with np.errstate(over="ignore"):
+        return _modify_scores(p, t(p.scale) * np.einsum("bhnd,bhmd->bhnm", p.q, k))
+
+
+def _modify_scores(p, s):
+    """The score modifiers on the scaled products ``s``: ``(final score, cap slope)``, see `scores`."""
+    t = s.dtype.type
     # an overflow is either harmless (-inf: weight 0) or found by `_attention_logits`
     with np.errstate(over="ignore"):
-        s = t(p.scale) * np.einsum("bhnd,bhmd->bhnm", p.q, k)
         cap_slope = None
         if p.softcap is not None:
             cap = t(p.softcap)
@@ -49,12 +55,7 @@ def _attention_logits(p):
     """
     s, cap_slope = scores(p)
     t = s.dtype.type
-    keep = structural_keep(p)
-    if p.bias is not None:
-        keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
-        s = np.where(keep, s, t(0))  # and stays out of the dtau sum
-    if p.nvm:
-        keep = keep & (s >= 0)
+    s, keep = _kept_scores(p, s)
     with np.errstate(over="ignore"):
         z = s / p.tau.astype(s.dtype)[:, None, None]
     if not (np.where(keep, z, t(0)) < np.inf).all():  # +inf or NaN where kept
@@ -71,6 +72,21 @@ def _attention_logits(p):
         gate = (G, f, x)
     z = np.where(keep, z, t(-np.inf))
     return s, z, keep, gate, cap_slope
+
+
+def _kept_scores(p, s):
+    """``(s, keep)``: the final scores ``s`` with 0 where the bias removes an entry, and the keep mask.
+
+    The mask of `structural_keep`, less the entries a ``-inf`` bias removes
+    and, under NVM, those with ``s < 0``; without the gate.
+    """
+    keep = structural_keep(p)
+    if p.bias is not None:
+        keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
+        s = np.where(keep, s, s.dtype.type(0))  # and stays out of the dtau sum
+    if p.nvm:
+        keep = keep & (s >= 0)
+    return s, keep
 
 
 def _offsets(p):

@@ -30,23 +30,10 @@ def naive_forward(q, k, v, options, dtype):
     B, H, Hkv, N, M, D, Dv = p.shape
     kk = np.repeat(p.k, p.group_size, axis=1)
     vv = np.repeat(p.v, p.group_size, axis=1)
-    s = (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale)
-    cap_slope = None
-    if p.softcap is not None:
-        cap = t(p.softcap)
-        x = s / cap
-        s = cap * np.tanh(x)
-        cap_slope = reference._tanh_slope(x)
-    keep = reference.structural_keep(p)
-    if p.alibi is not None:
-        distance = np.abs(reference._offsets(p)).astype(dtype)
-        s = s - p.alibi.astype(dtype)[:, :, None, None] * distance
-    if p.bias is not None:
-        bias = p.bias.astype(dtype)
-        keep = keep & (bias > -np.inf)
-        s = np.where(keep, s + bias, t(0))
-    if p.nvm:
-        keep = keep & (s >= 0)
+    # the score modifiers and the keep mask are the oracle's; the product, the
+    # gate and the normalisation are the plain forms whose rounding sets the rule
+    s, cap_slope = reference._modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
+    s, keep = reference._kept_scores(p, s)
     tau = p.tau.astype(dtype)[:, None, None]
     z = s / tau
     gate = None
