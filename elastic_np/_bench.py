@@ -42,27 +42,20 @@ def attention_flops(B, H, N, M, D, Dv=None, *, causal=False, backward=False):
 
 
 def naive_attention(q, k, v, *, causal=False, scale=None):
-    """Plain NumPy attention in the input dtype, materialising the score matrix."""
-    p, kk, vv, scale = _naive_probabilities(q, k, v, causal, scale)
-    return p @ vv
+    """Plain NumPy attention in the input dtype, materialising the score matrix.
+
+    The oracle's own code (`elastic_np.reference`) evaluated in the dtype of ``q``.
+    """
+    from elastic_np import reference
+
+    return reference._forward(_naive_problem(q, k, v, causal, scale))[0]
 
 
-def _naive_probabilities(q, k, v, causal, scale):
-    """Softmax probabilities ``(B, H, N, M)``, ``k`` and ``v`` repeated per query head, and the scale."""
-    B, H, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    scale = q.dtype.type(1.0 / np.sqrt(D) if scale is None else scale)
-    if Hkv != H:
-        k = np.repeat(k, H // Hkv, axis=1)
-        v = np.repeat(v, H // Hkv, axis=1)
-    s = (q @ np.swapaxes(k, -1, -2)) * scale
-    if causal:
-        i = np.arange(N)[:, None] + (M - N)
-        s = np.where(np.arange(M)[None, :] <= i, s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return p, k, v, scale
+def _naive_problem(q, k, v, causal, scale):
+    """The prepared problem of ``q, k, v`` in their dtype, for the oracle's code."""
+    from elastic_np._options import prepare
+
+    return prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
 
 
 def machine_info():
@@ -156,22 +149,14 @@ def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
     """Plain NumPy forward and backward in the input dtype: ``(out, dq, dk, dv)``.
 
     Materialises the score matrix, as an autograd framework would without a
-    fused kernel.
+    fused kernel; the oracle's own code evaluated in the dtype of ``q``.
     """
-    B, H, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    group = H // Hkv
-    p, kk, vv, scale = _naive_probabilities(q, k, v, causal, scale)
-    out = p @ vv
-    dp = dout @ np.swapaxes(vv, -1, -2)
-    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
-    dq = (ds @ kk) * scale
-    dk = (np.swapaxes(ds, -1, -2) @ q) * scale
-    dv = np.swapaxes(p, -1, -2) @ dout
-    if group > 1:
-        dk = dk.reshape(B, Hkv, group, M, D).sum(axis=2)
-        dv = dv.reshape(B, Hkv, group, M, v.shape[-1]).sum(axis=2)
-    return out, dq, dk, dv
+    from elastic_np import reference
+
+    p = _naive_problem(q, k, v, causal, scale)
+    out, lse = reference._forward(p)
+    grads = reference._backward(p, dout, out, lse)
+    return out, grads.dq, grads.dk, grads.dv
 
 
 def _rss_bytes():

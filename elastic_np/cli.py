@@ -72,30 +72,17 @@ def _usage_error(command, message):
 _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
-def _backend_functions(name):
-    """``fn`` and ``backward`` in the form `check_attention` takes, for a backend."""
-    import elastic_np as enp
-
-    def fn(q, k, v, **options):
-        return enp.attention(q, k, v, return_lse=True, backend=name, **options)
-
-    def backward(dout, q, k, v, **options):
-        out, lse = enp.attention(q, k, v, return_lse=True, backend=name, **options)
-        return enp.attention_backward(dout, q, k, v, out, lse, backend=name, **options)
-
-    return fn, backward
-
-
 def _compile(name, module, progress):
     """Run a kernel backend once per dtype on the plain and the combined case, forward
     and backward: the first JIT compile of every specialisation the battery uses."""
     from elastic_np import _conformance
+    from elastic_np.testing import backend_functions
 
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
     start = time.perf_counter()
-    fn, backward = _backend_functions(name)
+    fn, backward = backend_functions(name)
     warmup = [c for c in _conformance.CASES if c.name in ("plain", "combined")]
     for dtype in dtypes:
         for case in warmup:
@@ -109,6 +96,7 @@ def _compile(name, module, progress):
 def _check(args):
     from elastic_np import _conformance, _dispatch
     from elastic_np._progress import Progress
+    from elastic_np.testing import backend_functions
 
     if args.backend == "all":
         requested, explicit = _KERNEL_BACKENDS, False
@@ -138,7 +126,7 @@ def _check(args):
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
-            fn, backward = _backend_functions(name)
+            fn, backward = backend_functions(name)
             reports.append(_conformance.run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
                 quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",

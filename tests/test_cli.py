@@ -93,7 +93,7 @@ def test_backend_failing_to_start_is_skipped_or_an_error(monkeypatch, capsys):
 
 
 def test_check_failure_exits_1(monkeypatch, capsys):
-    honest = cli._backend_functions
+    honest = elastic_np.testing.backend_functions
 
     def broken(name):
         fn, backward = honest(name)
@@ -103,7 +103,7 @@ def test_check_failure_exits_1(monkeypatch, capsys):
 
         return wrong_beta, backward
 
-    monkeypatch.setattr(cli, "_backend_functions", broken)
+    monkeypatch.setattr(elastic_np.testing, "backend_functions", broken)
     assert cli.main(["check", "--quick", "--backend", "reference", "--dtype", "float64"]) == 1
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]

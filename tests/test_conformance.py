@@ -6,13 +6,11 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, cli, reference
-from elastic_np.testing import check_attention
+from elastic_np import _conformance, reference
+from elastic_np.testing import backend_functions, check_attention
 
 ALL = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
 
-
-backend_functions = cli._backend_functions
 
 
 def cpu_available():

@@ -3,7 +3,7 @@
 Every case cuts the problem into blocks along batch, heads (through the
 grouped-query groups), queries and keys, on the CPU kernels; float64 must
 agree with `elastic_np.reference` to ``1e-12 * max(1, max|oracle|)``, float32
-by the float32 rule of the kernel tests (`elastic_np._conformance.float32_allowed`).
+by the float32 rule of the kernel tests (`oracle_checks.check_results`).
 The result must not depend on the scheduler: threads, processes and a
 `distributed.LocalCluster` of two worker processes give the same bits.
 """
@@ -21,19 +21,15 @@ distributed = pytest.importorskip("distributed")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.dask as enpd  # noqa: E402
-from elastic_np import _conformance, _dask_blocks, cpu, reference  # noqa: E402
+from elastic_np import _dask_blocks, cpu, reference  # noqa: E402
+from oracle_checks import check_results, make_inputs  # noqa: E402
 
 B, H, HKV, D, DV = 2, 4, 2, 5, 3
 FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
 
 
 def _inputs(dtype, N, M, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, N, D)).astype(dtype)
-    k = rng.standard_normal((B, HKV, M, D)).astype(dtype)
-    v = rng.standard_normal((B, HKV, M, DV)).astype(dtype)
-    dout = rng.standard_normal((B, H, N, DV)).astype(dtype)
-    return q, k, v, dout
+    return make_inputs(dtype, B=B, H=H, Hkv=HKV, N=N, M=M, D=D, Dv=DV, seed=seed)
 
 
 def _cases(N, M):
@@ -70,14 +66,6 @@ CHUNKINGS = {
 }
 
 
-def _oracle(q, k, v, dout, opts):
-    q, k, v, dout = (a.astype(np.float64) for a in (q, k, v, dout))
-    out, lse = reference.attention(q, k, v, **opts)
-    with np.errstate(all="ignore"):
-        grads = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-    return out, lse, grads
-
-
 def _run(q, k, v, dout, opts, q_chunks, k_chunk, scheduler="sync", **kw):
     qd = da.from_array(q, chunks=q_chunks + (D,))
     kd = da.from_array(k, chunks=(1, 1, k_chunk, D))
@@ -87,41 +75,11 @@ def _run(q, k, v, dout, opts, q_chunks, k_chunk, scheduler="sync", **kw):
     return out, lse, enpd.compute_grads(grads, scheduler=scheduler)
 
 
-def _assert_close(name, got, want, dtype, naive=None, rounding=None):
-    got, want = np.asarray(got), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    if name in ("out", "lse", "dq", "dk", "dv", "dbias"):
-        assert got.dtype == dtype, f"{name}: dtype {got.dtype}"
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=name)
-    finite = ~np.isneginf(want)
-    err = float(np.abs(got[finite].astype(np.float64) - want[finite]).max(initial=0.0))
-    if dtype == np.float64:
-        bound = 1e-12 * max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
-    else:
-        bound, _ = _conformance.float32_allowed(want, naive, rounding)
-    assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.3e}"
-
-
 def _check(dtype, opts, chunking):
     N, M, q_chunks, k_chunk = chunking
     q, k, v, dout = _inputs(dtype, N, M)
     out, lse, grads = _run(q, k, v, dout, opts, q_chunks, k_chunk)
-    ref_out, ref_lse, ref_grads = _oracle(q, k, v, dout, opts)
-    naive, summation = {}, {}
-    if dtype == np.float32:
-        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32)
-        naive = {name: [o[name] for o in orderings] for name in orderings[0]}
-        summation = _conformance.summation_allowance(q, k, v, dout, opts)
-    _assert_close("out", out, ref_out, dtype, naive.get("out"))
-    _assert_close("lse", lse, ref_lse, dtype, naive.get("lse"))
-    for field in FIELDS:
-        got, want = getattr(grads, field), getattr(ref_grads, field)
-        if want is None:
-            assert got is None, field
-            continue
-        if np.shape(want) == ():
-            assert isinstance(got, float), f"{field} should be a Python float"
-        _assert_close(field, got, want, dtype, naive.get(field), summation.get(field))
+    check_results(dtype, q, k, v, dout, opts, out, lse, grads)
 
 
 @pytest.mark.parametrize("chunking", list(CHUNKINGS), ids=list(CHUNKINGS))

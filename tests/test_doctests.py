@@ -17,9 +17,10 @@ import elastic_np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
-# Every module of the package (``__main__`` would run the tool).
+# Every module of the package and its subpackages (``__main__`` would run the tool).
 MODULES = ["elastic_np"] + sorted(
-    f"elastic_np.{m.name}" for m in pkgutil.iter_modules(elastic_np.__path__) if m.name != "__main__"
+    m.name for m in pkgutil.walk_packages(elastic_np.__path__, "elastic_np.")
+    if m.name != "elastic_np.__main__"
 )
 
 

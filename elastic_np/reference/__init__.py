@@ -1,0 +1,64 @@
+"""Float64 oracles: the definitions every backend of elastic_np is held to.
+
+Everything here is plain NumPy, computes in float64 and returns float64,
+whatever the input precision. The functions favour being obviously right over
+being fast; the attention oracle materialises the full ``(B, H, N, M)`` score
+matrix and is meant for the sizes a test uses.
+
+Non-finite inputs follow SciPy's ``check_finite=True`` habit: by default a NaN
+or ``+inf`` logit raises a `ValueError`, while ``-inf`` is accepted as a masked
+entry (it gets weight 0). With ``check_finite=False`` nothing is checked and a
+NaN propagates to the rows it touches.
+
+The package mirrors the derivations: ``_softmax`` (the vector functions),
+``_attention`` (scores, masks, the dynamic window, the forward), ``_backward``
+(the hand-derived backward) and ``_merge`` (merging partials over key sets).
+"""
+
+from elastic_np._options import AttentionGrads  # noqa: F401  (a name of the former module)
+from elastic_np.reference._attention import (  # noqa: F401  (the private helpers serve the kernels' tests)
+    _attention_logits,
+    _forward,
+    _kept_scores,
+    _log_tanh_slope,
+    _modify_scores,
+    _offsets,
+    _tanh_slope,
+    _without_padding,
+    attention,
+    scores,
+    structural_keep,
+    window_gate,
+    window_position,
+)
+from elastic_np.reference._backward import (  # noqa: F401
+    _backward,
+    _dlog_gate,
+    _dtau_terms,
+    _score_gradient,
+    attention_backward,
+    check_backward_arrays,
+)
+from elastic_np.reference._merge import merge_attention
+from elastic_np.reference._softmax import (
+    elastic_softmax,
+    elastic_softmax_vjp,
+    log_softmax,
+    nvm,
+    online_softmax,
+    softmax,
+    softmax_vjp,
+)
+
+__all__ = [
+    "softmax",
+    "log_softmax",
+    "nvm",
+    "elastic_softmax",
+    "online_softmax",
+    "softmax_vjp",
+    "elastic_softmax_vjp",
+    "attention",
+    "attention_backward",
+    "merge_attention",
+]

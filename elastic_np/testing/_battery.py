@@ -1,0 +1,289 @@
+"""The conformance battery: every case through an implementation, and the oracle's own gradients.
+
+Every case draws seeded inputs, evaluates the float64 oracle on them (after
+rounding them to the dtype under test, so that only the computation is
+measured, not the rounding of the inputs) and compares what the implementation
+returns with it. The allowed error follows the FlashAttention rule:
+
+    allowed = max(2 * error of a naive evaluation in the same dtype,
+                  floor * max |oracle|)
+
+with ``floor`` 1e-12 for float64 and 1e-5 for float32 (so a float32 error of
+0.1% is always caught). The naive evaluation is the contract's formula
+written out with whole arrays in NumPy, every operation in the dtype under
+test; the oracle is `elastic_np.reference`.
+"""
+
+import inspect
+
+import numpy as np
+
+from elastic_np import reference
+from elastic_np._options import DynamicWindow
+from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
+from elastic_np.testing._gradcheck import gradcheck
+from elastic_np.testing._report import ConformanceReport, Row, _magnitude, worst_error
+from elastic_np.testing._tolerances import FLOOR, GRADCHECK_RTOL, naive_backward, naive_forward
+
+_GRAD_NAMES = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
+#: The option each parameter gradient belongs to (checked when the case sets it).
+_GRAD_OPTION = {"dtau": "tau", "dbeta": "beta", "dsigma": "dynamic_window", "dbias": "bias"}
+
+
+def supported_options(fn, options=None):
+    """Option and capability names ``fn`` takes: its keyword parameters plus ``options``."""
+    known = set(OPTION_NAMES) | set(CAPABILITIES)
+    declared = set(options or ())
+    unknown = declared - known
+    if unknown:
+        raise ValueError(
+            f"`options` names unknown options {sorted(unknown)}; known: {sorted(known)}"
+        )
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    from_signature = {
+        name for name, param in params.items()
+        if name in OPTION_NAMES and param.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return from_signature | declared
+
+
+def _unpack_forward(result):
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise TypeError(
+                f"fn returned a sequence of {len(result)} items; expected out or (out, lse)")
+        return result[0], result[1]
+    return result, None
+
+
+def _unpack_backward(result):
+    if isinstance(result, dict):
+        return {name: result.get(name) for name in _GRAD_NAMES}
+    if isinstance(result, (tuple, list)):
+        if not 3 <= len(result) <= 6:
+            raise TypeError(
+                f"backward returned {len(result)} items; expected 3 to 6 (dq, dk, dv, ...)")
+        return dict(zip(_GRAD_NAMES, result))
+    return {name: getattr(result, name, None) for name in _GRAD_NAMES}
+
+
+def _compare(report, case, dtype, quantity, got, want, naive):
+    error, note = worst_error(got, want)
+    naive_error, _ = worst_error(naive, want)
+    allowed = max(2.0 * naive_error, FLOOR[np.dtype(dtype)] * _magnitude(want))
+    report.rows.append(Row(case, np.dtype(dtype).name, quantity, error, allowed,
+                           bool(error <= allowed), note, naive_error))
+
+
+def _fail(report, case, dtype, quantity, exc):
+    message = f"raised {type(exc).__name__}: {exc}".splitlines()[0][:100]
+    report.rows.append(Row(case, np.dtype(dtype).name, quantity, np.inf, np.nan, False, message))
+
+
+def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float64),
+                quick=True, seed=0, title="conformance", progress=None):
+    """Run every case ``supported`` covers through ``fn`` (and ``backward``).
+
+    See `elastic_np.testing.check_attention` for the calling conventions.
+    ``progress`` is called as ``progress(step_label)`` after each case and dtype.
+    """
+    dtypes = [np.dtype(d) for d in dtypes]
+    for d in dtypes:
+        if d not in FLOOR:
+            raise ValueError(f"`dtypes` may hold float32 and float64, got {d}")
+    cases, skipped = select_cases(supported)
+    report = ConformanceReport(title=title, skipped=[(c.name, needs) for c, needs in skipped])
+    for case in cases:
+        for dtype in dtypes:
+            _run_case(report, case, dtype, fn, backward, quick, seed)
+            if progress is not None:
+                progress(f"{case.name} {dtype.name}")
+    return report
+
+
+def _run_case(report, case, dtype, fn, backward, quick, seed):
+    q, k, v, dout, options = draw_inputs(case, dtype, quick=quick, seed=seed)
+    out_ref, lse_ref = reference.attention(q, k, v, **options)
+    out_naive, lse_naive, cache = naive_forward(q, k, v, options, dtype)
+    args = [np.array(a, dtype=dtype) for a in (q, k, v)]
+    if "bias" in options:  # the implementation gets the bias in the dtype under test
+        options = dict(options, bias=options["bias"].astype(dtype))
+    try:
+        out, lse = _unpack_forward(fn(*args, **options))
+    except Exception as exc:  # the implementation under test failed: report, go on
+        _fail(report, case.name, dtype, "out", exc)
+        return
+    _compare(report, case.name, dtype, "out", out, out_ref, out_naive)
+    if lse is not None:
+        _compare(report, case.name, dtype, "lse", lse, lse_ref, lse_naive)
+    if backward is None:
+        return
+    with np.errstate(invalid="ignore", divide="ignore"):  # inf * 0 off the band; masked out
+        grads_ref = reference.attention_backward(dout, q, k, v, out_ref, lse_ref, **options)
+    grads_naive = naive_backward(dout, out_naive, lse_naive, cache, dtype)
+    try:
+        grads = _unpack_backward(backward(np.array(dout, dtype=dtype), *args, **options))
+    except Exception as exc:
+        _fail(report, case.name, dtype, "grads", exc)
+        return
+    for name in _GRAD_NAMES:
+        want = getattr(grads_ref, name)
+        if name in ("dq", "dk", "dv"):
+            got = grads[name]
+        else:
+            # tau, beta, sigma, bias gradients: checked when the case sets the
+            # option and the implementation returns them.
+            got = grads.get(name)
+            if _GRAD_OPTION[name] not in options or got is None:
+                continue
+        _compare(report, case.name, dtype, name, got, want, grads_naive[name])
+
+
+def check_oracle_gradients(*, quick=True, seed=0, progress=None):
+    """`elastic_np.reference.attention_backward` against central differences, every case.
+
+    Runs in float64 with head dims 4 and 3 (every element of every input is
+    perturbed twice); inputs are drawn away from the NVM jump and the window
+    threshold. Returns a `ConformanceReport`.
+    """
+    report = ConformanceReport(title="float64 oracle gradients vs central differences")
+    for case in CASES:
+        q, k, v, dout, options = draw_inputs(case, np.float64, quick=True, seed=seed,
+                                             margin=1e-3, dims=(4, 3))
+        out, lse = reference.attention(q, k, v, **options)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
+        learnable = ("tau", "beta", "dynamic_window", "bias")
+        fixed = {n: options[n] for n in options if n not in learnable}
+        window = options.get("dynamic_window")
+        inputs = {"q": q, "k": k, "v": v}
+        claimed = {"dq": grads.dq, "dk": grads.dk, "dv": grads.dv}
+        for name, grad in (("tau", grads.dtau), ("beta", grads.dbeta), ("bias", grads.dbias)):
+            if name in options:
+                inputs[name] = options[name]
+                claimed["d" + name] = grad
+        if window is not None:
+            inputs["sigma"] = np.array(window.sigma)
+            claimed["dsigma"] = grads.dsigma
+        # -inf bias entries stay -inf: they are removed, and their gradient is 0
+        removed = np.isneginf(options["bias"]) if "bias" in options else False
+        if "bias" in options:
+            inputs["bias"] = np.where(removed, 0.0, options["bias"])
+
+        def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None, bias=None):
+            dw = None if sigma is None else DynamicWindow(
+                sigma, sharpness=window.sharpness, threshold=window.threshold)
+            if bias is not None:
+                bias = np.where(removed, -np.inf, bias)
+            return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw,
+                                       bias=bias, **fixed)[0]
+
+        result = gradcheck(
+            loss_fn, inputs, {name[1:]: g for name, g in claimed.items()},
+            dout=dout, rtol=GRADCHECK_RTOL, raise_on_failure=False,
+        )
+        for entry in result.entries:
+            report.rows.append(Row(case.name, "float64", "d" + entry.name, entry.error,
+                                   GRADCHECK_RTOL, entry.passed, "relative"))
+        if progress is not None:
+            progress(case.name)
+    return report
+
+
+def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.float64), seed=0,
+                    quick=True):
+    r"""Run an attention implementation through the conformance battery.
+
+    Each case of the battery (plain, explicit scale, causal, causal with
+    ``N < M`` and ``N > M``, window, ``kv_lengths``, rows with nothing kept,
+    mask, NVM, ``tau``, ``beta``, per-head ``tau``/``beta``, dynamic window,
+    grouped-query attention and all of them combined; soft-cap, ALiBi, bias in
+    four shapes, and the modifiers combined with causal, window, NVM, ``tau``,
+    ``beta`` and grouped-query attention) draws seeded inputs,
+    calls ``fn`` and compares the result with the float64 oracle
+    `elastic_np.reference.attention` evaluated on the same (dtype-rounded)
+    inputs. A quantity passes when its largest absolute error is at most
+
+    .. math:: \max(2\,e_\text{naive},\ \text{floor} \cdot \max|\text{oracle}|)
+
+    where :math:`e_\text{naive}` is the error of the contract's formula
+    evaluated naively with every operation in the same dtype (the
+    FlashAttention rule) and the floor is ``1e-12`` for float64 and ``1e-5``
+    for float32: an honest float32 kernel passes and a 0.1% error is caught.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(q, k, v, **opts)`` with NumPy arrays ``q`` ``(B, H, N, D)``, ``k``
+        ``(B, Hkv, M, D)``, ``v`` ``(B, Hkv, M, Dv)`` in the dtype under test,
+        returning ``out`` ``(B, H, N, Dv)`` or ``(out, lse)`` with ``lse``
+        ``(B, H, N)`` (then ``lse`` is checked too); results are compared in
+        float64 whatever their dtype. ``opts`` holds only the
+        options the case sets, with the meanings of `elastic_np.attention`:
+        ``scale`` (float), ``causal`` (bool), ``window_size`` (pair of ints),
+        ``kv_lengths`` (int array ``(B,)``), ``mask`` (bool array ``(B, 1, N,
+        M)``, True keeps), ``nvm`` (bool), ``tau``, ``beta`` (float or array
+        ``(H,)``), ``dynamic_window`` (an `elastic_np.DynamicWindow`),
+        ``softcap`` (float), ``alibi_slopes`` (array ``(H,)``), ``bias``
+        (float array broadcastable to ``(B, H, N, M)``, in the dtype under
+        test; ``-inf`` entries remove the entry).
+    backward : callable, optional
+        ``backward(dout, q, k, v, **opts)`` returning the gradients of
+        ``sum(dout * out)``: a tuple ``(dq, dk, dv)``, optionally followed by
+        ``dtau, dbeta, dsigma, dbias`` (in the shapes of ``tau``, ``beta``, the
+        window's ``sigma`` and ``bias``; None where not computed), or an object
+        or dict with those names, such as `elastic_np.AttentionGrads`. ``dq,
+        dk, dv`` are always checked; ``dtau``, ``dbeta``, ``dsigma``, ``dbias``
+        when the case sets the option and they are returned.
+    options : iterable of str, optional
+        Options ``fn`` takes besides the keyword parameters of its signature
+        (a ``**kwargs`` parameter declares nothing), and capabilities that no
+        signature shows: ``"gqa"`` (``k``, ``v`` with fewer heads than ``q``)
+        and ``"bottom_right_causal"`` (causal with ``N != M``, with key ``j``
+        visible to query ``i`` when ``j <= i + M - N``). PyTorch's
+        ``is_causal`` is aligned top-left, so a wrapper of
+        ``scaled_dot_product_attention`` must not declare
+        ``"bottom_right_causal"``; its causal cases then run with ``N == M``
+        only, where both conventions agree. A case runs only when ``fn`` has
+        every option it needs; the others are listed as skipped.
+    dtypes : sequence of dtypes, optional
+        float32 and/or float64.
+    seed : int, optional
+        Seed of the inputs.
+    quick : bool, optional
+        Small shapes (the default); ``False`` uses longer sequences and head
+        dims (about five times as long, four times as wide).
+
+    Returns
+    -------
+    ConformanceReport
+        True when every compared quantity passed; ``str()`` is the table
+        (case, dtype, quantity, worst error, allowed error, pass/FAIL) with the
+        skipped cases. An exception raised by ``fn`` or ``backward`` is a
+        failed row naming it, not an error.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name in ``options`` or a dtype other than float32 and
+        float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> def fn(q, k, v, causal=False, beta=0.0):
+    ...     return enp.attention(q, k, v, causal=causal, beta=beta, backend="reference")
+    >>> report = enp.testing.check_attention(fn)
+    >>> bool(report), sorted({row.case for row in report.rows})
+    (True, ['beta', 'causal', 'plain'])
+    """
+    supported = supported_options(fn, options)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return run_battery(
+        fn, backward=backward, supported=supported, dtypes=dtypes, quick=quick, seed=seed,
+        title=f"check_attention({name})",
+    )

@@ -1,0 +1,225 @@
+"""The battery's cases: the options and capabilities, the seeded shapes and options, `draw_inputs`."""
+
+import dataclasses
+
+import numpy as np
+
+from elastic_np import reference
+from elastic_np._options import DynamicWindow, prepare
+
+#: Keyword options of the attention, in the order of the contract.
+OPTION_NAMES = (
+    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
+    "dynamic_window", "softcap", "alibi_slopes", "bias",
+)
+#: The score modifiers among them (a case combining them needs all three).
+MODIFIER_NAMES = ("softcap", "alibi_slopes", "bias")
+#: Capabilities that are not keyword options and are only declared via ``options``:
+#: ``"gqa"``: ``k``, ``v`` with fewer heads than ``q`` (grouped-query attention);
+#: ``"bottom_right_causal"``: causal with ``N != M``, aligned bottom-right as in
+#: the contract (torch's ``is_causal`` is top-left aligned, so it must not declare it).
+CAPABILITIES = ("gqa", "bottom_right_causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One battery case: a shape and the options it passes.
+
+    ``quick`` and ``full`` are ``(B, H, Hkv, N, M, D, Dv)``; ``requires`` names
+    the options and capabilities the implementation must have for the case to
+    run; ``make_options(rng, shape)`` returns the keyword options.
+    """
+
+    name: str
+    requires: frozenset
+    quick: tuple
+    full: tuple
+    make_options: object
+
+    def shape(self, quick):
+        return self.quick if quick else self.full
+
+
+def _sizes(B=2, H=2, Hkv=None, N=11, M=None, D=8, Dv=6, *, full_scale=5):
+    """Quick and full shapes: the full one has longer sequences and head dims."""
+    Hkv = H if Hkv is None else Hkv
+    M = N if M is None else M
+    quick = (B, H, Hkv, N, M, D, Dv)
+    full = (B, 2 * H, 2 * Hkv, N * full_scale + 2, M * full_scale + 2, 4 * D, 4 * Dv)
+    return quick, full
+
+
+def _mask(rng, shape):
+    """Random boolean mask of shape (B, 1, N, M), each row keeping at least one key."""
+    B, H, Hkv, N, M, D, Dv = shape
+    mask = rng.random((B, 1, N, M)) < 0.7
+    mask[:, :, np.arange(N), rng.integers(0, M, size=N)] = True
+    return mask
+
+
+def _window_threshold(sigma, N, M, start=0.1):
+    """A threshold for the dynamic window that no bell value comes close to.
+
+    The gate jumps where the bell crosses the threshold; keeping every bell
+    value 0.1% away from it means that no rounding flips an entry in or out.
+    """
+    offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (M - N)
+    x = 2.0 * offset / (M - 1) if M > 1 else np.zeros((N, M))
+    s = np.asarray(sigma, dtype=np.float64).reshape(-1)[:, None, None]
+    f = np.exp(-(x**2) / (2 * s**2)) / (s * np.sqrt(2 * np.pi))
+    for t in start * (1 + 0.037 * np.arange(200)):
+        if np.min(np.abs(f - t)) > 1e-3 * t:
+            return float(t)
+    raise RuntimeError("no threshold away from the bell values found")  # pragma: no cover
+
+
+def _dynamic_window(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    sigma = rng.uniform(0.3, 0.8, size=(B, H))
+    return DynamicWindow(sigma, sharpness=4.0, threshold=_window_threshold(sigma, N, M))
+
+
+def _combined(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    lengths = np.array([M - 1, M // 2, 0][:B] + [M] * max(B - 3, 0))
+    return {
+        "scale": 0.4,
+        "causal": True,
+        "window_size": (M // 2, -1),
+        "kv_lengths": lengths,
+        "mask": _mask(rng, shape),
+        "nvm": True,
+        "tau": rng.uniform(0.5, 1.5, size=H),
+        "beta": rng.uniform(0.2, 2.0, size=H),
+        "dynamic_window": _dynamic_window(rng, shape),
+    }
+
+
+def _slopes(rng, shape):
+    """ALiBi slopes of the usual geometric form, ``2^(-8 (h + 1) / H)``."""
+    H = shape[1]
+    return 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+
+
+def _bias(rng, shape, broadcast=(), neg_inf=0.0):
+    """A unit-scale bias of shape ``(B, H, N, M)`` with size 1 on the ``broadcast`` axes.
+
+    A fraction ``neg_inf`` of its entries is ``-inf`` (the entry is removed).
+    """
+    B, H, Hkv, N, M, D, Dv = shape
+    full = [B, H, N, M]
+    bias_shape = tuple(1 if axis in broadcast else n for axis, n in enumerate(full))
+    bias = rng.standard_normal(bias_shape)
+    if neg_inf:
+        bias[rng.random(bias_shape) < neg_inf] = -np.inf
+    return bias
+
+
+def _modifiers_combined(rng, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    return {
+        "causal": True,
+        "window_size": (M // 2, -1),
+        "nvm": True,
+        "tau": rng.uniform(0.5, 1.5, size=H),
+        "beta": rng.uniform(0.2, 2.0, size=H),
+        "softcap": 1.5,
+        "alibi_slopes": _slopes(rng, shape),
+        "bias": _bias(rng, shape, broadcast=(0,), neg_inf=0.1),
+    }
+
+
+def _case(name, requires, sizes, make_options):
+    quick, full = sizes
+    return Case(name, frozenset(requires), quick, full, make_options)
+
+
+CASES = (
+    _case("plain", (), _sizes(), lambda rng, s: {}),
+    _case("scale", ("scale",), _sizes(), lambda rng, s: {"scale": 0.3}),
+    _case("causal", ("causal",), _sizes(), lambda rng, s: {"causal": True}),
+    _case("causal N<M", ("causal", "bottom_right_causal"), _sizes(N=5, M=11),
+          lambda rng, s: {"causal": True}),
+    _case("causal N>M", ("causal", "bottom_right_causal"), _sizes(N=11, M=5),
+          lambda rng, s: {"causal": True}),
+    _case("window", ("window_size",), _sizes(), lambda rng, s: {"window_size": (3, 2)}),
+    _case("kv_lengths", ("kv_lengths",), _sizes(),
+          lambda rng, s: {"kv_lengths": np.array([s[4] - 3, s[4] // 2])}),
+    _case("empty rows", ("kv_lengths",), _sizes(),
+          lambda rng, s: {"kv_lengths": np.array([s[4], 0])}),
+    _case("mask", ("mask",), _sizes(), lambda rng, s: {"mask": _mask(rng, s)}),
+    _case("nvm", ("nvm",), _sizes(), lambda rng, s: {"nvm": True}),
+    _case("tau", ("tau",), _sizes(), lambda rng, s: {"tau": 0.6}),
+    _case("beta", ("beta",), _sizes(), lambda rng, s: {"beta": 1.5}),
+    _case("tau, beta per head", ("tau", "beta"), _sizes(),
+          lambda rng, s: {"tau": rng.uniform(0.5, 1.5, size=s[1]),
+                          "beta": rng.uniform(0.2, 2.0, size=s[1])}),
+    _case("dynamic window", ("dynamic_window",), _sizes(),
+          lambda rng, s: {"dynamic_window": _dynamic_window(rng, s)}),
+    _case("gqa", ("gqa",), _sizes(H=4, Hkv=2), lambda rng, s: {}),
+    # new queries at the end of each sequence of a ragged cache
+    _case("aligned to kv_lengths", ("causal", "window_size", "kv_lengths", "align"),
+          _sizes(B=3, N=5, M=11),
+          lambda rng, s: {"causal": True, "window_size": (4, -1), "align": "kv_lengths",
+                          "kv_lengths": np.array([s[4], s[4] - 4, 3])}),
+    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align"} | set(CAPABILITIES),
+          _sizes(B=3, H=4, Hkv=2, N=7, M=13), _combined),
+    _case("softcap", ("softcap",), _sizes(), lambda rng, s: {"softcap": 0.8}),
+    _case("alibi", ("alibi_slopes",), _sizes(N=7, M=13),  # N != M: the offset is aligned
+          lambda rng, s: {"alibi_slopes": _slopes(rng, s)}),
+    _case("softcap + bias", ("softcap", "bias"), _sizes(),  # the cap comes before the bias
+          lambda rng, s: {"softcap": 1.2, "bias": 2 * _bias(rng, s)}),
+    _case("bias", ("bias",), _sizes(), lambda rng, s: {"bias": _bias(rng, s)}),
+    _case("bias (N, M)", ("bias",), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(0, 1))[0, 0]}),
+    _case("bias keys, -inf", ("bias",), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(1, 2), neg_inf=0.2)}),
+    # a per-query bias cancels out of the softmax unless beta > 0 (the sink)
+    _case("bias queries", ("bias", "beta"), _sizes(),
+          lambda rng, s: {"bias": _bias(rng, s, broadcast=(0, 3)), "beta": 0.7}),
+    _case("modifiers combined", ("causal", "window_size", "nvm", "tau", "beta", "gqa",
+                                 "bottom_right_causal") + MODIFIER_NAMES,
+          _sizes(B=2, H=4, Hkv=2, N=7, M=13), _modifiers_combined),
+)
+
+
+def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
+    """Seeded inputs of ``case``: ``(q, k, v, dout, options)``.
+
+    ``q, k, v, dout`` (and a ``bias`` option) are float64 arrays holding values
+    exactly representable in ``dtype``. Under ``nvm``, the inputs are drawn
+    again until no final score lies within ``margin`` (relative to the largest
+    score) of 0, where NVM jumps.
+    ``dims`` overrides ``(D, Dv)``.
+    """
+    dtype = np.dtype(dtype)
+    B, H, Hkv, N, M, D, Dv = case.shape(quick)
+    if dims is not None:
+        D, Dv = dims
+    shape = (B, H, Hkv, N, M, D, Dv)
+    for attempt in range(200):
+        rng = np.random.default_rng([seed, attempt, len(case.name)])
+        q = rng.standard_normal((B, H, N, D)).astype(dtype).astype(np.float64)
+        k = rng.standard_normal((B, Hkv, M, D)).astype(dtype).astype(np.float64)
+        v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype).astype(np.float64)
+        dout = rng.standard_normal((B, H, N, Dv)).astype(dtype).astype(np.float64)
+        options = case.make_options(rng, shape)
+        if "bias" in options:
+            options["bias"] = options["bias"].astype(dtype).astype(np.float64)
+        if not options.get("nvm"):
+            return q, k, v, dout, options
+        # NVM jumps where the final score (after soft-cap, ALiBi, bias) is 0
+        s = np.abs(reference.scores(prepare(q, k, v, **options))[0])
+        s = s[np.isfinite(s)]
+        if s.size == 0 or np.min(s) > margin * np.max(s):
+            return q, k, v, dout, options
+    raise RuntimeError(  # pragma: no cover
+        f"could not draw inputs away from the NVM jump for case {case.name!r}")
+
+
+def select_cases(supported):
+    """Split `CASES` into those whose requirements ``supported`` covers and the rest."""
+    supported = frozenset(supported)
+    run = [c for c in CASES if c.requires <= supported]
+    skipped = [(c, sorted(c.requires - supported)) for c in CASES if not c.requires <= supported]
+    return run, skipped

@@ -1,0 +1,132 @@
+"""The CPU kernels' logits tile with the score modifiers: tile maxima, soft-cap limits, one compile per dtype."""
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import _bench, _options, cpu
+from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "opts,fused",
+    [
+        (dict(softcap=0.7), True),
+        (dict(softcap=0.7, nvm=True), True),
+        (dict(softcap=0.7, kv_lengths=[31, 25]), True),  # kv_lengths only shortens the tile
+        (dict(softcap=0.7, mask=MASK_NM), False),
+        (dict(softcap=0.7, window_size=(2, 2)), False),
+        (dict(softcap=0.7, nvm=True, dynamic_window=enp.DynamicWindow(0.8, sharpness=3.0)), False),
+        (dict(softcap=0.7, alibi_slopes=ALIBI_H), False),
+        (dict(softcap=0.7, bias=BIASES["full"]), False),
+        (dict(bias=BIASES["full"]), True),
+        (dict(bias=BIASES["full"], nvm=True), False),  # under NVM the product comes first
+        (dict(alibi_slopes=ALIBI_BH, bias=BIASES["nm"]), True),
+        (dict(bias=BIASES["nm"], tau=[0.5, 1.0, 3.0, 0.8]), True),
+        (dict(alibi_slopes=ALIBI_BH, bias=BIASES["nm"], tau=[0.5, 1.0, 3.0, 0.8]), True),
+        (dict(alibi_slopes=ALIBI_BH, bias=np.asfortranarray(BIASES["full"])), True),
+        (dict(bias=BIASES["b11m-keypad"]), True),
+        (dict(alibi_slopes=ALIBI_H, causal=True), False),
+        (dict(bias=BIASES["bhn1"], mask=MASK_NM), False),
+    ],
+)
+def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
+    # Where nothing is removed and no modifier follows the soft-cap, the
+    # forward takes a tile's column maxima with the product (capped after the
+    # soft-cap: tanh is increasing): the same logits bits and the maxima of
+    # a separate pass. Elsewhere the maxima are left to the caller. A bias
+    # along the keys given as a key-major tile (`bias_t`) gives the same bits.
+    q, k, v, _ = make_inputs(dtype)
+    p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
+    opt = cpu._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
+    b, h, hk, N, M, D = 1, 2, 1, 23, 31, 8
+    i0, bq, j0, bk = 8, 12, 5, 20
+    bk = min(bk, int(opt.kv_lengths[b]) - j0)
+    off_lo, off_hi = cpu._offset_range(opt, b, h, N, M)
+    nvm_in_logits = opt.nvm and opt.has_gate
+    nonneg = opt.nvm and not opt.has_gate
+    q_t = np.zeros((D, 16), dtype)
+    q_t[:, :bq] = (q[b, h, i0 : i0 + bq] * (opt.scale / opt.tau[h])).T
+    k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
+    no_slope = np.empty((0, 0), dtype)
+
+    def logits(want_max, bias_t=no_slope):
+        st = np.full((bk + 1, 16), np.nan, dtype)
+        tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
+        kept, maxed, clean = cpu._logits_tile(
+            st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
+            no_slope, tile_max, nonneg, bias_t,
+        )
+        assert kept
+        # checked as read (no NaN or +inf here): a bias along the keys read through
+        # the transposes, a bias contiguous or constant along the queries row by row
+        along_keys = opt.bias_strides[3] == 1 and opt.bias_strides[2] > 1
+        by_rows = opt.bias_strides[2] <= 1
+        assert clean == (not opt.has_bias or (along_keys and bias_t.size == 0) or by_rows)
+        return st, tile_max, maxed
+
+    st, tile_max, maxed = logits(True)
+    st_plain, _, maxed_plain = logits(False)
+    assert maxed == fused and not maxed_plain
+    np.testing.assert_array_equal(st, st_plain)
+    assert np.isnan(st[bk:]).all() and np.isnan(st[:, bq:]).all()
+    if opt.has_bias and opt.bias_strides[3] == 1 and opt.bias_strides[2] > 1:
+        bias_t = np.full((bk + 1, 16), np.nan, dtype)
+        full = np.broadcast_to(opts["bias"], (2, 4, N, M))
+        bias_t[:bk, :bq] = full[b, h, i0 : i0 + bq, j0 : j0 + bk].T
+        np.testing.assert_array_equal(logits(False, bias_t)[0], st_plain)
+    if fused:
+        kept = np.where(st[:bk, :bq] >= 0, st[:bk, :bq], -np.inf) if nonneg else st[:bk, :bq]
+        np.testing.assert_array_equal(tile_max[:bq], kept.max(axis=0))
+        assert (tile_max[bq:] == -np.inf).all()
+    else:
+        assert (tile_max == -np.inf).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bk,bq", [(1, 5), (7, 13), (128, 128), (10, 128)])
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_column_max_is_the_loop_in_order(dtype, bk, bq, nonneg):
+    rng = np.random.default_rng(bk * 131 + bq)
+    st = rng.standard_normal((bk + 2, 130)).astype(dtype)
+    st[rng.random(st.shape) < 0.1] = -np.inf
+    # signed zeros: the first of equal maxima stays
+    st[0, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    st[bk - 1, : bq // 2] = np.where(rng.random(bq // 2) < 0.5, 0.0, -0.0)
+    col_max = np.full(131, -np.inf, dtype)
+    col_max[::3] = rng.standard_normal(44).astype(dtype)
+    expected = col_max.copy()
+    for c in range(bk):
+        for r in range(bq):
+            x = st[c, r]
+            if x > expected[r] and (x >= 0 or not nonneg):
+                expected[r] = x
+    cpu._column_max(st, bk, bq, col_max, nonneg)
+    np.testing.assert_array_equal(col_max, expected)
+    np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_large_is_plain(small_tiles, dtype):
+    # tanh(x / cap) cap -> x: a huge cap is the plain attention to rounding
+    q, k, v, dout = make_inputs(dtype)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", softcap=1e8)
+    plain, plain_lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    np.testing.assert_allclose(out, plain, rtol=0, atol=20 * np.finfo(dtype).eps)
+
+
+def test_one_compiled_kernel_per_dtype_with_modifiers():
+    for dtype in (np.float32, np.float64):
+        q, k, v = (a.astype(dtype) for a in _bench.make_inputs(1, 2, 9, 11, 4, seed=3))
+        for options in (
+            {"softcap": 2.0},
+            {"alibi_slopes": [0.1, 0.2]},
+            {"bias": np.zeros((9, 11), np.float32)},
+            {"bias": np.zeros((1, 2, 9, 11), np.float64)},
+            {"bias": np.broadcast_to(np.zeros(11, dtype), (9, 11)), "softcap": 3.0},
+        ):
+            out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
+            enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
+    for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
+        assert len(kernel.signatures) <= 2, kernel.signatures
