@@ -8,12 +8,31 @@ validate, allocate and launch. Importing `elastic_np` never imports
 
 Design
 ------
-Forward (``_forward_kernel``): one block per (batch * head, query tile), one
-thread per query row. The block stages K/V tiles in shared memory and every
-thread runs an online softmax for its row (running max and sum in registers,
-the unnormalised output row in shared memory), then writes ``out`` and
-``lse``. Only the key tiles that the causal, window, ``kv_lengths`` and
-dynamic-window band can reach are visited.
+Forward (``_forward_kernel``): a flash kernel with register micro-tiles. One
+block per (batch * head, query tile of ``FORWARD_BLOCK_M`` rows); the block's
+threads form row groups of ``tpr = FORWARD_BLOCK_N / REG_N`` consecutive
+lanes of one warp, each thread owning ``REG_M`` query rows. Per K/V tile of
+``FORWARD_BLOCK_N`` keys (staged in shared memory, K then V in the same
+buffer): each thread computes a ``REG_M x REG_N`` micro-tile of dot products
+in registers (``REG_M + REG_N`` shared loads per ``REG_M REG_N``
+multiply-adds, loops fully unrolled), the score pipeline turns them into
+logits (written once, `elastic_np._cuda_device._entry`, shared with the
+backward kernels), the row max is combined across the row group with warp
+shuffles (``shfl_xor_sync``), the running sums and the ``REG_M x ACC_COLS``
+output accumulator are rescaled in registers, and ``p`` goes through shared
+memory to the ``p V`` micro-tile product. Each thread's running max and
+partial row sum, and the rescale factor, sit in shared memory (one slot per
+thread and row) rather than in local arrays: the score pipeline is long, so
+its loop over the rows is not unrolled, and a local array indexed by a loop
+counter would live in local memory. Only the key tiles that the causal,
+window, ``kv_lengths`` and dynamic-window band can reach are visited. A
+value head wider than ``tpr * ACC_COLS`` takes several passes over the keys
+(each recomputing the same scores, hence the same softmax). The row sums are
+combined in a fixed butterfly, so results are bit-identical from run to run.
+``out = (acc num) / den`` (`elastic_np._cuda_device._finish_row`): one
+rounding, not two through a reciprocal. ``elastic_np.cuda.resources()``
+reports each kernel's registers, local memory and spills from the compiled
+code (see the performance page).
 
 Backward, recomputing the probabilities from ``lse``:
 
@@ -106,6 +125,8 @@ __all__ = [
     "forward",
     "backward",
     "ptx",
+    "resources",
+    "dynamic_shared_bytes",
     "bench",
 ]
 
@@ -135,6 +156,10 @@ def _cuda():
 
 def _kernels():
     _cuda()
+    if _simulator():
+        from elastic_np import _cuda_sim
+
+        _cuda_sim.install()  # warp shuffles, which the simulator lacks
     from elastic_np import _cuda_kernels
 
     return _cuda_kernels
@@ -281,19 +306,55 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
 # ---------------------------------------------------------------------------
 
 
+def _forward_geometry(threads, tile):
+    """``(block_m, tpr)`` of a forward block of ``threads`` threads and key tile ``tile``."""
+    tpr = tile // config.REG_N
+    return threads // tpr * config.REG_M, tpr
+
+
 def _shared_elements(kind, threads, tile, D, Dv):
     """Elements of dynamic shared memory one block of ``kind`` uses (see the kernels' layouts)."""
     if kind == "forward":
-        return threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv)
+        block_m, tpr = _forward_geometry(threads, tile)
+        width = min(max(Dv, 1), tpr * config.ACC_COLS)
+        return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
     if kind == "dq":
         return 2 * threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv) + 3 * threads
     return 2 * threads * (D + 1) + 2 * threads * (Dv + 1) + tile * (D + Dv + 2)  # dkdv
 
 
+def _forward_tiles(itemsize, D, Dv):
+    """``(threads, key tile)`` of the forward, from the config, shrunk until the shared memory fits."""
+    block_m, block_n = config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N
+    tpr = block_n // config.REG_N
+    if block_n % config.REG_N or tpr < 1 or tpr > 32 or tpr & (tpr - 1):
+        raise ValueError(
+            f"FORWARD_BLOCK_N={block_n} must be REG_N={config.REG_N} times a power of two of at most 32"
+        )
+    if block_m % config.REG_M or block_m < config.REG_M:
+        raise ValueError(f"FORWARD_BLOCK_M={block_m} must be a multiple of REG_M={config.REG_M}")
+
+    def threads():
+        return (block_m // config.REG_M) * (block_n // config.REG_N)
+
+    while _shared_elements("forward", threads(), block_n, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        if block_n > config.REG_N and (block_n >= block_m or block_m <= config.REG_M):
+            block_n //= 2
+        elif block_m > config.REG_M and block_m % (2 * config.REG_M) == 0:
+            block_m //= 2
+        else:
+            raise ValueError(
+                f"head dims D={D}, Dv={Dv} need more shared memory than "
+                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
+            )
+    return threads(), block_n
+
+
 def _tiles(kind, itemsize, D, Dv):
     """``(threads, tile)`` for ``kind`` from the config, halved until the shared memory fits."""
+    if kind == "forward":
+        return _forward_tiles(itemsize, D, Dv)
     threads, tile = {
-        "forward": (config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N),
         "dq": (config.DQ_BLOCK_M, config.DQ_BLOCK_N),
         "dkdv": (config.DKDV_BLOCK_N, config.DKDV_BLOCK_M),
     }[kind]
@@ -454,7 +515,8 @@ def forward(p):
         o = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
-        kern._forward_kernel[_blocks(N, threads) * B * H, threads, 0, shared](
+        block_m, _ = _forward_geometry(threads, tile)
+        kern._forward_kernel[_blocks(N, block_m) * B * H, threads, 0, shared](
             q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
             o["tau"], o["beta"], o["bh_consts"], o["bias"], tile, out, lse,
         )
@@ -605,6 +667,85 @@ def ptx(cc=(9, 0)):
             for name, kernel in kern.KERNELS.items():
                 code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
                 result[f"{name}[{dtype.name}]"] = code
+    return result
+
+
+#: What `resources` reads from the assembler's report of each kernel.
+_RESOURCE_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "static_shared_bytes": r"(\d+) bytes smem",
+}
+
+
+def resources(cc=(9, 0)):
+    """Registers per thread, stack, spills and static shared memory of every kernel, from its SASS.
+
+    Compiles each kernel to PTX (`ptx`) and assembles it for ``sm_<cc>`` with
+    nvJitLink (``cuda.core``'s `Linker`, verbose), which needs no GPU, and
+    reads the assembler's report. ``stack_bytes`` is the per-thread local
+    memory frame (local arrays that were not promoted to registers, and
+    spills); ``spill_*_bytes`` the spills alone; ``static_shared_bytes`` the
+    shared memory the compiled code reserves (the dynamic shared memory is
+    sized at launch: `dynamic_shared_bytes`).
+
+    Parameters
+    ----------
+    cc : (int, int), optional
+
+    Returns
+    -------
+    dict of str to dict
+        ``"<kernel>[<dtype>]"`` to ``{"registers": int, "stack_bytes": int,
+        "spill_store_bytes": int, "spill_load_bytes": int,
+        "static_shared_bytes": int, "spills": bool}``.
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without numba-cuda or ``cuda.core`` with nvJitLink, or under the simulator.
+    """
+    import re
+
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+    except ImportError as exc:
+        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + _INSTALL_HINT) from exc
+    arch = f"sm_{int(cc[0])}{int(cc[1])}"
+    report = {}
+    for name, code in ptx(cc=cc).items():
+        linker = Linker(ObjectCode.from_ptx(code.encode()), options=LinkerOptions(arch=arch, verbose=True))
+        linker.link("cubin")
+        log = linker.get_info_log()
+        entry = {}
+        for field, pattern in _RESOURCE_PATTERNS.items():
+            found = re.search(pattern, log)
+            if found is None:
+                raise RuntimeError(f"{name}: no {field!r} in the assembler's report:\n{log}")
+            entry[field] = int(found.group(1))
+        entry["spills"] = entry["spill_store_bytes"] > 0 or entry["spill_load_bytes"] > 0
+        report[name] = entry
+    return report
+
+
+def dynamic_shared_bytes(D, Dv, dtype):
+    """Dynamic shared memory per block of each kernel at head dims ``D``, ``Dv`` (with the config's tiles).
+
+    Returns
+    -------
+    dict of str to (int, int, int)
+        Kernel name to ``(threads per block, tile, bytes)``; the dbias kernel's
+        is its bound (``DBIAS_THREADS`` threads).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    result = {}
+    for name, kind in (("_forward_kernel", "forward"), ("_backward_dq_kernel", "dq"),
+                       ("_backward_dkdv_kernel", "dkdv")):
+        threads, tile = _tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, tile, _shared_elements(kind, threads, tile, D, Dv) * itemsize)
+    result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
     return result
 
 
