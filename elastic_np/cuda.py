@@ -87,9 +87,12 @@ Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
 ``torch.nn.functional.scaled_dot_product_attention`` in float32 on the same
 GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
 ``--bias {full,keys,padding,rows,scalar}`` time the score modifiers, next to
-plain attention in the same run. The kernels are plain SIMT code
-(one thread per row, operands from shared memory, no tensor cores), written
-for clarity and exact agreement with the reference first.
+plain attention in the same run; ``--json FILE`` also times the decoding
+shapes (`DECODE_SHAPES`) and writes everything, with the GPU, driver and
+library versions, to ``FILE`` (`elastic_np._cuda_bench`). The speed of the
+flash forward on a GPU is unmeasured (it was written on machines without
+one). ``--resources`` prints each kernel's registers, local memory, spills
+and shared memory from the compiled code, no GPU needed.
 
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
 NumPy arrays. Device arrays (anything with ``__cuda_array_interface__``:
@@ -771,137 +774,10 @@ def _device_functions_compiled_for(cc):
 
 
 # ---------------------------------------------------------------------------
-# Benchmark (needs a GPU and PyTorch with CUDA)
+# Benchmark (needs a GPU and PyTorch with CUDA): elastic_np._cuda_bench
 # ---------------------------------------------------------------------------
 
-
-#: Bias shapes `bench` can add, as functions of ``(B, H, N)`` (``M = N``).
-BENCH_BIAS_SHAPES = {
-    "full": lambda B, H, N: (B, H, N, N),
-    "keys": lambda B, H, N: (N, N),
-    "padding": lambda B, H, N: (B, 1, 1, N),
-    "rows": lambda B, H, N: (B, H, N, 1),
-    "scalar": lambda B, H, N: (1,),
-}
-
-
-def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10):
-    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
-
-    Both run on the same GPU and the same device memory (torch CUDA tensors
-    are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
-    forward and forward + backward, with ``N = M``.
-
-    With score modifiers (``softcap``, ``alibi``, ``bias``) the kernels are
-    timed with them and, in the same run, without them (``"elastic_np
-    plain"``), so that their cost is a ratio measured side by side. PyTorch
-    gets the bias as its float ``attn_mask`` (with its gradient); it has no
-    soft-cap or ALiBi, so those are ours alone.
-
-    Parameters
-    ----------
-    B, H, N, D : int, optional
-        Batch, heads, sequence length, head dim.
-    causal : bool, optional
-    softcap : float, optional
-        Soft-cap of the scores.
-    alibi : bool, optional
-        ALiBi with the usual geometric slopes ``2**(-8 (h + 1) / H)``.
-    bias : str, optional
-        A key of `BENCH_BIAS_SHAPES`: the bias's shape (a device array; the
-        backward computes ``dbias``).
-    repeat : int, optional
-        Best of this many timed runs, after one warm-up run (which compiles).
-
-    Returns
-    -------
-    dict
-        ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
-        in seconds (and ``"elastic_np plain"`` with modifiers), plus
-        ``"tflops"`` with the same layout (FlashAttention's FLOP convention).
-
-    Raises
-    ------
-    elastic_np.BackendUnavailableError
-        Without a usable GPU, or when PyTorch has no CUDA.
-    """
-    import torch
-
-    from elastic_np import _bench, _dispatch
-
-    if not is_available():
-        check_available()
-        raise BackendUnavailableError("bench() times real kernels; the CUDA simulator does not count")
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench() compares with PyTorch on the GPU; this torch has no CUDA")
-    if bias is not None and bias not in BENCH_BIAS_SHAPES:
-        raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
-    cuda = _cuda()
-    rng = np.random.default_rng(1)
-    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
-    dout = rng.standard_normal(q.shape).astype(np.float32)
-    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
-    modifiers = {}
-    if softcap is not None:
-        modifiers["softcap"] = softcap
-    if alibi:
-        modifiers["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
-    tbias = None
-    if bias is not None:
-        tbias = torch.from_numpy(rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)).cuda()
-        modifiers["bias"] = tbias
-
-    def ours(options):
-        def forward():
-            _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            cuda.synchronize()
-
-        def forward_backward():
-            out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
-            cuda.synchronize()
-
-        return forward, forward_backward
-
-    gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
-    gbias = None if tbias is None else tbias.clone().requires_grad_(True)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    causal_mask = None
-    if causal and tbias is not None:  # torch takes is_causal or attn_mask, not both
-        causal_mask = torch.ones(N, N, dtype=torch.bool, device=tq.device).tril().logical_not()
-
-    def torch_mask(t):
-        if t is None:
-            return None
-        return t if causal_mask is None else t.masked_fill(causal_mask, float("-inf"))
-
-    def torch_forward():
-        with torch.no_grad():
-            sdpa(tq, tk, tv, attn_mask=torch_mask(tbias), is_causal=causal and tbias is None)
-        torch.cuda.synchronize()
-
-    def torch_forward_backward():
-        out = sdpa(gq, gk, gv, attn_mask=torch_mask(gbias), is_causal=causal and gbias is None)
-        out.backward(tdout)
-        torch.cuda.synchronize()
-
-    runs = {"elastic_np": ours(modifiers), "torch": (torch_forward, torch_forward_backward)}
-    if modifiers:
-        runs["elastic_np plain"] = ours({})
-    timings = {}
-    for who, (fwd, fwd_bwd) in runs.items():
-        timings[who] = {}
-        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-            fn()  # warm-up (compiles)
-            timings[who][what] = _bench.best_time(fn, repeat=repeat)
-    flops = {
-        "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
-        "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
-    }
-    timings["tflops"] = {
-        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in runs
-    }
-    return timings
+from elastic_np._cuda_bench import BENCH_BIAS_SHAPES, DECODE_SHAPES, bench, bench_decode, bench_record  # noqa: E402
 
 
 def _main(argv=None):
@@ -917,7 +793,14 @@ def _main(argv=None):
     parser.add_argument("--softcap", type=float, default=None, help="time with this soft-cap of the scores")
     parser.add_argument("--alibi", action="store_true", help="time with ALiBi (geometric slopes)")
     parser.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES), default=None, help="time with a bias of this shape")
+    parser.add_argument("--json", metavar="FILE", help="with --bench: also time the decode shapes, write all to FILE")
+    parser.add_argument("--resources", nargs="*", metavar="CC",
+                        help="registers, local memory, spills and shared memory of every kernel (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.json is not None and not args.bench:
+        parser.error("--json needs --bench")
+    if args.resources is not None:
+        _print_resources(args.resources or ["8.0", "9.0"])
     if args.ptx is not None:
         for cc in args.ptx or ["8.0", "9.0"]:
             major, minor = (int(part) for part in cc.split("."))
@@ -928,7 +811,11 @@ def _main(argv=None):
                 print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
     if args.bench:
         B, H, N, D = args.shape
-        result = bench(B, H, N, D, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias)
+        options = dict(causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias)
+        try:
+            result = bench(B, H, N, D, **options)
+        except BackendUnavailableError as exc:
+            raise SystemExit(f"python -m elastic_np.cuda --bench: {exc}") from None
         print(
             f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal} "
             f"softcap={args.softcap} alibi={args.alibi} bias={args.bias}"
@@ -944,6 +831,35 @@ def _main(argv=None):
                 plain = result["elastic_np plain"][what]
                 line += f"   modifiers cost x{ours / plain:5.2f} over plain ({plain * 1e3:.3f} ms)"
             print(line)
+
+
+        if args.json is not None:
+            from elastic_np import _cuda_bench
+
+            decode = []
+            for shape in DECODE_SHAPES:
+                timing = bench_decode(*shape)
+                decode.append((shape, timing))
+                print(f"decode B, H/Hkv, N, M, D = {shape}: elastic_np {timing['elastic_np'] * 1e3:.3f} ms, "
+                      f"torch SDPA {timing['torch'] * 1e3:.3f} ms, speed ratio {timing['torch'] / timing['elastic_np']:.2f}")
+            record = bench_record((B, H, N, D), options, result, decode, _cuda_bench.machine_info())
+            _cuda_bench.write_json(record, args.json)
+            print(f"wrote {args.json}")
+
+
+def _print_resources(ccs):
+    """Print `resources` for each capability, and the dynamic shared memory at D = 64 and 128."""
+    for cc in ccs:
+        major, minor = (int(part) for part in cc.split("."))
+        for name, entry in resources(cc=(major, minor)).items():
+            spill = (f"SPILLS {entry['spill_store_bytes']} B stored, {entry['spill_load_bytes']} B loaded"
+                     if entry["spills"] else "no spills")
+            print(f"sm_{major}{minor}  {name:32s} {entry['registers']:4d} registers  "
+                  f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
+    for dtype in dtypes:
+        for D in (64, 128):
+            for name, (threads, tile, size) in dynamic_shared_bytes(D, D, dtype).items():
+                print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")
 
 
 if __name__ == "__main__":
