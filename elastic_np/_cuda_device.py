@@ -226,38 +226,61 @@ def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
 
 
 @cuda.jit(device=True)
-def _entry(dot, b, h, i, j, prm, mask, bias, fopts):
-    """The score pipeline of entry ``(b, h, i, j)`` from its ``dot = q_i . k_j``: ``(z, s, cap_slope, f, u)``.
+def _entry_keep(b, h, i, j, prm, mask, bias, fopts):
+    """``(kept, bias_value)``: the structural conditions and the bias of entry ``(b, h, i, j)``.
 
-    ``z`` is the logit (``s / tau`` plus ``log G`` under the dynamic window),
-    ``-inf`` when the entry is removed (structurally, by a ``-inf`` bias, by
-    NVM or by a closed gate); ``s`` the final score and ``cap_slope`` the
-    soft-cap's ``ds / ds_raw`` (`_score`); ``f``, ``u`` the window's bell and
-    ``x / sigma`` (0 without a window). ``prm`` is `_bh_params`'s tuple.
+    The first half of the score pipeline, before the dot product is needed:
+    an entry the causal, window, ``kv_lengths`` or mask conditions remove,
+    or whose bias is ``-inf``, is not kept. ``prm`` is `_bh_params`'s tuple.
+    """
+    (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    bias_value = fopts[F_ZERO]
+    if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+        return False, bias_value
+    if has_bias:
+        bias_value = bias[bias_bh + i * bias_si + j * bias_sj]
+        if bias_value == fopts[F_NEG_INF]:  # removed, like a false mask entry
+            return False, bias_value
+    return True, bias_value
+
+
+@cuda.jit(device=True)
+def _entry_logit(dot, i, j, bias_value, prm, fopts):
+    """``(z, s, cap_slope, f, u)`` of a kept entry from ``dot = q_i . k_j``: the second half of the pipeline.
+
+    ``s`` is the final score (`_score`: scale, soft-cap, ALiBi, bias) and
+    ``cap_slope`` the soft-cap's ``ds / ds_raw``; ``z = s / tau`` plus
+    ``log G`` under the dynamic window, whose bell ``f`` and ``u = x / sigma``
+    are returned too (0 without one); ``z = -inf`` when NVM or a closed gate
+    removes the entry.
     """
     (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
-    if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
-        return neg_inf, zero, zero, zero, zero
-    bias_value = zero
-    if has_bias:
-        bias_value = bias[bias_bh + i * bias_si + j * bias_sj]
-        if bias_value == neg_inf:  # removed, like a false mask entry
-            return neg_inf, zero, zero, zero, zero
     s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
     if nvm and s < zero:
-        return neg_inf, zero, zero, zero, zero
+        return neg_inf, s, cap_slope, zero, zero
     z = s / tau_h
     f = zero
     u = zero
     if has_gate:
         G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
         if not G > zero:
-            return neg_inf, zero, zero, zero, zero
+            return neg_inf, s, cap_slope, f, u
         z += math.log(G)
     return z, s, cap_slope, f, u
+
+
+@cuda.jit(device=True)
+def _entry(dot, b, h, i, j, prm, mask, bias, fopts):
+    """The whole score pipeline of entry ``(b, h, i, j)``: `_entry_logit`'s tuple, ``z = -inf`` when removed."""
+    kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+    if not kept:
+        zero = fopts[F_ZERO]
+        return fopts[F_NEG_INF], zero, zero, zero, zero
+    return _entry_logit(dot, i, j, bias_value, prm, fopts)
 
 
 @cuda.jit(device=True)

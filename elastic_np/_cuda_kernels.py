@@ -35,11 +35,10 @@ from numba import cuda
 from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
 from elastic_np._cuda_device import *  # noqa: F401,F403  (the option indices and device functions)
 from elastic_np._cuda_device import (
-    C_ALIBI, C_INV_SIGMA, C_NORM, C_U_SCALE, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_SOFTCAP, F_THRESHOLD,
-    F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ, I_CAUSAL, I_DBIAS_FULL, I_HAS_ALIBI, I_HAS_BIAS,
-    I_HAS_GATE, I_HAS_MASK, I_LEFT, I_NVM, I_RIGHT, P_COUNT, P_DSIGMA, P_DTAU, _bh_params, _compensated_add,
-    _entry, _finish_row, _gate, _group_max, _group_sum, _key_range, _lane_mask, _query_range, _score, _shift,
-    _stage, _structural_keep, inline_device,
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI,
+    I_BIAS_SJ, I_DBIAS_FULL, I_HAS_GATE, P_COUNT, P_DSIGMA, P_DTAU, inline_device, _bh_params,
+    _compensated_add, _entry, _entry_keep, _entry_logit, _finish_row, _group_max, _group_sum, _key_range,
+    _lane_mask, _query_range, _stage,
 )
 
 @inline_device
@@ -293,30 +292,12 @@ def _backward_dq_kernel(
 
     scale = fopts[F_SCALE]
     tau_h = tau[h]
-    nvm = iopts[I_NVM] != 0
     has_gate = iopts[I_HAS_GATE] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    kv_length = kv_lengths[b]
-    shift = _shift(b, N, M, iopts, kv_lengths)
-    threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
-    softcap = fopts[F_SOFTCAP]
     neg_inf = fopts[F_NEG_INF]
-    has_bias = iopts[I_HAS_BIAS] != 0
-    bias_row = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + i * iopts[I_BIAS_SI]
-    bias_sj = iopts[I_BIAS_SJ]
-    alibi_slope = zero
-    if iopts[I_HAS_ALIBI] != 0:
-        alibi_slope = bh_consts[b, h, C_ALIBI]
-    g_norm = zero
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
     g_inv_sigma = zero
-    u_scale = zero
     if has_gate:
-        g_norm = bh_consts[b, h, C_NORM]
-        u_scale = bh_consts[b, h, C_U_SCALE]
         g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
     row_delta = zero
     row_lse = zero
@@ -350,28 +331,15 @@ def _backward_dq_kernel(
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+            kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+            if not kept:
                 continue
-            bias_value = zero
-            if has_bias:
-                bias_value = bias[bias_row + j * bias_sj]
-                if bias_value == neg_inf:  # removed, like a false mask entry
-                    continue
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-            if nvm and s < zero:
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
                 continue
-            z = s / tau_h
-            G = zero
-            f = zero
-            u = zero
-            if has_gate:
-                G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
-                if not G > zero:
-                    continue
-                z += math.log(G)
             p = math.exp(z - row_lse)
             dp = zero
             for d in range(Dv):
@@ -460,33 +428,10 @@ def _backward_dkdv_kernel(
         dv_acc[t * v_stride + d] = zero
 
     scale = fopts[F_SCALE]
-    nvm = iopts[I_NVM] != 0
-    has_gate = iopts[I_HAS_GATE] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    kv_length = kv_lengths[b]
-    shift = _shift(b, N, M, iopts, kv_lengths)
-    threshold = fopts[F_THRESHOLD]
-    sharpness = fopts[F_SHARPNESS]
-    softcap = fopts[F_SOFTCAP]
     neg_inf = fopts[F_NEG_INF]
-    has_bias = iopts[I_HAS_BIAS] != 0
-    bias_si = iopts[I_BIAS_SI]
-    bias_col = j * iopts[I_BIAS_SJ]
-    has_alibi = iopts[I_HAS_ALIBI] != 0
     for h in range(hk * group, (hk + 1) * group):
         tau_h = tau[h]
-        g_norm = zero
-        u_scale = zero
-        if has_gate:
-            g_norm = bh_consts[b, h, C_NORM]
-            u_scale = bh_consts[b, h, C_U_SCALE]
-        alibi_slope = zero
-        if has_alibi:
-            alibi_slope = bh_consts[b, h, C_ALIBI]
-        bias_bh = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + bias_col
+        prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
         lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
         for i0 in range(lo, hi, block_m):
             im = min(block_m, hi - i0)
@@ -503,25 +448,15 @@ def _backward_dkdv_kernel(
                 continue
             for ii in range(im):
                 i = i0 + ii
-                if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+                if not kept:
                     continue
-                bias_value = zero
-                if has_bias:
-                    bias_value = bias[bias_bh + i * bias_si]
-                    if bias_value == neg_inf:
-                        continue
                 dot = zero
                 for d in range(D):
                     dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
-                s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-                if nvm and s < zero:
+                z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+                if z == neg_inf:  # removed by NVM or a closed gate
                     continue
-                z = s / tau_h
-                if has_gate:
-                    G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
-                    if not G > zero:
-                        continue
-                    z += math.log(G)
                 p = math.exp(z - lse_tile[ii])
                 dp = zero
                 for d in range(Dv):
@@ -583,17 +518,7 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
     bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
 
     zero = fopts[F_ZERO]
-    scale = fopts[F_SCALE]
-    softcap = fopts[F_SOFTCAP]
-    nvm = iopts[I_NVM] != 0
-    has_gate = iopts[I_HAS_GATE] != 0
-    has_alibi = iopts[I_HAS_ALIBI] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    threshold = fopts[F_THRESHOLD]
-    sharpness = fopts[F_SHARPNESS]
+    neg_inf = fopts[F_NEG_INF]
     total = zero
     carry = zero
     if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
@@ -602,28 +527,18 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             h = ch + r // (rj_n * ri_n) % rh_n
             i = ci + r // rj_n % ri_n
             j = cj + r % rj_n
-            shift = _shift(b, N, M, iopts, kv_lengths)
-            if not _structural_keep(b, h, i, j, shift, kv_lengths[b], causal, left, right, has_mask, mask):
+            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+            kept, entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
+            if not kept:
                 continue
             hk = h // group
             dot = zero
             for d in range(D):
                 dot += q[b, h, i, d] * k[b, hk, j, d]
-            alibi_slope = zero
-            if has_alibi:
-                alibi_slope = bh_consts[b, h, C_ALIBI]
-            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-            if nvm and s < zero:
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
                 continue
             tau_h = tau[h]
-            z = s / tau_h
-            if has_gate:
-                G, f, u = _gate(
-                    i, j, shift, bh_consts[b, h, C_U_SCALE], bh_consts[b, h, C_NORM], threshold, sharpness, fopts,
-                )
-                if not G > zero:
-                    continue
-                z += math.log(G)
             p = math.exp(z - lse[b, h, i])
             dp = zero
             for d in range(Dv):
