@@ -94,3 +94,27 @@ def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
         assert cuda._shared_elements("forward", threads, tile, D, D) * itemsize <= _cuda_config.MAX_SHARED_BYTES
         assert block_m % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
         assert max(block_m, tile) <= 2 * min(block_m, tile)  # neither side shrunk alone
+
+
+def test_default_geometry(monkeypatch):
+    """The shipped tiles, ragged last tiles: float64 shrinks to 64 x 32 (8 lanes a row, 4 full warps)."""
+    import importlib
+
+    defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
+    for name in ("FORWARD_BLOCK_M", "FORWARD_BLOCK_N"):
+        monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
+    assert cuda._tiles("forward", 4, 4, 5) == (256, 64)  # float32 keeps 64 x 64: 16 lanes a row
+    assert cuda._tiles("forward", 8, 4, 5) == (128, 32)  # float64: p tile and row stats pass 48 KB
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 1, 70, 4)), rng.standard_normal((1, 1, 75, 4)), rng.standard_normal((1, 1, 75, 5))
+    opts = dict(causal=True, beta=0.25)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    want_out, want_lse = reference.attention(q, k, v, **opts)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-12 * np.abs(want_lse).max())
+    # float32 at 64 x 64 (256 threads, 16 lanes a row: four shuffle steps), to float32 rounding
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    out32, lse32 = enp.attention(q32, k32, v32, return_lse=True, backend="cuda", **opts)
+    assert out32.dtype == np.float32
+    np.testing.assert_allclose(out32, want_out, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse32, want_lse, rtol=0, atol=2e-6)
