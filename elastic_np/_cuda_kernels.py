@@ -32,199 +32,142 @@ import math
 
 from numba import cuda
 
-# iopts
-I_CAUSAL = 0
-I_LEFT = 1
-I_RIGHT = 2
-I_HAS_MASK = 3
-I_NVM = 4
-I_HAS_GATE = 5
-I_HAS_ALIBI = 6
-I_HAS_BIAS = 7
-I_BIAS_SB = 8  # element strides of the bias, 0 where broadcast
-I_BIAS_SH = 9
-I_BIAS_SI = 10
-I_BIAS_SJ = 11
-I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
-I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_shift`)
-I_COUNT = 14
+from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
+from elastic_np._cuda_device import *  # noqa: F401,F403  (the option indices and device functions)
+from elastic_np._cuda_device import (
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI,
+    I_BIAS_SJ, I_DBIAS_FULL, I_HAS_GATE, P_COUNT, P_DSIGMA, P_DTAU, inline_device, _bh_params,
+    _compensated_add, _entry, _entry_keep, _entry_logit, _finish_row, _group_max, _group_sum, _key_range,
+    _lane_mask, _query_range, _stage,
+)
 
-# fopts
-F_SCALE = 0
-F_SHARPNESS = 1
-F_THRESHOLD = 2
-F_ZERO = 3
-F_NEG_INF = 4
-F_ONE = 5
-F_SOFTCAP = 6  # 0: no soft-cap
-F_COUNT = 7
+@inline_device
+def _tile_dot(q_tile, q_stride, row0, k_tile, k_stride, c, tpr, D, zero, scores):
+    """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
 
-# bh_consts, per (b, h); the window works with u = x / sigma, which neither
-# over- nor underflows where the bell is open, unlike sigma^2 and sigma^3
-C_NORM = 0  # 1 / (sigma sqrt(2 pi))
-C_INV_SIGMA = 1  # 1 / sigma
-C_ALIBI = 2  # the ALiBi slope
-C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_shift`)
-C_COUNT = 4
-
-# partials of the dq kernel, per (b, h, query tile)
-P_DTAU = 0  # sum dz * s
-P_DSIGMA = 1  # sum dz * dlogG/dsigma
-P_COUNT = 2
-
-
-@cuda.jit(device=True)
-def _real(value, like):
-    """``value`` converted to the dtype of the array ``like``."""
-    cell = cuda.local.array(1, dtype=like.dtype)
-    cell[0] = value
-    return cell[0]
-
-
-@cuda.jit(device=True)
-def _shift(b, N, M, iopts, kv_lengths):
-    """``E_b - N``: query ``i`` of batch ``b`` sits at position ``i + E_b - N``.
-
-    ``E_b`` is ``M`` (``align="array"``) or ``kv_lengths[b]`` (``align="kv_lengths"``);
-    entry ``(i, j)`` is at offset ``j - i - (E_b - N)``.
+    Per step of ``d`` a thread reads ``REG_M`` query and ``REG_N`` key values
+    from shared memory and does ``REG_M REG_N`` multiply-adds on registers.
     """
-    if iopts[I_ALIGN_KV] != 0:
-        return kv_lengths[b] - N
-    return M - N
+    for r in range(REG_M):
+        for n in range(REG_N):
+            scores[r, n] = zero
+    qv = cuda.local.array(REG_M, q_tile.dtype)
+    kv = cuda.local.array(REG_N, q_tile.dtype)
+    for d in range(D):
+        for r in range(REG_M):
+            qv[r] = q_tile[(row0 + r) * q_stride + d]
+        for n in range(REG_N):
+            kv[n] = k_tile[(c + tpr * n) * k_stride + d]
+        for r in range(REG_M):
+            for n in range(REG_N):
+                scores[r, n] += qv[r] * kv[n]
 
 
 @cuda.jit(device=True)
-def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
-    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep: the tiles outside are skipped."""
-    off = _shift(b, N, M, iopts, kv_lengths)
-    lo = 0
-    hi = kv_lengths[b]
-    if iopts[I_CAUSAL] != 0:
-        hi = min(hi, i1 + off)
-    if iopts[I_RIGHT] >= 0:
-        hi = min(hi, i1 + off + iopts[I_RIGHT])
-    if iopts[I_LEFT] >= 0:
-        lo = max(lo, i0 + off - iopts[I_LEFT])
-    r = band[b, h]
-    if r >= 0:
-        lo = max(lo, i0 + off - r)
-        hi = min(hi, i1 + off + r)
-    return lo, hi
+def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm, mask, bias, fopts):
+    """The online softmax step of the thread's rows over one key tile, in place in ``p_tile``.
 
-
-@cuda.jit(device=True)
-def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
-    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)``."""
-    off = _shift(b, N, M, iopts, kv_lengths)
-    lo = 0
-    hi = N
-    if j0 >= kv_lengths[b]:
-        hi = 0
-    if iopts[I_CAUSAL] != 0:
-        lo = max(lo, j0 - off)
-    if iopts[I_RIGHT] >= 0:
-        lo = max(lo, j0 - off - iopts[I_RIGHT])
-    if iopts[I_LEFT] >= 0:
-        hi = min(hi, j1 - off + iopts[I_LEFT])
-    r = band[b, h]
-    if r >= 0:
-        lo = max(lo, j0 - off - r)
-        hi = min(hi, j1 - off + r)
-    return lo, hi
-
-
-@cuda.jit(device=True)
-def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
-    """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
-
-    ``off`` is `_shift`'s; the options come in as scalars the kernel read once.
+    ``p_tile`` holds the thread's dot products (row ``row0 + r``, key ``c +
+    tpr n``); each becomes its logit (`_entry`, ``-inf`` when removed), the
+    row's tile max is combined over the ``tpr`` threads of the row group with
+    shuffles, and each becomes ``p = exp(z - max)`` (0 where removed, past the
+    tile or past ``N``). The thread's running max and partial sum of each row
+    live in ``stats`` (slot ``row tpr + c`` of the sections at 0 and
+    ``slots``, one writer each), and the row's rescale factor goes to the
+    section at ``2 slots``, for the caller to apply to its accumulator
+    registers. The loops here are not unrolled on purpose (the score pipeline
+    is long), so they keep their data in shared memory, not in local arrays.
     """
-    d = j - i - off
-    if causal and d > 0:
-        return False
-    if left >= 0 and d < -left:
-        return False
-    if right >= 0 and d > right:
-        return False
-    if j >= kv_length:
-        return False
-    if has_mask:
-        mb = b if mask.shape[0] > 1 else 0
-        mh = h if mask.shape[1] > 1 else 0
-        mi = i if mask.shape[2] > 1 else 0
-        mj = j if mask.shape[3] > 1 else 0
-        if mask[mb, mh, mi, mj] == 0:
-            return False
-    return True
+    neg_inf = fopts[F_NEG_INF]
+    zero = fopts[F_ZERO]
+    one = fopts[F_ONE]
+    for r in range(REG_M):
+        row = row0 + r
+        slot = row * tpr + c
+        i = i_first + r
+        tile_max = neg_inf
+        for n in range(REG_N):
+            jj = c + tpr * n
+            z = neg_inf
+            if jj < jn and i < N:
+                z = _entry(p_tile[row * p_stride + jj], b, h, i, j0 + jj, prm, mask, bias, fopts)[0]
+            p_tile[row * p_stride + jj] = z
+            tile_max = max(tile_max, z)
+        old_max = stats[slot]
+        new_max = max(old_max, _group_max(tile_max, tpr, lanes))
+        alpha = one
+        if new_max > neg_inf:
+            alpha = math.exp(old_max - new_max)  # 1 when the max stays, 0 from -inf
+        total = stats[slots + slot] * alpha
+        for n in range(REG_N):
+            at = row * p_stride + c + tpr * n
+            p = zero
+            if p_tile[at] > neg_inf:
+                p = math.exp(p_tile[at] - new_max)
+            total += p
+            p_tile[at] = p
+        stats[slot] = new_max
+        stats[slots + slot] = total
+        stats[2 * slots + slot] = alpha
 
 
 @cuda.jit(device=True)
-def _gate(i, j, off, u_scale, norm, threshold, sharpness, fopts):
-    """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, ``u = x / sigma``."""
-    u = u_scale * _real(j - i - off, fopts)
-    f = norm * math.exp(-(u * u) / (fopts[F_ONE] + fopts[F_ONE]))
-    G = fopts[F_ZERO]
-    if f > threshold:
-        G = math.tanh(sharpness * f)
-    return G, f, u
+def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h, fopts, lse):
+    """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`_finish_row`).
 
-
-@cuda.jit(device=True)
-def _compensated_add(total, carry, term):
-    """Neumaier's compensated sum: add ``term`` to ``total`` keeping the lost low part in ``carry``."""
-    new_total = total + term
-    if abs(total) >= abs(term):
-        carry += (total - new_total) + term
-    else:
-        carry += (term - new_total) + total
-    return new_total, carry
-
-
-@cuda.jit(device=True)
-def _log_add_exp(a, b):
-    """``log(exp(a) + exp(b))`` for finite ``a``, ``b``."""
-    hi = max(a, b)
-    return hi + math.log1p(math.exp(min(a, b) - hi))
-
-
-@cuda.jit(device=True)
-def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
-    """The final score of an entry at offset ``d`` (see `_shift`) and ``ds / ds_raw``.
-
-    ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
-    (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
-    ``bias_value`` are 0 when not given). The slope of the soft-cap,
-    ``1 - tanh^2``, is 1 without one; it is evaluated as ``4 e / (1 + e)^2``
-    with ``e = exp(-2 |x|)``, ``x = s / softcap``, as ``1 - t * t`` cancels to
-    nothing once ``t`` rounds to 1.
+    ``num`` is left in the section of ``stats`` at ``2 slots``, ``den`` in that at ``slots``.
     """
-    s = scale * dot
-    cap_slope = fopts[F_ONE]
-    if softcap > fopts[F_ZERO]:
-        x = s / softcap
-        s = softcap * math.tanh(x)
-        e = math.exp(-(abs(x) + abs(x)))
-        one_e = fopts[F_ONE] + e
-        cap_slope = ((e + e) + (e + e)) / (one_e * one_e)
-    return s - alibi_slope * _real(abs(d), fopts) + bias_value, cap_slope
+    for r in range(REG_M):
+        slot = (row0 + r) * tpr + c
+        i = i_first + r
+        row_lse, num, den = _finish_row(stats[slot], _group_sum(stats[slots + slot], tpr, lanes), beta_h, fopts)
+        stats[2 * slots + slot] = num
+        stats[slots + slot] = den
+        if i < N and c0 == 0 and c == 0:
+            lse[b, h, i] = row_lse
+
+
+@inline_device
+def _tile_pv(p_tile, p_stride, row0, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
+    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile."""
+    pv = cuda.local.array(REG_M, p_tile.dtype)
+    vv = cuda.local.array(ACC_COLS, p_tile.dtype)
+    for jj in range(jn):
+        for r in range(REG_M):
+            pv[r] = p_tile[(row0 + r) * p_stride + jj]
+        for e in range(ACC_COLS):
+            col = c + tpr * e
+            vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
+        for r in range(REG_M):
+            for e in range(ACC_COLS):
+                acc[r, e] += pv[r] * vv[e]
 
 
 @cuda.jit(cache=True)
 def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_n, out, lse):
-    """One block per (batch * head, query tile); thread ``t`` owns query row ``i0 + t``.
+    """One block per (batch * head, query tile); a flash forward with register micro-tiles.
 
     The grid is one-dimensional, query tiles fastest, so that the blocks that
-    share a head's K/V run side by side. The block walks the K/V tiles of its
-    key range (staged in shared memory) and each thread keeps an online
-    softmax: running max ``row_max``, running sum ``row_sum`` and the
-    unnormalised output row ``acc`` (in shared memory).
+    share a head's K/V run side by side. The block's threads form row groups
+    of ``tpr = block_n / REG_N`` consecutive lanes (a power of two, inside
+    one warp); thread ``(g, c)`` owns query rows ``g REG_M + r`` and, of each
+    key tile, keys ``c + tpr n`` (``REG_M x REG_N`` scores in registers) and
+    output columns ``c + tpr e`` (``REG_M x ACC_COLS`` accumulators). Per key
+    tile: stage K, scores, row max over the group by shuffles, rescale, ``p``
+    to shared memory, stage V in the same buffer, ``acc += p V``. Heads wider
+    than ``tpr ACC_COLS`` output columns take several passes over the keys
+    (each recomputing the same scores, so every pass has the same softmax).
     """
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
-    block_m = cuda.blockDim.x
+    threads = cuda.blockDim.x
     t = cuda.threadIdx.x
+    tpr = block_n // REG_N
+    block_m = threads // tpr * REG_M
+    row0 = t // tpr * REG_M
+    c = t % tpr
     n_tiles = (N + block_m - 1) // block_m
     tile = cuda.blockIdx.x % n_tiles
     b = cuda.blockIdx.x // n_tiles // H
@@ -232,120 +175,68 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     hk = h // (H // Hkv)
     i0 = tile * block_m
     i1 = min(i0 + block_m, N)
-    i = i0 + t
-    row = i < N
+    width = min(max(Dv, 1), tpr * ACC_COLS)
 
     q_stride = D + 1
-    acc_stride = Dv + 1
+    kv_stride = max(D + 1, width)
+    p_stride = block_n + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
     q_tile = smem[: block_m * q_stride]
-    acc = smem[block_m * q_stride : block_m * (q_stride + acc_stride)]
-    k_base = block_m * (q_stride + acc_stride)
-    k_tile = smem[k_base : k_base + block_n * D]
-    v_tile = smem[k_base + block_n * D : k_base + block_n * (D + Dv)]
+    kv_base = block_m * q_stride
+    kv_tile = smem[kv_base : kv_base + block_n * kv_stride]
+    p_base = kv_base + block_n * kv_stride
+    p_tile = smem[p_base : p_base + block_m * p_stride]
+    stats_base = p_base + block_m * p_stride
+    stats = smem[stats_base : stats_base + 3 * block_m * tpr]  # per (row, lane): max, sum, rescale
 
     zero = fopts[F_ZERO]
-    for idx in range(t, (i1 - i0) * D, block_m):
-        q_tile[(idx // D) * q_stride + idx % D] = q[b, h, i0 + idx // D, idx % D]
-    for d in range(Dv):
-        acc[t * acc_stride + d] = zero
-
-    scale = fopts[F_SCALE]
-    tau_h = tau[h]
-    nvm = iopts[I_NVM] != 0
-    has_gate = iopts[I_HAS_GATE] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    kv_length = kv_lengths[b]
-    shift = _shift(b, N, M, iopts, kv_lengths)
-    threshold = fopts[F_THRESHOLD]
-    sharpness = fopts[F_SHARPNESS]
-    softcap = fopts[F_SOFTCAP]
     neg_inf = fopts[F_NEG_INF]
-    has_bias = iopts[I_HAS_BIAS] != 0
-    bias_row = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + i * iopts[I_BIAS_SI]
-    bias_sj = iopts[I_BIAS_SJ]
-    alibi_slope = zero
-    if iopts[I_HAS_ALIBI] != 0:
-        alibi_slope = bh_consts[b, h, C_ALIBI]
-    g_norm = zero
-    u_scale = zero
-    if has_gate:
-        g_norm = bh_consts[b, h, C_NORM]
-        u_scale = bh_consts[b, h, C_U_SCALE]
-    row_max = fopts[F_NEG_INF]
-    row_sum = zero
+    for idx in range(t, block_m * q_stride, threads):
+        q_tile[idx] = zero  # rows past N and the padding column
+    cuda.syncthreads()
+    _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    lanes = _lane_mask(t, threads)
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
-    for j0 in range(lo, hi, block_n):
-        jn = min(block_n, hi - j0)
-        cuda.syncthreads()  # the previous tile is consumed (and q_tile written)
-        for idx in range(t, jn * D, block_m):
-            k_tile[idx] = k[b, hk, j0 + idx // D, idx % D]
-        for idx in range(t, jn * Dv, block_m):
-            v_tile[idx] = v[b, hk, j0 + idx // Dv, idx % Dv]
-        cuda.syncthreads()
-        if not row:
-            continue
-        for jj in range(jn):
-            j = j0 + jj
-            if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
-                continue
-            bias_value = zero
-            if has_bias:
-                bias_value = bias[bias_row + j * bias_sj]
-                if bias_value == neg_inf:  # removed, like a false mask entry
-                    continue
-            dot = zero
-            for d in range(D):
-                dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-            if nvm and s < zero:
-                continue
-            z = s / tau_h
-            if has_gate:
-                G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
-                if not G > zero:
-                    continue
-                z += math.log(G)
-            if z > row_max:
-                rescale = math.exp(row_max - z)
-                row_sum *= rescale
-                for d in range(Dv):
-                    acc[t * acc_stride + d] *= rescale
-                row_max = z
-            p = math.exp(z - row_max)
-            row_sum += p
-            for d in range(Dv):
-                acc[t * acc_stride + d] += p * v_tile[jj * Dv + d]
-
-    if not row:
-        return
-    beta_h = beta[h]
-    if row_sum > zero:
-        # lse = log(row_sum * exp(row_max) + beta); out = acc / (row_sum + beta exp(-row_max)),
-        # normalised directly rather than by exp(row_max - lse), which would turn
-        # the rounding of lse into a relative error of out
-        row_lse = row_max + math.log(row_sum)
-        norm = fopts[F_ONE] / row_sum
-        if beta_h > zero:
-            log_beta = math.log(beta_h)
-            row_lse = _log_add_exp(row_lse, log_beta)
-            gap = log_beta - row_max  # beta exp(-row_max) = exp(gap); no exp of a positive gap
-            if gap > zero:
-                shrink = math.exp(-gap)
-                norm = shrink / (row_sum * shrink + fopts[F_ONE])
-            else:
-                norm = fopts[F_ONE] / (row_sum + math.exp(gap))
-    else:  # nothing kept: out = 0, lse = log(beta)
-        row_lse = fopts[F_NEG_INF]
-        if beta_h > zero:
-            row_lse = math.log(beta_h)
-        norm = zero
-    lse[b, h, i] = row_lse
-    for d in range(Dv):
-        out[b, h, i, d] = acc[t * acc_stride + d] * norm
+    scores = cuda.local.array((REG_M, REG_N), q.dtype)
+    acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
+    slots = block_m * tpr
+    i_first = i0 + row0
+    for c0 in range(0, max(Dv, 1), width):
+        wn = min(width, Dv - c0)
+        for r in range(REG_M):
+            stats[(row0 + r) * tpr + c] = neg_inf
+            stats[slots + (row0 + r) * tpr + c] = zero
+            for e in range(ACC_COLS):
+                acc[r, e] = zero
+        for j0 in range(lo, hi, block_n):
+            jn = min(block_n, hi - j0)
+            cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
+            _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _tile_dot(q_tile, q_stride, row0, kv_tile, kv_stride, c, tpr, D, zero, scores)
+            for r in range(REG_M):
+                for n in range(REG_N):
+                    p_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm,
+                          mask, bias, fopts)
+            for r in range(REG_M):
+                alpha = stats[2 * slots + (row0 + r) * tpr + c]
+                for e in range(ACC_COLS):
+                    acc[r, e] *= alpha
+            cuda.syncthreads()  # K consumed, p written
+            _stage(v, b, hk, j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _tile_pv(p_tile, p_stride, row0, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
+        _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta[h], fopts, lse)
+        for r in range(REG_M):
+            i = i_first + r
+            num = stats[2 * slots + (row0 + r) * tpr + c]
+            den = stats[slots + (row0 + r) * tpr + c]
+            for e in range(ACC_COLS):
+                col = c + tpr * e
+                if i < N and col < wn:
+                    out[b, h, i, c0 + col] = (acc[r, e] * num) / den
 
 
 @cuda.jit(cache=True)
@@ -401,30 +292,12 @@ def _backward_dq_kernel(
 
     scale = fopts[F_SCALE]
     tau_h = tau[h]
-    nvm = iopts[I_NVM] != 0
     has_gate = iopts[I_HAS_GATE] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    kv_length = kv_lengths[b]
-    shift = _shift(b, N, M, iopts, kv_lengths)
-    threshold = fopts[F_THRESHOLD]
     sharpness = fopts[F_SHARPNESS]
-    softcap = fopts[F_SOFTCAP]
     neg_inf = fopts[F_NEG_INF]
-    has_bias = iopts[I_HAS_BIAS] != 0
-    bias_row = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + i * iopts[I_BIAS_SI]
-    bias_sj = iopts[I_BIAS_SJ]
-    alibi_slope = zero
-    if iopts[I_HAS_ALIBI] != 0:
-        alibi_slope = bh_consts[b, h, C_ALIBI]
-    g_norm = zero
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
     g_inv_sigma = zero
-    u_scale = zero
     if has_gate:
-        g_norm = bh_consts[b, h, C_NORM]
-        u_scale = bh_consts[b, h, C_U_SCALE]
         g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
     row_delta = zero
     row_lse = zero
@@ -458,28 +331,15 @@ def _backward_dq_kernel(
             continue
         for jj in range(jn):
             j = j0 + jj
-            if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+            kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+            if not kept:
                 continue
-            bias_value = zero
-            if has_bias:
-                bias_value = bias[bias_row + j * bias_sj]
-                if bias_value == neg_inf:  # removed, like a false mask entry
-                    continue
             dot = zero
             for d in range(D):
                 dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-            if nvm and s < zero:
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
                 continue
-            z = s / tau_h
-            G = zero
-            f = zero
-            u = zero
-            if has_gate:
-                G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
-                if not G > zero:
-                    continue
-                z += math.log(G)
             p = math.exp(z - row_lse)
             dp = zero
             for d in range(Dv):
@@ -568,33 +428,10 @@ def _backward_dkdv_kernel(
         dv_acc[t * v_stride + d] = zero
 
     scale = fopts[F_SCALE]
-    nvm = iopts[I_NVM] != 0
-    has_gate = iopts[I_HAS_GATE] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    kv_length = kv_lengths[b]
-    shift = _shift(b, N, M, iopts, kv_lengths)
-    threshold = fopts[F_THRESHOLD]
-    sharpness = fopts[F_SHARPNESS]
-    softcap = fopts[F_SOFTCAP]
     neg_inf = fopts[F_NEG_INF]
-    has_bias = iopts[I_HAS_BIAS] != 0
-    bias_si = iopts[I_BIAS_SI]
-    bias_col = j * iopts[I_BIAS_SJ]
-    has_alibi = iopts[I_HAS_ALIBI] != 0
     for h in range(hk * group, (hk + 1) * group):
         tau_h = tau[h]
-        g_norm = zero
-        u_scale = zero
-        if has_gate:
-            g_norm = bh_consts[b, h, C_NORM]
-            u_scale = bh_consts[b, h, C_U_SCALE]
-        alibi_slope = zero
-        if has_alibi:
-            alibi_slope = bh_consts[b, h, C_ALIBI]
-        bias_bh = b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH] + bias_col
+        prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
         lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
         for i0 in range(lo, hi, block_m):
             im = min(block_m, hi - i0)
@@ -611,25 +448,15 @@ def _backward_dkdv_kernel(
                 continue
             for ii in range(im):
                 i = i0 + ii
-                if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+                if not kept:
                     continue
-                bias_value = zero
-                if has_bias:
-                    bias_value = bias[bias_bh + i * bias_si]
-                    if bias_value == neg_inf:
-                        continue
                 dot = zero
                 for d in range(D):
                     dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
-                s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-                if nvm and s < zero:
+                z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+                if z == neg_inf:  # removed by NVM or a closed gate
                     continue
-                z = s / tau_h
-                if has_gate:
-                    G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
-                    if not G > zero:
-                        continue
-                    z += math.log(G)
                 p = math.exp(z - lse_tile[ii])
                 dp = zero
                 for d in range(Dv):
@@ -691,17 +518,7 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
     bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
 
     zero = fopts[F_ZERO]
-    scale = fopts[F_SCALE]
-    softcap = fopts[F_SOFTCAP]
-    nvm = iopts[I_NVM] != 0
-    has_gate = iopts[I_HAS_GATE] != 0
-    has_alibi = iopts[I_HAS_ALIBI] != 0
-    causal = iopts[I_CAUSAL] != 0
-    left = iopts[I_LEFT]
-    right = iopts[I_RIGHT]
-    has_mask = iopts[I_HAS_MASK] != 0
-    threshold = fopts[F_THRESHOLD]
-    sharpness = fopts[F_SHARPNESS]
+    neg_inf = fopts[F_NEG_INF]
     total = zero
     carry = zero
     if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
@@ -710,28 +527,18 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             h = ch + r // (rj_n * ri_n) % rh_n
             i = ci + r // rj_n % ri_n
             j = cj + r % rj_n
-            shift = _shift(b, N, M, iopts, kv_lengths)
-            if not _structural_keep(b, h, i, j, shift, kv_lengths[b], causal, left, right, has_mask, mask):
+            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+            kept, entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
+            if not kept:
                 continue
             hk = h // group
             dot = zero
             for d in range(D):
                 dot += q[b, h, i, d] * k[b, hk, j, d]
-            alibi_slope = zero
-            if has_alibi:
-                alibi_slope = bh_consts[b, h, C_ALIBI]
-            s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
-            if nvm and s < zero:
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
                 continue
             tau_h = tau[h]
-            z = s / tau_h
-            if has_gate:
-                G, f, u = _gate(
-                    i, j, shift, bh_consts[b, h, C_U_SCALE], bh_consts[b, h, C_NORM], threshold, sharpness, fopts,
-                )
-                if not G > zero:
-                    continue
-                z += math.log(G)
             p = math.exp(z - lse[b, h, i])
             dp = zero
             for d in range(Dv):

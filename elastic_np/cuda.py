@@ -8,12 +8,31 @@ validate, allocate and launch. Importing `elastic_np` never imports
 
 Design
 ------
-Forward (``_forward_kernel``): one block per (batch * head, query tile), one
-thread per query row. The block stages K/V tiles in shared memory and every
-thread runs an online softmax for its row (running max and sum in registers,
-the unnormalised output row in shared memory), then writes ``out`` and
-``lse``. Only the key tiles that the causal, window, ``kv_lengths`` and
-dynamic-window band can reach are visited.
+Forward (``_forward_kernel``): a flash kernel with register micro-tiles. One
+block per (batch * head, query tile of ``FORWARD_BLOCK_M`` rows); the block's
+threads form row groups of ``tpr = FORWARD_BLOCK_N / REG_N`` consecutive
+lanes of one warp, each thread owning ``REG_M`` query rows. Per K/V tile of
+``FORWARD_BLOCK_N`` keys (staged in shared memory, K then V in the same
+buffer): each thread computes a ``REG_M x REG_N`` micro-tile of dot products
+in registers (``REG_M + REG_N`` shared loads per ``REG_M REG_N``
+multiply-adds, loops fully unrolled), the score pipeline turns them into
+logits (written once, `elastic_np._cuda_device._entry`, shared with the
+backward kernels), the row max is combined across the row group with warp
+shuffles (``shfl_xor_sync``), the running sums and the ``REG_M x ACC_COLS``
+output accumulator are rescaled in registers, and ``p`` goes through shared
+memory to the ``p V`` micro-tile product. Each thread's running max and
+partial row sum, and the rescale factor, sit in shared memory (one slot per
+thread and row) rather than in local arrays: the score pipeline is long, so
+its loop over the rows is not unrolled, and a local array indexed by a loop
+counter would live in local memory. Only the key tiles that the causal,
+window, ``kv_lengths`` and dynamic-window band can reach are visited. A
+value head wider than ``tpr * ACC_COLS`` takes several passes over the keys
+(each recomputing the same scores, hence the same softmax). The row sums are
+combined in a fixed butterfly, so results are bit-identical from run to run.
+``out = (acc num) / den`` (`elastic_np._cuda_device._finish_row`): one
+rounding, not two through a reciprocal. ``elastic_np.cuda.resources()``
+reports each kernel's registers, local memory and spills from the compiled
+code (see the performance page).
 
 Backward, recomputing the probabilities from ``lse``:
 
@@ -68,9 +87,12 @@ Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
 ``torch.nn.functional.scaled_dot_product_attention`` in float32 on the same
 GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
 ``--bias {full,keys,padding,rows,scalar}`` time the score modifiers, next to
-plain attention in the same run. The kernels are plain SIMT code
-(one thread per row, operands from shared memory, no tensor cores), written
-for clarity and exact agreement with the reference first.
+plain attention in the same run; ``--json FILE`` also times the decoding
+shapes (`DECODE_SHAPES`) and writes everything, with the GPU, driver and
+library versions, to ``FILE`` (`elastic_np._cuda_bench`). The speed of the
+flash forward on a GPU is unmeasured (it was written on machines without
+one). ``--resources`` prints each kernel's registers, local memory, spills
+and shared memory from the compiled code, no GPU needed.
 
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
 NumPy arrays. Device arrays (anything with ``__cuda_array_interface__``:
@@ -86,10 +108,8 @@ a round trip through the host to be converted); with a device bias the
 results are device arrays, ``dbias`` too.
 """
 
-import contextlib
 import dataclasses
 import math
-import types
 
 import numpy as np
 
@@ -106,6 +126,8 @@ __all__ = [
     "forward",
     "backward",
     "ptx",
+    "resources",
+    "dynamic_shared_bytes",
     "bench",
 ]
 
@@ -135,6 +157,10 @@ def _cuda():
 
 def _kernels():
     _cuda()
+    if _simulator():
+        from elastic_np import _cuda_sim
+
+        _cuda_sim.install()  # warp shuffles, which the simulator lacks
     from elastic_np import _cuda_kernels
 
     return _cuda_kernels
@@ -281,19 +307,55 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
 # ---------------------------------------------------------------------------
 
 
+def _forward_geometry(threads, tile):
+    """``(block_m, tpr)`` of a forward block of ``threads`` threads and key tile ``tile``."""
+    tpr = tile // config.REG_N
+    return threads // tpr * config.REG_M, tpr
+
+
 def _shared_elements(kind, threads, tile, D, Dv):
     """Elements of dynamic shared memory one block of ``kind`` uses (see the kernels' layouts)."""
     if kind == "forward":
-        return threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv)
+        block_m, tpr = _forward_geometry(threads, tile)
+        width = min(max(Dv, 1), tpr * config.ACC_COLS)
+        return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
     if kind == "dq":
         return 2 * threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv) + 3 * threads
     return 2 * threads * (D + 1) + 2 * threads * (Dv + 1) + tile * (D + Dv + 2)  # dkdv
 
 
+def _forward_tiles(itemsize, D, Dv):
+    """``(threads, key tile)`` of the forward, from the config, shrunk until the shared memory fits."""
+    block_m, block_n = config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N
+    tpr = block_n // config.REG_N
+    if block_n % config.REG_N or tpr < 1 or tpr > 32 or tpr & (tpr - 1):
+        raise ValueError(
+            f"FORWARD_BLOCK_N={block_n} must be REG_N={config.REG_N} times a power of two of at most 32"
+        )
+    if block_m % config.REG_M or block_m < config.REG_M:
+        raise ValueError(f"FORWARD_BLOCK_M={block_m} must be a multiple of REG_M={config.REG_M}")
+
+    def threads():
+        return (block_m // config.REG_M) * (block_n // config.REG_N)
+
+    while _shared_elements("forward", threads(), block_n, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        if block_n > config.REG_N and (block_n >= block_m or block_m <= config.REG_M):
+            block_n //= 2
+        elif block_m > config.REG_M and block_m % (2 * config.REG_M) == 0:
+            block_m //= 2
+        else:
+            raise ValueError(
+                f"head dims D={D}, Dv={Dv} need more shared memory than "
+                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
+            )
+    return threads(), block_n
+
+
 def _tiles(kind, itemsize, D, Dv):
     """``(threads, tile)`` for ``kind`` from the config, halved until the shared memory fits."""
+    if kind == "forward":
+        return _forward_tiles(itemsize, D, Dv)
     threads, tile = {
-        "forward": (config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N),
         "dq": (config.DQ_BLOCK_M, config.DQ_BLOCK_N),
         "dkdv": (config.DKDV_BLOCK_N, config.DKDV_BLOCK_M),
     }[kind]
@@ -454,7 +516,8 @@ def forward(p):
         o = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
-        kern._forward_kernel[_blocks(N, threads) * B * H, threads, 0, shared](
+        block_m, _ = _forward_geometry(threads, tile)
+        kern._forward_kernel[_blocks(N, block_m) * B * H, threads, 0, shared](
             q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
             o["tau"], o["beta"], o["bh_consts"], o["bias"], tile, out, lse,
         )
@@ -544,223 +607,17 @@ def _dbias_shape(p):
 
 
 # ---------------------------------------------------------------------------
-# PTX
+# PTX and the compiled code's resources: elastic_np._cuda_compile
 # ---------------------------------------------------------------------------
 
-
-def _signatures(dtype):
-    """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
-    from numba import types as nbt
-
-    real = nbt.float64 if dtype == np.float64 else nbt.float32
-
-    def arr(ndim, kind=real):
-        return nbt.Array(kind, ndim, "C")
-
-    # q, k, v, mask, kv_lengths, band, iopts, fopts, tau
-    common = (
-        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(2, nbt.int64),
-        arr(1, nbt.int64), arr(1), arr(1),
-    )
-    bh_consts_bias = (arr(3), arr(1))
-    return {
-        "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
-        "_backward_dq_kernel": common + bh_consts_bias
-        + (nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4), arr(4)),
-        "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
-        "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
-        + (arr(4), arr(3), arr(3), arr(1)),
-    }
-
-
-def ptx(cc=(9, 0)):
-    """Compile every kernel, for each dtype, to PTX for compute capability ``cc``.
-
-    Needs no GPU: numba-cuda's NVVM does the work.
-
-    Parameters
-    ----------
-    cc : (int, int), optional
-        Compute capability, e.g. ``(8, 0)`` for A100 or ``(9, 0)`` for H100.
-
-    Returns
-    -------
-    dict of str to str
-        ``"<kernel>[<dtype>]"`` to its PTX text.
-
-    Raises
-    ------
-    elastic_np.BackendUnavailableError
-        Without numba-cuda, or under the CUDA simulator (which compiles nothing).
-    """
-    cuda = _cuda()
-    if _simulator():
-        raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
-    kern = _kernels()
-    cc = tuple(int(c) for c in cc)
-    result = {}
-    with _device_functions_compiled_for(cc):
-        for dtype in dtypes:
-            signatures = _signatures(dtype)
-            for name, kernel in kern.KERNELS.items():
-                code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
-                result[f"{name}[{dtype.name}]"] = code
-    return result
-
-
-@contextlib.contextmanager
-def _device_functions_compiled_for(cc):
-    """Let ``compile_ptx`` compile the kernels' device functions without a GPU.
-
-    numba-cuda compiles a called device function for the compute capability of
-    the current device, which needs a driver; `compile_ptx` itself does not.
-    Inside this context the device functions see a device of capability ``cc``.
-    """
-    from numba.cuda import dispatcher
-
-    current = dispatcher.get_current_device
-    if is_available():
-        yield
-        return
-    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
-    try:
-        yield
-    finally:
-        dispatcher.get_current_device = current
+from elastic_np._cuda_compile import _print_resources, dynamic_shared_bytes, ptx, resources  # noqa: E402
 
 
 # ---------------------------------------------------------------------------
-# Benchmark (needs a GPU and PyTorch with CUDA)
+# Benchmark (needs a GPU and PyTorch with CUDA): elastic_np._cuda_bench
 # ---------------------------------------------------------------------------
 
-
-#: Bias shapes `bench` can add, as functions of ``(B, H, N)`` (``M = N``).
-BENCH_BIAS_SHAPES = {
-    "full": lambda B, H, N: (B, H, N, N),
-    "keys": lambda B, H, N: (N, N),
-    "padding": lambda B, H, N: (B, 1, 1, N),
-    "rows": lambda B, H, N: (B, H, N, 1),
-    "scalar": lambda B, H, N: (1,),
-}
-
-
-def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10):
-    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
-
-    Both run on the same GPU and the same device memory (torch CUDA tensors
-    are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
-    forward and forward + backward, with ``N = M``.
-
-    With score modifiers (``softcap``, ``alibi``, ``bias``) the kernels are
-    timed with them and, in the same run, without them (``"elastic_np
-    plain"``), so that their cost is a ratio measured side by side. PyTorch
-    gets the bias as its float ``attn_mask`` (with its gradient); it has no
-    soft-cap or ALiBi, so those are ours alone.
-
-    Parameters
-    ----------
-    B, H, N, D : int, optional
-        Batch, heads, sequence length, head dim.
-    causal : bool, optional
-    softcap : float, optional
-        Soft-cap of the scores.
-    alibi : bool, optional
-        ALiBi with the usual geometric slopes ``2**(-8 (h + 1) / H)``.
-    bias : str, optional
-        A key of `BENCH_BIAS_SHAPES`: the bias's shape (a device array; the
-        backward computes ``dbias``).
-    repeat : int, optional
-        Best of this many timed runs, after one warm-up run (which compiles).
-
-    Returns
-    -------
-    dict
-        ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
-        in seconds (and ``"elastic_np plain"`` with modifiers), plus
-        ``"tflops"`` with the same layout (FlashAttention's FLOP convention).
-
-    Raises
-    ------
-    elastic_np.BackendUnavailableError
-        Without a usable GPU, or when PyTorch has no CUDA.
-    """
-    import torch
-
-    from elastic_np import _bench, _dispatch
-
-    if not is_available():
-        check_available()
-        raise BackendUnavailableError("bench() times real kernels; the CUDA simulator does not count")
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench() compares with PyTorch on the GPU; this torch has no CUDA")
-    if bias is not None and bias not in BENCH_BIAS_SHAPES:
-        raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
-    cuda = _cuda()
-    rng = np.random.default_rng(1)
-    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
-    dout = rng.standard_normal(q.shape).astype(np.float32)
-    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
-    modifiers = {}
-    if softcap is not None:
-        modifiers["softcap"] = softcap
-    if alibi:
-        modifiers["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
-    tbias = None
-    if bias is not None:
-        tbias = torch.from_numpy(rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)).cuda()
-        modifiers["bias"] = tbias
-
-    def ours(options):
-        def forward():
-            _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            cuda.synchronize()
-
-        def forward_backward():
-            out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
-            cuda.synchronize()
-
-        return forward, forward_backward
-
-    gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
-    gbias = None if tbias is None else tbias.clone().requires_grad_(True)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    causal_mask = None
-    if causal and tbias is not None:  # torch takes is_causal or attn_mask, not both
-        causal_mask = torch.ones(N, N, dtype=torch.bool, device=tq.device).tril().logical_not()
-
-    def torch_mask(t):
-        if t is None:
-            return None
-        return t if causal_mask is None else t.masked_fill(causal_mask, float("-inf"))
-
-    def torch_forward():
-        with torch.no_grad():
-            sdpa(tq, tk, tv, attn_mask=torch_mask(tbias), is_causal=causal and tbias is None)
-        torch.cuda.synchronize()
-
-    def torch_forward_backward():
-        out = sdpa(gq, gk, gv, attn_mask=torch_mask(gbias), is_causal=causal and gbias is None)
-        out.backward(tdout)
-        torch.cuda.synchronize()
-
-    runs = {"elastic_np": ours(modifiers), "torch": (torch_forward, torch_forward_backward)}
-    if modifiers:
-        runs["elastic_np plain"] = ours({})
-    timings = {}
-    for who, (fwd, fwd_bwd) in runs.items():
-        timings[who] = {}
-        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-            fn()  # warm-up (compiles)
-            timings[who][what] = _bench.best_time(fn, repeat=repeat)
-    flops = {
-        "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
-        "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
-    }
-    timings["tflops"] = {
-        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in runs
-    }
-    return timings
+from elastic_np._cuda_bench import BENCH_BIAS_SHAPES, DECODE_SHAPES, bench, bench_decode, bench_record  # noqa: E402
 
 
 def _main(argv=None):
@@ -776,7 +633,14 @@ def _main(argv=None):
     parser.add_argument("--softcap", type=float, default=None, help="time with this soft-cap of the scores")
     parser.add_argument("--alibi", action="store_true", help="time with ALiBi (geometric slopes)")
     parser.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES), default=None, help="time with a bias of this shape")
+    parser.add_argument("--json", metavar="FILE", help="with --bench: also time the decode shapes, write all to FILE")
+    parser.add_argument("--resources", nargs="*", metavar="CC",
+                        help="registers, local memory, spills and shared memory of every kernel (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.json is not None and not args.bench:
+        parser.error("--json needs --bench")
+    if args.resources is not None:
+        _print_resources(args.resources or ["8.0", "9.0"])
     if args.ptx is not None:
         for cc in args.ptx or ["8.0", "9.0"]:
             major, minor = (int(part) for part in cc.split("."))
@@ -787,7 +651,11 @@ def _main(argv=None):
                 print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
     if args.bench:
         B, H, N, D = args.shape
-        result = bench(B, H, N, D, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias)
+        options = dict(causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias)
+        try:
+            result = bench(B, H, N, D, **options)
+        except BackendUnavailableError as exc:
+            raise SystemExit(f"python -m elastic_np.cuda --bench: {exc}") from None
         print(
             f"float32, B={B} H={H} N=M={N} D={D} causal={args.causal} "
             f"softcap={args.softcap} alibi={args.alibi} bias={args.bias}"
@@ -803,6 +671,20 @@ def _main(argv=None):
                 plain = result["elastic_np plain"][what]
                 line += f"   modifiers cost x{ours / plain:5.2f} over plain ({plain * 1e3:.3f} ms)"
             print(line)
+
+
+        if args.json is not None:
+            from elastic_np import _cuda_bench
+
+            decode = []
+            for shape in DECODE_SHAPES:
+                timing = bench_decode(*shape)
+                decode.append((shape, timing))
+                print(f"decode B, H/Hkv, N, M, D = {shape}: elastic_np {timing['elastic_np'] * 1e3:.3f} ms, "
+                      f"torch SDPA {timing['torch'] * 1e3:.3f} ms, speed ratio {timing['torch'] / timing['elastic_np']:.2f}")
+            record = bench_record((B, H, N, D), options, result, decode, _cuda_bench.machine_info())
+            _cuda_bench.write_json(record, args.json)
+            print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -20,3 +20,26 @@ def test_ptx_for_every_kernel(cc):
         if "float32" in name:
             # a float32 kernel computes in float32 throughout
             assert ".f64" not in text, name
+
+
+def test_resource_report_from_the_compiled_code():
+    """Registers, stack, spills and shared memory read back from the assembler (nvJitLink, no GPU)."""
+    pytest.importorskip("cuda.core", reason="needs cuda.core with nvJitLink")
+    report = cuda.resources(cc=(9, 0))
+    assert set(report) == {f"{name}[{dtype.name}]" for name in _cuda_kernels.KERNELS for dtype in cuda.dtypes}
+    for name, entry in report.items():
+        assert 1 <= entry["registers"] <= 255, name
+        assert entry["spills"] == (entry["spill_store_bytes"] + entry["spill_load_bytes"] > 0), name
+    # the float32 flash forward keeps its score and output micro-tiles in registers: no local memory at all
+    forward = report["_forward_kernel[float32]"]
+    assert forward["stack_bytes"] == 0 and not forward["spills"], forward
+
+
+def test_dynamic_shared_memory_fits_the_limit():
+    from elastic_np import _cuda_config
+
+    for dtype in cuda.dtypes:
+        for D in (16, 64, 128, 256):
+            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, dtype).items():
+                assert size <= _cuda_config.MAX_SHARED_BYTES, (name, D, dtype)
+                assert threads >= 1 and tile >= 1

@@ -1,0 +1,295 @@
+"""The CUDA benchmark: elastic_np's kernels against torch SDPA on one GPU, and its results file.
+
+`bench` times training shapes (forward, forward + backward), `bench_decode`
+decoding shapes, both in float32 against
+``torch.nn.functional.scaled_dot_product_attention`` on the same GPU and the
+same device memory; `bench_record` gathers them with the machine (GPU name,
+driver, numba-cuda and torch versions) into the dict that ``python -m
+elastic_np.cuda --bench --json FILE`` writes (`write_json`). Needs a GPU
+and PyTorch with CUDA; without them every timing function raises
+`elastic_np.BackendUnavailableError` saying which is missing.
+"""
+
+import json
+import platform
+import sys
+
+import numpy as np
+
+from elastic_np._dispatch import BackendUnavailableError
+
+#: Decoding shapes ``(B, H, Hkv, N, M, D)`` the results file records (the CPU page's first).
+DECODE_SHAPES = ((1, 32, 8, 1, 8192, 128),)
+
+
+def _backend():
+    """`elastic_np.cuda`, imported when called (it imports this module)."""
+    from elastic_np import cuda
+
+    return cuda
+
+
+def _check_gpu(what):
+    """``torch`` when a GPU runs the kernels and torch has CUDA; else `BackendUnavailableError`."""
+    if not _backend().is_available():
+        _backend().check_available()
+        raise BackendUnavailableError(f"{what} times real kernels; the CUDA simulator does not count")
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendUnavailableError(f"{what} compares with PyTorch, which is not installed ({exc})") from exc
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(f"{what} compares with PyTorch on the GPU; this torch has no CUDA")
+    return torch
+
+
+#: Bias shapes `bench` can add, as functions of ``(B, H, N)`` (``M = N``).
+BENCH_BIAS_SHAPES = {
+    "full": lambda B, H, N: (B, H, N, N),
+    "keys": lambda B, H, N: (N, N),
+    "padding": lambda B, H, N: (B, 1, 1, N),
+    "rows": lambda B, H, N: (B, H, N, 1),
+    "scalar": lambda B, H, N: (1,),
+}
+
+
+def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10):
+    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
+
+    Both run on the same GPU and the same device memory (torch CUDA tensors
+    are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
+    forward and forward + backward, with ``N = M``.
+
+    With score modifiers (``softcap``, ``alibi``, ``bias``) the kernels are
+    timed with them and, in the same run, without them (``"elastic_np
+    plain"``), so that their cost is a ratio measured side by side. PyTorch
+    gets the bias as its float ``attn_mask`` (with its gradient); it has no
+    soft-cap or ALiBi, so those are ours alone.
+
+    Parameters
+    ----------
+    B, H, N, D : int, optional
+        Batch, heads, sequence length, head dim.
+    causal : bool, optional
+    softcap : float, optional
+        Soft-cap of the scores.
+    alibi : bool, optional
+        ALiBi with the usual geometric slopes ``2**(-8 (h + 1) / H)``.
+    bias : str, optional
+        A key of `BENCH_BIAS_SHAPES`: the bias's shape (a device array; the
+        backward computes ``dbias``).
+    repeat : int, optional
+        Best of this many timed runs, after one warm-up run (which compiles).
+
+    Returns
+    -------
+    dict
+        ``{"elastic_np": {"forward": s, "forward+backward": s}, "torch": {...}}``
+        in seconds (and ``"elastic_np plain"`` with modifiers), plus
+        ``"tflops"`` with the same layout (FlashAttention's FLOP convention).
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without a usable GPU, or when PyTorch has no CUDA.
+    """
+    torch = _check_gpu("bench()")
+    from elastic_np import _bench, _dispatch
+
+    if bias is not None and bias not in BENCH_BIAS_SHAPES:
+        raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
+    cuda = _backend()._cuda()
+    rng = np.random.default_rng(1)
+    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
+    modifiers = {}
+    if softcap is not None:
+        modifiers["softcap"] = softcap
+    if alibi:
+        modifiers["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    tbias = None
+    if bias is not None:
+        tbias = torch.from_numpy(rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)).cuda()
+        modifiers["bias"] = tbias
+
+    def ours(options):
+        def forward():
+            _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            cuda.synchronize()
+
+        def forward_backward():
+            out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
+            cuda.synchronize()
+
+        return forward, forward_backward
+
+    gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+    gbias = None if tbias is None else tbias.clone().requires_grad_(True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal_mask = None
+    if causal and tbias is not None:  # torch takes is_causal or attn_mask, not both
+        causal_mask = torch.ones(N, N, dtype=torch.bool, device=tq.device).tril().logical_not()
+
+    def torch_mask(t):
+        if t is None:
+            return None
+        return t if causal_mask is None else t.masked_fill(causal_mask, float("-inf"))
+
+    def torch_forward():
+        with torch.no_grad():
+            sdpa(tq, tk, tv, attn_mask=torch_mask(tbias), is_causal=causal and tbias is None)
+        torch.cuda.synchronize()
+
+    def torch_forward_backward():
+        out = sdpa(gq, gk, gv, attn_mask=torch_mask(gbias), is_causal=causal and gbias is None)
+        out.backward(tdout)
+        torch.cuda.synchronize()
+
+    runs = {"elastic_np": ours(modifiers), "torch": (torch_forward, torch_forward_backward)}
+    if modifiers:
+        runs["elastic_np plain"] = ours({})
+    timings = {}
+    for who, (fwd, fwd_bwd) in runs.items():
+        timings[who] = {}
+        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            fn()  # warm-up (compiles)
+            timings[who][what] = _bench.best_time(fn, repeat=repeat)
+    flops = {
+        "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
+        "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
+    }
+    timings["tflops"] = {
+        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in runs
+    }
+    return timings
+
+
+def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
+    """Time the forward at a decoding shape against torch SDPA (``enable_gqa``), float32.
+
+    ``N`` new queries against ``M`` cached keys, aligned to the cache's end
+    (``causal=True``; torch gets the same mask as ``attn_mask`` when
+    ``N > 1``, as its ``is_causal`` aligns top-left).
+
+    Returns
+    -------
+    dict
+        ``{"elastic_np": s, "torch": s}``, best of ``repeat`` after a warm-up.
+    """
+    torch = _check_gpu("bench_decode()")
+    from elastic_np import _bench, _dispatch
+
+    cuda = _backend()._cuda()
+    q, k, v = _bench.make_inputs(B, H, N, M, D, Hkv=Hkv, dtype=np.float32)
+    tq, tk, tv = (torch.from_numpy(a).cuda() for a in (q, k, v))
+    mask = None
+    if N > 1:
+        rows = torch.arange(N, device=tq.device)[:, None] + (M - N)
+        mask = torch.arange(M, device=tq.device)[None, :] <= rows
+
+    def ours():
+        _dispatch.attention(tq, tk, tv, causal=True, return_lse=True, backend="cuda")
+        cuda.synchronize()
+
+    def theirs():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
+        torch.cuda.synchronize()
+
+    timings = {}
+    for who, fn in (("elastic_np", ours), ("torch", theirs)):
+        fn()  # warm-up (compiles)
+        timings[who] = _bench.best_time(fn, repeat=repeat)
+    return timings
+
+
+def machine_info():
+    """The GPU, its driver and the library versions, for a results file (needs a usable GPU)."""
+    import numba
+
+    import elastic_np
+
+    cuda = _backend()._cuda()
+    device = cuda.get_current_device()
+    info = {
+        "gpu": device.name.decode() if isinstance(device.name, bytes) else str(device.name),
+        "compute_capability": ".".join(str(c) for c in device.compute_capability),
+        "driver": ".".join(str(part) for part in cuda.cudadrv.driver.driver.get_version()),
+        "numba_cuda": _version("numba-cuda"),
+        "numba": numba.__version__,
+        "elastic_np": elastic_np.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+def _version(distribution):
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def bench_record(shape, options, timings, decode, machine, command=None):
+    """The results file's dict: machine, command, the training shape's timings and the decode shapes'.
+
+    Parameters
+    ----------
+    shape : (B, H, N, D)
+    options : dict
+        The options the training shape ran with (``causal``, ``softcap``, ...).
+    timings : dict
+        `bench`'s result.
+    decode : list of ((B, H, Hkv, N, M, D), dict)
+        Each decoding shape with `bench_decode`'s result.
+    machine : dict
+        `machine_info`'s result.
+    command : str, optional
+        The command line (default: this process's).
+
+    Returns
+    -------
+    dict
+        ``kind`` ("cuda"), ``machine``, ``command``, ``dtype``, ``config``
+        (shape and options), ``results`` (per implementation and pass: time
+        in seconds and TFLOP/s), ``speed_ratio`` (torch's time / ours, per
+        pass: at least 0.5 is issue 25's goal) and ``decode`` (per shape: both
+        times and the ratio).
+    """
+    B, H, N, D = shape
+    results = {who: {what: {"seconds": t, "tflops": timings["tflops"][who][what]} for what, t in runs.items()}
+               for who, runs in timings.items() if who != "tflops"}
+    ratios = {what: timings["torch"][what] / timings["elastic_np"][what] for what in timings["elastic_np"]}
+    return {
+        "kind": "cuda",
+        "machine": machine,
+        "command": command if command is not None else " ".join(["python -m elastic_np.cuda"] + sys.argv[1:]),
+        "dtype": "float32",
+        "config": {"B": B, "H": H, "N": N, "M": N, "D": D, **options},
+        "results": results,
+        "speed_ratio": ratios,
+        "decode": [
+            {"shape": dict(zip(("B", "H", "Hkv", "N", "M", "D"), s)), "seconds": dict(t),
+             "speed_ratio": t["torch"] / t["elastic_np"]}
+            for s, t in decode
+        ],
+    }
+
+
+def write_json(record, path):
+    """Write a results dict (`bench_record`) to ``path`` as indented JSON."""
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=2, sort_keys=True)
+        fh.write("\n")

@@ -1,0 +1,200 @@
+"""Compiling the CUDA kernels without a GPU: PTX, and what the compiled code uses.
+
+`ptx` compiles every kernel, for each dtype, to PTX for a compute
+capability with numba-cuda's NVVM; `resources` assembles that PTX with
+nvJitLink and reads the assembler's report (registers per thread, stack
+frame, spills, static shared memory); `dynamic_shared_bytes` gives the
+shared memory each kernel asks for at launch. All three are re-exported by
+`elastic_np.cuda`, and ``python -m elastic_np.cuda --ptx`` / ``--resources``
+print them.
+"""
+
+import contextlib
+import types
+
+import numpy as np
+
+from elastic_np import _cuda_config as config
+from elastic_np._dispatch import BackendUnavailableError
+
+
+def _backend():
+    """`elastic_np.cuda`, imported when called (it imports this module)."""
+    from elastic_np import cuda
+
+    return cuda
+
+
+def _signatures(dtype):
+    """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
+    from numba import types as nbt
+
+    real = nbt.float64 if dtype == np.float64 else nbt.float32
+
+    def arr(ndim, kind=real):
+        return nbt.Array(kind, ndim, "C")
+
+    # q, k, v, mask, kv_lengths, band, iopts, fopts, tau
+    common = (
+        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(2, nbt.int64),
+        arr(1, nbt.int64), arr(1), arr(1),
+    )
+    bh_consts_bias = (arr(3), arr(1))
+    return {
+        "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
+        "_backward_dq_kernel": common + bh_consts_bias
+        + (nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4), arr(4)),
+        "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
+        "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
+        + (arr(4), arr(3), arr(3), arr(1)),
+    }
+
+
+def ptx(cc=(9, 0)):
+    """Compile every kernel, for each dtype, to PTX for compute capability ``cc``.
+
+    Needs no GPU: numba-cuda's NVVM does the work.
+
+    Parameters
+    ----------
+    cc : (int, int), optional
+        Compute capability, e.g. ``(8, 0)`` for A100 or ``(9, 0)`` for H100.
+
+    Returns
+    -------
+    dict of str to str
+        ``"<kernel>[<dtype>]"`` to its PTX text.
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without numba-cuda, or under the CUDA simulator (which compiles nothing).
+    """
+    cuda = _backend()._cuda()
+    if _backend()._simulator():
+        raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    kern = _backend()._kernels()
+    cc = tuple(int(c) for c in cc)
+    result = {}
+    with _device_functions_compiled_for(cc):
+        for dtype in _backend().dtypes:
+            signatures = _signatures(dtype)
+            for name, kernel in kern.KERNELS.items():
+                code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
+                result[f"{name}[{dtype.name}]"] = code
+    return result
+
+
+#: What `resources` reads from the assembler's report of each kernel.
+_RESOURCE_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "static_shared_bytes": r"(\d+) bytes smem",
+}
+
+
+def resources(cc=(9, 0)):
+    """Registers per thread, stack, spills and static shared memory of every kernel, from its SASS.
+
+    Compiles each kernel to PTX (`ptx`) and assembles it for ``sm_<cc>`` with
+    nvJitLink (``cuda.core``'s `Linker`, verbose), which needs no GPU, and
+    reads the assembler's report. ``stack_bytes`` is the per-thread local
+    memory frame (local arrays that were not promoted to registers, and
+    spills); ``spill_*_bytes`` the spills alone; ``static_shared_bytes`` the
+    shared memory the compiled code reserves (the dynamic shared memory is
+    sized at launch: `dynamic_shared_bytes`).
+
+    Parameters
+    ----------
+    cc : (int, int), optional
+
+    Returns
+    -------
+    dict of str to dict
+        ``"<kernel>[<dtype>]"`` to ``{"registers": int, "stack_bytes": int,
+        "spill_store_bytes": int, "spill_load_bytes": int,
+        "static_shared_bytes": int, "spills": bool}``.
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without numba-cuda or ``cuda.core`` with nvJitLink, or under the simulator.
+    """
+    import re
+
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+    except ImportError as exc:
+        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + _backend()._INSTALL_HINT) from exc
+    arch = f"sm_{int(cc[0])}{int(cc[1])}"
+    report = {}
+    for name, code in ptx(cc=cc).items():
+        linker = Linker(ObjectCode.from_ptx(code.encode()), options=LinkerOptions(arch=arch, verbose=True))
+        linker.link("cubin")
+        log = linker.get_info_log()
+        entry = {}
+        for field, pattern in _RESOURCE_PATTERNS.items():
+            found = re.search(pattern, log)
+            if found is None:
+                raise RuntimeError(f"{name}: no {field!r} in the assembler's report:\n{log}")
+            entry[field] = int(found.group(1))
+        entry["spills"] = entry["spill_store_bytes"] > 0 or entry["spill_load_bytes"] > 0
+        report[name] = entry
+    return report
+
+
+def dynamic_shared_bytes(D, Dv, dtype):
+    """Dynamic shared memory per block of each kernel at head dims ``D``, ``Dv`` (with the config's tiles).
+
+    Returns
+    -------
+    dict of str to (int, int, int)
+        Kernel name to ``(threads per block, tile, bytes)``; the dbias kernel's
+        is its bound (``DBIAS_THREADS`` threads).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    result = {}
+    for name, kind in (("_forward_kernel", "forward"), ("_backward_dq_kernel", "dq"),
+                       ("_backward_dkdv_kernel", "dkdv")):
+        threads, tile = _backend()._tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, tile, _backend()._shared_elements(kind, threads, tile, D, Dv) * itemsize)
+    result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
+    return result
+
+
+@contextlib.contextmanager
+def _device_functions_compiled_for(cc):
+    """Let ``compile_ptx`` compile the kernels' device functions without a GPU.
+
+    numba-cuda compiles a called device function for the compute capability of
+    the current device, which needs a driver; `compile_ptx` itself does not.
+    Inside this context the device functions see a device of capability ``cc``.
+    """
+    from numba.cuda import dispatcher
+
+    current = dispatcher.get_current_device
+    if _backend().is_available():
+        yield
+        return
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = current
+
+
+def _print_resources(ccs):
+    """Print `resources` for each capability, and the dynamic shared memory at D = 64 and 128."""
+    for cc in ccs:
+        major, minor = (int(part) for part in cc.split("."))
+        for name, entry in resources(cc=(major, minor)).items():
+            spill = (f"SPILLS {entry['spill_store_bytes']} B stored, {entry['spill_load_bytes']} B loaded"
+                     if entry["spills"] else "no spills")
+            print(f"sm_{major}{minor}  {name:32s} {entry['registers']:4d} registers  "
+                  f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
+    for dtype in _backend().dtypes:
+        for D in (64, 128):
+            for name, (threads, tile, size) in dynamic_shared_bytes(D, D, dtype).items():
+                print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")

@@ -1,0 +1,358 @@
+"""Device functions and option indices shared by the numba.cuda kernels.
+
+Imported by `elastic_np._cuda_kernels` only (so only when the CUDA backend is
+asked for). The kernels' conventions are described there; this module holds
+what every kernel uses: the indices of the packed option arrays, the key and
+query ranges that decide tile skipping, the per-entry score pipeline
+(`_bh_params` read once per block, `_entry` per score: keep, bias, score,
+NVM, gate) and the warp-level reductions of a row group.
+"""
+
+import math
+
+import numba
+from numba import cuda
+
+# iopts
+I_CAUSAL = 0
+I_LEFT = 1
+I_RIGHT = 2
+I_HAS_MASK = 3
+I_NVM = 4
+I_HAS_GATE = 5
+I_HAS_ALIBI = 6
+I_HAS_BIAS = 7
+I_BIAS_SB = 8  # element strides of the bias, 0 where broadcast
+I_BIAS_SH = 9
+I_BIAS_SI = 10
+I_BIAS_SJ = 11
+I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
+I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_shift`)
+I_COUNT = 14
+
+# fopts
+F_SCALE = 0
+F_SHARPNESS = 1
+F_THRESHOLD = 2
+F_ZERO = 3
+F_NEG_INF = 4
+F_ONE = 5
+F_SOFTCAP = 6  # 0: no soft-cap
+F_COUNT = 7
+
+# bh_consts, per (b, h); the window works with u = x / sigma, which neither
+# over- nor underflows where the bell is open, unlike sigma^2 and sigma^3
+C_NORM = 0  # 1 / (sigma sqrt(2 pi))
+C_INV_SIGMA = 1  # 1 / sigma
+C_ALIBI = 2  # the ALiBi slope
+C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_shift`)
+C_COUNT = 4
+
+# partials of the dq kernel, per (b, h, query tile)
+P_DTAU = 0  # sum dz * s
+P_DSIGMA = 1  # sum dz * dlogG/dsigma
+P_COUNT = 2
+
+
+def inline_device(fn):
+    """``cuda.jit(device=True, forceinline=True)``: inlined at the NVVM IR level.
+
+    For the device functions that take the kernels' register micro-tiles
+    (``cuda.local.array`` s): once inlined and unrolled, their indices are
+    constants and the arrays become registers. The simulator's ``jit`` has no
+    ``forceinline`` (and nothing to inline).
+    """
+    try:
+        return cuda.jit(device=True, forceinline=True)(fn)
+    except TypeError:
+        return cuda.jit(device=True)(fn)
+
+
+@cuda.jit(device=True)
+def _real(value, like):
+    """``value`` converted to the dtype of the array ``like``."""
+    cell = cuda.local.array(1, dtype=like.dtype)
+    cell[0] = value
+    return cell[0]
+
+
+@cuda.jit(device=True)
+def _shift(b, N, M, iopts, kv_lengths):
+    """``E_b - N``: query ``i`` of batch ``b`` sits at position ``i + E_b - N``.
+
+    ``E_b`` is ``M`` (``align="array"``) or ``kv_lengths[b]`` (``align="kv_lengths"``);
+    entry ``(i, j)`` is at offset ``j - i - (E_b - N)``.
+    """
+    if iopts[I_ALIGN_KV] != 0:
+        return kv_lengths[b] - N
+    return M - N
+
+
+@cuda.jit(device=True)
+def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
+    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep: the tiles outside are skipped."""
+    off = _shift(b, N, M, iopts, kv_lengths)
+    lo = 0
+    hi = kv_lengths[b]
+    if iopts[I_CAUSAL] != 0:
+        hi = min(hi, i1 + off)
+    if iopts[I_RIGHT] >= 0:
+        hi = min(hi, i1 + off + iopts[I_RIGHT])
+    if iopts[I_LEFT] >= 0:
+        lo = max(lo, i0 + off - iopts[I_LEFT])
+    r = band[b, h]
+    if r >= 0:
+        lo = max(lo, i0 + off - r)
+        hi = min(hi, i1 + off + r)
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
+    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)``."""
+    off = _shift(b, N, M, iopts, kv_lengths)
+    lo = 0
+    hi = N
+    if j0 >= kv_lengths[b]:
+        hi = 0
+    if iopts[I_CAUSAL] != 0:
+        lo = max(lo, j0 - off)
+    if iopts[I_RIGHT] >= 0:
+        lo = max(lo, j0 - off - iopts[I_RIGHT])
+    if iopts[I_LEFT] >= 0:
+        hi = min(hi, j1 - off + iopts[I_LEFT])
+    r = band[b, h]
+    if r >= 0:
+        lo = max(lo, j0 - off - r)
+        hi = min(hi, j1 - off + r)
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
+    """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
+
+    ``off`` is `_shift`'s; the options come in as scalars the kernel read once.
+    """
+    d = j - i - off
+    if causal and d > 0:
+        return False
+    if left >= 0 and d < -left:
+        return False
+    if right >= 0 and d > right:
+        return False
+    if j >= kv_length:
+        return False
+    if has_mask:
+        mb = b if mask.shape[0] > 1 else 0
+        mh = h if mask.shape[1] > 1 else 0
+        mi = i if mask.shape[2] > 1 else 0
+        mj = j if mask.shape[3] > 1 else 0
+        if mask[mb, mh, mi, mj] == 0:
+            return False
+    return True
+
+
+@cuda.jit(device=True)
+def _gate(i, j, off, u_scale, norm, threshold, sharpness, fopts):
+    """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, ``u = x / sigma``."""
+    u = u_scale * _real(j - i - off, fopts)
+    f = norm * math.exp(-(u * u) / (fopts[F_ONE] + fopts[F_ONE]))
+    G = fopts[F_ZERO]
+    if f > threshold:
+        G = math.tanh(sharpness * f)
+    return G, f, u
+
+
+@cuda.jit(device=True)
+def _compensated_add(total, carry, term):
+    """Neumaier's compensated sum: add ``term`` to ``total`` keeping the lost low part in ``carry``."""
+    new_total = total + term
+    if abs(total) >= abs(term):
+        carry += (total - new_total) + term
+    else:
+        carry += (term - new_total) + total
+    return new_total, carry
+
+
+@cuda.jit(device=True)
+def _log_add_exp(a, b):
+    """``log(exp(a) + exp(b))`` for finite ``a``, ``b``."""
+    hi = max(a, b)
+    return hi + math.log1p(math.exp(min(a, b) - hi))
+
+
+@cuda.jit(device=True)
+def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
+    """The final score of an entry at offset ``d`` (see `_shift`) and ``ds / ds_raw``.
+
+    ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
+    (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
+    ``bias_value`` are 0 when not given). The slope of the soft-cap,
+    ``1 - tanh^2``, is 1 without one; it is evaluated as ``4 e / (1 + e)^2``
+    with ``e = exp(-2 |x|)``, ``x = s / softcap``, as ``1 - t * t`` cancels to
+    nothing once ``t`` rounds to 1.
+    """
+    s = scale * dot
+    cap_slope = fopts[F_ONE]
+    if softcap > fopts[F_ZERO]:
+        x = s / softcap
+        s = softcap * math.tanh(x)
+        e = math.exp(-(abs(x) + abs(x)))
+        one_e = fopts[F_ONE] + e
+        cap_slope = ((e + e) + (e + e)) / (one_e * one_e)
+    return s - alibi_slope * _real(abs(d), fopts) + bias_value, cap_slope
+
+
+@cuda.jit(device=True)
+def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
+    """The options of `_entry` for batch ``b``, head ``h``, read from the option arrays once per block."""
+    zero = fopts[F_ZERO]
+    alibi_slope = zero
+    if iopts[I_HAS_ALIBI] != 0:
+        alibi_slope = bh_consts[b, h, C_ALIBI]
+    g_norm = zero
+    u_scale = zero
+    if iopts[I_HAS_GATE] != 0:
+        g_norm = bh_consts[b, h, C_NORM]
+        u_scale = bh_consts[b, h, C_U_SCALE]
+    return (
+        _shift(b, N, M, iopts, kv_lengths), kv_lengths[b], iopts[I_CAUSAL] != 0, iopts[I_LEFT],
+        iopts[I_RIGHT], iopts[I_HAS_MASK] != 0, iopts[I_NVM] != 0, iopts[I_HAS_GATE] != 0,
+        iopts[I_HAS_BIAS] != 0, b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH], iopts[I_BIAS_SI],
+        iopts[I_BIAS_SJ], fopts[F_SCALE], fopts[F_SOFTCAP], alibi_slope, tau[h], u_scale, g_norm,
+        fopts[F_THRESHOLD], fopts[F_SHARPNESS],
+    )
+
+
+@cuda.jit(device=True)
+def _entry_keep(b, h, i, j, prm, mask, bias, fopts):
+    """``(kept, bias_value)``: the structural conditions and the bias of entry ``(b, h, i, j)``.
+
+    The first half of the score pipeline, before the dot product is needed:
+    an entry the causal, window, ``kv_lengths`` or mask conditions remove,
+    or whose bias is ``-inf``, is not kept. ``prm`` is `_bh_params`'s tuple.
+    """
+    (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    bias_value = fopts[F_ZERO]
+    if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+        return False, bias_value
+    if has_bias:
+        bias_value = bias[bias_bh + i * bias_si + j * bias_sj]
+        if bias_value == fopts[F_NEG_INF]:  # removed, like a false mask entry
+            return False, bias_value
+    return True, bias_value
+
+
+@cuda.jit(device=True)
+def _entry_logit(dot, i, j, bias_value, prm, fopts):
+    """``(z, s, cap_slope, f, u)`` of a kept entry from ``dot = q_i . k_j``: the second half of the pipeline.
+
+    ``s`` is the final score (`_score`: scale, soft-cap, ALiBi, bias) and
+    ``cap_slope`` the soft-cap's ``ds / ds_raw``; ``z = s / tau`` plus
+    ``log G`` under the dynamic window, whose bell ``f`` and ``u = x / sigma``
+    are returned too (0 without one); ``z = -inf`` when NVM or a closed gate
+    removes the entry.
+    """
+    (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    zero = fopts[F_ZERO]
+    neg_inf = fopts[F_NEG_INF]
+    s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
+    if nvm and s < zero:
+        return neg_inf, s, cap_slope, zero, zero
+    z = s / tau_h
+    f = zero
+    u = zero
+    if has_gate:
+        G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
+        if not G > zero:
+            return neg_inf, s, cap_slope, f, u
+        z += math.log(G)
+    return z, s, cap_slope, f, u
+
+
+@cuda.jit(device=True)
+def _entry(dot, b, h, i, j, prm, mask, bias, fopts):
+    """The whole score pipeline of entry ``(b, h, i, j)``: `_entry_logit`'s tuple, ``z = -inf`` when removed."""
+    kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+    if not kept:
+        zero = fopts[F_ZERO]
+        return fopts[F_NEG_INF], zero, zero, zero, zero
+    return _entry_logit(dot, i, j, bias_value, prm, fopts)
+
+
+@cuda.jit(device=True)
+def _finish_row(row_max, row_sum, beta_h, fopts):
+    """``(lse, num, den)`` of a row from its running max and sum: ``out = (acc num) / den``.
+
+    ``lse = log(row_sum exp(row_max) + beta)``; ``out = acc / (row_sum +
+    beta exp(-row_max))``, computed directly rather than as ``acc exp(row_max
+    - lse)``, which would turn the rounding of ``lse`` into a relative error
+    of ``out``, and as a quotient (one rounding, not two through a
+    reciprocal). A row that kept nothing has ``out = 0`` and ``lse = log(beta)``.
+    """
+    zero = fopts[F_ZERO]
+    one = fopts[F_ONE]
+    if row_sum > zero:
+        row_lse = row_max + math.log(row_sum)
+        num = one
+        den = row_sum
+        if beta_h > zero:
+            log_beta = math.log(beta_h)
+            row_lse = _log_add_exp(row_lse, log_beta)
+            gap = log_beta - row_max  # beta exp(-row_max) = exp(gap); no exp of a positive gap
+            if gap > zero:
+                num = math.exp(-gap)
+                den = row_sum * num + one
+            else:
+                den = row_sum + math.exp(gap)
+        return row_lse, num, den
+    row_lse = fopts[F_NEG_INF]
+    if beta_h > zero:
+        row_lse = math.log(beta_h)
+    return row_lse, zero, one
+
+
+@inline_device
+def _lane_mask(t, threads):
+    """The shuffle mask of thread ``t``'s warp: its lanes that exist in a block of ``threads``."""
+    lanes = min(32, threads - (t - t % 32))
+    if lanes >= 32:
+        return numba.uint32(0xFFFFFFFF)
+    return numba.uint32((1 << lanes) - 1)
+
+
+@inline_device
+def _group_max(value, width, lanes):
+    """The max of ``value`` over an aligned group of ``width`` lanes (a power of two <= 32), in every lane."""
+    offset = 16
+    for _ in range(5):  # a fixed trip count, unrolled; the steps past the group are skipped
+        if offset < width:
+            value = max(value, cuda.shfl_xor_sync(lanes, value, offset))
+        offset //= 2
+    return value
+
+
+@inline_device
+def _group_sum(value, width, lanes):
+    """The sum of ``value`` over an aligned group of ``width`` lanes, bit-identical in every lane.
+
+    A butterfly: at each step two lanes add the same two numbers (in swapped
+    order, which IEEE addition does not see), so every lane ends with the
+    same bits, run after run.
+    """
+    offset = 16
+    for _ in range(5):
+        if offset < width:
+            value = value + cuda.shfl_xor_sync(lanes, value, offset)
+        offset //= 2
+    return value
+
+
+@inline_device
+def _stage(src, b, hh, r0, rows, c0, cols, dst, stride, t, threads):
+    """Copy ``src[b, hh, r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced."""
+    for idx in range(t, rows * cols, threads):
+        dst[(idx // cols) * stride + idx % cols] = src[b, hh, r0 + idx // cols, c0 + idx % cols]

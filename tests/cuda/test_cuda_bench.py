@@ -1,0 +1,70 @@
+"""The CUDA benchmark's results file and its command line, as far as they run without a GPU."""
+
+import json
+
+import pytest
+
+pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
+
+from elastic_np import _cuda_bench, cuda  # noqa: E402
+
+SHAPE = (4, 16, 4096, 64)
+DECODE = (1, 32, 8, 1, 8192, 128)
+
+
+def fake_timings(ours, theirs):
+    return {
+        "elastic_np": {"forward": ours, "forward+backward": 3 * ours},
+        "torch": {"forward": theirs, "forward+backward": 2 * theirs},
+        "tflops": {"elastic_np": {"forward": 10.0, "forward+backward": 8.0},
+                   "torch": {"forward": 20.0, "forward+backward": 25.0}},
+    }
+
+
+def test_results_file_round_trip(tmp_path):
+    machine = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "13.0", "numba_cuda": "0.30.4"}
+    options = dict(causal=True, softcap=None, alibi=False, bias=None)
+    decode = [(DECODE, {"elastic_np": 4e-4, "torch": 1e-4})]
+    record = _cuda_bench.bench_record(SHAPE, options, fake_timings(0.02, 0.01), decode, machine, command="cmd")
+    path = tmp_path / "h100.json"
+    _cuda_bench.write_json(record, path)
+    back = json.loads(path.read_text())
+    assert back["kind"] == "cuda" and back["dtype"] == "float32" and back["command"] == "cmd"
+    assert back["machine"] == machine
+    assert back["config"] == {"B": 4, "H": 16, "N": 4096, "M": 4096, "D": 64, **options}
+    assert back["results"]["elastic_np"]["forward"] == {"seconds": 0.02, "tflops": 10.0}
+    assert back["results"]["torch"]["forward+backward"] == {"seconds": 0.02, "tflops": 25.0}
+    assert back["speed_ratio"] == pytest.approx({"forward": 0.5, "forward+backward": 1 / 3})
+    (entry,) = back["decode"]
+    assert entry["shape"] == {"B": 1, "H": 32, "Hkv": 8, "N": 1, "M": 8192, "D": 128}
+    assert entry["seconds"] == {"elastic_np": 4e-4, "torch": 1e-4}
+    assert entry["speed_ratio"] == pytest.approx(0.25)
+
+
+def test_decode_shapes_include_the_issue_shape():
+    assert DECODE in cuda.DECODE_SHAPES
+
+
+@pytest.mark.skipif(cuda.is_available(), reason="a CUDA GPU is usable here")
+def test_bench_json_without_gpu_exits_with_a_clear_message(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as info:
+        cuda._main(["--bench", "--json", str(path)])
+    message = str(info.value.code)
+    assert message.startswith("python -m elastic_np.cuda --bench:") and "GPU" in message
+    assert not path.exists()
+
+
+@pytest.mark.skipif(cuda.is_available(), reason="a CUDA GPU is usable here")
+def test_bench_decode_without_gpu_raises_clear_error():
+    import elastic_np as enp
+
+    with pytest.raises(enp.BackendUnavailableError, match="GPU"):
+        cuda.bench_decode(1, 2, 1, 1, 16, 8)
+
+
+def test_json_needs_bench(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        cuda._main(["--json", str(tmp_path / "x.json")])
+    assert info.value.code == 2 and "--json needs --bench" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""The flash forward's geometry on the CUDA simulator: row groups, column passes, determinism.
+
+``small_tiles`` runs every other test with row groups of two threads; here
+the key tile is also set so that a row group spans 4 and 8 threads (more
+shuffle steps), and the value head is wider than one pass of the output
+micro-tile (``ACC_COLS`` columns per thread), so the kernel makes several
+passes over the keys with a partial last one.
+"""
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import _cuda_config, cuda, reference
+
+pytestmark = pytest.mark.usefixtures("small_tiles")
+
+OPTIONS = {
+    "plain": {},
+    "causal, beta, nvm": dict(causal=True, beta=0.4, nvm=True, tau=0.8),
+    "bias, softcap, window, kv_lengths": dict(
+        bias=np.random.default_rng(9).standard_normal((13, 37)), softcap=1.5, window_size=(11, 3),
+        kv_lengths=[30, 37], beta=np.array([0.0, 0.5]),
+    ),
+    "dynamic window, alibi, aligned": dict(
+        dynamic_window=enp.DynamicWindow(np.array([0.3, 0.6]), sharpness=3.0, threshold=0.1),
+        alibi_slopes=[0.1, 0.3], kv_lengths=[25, 37], align="kv_lengths",
+    ),
+}
+
+
+def inputs(dtype, Dv, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 2, 13, 6)).astype(dtype)
+    k = rng.standard_normal((2, 2, 37, 6)).astype(dtype)
+    v = rng.standard_normal((2, 2, 37, Dv)).astype(dtype)
+    return q, k, v
+
+
+# (query tile, key tile, Dv, options): lanes per row 4, 8, 1, 2, 4; with ACC_COLS = 8 the
+# last three make 3, 2 and 2 passes over the keys, the last pass partial
+GEOMETRIES = [
+    (4, 16, 3, "plain"),
+    (8, 32, 5, "causal, beta, nvm"),
+    (12, 4, 21, "bias, softcap, window, kv_lengths"),
+    (8, 8, 21, "dynamic window, alibi, aligned"),
+    (4, 16, 40, "bias, softcap, window, kv_lengths"),
+]
+
+
+@pytest.mark.parametrize("block_m, block_n, Dv, name", GEOMETRIES)
+def test_forward_geometries_match_reference(monkeypatch, block_m, block_n, Dv, name):
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", block_m)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", block_n)
+    threads, tile = cuda._tiles("forward", 8, 6, Dv)
+    block_rows, tpr = cuda._forward_geometry(threads, tile)
+    assert (block_rows, tile) == (block_m, block_n)  # nothing shrunk: the geometry asked for runs
+    assert tpr == block_n // _cuda_config.REG_N
+    passes = -(-Dv // (tpr * _cuda_config.ACC_COLS))
+    assert passes == {3: 1, 5: 1, 21: 3 if tpr == 1 else 2, 40: 2}[Dv]
+    q, k, v = inputs(np.float64, Dv)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **OPTIONS[name])
+    want_out, want_lse = reference.attention(q, k, v, **OPTIONS[name])
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12 * max(1.0, np.abs(want_out).max()))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=0, atol=1e-12 * np.abs(want_lse[finite]).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_forward_is_bit_identical_across_runs(monkeypatch, dtype):
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 16)  # four lanes per row: two shuffle steps
+    q, k, v = inputs(dtype, 21, seed=1)
+    opts = OPTIONS["bias, softcap, window, kv_lengths"]
+    first = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    again = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    for a, b in zip(first, again):
+        assert a.dtype == dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("name, value", [("FORWARD_BLOCK_N", 12), ("FORWARD_BLOCK_N", 256), ("FORWARD_BLOCK_M", 6)])
+def test_forward_geometry_is_checked(monkeypatch, name, value):
+    monkeypatch.setattr(_cuda_config, name, value)
+    with pytest.raises(ValueError, match=name):
+        cuda._tiles("forward", 8, 8, 8)
+
+
+def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 64)
+    for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128)):
+        threads, tile = cuda._tiles("forward", itemsize, D, D)
+        block_m, tpr = cuda._forward_geometry(threads, tile)
+        assert cuda._shared_elements("forward", threads, tile, D, D) * itemsize <= _cuda_config.MAX_SHARED_BYTES
+        assert block_m % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
+        assert max(block_m, tile) <= 2 * min(block_m, tile)  # neither side shrunk alone
+
+
+def test_default_geometry(monkeypatch):
+    """The shipped tiles, ragged last tiles: float64 shrinks to 64 x 32 (8 lanes a row, 4 full warps)."""
+    import importlib
+
+    defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
+    for name in ("FORWARD_BLOCK_M", "FORWARD_BLOCK_N"):
+        monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
+    assert cuda._tiles("forward", 4, 4, 5) == (256, 64)  # float32 keeps 64 x 64: 16 lanes a row
+    assert cuda._tiles("forward", 8, 4, 5) == (128, 32)  # float64: p tile and row stats pass 48 KB
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 1, 70, 4)), rng.standard_normal((1, 1, 75, 4)), rng.standard_normal((1, 1, 75, 5))
+    opts = dict(causal=True, beta=0.25)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    want_out, want_lse = reference.attention(q, k, v, **opts)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-12 * np.abs(want_lse).max())
+    # float32 at 64 x 64 (256 threads, 16 lanes a row: four shuffle steps), to float32 rounding
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    out32, lse32 = enp.attention(q32, k32, v32, return_lse=True, backend="cuda", **opts)
+    assert out32.dtype == np.float32
+    np.testing.assert_allclose(out32, want_out, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse32, want_lse, rtol=0, atol=2e-6)
