@@ -75,7 +75,8 @@ def _matmul_signature(dtype, *flags):
 
 #: The functions with explicit signatures: (dispatcher, signatures, typed callees); see `compile_for`.
 _TYPED = []
-_COMPILED = set()
+_COMPILED = set()  # (dtype, dispatcher)
+_READY = set()  # (dtype, functions) of the compile_for calls done
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -98,15 +99,16 @@ def _typed(signatures, needs=(), **options):
 def compile_for(dtype, functions=None):
     """Compile (or load from the cache) the signatures of ``dtype`` of the tile functions.
 
-    ``functions``: the typed tile functions a caller uses (what they call
+    ``functions``: a tuple of the typed tile functions a caller uses (what they call
     comes with them); all of them by default. Call it before the first
     compiled caller of that dtype is typed (the CPU backend's entry points
     do, each for what its kernels call); cheap once done.
     """
-    dtype = np.dtype(dtype)
-    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions)
-    if all((dtype, d) in _COMPILED for d in wanted):
+    key = (np.dtype(dtype), functions)
+    if key in _READY:
         return
+    dtype = key[0]
+    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions)
     element = numpy_support.from_dtype(dtype)
     with _COMPILE_LOCK:
         for dispatcher, signatures, needs in reversed(_TYPED):  # what a function needs is defined before it
@@ -124,6 +126,7 @@ def compile_for(dtype, functions=None):
                 finally:
                     dispatcher.disable_compile()
             _COMPILED.add((dtype, dispatcher))
+        _READY.add(key)
 
 
 _MATMUL_SIGNATURES = [_matmul_signature(dtype, types.boolean) for dtype in _DTYPES]
