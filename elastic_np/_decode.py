@@ -132,15 +132,20 @@ def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
 
 @njit(cache=True, fastmath=False)
 def _transpose_keys(k_tile, kt, bk, D):
-    """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one."""
+    """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
+
+    The blocks follow the key rows, which are then read in order; ``kt``'s
+    rows are a cache line longer than the tile, so that the ``D`` rows of
+    ``kt`` that a block row writes do not fall into the same few cache sets.
+    """
     width = transpose_width(kt)
     stride = kt.shape[1]
     flat = kt.reshape(kt.size)
     bk_w = bk - bk % width
     d_w = D - D % width
     one = _like(1.0, kt)
-    for d0 in range(0, d_w, width):
-        for c0 in range(0, bk_w, width):
+    for c0 in range(0, bk_w, width):
+        for d0 in range(0, d_w, width):
             transpose_store(k_tile, flat, d0 * stride + c0, stride, c0, d0, one)
     for c in range(bk):
         kc = k_tile[c]
@@ -252,7 +257,7 @@ def _decode_kernel(
     rows = group * N
     dtype = q.dtype
     qs = np.empty((rows, D), dtype=dtype)
-    kt = np.empty((D, block_k), dtype=dtype)
+    kt = np.empty((D, block_k + 64 // q.itemsize), dtype=dtype)  # see `_transpose_keys`
     st = np.empty((rows, block_k), dtype=dtype)
     acc = np.empty((rows, Dv), dtype=dtype)
     row_max = np.empty(rows, dtype=dtype)
