@@ -47,6 +47,8 @@ def _signatures(dtype):
         "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
         "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
         + (arr(4), arr(3), arr(3), arr(1)),
+        "_decode_kernel": common + bh_consts_bias + (nbt.int64, arr(5), arr(5)),
+        "_decode_merge_kernel": (arr(5), arr(5), arr(1), arr(1), arr(4), arr(3)),
     }
 
 
@@ -145,14 +147,17 @@ def resources(cc=(9, 0)):
     return report
 
 
-def dynamic_shared_bytes(D, Dv, dtype):
+def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
     """Dynamic shared memory per block of each kernel at head dims ``D``, ``Dv`` (with the config's tiles).
+
+    The decode kernels' at the decoding shape ``decode = (B, H, Hkv, N, M)``.
 
     Returns
     -------
     dict of str to (int, int, int)
         Kernel name to ``(threads per block, tile, bytes)``; the dbias kernel's
-        is its bound (``DBIAS_THREADS`` threads).
+        is its bound (``DBIAS_THREADS`` threads); the decode kernel's tile is
+        its K/V tile (keys), the merge kernel's its number of key splits.
     """
     itemsize = np.dtype(dtype).itemsize
     result = {}
@@ -161,6 +166,15 @@ def dynamic_shared_bytes(D, Dv, dtype):
         threads, tile = _backend()._tiles(kind, itemsize, D, Dv)
         result[name] = (threads, tile, _backend()._shared_elements(kind, threads, tile, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
+    from elastic_np import _cuda_decode as dec
+
+    B, H, Hkv, N, M = decode
+    rows = H // Hkv * N
+    rows_blk, tpr = dec.geometry(rows, D, Dv, itemsize)
+    n_split = dec.splits(B * Hkv * -(-rows // rows_blk), M)
+    result["_decode_kernel"] = (rows_blk * tpr, tpr * config.DECODE_REG_N,
+                                dec.shared_elements(rows_blk, tpr, D, Dv) * itemsize)
+    result["_decode_merge_kernel"] = (max(1, min(config.DECODE_MERGE_THREADS, Dv)), n_split, n_split * itemsize)
     return result
 
 

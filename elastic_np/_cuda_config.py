@@ -5,7 +5,8 @@ sizes are runtime arguments and the shared memory is allocated dynamically),
 so changing one needs no recompilation; tests set them small to force
 multi-block grids with a partial last tile.
 
-The register micro-tile sizes ``REG_M``, ``REG_N``, ``ACC_COLS`` are
+The register micro-tile sizes ``REG_M``, ``REG_N``, ``ACC_COLS`` (and the
+decode kernel's ``DECODE_REG_N``, ``DECODE_ACC_COLS``) are
 different: they size ``cuda.local.array`` s and the fully unrolled loops over
 them, so they are compile-time constants of the kernels, frozen when a kernel
 is compiled (changing one means a new compilation: a fresh process, and the
@@ -47,6 +48,29 @@ DKDV_BLOCK_M = 16
 #: per block, one block per entry of the bias, each thread summing a fixed share
 #: of the entries it stands for.
 DBIAS_THREADS = 128
+
+#: Decode kernel (`elastic_np._cuda_decode`): `elastic_np.cuda.forward` takes it
+#: for 1 to ``DECODE_MAX_QUERIES`` queries per sequence...
+DECODE_MAX_QUERIES = 16
+#: ... when the stacked rows (query heads of a GQA group x queries) are at most this many.
+DECODE_MAX_ROWS = 128
+#: Decode: threads per block at most (stacked rows per block x lanes per row).
+DECODE_THREADS = 128
+#: Decode: lanes sharing a stacked row at most (a power of two of at most 32).
+DECODE_LANES = 32
+#: Decode micro-tile: keys per lane per K/V tile (compile-time); a K/V tile
+#: holds ``DECODE_REG_N`` keys per lane of a row.
+DECODE_REG_N = 2
+#: Decode micro-tile: output columns per lane and pass over the keys (compile-time).
+DECODE_ACC_COLS = 8
+#: Decode split-KV: the keys of each (batch, kv head, row chunk) are split
+#: until the grid has about this many blocks...
+DECODE_MIN_BLOCKS = 256
+#: ... but no split gets fewer keys than this (the number of splits depends on
+#: the shape and these constants only).
+DECODE_MIN_SPLIT_KEYS = 256
+#: Decode merge kernel: threads per block at most (one block per stacked row).
+DECODE_MERGE_THREADS = 32
 
 #: Upper bound on dynamic shared memory per block (the default limit without opt-in).
 MAX_SHARED_BYTES = 48 * 1024

@@ -557,9 +557,13 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
         dbias[e] = total + carry
 
 
+from elastic_np._cuda_decode import KERNELS as _DECODE_KERNELS  # noqa: E402
+
+#: Every kernel of the backend, by name (the PTX and resource reports go through these).
 KERNELS = {
     "_forward_kernel": _forward_kernel,
     "_backward_dq_kernel": _backward_dq_kernel,
     "_backward_dkdv_kernel": _backward_dkdv_kernel,
     "_backward_dbias_kernel": _backward_dbias_kernel,
+    **_DECODE_KERNELS,
 }

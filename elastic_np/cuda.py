@@ -166,6 +166,14 @@ def _kernels():
     return _cuda_kernels
 
 
+def _decode():
+    """`elastic_np._cuda_decode` (the decode kernels), imported on first use."""
+    _kernels()
+    from elastic_np import _cuda_decode
+
+    return _cuda_decode
+
+
 def _simulator():
     from numba import config as numba_config
 
@@ -512,7 +520,9 @@ def forward(p):
     q, k, v = (_to_device(a) for a in (p.q, p.k, p.v))
     out = cuda.device_array((B, H, N, Dv), dtype=dtype)
     lse = cuda.device_array((B, H, N), dtype=dtype)
-    if B * H * N > 0:
+    if B * H * N > 0 and _decode().takes(p):
+        _decode().forward(cuda, p, _launch_options(p), q, k, v, out, lse)
+    elif B * H * N > 0:
         o = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize

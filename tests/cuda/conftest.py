@@ -44,5 +44,11 @@ def small_tiles(monkeypatch):
         "DKDV_BLOCK_N": 8,
         "DKDV_BLOCK_M": 4,
         "DBIAS_THREADS": 4,
+        # decode: rows of 1 to 4 lanes (K/V tiles of 2 to 8 keys), 16 threads a block, and
+        # split-KV until there are 32 blocks, splits of at least 8 keys
+        "DECODE_THREADS": 16,
+        "DECODE_LANES": 4,
+        "DECODE_MIN_BLOCKS": 32,
+        "DECODE_MIN_SPLIT_KEYS": 8,
     }.items():
         monkeypatch.setattr(_cuda_config, name, value)

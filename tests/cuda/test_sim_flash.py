@@ -12,8 +12,16 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _cuda_config, cuda, reference
+from oracle_checks import assert_matches_oracle
+from test_sim_attention import CASES, MOD_CASES, case_options, make_problem
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
+
+
+@pytest.fixture(autouse=True)
+def flash_only(monkeypatch):
+    """These shapes have few enough queries for the decode kernel: keep them on the flash forward."""
+    monkeypatch.setattr(_cuda_config, "DECODE_MAX_QUERIES", 0)
 
 OPTIONS = {
     "plain": {},
@@ -118,3 +126,17 @@ def test_default_geometry(monkeypatch):
     assert out32.dtype == np.float32
     np.testing.assert_allclose(out32, want_out, rtol=0, atol=2e-6)
     np.testing.assert_allclose(lse32, want_lse, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0].get("N", 12) <= 16]
+                         + [n for n in MOD_CASES if MOD_CASES[n][0].get("N", 12) <= 16])
+def test_flash_forward_on_the_decode_shaped_cases(name):
+    """The case tables' shapes that `cuda.forward` sends to the decode kernel, through the flash forward."""
+    shape, opts = CASES[name] if name in CASES else (MOD_CASES[name][0], MOD_CASES[name][1]())
+    opts = case_options(name, shape) if name in CASES else opts
+    q, k, v, _ = make_problem(21, **shape)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
+    want_out, want_lse = reference.attention(q, k, v, **opts)
+    assert_matches_oracle("out", out, want_out, np.float64)
+    assert_matches_oracle("lse", lse, want_lse, np.float64)
+

@@ -1,0 +1,358 @@
+"""The CUDA decode kernel: a few queries against a long key/value cache, split-KV.
+
+Imported by `elastic_np.cuda` only (it imports ``numba.cuda``), which sends a
+forward here when `takes` says so: 1 to ``DECODE_MAX_QUERIES`` queries per
+sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan is the CPU
+decode kernel's (`elastic_np._decode`):
+
+- **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
+  its keys: row ``r = g N + i`` of kv head ``hk`` is query ``i`` of head
+  ``hk group + g``. A block takes a chunk of ``rows_blk`` consecutive stacked
+  rows (all of them unless there are more than fit a block), so each K/V tile
+  it stages in shared memory serves every head of the group.
+- **Threads.** Stacked row ``rho`` of the chunk is served by the ``tpr``
+  consecutive lanes ``rho tpr + c`` (a power of two, inside one warp); lane
+  ``c`` holds, of each K/V tile of ``block_n = tpr DECODE_REG_N`` keys, the
+  scores of keys ``c + tpr n`` in registers, and output columns ``c + tpr e``
+  (``DECODE_ACC_COLS`` accumulators). One row per thread: its running max and
+  sum are scalars. The row max over the lanes is a shuffle butterfly
+  (`_group_max`), the row sum a shuffle butterfly at the end (`_group_sum`,
+  the same bits in every lane, run after run). Value heads wider than
+  ``tpr DECODE_ACC_COLS`` take several passes over the keys.
+- **Split-KV.** The keys the chunk's rows can keep (the union of their
+  ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
+  into ``n_split`` runs of whole K/V tiles, one block each, when the
+  (batch, kv head, row chunk) blocks alone are fewer than
+  ``DECODE_MIN_BLOCKS`` (`splits`: from the shape and the config only, never
+  from timing, so every run gives the same bits). Each block writes the
+  partial ``(max, sum, acc)`` of its rows: ``acc`` and ``sum`` relative to
+  ``exp(max)``, unnormalised.
+- **Merge.** `_decode_merge_kernel`, one block per stacked row, combines the
+  splits in split order: ``m = max_s m_s``, ``l = sum_s l_s exp(m_s - m)``,
+  ``acc = sum_s acc_s exp(m_s - m)``, then `_finish_row` adds ``beta`` once
+  (``lse = log(l exp(m) + beta)``, ``out = (acc num) / den``) exactly as the
+  flash forward finishes a row; with one split it gives the forward's
+  formula.
+
+The scores go through the shared per-entry pipeline (`_entry`), so the
+backward, which recomputes them, sees the ``lse`` of the same logits. Options
+are runtime values and the kernels compute in the input dtype: one compiled
+specialisation per dtype.
+"""
+
+import math
+
+from numba import cuda
+
+from elastic_np import _cuda_config as config
+from elastic_np._cuda_config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np._cuda_device import (
+    F_NEG_INF, F_ONE, F_ZERO, inline_device, _bh_params, _entry, _finish_row, _group_max, _group_sum,
+    _key_range, _lane_mask, _stage,
+)
+
+
+# ---------------------------------------------------------------------------
+# Host side: when, and with which geometry
+# ---------------------------------------------------------------------------
+
+
+def takes(p):
+    """True when `elastic_np.cuda.forward` runs this problem through the decode kernel."""
+    B, H, Hkv, N, M, D, Dv = p.shape
+    return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
+
+
+def _pow2_at_least(n):
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+def shared_elements(rows_blk, tpr, D, Dv):
+    """Dynamic shared memory of a decode block, in elements: queries, the K/V tile, the p tile."""
+    block_n = tpr * DECODE_REG_N
+    width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
+    return rows_blk * (D + 1) + block_n * max(D + 1, width) + rows_blk * (block_n + 1)
+
+
+def geometry(rows, D, Dv, itemsize):
+    """``(rows_blk, tpr)``: stacked rows per block and lanes per row.
+
+    ``tpr`` starts as the fewest lanes whose accumulators hold the value head
+    in one pass (at most ``DECODE_LANES``), the block takes as many rows as
+    ``DECODE_THREADS`` allows, and spare threads go to more lanes per row
+    (longer K/V tiles). Then, while the shared memory exceeds
+    ``MAX_SHARED_BYTES``, the larger of the K/V tile and the query tile is
+    halved.
+    """
+    lanes, threads = config.DECODE_LANES, config.DECODE_THREADS
+    if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
+        raise ValueError(f"DECODE_LANES={lanes} must be a power of two of at most 32")
+    if threads < 1:
+        raise ValueError(f"DECODE_THREADS={threads} must be at least 1")
+    tpr = min(lanes, _pow2_at_least(-(-max(Dv, 1) // DECODE_ACC_COLS)))
+    tpr = min(tpr, _pow2_at_least(threads + 1) // 2)  # the largest power of two <= threads
+    chunks = -(-rows // max(1, threads // tpr))
+    rows_blk = -(-rows // chunks)  # as even as the chunks allow
+    while 2 * tpr <= lanes and rows_blk * 2 * tpr <= threads:
+        tpr *= 2
+    while shared_elements(rows_blk, tpr, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        kv_elements = tpr * DECODE_REG_N * max(D + 1, min(max(Dv, 1), tpr * DECODE_ACC_COLS))
+        if tpr > 1 and (kv_elements >= rows_blk * (D + 1) or rows_blk == 1):
+            tpr //= 2
+        elif rows_blk > 1:
+            rows_blk = -(-rows_blk // 2)
+        else:
+            raise ValueError(
+                f"head dims D={D}, Dv={Dv} need more shared memory than "
+                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
+            )
+    return rows_blk, tpr
+
+
+def splits(blocks, M):
+    """Key splits per (batch, kv head, row chunk) when ``blocks`` such blocks are too few (shape only)."""
+    if blocks == 0 or blocks >= config.DECODE_MIN_BLOCKS:
+        return 1
+    wanted = -(-config.DECODE_MIN_BLOCKS // blocks)
+    return max(1, min(wanted, M // max(1, config.DECODE_MIN_SPLIT_KEYS)))
+
+
+def forward(cuda_module, p, o, q, k, v, out, lse):
+    """Launch the decode and merge kernels of problem ``p`` (options ``o`` from ``_launch_options``)."""
+    B, H, Hkv, N, M, D, Dv = p.shape
+    dtype = p.dtype
+    rows = (H // Hkv) * N
+    rows_blk, tpr = geometry(rows, D, Dv, dtype.itemsize)
+    chunks = -(-rows // rows_blk)
+    n_split = splits(B * Hkv * chunks, M)
+    part_ms = cuda_module.device_array((B, Hkv, n_split, rows, 2), dtype=dtype)
+    part_acc = cuda_module.device_array((B, Hkv, n_split, rows, max(Dv, 1)), dtype=dtype)
+    shared = shared_elements(rows_blk, tpr, D, Dv) * dtype.itemsize
+    _decode_kernel[B * Hkv * chunks * n_split, rows_blk * tpr, 0, shared](
+        q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["bh_consts"],
+        o["bias"], tpr, part_ms, part_acc,
+    )
+    threads = max(1, min(config.DECODE_MERGE_THREADS, Dv))
+    _decode_merge_kernel[B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
+        part_ms, part_acc, o["beta"], o["fopts"], out, lse
+    )
+    return n_split
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+@inline_device
+def _row_dot(q_tile, q_at, k_tile, k_stride, c, tpr, D, zero, scores):
+    """``scores[n] = q_tile[q_at:q_at + D] . k_tile[c + tpr n]``, ``DECODE_REG_N`` dot products in registers."""
+    for n in range(DECODE_REG_N):
+        scores[n] = zero
+    for d in range(D):
+        qd = q_tile[q_at + d]
+        for n in range(DECODE_REG_N):
+            scores[n] += qd * k_tile[(c + tpr * n) * k_stride + d]
+
+
+@inline_device
+def _row_pv(p_tile, p_at, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
+    """``acc[e] += sum_jj p_tile[p_at + jj] v_tile[jj, c + tpr e]`` for the thread's output columns."""
+    vv = cuda.local.array(DECODE_ACC_COLS, p_tile.dtype)
+    for jj in range(jn):
+        p = p_tile[p_at + jj]
+        for e in range(DECODE_ACC_COLS):
+            col = c + tpr * e
+            vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
+        for e in range(DECODE_ACC_COLS):
+            acc[e] += p * vv[e]
+
+
+@cuda.jit(device=True)
+def _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band):
+    """Keys ``[lo, hi)`` that stacked rows ``[r0, r1)`` of kv head ``hk`` can keep (the union of their ranges)."""
+    lo = kv_lengths[b]
+    hi = 0
+    for g in range(r0 // N, (r1 - 1) // N + 1):
+        i0 = max(r0 - g * N, 0)
+        i1 = min(r1 - g * N, N)
+        g_lo, g_hi = _key_range(i0, i1, b, hk * group + g, N, M, iopts, kv_lengths, band)
+        if g_hi > g_lo:
+            lo = min(lo, g_lo)
+            hi = max(hi, g_hi)
+    if hi <= lo:
+        return 0, 0
+    return lo, hi
+
+
+@cuda.jit(cache=True)
+def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, tpr, part_ms, part_acc):
+    """One block per (batch, kv head, chunk of stacked rows, key split); split fastest.
+
+    Writes the partial ``(max, sum)`` of each of its rows to ``part_ms[b, hk,
+    s, r]`` and the unnormalised ``acc`` to ``part_acc[b, hk, s, r]``, a split
+    with no key kept giving ``(-inf, 0, 0)``.
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    group = H // Hkv
+    rows = group * N
+    n_split = part_ms.shape[2]
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    rows_blk = threads // tpr
+    chunks = (rows + rows_blk - 1) // rows_blk
+    block_n = tpr * DECODE_REG_N
+    s = cuda.blockIdx.x % n_split
+    chunk = cuda.blockIdx.x // n_split % chunks
+    hk = cuda.blockIdx.x // (n_split * chunks) % Hkv
+    b = cuda.blockIdx.x // (n_split * chunks * Hkv)
+    r0 = chunk * rows_blk
+    r1 = min(r0 + rows_blk, rows)
+    rho = t // tpr
+    c = t % tpr
+    r = r0 + rho
+    valid = r < r1
+    rr = min(r, r1 - 1)  # padding threads take the chunk's last row (and write nothing)
+    h = hk * group + rr // N
+    i = rr % N
+    width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
+
+    q_stride = D + 1
+    kv_stride = max(D + 1, width)
+    p_stride = block_n + 1
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    q_tile = smem[: rows_blk * q_stride]
+    kv_base = rows_blk * q_stride
+    kv_tile = smem[kv_base : kv_base + block_n * kv_stride]
+    p_base = kv_base + block_n * kv_stride
+    p_tile = smem[p_base : p_base + rows_blk * p_stride]
+
+    zero = fopts[F_ZERO]
+    one = fopts[F_ONE]
+    neg_inf = fopts[F_NEG_INF]
+    for idx in range(t, rows_blk * q_stride, threads):
+        q_tile[idx] = zero  # padding rows and the padding column
+    cuda.syncthreads()
+    for idx in range(t, (r1 - r0) * D, threads):
+        row = r0 + idx // D
+        q_tile[(idx // D) * q_stride + idx % D] = q[b, hk * group + row // N, row % N, idx % D]
+
+    # this split's keys: a run of whole tiles of the chunk's key range
+    lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band)
+    n_tiles = (hi - lo + block_n - 1) // block_n
+    a = min(lo + n_tiles * s // n_split * block_n, hi)
+    e = min(lo + n_tiles * (s + 1) // n_split * block_n, hi)
+
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    lanes = _lane_mask(t, threads)
+    scores = cuda.local.array(DECODE_REG_N, q.dtype)
+    acc = cuda.local.array(DECODE_ACC_COLS, q.dtype)
+    q_at = rho * q_stride
+    p_at = rho * p_stride
+    for c0 in range(0, max(Dv, 1), width):
+        wn = min(width, Dv - c0)
+        run_max = neg_inf
+        run_sum = zero
+        for col in range(DECODE_ACC_COLS):
+            acc[col] = zero
+        for j0 in range(a, e, block_n):
+            jn = min(block_n, e - j0)
+            cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
+            _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _row_dot(q_tile, q_at, kv_tile, kv_stride, c, tpr, D, zero, scores)
+            for n in range(DECODE_REG_N):
+                p_tile[p_at + c + tpr * n] = scores[n]
+            tile_max = neg_inf
+            for n in range(DECODE_REG_N):  # the pipeline is long: this loop stays a loop
+                jj = c + tpr * n
+                z = neg_inf
+                if valid and jj < jn:
+                    z = _entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, mask, bias, fopts)[0]
+                p_tile[p_at + jj] = z
+                tile_max = max(tile_max, z)
+            new_max = max(run_max, _group_max(tile_max, tpr, lanes))
+            alpha = one
+            if new_max > neg_inf:
+                alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
+            run_sum *= alpha
+            for n in range(DECODE_REG_N):
+                at = p_at + c + tpr * n
+                p = zero
+                if p_tile[at] > neg_inf:
+                    p = math.exp(p_tile[at] - new_max)
+                run_sum += p
+                p_tile[at] = p
+            run_max = new_max
+            for col in range(DECODE_ACC_COLS):
+                acc[col] *= alpha
+            cuda.syncthreads()  # K consumed, p written
+            _stage(v, b, hk, j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _row_pv(p_tile, p_at, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
+        row_sum = _group_sum(run_sum, tpr, lanes)
+        if valid:
+            if c0 == 0 and c == 0:
+                part_ms[b, hk, s, r, 0] = run_max
+                part_ms[b, hk, s, r, 1] = row_sum
+            for col in range(DECODE_ACC_COLS):
+                if c + tpr * col < wn:
+                    part_acc[b, hk, s, r, c0 + c + tpr * col] = acc[col]
+
+
+@cuda.jit(cache=True)
+def _decode_merge_kernel(part_ms, part_acc, beta, fopts, out, lse):
+    """One block per stacked row ``(b, hk, r)``: merge its splits in split order, ``beta`` added once.
+
+    The split weights ``exp(m_s - m)`` go to shared memory (0 for a split
+    that kept nothing); every thread computes the same ``m`` and ``l`` in the
+    same order, and thread ``t`` finishes output columns ``t, t + blockDim, ...``.
+    """
+    B, H, N, Dv = out.shape
+    Hkv = part_ms.shape[1]
+    n_split = part_ms.shape[2]
+    rows = part_ms.shape[3]
+    group = H // Hkv
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    r = cuda.blockIdx.x % rows
+    hk = cuda.blockIdx.x // rows % Hkv
+    b = cuda.blockIdx.x // (rows * Hkv)
+    h = hk * group + r // N
+    i = r % N
+
+    zero = fopts[F_ZERO]
+    neg_inf = fopts[F_NEG_INF]
+    weight = cuda.shared.array(0, dtype=out.dtype)
+    m = neg_inf
+    for s in range(n_split):
+        m = max(m, part_ms[b, hk, s, r, 0])
+    for s in range(t, n_split, threads):
+        w = zero
+        if part_ms[b, hk, s, r, 0] > neg_inf:
+            w = math.exp(part_ms[b, hk, s, r, 0] - m)
+        weight[s] = w
+    cuda.syncthreads()
+    total = zero
+    for s in range(n_split):
+        total += part_ms[b, hk, s, r, 1] * weight[s]
+    row_lse, num, den = _finish_row(m, total, beta[h], fopts)
+    if t == 0:
+        lse[b, h, i] = row_lse
+    for d in range(t, Dv, threads):
+        x = zero
+        for s in range(n_split):
+            x += part_acc[b, hk, s, r, d] * weight[s]
+        out[b, h, i, d] = (x * num) / den
+
+
+KERNELS = {
+    "_decode_kernel": _decode_kernel,
+    "_decode_merge_kernel": _decode_merge_kernel,
+}
