@@ -43,7 +43,7 @@ def _signatures(dtype):
     return {
         "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
         "_backward_dq_kernel": common + bh_consts_bias
-        + (nbt.int64, arr(4), arr(4), arr(3), arr(4), arr(3), arr(4), arr(4)),
+        + (nbt.int64, arr(4), arr(4), arr(3), arr(3), arr(4), arr(3), arr(4), arr(4)),
         "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
         "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
         + (arr(4), arr(3), arr(3), arr(1)),

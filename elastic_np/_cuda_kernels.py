@@ -241,13 +241,14 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
 
 @cuda.jit(cache=True)
 def _backward_dq_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, out, lse, dq, delta, partials, dbias
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, out, lse, dlse, dq, delta,
+    partials, dbias
 ):
     """One block per (batch * head, query tile), laid out as in `_forward_kernel`.
 
     Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)``
-    tile by tile and accumulates ``dq``. Also writes ``delta = dout . out``
-    per row (read by the dk/dv and dbias kernels) and the block's partial
+    tile by tile and accumulates ``dq``. Also writes ``delta = dout . out -
+    dlse`` per row (read by the dk/dv and dbias kernels) and the block's partial
     sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one thread in row
     order, so the result does not depend on scheduling). When the bias is
     full (``iopts[I_DBIAS_FULL]``), ``dbias`` is ``(B, H, N, M)``: the block
@@ -304,6 +305,7 @@ def _backward_dq_kernel(
     if row:
         for d in range(Dv):
             row_delta += dout[b, h, i, d] * out[b, h, i, d]
+        row_delta -= dlse[b, h, i]
         delta[b, h, i] = row_delta
         row_lse = lse[b, h, i]
     dbias_full = iopts[I_DBIAS_FULL] != 0

@@ -319,7 +319,7 @@ def forward_block(spec, block, q, k, v, mask, bias, kv_first):
     return out, lse
 
 
-def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
+def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first, dlse=None):
     """The block's share of every gradient, in float64.
 
     Returns ``(dq, dk, dv, dtau, dsigma, dbias)``: ``dq`` of the block's
@@ -327,7 +327,8 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
     per head ``(Hc,)``, ``dsigma`` ``(Bc, Hc)`` or None, ``dbias`` in the
     shape of the block's ``bias`` chunk or None. ``out`` and ``lse`` are the
     whole rows' (the forward's), so that ``P = exp(z - lse)`` of the block is
-    that of the whole problem and the shares add up to the gradient.
+    that of the whole problem and the shares add up to the gradient; so is
+    ``dlse``, the cotangent of ``lse`` (None for zeros).
     """
     b0, b1, h0, h1, i0, i1, j0, j1 = block
     n = i1 - i0
@@ -349,7 +350,9 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
             rev, Q = call.reverse, call.pad_queries
             grads = _dispatch.attention_backward(
                 _flip_pad(_rows(dout, bs), rev, Q, 2), ql, kl, vl, _flip_pad(_rows(out, bs), rev, Q, 2),
-                _flip_pad(_rows(lse, bs), rev, Q, 2, fill=pad_lse), backend=spec.backend, **opts,
+                _flip_pad(_rows(lse, bs), rev, Q, 2, fill=pad_lse),
+                dlse=None if dlse is None else _flip_pad(_rows(dlse, bs), rev, Q, 2),
+                backend=spec.backend, **opts,
             )
             m = kl.shape[2] - call.pad_keys
             dq[bs] = _unflip(grads.dq, rev, n, 2)
@@ -374,7 +377,9 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first):
     return dq, dk_full, dv_full, dtau, dsigma, dbias
 
 
-def dbeta_rows(dout, out, lse):
-    """`~elastic_np._options.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i``."""
+def dbeta_rows(dout, out, lse, dlse=None):
+    """`~elastic_np._options.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i - dlse_i``."""
     delta = np.einsum("bhnd,bhnd->bhn", dout.astype(np.float64), out.astype(np.float64))
+    if dlse is not None:
+        delta -= dlse
     return _options.sink_terms(delta, lse, (0, 2))

@@ -3,10 +3,11 @@
 A backend is a module with two functions,
 
 - ``forward(problem) -> (out, lse)``
-- ``backward(problem, dout, out, lse) -> AttentionGrads``
+- ``backward(problem, dout, out, lse, dlse=None) -> AttentionGrads``
 
-that take a validated `~elastic_np._options.AttentionProblem`. The reference
-backend computes in float64; the kernels keep the input dtype.
+that take a validated `~elastic_np._options.AttentionProblem` (``dlse``, the
+cotangent of ``lse``, is None for zeros). The reference backend computes in
+float64; the kernels keep the input dtype.
 
 A backend may also define ``prepare`` and ``check_backward_arrays`` with the
 signatures of `elastic_np._options.prepare` and
@@ -43,8 +44,8 @@ class _ReferenceBackend:
         return reference._forward(problem)
 
     @staticmethod
-    def backward(problem, dout, out, lse):
-        return reference._backward(problem, dout, out, lse)
+    def backward(problem, dout, out, lse, dlse=None):
+        return reference._backward(problem, dout, out, lse, dlse)
 
 
 def get_backend(name):
@@ -158,7 +159,8 @@ def attention(
         soft-cap and before NVM; ``-inf`` removes an entry. Learnable: the
         backward returns ``dbias`` in its shape.
     return_lse : bool, optional
-        Also return the log-denominator ``lse`` of shape ``(B, H, N)``.
+        Also return the log-denominator ``lse`` of shape ``(B, H, N)``; a
+        loss may use it (`attention_backward` takes its cotangent ``dlse``).
     backend : {"auto", "reference", "cpu", "cuda"}, optional
         "auto" picks "cuda" when a GPU is usable, else "cpu".
 
@@ -208,6 +210,7 @@ def attention_backward(
     out,
     lse,
     *,
+    dlse=None,
     scale=None,
     causal=False,
     window_size=(-1, -1),
@@ -223,7 +226,7 @@ def attention_backward(
     bias=None,
     backend="auto",
 ):
-    """Gradients of `attention` for ``q, k, v, tau, beta`` and the window's ``sigma``.
+    """Gradients of `attention` for ``q, k, v, tau, beta``, the window's ``sigma`` and ``bias``.
 
     Parameters
     ----------
@@ -235,6 +238,11 @@ def attention_backward(
         What `attention` returned with ``return_lse=True``. Only their
         shapes, dtypes and values (no NaN or inf; ``lse`` may be ``-inf``)
         are checked, not that they belong to these inputs.
+    dlse : array_like, shape (B, H, N), optional
+        Cotangent of ``lse``, for a loss that uses it; None (default) stands
+        for zeros. Real floats without NaN or inf, in the dtype of ``dout``
+        (for the kernels that of ``q``). A row with ``lse = -inf`` (nothing
+        kept, ``beta = 0``) takes no gradient from it.
     **options
         The options given to `attention` (``scale``, ``causal``,
         ``window_size``, ``kv_lengths``, ``align``, ``mask``, ``nvm``, ``tau``, ``beta``,
@@ -252,8 +260,8 @@ def attention_backward(
     Raises
     ------
     TypeError, ValueError
-        As for `attention`, and for ``dout``, ``out`` or ``lse`` of the wrong
-        shape or dtype, or with NaN.
+        As for `attention`, and for ``dout``, ``out``, ``lse`` or ``dlse`` of
+        the wrong shape or dtype, or with NaN.
 
     Examples
     --------
@@ -276,5 +284,5 @@ def attention_backward(
     )
     dtype = None if module.dtypes is not None else problem.dtype
     check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)
-    dout, out, lse = check(problem, dout, out, lse, dtype=dtype)
-    return module.backward(problem, dout, out, lse)
+    dout, out, lse, dlse = check(problem, dout, out, lse, dtype=dtype, dlse=dlse)
+    return module.backward(problem, dout, out, lse, dlse)

@@ -266,10 +266,13 @@ def sink_gradient(delta, lse, per_head=True):
     """``dbeta``: ``-sum_{b,i} delta_i exp(-lse_i)`` per head (over every row without ``per_head``).
 
     ``delta`` and ``lse`` are ``(B, H, N)``; returns ``(H,)`` float64, or a
-    0-d array without ``per_head`` (a ``beta`` shared by the heads).
+    0-d array without ``per_head`` (a ``beta`` shared by the heads). With a
+    cotangent of ``lse``, ``delta`` is ``dout . out - dlse``.
 
-    A row with ``delta = 0`` adds nothing (an empty row with ``beta = 0`` has
-    ``lse = -inf``). The sum is taken relative to its largest factor (see
+    A row with ``delta = 0`` adds nothing, nor does a row with ``lse = -inf``
+    (an empty row with ``beta = 0``, whatever its ``dlse``: there ``d lse /
+    d beta = 1 / beta`` is not finite, and the contract's rule gives such a
+    row no gradient). The sum is taken relative to its largest factor (see
     `sink_terms`): a head whose rows overflow ``exp(-lse)`` gets the sign of
     the sum and ``inf``, not ``inf - inf = NaN``, and a sum that fits float64
     is not lost to an overflowing term. float64 throughout: ``exp(-lse)`` of a
@@ -281,13 +284,13 @@ def sink_gradient(delta, lse, per_head=True):
 def sink_terms(delta, lse, axes):
     """``(top, scaled)`` with ``sum delta_i exp(-lse_i) = scaled * exp(top)`` over ``axes``.
 
-    ``top = max(-lse_i)`` over the rows with ``delta_i != 0`` (0 where there
-    are none): partial sums over disjoint rows combine exactly with
-    `merge_sink_terms`.
+    ``top = max(-lse_i)`` over the rows with ``delta_i != 0`` and a finite
+    ``lse_i`` (0 where there are none): partial sums over disjoint rows
+    combine exactly with `merge_sink_terms`.
     """
     delta = np.asarray(delta, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
-    live = delta != 0
+    live = (delta != 0) & (lse != -np.inf)
     exponent = np.where(live, -lse, -np.inf)
     top = exponent.max(axis=axes, keepdims=True, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0.0)

@@ -204,7 +204,7 @@ def forward(problem):
     return out, lse
 
 
-def backward(problem, dout, out, lse):
+def backward(problem, dout, out, lse, dlse=None):
     """Gradients of the attention for ``q, k, v, tau, beta, sigma, bias``.
 
     Parameters
@@ -213,6 +213,8 @@ def backward(problem, dout, out, lse):
     dout, out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
         In the problem's dtype, as `forward` returned them.
+    dlse : ndarray, shape (B, H, N), optional
+        Cotangent of ``lse`` in the problem's dtype; None for zeros.
 
     Returns
     -------
@@ -229,12 +231,14 @@ def backward(problem, dout, out, lse):
     n_qt = -(-N // BLOCK_Q)
 
     # Per-head scaled queries q * scale / tau_h, row-major and as Q^T tiles,
-    # dout^T tiles, and delta_i = dout_i . out_i.
+    # dout^T tiles, and delta_i = dout_i . out_i - dlse_i.
     q_scaled = np.empty((B, H, N, D), dtype=dtype)
     q_scaled_t = np.zeros((B, H, n_qt, D, BLOCK_Q), dtype=dtype)
     dout_t = np.zeros((B, H, n_qt, Dv, BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
     _run_tasks(_backward_prepare, q, dout, out, opt, BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta)
+    if dlse is not None:
+        np.subtract(delta, dlse, out=delta)
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).

@@ -51,7 +51,8 @@ Backward, recomputing the probabilities from ``lse``:
   the host sums these few numbers in float64 in a fixed order. The result is
   deterministic, the partials are tiny next to ``q``, and the scalars must
   come back to the host anyway (they are returned as floats or small NumPy
-  arrays). The ``dq`` kernel also writes ``delta = dout . out`` per row, which
+  arrays). The ``dq`` kernel also writes ``delta = dout . out - dlse`` per
+  row (``dlse``, the cotangent of ``lse``, zeros when none is given), which
   the ``dk``/``dv`` kernel, launched after it, reads.
 
 Score modifiers: every kernel builds the score in the contract's order
@@ -290,24 +291,28 @@ def prepare(q, k, v, *, dtypes=dtypes, **options):
     return problem
 
 
-def check_backward_arrays(p, dout, out, lse, dtype=None):
-    """Validate ``dout``, ``out``, ``lse``; device arrays stay on the device.
+def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
+    """Validate ``dout``, ``out``, ``lse`` and ``dlse``; device arrays stay on the device.
 
     NumPy arrays with a NumPy problem go through
     `elastic_np.reference.check_backward_arrays`; otherwise shapes and dtypes
     are checked from the metadata and NumPy arrays are copied to the device.
+    Returns ``(dout, out, lse, dlse)``, ``dlse`` None when it was.
     """
-    if not any(_is_device(a) for a in (p.q, dout, out, lse)):
-        return reference.check_backward_arrays(p, dout, out, lse, dtype=dtype)
+    if not any(_is_device(a) for a in (p.q, dout, out, lse, dlse)):
+        return reference.check_backward_arrays(p, dout, out, lse, dtype=dtype, dlse=dlse)
+    named = list(zip(p.backward_shapes, (dout, out, lse)))
+    if dlse is not None:
+        named.append((("dlse", p.backward_shapes[2][1]), dlse))
     arrays = []
-    for (name, shape), a in zip(p.backward_shapes, (dout, out, lse)):
+    for (name, shape), a in named:
         a = _as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a))
         if tuple(a.shape) != shape:
             raise ValueError(f"`{name}` must have shape {shape}, got {tuple(a.shape)}")
         if a.dtype != p.dtype:
             raise TypeError(f"`{name}` has dtype {a.dtype}, expected {p.dtype} like `q`")
         arrays.append(a)
-    return arrays
+    return (*arrays, None) if dlse is None else tuple(arrays)
 
 
 # ---------------------------------------------------------------------------
@@ -536,8 +541,10 @@ def forward(p):
     return out.copy_to_host(), lse.copy_to_host()
 
 
-def backward(p, dout, out, lse):
+def backward(p, dout, out, lse, dlse=None):
     """Run the backward kernels; return `~elastic_np.AttentionGrads`.
+
+    ``dlse``, the cotangent of ``lse``, is None for zeros.
 
     ``dq``, ``dk``, ``dv`` (and ``dbias``, in the bias's shape) are device
     arrays when any of the arrays is one, NumPy arrays otherwise; ``dtau``,
@@ -548,8 +555,10 @@ def backward(p, dout, out, lse):
     kern = _kernels()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
-    on_device = any(_is_device(a) for a in (p.q, dout, out, lse, p.bias))
+    on_device = any(_is_device(a) for a in (p.q, dout, out, lse, dlse, p.bias))
     q, k, v, dout, out, lse = (_to_device(a) for a in (p.q, p.k, p.v, dout, out, lse))
+    # zeros for no dlse: delta - 0 is delta, bit for bit
+    dlse = _to_device(np.zeros((B, H, N), dtype=dtype) if dlse is None else dlse)
     dq = cuda.device_array((B, H, N, D), dtype=dtype)
     dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)
     dv = cuda.device_array((B, Hkv, M, Dv), dtype=dtype)
@@ -572,7 +581,7 @@ def backward(p, dout, out, lse):
             partials_dev = cuda.device_array(partials.shape, dtype=dtype)
             shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
             kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
-                *common, dq_tile, dout, out, lse, dq, delta, partials_dev,
+                *common, dq_tile, dout, out, lse, dlse, dq, delta, partials_dev,
                 dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
             )
             partials = partials_dev.copy_to_host()

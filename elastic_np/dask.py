@@ -277,7 +277,7 @@ def attention(
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
+    dout, q, k, v, out, lse, *, dlse=None, scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
     align="array", mask=None, nvm=False, tau=1.0, beta=0.0, dynamic_window=None, softcap=None,
     alibi_slopes=None, bias=None, backend="cpu", threads_per_task=1,
 ):
@@ -285,7 +285,8 @@ def attention_backward(
 
     ``out`` and ``lse`` are those of `attention` (``return_lse=True``): each
     block's share of the gradients is computed against the whole rows'
-    ``lse``, so the shares add up exactly.
+    ``lse``, so the shares add up exactly. ``dlse``, the cotangent of ``lse``
+    (None for zeros), is chunked like the rows and goes to every block of its rows.
 
     Returns
     -------
@@ -319,7 +320,9 @@ def attention_backward(
     dout, out = (_rows_array(a, (B, H, N, Dv), rows + ((Dv,),), name) for a, name in
                  ((dout, "dout"), (out, "out")))
     lse = _rows_array(lse, (B, H, N), rows, "lse")
-    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse,
+    if dlse is not None:
+        dlse = _rows_array(dlse, (B, H, N), rows, "dlse")
+    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse, dlse,
                      spec.__dict__, setup.dtype)
     name = f"enp-backward-{token}"
     blk, dq_n, dk_n, dv_n, small_n, dbias_n = (
@@ -333,7 +336,7 @@ def attention_backward(
         row = index[:3]
         dsk[(blk,) + index] = (_dask_blocks.backward_block, spec, block, q_key, k_in, v_in,
                                (dout.name, *row, 0), (out.name, *row, 0), (lse.name, *row),
-                               m_key, b_key, kv_first)
+                               m_key, b_key, kv_first, _row_key(dlse, row))
         done.append((index, block))
     # Each block's result is split into its fields on the worker that holds it, so that a sum
     # moves only the field it needs; the sums are binary trees in block order (fixed bits).
@@ -372,8 +375,8 @@ def attention_backward(
     heads = [(block[0], block[2], index) for index, block in done]
     oh = setup.offsets(qc[1])
     row_blocks = list(np.ndindex(*setup.q.numblocks[:3]))
-    dbeta_rows = [(_dask_blocks.dbeta_rows, (dout.name, *r, 0), (out.name, *r, 0), (lse.name, *r))
-                  for r in row_blocks]
+    dbeta_rows = [(_dask_blocks.dbeta_rows, (dout.name, *r, 0), (out.name, *r, 0), (lse.name, *r),
+                   _row_key(dlse, r)) for r in row_blocks]
     small = {
         "dtau": (problem.tau_shape, (_per_head, [h0 for _, h0, _ in heads],
                                      [(f"{blk}-dtau",) + index for *_, index in heads], H, problem.tau_shape)),
@@ -388,12 +391,12 @@ def attention_backward(
         layers[f"{small_n}-{field}"] = {(f"{small_n}-{field}",) + (0,) * len(shape): task}
     if setup.bias is not None:
         layers[dbias_n] = _dbias_layer(setup, dsk, dbias_n, blk, done)
-    deps = [a for a in (setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse) if a is not None]
+    deps = [a for a in (setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse, dlse) if a is not None]
     graph = HighLevelGraph.from_collections(blk, dsk, dependencies=deps)
     all_layers, all_deps = dict(graph.layers), dict(graph.dependencies)
     for lname, layer in layers.items():
         all_layers[lname] = layer
-        all_deps[lname] = {blk, dout.name, out.name, lse.name}
+        all_deps[lname] = {blk, dout.name, out.name, lse.name} | ({dlse.name} if dlse is not None else set())
     graph = HighLevelGraph(all_layers, all_deps)
 
     def scalar(field, shape):
@@ -432,11 +435,16 @@ def compute_grads(grads, **compute_kwargs):
 
 
 def _rows_array(a, shape, chunks, name):
-    """``dout``, ``out`` or ``lse`` as a Dask array chunked like the query rows."""
+    """``dout``, ``out``, ``lse`` or ``dlse`` as a Dask array chunked like the query rows."""
     a = da.asarray(a)
     if a.shape != shape:
         raise ValueError(f"`{name}` must have shape {shape}, got {a.shape}")
     return a.rechunk(chunks)
+
+
+def _row_key(a, row):
+    """The key of ``a``'s chunk of the query rows ``row`` (batch, heads, queries); None without ``a``."""
+    return None if a is None else (a.name, *row)
 
 
 def _heads(a, lo, hi):

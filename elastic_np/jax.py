@@ -125,11 +125,11 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
         out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
         return out.astype(q_dtype, copy=False), lse.astype(q_dtype, copy=False)
 
-    def backward_callback(diff, traced, out, lse, dout):
+    def backward_callback(diff, traced, out, lse, dout, dlse):
         diff = _host(diff)
         q, k, v, options = numpy_call(diff, _host(traced))
         grads = _dispatch.attention_backward(np.asarray(dout), q, k, v, np.asarray(out),
-                                             np.asarray(lse), **options)
+                                             np.asarray(lse), dlse=np.asarray(dlse), **options)
         cotangents = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
         cotangents.update({n: common.grad_of(grads, n) for n in common.LEARNABLE if n in diff})
         return {
@@ -146,9 +146,9 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
 
     def run_backward(residuals, cotangents):
         diff, traced, out, lse = residuals
-        dout, _ = cotangents  # lse carries no gradient (see `attention`)
+        dout, dlse = cotangents  # zeros for an output the loss does not use
         shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in diff.items()}
-        grads = jax.pure_callback(backward_callback, shapes, diff, traced, out, lse, dout,
+        grads = jax.pure_callback(backward_callback, shapes, diff, traced, out, lse, dout, dlse,
                                   vmap_method="sequential")
         return grads, None
 
@@ -199,7 +199,9 @@ def attention(
         As in `elastic_np.attention`; no gradient. Under ``jax.jit`` the
         Python options (``causal``, ``window_size`` ...) must be static.
     return_lse : bool, optional
-        Also return ``lse`` of shape ``(B, H, N)``, under ``stop_gradient``.
+        Also return ``lse`` of shape ``(B, H, N)``, differentiable like ``out``
+        (a loss may use either or both). A row with ``lse = -inf`` (nothing
+        kept, ``beta = 0``) passes no gradient back.
     backend : {"auto", "cpu", "reference"}, optional
         "auto" runs the CPU kernels; "reference" the float64 oracle, its
         results cast to the dtype of ``q``.
@@ -254,4 +256,4 @@ def attention(
     out_shape = (B, H, N, v.shape[-1])
     function = _attention_function(fixed, constants, q.dtype, out_shape, (B, H, N))
     out, lse = function(diff, traced)
-    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+    return (out, lse) if return_lse else out

@@ -5,9 +5,9 @@
 
 `attention` is a ``torch.autograd.Function``: its forward calls
 `elastic_np.attention` and keeps ``out`` and ``lse``; its backward calls
-`elastic_np.attention_backward` with them (the forward is never computed
-again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``, ``dsigma`` and
-``dbias`` to autograd. CPU tensors reach the kernels through
+`elastic_np.attention_backward` with them and the cotangents of ``out`` and
+``lse`` (the forward is never computed again) and hands ``dq``, ``dk``,
+``dv``, ``dtau``, ``dbeta``, ``dsigma`` and ``dbias`` to autograd. CPU tensors reach the kernels through
 ``Tensor.numpy()``, without a copy when they are C-contiguous (the kernels
 copy a strided tensor into a contiguous one), and the results come back
 through ``torch.from_numpy``, without a copy either.
@@ -69,19 +69,23 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.constants = {n: v for n, v in learnable.items() if not isinstance(v, torch.Tensor)}
         tensors = [learnable[n] if n not in ctx.constants else None for n in common.LEARNABLE]
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        ctx.mark_non_differentiable(lse)
+        # an output the loss does not use gets None, not zeros: no dlse costs nothing
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         learnable = dict(zip(common.LEARNABLE, tensors))
         learnable.update(ctx.constants)
         host = {name: _host(value, name) for name, value in learnable.items()}
+        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
+        if dlse is not None:
+            dlse = _host(dlse.to(lse.dtype), "dlse")
         grads = _dispatch.attention_backward(
-            _host(dout.to(out.dtype), "dout"), *(_host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
-            _host(out, "out"), _host(lse, "lse"), **common.numpy_options(ctx.fixed, host),
+            _host(dout, "dout"), *(_host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+            _host(out, "out"), _host(lse, "lse"), dlse=dlse, **common.numpy_options(ctx.fixed, host),
         )
         needs = ctx.needs_input_grad[1:]
         result = [
@@ -134,7 +138,9 @@ def attention(
     scale, causal, window_size, kv_lengths, align, mask, nvm, softcap, alibi_slopes
         As in `elastic_np.attention` (tensors are accepted); no gradient.
     return_lse : bool, optional
-        Also return ``lse`` of shape ``(B, H, N)``, which carries no gradient.
+        Also return ``lse`` of shape ``(B, H, N)``, differentiable like ``out``
+        (a loss may use either or both). A row with ``lse = -inf`` (nothing
+        kept, ``beta = 0``) passes no gradient back.
     backend : {"auto", "cpu", "reference"}, optional
         "auto" runs the CPU kernels. "reference" runs the float64 oracle
         (results cast back to the input dtype).
@@ -144,7 +150,7 @@ def attention(
     out : torch.Tensor, shape (B, H, N, Dv)
         In the dtype of ``q``.
     lse : torch.Tensor, shape (B, H, N)
-        Only with ``return_lse=True``.
+        Only with ``return_lse=True``; in the dtype of ``q``.
 
     Raises
     ------

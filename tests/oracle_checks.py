@@ -60,37 +60,47 @@ def assert_matches_oracle(name, result, oracle, dtype, naive=None, rounding=None
     assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.3e} (naive {naive_err:.3e})"
 
 
-def check_case(dtype, opts, seed=0, backend="cpu", **shape):
-    """Forward and backward of a kernel backend against the oracle, for one option set."""
+def make_dlse(dtype, q, seed=0):
+    """A seeded standard normal cotangent of ``lse`` for ``q``'s ``(B, H, N)``."""
+    return np.random.default_rng(seed + 1000).standard_normal(q.shape[:3]).astype(dtype)
+
+
+def check_case(dtype, opts, seed=0, backend="cpu", with_lse=False, **shape):
+    """Forward and backward of a kernel backend against the oracle, for one option set.
+
+    ``with_lse``: the backward also takes a random cotangent of ``lse`` (`make_dlse`).
+    """
     q, k, v, dout = make_inputs(dtype, seed=seed, **shape)
+    dlse = make_dlse(dtype, q, seed) if with_lse else None
     out, lse = enp.attention(q, k, v, return_lse=True, backend=backend, **opts)
-    grads = enp.attention_backward(dout, q, k, v, out, lse, backend=backend, **opts)
-    check_results(dtype, q, k, v, dout, opts, out, lse, grads)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, dlse=dlse, backend=backend, **opts)
+    check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=dlse)
     return out, lse, grads
 
 
-def oracle(q, k, v, dout, opts):
+def oracle(q, k, v, dout, opts, dlse=None):
     """The float64 oracle's ``(out, lse, grads)`` on the inputs converted to float64."""
     q, k, v, dout = (a.astype(np.float64) for a in (q, k, v, dout))
     out, lse = reference.attention(q, k, v, **opts)
     with np.errstate(all="ignore"):
-        grads = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+        grads = reference.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **opts)
     return out, lse, grads
 
 
-def check_results(dtype, q, k, v, dout, opts, out, lse, grads):
+def check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=None):
     """``out``, ``lse`` and every gradient against the oracle by `assert_matches_oracle`.
 
     float32 results get the naive float32 evaluations and the summation
-    allowance of the conformance kit as their yardstick.
+    allowance of the conformance kit as their yardstick. ``dlse`` is the
+    cotangent of ``lse`` the backward was given, if any.
     """
-    ref_out, ref_lse, ref_grads = oracle(q, k, v, dout, opts)
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, dout, opts, dlse)
 
     naive, summation = {}, {}
     if dtype == np.float32:
-        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32)
+        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32, dlse=dlse)
         naive = {name: [n[name] for n in orderings] for name in orderings[0]}
-        summation = _conformance.summation_allowance(q, k, v, dout, opts)
+        summation = _conformance.summation_allowance(q, k, v, dout, opts, dlse=dlse)
     assert_matches_oracle("out", out, ref_out, dtype, naive.get("out"))
     assert_matches_oracle("lse", lse, ref_lse, dtype, naive.get("lse"))
     for field in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias"):

@@ -22,7 +22,7 @@ distributed = pytest.importorskip("distributed")
 import elastic_np as enp  # noqa: E402
 import elastic_np.dask as enpd  # noqa: E402
 from elastic_np import _dask_blocks, cpu, reference  # noqa: E402
-from oracle_checks import check_results, make_inputs  # noqa: E402
+from oracle_checks import check_results, make_dlse, make_inputs  # noqa: E402
 
 B, H, HKV, D, DV = 2, 4, 2, 5, 3
 FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
@@ -66,20 +66,21 @@ CHUNKINGS = {
 }
 
 
-def _run(q, k, v, dout, opts, q_chunks, k_chunk, scheduler="sync", **kw):
+def _run(q, k, v, dout, opts, q_chunks, k_chunk, scheduler="sync", dlse=None, **kw):
     qd = da.from_array(q, chunks=q_chunks + (D,))
     kd = da.from_array(k, chunks=(1, 1, k_chunk, D))
     out, lse = enpd.attention(qd, kd, v, return_lse=True, backend="cpu", **opts, **kw)
-    grads = enpd.attention_backward(dout, qd, kd, v, out, lse, backend="cpu", **opts, **kw)
+    grads = enpd.attention_backward(dout, qd, kd, v, out, lse, dlse=dlse, backend="cpu", **opts, **kw)
     out, lse = da.compute(out, lse, scheduler=scheduler)
     return out, lse, enpd.compute_grads(grads, scheduler=scheduler)
 
 
-def _check(dtype, opts, chunking):
+def _check(dtype, opts, chunking, with_lse=False):
     N, M, q_chunks, k_chunk = chunking
     q, k, v, dout = _inputs(dtype, N, M)
-    out, lse, grads = _run(q, k, v, dout, opts, q_chunks, k_chunk)
-    check_results(dtype, q, k, v, dout, opts, out, lse, grads)
+    dlse = make_dlse(dtype, q) if with_lse else None
+    out, lse, grads = _run(q, k, v, dout, opts, q_chunks, k_chunk, dlse=dlse)
+    check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=dlse)
 
 
 @pytest.mark.parametrize("chunking", list(CHUNKINGS), ids=list(CHUNKINGS))
@@ -95,13 +96,41 @@ def test_float32_within_the_float32_rule(case):
     _check(np.float32, _cases(*chunking[:2])[case], chunking)
 
 
-def test_rows_and_batches_with_nothing_kept():
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_rows_and_batches_with_nothing_kept(with_lse):
     """A batch with no keys, rows a mask empties, chunks a window removes: zeros, lse = log(beta)."""
     N, M = 13, 17
     mask = np.ones((N, M), dtype=bool)
     mask[:5] = False
     opts = dict(kv_lengths=[0, M], mask=mask, window_size=(1, 0), causal=True, beta=np.array([0.0, 1.0, 0.0, 2.0]))
-    _check(np.float64, opts, (N, M, (1, 2, 4), 3))
+    _check(np.float64, opts, (N, M, (1, 2, 4), 3), with_lse=with_lse)
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS), ids=list(CHUNKINGS))
+@pytest.mark.parametrize("case", ["plain", "kv_lengths_aligned", "mask_nvm_tau_beta", "dynamic_window",
+                                  "alibi_softcap", "bias_broadcast"])
+def test_lse_gradient_agrees_with_the_oracle(case, chunking):
+    N, M = CHUNKINGS[chunking][:2]
+    _check(np.float64, _cases(N, M)[case], CHUNKINGS[chunking], with_lse=True)
+
+
+def test_lse_gradient_float32_and_chunked_dlse():
+    chunking = CHUNKINGS["N<M"]
+    opts = _cases(*chunking[:2])["mask_nvm_tau_beta"]
+    q, k, v, dout = _inputs(np.float32, *chunking[:2])
+    dlse = make_dlse(np.float32, q)
+    out, lse, grads = _run(q, k, v, dout, opts, *chunking[2:], dlse=da.from_array(dlse, chunks=(2, 1, 5)))
+    check_results(np.float32, q, k, v, dout, opts, out, lse, grads, dlse=dlse)
+
+
+def test_no_dlse_is_zero_dlse_bit_for_bit():
+    N, M, q_chunks, k_chunk = CHUNKINGS["N>M"]
+    opts = _cases(N, M)["mask_nvm_tau_beta"]
+    q, k, v, dout = _inputs(np.float32, N, M)
+    none = _run(q, k, v, dout, opts, q_chunks, k_chunk)[2]
+    zeros = _run(q, k, v, dout, opts, q_chunks, k_chunk, dlse=np.zeros(q.shape[:3], np.float32))[2]
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(none, field), getattr(zeros, field), err_msg=field)
 
 
 @pytest.mark.parametrize("M, key_chunk", [(9, 1), (1, 1)])
@@ -166,6 +195,8 @@ def test_bad_options_raise_before_any_task():
         enpd.attention(q, q, q, threads_per_task=0)
     with pytest.raises(ValueError, match="`lse` must have shape"):
         enpd.attention_backward(q, q, q, q, q, q, backend="reference")
+    with pytest.raises(ValueError, match="`dlse` must have shape"):
+        enpd.attention_backward(q, q, q, q, q, q[..., 0], dlse=q, backend="reference")
 
 
 def test_nan_in_a_chunk_raises_when_computed():

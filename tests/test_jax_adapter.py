@@ -80,6 +80,24 @@ class TestCheckGrads:
         check_grads(lambda x: jax_call({**arrays, name: x}, fixed), (jnp.asarray(arrays[name]),),
                     order=1, modes=["rev"])
 
+    @pytest.mark.parametrize("case", CASES)
+    def test_out_and_lse_together(self, x64, case):
+        arrays, fixed = make_case(case, seed=3)
+
+        def f(*values):
+            return jax_call(dict(zip(LEARNED, values)), fixed, return_lse=True)
+
+        check_grads(f, tuple(jnp.asarray(arrays[n]) for n in LEARNED), order=1, modes=["rev"])
+
+    @pytest.mark.parametrize("case", CASES)
+    def test_lse_alone(self, x64, case):
+        arrays, fixed = make_case(case, seed=4)
+
+        def f(*values):
+            return jax_call(dict(zip(LEARNED, values)), fixed, return_lse=True)[1]
+
+        check_grads(f, tuple(jnp.asarray(arrays[n]) for n in LEARNED), order=1, modes=["rev"])
+
     def test_under_jit_the_gradients_are_the_same(self, x64):
         arrays, fixed = make_case(CASES[1], seed=2)
         args = tuple(jnp.asarray(arrays[n]) for n in LEARNED)
@@ -125,6 +143,22 @@ class TestFloat32:
             want = np.asarray(getattr(grads, "d" + name), dtype=np.float32).reshape(arrays[name].shape)
             np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
 
+    def test_lse_gradients_are_the_numpy_entry_points_bits(self):
+        arrays, fixed = make_case(CASES[1], dtype=np.float32)
+        args = {n: jnp.asarray(a) for n, a in arrays.items()}
+        (out, lse), vjp = jax.vjp(lambda a: jax_call(a, fixed, return_lse=True), args)
+        rng = np.random.default_rng(6)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        dlse = rng.standard_normal(lse.shape).astype(np.float32)
+        (got,) = vjp((jnp.asarray(dout), jnp.asarray(dlse)))
+
+        options = numpy_options(arrays, fixed)
+        grads = enp.attention_backward(dout, arrays["q"], arrays["k"], arrays["v"], np.asarray(out),
+                                       np.asarray(lse), dlse=dlse, backend="cpu", **options)
+        for name in LEARNED:
+            want = np.asarray(getattr(grads, "d" + name), dtype=np.float32).reshape(arrays[name].shape)
+            np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
+
     def test_training_step_gives_finite_gradients(self):
         arrays, fixed = make_case(CASES[0], dtype=np.float32)
         params = {"raw_tau": jnp.zeros(4), "log_beta": jnp.zeros(4), "log_sigma": jnp.zeros(4)}
@@ -142,14 +176,19 @@ class TestFloat32:
         stepped = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
         assert loss(stepped) < value
 
-    def test_lse_carries_no_gradient_and_the_forward_runs_once(self, monkeypatch):
+    def test_lse_gradient_and_the_forward_runs_once(self, monkeypatch):
         calls = []
         real = _dispatch.attention
         monkeypatch.setattr(_dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
         q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, 6, 4))
-        out, vjp = jax.vjp(lambda q: enpj.attention(q, k, v, return_lse=True), q)
-        (dq,) = vjp((jnp.zeros_like(out[0]), jnp.ones_like(out[1])))
-        assert len(calls) == 1 and not np.asarray(dq).any()
+        (out, lse), vjp = jax.vjp(lambda q: enpj.attention(q, k, v, return_lse=True), q)
+        (dq,) = vjp((jnp.zeros_like(out), jnp.ones_like(lse)))
+        assert len(calls) == 1
+        qn, kn, vn = (np.asarray(x) for x in (q, k, v))
+        want = enp.attention_backward(np.zeros(out.shape, np.float32), qn, kn, vn, np.asarray(out),
+                                      np.asarray(lse), dlse=np.ones(lse.shape, np.float32), backend="cpu")
+        np.testing.assert_array_equal(np.asarray(dq), want.dq)
+        assert np.abs(want.dq).max() > 0
 
     def test_vmap_maps_over_a_leading_axis(self):
         arrays, fixed = make_case(CASES[0], dtype=np.float32)

@@ -88,8 +88,13 @@ CASES = {
 }
 
 
-def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
-    """Hand-derived gradients of every input against central differences."""
+def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6, with_lse=False):
+    """Hand-derived gradients of every input against central differences.
+
+    ``with_lse``: the loss also takes ``sum(dlse * lse)`` with a random
+    ``dlse``, given to the backward. A row with ``lse = -inf`` enters that
+    term as 0, constant (the contract's rule for such a row).
+    """
     margin = 1e-4 if options.get("nvm") else None
     q, k, v = make_qkv(seed, **shape, nvm_margin=margin, options=options)
     window = options.get("dynamic_window")
@@ -108,15 +113,20 @@ def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
         dyn = None if sigma is None else enp.DynamicWindow(sigma, window.sharpness, window.threshold)
         if bias is not None:
             bias = np.where(removed, -np.inf, bias)
-        return ref.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dyn, bias=bias, **fixed)[0]
+        out, lse = ref.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dyn, bias=bias, **fixed)
+        if not with_lse:
+            return out
+        return np.concatenate([out.ravel(), np.where(np.isneginf(lse), 0.0, lse).ravel()])
 
     if window is not None:
         inputs["sigma"] = np.array(window.sigma)
     if "bias" in options:
         inputs["bias"] = np.where(removed, 0.0, options["bias"])
-    out, lse = fn(**inputs), ref.attention(q, k, v, **options)[1]
-    dout = np.random.default_rng(seed + 100).standard_normal(out.shape)
-    grads = ref.attention_backward(dout, q, k, v, out, lse, **options)
+    out, lse = ref.attention(q, k, v, **options)
+    rng = np.random.default_rng(seed + 100)
+    dout = rng.standard_normal(out.shape)
+    dlse = rng.standard_normal(lse.shape) if with_lse else None
+    grads = ref.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
     claimed = {"q": grads.dq, "k": grads.dk, "v": grads.dv, "tau": grads.dtau}
     if check_beta:
         claimed["beta"] = grads.dbeta
@@ -127,7 +137,8 @@ def check_gradients(options, seed=0, shape=SHAPE, rtol=1e-6):
         assert grads.dbias.shape == np.shape(options["bias"])
     else:
         assert grads.dbias is None
-    report = gradcheck(fn, inputs, claimed, dout=dout, rtol=rtol)
+    cotangent = np.concatenate([dout.ravel(), dlse.ravel()]) if with_lse else dout
+    report = gradcheck(fn, inputs, claimed, dout=cotangent, rtol=rtol)
     assert report
     return grads
 
@@ -137,16 +148,23 @@ class TestAttentionBackward:
     def test_gradients_match_finite_differences(self, case):
         check_gradients(CASES[case])
 
-    @pytest.mark.parametrize("N, M", [(1, 6), (6, 1), (7, 4), (1, 1)])
-    def test_lengths_and_causal_alignment(self, N, M):
-        shape = dict(SHAPE, N=N, M=M)
-        check_gradients({"causal": True, "beta": 0.5, "tau": 0.7}, shape=shape)
-        check_gradients({"window_size": (1, 0), "dynamic_window": enp.DynamicWindow(0.8)}, shape=shape)
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_lse_gradients_match_finite_differences(self, case):
+        check_gradients(CASES[case], with_lse=True)
 
-    def test_multi_query_heads(self):
-        check_gradients({"nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1))
+    @pytest.mark.parametrize("with_lse", [False, True])
+    @pytest.mark.parametrize("N, M", [(1, 6), (6, 1), (7, 4), (1, 1)])
+    def test_lengths_and_causal_alignment(self, N, M, with_lse):
+        shape = dict(SHAPE, N=N, M=M)
+        check_gradients({"causal": True, "beta": 0.5, "tau": 0.7}, shape=shape, with_lse=with_lse)
+        check_gradients({"window_size": (1, 0), "dynamic_window": enp.DynamicWindow(0.8)}, shape=shape,
+                        with_lse=with_lse)
+
+    @pytest.mark.parametrize("with_lse", [False, True])
+    def test_multi_query_heads(self, with_lse):
+        check_gradients({"nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1), with_lse=with_lse)
         check_gradients({"softcap": 1.0, "alibi_slopes": SLOPES[:3], "bias": BIAS_FULL[:, :3],
-                         "nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1))
+                         "nvm": True, "beta": 0.4}, shape=dict(SHAPE, H=3, Hkv=1), with_lse=with_lse)
 
     @pytest.mark.parametrize("shape", [(), (7,), (1, 7), (4, 1, 1), (2, 1, 5, 1), (1, 4, 5, 7)])
     def test_bias_gradient_in_the_bias_shape(self, shape):
@@ -184,6 +202,61 @@ class TestAttentionBackward:
         np.testing.assert_array_equal(g.dq[0], 0.0)
         if beta:
             check_gradients(options)
+
+    @pytest.mark.parametrize("beta", [0.0, 0.7, [0.0, 0.7, 0.0, 1.5]])
+    def test_lse_gradient_of_empty_rows(self, beta):
+        # Batch 0 keeps nothing. With beta > 0 its lse = log(beta) takes dlse / beta into
+        # dbeta; with beta = 0 its lse = -inf takes no gradient at all, whatever dlse.
+        q, k, v = make_qkv(4)
+        options = {"kv_lengths": np.array([0, 7]), "causal": True, "beta": np.asarray(beta)}
+        out, lse = ref.attention(q, k, v, **options)
+        rng = np.random.default_rng(1)
+        dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            g = ref.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
+        for grad in (g.dq, g.dk, g.dv, g.dtau, g.dbeta):
+            assert np.isfinite(grad).all()
+        for grad in (g.dq, g.dk, g.dv):
+            np.testing.assert_array_equal(grad[0], 0.0)
+        delta = np.sum(dout * out, axis=-1) - dlse
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = -np.where(np.isneginf(lse), 0.0, delta * np.exp(-lse)).sum(axis=(0, 2))
+        np.testing.assert_allclose(g.dbeta, want if np.ndim(beta) else want.sum(), rtol=1e-13)
+        empty_heads = np.broadcast_to(np.asarray(beta) == 0, (4,))
+        assert np.isneginf(lse[0, empty_heads]).all()
+        if np.all(np.asarray(beta) > 0):
+            check_gradients(options, with_lse=True)
+
+    def test_lse_cotangent_enters_through_delta(self):
+        # Every gradient with dlse is the one with delta - dlse in place of delta; dv has no delta.
+        q, k, v = make_qkv(7)
+        options = {"causal": True, "tau": 0.8, "beta": np.array([0.2, 0.5, 1.0, 0.0]),
+                   "dynamic_window": enp.DynamicWindow(0.9, sharpness=2.0), "bias": BIAS_FULL}
+        out, lse = ref.attention(q, k, v, **options)
+        rng = np.random.default_rng(2)
+        dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+        with_dlse = ref.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
+        without = ref.attention_backward(dout, q, k, v, out, lse, **options)
+        np.testing.assert_array_equal(with_dlse.dv, without.dv)
+        p = enp._options.prepare(q, k, v, **options)
+        probs, delta = ref._score_gradient(p, dout, out, lse, dlse)[4:6]
+        np.testing.assert_allclose(delta, np.sum(dout * out, axis=-1) - dlse, rtol=1e-15)
+        lse_only = ref.attention_backward(np.zeros_like(dout), q, k, v, out, lse, dlse=dlse, **options)
+        # d lse_i / d z_ij = p_ij: with dout = 0, dz = p dlse and dbias = dz / tau
+        np.testing.assert_allclose(lse_only.dbias, probs * dlse[..., None] / 0.8, rtol=1e-13)
+        np.testing.assert_array_equal(lse_only.dv, 0.0)
+        np.testing.assert_allclose(lse_only.dbeta, np.sum(dlse * np.exp(-lse), axis=(0, 2)), rtol=1e-13)
+
+    def test_no_dlse_is_zero_dlse_bit_for_bit(self):
+        q, k, v = make_qkv(8)
+        options = CASES["combined"]
+        out, lse = ref.attention(q, k, v, **options)
+        dout = np.random.default_rng(3).standard_normal(out.shape)
+        none = ref.attention_backward(dout, q, k, v, out, lse, dlse=None, **options)
+        zeros = ref.attention_backward(dout, q, k, v, out, lse, dlse=np.zeros_like(lse), **options)
+        for field in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma"):
+            np.testing.assert_array_equal(getattr(none, field), getattr(zeros, field), err_msg=field)
 
     @pytest.mark.parametrize("B, N, M", [(1, 3, 0), (1, 0, 3), (0, 2, 3)])
     def test_empty_dimensions(self, B, N, M):

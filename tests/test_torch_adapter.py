@@ -78,6 +78,27 @@ class TestGradcheck:
 
         assert torch.autograd.gradcheck(f, (inputs[name],))
 
+    @pytest.mark.parametrize("case", CASES)
+    def test_out_and_lse_together(self, case):
+        arrays, fixed = make_case(case, seed=3)
+        inputs = tensors(arrays)
+
+        def f(*values):
+            return torch_call(dict(zip(LEARNED, values)), fixed, return_lse=True)
+
+        assert torch.autograd.gradcheck(f, tuple(inputs[n] for n in LEARNED))
+
+    @pytest.mark.parametrize("case", CASES)
+    def test_lse_alone(self, case):
+        # out takes no part in the loss: its cotangent is None in the backward
+        arrays, fixed = make_case(case, seed=4)
+        inputs = tensors(arrays)
+
+        def f(*values):
+            return torch_call(dict(zip(LEARNED, values)), fixed, return_lse=True)[1]
+
+        assert torch.autograd.gradcheck(f, tuple(inputs[n] for n in LEARNED))
+
     def test_against_the_reference_backend(self):
         arrays, fixed = make_case(CASES[0], seed=2)
         kernel = tensors(arrays)
@@ -103,12 +124,35 @@ class TestFloat32:
         grads = enp.attention_backward(dout, arrays["q"], arrays["k"], arrays["v"], want_out,
                                        want_lse, backend="cpu", **options)
         np.testing.assert_array_equal(out.detach().numpy(), want_out)
-        np.testing.assert_array_equal(lse.numpy(), want_lse)
+        np.testing.assert_array_equal(lse.detach().numpy(), want_lse)
         for name in LEARNED:
             got = inputs[name].grad
             assert got.dtype == torch.float32 and got.shape == inputs[name].shape, name
             want = np.asarray(getattr(grads, "d" + name), dtype=np.float32)
             np.testing.assert_array_equal(got.numpy(), want.reshape(got.shape), err_msg=name)
+
+    @pytest.mark.parametrize("used", ["out and lse", "lse"])
+    def test_lse_gradients_are_the_numpy_entry_points_bits(self, used):
+        arrays, fixed = make_case(CASES[0], dtype=np.float32)
+        inputs = tensors(arrays)
+        out, lse = torch_call(inputs, fixed, return_lse=True)
+        rng = np.random.default_rng(6)
+        dout = rng.standard_normal(out.shape).astype(np.float32) * (used == "out and lse")
+        dlse = rng.standard_normal(lse.shape).astype(np.float32)
+        if used == "lse":
+            lse.backward(torch.from_numpy(dlse))
+        else:
+            torch.autograd.backward([out, lse], [torch.from_numpy(dout), torch.from_numpy(dlse)])
+
+        options = numpy_options(arrays, fixed)
+        want_out, want_lse = enp.attention(arrays["q"], arrays["k"], arrays["v"], return_lse=True,
+                                           backend="cpu", **options)
+        grads = enp.attention_backward(dout, arrays["q"], arrays["k"], arrays["v"], want_out,
+                                       want_lse, dlse=dlse, backend="cpu", **options)
+        for name in LEARNED:
+            want = np.asarray(getattr(grads, "d" + name), dtype=np.float32)
+            np.testing.assert_array_equal(inputs[name].grad.numpy(), want.reshape(arrays[name].shape),
+                                          err_msg=name)
 
     def test_training_step_gives_finite_gradients_and_moves_the_parameters(self):
         torch.manual_seed(0)
@@ -192,14 +236,28 @@ class TestTensors:
         assert inputs["v"].grad is not None and inputs["beta"].grad is not None
         assert all(inputs[n].grad is None for n in ("q", "k", "tau", "sigma", "bias"))
 
-    def test_python_numbers_and_lse_without_gradient(self):
+    def test_python_numbers_and_lse(self):
         q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
         out, lse = enpt.attention(q, k, v, tau=0.5, beta=1.0, return_lse=True)
         want_out, want_lse = enp.attention(q.detach().numpy(), k.detach().numpy(),
                                            v.detach().numpy(), tau=0.5, beta=1.0,
                                            return_lse=True, backend="cpu")
         assert torch.equal(out.detach(), torch.from_numpy(want_out))
-        assert torch.equal(lse, torch.from_numpy(want_lse)) and not lse.requires_grad
+        assert torch.equal(lse.detach(), torch.from_numpy(want_lse)) and lse.requires_grad
+
+    def test_empty_rows_give_finite_lse_gradients(self):
+        # Batch 0 keeps nothing: lse = log(beta), -inf for head 0 with beta = 0, which
+        # takes no gradient; head 1 takes dbeta = sum exp(-lse) from every row.
+        q, k, v = (torch.randn(2, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        beta = torch.tensor([0.0, 0.5], dtype=torch.float64, requires_grad=True)
+        out, lse = enpt.attention(q, k, v, beta=beta, kv_lengths=torch.tensor([0, 3]), return_lse=True)
+        assert torch.isneginf(lse[0, 0]).all()
+        lse.backward(torch.ones_like(lse))
+        for x in (q, k, v, beta):
+            assert torch.isfinite(x.grad).all()
+        assert not q.grad[0].any() and q.grad[1].any()
+        want = torch.exp(-lse[1, 0]).sum(), torch.exp(-lse[:, 1]).sum()
+        torch.testing.assert_close(beta.grad, torch.stack(want).detach(), rtol=1e-13, atol=0)
 
     @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
     def test_no_grad_and_inference_mode(self, mode):

@@ -7,14 +7,14 @@ from elastic_np._options import prepare
 from elastic_np.reference._attention import _attention_logits, _attention_options, _log_tanh_slope, _without_padding
 
 
-def attention_backward(dout, q, k, v, out, lse, **options):
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
     r"""Hand-derived backward of `attention`: gradients for ``q, k, v, tau, beta, sigma, bias``.
 
     With :math:`p_{ij} = e^{z_{ij} - \mathrm{lse}_i}` on kept entries:
 
     .. math::
 
-        dP_{ij} = dout_i \cdot v_j, \quad \delta_i = dout_i \cdot out_i, \quad
+        dP_{ij} = dout_i \cdot v_j, \quad \delta_i = dout_i \cdot out_i - dlse_i, \quad
         dz_{ij} = p_{ij}(dP_{ij} - \delta_i), \quad ds_{ij} = dz_{ij}/\tau_h
 
     .. math::
@@ -44,6 +44,9 @@ def attention_backward(dout, q, k, v, out, lse, **options):
         ``lse`` may be ``-inf``) are checked, not that they are what the
         forward returned for these inputs: an inconsistent ``lse`` (``-inf``
         for a row that keeps entries, say) gives meaningless gradients.
+    dlse : array_like, shape (B, H, N), optional
+        Cotangent of ``lse``; None (default) stands for zeros. A row with
+        ``lse = -inf`` takes no gradient from it.
     **options
         The same options as the forward.
 
@@ -58,7 +61,7 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     Raises
     ------
     TypeError, ValueError
-        As for `attention`, and for ``dout``, ``out``, ``lse`` of the wrong
+        As for `attention`, and for ``dout``, ``out``, ``lse``, ``dlse`` of the wrong
         shape or with NaN or inf (``lse`` may be ``-inf``: an empty row with ``beta = 0``).
 
     Examples
@@ -73,18 +76,22 @@ def attention_backward(dout, q, k, v, out, lse, **options):
     ((1, 2, 3, 4), 'float')
     """
     p = prepare(q, k, v, **_attention_options(options, "attention_backward"))
-    dout, out, lse = check_backward_arrays(p, dout, out, lse, dtype=np.float64)
-    return _backward(p, dout, out, lse)
+    dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
+    return _backward(p, dout, out, lse, dlse)
 
 
-def check_backward_arrays(p, dout, out, lse, dtype=None):
-    """Validate ``dout``, ``out``, ``lse`` against the problem's shapes.
+def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
+    """Validate ``dout``, ``out``, ``lse`` and ``dlse`` against the problem's shapes.
 
     ``dtype=None`` requires the problem's dtype (the kernels); a dtype
-    converts to it (the reference).
+    converts to it (the reference). Returns ``(dout, out, lse, dlse)``,
+    ``dlse`` None when it was.
     """
+    named = list(zip(p.backward_shapes, (dout, out, lse)))
+    if dlse is not None:
+        named.append((("dlse", p.backward_shapes[2][1]), dlse))
     arrays = []
-    for (name, shape), a in zip(p.backward_shapes, (dout, out, lse)):
+    for (name, shape), a in named:
         a = np.asarray(a)
         _validation.check_real_float_dtype(a, name)
         if a.shape != shape:
@@ -95,16 +102,16 @@ def check_backward_arrays(p, dout, out, lse, dtype=None):
         if bad.any():
             raise ValueError(f"`{name}` contains NaN or inf")
         arrays.append(a.astype(dtype, copy=False) if dtype is not None else a)
-    return arrays
+    return (*arrays, None) if dlse is None else tuple(arrays)
 
 
-def _backward(p, dout, out, lse):
+def _backward(p, dout, out, lse, dlse=None):
     """The gradients in the dtype of ``p.q``, as `AttentionGrads`; ``dbeta`` in float64 (see `sink_gradient`)."""
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.q.dtype
     t = dtype.type
     p = _without_padding(p)
-    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse)
+    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse, dlse)
     k = np.repeat(p.k, p.group_size, axis=1)
     ds = dz / p.tau.astype(dtype)[:, None, None]  # d loss / d s, the final score: also dbias
     ds_raw = ds if cap_slope is None else ds * cap_slope
@@ -124,12 +131,13 @@ def _backward(p, dout, out, lse):
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
 
 
-def _score_gradient(p, dout, out, lse):
+def _score_gradient(p, dout, out, lse, dlse=None):
     """The forward recomputed from ``lse`` and ``dz = d loss / d z``, the gradient of the logits.
 
     Returns ``(s, keep, gate, cap_slope, probs, delta, dz)``: `_attention_logits`'s
-    terms, ``p = exp(z - lse)`` on kept entries, ``delta = dout . out`` and
-    ``dz = p (dout . v - delta)``, in the dtype of ``p.q``.
+    terms, ``p = exp(z - lse)`` on kept entries, ``delta = dout . out - dlse``
+    (``dlse`` None: ``dout . out``) and ``dz = p (dout . v - delta)``, in the
+    dtype of ``p.q``.
     """
     s, z, keep, gate, cap_slope = _attention_logits(p)
     with np.errstate(invalid="ignore"):
@@ -137,6 +145,8 @@ def _score_gradient(p, dout, out, lse):
     v = np.repeat(p.v, p.group_size, axis=1)
     dP = dout @ np.swapaxes(v, -1, -2)
     delta = np.sum(dout * out, axis=-1)
+    if dlse is not None:
+        delta = delta - dlse  # d lse_i / d z_ij = p_ij: the lse term joins the row's delta
     dz = probs * (dP - delta[..., None])  # zero where not kept, since probs is
     return s, keep, gate, cap_slope, probs, delta, dz
 

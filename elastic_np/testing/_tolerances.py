@@ -58,8 +58,11 @@ def naive_forward(q, k, v, options, dtype):
     return out, lse, (p, s, keep, probs, kk, vv, gate, cap_slope)
 
 
-def naive_backward(dout, out, lse, cache, dtype):
-    """The contract's backward, every operation in ``dtype``; returns a dict of gradients."""
+def naive_backward(dout, out, lse, cache, dtype, dlse=None):
+    """The contract's backward, every operation in ``dtype``; returns a dict of gradients.
+
+    ``dlse``, the cotangent of ``lse`` (None: zeros), enters as ``delta - dlse``.
+    """
     dtype = np.dtype(dtype)
     t = dtype.type
     p, s, keep, probs, kk, vv, gate, cap_slope = cache
@@ -68,6 +71,8 @@ def naive_backward(dout, out, lse, cache, dtype):
     tau = p.tau.astype(dtype)[:, None, None]
     dP = dout @ np.swapaxes(vv, -1, -2)
     delta = np.sum(dout * out, axis=-1)
+    if dlse is not None:
+        delta = delta - np.asarray(dlse, dtype=dtype)
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
     ds_raw = ds if cap_slope is None else ds * cap_slope
@@ -77,7 +82,7 @@ def naive_backward(dout, out, lse, cache, dtype):
     dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
     dtau = -np.sum(np.where(keep, dz * s, t(0)), axis=(0, 2, 3)) / (tau[:, 0, 0] ** 2)
     with np.errstate(over="ignore", invalid="ignore"):
-        per_row = np.where(delta == 0, t(0), delta * np.exp(-lse))
+        per_row = np.where((delta == 0) | np.isneginf(lse), t(0), delta * np.exp(-lse))
     dbeta = -per_row.sum(axis=(0, 2))
     grads = {
         "dq": dq, "dk": dk, "dv": dv,
@@ -96,7 +101,7 @@ def naive_backward(dout, out, lse, cache, dtype):
     return grads
 
 
-def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0):
+def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=None):
     """`naive_forward` and `naive_backward` in several summation orders.
 
     An evaluation in float32 has no preferred order of its sums, so the
@@ -104,6 +109,7 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0):
     a few equally valid ones: the head dimensions of ``q, k`` (and of ``v,
     dout``) are permuted together, which changes the rounding of every dot
     product and nothing else. The first ordering is the given one.
+    ``dlse`` is the cotangent of ``lse``, if any.
 
     Returns
     -------
@@ -118,14 +124,14 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0):
         pd = np.arange(D) if n == 0 else rng.permutation(D)
         pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
         out, lse, cache = naive_forward(q[..., pd], k[..., pd], v[..., pv], options, dtype)
-        grads = naive_backward(np.asarray(dout)[..., pv], out, lse, cache, dtype)
+        grads = naive_backward(np.asarray(dout)[..., pv], out, lse, cache, dtype, dlse)
         ipd, ipv = np.argsort(pd), np.argsort(pv)
         grads.update(dq=grads["dq"][..., ipd], dk=grads["dk"][..., ipd], dv=grads["dv"][..., ipv])
         results.append(dict(grads, out=out[..., ipv], lse=lse))
     return results
 
 
-def summation_allowance(q, k, v, dout, options):
+def summation_allowance(q, k, v, dout, options, dlse=None):
     """The rounding allowance of the gradients that are one cancelling sum.
 
     ``dtau``, ``dbeta``, ``dsigma`` and a broadcast ``dbias`` each sum terms
@@ -133,6 +139,7 @@ def summation_allowance(q, k, v, dout, options):
     ``dz * dlogG/dsigma``, ``ds``) that cancel (``sum_j dz_ij = 0`` when
     ``beta = 0``): the rounding of a float32 evaluation of such a sum is of
     the order of ``eps * sum |terms|``, not of the size of the result.
+    ``dlse`` is the cotangent of ``lse``, if any (``delta`` is then ``delta - dlse``).
 
     Returns
     -------
@@ -145,9 +152,11 @@ def summation_allowance(q, k, v, dout, options):
     out, lse = reference._forward(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         s, keep, gate, _, probs, delta, dz = reference._score_gradient(
-            reference._without_padding(p), dout, out, lse)
+            reference._without_padding(p), dout, out, lse,
+            None if dlse is None else np.asarray(dlse, dtype=np.float64))
         dtau = np.sum(np.abs(reference._dtau_terms(s, probs, dz)), axis=(0, 2, 3)) / p.tau**2
-        dbeta = np.sum(np.abs(np.where(delta == 0, 0.0, delta * np.exp(-lse))), axis=(0, 2))
+        dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta * np.exp(-lse))
+        dbeta = np.sum(np.abs(dbeta_terms), axis=(0, 2))
         dsigma = None
         if gate is not None:
             dlogg = reference._dlog_gate(p, *gate)
