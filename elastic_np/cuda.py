@@ -174,6 +174,14 @@ def _decode():
     return _cuda_decode
 
 
+def _backward():
+    """`elastic_np._cuda_backward` (the backward's dq, dk/dv and delta kernels), imported on first use."""
+    _kernels()
+    from elastic_np import _cuda_backward
+
+    return _cuda_backward
+
+
 def _simulator():
     from numba import config as numba_config
 
@@ -322,14 +330,10 @@ def _forward_geometry(threads, tile):
 
 
 def _shared_elements(kind, threads, tile, D, Dv):
-    """Elements of dynamic shared memory one block of ``kind`` uses (see the kernels' layouts)."""
-    if kind == "forward":
-        block_m, tpr = _forward_geometry(threads, tile)
-        width = min(max(Dv, 1), tpr * config.ACC_COLS)
-        return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
-    if kind == "dq":
-        return 2 * threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv) + 3 * threads
-    return 2 * threads * (D + 1) + 2 * threads * (Dv + 1) + tile * (D + Dv + 2)  # dkdv
+    """Elements of dynamic shared memory one forward block uses (``kind="forward"``; see its layout)."""
+    block_m, tpr = _forward_geometry(threads, tile)
+    width = min(max(Dv, 1), tpr * config.ACC_COLS)
+    return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
 
 
 def _forward_tiles(itemsize, D, Dv):
@@ -360,24 +364,10 @@ def _forward_tiles(itemsize, D, Dv):
 
 
 def _tiles(kind, itemsize, D, Dv):
-    """``(threads, tile)`` for ``kind`` from the config, halved until the shared memory fits."""
-    if kind == "forward":
-        return _forward_tiles(itemsize, D, Dv)
-    threads, tile = {
-        "dq": (config.DQ_BLOCK_M, config.DQ_BLOCK_N),
-        "dkdv": (config.DKDV_BLOCK_N, config.DKDV_BLOCK_M),
-    }[kind]
-    while _shared_elements(kind, threads, tile, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
-        if tile > 1:
-            tile //= 2
-        elif threads > 1:
-            threads //= 2
-        else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
-    return threads, tile
+    """``(threads, key tile)`` of the forward (``kind="forward"``; the backward's are `elastic_np._cuda_backward.tiles`)."""
+    if kind != "forward":
+        raise ValueError(f"no tiles of kind {kind!r} here")
+    return _forward_tiles(itemsize, D, Dv)
 
 
 def _window_band(p):
@@ -554,8 +544,9 @@ def backward(p, dout, out, lse):
     dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)
     dv = cuda.device_array((B, Hkv, M, Dv), dtype=dtype)
     delta = cuda.device_array((B, H, N), dtype=dtype)
-    dq_threads, dq_tile = _tiles("dq", dtype.itemsize, D, Dv)
-    partials = np.zeros((B, H, _blocks(N, dq_threads), kern.P_COUNT), dtype=dtype)
+    backward_kernels = _backward()
+    dq_rows = backward_kernels.tiles("dq", dtype.itemsize, D, Dv)[1]
+    partials = np.zeros((B, H, _blocks(N, dq_rows), kern.P_COUNT), dtype=dtype)
     dbias = None
     if B * H * max(N, M) > 0:
         o = _launch_options(p)
@@ -564,24 +555,13 @@ def backward(p, dout, out, lse):
         if compact is not None:
             # full: the dq kernel writes every entry; broadcast: one entry per block below
             dbias = cuda.device_array(compact if full else math.prod(compact), dtype=dtype)
-        common = (
-            q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"],
-            o["bh_consts"], o["bias"],
+        partials_dev = cuda.device_array(partials.shape, dtype=dtype)
+        backward_kernels.launch(
+            cuda, p, o, q, k, v, dout, out, lse, dq, dk, dv, delta, partials_dev,
+            dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
         )
         if N > 0:
-            partials_dev = cuda.device_array(partials.shape, dtype=dtype)
-            shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
-            kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
-                *common, dq_tile, dout, out, lse, dq, delta, partials_dev,
-                dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
-            )
             partials = partials_dev.copy_to_host()
-        if M > 0:
-            threads, tile = _tiles("dkdv", dtype.itemsize, D, Dv)
-            shared = _shared_elements("dkdv", threads, tile, D, Dv) * dtype.itemsize
-            kern._backward_dkdv_kernel[_blocks(M, threads) * B * Hkv, threads, 0, shared](
-                *common, tile, dout, lse, delta, dk, dv
-            )
         if compact is not None and not full:
             if N * M > 0:
                 # the broadcast entries one compact entry stands for
