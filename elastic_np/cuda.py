@@ -1,7 +1,10 @@
 """The numba.cuda backend: tiled attention kernels, forward and backward.
 
 Selected with ``backend="cuda"`` (or ``"auto"`` when a GPU is usable). The
-kernels live in `elastic_np._cuda_kernels`, their tunables in
+kernels live in `elastic_np._cuda_kernels` (the flash forward, the broadcast
+``dbias``), `elastic_np._cuda_decode` (decoding) and
+`elastic_np._cuda_backward` (``dq``, ``dk``, ``dv``), the device functions
+they share in `elastic_np._cuda_device`, their tunables in
 `elastic_np._cuda_config`; this module holds the host functions that
 validate, allocate and launch. Importing `elastic_np` never imports
 ``numba.cuda``: this module imports it on first use.
@@ -34,25 +37,35 @@ rounding, not two through a reciprocal. ``elastic_np.cuda.resources()``
 reports each kernel's registers, local memory and spills from the compiled
 code (see the performance page).
 
-Backward, recomputing the probabilities from ``lse``:
+Decoding (1 to ``DECODE_MAX_QUERIES`` queries per sequence,
+`elastic_np._cuda_decode`): the query heads of a GQA group are stacked so
+that each K/V tile staged in shared memory serves all of them; the keys are
+split across blocks (split-KV) when the (batch, kv head) blocks alone are too
+few to fill the GPU, the number of splits depending on the shape and the
+config only; a second kernel merges the partial ``(max, sum, acc)`` in split
+order and adds ``beta`` once. Same bits on every run.
 
+Backward (`elastic_np._cuda_backward`), FlashAttention-2 partitioning,
+recomputing the probabilities from ``lse``:
+
+- ``delta = dout . out`` per row: ``_backward_delta_kernel``, first.
 - ``dk``, ``dv``: ``_backward_dkdv_kernel``, one block per (batch * kv head,
-  key tile), one thread per key, looping over the group's query heads and the
-  query tiles that can see the key tile. Each ``dk``/``dv`` row has a single
-  owner, so there are no atomics and the summation order is fixed.
+  key tile), looping over the group's query heads and the query tiles that
+  can see the key tile, ``s``, ``dp`` and the ``dk``/``dv`` accumulators in
+  register micro-tiles. Each ``dk``/``dv`` entry has a single owner thread,
+  so there are no atomics and the summation order is fixed.
 - ``dq``: a second kernel, ``_backward_dq_kernel``, one block per (batch *
-  head, query tile), one thread per query row, looping over key tiles. This
+  head, query tile), laid out like the forward, looping over key tiles. This
   costs a second recomputation of the scores but keeps ``dq`` free of atomics
   too (float atomics would make ``dq`` depend on scheduling) and needs no
   extra ``(B, H, N, D)`` buffer per key tile.
-- ``dtau``, ``dbeta``, ``dsigma``: every ``dq`` block adds its rows' terms in
-  row order (compensated sums, so a float32 kernel loses nothing to the
-  length of the sum) and writes one partial per (batch, head, query tile);
-  the host sums these few numbers in float64 in a fixed order. The result is
-  deterministic, the partials are tiny next to ``q``, and the scalars must
-  come back to the host anyway (they are returned as floats or small NumPy
-  arrays). The ``dq`` kernel also writes ``delta = dout . out`` per row, which
-  the ``dk``/``dv`` kernel, launched after it, reads.
+- ``dtau``, ``dsigma``: the ``dq`` kernel keeps compensated sums per (row,
+  lane), adds them in a fixed order and writes one partial per (batch, head,
+  query tile); the host sums these few numbers in float64 in a fixed order.
+  The result is deterministic, the partials are tiny next to ``q``, and the
+  scalars must come back to the host anyway (they are returned as floats or
+  small NumPy arrays). ``dbeta`` is formed on the host from ``delta`` and
+  ``lse``.
 
 Score modifiers: every kernel builds the score in the contract's order
 (scaled dot product, soft-cap, ALiBi, bias, then NVM on the final score), the
@@ -68,7 +81,7 @@ atomics:
 - a full ``(B, H, N, M)`` bias: the ``dq`` kernel, whose threads own query
   rows, writes ``ds`` straight into ``dbias`` (each entry has one writer,
   under GQA too, since query heads are distinct); no extra pass.
-- a broadcast bias: ``_backward_dbias_kernel``, launched after the ``dq``
+- a broadcast bias: ``_backward_dbias_kernel``, launched after the delta
   kernel (it reads ``delta``), one block per entry of the bias's compact
   shape (``dbias`` is allocated in that shape, never ``(B, H, N, M)``); its
   threads recompute ``ds`` for the entries the bias entry stands for, in a
@@ -90,8 +103,8 @@ GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
 plain attention in the same run; ``--json FILE`` also times the decoding
 shapes (`DECODE_SHAPES`) and writes everything, with the GPU, driver and
 library versions, to ``FILE`` (`elastic_np._cuda_bench`). The speed of the
-flash forward on a GPU is unmeasured (it was written on machines without
-one). ``--resources`` prints each kernel's registers, local memory, spills
+flash forward, the decode kernel and the backward on a GPU is unmeasured
+(they were written on machines without one). ``--resources`` prints each kernel's registers, local memory, spills
 and shared memory from the compiled code, no GPU needed.
 
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
