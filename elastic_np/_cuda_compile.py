@@ -42,8 +42,9 @@ def _signatures(dtype):
     bh_consts_bias = (arr(3), arr(1))
     return {
         "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
+        "_backward_delta_kernel": (arr(4), arr(4), arr(3), arr(1), arr(3)),
         "_backward_dq_kernel": common + bh_consts_bias
-        + (nbt.int64, arr(4), arr(4), arr(3), arr(3), arr(4), arr(3), arr(4), arr(4)),
+        + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4), arr(4)),
         "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
         "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
         + (arr(4), arr(3), arr(3), arr(1)),
@@ -155,16 +156,20 @@ def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
     Returns
     -------
     dict of str to (int, int, int)
-        Kernel name to ``(threads per block, tile, bytes)``; the dbias kernel's
-        is its bound (``DBIAS_THREADS`` threads); the decode kernel's tile is
-        its K/V tile (keys), the merge kernel's its number of key splits.
+        Kernel name to ``(threads per block, tile, bytes)``: the tile is the
+        one a block loops over (keys for the forward, ``dq`` and decode
+        kernels, queries for ``dk``/``dv``), the merge kernel's its number of
+        key splits; the dbias kernel's is its bound (``DBIAS_THREADS``
+        threads). The delta kernel uses none.
     """
+    from elastic_np import _cuda_backward as bwd
+
     itemsize = np.dtype(dtype).itemsize
-    result = {}
-    for name, kind in (("_forward_kernel", "forward"), ("_backward_dq_kernel", "dq"),
-                       ("_backward_dkdv_kernel", "dkdv")):
-        threads, tile = _backend()._tiles(kind, itemsize, D, Dv)
-        result[name] = (threads, tile, _backend()._shared_elements(kind, threads, tile, D, Dv) * itemsize)
+    threads, tile = _backend()._tiles("forward", itemsize, D, Dv)
+    result = {"_forward_kernel": (threads, tile, _backend()._shared_elements("forward", threads, tile, D, Dv) * itemsize)}
+    for name, kind in (("_backward_dq_kernel", "dq"), ("_backward_dkdv_kernel", "dkdv")):
+        threads, rows, cols = bwd.tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, cols, bwd.shared_elements(kind, rows, cols, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
     from elastic_np import _cuda_decode as dec
 

@@ -34,15 +34,21 @@ FORWARD_BLOCK_M = 64
 #: two of at most 32.
 FORWARD_BLOCK_N = 64
 
-#: Backward ``dq`` kernel: threads per block, one query row each.
-DQ_BLOCK_M = 32
-#: Backward ``dq`` kernel: keys per shared-memory K/V tile.
-DQ_BLOCK_N = 16
+#: Backward ``dq`` kernel (`elastic_np._cuda_backward`): query rows per block,
+#: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_M / REG_M) * (DQ_BLOCK_N /
+#: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.
+DQ_BLOCK_M = 64
+#: Backward ``dq`` kernel: keys per shared-memory K/V tile, a multiple of ``REG_N``.
+DQ_BLOCK_N = 32
 
-#: Backward ``dk``/``dv`` kernel: threads per block, one key each (the key tile).
-DKDV_BLOCK_N = 32
-#: Backward ``dk``/``dv`` kernel: queries per shared-memory Q/dout tile.
-DKDV_BLOCK_M = 16
+#: Backward ``dk``/``dv`` kernel: keys per block (the key tile), a multiple of
+#: ``REG_M``; the block has ``(DKDV_BLOCK_N / REG_M) * (DKDV_BLOCK_M / REG_N)`` threads.
+DKDV_BLOCK_N = 64
+#: Backward ``dk``/``dv`` kernel: queries per shared-memory Q/dout tile, a multiple of ``REG_N``.
+DKDV_BLOCK_M = 32
+
+#: Backward ``delta = dout . out`` kernel: threads per block, one query row each.
+DELTA_THREADS = 128
 
 #: Backward ``dbias`` kernel (broadcast biases only): at most this many threads
 #: per block, one block per entry of the bias, each thread summing a fixed share

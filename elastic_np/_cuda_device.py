@@ -13,6 +13,8 @@ import math
 import numba
 from numba import cuda
 
+from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
+
 # iopts
 I_CAUSAL = 0
 I_LEFT = 1
@@ -356,3 +358,41 @@ def _stage(src, b, hh, r0, rows, c0, cols, dst, stride, t, threads):
     """Copy ``src[b, hh, r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced."""
     for idx in range(t, rows * cols, threads):
         dst[(idx // cols) * stride + idx % cols] = src[b, hh, r0 + idx // cols, c0 + idx % cols]
+
+
+@inline_device
+def _tile_dot(q_tile, q_stride, row0, k_tile, k_stride, c, tpr, D, zero, scores):
+    """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
+
+    Per step of ``d`` a thread reads ``REG_M`` query and ``REG_N`` key values
+    from shared memory and does ``REG_M REG_N`` multiply-adds on registers.
+    """
+    for r in range(REG_M):
+        for n in range(REG_N):
+            scores[r, n] = zero
+    qv = cuda.local.array(REG_M, q_tile.dtype)
+    kv = cuda.local.array(REG_N, q_tile.dtype)
+    for d in range(D):
+        for r in range(REG_M):
+            qv[r] = q_tile[(row0 + r) * q_stride + d]
+        for n in range(REG_N):
+            kv[n] = k_tile[(c + tpr * n) * k_stride + d]
+        for r in range(REG_M):
+            for n in range(REG_N):
+                scores[r, n] += qv[r] * kv[n]
+
+
+@inline_device
+def _tile_pv(p_tile, p_stride, row0, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
+    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile."""
+    pv = cuda.local.array(REG_M, p_tile.dtype)
+    vv = cuda.local.array(ACC_COLS, p_tile.dtype)
+    for jj in range(jn):
+        for r in range(REG_M):
+            pv[r] = p_tile[(row0 + r) * p_stride + jj]
+        for e in range(ACC_COLS):
+            col = c + tpr * e
+            vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
+        for r in range(REG_M):
+            for e in range(ACC_COLS):
+                acc[r, e] += pv[r] * vv[e]

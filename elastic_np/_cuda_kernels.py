@@ -32,36 +32,13 @@ import math
 
 from numba import cuda
 
-from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
 from elastic_np._cuda_device import *  # noqa: F401,F403  (the option indices and device functions)
+from elastic_np._cuda_config import ACC_COLS, REG_M
 from elastic_np._cuda_device import (
-    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI,
-    I_BIAS_SJ, I_DBIAS_FULL, I_HAS_GATE, P_COUNT, P_DSIGMA, P_DTAU, inline_device, _bh_params,
-    _compensated_add, _entry, _entry_keep, _entry_logit, _finish_row, _group_max, _group_sum, _key_range,
-    _lane_mask, _query_range, _stage,
+    F_NEG_INF, F_ONE, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ, _bh_params, _compensated_add, _entry,
+    _entry_keep, _entry_logit, _finish_row, _group_max, _group_sum, _key_range, _lane_mask, _stage, _tile_dot,
+    _tile_pv,
 )
-
-@inline_device
-def _tile_dot(q_tile, q_stride, row0, k_tile, k_stride, c, tpr, D, zero, scores):
-    """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
-
-    Per step of ``d`` a thread reads ``REG_M`` query and ``REG_N`` key values
-    from shared memory and does ``REG_M REG_N`` multiply-adds on registers.
-    """
-    for r in range(REG_M):
-        for n in range(REG_N):
-            scores[r, n] = zero
-    qv = cuda.local.array(REG_M, q_tile.dtype)
-    kv = cuda.local.array(REG_N, q_tile.dtype)
-    for d in range(D):
-        for r in range(REG_M):
-            qv[r] = q_tile[(row0 + r) * q_stride + d]
-        for n in range(REG_N):
-            kv[n] = k_tile[(c + tpr * n) * k_stride + d]
-        for r in range(REG_M):
-            for n in range(REG_N):
-                scores[r, n] += qv[r] * kv[n]
-
 
 @cuda.jit(device=True)
 def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm, mask, bias, fopts):
@@ -125,22 +102,6 @@ def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h
         stats[slots + slot] = den
         if i < N and c0 == 0 and c == 0:
             lse[b, h, i] = row_lse
-
-
-@inline_device
-def _tile_pv(p_tile, p_stride, row0, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
-    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile."""
-    pv = cuda.local.array(REG_M, p_tile.dtype)
-    vv = cuda.local.array(ACC_COLS, p_tile.dtype)
-    for jj in range(jn):
-        for r in range(REG_M):
-            pv[r] = p_tile[(row0 + r) * p_stride + jj]
-        for e in range(ACC_COLS):
-            col = c + tpr * e
-            vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
-        for r in range(REG_M):
-            for e in range(ACC_COLS):
-                acc[r, e] += pv[r] * vv[e]
 
 
 @cuda.jit(cache=True)
@@ -240,244 +201,6 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
 
 
 @cuda.jit(cache=True)
-def _backward_dq_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, out, lse, dlse, dq, delta,
-    partials, dbias
-):
-    """One block per (batch * head, query tile), laid out as in `_forward_kernel`.
-
-    Thread ``t`` owns query row ``i0 + t``. Recomputes ``p = exp(z - lse)``
-    tile by tile and accumulates ``dq``. Also writes ``delta = dout . out -
-    dlse`` per row (read by the dk/dv and dbias kernels) and the block's partial
-    sums for ``dtau``, ``dbeta``, ``dsigma`` (summed by one thread in row
-    order, so the result does not depend on scheduling). When the bias is
-    full (``iopts[I_DBIAS_FULL]``), ``dbias`` is ``(B, H, N, M)``: the block
-    zeroes its rows, then each thread writes ``ds`` where its row keeps an
-    entry (one writer per entry, no reduction); otherwise ``dbias`` is a dummy.
-    """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
-    block_m = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    n_tiles = (N + block_m - 1) // block_m
-    tile = cuda.blockIdx.x % n_tiles
-    b = cuda.blockIdx.x // n_tiles // H
-    h = cuda.blockIdx.x // n_tiles % H
-    hk = h // (H // Hkv)
-    i0 = tile * block_m
-    i1 = min(i0 + block_m, N)
-    i = i0 + t
-    row = i < N
-
-    q_stride = D + 1
-    do_stride = Dv + 1
-    smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile = smem[: block_m * q_stride]
-    do_tile = smem[block_m * q_stride : block_m * (q_stride + do_stride)]
-    dq_base = block_m * (q_stride + do_stride)
-    dq_acc = smem[dq_base : dq_base + block_m * q_stride]
-    k_base = dq_base + block_m * q_stride
-    k_tile = smem[k_base : k_base + block_n * D]
-    v_tile = smem[k_base + block_n * D : k_base + block_n * (D + Dv)]
-    sums = smem[k_base + block_n * (D + Dv) : k_base + block_n * (D + Dv) + P_COUNT * block_m]
-
-    zero = fopts[F_ZERO]
-    for idx in range(t, (i1 - i0) * D, block_m):
-        q_tile[(idx // D) * q_stride + idx % D] = q[b, h, i0 + idx // D, idx % D]
-    for idx in range(t, (i1 - i0) * Dv, block_m):
-        do_tile[(idx // Dv) * do_stride + idx % Dv] = dout[b, h, i0 + idx // Dv, idx % Dv]
-    for d in range(D):
-        dq_acc[t * q_stride + d] = zero
-
-    scale = fopts[F_SCALE]
-    tau_h = tau[h]
-    has_gate = iopts[I_HAS_GATE] != 0
-    sharpness = fopts[F_SHARPNESS]
-    neg_inf = fopts[F_NEG_INF]
-    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-    g_inv_sigma = zero
-    if has_gate:
-        g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
-    row_delta = zero
-    row_lse = zero
-    if row:
-        for d in range(Dv):
-            row_delta += dout[b, h, i, d] * out[b, h, i, d]
-        row_delta -= dlse[b, h, i]
-        delta[b, h, i] = row_delta
-        row_lse = lse[b, h, i]
-    dbias_full = iopts[I_DBIAS_FULL] != 0
-    if dbias_full:
-        # the block owns rows [i0, i1) of dbias: zero them together (coalesced); the
-        # syncthreads opening the tile loop orders this before the threads write ds
-        for idx in range(t, (i1 - i0) * M, block_m):
-            dbias[b, h, i0 + idx // M, idx % M] = zero
-    # compensated sums: a float32 kernel's dtau and dsigma stay as accurate as a pairwise sum
-    sum_dz_s = zero
-    carry_dz_s = zero
-    sum_dz_dlogg = zero
-    carry_dz_dlogg = zero
-
-    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
-    for j0 in range(lo, hi, block_n):
-        jn = min(block_n, hi - j0)
-        cuda.syncthreads()
-        for idx in range(t, jn * D, block_m):
-            k_tile[idx] = k[b, hk, j0 + idx // D, idx % D]
-        for idx in range(t, jn * Dv, block_m):
-            v_tile[idx] = v[b, hk, j0 + idx // Dv, idx % Dv]
-        cuda.syncthreads()
-        if not row:
-            continue
-        for jj in range(jn):
-            j = j0 + jj
-            kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
-            if not kept:
-                continue
-            dot = zero
-            for d in range(D):
-                dot += q_tile[t * q_stride + d] * k_tile[jj * D + d]
-            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
-            if z == neg_inf:  # removed by NVM or a closed gate
-                continue
-            p = math.exp(z - row_lse)
-            dp = zero
-            for d in range(Dv):
-                dp += do_tile[t * do_stride + d] * v_tile[jj * Dv + d]
-            dz = p * (dp - row_delta)
-            ds = dz / tau_h  # d loss / d s, the final score: dbias[b, h, i, j]
-            if dbias_full:
-                dbias[b, h, i, j] = ds
-            ds_raw = ds * cap_slope
-            for d in range(D):
-                dq_acc[t * q_stride + d] += ds_raw * k_tile[jj * D + d]
-            sum_dz_s, carry_dz_s = _compensated_add(sum_dz_s, carry_dz_s, dz * s)
-            if has_gate:
-                sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
-                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
-                # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
-                y = sharpness * f
-                e = math.exp(-(y + y))
-                dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
-                dlogg = sharpness * dlog_dy * f * sigma_term
-                sum_dz_dlogg, carry_dz_dlogg = _compensated_add(sum_dz_dlogg, carry_dz_dlogg, dz * dlogg)
-
-    if row:
-        for d in range(D):
-            dq[b, h, i, d] = scale * dq_acc[t * q_stride + d]
-    sums[P_DTAU * block_m + t] = sum_dz_s + carry_dz_s
-    sums[P_DSIGMA * block_m + t] = sum_dz_dlogg + carry_dz_dlogg
-    cuda.syncthreads()
-    for c in range(t, P_COUNT, block_m):
-        total = zero
-        carry = zero
-        for r in range(block_m):
-            total, carry = _compensated_add(total, carry, sums[c * block_m + r])
-        partials[b, h, tile, c] = total + carry
-
-
-@cuda.jit(cache=True)
-def _backward_dkdv_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_m, dout, lse, delta, dk, dv
-):
-    """One block per (batch * kv head, key tile), key tiles fastest; thread ``t`` owns key ``j0 + t``.
-
-    Loops over the query heads of the group and the query tiles that can see
-    the key tile, accumulating ``dk`` and ``dv`` in shared memory: each key is
-    written by exactly one thread, so no atomics and a fixed summation order.
-    """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
-    group = H // Hkv
-    block_n = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    n_tiles = (M + block_n - 1) // block_n
-    b = cuda.blockIdx.x // n_tiles // Hkv
-    hk = cuda.blockIdx.x // n_tiles % Hkv
-    j0 = cuda.blockIdx.x % n_tiles * block_n
-    j1 = min(j0 + block_n, M)
-    j = j0 + t
-    col = j < M
-
-    k_stride = D + 1
-    v_stride = Dv + 1
-    smem = cuda.shared.array(0, dtype=q.dtype)
-    k_tile = smem[: block_n * k_stride]
-    v_tile = smem[block_n * k_stride : block_n * (k_stride + v_stride)]
-    dk_base = block_n * (k_stride + v_stride)
-    dk_acc = smem[dk_base : dk_base + block_n * k_stride]
-    dv_base = dk_base + block_n * k_stride
-    dv_acc = smem[dv_base : dv_base + block_n * v_stride]
-    q_base = dv_base + block_n * v_stride
-    q_tile = smem[q_base : q_base + block_m * D]
-    do_base = q_base + block_m * D
-    do_tile = smem[do_base : do_base + block_m * Dv]
-    lse_tile = smem[do_base + block_m * Dv : do_base + block_m * (Dv + 1)]
-    delta_tile = smem[do_base + block_m * (Dv + 1) : do_base + block_m * (Dv + 2)]
-
-    zero = fopts[F_ZERO]
-    for idx in range(t, (j1 - j0) * D, block_n):
-        k_tile[(idx // D) * k_stride + idx % D] = k[b, hk, j0 + idx // D, idx % D]
-    for idx in range(t, (j1 - j0) * Dv, block_n):
-        v_tile[(idx // Dv) * v_stride + idx % Dv] = v[b, hk, j0 + idx // Dv, idx % Dv]
-    for d in range(D):
-        dk_acc[t * k_stride + d] = zero
-    for d in range(Dv):
-        dv_acc[t * v_stride + d] = zero
-
-    scale = fopts[F_SCALE]
-    neg_inf = fopts[F_NEG_INF]
-    for h in range(hk * group, (hk + 1) * group):
-        tau_h = tau[h]
-        prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-        lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
-        for i0 in range(lo, hi, block_m):
-            im = min(block_m, hi - i0)
-            cuda.syncthreads()
-            for idx in range(t, im * D, block_n):
-                q_tile[idx] = q[b, h, i0 + idx // D, idx % D]
-            for idx in range(t, im * Dv, block_n):
-                do_tile[idx] = dout[b, h, i0 + idx // Dv, idx % Dv]
-            for idx in range(t, im, block_n):
-                lse_tile[idx] = lse[b, h, i0 + idx]
-                delta_tile[idx] = delta[b, h, i0 + idx]
-            cuda.syncthreads()
-            if not col:
-                continue
-            for ii in range(im):
-                i = i0 + ii
-                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
-                if not kept:
-                    continue
-                dot = zero
-                for d in range(D):
-                    dot += q_tile[ii * D + d] * k_tile[t * k_stride + d]
-                z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
-                if z == neg_inf:  # removed by NVM or a closed gate
-                    continue
-                p = math.exp(z - lse_tile[ii])
-                dp = zero
-                for d in range(Dv):
-                    dp += do_tile[ii * Dv + d] * v_tile[t * v_stride + d]
-                ds_raw = p * (dp - delta_tile[ii]) / tau_h * cap_slope
-                for d in range(Dv):
-                    dv_acc[t * v_stride + d] += p * do_tile[ii * Dv + d]
-                for d in range(D):
-                    dk_acc[t * k_stride + d] += ds_raw * q_tile[ii * D + d]
-
-    if not col:
-        return
-    for d in range(D):
-        dk[b, hk, j, d] = scale * dk_acc[t * k_stride + d]
-    for d in range(Dv):
-        dv[b, hk, j, d] = dv_acc[t * v_stride + d]
-
-
-@cuda.jit(cache=True)
 def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
     """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
 
@@ -559,13 +282,13 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
         dbias[e] = total + carry
 
 
+from elastic_np._cuda_backward import KERNELS as _BACKWARD_KERNELS  # noqa: E402
 from elastic_np._cuda_decode import KERNELS as _DECODE_KERNELS  # noqa: E402
 
 #: Every kernel of the backend, by name (the PTX and resource reports go through these).
 KERNELS = {
     "_forward_kernel": _forward_kernel,
-    "_backward_dq_kernel": _backward_dq_kernel,
-    "_backward_dkdv_kernel": _backward_dkdv_kernel,
+    **_BACKWARD_KERNELS,
     "_backward_dbias_kernel": _backward_dbias_kernel,
     **_DECODE_KERNELS,
 }

@@ -1,7 +1,10 @@
 """The numba.cuda backend: tiled attention kernels, forward and backward.
 
 Selected with ``backend="cuda"`` (or ``"auto"`` when a GPU is usable). The
-kernels live in `elastic_np._cuda_kernels`, their tunables in
+kernels live in `elastic_np._cuda_kernels` (the flash forward, the broadcast
+``dbias``), `elastic_np._cuda_decode` (decoding) and
+`elastic_np._cuda_backward` (``dq``, ``dk``, ``dv``), the device functions
+they share in `elastic_np._cuda_device`, their tunables in
 `elastic_np._cuda_config`; this module holds the host functions that
 validate, allocate and launch. Importing `elastic_np` never imports
 ``numba.cuda``: this module imports it on first use.
@@ -34,26 +37,36 @@ rounding, not two through a reciprocal. ``elastic_np.cuda.resources()``
 reports each kernel's registers, local memory and spills from the compiled
 code (see the performance page).
 
-Backward, recomputing the probabilities from ``lse``:
+Decoding (1 to ``DECODE_MAX_QUERIES`` queries per sequence,
+`elastic_np._cuda_decode`): the query heads of a GQA group are stacked so
+that each K/V tile staged in shared memory serves all of them; the keys are
+split across blocks (split-KV) when the (batch, kv head) blocks alone are too
+few to fill the GPU, the number of splits depending on the shape and the
+config only; a second kernel merges the partial ``(max, sum, acc)`` in split
+order and adds ``beta`` once. Same bits on every run.
 
+Backward (`elastic_np._cuda_backward`), FlashAttention-2 partitioning,
+recomputing the probabilities from ``lse``:
+
+- ``delta = dout . out - dlse`` per row (``dlse``, the cotangent of ``lse``,
+  zeros when none is given): ``_backward_delta_kernel``, first.
 - ``dk``, ``dv``: ``_backward_dkdv_kernel``, one block per (batch * kv head,
-  key tile), one thread per key, looping over the group's query heads and the
-  query tiles that can see the key tile. Each ``dk``/``dv`` row has a single
-  owner, so there are no atomics and the summation order is fixed.
+  key tile), looping over the group's query heads and the query tiles that
+  can see the key tile, ``s``, ``dp`` and the ``dk``/``dv`` accumulators in
+  register micro-tiles. Each ``dk``/``dv`` entry has a single owner thread,
+  so there are no atomics and the summation order is fixed.
 - ``dq``: a second kernel, ``_backward_dq_kernel``, one block per (batch *
-  head, query tile), one thread per query row, looping over key tiles. This
+  head, query tile), laid out like the forward, looping over key tiles. This
   costs a second recomputation of the scores but keeps ``dq`` free of atomics
   too (float atomics would make ``dq`` depend on scheduling) and needs no
   extra ``(B, H, N, D)`` buffer per key tile.
-- ``dtau``, ``dbeta``, ``dsigma``: every ``dq`` block adds its rows' terms in
-  row order (compensated sums, so a float32 kernel loses nothing to the
-  length of the sum) and writes one partial per (batch, head, query tile);
-  the host sums these few numbers in float64 in a fixed order. The result is
-  deterministic, the partials are tiny next to ``q``, and the scalars must
-  come back to the host anyway (they are returned as floats or small NumPy
-  arrays). The ``dq`` kernel also writes ``delta = dout . out - dlse`` per
-  row (``dlse``, the cotangent of ``lse``, zeros when none is given), which
-  the ``dk``/``dv`` kernel, launched after it, reads.
+- ``dtau``, ``dsigma``: the ``dq`` kernel keeps compensated sums per (row,
+  lane), adds them in a fixed order and writes one partial per (batch, head,
+  query tile); the host sums these few numbers in float64 in a fixed order.
+  The result is deterministic, the partials are tiny next to ``q``, and the
+  scalars must come back to the host anyway (they are returned as floats or
+  small NumPy arrays). ``dbeta`` is formed on the host from ``delta`` and
+  ``lse``.
 
 Score modifiers: every kernel builds the score in the contract's order
 (scaled dot product, soft-cap, ALiBi, bias, then NVM on the final score), the
@@ -69,7 +82,7 @@ atomics:
 - a full ``(B, H, N, M)`` bias: the ``dq`` kernel, whose threads own query
   rows, writes ``ds`` straight into ``dbias`` (each entry has one writer,
   under GQA too, since query heads are distinct); no extra pass.
-- a broadcast bias: ``_backward_dbias_kernel``, launched after the ``dq``
+- a broadcast bias: ``_backward_dbias_kernel``, launched after the delta
   kernel (it reads ``delta``), one block per entry of the bias's compact
   shape (``dbias`` is allocated in that shape, never ``(B, H, N, M)``); its
   threads recompute ``ds`` for the entries the bias entry stands for, in a
@@ -91,8 +104,8 @@ GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
 plain attention in the same run; ``--json FILE`` also times the decoding
 shapes (`DECODE_SHAPES`) and writes everything, with the GPU, driver and
 library versions, to ``FILE`` (`elastic_np._cuda_bench`). The speed of the
-flash forward on a GPU is unmeasured (it was written on machines without
-one). ``--resources`` prints each kernel's registers, local memory, spills
+flash forward, the decode kernel and the backward on a GPU is unmeasured
+(they were written on machines without one). ``--resources`` prints each kernel's registers, local memory, spills
 and shared memory from the compiled code, no GPU needed.
 
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
@@ -173,6 +186,14 @@ def _decode():
     from elastic_np import _cuda_decode
 
     return _cuda_decode
+
+
+def _backward():
+    """`elastic_np._cuda_backward` (the backward's dq, dk/dv and delta kernels), imported on first use."""
+    _kernels()
+    from elastic_np import _cuda_backward
+
+    return _cuda_backward
 
 
 def _simulator():
@@ -327,14 +348,10 @@ def _forward_geometry(threads, tile):
 
 
 def _shared_elements(kind, threads, tile, D, Dv):
-    """Elements of dynamic shared memory one block of ``kind`` uses (see the kernels' layouts)."""
-    if kind == "forward":
-        block_m, tpr = _forward_geometry(threads, tile)
-        width = min(max(Dv, 1), tpr * config.ACC_COLS)
-        return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
-    if kind == "dq":
-        return 2 * threads * (D + 1) + threads * (Dv + 1) + tile * (D + Dv) + 3 * threads
-    return 2 * threads * (D + 1) + 2 * threads * (Dv + 1) + tile * (D + Dv + 2)  # dkdv
+    """Elements of dynamic shared memory one forward block uses (``kind="forward"``; see its layout)."""
+    block_m, tpr = _forward_geometry(threads, tile)
+    width = min(max(Dv, 1), tpr * config.ACC_COLS)
+    return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
 
 
 def _forward_tiles(itemsize, D, Dv):
@@ -365,24 +382,10 @@ def _forward_tiles(itemsize, D, Dv):
 
 
 def _tiles(kind, itemsize, D, Dv):
-    """``(threads, tile)`` for ``kind`` from the config, halved until the shared memory fits."""
-    if kind == "forward":
-        return _forward_tiles(itemsize, D, Dv)
-    threads, tile = {
-        "dq": (config.DQ_BLOCK_M, config.DQ_BLOCK_N),
-        "dkdv": (config.DKDV_BLOCK_N, config.DKDV_BLOCK_M),
-    }[kind]
-    while _shared_elements(kind, threads, tile, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
-        if tile > 1:
-            tile //= 2
-        elif threads > 1:
-            threads //= 2
-        else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
-    return threads, tile
+    """``(threads, key tile)`` of the forward (``kind="forward"``; the backward's are `elastic_np._cuda_backward.tiles`)."""
+    if kind != "forward":
+        raise ValueError(f"no tiles of kind {kind!r} here")
+    return _forward_tiles(itemsize, D, Dv)
 
 
 def _window_band(p):
@@ -544,8 +547,6 @@ def forward(p):
 def backward(p, dout, out, lse, dlse=None):
     """Run the backward kernels; return `~elastic_np.AttentionGrads`.
 
-    ``dlse``, the cotangent of ``lse``, is None for zeros.
-
     ``dq``, ``dk``, ``dv`` (and ``dbias``, in the bias's shape) are device
     arrays when any of the arrays is one, NumPy arrays otherwise; ``dtau``,
     ``dbeta``, ``dsigma`` are always on the host, in the shapes of ``tau``,
@@ -563,8 +564,9 @@ def backward(p, dout, out, lse, dlse=None):
     dk = cuda.device_array((B, Hkv, M, D), dtype=dtype)
     dv = cuda.device_array((B, Hkv, M, Dv), dtype=dtype)
     delta = cuda.device_array((B, H, N), dtype=dtype)
-    dq_threads, dq_tile = _tiles("dq", dtype.itemsize, D, Dv)
-    partials = np.zeros((B, H, _blocks(N, dq_threads), kern.P_COUNT), dtype=dtype)
+    backward_kernels = _backward()
+    dq_rows = backward_kernels.tiles("dq", dtype.itemsize, D, Dv)[1]
+    partials = np.zeros((B, H, _blocks(N, dq_rows), kern.P_COUNT), dtype=dtype)
     dbias = None
     if B * H * max(N, M) > 0:
         o = _launch_options(p)
@@ -573,24 +575,13 @@ def backward(p, dout, out, lse, dlse=None):
         if compact is not None:
             # full: the dq kernel writes every entry; broadcast: one entry per block below
             dbias = cuda.device_array(compact if full else math.prod(compact), dtype=dtype)
-        common = (
-            q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"],
-            o["bh_consts"], o["bias"],
+        partials_dev = cuda.device_array(partials.shape, dtype=dtype)
+        backward_kernels.launch(
+            cuda, p, o, q, k, v, dout, out, lse, dlse, dq, dk, dv, delta, partials_dev,
+            dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
         )
         if N > 0:
-            partials_dev = cuda.device_array(partials.shape, dtype=dtype)
-            shared = _shared_elements("dq", dq_threads, dq_tile, D, Dv) * dtype.itemsize
-            kern._backward_dq_kernel[_blocks(N, dq_threads) * B * H, dq_threads, 0, shared](
-                *common, dq_tile, dout, out, lse, dlse, dq, delta, partials_dev,
-                dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
-            )
             partials = partials_dev.copy_to_host()
-        if M > 0:
-            threads, tile = _tiles("dkdv", dtype.itemsize, D, Dv)
-            shared = _shared_elements("dkdv", threads, tile, D, Dv) * dtype.itemsize
-            kern._backward_dkdv_kernel[_blocks(M, threads) * B * Hkv, threads, 0, shared](
-                *common, tile, dout, lse, delta, dk, dv
-            )
         if compact is not None and not full:
             if N * M > 0:
                 # the broadcast entries one compact entry stands for

@@ -1,6 +1,6 @@
 """The CUDA decode kernel (split-KV, stacked GQA rows) on the simulator, held to the float64 oracle.
 
-``decode_tiles`` shrinks its geometry so that a (B, Hkv) pair of these
+``small_tiles`` shrinks its geometry so that a (B, Hkv) pair of these
 shapes runs several key splits of several K/V tiles each, a partial last
 tile, and, for the larger groups, several chunks of stacked rows per kv head.
 """

@@ -1,0 +1,485 @@
+"""The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
+
+Imported by `elastic_np.cuda` only (it imports ``numba.cuda``). The backward
+recomputes the probabilities ``p = exp(z - lse)`` from the forward's ``lse``
+with the shared score pipeline (`_entry_keep`, `_entry_logit`), so it sees
+the logits the forward saw. Three kernels, launched in this order:
+
+- ``_backward_delta_kernel``: ``delta = dout . out`` per query row (one
+  thread a row), read by the two kernels below and by the host (``dbeta``).
+- ``_backward_dkdv_kernel``: a block per (batch x kv head, key tile of
+  ``DKDV_BLOCK_N`` keys), key tiles fastest. Its K and V tiles stay in shared
+  memory while it loops over the query heads of the GQA group and, for each,
+  over the query tiles (``DKDV_BLOCK_M`` queries) that can see the key tile
+  (causal, window, ``kv_lengths``, the dynamic window's band). The threads
+  form key groups of ``tpr = DKDV_BLOCK_M / REG_N`` lanes; thread ``(g, c)``
+  owns keys ``g REG_M + r`` and, of each query tile, queries ``c + tpr n``:
+  ``s = k . q`` and ``dp = v . dout`` as ``REG_M x REG_N`` register
+  micro-tiles, then ``p`` and ``ds`` per entry into shared memory, then
+  ``dv += p dout`` and ``dk += ds q`` as ``REG_M x ACC_COLS`` register
+  accumulators (output columns ``c + tpr e``; heads wider than ``tpr
+  ACC_COLS`` take several passes). Each ``dk``/``dv`` entry has one owner
+  thread that adds its terms in a fixed order (heads, then query tiles, then
+  queries): no atomics, the same bits every run.
+- ``_backward_dq_kernel``: a block per (batch x head, query tile of
+  ``DQ_BLOCK_M`` rows), laid out like the flash forward (row groups of
+  ``tpr = DQ_BLOCK_N / REG_N`` lanes, ``REG_M`` rows a thread); per key tile
+  it recomputes ``s`` and ``dp`` as micro-tiles and accumulates ``dq += ds k``
+  in registers.
+
+Why a separate ``dq`` kernel: FlashAttention-2 adds each key tile's share of
+``dq`` with float atomics, whose order, hence whose rounding, depends on
+scheduling. The deterministic alternatives are per-key-tile ``dq`` partials
+reduced in a fixed order, which need a ``(M / DKDV_BLOCK_N) x`` size-of-``q``
+buffer (128 copies of ``q`` at ``N = M = 4096`` and 32-key tiles), or a
+second pass over the scores by query tiles. The second pass costs one more
+recomputation of ``s`` and ``dp`` (the ``q k`` and ``dout v`` products) but
+no memory and no reduction; we take it.
+
+The scalar gradients stay deterministic as before: the ``dq`` kernel, whose
+threads own query rows, keeps per (row, lane) compensated sums of ``dz s``
+(``dtau``) and ``dz dlogG/dsigma`` (``dsigma``) in shared memory, adds them in
+slot order at the end and writes one partial per (batch, head, query tile),
+which the host sums in float64; ``dbeta`` comes from ``delta`` and ``lse`` on
+the host. A full ``(B, H, N, M)`` bias's ``dbias`` is written by the ``dq``
+kernel (one writer per entry); a broadcast one is summed by
+``_backward_dbias_kernel`` (`elastic_np._cuda_kernels`), unchanged.
+
+Tile sizes are runtime values (`tiles`, from `elastic_np._cuda_config`,
+halved until the shared memory fits ``MAX_SHARED_BYTES``); the micro-tile
+sizes are the forward's compile-time ``REG_M``, ``REG_N``, ``ACC_COLS``.
+"""
+
+import math
+
+from numba import cuda
+
+from elastic_np import _cuda_config as config
+from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
+from elastic_np._cuda_device import (
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA,
+    P_DTAU, _bh_params, _compensated_add, _entry_keep, _entry_logit, _key_range, _query_range, _stage, _tile_dot,
+    _tile_pv,
+)
+
+
+# ---------------------------------------------------------------------------
+# Host side: tiles and shared memory
+# ---------------------------------------------------------------------------
+
+
+def shared_elements(kind, rows, cols, D, Dv):
+    """Dynamic shared memory of a ``"dq"`` or ``"dkdv"`` block, in elements.
+
+    ``rows`` is the block's own tile (queries for ``dq``, keys for ``dkdv``),
+    ``cols`` the tile it loops over.
+    """
+    tpr = cols // REG_N
+    if kind == "dq":
+        # q, dout, s/ds, dp tiles; lse, delta; four compensated sums per (row, lane); K, V tiles
+        return rows * (D + 1 + Dv + 1 + 2 * (cols + 1) + 2 + 4 * tpr) + cols * (D + 1 + Dv + 1)
+    # K, V tiles; p, ds tiles; Q, dout tiles; lse, delta
+    return rows * (D + 1 + Dv + 1 + 2 * (cols + 1)) + cols * (D + 1 + Dv + 1 + 2)
+
+
+def tiles(kind, itemsize, D, Dv):
+    """``(threads, rows, cols)`` of a ``"dq"`` or ``"dkdv"`` block, the larger tile halved until it fits.
+
+    ``dq``: ``rows = DQ_BLOCK_M`` queries, ``cols = DQ_BLOCK_N`` keys per tile;
+    ``dkdv``: ``rows = DKDV_BLOCK_N`` keys, ``cols = DKDV_BLOCK_M`` queries per
+    tile. ``rows`` must be a multiple of ``REG_M``, ``cols`` of ``REG_N``;
+    the block has ``(rows / REG_M) (cols / REG_N)`` threads.
+    """
+    names = ("DQ_BLOCK_M", "DQ_BLOCK_N") if kind == "dq" else ("DKDV_BLOCK_N", "DKDV_BLOCK_M")
+    rows, cols = (getattr(config, name) for name in names)
+    if rows % REG_M or rows < REG_M:
+        raise ValueError(f"{names[0]}={rows} must be a positive multiple of REG_M={REG_M}")
+    if cols % REG_N or cols < REG_N:
+        raise ValueError(f"{names[1]}={cols} must be a positive multiple of REG_N={REG_N}")
+    while shared_elements(kind, rows, cols, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        if cols > REG_N and cols % (2 * REG_N) == 0 and (cols >= rows or rows % (2 * REG_M)):
+            cols //= 2
+        elif rows > REG_M and rows % (2 * REG_M) == 0:
+            rows //= 2
+        else:
+            raise ValueError(
+                f"head dims D={D}, Dv={Dv} need more shared memory than "
+                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
+            )
+    return (rows // REG_M) * (cols // REG_N), rows, cols
+
+
+def launch(cuda_module, p, o, q, k, v, dout, out, lse, dlse, dq, dk, dv, delta, partials, dbias_full):
+    """Launch the delta, dq and dk/dv kernels; ``partials`` (device) receives the dq blocks' sums."""
+    B, H, Hkv, N, M, D, Dv = p.shape
+    itemsize = p.dtype.itemsize
+    common = (q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["bh_consts"],
+              o["bias"])
+    if N > 0:
+        threads = max(1, min(config.DELTA_THREADS, B * H * N))
+        _backward_delta_kernel[-(-(B * H * N) // threads), threads](dout, out, dlse, o["fopts"], delta)
+        threads, rows, cols = tiles("dq", itemsize, D, Dv)
+        shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
+        _backward_dq_kernel[-(-N // rows) * B * H, threads, 0, shared](
+            *common, cols, dout, lse, delta, dq, partials, dbias_full
+        )
+    if M > 0:
+        threads, rows, cols = tiles("dkdv", itemsize, D, Dv)
+        shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
+        _backward_dkdv_kernel[-(-M // rows) * B * Hkv, threads, 0, shared](
+            *common, cols, dout, lse, delta, dk, dv
+        )
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit(cache=True)
+def _backward_delta_kernel(dout, out, dlse, fopts, delta):
+    """``delta[b, h, i] = dout[b, h, i] . out[b, h, i] - dlse[b, h, i]``, one thread a row."""
+    B, H, N, Dv = out.shape
+    row = cuda.grid(1)
+    if row >= B * H * N:
+        return
+    b = row // (H * N)
+    h = row // N % H
+    i = row % N
+    total = fopts[F_ZERO]
+    for d in range(Dv):
+        total += dout[b, h, i, d] * out[b, h, i, d]
+    delta[b, h, i] = total - dlse[b, h, i]
+
+
+@cuda.jit(device=True)
+def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn, c, tpr,
+                   prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, first_pass, dbias_full, dbias):
+    """``s_tile`` (dot products) becomes ``ds_raw = ds * cap_slope`` for the thread's entries.
+
+    ``ds = p (dp - delta) / tau``, 0 where the entry is removed, past the tile
+    or past ``N``; ``dp`` comes from ``dp_tile``, ``lse`` and ``delta`` of row
+    ``row`` from ``stats[row]``, ``stats[block_m + row]``. On the first pass
+    over the keys it also writes a full bias's ``dbias`` and adds to the
+    (row, lane) compensated sums of ``dz s`` and ``dz dlogG/dsigma`` in
+    ``sums`` (sections of ``slots``: sum, carry, sum, carry). A loop, not
+    unrolled: the pipeline is long.
+    """
+    neg_inf = fopts[F_NEG_INF]
+    zero = fopts[F_ZERO]
+    sharpness = fopts[F_SHARPNESS]
+    for r in range(REG_M):
+        row = row0 + r
+        i = i_first + r
+        slot = row * tpr + c
+        row_lse = stats[row]
+        row_delta = stats[block_m + row]
+        for n in range(REG_N):
+            jj = c + tpr * n
+            at = row * p_stride + jj
+            ds_raw = zero
+            if jj < jn and i < N:
+                j = j0 + jj
+                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+                if kept:
+                    z, s, cap_slope, f, u = _entry_logit(s_tile[at], i, j, bias_value, prm, fopts)
+                    if z != neg_inf:  # not removed by NVM or a closed gate
+                        dz = math.exp(z - row_lse) * (dp_tile[at] - row_delta)
+                        ds = dz / tau_h  # d loss / d s, the final score: dbias[b, h, i, j]
+                        ds_raw = ds * cap_slope
+                        if first_pass:
+                            if dbias_full:
+                                dbias[b, h, i, j] = ds
+                            total, carry = _compensated_add(sums[slot], sums[slots + slot], dz * s)
+                            sums[slot] = total
+                            sums[slots + slot] = carry
+                            if has_gate:
+                                sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
+                                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
+                                # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
+                                y = sharpness * f
+                                e = math.exp(-(y + y))
+                                dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
+                                dlogg = sharpness * dlog_dy * f * sigma_term
+                                total, carry = _compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
+                                sums[2 * slots + slot] = total
+                                sums[3 * slots + slot] = carry
+            s_tile[at] = ds_raw
+
+
+@cuda.jit(cache=True)
+def _backward_dq_kernel(
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, lse, delta, dq, partials,
+    dbias,
+):
+    """One block per (batch * head, query tile), query tiles fastest; ``dq`` in register micro-tiles.
+
+    Thread ``(g, c)`` (row group ``g`` of ``tpr = block_n / REG_N`` lanes) owns
+    query rows ``g REG_M + r`` and, of each key tile, keys ``c + tpr n``. Per
+    key tile: stage K and V, ``s = q . k`` and ``dp = dout . v`` as micro-tiles,
+    ``ds`` per entry (`_dq_tile_grads`), ``dq += ds k`` into the ``REG_M x
+    ACC_COLS`` accumulators. Writes ``partials[b, h, tile]`` (the sums of
+    ``dtau``, ``dsigma``), and, with a full bias (``iopts[I_DBIAS_FULL]``),
+    every entry of the block's rows of ``dbias`` (0 where nothing is kept).
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    tpr = block_n // REG_N
+    block_m = threads // tpr * REG_M
+    row0 = t // tpr * REG_M
+    c = t % tpr
+    n_tiles = (N + block_m - 1) // block_m
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // H
+    h = cuda.blockIdx.x // n_tiles % H
+    hk = h // (H // Hkv)
+    i0 = tile * block_m
+    i1 = min(i0 + block_m, N)
+    width = min(max(D, 1), tpr * ACC_COLS)
+
+    q_stride = D + 1
+    do_stride = Dv + 1
+    p_stride = block_n + 1
+    slots = block_m * tpr
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    q_tile = smem[: block_m * q_stride]
+    at = block_m * q_stride
+    do_tile = smem[at : at + block_m * do_stride]
+    at += block_m * do_stride
+    s_tile = smem[at : at + block_m * p_stride]
+    at += block_m * p_stride
+    dp_tile = smem[at : at + block_m * p_stride]
+    at += block_m * p_stride
+    stats = smem[at : at + 2 * block_m]  # lse, delta
+    at += 2 * block_m
+    sums = smem[at : at + 4 * slots]
+    at += 4 * slots
+    k_tile = smem[at : at + block_n * q_stride]
+    at += block_n * q_stride
+    v_tile = smem[at : at + block_n * do_stride]
+
+    zero = fopts[F_ZERO]
+    for idx in range(t, block_m * q_stride, threads):
+        q_tile[idx] = zero  # rows past N and the padding column
+    for idx in range(t, block_m * do_stride, threads):
+        do_tile[idx] = zero
+    for idx in range(t, 4 * slots, threads):
+        sums[idx] = zero
+    for idx in range(t, block_m, threads):
+        stats[idx] = zero
+        stats[block_m + idx] = zero
+        if i0 + idx < N:
+            stats[idx] = lse[b, h, i0 + idx]
+            stats[block_m + idx] = delta[b, h, i0 + idx]
+    dbias_full = iopts[I_DBIAS_FULL] != 0
+    if dbias_full:
+        # the block owns rows [i0, i1) of dbias: zero them together (coalesced); the
+        # syncthreads opening the tile loop orders this before the threads write ds
+        for idx in range(t, (i1 - i0) * M, threads):
+            dbias[b, h, i0 + idx // M, idx % M] = zero
+    cuda.syncthreads()
+    _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    _stage(dout, b, h, i0, i1 - i0, 0, Dv, do_tile, do_stride, t, threads)
+
+    g_inv_sigma = zero
+    has_gate = iopts[I_HAS_GATE] != 0
+    if has_gate:
+        g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
+    tau_h = tau[h]
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    scores = cuda.local.array((REG_M, REG_N), q.dtype)
+    acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
+    i_first = i0 + row0
+    for c0 in range(0, max(D, 1), width):
+        wn = min(width, D - c0)
+        for r in range(REG_M):
+            for e in range(ACC_COLS):
+                acc[r, e] = zero
+        for j0 in range(lo, hi, block_n):
+            jn = min(block_n, hi - j0)
+            cuda.syncthreads()  # the previous tiles are consumed (and q, dout, stats written)
+            _stage(k, b, hk, j0, jn, 0, D, k_tile, q_stride, t, threads)
+            _stage(v, b, hk, j0, jn, 0, Dv, v_tile, do_stride, t, threads)
+            cuda.syncthreads()
+            _tile_dot(q_tile, q_stride, row0, k_tile, q_stride, c, tpr, D, zero, scores)
+            for r in range(REG_M):
+                for n in range(REG_N):
+                    s_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _tile_dot(do_tile, do_stride, row0, v_tile, do_stride, c, tpr, Dv, zero, scores)
+            for r in range(REG_M):
+                for n in range(REG_N):
+                    dp_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn,
+                           c, tpr, prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, c0 == 0, dbias_full, dbias)
+            cuda.syncthreads()  # ds written
+            _tile_pv(s_tile, p_stride, row0, k_tile[c0:], q_stride, jn, c, tpr, wn, zero, acc)
+        scale = fopts[F_SCALE]
+        for r in range(REG_M):
+            i = i_first + r
+            for e in range(ACC_COLS):
+                col = c + tpr * e
+                if i < N and col < wn:
+                    dq[b, h, i, c0 + col] = scale * acc[r, e]
+    cuda.syncthreads()
+    if t == 0:  # the (row, lane) sums in slot order: the same result whatever the scheduling
+        for which, base in ((P_DTAU, 0), (P_DSIGMA, 2 * slots)):
+            total = zero
+            carry = zero
+            for slot in range(slots):
+                total, carry = _compensated_add(total, carry, sums[base + slot])
+                total, carry = _compensated_add(total, carry, sums[base + slots + slot])
+            partials[b, h, tile, which] = total + carry
+
+
+@cuda.jit(device=True)
+def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr, prm, mask,
+                     bias, fopts, tau_h):
+    """``p_tile`` (``k . q``) becomes ``p``, ``ds_tile`` (``v . dout``) becomes ``ds_raw``, for the thread's entries.
+
+    Rows are keys ``j0 + row0 + r``, columns queries ``i0 + c + tpr n``; 0
+    where the entry is removed or past the tiles. ``lse`` and ``delta`` of
+    query column ``ii`` are ``stats[ii]`` and ``stats[block_m + ii]``.
+    """
+    neg_inf = fopts[F_NEG_INF]
+    zero = fopts[F_ZERO]
+    for r in range(REG_M):
+        row = row0 + r
+        j = j0 + row
+        for n in range(REG_N):
+            ii = c + tpr * n
+            at = row * p_stride + ii
+            p = zero
+            ds_raw = zero
+            if j < j1 and ii < im:
+                i = i0 + ii
+                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+                if kept:
+                    z, s, cap_slope, f, u = _entry_logit(p_tile[at], i, j, bias_value, prm, fopts)
+                    if z != neg_inf:  # not removed by NVM or a closed gate
+                        p = math.exp(z - stats[ii])
+                        ds_raw = p * (ds_tile[at] - stats[block_m + ii]) / tau_h * cap_slope
+            p_tile[at] = p
+            ds_tile[at] = ds_raw
+
+
+@cuda.jit(cache=True)
+def _backward_dkdv_kernel(
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_m, dout, lse, delta, dk, dv
+):
+    """One block per (batch * kv head, key tile), key tiles fastest; ``dk``, ``dv`` in register micro-tiles.
+
+    Thread ``(g, c)`` (key group ``g`` of ``tpr = block_m / REG_N`` lanes) owns
+    keys ``j0 + g REG_M + r`` and, of each query tile, queries ``c + tpr n``;
+    its ``dk`` and ``dv`` accumulators hold output columns ``c0 + c + tpr e``
+    of its keys. The loop runs over the query heads of the group and, for
+    each, the query tiles that can see the key tile.
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    group = H // Hkv
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    tpr = block_m // REG_N
+    block_n = threads // tpr * REG_M
+    row0 = t // tpr * REG_M
+    c = t % tpr
+    n_tiles = (M + block_n - 1) // block_n
+    b = cuda.blockIdx.x // n_tiles // Hkv
+    hk = cuda.blockIdx.x // n_tiles % Hkv
+    j0 = cuda.blockIdx.x % n_tiles * block_n
+    j1 = min(j0 + block_n, M)
+    widest = max(D, Dv, 1)
+    width = min(widest, tpr * ACC_COLS)
+
+    k_stride = D + 1
+    v_stride = Dv + 1
+    p_stride = block_m + 1
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    k_tile = smem[: block_n * k_stride]
+    at = block_n * k_stride
+    v_tile = smem[at : at + block_n * v_stride]
+    at += block_n * v_stride
+    p_tile = smem[at : at + block_n * p_stride]
+    at += block_n * p_stride
+    ds_tile = smem[at : at + block_n * p_stride]
+    at += block_n * p_stride
+    q_tile = smem[at : at + block_m * k_stride]
+    at += block_m * k_stride
+    do_tile = smem[at : at + block_m * v_stride]
+    at += block_m * v_stride
+    stats = smem[at : at + 2 * block_m]  # lse, delta of the query tile
+
+    zero = fopts[F_ZERO]
+    for idx in range(t, block_n * k_stride, threads):
+        k_tile[idx] = zero  # keys past M and the padding column
+    for idx in range(t, block_n * v_stride, threads):
+        v_tile[idx] = zero
+    for idx in range(t, block_m * k_stride, threads):
+        q_tile[idx] = zero
+    for idx in range(t, block_m * v_stride, threads):
+        do_tile[idx] = zero
+    cuda.syncthreads()
+    _stage(k, b, hk, j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
+    _stage(v, b, hk, j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
+
+    scores = cuda.local.array((REG_M, REG_N), q.dtype)
+    dk_acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
+    dv_acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
+    for c0 in range(0, widest, width):
+        wk = min(width, D - c0)
+        wv = min(width, Dv - c0)
+        for r in range(REG_M):
+            for e in range(ACC_COLS):
+                dk_acc[r, e] = zero
+                dv_acc[r, e] = zero
+        for h in range(hk * group, (hk + 1) * group):
+            tau_h = tau[h]
+            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+            lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
+            for i0 in range(lo, hi, block_m):
+                im = min(block_m, hi - i0)
+                cuda.syncthreads()  # the previous query tile is consumed (and K, V written)
+                _stage(q, b, h, i0, im, 0, D, q_tile, k_stride, t, threads)
+                _stage(dout, b, h, i0, im, 0, Dv, do_tile, v_stride, t, threads)
+                for idx in range(t, im, threads):
+                    stats[idx] = lse[b, h, i0 + idx]
+                    stats[block_m + idx] = delta[b, h, i0 + idx]
+                cuda.syncthreads()
+                _tile_dot(k_tile, k_stride, row0, q_tile, k_stride, c, tpr, D, zero, scores)
+                for r in range(REG_M):
+                    for n in range(REG_N):
+                        p_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _tile_dot(v_tile, v_stride, row0, do_tile, v_stride, c, tpr, Dv, zero, scores)
+                for r in range(REG_M):
+                    for n in range(REG_N):
+                        ds_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr,
+                                 prm, mask, bias, fopts, tau_h)
+                cuda.syncthreads()  # p and ds written
+                if wv > 0:
+                    _tile_pv(p_tile, p_stride, row0, do_tile[c0:], v_stride, im, c, tpr, wv, zero, dv_acc)
+                if wk > 0:
+                    _tile_pv(ds_tile, p_stride, row0, q_tile[c0:], k_stride, im, c, tpr, wk, zero, dk_acc)
+        scale = fopts[F_SCALE]
+        for r in range(REG_M):
+            j = j0 + row0 + r
+            for e in range(ACC_COLS):
+                col = c + tpr * e
+                if j < j1 and col < wk:
+                    dk[b, hk, j, c0 + col] = scale * dk_acc[r, e]
+                if j < j1 and col < wv:
+                    dv[b, hk, j, c0 + col] = dv_acc[r, e]
+
+
+KERNELS = {
+    "_backward_delta_kernel": _backward_delta_kernel,
+    "_backward_dq_kernel": _backward_dq_kernel,
+    "_backward_dkdv_kernel": _backward_dkdv_kernel,
+}
