@@ -5,7 +5,7 @@ recomputes the probabilities ``p = exp(z - lse)`` from the forward's ``lse``
 with the shared score pipeline (`_entry_keep`, `_entry_logit`), so it sees
 the logits the forward saw. Three kernels, launched in this order:
 
-- ``_backward_delta_kernel``: ``delta = dout . out`` per query row (one
+- ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
   thread a row), read by the two kernels below and by the host (``dbeta``).
 - ``_backward_dkdv_kernel``: a block per (batch x kv head, key tile of
   ``DKDV_BLOCK_N`` keys), key tiles fastest. Its K and V tiles stay in shared

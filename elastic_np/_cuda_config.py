@@ -47,7 +47,7 @@ DKDV_BLOCK_N = 64
 #: Backward ``dk``/``dv`` kernel: queries per shared-memory Q/dout tile, a multiple of ``REG_N``.
 DKDV_BLOCK_M = 32
 
-#: Backward ``delta = dout . out`` kernel: threads per block, one query row each.
+#: Backward ``delta = dout . out - dlse`` kernel: threads per block, one query row each.
 DELTA_THREADS = 128
 
 #: Backward ``dbias`` kernel (broadcast biases only): at most this many threads
