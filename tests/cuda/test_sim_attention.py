@@ -10,6 +10,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _conformance, _options, cuda, reference
+from oracle_checks import make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -18,14 +19,9 @@ ARRAY_FIELDS = ("out", "lse", "dq", "dk", "dv", "dbias")
 
 
 def make_problem(seed, B=1, H=2, Hkv=None, N=12, M=12, D=8, Dv=None, dtype=np.float64):
-    rng = np.random.default_rng(seed)
     Hkv = H if Hkv is None else Hkv
     Dv = D if Dv is None else Dv
-    q = rng.standard_normal((B, H, N, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, M, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype)
-    dout = rng.standard_normal((B, H, N, Dv)).astype(dtype)
-    return q, k, v, dout
+    return make_inputs(dtype, B, H, Hkv, N, M, D, Dv, seed)
 
 
 def run_cuda(q, k, v, dout, opts):

@@ -10,7 +10,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _conformance, _cuda_config, _options, cuda, reference
-from oracle_checks import assert_matches_oracle
+from oracle_checks import assert_matches_oracle, make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -33,12 +33,7 @@ def decode_runs(monkeypatch):
 
 
 def make(dtype, B, H, Hkv, N, M, D=6, Dv=5, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, N, D)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, M, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, M, Dv)).astype(dtype)
-    dout = rng.standard_normal((B, H, N, Dv)).astype(dtype)
-    return q, k, v, dout
+    return make_inputs(dtype, B, H, Hkv, N, M, D, Dv, seed)
 
 
 def options(name, B, H, N, M):
