@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _options as options_module
-from elastic_np._tiles import exp_inplace, matmul_nn, tanh_any, transpose_store, transpose_width
+from elastic_np._tiles import _LINE_BYTES, exp_inplace, matmul_nn, tanh_any, transpose_store, transpose_width
 from elastic_np.cpu import (
     _FASTMATH, _like, _log_add_exp, _offset_range, _options, _query_factor, _run_tasks, _task_range,
     _kernel_array, scale_logits_row,
@@ -42,9 +42,9 @@ TILES = (matmul_nn, exp_inplace)
 DECODE_MAX_QUERIES = 16
 #: Stacked rows (query heads of a group x queries) up to which it does.
 DECODE_MAX_ROWS = 128
-#: Keys per tile; half as many when there are at most `DECODE_FEW_ROWS` stacked
-#: rows (see `block_keys`).
+#: Keys per tile (see `block_keys`).
 DECODE_BLOCK_K = 256
+#: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
 DECODE_FEW_ROWS = 16
 #: Tasks the keys are split into when there are fewer (batch, kv head) pairs.
 DECODE_MIN_TASKS = 32
@@ -264,7 +264,7 @@ def _decode_kernel(
     rows = group * N
     dtype = q.dtype
     qs = np.empty((rows, D), dtype=dtype)
-    kt = np.empty((D, block_k + 64 // q.itemsize), dtype=dtype)  # see `_transpose_keys`
+    kt = np.empty((D, block_k + _LINE_BYTES // q.itemsize), dtype=dtype)  # see `_transpose_keys`
     st = np.empty((rows, block_k), dtype=dtype)
     acc = np.empty((rows, Dv), dtype=dtype)
     row_max = np.empty(rows, dtype=dtype)
