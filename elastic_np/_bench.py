@@ -65,7 +65,7 @@ def machine_info():
     import numba
 
     import elastic_np
-    from elastic_np import _tiles
+    from elastic_np.cpu import _simd
     from elastic_np.cpu import thread_count
 
     cpu = platform.processor() or platform.machine()
@@ -74,7 +74,7 @@ def machine_info():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "simd_bits": 8 * _tiles._VECTOR_BYTES, "fma": _tiles.HAS_FMA,
+    info = {"cpu": cpu, "simd_bits": 8 * _simd._VECTOR_BYTES, "fma": _simd.HAS_FMA,
             "cores": os.cpu_count(), "numba_threads": thread_count(),
             "python": platform.python_version(), "elastic_np": elastic_np.__version__,
             "numpy": np.__version__, "numba": numba.__version__}

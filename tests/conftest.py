@@ -8,6 +8,6 @@ def small_tiles(monkeypatch):
     """Tiles of 8 queries x 5 keys: every test shape spans several of both, on every thread."""
     from elastic_np import cpu
 
-    monkeypatch.setattr(cpu, "BLOCK_Q", 8)
-    monkeypatch.setattr(cpu, "BLOCK_K", 5)
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "BLOCK_Q", 8)
+    monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)

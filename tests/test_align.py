@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _decode, cpu, reference
+from elastic_np import cpu, reference
 from elastic_np.testing import gradcheck
 from oracle_checks import assert_matches_oracle, check_case, make_inputs
 
@@ -20,12 +20,12 @@ B, H, Hkv, N, M, D = 4, 4, 2, 7, 19, 8
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(cpu, "BLOCK_Q", 4)
-    monkeypatch.setattr(cpu, "BLOCK_K", 5)
-    monkeypatch.setattr(_decode, "DECODE_BLOCK_K", 5)
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
-    monkeypatch.setattr(_decode, "DECODE_MIN_SPLIT_KEYS", 7)
-    monkeypatch.setattr(_decode, "DECODE_MIN_TASKS", 64)
+    monkeypatch.setattr(cpu._config, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
 
 
 def _options(n=N, m=M, seed=0):

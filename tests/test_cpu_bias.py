@@ -6,7 +6,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _options, cpu
-from elastic_np._tiles import stream_width
+from elastic_np.cpu._transpose import stream_width
 from oracle_checks import (
     ALIBI_BH,
     ALIBI_H,
@@ -82,10 +82,10 @@ def test_dbias_lanes_and_chunks(
     small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes, pair_batch
 ):
     # one key tile per chunk of dq shares
-    monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 1)
-    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", min_tasks)
-    monkeypatch.setattr(cpu, "DBIAS_PARTIALS_BYTES", partial_bytes)
-    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", pair_batch)
+    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)
+    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", min_tasks)
+    monkeypatch.setattr(cpu._config, "DBIAS_PARTIALS_BYTES", partial_bytes)
+    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", pair_batch)
     check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
 
 
@@ -94,8 +94,8 @@ def test_dbias_lanes_and_chunks(
 def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype, pair_batch):
     # a task's heads visit different query tiles (a gate per head, lengths
     # per batch) and some tiles none: the sum over heads and its write-out
-    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", 1)
-    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", pair_batch)
+    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", pair_batch)
     sigma = np.array([[0.05, 0.5, 0.1, 1.2], [0.6, 0.08, 0.4, 2.0]])
     opts = dict(
         bias=BIASES["nm"], kv_lengths=[9, 31], nvm=True, tau=[0.5, 1.0, 2.0, 0.8],
@@ -110,7 +110,7 @@ def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
     # 48 keys, whole cache lines in both dtypes: the rows of dbias start on
     # lines and `_store_transposed` streams them (per head; and the sum over
     # heads, one lane in one batch), the 37 queries leave edges to it
-    monkeypatch.setattr(cpu, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
     bias = random_bias((2, 4, 37, 48), 11) if layout == "full" else random_bias((37, 48), 12)
     check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
 
@@ -122,11 +122,11 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
     line = stream_width(dtype)
     bk, bq, stride = 2 * line + 3, 21, 3 * line
     tile = np.random.default_rng(7).standard_normal((bk + 1, bq + 2)).astype(dtype)
-    dst = cpu._zeros_on_lines(bq * stride + 2 * line, dtype)
+    dst = cpu._dbias._zeros_on_lines(bq * stride + 2 * line, dtype)
     assert dst.ctypes.data % 64 == 0
     dst[:] = np.nan
     start = line if on_lines else line + 1
-    cpu._store_transposed(tile, bk, bq, dst, start, stride, dtype(0.5))
+    cpu._dbias._store_transposed(tile, bk, bq, dst, start, stride, dtype(0.5))
     view = dst[start : start + bq * stride].reshape(bq, stride)
     np.testing.assert_array_equal(view[:, :bk], dtype(0.5) * tile[:bk, :bq].T)
     assert np.isnan(view[:, bk:]).all() and np.isnan(dst[:start]).all()  # nothing else written
@@ -137,21 +137,21 @@ def test_dbias_plan_lanes(monkeypatch):
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = make_inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
     p = _options.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
-    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
+    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
     assert plan.params.tolist() == [2, 1, 1, 4, 1, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
     # one lane, its 4 pairs in one batch: the sums go straight to `direct`
-    plan = cpu._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
+    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
     assert plan.params.tolist() == [3, 1, 1, 1, 1, 4]
     assert plan.direct.shape == (23 * 31,) and plan.direct.dtype == np.float32
-    monkeypatch.setattr(cpu, "DBIAS_PAIR_BATCH", 3)
-    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=64, chunk=8)
+    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", 3)
+    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=64, chunk=8)
     assert plan.params.tolist() == [2, 1, 1, 1, 1, 3] and plan.partials.shape == (1, 23 * 31)
     p = _options.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
-    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
+    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
     p = _options.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
-    plan = cpu._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
+    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
     assert plan.params.tolist() == [2, 0, 0, 1, 3, 1] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
@@ -193,7 +193,7 @@ def test_bias_not_copied(dtype, layout):
     for name in ("full", "nm", "1h1m-keypad", "bhn1"):
         bias = laid_out(BIASES[name].astype(dtype), layout)
         p = _options.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-        opt = cpu._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
+        opt = cpu._plan._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
         assert np.shares_memory(opt.bias, bias) == (layout != "reversed" or bias.shape[-1] == 1)
         assert not opt.bias.flags.writeable
         # the same entries through the strides
@@ -203,7 +203,7 @@ def test_bias_not_copied(dtype, layout):
         np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
     # another dtype is converted into a copy, never the caller's array written
     other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
-    opt = cpu._options(_options.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    opt = cpu._plan._options(_options.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
     assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
     np.testing.assert_array_equal(opt.bias.reshape(23, 31), other.astype(dtype))
 
@@ -277,18 +277,18 @@ def test_bias_values_checked_before_conversion():
         cpu.forward(problem)
     bias[3, 4] = -1e300  # -inf once converted: removes the entry, as a float32 score would
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-    assert not cpu._options(problem, False, np.dtype(np.float32)).check_bias
+    assert not cpu._plan._options(problem, False, np.dtype(np.float32)).check_bias
     # no check at all when the caller asks for none
     bias[3, 4] = np.nan
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes, check_finite=False)
     assert not problem.bias_unchecked
-    assert not cpu._options(problem, False, np.dtype(np.float32)).check_bias
+    assert not cpu._plan._options(problem, False, np.dtype(np.float32)).check_bias
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["full", "nm", "b11m-keypad", "bhn1", "scalar"])
 def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch, dtype, bias_name):
-    monkeypatch.setattr(cpu, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
+    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
     q, k, v, dout = make_inputs(dtype)
     bias = BIASES[bias_name].astype(dtype)
     slopes = ALIBI_BH.copy()

@@ -98,5 +98,5 @@ def test_one_compiled_kernel_per_dtype():
             out, lse = enp.attention(q, k[..., ::1], v, return_lse=True, backend="cpu", **options)
             out.setflags(write=False)
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
-    for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
+    for kernel in (cpu._forward._forward_kernel, cpu._backward._backward_prepare, cpu._backward._backward_kernel, cpu._backward._sum_dq_shares):
         assert len(kernel.signatures) <= 2, kernel.signatures

@@ -39,11 +39,11 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     # along the keys given as a key-major tile (`bias_t`) gives the same bits.
     q, k, v, _ = make_inputs(dtype)
     p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
-    opt = cpu._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
+    opt = cpu._plan._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
     b, h, hk, N, M, D = 1, 2, 1, 23, 31, 8
     i0, bq, j0, bk = 8, 12, 5, 20
     bk = min(bk, int(opt.kv_lengths[b]) - j0)
-    off_lo, off_hi = cpu._offset_range(opt, b, h, N, M)
+    off_lo, off_hi = cpu._scalar._offset_range(opt, b, h, N, M)
     nvm_in_logits = opt.nvm and opt.has_gate
     nonneg = opt.nvm and not opt.has_gate
     q_t = np.zeros((D, 16), dtype)
@@ -54,7 +54,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     def logits(want_max, bias_t=no_slope):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
-        kept, maxed, clean = cpu._logits_tile(
+        kept, maxed, clean = cpu._logits._logits_tile(
             st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
             no_slope, tile_max, nonneg, bias_t,
         )
@@ -102,7 +102,7 @@ def test_column_max_is_the_loop_in_order(dtype, bk, bq, nonneg):
             x = st[c, r]
             if x > expected[r] and (x >= 0 or not nonneg):
                 expected[r] = x
-    cpu._column_max(st, bk, bq, col_max, nonneg)
+    cpu._logits._column_max(st, bk, bq, col_max, nonneg)
     np.testing.assert_array_equal(col_max, expected)
     np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected))
 
@@ -128,5 +128,5 @@ def test_one_compiled_kernel_per_dtype_with_modifiers():
         ):
             out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
-    for kernel in (cpu._forward_kernel, cpu._backward_prepare, cpu._backward_kernel, cpu._sum_dq_shares):
+    for kernel in (cpu._forward._forward_kernel, cpu._backward._backward_prepare, cpu._backward._backward_kernel, cpu._backward._sum_dq_shares):
         assert len(kernel.signatures) <= 2, kernel.signatures

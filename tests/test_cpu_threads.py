@@ -59,8 +59,8 @@ def test_a_smaller_pool_is_shut_down_when_more_threads_are_asked_for(monkeypatch
         pytest.skip("needs two Numba threads")
     small = concurrent.futures.ThreadPoolExecutor(1)
     small.submit(int).result()  # one idle worker thread
-    monkeypatch.setattr(cpu, "_pool", (1, small))
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._threads, "_pool", (1, small))
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     q, k, v, _ = make_inputs(np.float32)
     threads = numba.get_num_threads()
     numba.set_num_threads(2)
@@ -68,22 +68,22 @@ def test_a_smaller_pool_is_shut_down_when_more_threads_are_asked_for(monkeypatch
         np.testing.assert_array_equal(_attention_cpu(q, k, v), _attention_cpu(q, k, v))
     finally:
         numba.set_num_threads(threads)
-    assert cpu._pool[0] == 2 and cpu._pool[1] is not small
+    assert cpu._threads._pool[0] == 2 and cpu._threads._pool[1] is not small
     with pytest.raises(RuntimeError, match="shutdown"):
         small.submit(int)  # shut down, its thread gone
 
 
 @pytest.mark.parametrize("N", [1, 20])  # the decode kernel and the prefill forward
 def test_a_small_call_runs_on_the_calling_thread(monkeypatch, N):
-    """Below `cpu.SERIAL_WORK` the pool is not used (handing work to it costs more)."""
-    monkeypatch.setattr(cpu, "_pool", None)
-    monkeypatch.setattr(cpu, "thread_count", lambda: 2)
+    """Below `cpu._config.SERIAL_WORK` the pool is not used (handing work to it costs more)."""
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
     q, k, v, _ = make_inputs(np.float32, N=N)
     want = _attention_cpu(q, k, v)
-    assert cpu._pool is None
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
+    assert cpu._threads._pool is None
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
-    assert cpu._pool is not None
+    assert cpu._threads._pool is not None
 
 
 def test_kernels_do_not_launch_numbas_threading_layer():

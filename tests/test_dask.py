@@ -220,7 +220,7 @@ def test_kernel_threads_follow_threads_per_task(monkeypatch):
 
     seen = []
     original = cpu.thread_count
-    monkeypatch.setattr(cpu, "thread_count", lambda: seen.append(original()) or seen[-1])
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: seen.append(original()) or seen[-1])
     before = numba.get_num_threads()
     q, k, v, _ = _inputs(np.float32, 16, 16)
     qd = da.from_array(q, chunks=(1, 2, 8, D))

@@ -1,7 +1,7 @@
 """The CPU decode kernel (few queries against a long cache) against the float64 oracle.
 
 `elastic_np.cpu.forward` hands every problem with ``1 <= N <= 16`` queries
-(and at most 128 stacked rows per kv head) to `elastic_np._decode`. The
+(and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode`. The
 `decode_tiles` fixture shrinks its key tiles and splits so that small caches
 cross several of both; the backward of these cases runs the prefill kernels.
 """
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _decode, _options, cpu, reference
+from elastic_np.cpu import _decode
+from elastic_np import _options, cpu, reference
 from test_cpu import assert_close, check_case
 
 DTYPES = [np.float64, np.float32]
@@ -19,10 +20,10 @@ DTYPES = [np.float64, np.float32]
 @pytest.fixture
 def decode_tiles(monkeypatch):
     """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks."""
-    monkeypatch.setattr(_decode, "DECODE_BLOCK_K", 5)
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
-    monkeypatch.setattr(_decode, "DECODE_MIN_SPLIT_KEYS", 7)
-    monkeypatch.setattr(_decode, "DECODE_MIN_TASKS", 64)
+    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
 
 
 def _cases(B, H, N, M, seed=0):
@@ -129,10 +130,10 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype):
     v = rng.standard_normal((1, 2, 3000, 16)).astype(dtype)
     opts = dict(causal=True, nvm=True, beta=0.5, softcap=2.0)
     assert _decode.splits(1, 2, 3000) > 1
-    monkeypatch.setattr(cpu, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     results = []
     for threads in (1, 2, 4):
-        monkeypatch.setattr(cpu, "thread_count", lambda threads=threads: threads)
+        monkeypatch.setattr(cpu._threads, "thread_count", lambda threads=threads: threads)
         results.append(enp.attention(q, k, v, return_lse=True, backend="cpu", **opts))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])

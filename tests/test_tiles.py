@@ -7,12 +7,13 @@ import numba
 import numpy as np
 import pytest
 
-from elastic_np import _tiles
-from elastic_np._tiles import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu import _exp, _products, _simd
+from elastic_np.cpu._exp import exp_inplace, exp_shift_sum
+from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
 
 DTYPES = [np.float32, np.float64]
 for _dtype in DTYPES:
-    _tiles.compile_for(_dtype)
+    _simd.compile_for(_dtype)
 # odd sizes hit every leftover path of the register blocking: rows past the last
 # block of rows, vectors past the last panel, columns past the last whole vector
 SIZES = [(1, 1, 1), (7, 59, 97), (97, 7, 59), (59, 97, 7), (12, 33, 6), (64, 64, 64), (33, 130, 64)]
@@ -185,7 +186,7 @@ def test_exp_accuracy_in_ulps(dtype):
     worst = ulp.max()
     print(f"{np.dtype(dtype).name}: max error {worst:.3f} ulp at x = {x[np.argmax(ulp)]!r}")
     # without fused multiply-adds each Horner step rounds twice (see exp_inplace)
-    assert worst <= (1.0 if _tiles.HAS_FMA else 1.25)
+    assert worst <= (1.0 if _simd.HAS_FMA else 1.25)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,12 +194,12 @@ def test_pow2_scalings_agree(dtype):
     # ldexp (used with AVX-512) and the two exponent fields (elsewhere) round
     # p * 2**t once, to the same bits, over the whole range exp needs, subnormals included
     f64 = dtype == np.float64
-    fields = _tiles._pow2_fields_f64 if f64 else _tiles._pow2_fields_f32
+    fields = _exp._pow2_fields_f64 if f64 else _exp._pow2_fields_f32
 
     @numba.njit
     def both(p, t, by_ldexp, by_fields):
         for i in range(p.size):
-            by_ldexp[i] = _tiles._ldexp(p[i], np.int32(t[i]))
+            by_ldexp[i] = _exp._ldexp(p[i], np.int32(t[i]))
             by_fields[i] = fields(p[i], t[i])
 
     rng = np.random.default_rng(17)
@@ -217,7 +218,7 @@ def test_pow2_scalings_agree(dtype):
 
 @pytest.mark.parametrize(
     "dtype,coefficients,bound",
-    [(np.float64, _tiles._EXP_Q_F64, 1.7e-17), (np.float32, _tiles._EXP_Q_F32, 1.2e-8)],
+    [(np.float64, _exp._EXP_Q_F64, 1.7e-17), (np.float32, _exp._EXP_Q_F32, 1.2e-8)],
 )
 # newer mpmath deprecates the descending coefficient order its own chebyfit returns
 @pytest.mark.filterwarnings("ignore:Descending .wrt powers. order:DeprecationWarning")
@@ -315,12 +316,12 @@ def _packed_arithmetic(asm):
 def test_vectorised(dtype):
     # cached code cannot be inspected: compile uncached copies with the same options
     x = np.zeros((2, 2), dtype)
-    exp_fn = _tiles._exp_f64 if dtype == np.float64 else _tiles._exp_f32
+    exp_fn = _exp._exp_f64 if dtype == np.float64 else _exp._exp_f32
     row = np.zeros(2, dtype)
     for fn, args in (
         (exp_fn, (x, 2, 2)),
-        (_tiles._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
-        (_tiles.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
+        (_products._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
+        (_exp.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
     ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
         copy = numba.njit(**options)(fn.py_func)

@@ -9,22 +9,22 @@ import pytest
 SCRIPT = """
 import numpy as np
 from numba import types
-from elastic_np import _tiles
-assert all(len(d.overloads) == 0 for d, _, _ in _tiles._TYPED), "compiled at import"
-_tiles.compile_for(np.float32)
-_tiles.compile_for(np.float32)
-for dispatcher, signatures, _ in _tiles._TYPED:
+from elastic_np.cpu import _products, _simd
+assert all(len(d.overloads) == 0 for d, _, _ in _simd._TYPED), "compiled at import"
+_simd.compile_for(np.float32)
+_simd.compile_for(np.float32)
+for dispatcher, signatures, _ in _simd._TYPED:
     want = {s.args for s in signatures if s.args[0].dtype == types.float32}
     assert set(dispatcher.overloads) == want, (dispatcher, set(dispatcher.overloads), want)
 try:
-    _tiles.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), 2, 2, 2, False)
+    _products.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), 2, 2, 2, False)
 except TypeError:
     pass
 else:
     raise AssertionError("float64 compiled without compile_for(float64)")
-_tiles.compile_for(np.float64)
+_simd.compile_for(np.float64)
 c = np.zeros((2, 2))
-_tiles.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), c, 2, 2, 2, False)
+_products.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), c, 2, 2, 2, False)
 assert (c == 2).all()
 print("ok")
 """
@@ -39,7 +39,7 @@ def test_compile_for_compiles_only_its_dtype():
 PATH_FIRST = """
 import numpy as np
 import elastic_np as enp
-from elastic_np import _tiles
+from elastic_np.cpu import _products, _simd
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 4, n, 16)).astype(np.float32) for n in (24, 24, 24))
 for step in {steps!r}:
@@ -49,7 +49,7 @@ for step in {steps!r}:
         out, lse = enp.attention(q, k, v, causal=True, softcap=20.0, beta=0.5, return_lse=True)
     else:
         enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=20.0, beta=0.5)
-compiled = sorted(d.py_func.__name__ for d, _, _ in _tiles._TYPED if d.overloads)
+compiled = sorted(d.py_func.__name__ for d, _, _ in _simd._TYPED if d.overloads)
 print(" ".join(compiled))
 """
 

@@ -1,13 +1,10 @@
-"""`elastic_np._tiles.transpose_add`, `transpose_load`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
+"""`elastic_np.cpu._simd.transpose_add`, `transpose_load`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
 
 import numpy as np
 import pytest
 from numba import njit
 
-from elastic_np._tiles import (
-    prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_load,
-    transpose_store, transpose_stream, transpose_width,
-)
+from elastic_np.cpu._transpose import prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_load, transpose_store, transpose_stream, transpose_width
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   all of them;
 - score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
   pipeline, the exponential, the row maxima and sums run along the keys;
-  ``Q K^T`` is the register-blocked product of `elastic_np._tiles` with
+  ``Q K^T`` is the register-blocked product of `elastic_np.cpu._products` with
   the key tile transposed once;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
@@ -30,45 +30,38 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _options as options_module
-from elastic_np._tiles import _LINE_BYTES, exp_inplace, matmul_nn, tanh_any, transpose_store, transpose_width
-from elastic_np.cpu import (
-    _FASTMATH, _like, _log_add_exp, _offset_range, _options, _query_factor, _run_tasks, _task_range,
-    _kernel_array, scale_logits_row,
-)
+from elastic_np.cpu import _config as config
+from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._exp import exp_inplace, tanh_any
+from elastic_np.cpu._logits import _query_factor, scale_logits_row
+from elastic_np.cpu._plan import _kernel_array, _options
+from elastic_np.cpu._products import matmul_nn
+from elastic_np.cpu._scalar import _like, _log_add_exp, _offset_range
+from elastic_np.cpu._simd import _LINE_BYTES
+from elastic_np.cpu._threads import _run_tasks, _task_range
+from elastic_np.cpu._transpose import transpose_store, transpose_width
 
-#: The typed tile functions the kernel calls (see `elastic_np._tiles.compile_for`).
+#: The typed tile functions the kernel calls (see `elastic_np.cpu._simd.compile_for`).
 TILES = (matmul_nn, exp_inplace)
-#: Queries per sequence up to which `elastic_np.cpu.forward` takes this kernel.
-DECODE_MAX_QUERIES = 16
-#: Stacked rows (query heads of a group x queries) up to which it does.
-DECODE_MAX_ROWS = 128
-#: Keys per tile (see `block_keys`).
-DECODE_BLOCK_K = 256
-#: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
-DECODE_FEW_ROWS = 16
-#: Tasks the keys are split into when there are fewer (batch, kv head) pairs.
-DECODE_MIN_TASKS = 32
-#: Fewest keys of a split.
-DECODE_MIN_SPLIT_KEYS = 512
 
 
 def takes(problem):
     """True when the decode kernel computes this problem's forward."""
     B, H, Hkv, N, M, D, Dv = problem.shape
-    return 1 <= N <= DECODE_MAX_QUERIES and (H // Hkv) * N <= DECODE_MAX_ROWS
+    return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
 
 
 def block_keys(rows):
     """Keys per tile for ``rows`` stacked rows: measured, 128 suit a few rows, 256 many."""
-    return max(1, DECODE_BLOCK_K // 2) if rows <= DECODE_FEW_ROWS else DECODE_BLOCK_K
+    return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K
 
 
 def splits(B, Hkv, M):
     """Key splits per (batch, kv head): from the shape alone, never the thread count."""
-    if B * Hkv == 0 or B * Hkv >= DECODE_MIN_TASKS:
+    if B * Hkv == 0 or B * Hkv >= config.DECODE_MIN_TASKS:
         return 1
-    wanted = -(-DECODE_MIN_TASKS // (B * Hkv))
-    return max(1, min(wanted, M // DECODE_MIN_SPLIT_KEYS))
+    wanted = -(-config.DECODE_MIN_TASKS // (B * Hkv))
+    return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
 def forward(problem):
@@ -182,10 +175,10 @@ def _additive_row(z, opt, b, h, i, j0, shift):
 def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
     """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
 
-    (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._query_factor`.)
+    (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._logits._query_factor`.)
 
     The score modifiers, each divided by ``tau_h`` like the product, with the
-    arithmetic of `elastic_np.cpu._modify_tile` (the backward recomputes these
+    arithmetic of `elastic_np.cpu._logits._modify_tile` (the backward recomputes these
     logits with it); then ``-inf`` outside ``[lo, hi)`` (causal, window,
     ``kv_lengths``, the gate's band) and where NVM, a closed gate, a false
     mask entry or a ``-inf`` bias removes the key; ``log G`` added.

@@ -1,0 +1,131 @@
+"""Numba CPU kernels: tiled online-softmax attention, forward and backward.
+
+The contract is the one of `elastic_np.reference.attention` (see the
+project's contract, section 2): every option (causal, ``window_size``,
+``kv_lengths``, boolean ``mask``, NVM, per-head ``tau`` and ``beta``, the
+dynamic window, and the score modifiers ``softcap``, ``alibi_slopes`` and an
+additive ``bias`` with its gradient) in float32 or float64, output in the
+input dtype.
+
+Layout of the work
+------------------
+Every tile holds scores *transposed*: ``st[c, r]`` is the score of key
+``j0 + c`` against query ``i0 + r``. The query tile's scaled ``Q^T`` is built
+once per task, so both products of the forward read plain row slices of ``k``
+and ``v`` (``S^T = K_j Q^T``, ``O += (P^T)^T V_j``) and key tiles may start
+anywhere: each query tile visits exactly the key range ``[j_lo, j_hi)`` that
+causal, ``window_size``, ``kv_lengths`` and the dynamic-window band leave.
+Per-query running statistics (``row_max``, ``row_sum``) are vectors along the
+contiguous axis of the tile.
+
+- forward: one task per (batch, head, query tile), the online-softmax
+  recurrence with the ``beta`` term folded in at the end.
+- backward: recomputation from ``lse`` (FlashAttention-2), one task per
+  (batch, kv head, key tile): each task owns its ``dk``, ``dv`` rows
+  (the query heads of a group summed inside the task) and writes its key
+  tile's share of ``dq`` into a buffer of its own, together with per-task
+  partial sums of ``dtau`` and ``dsigma``; the shares are then added in
+  key-tile order (in chunks of key tiles when they would take more than
+  `DQ_SHARES_BYTES`). No two tasks write the same memory and every sum runs
+  in a fixed order, so results are the same bits on every run and for every
+  thread count.
+- score modifiers: applied to each tile where its logits are formed
+  (`_logits_tile`), before NVM, the temperature's division (already in the
+  scaled queries) and the gate: ``tanh`` is the vectorised one of
+  `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
+  entries (no copy when its dtype is the kernel's), and its NaN and ``+inf``
+  entries are counted as it is read (`prepare`, `_count_bad_bias`), also in
+  the tiles a mask skips. ``dbias`` is written by
+  the task that owns each of its elements: when the bias is broadcast over
+  the batch or the heads, each task walks a fixed range of (batch, kv head)
+  pairs (a "lane") and the lanes' float64 partials are summed in order; when
+  it is broadcast over the keys, each key tile keeps a partial of its own
+  (like the shares of dq), summed in key-tile order. A task takes the query
+  tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
+  its heads share is read once for them all and their ``dbias`` is summed in
+  cache (in the kernel dtype), then written out once; when one task takes
+  all the terms of each element, that sum is the result (`_DbiasPlan`).
+
+The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
+kernels release the GIL), as many as `numba.get_num_threads` says, so the
+number of threads follows `numba.set_num_threads` (`thread_count`).
+
+Modules
+-------
+``_config``
+    every tunable (tile sizes, memory caps, the decode thresholds)
+``_plan``
+    the kernel plan: the options as runtime values (`_options`)
+``_threads``
+    the thread pool and each thread's share of the tasks
+``_scalar``
+    the key, query and offset ranges a tile may keep
+``_logits``
+    the logits pipeline of a tile, shared by the forward and the backward
+``_forward``, ``_backward``, ``_dbias``, ``_decode``
+    the prefill forward, the backward and its ``dbias`` plan, the decode kernel
+``_simd``, ``_products``, ``_exp``, ``_transpose``
+    the single-threaded tile primitives and what they share
+"""
+
+
+
+
+import numpy as np
+
+from elastic_np import _options as options_module
+from elastic_np.cpu import _decode, _forward
+from elastic_np.cpu._backward import backward
+from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._threads import thread_count
+
+__all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward", "thread_count"]
+
+
+dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def is_available():
+    """True: the CPU kernels need only NumPy and Numba."""
+    return True
+
+
+def check_available():
+    """Raise nothing: the CPU backend is always usable once imported."""
+    return None
+
+
+def prepare(q, k, v, **options):
+    """`elastic_np._options.prepare`, leaving the bias's values, and the keys' and values', to the kernels.
+
+    The kernels read every bias entry anyway, so they also count its NaN and
+    ``+inf`` entries (`_count_bad_bias`), including those of tiles a mask
+    skips, and `forward` and `backward` raise the same ValueError as the
+    check before the call would: a separate pass over a bias as large as
+    the score matrix cost as much as the kernel's own read of it. The decode
+    kernel finds a NaN or inf key or value as it reads them
+    (`elastic_np.cpu._decode`): at decode shapes a separate pass over the cache
+    costs as much as the attention; the other paths check them first.
+    """
+    return options_module.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
+
+
+def forward(problem):
+    """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
+
+    The decode kernel when the problem has a few queries per sequence
+    (`elastic_np.cpu._decode.takes`), the prefill kernel otherwise.
+
+    Parameters
+    ----------
+    problem : elastic_np._options.AttentionProblem
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, N, Dv)
+    lse : ndarray, shape (B, H, N)
+    """
+    if _decode.takes(problem):
+        compile_for(problem.dtype, _decode.TILES)
+        return _decode.forward(problem)
+    return _forward.forward(problem)

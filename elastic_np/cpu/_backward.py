@@ -1,0 +1,425 @@
+"""The prefill backward: recomputation from ``lse`` (FlashAttention-2).
+
+`backward` prepares the scaled queries, ``dout^T`` and ``delta``
+(`_backward_prepare`), runs one task per (batch, kv head, key tile) in
+chunks of key tiles (`_backward_kernel`), then adds the key tiles' shares of
+``dq`` in key-tile order (`_sum_dq_shares`). Where ``dbias`` goes is
+`elastic_np.cpu._dbias`'s.
+"""
+
+import numpy as np
+from numba import njit
+
+from elastic_np.cpu import _config as config
+from elastic_np.cpu._dbias import (
+    _accumulate_columns,
+    _accumulate_transposed,
+    _DbiasPlan,
+    _pair_head,
+    _store_transposed,
+)
+from elastic_np.cpu._exp import exp_inplace
+from elastic_np.cpu._logits import (
+    _add_scaled,
+    _add_transposed,
+    _count_bad_bias,
+    _logits_tile,
+    _prefetch_bias,
+    _query_factor,
+)
+from elastic_np.cpu._plan import (
+    _check_cache,
+    _kernel_array,
+    _options,
+    _raise_on_bad_bias,
+)
+from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._scalar import _like, _offset_range, _query_range
+from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
+
+_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace)
+
+
+def backward(problem, dout, out, lse, dlse=None):
+    """Gradients of the attention for ``q, k, v, tau, beta, sigma, bias``.
+
+    Parameters
+    ----------
+    problem : elastic_np._options.AttentionProblem
+    dout, out : ndarray, shape (B, H, N, Dv)
+    lse : ndarray, shape (B, H, N)
+        In the problem's dtype, as `forward` returned them.
+    dlse : ndarray, shape (B, H, N), optional
+        Cotangent of ``lse`` in the problem's dtype; None for zeros.
+
+    Returns
+    -------
+    AttentionGrads
+    """
+    _check_cache(problem)
+    compile_for(problem.dtype, _BACKWARD_TILES)
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    dtype = problem.dtype
+    q, k, v, dout, out, lse = (
+        _kernel_array(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
+    )
+    opt = _options(problem, with_sigma_grad=True, dtype=dtype)
+    n_qt = -(-N // config.BLOCK_Q)
+
+    # Per-head scaled queries q * scale / tau_h, row-major and as Q^T tiles,
+    # dout^T tiles, and delta_i = dout_i . out_i - dlse_i.
+    q_scaled = np.empty((B, H, N, D), dtype=dtype)
+    q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
+    dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
+    delta = np.empty((B, H, N), dtype=np.float64)
+    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta)
+    if dlse is not None:
+        np.subtract(delta, dlse, out=delta)
+
+    # One pass over key tiles gives dk, dv and each key tile's share of dq;
+    # the shares are summed in key-tile order afterwards (no racing writes).
+    # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
+    block_k = config.BLOCK_K * config.BACKWARD_K_FACTOR
+    n_kt = -(-M // block_k)
+    share_bytes = max(B * H * N * D * q.itemsize, 1)
+    chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
+    dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
+    share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
+    dq = np.zeros_like(q)
+    dk = np.empty_like(k)
+    dv = np.empty_like(v)
+    dtau_part = np.zeros((B, H, n_kt))
+    dsigma_part = np.zeros((B, H, n_kt))
+    bad_bias = np.zeros((B, H, n_kt), dtype=np.int64)
+    plan = _DbiasPlan(problem, dtype, n_kt, chunk)
+    for kt0 in range(0, n_kt, chunk):
+        kt1 = min(kt0 + chunk, n_kt)
+        _run_tasks(
+            _backward_kernel, k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, config.BLOCK_Q, block_k,
+            kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
+            plan.params, plan.strides, plan.direct, plan.partials, bad_bias,
+        )
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq)
+        plan.after_chunk()
+    _raise_on_bad_bias(bad_bias)
+    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
+    factor = (problem.scale / problem.tau)[None, :, None, None]
+    np.multiply(dq, factor, out=dq, casting="unsafe")
+    return problem.reduce_grads(
+        dq, dk, dv,
+        dtau_part.sum(axis=2),
+        problem.sink_gradient(delta, lse),
+        dsigma_part.sum(axis=2) if problem.sigma is not None else None,
+        dbias=plan.result(),
+    )
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _backward_prepare(q, dout, out, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, part, parts):
+    """Scaled queries (rows and Q^T tiles), dout^T tiles and delta in float64."""
+    B, H, N, D = q.shape
+    Dv = dout.shape[3]
+    for bh in _task_range(B * H, part, parts):
+        b = bh // H
+        h = bh % H
+        factor = opt.scale / opt.tau[h]
+        logit_factor = _query_factor(opt, h)
+        for i in range(N):
+            it = i // block_q
+            r = i - it * block_q
+            acc = 0.0
+            for d in range(Dv):
+                acc += np.float64(dout[b, h, i, d]) * np.float64(out[b, h, i, d])
+                dout_t[b, h, it, d, r] = dout[b, h, i, d]
+            delta[b, h, i] = acc
+            for d in range(D):
+                q_scaled[b, h, i, d] = q[b, h, i, d] * factor
+                q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
+
+
+@njit(cache=True, fastmath=False)
+def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
+    for r in range(bq):
+        value = lse[b, h, i0 + r]
+        # An empty row with beta = 0 has lse = -inf and only -inf logits:
+        # shift by +inf so that exp(z - lse) = 0 rather than NaN.
+        lse_t[r] = np.inf if value == -np.inf else value
+        delta_t[r] = delta[b, h, i0 + r]
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _backward_kernel(
+    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
+    kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials, bad_bias, part, parts,
+):
+    """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
+
+    ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
+    of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
+    ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
+    where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
+    and, when the bias is broadcast over the batch or the heads, a lane of
+    (batch, kv head) pairs. ``bad_bias[b, h, kt]`` counts the NaN and +inf
+    bias entries of the key tile, over all queries.
+    """
+    B, Hkv, M, D = k.shape
+    Dv = v.shape[3]
+    H, N = q_scaled.shape[1], q_scaled.shape[2]
+    group = H // Hkv
+    n_chunk = kt1 - kt0
+    dbias_mode = dbias_params[0]
+    fold_b = dbias_params[1] != 0
+    fold_h = dbias_params[2] != 0
+    lanes = dbias_params[3]
+    slots_per_lane = dbias_params[4]
+    d_b, d_h, d_i, d_j = dbias_strides[0], dbias_strides[1], dbias_strides[2], dbias_strides[3]
+    outer_h = 1 if fold_h else Hkv
+    pairs_h = Hkv if fold_h else 1
+    pairs = (B if fold_b else 1) * pairs_h
+    n_outer = (1 if fold_b else B) * outer_h
+    # A task interleaves the query tiles of up to `pair_batch` (batch, kv
+    # head) pairs of its lane, heads inner: a broadcast bias tile and its
+    # dbias partial are used by every head while they are in cache.
+    pair_batch = dbias_params[5]
+    heads = pair_batch * group
+    # scratch of the thread, reused by its tasks
+    st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
+    pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
+    dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
+    slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
+    lse_t = np.empty(block_q, dtype=k.dtype)
+    no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
+    delta_t = np.empty(block_q, dtype=k.dtype)
+    # A dbias broadcast over heads and laid out along the keys: the batch's
+    # dz / tau_h are summed key-major in the kernel dtype, each row as it is
+    # formed (in cache), then written out transposed once per query tile.
+    sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
+    dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
+    # A bias the batch's heads share, laid out along the keys: each tile is
+    # loaded key-major once for them all (one transpose instead of one per head).
+    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    share_bias = opt.has_bias and heads > 1 and b_h == 0 and b_j == 1 and b_i > 1
+    bias_t = np.empty((block_k, block_q) if share_bias else (0, 0), dtype=k.dtype)
+    one = _like(1.0, bias_t)
+    dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
+    dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
+    # per head of the batch: dtau and dsigma sums by query, bad bias entries,
+    # and offsets [off_lo, off_hi] and query tiles [it_lo, it_hi)
+    dtau_acc = np.empty((heads, block_q))
+    dsigma_acc = np.empty((heads, block_q))
+    bad = np.empty(heads, dtype=np.int64)
+    spans = np.empty((heads, 4), dtype=np.int64)
+    # NVM tests s before log G is added: with a gate it stays in the logits
+    # pass, otherwise it joins the pass that forms z - lse (the logits z
+    # themselves are read only where p != 0).
+    nvm_in_logits = opt.nvm and opt.has_gate
+    nvm_in_exp = opt.nvm and not opt.has_gate
+    neg_inf = -np.inf
+    for task in _task_range(n_outer * lanes * n_chunk, part, parts):
+        rest = task // n_chunk
+        t = _zigzag(task % n_chunk, n_chunk)
+        lane = rest % lanes
+        outer = rest // lanes
+        kt = kt0 + t
+        j0 = kt * block_k
+        bk_all = min(block_k, M - j0)
+        slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
+        lane_hi = (lane + 1) * pairs // lanes
+        for first in range(lane * pairs // lanes, lane_hi, pair_batch):
+            n_pairs = min(pair_batch, lane_hi - first)
+            it_first = N
+            it_last = 0
+            for pp in range(n_pairs):
+                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
+                dk_acc[pp, :bk_all] = 0.0
+                dv_acc[pp, :bk_all] = 0.0
+                for g in range(group):
+                    hh = pp * group + g
+                    h = hk * group + g
+                    off_lo, off_hi = _offset_range(opt, b, h, N, M)
+                    i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
+                    spans[hh, 0] = off_lo
+                    spans[hh, 1] = off_hi
+                    dtau_acc[hh] = 0.0
+                    dsigma_acc[hh] = 0.0
+                    if bk == 0 or i_lo >= i_hi:
+                        bad[hh] = _count_bad_bias(opt, b, h, np.intp(0), N, j0, j0 + bk_all)
+                        spans[hh, 2] = 0
+                        spans[hh, 3] = 0
+                        share_rows[t, b, h, 0] = 0
+                        share_rows[t, b, h, 1] = 0
+                        continue
+                    it_lo = i_lo // block_q
+                    it_hi = (i_hi - 1) // block_q + 1
+                    spans[hh, 2] = it_lo
+                    spans[hh, 3] = it_hi
+                    it_first = min(it_first, it_lo)
+                    it_last = max(it_last, it_hi)
+                    # the bias of the queries skipped, which no tile reads, and
+                    # of the keys past kv_lengths
+                    rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
+                    n_bad = _count_bad_bias(opt, b, h, np.intp(0), rows_lo, j0, j0 + bk_all)
+                    n_bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
+                    n_bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
+                    bad[hh] = n_bad
+                    share_rows[t, b, h, 0] = rows_lo
+                    share_rows[t, b, h, 1] = rows_hi
+            for it in range(it_first, it_last):
+                i0 = it * block_q
+                bq = min(block_q, N - i0)
+                summed = False  # dz_sum holds this query tile's sum
+                bias_loaded = False  # bias_t holds this query tile's bias
+                bias_t_clean = False  # and none of its entries is NaN or +inf
+                for pp in range(n_pairs):
+                    b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                    bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
+                    k_j = k[b, hk, j0 : j0 + bk]
+                    v_j = v[b, hk, j0 : j0 + bk]
+                    dk_pair = dk_acc[pp]
+                    dv_pair = dv_acc[pp]
+                    for g in range(group):
+                        hh = pp * group + g
+                        h = hk * group + g
+                        if it < spans[hh, 2] or it >= spans[hh, 3]:
+                            continue
+                        off_lo, off_hi = spans[hh, 0], spans[hh, 1]
+                        inv_tau = 1.0 / opt.tau[h]
+                        inv_tau_t = _like(inv_tau, dpt)
+                        share = dq_shares[t, b, h, i0 : i0 + bq]
+                        if opt.has_bias and it + 1 < spans[hh, 3] and not bias_loaded:
+                            _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
+                        if share_bias and not bias_loaded:
+                            # b is the batch's own, or the bias does not depend on it
+                            start = b * b_b + i0 * b_i + j0
+                            bias_t_clean = _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, np.bool_(True))
+                            bias_loaded = True
+                        kept, _, clean = _logits_tile(
+                            st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
+                            off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm, bias_t,
+                        )
+                        if not (clean or (share_bias and bias_t_clean)):
+                            bad[hh] += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache
+                        if not kept:
+                            for r in range(bq):
+                                for d in range(D):
+                                    share[r, d] = 0.0
+                            continue
+                        _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                        delta_r = delta[b, h, i0 : i0 + bq]
+                        dtau_h = dtau_acc[hh]
+                        dsigma_h = dsigma_acc[hh]
+                        if nvm_in_exp:
+                            for c in range(bk):
+                                for r in range(bq):
+                                    x = st[c, r]
+                                    pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
+                        else:
+                            for c in range(bk):
+                                for r in range(bq):
+                                    pt[c, r] = st[c, r] - lse_t[r]
+                        exp_inplace(pt, bk, bq)
+                        matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_pair, bk, Dv, bq, True)
+                        matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                        # dz in the working dtype feeds the products; the dtau and
+                        # dsigma sums take dz in float64 against the float64 delta.
+                        if sum_heads and not summed:
+                            dz_sum[:bk_all, :bq] = 0.0
+                            summed = True
+                        for c in range(bk):
+                            if opt.has_gate:
+                                base = j0 + c - (opt.kv_ends[b] - N) - i0 + M - 1
+                                for r in range(bq):
+                                    p = pt[c, r]
+                                    dp = dpt[c, r]
+                                    dpt[c, r] = p * (dp - delta_t[r])
+                                    if p != 0:
+                                        dz = np.float64(p) * (np.float64(dp) - delta_r[r])
+                                        dtau_h[r] += dz * (
+                                            np.float64(st[c, r]) - opt.log_gate[b, h, base - r]
+                                        )
+                                        dsigma_h[r] += dz * opt.dlog_gate[b, h, base - r]
+                            else:
+                                for r in range(bq):
+                                    p = pt[c, r]
+                                    dp = dpt[c, r]
+                                    dpt[c, r] = p * (dp - delta_t[r])
+                                    s = np.float64(st[c, r]) if p != 0 else 0.0
+                                    dtau_h[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
+                            if sum_heads:
+                                # this head's dbias row (below) into the heads' sum
+                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
+                        # dbias = ds = dz / tau_h, before the soft-cap's slope
+                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
+                        if dbias_mode == 1:
+                            # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
+                            _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
+                        elif dbias_mode == 2 and not sum_heads:
+                            partial = dbias_partials[slot]
+                            if d_i == 0:
+                                _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
+                            elif d_j == 1 and d_i > 1:
+                                # keys contiguous in dbias: the tile added transposed
+                                _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
+                            else:
+                                for c in range(bk):
+                                    row = dpt[c]
+                                    at = start + c * d_j
+                                    for r in range(bq):
+                                        partial[at + r * d_i] += np.float64(row[r]) * inv_tau
+                        if opt.has_softcap:
+                            # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
+                            for c in range(bk):
+                                row = dpt[c]
+                                slope_row = slope[c]
+                                for r in range(bq):
+                                    row[r] *= slope_row[r]
+                        # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
+                        matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_pair, bk, D, bq, True)
+                        # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+                        matmul_tn(dpt, k_j, share, bq, D, bk, False)
+                if summed:
+                    start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b
+                    start += i0 * d_i + j0
+                    if dbias_mode == 3:
+                        # the whole sum: the result
+                        _store_transposed(dz_sum, bk_all, bq, dbias_direct, start, d_i, one)
+                    else:
+                        _accumulate_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
+            for pp in range(n_pairs):
+                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
+                for g in range(group):
+                    hh = pp * group + g
+                    h = hk * group + g
+                    dtau = 0.0
+                    dsigma = 0.0
+                    for r in range(block_q):
+                        dtau += dtau_acc[hh, r]
+                        dsigma += dsigma_acc[hh, r]
+                    # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
+                    dtau_part[b, h, kt] = -dtau / opt.tau[h]
+                    dsigma_part[b, h, kt] = dsigma
+                    bad_bias[b, h, kt] = bad[hh]
+                dk[b, hk, j0 : j0 + bk_all] = dk_acc[pp, :bk_all]
+                dv[b, hk, j0 : j0 + bk_all] = dv_acc[pp, :bk_all]
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
+    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
+    B, H, N, D = dq.shape
+    n_qt = (N + block_q - 1) // block_q
+    for task in _task_range(B * H * n_qt, part, parts):
+        bh = task // n_qt
+        b = bh // H
+        h = bh % H
+        i0 = (task % n_qt) * block_q
+        i1 = min(i0 + block_q, N)
+        for t in range(n_shares):
+            lo = max(share_rows[t, b, h, 0], i0)
+            hi = min(share_rows[t, b, h, 1], i1)
+            for i in range(lo, hi):
+                for d in range(D):
+                    dq[b, h, i, d] += dq_shares[t, b, h, i, d]

@@ -1,0 +1,56 @@
+"""Every tunable of the CPU kernels, in one place.
+
+Host code reads them as ``config.NAME`` at call time, so a test may set one
+with ``monkeypatch.setattr(elastic_np.cpu._config, NAME, value)``.
+"""
+
+# Prefill tiles (`elastic_np.cpu._forward`, `elastic_np.cpu._backward`)
+
+#: Queries per tile (the vector axis of every tile) and keys per tile.
+BLOCK_Q = 128
+BLOCK_K = 128
+#: The backward's key tiles are this many times BLOCK_K long: every key tile
+#: reads all the query-side tiles (q, dout, both layouts) once, so longer key
+#: tiles halve that traffic and the dq shares.
+BACKWARD_K_FACTOR = 2
+#: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
+DQ_SHARES_BYTES = 1 << 25
+#: Memory for the backward's float64 partials of a broadcast bias's gradient.
+DBIAS_PARTIALS_BYTES = 1 << 25
+#: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
+DBIAS_MIN_TASKS = 64
+#: (batch, kv head) pairs of a lane whose query tiles a backward task
+#: interleaves: each tile of a broadcast bias, and of its dbias sum over
+#: heads, is then used by all their heads while it is in cache.
+DBIAS_PAIR_BATCH = 8
+
+# Decoding (`elastic_np.cpu._decode`)
+
+#: Queries per sequence up to which `elastic_np.cpu.forward` takes the decode kernel.
+DECODE_MAX_QUERIES = 16
+#: Stacked rows (query heads of a group x queries) up to which it does.
+DECODE_MAX_ROWS = 128
+#: Keys per tile (see `elastic_np.cpu._decode.block_keys`).
+DECODE_BLOCK_K = 256
+#: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
+DECODE_FEW_ROWS = 16
+#: Tasks the keys are split into when there are fewer (batch, kv head) pairs.
+DECODE_MIN_TASKS = 32
+#: Fewest keys of a split.
+DECODE_MIN_SPLIT_KEYS = 512
+
+# Threads (`elastic_np.cpu._threads`)
+
+#: Multiply-adds below which a call runs on the calling thread: handing work to
+#: the pool and waiting for it costs about as much as this much arithmetic.
+SERIAL_WORK = 1 << 21
+
+# Compiler flags of the kernels' tile code. Reassociation lets LLVM vectorise
+# the row sums; no flag that assumes finite values, since -inf marks every
+# removed entry. Numba compiles a function that sets no `fastmath` with the
+# flags of whatever compiles it first (a kernel's, or none from Python), and
+# keeps that version: the kernels' bits then depended on the order things were
+# compiled in. Every njit function of the package states its own: _FASTMATH
+# for the forward's tile code (which it had when the forward compiled it
+# first), False elsewhere.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}

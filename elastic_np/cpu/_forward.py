@@ -1,0 +1,167 @@
+"""The prefill forward: one task per (batch, head, query tile), the online softmax over key tiles.
+"""
+
+
+import math
+
+import numpy as np
+from numba import njit
+
+from elastic_np.cpu import _config as config
+from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._exp import exp_shift_sum
+from elastic_np.cpu._logits import (
+    _column_max,
+    _count_bad_bias,
+    _logits_tile,
+    _prefetch_bias,
+    _query_factor,
+)
+from elastic_np.cpu._plan import (
+    _check_cache,
+    _kernel_array,
+    _options,
+    _raise_on_bad_bias,
+)
+from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._scalar import _key_range, _log_add_exp, _offset_range
+from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
+
+
+def forward(problem):
+    """The prefill forward (one task per query tile): ``(out, lse)`` in the input dtype.
+
+    Parameters
+    ----------
+    problem : elastic_np._options.AttentionProblem
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, N, Dv)
+    lse : ndarray, shape (B, H, N)
+    """
+    compile_for(problem.dtype, _FORWARD_TILES)
+    _check_cache(problem)
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
+    out = np.empty((B, H, N, Dv), dtype=q.dtype)
+    lse = np.empty((B, H, N), dtype=q.dtype)
+    opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
+    bad_bias = np.zeros((B, H, -(-N // config.BLOCK_Q)), dtype=np.int64)
+    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out, lse, bad_bias,
+               work=B * H * N * M * (D + Dv))
+    _raise_on_bad_bias(bad_bias)
+    return out, lse
+
+
+# The typed tile functions each pass calls: a first call compiles only those (`compile_for`).
+_FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, parts):
+    """Query tiles: ``out`` and ``lse``; ``bad_bias[b, h, tile]`` counts the tile's NaN and +inf bias entries."""
+    B, H, N, D = q.shape
+    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = H // Hkv
+    n_qt = (N + block_q - 1) // block_q
+    # scratch of the thread, reused by its tasks
+    q_t = np.empty((D, block_q), dtype=q.dtype)  # scaled Q^T of the tile
+    st = np.empty((block_k, block_q), dtype=q.dtype)
+    acc = np.empty((block_q, Dv), dtype=q.dtype)
+    row_max = np.empty(block_q, dtype=q.dtype)
+    tile_max = np.empty(block_q, dtype=q.dtype)
+    shift_by = np.empty(block_q, dtype=q.dtype)
+    rescale_by = np.empty(block_q, dtype=q.dtype)
+    tile_sum = np.empty(block_q, dtype=q.dtype)
+    row_sum = np.empty(block_q)
+    no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
+    no_bias_t = np.empty((0, 0), dtype=q.dtype)  # a task has one head: it reads its bias tiles itself
+    for task in _task_range(B * H * n_qt, part, parts):
+        bh = task // n_qt
+        b = bh // H
+        h = bh % H
+        hk = h // group
+        qt = _zigzag(task % n_qt, n_qt)
+        i0 = qt * block_q
+        bq = min(block_q, N - i0)
+
+        factor = _query_factor(opt, h)
+        for r in range(bq):
+            for d in range(D):
+                q_t[d, r] = q[b, h, i0 + r, d] * factor
+        acc[:] = 0.0
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+
+        # NVM tests s before log G is added: with a gate it stays in the
+        # logits pass, otherwise it joins the row-max and shift passes.
+        nvm_in_logits = opt.nvm and opt.has_gate
+        nvm_in_max = opt.nvm and not opt.has_gate
+        neg_inf = -np.inf
+        off_lo, off_hi = _offset_range(opt, b, h, N, M)
+        j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
+        bad = 0
+        for j0 in range(j_lo, j_hi, block_k):
+            bk = min(block_k, j_hi - j0)
+            if opt.has_bias and j0 + block_k < j_hi:
+                _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
+            for r in range(bq):
+                tile_max[r] = -np.inf
+            kept, maxed, clean = _logits_tile(
+                st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
+                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
+            )
+            if not clean:
+                bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
+            if not kept:
+                continue
+            if not maxed:
+                _column_max(st, bk, bq, tile_max, nvm_in_max)
+            rescale = False
+            for r in range(bq):
+                new_max = max(row_max[r], tile_max[r])
+                # A row with nothing kept yet stays at -inf; shift by 0 so that
+                # exp(-inf - 0) = 0 instead of NaN.
+                shift_by[r] = new_max if new_max > -np.inf else 0.0
+                if new_max > row_max[r]:
+                    alpha = math.exp(row_max[r] - shift_by[r])
+                    row_sum[r] *= alpha
+                    if alpha != 1.0:
+                        rescale = True
+                    rescale_by[r] = alpha
+                else:
+                    rescale_by[r] = 1.0
+                row_max[r] = new_max
+            if rescale:
+                for r in range(bq):
+                    alpha = rescale_by[r]
+                    for d in range(Dv):
+                        acc[r, d] *= alpha
+            for r in range(bq):
+                tile_sum[r] = 0.0
+            exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
+            for r in range(bq):
+                row_sum[r] += tile_sum[r]
+            matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
+        # the bias of the keys skipped, which no tile read
+        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, np.intp(0), j_lo)
+        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j_hi, M)
+        bad_bias[b, h, qt] = bad
+
+        # lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)
+        log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
+        for r in range(bq):
+            i = i0 + r
+            if row_sum[r] > 0.0:
+                m = np.float64(row_max[r])
+                lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
+                weight = math.exp(m - lse_r)
+                for d in range(Dv):
+                    out[b, h, i, d] = acc[r, d] * weight
+                lse[b, h, i] = lse_r
+            else:
+                for d in range(Dv):
+                    out[b, h, i, d] = 0.0
+                lse[b, h, i] = log_beta

@@ -1,0 +1,465 @@
+"""The logits of a tile, as the contract forms them: ``Q K^T``, the score modifiers, NVM, the gate, the mask.
+
+`_logits_tile` is the one pipeline the forward and the backward share; the
+rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
+`_scale_logits`), the reads of the bias (`_add_transposed`,
+`_prefetch_bias`, `_count_bad_bias`) and the tile maxima (`_column_max`).
+"""
+
+import numpy as np
+from numba import njit
+
+from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._exp import sech2_any, tanh_any
+from elastic_np.cpu._products import matmul_nn, matmul_nn_max
+from elastic_np.cpu._scalar import _like, _removes_nothing
+from elastic_np.cpu._transpose import (
+    prefetch,
+    transpose_add,
+    transpose_load,
+    transpose_width,
+)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _logits_tile(
+    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
+    bias_t,
+):
+    """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
+
+    The product ``K_j Q^T`` (``k_j`` the tile's keys, ``q_t`` its queries
+    scaled by ``scale / tau_h``, transposed) gives ``s_raw / tau_h``; the
+    score modifiers follow in the contract's order (see `_modify_tile`).
+    Without a soft-cap (or NVM) they are additive: they are stored first and
+    the product accumulates onto them (one pass over the tile less). Removed
+    entries then become ``-inf``: outside the offset range, ``s < 0`` under
+    NVM on the final ``s`` (when ``nvm``, which the forward leaves to its own
+    first pass when it can), a closed gate, a false mask entry (a ``-inf``
+    bias is ``-inf`` already); the others get ``log G`` added.
+
+    ``slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
+    tile's shape (the backward), not when it is empty. ``bias_t``, when
+    not empty, holds the tile's bias key-major (``bias_t[c, r]``), loaded
+    once for the heads that share it (see `_modify_tile`).
+    ``tile_max`` (length ``bq`` or more; empty when not wanted) is raised to
+    the column maxima of the logits (of those ``>= 0`` with ``nonneg``) when
+    they come with the product: whenever nothing is removed and no modifier
+    is added after the product. Both are told by the arrays, not by flags:
+    a literal flag would compile this function once per value.
+
+    Returns ``(kept, maxed, clean)``: ``kept`` is False when the mask leaves
+    nothing in the tile (so the caller may skip it); ``maxed`` is True when
+    ``tile_max[:bq]`` holds the maxima; ``clean`` is True when the tile's
+    bias entries were checked as they were read (see `_modify_tile`).
+    """
+    want_slope = slope.shape[0] > 0
+    want_max = tile_max.shape[0] > 0
+    removes_nothing = _removes_nothing(opt, b, i0, bq, j0, bk, N, off_lo, off_hi, nvm)
+    additive = opt.has_alibi or opt.has_bias
+    # Accumulating the product onto the bias rounds s with partial sums that
+    # include it; under NVM its sign decides removal, so it is then formed in
+    # the contract's order, the product first (measured: dtau's error in
+    # float32 doubles otherwise).
+    additive_first = additive and not opt.has_softcap and not opt.nvm
+    fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    clean = not opt.has_bias
+    if additive_first:
+        clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, True)
+    else:
+        if fuse_max:
+            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
+        else:
+            matmul_nn(k_j, q_t, st, bk, bq, D, False)
+        if opt.nvm:
+            _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
+        if opt.has_softcap or additive:
+            clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+            if fuse_max:
+                # soft-cap alone: tanh is odd and increasing, so the capped
+                # tile's maxima (and its entries >= 0) are the raw ones capped
+                # (the same expression as in _modify_tile)
+                tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+                cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
+                for r in range(bq):
+                    x = tile_max[r]
+                    if x > -np.inf:
+                        tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
+    if removes_nothing:
+        return True, fuse_max, clean
+    shift = opt.kv_ends[b] - N
+    neg_inf = -np.inf
+    any_kept = False
+    for c in range(bk):
+        j = j0 + c
+        row = st[c]
+        # off = j - (i0 + r) - shift in [off_lo, off_hi]
+        r_lo = min(max(j - shift - off_hi - i0, 0), bq)
+        r_hi = max(min(j - shift - off_lo - i0 + 1, bq), r_lo)
+        for r in range(r_lo):
+            row[r] = neg_inf
+        for r in range(r_hi, bq):
+            row[r] = neg_inf
+        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
+        any_kept = any_kept or kept
+    return any_kept, False, clean
+
+
+@njit(cache=True, fastmath=False)
+def _query_factor(opt, h):
+    """What the queries of head ``h`` are multiplied by before ``Q K^T``: ``scale / tau_h``.
+
+    Under NVM, 1: the product is scaled afterwards (`_scale_logits`), so that
+    a score ``q . k`` that is exactly 0 stays 0 and is kept (``s >= 0``);
+    rounding ``q * scale / tau_h`` first could make it ``-eps``.
+    """
+    return 1.0 if opt.nvm else opt.scale / opt.tau[h]
+
+
+@njit(cache=True, fastmath=False)
+def _scale_logits(st, bk, bq, opt, h, tile_max):
+    """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `_query_factor` is 1).
+
+    A positive factor keeps every sign, and the maxima (rounding is monotone).
+    """
+    for c in range(bk):
+        scale_logits_row(st[c, :bq], opt, h)
+    scale_logits_row(tile_max, opt, h)
+
+
+@njit(cache=True, fastmath=False)
+def scale_logits_row(z, opt, h):
+    """``z *= scale / tau_h`` in ``z``'s dtype, without fast-math: the same bits wherever inlined."""
+    factor = _like(opt.scale / opt.tau[h], z)
+    for c in range(z.shape[0]):
+        z[c] *= factor
+
+
+#: Keys per block when a tile adds a bias laid out along the keys.
+_BIAS_KEYS = 32
+
+
+@njit(cache=True, fastmath=False)
+def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
+    """Prefetch the bias of the tile ``[i0, i0 + bq) x [j0, j0 + bk)``, one line at a time.
+
+    A bias laid out along the keys is read by a tile as ``bq`` short runs,
+    a whole row of the caller's array apart (a bias laid out along the
+    queries as ``bk`` runs): too many streams for the hardware prefetcher.
+    Kernels call it for the next tile while they compute the current one.
+    """
+    s_i, s_j = opt.bias_strides[2], opt.bias_strides[3]
+    if not opt.has_bias or min(s_i, s_j) != 1 or max(s_i, s_j) <= 1:
+        return
+    if s_j == 1:  # a run of keys per query
+        first, length, lo, hi, apart = j0, min(bk, M - j0), max(i0, 0), min(i0 + bq, N), s_i
+    else:  # a run of queries per key
+        first, length, lo, hi, apart = i0, min(bq, N - i0), max(j0, 0), min(j0 + bk, M), s_j
+    step = max(64 // opt.bias.itemsize, 1)  # elements per cache line
+    start = b * opt.bias_strides[0] + h * opt.bias_strides[1] + first
+    for x in range(lo, hi):
+        at = start + x * apart
+        for c in range(0, length, step):
+            prefetch(opt.bias, at + c)
+
+
+@njit(cache=True, fastmath=False)
+def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
+    """How many bias entries of head ``(b, h)``, queries ``[i0, i1)``, keys ``[j0, j1)`` are NaN or ``+inf``.
+
+    0 unless ``opt.check_bias``. A caller covers a block of the entries;
+    along an axis the bias is broadcast over, only the block at index 0
+    counts (``b = 0``, ``h = 0``, ``i0 = 0``, ``j0 = 0``), and a single
+    entry of it: every distinct entry is counted once over the blocks that
+    cover ``(B, H, N, M)``. Not fastmath: the comparison must see NaN.
+    Callers pass ``np.intp(0)``, never a literal 0, which would compile a
+    specialisation of its own.
+    """
+    s_b, s_h, s_i, s_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    if not opt.check_bias or i0 >= i1 or j0 >= j1:
+        return 0
+    if (s_b == 0 and b > 0) or (s_h == 0 and h > 0) or (s_i == 0 and i0 > 0) or (s_j == 0 and j0 > 0):
+        return 0
+    if s_i == 0:
+        i1 = i0 + 1
+    if s_j == 0:
+        j1 = j0 + 1
+    bad = 0
+    if s_i == 1 and s_j != 1:
+        # queries contiguous: one run per key
+        for j in range(j0, j1):
+            at = b * s_b + h * s_h + j * s_j
+            bad += _count_bad(opt.bias[at + i0 : at + i1])
+        return bad
+    for i in range(i0, i1):
+        at = b * s_b + h * s_h + i * s_i
+        if s_j == 1:
+            bad += _count_bad(opt.bias[at + j0 : at + j1])
+        else:
+            for j in range(j0, j1):
+                bad += 0 if opt.bias[at + j * s_j] < np.inf else 1
+    return bad
+
+
+@njit(cache=True, fastmath=False)
+def _count_bad(values):
+    """How many of ``values`` are NaN or ``+inf`` (not fastmath: the comparison must see NaN)."""
+    bad = 0
+    for r in range(values.shape[0]):  # indexed: `for x in values` does not vectorise
+        bad += 0 if values[r] < np.inf else 1
+    return bad
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite, bias_t):
+    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
+
+    ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
+    ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
+    removes afterwards are computed too (every tile entry is finite here, so
+    that nothing is lost and the loops run from 0 and vectorise). With
+    ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
+    1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
+    receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
+    A bias contiguous along the keys comes from ``bias_t[:bk, :bq]`` (the
+    tile's entries, key-major) when that is not empty, else from ``opt.bias``.
+
+    Returns True when there is no bias, or when the tile's bias entries were
+    read from ``opt.bias`` and checked as they were (row by row, or
+    `_add_transposed`) and none is NaN or ``+inf``: the caller need not
+    count them (`_count_bad_bias`).
+    """
+    shift = opt.kv_ends[b] - N
+    inv_tau = 1.0 / opt.tau[h]
+    # in the tile's dtype, so that float32 tiles stay float32
+    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+    cap_over_tau = _like(opt.softcap * inv_tau, st)
+    alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
+    inv_tau_t = _like(inv_tau, st)
+    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
+    # A bias contiguous (or constant) along the queries is added row by row
+    # of the tile, checked as it is read; a bias contiguous along the keys
+    # (the usual C order) in blocks of keys after the other passes: for each
+    # query, one short contiguous run of the caller's row; other layouts
+    # entry by entry.
+    by_rows = opt.has_bias and b_i <= 1
+    bad = 0
+    # with `overwrite`, the first term stored into the tile is not added
+    bias_fresh = overwrite and not opt.has_alibi
+    if opt.has_softcap:
+        _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope)
+    # Rows are slices of length bq (loops over range(bq) on whole rows did not
+    # run vectorised), offsets int32 (int64 to float has no AVX2 instruction).
+    for c in range(bk if opt.has_alibi or by_rows else 0):
+        row = st[c, :bq]
+        if opt.has_alibi:
+            base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
+            if overwrite:
+                for r in range(row.shape[0]):
+                    row[r] = -(alibi_over_tau * _like(abs(np.int32(base - r)), st))
+            else:
+                for r in range(row.shape[0]):
+                    row[r] -= alibi_over_tau * _like(abs(np.int32(base - r)), st)
+        if by_rows:
+            start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
+            if b_i == 0:
+                bad += 0 if opt.bias[start] < np.inf else 1
+                add = opt.bias[start] * inv_tau_t
+                if bias_fresh:
+                    for r in range(row.shape[0]):
+                        row[r] = add
+                else:
+                    for r in range(row.shape[0]):
+                        row[r] += add
+            elif not _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh):
+                bad += 1
+    if by_rows:
+        return bad == 0
+    if opt.has_bias:
+        # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
+        start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
+        if bias_t.shape[0] > 0:
+            for c in range(bk):
+                _add_scaled(st[c, :bq], bias_t[c, :bq], inv_tau_t, bias_fresh)
+        elif b_j == 1:
+            return _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
+        else:
+            # any other layout element by element, _BIAS_KEYS keys at a time
+            for cb in range(0, bk, _BIAS_KEYS):
+                nc = min(_BIAS_KEYS, bk - cb)
+                for r in range(bq):
+                    at = start0 + r * b_i + cb * b_j
+                    for c in range(nc):
+                        x = opt.bias[at + c * b_j] * inv_tau_t
+                        st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
+    return not opt.has_bias
+
+
+@njit(cache=True, inline="always")
+def _add_scaled(row, src, scale, overwrite):
+    """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``.
+
+    Returns True when no entry of ``src`` is NaN or ``+inf`` (a bias
+    checked as it is read; callers that need no check ignore it). In the
+    dtype of ``row``: a float32 ``src`` added to a float64 ``row`` with a
+    float64 ``scale`` is widened first (one product, one sum).
+    Inlined into its callers, whose `fastmath` it takes (see `_FASTMATH`):
+    compiled on its own first (a call from Python), it kept no flags and
+    changed the last bits of kernels compiled after it (measured: 1460 of
+    5209 float32 entries of a backward).
+    """
+    finite = True
+    if overwrite:
+        for r in range(row.shape[0]):
+            x = src[r]
+            finite &= x < np.inf
+            row[r] = x * scale
+    else:
+        for r in range(row.shape[0]):
+            x = src[r]
+            finite &= x < np.inf
+            row[r] += x * scale
+    return finite
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _column_max(st, bk, bq, col_max, nonneg):
+    """``col_max[r] = st[c, r]`` wherever that is greater (and ``>= 0`` with ``nonneg``), ``c`` in order.
+
+    Four rows per load and store of ``col_max``: the same comparisons in the
+    same order, a quarter of the loads and stores.
+    """
+    m = col_max[:bq]
+    bk4 = bk - bk % 4
+    for c in range(0, bk4, 4):
+        r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
+        if nonneg:
+            for r in range(m.shape[0]):
+                x = m[r]
+                x = r0[r] if (r0[r] > x and r0[r] >= 0) else x
+                x = r1[r] if (r1[r] > x and r1[r] >= 0) else x
+                x = r2[r] if (r2[r] > x and r2[r] >= 0) else x
+                x = r3[r] if (r3[r] > x and r3[r] >= 0) else x
+                m[r] = x
+        else:
+            for r in range(m.shape[0]):
+                x = m[r]
+                x = r0[r] if r0[r] > x else x
+                x = r1[r] if r1[r] > x else x
+                x = r2[r] if r2[r] > x else x
+                x = r3[r] if r3[r] > x else x
+                m[r] = x
+    for c in range(bk4, bk):
+        row = st[c, :bq]
+        for r in range(m.shape[0]):
+            x = row[r]
+            m[r] = x if (x > m[r] and (x >= 0 or not nonneg)) else m[r]
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
+    """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
+
+    With ``want_slope``, ``slope[c, r] = 1 - tanh^2`` too, by `sech2_any`
+    (``1 - t * t`` cancels once the cap saturates). Rows go four at a
+    time: four independent chains of the tangent's arithmetic in flight hide
+    its latency; the rows are taken as slices of length ``bq``, without
+    which LLVM's vectorised loop was not the one that ran.
+    """
+    bk4 = bk - bk % 4
+    for c in range(0, bk4, 4):
+        r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
+        if want_slope:
+            s0, s1 = slope[c, :bq], slope[c + 1, :bq]
+            s2, s3 = slope[c + 2, :bq], slope[c + 3, :bq]
+            for r in range(r0.shape[0]):
+                x0 = r0[r] * tau_over_cap
+                x1 = r1[r] * tau_over_cap
+                x2 = r2[r] * tau_over_cap
+                x3 = r3[r] * tau_over_cap
+                r0[r] = cap_over_tau * tanh_any(x0)
+                r1[r] = cap_over_tau * tanh_any(x1)
+                r2[r] = cap_over_tau * tanh_any(x2)
+                r3[r] = cap_over_tau * tanh_any(x3)
+                s0[r] = sech2_any(x0)
+                s1[r] = sech2_any(x1)
+                s2[r] = sech2_any(x2)
+                s3[r] = sech2_any(x3)
+        else:
+            for r in range(r0.shape[0]):
+                t0 = tanh_any(r0[r] * tau_over_cap)
+                t1 = tanh_any(r1[r] * tau_over_cap)
+                t2 = tanh_any(r2[r] * tau_over_cap)
+                t3 = tanh_any(r3[r] * tau_over_cap)
+                r0[r] = cap_over_tau * t0
+                r1[r] = cap_over_tau * t1
+                r2[r] = cap_over_tau * t2
+                r3[r] = cap_over_tau * t3
+    for c in range(bk4, bk):
+        row = st[c]
+        for r in range(bq):
+            x = row[r] * tau_over_cap
+            row[r] = cap_over_tau * tanh_any(x)
+            if want_slope:
+                slope[c, r] = sech2_any(x)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
+    """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
+
+    (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
+    `_store_transposed`: square blocks of ``W`` go through SIMD registers
+    (`transpose_add`, `transpose_load`), the edges element by element.
+    Returns True when no entry read is NaN or ``+inf``.
+    """
+    width = transpose_width(tile)
+    bk_w = bk - bk % width
+    bq_w = bq - bq % width
+    # W runs of src at a time, each read along: W streams the hardware
+    # prefetcher follows (the blocks down the runs first would be bq streams)
+    flagged = 0
+    for rb in range(0, bq_w, width):
+        for cb in range(0, bk_w, width):
+            if overwrite:
+                flagged |= transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            else:
+                flagged |= transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+    for c in range(bk):
+        row = tile[c]
+        for r in range(0 if c >= bk_w else bq_w, bq):
+            value = src[start + r * stride + c]
+            flagged |= 0 if value < np.inf else 1
+            x = value * scale
+            row[r] = x if overwrite else row[r] + x
+    return flagged == 0
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
+    """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
+    neg_inf = -np.inf
+    if nvm:
+        for r in range(r_lo, r_hi):
+            x = row[r]
+            row[r] = x if x >= 0 else neg_inf
+    if opt.has_gate:
+        base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
+        for r in range(r_lo, r_hi):
+            row[r] += opt.log_gate[b, h, base - r]
+    if opt.has_mask:
+        s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
+        start = b * s_b + h * s_h + j * s_j + i0 * s_i
+        for r in range(r_lo, r_hi):
+            if not opt.mask[start + r * s_i]:
+                row[r] = neg_inf
+    if check_kept:
+        for r in range(r_lo, r_hi):
+            if row[r] > neg_inf:
+                return True
+        return False
+    return r_hi > r_lo

@@ -1,0 +1,248 @@
+"""The kernel plan: every option as runtime values the njit kernels read (`_options`).
+
+Built once per call on the host, from the validated problem: the compact
+mask and bias with their element strides, the dynamic window tabulated by
+offset, per-head ``tau`` and ``beta``, ALiBi's slopes. One compiled
+specialisation per dtype serves every option set.
+"""
+
+import collections
+import math
+
+import numpy as np
+from numba import njit
+
+from elastic_np import _options as options_module
+
+# Everything the njit code needs to know about the options, as runtime values:
+# one compiled specialisation per dtype whatever the options are.
+_Options = collections.namedtuple(
+    "_Options",
+    [
+        "scale",  # float
+        "causal",  # bool
+        "left",  # int, -1 unbounded
+        "right",  # int, -1 unbounded
+        "nvm",  # bool
+        "has_mask",  # bool
+        "has_gate",  # bool
+        "tau",  # float64 (H,)
+        "beta",  # float64 (H,)
+        "kv_lengths",  # int64 (B,)
+        "kv_ends",  # int64 (B,): the key length offsets align to, off = j - i - (kv_ends[b] - N)
+        "mask",  # bool, 1-D: the mask's distinct entries, C order
+        "mask_strides",  # int64 (4,): element strides of (b, h, i, j) into `mask`, 0 when broadcast
+        "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (kv_ends[b] - N), + M - 1
+        "dlog_gate",  # float64, same shape: d log G / d sigma (0 where G = 0)
+        "band",  # int64 (B, H, 2): offsets [lo, hi] where the gate is open
+        "has_softcap",  # bool
+        "softcap",  # float (1.0 when off)
+        "has_alibi",  # bool
+        "alibi",  # float64 (B, H) slopes (1 x 1 zeros when off)
+        "has_bias",  # bool
+        "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
+        "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
+        "check_bias",  # bool: the kernels count the bias's NaN and +inf entries (`_count_bad_bias`)
+    ],
+)
+
+
+def _raise_on_bad_bias(counts):
+    """Raise `elastic_np._options.BIAS_VALUES_ERROR` when the kernels counted a NaN or +inf bias entry."""
+    if counts.any():
+        raise ValueError(options_module.BIAS_VALUES_ERROR)
+
+
+def _kernel_array(a):
+    """``a`` itself when C-contiguous and writable, else a copy that is.
+
+    The kernels never write to their inputs, but a read-only or strided array
+    is another Numba type, and every new type compiles every kernel again.
+    """
+    if a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, order="C", copy=True)
+
+
+def _options(p, with_sigma_grad, dtype):
+    B, H, Hkv, N, M, D, Dv = p.shape
+    if p.mask is None:
+        mask = np.ones(1, dtype=np.bool_)
+        mask_strides = np.zeros(4, dtype=np.int64)
+    else:
+        mask, mask_strides = _compact_mask(p.mask)
+    if p.sigma is None:
+        log_gate = dlog_gate = np.zeros((1, 1, 1))
+        band = np.zeros((1, 1, 2), dtype=np.int64)
+    else:
+        width = max(N + M - 1, 1)
+        log_gate = np.empty((B, H, width))
+        dlog_gate = np.empty((B, H, width) if with_sigma_grad else (1, 1, 1))
+        band = np.empty((B, H, 2), dtype=np.int64)
+        _window_tables(
+            p.sigma, float(p.sharpness), float(p.threshold), N, M,
+            np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, band,
+        )
+    check_bias = p.bias_unchecked
+    if p.bias is None:
+        bias = np.zeros(1, dtype=dtype)
+        bias.setflags(write=False)
+        bias_strides = np.zeros(4, dtype=np.int64)
+    else:
+        bias, bias_strides = _compact_bias(p.bias, dtype)
+        if check_bias and not np.may_share_memory(bias, p.bias):
+            # converted: the caller's values are checked, then the converted
+            # ones (a float64 entry beyond the float32 range becomes +inf)
+            options_module.check_bias_values(p.bias)
+            options_module.check_bias_values(
+                bias, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
+            )
+            check_bias = False
+    return _Options(
+        scale=float(p.scale),
+        causal=bool(p.causal),
+        left=int(p.window[0]),
+        right=int(p.window[1]),
+        nvm=bool(p.nvm),
+        has_mask=p.mask is not None,
+        has_gate=p.sigma is not None,
+        tau=np.ascontiguousarray(p.tau, dtype=np.float64),
+        beta=np.ascontiguousarray(p.beta, dtype=np.float64),
+        kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
+        kv_ends=np.ascontiguousarray(p.kv_ends, dtype=np.int64),
+        mask=mask,
+        mask_strides=mask_strides,
+        log_gate=log_gate,
+        dlog_gate=dlog_gate,
+        band=band,
+        has_softcap=p.softcap is not None,
+        softcap=float(p.softcap) if p.softcap is not None else 1.0,
+        has_alibi=p.alibi is not None,
+        alibi=np.zeros((1, 1)) if p.alibi is None else np.ascontiguousarray(p.alibi, np.float64),
+        has_bias=p.bias is not None,
+        bias=bias,
+        bias_strides=bias_strides,
+        check_bias=check_bias,
+    )
+
+
+def _compact_mask(mask):
+    """The distinct entries of a broadcast boolean view, flat, with element strides.
+
+    ``mask[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``; broadcast axes
+    have stride 0, so a ``(N, M)`` mask stays ``N * M`` booleans.
+    """
+    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in mask.strides)
+    compact = _kernel_array(mask[index])
+    strides = [
+        0 if s == 0 or n == 1 else cs // compact.itemsize
+        for s, n, cs in zip(mask.strides, compact.shape, compact.strides)
+    ]
+    return compact.reshape(-1), np.array(strides, dtype=np.int64)
+
+
+def _compact_bias(bias, dtype):
+    """The distinct entries of a broadcast bias view, flat and read-only, with element strides.
+
+    ``bias[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``. The caller's
+    memory is read as it is, at its strides (no copy), when it has the
+    kernel dtype, is aligned and has no negative stride: C or Fortran
+    order, the last two axes transposed (``.mT``), a slice of a larger
+    array. Otherwise the distinct entries are copied, converted, in C order.
+    Always read-only, so that the kernels see one array type.
+    """
+    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
+    compact = bias[index]
+    itemsize = np.dtype(dtype).itemsize
+    readable = (
+        compact.dtype == dtype
+        and compact.flags.aligned
+        and all(s >= 0 and s % itemsize == 0 for s, n in zip(compact.strides, compact.shape) if n > 1)
+    )
+    if not readable:
+        with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (`_options`)
+            compact = np.ascontiguousarray(compact, dtype=dtype)
+    # the memory from the first entry to the last, read through element strides
+    span = 0
+    if compact.size:
+        span = 1 + sum((n - 1) * s for n, s in zip(compact.shape, compact.strides) if n > 1) // itemsize
+    flat = np.lib.stride_tricks.as_strided(compact, (span,), (itemsize,), writeable=False)
+    strides = [
+        0 if s == 0 or n == 1 else cs // itemsize
+        for s, n, cs in zip(bias.strides, compact.shape, compact.strides)
+    ]
+    return flat, np.array(strides, dtype=np.int64)
+
+
+@njit(cache=True, fastmath=False)
+def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate, dlog_gate, band):
+    """Tabulate the dynamic-window gate by offset ``off = j - i - (E_b - N)``, ``E_b = ends[b]``.
+
+    Fills ``log_gate[b, h, off + M - 1] = log G`` (``-inf`` where the gate is
+    closed) and, with ``with_grad``, ``dlog_gate`` with ``d log G / d sigma``
+    (0 where closed); ``band[b, h] = [lo, hi]``, the offsets between the first
+    and the last open entry (``lo > hi`` when none is open).
+
+    The band is first bounded analytically, ``f > threshold`` only where
+    ``x^2 < 2 sigma^2 log(1 / (threshold sigma sqrt(2 pi)))`` (where ``f``
+    does not underflow to 0 for ``threshold = 0``), widened by a margin; the
+    table is evaluated only there, and the band is then trimmed to the entries
+    that are exactly open. The position is ``x = 2 off / (E_b - 1)`` (0 for
+    ``E_b <= 1``); the offsets run over ``[1 - M, N - 1]`` whatever ``E_b``.
+    """
+    B, H = sigma.shape
+    width = log_gate.shape[2]
+    root_2pi = math.sqrt(2 * math.pi)
+    for b in range(B):
+        E = ends[b]
+        for h in range(H):
+            s = sigma[b, h]
+            for t in range(width):
+                log_gate[b, h, t] = -np.inf
+                if with_grad:
+                    dlog_gate[b, h, t] = 0.0
+            # Analytic bound on |x| where f > threshold (or f > 0).
+            if threshold > 0.0:
+                c = threshold * s * root_2pi
+                y_max = -math.log(c) if c < 1.0 else -1.0
+            else:
+                y_max = 746.0  # exp(-y) underflows to 0 beyond about 745.13
+            if y_max < 0.0:
+                band[b, h, 0] = 1
+                band[b, h, 1] = 0
+                continue
+            if E > 1:
+                x_max = s * math.sqrt(2.0 * y_max) * (1.0 + 1e-6) + 1e-12
+                reach = min(x_max * (E - 1) / 2.0 + 2.0, float(N + M + 1))
+                off_reach = int(reach)
+            else:
+                off_reach = N + M + 1
+            lo_t = max(-off_reach + M - 1, 0)
+            hi_t = min(off_reach + M - 1, width - 1)
+            first = width
+            last = -1
+            for t in range(lo_t, hi_t + 1):
+                off = t - (M - 1)
+                x = 2.0 * off / (E - 1) if E > 1 else 0.0
+                u = x / s  # divided first: s * s and s**3 underflow for a tiny sigma
+                f = math.exp(-0.5 * (u * u)) / (s * root_2pi)
+                g = math.tanh(sharpness * (f if f > threshold else 0.0))
+                if g > 0.0:
+                    log_gate[b, h, t] = math.log(g)
+                    if with_grad:
+                        # d log G / d sigma = sharpness (1 - G^2) / G f (x^2 / s^3 - 1 / s), with
+                        # (1 - g^2) / g = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y), y = sharpness f:
+                        # no cancellation as g -> 1, no overflow as y grows
+                        y = sharpness * f
+                        dlog_dy = 4.0 * math.exp(-2.0 * y) / -math.expm1(-4.0 * y)
+                        dlog_gate[b, h, t] = sharpness * dlog_dy * f * ((u * u - 1.0) / s)
+                    first = min(first, t)
+                    last = max(last, t)
+            band[b, h, 0] = first - (M - 1)
+            band[b, h, 1] = last - (M - 1)
+
+
+def _check_cache(problem):
+    """The check `prepare` deferred, for the paths that do not make it as they read."""
+    if problem.kv_unchecked:
+        options_module.check_cache_values(problem.k, problem.v, problem.kv_lengths)
