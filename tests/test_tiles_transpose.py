@@ -1,10 +1,13 @@
-"""`elastic_np.cpu._simd.transpose_add`, `transpose_load`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
+"""`elastic_np.cpu._transpose.transpose_add`, `transpose_load`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
 
 import numpy as np
 import pytest
 from numba import njit
 
-from elastic_np.cpu._transpose import prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_load, transpose_store, transpose_stream, transpose_width
+from elastic_np.cpu._transpose import (
+    prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_load, transpose_store,
+    transpose_stream, transpose_width,
+)
 
 
 @njit(cache=True)
@@ -33,40 +36,6 @@ def test_transpose_add_matches_numpy(dtype):
     _add_blocks(x, src, start, lead, 3, 2, scale)
     np.testing.assert_array_equal(x, expected)  # one product and one sum per entry
     np.testing.assert_array_equal(src, src_before)
-
-
-@njit(cache=True)
-def _flags(x, src, stride, load):
-    """The flag of each block of one block row: transpose_load or transpose_add."""
-    width = transpose_width(x)
-    flags = np.zeros(x.shape[0] // width, dtype=np.int64)
-    for cb in range(flags.size):
-        if load:
-            flags[cb] = transpose_load(x, src, cb * width, stride, cb * width, 0, x.dtype.type(1.0))
-        else:
-            flags[cb] = transpose_add(x, src, cb * width, stride, cb * width, 0, x.dtype.type(1.0))
-    return flags
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("load", [True, False])
-def test_transpose_loads_flag_nan_and_plus_inf(dtype, load):
-    # 1 for a block whose loaded runs hold a NaN or +inf (a bias checked as it
-    # is read), 0 otherwise: -inf, huge and tiny values do not count, nor do
-    # entries just outside the block
-    width = transpose_width(dtype)
-    lead = 5 * width + 1
-    src = np.ones(width * lead, dtype=dtype)
-    src.reshape(width, lead)[:, 5 * width] = np.nan  # outside every block
-    blocks = src.reshape(width, lead)[:, : 5 * width].reshape(width, 5, width)
-    blocks[width - 1, 0, width - 1] = np.nan  # the last entry of block 0
-    blocks[0, 1, 0] = -np.inf
-    blocks[3 % width, 1, 1] = np.finfo(dtype).max
-    blocks[1, 2, 2] = np.inf
-    blocks[2, 3, 5 % width] = np.finfo(dtype).smallest_subnormal
-    blocks[0, 4, 0] = -np.nan
-    x = np.zeros((5 * width, width), dtype=dtype)
-    np.testing.assert_array_equal(_flags(x, src, lead, load), [1, 0, 1, 0, 1])
 
 
 @njit(cache=True)

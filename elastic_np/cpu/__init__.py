@@ -33,9 +33,8 @@ contiguous axis of the tile.
   (`_logits_tile`), before NVM, the temperature's division (already in the
   scaled queries) and the gate: ``tanh`` is the vectorised one of
   `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
-  entries (no copy when its dtype is the kernel's), and its NaN and ``+inf``
-  entries are counted as it is read (`prepare`, `_count_bad_bias`), also in
-  the tiles a mask skips. ``dbias`` is written by
+  entries (no copy when its dtype is the kernel's), whose values the kernel
+  plan checks first (`elastic_np.cpu._plan._compact_bias`). ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
@@ -96,16 +95,14 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._options.prepare`, leaving the bias's values, and the keys' and values', to the kernels.
+    """`elastic_np._options.prepare`, leaving the bias's values, and the keys' and values', to the backend.
 
-    The kernels read every bias entry anyway, so they also count its NaN and
-    ``+inf`` entries (`_count_bad_bias`), including those of tiles a mask
-    skips, and `forward` and `backward` raise the same ValueError as the
-    check before the call would: a separate pass over a bias as large as
-    the score matrix cost as much as the kernel's own read of it. The decode
-    kernel finds a NaN or inf key or value as it reads them
-    (`elastic_np.cpu._decode`): at decode shapes a separate pass over the cache
-    costs as much as the attention; the other paths check them first.
+    The bias's values are checked on its distinct entries only, before and
+    after a conversion to the kernels' dtype (`elastic_np.cpu._plan`), not
+    on the broadcast view. The decode kernel finds a NaN or inf key or value
+    as it reads them (`elastic_np.cpu._decode`): at decode shapes a separate
+    pass over the cache costs as much as the attention; the other paths
+    check them first.
     """
     return options_module.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
 

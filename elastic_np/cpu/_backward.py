@@ -22,7 +22,6 @@ from elastic_np.cpu._exp import exp_inplace
 from elastic_np.cpu._logits import (
     _add_scaled,
     _add_transposed,
-    _count_bad_bias,
     _logits_tile,
     _prefetch_bias,
     _query_factor,
@@ -31,7 +30,6 @@ from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,
     _options,
-    _raise_on_bad_bias,
 )
 from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._scalar import _like, _offset_range, _query_range
@@ -91,18 +89,16 @@ def backward(problem, dout, out, lse, dlse=None):
     dv = np.empty_like(v)
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
-    bad_bias = np.zeros((B, H, n_kt), dtype=np.int64)
     plan = _DbiasPlan(problem, dtype, n_kt, chunk)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _run_tasks(
             _backward_kernel, k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, config.BLOCK_Q, block_k,
             kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-            plan.params, plan.strides, plan.direct, plan.partials, bad_bias,
+            plan.params, plan.strides, plan.direct, plan.partials,
         )
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq)
         plan.after_chunk()
-    _raise_on_bad_bias(bad_bias)
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
     factor = (problem.scale / problem.tau)[None, :, None, None]
     np.multiply(dq, factor, out=dq, casting="unsafe")
@@ -152,7 +148,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
     kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-    dbias_params, dbias_strides, dbias_direct, dbias_partials, bad_bias, part, parts,
+    dbias_params, dbias_strides, dbias_direct, dbias_partials, part, parts,
 ):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
@@ -161,8 +157,7 @@ def _backward_kernel(
     ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
     where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
     and, when the bias is broadcast over the batch or the heads, a lane of
-    (batch, kv head) pairs. ``bad_bias[b, h, kt]`` counts the NaN and +inf
-    bias entries of the key tile, over all queries.
+    (batch, kv head) pairs.
     """
     B, Hkv, M, D = k.shape
     Dv = v.shape[3]
@@ -205,11 +200,10 @@ def _backward_kernel(
     one = _like(1.0, bias_t)
     dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
     dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
-    # per head of the batch: dtau and dsigma sums by query, bad bias entries,
+    # per head of the batch: dtau and dsigma sums by query,
     # and offsets [off_lo, off_hi] and query tiles [it_lo, it_hi)
     dtau_acc = np.empty((heads, block_q))
     dsigma_acc = np.empty((heads, block_q))
-    bad = np.empty(heads, dtype=np.int64)
     spans = np.empty((heads, 4), dtype=np.int64)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
@@ -246,7 +240,6 @@ def _backward_kernel(
                     dtau_acc[hh] = 0.0
                     dsigma_acc[hh] = 0.0
                     if bk == 0 or i_lo >= i_hi:
-                        bad[hh] = _count_bad_bias(opt, b, h, np.intp(0), N, j0, j0 + bk_all)
                         spans[hh, 2] = 0
                         spans[hh, 3] = 0
                         share_rows[t, b, h, 0] = 0
@@ -258,13 +251,7 @@ def _backward_kernel(
                     spans[hh, 3] = it_hi
                     it_first = min(it_first, it_lo)
                     it_last = max(it_last, it_hi)
-                    # the bias of the queries skipped, which no tile reads, and
-                    # of the keys past kv_lengths
                     rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
-                    n_bad = _count_bad_bias(opt, b, h, np.intp(0), rows_lo, j0, j0 + bk_all)
-                    n_bad += _count_bad_bias(opt, b, h, rows_hi, N, j0, j0 + bk_all)
-                    n_bad += _count_bad_bias(opt, b, h, rows_lo, rows_hi, j0 + bk, j0 + bk_all)
-                    bad[hh] = n_bad
                     share_rows[t, b, h, 0] = rows_lo
                     share_rows[t, b, h, 1] = rows_hi
             for it in range(it_first, it_last):
@@ -272,7 +259,6 @@ def _backward_kernel(
                 bq = min(block_q, N - i0)
                 summed = False  # dz_sum holds this query tile's sum
                 bias_loaded = False  # bias_t holds this query tile's bias
-                bias_t_clean = False  # and none of its entries is NaN or +inf
                 for pp in range(n_pairs):
                     b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                     bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
@@ -294,14 +280,12 @@ def _backward_kernel(
                         if share_bias and not bias_loaded:
                             # b is the batch's own, or the bias does not depend on it
                             start = b * b_b + i0 * b_i + j0
-                            bias_t_clean = _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, np.bool_(True))
+                            _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, np.bool_(True))
                             bias_loaded = True
-                        kept, _, clean = _logits_tile(
+                        kept, _ = _logits_tile(
                             st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
                             off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm, bias_t,
                         )
-                        if not (clean or (share_bias and bias_t_clean)):
-                            bad[hh] += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache
                         if not kept:
                             for r in range(bq):
                                 for d in range(D):
@@ -401,7 +385,6 @@ def _backward_kernel(
                     # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                     dtau_part[b, h, kt] = -dtau / opt.tau[h]
                     dsigma_part[b, h, kt] = dsigma
-                    bad_bias[b, h, kt] = bad[hh]
                 dk[b, hk, j0 : j0 + bk_all] = dk_acc[pp, :bk_all]
                 dv[b, hk, j0 : j0 + bk_all] = dv_acc[pp, :bk_all]
 

@@ -69,8 +69,6 @@ def forward(problem):
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
-    if opt.check_bias:
-        options_module.check_bias_values(problem.bias)
     rows = (H // Hkv) * N
     n_split = splits(B, Hkv, M)
     part_max = np.empty((B, Hkv, n_split, rows))

@@ -353,7 +353,7 @@ def _neg_inf_overload(x):
     return None
 
 
-@_typed(list(_EXP_SIGNATURES.values()), needs=(_exp_f64, _exp_f32), cache=True)
+@_typed(list(_EXP_SIGNATURES.values()), needs=(_exp_f64, _exp_f32), cache=True, fastmath=False)
 def exp_inplace(x, m, n):
     r"""Exponential of the block ``x[:m, :n]``, in place.
 

@@ -12,7 +12,6 @@ from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._exp import exp_shift_sum
 from elastic_np.cpu._logits import (
     _column_max,
-    _count_bad_bias,
     _logits_tile,
     _prefetch_bias,
     _query_factor,
@@ -21,7 +20,6 @@ from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,
     _options,
-    _raise_on_bad_bias,
 )
 from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._scalar import _key_range, _log_add_exp, _offset_range
@@ -48,10 +46,8 @@ def forward(problem):
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
-    bad_bias = np.zeros((B, H, -(-N // config.BLOCK_Q)), dtype=np.int64)
-    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out, lse, bad_bias,
+    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out, lse,
                work=B * H * N * M * (D + Dv))
-    _raise_on_bad_bias(bad_bias)
     return out, lse
 
 
@@ -60,8 +56,8 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``bad_bias[b, h, tile]`` counts the tile's NaN and +inf bias entries."""
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
+    """Query tiles: ``out`` and ``lse``."""
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
@@ -99,22 +95,18 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
         # logits pass, otherwise it joins the row-max and shift passes.
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_max = opt.nvm and not opt.has_gate
-        neg_inf = -np.inf
         off_lo, off_hi = _offset_range(opt, b, h, N, M)
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
-        bad = 0
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             if opt.has_bias and j0 + block_k < j_hi:
                 _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            kept, maxed, clean = _logits_tile(
+            kept, maxed = _logits_tile(
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
                 off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
             )
-            if not clean:
-                bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j0, j0 + bk)  # in cache after the tile
             if not kept:
                 continue
             if not maxed:
@@ -145,10 +137,6 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, bad_bias, part, pa
             for r in range(bq):
                 row_sum[r] += tile_sum[r]
             matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
-        # the bias of the keys skipped, which no tile read
-        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, np.intp(0), j_lo)
-        bad += _count_bad_bias(opt, b, h, i0, i0 + bq, j_hi, M)
-        bad_bias[b, h, qt] = bad
 
         # lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf

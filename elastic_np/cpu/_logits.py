@@ -3,7 +3,7 @@
 `_logits_tile` is the one pipeline the forward and the backward share; the
 rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
 `_scale_logits`), the reads of the bias (`_add_transposed`,
-`_prefetch_bias`, `_count_bad_bias`) and the tile maxima (`_column_max`).
+`_prefetch_bias`) and the tile maxima (`_column_max`).
 """
 
 import numpy as np
@@ -48,10 +48,9 @@ def _logits_tile(
     is added after the product. Both are told by the arrays, not by flags:
     a literal flag would compile this function once per value.
 
-    Returns ``(kept, maxed, clean)``: ``kept`` is False when the mask leaves
+    Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves
     nothing in the tile (so the caller may skip it); ``maxed`` is True when
-    ``tile_max[:bq]`` holds the maxima; ``clean`` is True when the tile's
-    bias entries were checked as they were read (see `_modify_tile`).
+    ``tile_max[:bq]`` holds the maxima.
     """
     want_slope = slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
@@ -63,9 +62,8 @@ def _logits_tile(
     # float32 doubles otherwise).
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
-    clean = not opt.has_bias
     if additive_first:
-        clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -78,7 +76,7 @@ def _logits_tile(
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
-            clean = _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -90,7 +88,7 @@ def _logits_tile(
                     if x > -np.inf:
                         tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
     if removes_nothing:
-        return True, fuse_max, clean
+        return True, fuse_max
     shift = opt.kv_ends[b] - N
     neg_inf = -np.inf
     any_kept = False
@@ -106,7 +104,7 @@ def _logits_tile(
             row[r] = neg_inf
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
         any_kept = any_kept or kept
-    return any_kept, False, clean
+    return any_kept, False
 
 
 @njit(cache=True, fastmath=False)
@@ -167,53 +165,6 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
             prefetch(opt.bias, at + c)
 
 
-@njit(cache=True, fastmath=False)
-def _count_bad_bias(opt, b, h, i0, i1, j0, j1):
-    """How many bias entries of head ``(b, h)``, queries ``[i0, i1)``, keys ``[j0, j1)`` are NaN or ``+inf``.
-
-    0 unless ``opt.check_bias``. A caller covers a block of the entries;
-    along an axis the bias is broadcast over, only the block at index 0
-    counts (``b = 0``, ``h = 0``, ``i0 = 0``, ``j0 = 0``), and a single
-    entry of it: every distinct entry is counted once over the blocks that
-    cover ``(B, H, N, M)``. Not fastmath: the comparison must see NaN.
-    Callers pass ``np.intp(0)``, never a literal 0, which would compile a
-    specialisation of its own.
-    """
-    s_b, s_h, s_i, s_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
-    if not opt.check_bias or i0 >= i1 or j0 >= j1:
-        return 0
-    if (s_b == 0 and b > 0) or (s_h == 0 and h > 0) or (s_i == 0 and i0 > 0) or (s_j == 0 and j0 > 0):
-        return 0
-    if s_i == 0:
-        i1 = i0 + 1
-    if s_j == 0:
-        j1 = j0 + 1
-    bad = 0
-    if s_i == 1 and s_j != 1:
-        # queries contiguous: one run per key
-        for j in range(j0, j1):
-            at = b * s_b + h * s_h + j * s_j
-            bad += _count_bad(opt.bias[at + i0 : at + i1])
-        return bad
-    for i in range(i0, i1):
-        at = b * s_b + h * s_h + i * s_i
-        if s_j == 1:
-            bad += _count_bad(opt.bias[at + j0 : at + j1])
-        else:
-            for j in range(j0, j1):
-                bad += 0 if opt.bias[at + j * s_j] < np.inf else 1
-    return bad
-
-
-@njit(cache=True, fastmath=False)
-def _count_bad(values):
-    """How many of ``values`` are NaN or ``+inf`` (not fastmath: the comparison must see NaN)."""
-    bad = 0
-    for r in range(values.shape[0]):  # indexed: `for x in values` does not vectorise
-        bad += 0 if values[r] < np.inf else 1
-    return bad
-
-
 @njit(cache=True, fastmath=_FASTMATH)
 def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite, bias_t):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
@@ -227,11 +178,6 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     A bias contiguous along the keys comes from ``bias_t[:bk, :bq]`` (the
     tile's entries, key-major) when that is not empty, else from ``opt.bias``.
-
-    Returns True when there is no bias, or when the tile's bias entries were
-    read from ``opt.bias`` and checked as they were (row by row, or
-    `_add_transposed`) and none is NaN or ``+inf``: the caller need not
-    count them (`_count_bad_bias`).
     """
     shift = opt.kv_ends[b] - N
     inv_tau = 1.0 / opt.tau[h]
@@ -242,12 +188,11 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     inv_tau_t = _like(inv_tau, st)
     b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
     # A bias contiguous (or constant) along the queries is added row by row
-    # of the tile, checked as it is read; a bias contiguous along the keys
+    # of the tile; a bias contiguous along the keys
     # (the usual C order) in blocks of keys after the other passes: for each
     # query, one short contiguous run of the caller's row; other layouts
     # entry by entry.
     by_rows = opt.has_bias and b_i <= 1
-    bad = 0
     # with `overwrite`, the first term stored into the tile is not added
     bias_fresh = overwrite and not opt.has_alibi
     if opt.has_softcap:
@@ -267,7 +212,6 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
-                bad += 0 if opt.bias[start] < np.inf else 1
                 add = opt.bias[start] * inv_tau_t
                 if bias_fresh:
                     for r in range(row.shape[0]):
@@ -275,18 +219,16 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                 else:
                     for r in range(row.shape[0]):
                         row[r] += add
-            elif not _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh):
-                bad += 1
-    if by_rows:
-        return bad == 0
-    if opt.has_bias:
+            else:
+                _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh)
+    if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
         if bias_t.shape[0] > 0:
             for c in range(bk):
                 _add_scaled(st[c, :bq], bias_t[c, :bq], inv_tau_t, bias_fresh)
         elif b_j == 1:
-            return _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
+            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
             for cb in range(0, bk, _BIAS_KEYS):
@@ -296,34 +238,24 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
                     for c in range(nc):
                         x = opt.bias[at + c * b_j] * inv_tau_t
                         st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
-    return not opt.has_bias
 
 
 @njit(cache=True, inline="always")
 def _add_scaled(row, src, scale, overwrite):
     """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``.
 
-    Returns True when no entry of ``src`` is NaN or ``+inf`` (a bias
-    checked as it is read; callers that need no check ignore it). In the
-    dtype of ``row``: a float32 ``src`` added to a float64 ``row`` with a
-    float64 ``scale`` is widened first (one product, one sum).
+    In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
+    with a float64 ``scale`` is widened first (one product, one sum).
     Inlined into its callers, whose `fastmath` it takes (see `_FASTMATH`):
     compiled on its own first (a call from Python), it kept no flags and
-    changed the last bits of kernels compiled after it (measured: 1460 of
-    5209 float32 entries of a backward).
+    changed the last bits of the kernels compiled after it.
     """
-    finite = True
     if overwrite:
         for r in range(row.shape[0]):
-            x = src[r]
-            finite &= x < np.inf
-            row[r] = x * scale
+            row[r] = src[r] * scale
     else:
         for r in range(row.shape[0]):
-            x = src[r]
-            finite &= x < np.inf
-            row[r] += x * scale
-    return finite
+            row[r] += src[r] * scale
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -413,30 +345,26 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
     (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
-    `_store_transposed`: square blocks of ``W`` go through SIMD registers
-    (`transpose_add`, `transpose_load`), the edges element by element.
-    Returns True when no entry read is NaN or ``+inf``.
+    `elastic_np.cpu._dbias._store_transposed`: square blocks of ``W`` go
+    through SIMD registers (`transpose_add`, `transpose_load`), the edges
+    element by element.
     """
     width = transpose_width(tile)
     bk_w = bk - bk % width
     bq_w = bq - bq % width
     # W runs of src at a time, each read along: W streams the hardware
     # prefetcher follows (the blocks down the runs first would be bq streams)
-    flagged = 0
     for rb in range(0, bq_w, width):
         for cb in range(0, bk_w, width):
             if overwrite:
-                flagged |= transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+                transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
             else:
-                flagged |= transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+                transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            value = src[start + r * stride + c]
-            flagged |= 0 if value < np.inf else 1
-            x = value * scale
+            x = src[start + r * stride + c] * scale
             row[r] = x if overwrite else row[r] + x
-    return flagged == 0
 
 
 @njit(cache=True, fastmath=_FASTMATH)

@@ -42,15 +42,8 @@ _Options = collections.namedtuple(
         "has_bias",  # bool
         "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
-        "check_bias",  # bool: the kernels count the bias's NaN and +inf entries (`_count_bad_bias`)
     ],
 )
-
-
-def _raise_on_bad_bias(counts):
-    """Raise `elastic_np._options.BIAS_VALUES_ERROR` when the kernels counted a NaN or +inf bias entry."""
-    if counts.any():
-        raise ValueError(options_module.BIAS_VALUES_ERROR)
 
 
 def _kernel_array(a):
@@ -83,21 +76,12 @@ def _options(p, with_sigma_grad, dtype):
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
             np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, band,
         )
-    check_bias = p.bias_unchecked
     if p.bias is None:
         bias = np.zeros(1, dtype=dtype)
         bias.setflags(write=False)
         bias_strides = np.zeros(4, dtype=np.int64)
     else:
-        bias, bias_strides = _compact_bias(p.bias, dtype)
-        if check_bias and not np.may_share_memory(bias, p.bias):
-            # converted: the caller's values are checked, then the converted
-            # ones (a float64 entry beyond the float32 range becomes +inf)
-            options_module.check_bias_values(p.bias)
-            options_module.check_bias_values(
-                bias, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
-            )
-            check_bias = False
+        bias, bias_strides = _compact_bias(p.bias, dtype, check=p.bias_unchecked)
     return _Options(
         scale=float(p.scale),
         causal=bool(p.causal),
@@ -122,7 +106,6 @@ def _options(p, with_sigma_grad, dtype):
         has_bias=p.bias is not None,
         bias=bias,
         bias_strides=bias_strides,
-        check_bias=check_bias,
     )
 
 
@@ -141,7 +124,7 @@ def _compact_mask(mask):
     return compact.reshape(-1), np.array(strides, dtype=np.int64)
 
 
-def _compact_bias(bias, dtype):
+def _compact_bias(bias, dtype, check):
     """The distinct entries of a broadcast bias view, flat and read-only, with element strides.
 
     ``bias[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``. The caller's
@@ -150,9 +133,16 @@ def _compact_bias(bias, dtype):
     order, the last two axes transposed (``.mT``), a slice of a larger
     array. Otherwise the distinct entries are copied, converted, in C order.
     Always read-only, so that the kernels see one array type.
+
+    With ``check``, its distinct entries are checked first (no NaN, no
+    ``+inf``: `elastic_np._options.check_bias_values`), then, when
+    converted, the converted ones (a float64 entry beyond the float32 range
+    becomes ``+inf``).
     """
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
     compact = bias[index]
+    if check:
+        options_module.check_bias_values(compact)
     itemsize = np.dtype(dtype).itemsize
     readable = (
         compact.dtype == dtype
@@ -160,8 +150,12 @@ def _compact_bias(bias, dtype):
         and all(s >= 0 and s % itemsize == 0 for s, n in zip(compact.strides, compact.shape) if n > 1)
     )
     if not readable:
-        with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (`_options`)
+        with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (below)
             compact = np.ascontiguousarray(compact, dtype=dtype)
+        if check:
+            options_module.check_bias_values(
+                compact, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
+            )
     # the memory from the first entry to the last, read through element strides
     span = 0
     if compact.size:

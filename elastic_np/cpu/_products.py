@@ -329,7 +329,7 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
                 col_max[j] = x if (x > col_max[j] and (x >= 0 or not nonneg)) else col_max[j]
 
 
-@_typed(_MATMUL_SIGNATURES, cache=True, needs=(_matmul,))
+@_typed(_MATMUL_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
 def matmul_nn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``.
 
@@ -363,7 +363,7 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
-@_typed(_MATMUL_SIGNATURES, cache=True, needs=(_matmul,))
+@_typed(_MATMUL_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
 def matmul_tn(a, b, c, m, n, k, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``.
 
@@ -404,7 +404,7 @@ _MATMUL_MAX_SIGNATURES = [
 ]
 
 
-@_typed(_MATMUL_MAX_SIGNATURES, cache=True, needs=(_matmul,))
+@_typed(_MATMUL_MAX_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
 def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
     """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
 

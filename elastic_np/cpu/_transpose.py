@@ -178,19 +178,13 @@ def _make_transpose(mode):
                     builder.store(builder.fmul(run, splat), flat_run(r), align=itemsize)
             return context.get_dummy_value()
         rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
-        # the runs' NaN and +inf entries (unordered or >= inf), before scaling
-        inf = ir.Constant(vec, [float("inf")] * width)
-        flagged = builder.fcmp_unordered(">=", rows[0], inf)
-        for row in rows[1:]:
-            flagged = builder.or_(flagged, builder.fcmp_unordered(">=", row, inf))
-        flagged = builder.bitcast(flagged, ir.IntType(width))
         for c, row in enumerate(_transpose_in_registers(builder, rows)):
             ptr = x_row(c)
             total = builder.fmul(row, splat)
             if mode == "add":
                 total = builder.fadd(builder.load(ptr, align=itemsize), total)
             builder.store(total, ptr, align=itemsize)
-        return builder.zext(builder.icmp_unsigned("!=", flagged, ir.Constant(ir.IntType(width), 0)), intp)
+        return context.get_dummy_value()
 
     def typer(typingctx, x, flat, start, stride, row0, col0, scale):
         if not (isinstance(x, types.Array) and isinstance(flat, types.Array)):
@@ -201,8 +195,7 @@ def _make_transpose(mode):
             return None
         if store and not flat.mutable:
             return None
-        result = types.void if store else types.intp
-        sig = result(x, flat, types.intp, types.intp, types.intp, types.intp, scale)
+        sig = types.void(x, flat, types.intp, types.intp, types.intp, types.intp, scale)
         return sig, codegen
 
     return typer
@@ -217,9 +210,7 @@ def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
     (jit code only). The ``W`` runs of ``src`` are loaded as vectors,
     transposed in registers, multiplied by ``scale`` and added to ``W`` rows of
     ``x`` (one product and one sum per entry): a block of a C-order bias added
-    to a key-major score tile without a scalar gather or scatter. Returns 1
-    when one of the loaded entries of ``src`` is NaN or ``+inf``, else 0 (a
-    bias checked as it is read).
+    to a key-major score tile without a scalar gather or scatter.
     """
     return _make_transpose("add")(typingctx, x, src, start, stride, row0, col0, scale)
 
@@ -230,7 +221,7 @@ def transpose_load(typingctx, x, src, start, stride, row0, col0, scale):
 
     As `transpose_add`, overwriting the block of ``x`` instead of adding to
     it (jit code only): a bias tile stored into a score tile that a product
-    then accumulates onto. Returns 1 when a loaded entry is NaN or ``+inf``.
+    then accumulates onto.
     """
     return _make_transpose("load")(typingctx, x, src, start, stride, row0, col0, scale)
 
