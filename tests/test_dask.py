@@ -280,8 +280,8 @@ def _run_on(client, q, k, v, dout, opts, q_chunks, k_chunk):
 def _kernel_threads_in_worker():
     """In a worker: the thread count the CPU kernels see inside a block task."""
     seen = []
-    original = cpu.thread_count
-    cpu.thread_count = lambda: seen.append(original()) or seen[-1]
+    original = cpu._threads.thread_count
+    cpu._threads.thread_count = lambda: seen.append(original()) or seen[-1]
     try:
         q = np.ones((1, 2, 64, 8), np.float32)
         spec = enpd._setup(q, q, q, dict(scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
@@ -290,7 +290,7 @@ def _kernel_threads_in_worker():
                            "cpu", 1).spec
         _dask_blocks.forward_block(spec, (0, 1, 0, 2, 0, 64, 0, 64), q, q, q, None, None, 0)
     finally:
-        cpu.thread_count = original
+        cpu._threads.thread_count = original
     import numba
 
     return seen, numba.config.NUMBA_NUM_THREADS

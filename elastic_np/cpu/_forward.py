@@ -83,10 +83,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         i0 = qt * block_q
         bq = min(block_q, N - i0)
 
-        factor = _query_factor(opt, h)
-        for r in range(bq):
-            for d in range(D):
-                q_t[d, r] = q[b, h, i0 + r, d] * factor
+        _load_queries(q[b, h, i0 : i0 + bq], _query_factor(opt, h), q_t)
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -111,45 +108,69 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 continue
             if not maxed:
                 _column_max(st, bk, bq, tile_max, nvm_in_max)
-            rescale = False
-            for r in range(bq):
-                new_max = max(row_max[r], tile_max[r])
-                # A row with nothing kept yet stays at -inf; shift by 0 so that
-                # exp(-inf - 0) = 0 instead of NaN.
-                shift_by[r] = new_max if new_max > -np.inf else 0.0
-                if new_max > row_max[r]:
-                    alpha = math.exp(row_max[r] - shift_by[r])
-                    row_sum[r] *= alpha
-                    if alpha != 1.0:
-                        rescale = True
-                    rescale_by[r] = alpha
-                else:
-                    rescale_by[r] = 1.0
-                row_max[r] = new_max
-            if rescale:
-                for r in range(bq):
-                    alpha = rescale_by[r]
-                    for d in range(Dv):
-                        acc[r, d] *= alpha
+            _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
             for r in range(bq):
                 tile_sum[r] = 0.0
             exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
             for r in range(bq):
                 row_sum[r] += tile_sum[r]
             matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
-
-        # lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
+        _finish_rows(acc, row_max, row_sum, log_beta, out[b, h, i0 : i0 + bq], lse[b, h, i0 : i0 + bq])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _load_queries(q_tile, factor, q_t):
+    """``q_t[:, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`_query_factor`), transposed."""
+    for r in range(q_tile.shape[0]):
+        for d in range(q_tile.shape[1]):
+            q_t[d, r] = q_tile[r, d] * factor
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
+    """The online softmax's update of the row maxima by a tile's: ``m' = max(m, m_tile)``.
+
+    ``row_sum`` and ``acc`` are rescaled by ``exp(m - m')`` where the maximum
+    grew; ``shift_by`` receives ``m'``, what the tile's logits are shifted by.
+    """
+    rescale = False
+    for r in range(bq):
+        new_max = max(row_max[r], tile_max[r])
+        # A row with nothing kept yet stays at -inf; shift by 0 so that
+        # exp(-inf - 0) = 0 instead of NaN.
+        shift_by[r] = new_max if new_max > -np.inf else 0.0
+        if new_max > row_max[r]:
+            alpha = math.exp(row_max[r] - shift_by[r])
+            row_sum[r] *= alpha
+            if alpha != 1.0:
+                rescale = True
+            rescale_by[r] = alpha
+        else:
+            rescale_by[r] = 1.0
+        row_max[r] = new_max
+    if rescale:
         for r in range(bq):
-            i = i0 + r
-            if row_sum[r] > 0.0:
-                m = np.float64(row_max[r])
-                lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
-                weight = math.exp(m - lse_r)
-                for d in range(Dv):
-                    out[b, h, i, d] = acc[r, d] * weight
-                lse[b, h, i] = lse_r
-            else:
-                for d in range(Dv):
-                    out[b, h, i, d] = 0.0
-                lse[b, h, i] = log_beta
+            alpha = rescale_by[r]
+            for d in range(acc.shape[1]):
+                acc[r, d] *= alpha
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
+    """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
+
+    A row with nothing kept gets ``out = 0``, ``lse = log beta``.
+    """
+    for r in range(out_rows.shape[0]):
+        if row_sum[r] > 0.0:
+            m = np.float64(row_max[r])
+            lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
+            weight = math.exp(m - lse_r)
+            for d in range(out_rows.shape[1]):
+                out_rows[r, d] = acc[r, d] * weight
+            lse_rows[r] = lse_r
+        else:
+            for d in range(out_rows.shape[1]):
+                out_rows[r, d] = 0.0
+            lse_rows[r] = log_beta
