@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from elastic_np._dispatch import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError
 
 #: Decoding shapes ``(B, H, Hkv, N, M, D)`` the results file records (the CPU page's first).
 DECODE_SHAPES = ((1, 32, 8, 1, 8192, 128),)

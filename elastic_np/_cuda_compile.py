@@ -15,7 +15,7 @@ import types
 import numpy as np
 
 from elastic_np import _cuda_config as config
-from elastic_np._dispatch import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError
 
 
 def _backend():

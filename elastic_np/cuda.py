@@ -129,7 +129,7 @@ import numpy as np
 
 from elastic_np import _cuda_config as config
 from elastic_np import _options, reference
-from elastic_np._dispatch import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError
 
 __all__ = [
     "dtypes",
