@@ -6,7 +6,8 @@ import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
-from elastic_np import _cuda_bench, cuda  # noqa: E402
+from elastic_np import cuda  # noqa: E402
+from elastic_np.cuda import _bench as _cuda_bench  # noqa: E402
 
 SHAPE = (4, 16, 4096, 64)
 DECODE = (1, 32, 8, 1, 8192, 128)
@@ -68,3 +69,4 @@ def test_json_needs_bench(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cuda._main(["--json", str(tmp_path / "x.json")])
     assert info.value.code == 2 and "--json needs --bench" in capsys.readouterr().err
+

@@ -34,7 +34,7 @@ FORWARD_BLOCK_M = 64
 #: two of at most 32.
 FORWARD_BLOCK_N = 64
 
-#: Backward ``dq`` kernel (`elastic_np._cuda_backward`): query rows per block,
+#: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
 #: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_M / REG_M) * (DQ_BLOCK_N /
 #: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.
 DQ_BLOCK_M = 64
@@ -55,7 +55,7 @@ DELTA_THREADS = 128
 #: of the entries it stands for.
 DBIAS_THREADS = 128
 
-#: Decode kernel (`elastic_np._cuda_decode`): `elastic_np.cuda.forward` takes it
+#: Decode kernel (`elastic_np.cuda._decode`): `elastic_np.cuda.forward` takes it
 #: for 1 to ``DECODE_MAX_QUERIES`` queries per sequence...
 DECODE_MAX_QUERIES = 16
 #: ... when the stacked rows (query heads of a GQA group x queries) are at most this many.

@@ -1,44 +1,22 @@
-"""The numba.cuda kernels of `elastic_np.cuda` (imported only by that module).
+"""The CUDA flash forward: `_forward_kernel` and the online-softmax steps of its rows.
 
-Importing this module imports ``numba.cuda``; `elastic_np.cuda` does so only
-when the CUDA backend is asked for. The host functions that launch these
-kernels, and the reasoning behind the design, are in `elastic_np.cuda`.
-
-Conventions shared by every kernel:
-
-- ``q, k, v`` are C-contiguous ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
-  ``(B, Hkv, M, Dv)`` arrays of one real dtype; every floating argument is in
-  that dtype, so a float32 kernel computes in float32 throughout.
-- Options travel as runtime values: ``iopts`` (int64, indexed by the ``I_*``
-  constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
-  ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
-  window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
-  ``band`` int64 ``(B, H)`` (half-width in keys of the window's open band, -1
-  unbounded), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
-  four dims either full or 1 (broadcast).
-- The additive ``bias`` is a flat array (the dtype) of the caller's distinct
-  entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
-  the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is
-  broadcast along. Without a bias it is a one-element dummy, never read.
-- The score of an entry is built in the contract's order (`_score`): scaled
-  dot product, soft-cap (``fopts[F_SOFTCAP] > 0``), ALiBi, bias; a ``-inf``
-  bias removes the entry like a false mask entry, and NVM tests the final score.
-- Shared memory is one dynamic array, carved into tiles by offsets. A tile that
-  a thread reads along its own row has a row stride of ``dim + 1`` so that the
-  threads of a warp fall in different banks.
+Imports ``numba.cuda``; `elastic_np.cuda` imports it when a forward is to
+run (`elastic_np.cuda._launch.forward`, which sends decoding shapes to
+`elastic_np.cuda._decode` instead). The design is described in
+`elastic_np.cuda`, the conventions every kernel follows in
+`elastic_np.cuda._kernels`.
 """
 
 import math
 
 from numba import cuda
 
-from elastic_np._cuda_device import *  # noqa: F401,F403  (the option indices and device functions)
-from elastic_np._cuda_config import ACC_COLS, REG_M
-from elastic_np._cuda_device import (
-    F_NEG_INF, F_ONE, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ, _bh_params, _compensated_add, _entry,
-    _entry_keep, _entry_logit, _finish_row, _group_max, _group_sum, _key_range, _lane_mask, _stage, _tile_dot,
-    _tile_pv,
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device import (
+    F_NEG_INF, F_ONE, F_ZERO, _bh_params, _entry, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
+    _stage, _tile_dot, _tile_pv,
 )
+
 
 @cuda.jit(device=True)
 def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm, mask, bias, fopts):
@@ -198,97 +176,3 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
                 col = c + tpr * e
                 if i < N and col < wn:
                     out[b, h, i, c0 + col] = (acc[r, e] * num) / den
-
-
-@cuda.jit(cache=True)
-def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
-    """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
-
-    ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
-    whose dims are the full ones where the bias's stride is nonzero and 1
-    where it is broadcast). The block's entry stands for the ``R`` entries
-    ``(b, h, i, j)`` along the broadcast axes; thread ``t`` takes the ``r``-th
-    of them for ``r = t, t + blockDim, ...``, recomputes ``ds`` (the score,
-    ``p = exp(z - lse)`` and ``dP = dout . v``, with ``delta`` from the dq
-    kernel) and sums it, compensated; thread 0 then adds the threads' sums in
-    thread order. The work per entry is fixed, so the result does not depend
-    on scheduling, and no ``(B, H, N, M)`` temporary exists.
-    """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
-    group = H // Hkv
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    e = cuda.blockIdx.x
-
-    sb = iopts[I_BIAS_SB]
-    sh = iopts[I_BIAS_SH]
-    si = iopts[I_BIAS_SI]
-    sj = iopts[I_BIAS_SJ]
-    # compact dims (1 where broadcast) and the spans of the broadcast axes
-    cb_n = B if sb != 0 else 1
-    ch_n = H if sh != 0 else 1
-    ci_n = N if si != 0 else 1
-    cj_n = M if sj != 0 else 1
-    rb_n = B // cb_n
-    rh_n = H // ch_n
-    ri_n = N // ci_n
-    rj_n = M // cj_n
-    cj = e % cj_n
-    ci = e // cj_n % ci_n
-    ch = e // (cj_n * ci_n) % ch_n
-    cb = e // (cj_n * ci_n * ch_n)
-    bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
-
-    zero = fopts[F_ZERO]
-    neg_inf = fopts[F_NEG_INF]
-    total = zero
-    carry = zero
-    if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
-        for r in range(t, rb_n * rh_n * ri_n * rj_n, threads):
-            b = cb + r // (rj_n * ri_n * rh_n)
-            h = ch + r // (rj_n * ri_n) % rh_n
-            i = ci + r // rj_n % ri_n
-            j = cj + r % rj_n
-            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-            kept, entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
-            if not kept:
-                continue
-            hk = h // group
-            dot = zero
-            for d in range(D):
-                dot += q[b, h, i, d] * k[b, hk, j, d]
-            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
-            if z == neg_inf:  # removed by NVM or a closed gate
-                continue
-            tau_h = tau[h]
-            p = math.exp(z - lse[b, h, i])
-            dp = zero
-            for d in range(Dv):
-                dp += dout[b, h, i, d] * v[b, hk, j, d]
-            ds = p * (dp - delta[b, h, i]) / tau_h
-            total, carry = _compensated_add(total, carry, ds)
-
-    sums = cuda.shared.array(0, dtype=q.dtype)
-    sums[t] = total + carry
-    cuda.syncthreads()
-    if t == 0:
-        total = zero
-        carry = zero
-        for r in range(threads):
-            total, carry = _compensated_add(total, carry, sums[r])
-        dbias[e] = total + carry
-
-
-from elastic_np._cuda_backward import KERNELS as _BACKWARD_KERNELS  # noqa: E402
-from elastic_np._cuda_decode import KERNELS as _DECODE_KERNELS  # noqa: E402
-
-#: Every kernel of the backend, by name (the PTX and resource reports go through these).
-KERNELS = {
-    "_forward_kernel": _forward_kernel,
-    **_BACKWARD_KERNELS,
-    "_backward_dbias_kernel": _backward_dbias_kernel,
-    **_DECODE_KERNELS,
-}

@@ -1,7 +1,8 @@
 """Device functions and option indices shared by the numba.cuda kernels.
 
-Imported by `elastic_np._cuda_kernels` only (so only when the CUDA backend is
-asked for). The kernels' conventions are described there; this module holds
+Imported by the kernel modules only (so only when the CUDA backend is asked
+for). The kernels' conventions are described in `elastic_np.cuda._kernels`;
+this module holds
 what every kernel uses: the indices of the packed option arrays, the key and
 query ranges that decide tile skipping, the per-entry score pipeline
 (`_bh_params` read once per block, `_entry` per score: keep, bias, score,
@@ -13,7 +14,7 @@ import math
 import numba
 from numba import cuda
 
-from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 
 # iopts
 I_CAUSAL = 0

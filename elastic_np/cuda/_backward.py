@@ -1,9 +1,10 @@
 """The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
 
-Imported by `elastic_np.cuda` only (it imports ``numba.cuda``). The backward
-recomputes the probabilities ``p = exp(z - lse)`` from the forward's ``lse``
-with the shared score pipeline (`_entry_keep`, `_entry_logit`), so it sees
-the logits the forward saw. Three kernels, launched in this order:
+Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``).
+The backward recomputes the probabilities ``p = exp(z - lse)`` from the
+forward's ``lse`` with the shared score pipeline (`_entry_keep`,
+`_entry_logit`), so it sees the logits the forward saw. Three kernels, launched in this order (and a
+fourth for a broadcast bias's ``dbias``, below):
 
 - ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
   thread a row), read by the two kernels below and by the host (``dbeta``).
@@ -43,9 +44,10 @@ slot order at the end and writes one partial per (batch, head, query tile),
 which the host sums in float64; ``dbeta`` comes from ``delta`` and ``lse`` on
 the host. A full ``(B, H, N, M)`` bias's ``dbias`` is written by the ``dq``
 kernel (one writer per entry); a broadcast one is summed by
-``_backward_dbias_kernel`` (`elastic_np._cuda_kernels`), unchanged.
+``_backward_dbias_kernel``, launched after the delta kernel, one block per
+entry of the bias's compact shape.
 
-Tile sizes are runtime values (`tiles`, from `elastic_np._cuda_config`,
+Tile sizes are runtime values (`tiles`, from `elastic_np.cuda._config`,
 halved until the shared memory fits ``MAX_SHARED_BYTES``); the micro-tile
 sizes are the forward's compile-time ``REG_M``, ``REG_N``, ``ACC_COLS``.
 """
@@ -54,11 +56,11 @@ import math
 
 from numba import cuda
 
-from elastic_np import _cuda_config as config
-from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
-from elastic_np._cuda_device import (
-    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA,
-    P_DTAU, _bh_params, _compensated_add, _entry_keep, _entry_logit, _key_range, _query_range, _stage, _tile_dot,
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device import (
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ,
+    I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA, P_DTAU, _bh_params, _compensated_add, _entry_keep, _entry_logit, _key_range, _query_range, _stage, _tile_dot,
     _tile_pv,
 )
 
@@ -478,8 +480,91 @@ def _backward_dkdv_kernel(
                     dv[b, hk, j, c0 + col] = dv_acc[r, e]
 
 
+@cuda.jit(cache=True)
+def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
+    """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
+
+    ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
+    whose dims are the full ones where the bias's stride is nonzero and 1
+    where it is broadcast). The block's entry stands for the ``R`` entries
+    ``(b, h, i, j)`` along the broadcast axes; thread ``t`` takes the ``r``-th
+    of them for ``r = t, t + blockDim, ...``, recomputes ``ds`` (the score,
+    ``p = exp(z - lse)`` and ``dP = dout . v``, with ``delta`` from the dq
+    kernel) and sums it, compensated; thread 0 then adds the threads' sums in
+    thread order. The work per entry is fixed, so the result does not depend
+    on scheduling, and no ``(B, H, N, M)`` temporary exists.
+    """
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    M = k.shape[2]
+    Dv = v.shape[3]
+    group = H // Hkv
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    e = cuda.blockIdx.x
+
+    sb = iopts[I_BIAS_SB]
+    sh = iopts[I_BIAS_SH]
+    si = iopts[I_BIAS_SI]
+    sj = iopts[I_BIAS_SJ]
+    # compact dims (1 where broadcast) and the spans of the broadcast axes
+    cb_n = B if sb != 0 else 1
+    ch_n = H if sh != 0 else 1
+    ci_n = N if si != 0 else 1
+    cj_n = M if sj != 0 else 1
+    rb_n = B // cb_n
+    rh_n = H // ch_n
+    ri_n = N // ci_n
+    rj_n = M // cj_n
+    cj = e % cj_n
+    ci = e // cj_n % ci_n
+    ch = e // (cj_n * ci_n) % ch_n
+    cb = e // (cj_n * ci_n * ch_n)
+    bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
+
+    zero = fopts[F_ZERO]
+    neg_inf = fopts[F_NEG_INF]
+    total = zero
+    carry = zero
+    if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
+        for r in range(t, rb_n * rh_n * ri_n * rj_n, threads):
+            b = cb + r // (rj_n * ri_n * rh_n)
+            h = ch + r // (rj_n * ri_n) % rh_n
+            i = ci + r // rj_n % ri_n
+            j = cj + r % rj_n
+            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+            kept, entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
+            if not kept:
+                continue
+            hk = h // group
+            dot = zero
+            for d in range(D):
+                dot += q[b, h, i, d] * k[b, hk, j, d]
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
+                continue
+            tau_h = tau[h]
+            p = math.exp(z - lse[b, h, i])
+            dp = zero
+            for d in range(Dv):
+                dp += dout[b, h, i, d] * v[b, hk, j, d]
+            ds = p * (dp - delta[b, h, i]) / tau_h
+            total, carry = _compensated_add(total, carry, ds)
+
+    sums = cuda.shared.array(0, dtype=q.dtype)
+    sums[t] = total + carry
+    cuda.syncthreads()
+    if t == 0:
+        total = zero
+        carry = zero
+        for r in range(threads):
+            total, carry = _compensated_add(total, carry, sums[r])
+        dbias[e] = total + carry
+
+
 KERNELS = {
     "_backward_delta_kernel": _backward_delta_kernel,
     "_backward_dq_kernel": _backward_dq_kernel,
     "_backward_dkdv_kernel": _backward_dkdv_kernel,
+    "_backward_dbias_kernel": _backward_dbias_kernel,
 }

@@ -1,8 +1,9 @@
 """The CUDA decode kernel: a few queries against a long key/value cache, split-KV.
 
-Imported by `elastic_np.cuda` only (it imports ``numba.cuda``), which sends a
-forward here when `takes` says so: 1 to ``DECODE_MAX_QUERIES`` queries per
-sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan is the CPU
+Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``);
+`elastic_np.cuda.forward` sends a forward here when `takes` says so: 1 to
+``DECODE_MAX_QUERIES`` queries per sequence and at most ``DECODE_MAX_ROWS``
+stacked rows. The plan is the CPU
 decode kernel's (`elastic_np._decode`):
 
 - **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
@@ -44,9 +45,9 @@ import math
 
 from numba import cuda
 
-from elastic_np import _cuda_config as config
-from elastic_np._cuda_config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np._cuda_device import (
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_ZERO, inline_device, _bh_params, _entry, _finish_row, _group_max, _group_sum,
     _key_range, _lane_mask, _stage,
 )
