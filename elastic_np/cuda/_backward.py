@@ -60,8 +60,8 @@ from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device import (
     C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ,
-    I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA, P_DTAU, _bh_params, _compensated_add, _entry_keep, _entry_logit, _key_range, _query_range, _stage, _tile_dot,
-    _tile_pv,
+    I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA, P_DTAU, _bh_params, _carve, _compensated_add, _dims, _entry_keep,
+    _entry_logit, _fill, _key_range, _query_range, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
 )
 
 
@@ -104,10 +104,7 @@ def tiles(kind, itemsize, D, Dv):
         elif rows > REG_M and rows % (2 * REG_M) == 0:
             rows //= 2
         else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
+            raise config.shared_memory_error(D, Dv)
     return (rows // REG_M) * (cols // REG_N), rows, cols
 
 
@@ -224,23 +221,14 @@ def _backward_dq_kernel(
     ``dtau``, ``dsigma``), and, with a full bias (``iopts[I_DBIAS_FULL]``),
     every entry of the block's rows of ``dbias`` (0 where nothing is kept).
     """
+    # the shapes are read here rather than through `_dims`, with which ptxas spills more in this
+    # kernel and the dk/dv one (python -m elastic_np.cuda --resources)
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = block_n // REG_N
-    block_m = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (N + block_m - 1) // block_m
-    tile = cuda.blockIdx.x % n_tiles
-    b = cuda.blockIdx.x // n_tiles // H
-    h = cuda.blockIdx.x // n_tiles % H
+    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
     hk = h // (H // Hkv)
-    i0 = tile * block_m
-    i1 = min(i0 + block_m, N)
     width = min(max(D, 1), tpr * ACC_COLS)
 
     q_stride = D + 1
@@ -248,29 +236,19 @@ def _backward_dq_kernel(
     p_stride = block_n + 1
     slots = block_m * tpr
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile = smem[: block_m * q_stride]
-    at = block_m * q_stride
-    do_tile = smem[at : at + block_m * do_stride]
-    at += block_m * do_stride
-    s_tile = smem[at : at + block_m * p_stride]
-    at += block_m * p_stride
-    dp_tile = smem[at : at + block_m * p_stride]
-    at += block_m * p_stride
-    stats = smem[at : at + 2 * block_m]  # lse, delta
-    at += 2 * block_m
-    sums = smem[at : at + 4 * slots]
-    at += 4 * slots
-    k_tile = smem[at : at + block_n * q_stride]
-    at += block_n * q_stride
-    v_tile = smem[at : at + block_n * do_stride]
+    q_tile, at = _carve(smem, 0, block_m * q_stride)
+    do_tile, at = _carve(smem, at, block_m * do_stride)
+    s_tile, at = _carve(smem, at, block_m * p_stride)
+    dp_tile, at = _carve(smem, at, block_m * p_stride)
+    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta
+    sums, at = _carve(smem, at, 4 * slots)
+    k_tile, at = _carve(smem, at, block_n * q_stride)
+    v_tile, at = _carve(smem, at, block_n * do_stride)
 
     zero = fopts[F_ZERO]
-    for idx in range(t, block_m * q_stride, threads):
-        q_tile[idx] = zero  # rows past N and the padding column
-    for idx in range(t, block_m * do_stride, threads):
-        do_tile[idx] = zero
-    for idx in range(t, 4 * slots, threads):
-        sums[idx] = zero
+    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
+    _fill(do_tile, block_m * do_stride, zero, t, threads)
+    _fill(sums, 4 * slots, zero, t, threads)
     for idx in range(t, block_m, threads):
         stats[idx] = zero
         stats[block_m + idx] = zero
@@ -309,13 +287,9 @@ def _backward_dq_kernel(
             _stage(v, b, hk, j0, jn, 0, Dv, v_tile, do_stride, t, threads)
             cuda.syncthreads()
             _tile_dot(q_tile, q_stride, row0, k_tile, q_stride, c, tpr, D, zero, scores)
-            for r in range(REG_M):
-                for n in range(REG_N):
-                    s_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _store_tile(scores, s_tile, p_stride, row0, c, tpr)
             _tile_dot(do_tile, do_stride, row0, v_tile, do_stride, c, tpr, Dv, zero, scores)
-            for r in range(REG_M):
-                for n in range(REG_N):
-                    dp_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _store_tile(scores, dp_tile, p_stride, row0, c, tpr)
             _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn,
                            c, tpr, prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, c0 == 0, dbias_full, dbias)
             cuda.syncthreads()  # ds written
@@ -386,17 +360,7 @@ def _backward_dkdv_kernel(
     M = k.shape[2]
     Dv = v.shape[3]
     group = H // Hkv
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = block_m // REG_N
-    block_n = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (M + block_n - 1) // block_n
-    b = cuda.blockIdx.x // n_tiles // Hkv
-    hk = cuda.blockIdx.x // n_tiles % Hkv
-    j0 = cuda.blockIdx.x % n_tiles * block_n
-    j1 = min(j0 + block_n, M)
+    threads, t, tpr, block_n, row0, c, tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_m)
     widest = max(D, Dv, 1)
     width = min(widest, tpr * ACC_COLS)
 
@@ -404,29 +368,19 @@ def _backward_dkdv_kernel(
     v_stride = Dv + 1
     p_stride = block_m + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    k_tile = smem[: block_n * k_stride]
-    at = block_n * k_stride
-    v_tile = smem[at : at + block_n * v_stride]
-    at += block_n * v_stride
-    p_tile = smem[at : at + block_n * p_stride]
-    at += block_n * p_stride
-    ds_tile = smem[at : at + block_n * p_stride]
-    at += block_n * p_stride
-    q_tile = smem[at : at + block_m * k_stride]
-    at += block_m * k_stride
-    do_tile = smem[at : at + block_m * v_stride]
-    at += block_m * v_stride
-    stats = smem[at : at + 2 * block_m]  # lse, delta of the query tile
+    k_tile, at = _carve(smem, 0, block_n * k_stride)
+    v_tile, at = _carve(smem, at, block_n * v_stride)
+    p_tile, at = _carve(smem, at, block_n * p_stride)
+    ds_tile, at = _carve(smem, at, block_n * p_stride)
+    q_tile, at = _carve(smem, at, block_m * k_stride)
+    do_tile, at = _carve(smem, at, block_m * v_stride)
+    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta of the query tile
 
     zero = fopts[F_ZERO]
-    for idx in range(t, block_n * k_stride, threads):
-        k_tile[idx] = zero  # keys past M and the padding column
-    for idx in range(t, block_n * v_stride, threads):
-        v_tile[idx] = zero
-    for idx in range(t, block_m * k_stride, threads):
-        q_tile[idx] = zero
-    for idx in range(t, block_m * v_stride, threads):
-        do_tile[idx] = zero
+    _fill(k_tile, block_n * k_stride, zero, t, threads)  # keys past M and the padding column
+    _fill(v_tile, block_n * v_stride, zero, t, threads)
+    _fill(q_tile, block_m * k_stride, zero, t, threads)
+    _fill(do_tile, block_m * v_stride, zero, t, threads)
     cuda.syncthreads()
     _stage(k, b, hk, j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
     _stage(v, b, hk, j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
@@ -455,13 +409,9 @@ def _backward_dkdv_kernel(
                     stats[block_m + idx] = delta[b, h, i0 + idx]
                 cuda.syncthreads()
                 _tile_dot(k_tile, k_stride, row0, q_tile, k_stride, c, tpr, D, zero, scores)
-                for r in range(REG_M):
-                    for n in range(REG_N):
-                        p_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _store_tile(scores, p_tile, p_stride, row0, c, tpr)
                 _tile_dot(v_tile, v_stride, row0, do_tile, v_stride, c, tpr, Dv, zero, scores)
-                for r in range(REG_M):
-                    for n in range(REG_N):
-                        ds_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _store_tile(scores, ds_tile, p_stride, row0, c, tpr)
                 _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr,
                                  prm, mask, bias, fopts, tau_h)
                 cuda.syncthreads()  # p and ds written
@@ -494,10 +444,7 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
     thread order. The work per entry is fixed, so the result does not depend
     on scheduling, and no ``(B, H, N, M)`` temporary exists.
     """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     group = H // Hkv
     threads = cuda.blockDim.x
     t = cuda.threadIdx.x

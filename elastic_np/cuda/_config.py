@@ -14,7 +14,8 @@ on-disk cache of the kernels cleared).
 
 The host shrinks a tile (halving the larger of the query and key tiles, the
 key tile on a tie) when the shared memory it needs for the given head dims and
-dtype exceeds ``MAX_SHARED_BYTES``.
+dtype exceeds ``MAX_SHARED_BYTES``, and raises `shared_memory_error` when no
+tile is left to shrink.
 """
 
 #: Forward micro-tile: query rows per thread (compile-time).
@@ -80,3 +81,10 @@ DECODE_MERGE_THREADS = 32
 
 #: Upper bound on dynamic shared memory per block (the default limit without opt-in).
 MAX_SHARED_BYTES = 48 * 1024
+
+
+def shared_memory_error(D, Dv):
+    """The error for head dims ``D``, ``Dv`` whose smallest tiles still exceed ``MAX_SHARED_BYTES``."""
+    return ValueError(
+        f"head dims D={D}, Dv={Dv} need more shared memory than MAX_SHARED_BYTES={MAX_SHARED_BYTES} allows"
+    )

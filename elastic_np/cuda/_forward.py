@@ -13,8 +13,8 @@ from numba import cuda
 
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_ZERO, _bh_params, _entry, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
-    _stage, _tile_dot, _tile_pv,
+    F_NEG_INF, F_ONE, F_ZERO, _bh_params, _carve, _dims, _entry, _fill, _finish_row, _flash_tiles, _group_max,
+    _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
 )
 
 
@@ -97,41 +97,18 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     than ``tpr ACC_COLS`` output columns take several passes over the keys
     (each recomputing the same scores, so every pass has the same softmax).
     """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = block_n // REG_N
-    block_m = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (N + block_m - 1) // block_m
-    tile = cuda.blockIdx.x % n_tiles
-    b = cuda.blockIdx.x // n_tiles // H
-    h = cuda.blockIdx.x // n_tiles % H
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
     hk = h // (H // Hkv)
-    i0 = tile * block_m
-    i1 = min(i0 + block_m, N)
     width = min(max(Dv, 1), tpr * ACC_COLS)
 
-    q_stride = D + 1
-    kv_stride = max(D + 1, width)
-    p_stride = block_n + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile = smem[: block_m * q_stride]
-    kv_base = block_m * q_stride
-    kv_tile = smem[kv_base : kv_base + block_n * kv_stride]
-    p_base = kv_base + block_n * kv_stride
-    p_tile = smem[p_base : p_base + block_m * p_stride]
-    stats_base = p_base + block_m * p_stride
-    stats = smem[stats_base : stats_base + 3 * block_m * tpr]  # per (row, lane): max, sum, rescale
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_m, D, width, block_n)
+    stats, at = _carve(smem, at, 3 * block_m * tpr)  # per (row, lane): max, sum, rescale
 
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
-    for idx in range(t, block_m * q_stride, threads):
-        q_tile[idx] = zero  # rows past N and the padding column
+    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
     cuda.syncthreads()
     _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
     prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
@@ -154,9 +131,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
             _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
             _tile_dot(q_tile, q_stride, row0, kv_tile, kv_stride, c, tpr, D, zero, scores)
-            for r in range(REG_M):
-                for n in range(REG_N):
-                    p_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _store_tile(scores, p_tile, p_stride, row0, c, tpr)
             _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm,
                           mask, bias, fopts)
             for r in range(REG_M):

@@ -53,10 +53,7 @@ def _forward_tiles(itemsize, D, Dv):
         elif block_m > config.REG_M and block_m % (2 * config.REG_M) == 0:
             block_m //= 2
         else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
+            raise config.shared_memory_error(D, Dv)
     return threads(), block_n
 
 
