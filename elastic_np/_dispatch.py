@@ -20,20 +20,10 @@ read every entry anyway).
 import importlib
 
 from elastic_np import _options, _validation, reference
+from elastic_np._errors import BackendUnavailableError
 
 BACKENDS = ("reference", "cpu", "cuda")
 _KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (missing package or device).
-
-    Examples
-    --------
-    >>> import elastic_np as enp
-    >>> issubclass(enp.BackendUnavailableError, RuntimeError)
-    True
-    """
 
 
 class _ReferenceBackend:

@@ -10,6 +10,10 @@ Subcommands:
 - ``elastic-np bench --decode [--quick] [--shape B,H,Hkv,N,M,D ...] [--dtype ...]
   [--rounds R] [--json FILE]``: decoding against a KV cache, beside torch SDPA
   and a streaming read of the cache's bytes.
+- ``elastic-np bench --gpu [--quick] [--batch B] [--heads H] [--seq N] [--dim D]
+  [--causal] [--softcap X] [--alibi] [--bias SHAPE] [--repeat R] [--json FILE]``:
+  the CUDA kernels against torch SDPA on one GPU, float32 (what ``python -m
+  elastic_np.cuda --bench`` runs; `elastic_np.cuda._bench.run`).
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
@@ -164,6 +168,11 @@ def _bench(args):
     from elastic_np import _bench
     from elastic_np._progress import Progress
 
+    if args.gpu:
+        return _bench_gpu(args)
+    for flag, value in _gpu_only_flags(args).items():
+        if value is not None:
+            return _usage_error("bench", f"argument {flag}: only with --gpu")
     if args.decode:
         return _bench_decode(args)
     if args.shape is not None or args.rounds is not None:
@@ -251,7 +260,44 @@ def _bench_decode(args):
     return 0
 
 
+def _gpu_only_flags(args):
+    return {"--softcap": args.softcap, "--alibi": args.alibi or None, "--bias": args.bias}
+
+
+def _bench_gpu(args):
+    from elastic_np._errors import BackendUnavailableError
+    from elastic_np.cuda import _bench as cuda_bench
+
+    not_gpu = {"--decode": args.decode or None, "--shape": args.shape, "--rounds": args.rounds,
+               "--plot": args.plot, "--min-time": args.min_time}
+    for flag, value in not_gpu.items():
+        if value is not None:
+            return _usage_error("bench", f"argument {flag}: not with --gpu")
+    if args.dtype != "float32":
+        return _usage_error("bench", f"argument --dtype: --gpu times float32 only, got {args.dtype}")
+    if args.seq is not None and len(args.seq) != 1:
+        return _usage_error("bench", "argument --seq: --gpu times one sequence length")
+    if args.softcap is not None and not args.softcap > 0:
+        return _usage_error("bench", f"argument --softcap: expected a number > 0, got {args.softcap}")
+    B, H, N, D = _GPU_QUICK_SHAPE if args.quick else cuda_bench.DEFAULT_SHAPE
+    shape = (args.batch or B, args.heads or H, args.seq[0] if args.seq else N, args.dim or D)
+    try:
+        cuda_bench.run(shape, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias,
+                       repeat=args.repeat or (3 if args.quick else None), json_path=args.json,
+                       command=" ".join(["elastic-np", *args.argv]))
+    except BackendUnavailableError as exc:
+        print(f"elastic-np bench --gpu: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+#: ``elastic-np bench --gpu --quick``: ``(B, H, N, D)``, and 3 timed runs.
+_GPU_QUICK_SHAPE = (1, 4, 1024, 64)
+
+
 def build_parser():
+    from elastic_np.cuda._bench import BENCH_BIAS_SHAPES  # no numba.cuda: that is imported on first use
+
     parser = _Parser(
         prog="elastic-np",
         description="Float64 oracles and fast kernels for Elastic-Softmax attention.",
@@ -307,6 +353,15 @@ def build_parser():
                             "H=32, Hkv=8, M=4096-8192, N=1 and 16)")
     bench.add_argument("--rounds", type=_positive_int,
                        help="interleaved rounds per decode shape (default 7, 3 with --quick)")
+    bench.add_argument("--gpu", action="store_true",
+                       help="the CUDA kernels against torch SDPA on the GPU, float32, one shape "
+                            "(default B=4 H=16 N=4096 D=64, best of 10 runs; B=1 H=4 N=1024, best "
+                            "of 3, with --quick); --json "
+                            "also times the decoding shapes (as python -m elastic_np.cuda --bench)")
+    bench.add_argument("--softcap", type=float, help="with --gpu: time with this soft-cap of the scores")
+    bench.add_argument("--alibi", action="store_true", help="with --gpu: time with ALiBi (geometric slopes)")
+    bench.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES),
+                       help="with --gpu: time with a bias of this shape")
     bench.set_defaults(func=_bench)
     for p in (check, bench):
         p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)

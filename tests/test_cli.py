@@ -233,6 +233,19 @@ def test_peak_memory_sees_a_numpy_allocation():
     assert peak_memory_mib(lambda: np.ones(4 * 2**20 // 8)) >= 3.9
 
 
+def test_bench_gpu_without_gpu_exits_1(tmp_path, capsys):
+    from elastic_np import cuda
+
+    if cuda.is_available():
+        pytest.skip("a CUDA GPU is usable here")
+    path = tmp_path / "gpu.json"
+    assert cli.main(["bench", "--gpu", "--quick", "--json", str(path)]) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("elastic-np bench --gpu: ") and ("GPU" in line or "numba-cuda" in line)
+    assert captured.out == "" and not path.exists()
+
+
 # ---------------------------------------------------------------------------
 # arguments, example, progress
 # ---------------------------------------------------------------------------
@@ -249,6 +262,11 @@ def test_peak_memory_sees_a_numpy_allocation():
     (["bench", "--decode", "--seq", "8"], "--seq"),
     (["bench", "--decode", "--rounds", "0"], "--rounds"),
     (["bench", "--shape", "1,1,1,1,1,1"], "--decode"),
+    (["bench", "--gpu", "--decode"], "--decode"),
+    (["bench", "--gpu", "--dtype", "float64"], "--dtype"),
+    (["bench", "--gpu", "--seq", "8", "16"], "--seq"),
+    (["bench", "--gpu", "--bias", "diagonal"], "--bias"),
+    (["bench", "--softcap", "2"], "--gpu"),
     (["check", "--backend", "tpu"], "--backend"),
     (["check", "--frobnicate"], "--frobnicate"),
     (["explode"], "explode"),

@@ -27,7 +27,7 @@ MODULES = ["elastic_np"] + sorted(
 def _optional(modname):
     """The CUDA modules, the framework adapters and `elastic_np.dask` need an optional extra."""
     name = modname.rpartition(".")[2]
-    return "cuda" in name or name in ("torch", "jax", "dask")
+    return "cuda" in modname or name in ("torch", "jax", "dask")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

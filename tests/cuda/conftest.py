@@ -34,7 +34,7 @@ elif not _gpu_usable():
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of a few rows, so that small problems still run on multi-block grids."""
-    from elastic_np import _cuda_config
+    from elastic_np.cuda import _config as _cuda_config
 
     for name, value in {
         "FORWARD_BLOCK_M": 8,

@@ -6,7 +6,8 @@ import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
-from elastic_np import _cuda_bench, cuda  # noqa: E402
+from elastic_np import cuda  # noqa: E402
+from elastic_np.cuda import _bench as _cuda_bench  # noqa: E402
 
 SHAPE = (4, 16, 4096, 64)
 DECODE = (1, 32, 8, 1, 8192, 128)
@@ -68,3 +69,18 @@ def test_json_needs_bench(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cuda._main(["--json", str(tmp_path / "x.json")])
     assert info.value.code == 2 and "--json needs --bench" in capsys.readouterr().err
+
+
+def test_both_command_lines_run_one_benchmark(monkeypatch):
+    from elastic_np import cli
+
+    calls = []
+    monkeypatch.setattr(_cuda_bench, "run", lambda shape, **options: calls.append((tuple(shape), options)))
+    cuda._main(["--bench", "--shape", "2", "4", "256", "32", "--causal", "--bias", "keys", "--json", "x.json"])
+    argv = ["bench", "--gpu", "--batch", "2", "--heads", "4", "--seq", "256", "--dim", "32", "--causal",
+            "--bias", "keys", "--json", "x.json"]
+    assert cli.main(argv) == 0
+    (shape, options), (gpu_shape, gpu_options) = calls
+    assert shape == gpu_shape == (2, 4, 256, 32)
+    assert gpu_options.pop("command") == "elastic-np " + " ".join(argv) and gpu_options.pop("repeat") is None
+    assert options == gpu_options == dict(causal=True, softcap=None, alibi=False, bias="keys", json_path="x.json")

@@ -6,7 +6,8 @@ import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
-from elastic_np import _cuda_kernels, cuda  # noqa: E402
+from elastic_np import cuda  # noqa: E402
+from elastic_np.cuda import _kernels as _cuda_kernels  # noqa: E402
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
@@ -36,7 +37,7 @@ def test_resource_report_from_the_compiled_code():
 
 
 def test_dynamic_shared_memory_fits_the_limit():
-    from elastic_np import _cuda_config
+    from elastic_np.cuda import _config as _cuda_config
 
     for dtype in cuda.dtypes:
         for D in (16, 64, 128, 256):

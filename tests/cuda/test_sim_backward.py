@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _cuda_config
+from elastic_np.cuda import _config as _cuda_config
 from test_sim_attention import assert_float64_close, bias_of, make_problem, run_cuda, run_reference
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -51,7 +51,7 @@ def set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m):
 
 @pytest.mark.parametrize("dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name", GEOMETRIES)
 def test_backward_geometries_match_reference(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name):
-    from elastic_np import _cuda_backward
+    from elastic_np.cuda import _backward as _cuda_backward
 
     set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m)
     assert _cuda_backward.tiles("dq", 8, D, Dv)[1:] == (dq_m, dq_n)  # nothing shrunk
@@ -79,7 +79,7 @@ def test_backward_is_bit_identical_across_runs(monkeypatch, dtype):
 @pytest.mark.parametrize("name, value", [("DQ_BLOCK_M", 6), ("DQ_BLOCK_N", 2), ("DKDV_BLOCK_N", 10),
                                          ("DKDV_BLOCK_M", 0)])
 def test_backward_tiles_are_checked(monkeypatch, name, value):
-    from elastic_np import _cuda_backward
+    from elastic_np.cuda import _backward as _cuda_backward
 
     monkeypatch.setattr(_cuda_config, name, value)
     with pytest.raises(ValueError, match=name):
@@ -87,7 +87,7 @@ def test_backward_tiles_are_checked(monkeypatch, name, value):
 
 
 def test_backward_tiles_shrink_to_fit(monkeypatch):
-    from elastic_np import _cuda_backward
+    from elastic_np.cuda import _backward as _cuda_backward
 
     set_tiles(monkeypatch, 64, 32, 64, 32)
     for kind in ("dq", "dkdv"):
@@ -105,7 +105,7 @@ def test_default_geometry(monkeypatch):
     """The shipped backward tiles (8 lanes a row or key; float64 dq halves its rows), ragged last tiles."""
     import importlib
 
-    from elastic_np import _cuda_backward
+    from elastic_np.cuda import _backward as _cuda_backward
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
     for name in ("DQ_BLOCK_M", "DQ_BLOCK_N", "DKDV_BLOCK_N", "DKDV_BLOCK_M"):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, _cuda_config, _options, cuda, reference
+from elastic_np import _conformance, _options, cuda, reference
+from elastic_np.cuda import _config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("small_tiles")
 @pytest.fixture
 def decode_runs(monkeypatch):
     """Record the key splits of every decode launch (and so that one happened)."""
-    from elastic_np import _cuda_decode
+    from elastic_np.cuda import _decode as _cuda_decode
 
     calls = []
     launch = _cuda_decode.forward
@@ -125,7 +126,7 @@ def test_float32_queries_and_groups(decode_runs, N, group):
 
 def test_geometry_of_these_tests():
     """The fixture's tiles give several splits, row chunks, and several tiles per split."""
-    from elastic_np import _cuda_decode as decode
+    from elastic_np.cuda import _decode as decode
 
     rows_blk, tpr = decode.geometry(4 * 2, 6, 5, 8)
     assert (rows_blk, tpr) == (8, 2)  # block_n = 4 keys
@@ -135,7 +136,7 @@ def test_geometry_of_these_tests():
 
 
 def test_splits_depend_on_the_shape_only(monkeypatch):
-    from elastic_np import _cuda_decode as decode
+    from elastic_np.cuda import _decode as decode
 
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_BLOCKS", 256)
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_SPLIT_KEYS", 256)
@@ -159,7 +160,7 @@ def test_bit_identical_across_runs(decode_runs, dtype):
 
 def test_wide_value_head_takes_several_passes(monkeypatch, decode_runs):
     """One lane per row: 8 output columns per pass, so Dv = 21 takes three passes over the keys."""
-    from elastic_np import _cuda_decode as decode
+    from elastic_np.cuda import _decode as decode
 
     monkeypatch.setattr(_cuda_config, "DECODE_LANES", 1)
     assert decode.geometry(8, 6, 21, 8)[1] == 1
@@ -187,7 +188,7 @@ def test_empty_caches(decode_runs):
 
 
 def test_decode_shape_takes_the_decode_kernel():
-    from elastic_np import _cuda_decode as decode
+    from elastic_np.cuda import _decode as decode
 
     q, k, v, _ = make(np.float32, 1, 32, 8, 1, 16)
     assert decode.takes(_options.prepare(q, k, v))

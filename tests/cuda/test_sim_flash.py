@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _cuda_config, cuda, reference
+from elastic_np import cuda, reference
+from elastic_np.cuda import _config as _cuda_config
 from oracle_checks import assert_matches_oracle
 from test_sim_attention import CASES, MOD_CASES, case_options, make_problem
 

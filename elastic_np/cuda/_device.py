@@ -1,11 +1,14 @@
 """Device functions and option indices shared by the numba.cuda kernels.
 
-Imported by `elastic_np._cuda_kernels` only (so only when the CUDA backend is
-asked for). The kernels' conventions are described there; this module holds
+Imported by the kernel modules only (so only when the CUDA backend is asked
+for). The kernels' conventions are described in `elastic_np.cuda._kernels`;
+this module holds
 what every kernel uses: the indices of the packed option arrays, the key and
 query ranges that decide tile skipping, the per-entry score pipeline
 (`_bh_params` read once per block, `_entry` per score: keep, bias, score,
-NVM, gate) and the warp-level reductions of a row group.
+NVM, gate), the warp-level reductions of a row group, the kernels' common
+prologue (`_dims`, `_tile_block`, the shared-memory tiles: `_carve`,
+`_flash_tiles`, `_fill`) and the register micro-tile products.
 """
 
 import math
@@ -13,7 +16,7 @@ import math
 import numba
 from numba import cuda
 
-from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 
 # iopts
 I_CAUSAL = 0
@@ -358,6 +361,85 @@ def _stage(src, b, hh, r0, rows, c0, cols, dst, stride, t, threads):
     """Copy ``src[b, hh, r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced."""
     for idx in range(t, rows * cols, threads):
         dst[(idx // cols) * stride + idx % cols] = src[b, hh, r0 + idx // cols, c0 + idx % cols]
+
+
+# ---------------------------------------------------------------------------
+# Kernel prologues: shapes, the block's place, shared-memory tiles
+# ---------------------------------------------------------------------------
+
+
+@inline_device
+def _dims(q, k, v):
+    """``(B, H, Hkv, N, M, D, Dv)`` from the shapes of ``q``, ``k``, ``v`` (the order of ``AttentionProblem.shape``)."""
+    B, H, N, D = q.shape
+    return B, H, k.shape[1], N, k.shape[2], D, v.shape[3]
+
+
+@inline_device
+def _tile_block(rows, heads, cols):
+    """The place of a micro-tile kernel's block and thread: a block per (batch * head, tile of rows), tiles fastest.
+
+    ``rows`` are what the block owns a tile of (queries for the forward and
+    ``dq`` kernels, keys for ``dk``/``dv``), ``heads`` the heads of its grid,
+    ``cols`` the length of the tiles it loops over. The block's threads form
+    groups of ``tpr = cols / REG_N`` lanes; each group owns ``REG_M`` rows.
+    Returns ``(threads, t, tpr, block_rows, row0, c, tile, b, h, r0, r1)``:
+    thread ``t`` of ``threads`` is lane ``c`` of the group whose rows start at
+    ``row0`` in the block's ``block_rows``, and the block holds rows ``[r0,
+    r1)``, tile ``tile``, of batch ``b``, head ``h``.
+    """
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    tpr = cols // REG_N
+    block_rows = threads // tpr * REG_M
+    row0 = t // tpr * REG_M
+    c = t % tpr
+    n_tiles = (rows + block_rows - 1) // block_rows
+    tile = cuda.blockIdx.x % n_tiles
+    b = cuda.blockIdx.x // n_tiles // heads
+    h = cuda.blockIdx.x // n_tiles % heads
+    r0 = tile * block_rows
+    return threads, t, tpr, block_rows, row0, c, tile, b, h, r0, min(r0 + block_rows, rows)
+
+
+@inline_device
+def _carve(smem, at, size):
+    """``(smem[at:at + size], at + size)``: the next tile of the block's dynamic shared memory, and its end."""
+    return smem[at : at + size], at + size
+
+
+@inline_device
+def _flash_tiles(smem, rows, D, width, block_n):
+    """The tiles the forward and decode kernels start their shared memory with, and their strides.
+
+    ``(q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, end)``: ``rows``
+    query rows (row stride ``D + 1``), the K/V tile of ``block_n`` keys (K,
+    then V's ``width`` columns of a pass, in the same buffer; row stride
+    ``max(D + 1, width)``) and the ``rows x block_n`` tile of ``p`` (row
+    stride ``block_n + 1``); ``end`` is the offset past them.
+    """
+    q_stride = D + 1
+    kv_stride = max(D + 1, width)
+    p_stride = block_n + 1
+    q_tile, at = _carve(smem, 0, rows * q_stride)
+    kv_tile, at = _carve(smem, at, block_n * kv_stride)
+    p_tile, at = _carve(smem, at, rows * p_stride)
+    return q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at
+
+
+@inline_device
+def _fill(tile, size, value, t, threads):
+    """``tile[:size] = value``, thread ``t`` of the block's ``threads`` taking every ``threads``-th entry."""
+    for idx in range(t, size, threads):
+        tile[idx] = value
+
+
+@inline_device
+def _store_tile(scores, tile, stride, row0, c, tpr):
+    """``tile[row0 + r, c + tpr n] = scores[r, n]`` (row stride ``stride``): a register micro-tile to shared memory."""
+    for r in range(REG_M):
+        for n in range(REG_N):
+            tile[(row0 + r) * stride + c + tpr * n] = scores[r, n]
 
 
 @inline_device

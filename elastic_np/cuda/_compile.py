@@ -14,16 +14,10 @@ import types
 
 import numpy as np
 
-from elastic_np import _cuda_config as config
-from elastic_np._dispatch import BackendUnavailableError
-
-
-def _backend():
-    """`elastic_np.cuda`, imported when called (it imports this module)."""
-    from elastic_np import cuda
-
-    return cuda
-
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._host import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available
+from elastic_np.cuda._launch import _shared_elements, _tiles
 
 def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
@@ -73,14 +67,14 @@ def ptx(cc=(9, 0)):
     elastic_np.BackendUnavailableError
         Without numba-cuda, or under the CUDA simulator (which compiles nothing).
     """
-    cuda = _backend()._cuda()
-    if _backend()._simulator():
+    cuda = _cuda()
+    if _simulator():
         raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
-    kern = _backend()._kernels()
+    kern = _kernel_module("_kernels")
     cc = tuple(int(c) for c in cc)
     result = {}
     with _device_functions_compiled_for(cc):
-        for dtype in _backend().dtypes:
+        for dtype in dtypes:
             signatures = _signatures(dtype)
             for name, kernel in kern.KERNELS.items():
                 code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
@@ -130,7 +124,7 @@ def resources(cc=(9, 0)):
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError as exc:
-        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + _backend()._INSTALL_HINT) from exc
+        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + _INSTALL_HINT) from exc
     arch = f"sm_{int(cc[0])}{int(cc[1])}"
     report = {}
     for name, code in ptx(cc=cc).items():
@@ -162,16 +156,16 @@ def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
         key splits; the dbias kernel's is its bound (``DBIAS_THREADS``
         threads). The delta kernel uses none.
     """
-    from elastic_np import _cuda_backward as bwd
+    bwd = _kernel_module("_backward")
 
     itemsize = np.dtype(dtype).itemsize
-    threads, tile = _backend()._tiles("forward", itemsize, D, Dv)
-    result = {"_forward_kernel": (threads, tile, _backend()._shared_elements("forward", threads, tile, D, Dv) * itemsize)}
+    threads, tile = _tiles("forward", itemsize, D, Dv)
+    result = {"_forward_kernel": (threads, tile, _shared_elements("forward", threads, tile, D, Dv) * itemsize)}
     for name, kind in (("_backward_dq_kernel", "dq"), ("_backward_dkdv_kernel", "dkdv")):
         threads, rows, cols = bwd.tiles(kind, itemsize, D, Dv)
         result[name] = (threads, cols, bwd.shared_elements(kind, rows, cols, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
-    from elastic_np import _cuda_decode as dec
+    dec = _kernel_module("_decode")
 
     B, H, Hkv, N, M = decode
     rows = H // Hkv * N
@@ -194,7 +188,7 @@ def _device_functions_compiled_for(cc):
     from numba.cuda import dispatcher
 
     current = dispatcher.get_current_device
-    if _backend().is_available():
+    if is_available():
         yield
         return
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
@@ -213,7 +207,7 @@ def _print_resources(ccs):
                      if entry["spills"] else "no spills")
             print(f"sm_{major}{minor}  {name:32s} {entry['registers']:4d} registers  "
                   f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
-    for dtype in _backend().dtypes:
+    for dtype in dtypes:
         for D in (64, 128):
             for name, (threads, tile, size) in dynamic_shared_bytes(D, D, dtype).items():
                 print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")

@@ -1,9 +1,10 @@
 """The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
 
-Imported by `elastic_np.cuda` only (it imports ``numba.cuda``). The backward
-recomputes the probabilities ``p = exp(z - lse)`` from the forward's ``lse``
-with the shared score pipeline (`_entry_keep`, `_entry_logit`), so it sees
-the logits the forward saw. Three kernels, launched in this order:
+Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``).
+The backward recomputes the probabilities ``p = exp(z - lse)`` from the
+forward's ``lse`` with the shared score pipeline (`_entry_keep`,
+`_entry_logit`), so it sees the logits the forward saw. Three kernels, launched in this order (and a
+fourth for a broadcast bias's ``dbias``, below):
 
 - ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
   thread a row), read by the two kernels below and by the host (``dbeta``).
@@ -43,9 +44,10 @@ slot order at the end and writes one partial per (batch, head, query tile),
 which the host sums in float64; ``dbeta`` comes from ``delta`` and ``lse`` on
 the host. A full ``(B, H, N, M)`` bias's ``dbias`` is written by the ``dq``
 kernel (one writer per entry); a broadcast one is summed by
-``_backward_dbias_kernel`` (`elastic_np._cuda_kernels`), unchanged.
+``_backward_dbias_kernel``, launched after the delta kernel, one block per
+entry of the bias's compact shape.
 
-Tile sizes are runtime values (`tiles`, from `elastic_np._cuda_config`,
+Tile sizes are runtime values (`tiles`, from `elastic_np.cuda._config`,
 halved until the shared memory fits ``MAX_SHARED_BYTES``); the micro-tile
 sizes are the forward's compile-time ``REG_M``, ``REG_N``, ``ACC_COLS``.
 """
@@ -54,12 +56,12 @@ import math
 
 from numba import cuda
 
-from elastic_np import _cuda_config as config
-from elastic_np._cuda_config import ACC_COLS, REG_M, REG_N
-from elastic_np._cuda_device import (
-    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA,
-    P_DTAU, _bh_params, _compensated_add, _entry_keep, _entry_logit, _key_range, _query_range, _stage, _tile_dot,
-    _tile_pv,
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device import (
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ,
+    I_DBIAS_FULL, I_HAS_GATE, P_DSIGMA, P_DTAU, _bh_params, _carve, _compensated_add, _dims, _entry_keep,
+    _entry_logit, _fill, _key_range, _query_range, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
 )
 
 
@@ -102,10 +104,7 @@ def tiles(kind, itemsize, D, Dv):
         elif rows > REG_M and rows % (2 * REG_M) == 0:
             rows //= 2
         else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
+            raise config.shared_memory_error(D, Dv)
     return (rows // REG_M) * (cols // REG_N), rows, cols
 
 
@@ -222,23 +221,14 @@ def _backward_dq_kernel(
     ``dtau``, ``dsigma``), and, with a full bias (``iopts[I_DBIAS_FULL]``),
     every entry of the block's rows of ``dbias`` (0 where nothing is kept).
     """
+    # the shapes are read here rather than through `_dims`, with which ptxas spills more in this
+    # kernel and the dk/dv one (python -m elastic_np.cuda --resources)
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = block_n // REG_N
-    block_m = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (N + block_m - 1) // block_m
-    tile = cuda.blockIdx.x % n_tiles
-    b = cuda.blockIdx.x // n_tiles // H
-    h = cuda.blockIdx.x // n_tiles % H
+    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
     hk = h // (H // Hkv)
-    i0 = tile * block_m
-    i1 = min(i0 + block_m, N)
     width = min(max(D, 1), tpr * ACC_COLS)
 
     q_stride = D + 1
@@ -246,29 +236,19 @@ def _backward_dq_kernel(
     p_stride = block_n + 1
     slots = block_m * tpr
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile = smem[: block_m * q_stride]
-    at = block_m * q_stride
-    do_tile = smem[at : at + block_m * do_stride]
-    at += block_m * do_stride
-    s_tile = smem[at : at + block_m * p_stride]
-    at += block_m * p_stride
-    dp_tile = smem[at : at + block_m * p_stride]
-    at += block_m * p_stride
-    stats = smem[at : at + 2 * block_m]  # lse, delta
-    at += 2 * block_m
-    sums = smem[at : at + 4 * slots]
-    at += 4 * slots
-    k_tile = smem[at : at + block_n * q_stride]
-    at += block_n * q_stride
-    v_tile = smem[at : at + block_n * do_stride]
+    q_tile, at = _carve(smem, 0, block_m * q_stride)
+    do_tile, at = _carve(smem, at, block_m * do_stride)
+    s_tile, at = _carve(smem, at, block_m * p_stride)
+    dp_tile, at = _carve(smem, at, block_m * p_stride)
+    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta
+    sums, at = _carve(smem, at, 4 * slots)
+    k_tile, at = _carve(smem, at, block_n * q_stride)
+    v_tile, at = _carve(smem, at, block_n * do_stride)
 
     zero = fopts[F_ZERO]
-    for idx in range(t, block_m * q_stride, threads):
-        q_tile[idx] = zero  # rows past N and the padding column
-    for idx in range(t, block_m * do_stride, threads):
-        do_tile[idx] = zero
-    for idx in range(t, 4 * slots, threads):
-        sums[idx] = zero
+    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
+    _fill(do_tile, block_m * do_stride, zero, t, threads)
+    _fill(sums, 4 * slots, zero, t, threads)
     for idx in range(t, block_m, threads):
         stats[idx] = zero
         stats[block_m + idx] = zero
@@ -307,13 +287,9 @@ def _backward_dq_kernel(
             _stage(v, b, hk, j0, jn, 0, Dv, v_tile, do_stride, t, threads)
             cuda.syncthreads()
             _tile_dot(q_tile, q_stride, row0, k_tile, q_stride, c, tpr, D, zero, scores)
-            for r in range(REG_M):
-                for n in range(REG_N):
-                    s_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _store_tile(scores, s_tile, p_stride, row0, c, tpr)
             _tile_dot(do_tile, do_stride, row0, v_tile, do_stride, c, tpr, Dv, zero, scores)
-            for r in range(REG_M):
-                for n in range(REG_N):
-                    dp_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+            _store_tile(scores, dp_tile, p_stride, row0, c, tpr)
             _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn,
                            c, tpr, prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, c0 == 0, dbias_full, dbias)
             cuda.syncthreads()  # ds written
@@ -384,17 +360,7 @@ def _backward_dkdv_kernel(
     M = k.shape[2]
     Dv = v.shape[3]
     group = H // Hkv
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = block_m // REG_N
-    block_n = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (M + block_n - 1) // block_n
-    b = cuda.blockIdx.x // n_tiles // Hkv
-    hk = cuda.blockIdx.x // n_tiles % Hkv
-    j0 = cuda.blockIdx.x % n_tiles * block_n
-    j1 = min(j0 + block_n, M)
+    threads, t, tpr, block_n, row0, c, tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_m)
     widest = max(D, Dv, 1)
     width = min(widest, tpr * ACC_COLS)
 
@@ -402,29 +368,19 @@ def _backward_dkdv_kernel(
     v_stride = Dv + 1
     p_stride = block_m + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    k_tile = smem[: block_n * k_stride]
-    at = block_n * k_stride
-    v_tile = smem[at : at + block_n * v_stride]
-    at += block_n * v_stride
-    p_tile = smem[at : at + block_n * p_stride]
-    at += block_n * p_stride
-    ds_tile = smem[at : at + block_n * p_stride]
-    at += block_n * p_stride
-    q_tile = smem[at : at + block_m * k_stride]
-    at += block_m * k_stride
-    do_tile = smem[at : at + block_m * v_stride]
-    at += block_m * v_stride
-    stats = smem[at : at + 2 * block_m]  # lse, delta of the query tile
+    k_tile, at = _carve(smem, 0, block_n * k_stride)
+    v_tile, at = _carve(smem, at, block_n * v_stride)
+    p_tile, at = _carve(smem, at, block_n * p_stride)
+    ds_tile, at = _carve(smem, at, block_n * p_stride)
+    q_tile, at = _carve(smem, at, block_m * k_stride)
+    do_tile, at = _carve(smem, at, block_m * v_stride)
+    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta of the query tile
 
     zero = fopts[F_ZERO]
-    for idx in range(t, block_n * k_stride, threads):
-        k_tile[idx] = zero  # keys past M and the padding column
-    for idx in range(t, block_n * v_stride, threads):
-        v_tile[idx] = zero
-    for idx in range(t, block_m * k_stride, threads):
-        q_tile[idx] = zero
-    for idx in range(t, block_m * v_stride, threads):
-        do_tile[idx] = zero
+    _fill(k_tile, block_n * k_stride, zero, t, threads)  # keys past M and the padding column
+    _fill(v_tile, block_n * v_stride, zero, t, threads)
+    _fill(q_tile, block_m * k_stride, zero, t, threads)
+    _fill(do_tile, block_m * v_stride, zero, t, threads)
     cuda.syncthreads()
     _stage(k, b, hk, j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
     _stage(v, b, hk, j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
@@ -453,13 +409,9 @@ def _backward_dkdv_kernel(
                     stats[block_m + idx] = delta[b, h, i0 + idx]
                 cuda.syncthreads()
                 _tile_dot(k_tile, k_stride, row0, q_tile, k_stride, c, tpr, D, zero, scores)
-                for r in range(REG_M):
-                    for n in range(REG_N):
-                        p_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _store_tile(scores, p_tile, p_stride, row0, c, tpr)
                 _tile_dot(v_tile, v_stride, row0, do_tile, v_stride, c, tpr, Dv, zero, scores)
-                for r in range(REG_M):
-                    for n in range(REG_N):
-                        ds_tile[(row0 + r) * p_stride + c + tpr * n] = scores[r, n]
+                _store_tile(scores, ds_tile, p_stride, row0, c, tpr)
                 _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr,
                                  prm, mask, bias, fopts, tau_h)
                 cuda.syncthreads()  # p and ds written
@@ -478,8 +430,88 @@ def _backward_dkdv_kernel(
                     dv[b, hk, j, c0 + col] = dv_acc[r, e]
 
 
+@cuda.jit(cache=True)
+def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
+    """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
+
+    ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
+    whose dims are the full ones where the bias's stride is nonzero and 1
+    where it is broadcast). The block's entry stands for the ``R`` entries
+    ``(b, h, i, j)`` along the broadcast axes; thread ``t`` takes the ``r``-th
+    of them for ``r = t, t + blockDim, ...``, recomputes ``ds`` (the score,
+    ``p = exp(z - lse)`` and ``dP = dout . v``, with ``delta`` from the dq
+    kernel) and sums it, compensated; thread 0 then adds the threads' sums in
+    thread order. The work per entry is fixed, so the result does not depend
+    on scheduling, and no ``(B, H, N, M)`` temporary exists.
+    """
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    group = H // Hkv
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    e = cuda.blockIdx.x
+
+    sb = iopts[I_BIAS_SB]
+    sh = iopts[I_BIAS_SH]
+    si = iopts[I_BIAS_SI]
+    sj = iopts[I_BIAS_SJ]
+    # compact dims (1 where broadcast) and the spans of the broadcast axes
+    cb_n = B if sb != 0 else 1
+    ch_n = H if sh != 0 else 1
+    ci_n = N if si != 0 else 1
+    cj_n = M if sj != 0 else 1
+    rb_n = B // cb_n
+    rh_n = H // ch_n
+    ri_n = N // ci_n
+    rj_n = M // cj_n
+    cj = e % cj_n
+    ci = e // cj_n % ci_n
+    ch = e // (cj_n * ci_n) % ch_n
+    cb = e // (cj_n * ci_n * ch_n)
+    bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
+
+    zero = fopts[F_ZERO]
+    neg_inf = fopts[F_NEG_INF]
+    total = zero
+    carry = zero
+    if bias_value != fopts[F_NEG_INF]:  # a -inf entry removes all it stands for: dbias 0
+        for r in range(t, rb_n * rh_n * ri_n * rj_n, threads):
+            b = cb + r // (rj_n * ri_n * rh_n)
+            h = ch + r // (rj_n * ri_n) % rh_n
+            i = ci + r // rj_n % ri_n
+            j = cj + r % rj_n
+            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+            kept, entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
+            if not kept:
+                continue
+            hk = h // group
+            dot = zero
+            for d in range(D):
+                dot += q[b, h, i, d] * k[b, hk, j, d]
+            z, s, cap_slope, f, u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            if z == neg_inf:  # removed by NVM or a closed gate
+                continue
+            tau_h = tau[h]
+            p = math.exp(z - lse[b, h, i])
+            dp = zero
+            for d in range(Dv):
+                dp += dout[b, h, i, d] * v[b, hk, j, d]
+            ds = p * (dp - delta[b, h, i]) / tau_h
+            total, carry = _compensated_add(total, carry, ds)
+
+    sums = cuda.shared.array(0, dtype=q.dtype)
+    sums[t] = total + carry
+    cuda.syncthreads()
+    if t == 0:
+        total = zero
+        carry = zero
+        for r in range(threads):
+            total, carry = _compensated_add(total, carry, sums[r])
+        dbias[e] = total + carry
+
+
 KERNELS = {
     "_backward_delta_kernel": _backward_delta_kernel,
     "_backward_dq_kernel": _backward_dq_kernel,
     "_backward_dkdv_kernel": _backward_dkdv_kernel,
+    "_backward_dbias_kernel": _backward_dbias_kernel,
 }

@@ -1,8 +1,9 @@
 """The CUDA decode kernel: a few queries against a long key/value cache, split-KV.
 
-Imported by `elastic_np.cuda` only (it imports ``numba.cuda``), which sends a
-forward here when `takes` says so: 1 to ``DECODE_MAX_QUERIES`` queries per
-sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan is the CPU
+Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``);
+`elastic_np.cuda.forward` sends a forward here when `takes` says so: 1 to
+``DECODE_MAX_QUERIES`` queries per sequence and at most ``DECODE_MAX_ROWS``
+stacked rows. The plan is the CPU
 decode kernel's (`elastic_np._decode`):
 
 - **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
@@ -44,11 +45,11 @@ import math
 
 from numba import cuda
 
-from elastic_np import _cuda_config as config
-from elastic_np._cuda_config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np._cuda_device import (
-    F_NEG_INF, F_ONE, F_ZERO, inline_device, _bh_params, _entry, _finish_row, _group_max, _group_sum,
-    _key_range, _lane_mask, _stage,
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np.cuda._device import (
+    F_NEG_INF, F_ONE, F_ZERO, inline_device, _bh_params, _dims, _entry, _fill, _finish_row, _flash_tiles,
+    _group_max, _group_sum, _key_range, _lane_mask, _stage,
 )
 
 
@@ -105,10 +106,7 @@ def geometry(rows, D, Dv, itemsize):
         elif rows_blk > 1:
             rows_blk = -(-rows_blk // 2)
         else:
-            raise ValueError(
-                f"head dims D={D}, Dv={Dv} need more shared memory than "
-                f"MAX_SHARED_BYTES={config.MAX_SHARED_BYTES} allows"
-            )
+            raise config.shared_memory_error(D, Dv)
     return rows_blk, tpr
 
 
@@ -196,10 +194,7 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     s, r]`` and the unnormalised ``acc`` to ``part_acc[b, hk, s, r]``, a split
     with no key kept giving ``(-inf, 0, 0)``.
     """
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    M = k.shape[2]
-    Dv = v.shape[3]
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     group = H // Hkv
     rows = group * N
     n_split = part_ms.shape[2]
@@ -223,21 +218,13 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     i = rr % N
     width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
 
-    q_stride = D + 1
-    kv_stride = max(D + 1, width)
-    p_stride = block_n + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile = smem[: rows_blk * q_stride]
-    kv_base = rows_blk * q_stride
-    kv_tile = smem[kv_base : kv_base + block_n * kv_stride]
-    p_base = kv_base + block_n * kv_stride
-    p_tile = smem[p_base : p_base + rows_blk * p_stride]
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_n)
 
     zero = fopts[F_ZERO]
     one = fopts[F_ONE]
     neg_inf = fopts[F_NEG_INF]
-    for idx in range(t, rows_blk * q_stride, threads):
-        q_tile[idx] = zero  # padding rows and the padding column
+    _fill(q_tile, rows_blk * q_stride, zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
     for idx in range(t, (r1 - r0) * D, threads):
         row = r0 + idx // D

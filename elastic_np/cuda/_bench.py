@@ -16,23 +16,17 @@ import sys
 
 import numpy as np
 
-from elastic_np._dispatch import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cuda._host import _cuda, check_available, is_available
 
 #: Decoding shapes ``(B, H, Hkv, N, M, D)`` the results file records (the CPU page's first).
 DECODE_SHAPES = ((1, 32, 8, 1, 8192, 128),)
 
 
-def _backend():
-    """`elastic_np.cuda`, imported when called (it imports this module)."""
-    from elastic_np import cuda
-
-    return cuda
-
-
 def _check_gpu(what):
     """``torch`` when a GPU runs the kernels and torch has CUDA; else `BackendUnavailableError`."""
-    if not _backend().is_available():
-        _backend().check_available()
+    if not is_available():
+        check_available()
         raise BackendUnavailableError(f"{what} times real kernels; the CUDA simulator does not count")
     try:
         import torch
@@ -94,11 +88,12 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
         Without a usable GPU, or when PyTorch has no CUDA.
     """
     torch = _check_gpu("bench()")
-    from elastic_np import _bench, _dispatch
+    import elastic_np as enp
+    from elastic_np import _bench
 
     if bias is not None and bias not in BENCH_BIAS_SHAPES:
         raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
-    cuda = _backend()._cuda()
+    cuda = _cuda()
     rng = np.random.default_rng(1)
     q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
@@ -115,12 +110,12 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
 
     def ours(options):
         def forward():
-            _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            enp.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
             cuda.synchronize()
 
         def forward_backward():
-            out, lse = _dispatch.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            _dispatch.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
+            out, lse = enp.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
+            enp.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
             cuda.synchronize()
 
         return forward, forward_backward
@@ -179,9 +174,10 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
         ``{"elastic_np": s, "torch": s}``, best of ``repeat`` after a warm-up.
     """
     torch = _check_gpu("bench_decode()")
-    from elastic_np import _bench, _dispatch
+    import elastic_np as enp
+    from elastic_np import _bench
 
-    cuda = _backend()._cuda()
+    cuda = _cuda()
     q, k, v = _bench.make_inputs(B, H, N, M, D, Hkv=Hkv, dtype=np.float32)
     tq, tk, tv = (torch.from_numpy(a).cuda() for a in (q, k, v))
     mask = None
@@ -190,7 +186,7 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
         mask = torch.arange(M, device=tq.device)[None, :] <= rows
 
     def ours():
-        _dispatch.attention(tq, tk, tv, causal=True, return_lse=True, backend="cuda")
+        enp.attention(tq, tk, tv, causal=True, return_lse=True, backend="cuda")
         cuda.synchronize()
 
     def theirs():
@@ -211,7 +207,7 @@ def machine_info():
 
     import elastic_np
 
-    cuda = _backend()._cuda()
+    cuda = _cuda()
     device = cuda.get_current_device()
     info = {
         "gpu": device.name.decode() if isinstance(device.name, bytes) else str(device.name),
@@ -293,3 +289,55 @@ def write_json(record, path):
     with open(path, "w") as fh:
         json.dump(record, fh, indent=2, sort_keys=True)
         fh.write("\n")
+
+
+#: The training shape ``(B, H, N, D)`` that `run` times unless told otherwise.
+DEFAULT_SHAPE = (4, 16, 4096, 64)
+
+
+def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=None, repeat=None, json_path=None,
+        command=None):
+    """Time `bench` at ``shape`` and print the table; with ``json_path``, also the decode shapes, all to that file.
+
+    What both ``python -m elastic_np.cuda --bench`` and ``elastic-np bench
+    --gpu`` run. ``command`` is the command line the results file records
+    (default: ``python -m elastic_np.cuda`` with this process's arguments).
+
+    Returns
+    -------
+    dict
+        `bench`'s timings.
+
+    Raises
+    ------
+    elastic_np.BackendUnavailableError
+        Without a usable GPU, or when PyTorch has no CUDA (before anything is
+        printed or written).
+    """
+    B, H, N, D = shape
+    options = dict(causal=causal, softcap=softcap, alibi=alibi, bias=bias)
+    result = bench(B, H, N, D, **options, **({} if repeat is None else {"repeat": repeat}))
+    print(f"float32, B={B} H={H} N=M={N} D={D} causal={causal} softcap={softcap} alibi={alibi} bias={bias}")
+    for what in ("forward", "forward+backward"):
+        ours, theirs = result["elastic_np"][what], result["torch"][what]
+        line = (
+            f"{what:17s} elastic_np {ours * 1e3:9.3f} ms ({result['tflops']['elastic_np'][what]:6.2f} TFLOP/s)"
+            f"   torch SDPA {theirs * 1e3:9.3f} ms ({result['tflops']['torch'][what]:6.2f} TFLOP/s)"
+            f"   speed ratio {theirs / ours:5.2f}"
+        )
+        if "elastic_np plain" in result:
+            plain = result["elastic_np plain"][what]
+            line += f"   modifiers cost x{ours / plain:5.2f} over plain ({plain * 1e3:.3f} ms)"
+        print(line)
+    if json_path is not None:
+        decode = []
+        for decode_shape in DECODE_SHAPES:
+            timing = bench_decode(*decode_shape)
+            decode.append((decode_shape, timing))
+            print(f"decode B, H/Hkv, N, M, D = {decode_shape}: elastic_np {timing['elastic_np'] * 1e3:.3f} ms, "
+                  f"torch SDPA {timing['torch'] * 1e3:.3f} ms, "
+                  f"speed ratio {timing['torch'] / timing['elastic_np']:.2f}")
+        record = bench_record(shape, options, result, decode, machine_info(), command=command)
+        write_json(record, json_path)
+        print(f"wrote {json_path}")
+    return result

@@ -14,7 +14,8 @@ on-disk cache of the kernels cleared).
 
 The host shrinks a tile (halving the larger of the query and key tiles, the
 key tile on a tie) when the shared memory it needs for the given head dims and
-dtype exceeds ``MAX_SHARED_BYTES``.
+dtype exceeds ``MAX_SHARED_BYTES``, and raises `shared_memory_error` when no
+tile is left to shrink.
 """
 
 #: Forward micro-tile: query rows per thread (compile-time).
@@ -34,7 +35,7 @@ FORWARD_BLOCK_M = 64
 #: two of at most 32.
 FORWARD_BLOCK_N = 64
 
-#: Backward ``dq`` kernel (`elastic_np._cuda_backward`): query rows per block,
+#: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
 #: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_M / REG_M) * (DQ_BLOCK_N /
 #: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.
 DQ_BLOCK_M = 64
@@ -55,7 +56,7 @@ DELTA_THREADS = 128
 #: of the entries it stands for.
 DBIAS_THREADS = 128
 
-#: Decode kernel (`elastic_np._cuda_decode`): `elastic_np.cuda.forward` takes it
+#: Decode kernel (`elastic_np.cuda._decode`): `elastic_np.cuda.forward` takes it
 #: for 1 to ``DECODE_MAX_QUERIES`` queries per sequence...
 DECODE_MAX_QUERIES = 16
 #: ... when the stacked rows (query heads of a GQA group x queries) are at most this many.
@@ -80,3 +81,10 @@ DECODE_MERGE_THREADS = 32
 
 #: Upper bound on dynamic shared memory per block (the default limit without opt-in).
 MAX_SHARED_BYTES = 48 * 1024
+
+
+def shared_memory_error(D, Dv):
+    """The error for head dims ``D``, ``Dv`` whose smallest tiles still exceed ``MAX_SHARED_BYTES``."""
+    return ValueError(
+        f"head dims D={D}, Dv={Dv} need more shared memory than MAX_SHARED_BYTES={MAX_SHARED_BYTES} allows"
+    )

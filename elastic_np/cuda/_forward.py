@@ -1,0 +1,153 @@
+"""The CUDA flash forward: `_forward_kernel` and the online-softmax steps of its rows.
+
+Imports ``numba.cuda``; `elastic_np.cuda` imports it when a forward is to
+run (`elastic_np.cuda._launch.forward`, which sends decoding shapes to
+`elastic_np.cuda._decode` instead). The design is described in
+`elastic_np.cuda`, the conventions every kernel follows in
+`elastic_np.cuda._kernels`.
+"""
+
+import math
+
+from numba import cuda
+
+from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device import (
+    F_NEG_INF, F_ONE, F_ZERO, _bh_params, _carve, _dims, _entry, _fill, _finish_row, _flash_tiles, _group_max,
+    _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
+)
+
+
+@cuda.jit(device=True)
+def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm, mask, bias, fopts):
+    """The online softmax step of the thread's rows over one key tile, in place in ``p_tile``.
+
+    ``p_tile`` holds the thread's dot products (row ``row0 + r``, key ``c +
+    tpr n``); each becomes its logit (`_entry`, ``-inf`` when removed), the
+    row's tile max is combined over the ``tpr`` threads of the row group with
+    shuffles, and each becomes ``p = exp(z - max)`` (0 where removed, past the
+    tile or past ``N``). The thread's running max and partial sum of each row
+    live in ``stats`` (slot ``row tpr + c`` of the sections at 0 and
+    ``slots``, one writer each), and the row's rescale factor goes to the
+    section at ``2 slots``, for the caller to apply to its accumulator
+    registers. The loops here are not unrolled on purpose (the score pipeline
+    is long), so they keep their data in shared memory, not in local arrays.
+    """
+    neg_inf = fopts[F_NEG_INF]
+    zero = fopts[F_ZERO]
+    one = fopts[F_ONE]
+    for r in range(REG_M):
+        row = row0 + r
+        slot = row * tpr + c
+        i = i_first + r
+        tile_max = neg_inf
+        for n in range(REG_N):
+            jj = c + tpr * n
+            z = neg_inf
+            if jj < jn and i < N:
+                z = _entry(p_tile[row * p_stride + jj], b, h, i, j0 + jj, prm, mask, bias, fopts)[0]
+            p_tile[row * p_stride + jj] = z
+            tile_max = max(tile_max, z)
+        old_max = stats[slot]
+        new_max = max(old_max, _group_max(tile_max, tpr, lanes))
+        alpha = one
+        if new_max > neg_inf:
+            alpha = math.exp(old_max - new_max)  # 1 when the max stays, 0 from -inf
+        total = stats[slots + slot] * alpha
+        for n in range(REG_N):
+            at = row * p_stride + c + tpr * n
+            p = zero
+            if p_tile[at] > neg_inf:
+                p = math.exp(p_tile[at] - new_max)
+            total += p
+            p_tile[at] = p
+        stats[slot] = new_max
+        stats[slots + slot] = total
+        stats[2 * slots + slot] = alpha
+
+
+@cuda.jit(device=True)
+def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h, fopts, lse):
+    """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`_finish_row`).
+
+    ``num`` is left in the section of ``stats`` at ``2 slots``, ``den`` in that at ``slots``.
+    """
+    for r in range(REG_M):
+        slot = (row0 + r) * tpr + c
+        i = i_first + r
+        row_lse, num, den = _finish_row(stats[slot], _group_sum(stats[slots + slot], tpr, lanes), beta_h, fopts)
+        stats[2 * slots + slot] = num
+        stats[slots + slot] = den
+        if i < N and c0 == 0 and c == 0:
+            lse[b, h, i] = row_lse
+
+
+@cuda.jit(cache=True)
+def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_n, out, lse):
+    """One block per (batch * head, query tile); a flash forward with register micro-tiles.
+
+    The grid is one-dimensional, query tiles fastest, so that the blocks that
+    share a head's K/V run side by side. The block's threads form row groups
+    of ``tpr = block_n / REG_N`` consecutive lanes (a power of two, inside
+    one warp); thread ``(g, c)`` owns query rows ``g REG_M + r`` and, of each
+    key tile, keys ``c + tpr n`` (``REG_M x REG_N`` scores in registers) and
+    output columns ``c + tpr e`` (``REG_M x ACC_COLS`` accumulators). Per key
+    tile: stage K, scores, row max over the group by shuffles, rescale, ``p``
+    to shared memory, stage V in the same buffer, ``acc += p V``. Heads wider
+    than ``tpr ACC_COLS`` output columns take several passes over the keys
+    (each recomputing the same scores, so every pass has the same softmax).
+    """
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
+    hk = h // (H // Hkv)
+    width = min(max(Dv, 1), tpr * ACC_COLS)
+
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_m, D, width, block_n)
+    stats, at = _carve(smem, at, 3 * block_m * tpr)  # per (row, lane): max, sum, rescale
+
+    zero = fopts[F_ZERO]
+    neg_inf = fopts[F_NEG_INF]
+    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
+    cuda.syncthreads()
+    _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    lanes = _lane_mask(t, threads)
+    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    scores = cuda.local.array((REG_M, REG_N), q.dtype)
+    acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
+    slots = block_m * tpr
+    i_first = i0 + row0
+    for c0 in range(0, max(Dv, 1), width):
+        wn = min(width, Dv - c0)
+        for r in range(REG_M):
+            stats[(row0 + r) * tpr + c] = neg_inf
+            stats[slots + (row0 + r) * tpr + c] = zero
+            for e in range(ACC_COLS):
+                acc[r, e] = zero
+        for j0 in range(lo, hi, block_n):
+            jn = min(block_n, hi - j0)
+            cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
+            _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _tile_dot(q_tile, q_stride, row0, kv_tile, kv_stride, c, tpr, D, zero, scores)
+            _store_tile(scores, p_tile, p_stride, row0, c, tpr)
+            _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm,
+                          mask, bias, fopts)
+            for r in range(REG_M):
+                alpha = stats[2 * slots + (row0 + r) * tpr + c]
+                for e in range(ACC_COLS):
+                    acc[r, e] *= alpha
+            cuda.syncthreads()  # K consumed, p written
+            _stage(v, b, hk, j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            cuda.syncthreads()
+            _tile_pv(p_tile, p_stride, row0, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
+        _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta[h], fopts, lse)
+        for r in range(REG_M):
+            i = i_first + r
+            num = stats[2 * slots + (row0 + r) * tpr + c]
+            den = stats[slots + (row0 + r) * tpr + c]
+            for e in range(ACC_COLS):
+                col = c + tpr * e
+                if i < N and col < wn:
+                    out[b, h, i, c0 + col] = (acc[r, e] * num) / den

@@ -1,0 +1,42 @@
+"""Every kernel of the CUDA backend, by name, and the conventions they share.
+
+Importing this module imports ``numba.cuda`` and the kernel modules
+(`elastic_np.cuda._forward`, `elastic_np.cuda._backward`,
+`elastic_np.cuda._decode`); `elastic_np.cuda` does so only when the PTX or
+the resource report is asked for (`elastic_np.cuda._compile`). The host
+functions that launch the kernels are in `elastic_np.cuda._launch`, the
+reasoning behind the design in `elastic_np.cuda`.
+
+Conventions shared by every kernel:
+
+- ``q, k, v`` are C-contiguous ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
+  ``(B, Hkv, M, Dv)`` arrays of one real dtype; every floating argument is in
+  that dtype, so a float32 kernel computes in float32 throughout.
+- Options travel as runtime values: ``iopts`` (int64, indexed by the ``I_*``
+  constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
+  ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
+  window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
+  ``band`` int64 ``(B, H)`` (half-width in keys of the window's open band, -1
+  unbounded), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
+  four dims either full or 1 (broadcast).
+- The additive ``bias`` is a flat array (the dtype) of the caller's distinct
+  entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
+  the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is
+  broadcast along. Without a bias it is a one-element dummy, never read.
+- The score of an entry is built in the contract's order
+  (`elastic_np.cuda._device._score`): scaled dot product, soft-cap
+  (``fopts[F_SOFTCAP] > 0``), ALiBi, bias; a ``-inf`` bias removes the entry
+  like a false mask entry, and NVM tests the final score.
+- Shared memory is one dynamic array, carved into tiles by offsets. A tile that
+  a thread reads along its own row has a row stride of ``dim + 1`` so that the
+  threads of a warp fall in different banks.
+"""
+
+from elastic_np.cuda import _backward, _decode, _forward
+
+#: Every kernel of the backend, by name (the PTX and resource reports go through these).
+KERNELS = {
+    "_forward_kernel": _forward._forward_kernel,
+    **_backward.KERNELS,
+    **_decode.KERNELS,
+}
