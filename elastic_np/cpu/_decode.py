@@ -239,64 +239,6 @@ def _row_max(z, c_lo, c_hi):
     return m
 
 
-@njit(cache=True, fastmath=_FASTMATH)
-def _stack_queries(q, opt, b, hk, qs):
-    """``qs[g * N + i] = q[b, hk * group + g, i] * scale / tau_h``: the group's query rows, stacked."""
-    N, D = q.shape[2], q.shape[3]
-    group = qs.shape[0] // N
-    for g in range(group):
-        h = hk * group + g
-        factor = _query_factor(opt, h)
-        for i in range(N):
-            for d in range(D):
-                qs[g * N + i, d] = q[b, h, i, d] * factor
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _zero_if_finite(tile):
-    """0 when every entry of the 2-D ``tile`` is finite, NaN otherwise (``x * 0``, summed).
-
-    The pass also reads the tile in memory order: the products read V in
-    column strips, which stream from memory far worse than rows in order.
-    """
-    total = _like(0.0, tile)
-    for c in range(tile.shape[0]):
-        row = tile[c]
-        for d in range(row.shape[0]):
-            total += row[d] * _like(0.0, tile)
-    return total
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _rescale_row(z, tile_max, r, row_max, row_sum, acc):
-    """The online softmax's update of row ``r`` by a tile whose maximum is ``tile_max``.
-
-    The row's running sum and ``acc[r]`` are rescaled by ``exp(m - m')``
-    where the maximum grew, and ``z`` is shifted by the new maximum ``m'``
-    (by 0 while nothing is kept: ``exp(-inf - 0) = 0``, not NaN).
-    """
-    new_max = max(row_max[r], tile_max)
-    shift_by = _like(new_max if new_max > -np.inf else 0.0, z)  # in the row's dtype, as alpha below
-    if new_max > row_max[r]:
-        alpha = math.exp(row_max[r] - shift_by)
-        row_sum[r] *= alpha
-        if alpha != 1.0:
-            for d in range(acc.shape[1]):
-                acc[r, d] *= alpha
-    row_max[r] = new_max
-    for c in range(z.shape[0]):
-        z[c] -= shift_by
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _sum(z):
-    """``sum(z)`` in ``z``'s dtype (reassociated: vectorised)."""
-    total = _like(0.0, z)
-    for c in range(z.shape[0]):
-        total += z[c]
-    return total
-
-
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _decode_kernel(
     q, k, v, opt, n_split, block_k, part_max, part_sum, part_acc, read, suspect, part, parts
@@ -318,6 +260,7 @@ def _decode_kernel(
     acc = np.empty((rows, Dv), dtype=dtype)
     row_max = np.empty(rows, dtype=dtype)
     row_sum = np.empty(rows)
+    shift_by = np.empty(rows, dtype=dtype)
     row_lo = np.empty(rows, dtype=np.int64)
     row_hi = np.empty(rows, dtype=np.int64)
     # the prefill tiles' order: additive modifiers first, the product added onto them
@@ -332,7 +275,12 @@ def _decode_kernel(
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         checksum = _like(0.0, q)
-        _stack_queries(q, opt, b, hk, qs)
+        for g in range(group):
+            h = hk * group + g
+            factor = _query_factor(opt, h)
+            for i in range(N):
+                for d in range(D):
+                    qs[g * N + i, d] = q[b, h, i, d] * factor
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -340,7 +288,17 @@ def _decode_kernel(
             bk = min(block_k, e - j0)
             k_tile = k[b, hk, j0 : j0 + bk]
             v_tile = v[b, hk, j0 : j0 + bk]
-            checksum += _zero_if_finite(k_tile) + _zero_if_finite(v_tile)
+            # Not finite when a key or value holds NaN or inf. These passes also
+            # read the tile in memory order: the products read V in column strips,
+            # which streams from memory far worse than rows in order.
+            for c in range(bk):
+                kc = k_tile[c]
+                for d in range(D):
+                    checksum += kc[d] * _like(0.0, q)
+            for c in range(bk):
+                vc = v_tile[c]
+                for d in range(Dv):
+                    checksum += vc[d] * _like(0.0, q)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
@@ -350,17 +308,34 @@ def _decode_kernel(
             matmul_nn(qs, kt, st, rows, bk, D, additive_first)
             any_kept = False
             for r in range(rows):
+                h = hk * group + r // N
+                i = r % N
                 tile_max = _score_row(
-                    st[r, :bk], opt, b, hk * group + r // N, r % N, j0, shift, row_lo[r], row_hi[r], M, N,
-                    additive_first,
+                    st[r, :bk], opt, b, h, i, j0, shift, row_lo[r], row_hi[r], M, N, additive_first
                 )
-                _rescale_row(st[r, :bk], tile_max, r, row_max, row_sum, acc)
+                new_max = max(row_max[r], tile_max)
+                # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
+                shift_by[r] = new_max if new_max > -np.inf else 0.0
+                if new_max > row_max[r]:
+                    alpha = math.exp(row_max[r] - shift_by[r])
+                    row_sum[r] *= alpha
+                    if alpha != 1.0:
+                        for d in range(Dv):
+                            acc[r, d] *= alpha
+                row_max[r] = new_max
                 any_kept = any_kept or tile_max > -np.inf
+                z = st[r, :bk]
+                for c in range(bk):
+                    z[c] -= shift_by[r]
             if not any_kept:
                 continue
             exp_inplace(st, rows, bk)
             for r in range(rows):
-                row_sum[r] += _sum(st[r, :bk])
+                z = st[r, :bk]
+                total = _like(0.0, st)
+                for c in range(bk):
+                    total += z[c]
+                row_sum[r] += total
             matmul_nn(st, v_tile, acc, rows, Dv, bk, True)
         for r in range(rows):
             for d in range(Dv):
