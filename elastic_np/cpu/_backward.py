@@ -385,8 +385,13 @@ def _backward_kernel(
                     # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                     dtau_part[b, h, kt] = -dtau / opt.tau[h]
                     dsigma_part[b, h, kt] = dsigma
-                dk[b, hk, j0 : j0 + bk_all] = dk_acc[pp, :bk_all]
-                dv[b, hk, j0 : j0 + bk_all] = dv_acc[pp, :bk_all]
+                # element by element: an array slice assignment compiles Numba's
+                # shape-mismatch message (string formatting) into the kernel
+                for c in range(bk_all):
+                    for d in range(D):
+                        dk[b, hk, j0 + c, d] = dk_acc[pp, c, d]
+                    for d in range(Dv):
+                        dv[b, hk, j0 + c, d] = dv_acc[pp, c, d]
 
 
 @njit(nogil=True, cache=True, fastmath=False)
