@@ -13,7 +13,6 @@ from elastic_np.cpu._exp import exp_shift_sum
 from elastic_np.cpu._logits import (
     _column_max,
     _logits_tile,
-    _prefetch_bias,
     _query_factor,
 )
 from elastic_np.cpu._plan import (
@@ -96,8 +95,6 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
-            if opt.has_bias and j0 + block_k < j_hi:
-                _prefetch_bias(opt, b, h, i0, bq, j0 + block_k, min(block_k, j_hi - j0 - block_k), N, M)
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
