@@ -4,20 +4,7 @@ The primitives are small dense building blocks that the kernels of
 `elastic_np.cpu` call once per tile, inside a task that one thread runs:
 the products (`elastic_np.cpu._products`), the exponential and the tangent
 (`elastic_np.cpu._exp`) and the block transposes
-(`elastic_np.cpu._transpose`):
-
-``matmul_nn(a, b, c, m, n, k, accumulate)``
-    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
-``matmul_tn(a, b, c, m, n, k, accumulate)``
-    ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
-``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)``
-    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
-    column maxima of the new ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
-``exp_inplace(x, m, n)``
-    ``x[:m, :n] = exp(x[:m, :n])``, with ``exp(-inf) = 0``
-``exp_shift_sum(x, m, n, shift, nvm, sums)``
-    ``x[:m, :n] = exp(x[:m, :n] - shift[:n])`` (0 where NVM removes the
-    entry) and ``sums[:n] += x[:m, :n].sum(axis=0)``, in one pass
+(`elastic_np.cpu._transpose`); each module's docstring lists its functions.
 
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
 be larger than the block used, which is always the top-left corner (the row
@@ -28,10 +15,9 @@ versions. Sizes and ``accumulate`` are runtime arguments, the factors
 ``a`` and ``b`` may be read-only, and any other layout (a column slice, for
 instance) is a typing error rather than a slower extra specialisation.
 
-The vectors run along the rows of ``b``, ``c`` and ``x`` (contiguous), so the
-tiles are fastest with ``n`` a multiple of the SIMD width (16 float32 or 8
-float64 elements with AVX-512) and ``n >= 64``; ``a`` is read one element at a
-time (broadcast) and may be in either layout at no extra cost.
+The vectors run along the rows (contiguous), so the tiles are fastest with
+``n`` a multiple of the SIMD width (16 float32 or 8 float64 elements with
+AVX-512) and ``n >= 64``.
 """
 
 import threading
