@@ -23,6 +23,7 @@ AVX-512) and ``n >= 64``.
 import threading
 
 import numpy as np
+from llvmlite import binding
 from numba import njit, types
 from numba.extending import overload
 from numba.np import numpy_support
@@ -73,19 +74,31 @@ def _typed(signatures, needs=(), **options):
     return wrap
 
 
+def _signatures(dispatcher):
+    """The explicit signatures of a typed function."""
+    return next(signatures for d, signatures, _ in _TYPED if d is dispatcher)
+
+
+_LINKED = set()  # symbols registered with LLVM
+
+
 def compile_for(dtype, functions=None):
     """Compile (or load from the cache) the signatures of ``dtype`` of the tile functions.
 
     ``functions``: a tuple of the typed tile functions a caller uses (what they call
-    comes with them); all of them by default. Call it before the first
-    compiled caller of that dtype is typed (the CPU backend's entry points
-    do, each for what its kernels call); cheap once done.
+    comes with them), or of their C entry points (`elastic_np.cpu._calls`),
+    which are then built and registered too; all the typed functions by
+    default. Call it before the first compiled caller of that dtype is typed
+    (the CPU backend's entry points do, each for what its kernels call);
+    cheap once done.
     """
     key = (np.dtype(dtype), functions)
     if key in _READY:
         return
     dtype = key[0]
-    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions)
+    calls = [f for f in functions or () if hasattr(f, "entries")]
+    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions) - set(calls)
+    wanted.update(d for f in calls for d in f.needs)
     element = numpy_support.from_dtype(dtype)
     with _COMPILE_LOCK:
         for dispatcher, signatures, needs in reversed(_TYPED):  # what a function needs is defined before it
@@ -103,6 +116,11 @@ def compile_for(dtype, functions=None):
                 finally:
                     dispatcher.disable_compile()
             _COMPILED.add((dtype, dispatcher))
+        for call in calls:
+            symbol, make_entry = call.entries[element]
+            if symbol not in _LINKED:
+                binding.add_symbol(symbol, make_entry().address)
+                _LINKED.add(symbol)
         _READY.add(key)
 
 
@@ -111,7 +129,6 @@ _EXP_SIGNATURES = {dtype: types.void(_matrix(dtype), types.intp, types.intp) for
 
 def _target_features():
     """The CPU features LLVM compiles for: ``{"avx512f", "avx2", "fma", ...}``."""
-    from llvmlite import binding
     from numba.core import config
 
     if config.CPU_NAME is not None:  # a portable cache: only the features named

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""The CPU kernels' thread pool: a kernel runs as ``threads`` parts, each a contiguous share of its tasks."""
 
 import concurrent.futures
 import os
