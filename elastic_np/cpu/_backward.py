@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu import _config as config
+from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._dbias import (
     _accumulate_columns,
     _accumulate_transposed,
@@ -18,7 +19,6 @@ from elastic_np.cpu._dbias import (
     _pair_head,
     _store_transposed,
 )
-from elastic_np.cpu._calls import exp_inplace
 from elastic_np.cpu._logits import (
     _add_scaled,
     _add_transposed,
@@ -31,7 +31,6 @@ from elastic_np.cpu._plan import (
     _kernel_array,
     _options,
 )
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._scalar import _like, _offset_range, _query_range
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag

@@ -3,13 +3,14 @@
 A Numba function that calls another links the callee's code into its own
 module and optimises it again, so every kernel would carry, and compile,
 its own copy of the products and the exponential, a large share of its
-code. Instead each primitive is compiled once
-per dtype behind a C entry point (`numba.cfunc`, cached like the rest), whose
-address `elastic_np.cpu._simd.compile_for` registers with LLVM as the symbol
-``elastic_np_<name>_<dtype>``; the functions below, called from jit code with
-the primitive's own arguments, emit a call to that symbol. Compiled code refers
-to it by name, so a kernel loaded from the cache in a new process finds it
-once `compile_for` has run (the CPU backend calls it before any kernel).
+code. Instead each primitive is compiled once per dtype behind a C entry
+point (`numba.cfunc`, cached like the rest), whose address
+`elastic_np.cpu._simd.compile_for` registers with LLVM as the symbol
+``elastic_np_<name>_<dtype>``; the functions below, called from jit code
+with the primitive's own arguments, emit a call to that symbol. Compiled
+code refers to it by name, so a kernel loaded from the cache in a new
+process finds it once `compile_for` has run (the CPU backend calls it
+before any kernel).
 
 Each array travels as its data pointer and shape, each flag as an integer.
 """

@@ -31,12 +31,11 @@ from numba import njit
 
 from elastic_np import _options as options_module
 from elastic_np.cpu import _config as config
+from elastic_np.cpu._calls import exp_inplace, matmul_nn
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._calls import exp_inplace
 from elastic_np.cpu._exp import tanh_any
 from elastic_np.cpu._logits import _query_factor, scale_logits_row
 from elastic_np.cpu._plan import _kernel_array, _options
-from elastic_np.cpu._calls import matmul_nn
 from elastic_np.cpu._scalar import _like, _log_add_exp, _offset_range
 from elastic_np.cpu._simd import _LINE_BYTES
 from elastic_np.cpu._threads import _run_tasks, _task_range

@@ -8,8 +8,8 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu import _config as config
+from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._calls import exp_shift_sum
 from elastic_np.cpu._logits import (
     _column_max,
     _logits_tile,
@@ -20,7 +20,6 @@ from elastic_np.cpu._plan import (
     _kernel_array,
     _options,
 )
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._scalar import _key_range, _log_add_exp, _offset_range
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag

@@ -9,9 +9,9 @@ rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
 import numpy as np
 from numba import njit
 
+from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._exp import sech2_any, tanh_any
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._scalar import _like, _removes_nothing
 from elastic_np.cpu._transpose import (
     prefetch,
