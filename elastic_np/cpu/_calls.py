@@ -75,6 +75,8 @@ def _calling(name, arity):
     elif arity == 9:
         def typer(typingctx, a, b, c, m, n, k, col_max, nonneg, accumulate):
             return signature(a, b, c, m, n, k, col_max, nonneg, accumulate), codegen
+    else:
+        raise ValueError(f"no typer for a tile function of {arity} arguments")
     return intrinsic(prefer_literal=False)(typer)
 
 
