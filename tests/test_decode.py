@@ -3,7 +3,8 @@
 `elastic_np.cpu.forward` hands every problem with ``1 <= N <= 16`` queries
 (and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode`. The
 `decode_tiles` fixture shrinks its key tiles and splits so that small caches
-cross several of both; the backward of these cases runs the prefill kernels.
+cross several of both, and runs each case through both of its kernels; the
+backward of these cases runs the prefill kernels.
 """
 
 import numpy as np
@@ -17,9 +18,10 @@ from test_cpu import assert_close, check_case
 DTYPES = [np.float64, np.float32]
 
 
-@pytest.fixture
-def decode_tiles(monkeypatch):
-    """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks."""
+@pytest.fixture(params=["stacked-rows", "key-major"])
+def decode_tiles(request, monkeypatch):
+    """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks; each of the two kernels."""
+    monkeypatch.setattr(cpu._config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
     monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
     monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
@@ -72,6 +74,21 @@ def test_takes_decode_shapes():
     assert not _decode.takes(problem(8, 2, 0))
 
 
+@pytest.mark.parametrize(
+    "N, kernel", [(1, "_decode_kernel"), (15, "_decode_kernel"), (16, "_decode_heads_kernel")]
+)
+def test_kernel_follows_the_query_count(monkeypatch, N, kernel):
+    """Fewer than `DECODE_KEY_MAJOR_QUERIES` queries stack their rows; that many run key-major."""
+    called = []
+    run_tasks = _decode._run_tasks
+    monkeypatch.setattr(_decode, "_run_tasks", lambda f, *a, **kw: called.append(f) or run_tasks(f, *a, **kw))
+    q = np.ones((1, 4, N, 8), np.float32)
+    kv = np.ones((1, 2, 40, 8), np.float32)
+    out = enp.attention(q, kv, kv, causal=True, backend="cpu")
+    assert [f.py_func.__name__ for f in called] == [kernel]
+    np.testing.assert_allclose(out, 1.0)
+
+
 def test_splits_follow_the_shape():
     assert _decode.splits(1, 8, 8192) == 4
     assert _decode.splits(1, 8, 100) == 1
@@ -122,10 +139,11 @@ def test_long_and_short_caches(dtype, M, N):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_same_bits_for_every_thread_count(monkeypatch, dtype):
+@pytest.mark.parametrize("N", [2, 16])  # the two kernels
+def test_same_bits_for_every_thread_count(monkeypatch, dtype, N):
     """The splits depend on the shape only: 1, 2 and 4 threads give the same bits."""
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((1, 8, 2, 32)).astype(dtype)
+    q = rng.standard_normal((1, 8, N, 32)).astype(dtype)
     k = rng.standard_normal((1, 2, 3000, 32)).astype(dtype)
     v = rng.standard_normal((1, 2, 3000, 16)).astype(dtype)
     opts = dict(causal=True, nvm=True, beta=0.5, softcap=2.0)
@@ -141,7 +159,7 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N", [1, 40])  # the decode kernel and the prefill kernels
+@pytest.mark.parametrize("N", [1, 16, 40])  # the two decode kernels and the prefill kernels
 def test_non_finite_cache_values(dtype, N):
     """NaN or inf in a key or value a query may keep is an error; in the padding it is never read."""
     rng = np.random.default_rng(5)

@@ -75,7 +75,6 @@ import numpy as np
 from elastic_np import _options as options_module
 from elastic_np.cpu import _decode, _forward
 from elastic_np.cpu._backward import backward
-from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import thread_count
 
 __all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward", "thread_count"]
@@ -123,6 +122,5 @@ def forward(problem):
     lse : ndarray, shape (B, H, N)
     """
     if _decode.takes(problem):
-        compile_for(problem.dtype, _decode.TILES)
         return _decode.forward(problem)
     return _forward.forward(problem)

@@ -30,6 +30,10 @@ DBIAS_PAIR_BATCH = 8
 DECODE_MAX_QUERIES = 16
 #: Stacked rows (query heads of a group x queries) up to which it does.
 DECODE_MAX_ROWS = 128
+#: Queries per sequence from which the key-major kernel decodes (each head a
+#: prefill tile of its queries: a multiple of the float32 vector fills its
+#: registers), below which the stacked-rows kernel does.
+DECODE_KEY_MAJOR_QUERIES = 16
 #: Keys per tile (see `elastic_np.cpu._decode.block_keys`).
 DECODE_BLOCK_K = 256
 #: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.

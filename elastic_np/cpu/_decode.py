@@ -8,10 +8,18 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   the kv head's query heads are stacked (row ``r = g * N + i`` is query ``i``
   of head ``hk * group + g``), so each key and value row is read once for
   all of them;
-- score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
+- with fewer than `DECODE_KEY_MAJOR_QUERIES` queries (`_decode_kernel`),
+  score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
   pipeline, the exponential, the row maxima and sums run along the keys;
-  ``Q K^T`` is the register-blocked product of `elastic_np.cpu._products` with
-  the key tile transposed once;
+  ``Q K^T`` is the register-blocked product of `elastic_np.cpu._products`
+  with the key tile transposed once;
+- with `DECODE_KEY_MAJOR_QUERIES` or more (`_decode_heads_kernel`), each
+  head of the group is a prefill tile of its ``N`` queries, key-major
+  (``st[c, i]``), through the prefill's own steps, one head after the other
+  while the key tile is in cache: the per-query work runs along the SIMD
+  lanes, and no key tile is transposed;
+- each key tile is first read in memory order (`_read_tile`), which also
+  finds a NaN or inf key or value;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -31,18 +39,26 @@ from numba import njit
 
 from elastic_np import _options as options_module
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._calls import exp_inplace, matmul_nn
+from elastic_np.cpu._calls import (
+    exp_inplace,
+    exp_shift_sum,
+    matmul_nn,
+    matmul_nn_max,
+    matmul_tn,
+)
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._exp import tanh_any
-from elastic_np.cpu._logits import _query_factor, scale_logits_row
+from elastic_np.cpu._forward import _load_queries, _online_update
+from elastic_np.cpu._logits import _logits_tile, _query_factor, scale_logits_row
 from elastic_np.cpu._plan import _kernel_array, _options
-from elastic_np.cpu._scalar import _like, _log_add_exp, _offset_range
-from elastic_np.cpu._simd import _LINE_BYTES
+from elastic_np.cpu._scalar import _key_range, _like, _log_add_exp, _offset_range
+from elastic_np.cpu._simd import _LINE_BYTES, compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range
 from elastic_np.cpu._transpose import transpose_store, transpose_width
 
-#: The typed tile functions the kernel calls (see `elastic_np.cpu._simd.compile_for`).
-TILES = (matmul_nn, exp_inplace)
+#: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
+_ROWS_TILES = (matmul_nn, exp_inplace)
+_HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
 
 
 def takes(problem):
@@ -51,8 +67,10 @@ def takes(problem):
     return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
 
 
-def block_keys(rows):
+def block_keys(rows, key_major):
     """Keys per tile for ``rows`` stacked rows: measured, 128 suit a few rows, 256 many."""
+    if key_major:
+        return config.DECODE_BLOCK_K
     return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K
 
 
@@ -67,6 +85,8 @@ def splits(B, Hkv, M):
 def forward(problem):
     """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype."""
     B, H, Hkv, N, M, D, Dv = problem.shape
+    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
+    compile_for(problem.dtype, _HEADS_TILES if key_major else _ROWS_TILES)
     q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
     opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
     rows = (H // Hkv) * N
@@ -77,7 +97,8 @@ def forward(problem):
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
     suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
     _run_tasks(
-        _decode_kernel, q, k, v, opt, n_split, block_keys(rows), part_max, part_sum, part_acc, read, suspect,
+        _decode_heads_kernel if key_major else _decode_kernel,
+        q, k, v, opt, n_split, block_keys(rows, key_major), part_max, part_sum, part_acc, read, suspect,
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
@@ -126,6 +147,29 @@ def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
             if hi > lo:
                 u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
     return u_lo, max(u_hi, u_lo)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _read_tile(k_tile, v_tile, lanes):
+    """0 when the tile's keys and values are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
+
+    The pass also reads the tile in memory order ahead of the products,
+    which read ``V`` in column strips: those stream from memory far worse
+    than rows in order. The rows are summed into ``lanes`` (length at least
+    ``max(D, Dv)``) column by column, and those at the end: no reduction
+    across a vector per row.
+    """
+    zero = _like(0.0, k_tile)
+    lanes[:] = 0.0
+    for c in range(k_tile.shape[0]):
+        row = k_tile[c]
+        for d in range(row.shape[0]):
+            lanes[d] += row[d] * zero
+    for c in range(v_tile.shape[0]):
+        row = v_tile[c]
+        for d in range(row.shape[0]):
+            lanes[d] += row[d] * zero
+    return lanes.sum()
 
 
 @njit(cache=True, fastmath=False)
@@ -263,6 +307,7 @@ def _decode_kernel(
     shift_by = np.empty(rows, dtype=dtype)
     row_lo = np.empty(rows, dtype=np.int64)
     row_hi = np.empty(rows, dtype=np.int64)
+    lanes = np.empty(max(D, Dv), dtype=dtype)
     # the prefill tiles' order: additive modifiers first, the product added onto them
     additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -288,17 +333,7 @@ def _decode_kernel(
             bk = min(block_k, e - j0)
             k_tile = k[b, hk, j0 : j0 + bk]
             v_tile = v[b, hk, j0 : j0 + bk]
-            # Not finite when a key or value holds NaN or inf. These passes also
-            # read the tile in memory order: the products read V in column strips,
-            # which streams from memory far worse than rows in order.
-            for c in range(bk):
-                kc = k_tile[c]
-                for d in range(D):
-                    checksum += kc[d] * _like(0.0, q)
-            for c in range(bk):
-                vc = v_tile[c]
-                for d in range(Dv):
-                    checksum += vc[d] * _like(0.0, q)
+            checksum += _read_tile(k_tile, v_tile, lanes)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
@@ -346,6 +381,88 @@ def _decode_kernel(
             part_sum[b, hk, s, r] = row_sum[r]
             for d in range(Dv):
                 part_acc[b, hk, s, r, d] = acc[r, d]
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _decode_heads_kernel(
+    q, k, v, opt, n_split, block_k, part_max, part_sum, part_acc, read, suspect, part, parts
+):
+    """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
+
+    The key tiles are key-major, ``st[c, i]``, and go through the prefill's
+    steps (`_logits_tile`, `_online_update`) one head after the other while
+    the tile's keys and values are in cache: no transposed keys, and the
+    per-query work runs along the SIMD lanes.
+    """
+    B, H, N, D = q.shape
+    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = H // Hkv
+    dtype = q.dtype
+    q_t = np.empty((group, D, N), dtype=dtype)
+    st = np.empty((block_k, N), dtype=dtype)
+    acc = np.empty((group, N, Dv), dtype=dtype)
+    row_max = np.empty((group, N), dtype=dtype)
+    row_sum = np.empty((group, N))
+    tile_max = np.empty(N, dtype=dtype)
+    shift_by = np.empty(N, dtype=dtype)
+    rescale_by = np.empty(N, dtype=dtype)
+    tile_sum = np.empty(N, dtype=dtype)
+    offsets = np.empty((group, 2), dtype=np.int64)
+    row_lo = np.empty(group * N, dtype=np.int64)
+    row_hi = np.empty(group * N, dtype=np.int64)
+    lanes = np.empty(max(D, Dv), dtype=dtype)
+    no_slope = np.empty((0, 0), dtype=dtype)
+    no_bias_t = np.empty((0, 0), dtype=dtype)
+    nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
+    nvm_in_max = opt.nvm and not opt.has_gate
+    for task in _task_range(B * Hkv * n_split, part, parts):
+        s = task % n_split
+        b = task // n_split // Hkv
+        hk = task // n_split % Hkv
+        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
+        read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
+        a = u_lo + (u_hi - u_lo) * s // n_split
+        e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
+        for g in range(group):
+            h = hk * group + g
+            _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
+            offsets[g, 0], offsets[g, 1] = _offset_range(opt, b, h, N, M)
+        acc[:] = 0.0
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+        checksum = _like(0.0, q)
+        for j0 in range(a, e, block_k):
+            bk = min(block_k, e - j0)
+            k_tile = k[b, hk, j0 : j0 + bk]
+            v_tile = v[b, hk, j0 : j0 + bk]
+            checksum += _read_tile(k_tile, v_tile, lanes)
+            for g in range(group):
+                off_lo, off_hi = offsets[g, 0], offsets[g, 1]
+                j_lo, j_hi = _key_range(opt, b, 0, N, N, M, off_lo, off_hi)
+                if j0 >= j_hi or j0 + bk <= j_lo:
+                    continue
+                tile_max[:] = -np.inf
+                kept, maxed = _logits_tile(
+                    st, k_tile, q_t[g], D, opt, b, hk * group + g, 0, N, j0, bk, N, M,
+                    off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
+                )
+                if kept:
+                    _online_update(
+                        st, v_tile, bk, N, maxed, nvm_in_max, tile_max, shift_by, rescale_by,
+                        tile_sum, row_max[g], row_sum[g], acc[g],
+                    )
+        for g in range(group):
+            for i in range(N):
+                for d in range(Dv):
+                    checksum += acc[g, i, d] * _like(0.0, q)
+        suspect[b, hk, s] = not checksum == 0.0
+        for g in range(group):
+            for i in range(N):
+                r = g * N + i
+                part_max[b, hk, s, r] = row_max[g, i]
+                part_sum[b, hk, s, r] = row_sum[g, i]
+                for d in range(Dv):
+                    part_acc[b, hk, s, r, d] = acc[g, i, d]
 
 
 @njit(nogil=True, cache=True, fastmath=False)

@@ -100,19 +100,37 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
                 off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
             )
-            if not kept:
-                continue
-            if not maxed:
-                _column_max(st, bk, bq, tile_max, nvm_in_max)
-            _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
-            for r in range(bq):
-                tile_sum[r] = 0.0
-            exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
-            for r in range(bq):
-                row_sum[r] += tile_sum[r]
-            matmul_tn(st, v[b, hk, j0 : j0 + bk], acc, bq, Dv, bk, True)
+            if kept:
+                _online_update(
+                    st, v[b, hk, j0 : j0 + bk], bk, bq, maxed, nvm_in_max, tile_max, shift_by, rescale_by,
+                    tile_sum, row_max, row_sum, acc,
+                )
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         _finish_rows(acc, row_max, row_sum, log_beta, out[b, h, i0 : i0 + bq], lse[b, h, i0 : i0 + bq])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _online_update(
+    st, v_j, bk, bq, maxed, nvm_in_max, tile_max, shift_by, rescale_by, tile_sum, row_max, row_sum, acc
+):
+    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`_logits_tile`) and its values ``v_j``.
+
+    ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
+    are taken here, of the entries ``>= 0`` with ``nvm_in_max``); the rows'
+    ``row_max``, ``row_sum`` and ``acc`` are rescaled to the new maxima and
+    the tile's exponentials (0 for the entries ``< 0`` with ``nvm_in_max``)
+    and ``P V`` added. ``shift_by``, ``rescale_by`` and ``tile_sum`` are
+    scratch of length ``bq`` or more.
+    """
+    if not maxed:
+        _column_max(st, bk, bq, tile_max, nvm_in_max)
+    _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
+    for r in range(bq):
+        tile_sum[r] = 0.0
+    exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
+    for r in range(bq):
+        row_sum[r] += tile_sum[r]
+    matmul_tn(st, v_j, acc, bq, acc.shape[1], bk, True)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
