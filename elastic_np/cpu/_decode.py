@@ -150,26 +150,22 @@ def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _read_tile(k_tile, v_tile, lanes):
-    """0 when the tile's keys and values are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
+def _read_tile(k_cache, v_cache, j0, bk):
+    """0 when keys and values ``j0 .. j0 + bk - 1`` are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
 
-    The pass also reads the tile in memory order ahead of the products,
-    which read ``V`` in column strips: those stream from memory far worse
-    than rows in order. The rows are summed into ``lanes`` (length at least
-    ``max(D, Dv)``) column by column, and those at the end: no reduction
-    across a vector per row.
+    ``k_cache``, ``v_cache``: one kv head's ``(M, D)`` and ``(M, Dv)``
+    arrays, C-ordered. The pass also reads the tile in memory order ahead of
+    the products, which read ``V`` in column strips: those stream from
+    memory far worse than rows in order.
     """
-    zero = _like(0.0, k_tile)
-    lanes[:] = 0.0
-    for c in range(k_tile.shape[0]):
-        row = k_tile[c]
-        for d in range(row.shape[0]):
-            lanes[d] += row[d] * zero
-    for c in range(v_tile.shape[0]):
-        row = v_tile[c]
-        for d in range(row.shape[0]):
-            lanes[d] += row[d] * zero
-    return lanes.sum()
+    zero = _like(0.0, k_cache)
+    checksum = zero
+    for cache in (k_cache, v_cache):
+        width = cache.shape[1]
+        flat = cache.reshape(cache.size)[j0 * width : (j0 + bk) * width]
+        for x in range(flat.shape[0]):
+            checksum += flat[x] * zero
+    return checksum
 
 
 @njit(cache=True, fastmath=False)
@@ -307,7 +303,6 @@ def _decode_kernel(
     shift_by = np.empty(rows, dtype=dtype)
     row_lo = np.empty(rows, dtype=np.int64)
     row_hi = np.empty(rows, dtype=np.int64)
-    lanes = np.empty(max(D, Dv), dtype=dtype)
     # the prefill tiles' order: additive modifiers first, the product added onto them
     additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -333,7 +328,7 @@ def _decode_kernel(
             bk = min(block_k, e - j0)
             k_tile = k[b, hk, j0 : j0 + bk]
             v_tile = v[b, hk, j0 : j0 + bk]
-            checksum += _read_tile(k_tile, v_tile, lanes)
+            checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
@@ -410,7 +405,6 @@ def _decode_heads_kernel(
     offsets = np.empty((group, 2), dtype=np.int64)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
-    lanes = np.empty(max(D, Dv), dtype=dtype)
     no_slope = np.empty((0, 0), dtype=dtype)
     no_bias_t = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
@@ -435,7 +429,7 @@ def _decode_heads_kernel(
             bk = min(block_k, e - j0)
             k_tile = k[b, hk, j0 : j0 + bk]
             v_tile = v[b, hk, j0 : j0 + bk]
-            checksum += _read_tile(k_tile, v_tile, lanes)
+            checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
             for g in range(group):
                 off_lo, off_hi = offsets[g, 0], offsets[g, 1]
                 j_lo, j_hi = _key_range(opt, b, 0, N, N, M, off_lo, off_hi)
