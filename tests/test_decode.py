@@ -105,7 +105,7 @@ def test_options(decode_tiles, dtype, N, case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (8, 1), (16, 2)])
-@pytest.mark.parametrize("N", [1, 7])
+@pytest.mark.parametrize("N", [1, 7, 16])
 def test_group_sizes(decode_tiles, dtype, H, Hkv, N):
     check_case(dtype, _cases(2, H, N, 29)["everything"], B=2, H=H, Hkv=Hkv, N=N, M=29, D=5, Dv=3)
 
