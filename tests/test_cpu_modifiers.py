@@ -35,8 +35,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     # Where nothing is removed and no modifier follows the soft-cap, the
     # forward takes a tile's column maxima with the product (capped after the
     # soft-cap: tanh is increasing): the same logits bits and the maxima of
-    # a separate pass. Elsewhere the maxima are left to the caller. A bias
-    # along the keys given as a key-major tile (`bias_t`) gives the same bits.
+    # a separate pass. Elsewhere the maxima are left to the caller.
     q, k, v, _ = make_inputs(dtype)
     p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
     opt = cpu._plan._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
@@ -51,12 +50,12 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
     no_slope = np.empty((0, 0), dtype)
 
-    def logits(want_max, bias_t=no_slope):
+    def logits(want_max):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
         kept, maxed = cpu._logits._logits_tile(
             st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-            no_slope, tile_max, nonneg, bias_t,
+            no_slope, tile_max, nonneg,
         )
         assert kept
         return st, tile_max, maxed
@@ -66,11 +65,6 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     assert maxed == fused and not maxed_plain
     np.testing.assert_array_equal(st, st_plain)
     assert np.isnan(st[bk:]).all() and np.isnan(st[:, bq:]).all()
-    if opt.has_bias and opt.bias_strides[3] == 1 and opt.bias_strides[2] > 1:
-        bias_t = np.full((bk + 1, 16), np.nan, dtype)
-        full = np.broadcast_to(opts["bias"], (2, 4, N, M))
-        bias_t[:bk, :bq] = full[b, h, i0 : i0 + bq, j0 : j0 + bk].T
-        np.testing.assert_array_equal(logits(False, bias_t)[0], st_plain)
     if fused:
         kept = np.where(st[:bk, :bq] >= 0, st[:bk, :bq], -np.inf) if nonneg else st[:bk, :bq]
         np.testing.assert_array_equal(tile_max[:bq], kept.max(axis=0))

@@ -41,7 +41,7 @@ contiguous axis of the tile.
   it is broadcast over the keys, each key tile keeps a partial of its own
   (like the shares of dq), summed in key-tile order. A task takes the query
   tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
-  its heads share is read once for them all and their ``dbias`` is summed in
+  its heads share is in cache for them all and their ``dbias`` is summed in
   cache (in the kernel dtype), then written out once; when one task takes
   all the terms of each element, that sum is the result (`_DbiasPlan`).
 

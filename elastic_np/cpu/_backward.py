@@ -21,7 +21,6 @@ from elastic_np.cpu._dbias import (
 )
 from elastic_np.cpu._logits import (
     _add_scaled,
-    _add_transposed,
     _logits_tile,
     _prefetch_bias,
     _query_factor,
@@ -191,12 +190,7 @@ def _backward_kernel(
     # formed (in cache), then written out transposed once per query tile.
     sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
     dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
-    # A bias the batch's heads share, laid out along the keys: each tile is
-    # loaded key-major once for them all (one transpose instead of one per head).
-    b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
-    share_bias = opt.has_bias and heads > 1 and b_h == 0 and b_j == 1 and b_i > 1
-    bias_t = np.empty((block_k, block_q) if share_bias else (0, 0), dtype=k.dtype)
-    one = _like(1.0, bias_t)
+    one = _like(1.0, dz_sum)
     dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
     dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
     # per head of the batch: dtau and dsigma sums by query,
@@ -257,7 +251,6 @@ def _backward_kernel(
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
                 summed = False  # dz_sum holds this query tile's sum
-                bias_loaded = False  # bias_t holds this query tile's bias
                 for pp in range(n_pairs):
                     b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                     bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
@@ -274,16 +267,11 @@ def _backward_kernel(
                         inv_tau = 1.0 / opt.tau[h]
                         inv_tau_t = _like(inv_tau, dpt)
                         share = dq_shares[t, b, h, i0 : i0 + bq]
-                        if opt.has_bias and it + 1 < spans[hh, 3] and not bias_loaded:
+                        if opt.has_bias and it + 1 < spans[hh, 3]:
                             _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
-                        if share_bias and not bias_loaded:
-                            # b is the batch's own, or the bias does not depend on it
-                            start = b * b_b + i0 * b_i + j0
-                            _add_transposed(bias_t, bk_all, bq, opt.bias, start, b_i, one, np.bool_(True))
-                            bias_loaded = True
                         kept, _ = _logits_tile(
                             st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
-                            off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm, bias_t,
+                            off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm,
                         )
                         if not kept:
                             for r in range(bq):

@@ -406,7 +406,6 @@ def _decode_heads_kernel(
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
     no_slope = np.empty((0, 0), dtype=dtype)
-    no_bias_t = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -438,7 +437,7 @@ def _decode_heads_kernel(
                 tile_max[:] = -np.inf
                 kept, maxed = _logits_tile(
                     st, k_tile, q_t[g], D, opt, b, hk * group + g, 0, N, j0, bk, N, M,
-                    off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
+                    off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
                 )
                 if kept:
                     _online_update(

@@ -71,7 +71,6 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     tile_sum = np.empty(block_q, dtype=q.dtype)
     row_sum = np.empty(block_q)
     no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
-    no_bias_t = np.empty((0, 0), dtype=q.dtype)  # a task has one head: it reads its bias tiles itself
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
@@ -98,7 +97,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
                 st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
-                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max, no_bias_t,
+                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
             )
             if kept:
                 _online_update(

@@ -24,7 +24,6 @@ from elastic_np.cpu._transpose import (
 @njit(cache=True, fastmath=_FASTMATH)
 def _logits_tile(
     st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
-    bias_t,
 ):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
@@ -39,9 +38,7 @@ def _logits_tile(
     bias is ``-inf`` already); the others get ``log G`` added.
 
     ``slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
-    tile's shape (the backward), not when it is empty. ``bias_t``, when
-    not empty, holds the tile's bias key-major (``bias_t[c, r]``), loaded
-    once for the heads that share it (see `_modify_tile`).
+    tile's shape (the backward), not when it is empty.
     ``tile_max`` (length ``bq`` or more; empty when not wanted) is raised to
     the column maxima of the logits (of those ``>= 0`` with ``nonneg``) when
     they come with the product: whenever nothing is removed and no modifier
@@ -63,7 +60,7 @@ def _logits_tile(
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     if additive_first:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -76,7 +73,7 @@ def _logits_tile(
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first, bias_t)
+            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -167,7 +164,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite, bias_t):
+def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
@@ -177,8 +174,6 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
     1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
-    A bias contiguous along the keys comes from ``bias_t[:bk, :bq]`` (the
-    tile's entries, key-major) when that is not empty, else from ``opt.bias``.
     """
     shift = opt.kv_ends[b] - N
     inv_tau = 1.0 / opt.tau[h]
@@ -225,10 +220,7 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
-        if bias_t.shape[0] > 0:
-            for c in range(bk):
-                _add_scaled(st[c, :bq], bias_t[c, :bq], inv_tau_t, bias_fresh)
-        elif b_j == 1:
+        if b_j == 1:
             _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
