@@ -13,6 +13,7 @@ process finds it once `compile_for` has run (the CPU backend calls it
 before any kernel).
 
 Each array travels as its data pointer and shape, each flag as an integer.
+The three products share one entry point, ``elastic_np_matmul_<dtype>``.
 """
 
 import functools
@@ -41,8 +42,12 @@ def _c_signature(signature):
     return types.void(*params)
 
 
-def _calling(name, arity):
-    """Intrinsic that calls ``elastic_np_<name>_<dtype>`` with ``arity`` arguments, arrays flattened."""
+def _calling(name, arity, arrange=None):
+    """Intrinsic that calls ``elastic_np_<name>_<dtype>`` with ``arity`` arguments, arrays flattened.
+
+    ``arrange(builder, values)``, when given, turns the flattened values
+    into the entry point's arguments (a shared entry point's extra flags).
+    """
 
     def codegen(context, builder, signature, args):
         values = []
@@ -53,6 +58,8 @@ def _calling(name, arity):
                 values += cgutils.unpack_tuple(builder, array.shape, ty.ndim)
             else:
                 values.append(context.cast(builder, value, ty, types.intp))
+        if arrange is not None:
+            values = arrange(builder, values)
         dtype = next(ty.dtype for ty in signature.args if isinstance(ty, types.Array))
         fnty = ir.FunctionType(ir.VoidType(), [value.type for value in values])
         fn = cgutils.get_or_insert_function(builder.module, fnty, _symbol(name, dtype))
@@ -80,19 +87,24 @@ def _calling(name, arity):
     return intrinsic(prefer_literal=False)(typer)
 
 
-def _entry_points(public, body, needs):
+def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=None):
     """The intrinsic that calls ``public`` (a typed function) through C entry points running ``body``.
 
     ``public`` gives the arguments; ``needs`` are the typed functions
     ``body`` calls, which `compile_for` compiles before it builds the entry
     point of the dtype (``make_entry()``, a `numba.cfunc`) and registers it.
+    An entry point several functions share has its own ``name`` and
+    ``c_signatures`` (by dtype); ``arrange`` maps each caller's flattened
+    arguments onto it (see `_calling`).
     """
-    name = public.__name__
+    name = name or public.__name__
     signatures = {sig.args[0].dtype: sig for sig in _signatures(public)}
-    calling = _calling(name, len(signatures[_DTYPES[0]].args))
+    if c_signatures is None:
+        c_signatures = {dtype: _c_signature(sig) for dtype, sig in signatures.items()}
+    calling = _calling(name, len(signatures[_DTYPES[0]].args), arrange)
     calling.needs = needs
     calling.entries = {
-        dtype: (_symbol(name, dtype), functools.partial(_compile_entry, _c_signature(signatures[dtype]), body))
+        dtype: (_symbol(name, dtype), functools.partial(_compile_entry, c_signatures[dtype], body))
         for dtype in _DTYPES
     }
     return calling
@@ -106,20 +118,10 @@ def _compile_entry(signature, body):
 # entry point is then the only function that links the product's code.
 
 
-def _matmul_nn(a, a0, a1, b, b0, b1, c, c0, c1, m, n, k, accumulate):
-    c = carray(c, (c0, c1))
-    _products._matmul(carray(a, (a0, a1)), carray(b, (b0, b1)), c, m, n, k, accumulate != 0, False, c.reshape(c.size), 0)
-
-
-def _matmul_tn(a, a0, a1, b, b0, b1, c, c0, c1, m, n, k, accumulate):
-    c = carray(c, (c0, c1))
-    _products._matmul(carray(a, (a0, a1)), carray(b, (b0, b1)), c, m, n, k, accumulate != 0, True, c.reshape(c.size), 0)
-
-
-def _matmul_nn_max(a, a0, a1, b, b0, b1, c, c0, c1, m, n, k, col_max, n_max, nonneg, accumulate):
+def _matmul(a, a0, a1, b, b0, b1, c, c0, c1, m, n, k, accumulate, transposed, col_max, n_max, max_mode):
     _products._matmul(
-        carray(a, (a0, a1)), carray(b, (b0, b1)), carray(c, (c0, c1)), m, n, k, accumulate != 0, False,
-        carray(col_max, (n_max,)), 2 if nonneg != 0 else 1,
+        carray(a, (a0, a1)), carray(b, (b0, b1)), carray(c, (c0, c1)), m, n, k, accumulate != 0,
+        transposed != 0, carray(col_max, (n_max,)), max_mode,
     )
 
 
@@ -131,8 +133,46 @@ def _exp_shift_sum(x, x0, x1, m, n, shift, n_shift, nvm, sums, n_sums):
     _exp.exp_shift_sum(carray(x, (x0, x1)), m, n, carray(shift, (n_shift,)), nvm != 0, carray(sums, (n_sums,)))
 
 
-matmul_nn = _entry_points(_products.matmul_nn, _matmul_nn, (_products._matmul,))
-matmul_tn = _entry_points(_products.matmul_tn, _matmul_tn, (_products._matmul,))
-matmul_nn_max = _entry_points(_products.matmul_nn_max, _matmul_nn_max, (_products._matmul,))
+def _matmul_c_signature(dtype):
+    """The shared product's C arguments, as `_matmul` takes them.
+
+    ``a, b, c`` (a pointer and two sizes each), ``m, n, k, accumulate,
+    transposed``, ``col_max`` (a pointer and its size), ``max_mode``.
+    """
+    matrix = [types.CPointer(dtype), types.intp, types.intp]
+    return types.void(*matrix * 3, *[types.intp] * 5, types.CPointer(dtype), types.intp, types.intp)
+
+
+# The three products share one entry point (`_products._matmul` takes the
+# variant as arguments), compiled once per dtype rather than once per variant.
+_MATMUL_C = {dtype: _matmul_c_signature(dtype) for dtype in _DTYPES}
+
+
+def _with_flags(transposed):
+    """``matmul_nn``'s or ``matmul_tn``'s values, then ``transposed``, no maxima (``c``'s pointer, size 0, mode 0)."""
+
+    def arrange(builder, values):
+        c_pointer, intp = values[6], values[9].type
+        return values + [ir.Constant(intp, transposed), c_pointer, ir.Constant(intp, 0), ir.Constant(intp, 0)]
+
+    return arrange
+
+
+def _with_maxima(builder, values):
+    """``matmul_nn_max``'s values ``(..., m, n, k, col_max, n_max, nonneg, accumulate)`` in the entry point's order."""
+    head, (col_max, n_max, nonneg, accumulate) = values[:12], values[12:]
+    mode = builder.add(nonneg, ir.Constant(nonneg.type, 1))  # 2 for entries >= 0 only, else 1
+    return head + [accumulate, ir.Constant(nonneg.type, 0), col_max, n_max, mode]
+
+
+matmul_nn = _entry_points(
+    _products.matmul_nn, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_flags(0)
+)
+matmul_tn = _entry_points(
+    _products.matmul_tn, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_flags(1)
+)
+matmul_nn_max = _entry_points(
+    _products.matmul_nn_max, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_maxima
+)
 exp_inplace = _entry_points(_exp.exp_inplace, _exp_inplace, (_exp.exp_inplace,))
 exp_shift_sum = _entry_points(_exp.exp_shift_sum, _exp_shift_sum, (_exp.exp_shift_sum,))
