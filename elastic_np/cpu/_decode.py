@@ -102,14 +102,14 @@ def forward(problem):
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
-        _check_cache(problem, read, suspect)
+        _check_unread_cache(problem, read, suspect)
     out = np.empty((B, H, N, Dv), dtype=q.dtype)
     lse = np.empty((B, H, N), dtype=q.dtype)
     _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out, lse, 0, 1)  # small: one thread
     return out, lse
 
 
-def _check_cache(problem, read, suspect):
+def _check_unread_cache(problem, read, suspect):
     """`elastic_np._options.check_cache_values` for what the kernel did not check as it read.
 
     A suspect split (a sum that is not finite) is checked again exactly: it
