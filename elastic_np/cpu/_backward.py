@@ -142,6 +142,90 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
         delta_t[r] = delta[b, h, i0 + r]
 
 
+@njit(cache=True, fastmath=False)
+def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
+    """``p = exp(z - lse)`` into ``pt`` (``lse_t`` from `_row_stats`); ``s < 0`` removed here with ``nvm_in_exp``."""
+    neg_inf = -np.inf
+    if nvm_in_exp:
+        for c in range(bk):
+            for r in range(bq):
+                x = st[c, r]
+                pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
+    else:
+        for c in range(bk):
+            for r in range(bq):
+                pt[c, r] = st[c, r] - lse_t[r]
+    exp_inplace(pt, bk, bq)
+
+
+@njit(cache=True, fastmath=False)
+def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk):
+    """``dz = p (dP - delta)`` in place of ``dP``, and the query rows' ``dtau`` and ``dsigma`` sums.
+
+    ``dz`` in the working dtype feeds the products; the sums (``sums[0]``,
+    ``sums[1]``) take it in float64 against the float64 ``delta_r``, on the
+    entries with ``p != 0``: ``dz s`` for ``dtau`` (``s = z - log G``),
+    ``dz dlog G / dsigma`` for ``dsigma``, the gate's tables read at index
+    ``base + c - r`` for key ``j0 + c``, query ``i0 + r`` (empty tables: no gate).
+    """
+    bq = delta_r.shape[0]
+    dtau, dsigma = sums[0], sums[1]
+    gated = log_gate.shape[0] > 0
+    for c in range(bk):
+        if gated:
+            at = base + c
+            for r in range(bq):
+                p = pt[c, r]
+                dp = dpt[c, r]
+                dpt[c, r] = p * (dp - delta_t[r])
+                if p != 0:
+                    dz = np.float64(p) * (np.float64(dp) - delta_r[r])
+                    dtau[r] += dz * (np.float64(st[c, r]) - log_gate[at - r])
+                    dsigma[r] += dz * dlog_gate[at - r]
+        else:
+            for r in range(bq):
+                p = pt[c, r]
+                dp = dpt[c, r]
+                dpt[c, r] = p * (dp - delta_t[r])
+                s = np.float64(st[c, r]) if p != 0 else 0.0
+                dtau[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
+
+
+@njit(cache=True, fastmath=False)
+def _dbias_tile(dpt, bk, bq, mode, direct, partial, start, strides, inv_tau):
+    """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan`'s ``mode`` says.
+
+    Mode 1 stores the tile into ``direct``; mode 2 adds it into the lane's
+    float64 ``partial``. ``start`` is the element of ``(b, h, i0, j0)``,
+    ``strides`` those of ``(b, h, i, j)``.
+    """
+    d_i, d_j = strides[2], strides[3]
+    if mode == 1:
+        # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
+        _store_transposed(dpt, bk, bq, direct, start, d_i, _like(inv_tau, dpt))
+    elif d_i == 0:
+        _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
+    elif d_j == 1 and d_i > 1:
+        # keys contiguous in dbias: the tile added transposed
+        _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
+    else:
+        for c in range(bk):
+            row = dpt[c]
+            at = start + c * d_j
+            for r in range(bq):
+                partial[at + r * d_i] += np.float64(row[r]) * inv_tau
+
+
+@njit(cache=True, fastmath=False)
+def _softcap_slope(dpt, slope, bk, bq):
+    """``ds_raw = ds (1 - tanh^2)``: dk and dq take the raw score's gradient."""
+    for c in range(bk):
+        row = dpt[c]
+        slope_row = slope[c]
+        for r in range(bq):
+            row[r] *= slope_row[r]
+
+
 @njit(nogil=True, cache=True, fastmath=False)
 def _backward_kernel(
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
@@ -195,15 +279,14 @@ def _backward_kernel(
     dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
     # per head of the batch: dtau and dsigma sums by query,
     # and offsets [off_lo, off_hi] and query tiles [it_lo, it_hi)
-    dtau_acc = np.empty((heads, block_q))
-    dsigma_acc = np.empty((heads, block_q))
+    head_sums = np.empty((heads, 2, block_q))  # dtau, dsigma
     spans = np.empty((heads, 4), dtype=np.int64)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
     # themselves are read only where p != 0).
     nvm_in_logits = opt.nvm and opt.has_gate
     nvm_in_exp = opt.nvm and not opt.has_gate
-    neg_inf = -np.inf
+    no_gate = np.empty(0)
     for task in _task_range(n_outer * lanes * n_chunk, part, parts):
         rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
@@ -230,8 +313,7 @@ def _backward_kernel(
                     i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
                     spans[hh, 0] = off_lo
                     spans[hh, 1] = off_hi
-                    dtau_acc[hh] = 0.0
-                    dsigma_acc[hh] = 0.0
+                    head_sums[hh] = 0.0
                     if bk == 0 or i_lo >= i_hi:
                         spans[hh, 2] = 0
                         spans[hh, 3] = 0
@@ -278,75 +360,30 @@ def _backward_kernel(
                                 for d in range(D):
                                     share[r, d] = 0.0
                             continue
+                        # the steps of docs/derivations.rst: p, dv, dP, dz (with the
+                        # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
                         _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                        delta_r = delta[b, h, i0 : i0 + bq]
-                        dtau_h = dtau_acc[hh]
-                        dsigma_h = dsigma_acc[hh]
-                        if nvm_in_exp:
-                            for c in range(bk):
-                                for r in range(bq):
-                                    x = st[c, r]
-                                    pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
-                        else:
-                            for c in range(bk):
-                                for r in range(bq):
-                                    pt[c, r] = st[c, r] - lse_t[r]
-                        exp_inplace(pt, bk, bq)
+                        _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
                         matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_pair, bk, Dv, bq, True)
                         matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                        # dz in the working dtype feeds the products; the dtau and
-                        # dsigma sums take dz in float64 against the float64 delta.
-                        if sum_heads and not summed:
-                            dz_sum[:bk_all, :bq] = 0.0
-                            summed = True
-                        for c in range(bk):
-                            if opt.has_gate:
-                                base = j0 + c - (opt.kv_ends[b] - N) - i0 + M - 1
-                                for r in range(bq):
-                                    p = pt[c, r]
-                                    dp = dpt[c, r]
-                                    dpt[c, r] = p * (dp - delta_t[r])
-                                    if p != 0:
-                                        dz = np.float64(p) * (np.float64(dp) - delta_r[r])
-                                        dtau_h[r] += dz * (
-                                            np.float64(st[c, r]) - opt.log_gate[b, h, base - r]
-                                        )
-                                        dsigma_h[r] += dz * opt.dlog_gate[b, h, base - r]
-                            else:
-                                for r in range(bq):
-                                    p = pt[c, r]
-                                    dp = dpt[c, r]
-                                    dpt[c, r] = p * (dp - delta_t[r])
-                                    s = np.float64(st[c, r]) if p != 0 else 0.0
-                                    dtau_h[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
-                            if sum_heads:
-                                # this head's dbias row (below) into the heads' sum
-                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
-                        # dbias = ds = dz / tau_h, before the soft-cap's slope
-                        start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
-                        if dbias_mode == 1:
-                            # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
-                            _store_transposed(dpt, bk, bq, dbias_direct, start, d_i, inv_tau_t)
-                        elif dbias_mode == 2 and not sum_heads:
-                            partial = dbias_partials[slot]
-                            if d_i == 0:
-                                _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
-                            elif d_j == 1 and d_i > 1:
-                                # keys contiguous in dbias: the tile added transposed
-                                _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
-                            else:
-                                for c in range(bk):
-                                    row = dpt[c]
-                                    at = start + c * d_j
-                                    for r in range(bq):
-                                        partial[at + r * d_i] += np.float64(row[r]) * inv_tau
-                        if opt.has_softcap:
-                            # ds_raw = ds (1 - tanh^2): dk and dq take the raw score's gradient
+                        base = j0 - (opt.kv_ends[b] - N) - i0 + M - 1  # the gate's index of (j0, i0)
+                        _dz_tile(
+                            pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[hh],
+                            opt.log_gate[b, h] if opt.has_gate else no_gate,
+                            opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
+                        )
+                        if sum_heads:
+                            if not summed:
+                                dz_sum[:bk_all, :bq] = 0.0
+                                summed = True
                             for c in range(bk):
-                                row = dpt[c]
-                                slope_row = slope[c]
-                                for r in range(bq):
-                                    row[r] *= slope_row[r]
+                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
+                        elif dbias_mode > 0:
+                            start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
+                            _dbias_tile(dpt, bk, bq, dbias_mode, dbias_direct, dbias_partials[slot], start,
+                                        dbias_strides, inv_tau)
+                        if opt.has_softcap:
+                            _softcap_slope(dpt, slope, bk, bq)
                         # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
                         matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_pair, bk, D, bq, True)
                         # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
@@ -367,8 +404,8 @@ def _backward_kernel(
                     dtau = 0.0
                     dsigma = 0.0
                     for r in range(block_q):
-                        dtau += dtau_acc[hh, r]
-                        dsigma += dsigma_acc[hh, r]
+                        dtau += head_sums[hh, 0, r]
+                        dsigma += head_sums[hh, 1, r]
                     # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                     dtau_part[b, h, kt] = -dtau / opt.tau[h]
                     dsigma_part[b, h, kt] = dsigma
