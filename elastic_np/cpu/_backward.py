@@ -143,6 +143,40 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 
 @njit(cache=True, fastmath=False)
+def _head_span(opt, b, h, j0, bk, N, M, block_q, span, share_row):
+    """What head ``h`` of batch entry ``b`` does with keys ``j0 .. j0 + bk - 1``.
+
+    ``span`` receives its offset range ``(off_lo, off_hi)`` and the query
+    tiles ``[it_lo, it_hi)`` that may keep one of the keys (``it_lo = it_hi = 0``
+    when none); ``share_row`` the rows ``[lo, hi)`` of those tiles, where the
+    key tile's share of ``dq`` goes.
+    """
+    off_lo, off_hi = _offset_range(opt, b, h, N, M)
+    i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
+    span[0], span[1] = off_lo, off_hi
+    if bk == 0 or i_lo >= i_hi:
+        span[2], span[3] = 0, 0
+        share_row[0], share_row[1] = 0, 0
+        return
+    it_lo = i_lo // block_q
+    it_hi = (i_hi - 1) // block_q + 1
+    span[2], span[3] = it_lo, it_hi
+    share_row[0], share_row[1] = it_lo * block_q, min(it_hi * block_q, N)
+
+
+@njit(cache=True, fastmath=False)
+def _copy_rows(src, dst, j0, rows):
+    """``dst[j0 : j0 + rows] = src[:rows]``, element by element.
+
+    (An array slice assignment compiles Numba's shape-mismatch message,
+    string formatting, into the caller.)
+    """
+    for c in range(rows):
+        for d in range(dst.shape[1]):
+            dst[j0 + c, d] = src[c, d]
+
+
+@njit(cache=True, fastmath=False)
 def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
     """``p = exp(z - lse)`` into ``pt`` (``lse_t`` from `_row_stats`); ``s < 0`` removed here with ``nvm_in_exp``."""
     neg_inf = -np.inf
@@ -195,12 +229,13 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk)
 def _dbias_tile(dpt, bk, bq, mode, direct, partial, start, strides, inv_tau):
     """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan`'s ``mode`` says.
 
-    Mode 1 stores the tile into ``direct``; mode 2 adds it into the lane's
-    float64 ``partial``. ``start`` is the element of ``(b, h, i0, j0)``,
+    Modes 1 and 3 store the tile into ``direct`` (3: the heads' sum of a
+    broadcast bias, whole); mode 2 adds it into the lane's float64
+    ``partial``. ``start`` is the element of ``(b, h, i0, j0)``,
     ``strides`` those of ``(b, h, i, j)``.
     """
     d_i, d_j = strides[2], strides[3]
-    if mode == 1:
+    if mode != 2:
         # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
         _store_transposed(dpt, bk, bq, direct, start, d_i, _like(inv_tau, dpt))
     elif d_i == 0:
@@ -274,7 +309,6 @@ def _backward_kernel(
     # formed (in cache), then written out transposed once per query tile.
     sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
     dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
-    one = _like(1.0, dz_sum)
     dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
     dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
     # per head of the batch: dtau and dsigma sums by query,
@@ -308,27 +342,12 @@ def _backward_kernel(
                 dv_acc[pp, :bk_all] = 0.0
                 for g in range(group):
                     hh = pp * group + g
-                    h = hk * group + g
-                    off_lo, off_hi = _offset_range(opt, b, h, N, M)
-                    i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
-                    spans[hh, 0] = off_lo
-                    spans[hh, 1] = off_hi
                     head_sums[hh] = 0.0
-                    if bk == 0 or i_lo >= i_hi:
-                        spans[hh, 2] = 0
-                        spans[hh, 3] = 0
-                        share_rows[t, b, h, 0] = 0
-                        share_rows[t, b, h, 1] = 0
-                        continue
-                    it_lo = i_lo // block_q
-                    it_hi = (i_hi - 1) // block_q + 1
-                    spans[hh, 2] = it_lo
-                    spans[hh, 3] = it_hi
-                    it_first = min(it_first, it_lo)
-                    it_last = max(it_last, it_hi)
-                    rows_lo, rows_hi = it_lo * block_q, min(it_hi * block_q, N)
-                    share_rows[t, b, h, 0] = rows_lo
-                    share_rows[t, b, h, 1] = rows_hi
+                    span = spans[hh]
+                    _head_span(opt, b, hk * group + g, j0, bk, N, M, block_q, span, share_rows[t, b, hk * group + g])
+                    if span[3] > span[2]:
+                        it_first = min(it_first, span[2])
+                        it_last = max(it_last, span[3])
             for it in range(it_first, it_last):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
@@ -389,33 +408,19 @@ def _backward_kernel(
                         # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
                         matmul_tn(dpt, k_j, share, bq, D, bk, False)
                 if summed:
-                    start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b
-                    start += i0 * d_i + j0
-                    if dbias_mode == 3:
-                        # the whole sum: the result
-                        _store_transposed(dz_sum, bk_all, bq, dbias_direct, start, d_i, one)
-                    else:
-                        _accumulate_transposed(dz_sum, bk_all, bq, dbias_partials[slot], start, d_i, 1.0)
+                    start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b + i0 * d_i + j0
+                    _dbias_tile(dz_sum, bk_all, bq, dbias_mode, dbias_direct, dbias_partials[slot], start,
+                                dbias_strides, 1.0)
             for pp in range(n_pairs):
                 b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                 for g in range(group):
-                    hh = pp * group + g
                     h = hk * group + g
-                    dtau = 0.0
-                    dsigma = 0.0
-                    for r in range(block_q):
-                        dtau += head_sums[hh, 0, r]
-                        dsigma += head_sums[hh, 1, r]
+                    sums = head_sums[pp * group + g]
                     # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-                    dtau_part[b, h, kt] = -dtau / opt.tau[h]
-                    dsigma_part[b, h, kt] = dsigma
-                # element by element: an array slice assignment compiles Numba's
-                # shape-mismatch message (string formatting) into the kernel
-                for c in range(bk_all):
-                    for d in range(D):
-                        dk[b, hk, j0 + c, d] = dk_acc[pp, c, d]
-                    for d in range(Dv):
-                        dv[b, hk, j0 + c, d] = dv_acc[pp, c, d]
+                    dtau_part[b, h, kt] = -sums[0].sum() / opt.tau[h]
+                    dsigma_part[b, h, kt] = sums[1].sum()
+                _copy_rows(dk_acc[pp], dk[b, hk], j0, bk_all)
+                _copy_rows(dv_acc[pp], dv[b, hk], j0, bk_all)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
