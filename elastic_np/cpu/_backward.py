@@ -88,13 +88,12 @@ def backward(problem, dout, out, lse, dlse=None):
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
     plan = _DbiasPlan(problem, dtype, n_kt, chunk)
+    ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
+    outs = (dk, dv, dq_shares, share_rows, dtau_part, dsigma_part)
+    dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        _run_tasks(
-            _backward_kernel, k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, config.BLOCK_Q, block_k,
-            kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-            plan.params, plan.strides, plan.direct, plan.partials,
-        )
+        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1)
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
@@ -262,20 +261,22 @@ def _softcap_slope(dpt, slope, bk, bq):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _backward_kernel(
-    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta, opt, block_q, block_k,
-    kt0, kt1, dk, dv, dq_shares, share_rows, dtau_part, dsigma_part,
-    dbias_params, dbias_strides, dbias_direct, dbias_partials, part, parts,
-):
+def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
-    ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
+    ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
+    `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
+    dsigma_part)``, ``dbias = (params, strides, direct, partials)`` of the
+    `_DbiasPlan`. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
     of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
     ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
     where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
     and, when the bias is broadcast over the batch or the heads, a lane of
     (batch, kv head) pairs.
     """
+    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
+    dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
+    dbias_params, dbias_strides, dbias_direct, dbias_partials = dbias
     B, Hkv, M, D = k.shape
     Dv = v.shape[3]
     H, N = q_scaled.shape[1], q_scaled.shape[2]
