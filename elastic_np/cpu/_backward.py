@@ -306,8 +306,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     delta_t = np.empty(block_q, dtype=k.dtype)
     # A dbias broadcast over heads and laid out along the keys: the batch's
-    # dz / tau_h are summed key-major in the kernel dtype, each row as it is
-    # formed (in cache), then written out transposed once per query tile.
+    # dz / tau_h are summed key-major in the kernel dtype, each head's tile
+    # as it is formed (in cache), then written out transposed once per query tile.
     sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
     dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
     dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)

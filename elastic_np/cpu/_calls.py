@@ -133,19 +133,9 @@ def _exp_shift_sum(x, x0, x1, m, n, shift, n_shift, nvm, sums, n_sums):
     _exp.exp_shift_sum(carray(x, (x0, x1)), m, n, carray(shift, (n_shift,)), nvm != 0, carray(sums, (n_sums,)))
 
 
-def _matmul_c_signature(dtype):
-    """The shared product's C arguments, as `_matmul` takes them.
-
-    ``a, b, c`` (a pointer and two sizes each), ``m, n, k, accumulate,
-    transposed``, ``col_max`` (a pointer and its size), ``max_mode``.
-    """
-    matrix = [types.CPointer(dtype), types.intp, types.intp]
-    return types.void(*matrix * 3, *[types.intp] * 5, types.CPointer(dtype), types.intp, types.intp)
-
-
 # The three products share one entry point (`_products._matmul` takes the
 # variant as arguments), compiled once per dtype rather than once per variant.
-_MATMUL_C = {dtype: _matmul_c_signature(dtype) for dtype in _DTYPES}
+_MATMUL_C = {sig.args[0].dtype: _c_signature(sig) for sig in _signatures(_products._matmul)}
 
 
 def _with_flags(transposed):

@@ -168,6 +168,20 @@ def _read_tile(k_cache, v_cache, j0, bk):
     return checksum
 
 
+@njit(cache=True, fastmath=_FASTMATH)
+def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
+    """A split's partials of its stacked rows into ``part_*``; returns ``sum(acc * 0)`` (NaN if not finite)."""
+    checksum = _like(0.0, acc)
+    zero = _like(0.0, acc)
+    for r in range(acc.shape[0]):
+        part_max[r] = row_max[r]
+        part_sum[r] = row_sum[r]
+        for d in range(acc.shape[1]):
+            part_acc[r, d] = acc[r, d]
+            checksum += acc[r, d] * zero
+    return checksum
+
+
 @njit(cache=True, fastmath=False)
 def _transpose_keys(k_tile, kt, bk, D):
     """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
@@ -367,15 +381,8 @@ def _decode_kernel(
                     total += z[c]
                 row_sum[r] += total
             matmul_nn(st, v_tile, acc, rows, Dv, bk, True)
-        for r in range(rows):
-            for d in range(Dv):
-                checksum += acc[r, d] * _like(0.0, q)
+        checksum += _store_split(acc, row_max, row_sum, part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s])
         suspect[b, hk, s] = not checksum == 0.0
-        for r in range(rows):
-            part_max[b, hk, s, r] = row_max[r]
-            part_sum[b, hk, s, r] = row_sum[r]
-            for d in range(Dv):
-                part_acc[b, hk, s, r, d] = acc[r, d]
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -402,7 +409,7 @@ def _decode_heads_kernel(
     shift_by = np.empty(N, dtype=dtype)
     rescale_by = np.empty(N, dtype=dtype)
     tile_sum = np.empty(N, dtype=dtype)
-    offsets = np.empty((group, 2), dtype=np.int64)
+    spans = np.empty((group, 4), dtype=np.int64)  # per head: off_lo, off_hi, and its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
     no_slope = np.empty((0, 0), dtype=dtype)
@@ -419,7 +426,9 @@ def _decode_heads_kernel(
         for g in range(group):
             h = hk * group + g
             _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
-            offsets[g, 0], offsets[g, 1] = _offset_range(opt, b, h, N, M)
+            off_lo, off_hi = _offset_range(opt, b, h, N, M)
+            j_lo, j_hi = _key_range(opt, b, 0, N, N, M, off_lo, off_hi)
+            spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3] = off_lo, off_hi, j_lo, j_hi
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -430,8 +439,7 @@ def _decode_heads_kernel(
             v_tile = v[b, hk, j0 : j0 + bk]
             checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
             for g in range(group):
-                off_lo, off_hi = offsets[g, 0], offsets[g, 1]
-                j_lo, j_hi = _key_range(opt, b, 0, N, N, M, off_lo, off_hi)
+                off_lo, off_hi, j_lo, j_hi = spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3]
                 if j0 >= j_hi or j0 + bk <= j_lo:
                     continue
                 tile_max[:] = -np.inf
@@ -444,18 +452,11 @@ def _decode_heads_kernel(
                         st, v_tile, bk, N, maxed, nvm_in_max, tile_max, shift_by, rescale_by,
                         tile_sum, row_max[g], row_sum[g], acc[g],
                     )
-        for g in range(group):
-            for i in range(N):
-                for d in range(Dv):
-                    checksum += acc[g, i, d] * _like(0.0, q)
+        checksum += _store_split(
+            acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
+            part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s],
+        )
         suspect[b, hk, s] = not checksum == 0.0
-        for g in range(group):
-            for i in range(N):
-                r = g * N + i
-                part_max[b, hk, s, r] = row_max[g, i]
-                part_sum[b, hk, s, r] = row_sum[g, i]
-                for d in range(Dv):
-                    part_acc[b, hk, s, r, d] = acc[g, i, d]
 
 
 @njit(nogil=True, cache=True, fastmath=False)
