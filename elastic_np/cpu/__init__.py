@@ -58,7 +58,7 @@ Modules
 ``_threads``
     the thread pool and each thread's share of the tasks
 ``_scalar``
-    the key, query and offset ranges a tile may keep
+    scalar helpers (the key and query ranges are `elastic_np._ranges`, shared with CUDA)
 ``_logits``
     the logits pipeline of a tile, shared by the forward and the backward
 ``_forward``, ``_backward``, ``_dbias``, ``_decode``

@@ -10,6 +10,7 @@ chunks of key tiles (`_backward_kernel`), then adds the key tiles' shares of
 import numpy as np
 from numba import njit
 
+from elastic_np._ranges import query_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._dbias import (
@@ -30,7 +31,7 @@ from elastic_np.cpu._plan import (
     _kernel_array,
     _options,
 )
-from elastic_np.cpu._scalar import _like, _offset_range, _query_range
+from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
 
@@ -150,8 +151,8 @@ def _head_span(opt, b, h, j0, bk, N, M, block_q, span, share_row):
     when none); ``share_row`` the rows ``[lo, hi)`` of those tiles, where the
     key tile's share of ``dq`` goes.
     """
-    off_lo, off_hi = _offset_range(opt, b, h, N, M)
-    i_lo, i_hi = _query_range(opt, b, j0, bk, N, off_lo, off_hi)
+    off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
+    i_lo, i_hi = query_range(opt.kv_ends[b] - N, j0, j0 + bk, off_lo, off_hi, N)
     span[0], span[1] = off_lo, off_hi
     if bk == 0 or i_lo >= i_hi:
         span[2], span[3] = 0, 0

@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _options as options_module
+from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import (
     exp_inplace,
@@ -51,7 +52,7 @@ from elastic_np.cpu._exp import tanh_any
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, scale_logits_row
 from elastic_np.cpu._plan import _kernel_array, _options
-from elastic_np.cpu._scalar import _key_range, _like, _log_add_exp, _offset_range
+from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range
 from elastic_np.cpu._transpose import transpose_store, transpose_width
@@ -138,11 +139,10 @@ def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
     length = opt.kv_lengths[b]
     u_lo, u_hi = length, 0
     for g in range(group):
-        off_lo, off_hi = _offset_range(opt, b, hk * group + g, N, M)
+        off_lo, off_hi = opt.band[b, hk * group + g, 0], opt.band[b, hk * group + g, 1]
         for i in range(N):
             r = g * N + i
-            lo = max(i + shift + off_lo, 0)
-            hi = max(min(i + shift + off_hi + 1, length), lo)
+            lo, hi = key_range(shift, i, i + 1, off_lo, off_hi, length)
             row_lo[r], row_hi[r] = lo, hi
             if hi > lo:
                 u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
@@ -426,8 +426,8 @@ def _decode_heads_kernel(
         for g in range(group):
             h = hk * group + g
             _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
-            off_lo, off_hi = _offset_range(opt, b, h, N, M)
-            j_lo, j_hi = _key_range(opt, b, 0, N, N, M, off_lo, off_hi)
+            off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
+            j_lo, j_hi = key_range(opt.kv_ends[b] - N, 0, N, off_lo, off_hi, opt.kv_lengths[b])
             spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3] = off_lo, off_hi, j_lo, j_hi
         acc[:] = 0.0
         row_max[:] = -np.inf

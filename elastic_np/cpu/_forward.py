@@ -7,6 +7,7 @@ import math
 import numpy as np
 from numba import njit
 
+from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._config import _FASTMATH
@@ -20,7 +21,7 @@ from elastic_np.cpu._plan import (
     _kernel_array,
     _options,
 )
-from elastic_np.cpu._scalar import _key_range, _log_add_exp, _offset_range
+from elastic_np.cpu._scalar import _log_add_exp
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
 
@@ -89,8 +90,8 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         # logits pass, otherwise it joins the row-max and shift passes.
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_max = opt.nvm and not opt.has_gate
-        off_lo, off_hi = _offset_range(opt, b, h, N, M)
-        j_lo, j_hi = _key_range(opt, b, i0, bq, N, M, off_lo, off_hi)
+        off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
+        j_lo, j_hi = key_range(opt.kv_ends[b] - N, i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             for r in range(bq):

@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _options as options_module
+from elastic_np._ranges import offset_band
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -34,7 +35,7 @@ _Options = collections.namedtuple(
         "mask_strides",  # int64 (4,): element strides of (b, h, i, j) into `mask`, 0 when broadcast
         "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (kv_ends[b] - N), + M - 1
         "dlog_gate",  # float64, same shape: d log G / d sigma (0 where G = 0)
-        "band",  # int64 (B, H, 2): offsets [lo, hi] where the gate is open
+        "band",  # int64 (B, H, 2): offsets [lo, hi] that causal, the window and the gate leave (`offset_band`)
         "has_softcap",  # bool
         "softcap",  # float (1.0 when off)
         "has_alibi",  # bool
@@ -64,17 +65,17 @@ def _options(p, with_sigma_grad, dtype):
         mask_strides = np.zeros(4, dtype=np.int64)
     else:
         mask, mask_strides = _compact_mask(p.mask)
+    gate_band = None
     if p.sigma is None:
         log_gate = dlog_gate = np.zeros((1, 1, 1))
-        band = np.zeros((1, 1, 2), dtype=np.int64)
     else:
         width = max(N + M - 1, 1)
         log_gate = np.empty((B, H, width))
         dlog_gate = np.empty((B, H, width) if with_sigma_grad else (1, 1, 1))
-        band = np.empty((B, H, 2), dtype=np.int64)
+        gate_band = np.empty((B, H, 2), dtype=np.int64)
         _window_tables(
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
-            np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, band,
+            np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, gate_band,
         )
     if p.bias is None:
         bias = np.zeros(1, dtype=dtype)
@@ -98,7 +99,7 @@ def _options(p, with_sigma_grad, dtype):
         mask_strides=mask_strides,
         log_gate=log_gate,
         dlog_gate=dlog_gate,
-        band=band,
+        band=offset_band(p, gate_band),
         has_softcap=p.softcap is not None,
         softcap=float(p.softcap) if p.softcap is not None else 1.0,
         has_alibi=p.alibi is not None,

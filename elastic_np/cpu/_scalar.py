@@ -1,4 +1,6 @@
-"""Scalar arithmetic the kernels share: the key, query and offset ranges a tile may keep, and dtype helpers.
+"""Scalar helpers of the CPU kernels: whether a tile removes nothing, dtype casts, ``log(e^a + e^b)``.
+
+The key and query ranges are `elastic_np._ranges`, shared with the CUDA kernels.
 """
 
 import math
@@ -8,41 +10,6 @@ from numba import njit, types
 from numba.extending import overload
 
 from elastic_np.cpu._config import _FASTMATH
-
-
-@njit(cache=True, fastmath=False)
-def _offset_range(opt, b, h, N, M):
-    """Offsets ``off = j - i - (kv_ends[b] - N)`` that causal, the window and the gate band allow: ``[lo, hi]``."""
-    lo = -(M + 1)
-    hi = N + 1
-    if opt.causal:
-        hi = min(hi, 0)
-    if opt.left >= 0:
-        lo = max(lo, -opt.left)
-    if opt.right >= 0:
-        hi = min(hi, opt.right)
-    if opt.has_gate:
-        lo = max(lo, opt.band[b, h, 0])
-        hi = min(hi, opt.band[b, h, 1])
-    return lo, hi
-
-
-@njit(cache=True, fastmath=False)
-def _key_range(opt, b, i0, bq, N, M, off_lo, off_hi):
-    """Keys ``[j_lo, j_hi)`` that queries ``i0 .. i0 + bq - 1`` may keep."""
-    shift = opt.kv_ends[b] - N
-    j_lo = max(i0 + shift + off_lo, 0)
-    j_hi = min(i0 + bq + shift + off_hi, opt.kv_lengths[b])
-    return j_lo, max(j_hi, j_lo)
-
-
-@njit(cache=True, fastmath=False)
-def _query_range(opt, b, j0, bk, N, off_lo, off_hi):
-    """Queries ``[i_lo, i_hi)`` that keys ``j0 .. j0 + bk - 1`` may be kept by."""
-    shift = opt.kv_ends[b] - N
-    i_lo = max(j0 - shift - off_hi, 0)
-    i_hi = min(j0 + bk - shift - off_lo, N)
-    return i_lo, max(i_hi, i_lo)
 
 
 @njit(cache=True, fastmath=False)

@@ -30,7 +30,7 @@ def _signatures(dtype):
 
     # q, k, v, mask, kv_lengths, band, iopts, fopts, tau
     common = (
-        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(2, nbt.int64),
+        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(3, nbt.int64),
         arr(1, nbt.int64), arr(1), arr(1),
     )
     bh_consts_bias = (arr(3), arr(1))

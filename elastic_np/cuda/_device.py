@@ -16,6 +16,7 @@ import math
 import numba
 from numba import cuda
 
+from elastic_np._ranges import key_range, query_range
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 
 # iopts
@@ -95,42 +96,16 @@ def _shift(b, N, M, iopts, kv_lengths):
 
 @cuda.jit(device=True)
 def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
-    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep: the tiles outside are skipped."""
-    off = _shift(b, N, M, iopts, kv_lengths)
-    lo = 0
-    hi = kv_lengths[b]
-    if iopts[I_CAUSAL] != 0:
-        hi = min(hi, i1 + off)
-    if iopts[I_RIGHT] >= 0:
-        hi = min(hi, i1 + off + iopts[I_RIGHT])
-    if iopts[I_LEFT] >= 0:
-        lo = max(lo, i0 + off - iopts[I_LEFT])
-    r = band[b, h]
-    if r >= 0:
-        lo = max(lo, i0 + off - r)
-        hi = min(hi, i1 + off + r)
-    return lo, hi
+    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._ranges.key_range`); tiles outside are skipped."""
+    return key_range(_shift(b, N, M, iopts, kv_lengths), i0, i1, band[b, h, 0], band[b, h, 1], kv_lengths[b])
 
 
 @cuda.jit(device=True)
 def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
-    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)``."""
-    off = _shift(b, N, M, iopts, kv_lengths)
-    lo = 0
-    hi = N
+    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._ranges.query_range`)."""
     if j0 >= kv_lengths[b]:
-        hi = 0
-    if iopts[I_CAUSAL] != 0:
-        lo = max(lo, j0 - off)
-    if iopts[I_RIGHT] >= 0:
-        lo = max(lo, j0 - off - iopts[I_RIGHT])
-    if iopts[I_LEFT] >= 0:
-        hi = min(hi, j1 - off + iopts[I_LEFT])
-    r = band[b, h]
-    if r >= 0:
-        lo = max(lo, j0 - off - r)
-        hi = min(hi, j1 - off + r)
-    return lo, hi
+        return 0, 0
+    return query_range(_shift(b, N, M, iopts, kv_lengths), j0, j1, band[b, h, 0], band[b, h, 1], N)
 
 
 @cuda.jit(device=True)

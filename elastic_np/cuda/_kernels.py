@@ -16,8 +16,8 @@ Conventions shared by every kernel:
   constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
   ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
   window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
-  ``band`` int64 ``(B, H)`` (half-width in keys of the window's open band, -1
-  unbounded), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
+  ``band`` int64 ``(B, H, 2)`` (the offsets ``[lo, hi]`` that causal, the
+  window and the dynamic window's open band leave: `elastic_np._ranges`), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
   four dims either full or 1 (broadcast).
 - The additive ``bias`` is a flat array (the dtype) of the caller's distinct
   entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with

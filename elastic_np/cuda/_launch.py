@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from elastic_np._ranges import offset_band
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._host import _cuda, _is_device, _kernel_module, _to_device
 
@@ -87,6 +88,19 @@ def _window_band(p):
     return band
 
 
+def _gate_band(p):
+    """`_window_band` as offsets ``[-w, w]`` per ``(b, h)`` (None without a bounded band)."""
+    half = _window_band(p)
+    if (half < 0).all():
+        return None
+    B, H, Hkv, N, M, D, Dv = p.shape
+    bounded = half >= 0
+    band = np.empty(half.shape + (2,), dtype=np.int64)
+    band[..., 0] = np.where(bounded, -half, -(M + 1))
+    band[..., 1] = np.where(bounded, half, N + 1)
+    return band
+
+
 def _launch_options(p):
     """The runtime option arrays every kernel takes, on the device."""
     cuda = _cuda()
@@ -135,7 +149,7 @@ def _launch_options(p):
     host = dict(
         mask=mask,
         kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
-        band=_window_band(p),
+        band=offset_band(p, _gate_band(p)),
         iopts=iopts,
         fopts=fopts,
         tau=p.tau.astype(dtype),
