@@ -12,10 +12,19 @@
 copy a strided tensor into a contiguous one), and the results come back
 through ``torch.from_numpy``, without a copy either.
 
-Tensors on other devices raise a TypeError: the CUDA path (the CUDA backend
-on device memory through ``__cuda_array_interface__``) is not implemented.
+CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias`` on one device) go
+through the CUDA backend in place: their memory reaches the kernels through
+``__cuda_array_interface__`` (a strided tensor is made contiguous first), and
+``out``, ``lse``, ``dq``, ``dk``, ``dv`` and ``dbias`` come back as tensors on
+the same device over the memory the kernels wrote, with no host round trip.
+``tau``, ``beta``, ``sigma``, ``mask``, ``kv_lengths`` and ``alibi_slopes``
+may be on the CPU or that device; the backend reads them on the host (a small
+copy), and ``dtau``, ``dbeta``, ``dsigma`` are moved to their parameter's
+device. This path has been run on the CUDA simulator only, never on a GPU.
 """
 
+import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -30,20 +39,24 @@ __all__ = ["attention", "ElasticAttention", "DynamicWindow"]
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
+def _check_dtype(value, name):
+    if value.is_floating_point() and value.dtype not in _KERNEL_DTYPES:
+        raise TypeError(
+            f"`{name}` has dtype {value.dtype}; the elastic_np kernels take torch.float32 or "
+            "torch.float64: convert it with .float() (or .double())"
+        )
+
+
 def _host(value, name):
     """A CPU tensor as a NumPy view (no copy), anything else as it is."""
     if not isinstance(value, torch.Tensor):
         return value
     if value.device.type != "cpu":
         raise TypeError(
-            f"`{name}` is on device {value.device}; elastic_np.torch takes CPU tensors only "
-            "(the CUDA path is not implemented): move it with .cpu()"
+            f"`{name}` is on device {value.device}; elastic_np.torch takes CPU tensors, or CUDA "
+            "tensors with q, k, v (and bias) on one device: move it with .cpu()"
         )
-    if value.is_floating_point() and value.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"`{name}` has dtype {value.dtype}; the elastic_np kernels take torch.float32 or "
-            "torch.float64: convert it with .float() (or .double())"
-        )
+    _check_dtype(value, name)
     return value.detach().resolve_neg().numpy()
 
 
@@ -52,20 +65,171 @@ def _as_grad(grad, like):
     return torch.as_tensor(np.asarray(grad)).to(like.dtype).reshape(like.shape)
 
 
-class _AttentionFunction(torch.autograd.Function):
-    """``(out, lse)`` of `elastic_np.attention`; gradients from `elastic_np.attention_backward`."""
+# ---------------------------------------------------------------------------
+# CUDA tensors: the CUDA backend on their memory
+# ---------------------------------------------------------------------------
+
+
+class _CudaBridge:
+    """How CUDA tensors reach the CUDA backend and how its device arrays come back as tensors.
+
+    The only code that touches device memory and streams. A test swaps it for
+    one that copies CPU tensors to the CUDA simulator
+    (``tests/cuda/test_sim_torch.py``), so that everything else runs without a GPU.
+    """
+
+    #: Tensors of this device type go through the CUDA backend.
+    device_type = "cuda"
 
     @staticmethod
-    def forward(ctx, fixed, q, k, v, tau, beta, sigma, bias):
-        learnable = dict(zip(common.LEARNABLE, (tau, beta, sigma, bias)))
-        host = {name: _host(value, name) for name, value in learnable.items()}
-        qn, kn, vn = (_host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        out, lse = _dispatch.attention(
-            qn, kn, vn, return_lse=True, **common.numpy_options(fixed, host)
+    def to_device(tensor):
+        """A detached, C-contiguous CUDA tensor as a numba device array over its memory."""
+        from elastic_np.cuda import _host as cuda_host
+
+        # torch exports version 2 of the interface, without a stream: numba does not synchronise
+        return cuda_host._cuda().as_cuda_array(tensor)
+
+    @staticmethod
+    def to_tensor(array, device):
+        """A numba device array as a tensor on ``device`` over the same memory (no copy)."""
+        return torch.as_tensor(array, device=device)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def launches(device):
+        """Around the backend's calls: numba on ``device``, its kernels ordered with torch's stream."""
+        from elastic_np.cuda import _host as cuda_host
+
+        cuda = cuda_host._cuda()
+        stream = torch.cuda.current_stream(device)
+        # numba launches on the legacy default stream, which torch's default stream is: there
+        # the kernels queue after the work that wrote the inputs and before the work that reads
+        # the outputs. torch's other streams are non-blocking and do not wait for it, so on one
+        # we synchronise: torch's stream before (the inputs are written) and the device after
+        # (the outputs are written, and the inputs are read before torch may reuse their memory).
+        # Simple and correct; it costs the overlap of the host with the device on those streams.
+        side_stream = stream.cuda_stream != 0
+        with cuda.gpus[device.index]:
+            if side_stream:
+                stream.synchronize()
+            try:
+                yield
+            finally:
+                if side_stream:
+                    cuda.synchronize()
+
+
+_cuda_bridge = _CudaBridge
+
+
+def _cuda_device(q, k, v, backend):
+    """The device of CUDA tensors ``q, k, v`` (checked to be one), None for other tensors."""
+    device = q.device
+    if device.type != _cuda_bridge.device_type:
+        return None
+    for name, x in (("k", k), ("v", v)):
+        if x.device != device:
+            raise TypeError(
+                f"`{name}` is on device {x.device} and `q` on {device}: q, k and v must be on one device"
+            )
+    if backend not in ("auto", "cuda"):
+        raise TypeError(
+            f"`q` is on device {device}, and backend={backend!r} takes CPU tensors: use "
+            "backend='cuda' (or 'auto') for CUDA tensors, or move them with .cpu()"
         )
-        out = torch.from_numpy(out).to(q.dtype)
-        lse = torch.from_numpy(lse).to(q.dtype)
+    _dispatch.get_backend("cuda")  # BackendUnavailableError, saying what is missing
+    return device
+
+
+def _option(value, name, device):
+    """An option tensor on the CPU or ``device`` as a NumPy array (the CUDA backend reads it on the host)."""
+    if not isinstance(value, torch.Tensor) or value.device != device:
+        return _host(value, name)
+    _check_dtype(value, name)
+    return value.detach().resolve_neg().cpu().numpy()
+
+
+def _device_tensor(value, name, device):
+    """A tensor on ``device``, detached and C-contiguous; anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device != device:
+        raise TypeError(
+            f"`{name}` is on device {value.device} and `q` on {device}: q, k, v and bias must be on one device"
+        )
+    _check_dtype(value, name)
+    return value.detach().resolve_neg().contiguous()
+
+
+def _device_array(value):
+    return _cuda_bridge.to_device(value) if isinstance(value, torch.Tensor) else value
+
+
+def _cuda_options(learnable, device):
+    """The learnable options for the CUDA backend: tau, beta, sigma on the host, bias on the device."""
+    options = {name: _option(learnable[name], name, device) for name in ("tau", "beta", "sigma")}
+    options["bias"] = _device_tensor(learnable["bias"], "bias", device)
+    return options
+
+
+def _cuda_forward(fixed, device, qkv, learnable):
+    """``(out, lse)`` of the CUDA backend on the memory of ``q, k, v``, as tensors on ``device``."""
+    options = _cuda_options(learnable, device)
+    qkv = [_device_tensor(x, name, device) for x, name in zip(qkv, ("q", "k", "v"))]
+    with _cuda_bridge.launches(device):
+        options["bias"] = _device_array(options["bias"])
+        out, lse = _dispatch.attention(
+            *map(_device_array, qkv), return_lse=True, **common.numpy_options(fixed, options)
+        )
+        return _cuda_bridge.to_tensor(out, device), _cuda_bridge.to_tensor(lse, device)
+
+
+def _cuda_backward(fixed, device, arrays, dlse, learnable):
+    """`elastic_np.AttentionGrads` of the CUDA backend, ``dq, dk, dv, dbias`` as tensors on ``device``.
+
+    ``arrays`` are ``dout, q, k, v, out, lse``.
+    """
+    options = _cuda_options(learnable, device)
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse")
+    tensors = [_device_tensor(x, name, device) for x, name in zip((*arrays, dlse), names)]
+    with _cuda_bridge.launches(device):
+        options["bias"] = _device_array(options["bias"])
+        *arrays, dlse = map(_device_array, tensors)
+        grads = _dispatch.attention_backward(*arrays, dlse=dlse, **common.numpy_options(fixed, options))
+        on_device = {name: getattr(grads, name) for name in ("dq", "dk", "dv", "dbias")}
+        return dataclasses.replace(grads, **{
+            name: None if a is None else _cuda_bridge.to_tensor(a, device) for name, a in on_device.items()
+        })
+
+
+def _cuda_grad(grad, like):
+    """A gradient of the CUDA path (a device tensor, or a host float or array) as a tensor like ``like``."""
+    if isinstance(grad, torch.Tensor):
+        return grad.to(like.dtype).reshape(like.shape)
+    return _as_grad(grad, like).to(like.device)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """``(out, lse)`` of `elastic_np.attention`; gradients from `elastic_np.attention_backward`.
+
+    ``device`` is None for CPU tensors, the device of CUDA tensors (the CUDA backend) otherwise.
+    """
+
+    @staticmethod
+    def forward(ctx, fixed, device, q, k, v, tau, beta, sigma, bias):
+        learnable = dict(zip(common.LEARNABLE, (tau, beta, sigma, bias)))
+        if device is None:
+            host = {name: _host(value, name) for name, value in learnable.items()}
+            qn, kn, vn = (_host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+            out, lse = _dispatch.attention(
+                qn, kn, vn, return_lse=True, **common.numpy_options(fixed, host)
+            )
+            out = torch.from_numpy(out).to(q.dtype)
+            lse = torch.from_numpy(lse).to(q.dtype)
+        else:
+            out, lse = _cuda_forward(fixed, device, (q, k, v), learnable)
         ctx.fixed = fixed
+        ctx.cuda_device = device
         ctx.constants = {n: v for n, v in learnable.items() if not isinstance(v, torch.Tensor)}
         tensors = [learnable[n] if n not in ctx.constants else None for n in common.LEARNABLE]
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
@@ -79,22 +243,28 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         learnable = dict(zip(common.LEARNABLE, tensors))
         learnable.update(ctx.constants)
-        host = {name: _host(value, name) for name, value in learnable.items()}
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         if dlse is not None:
-            dlse = _host(dlse.to(lse.dtype), "dlse")
-        grads = _dispatch.attention_backward(
-            _host(dout, "dout"), *(_host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
-            _host(out, "out"), _host(lse, "lse"), dlse=dlse, **common.numpy_options(ctx.fixed, host),
-        )
-        needs = ctx.needs_input_grad[1:]
+            dlse = dlse.to(lse.dtype)
+        if ctx.cuda_device is None:
+            host = {name: _host(value, name) for name, value in learnable.items()}
+            grads = _dispatch.attention_backward(
+                _host(dout, "dout"), *(_host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                _host(out, "out"), _host(lse, "lse"), dlse=_host(dlse, "dlse"),
+                **common.numpy_options(ctx.fixed, host),
+            )
+            as_grad = _as_grad
+        else:
+            grads = _cuda_backward(ctx.fixed, ctx.cuda_device, (dout, q, k, v, out, lse), dlse, learnable)
+            as_grad = _cuda_grad
+        needs = ctx.needs_input_grad[2:]
         result = [
-            _as_grad(g, x) if need else None
+            as_grad(g, x) if need else None
             for g, x, need in zip((grads.dq, grads.dk, grads.dv), (q, k, v), needs[:3])
         ]
         for name, need in zip(common.LEARNABLE, needs[3:]):
-            result.append(_as_grad(common.grad_of(grads, name), learnable[name]) if need else None)
-        return (None, *result)
+            result.append(as_grad(common.grad_of(grads, name), learnable[name]) if need else None)
+        return (None, None, *result)
 
 
 def attention(
@@ -123,42 +293,49 @@ def attention(
     Parameters
     ----------
     q, k, v : torch.Tensor
-        CPU tensors of shapes ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
+        Tensors of shapes ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
         ``(B, Hkv, M, Dv)``, float32 or float64 (the same for all three), any
-        strides; gradients flow to those that require them.
+        strides, all on the CPU or all on one CUDA device; gradients flow to
+        those that require them.
     tau, beta : float or torch.Tensor of shape () or (H,), optional
         Temperature (``> 0``) and the sink, the denominator's offset (``>= 0``);
-        a tensor that requires grad gets ``dtau`` or ``dbeta``.
+        a tensor that requires grad gets ``dtau`` or ``dbeta``. With CUDA
+        tensors they (and ``sigma``) may be on the CPU or ``q``'s device.
     dynamic_window : DynamicWindow or elastic_np.DynamicWindow, optional
         The bell-curve window; with `DynamicWindow` its ``sigma`` may be a
         tensor (broadcastable to ``(B, H)``) that gets ``dsigma``.
     bias : torch.Tensor, optional
-        Additive score bias broadcastable to ``(B, H, N, M)``; gets ``dbias``
-        in its own shape.
+        Additive score bias broadcastable to ``(B, H, N, M)``, on ``q``'s
+        device; gets ``dbias`` in its own shape.
     scale, causal, window_size, kv_lengths, align, mask, nvm, softcap, alibi_slopes
         As in `elastic_np.attention` (tensors are accepted); no gradient.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(B, H, N)``, differentiable like ``out``
         (a loss may use either or both). A row with ``lse = -inf`` (nothing
         kept, ``beta = 0``) passes no gradient back.
-    backend : {"auto", "cpu", "reference"}, optional
-        "auto" runs the CPU kernels. "reference" runs the float64 oracle
-        (results cast back to the input dtype).
+    backend : {"auto", "cpu", "reference", "cuda"}, optional
+        "auto" runs the CPU kernels on CPU tensors and the CUDA kernels on
+        CUDA tensors (in place; only "auto" and "cuda" take those).
+        "reference" runs the float64 oracle (results cast back to the input dtype).
 
     Returns
     -------
     out : torch.Tensor, shape (B, H, N, Dv)
-        In the dtype of ``q``.
+        In the dtype of ``q``, on its device.
     lse : torch.Tensor, shape (B, H, N)
         Only with ``return_lse=True``; in the dtype of ``q``.
 
     Raises
     ------
     TypeError
-        For a tensor that is not on the CPU, or of dtype float16 or bfloat16
-        (convert it with ``.float()``); and as `elastic_np.attention`.
+        For a tensor on a device other than the CPU or ``q``'s CUDA device,
+        CUDA tensors with a backend other than "auto" or "cuda", or a tensor
+        of dtype float16 or bfloat16 (convert it with ``.float()``); and as
+        `elastic_np.attention`.
     ValueError
         As `elastic_np.attention`.
+    elastic_np.BackendUnavailableError
+        For CUDA tensors where the CUDA backend cannot run (saying what is missing).
 
     Examples
     --------
@@ -172,16 +349,21 @@ def attention(
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
     sigma, sharpness, threshold = common.window_parts(dynamic_window)
-    fixed = {
-        "scale": scale, "causal": causal, "window_size": window_size,
-        "kv_lengths": _host(kv_lengths, "kv_lengths"), "align": align, "mask": _host(mask, "mask"),
-        "nvm": nvm, "softcap": softcap, "alibi_slopes": _host(alibi_slopes, "alibi_slopes"),
-        "sharpness": sharpness, "threshold": threshold, "backend": common.kernel_backend(backend),
-    }
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
-    out, lse = _AttentionFunction.apply(fixed, q, k, v, tau, beta, sigma, bias)
+    device = _cuda_device(q, k, v, backend)
+    if device is None:
+        option, backend = _host, common.kernel_backend(backend)
+    else:
+        option, backend = (lambda value, name: _option(value, name, device)), "cuda"
+    fixed = {
+        "scale": scale, "causal": causal, "window_size": window_size,
+        "kv_lengths": option(kv_lengths, "kv_lengths"), "align": align, "mask": option(mask, "mask"),
+        "nvm": nvm, "softcap": softcap, "alibi_slopes": option(alibi_slopes, "alibi_slopes"),
+        "sharpness": sharpness, "threshold": threshold, "backend": backend,
+    }
+    out, lse = _AttentionFunction.apply(fixed, device, q, k, v, tau, beta, sigma, bias)
     return (out, lse) if return_lse else out
 
 
