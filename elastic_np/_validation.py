@@ -149,3 +149,103 @@ def check_in_dtype_range(name, values, dtype, *, zero_ok, why=""):
             f"{zero}between {float(info.tiny):.6g} and {float(info.max):.6g} in magnitude "
             "(below, it underflows; above, it overflows)"
         )
+
+
+def kv_lengths_array(kv_lengths, B, M):
+    """``kv_lengths`` as int64 ``(B,)`` in ``[0, M]`` (all ``M`` when None)."""
+    if kv_lengths is None:
+        return np.full(B, M, dtype=np.int64)
+    lengths = np.asarray(kv_lengths)
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(f"`kv_lengths` must hold integers, got dtype {lengths.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"`kv_lengths` must have shape (B,) = ({B},), got {lengths.shape}")
+    if ((lengths < 0) | (lengths > M)).any():
+        raise ValueError(f"`kv_lengths` must lie in [0, M] = [0, {M}], got {lengths.tolist()}")
+    return lengths.astype(np.int64)
+
+
+def broadcast_mask(mask, shape):
+    """A boolean ``mask`` as a read-only view broadcast to ``shape`` (None stays None)."""
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"`mask` must be a boolean array, got dtype {mask.dtype}")
+    try:
+        return np.broadcast_to(mask, shape)
+    except ValueError:
+        raise ValueError(
+            f"`mask` of shape {mask.shape} is not broadcastable to (B, H, N, M) = {shape}"
+        ) from None
+
+
+def alibi_array(slopes, B, H):
+    """ALiBi slopes as float64 ``(B, H)``, from shape ``(H,)`` or ``(B, H)``."""
+    if slopes is None:
+        return None
+    arr = np.asarray(slopes)
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    ):
+        raise TypeError(f"`alibi_slopes` must be a real array, got dtype {arr.dtype}")
+    if arr.shape not in ((H,), (B, H)):
+        raise ValueError(
+            f"`alibi_slopes` must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+            f"got {arr.shape}"
+        )
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("`alibi_slopes` contains NaN or inf")
+    return np.broadcast_to(arr, (B, H)).copy()
+
+
+def broadcast_bias(bias, shape, check_values):
+    """The bias as a read-only view broadcast to ``shape``, and the shape it came in."""
+    if bias is None:
+        return None, None
+    bias = np.asarray(bias)
+    check_real_float_dtype(bias, "bias")
+    if bias.ndim > 4:
+        raise ValueError(f"`bias` must have at most 4 dimensions, got shape {bias.shape}")
+    try:
+        view = np.broadcast_to(bias, shape)
+    except ValueError:
+        raise ValueError(
+            f"`bias` of shape {bias.shape} is not broadcastable to (B, H, N, M) = {shape}"
+        ) from None
+    if check_values:
+        check_bias_values(bias)
+    return view, bias.shape
+
+
+#: The error for a bias with NaN or +inf, wherever it is found.
+BIAS_VALUES_ERROR = "`bias` contains NaN or +inf (-inf is allowed: it removes the entry)"
+
+
+def check_cache_values(k, v, kv_lengths):
+    """Raise ValueError naming ``k`` or ``v`` when a key below ``kv_lengths[b]`` holds NaN or inf.
+
+    The keys of batch entry ``b`` at or beyond ``kv_lengths[b]`` are padding
+    (a preallocated cache's free slots): never read, so never checked.
+    """
+    M = k.shape[2]
+    whole = bool((kv_lengths == M).all())
+    for name, a in (("k", k), ("v", v)):
+        if whole:
+            finite = np.isfinite(a).all()
+        else:
+            finite = all(np.isfinite(a[b, :, :n]).all() for b, n in enumerate(kv_lengths))
+        if not finite:
+            raise ValueError(f"`{name}` contains NaN or inf")
+
+
+def check_bias_values(bias, message=BIAS_VALUES_ERROR):
+    """Raise ValueError(``message``) when ``bias`` has a NaN or a ``+inf``.
+
+    ``-inf`` removes an entry, like a false mask entry, and is allowed. The
+    maximum finds both (NaN propagates) in one pass with no temporaries: a
+    bias may be as large as the score matrix.
+    """
+    if bias.size and not np.max(bias) < np.inf:
+        raise ValueError(message)

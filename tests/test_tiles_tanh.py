@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from elastic_np.cpu._exp import tanh_any, tanh_inplace
+from elastic_np.cpu._tanh import tanh_any, tanh_inplace
 from elastic_np.cpu._simd import compile_for
 
 DTYPES = [np.float32, np.float64]

@@ -37,7 +37,7 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np import _options as options_module
+from elastic_np import _validation
 from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import (
@@ -48,12 +48,12 @@ from elastic_np.cpu._calls import (
     matmul_tn,
 )
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._exp import tanh_any
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, scale_logits_row
 from elastic_np.cpu._plan import _kernel_array, _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for
+from elastic_np.cpu._tanh import tanh_any
 from elastic_np.cpu._threads import _run_tasks, _task_range
 from elastic_np.cpu._transpose import transpose_store, transpose_width
 
@@ -111,7 +111,7 @@ def forward(problem):
 
 
 def _check_unread_cache(problem, read, suspect):
-    """`elastic_np._options.check_cache_values` for what the kernel did not check as it read.
+    """`elastic_np._validation.check_cache_values` for what the kernel did not check as it read.
 
     A suspect split (a sum that is not finite) is checked again exactly: it
     was a NaN or inf key or value, or a product that overflowed (no error);
@@ -119,7 +119,7 @@ def _check_unread_cache(problem, read, suspect):
     """
     k, v = problem.k, problem.v
     if suspect.any():
-        options_module.check_cache_values(k, v, problem.kv_lengths)
+        _validation.check_cache_values(k, v, problem.kv_lengths)
     lengths = problem.kv_lengths[:, None]
     unread = (read[..., 0] > 0) | (read[..., 1] < lengths)
     if not unread.any():

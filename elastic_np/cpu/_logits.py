@@ -11,8 +11,8 @@ from numba import njit
 
 from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._exp import sech2_any, tanh_any
 from elastic_np.cpu._scalar import _like, _removes_nothing
+from elastic_np.cpu._tanh import sech2_any, tanh_any
 from elastic_np.cpu._transpose import (
     prefetch,
     transpose_add,

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np import _options as options_module
+from elastic_np import _validation
 from elastic_np._ranges import offset_band
 
 # Everything the njit code needs to know about the options, as runtime values:
@@ -136,14 +136,14 @@ def _compact_bias(bias, dtype, check):
     Always read-only, so that the kernels see one array type.
 
     With ``check``, its distinct entries are checked first (no NaN, no
-    ``+inf``: `elastic_np._options.check_bias_values`), then, when
+    ``+inf``: `elastic_np._validation.check_bias_values`), then, when
     converted, the converted ones (a float64 entry beyond the float32 range
     becomes ``+inf``).
     """
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
     compact = bias[index]
     if check:
-        options_module.check_bias_values(compact)
+        _validation.check_bias_values(compact)
     itemsize = np.dtype(dtype).itemsize
     readable = (
         compact.dtype == dtype
@@ -154,7 +154,7 @@ def _compact_bias(bias, dtype, check):
         with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (below)
             compact = np.ascontiguousarray(compact, dtype=dtype)
         if check:
-            options_module.check_bias_values(
+            _validation.check_bias_values(
                 compact, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
             )
     # the memory from the first entry to the last, read through element strides
@@ -240,4 +240,4 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
 def _check_cache(problem):
     """The check `prepare` deferred, for the paths that do not make it as they read."""
     if problem.kv_unchecked:
-        options_module.check_cache_values(problem.k, problem.v, problem.kv_lengths)
+        _validation.check_cache_values(problem.k, problem.v, problem.kv_lengths)
