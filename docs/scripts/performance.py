@@ -4,14 +4,24 @@ Run by ``docs/conf.py`` at build time; also usable by hand::
 
     python docs/scripts/performance.py OUTDIR
 
-It reads every ``docs/performance/*.json``, each written unchanged by
-``elastic-np bench --json FILE`` (keys ``machine``, ``command``, ``config``,
-``matmul_peak_gflops``, ``results``, ...), and writes
-``OUTDIR/performance_results.inc``, which the performance page includes: per
-file the machine, the command, the table ``elastic-np bench`` printed and its
-log-log plot, both drawn by the same code the command uses
-(`elastic_np._bench.format_table`, `elastic_np._bench.plot`). Without result
-files the include says so: no figure on that page is ever typed in by hand.
+It reads every ``docs/performance/*.json``, each written unchanged by a
+benchmark command, and writes two files the performance page includes:
+
+- ``OUTDIR/performance_results.inc``, from the files of ``elastic-np bench
+  --json FILE`` (keys ``machine``, ``command``, ``config``,
+  ``matmul_peak_gflops``, ``results``, ...): per file the machine, the
+  command, the table ``elastic-np bench`` printed and its log-log plot, both
+  drawn by the same code the command uses (`elastic_np._bench.format_table`,
+  `elastic_np._bench.plot`);
+- ``OUTDIR/performance_cuda.inc``, from the files of ``python -m
+  elastic_np.cuda --bench --json FILE`` (``"kind": "cuda"``, see
+  `elastic_np.cuda._bench.bench_record`): per file the GPU, its driver and
+  the library versions, the command, and the table the command printed
+  (`elastic_np.cuda._bench.format_table`: both timings, TFLOP/s and torch's
+  time / ours for the training shape, then the decoding shapes).
+
+Without result files of a kind, its include says so: no figure on that page
+is ever typed in by hand.
 """
 
 import glob
@@ -27,36 +37,78 @@ RESULTS = os.path.join(DOCS, "performance")
 NO_RESULTS = """\
 .. note::
 
-   No benchmark results are stored in ``docs/performance/`` in this version of the
+   No CPU benchmark results are stored in ``docs/performance/`` in this version of the
    documentation, so this section shows no figures. Produce them with the steps in
    :ref:`perf-reproduce`.
 """
 
+NO_CUDA_RESULTS = """\
+.. note::
+
+   No CUDA result file (``"kind": "cuda"``) is stored in ``docs/performance/`` in this
+   version of the documentation: the speed of the CUDA kernels on a GPU is unmeasured,
+   and this section shows no figures. Produce one with the command above.
+"""
+
+
+def _code_block(text):
+    lines = "\n".join("   " + line if line else "" for line in text.splitlines())
+    return f".. code-block:: text\n\n{lines}\n"
+
+
+def _title(stem, underline):
+    title = f"``{stem}``"
+    return f"{title}\n{underline * len(title)}\n"
+
+
+def _cpu_parts(run, stem, n, outdir):
+    parts = [_title(stem, "~")]
+    if run.get("machine"):
+        parts.append(f"Machine: ``{json.dumps(run['machine'], sort_keys=True)}``\n")
+    if run.get("command"):
+        parts.append(f"Command: ``{run['command']}``\n")
+    if run.get("results"):
+        png = f"performance_{n}.png"
+        _bench.plot(run, os.path.join(outdir, png))
+        parts.append(f".. image:: /generated/{png}\n   :alt: time against sequence length, {stem}\n")
+        parts.append(_code_block(_bench.format_table(run)))
+    return parts
+
+
+def _cuda_parts(run, stem):
+    from elastic_np.cuda import _bench as cuda_bench
+
+    parts = [_title(stem, "^")]
+    machine = run.get("machine") or {}
+    parts.append(f"GPU: {cuda_bench.machine_line(machine)}.\n")
+    parts.append(f"Machine: ``{json.dumps(machine, sort_keys=True)}``\n")
+    if run.get("command"):
+        parts.append(f"Command: ``{run['command']}``\n")
+    parts.append(_code_block(cuda_bench.format_table(run)))
+    return parts
+
 
 def main(outdir, results_dir=RESULTS):
-    """Write ``performance_results.inc`` (and plots) for the files in ``results_dir``."""
+    """Write ``performance_results.inc`` and ``performance_cuda.inc`` (and plots) for the files in ``results_dir``.
+
+    Returns the path of ``performance_results.inc``; ``performance_cuda.inc``
+    is written beside it.
+    """
     os.makedirs(outdir, exist_ok=True)
-    parts = []
+    cpu, gpu = [], []
     for n, name in enumerate(sorted(glob.glob(os.path.join(results_dir, "*.json")))):
         with open(name) as fh:
             run = json.load(fh)
         stem = os.path.splitext(os.path.basename(name))[0]
-        title = f"``{stem}``"
-        parts.append(f"{title}\n{'~' * len(title)}\n")
-        if run.get("machine"):
-            parts.append(f"Machine: ``{json.dumps(run['machine'], sort_keys=True)}``\n")
-        if run.get("command"):
-            parts.append(f"Command: ``{run['command']}``\n")
-        if run.get("results"):
-            png = f"performance_{n}.png"
-            _bench.plot(run, os.path.join(outdir, png))
-            parts.append(f".. image:: /generated/{png}\n   :alt: time against sequence length, {stem}\n")
-            table = "\n".join("   " + line for line in _bench.format_table(run).splitlines())
-            parts.append(f".. code-block:: text\n\n{table}\n")
-    text = "\n".join(parts) if parts else NO_RESULTS
+        if run.get("kind") == "cuda":
+            gpu += _cuda_parts(run, stem)
+        else:
+            cpu += _cpu_parts(run, stem, n, outdir)
     path = os.path.join(outdir, "performance_results.inc")
-    with open(path, "w") as fh:
-        fh.write(text)
+    for target, parts, empty in ((path, cpu, NO_RESULTS),
+                                 (os.path.join(outdir, "performance_cuda.inc"), gpu, NO_CUDA_RESULTS)):
+        with open(target, "w") as fh:
+            fh.write("\n".join(parts) if parts else empty)
     return path
 
 

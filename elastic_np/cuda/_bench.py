@@ -5,7 +5,9 @@ decoding shapes, both in float32 against
 ``torch.nn.functional.scaled_dot_product_attention`` on the same GPU and the
 same device memory; `bench_record` gathers them with the machine (GPU name,
 driver, numba-cuda and torch versions) into the dict that ``python -m
-elastic_np.cuda --bench --json FILE`` writes (`write_json`). Needs a GPU
+elastic_np.cuda --bench --json FILE`` writes (`write_json`), and
+`format_table` turns that dict into the table the command prints and the
+docs' performance page shows (``docs/scripts/performance.py``). Needs a GPU
 and PyTorch with CUDA; without them every timing function raises
 `elastic_np.BackendUnavailableError` saying which is missing.
 """
@@ -291,6 +293,56 @@ def write_json(record, path):
         fh.write("\n")
 
 
+def format_table(record):
+    """A results dict (`bench_record`) as the text table the command prints and the docs show.
+
+    One line per implementation and pass (time, TFLOP/s, torch's time / its
+    time), the cost of the score modifiers when plain attention ran beside
+    them, then one line per decoding shape.
+    """
+    cfg = record["config"]
+    options = " ".join(f"{name}={cfg.get(name)}" for name in ("causal", "softcap", "alibi", "bias"))
+    lines = [
+        f"{record['dtype']}, B={cfg['B']} H={cfg['H']} N={cfg['N']} M={cfg['M']} D={cfg['D']}, {options}",
+        f"  {'implementation':<18} {'pass':<17} {'time (ms)':>10} {'TFLOP/s':>8} {'torch / this':>13}",
+    ]
+    results = record["results"]
+    for what in ("forward", "forward+backward"):
+        for who, runs in results.items():
+            if what not in runs:
+                continue
+            ratio = ""
+            if who == "elastic_np":
+                ratio = f"{record['speed_ratio'][what]:.2f}"
+            elif who != "torch":
+                ratio = f"{results['torch'][what]['seconds'] / runs[what]['seconds']:.2f}"
+            lines.append(f"  {who:<18} {what:<17} {runs[what]['seconds'] * 1e3:>10.3f} "
+                         f"{runs[what]['tflops']:>8.2f} {ratio:>13}".rstrip())
+    plain = results.get("elastic_np plain")
+    if plain:
+        for what, run_ in results["elastic_np"].items():
+            lines.append(f"  the modifiers cost x{run_['seconds'] / plain[what]['seconds']:.2f} over plain "
+                         f"attention ({what})")
+    if record["decode"]:
+        lines.append(f"decoding, {record['dtype']}, causal (N queries at the end of M cached keys)")
+        lines.append(f"  {'B, H/Hkv, N, M, D':<24} {'elastic_np (ms)':>16} {'torch (ms)':>11} {'torch / this':>13}")
+        for entry in record["decode"]:
+            s = entry["shape"]
+            shape = f"{s['B']}, {s['H']}/{s['Hkv']}, {s['N']}, {s['M']}, {s['D']}"
+            lines.append(f"  {shape:<24} {entry['seconds']['elastic_np'] * 1e3:>16.3f} "
+                         f"{entry['seconds']['torch'] * 1e3:>11.3f} {entry['speed_ratio']:>13.2f}")
+    return "\n".join(lines)
+
+
+def machine_line(machine):
+    """The GPU, its driver and the library versions of a results file, as one line of text."""
+    parts = [f"{machine.get('gpu', 'unknown GPU')} (compute capability {machine.get('compute_capability', '?')})",
+             f"driver {machine.get('driver', '?')}", f"numba-cuda {machine.get('numba_cuda', '?')}"]
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']} (CUDA {machine.get('torch_cuda', '?')})")
+    return ", ".join(parts)
+
+
 #: The training shape ``(B, H, N, D)`` that `run` times unless told otherwise.
 DEFAULT_SHAPE = (4, 16, 4096, 64)
 
@@ -302,6 +354,8 @@ def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=No
     What both ``python -m elastic_np.cuda --bench`` and ``elastic-np bench
     --gpu`` run. ``command`` is the command line the results file records
     (default: ``python -m elastic_np.cuda`` with this process's arguments).
+    The table is `format_table` of the results dict, the one the docs'
+    performance page draws from a results file.
 
     Returns
     -------
@@ -315,29 +369,16 @@ def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=No
         printed or written).
     """
     B, H, N, D = shape
-    options = dict(causal=causal, softcap=softcap, alibi=alibi, bias=bias)
+    options = {"causal": causal, "softcap": softcap, "alibi": alibi, "bias": bias}
     result = bench(B, H, N, D, **options, **({} if repeat is None else {"repeat": repeat}))
-    print(f"float32, B={B} H={H} N=M={N} D={D} causal={causal} softcap={softcap} alibi={alibi} bias={bias}")
-    for what in ("forward", "forward+backward"):
-        ours, theirs = result["elastic_np"][what], result["torch"][what]
-        line = (
-            f"{what:17s} elastic_np {ours * 1e3:9.3f} ms ({result['tflops']['elastic_np'][what]:6.2f} TFLOP/s)"
-            f"   torch SDPA {theirs * 1e3:9.3f} ms ({result['tflops']['torch'][what]:6.2f} TFLOP/s)"
-            f"   speed ratio {theirs / ours:5.2f}"
-        )
-        if "elastic_np plain" in result:
-            plain = result["elastic_np plain"][what]
-            line += f"   modifiers cost x{ours / plain:5.2f} over plain ({plain * 1e3:.3f} ms)"
-        print(line)
+    decode = []
     if json_path is not None:
-        decode = []
-        for decode_shape in DECODE_SHAPES:
-            timing = bench_decode(*decode_shape)
-            decode.append((decode_shape, timing))
-            print(f"decode B, H/Hkv, N, M, D = {decode_shape}: elastic_np {timing['elastic_np'] * 1e3:.3f} ms, "
-                  f"torch SDPA {timing['torch'] * 1e3:.3f} ms, "
-                  f"speed ratio {timing['torch'] / timing['elastic_np']:.2f}")
-        record = bench_record(shape, options, result, decode, machine_info(), command=command)
+        decode = [(decode_shape, bench_decode(*decode_shape)) for decode_shape in DECODE_SHAPES]
+    machine = machine_info()
+    record = bench_record(shape, options, result, decode, machine, command=command)
+    print(machine_line(machine))
+    print(format_table(record))
+    if json_path is not None:
         write_json(record, json_path)
         print(f"wrote {json_path}")
     return result

@@ -44,6 +44,9 @@ def small_tiles(monkeypatch):
         "DKDV_BLOCK_N": 8,
         "DKDV_BLOCK_M": 4,
         "DBIAS_THREADS": 4,
+        # the delta kernel: 16 rows a block; the decode merge kernel: 2 output columns a thread pass
+        "DELTA_THREADS": 16,
+        "DECODE_MERGE_THREADS": 2,
         # decode: rows of 1 to 4 lanes (K/V tiles of 2 to 8 keys), 16 threads a block, and
         # split-KV until there are 32 blocks, splits of at least 8 keys
         "DECODE_THREADS": 16,

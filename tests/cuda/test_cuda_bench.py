@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
-from elastic_np import cuda  # noqa: E402
-from elastic_np.cuda import _bench as _cuda_bench  # noqa: E402
+from elastic_np import cuda
+from elastic_np.cuda import _bench as _cuda_bench
 
 SHAPE = (4, 16, 4096, 64)
 DECODE = (1, 32, 8, 1, 8192, 128)
@@ -24,7 +24,7 @@ def fake_timings(ours, theirs):
 
 def test_results_file_round_trip(tmp_path):
     machine = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "13.0", "numba_cuda": "0.30.4"}
-    options = dict(causal=True, softcap=None, alibi=False, bias=None)
+    options = {"causal": True, "softcap": None, "alibi": False, "bias": None}
     decode = [(DECODE, {"elastic_np": 4e-4, "torch": 1e-4})]
     record = _cuda_bench.bench_record(SHAPE, options, fake_timings(0.02, 0.01), decode, machine, command="cmd")
     path = tmp_path / "h100.json"
@@ -83,4 +83,27 @@ def test_both_command_lines_run_one_benchmark(monkeypatch):
     (shape, options), (gpu_shape, gpu_options) = calls
     assert shape == gpu_shape == (2, 4, 256, 32)
     assert gpu_options.pop("command") == "elastic-np " + " ".join(argv) and gpu_options.pop("repeat") is None
-    assert options == gpu_options == dict(causal=True, softcap=None, alibi=False, bias="keys", json_path="x.json")
+    want = {"causal": True, "softcap": None, "alibi": False, "bias": "keys", "json_path": "x.json"}
+    assert options == gpu_options == want
+
+
+def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path, capsys):
+    """`run` end to end with the timing functions replaced: the file `bench_record` makes, the table of it."""
+    machine = {"gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "driver": "13.0", "numba_cuda": "0.30.4"}
+    monkeypatch.setattr(_cuda_bench, "bench", lambda B, H, N, D, **options: fake_timings(0.02, 0.01))
+    monkeypatch.setattr(_cuda_bench, "bench_decode", lambda *shape: {"elastic_np": 4e-4, "torch": 1e-4})
+    monkeypatch.setattr(_cuda_bench, "machine_info", lambda: machine)
+    path = tmp_path / "h100.json"
+    result = _cuda_bench.run(SHAPE, causal=True, json_path=str(path), command="cmd")
+    assert result == fake_timings(0.02, 0.01)
+    record = json.loads(path.read_text())
+    options = {"causal": True, "softcap": None, "alibi": False, "bias": None}
+    want = _cuda_bench.bench_record(SHAPE, options, result, [(s, {"elastic_np": 4e-4, "torch": 1e-4})
+                                                              for s in cuda.DECODE_SHAPES], machine, command="cmd")
+    assert record == json.loads(json.dumps(want))
+    printed = capsys.readouterr().out
+    assert _cuda_bench.format_table(record) in printed and "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in printed
+    assert f"wrote {path}" in printed
+    _cuda_bench.run(SHAPE)  # without --json: no decode shapes, nothing written
+    printed = capsys.readouterr().out
+    assert "decoding" not in printed and "wrote" not in printed and "0.50" in printed
