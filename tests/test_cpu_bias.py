@@ -77,28 +77,23 @@ def test_modifiers_default_tiles_odd_sizes(dtype, opts):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["nm", "bhn1", "b1n1", "scalar", "1hnm"])
 @pytest.mark.parametrize(
-    "min_tasks,partial_bytes,pair_batch",
-    # lanes of one pair; one lane in batches of 4 (all), 3 (then 1) and 1 pair
-    [(10**6, 1 << 25, 8), (1, 1 << 25, 8), (1, 1 << 25, 3), (10**6, 1, 1)],
+    "min_tasks,partial_bytes",
+    # lanes of one pair; one lane of all pairs; one lane, for want of memory
+    [(10**6, 1 << 25), (1, 1 << 25), (10**6, 1)],
 )
-def test_dbias_lanes_and_chunks(
-    small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes, pair_batch
-):
+def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes):
     # one key tile per chunk of dq shares
     monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)
     monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", min_tasks)
     monkeypatch.setattr(cpu._config, "DBIAS_PARTIALS_BYTES", partial_bytes)
-    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", pair_batch)
     check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pair_batch", [8, 3])
-def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype, pair_batch):
+def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype):
     # a task's heads visit different query tiles (a gate per head, lengths
-    # per batch) and some tiles none: the sum over heads and its write-out
+    # per batch) and some tiles none: the sum over heads and pairs
     monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
-    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", pair_batch)
     sigma = np.array([[0.05, 0.5, 0.1, 1.2], [0.6, 0.08, 0.4, 2.0]])
     opts = dict(
         bias=BIASES["nm"], kv_lengths=[9, 31], nvm=True, tau=[0.5, 1.0, 2.0, 0.8],
@@ -111,8 +106,8 @@ def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch,
 @pytest.mark.parametrize("layout", ["full", "nm"])
 def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
     # 48 keys, whole cache lines in both dtypes: the rows of dbias start on
-    # lines and `_store_transposed` streams them (per head; and the sum over
-    # heads, one lane in one batch), the 37 queries leave edges to it
+    # lines and `_store_transposed` streams them (a full bias; the broadcast
+    # one goes to float64 partials), the 37 queries leave edges to it
     monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
     bias = random_bias((2, 4, 37, 48), 11) if layout == "full" else random_bias((37, 48), 12)
     check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
@@ -136,26 +131,22 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
     assert np.isnan(dst[start + bq * stride :]).all()
 
 
-def test_dbias_plan_lanes(monkeypatch):
+def test_dbias_plan_lanes():
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = make_inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
     p = _options.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
-    assert plan.params.tolist() == [2, 1, 1, 4, 1, 1]
+    assert plan.params.tolist() == [2, 1, 1, 4, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
-    # one lane, its 4 pairs in one batch: the sums go straight to `direct`
+    # enough key tiles for the tasks: one lane of the 4 pairs, one float64 partial
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
-    assert plan.params.tolist() == [3, 1, 1, 1, 1, 4]
-    assert plan.direct.shape == (23 * 31,) and plan.direct.dtype == np.float32
-    monkeypatch.setattr(cpu._config, "DBIAS_PAIR_BATCH", 3)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=64, chunk=8)
-    assert plan.params.tolist() == [2, 1, 1, 1, 1, 3] and plan.partials.shape == (1, 23 * 31)
+    assert plan.params.tolist() == [2, 1, 1, 1, 1] and plan.partials.shape == (1, 23 * 31)
     p = _options.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
     p = _options.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
-    assert plan.params.tolist() == [2, 0, 0, 1, 3, 1] and plan.partials.shape == (3, 2 * 4 * 23)
+    assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
 def test_reduce_to_shape_sums_only_axes_longer_than_one():

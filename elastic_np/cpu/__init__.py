@@ -39,11 +39,7 @@ contiguous axis of the tile.
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
   it is broadcast over the keys, each key tile keeps a partial of its own
-  (like the shares of dq), summed in key-tile order. A task takes the query
-  tiles of several pairs in turn (`DBIAS_PAIR_BATCH`), so that a bias tile
-  its heads share is in cache for them all and their ``dbias`` is summed in
-  cache (in the kernel dtype), then written out once; when one task takes
-  all the terms of each element, that sum is the result (`_DbiasPlan`).
+  (like the shares of dq), summed in key-tile order (`_DbiasPlan`).
 
 The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
 kernels release the GIL), as many as `numba.get_num_threads` says, so the
@@ -63,7 +59,7 @@ Modules
     the logits pipeline of a tile, shared by the forward and the backward
 ``_forward``, ``_backward``, ``_dbias``, ``_decode``
     the prefill forward, the backward and its ``dbias`` plan, the decode kernel
-``_simd``, ``_products``, ``_exp``, ``_transpose``
+``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
     the single-threaded tile primitives and what they share
 """
 

@@ -21,7 +21,6 @@ from elastic_np.cpu._dbias import (
     _store_transposed,
 )
 from elastic_np.cpu._logits import (
-    _add_scaled,
     _logits_tile,
     _prefetch_bias,
     _query_factor,
@@ -226,19 +225,21 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk)
 
 
 @njit(cache=True, fastmath=False)
-def _dbias_tile(dpt, bk, bq, mode, direct, partial, start, strides, inv_tau):
-    """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan`'s ``mode`` says.
+def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
+    """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan` says.
 
-    Modes 1 and 3 store the tile into ``direct`` (3: the heads' sum of a
-    broadcast bias, whole); mode 2 adds it into the lane's float64
-    ``partial``. ``start`` is the element of ``(b, h, i0, j0)``,
-    ``strides`` those of ``(b, h, i, j)``.
+    Mode 1 stores the tile into ``direct``; mode 2 adds it into the float64
+    ``partials[slot]`` of the task's lane.
     """
+    params, strides, direct, partials = dbias
     d_i, d_j = strides[2], strides[3]
-    if mode != 2:
+    start = b * strides[0] + h * strides[1] + i0 * d_i + j0 * d_j
+    if params[0] == 1:
         # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
         _store_transposed(dpt, bk, bq, direct, start, d_i, _like(inv_tau, dpt))
-    elif d_i == 0:
+        return
+    partial = partials[slot]
+    if d_i == 0:
         _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
     elif d_j == 1 and d_i > 1:
         # keys contiguous in dbias: the tile added transposed
@@ -270,10 +271,10 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     dsigma_part)``, ``dbias = (params, strides, direct, partials)`` of the
     `_DbiasPlan`. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
     of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
-    ``kt0 + t``; rows outside the range are not written. ``dbias`` goes
-    where `_DbiasPlan` says (``dbias_params``): each task covers one key tile
-    and, when the bias is broadcast over the batch or the heads, a lane of
-    (batch, kv head) pairs.
+    ``kt0 + t``; rows outside the range are not written. A task covers one
+    key tile of one (batch, kv head) pair, or, when the bias is broadcast
+    over the batch or the heads, of the pairs of a lane (`_DbiasPlan`), one
+    pair after the other.
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
@@ -283,146 +284,99 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     H, N = q_scaled.shape[1], q_scaled.shape[2]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    dbias_mode = dbias_params[0]
-    fold_b = dbias_params[1] != 0
-    fold_h = dbias_params[2] != 0
-    lanes = dbias_params[3]
-    slots_per_lane = dbias_params[4]
-    d_b, d_h, d_i, d_j = dbias_strides[0], dbias_strides[1], dbias_strides[2], dbias_strides[3]
+    dbias_mode, lanes, slots_per_lane = dbias_params[0], dbias_params[3], dbias_params[4]
+    fold_b, fold_h = dbias_params[1] != 0, dbias_params[2] != 0
     outer_h = 1 if fold_h else Hkv
     pairs_h = Hkv if fold_h else 1
     pairs = (B if fold_b else 1) * pairs_h
     n_outer = (1 if fold_b else B) * outer_h
-    # A task interleaves the query tiles of up to `pair_batch` (batch, kv
-    # head) pairs of its lane, heads inner: a broadcast bias tile and its
-    # dbias partial are used by every head while they are in cache.
-    pair_batch = dbias_params[5]
-    heads = pair_batch * group
     # scratch of the thread, reused by its tasks
     st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
     pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
     dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
     slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
     lse_t = np.empty(block_q, dtype=k.dtype)
-    no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     delta_t = np.empty(block_q, dtype=k.dtype)
-    # A dbias broadcast over heads and laid out along the keys: the batch's
-    # dz / tau_h are summed key-major in the kernel dtype, each head's tile
-    # as it is formed (in cache), then written out transposed once per query tile.
-    sum_heads = dbias_mode >= 2 and d_j == 1 and d_i > 1 and d_h == 0
-    dz_sum = np.empty((block_k, block_q) if sum_heads else (0, 0), dtype=k.dtype)
-    dk_acc = np.empty((pair_batch, block_k, D), dtype=k.dtype)
-    dv_acc = np.empty((pair_batch, block_k, Dv), dtype=k.dtype)
-    # per head of the batch: dtau and dsigma sums by query,
-    # and offsets [off_lo, off_hi] and query tiles [it_lo, it_hi)
-    head_sums = np.empty((heads, 2, block_q))  # dtau, dsigma
-    spans = np.empty((heads, 4), dtype=np.int64)
+    no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
+    no_gate = np.empty(0)
+    dk_acc = np.empty((block_k, D), dtype=k.dtype)
+    dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
+    # per head of the group: the dtau and dsigma sums by query, its offset
+    # range [off_lo, off_hi] and query tiles [it_lo, it_hi)
+    head_sums = np.empty((group, 2, block_q))
+    spans = np.empty((group, 4), dtype=np.int64)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
     # themselves are read only where p != 0).
     nvm_in_logits = opt.nvm and opt.has_gate
     nvm_in_exp = opt.nvm and not opt.has_gate
-    no_gate = np.empty(0)
     for task in _task_range(n_outer * lanes * n_chunk, part, parts):
-        rest = task // n_chunk
         t = _zigzag(task % n_chunk, n_chunk)
-        lane = rest % lanes
-        outer = rest // lanes
+        lane = task // n_chunk % lanes
+        outer = task // n_chunk // lanes
         kt = kt0 + t
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
-        lane_hi = (lane + 1) * pairs // lanes
-        for first in range(lane * pairs // lanes, lane_hi, pair_batch):
-            n_pairs = min(pair_batch, lane_hi - first)
-            it_first = N
-            it_last = 0
-            for pp in range(n_pairs):
-                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
-                bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
-                dk_acc[pp, :bk_all] = 0.0
-                dv_acc[pp, :bk_all] = 0.0
-                for g in range(group):
-                    hh = pp * group + g
-                    head_sums[hh] = 0.0
-                    span = spans[hh]
-                    _head_span(opt, b, hk * group + g, j0, bk, N, M, block_q, span, share_rows[t, b, hk * group + g])
-                    if span[3] > span[2]:
-                        it_first = min(it_first, span[2])
-                        it_last = max(it_last, span[3])
+        for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
+            b, hk = _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h)
+            bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
+            k_j = k[b, hk, j0 : j0 + bk]
+            v_j = v[b, hk, j0 : j0 + bk]
+            dk_acc[:bk_all] = 0.0
+            dv_acc[:bk_all] = 0.0
+            head_sums[:] = 0.0
+            it_first, it_last = N, 0
+            for g in range(group):
+                h = hk * group + g
+                _head_span(opt, b, h, j0, bk, N, M, block_q, spans[g], share_rows[t, b, h])
+                if spans[g, 3] > spans[g, 2]:
+                    it_first, it_last = min(it_first, spans[g, 2]), max(it_last, spans[g, 3])
+            # query tiles outer, heads inner: a bias tile is read by every head while in cache
             for it in range(it_first, it_last):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
-                summed = False  # dz_sum holds this query tile's sum
-                for pp in range(n_pairs):
-                    b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
-                    bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)
-                    k_j = k[b, hk, j0 : j0 + bk]
-                    v_j = v[b, hk, j0 : j0 + bk]
-                    dk_pair = dk_acc[pp]
-                    dv_pair = dv_acc[pp]
-                    for g in range(group):
-                        hh = pp * group + g
-                        h = hk * group + g
-                        if it < spans[hh, 2] or it >= spans[hh, 3]:
-                            continue
-                        off_lo, off_hi = spans[hh, 0], spans[hh, 1]
-                        inv_tau = 1.0 / opt.tau[h]
-                        inv_tau_t = _like(inv_tau, dpt)
-                        share = dq_shares[t, b, h, i0 : i0 + bq]
-                        if opt.has_bias and it + 1 < spans[hh, 3]:
-                            _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
-                        kept, _ = _logits_tile(
-                            st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
-                            off_lo, off_hi, nvm_in_logits, slope, no_max, opt.nvm,
-                        )
-                        if not kept:
-                            for r in range(bq):
-                                for d in range(D):
-                                    share[r, d] = 0.0
-                            continue
-                        # the steps of docs/derivations.rst: p, dv, dP, dz (with the
-                        # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
-                        _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                        _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
-                        matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_pair, bk, Dv, bq, True)
-                        matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                        base = j0 - (opt.kv_ends[b] - N) - i0 + M - 1  # the gate's index of (j0, i0)
-                        _dz_tile(
-                            pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[hh],
-                            opt.log_gate[b, h] if opt.has_gate else no_gate,
-                            opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
-                        )
-                        if sum_heads:
-                            if not summed:
-                                dz_sum[:bk_all, :bq] = 0.0
-                                summed = True
-                            for c in range(bk):
-                                _add_scaled(dz_sum[c, :bq], dpt[c, :bq], inv_tau_t, False)
-                        elif dbias_mode > 0:
-                            start = b * d_b + h * d_h + i0 * d_i + j0 * d_j
-                            _dbias_tile(dpt, bk, bq, dbias_mode, dbias_direct, dbias_partials[slot], start,
-                                        dbias_strides, inv_tau)
-                        if opt.has_softcap:
-                            _softcap_slope(dpt, slope, bk, bq)
-                        # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                        matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_pair, bk, D, bq, True)
-                        # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                        matmul_tn(dpt, k_j, share, bq, D, bk, False)
-                if summed:
-                    start = _pair_head(first, fold_b, fold_h, pairs_h, outer, outer_h)[0] * d_b + i0 * d_i + j0
-                    _dbias_tile(dz_sum, bk_all, bq, dbias_mode, dbias_direct, dbias_partials[slot], start,
-                                dbias_strides, 1.0)
-            for pp in range(n_pairs):
-                b, hk = _pair_head(first + pp, fold_b, fold_h, pairs_h, outer, outer_h)
                 for g in range(group):
                     h = hk * group + g
-                    sums = head_sums[pp * group + g]
-                    # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-                    dtau_part[b, h, kt] = -sums[0].sum() / opt.tau[h]
-                    dsigma_part[b, h, kt] = sums[1].sum()
-                _copy_rows(dk_acc[pp], dk[b, hk], j0, bk_all)
-                _copy_rows(dv_acc[pp], dv[b, hk], j0, bk_all)
+                    if it < spans[g, 2] or it >= spans[g, 3]:
+                        continue
+                    share = dq_shares[t, b, h, i0 : i0 + bq]
+                    if opt.has_bias and it + 1 < spans[g, 3]:
+                        _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
+                    kept, _ = _logits_tile(
+                        st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
+                        spans[g, 0], spans[g, 1], nvm_in_logits, slope, no_max, opt.nvm,
+                    )
+                    if not kept:
+                        share[:, :] = 0.0
+                        continue
+                    # the steps of docs/derivations.rst: p, dv, dP, dz (with the
+                    # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
+                    _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                    _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
+                    matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
+                    matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                    base = j0 - (opt.kv_ends[b] - N) - i0 + M - 1  # the gate's index of (j0, i0)
+                    _dz_tile(
+                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
+                        opt.log_gate[b, h] if opt.has_gate else no_gate,
+                        opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
+                    )
+                    if dbias_mode > 0:
+                        _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, 1.0 / opt.tau[h])
+                    if opt.has_softcap:
+                        _softcap_slope(dpt, slope, bk, bq)
+                    # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
+                    matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
+                    # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+                    matmul_tn(dpt, k_j, share, bq, D, bk, False)
+            for g in range(group):
+                h = hk * group + g
+                # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
+                dtau_part[b, h, kt] = -head_sums[g, 0].sum() / opt.tau[h]
+                dsigma_part[b, h, kt] = head_sums[g, 1].sum()
+            _copy_rows(dk_acc, dk[b, hk], j0, bk_all)
+            _copy_rows(dv_acc, dv[b, hk], j0, bk_all)
 
 
 @njit(nogil=True, cache=True, fastmath=False)

@@ -19,10 +19,6 @@ DQ_SHARES_BYTES = 1 << 25
 DBIAS_PARTIALS_BYTES = 1 << 25
 #: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
 DBIAS_MIN_TASKS = 64
-#: (batch, kv head) pairs of a lane whose query tiles a backward task
-#: interleaves: each tile of a broadcast bias, and of its dbias sum over
-#: heads, is then used by all their heads while it is in cache.
-DBIAS_PAIR_BATCH = 8
 
 # Decoding (`elastic_np.cpu._decode`)
 

@@ -1,7 +1,7 @@
 """Where the backward writes the bias's gradient, and the writers of its tiles.
 
-`_DbiasPlan` chooses how ``dbias`` is laid out and summed (direct, float64
-partials per lane of (batch, kv head) pairs, or one task's whole sum); the
+`_DbiasPlan` chooses how ``dbias`` is laid out and summed (direct, or float64
+partials per lane of (batch, kv head) pairs); the
 njit helpers write a key-major tile query-major (`_store_transposed`), add
 it into float64 partials (`_accumulate_transposed`, `_accumulate_columns`),
 and name a task's pairs (`_pair_head`).
@@ -36,21 +36,14 @@ class _DbiasPlan:
       ``lanes`` fixed ranges of (batch, kv head) pairs, one slot per lane;
       broadcast over the keys adds one slot per key tile of a chunk. The
       slots are summed in order: the same bits for every thread count.
-    - 3: as 2 for a bias broadcast over the heads and laid out along the
-      keys, when one task sums each element over all its (batch, head)
-      pairs (one lane, one batch of pairs, below): that sum, in the kernel
-      dtype, is written into `direct`, with no partials.
 
-    A task interleaves the query tiles of ``pair_batch`` pairs of its lane
-    at a time (`DBIAS_PAIR_BATCH`).
-
-    ``params = [mode, fold_b, fold_h, lanes, slots_per_lane, pair_batch]``; ``strides``
+    ``params = [mode, fold_b, fold_h, lanes, slots_per_lane]``; ``strides``
     are the element strides of ``(b, h, i, j)`` into the compact ``dbias``.
     """
 
     def __init__(self, p, dtype, n_kt, chunk):
         B, H, Hkv, N, M, D, Dv = p.shape
-        self.params = np.array([0, 0, 0, 1, 1, 1], dtype=np.int64)
+        self.params = np.array([0, 0, 0, 1, 1], dtype=np.int64)
         self.strides = np.zeros(4, dtype=np.int64)
         self.direct = np.zeros(1, dtype=dtype)
         self.partials = np.zeros((1, 1))
@@ -77,14 +70,8 @@ class _DbiasPlan:
         by_memory = config.DBIAS_PARTIALS_BYTES // max(8 * size * slots_per_lane, 1)
         # an empty batch or key set leaves pairs, outer or n_kt at 0: one lane of nothing
         lanes = max(min(pairs, -(-config.DBIAS_MIN_TASKS // max(outer * n_kt, 1)), max(by_memory, 1)), 1)
-        pair_batch = max(min(config.DBIAS_PAIR_BATCH, -(-pairs // lanes)), 1)
         self.per_key_tile = per_key_tile
-        by_heads = self.strides[1] == 0 and self.strides[2] > 1 and self.strides[3] == 1
-        if by_heads and lanes == 1 and pair_batch == pairs:
-            self.params[:] = (3, fold_b, fold_h, 1, 1, pair_batch)
-            self.direct = _zeros_on_lines(size, dtype)
-            return
-        self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane, pair_batch)
+        self.params[:] = (2, fold_b, fold_h, lanes, slots_per_lane)
         self.partials = np.zeros((lanes * slots_per_lane, size))
         self.total = np.zeros(size) if per_key_tile else None
 
@@ -99,7 +86,7 @@ class _DbiasPlan:
         mode = self.params[0]
         if mode == 0:
             return None
-        if mode != 2:
+        if mode == 1:
             return self.direct.reshape(self.shape)
         if not self.per_key_tile:
             # the slots in order; a single slot is the sum (no 0 + x pass)
