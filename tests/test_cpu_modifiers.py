@@ -39,10 +39,9 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     q, k, v, _ = make_inputs(dtype)
     p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
     opt = cpu._plan._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
-    b, h, hk, N, M, D = 1, 2, 1, 23, 31, 8
+    b, h, hk, D = 1, 2, 1, 8
     i0, bq, j0, bk = 8, 12, 5, 20
     bk = min(bk, int(opt.kv_lengths[b]) - j0)
-    off_lo, off_hi = opt.band[b, h]
     # the C entry points the tile calls, registered as the backend's entry points do
     cpu._simd.compile_for(np.dtype(dtype), cpu._forward._FORWARD_TILES)
     nvm_in_logits = opt.nvm and opt.has_gate
@@ -56,8 +55,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
         kept, maxed = cpu._logits._logits_tile(
-            st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm_in_logits,
-            no_slope, tile_max, nonneg,
+            st, k_j, q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_slope, tile_max, nonneg,
         )
         assert kept
         return st, tile_max, maxed

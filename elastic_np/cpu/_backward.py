@@ -151,7 +151,7 @@ def _head_span(opt, b, h, j0, bk, N, M, block_q, span, share_row):
     key tile's share of ``dq`` goes.
     """
     off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-    i_lo, i_hi = query_range(opt.kv_ends[b] - N, j0, j0 + bk, off_lo, off_hi, N)
+    i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, off_lo, off_hi, N)
     span[0], span[1] = off_lo, off_hi
     if bk == 0 or i_lo >= i_hi:
         span[2], span[3] = 0, 0
@@ -342,10 +342,10 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                         continue
                     share = dq_shares[t, b, h, i0 : i0 + bq]
                     if opt.has_bias and it + 1 < spans[g, 3]:
-                        _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all, N, M)
+                        _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
-                        st, k_j, q_scaled_t[b, h, it], D, opt, b, h, i0, bq, j0, bk, N, M,
-                        spans[g, 0], spans[g, 1], nvm_in_logits, slope, no_max, opt.nvm,
+                        st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, slope, no_max,
+                        opt.nvm,
                     )
                     if not kept:
                         share[:, :] = 0.0
@@ -356,7 +356,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
                     matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
                     matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
-                    base = j0 - (opt.kv_ends[b] - N) - i0 + M - 1  # the gate's index of (j0, i0)
+                    base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
                         pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
                         opt.log_gate[b, h] if opt.has_gate else no_gate,

@@ -135,7 +135,7 @@ def _check_unread_cache(problem, read, suspect):
 @njit(cache=True, fastmath=False)
 def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
     """Keys ``[row_lo[r], row_hi[r])`` each stacked row may keep; their union's ``(lo, hi)``."""
-    shift = opt.kv_ends[b] - N
+    shift = opt.diag_shift[b]
     length = opt.kv_lengths[b]
     u_lo, u_hi = length, 0
     for g in range(group):
@@ -323,7 +323,7 @@ def _decode_kernel(
         s = task % n_split
         b = task // n_split // Hkv
         hk = task // n_split % Hkv
-        shift = opt.kv_ends[b] - N
+        shift = opt.diag_shift[b]
         u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
@@ -427,7 +427,7 @@ def _decode_heads_kernel(
             h = hk * group + g
             _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
             off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-            j_lo, j_hi = key_range(opt.kv_ends[b] - N, 0, N, off_lo, off_hi, opt.kv_lengths[b])
+            j_lo, j_hi = key_range(opt.diag_shift[b], 0, N, off_lo, off_hi, opt.kv_lengths[b])
             spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3] = off_lo, off_hi, j_lo, j_hi
         acc[:] = 0.0
         row_max[:] = -np.inf
@@ -444,8 +444,8 @@ def _decode_heads_kernel(
                     continue
                 tile_max[:] = -np.inf
                 kept, maxed = _logits_tile(
-                    st, k_tile, q_t[g], D, opt, b, hk * group + g, 0, N, j0, bk, N, M,
-                    off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
+                    st, k_tile, q_t[g], opt, (b, hk * group + g, 0, N, j0), nvm_in_logits, no_slope, tile_max,
+                    nvm_in_max,
                 )
                 if kept:
                     _online_update(

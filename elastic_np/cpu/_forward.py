@@ -58,7 +58,7 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     """Query tiles: ``out`` and ``lse``."""
     B, H, N, D = q.shape
-    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     group = H // Hkv
     n_qt = (N + block_q - 1) // block_q
     # scratch of the thread, reused by its tasks
@@ -91,14 +91,14 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         nvm_in_logits = opt.nvm and opt.has_gate
         nvm_in_max = opt.nvm and not opt.has_gate
         off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-        j_lo, j_hi = key_range(opt.kv_ends[b] - N, i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
+        j_lo, j_hi = key_range(opt.diag_shift[b], i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
-                st, k[b, hk, j0 : j0 + bk], q_t, D, opt, b, h, i0, bq, j0, bk, N, M,
-                off_lo, off_hi, nvm_in_logits, no_slope, tile_max, nvm_in_max,
+                st, k[b, hk, j0 : j0 + bk], q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_slope, tile_max,
+                nvm_in_max,
             )
             if kept:
                 _online_update(

@@ -22,17 +22,17 @@ from elastic_np.cpu._transpose import (
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _logits_tile(
-    st, k_j, q_t, D, opt, b, h, i0, bq, j0, bk, N, M, off_lo, off_hi, nvm, slope, tile_max, nonneg,
-):
+def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
-    The product ``K_j Q^T`` (``k_j`` the tile's keys, ``q_t`` its queries
-    scaled by ``scale / tau_h``, transposed) gives ``s_raw / tau_h``; the
+    ``tile = (b, h, i0, bq, j0)``: batch entry, head, first query, queries,
+    first key; its ``bk`` keys are the rows of ``k_j``. The product ``K_j
+    Q^T`` (``q_t`` the queries scaled by ``scale / tau_h``, transposed,
+    ``(D, bq)`` or wider) gives ``s_raw / tau_h``; the
     score modifiers follow in the contract's order (see `_modify_tile`).
     Without a soft-cap (or NVM) they are additive: they are stored first and
     the product accumulates onto them (one pass over the tile less). Removed
-    entries then become ``-inf``: outside the offset range, ``s < 0`` under
+    entries then become ``-inf``: outside the offset band, ``s < 0`` under
     NVM on the final ``s`` (when ``nvm``, which the forward leaves to its own
     first pass when it can), a closed gate, a false mask entry (a ``-inf``
     bias is ``-inf`` already); the others get ``log G`` added.
@@ -49,9 +49,11 @@ def _logits_tile(
     nothing in the tile (so the caller may skip it); ``maxed`` is True when
     ``tile_max[:bq]`` holds the maxima.
     """
+    b, h, i0, bq, j0 = tile
+    bk, D = k_j.shape
     want_slope = slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
-    removes_nothing = _removes_nothing(opt, b, i0, bq, j0, bk, N, off_lo, off_hi, nvm)
+    removes_nothing = _removes_nothing(opt, tile, bk, nvm)
     additive = opt.has_alibi or opt.has_bias
     # Accumulating the product onto the bias rounds s with partial sums that
     # include it; under NVM its sign decides removal, so it is then formed in
@@ -60,7 +62,7 @@ def _logits_tile(
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     if additive_first:
-        _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
+        _modify_tile(st, opt, tile, bk, slope, want_slope, additive_first)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -73,7 +75,7 @@ def _logits_tile(
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, additive_first)
+            _modify_tile(st, opt, tile, bk, slope, want_slope, additive_first)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -86,7 +88,8 @@ def _logits_tile(
                         tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
     if removes_nothing:
         return True, fuse_max
-    shift = opt.kv_ends[b] - N
+    shift = opt.diag_shift[b]
+    off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
     neg_inf = -np.inf
     any_kept = False
     for c in range(bk):
@@ -99,7 +102,7 @@ def _logits_tile(
             row[r] = neg_inf
         for r in range(r_hi, bq):
             row[r] = neg_inf
-        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, opt.has_mask)
+        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, opt.has_mask)
         any_kept = any_kept or kept
     return any_kept, False
 
@@ -139,7 +142,7 @@ _BIAS_KEYS = 32
 
 
 @njit(cache=True, fastmath=False)
-def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
+def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
     """Prefetch the bias of the tile ``[i0, i0 + bq) x [j0, j0 + bk)``, one line at a time.
 
     A bias laid out along the keys is read by a tile as ``bq`` short runs,
@@ -148,6 +151,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
     The backward calls it for its next query tile while it computes the
     current one; the forward does not (it measured no faster with it).
     """
+    N, M = opt.n_queries, opt.n_keys
     s_i, s_j = opt.bias_strides[2], opt.bias_strides[3]
     if not opt.has_bias or min(s_i, s_j) != 1 or max(s_i, s_j) <= 1:
         return
@@ -164,8 +168,8 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk, N, M):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwrite):
-    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h``.
+def _modify_tile(st, opt, tile, bk, slope, want_slope, overwrite):
+    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
     ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
@@ -175,7 +179,8 @@ def _modify_tile(st, opt, b, h, i0, bq, j0, bk, N, M, slope, want_slope, overwri
     1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     """
-    shift = opt.kv_ends[b] - N
+    b, h, i0, bq, j0 = tile
+    shift = opt.diag_shift[b]
     inv_tau = 1.0 / opt.tau[h]
     # in the tile's dtype, so that float32 tiles stay float32
     tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
@@ -361,15 +366,16 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, M, shift, nvm, check_kept):
+def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf
+    shift = opt.diag_shift[b]
     if nvm:
         for r in range(r_lo, r_hi):
             x = row[r]
             row[r] = x if x >= 0 else neg_inf
     if opt.has_gate:
-        base = j - shift - i0 + M - 1  # table index of (j, i0 + r) is base - r
+        base = j - shift - i0 + opt.n_keys - 1  # table index of (j, i0 + r) is base - r
         for r in range(r_lo, r_hi):
             row[r] += opt.log_gate[b, h, base - r]
     if opt.has_mask:

@@ -30,10 +30,12 @@ _Options = collections.namedtuple(
         "tau",  # float64 (H,)
         "beta",  # float64 (H,)
         "kv_lengths",  # int64 (B,)
-        "kv_ends",  # int64 (B,): the key length offsets align to, off = j - i - (kv_ends[b] - N)
+        "n_queries",  # int N
+        "n_keys",  # int M
+        "diag_shift",  # int64 (B,): kv_ends[b] - N, entry (i, j) at offset off = j - i - diag_shift[b]
         "mask",  # bool, 1-D: the mask's distinct entries, C order
         "mask_strides",  # int64 (4,): element strides of (b, h, i, j) into `mask`, 0 when broadcast
-        "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - (kv_ends[b] - N), + M - 1
+        "log_gate",  # float64 (B, H, N + M - 1): log G by offset j - i - diag_shift[b], + M - 1
         "dlog_gate",  # float64, same shape: d log G / d sigma (0 where G = 0)
         "band",  # int64 (B, H, 2): offsets [lo, hi] that causal, the window and the gate leave (`offset_band`)
         "has_softcap",  # bool
@@ -94,7 +96,9 @@ def _options(p, with_sigma_grad, dtype):
         tau=np.ascontiguousarray(p.tau, dtype=np.float64),
         beta=np.ascontiguousarray(p.beta, dtype=np.float64),
         kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
-        kv_ends=np.ascontiguousarray(p.kv_ends, dtype=np.int64),
+        n_queries=N,
+        n_keys=M,
+        diag_shift=np.ascontiguousarray(p.kv_ends - N, dtype=np.int64),
         mask=mask,
         mask_strides=mask_strides,
         log_gate=log_gate,

@@ -13,12 +13,13 @@ from elastic_np.cpu._config import _FASTMATH
 
 
 @njit(cache=True, fastmath=False)
-def _removes_nothing(opt, b, i0, bq, j0, bk, N, off_lo, off_hi, nvm):
-    """True when no entry of the tile is removed (inside the offset range, no NVM, mask or gate)."""
-    shift = opt.kv_ends[b] - N
-    # Whole tile inside [off_lo, off_hi]: the last key with the first query
-    # and the first key with the last query are the extreme offsets.
-    inside = (j0 + bk - 1 - i0 - shift <= off_hi) and (j0 - (i0 + bq - 1) - shift >= off_lo)
+def _removes_nothing(opt, tile, bk, nvm):
+    """True when no entry of the tile is removed (inside the offset band, no NVM, mask or gate)."""
+    b, h, i0, bq, j0 = tile
+    shift = opt.diag_shift[b]
+    # Whole tile inside the band: the last key with the first query and the
+    # first key with the last query are the extreme offsets.
+    inside = (j0 + bk - 1 - i0 - shift <= opt.band[b, h, 1]) and (j0 - (i0 + bq - 1) - shift >= opt.band[b, h, 0])
     return inside and not (nvm or opt.has_mask or opt.has_gate)
 
 
