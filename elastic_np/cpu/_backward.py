@@ -69,7 +69,7 @@ def backward(problem, dout, out, lse, dlse=None):
     q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
     dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
-    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, q_scaled, q_scaled_t, dout_t, delta)
+    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta))
     if dlse is not None:
         np.subtract(delta, dlse, out=delta)
 
@@ -109,8 +109,9 @@ def backward(problem, dout, out, lse, dlse=None):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _backward_prepare(q, dout, out, opt, block_q, q_scaled, q_scaled_t, dout_t, delta, part, parts):
-    """Scaled queries (rows and Q^T tiles), dout^T tiles and delta in float64."""
+def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
+    """``outs = (q_scaled, q_scaled_t, dout_t, delta)``: scaled queries (rows and Q^T tiles), dout^T tiles, delta."""
+    q_scaled, q_scaled_t, dout_t, delta = outs
     B, H, N, D = q.shape
     Dv = dout.shape[3]
     for bh in _task_range(B * H, part, parts):

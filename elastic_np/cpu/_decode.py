@@ -99,7 +99,7 @@ def forward(problem):
     suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
     _run_tasks(
         _decode_heads_kernel if key_major else _decode_kernel,
-        q, k, v, opt, n_split, block_keys(rows, key_major), part_max, part_sum, part_acc, read, suspect,
+        q, k, v, opt, n_split, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
@@ -224,7 +224,7 @@ def _additive_row(z, opt, b, h, i, j0, shift):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
+def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
     """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
 
     (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._logits._query_factor`.)
@@ -247,7 +247,7 @@ def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
         cap_over_tau = _like(opt.softcap * inv_tau, z)
         for c in range(bk):
             z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
-    base = j0 - i - shift  # the offset of key j0 + c is base + c
+    base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
     if opt.has_alibi and not modified:
         alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
         for c in range(bk):
@@ -272,7 +272,7 @@ def _score_row(z, opt, b, h, i, j0, shift, lo, hi, M, N, modified):
     for c in range(c_hi, bk):
         z[c] = neg_inf
     if opt.has_gate:
-        at = base + M - 1  # the table's index of offset base + c is at + c
+        at = base + opt.n_keys - 1  # the table's index of offset base + c is at + c
         for c in range(c_lo, c_hi):
             z[c] += opt.log_gate[b, h, at + c]
     if opt.has_mask:
@@ -294,15 +294,15 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_kernel(
-    q, k, v, opt, n_split, block_k, part_max, part_sum, part_acc, read, suspect, part, parts
-):
+def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     """Tasks (batch, kv head, split): partial ``(max, sum, acc)`` of every stacked row.
 
-    ``read[b, hk]`` receives the keys ``[lo, hi)`` the splits of ``(b, hk)``
-    read; ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
+    ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
+    receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
+    ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
     overflow) may have reached split ``s``'s sums.
     """
+    part_max, part_sum, part_acc, read, suspect = outs
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
@@ -354,9 +354,7 @@ def _decode_kernel(
             for r in range(rows):
                 h = hk * group + r // N
                 i = r % N
-                tile_max = _score_row(
-                    st[r, :bk], opt, b, h, i, j0, shift, row_lo[r], row_hi[r], M, N, additive_first
-                )
+                tile_max = _score_row(st[r, :bk], opt, b, h, i, j0, row_lo[r], row_hi[r], additive_first)
                 new_max = max(row_max[r], tile_max)
                 # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
                 shift_by[r] = new_max if new_max > -np.inf else 0.0
@@ -386,9 +384,7 @@ def _decode_kernel(
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_heads_kernel(
-    q, k, v, opt, n_split, block_k, part_max, part_sum, part_acc, read, suspect, part, parts
-):
+def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
@@ -396,6 +392,7 @@ def _decode_heads_kernel(
     the tile's keys and values are in cache: no transposed keys, and the
     per-query work runs along the SIMD lanes.
     """
+    part_max, part_sum, part_acc, read, suspect = outs
     B, H, N, D = q.shape
     Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = H // Hkv
@@ -409,6 +406,7 @@ def _decode_heads_kernel(
     shift_by = np.empty(N, dtype=dtype)
     rescale_by = np.empty(N, dtype=dtype)
     tile_sum = np.empty(N, dtype=dtype)
+    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
     spans = np.empty((group, 4), dtype=np.int64)  # per head: off_lo, off_hi, and its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
@@ -448,10 +446,7 @@ def _decode_heads_kernel(
                     nvm_in_max,
                 )
                 if kept:
-                    _online_update(
-                        st, v_tile, bk, N, maxed, nvm_in_max, tile_max, shift_by, rescale_by,
-                        tile_sum, row_max[g], row_sum[g], acc[g],
-                    )
+                    _online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))
         checksum += _store_split(
             acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
             part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s],

@@ -70,6 +70,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     shift_by = np.empty(block_q, dtype=q.dtype)
     rescale_by = np.empty(block_q, dtype=q.dtype)
     tile_sum = np.empty(block_q, dtype=q.dtype)
+    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
     row_sum = np.empty(block_q)
     no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
     for task in _task_range(B * H * n_qt, part, parts):
@@ -101,27 +102,24 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
                 nvm_in_max,
             )
             if kept:
-                _online_update(
-                    st, v[b, hk, j0 : j0 + bk], bk, bq, maxed, nvm_in_max, tile_max, shift_by, rescale_by,
-                    tile_sum, row_max, row_sum, acc,
-                )
+                _online_update(st, v[b, hk, j0 : j0 + bk], bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         _finish_rows(acc, row_max, row_sum, log_beta, out[b, h, i0 : i0 + bq], lse[b, h, i0 : i0 + bq])
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _online_update(
-    st, v_j, bk, bq, maxed, nvm_in_max, tile_max, shift_by, rescale_by, tile_sum, row_max, row_sum, acc
-):
+def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
     """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`_logits_tile`) and its values ``v_j``.
 
+    ``scratch = (tile_max, shift_by, rescale_by, tile_sum)``, each of length
+    ``bq`` or more; ``rows = (row_max, row_sum, acc)``, the rows' state.
     ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
-    are taken here, of the entries ``>= 0`` with ``nvm_in_max``); the rows'
-    ``row_max``, ``row_sum`` and ``acc`` are rescaled to the new maxima and
-    the tile's exponentials (0 for the entries ``< 0`` with ``nvm_in_max``)
-    and ``P V`` added. ``shift_by``, ``rescale_by`` and ``tile_sum`` are
-    scratch of length ``bq`` or more.
+    are taken here, of the entries ``>= 0`` with ``nvm_in_max``); the rows
+    are rescaled to the new maxima and the tile's exponentials (0 for the
+    entries ``< 0`` with ``nvm_in_max``) and ``P V`` added.
     """
+    tile_max, shift_by, rescale_by, tile_sum = scratch
+    row_max, row_sum, acc = rows
     if not maxed:
         _column_max(st, bk, bq, tile_max, nvm_in_max)
     _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
