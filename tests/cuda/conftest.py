@@ -55,3 +55,20 @@ def small_tiles(monkeypatch):
         "DECODE_MIN_SPLIT_KEYS": 8,
     }.items():
         monkeypatch.setattr(_cuda_config, name, value)
+
+
+@pytest.fixture
+def decode_runs(monkeypatch):
+    """Record the key splits of every decode launch (and so that one happened)."""
+    from elastic_np.cuda import _decode as _cuda_decode
+
+    calls = []
+    launch = _cuda_decode.forward
+
+    def spy(*args):
+        n_split = launch(*args)
+        calls.append(n_split)
+        return n_split
+
+    monkeypatch.setattr(_cuda_decode, "forward", spy)
+    return calls

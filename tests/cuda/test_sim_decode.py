@@ -16,23 +16,6 @@ from oracle_checks import assert_matches_oracle, make_inputs
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
 
-@pytest.fixture
-def decode_runs(monkeypatch):
-    """Record the key splits of every decode launch (and so that one happened)."""
-    from elastic_np.cuda import _decode as _cuda_decode
-
-    calls = []
-    launch = _cuda_decode.forward
-
-    def spy(*args):
-        n_split = launch(*args)
-        calls.append(n_split)
-        return n_split
-
-    monkeypatch.setattr(_cuda_decode, "forward", spy)
-    return calls
-
-
 def make(dtype, B, H, Hkv, N, M, D=6, Dv=5, seed=0):
     return make_inputs(dtype, B, H, Hkv, N, M, D, Dv, seed)
 

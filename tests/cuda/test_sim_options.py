@@ -88,23 +88,6 @@ def everything(bias, B, H, N):
     }
 
 
-@pytest.fixture
-def paths(monkeypatch):
-    """Which forward ran: ``"decode"`` or ``"flash"`` per `enp.attention` call."""
-    from elastic_np.cuda import _decode as _cuda_decode
-
-    calls = []
-    launch = _cuda_decode.forward
-
-    def spy(*args):
-        n_split = launch(*args)
-        calls.append(n_split)
-        return n_split
-
-    monkeypatch.setattr(_cuda_decode, "forward", spy)
-    return calls
-
-
 def check_path(path, decode_splits):
     if path == "decode":
         assert decode_splits and decode_splits[-1] > 1  # the decode kernel ran, split-KV
@@ -115,12 +98,12 @@ def check_path(path, decode_splits):
 @pytest.mark.parametrize("name", ALONE)
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_option_alone(paths, dtype, path, name):
+def test_each_option_alone(decode_runs, dtype, path, name):
     B, H, N = 2, 2, PATHS[path]
     shape = {"B": B, "H": H, "Hkv": H, "N": N, "M": M, "D": 6, "Dv": 5}
     grads = check_case(dtype, alone(name, B, H, N), seed=len(name), backend="cuda", with_lse=name == "dlse",
                        **shape)[2]
-    check_path(path, paths)
+    check_path(path, decode_runs)
     assert (grads.dsigma is not None) == (name == "dynamic_window")
     assert (grads.dbias is not None) == name.startswith("bias")
 
@@ -128,12 +111,12 @@ def test_each_option_alone(paths, dtype, path, name):
 @pytest.mark.parametrize("bias", ["full", "broadcast"])
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_option_combined(paths, dtype, path, bias):
+def test_every_option_combined(decode_runs, dtype, path, bias):
     B, H, Hkv, N = 2, 4, 2, PATHS[path]
     shape = {"B": B, "H": H, "Hkv": Hkv, "N": N, "M": M, "D": 6, "Dv": 5}
     opts = everything(bias, B, H, N)
     out, lse, grads = check_case(dtype, opts, seed=7, backend="cuda", with_lse=True, **shape)
-    check_path(path, paths)
+    check_path(path, decode_runs)
     assert grads.dsigma is not None and grads.dbias is not None
     # a second run, with the same inputs: the same bits
     q, k, v, dout = make_inputs(dtype, seed=7, **shape)
