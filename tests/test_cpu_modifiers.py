@@ -49,13 +49,13 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     q_t = np.zeros((D, 16), dtype)
     q_t[:, :bq] = (q[b, h, i0 : i0 + bq] * (opt.scale / opt.tau[h])).T
     k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
-    no_slope = np.empty((0, 0), dtype)
+    no_cap_slope = np.empty((0, 0), dtype)
 
     def logits(want_max):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
         kept, maxed = cpu._logits._logits_tile(
-            st, k_j, q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_slope, tile_max, nonneg,
+            st, k_j, q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max, nonneg,
         )
         assert kept
         return st, tile_max, maxed

@@ -254,11 +254,11 @@ def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
 
 
 @njit(cache=True, fastmath=False)
-def _softcap_slope(dpt, slope, bk, bq):
+def _softcap_slope(dpt, cap_slope, bk, bq):
     """``ds_raw = ds (1 - tanh^2)``: dk and dq take the raw score's gradient."""
     for c in range(bk):
         row = dpt[c]
-        slope_row = slope[c]
+        slope_row = cap_slope[c]
         for r in range(bq):
             row[r] *= slope_row[r]
 
@@ -295,7 +295,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
     pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
     dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
-    slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
+    cap_slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
     lse_t = np.empty(block_q, dtype=k.dtype)
     delta_t = np.empty(block_q, dtype=k.dtype)
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
@@ -345,7 +345,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     if opt.has_bias and it + 1 < spans[g, 3]:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
-                        st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, slope, no_max,
+                        st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, cap_slope, no_max,
                         opt.nvm,
                     )
                     if not kept:
@@ -366,7 +366,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     if dbias_mode > 0:
                         _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, 1.0 / opt.tau[h])
                     if opt.has_softcap:
-                        _softcap_slope(dpt, slope, bk, bq)
+                        _softcap_slope(dpt, cap_slope, bk, bq)
                     # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
                     matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j

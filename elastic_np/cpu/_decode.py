@@ -135,14 +135,14 @@ def _check_unread_cache(problem, read, suspect):
 @njit(cache=True, fastmath=False)
 def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
     """Keys ``[row_lo[r], row_hi[r])`` each stacked row may keep; their union's ``(lo, hi)``."""
-    shift = opt.diag_shift[b]
+    diag_shift = opt.diag_shift[b]
     length = opt.kv_lengths[b]
     u_lo, u_hi = length, 0
     for g in range(group):
         off_lo, off_hi = opt.band[b, hk * group + g, 0], opt.band[b, hk * group + g, 1]
         for i in range(N):
             r = g * N + i
-            lo, hi = key_range(shift, i, i + 1, off_lo, off_hi, length)
+            lo, hi = key_range(diag_shift, i, i + 1, off_lo, off_hi, length)
             row_lo[r], row_hi[r] = lo, hi
             if hi > lo:
                 u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
@@ -206,10 +206,10 @@ def _transpose_keys(k_tile, kt, bk, D):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _additive_row(z, opt, b, h, i, j0, shift):
+def _additive_row(z, opt, b, h, i, j0, diag_shift):
     """``z[c] = (- alibi |off| + bias) / tau_h`` for key ``j0 + c``, as `_modify_tile` overwrites a tile."""
     inv_tau = 1.0 / opt.tau[h]
-    base = j0 - i - shift
+    base = j0 - i - diag_shift
     if opt.has_alibi:
         alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
         for c in range(z.shape[0]):
@@ -323,7 +323,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         s = task % n_split
         b = task // n_split // Hkv
         hk = task // n_split % Hkv
-        shift = opt.diag_shift[b]
+        diag_shift = opt.diag_shift[b]
         u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
@@ -348,7 +348,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
             _transpose_keys(k_tile, kt, bk, D)
             if additive_first:
                 for r in range(rows):
-                    _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, shift)
+                    _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, diag_shift)
             matmul_nn(qs, kt, st, rows, bk, D, additive_first)
             any_kept = False
             for r in range(rows):
@@ -410,7 +410,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     spans = np.empty((group, 4), dtype=np.int64)  # per head: off_lo, off_hi, and its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
-    no_slope = np.empty((0, 0), dtype=dtype)
+    no_cap_slope = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -442,7 +442,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
                     continue
                 tile_max[:] = -np.inf
                 kept, maxed = _logits_tile(
-                    st, k_tile, q_t[g], opt, (b, hk * group + g, 0, N, j0), nvm_in_logits, no_slope, tile_max,
+                    st, k_tile, q_t[g], opt, (b, hk * group + g, 0, N, j0), nvm_in_logits, no_cap_slope, tile_max,
                     nvm_in_max,
                 )
                 if kept:

@@ -72,7 +72,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     tile_sum = np.empty(block_q, dtype=q.dtype)
     scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
     row_sum = np.empty(block_q)
-    no_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
+    no_cap_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
@@ -98,7 +98,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
-                st, k[b, hk, j0 : j0 + bk], q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_slope, tile_max,
+                st, k[b, hk, j0 : j0 + bk], q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
                 nvm_in_max,
             )
             if kept:

@@ -22,7 +22,7 @@ from elastic_np.cpu._transpose import (
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
+def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
     ``tile = (b, h, i0, bq, j0)``: batch entry, head, first query, queries,
@@ -37,7 +37,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
     first pass when it can), a closed gate, a false mask entry (a ``-inf``
     bias is ``-inf`` already); the others get ``log G`` added.
 
-    ``slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
+    ``cap_slope`` receives ``1 - tanh^2`` under a soft-cap when it has the
     tile's shape (the backward), not when it is empty.
     ``tile_max`` (length ``bq`` or more; empty when not wanted) is raised to
     the column maxima of the logits (of those ``>= 0`` with ``nonneg``) when
@@ -51,7 +51,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
     """
     b, h, i0, bq, j0 = tile
     bk, D = k_j.shape
-    want_slope = slope.shape[0] > 0
+    want_cap_slope = cap_slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
     removes_nothing = _removes_nothing(opt, tile, bk, nvm)
     additive = opt.has_alibi or opt.has_bias
@@ -62,7 +62,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     if additive_first:
-        _modify_tile(st, opt, tile, bk, slope, want_slope, additive_first)
+        _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, additive_first)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -75,7 +75,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, tile, bk, slope, want_slope, additive_first)
+            _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, additive_first)
             if fuse_max:
                 # soft-cap alone: tanh is odd and increasing, so the capped
                 # tile's maxima (and its entries >= 0) are the raw ones capped
@@ -88,16 +88,16 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, slope, tile_max, nonneg):
                         tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
     if removes_nothing:
         return True, fuse_max
-    shift = opt.diag_shift[b]
+    diag_shift = opt.diag_shift[b]
     off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
     neg_inf = -np.inf
     any_kept = False
     for c in range(bk):
         j = j0 + c
         row = st[c]
-        # off = j - (i0 + r) - shift in [off_lo, off_hi]
-        r_lo = min(max(j - shift - off_hi - i0, 0), bq)
-        r_hi = max(min(j - shift - off_lo - i0 + 1, bq), r_lo)
+        # off = j - (i0 + r) - diag_shift in [off_lo, off_hi]
+        r_lo = min(max(j - diag_shift - off_hi - i0, 0), bq)
+        r_hi = max(min(j - diag_shift - off_lo - i0 + 1, bq), r_lo)
         for r in range(r_lo):
             row[r] = neg_inf
         for r in range(r_hi, bq):
@@ -168,19 +168,19 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _modify_tile(st, opt, tile, bk, slope, want_slope, overwrite):
+def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
     ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
     removes afterwards are computed too (every tile entry is finite here, so
     that nothing is lost and the loops run from 0 and vectorise). With
-    ``want_slope`` (and a soft-cap), ``slope[c, r]`` receives ``ds / ds_raw =
+    ``want_cap_slope`` (and a soft-cap), ``cap_slope[c, r]`` receives ``ds / ds_raw =
     1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
     receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
     """
     b, h, i0, bq, j0 = tile
-    shift = opt.diag_shift[b]
+    diag_shift = opt.diag_shift[b]
     inv_tau = 1.0 / opt.tau[h]
     # in the tile's dtype, so that float32 tiles stay float32
     tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
@@ -197,13 +197,13 @@ def _modify_tile(st, opt, tile, bk, slope, want_slope, overwrite):
     # with `overwrite`, the first term stored into the tile is not added
     bias_fresh = overwrite and not opt.has_alibi
     if opt.has_softcap:
-        _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope)
+        _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope)
     # Rows are slices of length bq (loops over range(bq) on whole rows did not
     # run vectorised), offsets int32 (int64 to float has no AVX2 instruction).
     for c in range(bk if opt.has_alibi or by_rows else 0):
         row = st[c, :bq]
         if opt.has_alibi:
-            base = j0 + c - i0 - shift  # off of (j0 + c, i0 + r) is base - r
+            base = j0 + c - i0 - diag_shift  # off of (j0 + c, i0 + r) is base - r
             if overwrite:
                 for r in range(row.shape[0]):
                     row[r] = -(alibi_over_tau * _like(abs(np.int32(base - r)), st))
@@ -291,10 +291,10 @@ def _column_max(st, bk, bq, col_max, nonneg):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
+def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope):
     """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
 
-    With ``want_slope``, ``slope[c, r] = 1 - tanh^2`` too, by `sech2_any`
+    With ``want_cap_slope``, ``cap_slope[c, r] = 1 - tanh^2`` too, by `sech2_any`
     (``1 - t * t`` cancels once the cap saturates). Rows go four at a
     time: four independent chains of the tangent's arithmetic in flight hide
     its latency; the rows are taken as slices of length ``bq``, without
@@ -303,9 +303,9 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
     bk4 = bk - bk % 4
     for c in range(0, bk4, 4):
         r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
-        if want_slope:
-            s0, s1 = slope[c, :bq], slope[c + 1, :bq]
-            s2, s3 = slope[c + 2, :bq], slope[c + 3, :bq]
+        if want_cap_slope:
+            s0, s1 = cap_slope[c, :bq], cap_slope[c + 1, :bq]
+            s2, s3 = cap_slope[c + 2, :bq], cap_slope[c + 3, :bq]
             for r in range(r0.shape[0]):
                 x0 = r0[r] * tau_over_cap
                 x1 = r1[r] * tau_over_cap
@@ -334,8 +334,8 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, slope, want_slope):
         for r in range(bq):
             x = row[r] * tau_over_cap
             row[r] = cap_over_tau * tanh_any(x)
-            if want_slope:
-                slope[c, r] = sech2_any(x)
+            if want_cap_slope:
+                cap_slope[c, r] = sech2_any(x)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -369,13 +369,13 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
 def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf
-    shift = opt.diag_shift[b]
+    diag_shift = opt.diag_shift[b]
     if nvm:
         for r in range(r_lo, r_hi):
             x = row[r]
             row[r] = x if x >= 0 else neg_inf
     if opt.has_gate:
-        base = j - shift - i0 + opt.n_keys - 1  # table index of (j, i0 + r) is base - r
+        base = j - diag_shift - i0 + opt.n_keys - 1  # table index of (j, i0 + r) is base - r
         for r in range(r_lo, r_hi):
             row[r] += opt.log_gate[b, h, base - r]
     if opt.has_mask:

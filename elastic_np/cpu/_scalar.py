@@ -16,10 +16,12 @@ from elastic_np.cpu._config import _FASTMATH
 def _removes_nothing(opt, tile, bk, nvm):
     """True when no entry of the tile is removed (inside the offset band, no NVM, mask or gate)."""
     b, h, i0, bq, j0 = tile
-    shift = opt.diag_shift[b]
+    diag_shift = opt.diag_shift[b]
     # Whole tile inside the band: the last key with the first query and the
     # first key with the last query are the extreme offsets.
-    inside = (j0 + bk - 1 - i0 - shift <= opt.band[b, h, 1]) and (j0 - (i0 + bq - 1) - shift >= opt.band[b, h, 0])
+    inside = (
+        j0 + bk - 1 - i0 - diag_shift <= opt.band[b, h, 1] and j0 - (i0 + bq - 1) - diag_shift >= opt.band[b, h, 0]
+    )
     return inside and not (nvm or opt.has_mask or opt.has_gate)
 
 

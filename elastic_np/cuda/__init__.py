@@ -25,10 +25,10 @@ never imports ``numba.cuda``.
 Design
 ------
 Forward (``_forward_kernel``): a flash kernel with register micro-tiles. One
-block per (batch * head, query tile of ``FORWARD_BLOCK_M`` rows); the block's
-threads form row groups of ``tpr = FORWARD_BLOCK_N / REG_N`` consecutive
+block per (batch * head, query tile of ``FORWARD_BLOCK_Q`` rows); the block's
+threads form row groups of ``tpr = FORWARD_BLOCK_K / REG_N`` consecutive
 lanes of one warp, each thread owning ``REG_M`` query rows. Per K/V tile of
-``FORWARD_BLOCK_N`` keys (staged in shared memory, K then V in the same
+``FORWARD_BLOCK_K`` keys (staged in shared memory, K then V in the same
 buffer): each thread computes a ``REG_M x REG_N`` micro-tile of dot products
 in registers (``REG_M + REG_N`` shared loads per ``REG_M REG_N``
 multiply-adds, loops fully unrolled), the score pipeline turns them into

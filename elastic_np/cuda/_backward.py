@@ -9,11 +9,11 @@ fourth for a broadcast bias's ``dbias``, below):
 - ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
   thread a row), read by the two kernels below and by the host (``dbeta``).
 - ``_backward_dkdv_kernel``: a block per (batch x kv head, key tile of
-  ``DKDV_BLOCK_N`` keys), key tiles fastest. Its K and V tiles stay in shared
+  ``DKDV_BLOCK_K`` keys), key tiles fastest. Its K and V tiles stay in shared
   memory while it loops over the query heads of the GQA group and, for each,
-  over the query tiles (``DKDV_BLOCK_M`` queries) that can see the key tile
+  over the query tiles (``DKDV_BLOCK_Q`` queries) that can see the key tile
   (causal, window, ``kv_lengths``, the dynamic window's band). The threads
-  form key groups of ``tpr = DKDV_BLOCK_M / REG_N`` lanes; thread ``(g, c)``
+  form key groups of ``tpr = DKDV_BLOCK_Q / REG_N`` lanes; thread ``(g, c)``
   owns keys ``g REG_M + r`` and, of each query tile, queries ``c + tpr n``:
   ``s = k . q`` and ``dp = v . dout`` as ``REG_M x REG_N`` register
   micro-tiles, then ``p`` and ``ds`` per entry into shared memory, then
@@ -23,15 +23,15 @@ fourth for a broadcast bias's ``dbias``, below):
   thread that adds its terms in a fixed order (heads, then query tiles, then
   queries): no atomics, the same bits every run.
 - ``_backward_dq_kernel``: a block per (batch x head, query tile of
-  ``DQ_BLOCK_M`` rows), laid out like the flash forward (row groups of
-  ``tpr = DQ_BLOCK_N / REG_N`` lanes, ``REG_M`` rows a thread); per key tile
+  ``DQ_BLOCK_Q`` rows), laid out like the flash forward (row groups of
+  ``tpr = DQ_BLOCK_K / REG_N`` lanes, ``REG_M`` rows a thread); per key tile
   it recomputes ``s`` and ``dp`` as micro-tiles and accumulates ``dq += ds k``
   in registers.
 
 Why a separate ``dq`` kernel: FlashAttention-2 adds each key tile's share of
 ``dq`` with float atomics, whose order, hence whose rounding, depends on
 scheduling. The deterministic alternatives are per-key-tile ``dq`` partials
-reduced in a fixed order, which need a ``(M / DKDV_BLOCK_N) x`` size-of-``q``
+reduced in a fixed order, which need a ``(M / DKDV_BLOCK_K) x`` size-of-``q``
 buffer (128 copies of ``q`` at ``N = M = 4096`` and 32-key tiles), or a
 second pass over the scores by query tiles. The second pass costs one more
 recomputation of ``s`` and ``dp`` (the ``q k`` and ``dout v`` products) but
@@ -111,12 +111,12 @@ def shared_elements(kind, rows, cols, D, Dv):
 def tiles(kind, itemsize, D, Dv):
     """``(threads, rows, cols)`` of a ``"dq"`` or ``"dkdv"`` block, the larger tile halved until it fits.
 
-    ``dq``: ``rows = DQ_BLOCK_M`` queries, ``cols = DQ_BLOCK_N`` keys per tile;
-    ``dkdv``: ``rows = DKDV_BLOCK_N`` keys, ``cols = DKDV_BLOCK_M`` queries per
+    ``dq``: ``rows = DQ_BLOCK_Q`` queries, ``cols = DQ_BLOCK_K`` keys per tile;
+    ``dkdv``: ``rows = DKDV_BLOCK_K`` keys, ``cols = DKDV_BLOCK_Q`` queries per
     tile. ``rows`` must be a multiple of ``REG_M``, ``cols`` of ``REG_N``;
     the block has ``(rows / REG_M) (cols / REG_N)`` threads.
     """
-    names = ("DQ_BLOCK_M", "DQ_BLOCK_N") if kind == "dq" else ("DKDV_BLOCK_N", "DKDV_BLOCK_M")
+    names = ("DQ_BLOCK_Q", "DQ_BLOCK_K") if kind == "dq" else ("DKDV_BLOCK_K", "DKDV_BLOCK_Q")
     rows, cols = (getattr(config, name) for name in names)
     if rows % REG_M or rows < REG_M:
         raise ValueError(f"{names[0]}={rows} must be a positive multiple of REG_M={REG_M}")
@@ -176,13 +176,13 @@ def _backward_delta_kernel(dout, out, dlse, fopts, delta):
 
 
 @cuda.jit(device=True)
-def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn, c, tpr,
+def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0, i_first, N, b, h, j0, jn, c, tpr,
                    prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, first_pass, dbias_full, dbias):
     """``s_tile`` (dot products) becomes ``ds_raw = ds * cap_slope`` for the thread's entries.
 
     ``ds = p (dp - delta) / tau``, 0 where the entry is removed, past the tile
     or past ``N``; ``dp`` comes from ``dp_tile``, ``lse`` and ``delta`` of row
-    ``row`` from ``stats[row]``, ``stats[block_m + row]``. On the first pass
+    ``row`` from ``stats[row]``, ``stats[block_q + row]``. On the first pass
     over the keys it also writes a full bias's ``dbias`` and adds to the
     (row, lane) compensated sums of ``dz s`` and ``dz dlogG/dsigma`` in
     ``sums`` (sections of ``slots``: sum, carry, sum, carry). A loop, not
@@ -196,7 +196,7 @@ def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0,
         i = i_first + r
         slot = row * tpr + c
         row_lse = stats[row]
-        row_delta = stats[block_m + row]
+        row_delta = stats[block_q + row]
         for n in range(REG_N):
             jj = c + tpr * n
             at = row * p_stride + jj
@@ -232,12 +232,12 @@ def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0,
 
 @cuda.jit(cache=True)
 def _backward_dq_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_n, dout, lse, delta, dq, partials,
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_k, dout, lse, delta, dq, partials,
     dbias,
 ):
     """One block per (batch * head, query tile), query tiles fastest; ``dq`` in register micro-tiles.
 
-    Thread ``(g, c)`` (row group ``g`` of ``tpr = block_n / REG_N`` lanes) owns
+    Thread ``(g, c)`` (row group ``g`` of ``tpr = block_k / REG_N`` lanes) owns
     query rows ``g REG_M + r`` and, of each key tile, keys ``c + tpr n``. Per
     key tile: stage K and V, ``s = q . k`` and ``dp = dout . v`` as micro-tiles,
     ``ds`` per entry (`_dq_tile_grads`), ``dq += ds k`` into the ``REG_M x
@@ -251,34 +251,34 @@ def _backward_dq_kernel(
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
-    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
+    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
     hk = h // (H // Hkv)
     width = min(max(D, 1), tpr * ACC_COLS)
 
     q_stride = D + 1
     do_stride = Dv + 1
-    p_stride = block_n + 1
-    slots = block_m * tpr
+    p_stride = block_k + 1
+    slots = block_q * tpr
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, at = _carve(smem, 0, block_m * q_stride)
-    do_tile, at = _carve(smem, at, block_m * do_stride)
-    s_tile, at = _carve(smem, at, block_m * p_stride)
-    dp_tile, at = _carve(smem, at, block_m * p_stride)
-    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta
+    q_tile, at = _carve(smem, 0, block_q * q_stride)
+    do_tile, at = _carve(smem, at, block_q * do_stride)
+    s_tile, at = _carve(smem, at, block_q * p_stride)
+    dp_tile, at = _carve(smem, at, block_q * p_stride)
+    stats, at = _carve(smem, at, 2 * block_q)  # lse, delta
     sums, at = _carve(smem, at, 4 * slots)
-    k_tile, at = _carve(smem, at, block_n * q_stride)
-    v_tile, at = _carve(smem, at, block_n * do_stride)
+    k_tile, at = _carve(smem, at, block_k * q_stride)
+    v_tile, at = _carve(smem, at, block_k * do_stride)
 
     zero = fopts[F_ZERO]
-    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
-    _fill(do_tile, block_m * do_stride, zero, t, threads)
+    _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
+    _fill(do_tile, block_q * do_stride, zero, t, threads)
     _fill(sums, 4 * slots, zero, t, threads)
-    for idx in range(t, block_m, threads):
+    for idx in range(t, block_q, threads):
         stats[idx] = zero
-        stats[block_m + idx] = zero
+        stats[block_q + idx] = zero
         if i0 + idx < N:
             stats[idx] = lse[b, h, i0 + idx]
-            stats[block_m + idx] = delta[b, h, i0 + idx]
+            stats[block_q + idx] = delta[b, h, i0 + idx]
     dbias_full = iopts[I_DBIAS_FULL] != 0
     if dbias_full:
         # the block owns rows [i0, i1) of dbias: zero them together (coalesced); the
@@ -304,8 +304,8 @@ def _backward_dq_kernel(
         for r in range(REG_M):
             for e in range(ACC_COLS):
                 acc[r, e] = zero
-        for j0 in range(lo, hi, block_n):
-            jn = min(block_n, hi - j0)
+        for j0 in range(lo, hi, block_k):
+            jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous tiles are consumed (and q, dout, stats written)
             _stage(k, b, hk, j0, jn, 0, D, k_tile, q_stride, t, threads)
             _stage(v, b, hk, j0, jn, 0, Dv, v_tile, do_stride, t, threads)
@@ -314,7 +314,7 @@ def _backward_dq_kernel(
             _store_tile(scores, s_tile, p_stride, row0, c, tpr)
             _tile_dot(do_tile, do_stride, row0, v_tile, do_stride, c, tpr, Dv, zero, scores)
             _store_tile(scores, dp_tile, p_stride, row0, c, tpr)
-            _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_m, sums, slots, row0, i_first, N, b, h, j0, jn,
+            _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0, i_first, N, b, h, j0, jn,
                            c, tpr, prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, c0 == 0, dbias_full, dbias)
             cuda.syncthreads()  # ds written
             _tile_pv(s_tile, p_stride, row0, k_tile[c0:], q_stride, jn, c, tpr, wn, zero, acc)
@@ -337,13 +337,13 @@ def _backward_dq_kernel(
 
 
 @cuda.jit(device=True)
-def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr, prm, mask,
+def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0, im, N, b, h, c, tpr, prm, mask,
                      bias, fopts, tau_h):
     """``p_tile`` (``k . q``) becomes ``p``, ``ds_tile`` (``v . dout``) becomes ``ds_raw``, for the thread's entries.
 
     Rows are keys ``j0 + row0 + r``, columns queries ``i0 + c + tpr n``; 0
     where the entry is removed or past the tiles. ``lse`` and ``delta`` of
-    query column ``ii`` are ``stats[ii]`` and ``stats[block_m + ii]``.
+    query column ``ii`` are ``stats[ii]`` and ``stats[block_q + ii]``.
     One loop over the ``REG_M REG_N`` entries, not two nested ones: NVVM
     unrolled the inner loop of the nested form (four copies of the score
     pipeline), and ptxas spilled more (``python -m elastic_np.cuda
@@ -366,18 +366,18 @@ def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0
                 z, _s, cap_slope, _f, _u = _entry_logit(p_tile[at], i, j, bias_value, prm, fopts)
                 if z != neg_inf:  # not removed by NVM or a closed gate
                     p = math.exp(z - stats[ii])
-                    ds_raw = p * (ds_tile[at] - stats[block_m + ii]) / tau_h * cap_slope
+                    ds_raw = p * (ds_tile[at] - stats[block_q + ii]) / tau_h * cap_slope
         p_tile[at] = p
         ds_tile[at] = ds_raw
 
 
 @cuda.jit(cache=True)
 def _backward_dkdv_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_m, dout, lse, delta, dk, dv
+    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_q, dout, lse, delta, dk, dv
 ):
     """One block per (batch * kv head, key tile), key tiles fastest; ``dk``, ``dv`` in register micro-tiles.
 
-    Thread ``(g, c)`` (key group ``g`` of ``tpr = block_m / REG_N`` lanes) owns
+    Thread ``(g, c)`` (key group ``g`` of ``tpr = block_q / REG_N`` lanes) owns
     keys ``j0 + g REG_M + r`` and, of each query tile, queries ``c + tpr n``;
     its ``dk`` and ``dv`` accumulators hold output columns ``c0 + c + tpr e``
     of its keys. The loop runs over the query heads of the group and, for
@@ -388,27 +388,27 @@ def _backward_dkdv_kernel(
     M = k.shape[2]
     Dv = v.shape[3]
     group = H // Hkv
-    threads, t, tpr, block_n, row0, c, _tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_m)
+    threads, t, tpr, block_k, row0, c, _tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_q)
     widest = max(D, Dv, 1)
     width = min(widest, tpr * ACC_COLS)
 
     k_stride = D + 1
     v_stride = Dv + 1
-    p_stride = block_m + 1
+    p_stride = block_q + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    k_tile, at = _carve(smem, 0, block_n * k_stride)
-    v_tile, at = _carve(smem, at, block_n * v_stride)
-    p_tile, at = _carve(smem, at, block_n * p_stride)
-    ds_tile, at = _carve(smem, at, block_n * p_stride)
-    q_tile, at = _carve(smem, at, block_m * k_stride)
-    do_tile, at = _carve(smem, at, block_m * v_stride)
-    stats, at = _carve(smem, at, 2 * block_m)  # lse, delta of the query tile
+    k_tile, at = _carve(smem, 0, block_k * k_stride)
+    v_tile, at = _carve(smem, at, block_k * v_stride)
+    p_tile, at = _carve(smem, at, block_k * p_stride)
+    ds_tile, at = _carve(smem, at, block_k * p_stride)
+    q_tile, at = _carve(smem, at, block_q * k_stride)
+    do_tile, at = _carve(smem, at, block_q * v_stride)
+    stats, at = _carve(smem, at, 2 * block_q)  # lse, delta of the query tile
 
     zero = fopts[F_ZERO]
-    _fill(k_tile, block_n * k_stride, zero, t, threads)  # keys past M and the padding column
-    _fill(v_tile, block_n * v_stride, zero, t, threads)
-    _fill(q_tile, block_m * k_stride, zero, t, threads)
-    _fill(do_tile, block_m * v_stride, zero, t, threads)
+    _fill(k_tile, block_k * k_stride, zero, t, threads)  # keys past M and the padding column
+    _fill(v_tile, block_k * v_stride, zero, t, threads)
+    _fill(q_tile, block_q * k_stride, zero, t, threads)
+    _fill(do_tile, block_q * v_stride, zero, t, threads)
     cuda.syncthreads()
     _stage(k, b, hk, j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
     _stage(v, b, hk, j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
@@ -427,20 +427,20 @@ def _backward_dkdv_kernel(
             tau_h = tau[h]
             prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
             lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
-            for i0 in range(lo, hi, block_m):
-                im = min(block_m, hi - i0)
+            for i0 in range(lo, hi, block_q):
+                im = min(block_q, hi - i0)
                 cuda.syncthreads()  # the previous query tile is consumed (and K, V written)
                 _stage(q, b, h, i0, im, 0, D, q_tile, k_stride, t, threads)
                 _stage(dout, b, h, i0, im, 0, Dv, do_tile, v_stride, t, threads)
                 for idx in range(t, im, threads):
                     stats[idx] = lse[b, h, i0 + idx]
-                    stats[block_m + idx] = delta[b, h, i0 + idx]
+                    stats[block_q + idx] = delta[b, h, i0 + idx]
                 cuda.syncthreads()
                 _tile_dot(k_tile, k_stride, row0, q_tile, k_stride, c, tpr, D, zero, scores)
                 _store_tile(scores, p_tile, p_stride, row0, c, tpr)
                 _tile_dot(v_tile, v_stride, row0, do_tile, v_stride, c, tpr, Dv, zero, scores)
                 _store_tile(scores, ds_tile, p_stride, row0, c, tpr)
-                _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_m, row0, j0, j1, i0, im, N, b, h, c, tpr,
+                _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0, im, N, b, h, c, tpr,
                                  prm, mask, bias, fopts, tau_h)
                 cuda.syncthreads()  # p and ds written
                 if wv > 0:

@@ -23,30 +23,30 @@ REG_M = 4
 #: Forward micro-tile: keys per thread per key tile (compile-time).
 REG_N = 4
 #: Forward micro-tile: output columns per thread and pass over the keys
-#: (compile-time); heads wider than ``ACC_COLS * FORWARD_BLOCK_N / REG_N``
+#: (compile-time); heads wider than ``ACC_COLS * FORWARD_BLOCK_K / REG_N``
 #: output columns take several passes.
 ACC_COLS = 8
 
 #: Forward: query rows per block (the query tile), a multiple of ``REG_M``; the
-#: block has ``(FORWARD_BLOCK_M / REG_M) * (FORWARD_BLOCK_N / REG_N)`` threads.
-FORWARD_BLOCK_M = 64
-#: Forward: keys per shared-memory K/V tile; ``FORWARD_BLOCK_N / REG_N`` (the
+#: block has ``(FORWARD_BLOCK_Q / REG_M) * (FORWARD_BLOCK_K / REG_N)`` threads.
+FORWARD_BLOCK_Q = 64
+#: Forward: keys per shared-memory K/V tile; ``FORWARD_BLOCK_K / REG_N`` (the
 #: threads sharing a query row, combined by warp shuffles) must be a power of
 #: two of at most 32.
-FORWARD_BLOCK_N = 64
+FORWARD_BLOCK_K = 64
 
 #: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
-#: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_M / REG_M) * (DQ_BLOCK_N /
+#: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_Q / REG_M) * (DQ_BLOCK_K /
 #: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.
-DQ_BLOCK_M = 64
+DQ_BLOCK_Q = 64
 #: Backward ``dq`` kernel: keys per shared-memory K/V tile, a multiple of ``REG_N``.
-DQ_BLOCK_N = 32
+DQ_BLOCK_K = 32
 
 #: Backward ``dk``/``dv`` kernel: keys per block (the key tile), a multiple of
-#: ``REG_M``; the block has ``(DKDV_BLOCK_N / REG_M) * (DKDV_BLOCK_M / REG_N)`` threads.
-DKDV_BLOCK_N = 64
+#: ``REG_M``; the block has ``(DKDV_BLOCK_K / REG_M) * (DKDV_BLOCK_Q / REG_N)`` threads.
+DKDV_BLOCK_K = 64
 #: Backward ``dk``/``dv`` kernel: queries per shared-memory Q/dout tile, a multiple of ``REG_N``.
-DKDV_BLOCK_M = 32
+DKDV_BLOCK_Q = 32
 
 #: Backward ``delta = dout . out - dlse`` kernel: threads per block, one query row each.
 DELTA_THREADS = 128

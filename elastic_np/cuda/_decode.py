@@ -13,7 +13,7 @@ decode kernel's (`elastic_np._decode`):
   it stages in shared memory serves every head of the group.
 - **Threads.** Stacked row ``rho`` of the chunk is served by the ``tpr``
   consecutive lanes ``rho tpr + c`` (a power of two, inside one warp); lane
-  ``c`` holds, of each K/V tile of ``block_n = tpr DECODE_REG_N`` keys, the
+  ``c`` holds, of each K/V tile of ``block_k = tpr DECODE_REG_N`` keys, the
   scores of keys ``c + tpr n`` in registers, and output columns ``c + tpr e``
   (``DECODE_ACC_COLS`` accumulators). One row per thread: its running max and
   sum are scalars. The row max over the lanes is a shuffle butterfly
@@ -73,9 +73,9 @@ def _pow2_at_least(n):
 
 def shared_elements(rows_blk, tpr, D, Dv):
     """Dynamic shared memory of a decode block, in elements: queries, the K/V tile, the p tile."""
-    block_n = tpr * DECODE_REG_N
+    block_k = tpr * DECODE_REG_N
     width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
-    return rows_blk * (D + 1) + block_n * max(D + 1, width) + rows_blk * (block_n + 1)
+    return rows_blk * (D + 1) + block_k * max(D + 1, width) + rows_blk * (block_k + 1)
 
 
 def geometry(rows, D, Dv, itemsize):
@@ -202,7 +202,7 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     t = cuda.threadIdx.x
     rows_blk = threads // tpr
     chunks = (rows + rows_blk - 1) // rows_blk
-    block_n = tpr * DECODE_REG_N
+    block_k = tpr * DECODE_REG_N
     s = cuda.blockIdx.x % n_split
     chunk = cuda.blockIdx.x // n_split % chunks
     hk = cuda.blockIdx.x // (n_split * chunks) % Hkv
@@ -219,7 +219,7 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
 
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_n)
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_k)
 
     zero = fopts[F_ZERO]
     one = fopts[F_ONE]
@@ -232,9 +232,9 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
 
     # this split's keys: a run of whole tiles of the chunk's key range
     lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band)
-    n_tiles = (hi - lo + block_n - 1) // block_n
-    a = min(lo + n_tiles * s // n_split * block_n, hi)
-    e = min(lo + n_tiles * (s + 1) // n_split * block_n, hi)
+    n_tiles = (hi - lo + block_k - 1) // block_k
+    a = min(lo + n_tiles * s // n_split * block_k, hi)
+    e = min(lo + n_tiles * (s + 1) // n_split * block_k, hi)
 
     prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
     lanes = _lane_mask(t, threads)
@@ -248,8 +248,8 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
         run_sum = zero
         for col in range(DECODE_ACC_COLS):
             acc[col] = zero
-        for j0 in range(a, e, block_n):
-            jn = min(block_n, e - j0)
+        for j0 in range(a, e, block_k):
+            jn = min(block_k, e - j0)
             cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
             _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()

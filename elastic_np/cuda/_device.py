@@ -33,7 +33,7 @@ I_BIAS_SH = 9
 I_BIAS_SI = 10
 I_BIAS_SJ = 11
 I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
-I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_shift`)
+I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_diag_shift`)
 I_COUNT = 14
 
 # fopts
@@ -51,7 +51,7 @@ F_COUNT = 7
 C_NORM = 0  # 1 / (sigma sqrt(2 pi))
 C_INV_SIGMA = 1  # 1 / sigma
 C_ALIBI = 2  # the ALiBi slope
-C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_shift`)
+C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_diag_shift`)
 C_COUNT = 4
 
 # partials of the dq kernel, per (b, h, query tile)
@@ -83,7 +83,7 @@ def _real(value, like):
 
 
 @cuda.jit(device=True)
-def _shift(b, N, M, iopts, kv_lengths):
+def _diag_shift(b, N, M, iopts, kv_lengths):
     """``E_b - N``: query ``i`` of batch ``b`` sits at position ``i + E_b - N``.
 
     ``E_b`` is ``M`` (``align="array"``) or ``kv_lengths[b]`` (``align="kv_lengths"``);
@@ -96,8 +96,9 @@ def _shift(b, N, M, iopts, kv_lengths):
 
 @cuda.jit(device=True)
 def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
-    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._ranges.key_range`); tiles outside are skipped."""
-    return key_range(_shift(b, N, M, iopts, kv_lengths), i0, i1, band[b, h, 0], band[b, h, 1], kv_lengths[b])
+    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._ranges.key_range`)."""
+    diag_shift = _diag_shift(b, N, M, iopts, kv_lengths)
+    return key_range(diag_shift, i0, i1, band[b, h, 0], band[b, h, 1], kv_lengths[b])
 
 
 @cuda.jit(device=True)
@@ -105,16 +106,16 @@ def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
     """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._ranges.query_range`)."""
     if j0 >= kv_lengths[b]:
         return 0, 0
-    return query_range(_shift(b, N, M, iopts, kv_lengths), j0, j1, band[b, h, 0], band[b, h, 1], N)
+    return query_range(_diag_shift(b, N, M, iopts, kv_lengths), j0, j1, band[b, h, 0], band[b, h, 1], N)
 
 
 @cuda.jit(device=True)
-def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, mask):
+def _structural_keep(b, h, i, j, diag_shift, kv_length, causal, left, right, has_mask, mask):
     """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
 
-    ``off`` is `_shift`'s; the options come in as scalars the kernel read once.
+    ``diag_shift`` is `_diag_shift`'s; the options come in as scalars the kernel read once.
     """
-    d = j - i - off
+    d = j - i - diag_shift
     if causal and d > 0:
         return False
     if left >= 0 and d < -left:
@@ -134,9 +135,9 @@ def _structural_keep(b, h, i, j, off, kv_length, causal, left, right, has_mask, 
 
 
 @cuda.jit(device=True)
-def _gate(i, j, off, u_scale, norm, threshold, sharpness, fopts):
+def _gate(i, j, diag_shift, u_scale, norm, threshold, sharpness, fopts):
     """The dynamic window at ``(i, j)``: gate ``G`` (0 when closed), bell ``f``, ``u = x / sigma``."""
-    u = u_scale * _real(j - i - off, fopts)
+    u = u_scale * _real(j - i - diag_shift, fopts)
     f = norm * math.exp(-(u * u) / (fopts[F_ONE] + fopts[F_ONE]))
     G = fopts[F_ZERO]
     if f > threshold:
@@ -164,7 +165,7 @@ def _log_add_exp(a, b):
 
 @cuda.jit(device=True)
 def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
-    """The final score of an entry at offset ``d`` (see `_shift`) and ``ds / ds_raw``.
+    """The final score of an entry at offset ``d`` (see `_diag_shift`) and ``ds / ds_raw``.
 
     ``s = softcap tanh(scale dot / softcap) - alibi_slope |d| + bias_value``
     (the soft-cap only when ``softcap > 0``; ``alibi_slope`` and
@@ -197,7 +198,7 @@ def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
         g_norm = bh_consts[b, h, C_NORM]
         u_scale = bh_consts[b, h, C_U_SCALE]
     return (
-        _shift(b, N, M, iopts, kv_lengths), kv_lengths[b], iopts[I_CAUSAL] != 0, iopts[I_LEFT],
+        _diag_shift(b, N, M, iopts, kv_lengths), kv_lengths[b], iopts[I_CAUSAL] != 0, iopts[I_LEFT],
         iopts[I_RIGHT], iopts[I_HAS_MASK] != 0, iopts[I_NVM] != 0, iopts[I_HAS_GATE] != 0,
         iopts[I_HAS_BIAS] != 0, b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH], iopts[I_BIAS_SI],
         iopts[I_BIAS_SJ], fopts[F_SCALE], fopts[F_SOFTCAP], alibi_slope, tau[h], u_scale, g_norm,
@@ -213,10 +214,10 @@ def _entry_keep(b, h, i, j, prm, mask, bias, fopts):
     an entry the causal, window, ``kv_lengths`` or mask conditions remove,
     or whose bias is ``-inf``, is not kept. ``prm`` is `_bh_params`'s tuple.
     """
-    (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
     bias_value = fopts[F_ZERO]
-    if not _structural_keep(b, h, i, j, shift, kv_length, causal, left, right, has_mask, mask):
+    if not _structural_keep(b, h, i, j, diag_shift, kv_length, causal, left, right, has_mask, mask):
         return False, bias_value
     if has_bias:
         bias_value = bias[bias_bh + i * bias_si + j * bias_sj]
@@ -235,18 +236,18 @@ def _entry_logit(dot, i, j, bias_value, prm, fopts):
     are returned too (0 without one); ``z = -inf`` when NVM or a closed gate
     removes the entry.
     """
-    (shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
-    s, cap_slope = _score(dot, j - i - shift, scale, softcap, alibi_slope, bias_value, fopts)
+    s, cap_slope = _score(dot, j - i - diag_shift, scale, softcap, alibi_slope, bias_value, fopts)
     if nvm and s < zero:
         return neg_inf, s, cap_slope, zero, zero
     z = s / tau_h
     f = zero
     u = zero
     if has_gate:
-        G, f, u = _gate(i, j, shift, u_scale, g_norm, threshold, sharpness, fopts)
+        G, f, u = _gate(i, j, diag_shift, u_scale, g_norm, threshold, sharpness, fopts)
         if not G > zero:
             return neg_inf, s, cap_slope, f, u
         z += math.log(G)
@@ -384,20 +385,20 @@ def _carve(smem, at, size):
 
 
 @inline_device
-def _flash_tiles(smem, rows, D, width, block_n):
+def _flash_tiles(smem, rows, D, width, block_k):
     """The tiles the forward and decode kernels start their shared memory with, and their strides.
 
     ``(q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, end)``: ``rows``
-    query rows (row stride ``D + 1``), the K/V tile of ``block_n`` keys (K,
+    query rows (row stride ``D + 1``), the K/V tile of ``block_k`` keys (K,
     then V's ``width`` columns of a pass, in the same buffer; row stride
-    ``max(D + 1, width)``) and the ``rows x block_n`` tile of ``p`` (row
-    stride ``block_n + 1``); ``end`` is the offset past them.
+    ``max(D + 1, width)``) and the ``rows x block_k`` tile of ``p`` (row
+    stride ``block_k + 1``); ``end`` is the offset past them.
     """
     q_stride = D + 1
     kv_stride = max(D + 1, width)
-    p_stride = block_n + 1
+    p_stride = block_k + 1
     q_tile, at = _carve(smem, 0, rows * q_stride)
-    kv_tile, at = _carve(smem, at, block_n * kv_stride)
+    kv_tile, at = _carve(smem, at, block_k * kv_stride)
     p_tile, at = _carve(smem, at, rows * p_stride)
     return q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at
 

@@ -83,12 +83,12 @@ def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h
 
 
 @cuda.jit(cache=True)
-def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_n, out, lse):
+def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_k, out, lse):
     """One block per (batch * head, query tile); a flash forward with register micro-tiles.
 
     The grid is one-dimensional, query tiles fastest, so that the blocks that
     share a head's K/V run side by side. The block's threads form row groups
-    of ``tpr = block_n / REG_N`` consecutive lanes (a power of two, inside
+    of ``tpr = block_k / REG_N`` consecutive lanes (a power of two, inside
     one warp); thread ``(g, c)`` owns query rows ``g REG_M + r`` and, of each
     key tile, keys ``c + tpr n`` (``REG_M x REG_N`` scores in registers) and
     output columns ``c + tpr e`` (``REG_M x ACC_COLS`` accumulators). Per key
@@ -98,17 +98,17 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     (each recomputing the same scores, so every pass has the same softmax).
     """
     B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
-    threads, t, tpr, block_m, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_n)
+    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
     hk = h // (H // Hkv)
     width = min(max(Dv, 1), tpr * ACC_COLS)
 
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_m, D, width, block_n)
-    stats, at = _carve(smem, at, 3 * block_m * tpr)  # per (row, lane): max, sum, rescale
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_q, D, width, block_k)
+    stats, at = _carve(smem, at, 3 * block_q * tpr)  # per (row, lane): max, sum, rescale
 
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
-    _fill(q_tile, block_m * q_stride, zero, t, threads)  # rows past N and the padding column
+    _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
     cuda.syncthreads()
     _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
     prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
@@ -116,7 +116,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
-    slots = block_m * tpr
+    slots = block_q * tpr
     i_first = i0 + row0
     for c0 in range(0, max(Dv, 1), width):
         wn = min(width, Dv - c0)
@@ -125,8 +125,8 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
             stats[slots + (row0 + r) * tpr + c] = zero
             for e in range(ACC_COLS):
                 acc[r, e] = zero
-        for j0 in range(lo, hi, block_n):
-            jn = min(block_n, hi - j0)
+        for j0 in range(lo, hi, block_k):
+            jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
             _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()

@@ -22,40 +22,40 @@ from elastic_np.cuda._host import _cuda, _is_device, _kernel_module, _to_device
 
 
 def _forward_geometry(threads, tile):
-    """``(block_m, tpr)`` of a forward block of ``threads`` threads and key tile ``tile``."""
+    """``(block_q, tpr)`` of a forward block of ``threads`` threads and key tile ``tile``."""
     tpr = tile // config.REG_N
     return threads // tpr * config.REG_M, tpr
 
 
 def _shared_elements(kind, threads, tile, D, Dv):
     """Elements of dynamic shared memory one forward block uses (``kind="forward"``; see its layout)."""
-    block_m, tpr = _forward_geometry(threads, tile)
+    block_q, tpr = _forward_geometry(threads, tile)
     width = min(max(Dv, 1), tpr * config.ACC_COLS)
-    return block_m * (D + 1) + tile * max(D + 1, width) + block_m * (tile + 1) + 3 * block_m * tpr
+    return block_q * (D + 1) + tile * max(D + 1, width) + block_q * (tile + 1) + 3 * block_q * tpr
 
 
 def _forward_tiles(itemsize, D, Dv):
     """``(threads, key tile)`` of the forward, from the config, shrunk until the shared memory fits."""
-    block_m, block_n = config.FORWARD_BLOCK_M, config.FORWARD_BLOCK_N
-    tpr = block_n // config.REG_N
-    if block_n % config.REG_N or tpr < 1 or tpr > 32 or tpr & (tpr - 1):
+    block_q, block_k = config.FORWARD_BLOCK_Q, config.FORWARD_BLOCK_K
+    tpr = block_k // config.REG_N
+    if block_k % config.REG_N or tpr < 1 or tpr > 32 or tpr & (tpr - 1):
         raise ValueError(
-            f"FORWARD_BLOCK_N={block_n} must be REG_N={config.REG_N} times a power of two of at most 32"
+            f"FORWARD_BLOCK_K={block_k} must be REG_N={config.REG_N} times a power of two of at most 32"
         )
-    if block_m % config.REG_M or block_m < config.REG_M:
-        raise ValueError(f"FORWARD_BLOCK_M={block_m} must be a multiple of REG_M={config.REG_M}")
+    if block_q % config.REG_M or block_q < config.REG_M:
+        raise ValueError(f"FORWARD_BLOCK_Q={block_q} must be a multiple of REG_M={config.REG_M}")
 
     def threads():
-        return (block_m // config.REG_M) * (block_n // config.REG_N)
+        return (block_q // config.REG_M) * (block_k // config.REG_N)
 
-    while _shared_elements("forward", threads(), block_n, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
-        if block_n > config.REG_N and (block_n >= block_m or block_m <= config.REG_M):
-            block_n //= 2
-        elif block_m > config.REG_M and block_m % (2 * config.REG_M) == 0:
-            block_m //= 2
+    while _shared_elements("forward", threads(), block_k, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+        if block_k > config.REG_N and (block_k >= block_q or block_q <= config.REG_M):
+            block_k //= 2
+        elif block_q > config.REG_M and block_q % (2 * config.REG_M) == 0:
+            block_q //= 2
         else:
             raise config.shared_memory_error(D, Dv)
-    return threads(), block_n
+    return threads(), block_k
 
 
 def _tiles(kind, itemsize, D, Dv):
@@ -224,8 +224,8 @@ def forward(p):
         o = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
-        block_m, _ = _forward_geometry(threads, tile)
-        _kernel_module("_forward")._forward_kernel[_blocks(N, block_m) * B * H, threads, 0, shared](
+        block_q, _ = _forward_geometry(threads, tile)
+        _kernel_module("_forward")._forward_kernel[_blocks(N, block_q) * B * H, threads, 0, shared](
             q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
             o["tau"], o["beta"], o["bh_consts"], o["bias"], tile, out, lse,
         )

@@ -37,12 +37,12 @@ def small_tiles(monkeypatch):
     from elastic_np.cuda import _config as _cuda_config
 
     for name, value in {
-        "FORWARD_BLOCK_M": 8,
-        "FORWARD_BLOCK_N": 8,
-        "DQ_BLOCK_M": 8,
-        "DQ_BLOCK_N": 4,
-        "DKDV_BLOCK_N": 8,
-        "DKDV_BLOCK_M": 4,
+        "FORWARD_BLOCK_Q": 8,
+        "FORWARD_BLOCK_K": 8,
+        "DQ_BLOCK_Q": 8,
+        "DQ_BLOCK_K": 4,
+        "DKDV_BLOCK_K": 8,
+        "DKDV_BLOCK_Q": 4,
         "DBIAS_THREADS": 4,
         # the delta kernel: 16 rows a block; the decode merge kernel: 2 output columns a thread pass
         "DELTA_THREADS": 16,

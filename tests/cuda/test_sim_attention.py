@@ -207,8 +207,8 @@ def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     from elastic_np.cuda import _config as _cuda_config
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", 64)
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 32)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 32)
     threads, tile = cuda._tiles("forward", 8, 64, 64)
     assert cuda._shared_elements("forward", threads, tile, 64, 64) * 8 <= 48 * 1024
     assert threads >= 1 and tile >= 1

@@ -44,8 +44,8 @@ GEOMETRIES = [
 
 
 def set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m):
-    for name, value in (("DQ_BLOCK_M", dq_m), ("DQ_BLOCK_N", dq_n), ("DKDV_BLOCK_N", dkdv_n),
-                        ("DKDV_BLOCK_M", dkdv_m)):
+    for name, value in (("DQ_BLOCK_Q", dq_m), ("DQ_BLOCK_K", dq_n), ("DKDV_BLOCK_K", dkdv_n),
+                        ("DKDV_BLOCK_Q", dkdv_m)):
         monkeypatch.setattr(_cuda_config, name, value)
 
 
@@ -76,8 +76,8 @@ def test_backward_is_bit_identical_across_runs(monkeypatch, dtype):
         np.testing.assert_array_equal(getattr(first, name), getattr(again, name), err_msg=name)
 
 
-@pytest.mark.parametrize("name, value", [("DQ_BLOCK_M", 6), ("DQ_BLOCK_N", 2), ("DKDV_BLOCK_N", 10),
-                                         ("DKDV_BLOCK_M", 0)])
+@pytest.mark.parametrize("name, value", [("DQ_BLOCK_Q", 6), ("DQ_BLOCK_K", 2), ("DKDV_BLOCK_K", 10),
+                                         ("DKDV_BLOCK_Q", 0)])
 def test_backward_tiles_are_checked(monkeypatch, name, value):
     from elastic_np.cuda import _backward as _cuda_backward
 
@@ -108,7 +108,7 @@ def test_default_geometry(monkeypatch):
     from elastic_np.cuda import _backward as _cuda_backward
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
-    for name in ("DQ_BLOCK_M", "DQ_BLOCK_N", "DKDV_BLOCK_N", "DKDV_BLOCK_M"):
+    for name in ("DQ_BLOCK_Q", "DQ_BLOCK_K", "DKDV_BLOCK_K", "DKDV_BLOCK_Q"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
     assert _cuda_backward.tiles("dq", 4, 4, 5) == (128, 64, 32)  # float32: 64 rows x 32 keys
     assert _cuda_backward.tiles("dq", 8, 4, 5) == (64, 32, 32)  # float64: 32 rows x 32 keys

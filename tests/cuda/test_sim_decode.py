@@ -112,7 +112,7 @@ def test_geometry_of_these_tests():
     from elastic_np.cuda import _decode as decode
 
     rows_blk, tpr = decode.geometry(4 * 2, 6, 5, 8)
-    assert (rows_blk, tpr) == (8, 2)  # block_n = 4 keys
+    assert (rows_blk, tpr) == (8, 2)  # block_k = 4 keys
     assert decode.splits(3, 37) == 4  # 37 keys in 4 splits of 2 or 3 tiles
     rows_blk, tpr = decode.geometry(8 * 16, 6, 5, 8)
     assert rows_blk * tpr <= _cuda_config.DECODE_THREADS and -(-128 // rows_blk) > 1

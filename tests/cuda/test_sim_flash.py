@@ -57,14 +57,14 @@ GEOMETRIES = [
 ]
 
 
-@pytest.mark.parametrize("block_m, block_n, Dv, name", GEOMETRIES)
-def test_forward_geometries_match_reference(monkeypatch, block_m, block_n, Dv, name):
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", block_m)
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", block_n)
+@pytest.mark.parametrize("block_q, block_k, Dv, name", GEOMETRIES)
+def test_forward_geometries_match_reference(monkeypatch, block_q, block_k, Dv, name):
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", block_q)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", block_k)
     threads, tile = cuda._tiles("forward", 8, 6, Dv)
     block_rows, tpr = cuda._forward_geometry(threads, tile)
-    assert (block_rows, tile) == (block_m, block_n)  # nothing shrunk: the geometry asked for runs
-    assert tpr == block_n // _cuda_config.REG_N
+    assert (block_rows, tile) == (block_q, block_k)  # nothing shrunk: the geometry asked for runs
+    assert tpr == block_k // _cuda_config.REG_N
     passes = -(-Dv // (tpr * _cuda_config.ACC_COLS))
     assert passes == {3: 1, 5: 1, 21: 3 if tpr == 1 else 2, 40: 2}[Dv]
     q, k, v = inputs(np.float64, Dv)
@@ -78,7 +78,7 @@ def test_forward_geometries_match_reference(monkeypatch, block_m, block_n, Dv, n
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_forward_is_bit_identical_across_runs(monkeypatch, dtype):
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 16)  # four lanes per row: two shuffle steps
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 16)  # four lanes per row: two shuffle steps
     q, k, v = inputs(dtype, 21, seed=1)
     opts = OPTIONS["bias, softcap, window, kv_lengths"]
     first = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
@@ -87,7 +87,7 @@ def test_forward_is_bit_identical_across_runs(monkeypatch, dtype):
         assert a.dtype == dtype and a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("name, value", [("FORWARD_BLOCK_N", 12), ("FORWARD_BLOCK_N", 256), ("FORWARD_BLOCK_M", 6)])
+@pytest.mark.parametrize("name, value", [("FORWARD_BLOCK_K", 12), ("FORWARD_BLOCK_K", 256), ("FORWARD_BLOCK_Q", 6)])
 def test_forward_geometry_is_checked(monkeypatch, name, value):
     monkeypatch.setattr(_cuda_config, name, value)
     with pytest.raises(ValueError, match=name):
@@ -95,14 +95,14 @@ def test_forward_geometry_is_checked(monkeypatch, name, value):
 
 
 def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_M", 64)
-    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_N", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 64)
     for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128)):
         threads, tile = cuda._tiles("forward", itemsize, D, D)
-        block_m, tpr = cuda._forward_geometry(threads, tile)
+        block_q, tpr = cuda._forward_geometry(threads, tile)
         assert cuda._shared_elements("forward", threads, tile, D, D) * itemsize <= _cuda_config.MAX_SHARED_BYTES
-        assert block_m % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
-        assert max(block_m, tile) <= 2 * min(block_m, tile)  # neither side shrunk alone
+        assert block_q % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
+        assert max(block_q, tile) <= 2 * min(block_q, tile)  # neither side shrunk alone
 
 
 def test_default_geometry(monkeypatch):
@@ -110,7 +110,7 @@ def test_default_geometry(monkeypatch):
     import importlib
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
-    for name in ("FORWARD_BLOCK_M", "FORWARD_BLOCK_N"):
+    for name in ("FORWARD_BLOCK_Q", "FORWARD_BLOCK_K"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
     assert cuda._tiles("forward", 4, 4, 5) == (256, 64)  # float32 keeps 64 x 64: 16 lanes a row
     assert cuda._tiles("forward", 8, 4, 5) == (128, 32)  # float64: p tile and row stats pass 48 KB

@@ -139,15 +139,15 @@ def test_these_shapes_run_several_tiles_and_a_partial_last_one():
     N = PATHS["flash"]
     for itemsize in (4, 8):
         threads, tile = cuda._tiles("forward", itemsize, 6, 5)
-        block_m, _ = cuda._forward_geometry(threads, tile)
-        assert (block_m, tile) == (8, 8) and N % block_m and M % tile and N > 2 * block_m and M > 2 * tile
+        block_q, _ = cuda._forward_geometry(threads, tile)
+        assert (block_q, tile) == (8, 8) and N % block_q and M % tile and N > 2 * block_q and M > 2 * tile
         assert _backward.tiles("dq", itemsize, 6, 5)[1:] == (8, 4) and M % 4 and M > 2 * 4
         assert _backward.tiles("dkdv", itemsize, 6, 5)[1:] == (8, 4) and N % 4 and M % 8
         for group in (1, 2):  # the options alone, and combined (GQA)
             rows_blk, tpr = _decode.geometry(group * PATHS["decode"], 6, 5, itemsize)
-            block_n = tpr * _decode.DECODE_REG_N
+            block_k = tpr * _decode.DECODE_REG_N
             n_split = _decode.splits(2 * 2 * -(-(group * PATHS["decode"]) // rows_blk), M)
-            assert n_split == 2 and M / n_split > block_n and M % block_n
+            assert n_split == 2 and M / n_split > block_k and M % block_k
     assert 2 * 2 * N > _cuda_config.DELTA_THREADS and (2 * 2 * N) % _cuda_config.DELTA_THREADS
     assert 5 % _cuda_config.DECODE_MERGE_THREADS and 5 > _cuda_config.DECODE_MERGE_THREADS
     assert (2 * N) % _cuda_config.DBIAS_THREADS  # the key bias's dbias: B N entries per bias entry
