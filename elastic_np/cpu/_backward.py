@@ -143,24 +143,21 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 
 @njit(cache=True, fastmath=False)
-def _head_span(opt, b, h, j0, bk, N, M, block_q, span, share_row):
+def _head_span(opt, b, h, j0, bk, N, block_q, span, share_row):
     """What head ``h`` of batch entry ``b`` does with keys ``j0 .. j0 + bk - 1``.
 
-    ``span`` receives its offset range ``(off_lo, off_hi)`` and the query
-    tiles ``[it_lo, it_hi)`` that may keep one of the keys (``it_lo = it_hi = 0``
-    when none); ``share_row`` the rows ``[lo, hi)`` of those tiles, where the
-    key tile's share of ``dq`` goes.
+    ``span`` receives the query tiles ``[it_lo, it_hi)`` that may keep one
+    of the keys (``it_lo = it_hi = 0`` when none); ``share_row`` the rows
+    ``[lo, hi)`` of those tiles, where the key tile's share of ``dq`` goes.
     """
-    off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-    i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, off_lo, off_hi, N)
-    span[0], span[1] = off_lo, off_hi
+    i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, opt.band[b, h, 0], opt.band[b, h, 1], N)
     if bk == 0 or i_lo >= i_hi:
-        span[2], span[3] = 0, 0
+        span[0], span[1] = 0, 0
         share_row[0], share_row[1] = 0, 0
         return
     it_lo = i_lo // block_q
     it_hi = (i_hi - 1) // block_q + 1
-    span[2], span[3] = it_lo, it_hi
+    span[0], span[1] = it_lo, it_hi
     share_row[0], share_row[1] = it_lo * block_q, min(it_hi * block_q, N)
 
 
@@ -302,10 +299,10 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     no_gate = np.empty(0)
     dk_acc = np.empty((block_k, D), dtype=k.dtype)
     dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
-    # per head of the group: the dtau and dsigma sums by query, its offset
-    # range [off_lo, off_hi] and query tiles [it_lo, it_hi)
+    # per head of the group: the dtau and dsigma sums by query, and its
+    # query tiles [it_lo, it_hi)
     head_sums = np.empty((group, 2, block_q))
-    spans = np.empty((group, 4), dtype=np.int64)
+    spans = np.empty((group, 2), dtype=np.int64)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
     # themselves are read only where p != 0).
@@ -330,19 +327,19 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
             it_first, it_last = N, 0
             for g in range(group):
                 h = hk * group + g
-                _head_span(opt, b, h, j0, bk, N, M, block_q, spans[g], share_rows[t, b, h])
-                if spans[g, 3] > spans[g, 2]:
-                    it_first, it_last = min(it_first, spans[g, 2]), max(it_last, spans[g, 3])
+                _head_span(opt, b, h, j0, bk, N, block_q, spans[g], share_rows[t, b, h])
+                if spans[g, 1] > spans[g, 0]:
+                    it_first, it_last = min(it_first, spans[g, 0]), max(it_last, spans[g, 1])
             # query tiles outer, heads inner: a bias tile is read by every head while in cache
             for it in range(it_first, it_last):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
                 for g in range(group):
                     h = hk * group + g
-                    if it < spans[g, 2] or it >= spans[g, 3]:
+                    if it < spans[g, 0] or it >= spans[g, 1]:
                         continue
                     share = dq_shares[t, b, h, i0 : i0 + bq]
-                    if opt.has_bias and it + 1 < spans[g, 3]:
+                    if opt.has_bias and it + 1 < spans[g, 1]:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
                         st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, cap_slope, no_max,

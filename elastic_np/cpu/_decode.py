@@ -133,7 +133,7 @@ def _check_unread_cache(problem, read, suspect):
 
 
 @njit(cache=True, fastmath=False)
-def _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi):
+def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
     """Keys ``[row_lo[r], row_hi[r])`` each stacked row may keep; their union's ``(lo, hi)``."""
     diag_shift = opt.diag_shift[b]
     length = opt.kv_lengths[b]
@@ -304,7 +304,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     """
     part_max, part_sum, part_acc, read, suspect = outs
     B, H, N, D = q.shape
-    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     group = H // Hkv
     rows = group * N
     dtype = q.dtype
@@ -324,7 +324,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         b = task // n_split // Hkv
         hk = task // n_split % Hkv
         diag_shift = opt.diag_shift[b]
-        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
+        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
@@ -394,7 +394,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     """
     part_max, part_sum, part_acc, read, suspect = outs
     B, H, N, D = q.shape
-    Hkv, M, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     group = H // Hkv
     dtype = q.dtype
     q_t = np.empty((group, D, N), dtype=dtype)
@@ -407,7 +407,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     rescale_by = np.empty(N, dtype=dtype)
     tile_sum = np.empty(N, dtype=dtype)
     scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
-    spans = np.empty((group, 4), dtype=np.int64)  # per head: off_lo, off_hi, and its keys [j_lo, j_hi)
+    spans = np.empty((group, 2), dtype=np.int64)  # per head: its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
     no_cap_slope = np.empty((0, 0), dtype=dtype)
@@ -417,16 +417,16 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         s = task % n_split
         b = task // n_split // Hkv
         hk = task // n_split % Hkv
-        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, M, row_lo, row_hi)
+        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for g in range(group):
             h = hk * group + g
             _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
-            off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-            j_lo, j_hi = key_range(opt.diag_shift[b], 0, N, off_lo, off_hi, opt.kv_lengths[b])
-            spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3] = off_lo, off_hi, j_lo, j_hi
+            spans[g, 0], spans[g, 1] = key_range(
+                opt.diag_shift[b], 0, N, opt.band[b, h, 0], opt.band[b, h, 1], opt.kv_lengths[b]
+            )
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -437,8 +437,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
             v_tile = v[b, hk, j0 : j0 + bk]
             checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
             for g in range(group):
-                off_lo, off_hi, j_lo, j_hi = spans[g, 0], spans[g, 1], spans[g, 2], spans[g, 3]
-                if j0 >= j_hi or j0 + bk <= j_lo:
+                if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:
                     continue
                 tile_max[:] = -np.inf
                 kept, maxed = _logits_tile(
