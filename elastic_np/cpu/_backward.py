@@ -19,6 +19,7 @@ from elastic_np.cpu._dbias import (
     _DbiasPlan,
     _pair_head,
     _store_transposed,
+    _task_pairs,
 )
 from elastic_np.cpu._logits import (
     _logits_tile,
@@ -260,49 +261,67 @@ def _softcap_slope(dpt, cap_slope, bk, bq):
             row[r] *= slope_row[r]
 
 
+@njit(cache=True, fastmath=False)
+def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
+    """The per-thread tiles of `_backward_kernel`, reused by its tasks.
+
+    ``(st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums,
+    spans)``: the logits ``z``, ``p``, ``dP`` then ``dz`` (key-major tiles),
+    the soft-cap's slope (empty without one), the query tile's ``lse`` and
+    ``delta``, the ``dk`` and ``dv`` accumulators, and per head of the group
+    its ``dtau`` and ``dsigma`` sums by query and its query tiles ``[it_lo, it_hi)``.
+    """
+    dtype = k.dtype
+    D = k.shape[3]
+    tile = (block_k, block_q)
+    return (
+        np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype),
+        np.empty(tile if has_softcap else (0, 0), dtype=dtype),
+        np.empty(block_q, dtype=dtype), np.empty(block_q, dtype=dtype),
+        np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype),
+        np.zeros((group, 2, block_q)), np.empty((group, 2), dtype=np.int64),
+    )
+
+
+@njit(cache=True, fastmath=False)
+def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
+    """`_head_span` for each head of kv head ``hk``'s group; returns the union ``[it_first, it_last)``."""
+    group = spans.shape[0]
+    N = opt.n_queries
+    it_first, it_last = N, 0
+    for g in range(group):
+        h = hk * group + g
+        _head_span(opt, b, h, j0, bk, N, block_q, spans[g], share_rows[b, h])
+        if spans[g, 1] > spans[g, 0]:
+            it_first, it_last = min(it_first, spans[g, 0]), max(it_last, spans[g, 1])
+    return it_first, it_last
+
+
 @njit(nogil=True, cache=True, fastmath=False)
 def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
-    dsigma_part)``, ``dbias = (params, strides, direct, partials)`` of the
-    `_DbiasPlan`. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b, h]`` (a range
-    of whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile
-    ``kt0 + t``; rows outside the range are not written. A task covers one
-    key tile of one (batch, kv head) pair, or, when the bias is broadcast
-    over the batch or the heads, of the pairs of a lane (`_DbiasPlan`), one
-    pair after the other.
+    dsigma_part)``, ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
+    partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
+    h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
+    + t``. A task covers one key tile of one (batch, kv head) pair, or of the
+    pairs of a dbias lane (`_DbiasPlan`), one after the other.
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
-    dbias_params, dbias_strides, dbias_direct, dbias_partials = dbias
     B, Hkv, M, D = k.shape
-    Dv = v.shape[3]
-    H, N = q_scaled.shape[1], q_scaled.shape[2]
+    H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], v.shape[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    dbias_mode, lanes, slots_per_lane = dbias_params[0], dbias_params[3], dbias_params[4]
-    fold_b, fold_h = dbias_params[1] != 0, dbias_params[2] != 0
-    outer_h = 1 if fold_h else Hkv
-    pairs_h = Hkv if fold_h else 1
-    pairs = (B if fold_b else 1) * pairs_h
-    n_outer = (1 if fold_b else B) * outer_h
-    # scratch of the thread, reused by its tasks
-    st = np.empty((block_k, block_q), dtype=k.dtype)  # logits z
-    pt = np.empty((block_k, block_q), dtype=k.dtype)  # probabilities
-    dpt = np.empty((block_k, block_q), dtype=k.dtype)  # dP, then dz
-    cap_slope = np.empty((block_k, block_q) if opt.has_softcap else (0, 0), dtype=k.dtype)
-    lse_t = np.empty(block_q, dtype=k.dtype)
-    delta_t = np.empty(block_q, dtype=k.dtype)
+    lanes, slots_per_lane = dbias[0][3], dbias[0][4]
+    n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
+    st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
+        k, block_q, block_k, Dv, group, opt.has_softcap
+    )
     no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
     no_gate = np.empty(0)
-    dk_acc = np.empty((block_k, D), dtype=k.dtype)
-    dv_acc = np.empty((block_k, Dv), dtype=k.dtype)
-    # per head of the group: the dtau and dsigma sums by query, and its
-    # query tiles [it_lo, it_hi)
-    head_sums = np.empty((group, 2, block_q))
-    spans = np.empty((group, 2), dtype=np.int64)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
     # themselves are read only where p != 0).
@@ -311,35 +330,28 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     for task in _task_range(n_outer * lanes * n_chunk, part, parts):
         t = _zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
-        outer = task // n_chunk // lanes
         kt = kt0 + t
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
-            b, hk = _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h)
+            b, hk = _pair_head(dbias[0], pair, task // n_chunk // lanes, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
             k_j = k[b, hk, j0 : j0 + bk]
             v_j = v[b, hk, j0 : j0 + bk]
             dk_acc[:bk_all] = 0.0
             dv_acc[:bk_all] = 0.0
             head_sums[:] = 0.0
-            it_first, it_last = N, 0
-            for g in range(group):
-                h = hk * group + g
-                _head_span(opt, b, h, j0, bk, N, block_q, spans[g], share_rows[t, b, h])
-                if spans[g, 1] > spans[g, 0]:
-                    it_first, it_last = min(it_first, spans[g, 0]), max(it_last, spans[g, 1])
+            it_first, it_last = _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
             # query tiles outer, heads inner: a bias tile is read by every head while in cache
             for it in range(it_first, it_last):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
-                for g in range(group):
-                    h = hk * group + g
-                    if it < spans[g, 0] or it >= spans[g, 1]:
+                for h in range(hk * group, (hk + 1) * group):
+                    if it < spans[h % group, 0] or it >= spans[h % group, 1]:
                         continue
                     share = dq_shares[t, b, h, i0 : i0 + bq]
-                    if opt.has_bias and it + 1 < spans[g, 1]:
+                    if opt.has_bias and it + 1 < spans[h % group, 1]:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
                         st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, cap_slope, no_max,
@@ -356,11 +368,11 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
                     base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
-                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
+                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[h % group],
                         opt.log_gate[b, h] if opt.has_gate else no_gate,
                         opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
                     )
-                    if dbias_mode > 0:
+                    if dbias[0][0] > 0:
                         _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, 1.0 / opt.tau[h])
                     if opt.has_softcap:
                         _softcap_slope(dpt, cap_slope, bk, bq)
@@ -368,11 +380,10 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
                     matmul_tn(dpt, k_j, share, bq, D, bk, False)
-            for g in range(group):
-                h = hk * group + g
+            for h in range(hk * group, (hk + 1) * group):
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-                dtau_part[b, h, kt] = -head_sums[g, 0].sum() / opt.tau[h]
-                dsigma_part[b, h, kt] = head_sums[g, 1].sum()
+                dtau_part[b, h, kt] = -head_sums[h % group, 0].sum() / opt.tau[h]
+                dsigma_part[b, h, kt] = head_sums[h % group, 1].sum()
             _copy_rows(dk_acc, dk[b, hk], j0, bk_all)
             _copy_rows(dv_acc, dv[b, hk], j0, bk_all)
 

@@ -4,7 +4,7 @@
 partials per lane of (batch, kv head) pairs); the
 njit helpers write a key-major tile query-major (`_store_transposed`), add
 it into float64 partials (`_accumulate_transposed`, `_accumulate_columns`),
-and name a task's pairs (`_pair_head`).
+and name a task's pairs (`_task_pairs`, `_pair_head`).
 """
 
 import numpy as np
@@ -152,8 +152,23 @@ def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
 
 
 @njit(cache=True, fastmath=False)
-def _pair_head(pair, fold_b, fold_h, pairs_h, outer, outer_h):
+def _task_pairs(params, B, Hkv):
+    """``(n_outer, pairs)``: a task's (batch, kv head) pairs, split over the lanes, and the tasks' outer count.
+
+    Without folding each task has one pair; folding the batch (kv heads) moves
+    that axis from the outer count into the pairs.
+    """
+    fold_b, fold_h = params[1] != 0, params[2] != 0
+    pairs = (B if fold_b else 1) * (Hkv if fold_h else 1)
+    return (1 if fold_b else B) * (1 if fold_h else Hkv), pairs
+
+
+@njit(cache=True, fastmath=False)
+def _pair_head(params, pair, outer, Hkv):
     """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
+    fold_b, fold_h = params[1] != 0, params[2] != 0
+    pairs_h = Hkv if fold_h else 1
+    outer_h = 1 if fold_h else Hkv
     b = pair // pairs_h if fold_b else outer // outer_h
     hk = pair % pairs_h if fold_h else outer % outer_h
     return b, hk
