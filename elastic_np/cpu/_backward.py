@@ -144,25 +144,6 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 
 @njit(cache=True, fastmath=False)
-def _head_span(opt, b, h, j0, bk, N, block_q, span, share_row):
-    """What head ``h`` of batch entry ``b`` does with keys ``j0 .. j0 + bk - 1``.
-
-    ``span`` receives the query tiles ``[it_lo, it_hi)`` that may keep one
-    of the keys (``it_lo = it_hi = 0`` when none); ``share_row`` the rows
-    ``[lo, hi)`` of those tiles, where the key tile's share of ``dq`` goes.
-    """
-    i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, opt.band[b, h, 0], opt.band[b, h, 1], N)
-    if bk == 0 or i_lo >= i_hi:
-        span[0], span[1] = 0, 0
-        share_row[0], share_row[1] = 0, 0
-        return
-    it_lo = i_lo // block_q
-    it_hi = (i_hi - 1) // block_q + 1
-    span[0], span[1] = it_lo, it_hi
-    share_row[0], share_row[1] = it_lo * block_q, min(it_hi * block_q, N)
-
-
-@njit(cache=True, fastmath=False)
 def _copy_rows(src, dst, j0, rows):
     """``dst[j0 : j0 + rows] = src[:rows]``, element by element.
 
@@ -285,15 +266,25 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
 
 @njit(cache=True, fastmath=False)
 def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
-    """`_head_span` for each head of kv head ``hk``'s group; returns the union ``[it_first, it_last)``."""
+    """What the heads of kv head ``hk``'s group do with keys ``j0 .. j0 + bk - 1`` of batch entry ``b``.
+
+    ``spans[g]`` receives the query tiles ``[it_lo, it_hi)`` where head ``hk
+    group + g`` may keep one of the keys (``0, 0`` when none), ``share_rows[b,
+    h]`` the rows ``[lo, hi)`` of those tiles, where the key tile's share of
+    ``dq`` goes. Returns the union of the spans, ``[it_first, it_last)``.
+    """
     group = spans.shape[0]
     N = opt.n_queries
     it_first, it_last = N, 0
     for g in range(group):
         h = hk * group + g
-        _head_span(opt, b, h, j0, bk, N, block_q, spans[g], share_rows[b, h])
-        if spans[g, 1] > spans[g, 0]:
-            it_first, it_last = min(it_first, spans[g, 0]), max(it_last, spans[g, 1])
+        i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, opt.band[b, h, 0], opt.band[b, h, 1], N)
+        it_lo, it_hi = 0, 0
+        if bk > 0 and i_lo < i_hi:
+            it_lo, it_hi = i_lo // block_q, (i_hi - 1) // block_q + 1
+            it_first, it_last = min(it_first, it_lo), max(it_last, it_hi)
+        spans[g, 0], spans[g, 1] = it_lo, it_hi
+        share_rows[b, h, 0], share_rows[b, h, 1] = it_lo * block_q, min(it_hi * block_q, N)
     return it_first, it_last
 
 
