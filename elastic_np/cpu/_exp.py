@@ -27,36 +27,57 @@ from elastic_np.cpu._simd import (
 )
 
 
-@intrinsic
-def _float_from_bits(typingctx, bits):
-    """Reinterpret the bits of an int64 (int32) as a float64 (float32)."""
-    if bits == types.int64:
-        sig, llvm_type = types.float64(types.int64), ir.DoubleType()
-    elif bits == types.int32:
-        sig, llvm_type = types.float32(types.int32), ir.FloatType()
-    else:
+def _bitcast(name, pairs, doc):
+    """An intrinsic that reinterprets the bits of its argument.
+
+    ``pairs`` maps each argument type to ``(result type, LLVM result type)``.
+    """
+
+    def typer(typingctx, x):
+        if x not in pairs:
+            return None
+        result, llvm_type = pairs[x]
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_type)
+
+        return result(x), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_float_from_bits = _bitcast(
+    "_float_from_bits",
+    {types.int64: (types.float64, ir.DoubleType()), types.int32: (types.float32, ir.FloatType())},
+    "Reinterpret the bits of an int64 (int32) as a float64 (float32).",
+)
+_float_bits = _bitcast(
+    "_float_bits",
+    {types.float64: (types.int64, ir.IntType(64)), types.float32: (types.int32, ir.IntType(32))},
+    "The bits of a float64 (float32) as an int64 (int32): the inverse of `_float_from_bits`.",
+)
+
+
+def by_dtype(name, f64, f32, doc):
+    """A scalar function for jit code that calls ``f64(v)`` or ``f32(v)`` by the dtype of ``v``."""
+
+    def stub(v):
+        raise NotImplementedError("only callable from compiled code")
+
+    stub.__name__ = stub.__qualname__ = name
+    stub.__doc__ = doc
+
+    @overload(stub)
+    def _stub_overload(v):
+        if v == types.float64:
+            return lambda v: f64(v)
+        if v == types.float32:
+            return lambda v: f32(v)
         return None
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-
-    return sig, codegen
-
-
-@intrinsic
-def _float_bits(typingctx, x):
-    """The bits of a float64 (float32) as an int64 (int32): the inverse of `_float_from_bits`."""
-    if x == types.float64:
-        sig, llvm_type = types.int64(types.float64), ir.IntType(64)
-    elif x == types.float32:
-        sig, llvm_type = types.int32(types.float32), ir.IntType(32)
-    else:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-
-    return sig, codegen
+    return stub
 
 
 @intrinsic
@@ -212,41 +233,6 @@ def _exp_f64_scalar(v):
     return y
 
 
-def _exp_any(v):
-    """``exp(v)`` of the dtype of ``v`` (jit code only)."""
-    raise NotImplementedError("only callable from compiled code")
-
-
-@overload(_exp_any)
-def _exp_any_overload(v):
-    if v == types.float64:
-        return lambda v: _exp_f64_scalar(v)
-    if v == types.float32:
-        return lambda v: _exp_f32_scalar(v)
-    return None
-
-
-@njit(inline="always", **_OPTIONS)
-def _exp_rows(x, m, n):
-    """``exp`` of ``x[:m, :n]`` in place, four rows at a time (see `exp_shift_sum`)."""
-    m4 = m - m % 4
-    for i in range(0, m4, 4):
-        r0, r1, r2, r3 = x[i, :n], x[i + 1, :n], x[i + 2, :n], x[i + 3, :n]
-        for j in range(n):
-            e0, e1, e2, e3 = _exp_any(r0[j]), _exp_any(r1[j]), _exp_any(r2[j]), _exp_any(r3[j])
-            r0[j], r1[j], r2[j], r3[j] = e0, e1, e2, e3
-    for i in range(m4, m):
-        row = x[i, :n]
-        for j in range(n):
-            row[j] = _exp_any(row[j])
-
-
-@_typed([_EXP_SIGNATURES[types.float64]], **_OPTIONS)
-def _exp_f64(x, m, n):
-    """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float64 (see `exp_inplace`)."""
-    _exp_rows(x, m, n)
-
-
 # float32: Cody-Waite split of ln 2 (Cephes): LN2_HI has 9 significant bits,
 # so t * LN2_HI is exact for |t| < 2**15.
 _LOG2E_F32 = np.float32(1.4426950408889634)
@@ -314,6 +300,32 @@ def _exp_f32_scalar(v):
     if v < _LO_F32:
         y = _ZERO_F32
     return y
+
+
+_exp_any = by_dtype(
+    "_exp_any", _exp_f64_scalar, _exp_f32_scalar, "``exp(v)`` of the dtype of ``v`` (jit code only)."
+)
+
+
+@njit(inline="always", **_OPTIONS)
+def _exp_rows(x, m, n):
+    """``exp`` of ``x[:m, :n]`` in place, four rows at a time (see `exp_shift_sum`)."""
+    m4 = m - m % 4
+    for i in range(0, m4, 4):
+        r0, r1, r2, r3 = x[i, :n], x[i + 1, :n], x[i + 2, :n], x[i + 3, :n]
+        for j in range(n):
+            e0, e1, e2, e3 = _exp_any(r0[j]), _exp_any(r1[j]), _exp_any(r2[j]), _exp_any(r3[j])
+            r0[j], r1[j], r2[j], r3[j] = e0, e1, e2, e3
+    for i in range(m4, m):
+        row = x[i, :n]
+        for j in range(n):
+            row[j] = _exp_any(row[j])
+
+
+@_typed([_EXP_SIGNATURES[types.float64]], **_OPTIONS)
+def _exp_f64(x, m, n):
+    """Vectorisable ``exp`` of ``x[:m, :n]`` in place, float64 (see `exp_inplace`)."""
+    _exp_rows(x, m, n)
 
 
 @_typed([_EXP_SIGNATURES[types.float32]], **_OPTIONS)

@@ -8,8 +8,7 @@
 import math
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from elastic_np.cpu._exp import (
     _LN2_HI,
@@ -26,6 +25,7 @@ from elastic_np.cpu._exp import (
     _float_bits,
     _float_from_bits,
     _pow2_f64,
+    by_dtype,
 )
 from elastic_np.cpu._simd import _EXP_SIGNATURES, _OPTIONS, _typed
 
@@ -85,22 +85,14 @@ def _tanh_f32_scalar(v):
     return math.copysign(u / (_TWO_F32 + u), v)
 
 
-def tanh_any(v):
+tanh_any = by_dtype(
+    "tanh_any", _tanh_f64_scalar, _tanh_f32_scalar,
     """``tanh(v)`` of the dtype of the float ``v``, vectorisable (jit code only).
 
     The scalar behind `tanh_inplace`, for kernels that fuse it into loops of
     their own.
-    """
-    raise NotImplementedError("only callable from compiled code")
-
-
-@overload(tanh_any)
-def _tanh_any_overload(v):
-    if v == types.float64:
-        return lambda v: _tanh_f64_scalar(v)
-    if v == types.float32:
-        return lambda v: _tanh_f32_scalar(v)
-    return None
+    """,
+)
 
 
 _FOUR_F32 = np.float32(4.0)
@@ -122,24 +114,16 @@ def _sech2_f32_scalar(v):
     return _FOUR_F32 * e / (d * d)
 
 
-def sech2_any(v):
+sech2_any = by_dtype(
+    "sech2_any", _sech2_f64_scalar, _sech2_f32_scalar,
     """``1 - tanh(v)**2`` of the dtype of the float ``v``, vectorisable (jit code only).
 
     Evaluated as ``4 e / (1 + e)**2`` with ``e = exp(-2|v|)``: accurate to a
     few units in the last place for every ``v``, where ``1 - tanh(v)**2``
     cancels to nothing once ``tanh(v)`` rounds to 1 (``|v|`` above about 9 in
     float32, 19 in float64).
-    """
-    raise NotImplementedError("only callable from compiled code")
-
-
-@overload(sech2_any)
-def _sech2_any_overload(v):
-    if v == types.float64:
-        return lambda v: _sech2_f64_scalar(v)
-    if v == types.float32:
-        return lambda v: _sech2_f32_scalar(v)
-    return None
+    """,
+)
 
 
 @_typed(list(_EXP_SIGNATURES.values()), **_OPTIONS)
