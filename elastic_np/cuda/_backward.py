@@ -71,6 +71,7 @@ from elastic_np.cuda._device import (
     I_BIAS_SJ,
     I_DBIAS_FULL,
     I_HAS_GATE,
+    O_FOPTS,
     P_DSIGMA,
     P_DTAU,
     _bh_params,
@@ -80,6 +81,7 @@ from elastic_np.cuda._device import (
     _entry_keep,
     _entry_logit,
     _fill,
+    inline_device,
     _key_range,
     _query_range,
     _stage,
@@ -132,25 +134,29 @@ def tiles(kind, itemsize, D, Dv):
     return (rows // REG_M) * (cols // REG_N), rows, cols
 
 
-def launch(cuda_module, p, o, q, k, v, dout, out, lse, dlse, dq, dk, dv, delta, partials, dbias_full):
-    """Launch the delta, dq and dk/dv kernels; ``partials`` (device) receives the dq blocks' sums."""
+def launch(p, opts, q, k, v, dout, out, lse, dlse, grads):
+    """Launch the delta, dq and dk/dv kernels (``opts`` from ``_launch_options``).
+
+    ``grads`` holds the device arrays they write: ``"delta"``, ``"dq"``,
+    ``"dk"``, ``"dv"``, ``"partials"`` (the dq blocks' sums) and ``"dbias"``
+    (a full bias's, else a dummy).
+    """
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
-    common = (q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["bh_consts"],
-              o["bias"])
+    dout_lse_delta = (dout, lse, grads["delta"])
     if N > 0:
         threads = max(1, min(config.DELTA_THREADS, B * H * N))
-        _backward_delta_kernel[-(-(B * H * N) // threads), threads](dout, out, dlse, o["fopts"], delta)
+        _backward_delta_kernel[-(-(B * H * N) // threads), threads](dout, out, dlse, opts, grads["delta"])
         threads, rows, cols = tiles("dq", itemsize, D, Dv)
         shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
         _backward_dq_kernel[-(-N // rows) * B * H, threads, 0, shared](
-            *common, cols, dout, lse, delta, dq, partials, dbias_full
+            q, k, v, opts, cols, dout_lse_delta, grads["dq"], grads["partials"], grads["dbias"]
         )
     if M > 0:
         threads, rows, cols = tiles("dkdv", itemsize, D, Dv)
         shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
         _backward_dkdv_kernel[-(-M // rows) * B * Hkv, threads, 0, shared](
-            *common, cols, dout, lse, delta, dk, dv
+            q, k, v, opts, cols, dout_lse_delta, grads["dk"], grads["dv"]
         )
 
 
@@ -160,7 +166,7 @@ def launch(cuda_module, p, o, q, k, v, dout, out, lse, dlse, dq, dk, dv, delta, 
 
 
 @cuda.jit(cache=True)
-def _backward_delta_kernel(dout, out, dlse, fopts, delta):
+def _backward_delta_kernel(dout, out, dlse, opts, delta):
     """``delta[b, h, i] = dout[b, h, i] . out[b, h, i] - dlse[b, h, i]``, one thread a row."""
     B, H, N, Dv = out.shape
     row = cuda.grid(1)
@@ -169,25 +175,35 @@ def _backward_delta_kernel(dout, out, dlse, fopts, delta):
     b = row // (H * N)
     h = row // N % H
     i = row % N
-    total = fopts[F_ZERO]
+    total = opts[O_FOPTS][F_ZERO]
     for d in range(Dv):
         total += dout[b, h, i, d] * out[b, h, i, d]
     delta[b, h, i] = total - dlse[b, h, i]
 
 
 @cuda.jit(device=True)
-def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0, i_first, N, b, h, j0, jn, c, tpr,
-                   prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, first_pass, dbias_full, dbias):
+def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, prm, opts, tau_h, first_pass):
     """``s_tile`` (dot products) becomes ``ds_raw = ds * cap_slope`` for the thread's entries.
 
-    ``ds = p (dp - delta) / tau``, 0 where the entry is removed, past the tile
-    or past ``N``; ``dp`` comes from ``dp_tile``, ``lse`` and ``delta`` of row
-    ``row`` from ``stats[row]``, ``stats[block_q + row]``. On the first pass
-    over the keys it also writes a full bias's ``dbias`` and adds to the
+    ``score_tiles = (s_tile, dp_tile, p_stride, stats, block_q)``: ``dp``
+    comes from ``dp_tile``, ``lse`` and ``delta`` of row ``row`` from
+    ``stats[row]``, ``stats[block_q + row]``. ``micro = (row0, c, tpr)``
+    (`_tile_block`), ``queries = (b, h, i_first, N)``, ``keys = (j0, jn)``.
+    ``ds = p (dp - delta) / tau_h``, 0 where the entry is removed, past the
+    tile or past ``N``. On the first pass over the keys it also writes a full
+    bias's ``dbias`` (``dbias_out = (dbias_full, dbias)``) and adds to the
     (row, lane) compensated sums of ``dz s`` and ``dz dlogG/dsigma`` in
-    ``sums`` (sections of ``slots``: sum, carry, sum, carry). A loop, not
-    unrolled: the pipeline is long.
+    ``scalar_sums = (sums, slots, has_gate, g_inv_sigma)`` (``sums``:
+    sections of ``slots``: sum, carry, sum, carry). A loop, not unrolled: the
+    pipeline is long.
     """
+    s_tile, dp_tile, p_stride, stats, block_q = score_tiles
+    sums, slots, has_gate, g_inv_sigma = scalar_sums
+    dbias_full, dbias = dbias_out
+    row0, c, tpr = micro
+    b, h, i_first, N = queries
+    j0, jn = keys
+    fopts = opts[O_FOPTS]
     neg_inf = fopts[F_NEG_INF]
     zero = fopts[F_ZERO]
     sharpness = fopts[F_SHARPNESS]
@@ -203,7 +219,7 @@ def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0,
             ds_raw = zero
             if jj < jn and i < N:
                 j = j0 + jj
-                kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+                kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
                 if kept:
                     z, s, cap_slope, f, u = _entry_logit(s_tile[at], i, j, bias_value, prm, fopts)
                     if z != neg_inf:  # not removed by NVM or a closed gate
@@ -230,126 +246,178 @@ def _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0,
             s_tile[at] = ds_raw
 
 
+@inline_device
+def _dq_tiles(smem, block_q, block_k, D, Dv, slots):
+    """The dq block's shared memory: ``(q_tile, do_tile, s_tile, dp_tile, stats, sums, k_tile, v_tile)``.
+
+    Row strides ``D + 1`` (q, K), ``Dv + 1`` (dout, V) and ``block_k + 1``
+    (``s``, ``dp``); ``stats`` holds the rows' ``lse`` then ``delta``,
+    ``sums`` four sections of ``slots`` (`_dq_tile_grads`).
+    """
+    q_tile, at = _carve(smem, 0, block_q * (D + 1))
+    do_tile, at = _carve(smem, at, block_q * (Dv + 1))
+    s_tile, at = _carve(smem, at, block_q * (block_k + 1))
+    dp_tile, at = _carve(smem, at, block_q * (block_k + 1))
+    stats, at = _carve(smem, at, 2 * block_q)
+    sums, at = _carve(smem, at, 4 * slots)
+    k_tile, at = _carve(smem, at, block_k * (D + 1))
+    v_tile, at = _carve(smem, at, block_k * (Dv + 1))
+    return q_tile, do_tile, s_tile, dp_tile, stats, sums, k_tile, v_tile
+
+
+@inline_device
+def _load_row_stats(stats, block_q, lse_bh, delta_bh, i0, N, zero, t, threads):
+    """``stats[:block_q]``, ``stats[block_q:]``: ``lse`` and ``delta`` of queries ``i0 + idx`` (0 past ``N``)."""
+    for idx in range(t, block_q, threads):
+        stats[idx] = zero
+        stats[block_q + idx] = zero
+        if i0 + idx < N:
+            stats[idx] = lse_bh[i0 + idx]
+            stats[block_q + idx] = delta_bh[i0 + idx]
+
+
+@inline_device
+def _zero_rows(dst, b, h, i0, i1, M, zero, t, threads):
+    """``dst[b, h, i0:i1, :M] = 0``, thread ``t`` of ``threads`` taking every ``threads``-th entry (coalesced)."""
+    for idx in range(t, (i1 - i0) * M, threads):
+        dst[b, h, i0 + idx // M, idx % M] = zero
+
+
+@inline_device
+def _zero_acc(acc, zero):
+    """``acc[:, :] = 0``: a ``REG_M x ACC_COLS`` register accumulator."""
+    for r in range(REG_M):
+        for e in range(ACC_COLS):
+            acc[r, e] = zero
+
+
+@inline_device
+def _store_acc(dst, acc, first, n, c0, wn, micro, scale):
+    """``dst[first + r, c0 + c + tpr e] = scale acc[r, e]`` for rows before ``n`` and columns before ``wn``."""
+    row0, c, tpr = micro
+    for r in range(REG_M):
+        i = first + r
+        for e in range(ACC_COLS):
+            col = c + tpr * e
+            if i < n and col < wn:
+                dst[i, c0 + col] = scale * acc[r, e]
+
+
+@inline_device
+def _sum_slots(sums, base, slots, zero):
+    """The compensated sum of the (row, lane) sums and carries at ``sums[base:]``, in slot order."""
+    total = zero
+    carry = zero
+    for slot in range(slots):
+        total, carry = _compensated_add(total, carry, sums[base + slot])
+        total, carry = _compensated_add(total, carry, sums[base + slots + slot])
+    return total + carry
+
+
 @cuda.jit(cache=True)
-def _backward_dq_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_k, dout, lse, delta, dq, partials,
-    dbias,
-):
+def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, dbias):
     """One block per (batch * head, query tile), query tiles fastest; ``dq`` in register micro-tiles.
 
     Thread ``(g, c)`` (row group ``g`` of ``tpr = block_k / REG_N`` lanes) owns
     query rows ``g REG_M + r`` and, of each key tile, keys ``c + tpr n``. Per
-    key tile: stage K and V, ``s = q . k`` and ``dp = dout . v`` as micro-tiles,
-    ``ds`` per entry (`_dq_tile_grads`), ``dq += ds k`` into the ``REG_M x
-    ACC_COLS`` accumulators. Writes ``partials[b, h, tile]`` (the sums of
-    ``dtau``, ``dsigma``), and, with a full bias (``iopts[I_DBIAS_FULL]``),
-    every entry of the block's rows of ``dbias`` (0 where nothing is kept).
+    key tile: stage K and V, recompute ``s = q . k`` and ``dp = dout . v`` as
+    micro-tiles, ``ds`` per entry (`_dq_tile_grads`), ``dq += ds k`` into the
+    ``REG_M x ACC_COLS`` accumulators. Writes ``partials[b, h, tile]`` (the
+    sums of ``dtau``, ``dsigma``), and, with a full bias
+    (``iopts[I_DBIAS_FULL]``), every entry of the block's rows of ``dbias``
+    (0 where nothing is kept).
     """
     # the shapes are read here rather than through `_dims`, with which ptxas spills more in this
     # kernel and the dk/dv one (python -m elastic_np.cuda --resources)
+    mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
+    dout, lse, delta = dout_lse_delta
     _B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
     threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
+    micro = (row0, c, tpr)
     hk = h // (H // Hkv)
     width = min(max(D, 1), tpr * ACC_COLS)
-
     q_stride = D + 1
     do_stride = Dv + 1
     p_stride = block_k + 1
     slots = block_q * tpr
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, at = _carve(smem, 0, block_q * q_stride)
-    do_tile, at = _carve(smem, at, block_q * do_stride)
-    s_tile, at = _carve(smem, at, block_q * p_stride)
-    dp_tile, at = _carve(smem, at, block_q * p_stride)
-    stats, at = _carve(smem, at, 2 * block_q)  # lse, delta
-    sums, at = _carve(smem, at, 4 * slots)
-    k_tile, at = _carve(smem, at, block_k * q_stride)
-    v_tile, at = _carve(smem, at, block_k * do_stride)
+    q_tile, do_tile, s_tile, dp_tile, stats, sums, k_tile, v_tile = _dq_tiles(smem, block_q, block_k, D, Dv, slots)
 
     zero = fopts[F_ZERO]
     _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
     _fill(do_tile, block_q * do_stride, zero, t, threads)
     _fill(sums, 4 * slots, zero, t, threads)
-    for idx in range(t, block_q, threads):
-        stats[idx] = zero
-        stats[block_q + idx] = zero
-        if i0 + idx < N:
-            stats[idx] = lse[b, h, i0 + idx]
-            stats[block_q + idx] = delta[b, h, i0 + idx]
+    _load_row_stats(stats, block_q, lse[b, h], delta[b, h], i0, N, zero, t, threads)
     dbias_full = iopts[I_DBIAS_FULL] != 0
-    if dbias_full:
-        # the block owns rows [i0, i1) of dbias: zero them together (coalesced); the
-        # syncthreads opening the tile loop orders this before the threads write ds
-        for idx in range(t, (i1 - i0) * M, threads):
-            dbias[b, h, i0 + idx // M, idx % M] = zero
+    if dbias_full:  # the block's rows of dbias, zeroed (coalesced) before the tile loop's first syncthreads
+        _zero_rows(dbias, b, h, i0, i1, M, zero, t, threads)
     cuda.syncthreads()
-    _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
-    _stage(dout, b, h, i0, i1 - i0, 0, Dv, do_tile, do_stride, t, threads)
+    _stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    _stage(dout[b, h], i0, i1 - i0, 0, Dv, do_tile, do_stride, t, threads)
 
     g_inv_sigma = zero
     has_gate = iopts[I_HAS_GATE] != 0
     if has_gate:
         g_inv_sigma = bh_consts[b, h, C_INV_SIGMA]
     tau_h = tau[h]
-    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    scalar_sums = (sums, slots, has_gate, g_inv_sigma)
+    dbias_out = (dbias_full, dbias)
+    prm = _bh_params(b, h, N, M, opts)
+    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
     i_first = i0 + row0
+    queries = (b, h, i_first, N)
+    score_tiles = (s_tile, dp_tile, p_stride, stats, block_q)
     for c0 in range(0, max(D, 1), width):
         wn = min(width, D - c0)
-        for r in range(REG_M):
-            for e in range(ACC_COLS):
-                acc[r, e] = zero
+        _zero_acc(acc, zero)
         for j0 in range(lo, hi, block_k):
             jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous tiles are consumed (and q, dout, stats written)
-            _stage(k, b, hk, j0, jn, 0, D, k_tile, q_stride, t, threads)
-            _stage(v, b, hk, j0, jn, 0, Dv, v_tile, do_stride, t, threads)
+            _stage(k[b, hk], j0, jn, 0, D, k_tile, q_stride, t, threads)
+            _stage(v[b, hk], j0, jn, 0, Dv, v_tile, do_stride, t, threads)
             cuda.syncthreads()
-            _tile_dot(q_tile, q_stride, row0, k_tile, q_stride, c, tpr, D, zero, scores)
-            _store_tile(scores, s_tile, p_stride, row0, c, tpr)
-            _tile_dot(do_tile, do_stride, row0, v_tile, do_stride, c, tpr, Dv, zero, scores)
-            _store_tile(scores, dp_tile, p_stride, row0, c, tpr)
-            _dq_tile_grads(s_tile, dp_tile, p_stride, stats, block_q, sums, slots, row0, i_first, N, b, h, j0, jn,
-                           c, tpr, prm, mask, bias, fopts, tau_h, has_gate, g_inv_sigma, c0 == 0, dbias_full, dbias)
+            # recompute s and dp; ds, the dq share of this key tile
+            _tile_dot(q_tile, q_stride, k_tile, q_stride, D, micro, zero, scores)
+            _store_tile(scores, s_tile, p_stride, micro)
+            _tile_dot(do_tile, do_stride, v_tile, do_stride, Dv, micro, zero, scores)
+            _store_tile(scores, dp_tile, p_stride, micro)
+            _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, (j0, jn), prm, opts, tau_h, c0 == 0)
             cuda.syncthreads()  # ds written
-            _tile_pv(s_tile, p_stride, row0, k_tile[c0:], q_stride, jn, c, tpr, wn, zero, acc)
-        scale = fopts[F_SCALE]
-        for r in range(REG_M):
-            i = i_first + r
-            for e in range(ACC_COLS):
-                col = c + tpr * e
-                if i < N and col < wn:
-                    dq[b, h, i, c0 + col] = scale * acc[r, e]
+            _tile_pv(s_tile, p_stride, k_tile[c0:], q_stride, jn, wn, micro, zero, acc)
+        _store_acc(dq[b, h], acc, i_first, N, c0, wn, micro, fopts[F_SCALE])
     cuda.syncthreads()
     if t == 0:  # the (row, lane) sums in slot order: the same result whatever the scheduling
-        for which, base in ((P_DTAU, 0), (P_DSIGMA, 2 * slots)):
-            total = zero
-            carry = zero
-            for slot in range(slots):
-                total, carry = _compensated_add(total, carry, sums[base + slot])
-                total, carry = _compensated_add(total, carry, sums[base + slots + slot])
-            partials[b, h, tile, which] = total + carry
+        partials[b, h, tile, P_DTAU] = _sum_slots(sums, 0, slots, zero)
+        partials[b, h, tile, P_DSIGMA] = _sum_slots(sums, 2 * slots, slots, zero)
 
 
 @cuda.jit(device=True)
-def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0, im, N, b, h, c, tpr, prm, mask,
-                     bias, fopts, tau_h):
+def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
     """``p_tile`` (``k . q``) becomes ``p``, ``ds_tile`` (``v . dout``) becomes ``ds_raw``, for the thread's entries.
 
+    ``score_tiles = (p_tile, ds_tile, p_stride, stats, block_q)``, ``micro =
+    (row0, c, tpr)`` (`_tile_block`), ``keys = (j0, j1)``: the block's keys,
+    ``queries = (b, h, i0, im)``: the tile's ``im`` queries from ``i0``.
     Rows are keys ``j0 + row0 + r``, columns queries ``i0 + c + tpr n``; 0
     where the entry is removed or past the tiles. ``lse`` and ``delta`` of
-    query column ``ii`` are ``stats[ii]`` and ``stats[block_q + ii]``.
+    query column ``ii`` are ``stats[ii]`` and ``stats[block_q + ii]``;
+    ``ds_raw = p (dp - delta) / tau_h cap_slope``.
     One loop over the ``REG_M REG_N`` entries, not two nested ones: NVVM
     unrolled the inner loop of the nested form (four copies of the score
     pipeline), and ptxas spilled more (``python -m elastic_np.cuda
     --resources``: 392 B of stack on sm_90 in float32 nested, 304 B flat).
     The entries are independent, so the order changes no bit.
     """
+    p_tile, ds_tile, p_stride, stats, block_q = score_tiles
+    row0, c, tpr = micro
+    j0, j1 = keys
+    b, h, i0, im = queries
+    fopts = opts[O_FOPTS]
     neg_inf = fopts[F_NEG_INF]
     zero = fopts[F_ZERO]
     for rn in range(REG_M * REG_N):
@@ -361,7 +429,7 @@ def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0
         ds_raw = zero
         if j < j1 and ii < im:
             i = i0 + ii
-            kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+            kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
             if kept:
                 z, _s, cap_slope, _f, _u = _entry_logit(p_tile[at], i, j, bias_value, prm, fopts)
                 if z != neg_inf:  # not removed by NVM or a closed gate
@@ -371,10 +439,25 @@ def _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0
         ds_tile[at] = ds_raw
 
 
+@inline_device
+def _dkdv_tiles(smem, block_k, block_q, D, Dv):
+    """The dk/dv block's shared memory: ``(k_tile, v_tile, p_tile, ds_tile, q_tile, do_tile, stats)``.
+
+    Row strides ``D + 1`` (K, q), ``Dv + 1`` (V, dout) and ``block_q + 1``
+    (``p``, ``ds``); ``stats`` holds the query tile's ``lse`` then ``delta``.
+    """
+    k_tile, at = _carve(smem, 0, block_k * (D + 1))
+    v_tile, at = _carve(smem, at, block_k * (Dv + 1))
+    p_tile, at = _carve(smem, at, block_k * (block_q + 1))
+    ds_tile, at = _carve(smem, at, block_k * (block_q + 1))
+    q_tile, at = _carve(smem, at, block_q * (D + 1))
+    do_tile, at = _carve(smem, at, block_q * (Dv + 1))
+    stats, at = _carve(smem, at, 2 * block_q)
+    return k_tile, v_tile, p_tile, ds_tile, q_tile, do_tile, stats
+
+
 @cuda.jit(cache=True)
-def _backward_dkdv_kernel(
-    q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, block_q, dout, lse, delta, dk, dv
-):
+def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
     """One block per (batch * kv head, key tile), key tiles fastest; ``dk``, ``dv`` in register micro-tiles.
 
     Thread ``(g, c)`` (key group ``g`` of ``tpr = block_q / REG_N`` lanes) owns
@@ -383,12 +466,15 @@ def _backward_dkdv_kernel(
     of its keys. The loop runs over the query heads of the group and, for
     each, the query tiles that can see the key tile.
     """
+    mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
+    dout, lse, delta = dout_lse_delta
     _B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
     group = H // Hkv
     threads, t, tpr, block_k, row0, c, _tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_q)
+    micro = (row0, c, tpr)
     widest = max(D, Dv, 1)
     width = min(widest, tpr * ACC_COLS)
 
@@ -396,13 +482,8 @@ def _backward_dkdv_kernel(
     v_stride = Dv + 1
     p_stride = block_q + 1
     smem = cuda.shared.array(0, dtype=q.dtype)
-    k_tile, at = _carve(smem, 0, block_k * k_stride)
-    v_tile, at = _carve(smem, at, block_k * v_stride)
-    p_tile, at = _carve(smem, at, block_k * p_stride)
-    ds_tile, at = _carve(smem, at, block_k * p_stride)
-    q_tile, at = _carve(smem, at, block_q * k_stride)
-    do_tile, at = _carve(smem, at, block_q * v_stride)
-    stats, at = _carve(smem, at, 2 * block_q)  # lse, delta of the query tile
+    k_tile, v_tile, p_tile, ds_tile, q_tile, do_tile, stats = _dkdv_tiles(smem, block_k, block_q, D, Dv)
+    score_tiles = (p_tile, ds_tile, p_stride, stats, block_q)
 
     zero = fopts[F_ZERO]
     _fill(k_tile, block_k * k_stride, zero, t, threads)  # keys past M and the padding column
@@ -410,8 +491,8 @@ def _backward_dkdv_kernel(
     _fill(q_tile, block_q * k_stride, zero, t, threads)
     _fill(do_tile, block_q * v_stride, zero, t, threads)
     cuda.syncthreads()
-    _stage(k, b, hk, j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
-    _stage(v, b, hk, j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
+    _stage(k[b, hk], j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
+    _stage(v[b, hk], j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
 
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     dk_acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
@@ -419,34 +500,32 @@ def _backward_dkdv_kernel(
     for c0 in range(0, widest, width):
         wk = min(width, D - c0)
         wv = min(width, Dv - c0)
-        for r in range(REG_M):
-            for e in range(ACC_COLS):
-                dk_acc[r, e] = zero
-                dv_acc[r, e] = zero
+        _zero_acc(dk_acc, zero)
+        _zero_acc(dv_acc, zero)
         for h in range(hk * group, (hk + 1) * group):
             tau_h = tau[h]
-            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-            lo, hi = _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band)
+            prm = _bh_params(b, h, N, M, opts)
+            lo, hi = _query_range(j0, j1, b, h, N, M, opts)
             for i0 in range(lo, hi, block_q):
                 im = min(block_q, hi - i0)
                 cuda.syncthreads()  # the previous query tile is consumed (and K, V written)
-                _stage(q, b, h, i0, im, 0, D, q_tile, k_stride, t, threads)
-                _stage(dout, b, h, i0, im, 0, Dv, do_tile, v_stride, t, threads)
+                _stage(q[b, h], i0, im, 0, D, q_tile, k_stride, t, threads)
+                _stage(dout[b, h], i0, im, 0, Dv, do_tile, v_stride, t, threads)
                 for idx in range(t, im, threads):
                     stats[idx] = lse[b, h, i0 + idx]
                     stats[block_q + idx] = delta[b, h, i0 + idx]
                 cuda.syncthreads()
-                _tile_dot(k_tile, k_stride, row0, q_tile, k_stride, c, tpr, D, zero, scores)
-                _store_tile(scores, p_tile, p_stride, row0, c, tpr)
-                _tile_dot(v_tile, v_stride, row0, do_tile, v_stride, c, tpr, Dv, zero, scores)
-                _store_tile(scores, ds_tile, p_stride, row0, c, tpr)
-                _dkdv_tile_grads(p_tile, ds_tile, p_stride, stats, block_q, row0, j0, j1, i0, im, N, b, h, c, tpr,
-                                 prm, mask, bias, fopts, tau_h)
+                # recompute s = k . q and dp = v . dout; p from lse, ds (`_dkdv_tile_grads`); dv += p dout, dk += ds q
+                _tile_dot(k_tile, k_stride, q_tile, k_stride, D, micro, zero, scores)
+                _store_tile(scores, p_tile, p_stride, micro)
+                _tile_dot(v_tile, v_stride, do_tile, v_stride, Dv, micro, zero, scores)
+                _store_tile(scores, ds_tile, p_stride, micro)
+                _dkdv_tile_grads(score_tiles, micro, (j0, j1), (b, h, i0, im), prm, opts, tau_h)
                 cuda.syncthreads()  # p and ds written
                 if wv > 0:
-                    _tile_pv(p_tile, p_stride, row0, do_tile[c0:], v_stride, im, c, tpr, wv, zero, dv_acc)
+                    _tile_pv(p_tile, p_stride, do_tile[c0:], v_stride, im, wv, micro, zero, dv_acc)
                 if wk > 0:
-                    _tile_pv(ds_tile, p_stride, row0, q_tile[c0:], k_stride, im, c, tpr, wk, zero, dk_acc)
+                    _tile_pv(ds_tile, p_stride, q_tile[c0:], k_stride, im, wk, micro, zero, dk_acc)
         scale = fopts[F_SCALE]
         for r in range(REG_M):
             j = j0 + row0 + r
@@ -459,7 +538,7 @@ def _backward_dkdv_kernel(
 
 
 @cuda.jit(cache=True)
-def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_consts, bias, dout, lse, delta, dbias):
+def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
     """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
 
     ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
@@ -472,6 +551,8 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
     thread order. The work per entry is fixed, so the result does not depend
     on scheduling, and no ``(B, H, N, M)`` temporary exists.
     """
+    mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
+    dout, lse, delta = dout_lse_delta
     B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     group = H // Hkv
     threads = cuda.blockDim.x
@@ -507,8 +588,8 @@ def _backward_dbias_kernel(q, k, v, mask, kv_lengths, iopts, fopts, tau, bh_cons
             h = ch + r // (rj_n * ri_n) % rh_n
             i = ci + r // rj_n % ri_n
             j = cj + r % rj_n
-            prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
-            kept, _entry_bias = _entry_keep(b, h, i, j, prm, mask, bias, fopts)  # entry_bias is bias_value
+            prm = _bh_params(b, h, N, M, opts)
+            kept, _entry_bias = _entry_keep(b, h, i, j, prm, opts)  # entry_bias is bias_value
             if not kept:
                 continue
             hk = h // group

@@ -23,27 +23,34 @@ def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
     from numba import types as nbt
 
+    dev = _kernel_module("_device")
     real = nbt.float64 if dtype == np.float64 else nbt.float32
 
     def arr(ndim, kind=real):
         return nbt.Array(kind, ndim, "C")
 
-    # q, k, v, mask, kv_lengths, band, iopts, fopts, tau
-    common = (
-        arr(4), arr(4), arr(4), arr(4, nbt.uint8), arr(1, nbt.int64), arr(3, nbt.int64),
-        arr(1, nbt.int64), arr(1), arr(1),
-    )
-    bh_consts_bias = (arr(3), arr(1))
+    # `_launch_options`'s tuple, in the order of the O_* indices
+    opts = [None] * dev.O_COUNT
+    opts[dev.O_MASK] = arr(4, nbt.uint8)
+    opts[dev.O_KV_LENGTHS] = arr(1, nbt.int64)
+    opts[dev.O_BAND] = arr(3, nbt.int64)
+    opts[dev.O_IOPTS] = arr(1, nbt.int64)
+    opts[dev.O_FOPTS] = arr(1)
+    opts[dev.O_TAU] = arr(1)
+    opts[dev.O_BETA] = arr(1)
+    opts[dev.O_BH_CONSTS] = arr(3)
+    opts[dev.O_BIAS] = arr(1)
+    opts = nbt.Tuple(tuple(opts))
+    qkv = (arr(4), arr(4), arr(4))
+    dout_lse_delta = nbt.Tuple((arr(4), arr(3), arr(3)))
     return {
-        "_forward_kernel": common + (arr(1),) + bh_consts_bias + (nbt.int64, arr(4), arr(3)),
-        "_backward_delta_kernel": (arr(4), arr(4), arr(3), arr(1), arr(3)),
-        "_backward_dq_kernel": common + bh_consts_bias
-        + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4), arr(4)),
-        "_backward_dkdv_kernel": common + bh_consts_bias + (nbt.int64, arr(4), arr(3), arr(3), arr(4), arr(4)),
-        "_backward_dbias_kernel": common[:5] + common[6:] + bh_consts_bias
-        + (arr(4), arr(3), arr(3), arr(1)),
-        "_decode_kernel": common + bh_consts_bias + (nbt.int64, arr(5), arr(5)),
-        "_decode_merge_kernel": (arr(5), arr(5), arr(1), arr(1), arr(4), arr(3)),
+        "_forward_kernel": qkv + (opts, nbt.int64, arr(4), arr(3)),
+        "_backward_delta_kernel": (arr(4), arr(4), arr(3), opts, arr(3)),
+        "_backward_dq_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4), arr(4)),
+        "_backward_dkdv_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4)),
+        "_backward_dbias_kernel": qkv + (opts, dout_lse_delta, arr(1)),
+        "_decode_kernel": qkv + (opts, nbt.int64, arr(5), arr(5)),
+        "_decode_merge_kernel": (arr(5), arr(5), opts, arr(4), arr(3)),
     }
 
 

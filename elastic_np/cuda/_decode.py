@@ -48,8 +48,8 @@ from numba import cuda
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_ZERO, inline_device, _bh_params, _dims, _entry, _fill, _finish_row, _flash_tiles,
-    _group_max, _group_sum, _key_range, _lane_mask, _stage,
+    F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _dims, _entry, _fill,
+    _finish_row, _flash_tiles, _group_max, _group_sum, _key_range, _lane_mask, _stage,
 )
 
 
@@ -118,8 +118,8 @@ def splits(blocks, M):
     return max(1, min(wanted, M // max(1, config.DECODE_MIN_SPLIT_KEYS)))
 
 
-def forward(cuda_module, p, o, q, k, v, out, lse):
-    """Launch the decode and merge kernels of problem ``p`` (options ``o`` from ``_launch_options``)."""
+def forward(cuda_module, p, opts, q, k, v, out, lse):
+    """Launch the decode and merge kernels of problem ``p`` (``opts`` from ``_launch_options``)."""
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     rows = (H // Hkv) * N
@@ -129,13 +129,10 @@ def forward(cuda_module, p, o, q, k, v, out, lse):
     part_ms = cuda_module.device_array((B, Hkv, n_split, rows, 2), dtype=dtype)
     part_acc = cuda_module.device_array((B, Hkv, n_split, rows, max(Dv, 1)), dtype=dtype)
     shared = shared_elements(rows_blk, tpr, D, Dv) * dtype.itemsize
-    _decode_kernel[B * Hkv * chunks * n_split, rows_blk * tpr, 0, shared](
-        q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"], o["tau"], o["bh_consts"],
-        o["bias"], tpr, part_ms, part_acc,
-    )
+    _decode_kernel[B * Hkv * chunks * n_split, rows_blk * tpr, 0, shared](q, k, v, opts, tpr, part_ms, part_acc)
     threads = max(1, min(config.DECODE_MERGE_THREADS, Dv))
     _decode_merge_kernel[B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
-        part_ms, part_acc, o["beta"], o["fopts"], out, lse
+        part_ms, part_acc, opts, out, lse
     )
     return n_split
 
@@ -170,14 +167,14 @@ def _row_pv(p_tile, p_at, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
 
 
 @cuda.jit(device=True)
-def _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band):
+def _chunk_keys(b, hk, group, r0, r1, N, M, opts):
     """Keys ``[lo, hi)`` that stacked rows ``[r0, r1)`` of kv head ``hk`` can keep (the union of their ranges)."""
-    lo = kv_lengths[b]
+    lo = opts[O_KV_LENGTHS][b]
     hi = 0
     for g in range(r0 // N, (r1 - 1) // N + 1):
         i0 = max(r0 - g * N, 0)
         i1 = min(r1 - g * N, N)
-        g_lo, g_hi = _key_range(i0, i1, b, hk * group + g, N, M, iopts, kv_lengths, band)
+        g_lo, g_hi = _key_range(i0, i1, b, hk * group + g, N, M, opts)
         if g_hi > g_lo:
             lo = min(lo, g_lo)
             hi = max(hi, g_hi)
@@ -186,8 +183,67 @@ def _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band):
     return lo, hi
 
 
+@inline_device
+def _decode_block(tpr, rows, Hkv, n_split):
+    """The place of a decode block and thread: ``(threads, t, rows_blk, s, b, hk, r0, r1, rho, c)``.
+
+    The block holds split ``s`` of stacked rows ``[r0, r1)`` (a chunk of
+    ``rows_blk``) of kv head ``hk``, batch ``b``; thread ``t`` of ``threads``
+    is lane ``c`` of the ``tpr`` that serve the chunk's row ``rho``.
+    """
+    threads = cuda.blockDim.x
+    t = cuda.threadIdx.x
+    rows_blk = threads // tpr
+    chunks = (rows + rows_blk - 1) // rows_blk
+    s = cuda.blockIdx.x % n_split
+    chunk = cuda.blockIdx.x // n_split % chunks
+    hk = cuda.blockIdx.x // (n_split * chunks) % Hkv
+    b = cuda.blockIdx.x // (n_split * chunks * Hkv)
+    r0 = chunk * rows_blk
+    return threads, t, rows_blk, s, b, hk, r0, min(r0 + rows_blk, rows), t // tpr, t % tpr
+
+
+@inline_device
+def _stage_rows(q_b, h0, N, r0, r1, q_tile, q_stride, t, threads):
+    """Copy stacked rows ``[r0, r1)`` (row ``g N + i``: query ``i`` of head ``h0 + g`` of ``q_b``) to ``q_tile``."""
+    D = q_b.shape[2]
+    for idx in range(t, (r1 - r0) * D, threads):
+        row = r0 + idx // D
+        q_tile[(idx // D) * q_stride + idx % D] = q_b[h0 + row // N, row % N, idx % D]
+
+
+@inline_device
+def _split_keys(lo, hi, block_k, s, n_split):
+    """Keys ``[a, e)`` of split ``s``: a run of whole tiles of ``[lo, hi)``."""
+    n_tiles = (hi - lo + block_k - 1) // block_k
+    return min(lo + n_tiles * s // n_split * block_k, hi), min(lo + n_tiles * (s + 1) // n_split * block_k, hi)
+
+
+@cuda.jit(device=True)
+def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
+    """The lane's logits of one key tile, in place, and their max.
+
+    ``p_tile[p_at + c + tpr n]`` holds the lane's dot products; each becomes
+    its logit (`_entry`), ``-inf`` when removed, past the tile's ``jn`` keys
+    or on a padding thread. ``row = (valid, b, h, i)``, ``keys = (j0, jn)``.
+    The pipeline is long: the loop stays a loop.
+    """
+    valid, b, h, i = row
+    j0, jn = keys
+    neg_inf = opts[O_FOPTS][F_NEG_INF]
+    tile_max = neg_inf
+    for n in range(DECODE_REG_N):
+        jj = c + tpr * n
+        z = neg_inf
+        if valid and jj < jn:
+            z = _entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, opts)[0]
+        p_tile[p_at + jj] = z
+        tile_max = max(tile_max, z)
+    return tile_max
+
+
 @cuda.jit(cache=True)
-def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts, bias, tpr, part_ms, part_acc):
+def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     """One block per (batch, kv head, chunk of stacked rows, key split); split fastest.
 
     Writes the partial ``(max, sum)`` of each of its rows to ``part_ms[b, hk,
@@ -196,21 +252,9 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     """
     B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     group = H // Hkv
-    rows = group * N
     n_split = part_ms.shape[2]
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    rows_blk = threads // tpr
-    chunks = (rows + rows_blk - 1) // rows_blk
+    threads, t, rows_blk, s, b, hk, r0, r1, rho, c = _decode_block(tpr, group * N, Hkv, n_split)
     block_k = tpr * DECODE_REG_N
-    s = cuda.blockIdx.x % n_split
-    chunk = cuda.blockIdx.x // n_split % chunks
-    hk = cuda.blockIdx.x // (n_split * chunks) % Hkv
-    b = cuda.blockIdx.x // (n_split * chunks * Hkv)
-    r0 = chunk * rows_blk
-    r1 = min(r0 + rows_blk, rows)
-    rho = t // tpr
-    c = t % tpr
     r = r0 + rho
     valid = r < r1
     rr = min(r, r1 - 1)  # padding threads take the chunk's last row (and write nothing)
@@ -221,22 +265,16 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
     smem = cuda.shared.array(0, dtype=q.dtype)
     q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_k)
 
+    fopts = opts[O_FOPTS]
     zero = fopts[F_ZERO]
-    one = fopts[F_ONE]
     neg_inf = fopts[F_NEG_INF]
     _fill(q_tile, rows_blk * q_stride, zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
-    for idx in range(t, (r1 - r0) * D, threads):
-        row = r0 + idx // D
-        q_tile[(idx // D) * q_stride + idx % D] = q[b, hk * group + row // N, row % N, idx % D]
+    _stage_rows(q[b], hk * group, N, r0, r1, q_tile, q_stride, t, threads)
+    lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, opts)
+    a, e = _split_keys(lo, hi, block_k, s, n_split)
 
-    # this split's keys: a run of whole tiles of the chunk's key range
-    lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, iopts, kv_lengths, band)
-    n_tiles = (hi - lo + block_k - 1) // block_k
-    a = min(lo + n_tiles * s // n_split * block_k, hi)
-    e = min(lo + n_tiles * (s + 1) // n_split * block_k, hi)
-
-    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    prm = _bh_params(b, h, N, M, opts)
     lanes = _lane_mask(t, threads)
     scores = cuda.local.array(DECODE_REG_N, q.dtype)
     acc = cuda.local.array(DECODE_ACC_COLS, q.dtype)
@@ -251,21 +289,15 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
         for j0 in range(a, e, block_k):
             jn = min(block_k, e - j0)
             cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
-            _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            _stage(k[b, hk], j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
             _row_dot(q_tile, q_at, kv_tile, kv_stride, c, tpr, D, zero, scores)
             for n in range(DECODE_REG_N):
                 p_tile[p_at + c + tpr * n] = scores[n]
-            tile_max = neg_inf
-            for n in range(DECODE_REG_N):  # the pipeline is long: this loop stays a loop
-                jj = c + tpr * n
-                z = neg_inf
-                if valid and jj < jn:
-                    z = _entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, mask, bias, fopts)[0]
-                p_tile[p_at + jj] = z
-                tile_max = max(tile_max, z)
+            # the online softmax: logits, row max over the lanes, p = exp(z - max), rescale
+            tile_max = _row_logits(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts)
             new_max = max(run_max, _group_max(tile_max, tpr, lanes))
-            alpha = one
+            alpha = fopts[F_ONE]
             if new_max > neg_inf:
                 alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
             run_sum *= alpha
@@ -280,7 +312,7 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
             for col in range(DECODE_ACC_COLS):
                 acc[col] *= alpha
             cuda.syncthreads()  # K consumed, p written
-            _stage(v, b, hk, j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            _stage(v[b, hk], j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
             _row_pv(p_tile, p_at, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
         row_sum = _group_sum(run_sum, tpr, lanes)
@@ -294,7 +326,7 @@ def _decode_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, bh_consts
 
 
 @cuda.jit(cache=True)
-def _decode_merge_kernel(part_ms, part_acc, beta, fopts, out, lse):
+def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     """One block per stacked row ``(b, hk, r)``: merge its splits in split order, ``beta`` added once.
 
     The split weights ``exp(m_s - m)`` go to shared memory (0 for a split
@@ -314,6 +346,7 @@ def _decode_merge_kernel(part_ms, part_acc, beta, fopts, out, lse):
     h = hk * group + r // N
     i = r % N
 
+    fopts = opts[O_FOPTS]
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
     weight = cuda.shared.array(0, dtype=out.dtype)
@@ -329,7 +362,7 @@ def _decode_merge_kernel(part_ms, part_acc, beta, fopts, out, lse):
     total = zero
     for s in range(n_split):
         total += part_ms[b, hk, s, r, 1] * weight[s]
-    row_lse, num, den = _finish_row(m, total, beta[h], fopts)
+    row_lse, num, den = _finish_row(m, total, opts[O_BETA][h], fopts)
     if t == 0:
         lse[b, h, i] = row_lse
     for d in range(t, Dv, threads):

@@ -3,7 +3,8 @@
 Imported by the kernel modules only (so only when the CUDA backend is asked
 for). The kernels' conventions are described in `elastic_np.cuda._kernels`;
 this module holds
-what every kernel uses: the indices of the packed option arrays, the key and
+what every kernel uses: the indices of the ``opts`` tuple (``O_*``) and of
+the packed option arrays in it (``I_*``, ``F_*``, ``C_*``), the key and
 query ranges that decide tile skipping, the per-entry score pipeline
 (`_bh_params` read once per block, `_entry` per score: keep, bias, score,
 NVM, gate), the warp-level reductions of a row group, the kernels' common
@@ -18,6 +19,18 @@ from numba import cuda
 
 from elastic_np._ranges import key_range, query_range
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+
+# opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._launch._launch_options`)
+O_MASK = 0
+O_KV_LENGTHS = 1
+O_BAND = 2
+O_IOPTS = 3
+O_FOPTS = 4
+O_TAU = 5
+O_BETA = 6
+O_BH_CONSTS = 7
+O_BIAS = 8
+O_COUNT = 9
 
 # iopts
 I_CAUSAL = 0
@@ -83,38 +96,43 @@ def _real(value, like):
 
 
 @cuda.jit(device=True)
-def _diag_shift(b, N, M, iopts, kv_lengths):
+def _diag_shift(b, N, M, opts):
     """``E_b - N``: query ``i`` of batch ``b`` sits at position ``i + E_b - N``.
 
     ``E_b`` is ``M`` (``align="array"``) or ``kv_lengths[b]`` (``align="kv_lengths"``);
     entry ``(i, j)`` is at offset ``j - i - (E_b - N)``.
     """
-    if iopts[I_ALIGN_KV] != 0:
-        return kv_lengths[b] - N
+    if opts[O_IOPTS][I_ALIGN_KV] != 0:
+        return opts[O_KV_LENGTHS][b] - N
     return M - N
 
 
 @cuda.jit(device=True)
-def _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band):
+def _key_range(i0, i1, b, h, N, M, opts):
     """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._ranges.key_range`)."""
-    diag_shift = _diag_shift(b, N, M, iopts, kv_lengths)
+    band = opts[O_BAND]
+    kv_lengths = opts[O_KV_LENGTHS]
+    diag_shift = _diag_shift(b, N, M, opts)
     return key_range(diag_shift, i0, i1, band[b, h, 0], band[b, h, 1], kv_lengths[b])
 
 
 @cuda.jit(device=True)
-def _query_range(j0, j1, b, h, N, M, iopts, kv_lengths, band):
+def _query_range(j0, j1, b, h, N, M, opts):
     """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._ranges.query_range`)."""
-    if j0 >= kv_lengths[b]:
+    band = opts[O_BAND]
+    if j0 >= opts[O_KV_LENGTHS][b]:
         return 0, 0
-    return query_range(_diag_shift(b, N, M, iopts, kv_lengths), j0, j1, band[b, h, 0], band[b, h, 1], N)
+    return query_range(_diag_shift(b, N, M, opts), j0, j1, band[b, h, 0], band[b, h, 1], N)
 
 
 @cuda.jit(device=True)
-def _structural_keep(b, h, i, j, diag_shift, kv_length, causal, left, right, has_mask, mask):
+def _structural_keep(b, h, i, j, prm, mask):
     """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
 
-    ``diag_shift`` is `_diag_shift`'s; the options come in as scalars the kernel read once.
+    The options come from ``prm``, `_bh_params`'s scalars, read once per block.
     """
+    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
     d = j - i - diag_shift
     if causal and d > 0:
         return False
@@ -186,8 +204,9 @@ def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
 
 
 @cuda.jit(device=True)
-def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
+def _bh_params(b, h, N, M, opts):
     """The options of `_entry` for batch ``b``, head ``h``, read from the option arrays once per block."""
+    mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     zero = fopts[F_ZERO]
     alibi_slope = zero
     if iopts[I_HAS_ALIBI] != 0:
@@ -198,7 +217,7 @@ def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
         g_norm = bh_consts[b, h, C_NORM]
         u_scale = bh_consts[b, h, C_U_SCALE]
     return (
-        _diag_shift(b, N, M, iopts, kv_lengths), kv_lengths[b], iopts[I_CAUSAL] != 0, iopts[I_LEFT],
+        _diag_shift(b, N, M, opts), kv_lengths[b], iopts[I_CAUSAL] != 0, iopts[I_LEFT],
         iopts[I_RIGHT], iopts[I_HAS_MASK] != 0, iopts[I_NVM] != 0, iopts[I_HAS_GATE] != 0,
         iopts[I_HAS_BIAS] != 0, b * iopts[I_BIAS_SB] + h * iopts[I_BIAS_SH], iopts[I_BIAS_SI],
         iopts[I_BIAS_SJ], fopts[F_SCALE], fopts[F_SOFTCAP], alibi_slope, tau[h], u_scale, g_norm,
@@ -207,7 +226,7 @@ def _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths):
 
 
 @cuda.jit(device=True)
-def _entry_keep(b, h, i, j, prm, mask, bias, fopts):
+def _entry_keep(b, h, i, j, prm, opts):
     """``(kept, bias_value)``: the structural conditions and the bias of entry ``(b, h, i, j)``.
 
     The first half of the score pipeline, before the dot product is needed:
@@ -216,8 +235,11 @@ def _entry_keep(b, h, i, j, prm, mask, bias, fopts):
     """
     (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    mask = opts[O_MASK]
+    bias = opts[O_BIAS]
+    fopts = opts[O_FOPTS]
     bias_value = fopts[F_ZERO]
-    if not _structural_keep(b, h, i, j, diag_shift, kv_length, causal, left, right, has_mask, mask):
+    if not _structural_keep(b, h, i, j, prm, mask):
         return False, bias_value
     if has_bias:
         bias_value = bias[bias_bh + i * bias_si + j * bias_sj]
@@ -255,9 +277,10 @@ def _entry_logit(dot, i, j, bias_value, prm, fopts):
 
 
 @cuda.jit(device=True)
-def _entry(dot, b, h, i, j, prm, mask, bias, fopts):
+def _entry(dot, b, h, i, j, prm, opts):
     """The whole score pipeline of entry ``(b, h, i, j)``: `_entry_logit`'s tuple, ``z = -inf`` when removed."""
-    kept, bias_value = _entry_keep(b, h, i, j, prm, mask, bias, fopts)
+    fopts = opts[O_FOPTS]
+    kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
     if not kept:
         zero = fopts[F_ZERO]
         return fopts[F_NEG_INF], zero, zero, zero, zero
@@ -333,10 +356,13 @@ def _group_sum(value, width, lanes):
 
 
 @inline_device
-def _stage(src, b, hh, r0, rows, c0, cols, dst, stride, t, threads):
-    """Copy ``src[b, hh, r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced."""
+def _stage(src, r0, rows, c0, cols, dst, stride, t, threads):
+    """Copy ``src[r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced.
+
+    ``src`` is one (batch, head) of an operand: ``q[b, h]``, ``k[b, hk]``.
+    """
     for idx in range(t, rows * cols, threads):
-        dst[(idx // cols) * stride + idx % cols] = src[b, hh, r0 + idx // cols, c0 + idx % cols]
+        dst[(idx // cols) * stride + idx % cols] = src[r0 + idx // cols, c0 + idx % cols]
 
 
 # ---------------------------------------------------------------------------
@@ -411,20 +437,26 @@ def _fill(tile, size, value, t, threads):
 
 
 @inline_device
-def _store_tile(scores, tile, stride, row0, c, tpr):
-    """``tile[row0 + r, c + tpr n] = scores[r, n]`` (row stride ``stride``): a register micro-tile to shared memory."""
+def _store_tile(scores, tile, stride, micro):
+    """``tile[row0 + r, c + tpr n] = scores[r, n]`` (row stride ``stride``): a register micro-tile to shared memory.
+
+    ``micro = (row0, c, tpr)`` is the thread's place in the block's micro-tiles (`_tile_block`).
+    """
+    row0, c, tpr = micro
     for r in range(REG_M):
         for n in range(REG_N):
             tile[(row0 + r) * stride + c + tpr * n] = scores[r, n]
 
 
 @inline_device
-def _tile_dot(q_tile, q_stride, row0, k_tile, k_stride, c, tpr, D, zero, scores):
+def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
     """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
 
-    Per step of ``d`` a thread reads ``REG_M`` query and ``REG_N`` key values
-    from shared memory and does ``REG_M REG_N`` multiply-adds on registers.
+    ``micro = (row0, c, tpr)``. Per step of ``d`` a thread reads ``REG_M``
+    query and ``REG_N`` key values from shared memory and does ``REG_M REG_N``
+    multiply-adds on registers.
     """
+    row0, c, tpr = micro
     for r in range(REG_M):
         for n in range(REG_N):
             scores[r, n] = zero
@@ -441,8 +473,12 @@ def _tile_dot(q_tile, q_stride, row0, k_tile, k_stride, c, tpr, D, zero, scores)
 
 
 @inline_device
-def _tile_pv(p_tile, p_stride, row0, v_tile, v_stride, jn, c, tpr, wn, zero, acc):
-    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile."""
+def _tile_pv(p_tile, p_stride, v_tile, v_stride, jn, wn, micro, zero, acc):
+    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile.
+
+    ``micro = (row0, c, tpr)``; ``jn`` rows of ``v_tile``, columns past ``wn`` read as 0.
+    """
+    row0, c, tpr = micro
     pv = cuda.local.array(REG_M, p_tile.dtype)
     vv = cuda.local.array(ACC_COLS, p_tile.dtype)
     for jj in range(jn):

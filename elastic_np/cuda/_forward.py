@@ -13,18 +13,20 @@ from numba import cuda
 
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_ZERO, _bh_params, _carve, _dims, _entry, _fill, _finish_row, _flash_tiles, _group_max,
-    _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
+    F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, _bh_params, _carve, _dims, _entry, _fill, _finish_row, _flash_tiles,
+    _group_max, _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
 )
 
 
 @cuda.jit(device=True)
-def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm, mask, bias, fopts):
+def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, prm, opts):
     """The online softmax step of the thread's rows over one key tile, in place in ``p_tile``.
 
-    ``p_tile`` holds the thread's dot products (row ``row0 + r``, key ``c +
-    tpr n``); each becomes its logit (`_entry`, ``-inf`` when removed), the
-    row's tile max is combined over the ``tpr`` threads of the row group with
+    ``micro = (row0, c, tpr)`` (`_tile_block`), ``queries = (b, h, i_first,
+    N)``: the thread's rows are queries ``i_first + r`` of ``N``, ``keys =
+    (j0, jn)``: the tile holds keys ``[j0, j0 + jn)``. ``p_tile`` holds the
+    thread's dot products (row ``row0 + r``, key ``c + tpr n``); each
+    becomes its logit (`_entry`, ``-inf`` when removed), the row's tile max is combined over the ``tpr`` threads of the row group with
     shuffles, and each becomes ``p = exp(z - max)`` (0 where removed, past the
     tile or past ``N``). The thread's running max and partial sum of each row
     live in ``stats`` (slot ``row tpr + c`` of the sections at 0 and
@@ -33,6 +35,10 @@ def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn
     registers. The loops here are not unrolled on purpose (the score pipeline
     is long), so they keep their data in shared memory, not in local arrays.
     """
+    row0, c, tpr = micro
+    b, h, i_first, N = queries
+    j0, jn = keys
+    fopts = opts[O_FOPTS]
     neg_inf = fopts[F_NEG_INF]
     zero = fopts[F_ZERO]
     one = fopts[F_ONE]
@@ -45,7 +51,7 @@ def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn
             jj = c + tpr * n
             z = neg_inf
             if jj < jn and i < N:
-                z = _entry(p_tile[row * p_stride + jj], b, h, i, j0 + jj, prm, mask, bias, fopts)[0]
+                z = _entry(p_tile[row * p_stride + jj], b, h, i, j0 + jj, prm, opts)[0]
             p_tile[row * p_stride + jj] = z
             tile_max = max(tile_max, z)
         old_max = stats[slot]
@@ -67,11 +73,15 @@ def _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn
 
 
 @cuda.jit(device=True)
-def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h, fopts, lse):
+def _finish_rows(stats, slots, micro, lanes, queries, c0, beta_h, fopts, lse):
     """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`_finish_row`).
 
-    ``num`` is left in the section of ``stats`` at ``2 slots``, ``den`` in that at ``slots``.
+    ``micro``, ``queries`` as in `_tile_softmax`; ``c0`` is the pass's first
+    output column. ``num`` is left in the section of ``stats`` at ``2 slots``,
+    ``den`` in that at ``slots``.
     """
+    row0, c, tpr = micro
+    b, h, i_first, N = queries
     for r in range(REG_M):
         slot = (row0 + r) * tpr + c
         i = i_first + r
@@ -83,7 +93,7 @@ def _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta_h
 
 
 @cuda.jit(cache=True)
-def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias, block_k, out, lse):
+def _forward_kernel(q, k, v, opts, block_k, out, lse):
     """One block per (batch * head, query tile); a flash forward with register micro-tiles.
 
     The grid is one-dimensional, query tiles fastest, so that the blocks that
@@ -99,6 +109,7 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     """
     B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
+    micro = (row0, c, tpr)
     hk = h // (H // Hkv)
     width = min(max(Dv, 1), tpr * ACC_COLS)
 
@@ -106,18 +117,20 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
     q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_q, D, width, block_k)
     stats, at = _carve(smem, at, 3 * block_q * tpr)  # per (row, lane): max, sum, rescale
 
+    fopts = opts[O_FOPTS]
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]
     _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
     cuda.syncthreads()
-    _stage(q, b, h, i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
-    prm = _bh_params(b, h, N, M, iopts, fopts, tau, bh_consts, kv_lengths)
+    _stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    prm = _bh_params(b, h, N, M, opts)
     lanes = _lane_mask(t, threads)
-    lo, hi = _key_range(i0, i1, b, h, N, M, iopts, kv_lengths, band)
+    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
     slots = block_q * tpr
     i_first = i0 + row0
+    queries = (b, h, i_first, N)
     for c0 in range(0, max(Dv, 1), width):
         wn = min(width, Dv - c0)
         for r in range(REG_M):
@@ -128,21 +141,20 @@ def _forward_kernel(q, k, v, mask, kv_lengths, band, iopts, fopts, tau, beta, bh
         for j0 in range(lo, hi, block_k):
             jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
-            _stage(k, b, hk, j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            _stage(k[b, hk], j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
-            _tile_dot(q_tile, q_stride, row0, kv_tile, kv_stride, c, tpr, D, zero, scores)
-            _store_tile(scores, p_tile, p_stride, row0, c, tpr)
-            _tile_softmax(p_tile, p_stride, stats, slots, row0, i_first, N, b, h, j0, jn, c, tpr, lanes, prm,
-                          mask, bias, fopts)
+            _tile_dot(q_tile, q_stride, kv_tile, kv_stride, D, micro, zero, scores)
+            _store_tile(scores, p_tile, p_stride, micro)
+            _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, (j0, jn), prm, opts)
             for r in range(REG_M):
                 alpha = stats[2 * slots + (row0 + r) * tpr + c]
                 for e in range(ACC_COLS):
                     acc[r, e] *= alpha
             cuda.syncthreads()  # K consumed, p written
-            _stage(v, b, hk, j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            _stage(v[b, hk], j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
-            _tile_pv(p_tile, p_stride, row0, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
-        _finish_rows(stats, slots, row0, i_first, N, b, h, c, c0, tpr, lanes, beta[h], fopts, lse)
+            _tile_pv(p_tile, p_stride, kv_tile, kv_stride, jn, wn, micro, zero, acc)
+        _finish_rows(stats, slots, micro, lanes, queries, c0, opts[O_BETA][h], fopts, lse)
         for r in range(REG_M):
             i = i_first + r
             num = stats[2 * slots + (row0 + r) * tpr + c]

@@ -12,13 +12,25 @@ Conventions shared by every kernel:
 - ``q, k, v`` are C-contiguous ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
   ``(B, Hkv, M, Dv)`` arrays of one real dtype; every floating argument is in
   that dtype, so a float32 kernel computes in float32 throughout.
-- Options travel as runtime values: ``iopts`` (int64, indexed by the ``I_*``
+- Options travel as runtime values, in one tuple ``opts`` of device arrays
+  that every kernel takes (built once per call by
+  `elastic_np.cuda._launch._launch_options`, indexed by the ``O_*``
+  constants of `elastic_np.cuda._device`): ``mask``, ``kv_lengths``,
+  ``band``, ``iopts``, ``fopts``, ``tau``, ``beta``, ``bh_consts``,
+  ``bias``. Device functions take ``opts`` too, or small tuples of the
+  tile geometry (``micro = (row0, c, tpr)``, the thread's place in the
+  block's micro-tiles), rather than long argument lists. Each array:
+  ``iopts`` (int64, indexed by the ``I_*``
   constants), ``fopts`` (the dtype, indexed by ``F_*``), ``tau``/``beta``
   ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
   window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
   ``band`` int64 ``(B, H, 2)`` (the offsets ``[lo, hi]`` that causal, the
-  window and the dynamic window's open band leave: `elastic_np._ranges`), ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
+  window and the dynamic window's open band leave: `elastic_np._ranges`),
+  ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
   four dims either full or 1 (broadcast).
+- The dq, dk/dv and dbias kernels take the backward's per-row inputs as one tuple
+  ``dout_lse_delta``: ``dout`` ``(B, H, N, Dv)``, ``lse`` and ``delta``
+  ``(B, H, N)``.
 - The additive ``bias`` is a flat array (the dtype) of the caller's distinct
   entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
   the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is

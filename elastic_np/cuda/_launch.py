@@ -102,7 +102,12 @@ def _gate_band(p):
 
 
 def _launch_options(p):
-    """The runtime option arrays every kernel takes, on the device."""
+    """``(opts, bias_compact)``: the option arrays every kernel takes, on the device, and the bias's compact shape.
+
+    ``opts`` is one tuple, indexed by the ``O_*`` constants of
+    `elastic_np.cuda._device` (`elastic_np.cuda._kernels` describes each
+    array); ``bias_compact`` is `_bias_operand`'s (None without a bias).
+    """
     cuda = _cuda()
     dev = _kernel_module("_device")
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -146,20 +151,18 @@ def _launch_options(p):
         # keep broadcast (zero-stride) dims at size 1 instead of materialising them
         index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in p.mask.strides)
         mask = np.ascontiguousarray(p.mask[index]).view(np.uint8)
-    host = dict(
-        mask=mask,
-        kv_lengths=np.ascontiguousarray(p.kv_lengths, dtype=np.int64),
-        band=offset_band(p, _gate_band(p)),
-        iopts=iopts,
-        fopts=fopts,
-        tau=p.tau.astype(dtype),
-        beta=p.beta.astype(dtype),
-        bh_consts=bh_consts,
-    )
-    options = {name: cuda.to_device(a) for name, a in host.items()}
-    options["bias"] = bias
-    options["bias_compact"] = bias_compact
-    return options
+    opts = [None] * dev.O_COUNT
+    opts[dev.O_MASK] = mask
+    opts[dev.O_KV_LENGTHS] = np.ascontiguousarray(p.kv_lengths, dtype=np.int64)
+    opts[dev.O_BAND] = offset_band(p, _gate_band(p))
+    opts[dev.O_IOPTS] = iopts
+    opts[dev.O_FOPTS] = fopts
+    opts[dev.O_TAU] = p.tau.astype(dtype)
+    opts[dev.O_BETA] = p.beta.astype(dtype)
+    opts[dev.O_BH_CONSTS] = bh_consts
+    opts = [cuda.to_device(a) for a in opts]
+    opts[dev.O_BIAS] = bias
+    return tuple(opts), bias_compact
 
 
 def _bias_operand(p):
@@ -219,15 +222,14 @@ def forward(p):
     out = cuda.device_array((B, H, N, Dv), dtype=dtype)
     lse = cuda.device_array((B, H, N), dtype=dtype)
     if B * H * N > 0 and decode.takes(p):
-        decode.forward(cuda, p, _launch_options(p), q, k, v, out, lse)
+        decode.forward(cuda, p, _launch_options(p)[0], q, k, v, out, lse)
     elif B * H * N > 0:
-        o = _launch_options(p)
+        opts, _ = _launch_options(p)
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
         block_q, _ = _forward_geometry(threads, tile)
         _kernel_module("_forward")._forward_kernel[_blocks(N, block_q) * B * H, threads, 0, shared](
-            q, k, v, o["mask"], o["kv_lengths"], o["band"], o["iopts"], o["fopts"],
-            o["tau"], o["beta"], o["bh_consts"], o["bias"], tile, out, lse,
+            q, k, v, opts, tile, out, lse
         )
     if on_device:
         return out, lse
@@ -259,17 +261,15 @@ def backward(p, dout, out, lse, dlse=None):
     partials = np.zeros((B, H, _blocks(N, dq_rows), dev.P_COUNT), dtype=dtype)
     dbias = None
     if B * H * max(N, M) > 0:
-        o = _launch_options(p)
-        compact = o["bias_compact"]
+        opts, compact = _launch_options(p)
         full = compact == (B, H, N, M)
         if compact is not None:
             # full: the dq kernel writes every entry; broadcast: one entry per block below
             dbias = cuda.device_array(compact if full else math.prod(compact), dtype=dtype)
         partials_dev = cuda.device_array(partials.shape, dtype=dtype)
-        backward_kernels.launch(
-            cuda, p, o, q, k, v, dout, out, lse, dlse, dq, dk, dv, delta, partials_dev,
-            dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype),
-        )
+        grads = {"dq": dq, "dk": dk, "dv": dv, "delta": delta, "partials": partials_dev,
+                 "dbias": dbias if full else cuda.device_array((1, 1, 1, 1), dtype=dtype)}
+        backward_kernels.launch(p, opts, q, k, v, dout, out, lse, dlse, grads)
         if N > 0:
             partials = partials_dev.copy_to_host()
         if compact is not None and not full:
@@ -278,8 +278,7 @@ def backward(p, dout, out, lse, dlse=None):
                 spans = (B * H * N * M) // math.prod(compact)
                 threads = max(1, min(config.DBIAS_THREADS, spans))
                 backward_kernels._backward_dbias_kernel[math.prod(compact), threads, 0, threads * dtype.itemsize](
-                    q, k, v, o["mask"], o["kv_lengths"], o["iopts"], o["fopts"], o["tau"],
-                    o["bh_consts"], o["bias"], dout, lse, delta, dbias,
+                    q, k, v, opts, (dout, lse, delta), dbias
                 )
             else:
                 dbias = None
