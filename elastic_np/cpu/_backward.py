@@ -260,7 +260,7 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
         np.empty(tile if has_softcap else (0, 0), dtype=dtype),
         np.empty(block_q, dtype=dtype), np.empty(block_q, dtype=dtype),
         np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype),
-        np.zeros((group, 2, block_q)), np.empty((group, 2), dtype=np.int64),
+        np.empty((group, 2, block_q)), np.empty((group, 2), dtype=np.int64),
     )
 
 
@@ -306,7 +306,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], v.shape[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    lanes, slots_per_lane = dbias[0][3], dbias[0][4]
+    dbias_mode, lanes, slots_per_lane = dbias[0][0], dbias[0][3], dbias[0][4]
     n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
         k, block_q, block_k, Dv, group, opt.has_softcap
@@ -321,12 +321,13 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     for task in _task_range(n_outer * lanes * n_chunk, part, parts):
         t = _zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
+        outer = task // n_chunk // lanes
         kt = kt0 + t
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
-            b, hk = _pair_head(dbias[0], pair, task // n_chunk // lanes, Hkv)
+            b, hk = _pair_head(dbias[0], pair, outer, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
             k_j = k[b, hk, j0 : j0 + bk]
             v_j = v[b, hk, j0 : j0 + bk]
@@ -338,11 +339,12 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
             for it in range(it_first, it_last):
                 i0 = it * block_q
                 bq = min(block_q, N - i0)
-                for h in range(hk * group, (hk + 1) * group):
-                    if it < spans[h % group, 0] or it >= spans[h % group, 1]:
+                for g in range(group):
+                    h = hk * group + g
+                    if it < spans[g, 0] or it >= spans[g, 1]:
                         continue
                     share = dq_shares[t, b, h, i0 : i0 + bq]
-                    if opt.has_bias and it + 1 < spans[h % group, 1]:
+                    if opt.has_bias and it + 1 < spans[g, 1]:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
                         st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, cap_slope, no_max,
@@ -359,11 +361,11 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
                     base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
-                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[h % group],
+                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
                         opt.log_gate[b, h] if opt.has_gate else no_gate,
                         opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
                     )
-                    if dbias[0][0] > 0:
+                    if dbias_mode > 0:
                         _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, 1.0 / opt.tau[h])
                     if opt.has_softcap:
                         _softcap_slope(dpt, cap_slope, bk, bq)
@@ -371,10 +373,11 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
                     matmul_tn(dpt, k_j, share, bq, D, bk, False)
-            for h in range(hk * group, (hk + 1) * group):
+            for g in range(group):
+                h = hk * group + g
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
-                dtau_part[b, h, kt] = -head_sums[h % group, 0].sum() / opt.tau[h]
-                dsigma_part[b, h, kt] = head_sums[h % group, 1].sum()
+                dtau_part[b, h, kt] = -head_sums[g, 0].sum() / opt.tau[h]
+                dsigma_part[b, h, kt] = head_sums[g, 1].sum()
             _copy_rows(dk_acc, dk[b, hk], j0, bk_all)
             _copy_rows(dv_acc, dv[b, hk], j0, bk_all)
 
