@@ -34,7 +34,7 @@ contiguous axis of the tile.
   scaled queries) and the gate: ``tanh`` is the vectorised one of
   `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
   entries (no copy when its dtype is the kernel's), whose values the kernel
-  plan checks first (`elastic_np.cpu._plan._compact_bias`). ``dbias`` is written by
+  plan checks first (`elastic_np._compact.compact_bias`). ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when

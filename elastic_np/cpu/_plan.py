@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np import _validation
+from elastic_np._compact import compact_bias, compact_mask
 from elastic_np._ranges import offset_band
 
 # Everything the njit code needs to know about the options, as runtime values:
@@ -66,7 +67,8 @@ def _options(p, with_sigma_grad, dtype):
         mask = np.ones(1, dtype=np.bool_)
         mask_strides = np.zeros(4, dtype=np.int64)
     else:
-        mask, mask_strides = _compact_mask(p.mask)
+        mask, mask_strides = compact_mask(p.mask)
+        mask = mask.reshape(-1)
     gate_band = None
     if p.sigma is None:
         log_gate = dlog_gate = np.zeros((1, 1, 1))
@@ -84,7 +86,7 @@ def _options(p, with_sigma_grad, dtype):
         bias.setflags(write=False)
         bias_strides = np.zeros(4, dtype=np.int64)
     else:
-        bias, bias_strides = _compact_bias(p.bias, dtype, check=p.bias_unchecked)
+        bias, bias_strides = compact_bias(p.bias, dtype, check=p.bias_unchecked)
     return _Options(
         scale=float(p.scale),
         causal=bool(p.causal),
@@ -112,65 +114,6 @@ def _options(p, with_sigma_grad, dtype):
         bias=bias,
         bias_strides=bias_strides,
     )
-
-
-def _compact_mask(mask):
-    """The distinct entries of a broadcast boolean view, flat, with element strides.
-
-    ``mask[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``; broadcast axes
-    have stride 0, so a ``(N, M)`` mask stays ``N * M`` booleans.
-    """
-    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in mask.strides)
-    compact = _kernel_array(mask[index])
-    strides = [
-        0 if s == 0 or n == 1 else cs // compact.itemsize
-        for s, n, cs in zip(mask.strides, compact.shape, compact.strides)
-    ]
-    return compact.reshape(-1), np.array(strides, dtype=np.int64)
-
-
-def _compact_bias(bias, dtype, check):
-    """The distinct entries of a broadcast bias view, flat and read-only, with element strides.
-
-    ``bias[b, h, i, j] == flat[b*s0 + h*s1 + i*s2 + j*s3]``. The caller's
-    memory is read as it is, at its strides (no copy), when it has the
-    kernel dtype, is aligned and has no negative stride: C or Fortran
-    order, the last two axes transposed (``.mT``), a slice of a larger
-    array. Otherwise the distinct entries are copied, converted, in C order.
-    Always read-only, so that the kernels see one array type.
-
-    With ``check``, its distinct entries are checked first (no NaN, no
-    ``+inf``: `elastic_np._validation.check_bias_values`), then, when
-    converted, the converted ones (a float64 entry beyond the float32 range
-    becomes ``+inf``).
-    """
-    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in bias.strides)
-    compact = bias[index]
-    if check:
-        _validation.check_bias_values(compact)
-    itemsize = np.dtype(dtype).itemsize
-    readable = (
-        compact.dtype == dtype
-        and compact.flags.aligned
-        and all(s >= 0 and s % itemsize == 0 for s, n in zip(compact.strides, compact.shape) if n > 1)
-    )
-    if not readable:
-        with np.errstate(over="ignore"):  # beyond the range: -inf removes, +inf raises (below)
-            compact = np.ascontiguousarray(compact, dtype=dtype)
-        if check:
-            _validation.check_bias_values(
-                compact, f"`bias` has finite entries beyond the range of {dtype}, the kernels' dtype"
-            )
-    # the memory from the first entry to the last, read through element strides
-    span = 0
-    if compact.size:
-        span = 1 + sum((n - 1) * s for n, s in zip(compact.shape, compact.strides) if n > 1) // itemsize
-    flat = np.lib.stride_tricks.as_strided(compact, (span,), (itemsize,), writeable=False)
-    strides = [
-        0 if s == 0 or n == 1 else cs // itemsize
-        for s, n, cs in zip(bias.strides, compact.shape, compact.strides)
-    ]
-    return flat, np.array(strides, dtype=np.int64)
 
 
 @njit(cache=True, fastmath=False)

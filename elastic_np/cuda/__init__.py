@@ -108,7 +108,9 @@ atomics:
 All kernels take the options as runtime arguments and compute in the input
 dtype, so there is one compiled specialisation per dtype (float32, float64).
 Tile sizes are runtime values too (`elastic_np.cuda._config`, shrunk until
-the dynamic shared memory fits ``MAX_SHARED_BYTES`` for the head dims).
+the dynamic shared memory fits for the head dims: ``MAX_SHARED_BYTES`` when
+set, else the GPU's opt-in maximum, to which a kernel launched with more than
+the default 48 KB is raised first).
 
 Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
 ``torch.nn.functional.scaled_dot_product_attention`` in float32 on the same

@@ -48,7 +48,7 @@ kernel (one writer per entry); a broadcast one is summed by
 entry of the bias's compact shape.
 
 Tile sizes are runtime values (`tiles`, from `elastic_np.cuda._config`,
-halved until the shared memory fits ``MAX_SHARED_BYTES``); the micro-tile
+halved until the shared memory fits `elastic_np.cuda._host.shared_limit`); the micro-tile
 sizes are the forward's compile-time ``REG_M``, ``REG_N``, ``ACC_COLS``.
 """
 
@@ -58,6 +58,7 @@ from numba import cuda
 
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._host import configured, shared_limit
 from elastic_np.cuda._device import (
     C_INV_SIGMA,
     F_NEG_INF,
@@ -69,7 +70,11 @@ from elastic_np.cuda._device import (
     I_BIAS_SH,
     I_BIAS_SI,
     I_BIAS_SJ,
+    I_DBIAS_B,
     I_DBIAS_FULL,
+    I_DBIAS_H,
+    I_DBIAS_I,
+    I_DBIAS_J,
     I_HAS_GATE,
     O_FOPTS,
     P_DSIGMA,
@@ -124,13 +129,14 @@ def tiles(kind, itemsize, D, Dv):
         raise ValueError(f"{names[0]}={rows} must be a positive multiple of REG_M={REG_M}")
     if cols % REG_N or cols < REG_N:
         raise ValueError(f"{names[1]}={cols} must be a positive multiple of REG_N={REG_N}")
-    while shared_elements(kind, rows, cols, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+    limit = shared_limit()
+    while shared_elements(kind, rows, cols, D, Dv) * itemsize > limit:
         if cols > REG_N and cols % (2 * REG_N) == 0 and (cols >= rows or rows % (2 * REG_M)):
             cols //= 2
         elif rows > REG_M and rows % (2 * REG_M) == 0:
             rows //= 2
         else:
-            raise config.shared_memory_error(D, Dv)
+            raise config.shared_memory_error(D, Dv, limit)
     return (rows // REG_M) * (cols // REG_N), rows, cols
 
 
@@ -149,13 +155,13 @@ def launch(p, opts, q, k, v, dout, out, lse, dlse, grads):
         _backward_delta_kernel[-(-(B * H * N) // threads), threads](dout, out, dlse, opts, grads["delta"])
         threads, rows, cols = tiles("dq", itemsize, D, Dv)
         shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
-        _backward_dq_kernel[-(-N // rows) * B * H, threads, 0, shared](
+        configured(_backward_dq_kernel, -(-N // rows) * B * H, threads, shared)(
             q, k, v, opts, cols, dout_lse_delta, grads["dq"], grads["partials"], grads["dbias"]
         )
     if M > 0:
         threads, rows, cols = tiles("dkdv", itemsize, D, Dv)
         shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
-        _backward_dkdv_kernel[-(-M // rows) * B * Hkv, threads, 0, shared](
+        configured(_backward_dkdv_kernel, -(-M // rows) * B * Hkv, threads, shared)(
             q, k, v, opts, cols, dout_lse_delta, grads["dk"], grads["dv"]
         )
 
@@ -541,9 +547,9 @@ def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
 def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
     """``dbias`` of a broadcast bias: one block per entry of the bias's own compact shape.
 
-    ``dbias`` is flat, laid out like ``bias`` (C order over the compact shape,
-    whose dims are the full ones where the bias's stride is nonzero and 1
-    where it is broadcast). The block's entry stands for the ``R`` entries
+    ``dbias`` is flat, in C order over the bias's compact shape (its own shape
+    padded to four dims, ``iopts[I_DBIAS_B:I_DBIAS_J + 1]``), whatever strides
+    the bias itself is read at. The block's entry stands for the ``R`` entries
     ``(b, h, i, j)`` along the broadcast axes; thread ``t`` takes the ``r``-th
     of them for ``r = t, t + blockDim, ...``, recomputes ``ds`` (the score,
     ``p = exp(z - lse)`` and ``dP = dout . v``, with ``delta`` from the dq
@@ -559,15 +565,11 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
     t = cuda.threadIdx.x
     e = cuda.blockIdx.x
 
-    sb = iopts[I_BIAS_SB]
-    sh = iopts[I_BIAS_SH]
-    si = iopts[I_BIAS_SI]
-    sj = iopts[I_BIAS_SJ]
-    # compact dims (1 where broadcast) and the spans of the broadcast axes
-    cb_n = B if sb != 0 else 1
-    ch_n = H if sh != 0 else 1
-    ci_n = N if si != 0 else 1
-    cj_n = M if sj != 0 else 1
+    # dbias's layout (the compact dims, 1 where broadcast) and the spans of the broadcast axes
+    cb_n = iopts[I_DBIAS_B]
+    ch_n = iopts[I_DBIAS_H]
+    ci_n = iopts[I_DBIAS_I]
+    cj_n = iopts[I_DBIAS_J]
     rb_n = B // cb_n
     rh_n = H // ch_n
     ri_n = N // ci_n
@@ -576,7 +578,8 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
     ci = e // cj_n % ci_n
     ch = e // (cj_n * ci_n) % ch_n
     cb = e // (cj_n * ci_n * ch_n)
-    bias_value = bias[cb * sb + ch * sh + ci * si + cj * sj]
+    bias_at = cb * iopts[I_BIAS_SB] + ch * iopts[I_BIAS_SH] + ci * iopts[I_BIAS_SI] + cj * iopts[I_BIAS_SJ]
+    bias_value = bias[bias_at]
 
     zero = fopts[F_ZERO]
     neg_inf = fopts[F_NEG_INF]

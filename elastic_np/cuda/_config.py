@@ -14,8 +14,9 @@ on-disk cache of the kernels cleared).
 
 The host shrinks a tile (halving the larger of the query and key tiles, the
 key tile on a tie) when the shared memory it needs for the given head dims and
-dtype exceeds ``MAX_SHARED_BYTES``, and raises `shared_memory_error` when no
-tile is left to shrink.
+dtype exceeds the limit (`elastic_np.cuda._host.shared_limit`: ``MAX_SHARED_BYTES``
+when set, else the GPU's opt-in maximum), and raises `shared_memory_error` when
+no tile is left to shrink.
 """
 
 #: Forward micro-tile: query rows per thread (compile-time).
@@ -30,10 +31,15 @@ ACC_COLS = 8
 #: Forward: query rows per block (the query tile), a multiple of ``REG_M``; the
 #: block has ``(FORWARD_BLOCK_Q / REG_M) * (FORWARD_BLOCK_K / REG_N)`` threads.
 FORWARD_BLOCK_Q = 64
-#: Forward: keys per shared-memory K/V tile; ``FORWARD_BLOCK_K / REG_N`` (the
-#: threads sharing a query row, combined by warp shuffles) must be a power of
-#: two of at most 32.
+#: Forward: keys per shared-memory K/V tile at most; ``FORWARD_BLOCK_K / REG_N``
+#: (the threads sharing a query row, combined by warp shuffles) must be a power
+#: of two of at most 32. The forward takes the fewest lanes a row whose
+#: accumulators hold the value head in one pass (``Dv / ACC_COLS``), but at
+#: least ``FORWARD_MIN_BLOCK_K / REG_N``: lanes beyond the head's columns would
+#: only add registers and shared memory.
 FORWARD_BLOCK_K = 64
+#: Forward: keys per K/V tile at least (before the shared memory shrinks it).
+FORWARD_MIN_BLOCK_K = 32
 
 #: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
 #: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_Q / REG_M) * (DQ_BLOCK_K /
@@ -79,12 +85,18 @@ DECODE_MIN_SPLIT_KEYS = 256
 #: Decode merge kernel: threads per block at most (one block per stacked row).
 DECODE_MERGE_THREADS = 32
 
-#: Upper bound on dynamic shared memory per block (the default limit without opt-in).
-MAX_SHARED_BYTES = 48 * 1024
+#: Upper bound on dynamic shared memory per block; None: the GPU's opt-in maximum
+#: (``MAX_SHARED_MEMORY_PER_BLOCK_OPTIN``, 227 KB on an H100; kernels launched with
+#: more than ``DEFAULT_SHARED_BYTES`` are opted in), and ``DEFAULT_SHARED_BYTES``
+#: under the simulator and where no GPU is usable (the compiled-code reports).
+MAX_SHARED_BYTES = None
+#: Dynamic shared memory per block that every launch may use without opting in.
+DEFAULT_SHARED_BYTES = 48 * 1024
 
 
-def shared_memory_error(D, Dv):
-    """The error for head dims ``D``, ``Dv`` whose smallest tiles still exceed ``MAX_SHARED_BYTES``."""
+def shared_memory_error(D, Dv, limit):
+    """The error for head dims ``D``, ``Dv`` whose smallest tiles still exceed ``limit`` bytes."""
     return ValueError(
-        f"head dims D={D}, Dv={Dv} need more shared memory than MAX_SHARED_BYTES={MAX_SHARED_BYTES} allows"
+        f"head dims D={D}, Dv={Dv} need more shared memory than the {limit} bytes a block may use "
+        "(MAX_SHARED_BYTES, or the GPU's limit when it is None)"
     )

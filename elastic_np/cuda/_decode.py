@@ -47,6 +47,7 @@ from numba import cuda
 
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np.cuda._host import configured, pow2_at_least, shared_limit
 from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _dims, _entry, _fill,
     _finish_row, _flash_tiles, _group_max, _group_sum, _key_range, _lane_mask, _stage,
@@ -64,11 +65,6 @@ def takes(p):
     return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
 
 
-def _pow2_at_least(n):
-    size = 1
-    while size < n:
-        size *= 2
-    return size
 
 
 def shared_elements(rows_blk, tpr, D, Dv):
@@ -84,29 +80,30 @@ def geometry(rows, D, Dv, itemsize):
     ``tpr`` starts as the fewest lanes whose accumulators hold the value head
     in one pass (at most ``DECODE_LANES``), the block takes as many rows as
     ``DECODE_THREADS`` allows, and spare threads go to more lanes per row
-    (longer K/V tiles). Then, while the shared memory exceeds
-    ``MAX_SHARED_BYTES``, the larger of the K/V tile and the query tile is
-    halved.
+    (longer K/V tiles). Then, while the shared memory exceeds the limit
+    (`elastic_np.cuda._host.shared_limit`), the larger of the K/V tile and the
+    query tile is halved.
     """
     lanes, threads = config.DECODE_LANES, config.DECODE_THREADS
     if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
         raise ValueError(f"DECODE_LANES={lanes} must be a power of two of at most 32")
     if threads < 1:
         raise ValueError(f"DECODE_THREADS={threads} must be at least 1")
-    tpr = min(lanes, _pow2_at_least(-(-max(Dv, 1) // DECODE_ACC_COLS)))
-    tpr = min(tpr, _pow2_at_least(threads + 1) // 2)  # the largest power of two <= threads
+    tpr = min(lanes, pow2_at_least(-(-max(Dv, 1) // DECODE_ACC_COLS)))
+    tpr = min(tpr, pow2_at_least(threads + 1) // 2)  # the largest power of two <= threads
     chunks = -(-rows // max(1, threads // tpr))
     rows_blk = -(-rows // chunks)  # as even as the chunks allow
     while 2 * tpr <= lanes and rows_blk * 2 * tpr <= threads:
         tpr *= 2
-    while shared_elements(rows_blk, tpr, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+    limit = shared_limit()
+    while shared_elements(rows_blk, tpr, D, Dv) * itemsize > limit:
         kv_elements = tpr * DECODE_REG_N * max(D + 1, min(max(Dv, 1), tpr * DECODE_ACC_COLS))
         if tpr > 1 and (kv_elements >= rows_blk * (D + 1) or rows_blk == 1):
             tpr //= 2
         elif rows_blk > 1:
             rows_blk = -(-rows_blk // 2)
         else:
-            raise config.shared_memory_error(D, Dv)
+            raise config.shared_memory_error(D, Dv, limit)
     return rows_blk, tpr
 
 
@@ -129,7 +126,8 @@ def forward(cuda_module, p, opts, q, k, v, out, lse):
     part_ms = cuda_module.device_array((B, Hkv, n_split, rows, 2), dtype=dtype)
     part_acc = cuda_module.device_array((B, Hkv, n_split, rows, max(Dv, 1)), dtype=dtype)
     shared = shared_elements(rows_blk, tpr, D, Dv) * dtype.itemsize
-    _decode_kernel[B * Hkv * chunks * n_split, rows_blk * tpr, 0, shared](q, k, v, opts, tpr, part_ms, part_acc)
+    blocks = B * Hkv * chunks * n_split
+    configured(_decode_kernel, blocks, rows_blk * tpr, shared)(q, k, v, opts, tpr, part_ms, part_acc)
     threads = max(1, min(config.DECODE_MERGE_THREADS, Dv))
     _decode_merge_kernel[B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
         part_ms, part_acc, opts, out, lse

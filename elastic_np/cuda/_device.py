@@ -47,7 +47,11 @@ I_BIAS_SI = 10
 I_BIAS_SJ = 11
 I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
 I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_diag_shift`)
-I_COUNT = 14
+I_DBIAS_B = 14  # the bias's compact shape (its own, padded to 4 dims): the layout of dbias, C order
+I_DBIAS_H = 15
+I_DBIAS_I = 16
+I_DBIAS_J = 17
+I_COUNT = 18
 
 # fopts
 F_SCALE = 0

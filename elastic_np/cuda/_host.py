@@ -5,12 +5,14 @@ imports the one, `_kernel_module` the others, when a kernel is to run.
 """
 
 import dataclasses
+import functools
 import importlib
 
 import numpy as np
 
 from elastic_np import _options, reference
 from elastic_np._errors import BackendUnavailableError
+from elastic_np.cuda import _config as config
 
 #: The dtypes the kernels take (``q``, ``k``, ``v`` share one).
 dtypes = (np.dtype(np.float32), np.dtype(np.float64))
@@ -103,6 +105,60 @@ def check_available():
         f"backend 'cuda' needs an NVIDIA GPU with its CUDA driver, and here: {reason}. "
         f"On a machine with a GPU, {_INSTALL_HINT}; here, use backend='cpu'."
     )
+
+
+# ---------------------------------------------------------------------------
+# Dynamic shared memory beyond the default 48 KB
+# ---------------------------------------------------------------------------
+
+
+def shared_limit():
+    """Bytes of dynamic shared memory a block may use when the host sizes its tiles.
+
+    ``MAX_SHARED_BYTES`` when set; else the current GPU's opt-in maximum, and
+    ``DEFAULT_SHARED_BYTES`` under the simulator or where no GPU is usable.
+    """
+    if config.MAX_SHARED_BYTES is not None:
+        return config.MAX_SHARED_BYTES
+    if not is_available():
+        return config.DEFAULT_SHARED_BYTES
+    return _device_shared_limit(_cuda().get_current_device().id)
+
+
+@functools.cache
+def _device_shared_limit(device_id):
+    return int(_cuda().get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def pow2_at_least(n):
+    """The smallest power of two at least ``n`` (1 for ``n <= 1``)."""
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+def configured(kernel, blocks, threads, shared):
+    """``kernel[blocks, threads, 0, shared]``, opted in first where ``shared`` passes the default limit."""
+    launch = kernel[blocks, threads, 0, shared]
+    if shared > config.DEFAULT_SHARED_BYTES and not _simulator():
+        launch.pre_launch_callbacks.append(_allow_shared)
+    return launch
+
+
+_opted_in = {}  # (compiled kernel, device id) -> dynamic shared bytes allowed
+
+
+def _allow_shared(kernel, launch):
+    """Raise the compiled ``kernel``'s dynamic shared-memory limit to the launch's (a pre-launch callback)."""
+    function = kernel._codelibrary.get_cufunc()  # numba-cuda has no public accessor for it
+    key = (kernel, function.device.id)
+    if _opted_in.get(key, 0) < launch.sharedmem:
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attribute, launch.sharedmem, function.handle, function.device.id)
+        _opted_in[key] = launch.sharedmem
 
 
 # ---------------------------------------------------------------------------

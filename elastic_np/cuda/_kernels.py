@@ -34,7 +34,11 @@ Conventions shared by every kernel:
 - The additive ``bias`` is a flat array (the dtype) of the caller's distinct
   entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
   the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is
-  broadcast along. Without a bias it is a one-element dummy, never read.
+  broadcast along (`elastic_np._compact.compact_bias` builds both for a NumPy
+  bias, as for the CPU kernels). ``dbias`` of a broadcast bias is laid out in
+  C order over the bias's own shape padded to four dims,
+  ``iopts[I_DBIAS_B:I_DBIAS_J + 1]``. Without a bias it is a one-element dummy,
+  never read.
 - The score of an entry is built in the contract's order
   (`elastic_np.cuda._device._score`): scaled dot product, soft-cap
   (``fopts[F_SOFTCAP] > 0``), ALiBi, bias; a ``-inf`` bias removes the entry

@@ -12,9 +12,18 @@ import math
 
 import numpy as np
 
+from elastic_np._compact import compact_bias, compact_mask, element_strides
 from elastic_np._ranges import offset_band
 from elastic_np.cuda import _config as config
-from elastic_np.cuda._host import _cuda, _is_device, _kernel_module, _to_device
+from elastic_np.cuda._host import (
+    _cuda,
+    _is_device,
+    _kernel_module,
+    _to_device,
+    configured,
+    pow2_at_least,
+    shared_limit,
+)
 
 # ---------------------------------------------------------------------------
 # Launch helpers
@@ -35,7 +44,11 @@ def _shared_elements(kind, threads, tile, D, Dv):
 
 
 def _forward_tiles(itemsize, D, Dv):
-    """``(threads, key tile)`` of the forward, from the config, shrunk until the shared memory fits."""
+    """``(threads, key tile)`` of the forward, from the config, shrunk until the shared memory fits.
+
+    The key tile gives a row the fewest lanes whose accumulators hold the value
+    head in one pass, between ``FORWARD_MIN_BLOCK_K`` and ``FORWARD_BLOCK_K`` keys.
+    """
     block_q, block_k = config.FORWARD_BLOCK_Q, config.FORWARD_BLOCK_K
     tpr = block_k // config.REG_N
     if block_k % config.REG_N or tpr < 1 or tpr > 32 or tpr & (tpr - 1):
@@ -48,13 +61,16 @@ def _forward_tiles(itemsize, D, Dv):
     def threads():
         return (block_q // config.REG_M) * (block_k // config.REG_N)
 
-    while _shared_elements("forward", threads(), block_k, D, Dv) * itemsize > config.MAX_SHARED_BYTES:
+    one_pass = config.REG_N * pow2_at_least(-(-max(Dv, 1) // config.ACC_COLS))
+    block_k = min(block_k, max(one_pass, config.FORWARD_MIN_BLOCK_K))
+    limit = shared_limit()
+    while _shared_elements("forward", threads(), block_k, D, Dv) * itemsize > limit:
         if block_k > config.REG_N and (block_k >= block_q or block_q <= config.REG_M):
             block_k //= 2
         elif block_q > config.REG_M and block_q % (2 * config.REG_M) == 0:
             block_q //= 2
         else:
-            raise config.shared_memory_error(D, Dv)
+            raise config.shared_memory_error(D, Dv, limit)
     return threads(), block_k
 
 
@@ -123,6 +139,8 @@ def _launch_options(p):
     iopts[dev.I_HAS_BIAS] = p.bias is not None
     iopts[dev.I_BIAS_SB : dev.I_BIAS_SJ + 1] = bias_strides
     iopts[dev.I_DBIAS_FULL] = p.bias is not None and bias_compact == (B, H, N, M)
+    if bias_compact is not None:
+        iopts[dev.I_DBIAS_B : dev.I_DBIAS_J + 1] = bias_compact
     iopts[dev.I_ALIGN_KV] = p.align == "kv_lengths"
     fopts = np.zeros(dev.F_COUNT, dtype=dtype)
     fopts[dev.F_SCALE] = p.scale
@@ -148,9 +166,7 @@ def _launch_options(p):
     if p.mask is None:
         mask = np.ones((1, 1, 1, 1), dtype=np.uint8)
     else:
-        # keep broadcast (zero-stride) dims at size 1 instead of materialising them
-        index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in p.mask.strides)
-        mask = np.ascontiguousarray(p.mask[index]).view(np.uint8)
+        mask = compact_mask(p.mask)[0].view(np.uint8)  # 1 on broadcast axes, read by its shape
     opts = [None] * dev.O_COUNT
     opts[dev.O_MASK] = mask
     opts[dev.O_KV_LENGTHS] = np.ascontiguousarray(p.kv_lengths, dtype=np.int64)
@@ -168,35 +184,29 @@ def _launch_options(p):
 def _bias_operand(p):
     """The bias as the kernels read it: ``(flat device array, element strides, compact shape)``.
 
-    The flat array holds the caller's entries in C order over the compact
-    shape (the bias's own shape padded to four dims: the full dims, 1 on the
-    axes it is broadcast along), in the kernel dtype; the strides are 0 on
-    those axes. ``dbias`` is computed in that shape. NumPy biases are copied
-    (only their own entries, converted if the dtype differs);
-    a device bias of the kernel dtype is used in place. Without a bias: a
-    one-element dummy, strides 0, compact shape None.
+    The compact shape is the bias's own shape padded to four dims (``dbias``
+    is computed in it, C order); the flat array holds its entries, read
+    through the element strides, 0 on the axes it does not vary along. A
+    NumPy bias goes through `elastic_np._compact.compact_bias` (the plan of
+    every backend) and is copied to the device as it lies; a device bias of
+    the kernel dtype is used in place. Without a bias: a one-element dummy,
+    strides 0, compact shape None.
     """
     cuda = _cuda()
     dtype = p.dtype
     if p.bias is None:
         return cuda.to_device(np.zeros(1, dtype=dtype)), (0, 0, 0, 0), None
+    compact = _dbias_shape(p)
     if _is_device(p.bias):
-        compact = (1,) * (4 - p.bias.ndim) + tuple(p.bias.shape)
+        pad = 4 - p.bias.ndim
+        strides = element_strides(compact, (0,) * pad + tuple(p.bias.strides), p.bias.dtype.itemsize)
         flat = p.bias.reshape(max(1, p.bias.size)) if p.bias.ndim != 1 else p.bias
         if flat.dtype != dtype:
             flat = cuda.to_device(flat.copy_to_host().astype(dtype))
     else:
-        # the caller's own entries (its shape, padded), not the (B, H, N, M) broadcast
-        compact = _dbias_shape(p)
-        index = tuple(slice(0, 1) if n == 1 else slice(None) for n in compact)
-        host = np.ascontiguousarray(p.bias[index], dtype=dtype)
-        flat = cuda.to_device(host.reshape(-1))
-    strides = []
-    step = 1
-    for n in reversed(compact):
-        strides.append(step if n > 1 else 0)
-        step *= n
-    return flat, tuple(reversed(strides)), tuple(int(n) for n in compact)
+        flat, strides = compact_bias(p.bias, dtype, check=p.bias_unchecked)
+        flat = cuda.to_device(np.ascontiguousarray(flat))
+    return flat, tuple(int(s) for s in strides), tuple(int(n) for n in compact)
 
 
 def _blocks(n, size):
@@ -228,9 +238,8 @@ def forward(p):
         threads, tile = _tiles("forward", dtype.itemsize, D, Dv)
         shared = _shared_elements("forward", threads, tile, D, Dv) * dtype.itemsize
         block_q, _ = _forward_geometry(threads, tile)
-        _kernel_module("_forward")._forward_kernel[_blocks(N, block_q) * B * H, threads, 0, shared](
-            q, k, v, opts, tile, out, lse
-        )
+        kernel = _kernel_module("_forward")._forward_kernel
+        configured(kernel, _blocks(N, block_q) * B * H, threads, shared)(q, k, v, opts, tile, out, lse)
     if on_device:
         return out, lse
     return out.copy_to_host(), lse.copy_to_host()

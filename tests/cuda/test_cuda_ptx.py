@@ -37,10 +37,10 @@ def test_resource_report_from_the_compiled_code():
 
 
 def test_dynamic_shared_memory_fits_the_limit():
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._host import shared_limit
 
     for dtype in cuda.dtypes:
         for D in (16, 64, 128, 256):
             for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, dtype).items():
-                assert size <= _cuda_config.MAX_SHARED_BYTES, (name, D, dtype)
+                assert size <= shared_limit(), (name, D, dtype)
                 assert threads >= 1 and tile >= 1

@@ -354,6 +354,12 @@ MOD_CASES = {
     "caller's broadcast view as bias": (
         dict(B=2, N=7, M=9), lambda: dict(bias=np.broadcast_to(bias_of((7, 9)), (2, 2, 7, 9))),
     ),
+    # read at the caller's strides, dbias summed over the batch in the bias's own layout
+    "caller's (H, N, M) view broadcast over heads": (
+        dict(B=2, H=3, Hkv=1, N=7, M=9), lambda: dict(bias=np.broadcast_to(bias_of((1, 7, 9)), (3, 7, 9))),
+    ),
+    "transposed (H, N, M) bias": (dict(B=2, N=7, M=9), lambda: dict(bias=bias_of((2, 9, 7)).transpose(0, 2, 1))),
+    "slice of a larger bias": (dict(B=2, N=7, M=9), lambda: dict(bias=bias_of((2, 10, 12))[:, 2:9, 1:10])),
 }
 
 MOD_FLOAT32 = [

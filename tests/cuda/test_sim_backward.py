@@ -12,7 +12,15 @@ import pytest
 
 import elastic_np as enp
 from elastic_np.cuda import _config as _cuda_config
-from test_sim_attention import assert_float64_close, bias_of, make_problem, run_cuda, run_reference
+from elastic_np import cuda
+from test_sim_attention import (
+    assert_float32_rule,
+    assert_float64_close,
+    bias_of,
+    make_problem,
+    run_cuda,
+    run_reference,
+)
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -88,13 +96,14 @@ def test_backward_tiles_are_checked(monkeypatch, name, value):
 
 def test_backward_tiles_shrink_to_fit(monkeypatch):
     from elastic_np.cuda import _backward as _cuda_backward
+    from elastic_np.cuda._host import shared_limit
 
     set_tiles(monkeypatch, 64, 32, 64, 32)
     for kind in ("dq", "dkdv"):
         for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128), (8, 256)):
             threads, rows, cols = _cuda_backward.tiles(kind, itemsize, D, D)
             size = _cuda_backward.shared_elements(kind, rows, cols, D, D) * itemsize
-            assert size <= _cuda_config.MAX_SHARED_BYTES, (kind, itemsize, D)
+            assert size <= shared_limit(), (kind, itemsize, D)
             assert rows % _cuda_config.REG_M == 0 and cols % _cuda_config.REG_N == 0
             assert threads == (rows // _cuda_config.REG_M) * (cols // _cuda_config.REG_N)
     with pytest.raises(ValueError, match="shared memory"):
@@ -108,6 +117,7 @@ def test_default_geometry(monkeypatch):
     from elastic_np.cuda import _backward as _cuda_backward
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)  # the tiles without a GPU's opt-in
     for name in ("DQ_BLOCK_Q", "DQ_BLOCK_K", "DKDV_BLOCK_K", "DKDV_BLOCK_Q"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
     assert _cuda_backward.tiles("dq", 4, 4, 5) == (128, 64, 32)  # float32: 64 rows x 32 keys
@@ -116,3 +126,22 @@ def test_default_geometry(monkeypatch):
     q, k, v, dout = make_problem(9, B=1, H=2, Hkv=1, N=70, M=75, D=4, Dv=5)
     opts = dict(causal=True, beta=0.25, softcap=2.0)
     assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))
+
+
+@pytest.mark.skipif(not cuda.is_available(), reason="a GPU's opt-in past 48 KB of shared memory")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tiles_past_the_default_shared_memory(monkeypatch, dtype):
+    """At D = 128 the default tiles need more than 48 KB: the launches opt in, and the results hold."""
+    import importlib
+
+    importlib.reload(_cuda_config)  # undo small_tiles: the shipped tiles, the GPU's limit
+    sizes = cuda.dynamic_shared_bytes(128, 128, dtype)
+    assert max(size for _, _, size in sizes.values()) > _cuda_config.DEFAULT_SHARED_BYTES
+    q, k, v, dout = make_problem(4, B=1, H=4, Hkv=2, N=150, M=190, D=128, dtype=dtype)
+    opts = dict(causal=True, beta=0.25, softcap=5.0, window_size=(90, -1))
+    got = run_cuda(q, k, v, dout, opts)
+    want = run_reference(*(a.astype(np.float64) for a in (q, k, v, dout)), opts)
+    if dtype == np.float64:
+        assert_float64_close(got, want)
+    else:
+        assert_float32_rule(got, q, k, v, dout, opts, want)

@@ -95,38 +95,65 @@ def test_forward_geometry_is_checked(monkeypatch, name, value):
 
 
 def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
+    from elastic_np.cuda import _host
+
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 64)
     for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128)):
         threads, tile = cuda._tiles("forward", itemsize, D, D)
         block_q, tpr = cuda._forward_geometry(threads, tile)
-        assert cuda._shared_elements("forward", threads, tile, D, D) * itemsize <= _cuda_config.MAX_SHARED_BYTES
+        assert cuda._shared_elements("forward", threads, tile, D, D) * itemsize <= _host.shared_limit()
         assert block_q % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
         assert max(block_q, tile) <= 2 * min(block_q, tile)  # neither side shrunk alone
 
 
 def test_default_geometry(monkeypatch):
-    """The shipped tiles, ragged last tiles: float64 shrinks to 64 x 32 (8 lanes a row, 4 full warps)."""
+    """The shipped tiles, ragged last tiles: 64 x 32 (8 lanes a row, 4 full warps) for a narrow value head."""
     import importlib
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)  # the tiles without a GPU's opt-in
     for name in ("FORWARD_BLOCK_Q", "FORWARD_BLOCK_K"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
-    assert cuda._tiles("forward", 4, 4, 5) == (256, 64)  # float32 keeps 64 x 64: 16 lanes a row
-    assert cuda._tiles("forward", 8, 4, 5) == (128, 32)  # float64: p tile and row stats pass 48 KB
+    assert cuda._tiles("forward", 4, 4, 5) == (128, 32)  # one lane holds Dv = 5: FORWARD_MIN_BLOCK_K keys
+    assert cuda._tiles("forward", 8, 4, 5) == (128, 32)
+    assert cuda._tiles("forward", 4, 4, 72) == (256, 64)  # 72 columns in one pass: 16 lanes a row
     rng = np.random.default_rng(3)
-    q, k, v = rng.standard_normal((1, 1, 70, 4)), rng.standard_normal((1, 1, 75, 4)), rng.standard_normal((1, 1, 75, 5))
+    q, k = rng.standard_normal((1, 1, 70, 4)), rng.standard_normal((1, 1, 75, 4))
     opts = dict(causal=True, beta=0.25)
-    out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", **opts)
-    want_out, want_lse = reference.attention(q, k, v, **opts)
-    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-12 * np.abs(want_lse).max())
-    # float32 at 64 x 64 (256 threads, 16 lanes a row: four shuffle steps), to float32 rounding
-    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
-    out32, lse32 = enp.attention(q32, k32, v32, return_lse=True, backend="cuda", **opts)
-    assert out32.dtype == np.float32
-    np.testing.assert_allclose(out32, want_out, rtol=0, atol=2e-6)
-    np.testing.assert_allclose(lse32, want_lse, rtol=0, atol=2e-6)
+    for dtype, Dv, atol in ((np.float64, 5, 1e-12), (np.float32, 72, 2e-6)):
+        v = rng.standard_normal((1, 1, 75, Dv))
+        want_out, want_lse = reference.attention(q, k, v, **opts)
+        out, lse = enp.attention(*(a.astype(dtype) for a in (q, k, v)), return_lse=True, backend="cuda", **opts)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=atol)
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=atol * max(1.0, np.abs(want_lse).max()))
+
+
+def test_forward_key_tile_follows_the_value_head(monkeypatch):
+    """Lanes a row: the fewest whose accumulators hold Dv in one pass, within the configured key tiles."""
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
+    monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 64)
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 227 * 1024)
+    tiles = {Dv: cuda._tiles("forward", 4, 64, Dv) for Dv in (1, 16, 64, 65, 128, 256)}
+    assert tiles == {1: (128, 32), 16: (128, 32), 64: (128, 32), 65: (256, 64), 128: (256, 64), 256: (256, 64)}
+    monkeypatch.setattr(_cuda_config, "FORWARD_MIN_BLOCK_K", 8)
+    assert cuda._tiles("forward", 4, 64, 16) == (32, 8)
+
+
+def test_shared_limit(monkeypatch):
+    from elastic_np.cuda import _host
+
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 20000)
+    assert _host.shared_limit() == 20000
+    with pytest.raises(ValueError, match="20000 bytes"):
+        cuda._tiles("forward", 8, 4096, 4096)
+    monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", None)
+    if cuda.is_available():  # the device's opt-in maximum (227 KB on an H100)
+        assert _host.shared_limit() >= _cuda_config.DEFAULT_SHARED_BYTES
+    else:
+        assert _host.shared_limit() == _cuda_config.DEFAULT_SHARED_BYTES
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0].get("N", 12) <= 16]
