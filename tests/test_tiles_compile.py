@@ -95,3 +95,37 @@ def test_kernels_from_the_cache_call_the_tile_functions(tmp_path):
     (first_hits, *first), (second_hits, *second) = (run.stdout.split() for run in runs)
     assert first_hits == "0" and second_hits == "3"
     assert first == second
+
+
+LAZY = """
+import numpy as np
+import elastic_np as enp
+from elastic_np import reference
+from elastic_np.cpu import _calls
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(4))
+bias = rng.standard_normal((24, 24)).astype(np.float32)
+steps = [("plain", {}), ("softcap", dict(softcap=5.0)), ("bias", dict(bias=bias, alibi_slopes=[0.1, 0.2, 0.3, 0.4]))]
+for name, opts in steps:
+    out, lse = enp.attention(q, k, v, causal=True, return_lse=True, **opts)
+    grads = enp.attention_backward(dout, q, k, v, out, lse, causal=True, **opts)
+    q64, k64, v64, dout64 = (a.astype(np.float64) for a in (q, k, v, dout))
+    want_out, want_lse = reference.attention(q64, k64, v64, causal=True, **opts)
+    want = reference.attention_backward(dout64, q64, k64, v64, want_out, want_lse, causal=True, **opts)
+    assert np.allclose(out, want_out, atol=1e-5) and np.allclose(grads.dq, want.dq, atol=1e-4), name
+    if "bias" in opts:
+        assert np.allclose(grads.dbias, want.dbias, atol=1e-4)
+    print(name, ",".join(sorted(stage for stage, _ in _calls._LAZY)) or "-")
+"""
+
+
+def test_modifier_and_dbias_stages_compile_on_first_use(tmp_path):
+    """A call without a modifier or bias compiles neither stage; kernels loaded from the cache call them too."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [
+        subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=900, env=env)
+        for _ in range(2)
+    ]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
+    for run in runs:
+        assert run.stdout.split("\n")[:3] == ["plain -", "softcap modify_tile", "bias dbias_tile,modify_tile"]

@@ -8,11 +8,12 @@ chunks of key tiles (`_backward_kernel`), then adds the key tiles' shares of
 """
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
 from elastic_np._ranges import query_range
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu import _calls
+from elastic_np.cpu._calls import dbias_tile, exp_inplace, matmul_nn, matmul_nn_max, matmul_tn, modify_tile
 from elastic_np.cpu._dbias import (
     _accumulate_columns,
     _accumulate_transposed,
@@ -35,7 +36,7 @@ from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
 
-_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace)
+_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -62,6 +63,8 @@ def backward(problem, dout, out, lse, dlse=None):
         _kernel_array(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
     )
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
+    if problem.bias is not None:
+        ensure_dbias(dtype)
     n_qt = -(-N // config.BLOCK_Q)
 
     # Per-head scaled queries q * scale / tau_h, row-major and as Q^T tiles,
@@ -232,6 +235,19 @@ def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
                 partial[at + r * d_i] += np.float64(row[r]) * inv_tau
 
 
+def _dbias_entry(dpt, d0, d1, params, n_params, strides, n_strides, direct, n_direct, partials, p0, p1,
+                 bk, bq, b, h, i0, j0, slot, inv_tau):
+    """The body of the dbias stage's C entry point (`_calls.dbias_tile`'s arguments, flattened)."""
+    dbias = (carray(params, (n_params,)), carray(strides, (n_strides,)), carray(direct, (n_direct,)),
+             carray(partials, (p0, p1)))
+    _dbias_tile(carray(dpt, (d0, d1)), bk, bq, b, h, i0, j0, dbias, slot, inv_tau)
+
+
+def ensure_dbias(dtype):
+    """Compile (or load from the cache) the dbias stage for ``dtype`` before a backward with a bias runs."""
+    _calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
+
+
 @njit(cache=True, fastmath=False)
 def _softcap_slope(dpt, cap_slope, bk, bq):
     """``ds_raw = ds (1 - tanh^2)``: dk and dq take the raw score's gradient."""
@@ -366,7 +382,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                         opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
                     )
                     if dbias_mode > 0:
-                        _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, 1.0 / opt.tau[h])
+                        dbias_tile(dpt, dbias, (bk, bq, b, h, i0, j0), slot, 1.0 / opt.tau[h])
                     if opt.has_softcap:
                         _softcap_slope(dpt, cap_slope, bk, bq)
                     # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i

@@ -16,12 +16,17 @@ Each array travels as its data pointer and shape, each flag as an integer.
 The three products share one entry point, ``elastic_np_matmul_<dtype>``.
 """
 
+import ctypes
 import functools
+import threading
+import types as pytypes
 
-from llvmlite import ir
+import numpy as np
+from llvmlite import binding, ir
 from numba import carray, cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np import numpy_support
 
 from elastic_np.cpu import _exp, _products
 from elastic_np.cpu._simd import _DTYPES, _signatures
@@ -114,6 +119,11 @@ def _compile_entry(signature, body):
     return cfunc(signature, cache=True, fastmath=False)(body)
 
 
+def _registered(name, dtype):
+    """What `compile_for` registers for a lazy entry point: its trampoline's code."""
+    return pytypes.SimpleNamespace(address=_trampoline(name, dtype)[0])
+
+
 # The bodies call what the typed functions call, one level down: the C
 # entry point is then the only function that links the product's code.
 
@@ -166,3 +176,132 @@ matmul_nn_max = _entry_points(
 )
 exp_inplace = _entry_points(_exp.exp_inplace, _exp_inplace, (_exp.exp_inplace,))
 exp_shift_sum = _entry_points(_exp.exp_shift_sum, _exp_shift_sum, (_exp.exp_shift_sum,))
+
+
+# ---------------------------------------------------------------------------
+# Stages compiled on first use: the score modifiers and dbias
+# ---------------------------------------------------------------------------
+#
+# The soft-cap, ALiBi and bias stage of a tile (`_logits._modify_tile`) is as
+# much code as the rest of the logits pipeline, and the backward's dbias
+# stage (`_backward._dbias_tile`) is a fifth of the backward kernel's. Behind
+# C entry points they are compiled once per dtype instead of inside each
+# kernel, and only when a call first needs them: the kernels call a
+# trampoline (a few instructions, built by llvmlite when `compile_for`
+# registers the symbol) that jumps to the address its slot holds, which
+# `elastic_np.cpu._logits.ensure_modifiers` and
+# `elastic_np.cpu._backward.ensure_dbias` fill before a kernel needs it.
+
+#: Flags of `modify_tile`, packed into one integer.
+WANT_CAP_SLOPE, OVERWRITE, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, CAPPED_MAX = 1, 2, 4, 8, 16, 32
+
+
+def _flatten(context, builder, ty, value):
+    """An argument as an entry point takes it: arrays as pointer and sizes, tuples item by item,
+    floats as doubles, the rest as intp."""
+    if isinstance(ty, types.Array):
+        array = context.make_array(ty)(context, builder, value)
+        return [array.data] + cgutils.unpack_tuple(builder, array.shape, ty.ndim)
+    if isinstance(ty, types.BaseTuple):
+        return [v for i, t in enumerate(ty) for v in _flatten(context, builder, t, builder.extract_value(value, i))]
+    if isinstance(ty, types.Float):
+        return [context.cast(builder, value, ty, types.float64)]
+    return [context.cast(builder, value, ty, types.intp)]
+
+
+def _lazy_codegen(name, dtype):
+    """Code that calls ``elastic_np_<name>_<dtype>`` with the arguments flattened (`_flatten`)."""
+
+    def codegen(context, builder, sig, args):
+        values = [v for ty, value in zip(sig.args, args) for v in _flatten(context, builder, ty, value)]
+        fnty = ir.FunctionType(ir.VoidType(), [value.type for value in values])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _symbol(name, dtype))
+        builder.call(fn, values)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic(prefer_literal=False)
+def modify_tile(typingctx, st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
+                softcap):
+    """`_logits._modify_tile` on ``st`` through ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
+    sig = types.void(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags, softcap)
+    return sig, _lazy_codegen("modify_tile", st.dtype)
+
+
+@intrinsic(prefer_literal=False)
+def dbias_tile(typingctx, dpt, dbias, tile, slot, inv_tau):
+    """`_backward._dbias_tile` through ``elastic_np_dbias_tile_<dtype>``; ``tile = (bk, bq, b, h, i0, j0)``."""
+    return types.void(dpt, dbias, tile, slot, inv_tau), _lazy_codegen("dbias_tile", dpt.dtype)
+
+
+def _vector(dtype, ndim=1):
+    return [types.CPointer(dtype)] + [types.intp] * ndim
+
+
+#: The C signatures of the lazy entry points, by name and dtype.
+LAZY_SIGNATURES = {
+    "modify_tile": lambda dtype: types.void(
+        *_vector(dtype, 2), *_vector(dtype, 2), *_vector(dtype),  # st, cap_slope, tile_max
+        *_vector(dtype), *_vector(types.int64), *_vector(types.float64),  # bias, bias_strides, tau
+        *_vector(types.float64, 2), *_vector(types.int64),  # alibi, diag_shift
+        *[types.intp] * 7, types.float64,  # tile (b, h, i0, bq, j0), bk, flags; softcap
+    ),
+    "dbias_tile": lambda dtype: types.void(
+        *_vector(dtype, 2),  # dpt
+        *_vector(types.int64), *_vector(types.int64), *_vector(dtype), *_vector(types.float64, 2),  # dbias
+        *[types.intp] * 7, types.float64,  # tile (bk, bq, b, h, i0, j0), slot; inv_tau
+    ),
+}
+
+_TRAMPOLINES = {}  # symbol -> (execution engine, address of the code, address of the slot)
+
+
+def _trampoline(name, dtype):
+    """``(code, slot)`` addresses: code for ``elastic_np_<name>_<dtype>`` that jumps to the address in the slot."""
+    symbol = _symbol(name, dtype)
+    if symbol not in _TRAMPOLINES:
+        kinds = [
+            "double" if ty == types.float64 else "ptr" if isinstance(ty, types.CPointer) else "i64"
+            for ty in LAZY_SIGNATURES[name](dtype).args
+        ]
+        params = ", ".join(f"{kind} %a{n}" for n, kind in enumerate(kinds))
+        text = (
+            "@slot = global ptr null\n"
+            f"define void @jump({params}) {{\n"
+            "  %f = load ptr, ptr @slot\n"
+            f"  call void %f({params})\n"
+            "  ret void\n}\n"
+        )
+        module = binding.parse_assembly(text)
+        module.triple = binding.get_process_triple()
+        machine = binding.Target.from_triple(module.triple).create_target_machine()
+        engine = binding.create_mcjit_compiler(module, machine)
+        engine.finalize_object()
+        _TRAMPOLINES[symbol] = (engine, engine.get_function_address("jump"), engine.get_global_value_address("slot"))
+    return _TRAMPOLINES[symbol][1:]
+
+
+_LAZY = {}  # (name, dtype) -> the compiled entry point (kept alive: its address is in the slot)
+_LAZY_LOCK = threading.Lock()
+
+
+def ensure_lazy(name, dtype, body):
+    """Compile (or load from the cache) ``body`` as ``name``'s entry point for ``dtype``; fill its slot."""
+    dtype = numpy_support.from_dtype(np.dtype(dtype))
+    if (name, dtype) in _LAZY:
+        return
+    with _LAZY_LOCK:
+        if (name, dtype) not in _LAZY:
+            entry = cfunc(LAZY_SIGNATURES[name](dtype), cache=True, fastmath=False)(body)
+            ctypes.c_void_p.from_address(_trampoline(name, dtype)[1]).value = entry.address
+            _LAZY[name, dtype] = entry
+
+
+for _lazy in (modify_tile, dbias_tile):
+    _lazy.needs = ()
+    _lazy.entries = {
+        dtype: (_symbol(_lazy.__name__, dtype), functools.partial(_registered, _lazy.__name__, dtype))
+        for dtype in _DTYPES
+    }

@@ -46,6 +46,7 @@ from elastic_np.cpu._calls import (
     matmul_nn,
     matmul_nn_max,
     matmul_tn,
+    modify_tile,
 )
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
@@ -59,7 +60,7 @@ from elastic_np.cpu._transpose import transpose_store, transpose_width
 
 #: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
 _ROWS_TILES = (matmul_nn, exp_inplace)
-_HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
+_HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
 
 def takes(problem):

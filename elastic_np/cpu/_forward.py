@@ -9,7 +9,7 @@ from numba import njit
 
 from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, modify_tile
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._logits import (
     _column_max,
@@ -51,7 +51,7 @@ def forward(problem):
 
 
 # The typed tile functions each pass calls: a first call compiles only those (`compile_for`).
-_FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum)
+_FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)

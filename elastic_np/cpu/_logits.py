@@ -3,13 +3,19 @@
 `_logits_tile` is the one pipeline the forward and the backward share; the
 rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
 `_scale_logits`), the reads of the bias (`_add_transposed`,
-`_prefetch_bias`) and the tile maxima (`_column_max`).
+`_prefetch_bias`) and the tile maxima (`_column_max`). The kernels reach the
+modifier stage through a C entry point compiled on first use
+(`_calls.modify_tile`, `ensure_modifiers`), so a call without a soft-cap,
+ALiBi or bias never compiles it.
 """
 
-import numpy as np
-from numba import njit
+import collections
 
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
+import numpy as np
+from numba import carray, njit
+
+from elastic_np.cpu import _calls
+from elastic_np.cpu._calls import matmul_nn, matmul_nn_max, modify_tile
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._scalar import _like, _removes_nothing
 from elastic_np.cpu._tanh import sech2_any, tanh_any
@@ -61,8 +67,13 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     # float32 doubles otherwise).
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    flags = (
+        (_calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (_calls.HAS_SOFTCAP if opt.has_softcap else 0)
+        + (_calls.HAS_ALIBI if opt.has_alibi else 0) + (_calls.HAS_BIAS if opt.has_bias else 0)
+    )
     if additive_first:
-        _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, additive_first)
+        modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift, tile,
+                    bk, flags + _calls.OVERWRITE, opt.softcap)
         if fuse_max:
             matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
         else:
@@ -75,17 +86,9 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
-            _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, additive_first)
-            if fuse_max:
-                # soft-cap alone: tanh is odd and increasing, so the capped
-                # tile's maxima (and its entries >= 0) are the raw ones capped
-                # (the same expression as in _modify_tile)
-                tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
-                cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
-                for r in range(bq):
-                    x = tile_max[r]
-                    if x > -np.inf:
-                        tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
+            # with fuse_max, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
+            modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
+                        tile, bk, flags + (_calls.CAPPED_MAX if fuse_max else 0), opt.softcap)
     if removes_nothing:
         return True, fuse_max
     diag_shift = opt.diag_shift[b]
@@ -105,6 +108,50 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
         kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, opt.has_mask)
         any_kept = any_kept or kept
     return any_kept, False
+
+
+# What the modifier stage reads of the options (`_calls.modify_tile` passes these alone).
+Modifiers = collections.namedtuple(
+    "Modifiers", "diag_shift tau softcap has_softcap has_alibi alibi has_bias bias bias_strides"
+)
+
+
+def _modify_entry(st, s0, s1, cs, c0, c1, tm, t0, bias, nb, bst, ns, tau, nt, alibi, a0, a1, ds, nd,
+                  b, h, i0, bq, j0, bk, flags, softcap):
+    """The body of the modifier stage's C entry point (`_calls.modify_tile`'s arguments, flattened)."""
+    opt = Modifiers(
+        carray(ds, (nd,)), carray(tau, (nt,)), softcap, flags & _calls.HAS_SOFTCAP != 0,
+        flags & _calls.HAS_ALIBI != 0, carray(alibi, (a0, a1)), flags & _calls.HAS_BIAS != 0,
+        carray(bias, (nb,)), carray(bst, (ns,)),
+    )
+    tile = carray(st, (s0, s1))
+    _modify_tile(tile, opt, (b, h, i0, bq, j0), bk, carray(cs, (c0, c1)), flags & _calls.WANT_CAP_SLOPE != 0,
+                 flags & _calls.OVERWRITE != 0)
+    if flags & _calls.CAPPED_MAX:
+        _cap_maxima(carray(tm, (t0,)), bq, opt, h, tile)
+
+
+def ensure_modifiers(dtype):
+    """Compile (or load from the cache) the modifier stage for ``dtype``; point the kernels' calls at it.
+
+    The kernel plan calls it for every problem with a soft-cap, ALiBi or a
+    bias, before a kernel runs: a call without them never compiles it.
+    """
+    _calls.ensure_lazy("modify_tile", dtype, _modify_entry)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _cap_maxima(tile_max, bq, opt, h, st):
+    """The maxima of a tile soft-capped after them: tanh is odd and increasing, so they are the raw ones capped.
+
+    The same expression as `_modify_tile`'s, and so are the entries ``>= 0``.
+    """
+    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
+    cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
+    for r in range(bq):
+        x = tile_max[r]
+        if x > -np.inf:
+            tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
 
 
 @njit(cache=True, fastmath=False)

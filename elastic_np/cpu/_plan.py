@@ -15,6 +15,7 @@ from numba import njit
 from elastic_np import _validation
 from elastic_np._compact import compact_bias, compact_mask
 from elastic_np._ranges import offset_band
+from elastic_np.cpu._logits import ensure_modifiers
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -81,6 +82,8 @@ def _options(p, with_sigma_grad, dtype):
             p.sigma, float(p.sharpness), float(p.threshold), N, M,
             np.ascontiguousarray(p.kv_ends, dtype=np.int64), with_sigma_grad, log_gate, dlog_gate, gate_band,
         )
+    if p.softcap is not None or p.alibi is not None or p.bias is not None:
+        ensure_modifiers(dtype)
     if p.bias is None:
         bias = np.zeros(1, dtype=dtype)
         bias.setflags(write=False)
