@@ -256,31 +256,38 @@ LAZY_SIGNATURES = {
 }
 
 _TRAMPOLINES = {}  # symbol -> (execution engine, address of the code, address of the slot)
+_TRAMPOLINE_LOCK = threading.Lock()
 
 
 def _trampoline(name, dtype):
     """``(code, slot)`` addresses: code for ``elastic_np_<name>_<dtype>`` that jumps to the address in the slot."""
     symbol = _symbol(name, dtype)
-    if symbol not in _TRAMPOLINES:
-        kinds = [
-            "double" if ty == types.float64 else "ptr" if isinstance(ty, types.CPointer) else "i64"
-            for ty in LAZY_SIGNATURES[name](dtype).args
-        ]
-        params = ", ".join(f"{kind} %a{n}" for n, kind in enumerate(kinds))
-        text = (
-            "@slot = global ptr null\n"
-            f"define void @jump({params}) {{\n"
-            "  %f = load ptr, ptr @slot\n"
-            f"  call void %f({params})\n"
-            "  ret void\n}\n"
-        )
-        module = binding.parse_assembly(text)
-        module.triple = binding.get_process_triple()
-        machine = binding.Target.from_triple(module.triple).create_target_machine()
-        engine = binding.create_mcjit_compiler(module, machine)
-        engine.finalize_object()
-        _TRAMPOLINES[symbol] = (engine, engine.get_function_address("jump"), engine.get_global_value_address("slot"))
+    with _TRAMPOLINE_LOCK:  # compile_for and ensure_lazy may ask from two threads
+        if symbol not in _TRAMPOLINES:
+            _TRAMPOLINES[symbol] = _build_trampoline(name, dtype)
     return _TRAMPOLINES[symbol][1:]
+
+
+def _build_trampoline(name, dtype):
+    """``(engine, code address, slot address)`` of a new trampoline for ``name``'s signature."""
+    kinds = [
+        "double" if ty == types.float64 else "ptr" if isinstance(ty, types.CPointer) else "i64"
+        for ty in LAZY_SIGNATURES[name](dtype).args
+    ]
+    params = ", ".join(f"{kind} %a{n}" for n, kind in enumerate(kinds))
+    text = (
+        "@slot = global ptr null\n"
+        f"define void @jump({params}) {{\n"
+        "  %f = load ptr, ptr @slot\n"
+        f"  call void %f({params})\n"
+        "  ret void\n}\n"
+    )
+    module = binding.parse_assembly(text)
+    module.triple = binding.get_process_triple()
+    machine = binding.Target.from_triple(module.triple).create_target_machine()
+    engine = binding.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    return engine, engine.get_function_address("jump"), engine.get_global_value_address("slot")
 
 
 _LAZY = {}  # (name, dtype) -> the compiled entry point (kept alive: its address is in the slot)
