@@ -36,6 +36,15 @@ def test_compile_for_compiles_only_its_dtype():
     assert result.stdout.strip() == "ok"
 
 
+def _processes(script, cache_dir, count=1):
+    """``count`` processes running ``script`` one after the other, sharing the Numba cache ``cache_dir``."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
+    return [
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+        for _ in range(count)
+    ]
+
+
 PATH_FIRST = """
 import numpy as np
 import elastic_np as enp
@@ -63,9 +72,7 @@ print(" ".join(compiled))
 )
 def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
     """A first call compiles the tile functions its kernels call (the products behind their C entry points), and only those."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    script = PATH_FIRST.format(steps=steps)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+    (result,) = _processes(PATH_FIRST.format(steps=steps), tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == compiled
 
@@ -86,11 +93,7 @@ print(sum(sum(f.stats.cache_hits.values()) for f in kernels), float(out1.sum()),
 
 def test_kernels_from_the_cache_call_the_tile_functions(tmp_path):
     """A new process loads the kernels from the cache; their calls of the tile functions resolve there too."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    runs = [
-        subprocess.run([sys.executable, "-c", FROM_CACHE], capture_output=True, text=True, timeout=900, env=env)
-        for _ in range(2)
-    ]
+    runs = _processes(FROM_CACHE, tmp_path, count=2)
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr
     (first_hits, *first), (second_hits, *second) = (run.stdout.split() for run in runs)
     assert first_hits == "0" and second_hits == "3"
@@ -121,11 +124,7 @@ for name, opts in steps:
 
 def test_modifier_and_dbias_stages_compile_on_first_use(tmp_path):
     """A call without a modifier or bias compiles neither stage; kernels loaded from the cache call them too."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    runs = [
-        subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=900, env=env)
-        for _ in range(2)
-    ]
+    runs = _processes(LAZY, tmp_path, count=2)
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr
     for run in runs:
         assert run.stdout.split("\n")[:3] == ["plain -", "softcap modify_tile", "bias dbias_tile,modify_tile"]

@@ -119,11 +119,6 @@ def _compile_entry(signature, body):
     return cfunc(signature, cache=True, fastmath=False)(body)
 
 
-def _registered(name, dtype):
-    """What `compile_for` registers for a lazy entry point: its trampoline's code."""
-    return pytypes.SimpleNamespace(address=_trampoline(name, dtype)[0])
-
-
 # The bodies call what the typed functions call, one level down: the C
 # entry point is then the only function that links the product's code.
 
@@ -304,6 +299,11 @@ def ensure_lazy(name, dtype, body):
             entry = cfunc(LAZY_SIGNATURES[name](dtype), cache=True, fastmath=False)(body)
             ctypes.c_void_p.from_address(_trampoline(name, dtype)[1]).value = entry.address
             _LAZY[name, dtype] = entry
+
+
+def _registered(name, dtype):
+    """What `compile_for` registers for a lazy entry point: its trampoline's code."""
+    return pytypes.SimpleNamespace(address=_trampoline(name, dtype)[0])
 
 
 for _lazy in (modify_tile, dbias_tile):

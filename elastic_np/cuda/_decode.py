@@ -65,8 +65,6 @@ def takes(p):
     return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
 
 
-
-
 def shared_elements(rows_blk, tpr, D, Dv):
     """Dynamic shared memory of a decode block, in elements: queries, the K/V tile, the p tile."""
     block_k = tpr * DECODE_REG_N
