@@ -77,8 +77,8 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
 def _compile(name, module, progress):
-    """Run a kernel backend once per dtype on the plain and the combined case, forward
-    and backward: the first JIT compile of every specialisation the battery uses."""
+    """Run a kernel backend once per dtype, forward and backward, on the cases that reach
+    each of its kernels: the first JIT compile of every specialisation the battery uses."""
     from elastic_np import _conformance
     from elastic_np.testing import backend_functions
 
@@ -87,7 +87,8 @@ def _compile(name, module, progress):
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
     start = time.perf_counter()
     fn, backward = backend_functions(name)
-    warmup = [c for c in _conformance.CASES if c.name in ("plain", "combined")]
+    warmup = [c for c in _conformance.CASES
+              if c.name in ("plain", "combined", "modifiers combined", "combined, N=20")]
     for dtype in dtypes:
         for case in warmup:
             q, k, v, dout, options = _conformance.draw_inputs(case, dtype)
@@ -120,7 +121,7 @@ def _check(args):
     dtypes = [np.dtype(d) for d in args.dtype]
     supported = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
     cases, _ = _conformance.select_cases(supported)
-    steps = len(modules) * len(cases) * len(dtypes) + len(_conformance.CASES)
+    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _conformance.CASES)
     reports, compile_s = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():

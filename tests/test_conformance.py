@@ -93,7 +93,7 @@ def test_torch_sdpa_passes():
     report = check_attention(sdpa, backward=sdpa_backward, options=["gqa"])
     assert report, str(report)
     cases = {row.case for row in report.rows}
-    assert cases == {"plain", "scale", "causal", "mask", "gqa"}
+    assert cases == {"plain", "scale", "causal", "mask", "gqa", "plain, N=20"}
     skipped = dict(report.skipped)
     assert skipped["causal N<M"] == ["bottom_right_causal"]
     assert "beta" in skipped and "nvm" in skipped
@@ -126,7 +126,7 @@ def test_torch_float_attn_mask_passes_as_a_bias():
     report = check_attention(sdpa_bias, backward=sdpa_bias_backward)
     assert report, str(report)
     assert {row.case for row in report.rows} == {
-        "plain", "bias", "bias (N, M)", "bias keys, -inf"}
+        "plain", "bias", "bias (N, M)", "bias keys, -inf", "plain, N=20"}
     assert ("bias keys, -inf", "dbias") in {(r.case, r.quantity) for r in report.rows}
 
 
@@ -141,7 +141,7 @@ def test_slightly_wrong_scale_is_caught():
 
     report = check_attention(wrong_scale)
     assert not report
-    assert report.failed_cases == ["plain"]
+    assert report.failed_cases == ["plain", "plain, N=20"]
     assert {r.dtype for r in report.failures} == {"float32", "float64"}
     assert "FAIL" in str(report)
 
@@ -201,9 +201,10 @@ def test_a_tenth_of_a_percent_in_float32_is_caught():
 
     report = check_attention(off, dtypes=[np.float32])
     assert not report
-    (row,) = report.rows
-    assert row.dtype == "float32" and not row.passed
-    assert row.allowed < 1e-3 * 0.5
+    assert {row.case for row in report.rows} == {"plain", "plain, N=20"}
+    for row in report.rows:
+        assert row.dtype == "float32" and not row.passed
+        assert row.allowed < 1e-3 * 0.5
 
 
 def test_float64_floor_is_tight():
@@ -293,7 +294,7 @@ def test_wrong_modifiers_are_caught():
     assert {r.quantity for r in report.failures} == {"dbias"}
     assert {r.case for r in report.failures} == {
         "bias", "bias (N, M)", "bias keys, -inf", "bias queries", "softcap + bias",
-        "modifiers combined"}
+        "modifiers combined", "modifiers combined, N=20"}
 
 
 def test_wrong_shape_is_a_failure():

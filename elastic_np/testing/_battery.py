@@ -150,7 +150,7 @@ def check_oracle_gradients(*, quick=True, seed=0, progress=None):
     threshold. Returns a `ConformanceReport`.
     """
     report = ConformanceReport(title="float64 oracle gradients vs central differences")
-    for case in CASES:
+    for case in (c for c in CASES if c.oracle_gradients):
         q, k, v, dout, options = draw_inputs(case, np.float64, quick=True, seed=seed,
                                              margin=1e-3, dims=(4, 3))
         out, lse = reference.attention(q, k, v, **options)
