@@ -36,6 +36,15 @@ def test_compile_for_compiles_only_its_dtype():
     assert result.stdout.strip() == "ok"
 
 
+def test_kernel_helpers_are_only_callable_from_compiled_code():
+    # `_jit.inner` builds no Python wrapper: a call from Python raises, never runs a null entry.
+    from elastic_np.cpu import _jit, _logits, _scalar
+
+    assert isinstance(_logits._remove_in_row, _jit._Inner)
+    with pytest.raises(TypeError, match="`_log_add_exp` is only callable from compiled code"):
+        _scalar._log_add_exp(0.0, 1.0)
+
+
 def _processes(script, cache_dir, count=1):
     """``count`` processes running ``script`` one after the other, sharing the Numba cache ``cache_dir``."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))

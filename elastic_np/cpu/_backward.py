@@ -22,6 +22,7 @@ from elastic_np.cpu._dbias import (
     _store_transposed,
     _task_pairs,
 )
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._logits import (
     _logits_tile,
     _prefetch_bias,
@@ -136,7 +137,7 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
                 q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
     for r in range(bq):
         value = lse[b, h, i0 + r]
@@ -146,7 +147,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
         delta_t[r] = delta[b, h, i0 + r]
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _copy_rows(src, dst, j0, rows):
     """``dst[j0 : j0 + rows] = src[:rows]``, element by element.
 
@@ -158,7 +159,7 @@ def _copy_rows(src, dst, j0, rows):
             dst[j0 + c, d] = src[c, d]
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
     """``p = exp(z - lse)`` into ``pt`` (``lse_t`` from `_row_stats`); ``s < 0`` removed here with ``nvm_in_exp``."""
     neg_inf = -np.inf
@@ -174,7 +175,7 @@ def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
     exp_inplace(pt, bk, bq)
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk):
     """``dz = p (dP - delta)`` in place of ``dP``, and the query rows' ``dtau`` and ``dsigma`` sums.
 
@@ -207,7 +208,7 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk)
                 dtau[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
     """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan` says.
 
@@ -248,7 +249,7 @@ def ensure_dbias(dtype):
     _calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _softcap_slope(dpt, cap_slope, bk, bq):
     """``ds_raw = ds (1 - tanh^2)``: dk and dq take the raw score's gradient."""
     for c in range(bk):
@@ -258,7 +259,7 @@ def _softcap_slope(dpt, cap_slope, bk, bq):
             row[r] *= slope_row[r]
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
     """The per-thread tiles of `_backward_kernel`, reused by its tasks.
 
@@ -280,7 +281,7 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
     )
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
     """What the heads of kv head ``hk``'s group do with keys ``j0 .. j0 + bk - 1`` of batch entry ``b``.
 

@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu import _config as config
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._transpose import (
     stream_fence,
     stream_width,
@@ -132,7 +133,7 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
         stream_fence()
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + r * stride + c] += scale * tile[c, r]`` in float64, for ``c < bk``, ``r < bq``.
 
@@ -151,7 +152,7 @@ def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
             dst[start + r * stride + c] += np.float64(row[r]) * scale
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _task_pairs(params, B, Hkv):
     """``(n_outer, pairs)``: a task's (batch, kv head) pairs, split over the lanes, and the tasks' outer count.
 
@@ -163,7 +164,7 @@ def _task_pairs(params, B, Hkv):
     return (1 if fold_b else B) * (1 if fold_h else Hkv), pairs
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _pair_head(params, pair, outer, Hkv):
     """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
     fold_b, fold_h = params[1] != 0, params[2] != 0
@@ -174,7 +175,7 @@ def _pair_head(params, pair, outer, Hkv):
     return b, hk
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + c * stride] += scale * sum_r tile[c, r]`` in float64, for ``c < bk``."""
     for c in range(bk):

@@ -50,6 +50,7 @@ from elastic_np.cpu._calls import (
 )
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._logits import _logits_tile, _query_factor, scale_logits_row
 from elastic_np.cpu._plan import _kernel_array, _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
@@ -133,7 +134,7 @@ def _check_unread_cache(problem, read, suspect):
                 raise ValueError(f"`{name}` contains NaN or inf")
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
     """Keys ``[row_lo[r], row_hi[r])`` each stacked row may keep; their union's ``(lo, hi)``."""
     diag_shift = opt.diag_shift[b]
@@ -150,7 +151,7 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
     return u_lo, max(u_hi, u_lo)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _read_tile(k_cache, v_cache, j0, bk):
     """0 when keys and values ``j0 .. j0 + bk - 1`` are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
 
@@ -169,7 +170,7 @@ def _read_tile(k_cache, v_cache, j0, bk):
     return checksum
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
     """A split's partials of its stacked rows into ``part_*``; returns ``sum(acc * 0)`` (NaN if not finite)."""
     checksum = _like(0.0, acc)
@@ -183,7 +184,7 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
     return checksum
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _transpose_keys(k_tile, kt, bk, D):
     """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
 
@@ -206,7 +207,7 @@ def _transpose_keys(k_tile, kt, bk, D):
             kt[d, c] = kc[d]
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _additive_row(z, opt, b, h, i, j0, diag_shift):
     """``z[c] = (- alibi |off| + bias) / tau_h`` for key ``j0 + c``, as `_modify_tile` overwrites a tile."""
     inv_tau = 1.0 / opt.tau[h]
@@ -224,7 +225,7 @@ def _additive_row(z, opt, b, h, i, j0, diag_shift):
             z[c] = z[c] + x if opt.has_alibi else x
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
     """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
 
@@ -285,7 +286,7 @@ def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
     return _row_max(z, c_lo, c_hi)
 
 
-@njit(cache=True, fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
+@inner(fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
 def _row_max(z, c_lo, c_hi):
     """``max(z[c_lo:c_hi])``, ``-inf`` when empty (no NaN reaches it: it may assume none)."""
     m = -np.inf

@@ -17,9 +17,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._simd import (
     _DTYPES,
     _EXP_SIGNATURES,
+    _INNER_OPTIONS,
     _OPTIONS,
     _VECTOR_BYTES,
     _matrix,
@@ -119,7 +121,7 @@ def _pow2_fields_f64(p, t):
 _ROUND_F64 = 6755399441055744.0
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _pow2_f64(n):
     """``2**n`` for an integral float64 ``n`` in [-1022, 1023], built in its exponent field.
 
@@ -140,7 +142,7 @@ def _pow2_fields_f32(p, t):
     return p * s1 * s2
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _pow2_scale_f64(p, t):
     """``p * 2**t`` rounded once: ``ldexp`` where it vectorises, else `_pow2_fields_f64`."""
     if _HAS_VECTOR_LDEXP:
@@ -148,7 +150,7 @@ def _pow2_scale_f64(p, t):
     return _pow2_fields_f64(p, t)
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _pow2_scale_f32(p, t):
     """``p * 2**t`` rounded once: ``ldexp`` where it vectorises, else `_pow2_fields_f32`."""
     if _HAS_VECTOR_LDEXP:
@@ -185,7 +187,7 @@ _EXP_Q_F64 = (
 )
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _exp_q_f64(r):
     """``q(r)`` of `_EXP_Q_F64`: ``c9 + r t(r)``, ``t`` by Estrin's scheme.
 
@@ -211,7 +213,7 @@ def _exp_q_f64(r):
     return t * r + c[9]
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _exp_f64_scalar(v):
     """Vectorisable ``exp(v)``, float64 (see `exp_inplace`)."""
     # exp(-746) < 2**-1075 rounds to 0; exp(710) overflows to inf. Arguments
@@ -272,14 +274,14 @@ _EXP_Q_F32 = (
 )
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _exp_q_f32(r, r2):
     """``q(r)`` of `_EXP_Q_F32` (``r2 = r * r``): the upper terms in a pair, then Horner (see `_exp_q_f64`)."""
     c = _EXP_Q_F32
     return ((c[0] * r + c[1]) * r2 + (c[2] * r + c[3])) * r + c[4]
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _exp_f32_scalar(v):
     """Vectorisable ``exp(v)``, float32 (see `exp_inplace`)."""
     # exp(-104) < 2**-150 rounds to 0; exp(89) overflows to inf. Arguments

@@ -11,6 +11,7 @@ from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, modify_tile
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._logits import (
     _column_max,
     _logits_tile,
@@ -107,7 +108,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         _finish_rows(acc, row_max, row_sum, log_beta, out[b, h, i0 : i0 + bq], lse[b, h, i0 : i0 + bq])
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
     """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`_logits_tile`) and its values ``v_j``.
 
@@ -131,7 +132,7 @@ def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
     matmul_tn(st, v_j, acc, bq, acc.shape[1], bk, True)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _load_queries(q_tile, factor, q_t):
     """``q_t[:, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`_query_factor`), transposed."""
     for r in range(q_tile.shape[0]):
@@ -139,7 +140,7 @@ def _load_queries(q_tile, factor, q_t):
             q_t[d, r] = q_tile[r, d] * factor
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
     """The online softmax's update of the row maxima by a tile's: ``m' = max(m, m_tile)``.
 
@@ -168,7 +169,7 @@ def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
                 acc[r, d] *= alpha
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
     """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
 

@@ -17,6 +17,7 @@ from numba import carray, njit
 from elastic_np.cpu import _calls
 from elastic_np.cpu._calls import matmul_nn, matmul_nn_max, modify_tile
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._jit import inner
 from elastic_np.cpu._scalar import _like, _removes_nothing
 from elastic_np.cpu._tanh import sech2_any, tanh_any
 from elastic_np.cpu._transpose import (
@@ -140,7 +141,7 @@ def ensure_modifiers(dtype):
     _calls.ensure_lazy("modify_tile", dtype, _modify_entry)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _cap_maxima(tile_max, bq, opt, h, st):
     """The maxima of a tile soft-capped after them: tanh is odd and increasing, so they are the raw ones capped.
 
@@ -154,7 +155,7 @@ def _cap_maxima(tile_max, bq, opt, h, st):
             tile_max[r] = cap_over_tau * tanh_any(x * tau_over_cap)
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _query_factor(opt, h):
     """What the queries of head ``h`` are multiplied by before ``Q K^T``: ``scale / tau_h``.
 
@@ -165,7 +166,7 @@ def _query_factor(opt, h):
     return 1.0 if opt.nvm else opt.scale / opt.tau[h]
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _scale_logits(st, bk, bq, opt, h, tile_max):
     """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `_query_factor` is 1).
 
@@ -176,7 +177,7 @@ def _scale_logits(st, bk, bq, opt, h, tile_max):
     scale_logits_row(tile_max, opt, h)
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def scale_logits_row(z, opt, h):
     """``z *= scale / tau_h`` in ``z``'s dtype, without fast-math: the same bits wherever inlined."""
     factor = _like(opt.scale / opt.tau[h], z)
@@ -188,7 +189,7 @@ def scale_logits_row(z, opt, h):
 _BIAS_KEYS = 32
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
     """Prefetch the bias of the tile ``[i0, i0 + bq) x [j0, j0 + bk)``, one line at a time.
 
@@ -214,7 +215,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
             prefetch(opt.bias, at + c)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
 
@@ -337,7 +338,7 @@ def _column_max(st, bk, bq, col_max, nonneg):
             m[r] = x if (x > m[r] and (x >= 0 or not nonneg)) else m[r]
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope):
     """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
 
@@ -385,7 +386,7 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_sl
                 cap_slope[c, r] = sech2_any(x)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
@@ -412,7 +413,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
             row[r] = x if overwrite else row[r] + x
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, check_kept):
     """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
     neg_inf = -np.inf

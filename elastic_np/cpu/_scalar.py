@@ -6,13 +6,14 @@ The key and query ranges are `elastic_np._ranges`, shared with the CUDA kernels.
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.extending import overload
 
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._jit import inner
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _removes_nothing(opt, tile, bk, nvm):
     """True when no entry of the tile is removed (inside the offset band, no NVM, mask or gate)."""
     b, h, i0, bq, j0 = tile
@@ -39,7 +40,7 @@ def _like_overload(x, arr):
     return None
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _log_add_exp(a, b):
     if b == -np.inf:
         return a

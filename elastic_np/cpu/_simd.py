@@ -33,6 +33,8 @@ from numba.np import numpy_support
 # measured no faster for the matmuls, and would let LLVM reorder the exponential's
 # Cody-Waite reduction).
 _OPTIONS = dict(cache=True, fastmath={"contract"}, boundscheck=False, error_model="numpy")
+#: The same for their helpers (`elastic_np.cpu._jit.inner`).
+_INNER_OPTIONS = {name: value for name, value in _OPTIONS.items() if name != "cache"}
 
 
 # Explicit signatures: exactly one compiled version per dtype, whatever the

@@ -8,7 +8,6 @@
 import math
 
 import numpy as np
-from numba import njit
 
 from elastic_np.cpu._exp import (
     _LN2_HI,
@@ -27,13 +26,14 @@ from elastic_np.cpu._exp import (
     _pow2_f64,
     by_dtype,
 )
-from elastic_np.cpu._simd import _EXP_SIGNATURES, _OPTIONS, _typed
+from elastic_np.cpu._jit import inner
+from elastic_np.cpu._simd import _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _typed
 
 #: Below -64 = -2|v| (|v| > 32) tanh rounds to +-1 in float64 (1 - tanh|v| < 2**-90).
 _TANH_LO_F64 = -64.0
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _tanh_f64_scalar(v):
     """Vectorisable ``tanh(v)``, float64 (see `tanh_inplace`)."""
     # u = expm1(-2|v|) from the reduction of _exp_f64_scalar: -2|v| = t ln 2 + r,
@@ -66,7 +66,7 @@ _TANH_LO_F32 = np.float32(-20.0)
 _ROUND_F32 = np.float32(12582912.0 + 127.0)
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _tanh_f32_scalar(v):
     """Vectorisable ``tanh(v)``, float32 (see `tanh_inplace`)."""
     x = _NEG_TWO_F32 * abs(v)
@@ -98,7 +98,7 @@ tanh_any = by_dtype(
 _FOUR_F32 = np.float32(4.0)
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _sech2_f64_scalar(v):
     """Vectorisable ``1 - tanh(v)**2``, float64 (see `sech2_any`)."""
     e = _exp_f64_scalar(-2.0 * abs(v))
@@ -106,7 +106,7 @@ def _sech2_f64_scalar(v):
     return 4.0 * e / (d * d)
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _sech2_f32_scalar(v):
     """Vectorisable ``1 - tanh(v)**2``, float32 (see `sech2_any`)."""
     e = _exp_f32_scalar(_NEG_TWO_F32 * abs(v))

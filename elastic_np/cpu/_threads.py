@@ -6,9 +6,9 @@ import threading
 
 import numba
 import numba.np.ufunc.parallel as _numba_parallel
-from numba import njit
 
 from elastic_np.cpu import _config as config
+from elastic_np.cpu._jit import inner
 
 _pool = None  # (threads, executor)
 
@@ -68,7 +68,7 @@ def _run_tasks(kernel, *args, work=None):
         future.result()
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _task_range(n, part, parts):
     """The tasks of thread ``part`` of ``parts``: a contiguous share of ``range(n)``.
 
@@ -80,7 +80,7 @@ def _task_range(n, part, parts):
     return range(n * part // parts, n * (part + 1) // parts)
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _zigzag(t, n):
     """Visit tiles 0, n-1, 1, n-2, ...: cheap and costly causal tiles alternate."""
     return t // 2 if t % 2 == 0 else n - 1 - t // 2
