@@ -9,6 +9,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _options, cpu
+from elastic_np.cpu._dbias import _store_transposed
 from elastic_np.cpu._transpose import stream_width
 from oracle_checks import (
     ALIBI_BH,
@@ -113,6 +114,11 @@ def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
     check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
 
 
+@numba.njit
+def store_transposed(tile, bk, bq, dst, start, stride, scale):
+    _store_transposed(tile, bk, bq, dst, start, stride, scale)  # only callable from compiled code
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("on_lines", [True, False])
 def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
@@ -124,7 +130,7 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
     assert dst.ctypes.data % 64 == 0
     dst[:] = np.nan
     start = line if on_lines else line + 1
-    cpu._dbias._store_transposed(tile, bk, bq, dst, start, stride, dtype(0.5))
+    store_transposed(tile, bk, bq, dst, start, stride, dtype(0.5))
     view = dst[start : start + bq * stride].reshape(bq, stride)
     np.testing.assert_array_equal(view[:, :bk], dtype(0.5) * tile[:bk, :bq].T)
     assert np.isnan(view[:, bk:]).all() and np.isnan(dst[:start]).all()  # nothing else written

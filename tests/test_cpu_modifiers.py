@@ -1,11 +1,24 @@
 """The CPU kernels' logits tile with the score modifiers: tile maxima, soft-cap limits, one compile per dtype."""
 
+import numba
 import numpy as np
 import pytest
 
 import elastic_np as enp
 from elastic_np import _bench, _options, cpu
+from elastic_np.cpu._logits import _column_max, _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
+
+
+# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._jit.inner`)
+@numba.njit
+def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
+    return _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg)
+
+
+@numba.njit
+def column_max(st, bk, bq, col_max, nonneg):
+    _column_max(st, bk, bq, col_max, nonneg)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -54,7 +67,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     def logits(want_max):
         st = np.full((bk + 1, 16), np.nan, dtype)
         tile_max = np.full(16 if want_max else 0, -np.inf, dtype)  # empty: no maxima wanted
-        kept, maxed = cpu._logits._logits_tile(
+        kept, maxed = logits_tile(
             st, k_j, q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max, nonneg,
         )
         assert kept
@@ -91,7 +104,7 @@ def test_column_max_is_the_loop_in_order(dtype, bk, bq, nonneg):
             x = st[c, r]
             if x > expected[r] and (x >= 0 or not nonneg):
                 expected[r] = x
-    cpu._logits._column_max(st, bk, bq, col_max, nonneg)
+    column_max(st, bk, bq, col_max, nonneg)
     np.testing.assert_array_equal(col_max, expected)
     np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected))
 

@@ -8,7 +8,6 @@ and name a task's pairs (`_task_pairs`, `_pair_head`).
 """
 
 import numpy as np
-from numba import njit
 
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._jit import inner
@@ -103,7 +102,7 @@ def _zeros_on_lines(size, dtype):
     return buffer[skip : skip + size]
 
 
-@njit(cache=True, fastmath=False)
+@inner(fastmath=False)
 def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     """``dst[start + r * stride + c] = scale * tile[c, r]`` for ``c < bk``, ``r < bq``.
 

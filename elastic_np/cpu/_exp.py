@@ -71,7 +71,7 @@ def by_dtype(name, f64, f32, doc):
     stub.__name__ = stub.__qualname__ = name
     stub.__doc__ = doc
 
-    @overload(stub)
+    @overload(stub, inline="always")  # no compile of its own: only a call
     def _stub_overload(v):
         if v == types.float64:
             return lambda v: f64(v)
@@ -104,7 +104,7 @@ def _ldexp(typingctx, x, n):
 _HAS_VECTOR_LDEXP = _VECTOR_BYTES == 64
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _pow2_fields_f64(p, t):
     """``p * 2**t`` (float64 ``p`` near 1, integral float ``t`` in [-1100, 1100]), rounded once.
 
@@ -131,7 +131,7 @@ def _pow2_f64(n):
     return _float_from_bits((_float_bits(n + _ROUND_F64) + 1023) << 52)
 
 
-@njit(**_OPTIONS)
+@inner(**_INNER_OPTIONS)
 def _pow2_fields_f32(p, t):
     """``p * 2**t`` (float32 ``p`` near 1, integral float ``t`` in [-160, 160]), rounded once."""
     e = np.int32(t)
@@ -341,7 +341,7 @@ def _exp_block(x, m, n):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(_exp_block)
+@overload(_exp_block, inline="always")
 def _exp_block_overload(x, m, n):
     if isinstance(x, types.Array) and x.dtype == types.float64:
         return lambda x, m, n: _exp_f64(x, m, n)

@@ -28,7 +28,7 @@ from elastic_np.cpu._transpose import (
 )
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
@@ -304,7 +304,7 @@ def _add_scaled(row, src, scale, overwrite):
             row[r] += src[r] * scale
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@inner(fastmath=_FASTMATH)
 def _column_max(st, bk, bq, col_max, nonneg):
     """``col_max[r] = st[c, r]`` wherever that is greater (and ``>= 0`` with ``nonneg``), ``c`` in order.
 
