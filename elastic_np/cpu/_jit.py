@@ -1,11 +1,11 @@
 """`inner`: how the CPU backend jits a function that only compiled code calls.
 
-Numba gives every jitted function two wrappers, one for Python callers and
-one C-callable, and finalises each function on its own (optimises its
-module and generates machine code) to make them. A helper inside a kernel
-needs neither: its callers link its LLVM code into their own module. Built
-without the wrappers, a helper costs the kernel's first compile its typing
-and lowering only; its Python entry raises instead of being compiled.
+Numba gives every jitted function two wrappers, one for Python callers
+(which unboxes every argument: every field of the options record) and one
+C-callable, and optimises and generates machine code for them with the
+function. A helper inside a kernel needs neither: its callers call it from
+compiled code and link its LLVM code into their own module. Built without
+them, a helper's compile is its own code alone; its Python entry raises.
 """
 
 from numba.core.registry import CPUDispatcher
