@@ -137,3 +137,27 @@ def test_modifier_and_dbias_stages_compile_on_first_use(tmp_path):
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr
     for run in runs:
         assert run.stdout.split("\n")[:3] == ["plain -", "softcap modify_tile", "bias dbias_tile,modify_tile"]
+
+
+SAME_BITS = """
+import hashlib
+import numpy as np
+import elastic_np as enp
+rng = np.random.default_rng(0)
+q = rng.standard_normal((2, 4, 1, 8))
+k = rng.standard_normal((2, 2, 31, 8))
+v = rng.standard_normal((2, 2, 31, 6))
+out = enp.attention(q, k, v, softcap=0.9, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5])
+print(hashlib.sha256(out.tobytes()).hexdigest())
+"""
+
+
+def test_the_process_that_compiles_gets_the_bits_of_the_processes_that_load(tmp_path):
+    """A kernel calls its own copy of each helper, not one compiled apart: the same bits fresh and from the cache.
+
+    (When the helpers had machine code of their own, the compiling process's
+    float64 decode kernel called it and differed in the last bit.)
+    """
+    runs = _processes(SAME_BITS, tmp_path, count=2)
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
+    assert runs[0].stdout == runs[1].stdout
