@@ -28,24 +28,13 @@ fourth for a broadcast bias's ``dbias``, below):
   it recomputes ``s`` and ``dp`` as micro-tiles and accumulates ``dq += ds k``
   in registers.
 
-Why a separate ``dq`` kernel: FlashAttention-2 adds each key tile's share of
-``dq`` with float atomics, whose order, hence whose rounding, depends on
-scheduling. The deterministic alternatives are per-key-tile ``dq`` partials
-reduced in a fixed order, which need a ``(M / DKDV_BLOCK_K) x`` size-of-``q``
-buffer (128 copies of ``q`` at ``N = M = 4096`` and 32-key tiles), or a
-second pass over the scores by query tiles. The second pass costs one more
-recomputation of ``s`` and ``dp`` (the ``q k`` and ``dout v`` products) but
-no memory and no reduction; we take it.
-
-The scalar gradients stay deterministic as before: the ``dq`` kernel, whose
-threads own query rows, keeps per (row, lane) compensated sums of ``dz s``
-(``dtau``) and ``dz dlogG/dsigma`` (``dsigma``) in shared memory, adds them in
-slot order at the end and writes one partial per (batch, head, query tile),
-which the host sums in float64; ``dbeta`` comes from ``delta`` and ``lse`` on
-the host. A full ``(B, H, N, M)`` bias's ``dbias`` is written by the ``dq``
-kernel (one writer per entry); a broadcast one is summed by
-``_backward_dbias_kernel``, launched after the delta kernel, one block per
-entry of the bias's compact shape.
+Why ``dq`` has a kernel of its own (no float atomics, no per-key-tile
+buffer, at the cost of a second recomputation of ``s`` and ``dp``), how the
+``dq`` kernel's per-(row, lane) compensated sums make ``dtau`` and
+``dsigma`` deterministic, and which kernel writes ``dbias`` for a full or a
+broadcast bias (``_backward_dbias_kernel``, launched after the delta kernel,
+one block per entry of the bias's compact shape): the design section of
+`elastic_np.cuda`.
 
 Tile sizes are runtime values (`tiles`, from `elastic_np.cuda._config`,
 halved until the shared memory fits `elastic_np.cuda._host.shared_limit`); the micro-tile
