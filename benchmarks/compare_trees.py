@@ -1,7 +1,9 @@
 """The score-modifier benchmark for two source trees of elastic_np, side by side in one run.
 
 One warm worker process per tree (``PYTHONPATH=TREE``) builds the cases of
-``score_modifiers.make_cases`` (fixed seeds: the same work in both); the
+``score_modifiers.make_cases`` and two decoding calls, 1 and 16 new queries
+per sequence against a long cache (`decode_cases`; fixed seeds: the same
+work in both); the
 driver then asks the workers in turn, case by case and round by round, for
 the best of ``--repeat`` calls, so that both trees see the same load.
 Printed per case: each tree's median time and ratio to its own plain
@@ -22,6 +24,21 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def decode_cases(dtype):
+    """Decoding calls, ``cases[(name, "fwd")]``: 1 and 16 queries, (4, 32/8, 16384, 128) K/V."""
+    import elastic_np as enp
+
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((4, 8, 16384, 128)).astype(dtype) for _ in range(2))
+    cases = {}
+    for n in (1, 16):
+        q = rng.standard_normal((4, 32, n, 128)).astype(dtype)
+        cases[(f"decode {n} quer{'y' if n == 1 else 'ies'}", "fwd")] = (
+            lambda q=q: enp.attention(q, k, v, causal=True, backend="cpu")
+        )
+    return cases
+
+
 def worker(argv):
     """Serve ``["time", name, pass, repeat]`` requests on stdin, one JSON line each."""
     sys.path.insert(0, HERE)
@@ -31,6 +48,7 @@ def worker(argv):
 
     n, heads, dtype, backward = int(argv[0]), int(argv[1]), argv[2], argv[3] == "1"
     _, _, cases = score_modifiers.make_cases(n, heads, 64, dtype, backward=backward)
+    cases.update(decode_cases(dtype))
     print(json.dumps({"file": elastic_np.__file__, "cases": [list(k) for k in cases]}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
