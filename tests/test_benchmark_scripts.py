@@ -78,3 +78,25 @@ def test_dask_scaling_prints_the_ratio_and_each_worker_peak(capsys):
     assert "ratio cluster / direct over 1 rounds" in out and "ratio threads / direct" in out
     assert "completed in" in out and "finite: True" in out
     assert out.count("peak resident") == 2
+
+
+def test_first_call_times_each_compile_without_what_it_compiled():
+    import first_call
+    from numba import njit
+
+    @njit
+    def inner_fn(x):
+        return x + 1
+
+    @njit
+    def outer_fn(x):
+        return inner_fn(x) * 2
+
+    with first_call.CompileTimes() as times:
+        assert outer_fn(1) == 4
+    assert set(times.seconds) >= {"test_first_call_times_each_compile_without_what_it_compiled.<locals>.inner_fn",
+                                  "test_first_call_times_each_compile_without_what_it_compiled.<locals>.outer_fn"}
+    assert all(seconds > 0 for seconds in times.seconds.values())
+    with first_call.CompileTimes() as again:
+        outer_fn(2)  # compiled already: no event
+    assert not again.seconds
