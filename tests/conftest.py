@@ -1,6 +1,18 @@
-"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``)."""
+"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``), and a Numba cache per worker."""
+
+import os
+import sys
+import tempfile
 
 import pytest
+
+# Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
+# processes saving different specialisations of one function at the same time
+# can leave Numba's cache index pointing at the other's code. Set before any
+# test module imports numba (which reads the variable once).
+if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
+    _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
 
 
 @pytest.fixture
