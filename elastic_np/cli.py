@@ -22,7 +22,6 @@ Bad arguments give a one-line error and exit code 2.
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -77,25 +76,13 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
 def _compile(name, module, progress):
-    """Run a kernel backend once per dtype, forward and backward, on the cases that reach
-    each of its kernels: the first JIT compile of every specialisation the battery uses."""
-    from elastic_np import _conformance
-    from elastic_np.testing import backend_functions
+    """The first JIT compile of every specialisation the battery uses (`elastic_np._first_compile`); seconds."""
+    from elastic_np._first_compile import compile_backend
 
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
-    start = time.perf_counter()
-    fn, backward = backend_functions(name)
-    warmup = [c for c in _conformance.CASES
-              if c.name in ("plain", "combined", "modifiers combined", "combined, N=20")]
-    for dtype in dtypes:
-        for case in warmup:
-            q, k, v, dout, options = _conformance.draw_inputs(case, dtype)
-            q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
-            fn(q, k, v, **options)
-            backward(dout, q, k, v, **options)
-    return time.perf_counter() - start
+    return compile_backend(name, dtypes)
 
 
 def _check(args):

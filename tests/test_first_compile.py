@@ -1,0 +1,90 @@
+"""`elastic-np check`'s first compile: the second dtype in a child process, Numba's cache under a lock."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from elastic_np import _first_compile
+
+pytest.importorskip("fcntl")
+
+SAVES = """
+import sys
+from numba.core.caching import IndexDataCacheFile
+from elastic_np._first_compile import locked_cache_index
+folder, who, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cache = IndexDataCacheFile(cache_path=folder, filename_base="f", source_stamp="stamp")
+with locked_cache_index():
+    for n in range(count):
+        cache.save((who, n), f"{who}-{n}")
+"""
+
+
+def test_two_processes_saving_under_the_lock_keep_every_entry(tmp_path):
+    # Without the lock both read the index, each writes it back with its own
+    # entry only, and entries (or the data files they name) are lost.
+    from numba.core.caching import IndexDataCacheFile
+
+    count = 150
+    runs = [
+        subprocess.Popen([sys.executable, "-c", SAVES, str(tmp_path), who, str(count)], stderr=subprocess.PIPE)
+        for who in ("a", "b")
+    ]
+    assert all(run.wait(timeout=300) == 0 for run in runs), [run.stderr.read() for run in runs]
+    cache = IndexDataCacheFile(cache_path=str(tmp_path), filename_base="f", source_stamp="stamp")
+    for who in ("a", "b"):
+        for n in range(count):
+            assert cache.load((who, n)) == f"{who}-{n}"
+    assert (tmp_path / _first_compile.LOCK_NAME).exists()
+
+
+def test_the_lock_holds_only_inside_the_block(tmp_path):
+    from numba.core.caching import IndexDataCacheFile
+
+    save, load = IndexDataCacheFile.save, IndexDataCacheFile.load
+    cache = IndexDataCacheFile(cache_path=str(tmp_path), filename_base="f", source_stamp="stamp")
+    with _first_compile.locked_cache_index():
+        assert IndexDataCacheFile.save is not save
+        assert cache.load("key") is None  # nothing saved yet
+        cache.save("key", [1, 2])
+        assert cache.load("key") == [1, 2]
+    assert (IndexDataCacheFile.save, IndexDataCacheFile.load) == (save, load)
+    assert cache.load("key") == [1, 2]
+
+
+class _Child:
+    def __init__(self, command, **kwargs):
+        self.command, self.env = command, kwargs["env"]
+        _Child.started.append(self)
+
+    def wait(self):
+        return 0
+
+    def poll(self):
+        return 0
+
+
+@pytest.mark.parametrize("cores, split", [(2, True), (1, False)])
+def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch, cores, split):
+    ran = []
+    _Child.started = []
+    monkeypatch.setattr(_first_compile, "run_cases", lambda name, dtypes: ran.append((name, list(dtypes))))
+    monkeypatch.setattr(_first_compile, "_cores", lambda: cores)
+    monkeypatch.setattr(subprocess, "Popen", _Child)
+    _first_compile.compile_backend("cpu", (np.float32, np.float64))
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    if split:
+        assert ran == [("cpu", [f32])]
+        (child,) = _Child.started
+        assert child.command[1:] == ["-m", "elastic_np._first_compile", "cpu", "float64"]
+        # the child imports this very package, whatever its working folder
+        root = os.path.dirname(os.path.dirname(_first_compile.__file__))
+        assert child.env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath(root)
+    else:
+        assert ran == [("cpu", [f32, f64])] and not _Child.started
+    ran.clear()
+    _first_compile.compile_backend("reference", (np.float64,))
+    assert ran == [("reference", [f64])]
