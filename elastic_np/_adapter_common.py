@@ -9,10 +9,11 @@ keyword arguments of `elastic_np.attention` and `elastic_np.attention_backward`.
 
 from typing import Any, NamedTuple
 
-from elastic_np._options import DynamicWindow as _CoreWindow
+from elastic_np import _spec
+from elastic_np._types import DynamicWindow as _CoreWindow
 
-#: The options of `elastic_np.attention` that carry a gradient.
-LEARNABLE = ("tau", "beta", "sigma", "bias")
+#: The options of `elastic_np.attention` that carry a gradient, the dynamic window by its ``sigma``.
+LEARNABLE = tuple("sigma" if name == "dynamic_window" else name for name in _spec.LEARNABLE)
 
 
 class DynamicWindow(NamedTuple):
@@ -52,17 +53,27 @@ def kernel_backend(backend):
     return "cpu" if backend == "auto" else backend
 
 
-def numpy_options(fixed, learnable):
-    """Keyword arguments of `elastic_np.attention` from the fixed and learnable options.
+def split(options):
+    """``(fixed, learnable)``: the complete options of `elastic_np.attention`, split.
 
-    ``fixed`` holds every option but the learnable ones, with ``sharpness``
-    and ``threshold`` of the window; ``learnable`` maps the names of
-    `LEARNABLE` to NumPy arrays, numbers or None.
+    ``learnable`` maps the names of `LEARNABLE` to their values (``sigma``
+    that of the window, None without one); ``fixed`` holds every other
+    option, with the window's ``sharpness`` and ``threshold``.
+    """
+    sigma, sharpness, threshold = window_parts(options["dynamic_window"])
+    learnable = {name: sigma if name == "sigma" else options[name] for name in LEARNABLE}
+    fixed = {name: value for name, value in options.items() if name not in _spec.LEARNABLE}
+    fixed.update(sharpness=sharpness, threshold=threshold)
+    return fixed, learnable
+
+
+def numpy_options(fixed, learnable):
+    """Keyword arguments of `elastic_np.attention` from the fixed and learnable options (`split`).
+
+    ``learnable`` maps the names of `LEARNABLE` to NumPy arrays, numbers or None.
     """
     options = {name: value for name, value in fixed.items() if name not in ("sharpness", "threshold")}
-    options["tau"] = learnable["tau"]
-    options["beta"] = learnable["beta"]
-    options["bias"] = learnable["bias"]
+    options.update({name: learnable[name] for name in LEARNABLE if name != "sigma"})
     sigma = learnable["sigma"]
     options["dynamic_window"] = (
         None if sigma is None else _CoreWindow(sigma, fixed["sharpness"], fixed["threshold"])

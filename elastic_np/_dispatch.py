@@ -19,7 +19,7 @@ read every entry anyway).
 
 import importlib
 
-from elastic_np import _options, _validation, reference
+from elastic_np import _options, _spec, _validation, reference
 from elastic_np._errors import BackendUnavailableError
 
 BACKENDS = ("reference", "cpu", "cuda")
@@ -73,6 +73,7 @@ def _cuda_is_available():
     return module.is_available()
 
 
+@_spec.with_option_docs()
 def attention(
     q,
     k,
@@ -115,39 +116,7 @@ def attention(
     k : array_like, shape (B, Hkv, M, D)
     v : array_like, shape (B, Hkv, M, Dv)
         ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
-    scale : float, optional
-        Score scale; ``1/sqrt(D)`` by default.
-    causal : bool, optional
-        Keep ``j <= i + (M - N)`` (bottom-right aligned, as FlashAttention).
-    window_size : (int, int), optional
-        ``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``;
-        ``-1`` leaves a side unbounded.
-    kv_lengths : array_like of int, shape (B,), optional
-        Keep ``j < kv_lengths[b]``; the keys past it (a preallocated cache's
-        padding) are never read.
-    align : {"array", "kv_lengths"}, optional
-        Where the last query sits: at the array's last key (``"array"``, query
-        ``i`` at position ``i + M - N``) or at each sequence's last key
-        (``"kv_lengths"``, at ``i + kv_lengths[b] - N``), as for new queries
-        appended to a ragged cache. Causal, the window, ALiBi and the dynamic
-        window measure offsets from there; ``M`` above then reads ``kv_lengths[b]``.
-    mask : array_like of bool, optional
-        Broadcastable to ``(B, H, N, M)``; True keeps.
-    nvm : bool, optional
-        Negative Value Masking: drop scores below 0.
-    tau, beta : float or array_like of shape (H,), optional
-        Temperature (``> 0``) and denominator offset (``>= 0``).
-    dynamic_window : DynamicWindow, optional
-        Learnable bell-curve window gate.
-    softcap : float, optional
-        Soft-capping: the score becomes ``softcap * tanh(score / softcap)``
-        (``> 0``; None for none), before ALiBi, bias, NVM and temperature.
-    alibi_slopes : array_like, shape (H,) or (B, H), optional
-        ALiBi: adds ``-slope * |i + (M - N) - j|`` to the score. Fixed (no gradient).
-    bias : array_like of float, optional
-        Additive score bias broadcastable to ``(B, H, N, M)``, added after the
-        soft-cap and before NVM; ``-inf`` removes an entry. Learnable: the
-        backward returns ``dbias`` in its shape.
+    %(options)s
     return_lse : bool, optional
         Also return the log-denominator ``lse`` of shape ``(B, H, N)``; a
         loss may use it (`attention_backward` takes its cotangent ``dlse``).
@@ -182,16 +151,12 @@ def attention(
     """
     return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
-    problem = _prepare(module)(
-        q, k, v, scale=scale, causal=causal, window_size=window_size,
-        kv_lengths=kv_lengths, align=align, mask=mask, nvm=nvm, tau=tau, beta=beta,
-        dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
-        bias=bias, dtypes=module.dtypes,
-    )
+    problem = _prepare(module)(q, k, v, dtypes=module.dtypes, **_spec.gathered(locals()))
     out, lse = module.forward(problem)
     return (out, lse) if return_lse else out
 
 
+@_spec.with_option_docs()
 def attention_backward(
     dout,
     q,
@@ -233,10 +198,8 @@ def attention_backward(
         for zeros. Real floats without NaN or inf, in the dtype of ``dout``
         (for the kernels that of ``q``). A row with ``lse = -inf`` (nothing
         kept, ``beta = 0``) takes no gradient from it.
-    **options
-        The options given to `attention` (``scale``, ``causal``,
-        ``window_size``, ``kv_lengths``, ``align``, ``mask``, ``nvm``, ``tau``, ``beta``,
-        ``dynamic_window``, ``softcap``, ``alibi_slopes``, ``bias``).
+    %(other_names)s
+        The options given to `attention`.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
     Returns
@@ -266,12 +229,7 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     module = get_backend(backend)
-    problem = _prepare(module)(
-        q, k, v, scale=scale, causal=causal, window_size=window_size,
-        kv_lengths=kv_lengths, align=align, mask=mask, nvm=nvm, tau=tau, beta=beta,
-        dynamic_window=dynamic_window, softcap=softcap, alibi_slopes=alibi_slopes,
-        bias=bias, dtypes=module.dtypes,
-    )
+    problem = _prepare(module)(q, k, v, dtypes=module.dtypes, **_spec.gathered(locals()))
     dtype = None if module.dtypes is not None else problem.dtype
     check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)
     dout, out, lse, dlse = check(problem, dout, out, lse, dtype=dtype, dlse=dlse)

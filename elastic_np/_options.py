@@ -10,150 +10,12 @@ read every entry anyway.
 
 import dataclasses
 import math
-import operator
 from typing import Optional
 
 import numpy as np
 
-from elastic_np import _validation
-
-#: The values of ``align``: where the last query sits (see `AttentionProblem.kv_ends`).
-ALIGNS = ("array", "kv_lengths")
-
-#: The attention options every backend takes, as keywords (`prepare` takes private ones too).
-OPTION_NAMES = (
-    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
-    "dynamic_window", "softcap", "alibi_slopes", "bias",
-)
-
-#: The smallest ``sigma``: the smallest normal float64 (see `DynamicWindow`).
-SIGMA_MIN = float(np.finfo(np.float64).tiny)
-
-#: ``window_size`` entries are int64 in the kernels.
-WINDOW_MAX = 2**63 - 1
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DynamicWindow:
-    """A learnable bell-curve window over key positions.
-
-    For query ``i`` and key ``j`` (``N`` queries, ``M`` keys) the window is
-
-    .. math::
-
-        x_{ij} = \\frac{2 (j - i - (M - N))}{M - 1}, \\quad
-        f_{ij} = \\frac{e^{-x_{ij}^2 / (2\\sigma^2)}}{\\sigma\\sqrt{2\\pi}}, \\quad
-        G_{ij} = \\tanh(\\mathrm{sharpness}\\cdot f_{ij}\\,[f_{ij} > \\mathrm{threshold}])
-
-    (``x = 0`` when ``M = 1``; with ``align="kv_lengths"``, ``M`` reads
-    ``kv_lengths[b]``, the sequence's own length). Keys with ``G = 0`` are removed and the others
-    get ``log G`` added to their logit.
-
-    Parameters
-    ----------
-    sigma : float or array_like
-        Width of the bell, broadcastable to ``(B, H)``, at least the smallest
-        normal float64, ``2.2250738585072014e-308`` (below it the bell's
-        peak ``1 / (sigma sqrt(2 pi))`` overflows); the float32 kernels take
-        ``sigma >= 1.1754944e-38``, the smallest normal float32. Learnable: the
-        backward returns ``dsigma`` in this shape.
-    sharpness : float, optional
-        Gate steepness, ``> 0``. Fixed.
-    threshold : float, optional
-        Bell values at or below it close the gate, ``>= 0``. Fixed.
-
-    Raises
-    ------
-    TypeError
-        For a non-real ``sigma``, ``sharpness`` or ``threshold``.
-    ValueError
-        For ``sigma`` below the smallest normal float64 (``sigma <= 0``
-        included), ``sharpness <= 0``, ``threshold < 0`` or non-finite values.
-
-    Examples
-    --------
-    >>> import elastic_np as enp
-    >>> enp.DynamicWindow(0.5, sharpness=4.0, threshold=0.1)
-    DynamicWindow(sigma=array(0.5), sharpness=4.0, threshold=0.1)
-    """
-
-    sigma: np.ndarray
-    sharpness: float = 1.0
-    threshold: float = 0.0
-
-    def __post_init__(self):
-        sigma = np.array(self.sigma, dtype=np.float64) if _is_real(self.sigma) else None
-        if sigma is None:
-            raise TypeError(f"`sigma` must be a real number or array, got {self.sigma!r}")
-        if not (np.isfinite(sigma).all() and (sigma > 0).all()):
-            raise ValueError(f"`sigma` must be finite and > 0, got {self.sigma!r}")
-        if (sigma < SIGMA_MIN).any():
-            raise ValueError(
-                f"`sigma` must be at least {SIGMA_MIN!r}, the smallest normal float64 "
-                f"(the bell's peak 1 / (sigma sqrt(2 pi)) overflows below it), got {self.sigma!r}"
-            )
-        sigma.setflags(write=False)
-        object.__setattr__(self, "sigma", sigma)
-        object.__setattr__(
-            self, "sharpness", _validation.positive_scalar(self.sharpness, "sharpness")
-        )
-        object.__setattr__(
-            self, "threshold", _validation.nonnegative_scalar(self.threshold, "threshold")
-        )
-
-    def __repr__(self):
-        return (
-            f"DynamicWindow(sigma={self.sigma!r}, sharpness={self.sharpness!r}, "
-            f"threshold={self.threshold!r})"
-        )
-
-
-def _is_real(value):
-    arr = np.asarray(value)
-    return arr.dtype != np.bool_ and (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class AttentionGrads:
-    """Gradients returned by ``attention_backward``.
-
-    Attributes
-    ----------
-    dq, dk, dv : ndarray
-        Gradients of ``q``, ``k``, ``v``, in their shapes (``dk`` and ``dv``
-        summed over the query heads of a group under grouped-query attention).
-    dtau, dbeta : float or ndarray
-        Gradients of ``tau`` and ``beta`` in the shape they were given in
-        (a Python float for a scalar, shape ``(H,)`` for per-head values).
-    dsigma : float or ndarray or None
-        Gradient of the dynamic window's ``sigma`` in its shape, or None
-        without a dynamic window.
-    dbias : ndarray or None
-        Gradient of the additive ``bias`` in the shape it was given in (the
-        sum over the axes it was broadcast along), in the dtype of ``dq``; None
-        without a bias.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import elastic_np as enp
-    >>> q = k = v = np.ones((1, 2, 3, 4))
-    >>> out, lse = enp.reference.attention(q, k, v, tau=np.array([1.0, 2.0]))
-    >>> grads = enp.reference.attention_backward(out, q, k, v, out, lse, tau=np.array([1.0, 2.0]))
-    >>> grads.dtau.shape, grads.dsigma is None
-    ((2,), True)
-    """
-
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dtau: object
-    dbeta: object
-    dsigma: Optional[object] = None
-    dbias: Optional[np.ndarray] = None
-
+from elastic_np import _spec, _validation
+from elastic_np._types import SIGMA_MIN, AttentionGrads, DynamicWindow  # noqa: F401
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttentionProblem:
@@ -336,30 +198,9 @@ def reduce_to_shape(grad, shape):
     return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
 
 
-def prepare(
-    q,
-    k,
-    v,
-    *,
-    scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    kv_lengths=None,
-    align="array",
-    mask=None,
-    nvm=False,
-    tau=1.0,
-    beta=0.0,
-    dynamic_window=None,
-    softcap=None,
-    alibi_slopes=None,
-    bias=None,
-    dtypes=None,
-    check_finite=True,
-    defer_bias_check=False,
-    defer_kv_check=False,
-):
-    """Validate the attention inputs and options; return an `AttentionProblem`.
+def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, defer_kv_check=False,
+            **options):
+    """Validate the attention inputs and options (`elastic_np._spec`); return an `AttentionProblem`.
 
     ``dtypes`` restricts the accepted dtype of ``q, k, v`` (the kernels take
     float32 and float64, all three the same); with ``dtypes=None`` any real
@@ -369,11 +210,36 @@ def prepare(
     every entry anyway (the problem's ``bias_unchecked`` is then True; the
     backend raises `BIAS_VALUES_ERROR` as `check_bias_values` would).
     ``defer_kv_check`` likewise leaves `check_cache_values` to the backend
-    (the problem's ``kv_unchecked`` is then True).
+    (the problem's ``kv_unchecked`` is then True). ``options`` are the
+    keyword options of `elastic_np.attention`; an unknown one is a `TypeError`.
     """
-    causal = _validation.boolean(causal, "causal")
-    nvm = _validation.boolean(nvm, "nvm")
+    options = _spec.complete(options, "prepare")
     check_finite = _validation.boolean(check_finite, "check_finite")
+    q, k, v = _checked_arrays(q, k, v, dtypes)
+    B, H, N, D = q.shape
+    if check_finite and not np.isfinite(q).all():
+        raise ValueError("`q` contains NaN or inf")
+    shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check)
+    fields = _spec.problem_fields(options, shape)
+    if check_finite and not defer_kv_check:
+        _validation.check_cache_values(k, v, fields["kv_lengths"])
+    check_dtype_range(
+        np.float64 if dtypes is None else q.dtype, **{name: fields[name] for name in _RANGE_FIELDS},
+        uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
+    )
+    return AttentionProblem(
+        q=q, k=k, v=v, **fields,
+        bias_unchecked=fields["bias"] is not None and check_finite and defer_bias_check,
+        kv_unchecked=check_finite and defer_kv_check,
+    )
+
+
+#: The problem's fields that `check_dtype_range` reads.
+_RANGE_FIELDS = ("scale", "tau", "beta", "softcap", "alibi", "sigma", "sharpness", "threshold")
+
+
+def _checked_arrays(q, k, v, dtypes):
+    """``q, k, v`` as arrays of one accepted dtype (float64 for ``dtypes=None``) and consistent shapes."""
     q, k, v = (np.asarray(a) for a in (q, k, v))
     for name, a in (("q", q), ("k", k), ("v", v)):
         _validation.check_real_float_dtype(a, name)
@@ -402,78 +268,7 @@ def prepare(
         raise ValueError(f"`v` shape {v.shape} does not match `k` shape {k.shape} in heads/length")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-    if check_finite and not np.isfinite(q).all():
-        raise ValueError("`q` contains NaN or inf")
-
-    scale = 1.0 / np.sqrt(D) if scale is None else _validation.real_scalar(scale, "scale")
-    if not np.isfinite(scale):
-        raise ValueError(f"`scale` must be finite, got {scale!r}")
-    window = _window(window_size, N + M)
-    kv_lengths = _validation.kv_lengths_array(kv_lengths, B, M)
-    if not isinstance(align, str) or align not in ALIGNS:
-        raise ValueError(f"`align` must be one of {ALIGNS}, got {align!r}")
-    if check_finite and not defer_kv_check:
-        _validation.check_cache_values(k, v, kv_lengths)
-    mask = _validation.broadcast_mask(mask, (B, H, N, M))
-    tau, tau_shape = _validation.per_head(tau, H, "tau", positive=True)
-    beta, beta_shape = _validation.per_head(beta, H, "beta", positive=False)
-
-    if dynamic_window is None:
-        sigma = sigma_shape = None
-        sharpness, threshold = 1.0, 0.0
-    else:
-        if not isinstance(dynamic_window, DynamicWindow):
-            raise TypeError("`dynamic_window` must be an elastic_np.DynamicWindow or None")
-        sigma_shape = dynamic_window.sigma.shape
-        try:
-            sigma = np.broadcast_to(dynamic_window.sigma, (B, H)).copy()
-        except ValueError:
-            raise ValueError(
-                f"`sigma` of shape {sigma_shape} is not broadcastable to (B, H) = ({B}, {H})"
-            ) from None
-        sharpness, threshold = dynamic_window.sharpness, dynamic_window.threshold
-
-    if softcap is not None:
-        softcap = _validation.positive_scalar(softcap, "softcap")
-    alibi = _validation.alibi_array(alibi_slopes, B, H)
-    bias, bias_shape = _validation.broadcast_bias(bias, (B, H, N, M), check_finite and not defer_bias_check)
-    check_dtype_range(
-        np.float64 if dtypes is None else q.dtype, scale=scale, tau=tau, beta=beta, softcap=softcap,
-        alibi=alibi, sigma=sigma, sharpness=sharpness, threshold=threshold,
-        uniform=tau_shape == () and beta_shape == (),
-    )
-
-    return AttentionProblem(
-        q=q, k=k, v=v, scale=float(scale), causal=causal, window=window,
-        kv_lengths=kv_lengths, mask=mask, nvm=nvm, tau=tau, beta=beta,
-        sigma=sigma, sharpness=sharpness, threshold=threshold,
-        tau_shape=tau_shape, beta_shape=beta_shape, sigma_shape=sigma_shape,
-        softcap=softcap, alibi=alibi, bias=bias, bias_shape=bias_shape,
-        bias_unchecked=bias is not None and check_finite and defer_bias_check,
-        kv_unchecked=check_finite and defer_kv_check, align=align,
-    )
-
-
-def _window(window_size, span):
-    """``(left, right)`` validated; a side of ``span`` or more, which bounds nothing, becomes -1.
-
-    Every offset ``j - i - (E_b - N)`` lies in ``(-span, span)``, so a wider
-    side is unbounded; as -1 it cannot overflow the kernels' int64 arithmetic.
-    """
-    try:
-        left, right = window_size
-        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
-            raise TypeError("a bool is not a window side")
-        left, right = operator.index(left), operator.index(right)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"`window_size` must be a pair of integers (left, right), got {window_size!r}"
-        ) from None
-    if not (-1 <= left <= WINDOW_MAX and -1 <= right <= WINDOW_MAX):
-        raise ValueError(
-            f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {window_size!r}"
-        )
-    return (-1 if left >= span else left, -1 if right >= span else right)
+    return q, k, v
 
 
 def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold, uniform=False):

@@ -32,7 +32,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from elastic_np import _dask_blocks, _dispatch, _options
+from elastic_np import _dask_blocks, _dispatch, _options, _spec
 from elastic_np._options import AttentionGrads
 
 __all__ = ["attention", "attention_backward", "compute_grads"]
@@ -188,11 +188,8 @@ def _empty_partial(shape):
     return np.zeros(shape), np.full(shape[:3], -np.inf)
 
 
-def attention(
-    q, k, v, *, scale=None, causal=False, window_size=(-1, -1), kv_lengths=None, align="array",
-    mask=None, nvm=False, tau=1.0, beta=0.0, dynamic_window=None, softcap=None,
-    alibi_slopes=None, bias=None, return_lse=False, backend="cpu", threads_per_task=1,
-):
+@_spec.takes_options(own=("mask", "bias"))
+def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, **options):
     """`elastic_np.attention` over Dask arrays, lazily: a Dask array (and ``lse``).
 
     Parameters
@@ -208,7 +205,7 @@ def attention(
         The backend each block runs on.
     threads_per_task : int, optional
         Kernel threads of each block task (1: one per Dask worker thread).
-    **options
+    %(other_names)s
         As for `elastic_np.attention`.
 
     Returns
@@ -228,13 +225,9 @@ def attention(
     >>> out.chunks[2], out.compute(scheduler="sync").shape
     ((4, 4), (1, 2, 8, 4))
     """
-    setup = _setup(q, k, v, dict(
-        scale=scale, causal=causal, window_size=window_size, kv_lengths=kv_lengths, align=align,
-        mask=mask, nvm=nvm, tau=tau, beta=beta, dynamic_window=dynamic_window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias,
-    ), backend, threads_per_task)
+    setup = _setup(q, k, v, _spec.complete(options, "attention"), backend, threads_per_task)
     spec, dtype = setup.spec, setup.dtype
-    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, spec.__dict__, beta, dtype)
+    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, spec.__dict__, setup.problem.beta, dtype)
     part, node, root = (f"enp-{s}-{token}" for s in ("partial", "merge", "root"))
     out_name, lse_name = f"enp-attention-{token}", f"enp-lse-{token}"
     Dv = setup.problem.shape[6]
@@ -276,17 +269,23 @@ def attention(
     return out, lse
 
 
-def attention_backward(
-    dout, q, k, v, out, lse, *, dlse=None, scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
-    align="array", mask=None, nvm=False, tau=1.0, beta=0.0, dynamic_window=None, softcap=None,
-    alibi_slopes=None, bias=None, backend="cpu", threads_per_task=1,
-):
+@_spec.takes_options()
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="cpu", threads_per_task=1, **options):
     """`elastic_np.attention_backward` over Dask arrays, lazily.
 
     ``out`` and ``lse`` are those of `attention` (``return_lse=True``): each
     block's share of the gradients is computed against the whole rows'
     ``lse``, so the shares add up exactly. ``dlse``, the cotangent of ``lse``
     (None for zeros), is chunked like the rows and goes to every block of its rows.
+
+    Parameters
+    ----------
+    dout, q, k, v, out, lse, dlse : dask.array.Array or array_like
+        As for `elastic_np.attention_backward`.
+    backend, threads_per_task
+        As for `attention`.
+    %(other_names)s
+        As for `elastic_np.attention`.
 
     Returns
     -------
@@ -309,11 +308,7 @@ def attention_backward(
     >>> g.dk.shape, isinstance(g.dtau, float)
     ((1, 2, 8, 4), True)
     """
-    setup = _setup(q, k, v, dict(
-        scale=scale, causal=causal, window_size=window_size, kv_lengths=kv_lengths, align=align,
-        mask=mask, nvm=nvm, tau=tau, beta=beta, dynamic_window=dynamic_window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias,
-    ), backend, threads_per_task)
+    setup = _setup(q, k, v, _spec.complete(options, "attention_backward"), backend, threads_per_task)
     spec, problem = setup.spec, setup.problem
     B, H, Hkv, N, M, D, Dv = problem.shape
     rows = setup.q.chunks[:3]

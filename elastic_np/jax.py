@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _options
+from elastic_np import _dispatch, _options, _spec
 from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "DynamicWindow"]
@@ -45,9 +45,9 @@ def _host(tree):
     return {name: np.asarray(value) for name, value in tree.items()}
 
 
-#: Values that stand for traced options in `_validate`: valid whatever the option.
-_PLACEHOLDERS = {"q": 0, "k": 0, "v": 0, "tau": 1, "beta": 0, "sigma": 1, "bias": 0,
-                 "mask": True, "alibi_slopes": 0}
+#: Values that stand for traced arrays in `_validate`: valid for ``q, k, v`` and every
+#: option (an array of 1 for ``tau`` and the window's ``sigma``, True for a mask, else 0).
+_PLACEHOLDERS = {"tau": 1, "sigma": 1, "mask": True}
 
 
 def _validate(diff, traced, fixed, constants):
@@ -65,7 +65,7 @@ def _validate(diff, traced, fixed, constants):
                 continue
             except jax.errors.TracerArrayConversionError:
                 pass
-        fill = diff["k"].shape[2] if name == "kv_lengths" else _PLACEHOLDERS[name]
+        fill = diff["k"].shape[2] if name == "kv_lengths" else _PLACEHOLDERS.get(name, 0)
         stand_in[name] = np.broadcast_to(np.array(fill, dtype=x.dtype), x.shape)
     learnable = {name: stand_in.get(name, constants.get(name)) for name in common.LEARNABLE}
     options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
@@ -157,27 +157,8 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     return function
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    kv_lengths=None,
-    align="array",
-    mask=None,
-    nvm=False,
-    tau=1.0,
-    beta=0.0,
-    dynamic_window=None,
-    softcap=None,
-    alibi_slopes=None,
-    bias=None,
-    return_lse=False,
-    backend="auto",
-):
+@_spec.takes_options(own=_spec.LEARNABLE)
+def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     """`elastic_np.attention` on jax arrays, differentiable in every learnable input.
 
     Parameters
@@ -195,7 +176,7 @@ def attention(
     bias : jax.Array, optional
         Additive score bias broadcastable to ``(B, H, N, M)``; gets a gradient
         in its own shape.
-    scale, causal, window_size, kv_lengths, align, mask, nvm, softcap, alibi_slopes
+    %(other_names)s
         As in `elastic_np.attention`; no gradient. Under ``jax.jit`` the
         Python options (``causal``, ``window_size`` ...) must be static.
     return_lse : bool, optional
@@ -234,8 +215,7 @@ def attention(
     (2,)
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    sigma, sharpness, threshold = common.window_parts(dynamic_window)
-    given = {"tau": tau, "beta": beta, "sigma": sigma, "bias": bias}
+    fixed, given = common.split(_spec.complete(options, "attention"))
     diff = {"q": q, "k": k, "v": v}
     diff.update({n: x for n, x in given.items() if isinstance(x, jax.Array)})
     for name, x in diff.items():
@@ -243,14 +223,8 @@ def attention(
     if q.ndim != 4:
         raise ValueError(f"`q` must have 4 dimensions (B, heads, length, dim), got shape {q.shape}")
     constants = {n: x for n, x in given.items() if n not in diff}
-    fixed = {
-        "scale": scale, "causal": causal, "window_size": window_size, "align": align,
-        "nvm": nvm, "softcap": softcap, "sharpness": sharpness, "threshold": threshold,
-        "backend": common.kernel_backend(backend),
-    }
-    traced = {}
-    for name, x in (("kv_lengths", kv_lengths), ("mask", mask), ("alibi_slopes", alibi_slopes)):
-        (traced if isinstance(x, jax.Array) else fixed)[name] = x
+    fixed["backend"] = common.kernel_backend(backend)
+    traced = {name: fixed.pop(name) for name in _spec.TENSOR_OPTIONS if isinstance(fixed[name], jax.Array)}
     _validate(diff, traced, fixed, constants)
     B, H, N, _ = q.shape
     out_shape = (B, H, N, v.shape[-1])

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch
+from elastic_np import _dispatch, _spec
 from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "ElasticAttention", "DynamicWindow"]
@@ -216,8 +216,8 @@ class _AttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fixed, device, q, k, v, tau, beta, sigma, bias):
-        learnable = dict(zip(common.LEARNABLE, (tau, beta, sigma, bias)))
+    def forward(ctx, fixed, device, q, k, v, *learnable):
+        learnable = dict(zip(common.LEARNABLE, learnable))
         if device is None:
             host = {name: _host(value, name) for name, value in learnable.items()}
             qn, kn, vn = (_host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -267,27 +267,8 @@ class _AttentionFunction(torch.autograd.Function):
         return (None, None, *result)
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    kv_lengths=None,
-    align="array",
-    mask=None,
-    nvm=False,
-    tau=1.0,
-    beta=0.0,
-    dynamic_window=None,
-    softcap=None,
-    alibi_slopes=None,
-    bias=None,
-    return_lse=False,
-    backend="auto",
-):
+@_spec.takes_options(own=_spec.LEARNABLE)
+def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     """`elastic_np.attention` on torch tensors, differentiable in every learnable input.
 
     Parameters
@@ -307,7 +288,7 @@ def attention(
     bias : torch.Tensor, optional
         Additive score bias broadcastable to ``(B, H, N, M)``, on ``q``'s
         device; gets ``dbias`` in its own shape.
-    scale, causal, window_size, kv_lengths, align, mask, nvm, softcap, alibi_slopes
+    %(other_names)s
         As in `elastic_np.attention` (tensors are accepted); no gradient.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(B, H, N)``, differentiable like ``out``
@@ -348,7 +329,7 @@ def attention(
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
-    sigma, sharpness, threshold = common.window_parts(dynamic_window)
+    fixed, learnable = common.split(_spec.complete(options, "attention"))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
@@ -357,13 +338,8 @@ def attention(
         option, backend = _host, common.kernel_backend(backend)
     else:
         option, backend = (lambda value, name: _option(value, name, device)), "cuda"
-    fixed = {
-        "scale": scale, "causal": causal, "window_size": window_size,
-        "kv_lengths": option(kv_lengths, "kv_lengths"), "align": align, "mask": option(mask, "mask"),
-        "nvm": nvm, "softcap": softcap, "alibi_slopes": option(alibi_slopes, "alibi_slopes"),
-        "sharpness": sharpness, "threshold": threshold, "backend": backend,
-    }
-    out, lse = _AttentionFunction.apply(fixed, device, q, k, v, tau, beta, sigma, bias)
+    fixed.update({name: option(fixed[name], name) for name in _spec.TENSOR_OPTIONS}, backend=backend)
+    out, lse = _AttentionFunction.apply(fixed, device, q, k, v, *(learnable[n] for n in common.LEARNABLE))
     return (out, lse) if return_lse else out
 
 
@@ -372,6 +348,11 @@ def _inverse_softplus(x):
     return x + math.log(-math.expm1(-x))
 
 
+#: The options `ElasticAttention` is built with; it takes `_spec.PER_CALL` with each call.
+_MODEL_OPTIONS = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL and n not in _spec.LEARNABLE)
+
+
+@_spec.with_option_docs(own=set(_spec.NAMES) - set(_MODEL_OPTIONS))
 class ElasticAttention(torch.nn.Module):
     """The attention core of a transformer block with learnable per-head ``tau`` and ``beta``.
 
@@ -396,7 +377,7 @@ class ElasticAttention(torch.nn.Module):
         A window whose ``sigma`` (a scalar or ``(num_heads,)``) is the initial width.
     learn_window : bool, optional
         Whether ``sigma`` is learned.
-    scale, causal, window_size, nvm, softcap, alibi_slopes, backend
+    %(other_names)s, backend
         Fixed options of `attention`.
     dtype : torch.dtype, optional
         dtype of the parameters (float32 by default).
@@ -413,11 +394,11 @@ class ElasticAttention(torch.nn.Module):
     ['log_beta', 'raw_tau']
     """
 
+    @_spec.takes_options(names=_MODEL_OPTIONS)
     def __init__(self, num_heads, *, tau=1.0, beta=1.0, learn_tau=True, learn_beta=True,
-                 dynamic_window=None, learn_window=True, scale=None, causal=False,
-                 window_size=(-1, -1), nvm=False, softcap=None, alibi_slopes=None,
-                 backend="auto", dtype=torch.float32):
+                 dynamic_window=None, learn_window=True, backend="auto", dtype=torch.float32, **options):
         super().__init__()
+        options = _spec.complete(options, "ElasticAttention", _MODEL_OPTIONS)
         if not (isinstance(num_heads, int) and num_heads > 0):
             raise ValueError(f"`num_heads` must be a positive int, got {num_heads!r}")
         tau = float(tau)
@@ -443,8 +424,7 @@ class ElasticAttention(torch.nn.Module):
                 torch.tensor(np.log(sigma), dtype=dtype), requires_grad=learn_window
             )
             self.sharpness, self.threshold = dynamic_window.sharpness, dynamic_window.threshold
-        self.options = dict(scale=scale, causal=causal, window_size=window_size, nvm=nvm,
-                            softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+        self.options = dict(options, backend=backend)
 
     @property
     def tau(self):
@@ -461,15 +441,18 @@ class ElasticAttention(torch.nn.Module):
         """The per-head window width ``exp(log_sigma)``, or None without a window."""
         return None if self.log_sigma is None else torch.exp(self.log_sigma)
 
-    def forward(self, q, k, v, *, bias=None, mask=None, kv_lengths=None, align="array",
-                return_lse=False):
-        """`attention` of ``q, k, v`` (shapes ``(B, H, N, D)``) with this module's parameters."""
+    @_spec.takes_options(names=_spec.PER_CALL)
+    def forward(self, q, k, v, *, return_lse=False, **options):
+        """`attention` of ``q, k, v`` (shapes ``(B, H, N, D)``) with this module's parameters.
+
+        The options that describe the batch (%(other_names)s) are given here.
+        """
+        options = _spec.complete(options, "forward", _spec.PER_CALL)
         window = None
         if self.log_sigma is not None:
             window = DynamicWindow(self.sigma, self.sharpness, self.threshold)
-        return attention(q, k, v, tau=self.tau, beta=self.beta, dynamic_window=window, bias=bias,
-                         mask=mask, kv_lengths=kv_lengths, align=align, return_lse=return_lse,
-                         **self.options)
+        return attention(q, k, v, tau=self.tau, beta=self.beta, dynamic_window=window,
+                         return_lse=return_lse, **options, **self.options)
 
     def extra_repr(self):
         window = "" if self.log_sigma is None else ", dynamic_window=True"

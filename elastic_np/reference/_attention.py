@@ -10,7 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from elastic_np._options import OPTION_NAMES, prepare
+from elastic_np import _spec
+from elastic_np._options import prepare
 
 
 def scores(p):
@@ -167,7 +168,8 @@ def window_gate(p):
     return G, f, x
 
 
-def attention(q, k, v, **options):
+@_spec.takes_options()
+def attention(q, k, v, *, check_finite=True, **options):
     r"""Float64 attention oracle: ``(out, lse)`` for every option of the contract.
 
     For batch ``b``, head ``h``, query ``i`` and key ``j``:
@@ -194,16 +196,10 @@ def attention(q, k, v, **options):
     v : array_like, shape (B, Hkv, M, Dv)
         ``H`` must be a multiple of ``Hkv``; query head ``h`` reads key/value
         head ``h // (H // Hkv)``.
-    **options
-        ``scale=None`` (``1/sqrt(D)``), ``causal=False`` (bottom-right
-        aligned: ``j <= i + M - N``), ``window_size=(-1, -1)``,
-        ``kv_lengths=None``, ``align="array"`` (or ``"kv_lengths"``), ``mask=None`` (boolean, broadcastable to
-        ``(B, H, N, M)``, True keeps), ``nvm=False``, ``tau=1.0``,
-        ``beta=0.0`` (scalars or shape ``(H,)``), ``dynamic_window=None``
-        (a `~elastic_np.DynamicWindow`), ``softcap=None`` (float ``> 0``),
-        ``alibi_slopes=None`` (``(H,)`` or ``(B, H)``), ``bias=None`` (float,
-        broadcastable to ``(B, H, N, M)``; ``-inf`` removes an entry),
-        ``check_finite=True``. Any other keyword is a `TypeError`.
+    %(options)s
+    check_finite : bool, optional
+        Reject NaN and inf in the inputs (``-inf`` in ``bias`` removes an
+        entry); False checks no value.
 
     Returns
     -------
@@ -236,20 +232,8 @@ def attention(q, k, v, **options):
     >>> lse.round(6)
     array([[[2.      , 2.693147]]])
     """
-    p = prepare(q, k, v, **_attention_options(options, "attention"))
+    p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention"))
     return _forward(p)
-
-
-def _attention_options(options, function):
-    """``options`` when each is an attention option or ``check_finite``; else a `TypeError`.
-
-    `prepare` also takes private keywords (``dtypes``, ``defer_bias_check``,
-    ``defer_kv_check``) that must not reach it from here.
-    """
-    for name in options:
-        if name not in OPTION_NAMES and name != "check_finite":
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
-    return options
 
 
 def _without_padding(p):

@@ -2,12 +2,13 @@
 
 import numpy as np
 
-from elastic_np import _validation
+from elastic_np import _spec, _validation
 from elastic_np._options import prepare
-from elastic_np.reference._attention import _attention_logits, _attention_options, _log_tanh_slope, _without_padding
+from elastic_np.reference._attention import _attention_logits, _log_tanh_slope, _without_padding
 
 
-def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
+@_spec.takes_options()
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, check_finite=True, **options):
     r"""Hand-derived backward of `attention`: gradients for ``q, k, v, tau, beta, sigma, bias``.
 
     With :math:`p_{ij} = e^{z_{ij} - \mathrm{lse}_i}` on kept entries:
@@ -47,8 +48,10 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
     dlse : array_like, shape (B, H, N), optional
         Cotangent of ``lse``; None (default) stands for zeros. A row with
         ``lse = -inf`` takes no gradient from it.
-    **options
-        The same options as the forward.
+    %(other_names)s
+        The options given to the forward (see `attention`).
+    check_finite : bool, optional
+        As for `attention`.
 
     Returns
     -------
@@ -75,7 +78,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, **options):
     >>> g.dq.shape, type(g.dbeta).__name__
     ((1, 2, 3, 4), 'float')
     """
-    p = prepare(q, k, v, **_attention_options(options, "attention_backward"))
+    p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_backward"))
     dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
     return _backward(p, dout, out, lse, dlse)
 

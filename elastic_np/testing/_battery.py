@@ -19,7 +19,7 @@ import inspect
 
 import numpy as np
 
-from elastic_np import reference
+from elastic_np import _spec, reference
 from elastic_np._options import DynamicWindow, prepare
 from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
@@ -27,9 +27,9 @@ from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, _magnitude, worst_error
 from elastic_np.testing._tolerances import FLOOR, GRADCHECK_RTOL, naive_backward, naive_forward
 
-_GRAD_NAMES = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
 #: The option each parameter gradient belongs to (checked when the case sets it).
-_GRAD_OPTION = {"dtau": "tau", "dbeta": "beta", "dsigma": "dynamic_window", "dbias": "bias"}
+_GRAD_OPTION = {option.gradient: option.name for option in _spec.OPTIONS if option.gradient}
+_GRAD_NAMES = ("dq", "dk", "dv", *_GRAD_OPTION)
 
 
 def supported_options(fn, options=None):

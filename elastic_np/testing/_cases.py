@@ -4,14 +4,11 @@ import dataclasses
 
 import numpy as np
 
-from elastic_np import reference
+from elastic_np import _spec, reference
 from elastic_np._options import DynamicWindow, prepare
 
-#: Keyword options of the attention, in the order of the contract.
-OPTION_NAMES = (
-    "scale", "causal", "window_size", "kv_lengths", "align", "mask", "nvm", "tau", "beta",
-    "dynamic_window", "softcap", "alibi_slopes", "bias",
-)
+#: Keyword options of the attention, in the order of the contract (`elastic_np._spec`).
+OPTION_NAMES = _spec.NAMES
 #: The score modifiers among them (a case combining them needs all three).
 MODIFIER_NAMES = ("softcap", "alibi_slopes", "bias")
 #: Capabilities that are not keyword options and are only declared via ``options``:

@@ -1,0 +1,315 @@
+"""The attention options, described once.
+
+Each option of `elastic_np.attention` is one `Option` record in `OPTIONS`: its
+name, default, type, documentation, whether it has a gradient and whether a
+framework adapter may pass it as a tensor, and how `prepare` turns it into
+fields of the `~elastic_np._options.AttentionProblem`. Everything else is
+built from the table: `prepare`'s checks, the signatures and the option
+paragraphs of the docstrings of every public function that takes the options
+(`takes_options`), the adapters' split into learnable and fixed options,
+and the conformance kit's option list.
+
+Adding an option: a record here, the two written-out entry points
+(`elastic_np.attention`, `elastic_np.attention_backward`), the oracle and the
+kernels (see the architecture page).
+"""
+
+import dataclasses
+import inspect
+import math
+import operator
+import textwrap
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+from elastic_np import _validation
+from elastic_np._types import DynamicWindow
+
+#: The values of ``align``: where the last query sits (see ``AttentionProblem.kv_ends``).
+ALIGNS = ("array", "kv_lengths")
+
+#: ``window_size`` entries are int64 in the kernels.
+WINDOW_MAX = 2**63 - 1
+
+#: Every backend takes every option.
+BACKENDS = ("reference", "cpu", "cuda")
+
+
+class Shape(NamedTuple):
+    """What an option's check may read of the problem: sizes and which values to check."""
+
+    B: int
+    H: int
+    N: int
+    M: int
+    D: int
+    check_bias_values: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One keyword option of the attention.
+
+    Attributes
+    ----------
+    name : str
+        The keyword.
+    default : object
+        Its default value.
+    type : str
+        The numpydoc type line.
+    doc : str
+        The numpydoc description (of `elastic_np.attention`).
+    fields : callable
+        ``fields(value, shape)`` validates the value for a problem of
+        `Shape` ``shape`` and returns the ``AttentionProblem`` fields it sets.
+    gradient : str or None
+        The `~elastic_np.AttentionGrads` field of its gradient.
+    tensor : bool
+        Whether an adapter passes a framework tensor for it through to the
+        backend (converted to a host array); ``dynamic_window`` holds one in
+        its ``sigma``.
+    per_call : bool
+        Whether it describes the batch (its shapes or contents) rather than
+        the model: `elastic_np.torch.ElasticAttention` takes it with each
+        call, the others when it is built.
+    backends : tuple of str
+        The backends that take it.
+    """
+
+    name: str
+    default: object
+    type: str
+    doc: str
+    fields: Callable
+    gradient: Optional[str] = None
+    tensor: bool = False
+    per_call: bool = False
+    backends: tuple = BACKENDS
+
+
+def _scale(value, shape):
+    scale = 1.0 / math.sqrt(shape.D) if value is None else _validation.real_scalar(value, "scale")
+    if not np.isfinite(scale):
+        raise ValueError(f"`scale` must be finite, got {scale!r}")
+    return {"scale": float(scale)}
+
+
+def _window(value, shape):
+    """``(left, right)`` validated; a side of ``N + M`` or more, which bounds nothing, becomes -1.
+
+    Every offset ``j - i - (E_b - N)`` lies in ``(-(N + M), N + M)``, so a wider
+    side is unbounded; as -1 it cannot overflow the kernels' int64 arithmetic.
+    """
+    try:
+        left, right = value
+        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
+            raise TypeError("a bool is not a window side")
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"`window_size` must be a pair of integers (left, right), got {value!r}"
+        ) from None
+    if not (-1 <= left <= WINDOW_MAX and -1 <= right <= WINDOW_MAX):
+        raise ValueError(
+            f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {value!r}"
+        )
+    span = shape.N + shape.M
+    return {"window": (-1 if left >= span else left, -1 if right >= span else right)}
+
+
+def _align(value, shape):
+    if not isinstance(value, str) or value not in ALIGNS:
+        raise ValueError(f"`align` must be one of {ALIGNS}, got {value!r}")
+    return {"align": value}
+
+
+def _per_head(name, positive):
+    def fields(value, shape):
+        values, given = _validation.per_head(value, shape.H, name, positive=positive)
+        return {name: values, f"{name}_shape": given}
+
+    return fields
+
+
+def _dynamic_window(value, shape):
+    if value is None:
+        return {"sigma": None, "sigma_shape": None, "sharpness": 1.0, "threshold": 0.0}
+    if not isinstance(value, DynamicWindow):
+        raise TypeError("`dynamic_window` must be an elastic_np.DynamicWindow or None")
+    try:
+        sigma = np.broadcast_to(value.sigma, (shape.B, shape.H)).copy()
+    except ValueError:
+        raise ValueError(
+            f"`sigma` of shape {value.sigma.shape} is not broadcastable to (B, H) = ({shape.B}, {shape.H})"
+        ) from None
+    return {"sigma": sigma, "sigma_shape": value.sigma.shape, "sharpness": value.sharpness,
+            "threshold": value.threshold}
+
+
+def _softcap(value, shape):
+    return {"softcap": None if value is None else _validation.positive_scalar(value, "softcap")}
+
+
+def _bias(value, shape):
+    bias, given = _validation.broadcast_bias(value, (shape.B, shape.H, shape.N, shape.M), shape.check_bias_values)
+    return {"bias": bias, "bias_shape": given}
+
+
+def _boolean(name):
+    return lambda value, shape: {name: _validation.boolean(value, name)}
+
+
+#: The options, in the order of the contract and of every signature.
+OPTIONS = (
+    Option("scale", None, "float, optional", "Score scale; ``1/sqrt(D)`` by default.", _scale),
+    Option("causal", False, "bool, optional",
+           "Keep ``j <= i + (M - N)`` (bottom-right aligned, as FlashAttention).", _boolean("causal")),
+    Option("window_size", (-1, -1), "(int, int), optional",
+           "``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``; ``-1`` leaves a "
+           "side unbounded.", _window),
+    Option("kv_lengths", None, "array_like of int, shape (B,), optional",
+           "Keep ``j < kv_lengths[b]``; the keys past it (a preallocated cache's padding) are never read.",
+           lambda value, shape: {"kv_lengths": _validation.kv_lengths_array(value, shape.B, shape.M)},
+           tensor=True, per_call=True),
+    Option("align", "array", '{"array", "kv_lengths"}, optional',
+           'Where the last query sits: at the array\'s last key (``"array"``, query ``i`` at position '
+           '``i + M - N``) or at each sequence\'s last key (``"kv_lengths"``, at ``i + kv_lengths[b] - N``), '
+           "as for new queries appended to a ragged cache. Causal, the window, ALiBi and the dynamic window "
+           "measure offsets from there; ``M`` above then reads ``kv_lengths[b]``.", _align, per_call=True),
+    Option("mask", None, "array_like of bool, optional",
+           "Broadcastable to ``(B, H, N, M)``; True keeps.",
+           lambda value, shape: {"mask": _validation.broadcast_mask(value, (shape.B, shape.H, shape.N, shape.M))},
+           tensor=True, per_call=True),
+    Option("nvm", False, "bool, optional", "Negative Value Masking: drop scores below 0.", _boolean("nvm")),
+    Option("tau", 1.0, "float or array_like of shape (H,), optional",
+           "Temperature, ``> 0``: the logits are the scores divided by it. Learnable.",
+           _per_head("tau", positive=True), gradient="dtau", tensor=True),
+    Option("beta", 0.0, "float or array_like of shape (H,), optional",
+           "The sink, ``>= 0``: added to the softmax denominator. Learnable.",
+           _per_head("beta", positive=False), gradient="dbeta", tensor=True),
+    Option("dynamic_window", None, "DynamicWindow, optional",
+           "Learnable bell-curve window gate (its ``sigma`` is learnable).", _dynamic_window,
+           gradient="dsigma", tensor=True),
+    Option("softcap", None, "float, optional",
+           "Soft-capping: the score becomes ``softcap * tanh(score / softcap)`` (``> 0``; None for none), "
+           "before ALiBi, bias, NVM and temperature.", _softcap),
+    Option("alibi_slopes", None, "array_like, shape (H,) or (B, H), optional",
+           "ALiBi: adds ``-slope * |i + (M - N) - j|`` to the score. Fixed (no gradient).",
+           lambda value, shape: {"alibi": _validation.alibi_array(value, shape.B, shape.H)}, tensor=True),
+    Option("bias", None, "array_like of float, optional",
+           "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
+           "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
+           _bias, gradient="dbias", tensor=True, per_call=True),
+)
+
+#: The option names, in order.
+NAMES = tuple(option.name for option in OPTIONS)
+#: The defaults, by name.
+DEFAULTS = {option.name: option.default for option in OPTIONS}
+#: The options with a gradient.
+LEARNABLE = tuple(option.name for option in OPTIONS if option.gradient)
+#: The options an adapter converts from framework tensors (besides the learnable ones).
+TENSOR_OPTIONS = tuple(option.name for option in OPTIONS if option.tensor and not option.gradient)
+#: The options that describe the batch (see `Option.per_call`).
+PER_CALL = tuple(option.name for option in OPTIONS if option.per_call)
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def complete(options, function, names=NAMES):
+    """``options`` with the defaults of ``names`` filled in; a `TypeError` for any other keyword.
+
+    ``function`` is the name the error message gives, as Python's own
+    message for an unexpected keyword does.
+    """
+    for name in options:
+        if name not in names:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return {**{name: DEFAULTS[name] for name in names}, **options}
+
+
+def problem_fields(options, shape):
+    """The ``AttentionProblem`` fields of every option in ``options`` (complete), in table order."""
+    fields = {}
+    for option in OPTIONS:
+        fields.update(option.fields(options[option.name], shape))
+    return fields
+
+
+def gathered(names_and_values):
+    """The option values among a mapping of names (an entry point's ``locals()``)."""
+    return {name: names_and_values[name] for name in NAMES}
+
+
+#: Keyword parameters that follow the options in every signature.
+_AFTER_OPTIONS = ("return_lse", "check_finite", "backend")
+
+
+def signature(fn, names=NAMES):
+    """``fn``'s signature with its ``**options`` replaced by the options ``names``, keyword-only.
+
+    The options go before the first of ``return_lse``, ``check_finite``,
+    ``backend`` (else last), as in `elastic_np.attention`.
+    """
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    at = next((i for i, p in enumerate(params) if p.name in _AFTER_OPTIONS), len(params))
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    options = [inspect.Parameter(name, keyword, default=DEFAULTS[name]) for name in names]
+    return inspect.Signature(params[:at] + options + params[at:])
+
+
+def parameter_docs(names=NAMES, indent=4):
+    """The numpydoc entries of the options ``names``, indented by ``indent`` spaces."""
+    entries = []
+    for name in names:
+        option = _BY_NAME[name]
+        entries.append(f"{name} : {option.type}\n" + textwrap.indent(_fill(option.doc, 88 - indent - 4), "    "))
+    return textwrap.indent("\n".join(entries), " " * indent).lstrip()
+
+
+def _fill(text, width):
+    """``text`` wrapped to ``width`` columns, never inside an inline literal (````...````)."""
+    pieces = text.split("``")
+    joined = "``".join(p.replace(" ", "\0") if i % 2 else p for i, p in enumerate(pieces))
+    return textwrap.fill(joined, width, break_on_hyphens=False).replace("\0", " ")
+
+
+def name_list(names):
+    """``"a, b, c"``: the names of options, for a docstring's shared entry."""
+    return ", ".join(names)
+
+
+def with_option_docs(own=()):
+    """Fill a docstring's ``%(options)s`` and ``%(other_names)s`` from the option table.
+
+    ``%(options)s`` becomes the numpydoc entries of the options not in
+    ``own`` (which the function documents itself), ``%(other_names)s``
+    those options' names on one line, for one shared entry.
+    """
+    others = [name for name in NAMES if name not in own]
+
+    def decorate(fn):
+        if fn.__doc__:
+            fn.__doc__ = fn.__doc__.replace("%(options)s", parameter_docs(others)).replace(
+                "%(other_names)s", name_list(others))
+        return fn
+
+    return decorate
+
+
+def takes_options(own=(), names=NAMES):
+    """Give a function taking ``**options`` the options' signature (`signature`) and docstring entries.
+
+    The function completes ``options`` with `complete` itself. Its signature
+    lists the options ``names`` (all by default); its docstring is filled as
+    by `with_option_docs`, for those options.
+    """
+    documented = with_option_docs(own=set(own) | (set(NAMES) - set(names)))
+
+    def decorate(fn):
+        fn.__signature__ = signature(fn, names)
+        return documented(fn)
+
+    return decorate
