@@ -240,35 +240,37 @@ _RANGE_FIELDS = ("scale", "tau", "beta", "softcap", "alibi", "sigma", "sharpness
 
 def _checked_arrays(q, k, v, dtypes):
     """``q, k, v`` as arrays of one accepted dtype (float64 for ``dtypes=None``) and consistent shapes."""
-    q, k, v = (np.asarray(a) for a in (q, k, v))
-    for name, a in (("q", q), ("k", k), ("v", v)):
+    arrays = {"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)}
+    for name, a in arrays.items():
         _validation.check_real_float_dtype(a, name)
         if a.ndim != 4:
             raise ValueError(f"`{name}` must have 4 dimensions (B, heads, length, dim), got shape {a.shape}")
+        if dtypes is not None and a.dtype not in dtypes:
+            names = " or ".join(str(d) for d in dtypes)
+            raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {names}")
+    q, k, v = arrays.values()
     if dtypes is None:
         q, k, v = (a.astype(np.float64, copy=False) for a in (q, k, v))
-    else:
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            if a.dtype not in dtypes:
-                names = " or ".join(str(d) for d in dtypes)
-                raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {names}")
-        if not q.dtype == k.dtype == v.dtype:
-            raise TypeError(
-                f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-            )
-    B, H, N, D = q.shape
+    elif not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_shapes(q.shape, k.shape, v.shape)
+    return q, k, v
+
+
+def _check_shapes(q, k, v):
+    """Raise a `ValueError` unless shapes ``q, k, v`` make one problem (grouped-query heads allowed)."""
+    B, H, N, D = q
     if D == 0:
         raise ValueError("`q` and `k` must have a head dim D >= 1, got D = 0")
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
-    Hkv, M = k.shape[1], k.shape[2]
-    if k.shape[3] != D:
-        raise ValueError(f"`k` head dim {k.shape[3]} != `q` head dim {D}")
-    if v.shape[1:3] != (Hkv, M):
-        raise ValueError(f"`v` shape {v.shape} does not match `k` shape {k.shape} in heads/length")
+    if k[0] != B or v[0] != B:
+        raise ValueError(f"batch sizes differ: q {q}, k {k}, v {v}")
+    Hkv, M = k[1], k[2]
+    if k[3] != D:
+        raise ValueError(f"`k` head dim {k[3]} != `q` head dim {D}")
+    if v[1:3] != (Hkv, M):
+        raise ValueError(f"`v` shape {v} does not match `k` shape {k} in heads/length")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
-    return q, k, v
 
 
 def check_dtype_range(dtype, *, scale, tau, beta, softcap, alibi, sigma, sharpness, threshold, uniform=False):

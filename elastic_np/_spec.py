@@ -238,6 +238,23 @@ def problem_fields(options, shape):
     return fields
 
 
+def check_backend(options, backend):
+    """Raise a `ValueError` for an option set away from its default that ``backend`` does not take."""
+    for option in OPTIONS:
+        if backend not in option.backends and not _is_default(options.get(option.name, option.default), option):
+            raise ValueError(
+                f"backend {backend!r} does not take `{option.name}` (backends that do: "
+                f"{', '.join(option.backends)})"
+            )
+
+
+def _is_default(value, option):
+    default = option.default
+    return value is default or (
+        not isinstance(value, np.ndarray) and type(value) is type(default) and value == default
+    )
+
+
 def gathered(names_and_values):
     """The option values among a mapping of names (an entry point's ``locals()``)."""
     return {name: names_and_values[name] for name in NAMES}

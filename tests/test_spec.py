@@ -140,3 +140,17 @@ def test_no_function_outside_the_table_spells_out_the_options():
     assert not offenders, "the option list spelled out outside elastic_np/_spec.py:\n" + "\n".join(offenders)
     # the check sees the lists it allows: it would see any other
     assert allowed_seen == ALLOWED
+
+
+def test_an_option_a_backend_does_not_take_is_rejected(monkeypatch):
+    softcap = next(o for o in _spec.OPTIONS if o.name == "softcap")
+    narrowed = tuple(softcap.__class__(**{**softcap.__dict__, "backends": ("reference",)}) if o is softcap else o
+                     for o in _spec.OPTIONS)
+    monkeypatch.setattr(_spec, "OPTIONS", narrowed)
+    _spec.check_backend({"softcap": None}, "cpu")  # the default: nothing to reject
+    _spec.check_backend({"softcap": 5.0}, "reference")
+    with pytest.raises(ValueError, match="backend 'cpu' does not take `softcap`"):
+        _spec.check_backend({"softcap": 5.0}, "cpu")
+    q = np.ones((1, 1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="backend 'cpu' does not take `softcap`"):
+        enp.attention(q, q, q, softcap=5.0, backend="cpu")

@@ -158,40 +158,9 @@ def check_oracle_gradients(*, quick=True, seed=0, progress=None):
         out, lse = reference.attention(q, k, v, **options)
         with np.errstate(invalid="ignore", divide="ignore"):
             grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
-        learnable = ("tau", "beta", "dynamic_window", "bias")
-        fixed = {n: options[n] for n in options if n not in learnable}
-        window = options.get("dynamic_window")
-        inputs = {"q": q, "k": k, "v": v}
-        claimed = {"dq": grads.dq, "dk": grads.dk, "dv": grads.dv}
-        for name, grad in (("tau", grads.dtau), ("beta", grads.dbeta), ("bias", grads.dbias)):
-            if name in options:
-                inputs[name] = options[name]
-                claimed["d" + name] = grad
-        if window is not None:
-            inputs["sigma"] = np.array(window.sigma)
-            claimed["dsigma"] = grads.dsigma
-        # -inf bias entries stay -inf: they are removed, and their gradient is 0
-        removed = np.isneginf(options["bias"]) if "bias" in options else False
-        if "bias" in options:
-            inputs["bias"] = np.where(removed, 0.0, options["bias"])
-
-        # most evaluations perturb q, k or v alone: their problem is prepared once
-        base = {name: value for name, value in inputs.items() if name not in ("q", "k", "v")}
-        prepared = prepare(q, k, v, **options)
-
-        def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None, bias=None):
-            learned = {"tau": tau, "beta": beta, "sigma": sigma, "bias": bias}
-            if all(np.array_equal(learned[name], value) for name, value in base.items()):
-                return _oracle_forward(dataclasses.replace(prepared, q=q, k=k, v=v))[0]
-            dw = None if sigma is None else DynamicWindow(
-                sigma, sharpness=window.sharpness, threshold=window.threshold)
-            if bias is not None:
-                bias = np.where(removed, -np.inf, bias)
-            return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw,
-                                       bias=bias, **fixed)[0]
-
+        inputs, claimed = _perturbed_inputs(q, k, v, options, grads)
         result = gradcheck(
-            loss_fn, inputs, {name[1:]: g for name, g in claimed.items()},
+            _oracle_loss(q, k, v, options, inputs), inputs, claimed,
             dout=dout, rtol=GRADCHECK_RTOL, raise_on_failure=False,
         )
         for entry in result.entries:
@@ -200,6 +169,51 @@ def check_oracle_gradients(*, quick=True, seed=0, progress=None):
         if progress is not None:
             progress(case.name)
     return report
+
+
+def _perturbed_inputs(q, k, v, options, grads):
+    """``(inputs, claimed)``: what the gradient check perturbs (the window by its ``sigma``) and the gradients.
+
+    A ``-inf`` bias entry (removed, gradient 0) is perturbed as 0 and stays
+    ``-inf`` in the loss (`_oracle_loss`).
+    """
+    inputs = {"q": q, "k": k, "v": v}
+    claimed = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
+    for option in _spec.OPTIONS:
+        if option.gradient and option.name in options:
+            name, value = option.name, options[option.name]
+            if name == "dynamic_window":
+                name, value = "sigma", np.array(value.sigma)
+            elif name == "bias":
+                value = np.where(np.isneginf(value), 0.0, value)
+            inputs[name] = value
+            claimed[name] = getattr(grads, option.gradient)
+    return inputs, claimed
+
+
+def _oracle_loss(q, k, v, options, inputs):
+    """The oracle's ``out`` as a function of the perturbed inputs (`_perturbed_inputs`).
+
+    Most evaluations perturb ``q``, ``k`` or ``v`` alone: their problem is prepared once.
+    """
+    window = options.get("dynamic_window")
+    removed = np.isneginf(options["bias"]) if "bias" in options else False
+    fixed = {n: options[n] for n in options if n not in _spec.LEARNABLE}
+    base = {name: value for name, value in inputs.items() if name not in ("q", "k", "v")}
+    prepared = prepare(q, k, v, **options)
+
+    def loss_fn(q, k, v, tau=1.0, beta=0.0, sigma=None, bias=None):
+        learned = {"tau": tau, "beta": beta, "sigma": sigma, "bias": bias}
+        if all(np.array_equal(learned[name], value) for name, value in base.items()):
+            return _oracle_forward(dataclasses.replace(prepared, q=q, k=k, v=v))[0]
+        dw = None if sigma is None else DynamicWindow(
+            sigma, sharpness=window.sharpness, threshold=window.threshold)
+        if bias is not None:
+            bias = np.where(removed, -np.inf, bias)
+        return reference.attention(q, k, v, tau=tau, beta=beta, dynamic_window=dw,
+                                   bias=bias, **fixed)[0]
+
+    return loss_fn
 
 
 def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.float64), seed=0,

@@ -147,27 +147,30 @@ def gradcheck(fn, inputs, claimed, *, dout=None, eps=1e-6, rtol=1e-6, atol=None,
 
     entries = []
     for name, grad in claimed.items():
-        base = inputs[name]
         grad = np.asarray(grad, dtype=np.float64)
-        if grad.shape != np.shape(base):
-            raise ValueError(f"claimed gradient for `{name}` has shape {grad.shape}, input has {np.shape(base)}")
-        numerical = _central_differences(loss, inputs, name, eps)
-        diff = np.abs(grad - numerical)
-        scale = max(np.max(np.abs(numerical), initial=0.0), np.max(np.abs(grad), initial=0.0))
-        worst = np.unravel_index(np.argmax(diff), diff.shape) if diff.size else ()
-        worst_diff = float(diff[worst]) if diff.size else 0.0
-        error = worst_diff / scale if scale > 0 else worst_diff
-        passed = bool(np.isfinite(grad).all()) and worst_diff <= atol + rtol * scale
-        entries.append(GradcheckEntry(
-            name=name, index=tuple(int(i) for i in worst),
-            claimed=float(grad[worst]) if diff.size else 0.0,
-            numerical=float(numerical[worst]) if diff.size else 0.0,
-            error=error, passed=passed,
-        ))
+        if grad.shape != np.shape(inputs[name]):
+            raise ValueError(
+                f"claimed gradient for `{name}` has shape {grad.shape}, input has {np.shape(inputs[name])}")
+        entries.append(_entry(name, grad, _central_differences(loss, inputs, name, eps), atol, rtol))
     report = GradcheckReport(entries=tuple(entries), rtol=rtol)
     if raise_on_failure and not report:
         raise GradcheckError(f"gradient check failed (rtol={rtol}, atol={atol}):\n{report}")
     return report
+
+
+def _entry(name, grad, numerical, atol, rtol):
+    """The `GradcheckEntry` of one input: its worst element, relative to the larger gradient."""
+    diff = np.abs(grad - numerical)
+    scale = max(np.max(np.abs(numerical), initial=0.0), np.max(np.abs(grad), initial=0.0))
+    worst = np.unravel_index(np.argmax(diff), diff.shape) if diff.size else ()
+    worst_diff = float(diff[worst]) if diff.size else 0.0
+    return GradcheckEntry(
+        name=name, index=tuple(int(i) for i in worst),
+        claimed=float(grad[worst]) if diff.size else 0.0,
+        numerical=float(numerical[worst]) if diff.size else 0.0,
+        error=worst_diff / scale if scale > 0 else worst_diff,
+        passed=bool(np.isfinite(grad).all()) and worst_diff <= atol + rtol * scale,
+    )
 
 
 def _copy_input(value):
