@@ -80,7 +80,34 @@ def _check(dtype, opts, chunking, with_lse=False):
     q, k, v, dout = _inputs(dtype, N, M)
     dlse = make_dlse(dtype, q) if with_lse else None
     out, lse, grads = _run(q, k, v, dout, opts, q_chunks, k_chunk, dlse=dlse)
-    check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=dlse)
+    check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=dlse,
+                  rounding=_partials_rounding(q, k, v, dout, opts, dlse, q_chunks[2]) if dtype == np.float32 else None)
+
+
+def _partials_rounding(q, k, v, dout, opts, dlse, rows):
+    """The rounding allowance of ``dk`` and ``dv`` summed from float32 partials, one per query chunk and head.
+
+    Each block returns its share of ``dk`` and ``dv`` rounded to float32, after
+    a float32 accumulation of its own: the sum of the shares is then within
+    about ``eps * sum_c |share_c|`` of the exact sum on top of the kernel's own
+    error, more than one rounding of the result where the shares cancel. The
+    shares are the oracle's gradients of each chunk's rows alone (``dk`` and
+    ``dv`` are sums of terms of one row each), split by head too: finer than
+    the blocks, so the allowance errs high, by at most the head count.
+    Returns ``{"dk": a, "dv": a}``, ``a = 2 eps max_j sum_c |share_c[j]|``.
+    """
+    totals = {"dk": 0.0, "dv": 0.0}
+    q64, k64, v64, dout64 = (a.astype(np.float64) for a in (q, k, v, dout))
+    out, lse = reference.attention(q64, k64, v64, **opts)
+    for h in range(q.shape[1]):
+        for i0 in range(0, q.shape[2], rows):
+            keep = np.zeros(q.shape[:3])
+            keep[:, h, i0:i0 + rows] = 1.0
+            share = reference.attention_backward(dout64 * keep[..., None], q64, k64, v64, out, lse,
+                                                 dlse=None if dlse is None else dlse * keep, **opts)
+            totals = {name: totals[name] + np.abs(getattr(share, name)) for name in totals}
+    eps = float(np.finfo(np.float32).eps)
+    return {name: 2 * eps * float(np.max(total)) for name, total in totals.items()}
 
 
 @pytest.mark.parametrize("chunking", list(CHUNKINGS), ids=list(CHUNKINGS))
@@ -120,7 +147,8 @@ def test_lse_gradient_float32_and_chunked_dlse():
     q, k, v, dout = _inputs(np.float32, *chunking[:2])
     dlse = make_dlse(np.float32, q)
     out, lse, grads = _run(q, k, v, dout, opts, *chunking[2:], dlse=da.from_array(dlse, chunks=(2, 1, 5)))
-    check_results(np.float32, q, k, v, dout, opts, out, lse, grads, dlse=dlse)
+    check_results(np.float32, q, k, v, dout, opts, out, lse, grads, dlse=dlse,
+                  rounding=_partials_rounding(q, k, v, dout, opts, dlse, chunking[2][2]))
 
 
 def test_no_dlse_is_zero_dlse_bit_for_bit():
