@@ -12,7 +12,7 @@ import pytest
 
 import elastic_np
 from elastic_np import _conformance, cli
-from elastic_np._progress import Progress
+from elastic_np.cli._progress import Progress
 
 
 def available(name):
@@ -211,7 +211,7 @@ def test_bench_decode_json_and_table(tmp_path, capsys):
 
 
 def test_streaming_read_reads_every_byte():
-    from elastic_np import _bench_decode
+    from elastic_np.cli import _bench_decode
 
     for nbytes, threads, dtype in [(4 * 3_000_001, 2, np.float32), (8 * 5, 3, np.float64), (1, 1, np.float64)]:
         with _bench_decode.StreamingRead(nbytes, threads, dtype) as read:
@@ -220,7 +220,8 @@ def test_streaming_read_reads_every_byte():
 
 def test_decode_benchmark_times_the_same_attention_in_torch():
     pytest.importorskip("torch")
-    from elastic_np import _bench_decode, reference
+    from elastic_np import reference
+    from elastic_np.cli import _bench_decode
 
     for shape in [(2, 4, 2, 3, 11, 5), (1, 4, 1, 1, 7, 3)]:
         q, k, v = _bench_decode.make_inputs(shape, np.float64, seed=3)
@@ -230,7 +231,8 @@ def test_decode_benchmark_times_the_same_attention_in_torch():
 
 
 def test_naive_backward_matches_reference():
-    from elastic_np import _bench, reference
+    from elastic_np import reference
+    from elastic_np.cli import _bench
 
     q, k, v = _bench.make_inputs(1, 4, 5, 7, 3, Hkv=2, dtype=np.float64)
     dout = np.random.default_rng(1).standard_normal((1, 4, 5, 3))
@@ -243,7 +245,7 @@ def test_naive_backward_matches_reference():
 
 
 def test_peak_memory_sees_a_numpy_allocation():
-    from elastic_np._bench import peak_memory_mib
+    from elastic_np.cli._bench import peak_memory_mib
 
     assert peak_memory_mib(lambda: np.ones(4 * 2**20 // 8)) >= 3.9
 

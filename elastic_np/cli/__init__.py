@@ -13,10 +13,15 @@ Subcommands:
 - ``elastic-np bench --gpu [--quick] [--batch B] [--heads H] [--seq N] [--dim D]
   [--causal] [--softcap X] [--alibi] [--bias SHAPE] [--repeat R] [--json FILE]``:
   the CUDA kernels against torch SDPA on one GPU, float32 (what ``python -m
-  elastic_np.cuda --bench`` runs; `elastic_np.cuda._bench.run`).
+  elastic_np.cuda --bench`` runs; `elastic_np.cli._cuda_bench.run`).
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
+
+This package holds the tools and uses the library as a user would: the
+benchmarks (``_bench``, ``_bench_decode``, ``_cuda_bench``), the progress bar
+(``_progress``), the first compile before ``check`` (``_first_compile``) and
+``python -m elastic_np.cuda`` (``_cuda``). No backend imports it.
 """
 
 import argparse
@@ -25,7 +30,13 @@ import sys
 
 import numpy as np
 
-from elastic_np import reference
+from elastic_np import _dispatch, reference, testing
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cli import _bench, _bench_decode
+from elastic_np.cli import _cuda_bench as cuda_bench
+from elastic_np.cli._first_compile import compile_backend
+from elastic_np.cli._progress import Progress
+from elastic_np.testing import _battery, _cases
 
 
 def _example(args):
@@ -76,9 +87,7 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
 def _compile(name, module, progress):
-    """The first JIT compile of every specialisation the battery uses (`elastic_np._first_compile`); seconds."""
-    from elastic_np._first_compile import compile_backend
-
+    """The first JIT compile of every specialisation the battery uses (`elastic_np.cli._first_compile`); seconds."""
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
@@ -86,10 +95,6 @@ def _compile(name, module, progress):
 
 
 def _check(args):
-    from elastic_np import _conformance, _dispatch
-    from elastic_np._progress import Progress
-    from elastic_np.testing import backend_functions
-
     if args.backend == "all":
         requested, explicit = _KERNEL_BACKENDS, False
     else:
@@ -99,16 +104,16 @@ def _check(args):
         try:
             modules[name] = _dispatch.get_backend(name)
         except Exception as exc:  # a missing package or device, whatever its error type
-            reason = str(exc) if isinstance(exc, _dispatch.BackendUnavailableError) else (
+            reason = str(exc) if isinstance(exc, BackendUnavailableError) else (
                 f"backend {name!r} is not available: {type(exc).__name__}: {exc}")
             if explicit:
                 return _usage_error("check", reason)
             skipped[name] = reason
 
     dtypes = [np.dtype(d) for d in args.dtype]
-    supported = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
-    cases, _ = _conformance.select_cases(supported)
-    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _conformance.CASES)
+    supported = _cases.OPTION_NAMES + _cases.CAPABILITIES
+    cases, _ = _cases.select_cases(supported)
+    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _cases.CASES)
     reports, compile_s = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
@@ -118,13 +123,13 @@ def _check(args):
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
-            fn, backward = backend_functions(name)
-            reports.append(_conformance.run_battery(
+            fn, backward = testing.backend_functions(name)
+            reports.append(_battery.run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
                 quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",
                 progress=progress.update,
             ))
-        reports.append(_conformance.check_oracle_gradients(
+        reports.append(_battery.check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
 
     for report in reports:
@@ -152,17 +157,14 @@ def _check(args):
 # ---------------------------------------------------------------------------
 
 
-def _bench(args):
-    from elastic_np import _bench
-    from elastic_np._progress import Progress
-
+def _bench_prefill(args):
     if args.gpu:
         return _bench_gpu(args)
     for flag, value in _gpu_only_flags(args).items():
         if value is not None:
             return _usage_error("bench", f"argument {flag}: only with --gpu")
     if args.decode:
-        return _bench_decode(args)
+        return _bench_decoding(args)
     if args.shape is not None or args.rounds is not None:
         flag = "--shape" if args.shape is not None else "--rounds"
         return _usage_error("bench", f"argument {flag}: only with --decode")
@@ -212,10 +214,7 @@ def _bench(args):
     return 0
 
 
-def _bench_decode(args):
-    from elastic_np import _bench, _bench_decode, _dispatch
-    from elastic_np._progress import Progress
-
+def _bench_decoding(args):
     prefill_only = {"--seq": args.seq, "--heads": args.heads, "--dim": args.dim,
                     "--batch": args.batch, "--causal": args.causal or None,
                     "--repeat": args.repeat, "--min-time": args.min_time, "--plot": args.plot}
@@ -230,7 +229,7 @@ def _bench_decode(args):
         return _usage_error("bench", f"argument --shape: {exc}")
     try:
         _dispatch.get_backend("cpu")
-    except _dispatch.BackendUnavailableError as exc:
+    except BackendUnavailableError as exc:
         print(f"elastic-np bench --decode: the cpu backend is unavailable: {exc}", file=sys.stderr)
         return 1
     rounds = args.rounds or (3 if args.quick else 7)
@@ -253,9 +252,6 @@ def _gpu_only_flags(args):
 
 
 def _bench_gpu(args):
-    from elastic_np._errors import BackendUnavailableError
-    from elastic_np.cuda import _bench as cuda_bench
-
     not_gpu = {"--decode": args.decode or None, "--shape": args.shape, "--rounds": args.rounds,
                "--plot": args.plot, "--min-time": args.min_time}
     for flag, value in not_gpu.items():
@@ -284,8 +280,6 @@ _GPU_QUICK_SHAPE = (1, 4, 1024, 64)
 
 
 def build_parser():
-    from elastic_np.cuda._bench import BENCH_BIAS_SHAPES  # no numba.cuda: that is imported on first use
-
     parser = _Parser(
         prog="elastic-np",
         description="Float64 oracles and fast kernels for Elastic-Softmax attention.",
@@ -348,9 +342,9 @@ def build_parser():
                             "also times the decoding shapes (as python -m elastic_np.cuda --bench)")
     bench.add_argument("--softcap", type=float, help="with --gpu: time with this soft-cap of the scores")
     bench.add_argument("--alibi", action="store_true", help="with --gpu: time with ALiBi (geometric slopes)")
-    bench.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES),
+    bench.add_argument("--bias", choices=sorted(cuda_bench.BENCH_BIAS_SHAPES),
                        help="with --gpu: time with a bias of this shape")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench_prefill)
     for p in (check, bench):
         p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser

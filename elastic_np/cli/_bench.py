@@ -6,10 +6,24 @@ attention, a naive NumPy attention, PyTorch's ``scaled_dot_product_attention``
 peak.
 """
 
+import ctypes
+import ctypes.util
+import gc
 import os
+import platform
+import threading
 import time
+import tracemalloc
 
+import numba
 import numpy as np
+
+import elastic_np as enp
+from elastic_np import _dispatch, _options
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cpu import _simd, thread_count
+from elastic_np.reference._attention import _forward as _oracle_forward
+from elastic_np.reference._backward import _backward as _oracle_backward
 
 
 def make_inputs(B, H, N, M, D, *, Hkv=None, Dv=None, dtype=np.float32, seed=0):
@@ -46,28 +60,16 @@ def naive_attention(q, k, v, *, causal=False, scale=None):
 
     The oracle's own code (`elastic_np.reference`) evaluated in the dtype of ``q``.
     """
-    from elastic_np import reference
-
-    return reference._forward(_naive_problem(q, k, v, causal, scale))[0]
+    return _oracle_forward(_naive_problem(q, k, v, causal, scale))[0]
 
 
 def _naive_problem(q, k, v, causal, scale):
     """The prepared problem of ``q, k, v`` in their dtype, for the oracle's code."""
-    from elastic_np._options import prepare
-
-    return prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
+    return _options.prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
 
 
 def machine_info():
     """Processor, its SIMD width, core and thread counts and library versions, for a results file."""
-    import platform
-
-    import numba
-
-    import elastic_np
-    from elastic_np.cpu import _simd
-    from elastic_np.cpu import thread_count
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -76,7 +78,7 @@ def machine_info():
         pass
     info = {"cpu": cpu, "simd_bits": 8 * _simd._VECTOR_BYTES, "fma": _simd.HAS_FMA,
             "cores": os.cpu_count(), "numba_threads": thread_count(),
-            "python": platform.python_version(), "elastic_np": elastic_np.__version__,
+            "python": platform.python_version(), "elastic_np": enp.__version__,
             "numpy": np.__version__, "numba": numba.__version__}
     if torch_available():
         import torch
@@ -151,11 +153,9 @@ def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
     Materialises the score matrix, as an autograd framework would without a
     fused kernel; the oracle's own code evaluated in the dtype of ``q``.
     """
-    from elastic_np import reference
-
     p = _naive_problem(q, k, v, causal, scale)
-    out, lse = reference._forward(p)
-    grads = reference._backward(p, dout, out, lse)
+    out, lse = _oracle_forward(p)
+    grads = _oracle_backward(p, dout, out, lse)
     return out, grads.dq, grads.dk, grads.dv
 
 
@@ -171,9 +171,6 @@ def _rss_bytes():
 
 def _release_free_heap():
     """Hand freed heap memory back to the system (glibc), so resident memory starts low."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim(0)
@@ -193,10 +190,6 @@ def peak_memory_mib(fn, interval=2e-4):
     kernels do); for code that holds it, only what is still allocated when the
     call returns is seen, so the figure is a lower bound.
     """
-    import gc
-    import threading
-    import tracemalloc
-
     gc.collect()
     _release_free_heap()
     baseline = _rss_bytes()
@@ -224,8 +217,6 @@ def peak_memory_mib(fn, interval=2e-4):
 
 
 def _kernel_runner(backend, causal):
-    import elastic_np as enp
-
     def forward(q, k, v, dout):
         return enp.attention(q, k, v, causal=causal, backend=backend)
 
@@ -238,15 +229,13 @@ def _kernel_runner(backend, causal):
 
 def implementations(causal=False):
     """``{name: (forward, forward_backward) or reason unavailable}`` in display order."""
-    from elastic_np import _dispatch
-
     impls = {}
     for backend in ("cpu", "cuda"):
         try:
             _dispatch.get_backend(backend)
         except Exception as exc:  # a missing package or device, whatever its error type
             impls[f"elastic_np {backend}"] = (
-                str(exc) if isinstance(exc, _dispatch.BackendUnavailableError)
+                str(exc) if isinstance(exc, BackendUnavailableError)
                 else f"{type(exc).__name__}: {exc}") or "not available"
         else:
             impls[f"elastic_np {backend}"] = _kernel_runner(backend, causal)
