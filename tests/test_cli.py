@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import elastic_np
-from elastic_np import _conformance, cli
+from elastic_np import cli
 from elastic_np.cli._progress import Progress
+from elastic_np.testing import _cases
 
 
 def available(name):
@@ -35,7 +36,7 @@ def test_check_quick_reference(capsys):
     out = capsys.readouterr().out
     assert "backend 'reference' vs the float64 oracle" in out
     assert "float64 oracle gradients vs central differences" in out
-    for case in _conformance.CASES:
+    for case in _cases.CASES:
         assert f"  {case.name} " in out
     assert "worst error" in out and "allowed" in out
     assert "FAIL" not in out
@@ -71,8 +72,8 @@ def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     from elastic_np.cpu import _decode
 
     decode = {}
-    for case in _conformance.CASES:
-        q, k, v, dout, options = _conformance.draw_inputs(case, np.float32)
+    for case in _cases.CASES:
+        q, k, v, dout, options = _cases.draw_inputs(case, np.float32)
         decode[case.name] = _decode.takes(prepare(q, k, v, **options))
     assert decode["plain"] and decode["combined"] and decode["modifiers combined"]
     assert not decode["plain, N=20"] and not decode["combined, N=20"]

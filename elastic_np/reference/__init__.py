@@ -16,29 +16,8 @@ The package mirrors the derivations: ``_softmax`` (the vector functions),
 """
 
 from elastic_np._options import AttentionGrads  # noqa: F401  (a name of the former module)
-from elastic_np.reference._attention import (  # noqa: F401  (the private helpers serve the kernels' tests)
-    _attention_logits,
-    _forward,
-    _kept_scores,
-    _log_tanh_slope,
-    _modify_scores,
-    _offsets,
-    _tanh_slope,
-    _without_padding,
-    attention,
-    scores,
-    structural_keep,
-    window_gate,
-    window_position,
-)
-from elastic_np.reference._backward import (  # noqa: F401
-    _backward,
-    _dlog_gate,
-    _dtau_terms,
-    _score_gradient,
-    attention_backward,
-    check_backward_arrays,
-)
+from elastic_np.reference._attention import attention, scores, structural_keep, window_gate, window_position  # noqa: F401
+from elastic_np.reference._backward import attention_backward, check_backward_arrays  # noqa: F401
 from elastic_np.reference._merge import merge_attention
 from elastic_np.reference._softmax import (
     elastic_softmax,
