@@ -1,61 +1,47 @@
 """The public entry points: `attention` and `attention_backward` validate once, then hand over to a backend;
 `merge_attention` rounds the float64 merge of `elastic_np.reference.merge_attention` to the partials' dtype.
 
-A backend is a module with two functions,
+A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
+`elastic_np.cuda`) with the same face (the reference's is
+``reference/_backend.py``, kept out of ``reference.__all__``):
 
-- ``forward(problem) -> (out, lse)``
+- ``dtypes``: the dtypes it computes in (None: any real float, computed in
+  float64, the reference);
+- ``is_available()`` and ``check_available()`` (which raises
+  `~elastic_np.BackendUnavailableError` saying what is missing);
+- ``prepare(q, k, v, **options)``, with the signature of
+  `elastic_np._options.prepare`, returning a validated
+  `~elastic_np._options.AttentionProblem` (the CPU backend leaves the check of
+  the bias's values to its kernels, which read every entry anyway; the CUDA
+  backend keeps device arrays on the device);
+- ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;
+- ``forward(problem) -> (out, lse)``;
 - ``backward(problem, dout, out, lse, dlse=None) -> AttentionGrads``
+  (``dlse``, the cotangent of ``lse``, None for zeros).
 
-that take a validated `~elastic_np._options.AttentionProblem` (``dlse``, the
-cotangent of ``lse``, is None for zeros). The reference backend computes in
-float64; the kernels keep the input dtype.
-
-A backend may also define ``prepare`` and ``check_backward_arrays`` with the
-signatures of `elastic_np._options.prepare` and
-`elastic_np.reference.check_backward_arrays`; they replace those two (the CUDA
-backend uses this to validate device arrays without copying them to the host;
-the CPU backend leaves the check of the bias's values to its kernels, which
-read every entry anyway).
+The reference computes in float64; the kernels keep the input dtype.
 """
 
 import importlib
 
-from elastic_np import _options, _validation, reference
+from elastic_np import _validation, reference
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.reference._merge import _merge, _validate
 
 BACKENDS = ("reference", "cpu", "cuda")
-_KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
-
-
-class _ReferenceBackend:
-    dtypes = None  # any real float, computed in float64
-
-    @staticmethod
-    def forward(problem):
-        return reference._attention._forward(problem)
-
-    @staticmethod
-    def backward(problem, dout, out, lse, dlse=None):
-        return reference._backward._backward(problem, dout, out, lse, dlse)
+_BACKEND_MODULES = {"reference": "elastic_np.reference", "cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
 
 
 def get_backend(name):
     """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
-    if not isinstance(name, str):
+    if not isinstance(name, str) or (name != "auto" and name not in _BACKEND_MODULES):
         raise ValueError(
             f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
         )
     if name == "auto":
         name = "cuda" if _cuda_is_available() else "cpu"
-    if name == "reference":
-        return _ReferenceBackend
-    if name not in _KERNEL_MODULES:
-        raise ValueError(
-            f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
-        )
     try:
-        module = importlib.import_module(_KERNEL_MODULES[name])
+        module = importlib.import_module(_BACKEND_MODULES[name])
     except ImportError as exc:
         raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
     module.check_available()
@@ -63,13 +49,13 @@ def get_backend(name):
 
 
 def _prepare(module):
-    """The backend's own ``prepare`` (one that keeps device arrays on the device), else the common one."""
-    return getattr(module, "prepare", _options.prepare)
+    """The backend's ``prepare``: each keeps its own arrays where they are and defers what its kernels check."""
+    return module.prepare
 
 
 def _cuda_is_available():
     try:
-        module = importlib.import_module(_KERNEL_MODULES["cuda"])
+        module = importlib.import_module(_BACKEND_MODULES["cuda"])
     except ImportError:
         return False
     return module.is_available()
