@@ -10,9 +10,11 @@ print them.
 """
 
 import contextlib
+import re
 import types
 
 import numpy as np
+from numba import types as nbt
 
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cuda import _config as config
@@ -21,8 +23,6 @@ from elastic_np.cuda._launch import _shared_elements, _tiles
 
 def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
-    from numba import types as nbt
-
     dev = _kernel_module("_device")
     real = nbt.float64 if dtype == np.float64 else nbt.float32
 
@@ -126,8 +126,6 @@ def resources(cc=(9, 0)):
     elastic_np.BackendUnavailableError
         Without numba-cuda or ``cuda.core`` with nvJitLink, or under the simulator.
     """
-    import re
-
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError as exc:
