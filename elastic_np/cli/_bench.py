@@ -307,17 +307,7 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
     peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
 
-    compile_s = {}
-    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
-    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
-    for name, fns in available.items():
-        if name.startswith("elastic_np"):
-            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
-            start = time.perf_counter()
-            for fn in fns:
-                fn(*small, dout_small)
-            compile_s[name] = time.perf_counter() - start
-
+    compile_s = _first_calls(available, dim, dtype, notify)
     # One implementation at a time over every size: switching between thread
     # pools (OpenBLAS, torch's OpenMP, Numba's) on every call makes the idle
     # pool's spinning threads compete with the busy one.
@@ -331,16 +321,10 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         for seq in seqs:
             for pass_name, fn in zip(PASSES, fns):
                 call = lambda fn=fn, args=inputs[seq]: fn(*args)  # noqa: E731
-                best_time(call, repeat=1, min_time=min_time / 2)  # warm up
-                seconds = best_time(call, repeat=repeat, min_time=min_time)
                 flops = attention_flops(batch, heads, seq, seq, dim, causal=causal,
                                         backward=pass_name != "forward")
-                gflops = flops / seconds / 1e9
-                results.append({
-                    "impl": name, "pass": pass_name, "seq": int(seq), "time_s": seconds,
-                    "gflops": gflops, "fraction_of_peak": gflops / peak,
-                    "peak_mib": peak_memory_mib(call),
-                })
+                results.append({"impl": name, "pass": pass_name, "seq": int(seq),
+                                **_measure(call, flops, peak, repeat, min_time)})
                 notify("step", f"{name} {pass_name} N={seq}")
     order = {name: i for i, name in enumerate(available)}
     results.sort(key=lambda r: (r["seq"], r["pass"] != "forward", order[r["impl"]]))
@@ -359,6 +343,30 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         "unavailable": unavailable,
         "results": results,
     }
+
+
+def _first_calls(available, dim, dtype, notify):
+    """Call each elastic_np kernel once, forward and backward, on tiny inputs: ``{name: seconds}`` (the JIT compile)."""
+    compile_s = {}
+    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
+    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
+    for name, fns in available.items():
+        if name.startswith("elastic_np"):
+            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
+            start = time.perf_counter()
+            for fn in fns:
+                fn(*small, dout_small)
+            compile_s[name] = time.perf_counter() - start
+    return compile_s
+
+
+def _measure(call, flops, peak, repeat, min_time):
+    """Time, throughput, fraction of ``peak`` and peak memory of ``call()``, after a warm-up."""
+    best_time(call, repeat=1, min_time=min_time / 2)  # warm up
+    seconds = best_time(call, repeat=repeat, min_time=min_time)
+    gflops = flops / seconds / 1e9
+    return {"time_s": seconds, "gflops": gflops, "fraction_of_peak": gflops / peak,
+            "peak_mib": peak_memory_mib(call)}
 
 
 def format_table(comparison):
