@@ -88,3 +88,15 @@ def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch,
     ran.clear()
     _first_compile.compile_backend("reference", (np.float64,))
     assert ran == [("reference", [f64])]
+
+
+def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):
+    """``python -m elastic_np.cli._first_compile``: the tools' package does not import the module first
+    (runpy would warn that it runs a second copy)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_first_compile.__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "elastic_np.cli._first_compile", "reference", "float64"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr

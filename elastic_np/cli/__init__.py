@@ -34,7 +34,6 @@ from elastic_np import _dispatch, reference, testing
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
-from elastic_np.cli._first_compile import compile_backend
 from elastic_np.cli._progress import Progress
 from elastic_np.testing import _battery, _cases
 
@@ -88,6 +87,10 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 def _compile(name, module, progress):
     """The first JIT compile of every specialisation the battery uses (`elastic_np.cli._first_compile`); seconds."""
+    # imported here: the module also runs as a script in the child process (python -m), which
+    # runpy would find already imported by this package
+    from elastic_np.cli._first_compile import compile_backend
+
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
