@@ -135,6 +135,15 @@ def test_the_gpu_benchmark_names_of_elastic_np_cuda_are_deprecated(name):
     assert name not in cuda.__all__
 
 
+def test_the_other_public_names_of_the_flat_cuda_module_are_deprecated():
+    from elastic_np.cuda import _config
+
+    with pytest.warns(DeprecationWarning, match="use elastic_np.BackendUnavailableError"):
+        assert cuda.BackendUnavailableError is elastic_np.BackendUnavailableError
+    with pytest.warns(DeprecationWarning, match="elastic_np.cuda._config"):
+        assert cuda.config is _config
+
+
 def test_elastic_np_cuda_has_no_other_missing_names():
     with pytest.raises(AttributeError, match="no attribute '_tiles'"):
         cuda._tiles  # noqa: B018  (the private names it re-exported are gone)

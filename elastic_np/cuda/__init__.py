@@ -161,17 +161,25 @@ __all__ = [
 
 #: Names that moved to the benchmark tool, `elastic_np.cli._cuda_bench`, and still resolve here, deprecated.
 _MOVED_TO_THE_BENCHMARK = ("bench", "bench_decode", "bench_record", "BENCH_BIAS_SHAPES", "DECODE_SHAPES")
+#: Other names of the flat module this package replaced, deprecated: name -> (module, attribute or None, use).
+_DEPRECATED = {
+    "BackendUnavailableError": ("elastic_np._errors", "BackendUnavailableError", "elastic_np.BackendUnavailableError"),
+    "config": ("elastic_np.cuda._config", None, "the tunables' module, elastic_np.cuda._config"),
+}
 
 
 def __getattr__(name):
-    """The benchmark's names, deprecated: the GPU benchmark is a tool now (``elastic-np bench --gpu``)."""
-    if name not in _MOVED_TO_THE_BENCHMARK:
+    """The names that moved, deprecated: the GPU benchmark is a tool now (``elastic-np bench --gpu``)."""
+    if name in _MOVED_TO_THE_BENCHMARK:
+        # the one import of the tools from this package, for the deprecated names only
+        module, attribute = "elastic_np.cli._cuda_bench", name
+        use = (f"the GPU benchmark moved to the command-line tool (`elastic-np bench --gpu` or "
+               f"`python -m elastic_np.cuda --bench`; the function is elastic_np.cli._cuda_bench.{name})")
+    elif name in _DEPRECATED:
+        module, attribute, use = _DEPRECATED[name]
+        use = f"use {use}"
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"elastic_np.cuda.{name} is deprecated: the GPU benchmark moved to the command-line tool "
-        "(`elastic-np bench --gpu` or `python -m elastic_np.cuda --bench`; "
-        f"the function is elastic_np.cli._cuda_bench.{name})",
-        DeprecationWarning, stacklevel=2,
-    )
-    # the one import of the tools from this package, for the deprecated names only
-    return getattr(importlib.import_module("elastic_np.cli._cuda_bench"), name)
+    warnings.warn(f"elastic_np.cuda.{name} is deprecated: {use}", DeprecationWarning, stacklevel=2)
+    found = importlib.import_module(module)
+    return found if attribute is None else getattr(found, attribute)
