@@ -55,7 +55,10 @@ def worker(argv):
     sys.path.insert(0, HERE)
     import elastic_np
     import score_modifiers
-    from elastic_np import _bench
+    try:
+        from elastic_np.cli import _bench
+    except ImportError:  # a tree from before the tools moved to elastic_np.cli
+        from elastic_np import _bench
 
     n, heads, dtype, backward = int(argv[0]), int(argv[1]), argv[2], argv[3] == "1"
     _, _, cases = score_modifiers.make_cases(n, heads, 64, dtype, backward=backward)

@@ -16,7 +16,10 @@ import argparse
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _bench
+try:
+    from elastic_np.cli import _bench
+except ImportError:  # a tree from before the tools moved to elastic_np.cli
+    from elastic_np import _bench
 
 
 def _ranges(values):

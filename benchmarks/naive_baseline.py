@@ -21,7 +21,13 @@ import sys
 
 import numpy as np
 
-from elastic_np import _bench, _conformance, reference
+from elastic_np import reference
+from elastic_np.testing import _cases, _tolerances
+
+try:
+    from elastic_np.cli import _bench
+except ImportError:  # a tree from before the tools moved to elastic_np.cli
+    from elastic_np import _bench
 from elastic_np.testing._report import worst_error
 
 
@@ -29,9 +35,9 @@ def dump(path):
     out = {}
     for dtype in (np.float32, np.float64):
         dn = np.dtype(dtype).name
-        for case in _conformance.CASES:
+        for case in _cases.CASES:
             for quick in (True, False):
-                q, k, v, dout, options = _conformance.draw_inputs(case, dtype, quick=quick)
+                q, k, v, dout, options = _cases.draw_inputs(case, dtype, quick=quick)
                 o, l = reference.attention(q, k, v, **options)
                 with np.errstate(invalid="ignore", divide="ignore"):
                     g = reference.attention_backward(dout, q, k, v, o, l, **options)
@@ -39,9 +45,9 @@ def dump(path):
                                       dsigma=g.dsigma, dbias=g.dbias).items():
                     if val is not None:
                         out[f"oracle|{dn}|{case.name}|{quick}|{name}"] = np.asarray(val)
-                for name, val in _conformance.summation_allowance(q, k, v, dout, options).items():
+                for name, val in _tolerances.summation_allowance(q, k, v, dout, options).items():
                     out[f"allowance|{dn}|{case.name}|{quick}|{name}"] = np.asarray(val)
-                for n, res in enumerate(_conformance.naive_orderings(q, k, v, dout, options, dtype)):
+                for n, res in enumerate(_tolerances.naive_orderings(q, k, v, dout, options, dtype)):
                     for name, val in res.items():
                         out[f"kit|{dn}|{case.name}|{quick}|{n}|{name}"] = np.asarray(val)
                 if set(options) <= {"causal", "scale"}:

@@ -25,7 +25,10 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _bench
+try:
+    from elastic_np.cli import _bench
+except ImportError:  # a tree from before the tools moved to elastic_np.cli
+    from elastic_np import _bench
 
 
 def median_interval(values, level=0.95, draws=4000, seed=0):

@@ -20,7 +20,10 @@ import torch
 
 import elastic_np as enp
 import elastic_np.torch as enpt
-from elastic_np import _bench
+try:
+    from elastic_np.cli import _bench
+except ImportError:  # a tree from before the tools moved to elastic_np.cli
+    from elastic_np import _bench
 
 
 def make_cases(n, heads, dim):

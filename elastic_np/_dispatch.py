@@ -1,73 +1,62 @@
-"""The public attention entry points: validate once, then hand over to a backend.
+"""The public entry points: `attention` and `attention_backward` validate once, then hand over to a backend;
+`merge_attention` rounds the float64 merge of `elastic_np.reference.merge_attention` to the partials' dtype.
 
-A backend is a module with two functions,
+A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
+`elastic_np.cuda`) with the same face (the reference's is
+``reference/_backend.py``, kept out of ``reference.__all__``):
 
-- ``forward(problem) -> (out, lse)``
+- ``dtypes``: the dtypes it computes in (None: any real float, computed in
+  float64, the reference);
+- ``is_available()`` and ``check_available()`` (which raises
+  `~elastic_np.BackendUnavailableError` saying what is missing);
+- ``prepare(q, k, v, **options)``, with the signature of
+  `elastic_np._options.prepare`, returning a validated
+  `~elastic_np._options.AttentionProblem` (the CPU backend leaves the check of
+  the bias's values to its kernels, which read every entry anyway; the CUDA
+  backend keeps device arrays on the device);
+- ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;
+- ``forward(problem) -> (out, lse)``;
 - ``backward(problem, dout, out, lse, dlse=None) -> AttentionGrads``
+  (``dlse``, the cotangent of ``lse``, None for zeros).
 
-that take a validated `~elastic_np._options.AttentionProblem` (``dlse``, the
-cotangent of ``lse``, is None for zeros). The reference backend computes in
-float64; the kernels keep the input dtype.
-
-A backend may also define ``prepare`` and ``check_backward_arrays`` with the
-signatures of `elastic_np._options.prepare` and
-`elastic_np.reference.check_backward_arrays`; they replace those two (the CUDA
-backend uses this to validate device arrays without copying them to the host;
-the CPU backend leaves the check of the bias's values to its kernels, which
-read every entry anyway).
+The reference computes in float64; the kernels keep the input dtype.
 """
 
 import importlib
 
-from elastic_np import _options, _spec, _validation, reference
+from elastic_np import _spec, _validation
 from elastic_np._errors import BackendUnavailableError
+from elastic_np.reference._merge import _merge, _validate
 
 BACKENDS = ("reference", "cpu", "cuda")
-_KERNEL_MODULES = {"cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
-
-
-class _ReferenceBackend:
-    dtypes = None  # any real float, computed in float64
-
-    @staticmethod
-    def forward(problem):
-        return reference._forward(problem)
-
-    @staticmethod
-    def backward(problem, dout, out, lse, dlse=None):
-        return reference._backward(problem, dout, out, lse, dlse)
+_BACKEND_MODULES = {"reference": "elastic_np.reference", "cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
 
 
 def get_backend(name):
     """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
-    if not isinstance(name, str):
+    if not isinstance(name, str) or (name != "auto" and name not in _BACKEND_MODULES):
         raise ValueError(
             f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
         )
     if name == "auto":
         name = "cuda" if _cuda_is_available() else "cpu"
-    if name == "reference":
-        return _ReferenceBackend
-    if name not in _KERNEL_MODULES:
-        raise ValueError(
-            f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
-        )
     try:
-        module = importlib.import_module(_KERNEL_MODULES[name])
+        module = importlib.import_module(_BACKEND_MODULES[name])
     except ImportError as exc:
         raise BackendUnavailableError(f"backend {name!r} is not available: {exc}") from exc
     module.check_available()
     return module
 
 
-def _prepare(module):
-    """The backend's own ``prepare`` (one that keeps device arrays on the device), else the common one."""
-    return getattr(module, "prepare", _options.prepare)
+def _problem(module, q, k, v, options):
+    """The backend's validated problem (`_spec.check_backend`, then its ``prepare``)."""
+    _spec.check_backend(options, module.__name__.rsplit(".", 1)[-1])
+    return module.prepare(q, k, v, dtypes=module.dtypes, **options)
 
 
 def _cuda_is_available():
     try:
-        module = importlib.import_module(_KERNEL_MODULES["cuda"])
+        module = importlib.import_module(_BACKEND_MODULES["cuda"])
     except ImportError:
         return False
     return module.is_available()
@@ -151,7 +140,7 @@ def attention(
     """
     return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
-    problem = _prepare(module)(q, k, v, dtypes=module.dtypes, **_spec.gathered(locals()))
+    problem = _problem(module, q, k, v, _spec.gathered(locals()))
     out, lse = module.forward(problem)
     return (out, lse) if return_lse else out
 
@@ -229,8 +218,86 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     module = get_backend(backend)
-    problem = _prepare(module)(q, k, v, dtypes=module.dtypes, **_spec.gathered(locals()))
+    problem = _problem(module, q, k, v, _spec.gathered(locals()))
     dtype = None if module.dtypes is not None else problem.dtype
-    check = getattr(module, "check_backward_arrays", reference.check_backward_arrays)
-    dout, out, lse, dlse = check(problem, dout, out, lse, dtype=dtype, dlse=dlse)
+    dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     return module.backward(problem, dout, out, lse, dlse)
+
+
+def merge_attention(outs, lses, *, beta=0.0):
+    r"""Combine attention over disjoint key sets into the attention over their union.
+
+    Given partials ``(out_p, lse_p)`` that `attention` returned (with
+    ``return_lse=True``) over disjoint sets of keys, each with ``beta = 0``,
+    returns what it would return over the union of the keys with ``beta``:
+
+    .. math::
+
+        \mathrm{lse} = \log\Big(\sum_p e^{\mathrm{lse}_p} + \beta_h\Big), \qquad
+        \mathrm{out} = \sum_p e^{\mathrm{lse}_p - \mathrm{lse}}\, \mathrm{out}_p .
+
+    This is the block update of the online softmax made an API: for
+    split-KV, KV caches kept in pieces and distributed attention. The
+    computation is in float64, stable for any spread of the ``lse_p``.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, or ndarray
+        The partial outputs, each of shape ``(B, H, N, Dv)``, or one array of
+        shape ``(P, B, H, N, Dv)`` whose leading axis runs over the partials.
+    lses : sequence of array_like, or ndarray
+        Their log-denominators, each ``(B, H, N)``, or one ``(P, B, H, N)``
+        array; computed with ``beta = 0``. ``-inf`` marks a row for which a
+        partial kept no key: that partial contributes nothing to the row
+        (its ``out`` there gets weight 0).
+    beta : float or array_like of shape (H,), optional
+        The sink, finite and ``>= 0``, added once to the merged denominator.
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, N, Dv)
+    lse : ndarray, shape (B, H, N)
+        In the partials' dtype, float32 or float64. A row that no partial
+        kept a key for gives ``out = 0`` and ``lse = log(beta)`` (``-inf``
+        for ``beta = 0``), the attention's empty-row rule.
+
+    Raises
+    ------
+    TypeError
+        For ``outs`` or ``lses`` that are neither a list, a tuple nor an
+        array; partials that are not float32 or float64 or do not all share
+        one dtype; a ``beta`` that is not a real number or array.
+    ValueError
+        For no partial, different numbers of ``outs`` and ``lses``,
+        mismatched shapes, NaN or inf in ``outs``, NaN or ``+inf`` in
+        ``lses``, a negative or non-finite ``beta``; the message names the
+        argument.
+
+    See Also
+    --------
+    elastic_np.reference.merge_attention : The same in float64, for any real float dtype.
+
+    Notes
+    -----
+    The partials must be computed with ``beta = 0``: the sink belongs to the
+    denominator of the whole row, and partials that each added it would
+    count it once per partial. The arrays passed are never written to.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 3, 4)) for _ in range(3))
+    >>> parts = [enp.attention(q, k[:, :, keys], v[:, :, keys], return_lse=True, backend="reference")
+    ...          for keys in (slice(0, 1), slice(1, 3))]
+    >>> outs, lses = zip(*parts)
+    >>> out, lse = enp.merge_attention(outs, lses, beta=0.5)
+    >>> want, want_lse = enp.attention(q, k, v, beta=0.5, return_lse=True, backend="reference")
+    >>> bool(np.allclose(out, want, rtol=1e-13, atol=0) and np.allclose(lse, want_lse, rtol=1e-13))
+    True
+    """
+    outs, lses, beta = _validate(outs, lses, beta, kernel_dtypes=True)
+    out, lse = _merge(outs, lses, beta)
+    dtype = outs[0].dtype
+    return out.astype(dtype, copy=False), lse.astype(dtype, copy=False)

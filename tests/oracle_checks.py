@@ -10,7 +10,8 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _conformance, reference
+from elastic_np import reference
+from elastic_np.testing import _tolerances
 
 DTYPES = [np.float64, np.float32]
 
@@ -29,7 +30,7 @@ def assert_matches_oracle(name, result, oracle, dtype, naive=None, rounding=None
     """Check shape and dtype, then the accuracy rule; print the worst difference.
 
     float64: ``max|result - oracle| <= 1e-12 * max(1, max|oracle|)``.
-    float32: `elastic_np._conformance.float32_allowed`, twice the worst error of
+    float32: `elastic_np.testing._tolerances.float32_allowed`, twice the worst error of
     ``naive`` (naive float32 evaluations in several summation orders) plus
     ``rounding`` (default one float32 ulp of the scale), and at most
     ``1e-5 * max(1, max|oracle|)``.
@@ -55,7 +56,7 @@ def assert_matches_oracle(name, result, oracle, dtype, naive=None, rounding=None
         print(f"{name}: worst |diff| {err:.3e} (bound {bound:.1e})")
         assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.1e}"
         return
-    bound, naive_err = _conformance.float32_allowed(oracle, naive, rounding)
+    bound, naive_err = _tolerances.float32_allowed(oracle, naive, rounding)
     print(f"{name}: worst |diff| {err:.3e}, naive float32 {naive_err:.3e} (bound {bound:.1e})")
     assert err <= bound, f"{name}: worst |diff| {err:.3e} > {bound:.3e} (naive {naive_err:.3e})"
 
@@ -99,9 +100,9 @@ def check_results(dtype, q, k, v, dout, opts, out, lse, grads, dlse=None, roundi
 
     naive, summation = {}, dict(rounding or {})
     if dtype == np.float32:
-        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32, dlse=dlse)
+        orderings = _tolerances.naive_orderings(q, k, v, dout, opts, np.float32, dlse=dlse)
         naive = {name: [n[name] for n in orderings] for name in orderings[0]}
-        summation = {**_conformance.summation_allowance(q, k, v, dout, opts, dlse=dlse), **summation}
+        summation = {**_tolerances.summation_allowance(q, k, v, dout, opts, dlse=dlse), **summation}
     assert_matches_oracle("out", out, ref_out, dtype, naive.get("out"))
     assert_matches_oracle("lse", lse, ref_lse, dtype, naive.get("lse"))
     for field in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias"):

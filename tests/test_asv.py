@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import elastic_np
-from elastic_np import _bench, _options
+from elastic_np import _options
+from elastic_np.cli import _bench
 from elastic_np import reference as ref
 
 ASV_DIR = pathlib.Path(__file__).resolve().parents[1] / "asv_benchmarks"

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import elastic_np
-from elastic_np import _conformance, cli
-from elastic_np._progress import Progress
+from elastic_np import cli
+from elastic_np.cli._progress import Progress
+from elastic_np.testing import _cases
 
 
 def available(name):
@@ -35,7 +36,7 @@ def test_check_quick_reference(capsys):
     out = capsys.readouterr().out
     assert "backend 'reference' vs the float64 oracle" in out
     assert "float64 oracle gradients vs central differences" in out
-    for case in _conformance.CASES:
+    for case in _cases.CASES:
         assert f"  {case.name} " in out
     assert "worst error" in out and "allowed" in out
     assert "FAIL" not in out
@@ -71,8 +72,8 @@ def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     from elastic_np.cpu import _decode
 
     decode = {}
-    for case in _conformance.CASES:
-        q, k, v, dout, options = _conformance.draw_inputs(case, np.float32)
+    for case in _cases.CASES:
+        q, k, v, dout, options = _cases.draw_inputs(case, np.float32)
         decode[case.name] = _decode.takes(prepare(q, k, v, **options))
     assert decode["plain"] and decode["combined"] and decode["modifiers combined"]
     assert not decode["plain, N=20"] and not decode["combined, N=20"]
@@ -211,7 +212,7 @@ def test_bench_decode_json_and_table(tmp_path, capsys):
 
 
 def test_streaming_read_reads_every_byte():
-    from elastic_np import _bench_decode
+    from elastic_np.cli import _bench_decode
 
     for nbytes, threads, dtype in [(4 * 3_000_001, 2, np.float32), (8 * 5, 3, np.float64), (1, 1, np.float64)]:
         with _bench_decode.StreamingRead(nbytes, threads, dtype) as read:
@@ -220,7 +221,8 @@ def test_streaming_read_reads_every_byte():
 
 def test_decode_benchmark_times_the_same_attention_in_torch():
     pytest.importorskip("torch")
-    from elastic_np import _bench_decode, reference
+    from elastic_np import reference
+    from elastic_np.cli import _bench_decode
 
     for shape in [(2, 4, 2, 3, 11, 5), (1, 4, 1, 1, 7, 3)]:
         q, k, v = _bench_decode.make_inputs(shape, np.float64, seed=3)
@@ -230,7 +232,8 @@ def test_decode_benchmark_times_the_same_attention_in_torch():
 
 
 def test_naive_backward_matches_reference():
-    from elastic_np import _bench, reference
+    from elastic_np import reference
+    from elastic_np.cli import _bench
 
     q, k, v = _bench.make_inputs(1, 4, 5, 7, 3, Hkv=2, dtype=np.float64)
     dout = np.random.default_rng(1).standard_normal((1, 4, 5, 3))
@@ -243,7 +246,7 @@ def test_naive_backward_matches_reference():
 
 
 def test_peak_memory_sees_a_numpy_allocation():
-    from elastic_np._bench import peak_memory_mib
+    from elastic_np.cli._bench import peak_memory_mib
 
     assert peak_memory_mib(lambda: np.ones(4 * 2**20 // 8)) >= 3.9
 

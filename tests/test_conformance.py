@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, reference
+from elastic_np import reference
+from elastic_np.testing import _battery, _cases, _tolerances
 from elastic_np.testing import backend_functions, check_attention
 
-ALL = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
+ALL = _cases.OPTION_NAMES + _cases.CAPABILITIES
 
 
 
@@ -33,7 +34,7 @@ def test_reference_backend_passes_every_case():
     report = check_attention(fn, backward=backward, options=ALL)
     assert report, str(report)
     assert report.skipped == []
-    assert {row.case for row in report.rows} == {case.name for case in _conformance.CASES}
+    assert {row.case for row in report.rows} == {case.name for case in _cases.CASES}
     combined = {(r.dtype, r.quantity) for r in report.rows if r.case == "combined"}
     for dtype in ("float32", "float64"):
         for quantity in ("out", "lse", "dq", "dk", "dv", "dtau", "dbeta", "dsigma"):
@@ -46,13 +47,13 @@ def test_cpu_backend_passes_every_case():
     fn, backward = backend_functions("cpu")
     report = check_attention(fn, backward=backward, options=ALL)
     assert report, str(report)
-    assert len({row.case for row in report.rows}) == len(_conformance.CASES)
+    assert len({row.case for row in report.rows}) == len(_cases.CASES)
 
 
 def test_naive_float32_evaluation_passes_and_float64_one_matches_oracle():
     # The baseline itself is an honest float32 implementation (error 1x naive).
     def naive(q, k, v, **options):
-        out, lse, _ = _conformance.naive_forward(q, k, v, options, q.dtype)
+        out, lse, _ = _tolerances.naive_forward(q, k, v, options, q.dtype)
         return out, lse
 
     report = check_attention(naive, options=ALL)
@@ -312,17 +313,17 @@ def test_supported_options_from_signature_and_declared():
     def fn(q, k, v, causal=False, *, tau=1.0, **kwargs):
         pass
 
-    assert _conformance.supported_options(fn) == {"causal", "tau"}
-    assert _conformance.supported_options(fn, ["gqa"]) == {"causal", "tau", "gqa"}
+    assert _battery.supported_options(fn) == {"causal", "tau"}
+    assert _battery.supported_options(fn, ["gqa"]) == {"causal", "tau", "gqa"}
     with pytest.raises(ValueError, match="unknown options"):
-        _conformance.supported_options(fn, ["dropout"])
+        _battery.supported_options(fn, ["dropout"])
     with pytest.raises(ValueError, match="dtypes"):
         check_attention(fn, dtypes=[np.float16])
 
 
 def test_inputs_avoid_the_nvm_jump_and_the_window_threshold():
-    case = {c.name: c for c in _conformance.CASES}["combined"]
-    q, k, v, dout, options = _conformance.draw_inputs(case, np.float32)
+    case = {c.name: c for c in _cases.CASES}["combined"]
+    q, k, v, dout, options = _cases.draw_inputs(case, np.float32)
     s = np.einsum("bhnd,bhmd->bhnm", q, np.repeat(k, 2, axis=1))
     assert np.min(np.abs(s)) > 1e-5 * np.max(np.abs(s))
     assert q.dtype == np.float64 and np.array_equal(q, q.astype(np.float32))
@@ -333,15 +334,15 @@ def test_inputs_avoid_the_nvm_jump_and_the_window_threshold():
 
 
 def test_inputs_are_seeded():
-    case = _conformance.CASES[0]
-    a = _conformance.draw_inputs(case, np.float64, seed=3)
-    b = _conformance.draw_inputs(case, np.float64, seed=3)
-    c = _conformance.draw_inputs(case, np.float64, seed=4)
+    case = _cases.CASES[0]
+    a = _cases.draw_inputs(case, np.float64, seed=3)
+    b = _cases.draw_inputs(case, np.float64, seed=3)
+    c = _cases.draw_inputs(case, np.float64, seed=4)
     assert np.array_equal(a[0], b[0]) and not np.array_equal(a[0], c[0])
 
 
 def test_oracle_gradients_pass_gradcheck():
-    report = _conformance.check_oracle_gradients()
+    report = _battery.check_oracle_gradients()
     assert report, str(report)
     quantities = {(r.case, r.quantity) for r in report.rows}
     assert ("combined", "dsigma") in quantities and ("tau, beta per head", "dbeta") in quantities

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _bench, _dispatch, cpu
+from elastic_np import _dispatch, cpu
+from elastic_np.cli import _bench
 from oracle_checks import DTYPES, MASK_B1NM, MASK_NM, SIGMA_BH, check_unmodified_and_deterministic, make_inputs
 
 

@@ -127,7 +127,7 @@ def test_performance_hook_renders_saved_results(tmp_path):
 
     results = tmp_path / "results"
     results.mkdir()
-    from elastic_np import _bench
+    from elastic_np.cli import _bench
 
     impls = {"naive numpy": _bench.implementations(False)["naive numpy"]}
     run = _bench.compare([16, 32], batch=1, heads=1, dim=8, dtype=np.dtype(np.float32),
@@ -143,7 +143,7 @@ def test_performance_hook_renders_saved_results(tmp_path):
 
 def cuda_record(modifiers=False):
     """A CUDA results dict as ``python -m elastic_np.cuda --bench --json`` writes it, with made-up timings."""
-    from elastic_np.cuda import _bench as cuda_bench
+    from elastic_np.cli import _cuda_bench as cuda_bench
 
     timings = {"elastic_np": {"forward": 0.02, "forward+backward": 0.09},
                "torch": {"forward": 0.01, "forward+backward": 0.045}}
@@ -163,7 +163,7 @@ def test_performance_hook_renders_cuda_results(tmp_path, modifiers):
     """A CUDA results file becomes its GPU, command and table; no file, a note that nothing was measured."""
     import runpy
 
-    from elastic_np.cuda import _bench as cuda_bench
+    from elastic_np.cli import _cuda_bench as cuda_bench
 
     script = runpy.run_path(str(DOCS / "scripts" / "performance.py"))
     empty = tmp_path / "empty"

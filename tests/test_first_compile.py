@@ -7,14 +7,14 @@ import sys
 import numpy as np
 import pytest
 
-from elastic_np import _first_compile
+from elastic_np.cli import _first_compile
 
 pytest.importorskip("fcntl")
 
 SAVES = """
 import sys
 from numba.core.caching import IndexDataCacheFile
-from elastic_np._first_compile import locked_cache_index
+from elastic_np.cli._first_compile import locked_cache_index
 folder, who, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cache = IndexDataCacheFile(cache_path=folder, filename_base="f", source_stamp="stamp")
 with locked_cache_index():
@@ -79,12 +79,24 @@ def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch,
     if split:
         assert ran == [("cpu", [f32])]
         (child,) = _Child.started
-        assert child.command[1:] == ["-m", "elastic_np._first_compile", "cpu", "float64"]
+        assert child.command[1:] == ["-m", "elastic_np.cli._first_compile", "cpu", "float64"]
         # the child imports this very package, whatever its working folder
-        root = os.path.dirname(os.path.dirname(_first_compile.__file__))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(_first_compile.__file__)))
         assert child.env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath(root)
     else:
         assert ran == [("cpu", [f32, f64])] and not _Child.started
     ran.clear()
     _first_compile.compile_backend("reference", (np.float64,))
     assert ran == [("reference", [f64])]
+
+
+def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):
+    """``python -m elastic_np.cli._first_compile``: the tools' package does not import the module first
+    (runpy would warn that it runs a second copy)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_first_compile.__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "elastic_np.cli._first_compile", "reference", "float64"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr

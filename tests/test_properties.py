@@ -20,8 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import elastic_np as enp
-from elastic_np import _conformance, reference
+from elastic_np import reference
 from elastic_np._options import prepare
+from elastic_np.reference import _attention
+from elastic_np.testing import _tolerances
 
 EXAMPLES = int(os.environ.get("ELASTIC_NP_PROPERTY_EXAMPLES", "300"))
 SETTINGS = settings(
@@ -140,8 +142,8 @@ def allowances(q, k, v, dout, options):
     B, H, Hkv, N, M, D, Dv = p.shape
     group = H // Hkv
     with np.errstate(all="ignore"):
-        out, lse = reference._forward(p)
-        s, z, keep, gate, cap_slope = reference._attention_logits(p)
+        out, lse = _attention._forward(p)
+        s, z, keep, gate, cap_slope = _attention._attention_logits(p)
         probs = np.where(keep, np.exp(z - lse[..., None]), 0.0)
         vv = np.abs(np.repeat(p.v, group, axis=1))
         kk = np.abs(np.repeat(p.k, group, axis=1))
@@ -164,10 +166,10 @@ def allowances(q, k, v, dout, options):
         if gate is not None:
             G, f, x = gate
             y = p.sharpness * np.where(G > 0, f, 1.0)
-            dlogg = p.sharpness * reference._log_tanh_slope(y) * f * (x**2 / p.sigma[:, :, None, None] ** 3
+            dlogg = p.sharpness * _attention._log_tanh_slope(y) * f * (x**2 / p.sigma[:, :, None, None] ** 3
                                                              + 1 / p.sigma[:, :, None, None])
             terms["dsigma"] = np.sum(np.where(keep, dz * dlogg, 0.0), axis=(2, 3))
-    relative = max(32 * np.finfo(np.float64).eps * (1.0 + zmax), _conformance.FLOOR[np.dtype(np.float64)])
+    relative = max(32 * np.finfo(np.float64).eps * (1.0 + zmax), _tolerances.FLOOR[np.dtype(np.float64)])
     return {name: relative * float(np.max(t, initial=0.0)) for name, t in terms.items()}
 
 

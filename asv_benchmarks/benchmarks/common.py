@@ -32,10 +32,13 @@ import numpy as np
 import elastic_np
 from elastic_np import _dispatch
 
-try:  # the measurement helpers appeared after the package skeleton
-    from elastic_np import _bench
-except ImportError:  # pragma: no cover - only on very old commits
-    _bench = None
+try:  # the measurement helpers, in the tools' package since it has one
+    from elastic_np.cli import _bench
+except ImportError:
+    try:  # before: at the top of the package; they appeared after its skeleton
+        from elastic_np import _bench
+    except ImportError:  # pragma: no cover - only on very old commits
+        _bench = None
 
 PROFILE = os.environ.get("ELASTIC_NP_ASV_PROFILE", "regular")
 _PROFILES = {
@@ -141,7 +144,7 @@ def flops(N, M=None, *, backward=False, B=BATCH, H=HEADS, D=HEAD_DIM, Dv=None, *
     The FlashAttention convention: ``2 * (D + Dv)`` per kept pair and head for
     the forward's two matrix products; forward + backward counts 3.5 forwards
     (the backward's five products). With ``causal=True`` alone this equals
-    `elastic_np._bench.attention_flops`. GFLOP/s computed from it are useful
+    `elastic_np.cli._bench.attention_flops`. GFLOP/s computed from it are useful
     work per second: a kernel that skips masked tiles is not credited for them.
     """
     M = N if M is None else M
@@ -151,9 +154,9 @@ def flops(N, M=None, *, backward=False, B=BATCH, H=HEADS, D=HEAD_DIM, Dv=None, *
 
 
 def require_bench_helpers():
-    """Raise `NotImplementedError` (asv: skipped) when ``elastic_np._bench`` is missing."""
+    """Raise `NotImplementedError` (asv: skipped) when ``elastic_np.cli._bench`` is missing."""
     if _bench is None:
-        raise NotImplementedError("elastic_np._bench is not in this version of the package")
+        raise NotImplementedError("elastic_np.cli._bench is not in this version of the package")
     return _bench
 
 

@@ -11,13 +11,13 @@ benchmark command, and writes two files the performance page includes:
   --json FILE`` (keys ``machine``, ``command``, ``config``,
   ``matmul_peak_gflops``, ``results``, ...): per file the machine, the
   command, the table ``elastic-np bench`` printed and its log-log plot, both
-  drawn by the same code the command uses (`elastic_np._bench.format_table`,
-  `elastic_np._bench.plot`);
+  drawn by the same code the command uses (`elastic_np.cli._bench.format_table`,
+  `elastic_np.cli._bench.plot`);
 - ``OUTDIR/performance_cuda.inc``, from the files of ``python -m
   elastic_np.cuda --bench --json FILE`` (``"kind": "cuda"``, see
-  `elastic_np.cuda._bench.bench_record`): per file the GPU, its driver and
+  `elastic_np.cli._cuda_bench.bench_record`): per file the GPU, its driver and
   the library versions, the command, and the table the command printed
-  (`elastic_np.cuda._bench.format_table`: both timings, TFLOP/s and torch's
+  (`elastic_np.cli._cuda_bench.format_table`: both timings, TFLOP/s and torch's
   time / ours for the training shape, then the decoding shapes).
 
 Without result files of a kind, its include says so: no figure on that page
@@ -29,7 +29,7 @@ import json
 import os
 import sys
 
-from elastic_np import _bench
+from elastic_np.cli import _bench
 
 DOCS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(DOCS, "performance")
@@ -76,7 +76,7 @@ def _cpu_parts(run, stem, n, outdir):
 
 
 def _cuda_parts(run, stem):
-    from elastic_np.cuda import _bench as cuda_bench
+    from elastic_np.cli import _cuda_bench as cuda_bench
 
     parts = [_title(stem, "^")]
     machine = run.get("machine") or {}

@@ -63,17 +63,18 @@ Modules
     the single-threaded tile primitives and what they share
 """
 
-
-
-
 import numpy as np
 
 from elastic_np import _options as options_module
 from elastic_np.cpu import _decode, _forward
 from elastic_np.cpu._backward import backward
 from elastic_np.cpu._threads import thread_count
+from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
-__all__ = ["dtypes", "is_available", "check_available", "prepare", "forward", "backward", "thread_count"]
+__all__ = [
+    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
+    "thread_count",
+]
 
 
 dtypes = (np.dtype(np.float32), np.dtype(np.float64))

@@ -25,6 +25,7 @@ import threading
 import numpy as np
 from llvmlite import binding
 from numba import njit, types
+from numba.core import config
 from numba.extending import overload
 from numba.np import numpy_support
 
@@ -131,8 +132,6 @@ _EXP_SIGNATURES = {dtype: types.void(_matrix(dtype), types.intp, types.intp) for
 
 def _target_features():
     """The CPU features LLVM compiles for: ``{"avx512f", "avx2", "fma", ...}``."""
-    from numba.core import config
-
     if config.CPU_NAME is not None:  # a portable cache: only the features named
         return {f[1:] for f in (config.CPU_FEATURES or "").split(",") if f.startswith("+")}
     return {name for name, on in binding.get_host_cpu_features().items() if on}

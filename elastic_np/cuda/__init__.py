@@ -7,10 +7,8 @@ package's modules:
   (``numba.cuda`` and the kernel modules on first use, availability, device
   arrays, validation), `elastic_np.cuda._launch` (tile sizes, the option
   arrays, `forward` and `backward`: allocate and launch),
-  `elastic_np.cuda._config` (the tunables), `elastic_np.cuda._compile` (PTX
-  and the resource report, without a GPU), `elastic_np.cuda._bench` (the GPU
-  benchmark against torch) and `elastic_np.cuda._cli` (``python -m
-  elastic_np.cuda``);
+  `elastic_np.cuda._config` (the tunables) and `elastic_np.cuda._compile` (PTX
+  and the resource report, without a GPU);
 - kernels, imported on first use: `elastic_np.cuda._forward` (the flash
   forward), `elastic_np.cuda._decode` (decoding),
   `elastic_np.cuda._backward` (``delta``, ``dq``, ``dk``, ``dv``, a broadcast
@@ -20,7 +18,9 @@ package's modules:
   `elastic_np.cuda._sim`.
 
 Importing `elastic_np` never imports this package; importing this package
-never imports ``numba.cuda``.
+never imports ``numba.cuda``. The GPU benchmark and ``python -m
+elastic_np.cuda`` are tools (`elastic_np.cli._cuda_bench`,
+`elastic_np.cli._cuda`); this package imports neither.
 
 Design
 ------
@@ -117,11 +117,12 @@ Performance: ``python -m elastic_np.cuda --bench`` times the kernels against
 GPU (B=4, H=16, N=4096, D=64 by default); ``--softcap X``, ``--alibi`` and
 ``--bias {full,keys,padding,rows,scalar}`` time the score modifiers, next to
 plain attention in the same run; ``--json FILE`` also times the decoding
-shapes (`DECODE_SHAPES`) and writes everything, with the GPU, driver and
-library versions, to ``FILE`` (`elastic_np.cuda._bench`); ``elastic-np bench
---gpu`` runs the same benchmark. The speed of the flash forward, the decode
-kernel and the backward on a GPU is unmeasured (they were written on machines
-without one). ``--resources`` prints each kernel's registers, local memory,
+shapes and writes everything, with the GPU, driver and library versions, to
+``FILE`` (`elastic_np.cli._cuda_bench`); ``elastic-np bench --gpu`` runs the
+same benchmark. Measured on an H100 (the performance page,
+``docs/performance/h100-cuda.json``), the kernels run at about a tenth of
+torch's float32 speed, forward and backward, and the decode kernel at about
+0.08 of it. ``--resources`` prints each kernel's registers, local memory,
 spills and shared memory from the compiled code, no GPU needed.
 
 Arrays: NumPy inputs are copied to the GPU and the results copied back as
@@ -138,20 +139,12 @@ a round trip through the host to be converted); with a device bias the
 results are device arrays, ``dbias`` too.
 """
 
-# the names of the flat module this package replaced, public and private (tests and tools use them)
-from elastic_np._errors import BackendUnavailableError  # noqa: F401
-from elastic_np.cuda import _config as config  # noqa: F401  (the name the flat module had)
-from elastic_np.cuda._bench import BENCH_BIAS_SHAPES, DECODE_SHAPES, bench, bench_decode, bench_record  # noqa: F401
-from elastic_np.cuda._cli import main as _main  # noqa: F401
-from elastic_np.cuda._compile import _print_resources, dynamic_shared_bytes, ptx, resources  # noqa: F401
-from elastic_np.cuda._host import (  # noqa: F401
-    _INSTALL_HINT, _as_device_array, _cuda, _is_device, _simulator, _to_device, check_available,
-    check_backward_arrays, dtypes, is_available, prepare,
-)
-from elastic_np.cuda._launch import (  # noqa: F401
-    _bias_operand, _blocks, _dbias_shape, _forward_geometry, _forward_tiles, _launch_options, _shared_elements,
-    _tiles, _window_band, backward, forward,
-)
+import importlib
+import warnings
+
+from elastic_np.cuda._compile import dynamic_shared_bytes, ptx, resources
+from elastic_np.cuda._host import check_available, check_backward_arrays, dtypes, is_available, prepare
+from elastic_np.cuda._launch import backward, forward
 
 __all__ = [
     "dtypes",
@@ -164,5 +157,29 @@ __all__ = [
     "ptx",
     "resources",
     "dynamic_shared_bytes",
-    "bench",
 ]
+
+#: Names that moved to the benchmark tool, `elastic_np.cli._cuda_bench`, and still resolve here, deprecated.
+_MOVED_TO_THE_BENCHMARK = ("bench", "bench_decode", "bench_record", "BENCH_BIAS_SHAPES", "DECODE_SHAPES")
+#: Other names of the flat module this package replaced, deprecated: name -> (module, attribute or None, use).
+_DEPRECATED = {
+    "BackendUnavailableError": ("elastic_np._errors", "BackendUnavailableError", "elastic_np.BackendUnavailableError"),
+    "config": ("elastic_np.cuda._config", None, "the tunables' module, elastic_np.cuda._config"),
+}
+
+
+def __getattr__(name):
+    """The names that moved, deprecated: the GPU benchmark is a tool now (``elastic-np bench --gpu``)."""
+    if name in _MOVED_TO_THE_BENCHMARK:
+        # the one import of the tools from this package, for the deprecated names only
+        module, attribute = "elastic_np.cli._cuda_bench", name
+        use = (f"the GPU benchmark moved to the command-line tool (`elastic-np bench --gpu` or "
+               f"`python -m elastic_np.cuda --bench`; the function is elastic_np.cli._cuda_bench.{name})")
+    elif name in _DEPRECATED:
+        module, attribute, use = _DEPRECATED[name]
+        use = f"use {use}"
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"elastic_np.cuda.{name} is deprecated: {use}", DeprecationWarning, stacklevel=2)
+    found = importlib.import_module(module)
+    return found if attribute is None else getattr(found, attribute)

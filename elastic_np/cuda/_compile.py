@@ -10,9 +10,11 @@ print them.
 """
 
 import contextlib
+import re
 import types
 
 import numpy as np
+from numba import types as nbt
 
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cuda import _config as config
@@ -21,8 +23,6 @@ from elastic_np.cuda._launch import _shared_elements, _tiles
 
 def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
-    from numba import types as nbt
-
     dev = _kernel_module("_device")
     real = nbt.float64 if dtype == np.float64 else nbt.float32
 
@@ -126,8 +126,6 @@ def resources(cc=(9, 0)):
     elastic_np.BackendUnavailableError
         Without numba-cuda or ``cuda.core`` with nvJitLink, or under the simulator.
     """
-    import re
-
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError as exc:
@@ -204,17 +202,3 @@ def _device_functions_compiled_for(cc):
     finally:
         dispatcher.get_current_device = current
 
-
-def _print_resources(ccs):
-    """Print `resources` for each capability, and the dynamic shared memory at D = 64 and 128."""
-    for cc in ccs:
-        major, minor = (int(part) for part in cc.split("."))
-        for name, entry in resources(cc=(major, minor)).items():
-            spill = (f"SPILLS {entry['spill_store_bytes']} B stored, {entry['spill_load_bytes']} B loaded"
-                     if entry["spills"] else "no spills")
-            print(f"sm_{major}{minor}  {name:32s} {entry['registers']:4d} registers  "
-                  f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
-    for dtype in dtypes:
-        for D in (64, 128):
-            for name, (threads, tile, size) in dynamic_shared_bytes(D, D, dtype).items():
-                print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")

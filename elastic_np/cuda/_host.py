@@ -9,10 +9,12 @@ import functools
 import importlib
 
 import numpy as np
+from numba import config as numba_config
 
 from elastic_np import _options, reference
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cuda import _config as config
+from elastic_np.cuda import _sim
 
 #: The dtypes the kernels take (``q``, ``k``, ``v`` share one).
 dtypes = (np.dtype(np.float32), np.dtype(np.float64))
@@ -47,15 +49,11 @@ def _kernel_module(name):
     """
     _cuda()
     if _simulator():
-        from elastic_np.cuda import _sim
-
         _sim.install()  # warp shuffles, which the simulator lacks
     return importlib.import_module(f"elastic_np.cuda.{name}")
 
 
 def _simulator():
-    from numba import config as numba_config
-
     return bool(getattr(numba_config, "ENABLE_CUDASIM", 0))
 
 

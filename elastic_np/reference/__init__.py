@@ -13,32 +13,24 @@ NaN propagates to the rows it touches.
 The package mirrors the derivations: ``_softmax`` (the vector functions),
 ``_attention`` (scores, masks, the dynamic window, the forward), ``_backward``
 (the hand-derived backward) and ``_merge`` (merging partials over key sets).
+``_backend`` is the face that ``backend="reference"`` shows the dispatcher,
+the same as `elastic_np.cpu` and `elastic_np.cuda` (``dtypes``,
+``is_available``, ``check_available``, ``prepare``, ``check_backward_arrays``,
+``forward``, ``backward``); those names are not in ``__all__``.
 """
 
 from elastic_np._options import AttentionGrads  # noqa: F401  (a name of the former module)
-from elastic_np.reference._attention import (  # noqa: F401  (the private helpers serve the kernels' tests)
-    _attention_logits,
-    _forward,
-    _kept_scores,
-    _log_tanh_slope,
-    _modify_scores,
-    _offsets,
-    _tanh_slope,
-    _without_padding,
-    attention,
-    scores,
-    structural_keep,
-    window_gate,
-    window_position,
-)
-from elastic_np.reference._backward import (  # noqa: F401
-    _backward,
-    _dlog_gate,
-    _dtau_terms,
-    _score_gradient,
-    attention_backward,
+from elastic_np.reference._attention import attention, scores, structural_keep, window_gate, window_position  # noqa: F401
+from elastic_np.reference._backend import (  # noqa: F401  (the backend's face, for the dispatcher)
+    backward,
+    check_available,
     check_backward_arrays,
+    dtypes,
+    forward,
+    is_available,
+    prepare,
 )
+from elastic_np.reference._backward import attention_backward
 from elastic_np.reference._merge import merge_attention
 from elastic_np.reference._softmax import (
     elastic_softmax,

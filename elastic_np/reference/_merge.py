@@ -12,7 +12,7 @@ with the sink ``beta`` added once,
 (see the derivation in the documentation, beside the online softmax). The
 validation and the float64 computation `_merge` live here; this module's
 `merge_attention` returns that result, and `elastic_np.merge_attention`
-(``elastic_np/_merge.py``) rounds it to the partials' dtype.
+(``elastic_np/_dispatch.py``) rounds it to the partials' dtype.
 """
 
 import numpy as np

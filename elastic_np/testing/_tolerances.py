@@ -11,6 +11,7 @@ import numpy as np
 
 from elastic_np import reference
 from elastic_np._options import prepare, reduce_to_shape, sum_to_shape
+from elastic_np.reference import _attention, _backward
 from elastic_np.testing._report import _magnitude, worst_error
 
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle.
@@ -32,8 +33,8 @@ def naive_forward(q, k, v, options, dtype):
     vv = np.repeat(p.v, p.group_size, axis=1)
     # the score modifiers and the keep mask are the oracle's; the product, the
     # gate and the normalisation are the plain forms whose rounding sets the rule
-    s, cap_slope = reference._modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
-    s, keep = reference._kept_scores(p, s)
+    s, cap_slope = _attention._modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
+    s, keep = _attention._kept_scores(p, s)
     tau = p.tau.astype(dtype)[:, None, None]
     z = s / tau
     gate = None
@@ -93,7 +94,7 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
         G, f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             y = t(p.sharpness) * np.where(G > 0, f, t(1))
-            dlogG = t(p.sharpness) * reference._log_tanh_slope(y) * f * (x * x / sigma**3 - t(1) / sigma)
+            dlogG = t(p.sharpness) * _attention._log_tanh_slope(y) * f * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
@@ -149,17 +150,17 @@ def summation_allowance(q, k, v, dout, options, dlse=None):
     """
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     p = prepare(q, k, v, **options)
-    out, lse = reference._forward(p)
+    out, lse = _attention._forward(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        s, keep, gate, _, probs, delta, dz = reference._score_gradient(
-            reference._without_padding(p), dout, out, lse,
+        s, keep, gate, _, probs, delta, dz = _backward._score_gradient(
+            _attention._without_padding(p), dout, out, lse,
             None if dlse is None else np.asarray(dlse, dtype=np.float64))
-        dtau = np.sum(np.abs(reference._dtau_terms(s, probs, dz)), axis=(0, 2, 3)) / p.tau**2
+        dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz)), axis=(0, 2, 3)) / p.tau**2
         dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta * np.exp(-lse))
         dbeta = np.sum(np.abs(dbeta_terms), axis=(0, 2))
         dsigma = None
         if gate is not None:
-            dlogg = reference._dlog_gate(p, *gate)
+            dlogg = _backward._dlog_gate(p, *gate)
             dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
     bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
     eps = float(np.finfo(np.float32).eps)

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
 from elastic_np import cuda
-from elastic_np.cuda import _bench as _cuda_bench
+from elastic_np.cli import _cuda, _cuda_bench
 
 SHAPE = (4, 16, 4096, 64)
 DECODE = (1, 32, 8, 1, 8192, 128)
@@ -43,7 +43,7 @@ def test_results_file_round_trip(tmp_path):
 
 
 def test_decode_shapes_include_the_issue_shape():
-    assert DECODE in cuda.DECODE_SHAPES
+    assert DECODE in _cuda_bench.DECODE_SHAPES
 
 
 @pytest.mark.skipif(cuda.is_available(), reason="a CUDA GPU is usable here")
@@ -51,7 +51,7 @@ def test_bench_json_without_gpu_exits_with_a_clear_message(tmp_path):
     pytest.importorskip("torch")
     path = tmp_path / "out.json"
     with pytest.raises(SystemExit) as info:
-        cuda._main(["--bench", "--json", str(path)])
+        _cuda.main(["--bench", "--json", str(path)])
     message = str(info.value.code)
     assert message.startswith("python -m elastic_np.cuda --bench:") and "GPU" in message
     assert not path.exists()
@@ -62,12 +62,12 @@ def test_bench_decode_without_gpu_raises_clear_error():
     import elastic_np as enp
 
     with pytest.raises(enp.BackendUnavailableError, match="GPU"):
-        cuda.bench_decode(1, 2, 1, 1, 16, 8)
+        _cuda_bench.bench_decode(1, 2, 1, 1, 16, 8)
 
 
 def test_json_needs_bench(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
-        cuda._main(["--json", str(tmp_path / "x.json")])
+        _cuda.main(["--json", str(tmp_path / "x.json")])
     assert info.value.code == 2 and "--json needs --bench" in capsys.readouterr().err
 
 
@@ -76,7 +76,7 @@ def test_both_command_lines_run_one_benchmark(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_cuda_bench, "run", lambda shape, **options: calls.append((tuple(shape), options)))
-    cuda._main(["--bench", "--shape", "2", "4", "256", "32", "--causal", "--bias", "keys", "--json", "x.json"])
+    _cuda.main(["--bench", "--shape", "2", "4", "256", "32", "--causal", "--bias", "keys", "--json", "x.json"])
     argv = ["bench", "--gpu", "--batch", "2", "--heads", "4", "--seq", "256", "--dim", "32", "--causal",
             "--bias", "keys", "--json", "x.json"]
     assert cli.main(argv) == 0
@@ -99,7 +99,7 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     record = json.loads(path.read_text())
     options = {"causal": True, "softcap": None, "alibi": False, "bias": None}
     want = _cuda_bench.bench_record(SHAPE, options, result, [(s, {"elastic_np": 4e-4, "torch": 1e-4})
-                                                              for s in cuda.DECODE_SHAPES], machine, command="cmd")
+                                                              for s in _cuda_bench.DECODE_SHAPES], machine, command="cmd")
     assert record == json.loads(json.dumps(want))
     printed = capsys.readouterr().out
     assert _cuda_bench.format_table(record) in printed and "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in printed

@@ -61,7 +61,7 @@ def test_importing_elastic_np_does_not_import_numba_cuda():
 
 def test_bench_without_gpu_raises_clear_error():
     pytest.importorskip("torch")
-    from elastic_np import cuda
+    from elastic_np.cli import _cuda_bench
 
     with pytest.raises(enp.BackendUnavailableError, match="GPU"):
-        cuda.bench(1, 1, 8, 4)
+        _cuda_bench.bench(1, 1, 8, 4)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, _options, cuda, reference
+from elastic_np import _options, cuda, reference
+from elastic_np.cuda import _host, _launch
+from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -65,21 +67,21 @@ def assert_float64_close(got, want):
 
 
 def assert_float32_rule(got, q, k, v, dout, opts, want):
-    """The float32 rule (`elastic_np._conformance.float32_allowed`) on every output.
+    """The float32 rule (`elastic_np.testing._tolerances.float32_allowed`) on every output.
 
     Twice the worst error of naive float32 evaluations in several summation
     orders, plus a rounding allowance (one float32 ulp of the scale, or
     `summation_allowance` for the cancelling sums), and at most 1e-5
     relative to the scale: the rule of the CPU tests.
     """
-    orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32)
-    summation = _conformance.summation_allowance(q, k, v, dout, opts)
+    orderings = _tolerances.naive_orderings(q, k, v, dout, opts, np.float32)
+    summation = _tolerances.summation_allowance(q, k, v, dout, opts)
     for (name, g), (_, w) in zip(items(*got), items(*want)):
         g = np.asarray(g)
         if name in ARRAY_FIELDS:
             assert g.dtype == np.float32, name
             assert g.shape == np.shape(w), name
-        allowed, naive_err = _conformance.float32_allowed(
+        allowed, naive_err = _tolerances.float32_allowed(
             w, [n[name] for n in orderings], summation.get(name))
         err = max_error(g, w)
         assert err <= allowed, (name, err, naive_err, allowed)
@@ -171,10 +173,10 @@ def test_device_arrays_stay_on_device():
     host = run_cuda(q, k, v, dout, opts)
     dq_, dk_, dv_, ddout = (numba_cuda.to_device(a) for a in (q, k, v, dout))
     out, lse = enp.attention(dq_, dk_, dv_, return_lse=True, backend="cuda", **opts)
-    assert cuda._is_device(out) and cuda._is_device(lse)
+    assert _host._is_device(out) and _host._is_device(lse)
     grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, backend="cuda", **opts)
     for name in ("dq", "dk", "dv"):
-        assert cuda._is_device(getattr(grads, name)), name
+        assert _host._is_device(getattr(grads, name)), name
         np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name))
     np.testing.assert_array_equal(out.copy_to_host(), host[0])
     np.testing.assert_array_equal(lse.copy_to_host(), host[1])
@@ -197,7 +199,7 @@ def test_device_arrays_are_validated():
         enp.attention_backward(out, dq_, dk_, dk_, out, numba_cuda.to_device(np.zeros((1, 2, 3))), backend="cuda")
 
 
-@pytest.mark.skipif(not cuda._simulator(), reason="runs on a real GPU, not the simulator")
+@pytest.mark.skipif(not _host._simulator(), reason="runs on a real GPU, not the simulator")
 def test_simulator_is_not_picked_by_auto():
     assert cuda.is_available() is False
     cuda.check_available()  # the simulator runs the kernels when asked for explicitly
@@ -209,11 +211,11 @@ def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 32)
-    threads, tile = cuda._tiles("forward", 8, 64, 64)
-    assert cuda._shared_elements("forward", threads, tile, 64, 64) * 8 <= 48 * 1024
+    threads, tile = _launch._tiles("forward", 8, 64, 64)
+    assert _launch._shared_elements("forward", threads, tile, 64, 64) * 8 <= 48 * 1024
     assert threads >= 1 and tile >= 1
     with pytest.raises(ValueError, match="shared memory"):
-        cuda._tiles("forward", 8, 4096, 4096)
+        _launch._tiles("forward", 8, 4096, 4096)
 
 
 def test_mixed_host_and_device_inputs():
@@ -221,7 +223,7 @@ def test_mixed_host_and_device_inputs():
 
     q, k, v, dout = make_problem(6, N=6, M=9)
     out, lse = enp.attention(numba_cuda.to_device(q), k, v, return_lse=True, backend="cuda", beta=0.5)
-    assert cuda._is_device(out)
+    assert _host._is_device(out)
     want_out, want_lse = reference.attention(q, k, v, beta=0.5)
     np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-12, atol=1e-12)
     grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", beta=0.5)
@@ -275,7 +277,7 @@ def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M, l
     q, k, v, _ = make_problem(0, N=N, M=M, D=2)
     aligned = {} if length is None else dict(kv_lengths=[length], align="kv_lengths")
     p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
-    band = cuda._window_band(p)
+    band = _launch._window_band(p)
     G = reference.window_gate(p)[0][0, 0]
     end = M if length is None else length
     offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (end - N)
@@ -432,9 +434,9 @@ def test_device_bias_stays_on_device():
         host = run_cuda(q, k, v, dout, dict(opts, bias=bias))
         device_bias = numba_cuda.to_device(bias)
         out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", bias=device_bias, **opts)
-        assert cuda._is_device(out) and cuda._is_device(lse)
+        assert _host._is_device(out) and _host._is_device(lse)
         grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", bias=device_bias, **opts)
-        assert cuda._is_device(grads.dbias) and tuple(grads.dbias.shape) == bias.shape
+        assert _host._is_device(grads.dbias) and tuple(grads.dbias.shape) == bias.shape
         np.testing.assert_array_equal(out.copy_to_host(), host[0])
         for name in ("dq", "dk", "dv", "dbias"):
             np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name), err_msg=name)

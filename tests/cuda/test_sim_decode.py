@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, _options, cuda, reference
+from elastic_np import _options, cuda, reference
+from elastic_np.testing import _tolerances
 from elastic_np.cuda import _config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs
 
@@ -69,7 +70,7 @@ def check_forward(q, k, v, dout, opts):
     want_out, want_lse = reference.attention(*wide, **opts)
     naive = {}
     if dtype == np.float32:
-        orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32)
+        orderings = _tolerances.naive_orderings(q, k, v, dout, opts, np.float32)
         naive = {name: [n[name] for n in orderings] for name in ("out", "lse")}
     assert_matches_oracle("out", out, want_out, dtype, naive.get("out"))
     assert_matches_oracle("lse", lse, want_lse, dtype, naive.get("lse"))

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _conformance, cuda, reference
+from elastic_np import reference
+from elastic_np.cuda import _host
+from elastic_np.testing import _tolerances
 from test_sim_attention import (
     ARRAY_FIELDS, CASES, GRAD_FIELDS, MOD_CASES, assert_float64_close, case_options, items, make_problem, max_error,
 )
@@ -30,12 +32,12 @@ def run(backend, q, k, v, dout, opts, dlse):
 
 def assert_float32_rule(got, q, k, v, dout, opts, want, dlse):
     """The float32 rule of ``test_sim_attention.assert_float32_rule``, with the naive backward given ``dlse``."""
-    orderings = _conformance.naive_orderings(q, k, v, dout, opts, np.float32, dlse=dlse)
-    summation = _conformance.summation_allowance(q, k, v, dout, opts, dlse=dlse)
+    orderings = _tolerances.naive_orderings(q, k, v, dout, opts, np.float32, dlse=dlse)
+    summation = _tolerances.summation_allowance(q, k, v, dout, opts, dlse=dlse)
     for (name, g), (_, w) in zip(items(*got), items(*want)):
         if name in ARRAY_FIELDS:
             assert np.asarray(g).dtype == np.float32, name
-        allowed, naive_err = _conformance.float32_allowed(w, [n[name] for n in orderings], summation.get(name))
+        allowed, naive_err = _tolerances.float32_allowed(w, [n[name] for n in orderings], summation.get(name))
         err = max_error(g, w)
         assert err <= allowed, (name, err, naive_err, allowed)
 
@@ -98,7 +100,7 @@ def test_device_dlse():
     for given in (numba_cuda.to_device(dlse), dlse):  # on the device, and a host dlse with device arrays
         grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, dlse=given, backend="cuda", **opts)
         for name in ("dq", "dk", "dv"):
-            assert cuda._is_device(getattr(grads, name)), name
+            assert _host._is_device(getattr(grads, name)), name
             np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host, name))
         assert grads.dtau == host.dtau and grads.dbeta == host.dbeta
     with pytest.raises(ValueError, match="`dlse` must have shape"):

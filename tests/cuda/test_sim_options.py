@@ -132,14 +132,13 @@ def test_every_option_combined(decode_runs, dtype, path, bias):
 
 def test_these_shapes_run_several_tiles_and_a_partial_last_one():
     """The docstring's geometry at these shapes, under ``small_tiles``, in both dtypes."""
-    from elastic_np import cuda
-    from elastic_np.cuda import _backward, _decode
+    from elastic_np.cuda import _backward, _decode, _launch
 
     assert _cuda_config.DECODE_MAX_QUERIES < PATHS["flash"] and PATHS["decode"] <= _cuda_config.DECODE_MAX_QUERIES
     N = PATHS["flash"]
     for itemsize in (4, 8):
-        threads, tile = cuda._tiles("forward", itemsize, 6, 5)
-        block_q, _ = cuda._forward_geometry(threads, tile)
+        threads, tile = _launch._tiles("forward", itemsize, 6, 5)
+        block_q, _ = _launch._forward_geometry(threads, tile)
         assert (block_q, tile) == (8, 8) and N % block_q and M % tile and N > 2 * block_q and M > 2 * tile
         assert _backward.tiles("dq", itemsize, 6, 5)[1:] == (8, 4) and M % 4 and M > 2 * 4
         assert _backward.tiles("dkdv", itemsize, 6, 5)[1:] == (8, 4) and N % 4 and M % 8

@@ -15,11 +15,15 @@ and PyTorch with CUDA; without them every timing function raises
 import json
 import platform
 import sys
+from importlib import metadata
 
+import numba
 import numpy as np
 
+import elastic_np as enp
+from elastic_np import cuda as enp_cuda
 from elastic_np._errors import BackendUnavailableError
-from elastic_np.cuda._host import _cuda, check_available, is_available
+from elastic_np.cli import _bench
 
 #: Decoding shapes ``(B, H, Hkv, N, M, D)`` the results file records (the CPU page's first).
 DECODE_SHAPES = ((1, 32, 8, 1, 8192, 128),)
@@ -27,8 +31,8 @@ DECODE_SHAPES = ((1, 32, 8, 1, 8192, 128),)
 
 def _check_gpu(what):
     """``torch`` when a GPU runs the kernels and torch has CUDA; else `BackendUnavailableError`."""
-    if not is_available():
-        check_available()
+    if not enp_cuda.is_available():
+        enp_cuda.check_available()
         raise BackendUnavailableError(f"{what} times real kernels; the CUDA simulator does not count")
     try:
         import torch
@@ -37,6 +41,13 @@ def _check_gpu(what):
     if not torch.cuda.is_available():
         raise BackendUnavailableError(f"{what} compares with PyTorch on the GPU; this torch has no CUDA")
     return torch
+
+
+def _numba_cuda():
+    """``numba.cuda``, imported when a benchmark runs (`_check_gpu` has found it usable)."""
+    from numba import cuda
+
+    return cuda
 
 
 #: Bias shapes `bench` can add, as functions of ``(B, H, N)`` (``M = N``).
@@ -90,12 +101,9 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
         Without a usable GPU, or when PyTorch has no CUDA.
     """
     torch = _check_gpu("bench()")
-    import elastic_np as enp
-    from elastic_np import _bench
-
     if bias is not None and bias not in BENCH_BIAS_SHAPES:
         raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
-    cuda = _cuda()
+    cuda = _numba_cuda()
     rng = np.random.default_rng(1)
     q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
@@ -176,10 +184,7 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
         ``{"elastic_np": s, "torch": s}``, best of ``repeat`` after a warm-up.
     """
     torch = _check_gpu("bench_decode()")
-    import elastic_np as enp
-    from elastic_np import _bench
-
-    cuda = _cuda()
+    cuda = _numba_cuda()
     q, k, v = _bench.make_inputs(B, H, N, M, D, Hkv=Hkv, dtype=np.float32)
     tq, tk, tv = (torch.from_numpy(a).cuda() for a in (q, k, v))
     mask = None
@@ -205,11 +210,7 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
 
 def machine_info():
     """The GPU, its driver and the library versions, for a results file (needs a usable GPU)."""
-    import numba
-
-    import elastic_np
-
-    cuda = _cuda()
+    cuda = _numba_cuda()
     device = cuda.get_current_device()
     info = {
         "gpu": device.name.decode() if isinstance(device.name, bytes) else str(device.name),
@@ -217,7 +218,7 @@ def machine_info():
         "driver": ".".join(str(part) for part in cuda.cudadrv.driver.driver.get_version()),
         "numba_cuda": _version("numba-cuda"),
         "numba": numba.__version__,
-        "elastic_np": elastic_np.__version__,
+        "elastic_np": enp.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
     }
@@ -232,8 +233,6 @@ def machine_info():
 
 
 def _version(distribution):
-    from importlib import metadata
-
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:

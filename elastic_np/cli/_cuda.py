@@ -1,10 +1,42 @@
-"""``python -m elastic_np.cuda``: PTX check, resource report and GPU benchmark."""
+"""``python -m elastic_np.cuda``: PTX check, resource report and GPU benchmark.
+
+The command of the CUDA backend's compile-only functions (`elastic_np.cuda.ptx`,
+`elastic_np.cuda.resources`, `elastic_np.cuda.dynamic_shared_bytes`) and of the
+GPU benchmark (`elastic_np.cli._cuda_bench`); ``elastic_np/cuda/__main__.py``
+forwards to `main`.
+"""
 
 import argparse
 
+from elastic_np import cuda
 from elastic_np._errors import BackendUnavailableError
-from elastic_np.cuda import _bench
-from elastic_np.cuda._compile import _print_resources, ptx
+from elastic_np.cli import _cuda_bench as _bench
+
+
+def _print_resources(ccs):
+    """Print `elastic_np.cuda.resources` for each capability, and the dynamic shared memory at D = 64 and 128."""
+    for cc in ccs:
+        major, minor = (int(part) for part in cc.split("."))
+        for name, entry in cuda.resources(cc=(major, minor)).items():
+            spill = (f"SPILLS {entry['spill_store_bytes']} B stored, {entry['spill_load_bytes']} B loaded"
+                     if entry["spills"] else "no spills")
+            print(f"sm_{major}{minor}  {name:32s} {entry['registers']:4d} registers  "
+                  f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
+    for dtype in cuda.dtypes:
+        for D in (64, 128):
+            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, dtype).items():
+                print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")
+
+
+def _print_ptx(ccs):
+    """Compile every kernel to PTX for each capability (`elastic_np.cuda.ptx`) and print the sizes."""
+    for cc in ccs:
+        major, minor = (int(part) for part in cc.split("."))
+        code = cuda.ptx(cc=(major, minor))
+        for name, text in code.items():
+            if ".entry" not in text:
+                raise SystemExit(f"{name}: no kernel entry in the PTX for sm_{major}{minor}")
+            print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
 
 
 def main(argv=None):
@@ -29,13 +61,7 @@ def main(argv=None):
     if args.resources is not None:
         _print_resources(args.resources or ["8.0", "9.0"])
     if args.ptx is not None:
-        for cc in args.ptx or ["8.0", "9.0"]:
-            major, minor = (int(part) for part in cc.split("."))
-            code = ptx(cc=(major, minor))
-            for name, text in code.items():
-                if ".entry" not in text:
-                    raise SystemExit(f"{name}: no kernel entry in the PTX for sm_{major}{minor}")
-                print(f"sm_{major}{minor}  {name:32s} {len(text):8d} chars of PTX")
+        _print_ptx(args.ptx or ["8.0", "9.0"])
     if args.bench:
         try:
             _bench.run(tuple(args.shape), causal=args.causal, softcap=args.softcap, alibi=args.alibi,

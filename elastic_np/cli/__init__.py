@@ -13,10 +13,15 @@ Subcommands:
 - ``elastic-np bench --gpu [--quick] [--batch B] [--heads H] [--seq N] [--dim D]
   [--causal] [--softcap X] [--alibi] [--bias SHAPE] [--repeat R] [--json FILE]``:
   the CUDA kernels against torch SDPA on one GPU, float32 (what ``python -m
-  elastic_np.cuda --bench`` runs; `elastic_np.cuda._bench.run`).
+  elastic_np.cuda --bench`` runs; `elastic_np.cli._cuda_bench.run`).
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
+
+This package holds the tools and uses the library as a user would: the
+benchmarks (``_bench``, ``_bench_decode``, ``_cuda_bench``), the progress bar
+(``_progress``), the first compile before ``check`` (``_first_compile``) and
+``python -m elastic_np.cuda`` (``_cuda``). No backend imports it.
 """
 
 import argparse
@@ -25,7 +30,12 @@ import sys
 
 import numpy as np
 
-from elastic_np import reference
+from elastic_np import _dispatch, reference, testing
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cli import _bench, _bench_decode
+from elastic_np.cli import _cuda_bench as cuda_bench
+from elastic_np.cli._progress import Progress
+from elastic_np.testing import _battery, _cases
 
 
 def _example(args):
@@ -76,8 +86,10 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
 def _compile(name, module, progress):
-    """The first JIT compile of every specialisation the battery uses (`elastic_np._first_compile`); seconds."""
-    from elastic_np._first_compile import compile_backend
+    """The first JIT compile of every specialisation the battery uses (`elastic_np.cli._first_compile`); seconds."""
+    # imported here: the module also runs as a script in the child process (python -m), which
+    # runpy would find already imported by this package
+    from elastic_np.cli._first_compile import compile_backend
 
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
@@ -86,29 +98,42 @@ def _compile(name, module, progress):
 
 
 def _check(args):
-    from elastic_np import _conformance, _dispatch
-    from elastic_np._progress import Progress
-    from elastic_np.testing import backend_functions
+    modules, skipped, error = _check_backends(args.backend)
+    if error is not None:
+        return _usage_error("check", error)
+    reports, compile_s = _run_checks(modules, args)
+    for report in reports:
+        print(report)
+        print()
+    for name, seconds in compile_s.items():
+        print(f"backend {name!r}: first JIT compile took {seconds:.1f} s")
+    for name, reason in skipped.items():
+        print(f"backend {name!r}: skipped ({reason})")
+    return _check_verdict(reports, modules, skipped)
 
-    if args.backend == "all":
-        requested, explicit = _KERNEL_BACKENDS, False
-    else:
-        requested, explicit = (args.backend,), True
+
+def _check_backends(choice):
+    """``(modules, skipped, error)``: the backends to check, those skipped with why, or the error of one asked for."""
+    requested = _KERNEL_BACKENDS if choice == "all" else (choice,)
     modules, skipped = {}, {}
     for name in requested:
         try:
             modules[name] = _dispatch.get_backend(name)
         except Exception as exc:  # a missing package or device, whatever its error type
-            reason = str(exc) if isinstance(exc, _dispatch.BackendUnavailableError) else (
+            reason = str(exc) if isinstance(exc, BackendUnavailableError) else (
                 f"backend {name!r} is not available: {type(exc).__name__}: {exc}")
-            if explicit:
-                return _usage_error("check", reason)
+            if choice != "all":
+                return {}, {}, reason
             skipped[name] = reason
+    return modules, skipped, None
 
+
+def _run_checks(modules, args):
+    """The battery of each backend (after its first compile) and the oracles' gradients: reports, compile seconds."""
     dtypes = [np.dtype(d) for d in args.dtype]
-    supported = _conformance.OPTION_NAMES + _conformance.CAPABILITIES
-    cases, _ = _conformance.select_cases(supported)
-    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _conformance.CASES)
+    supported = _cases.OPTION_NAMES + _cases.CAPABILITIES
+    cases, _ = _cases.select_cases(supported)
+    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _cases.CASES)
     reports, compile_s = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
@@ -118,22 +143,19 @@ def _check(args):
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
-            fn, backward = backend_functions(name)
-            reports.append(_conformance.run_battery(
+            fn, backward = testing.backend_functions(name)
+            reports.append(_battery.run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
                 quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",
                 progress=progress.update,
             ))
-        reports.append(_conformance.check_oracle_gradients(
+        reports.append(_battery.check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
+    return reports, compile_s
 
-    for report in reports:
-        print(report)
-        print()
-    for name, seconds in compile_s.items():
-        print(f"backend {name!r}: first JIT compile took {seconds:.1f} s")
-    for name, reason in skipped.items():
-        print(f"backend {name!r}: skipped ({reason})")
+
+def _check_verdict(reports, modules, skipped):
+    """Print PASS or FAIL with the counts; the exit code."""
     rows = [row for report in reports for row in report.rows]
     failed = [row for row in rows if not row.passed]
     checked = ", ".join(modules) or "none"
@@ -152,38 +174,60 @@ def _check(args):
 # ---------------------------------------------------------------------------
 
 
-def _bench(args):
-    from elastic_np import _bench
-    from elastic_np._progress import Progress
-
+def _bench_command(args):
+    """``elastic-np bench``: the GPU, decode or prefill benchmark, after the checks of their flags."""
     if args.gpu:
-        return _bench_gpu(args)
-    for flag, value in _gpu_only_flags(args).items():
-        if value is not None:
-            return _usage_error("bench", f"argument {flag}: only with --gpu")
-    if args.decode:
-        return _bench_decode(args)
-    if args.shape is not None or args.rounds is not None:
-        flag = "--shape" if args.shape is not None else "--rounds"
-        return _usage_error("bench", f"argument {flag}: only with --decode")
+        kind, error = _bench_gpu, _gpu_usage_error(args)
+    elif args.decode:
+        kind, error = _bench_decoding, _decode_usage_error(args)
+    else:
+        kind, error = _bench_prefill, _prefill_usage_error(args)
+    if error is not None:
+        return _usage_error("bench", error)
+    return kind(args)
+
+
+def _first_flag_given(flags):
+    """The first of ``{flag: value}`` whose value is not None, else None."""
+    return next((flag for flag, value in flags.items() if value is not None), None)
+
+
+def _gpu_only_flags(args):
+    return {"--softcap": args.softcap, "--alibi": args.alibi or None, "--bias": args.bias}
+
+
+def _prefill_usage_error(args):
+    """What is wrong with the flags of the prefill benchmark, or None."""
+    gpu_only = _first_flag_given(_gpu_only_flags(args))
+    decode_only = _first_flag_given({"--shape": args.shape, "--rounds": args.rounds})
+    if gpu_only is not None:
+        return f"argument {gpu_only}: only with --gpu"
+    if decode_only is not None:
+        return f"argument {decode_only}: only with --decode"
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            return _usage_error("bench", "--plot needs matplotlib: pip install 'elastic_np[bench]'")
+            return "--plot needs matplotlib: pip install 'elastic_np[bench]'"
     if args.min_time is not None and not args.min_time >= 0:
-        return _usage_error(
-            "bench", f"argument --min-time: expected seconds >= 0, got {args.min_time}")
+        return f"argument --min-time: expected seconds >= 0, got {args.min_time}"
+    return None
+
+
+def _prefill_sizes(args):
+    """``(seqs, heads, dim, repeat, min_time, matmul_n)``: the flags, else the defaults of the mode."""
     if args.quick:
-        seqs = args.seq or [64, 128]
-        heads, dim = args.heads or 2, args.dim or 32
-        repeat, min_time, matmul_n = args.repeat or 5, 0.05, 1024
+        seqs, heads, dim, min_time, matmul_n = args.seq or [64, 128], args.heads or 2, args.dim or 32, 0.05, 1024
     else:
-        seqs = args.seq or [256, 512, 1024, 2048]
-        heads, dim = args.heads or 8, args.dim or 64
-        repeat, min_time, matmul_n = args.repeat or 5, 0.5, 2048
+        seqs, heads, dim, min_time, matmul_n = (args.seq or [256, 512, 1024, 2048], args.heads or 8,
+                                                args.dim or 64, 0.5, 2048)
     if args.min_time is not None:
         min_time = args.min_time
+    return seqs, heads, dim, args.repeat or 5, min_time, matmul_n
+
+
+def _bench_prefill(args):
+    seqs, heads, dim, repeat, min_time, matmul_n = _prefill_sizes(args)
     impls = _bench.implementations(args.causal)
     available = sum(not isinstance(fns, str) for fns in impls.values())
     with Progress(len(seqs) * available * len(_bench.PASSES), "elastic-np bench",
@@ -200,37 +244,47 @@ def _bench(args):
             progress=notify,
         )
     print(_bench.format_table(comparison))
-    if args.json is not None:
-        record = {"machine": _bench.machine_info(),
-                  "command": " ".join(["elastic-np", *args.argv]), **comparison}
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
-        print(f"results written to {args.json}")
+    _write_results(args, comparison)
     if args.plot is not None:
         _bench.plot(comparison, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 
 
-def _bench_decode(args):
-    from elastic_np import _bench, _bench_decode, _dispatch
-    from elastic_np._progress import Progress
+def _write_results(args, result):
+    """With ``--json FILE``: the machine, the command line and ``result`` to ``FILE``."""
+    if args.json is None:
+        return
+    record = {"machine": _bench.machine_info(), "command": " ".join(["elastic-np", *args.argv]), **result}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"results written to {args.json}")
 
-    prefill_only = {"--seq": args.seq, "--heads": args.heads, "--dim": args.dim,
-                    "--batch": args.batch, "--causal": args.causal or None,
-                    "--repeat": args.repeat, "--min-time": args.min_time, "--plot": args.plot}
-    for flag, value in prefill_only.items():
-        if value is not None:
-            return _usage_error("bench", f"argument {flag}: not with --decode "
-                                         "(decode shapes are given by --shape)")
+
+def _decode_usage_error(args):
+    """What is wrong with the flags of the decode benchmark, or None."""
+    gpu_only = _first_flag_given(_gpu_only_flags(args))
+    if gpu_only is not None:
+        return f"argument {gpu_only}: only with --gpu"
+    prefill_only = _first_flag_given({
+        "--seq": args.seq, "--heads": args.heads, "--dim": args.dim, "--batch": args.batch,
+        "--causal": args.causal or None, "--repeat": args.repeat, "--min-time": args.min_time, "--plot": args.plot})
+    if prefill_only is not None:
+        return f"argument {prefill_only}: not with --decode (decode shapes are given by --shape)"
     try:
-        shapes = [_bench_decode.parse_shape(s) for s in args.shape] if args.shape else (
-            _bench_decode.QUICK_SHAPES if args.quick else _bench_decode.SHAPES)
+        for shape in args.shape or ():
+            _bench_decode.parse_shape(shape)
     except ValueError as exc:
-        return _usage_error("bench", f"argument --shape: {exc}")
+        return f"argument --shape: {exc}"
+    return None
+
+
+def _bench_decoding(args):
+    shapes = [_bench_decode.parse_shape(s) for s in args.shape] if args.shape else (
+        _bench_decode.QUICK_SHAPES if args.quick else _bench_decode.SHAPES)
     try:
         _dispatch.get_backend("cpu")
-    except _dispatch.BackendUnavailableError as exc:
+    except BackendUnavailableError as exc:
         print(f"elastic-np bench --decode: the cpu backend is unavailable: {exc}", file=sys.stderr)
         return 1
     rounds = args.rounds or (3 if args.quick else 7)
@@ -239,34 +293,26 @@ def _bench_decode(args):
             shapes, args.dtype, rounds=rounds, calls=1 if args.quick else 3,
             progress=lambda shape: progress.update(",".join(map(str, shape)) + " done"))
     print(_bench_decode.format_table(result))
-    if args.json is not None:
-        record = {"machine": _bench.machine_info(),
-                  "command": " ".join(["elastic-np", *args.argv]), **result}
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
-        print(f"results written to {args.json}")
+    _write_results(args, result)
     return 0
 
 
-def _gpu_only_flags(args):
-    return {"--softcap": args.softcap, "--alibi": args.alibi or None, "--bias": args.bias}
+def _gpu_usage_error(args):
+    """What is wrong with the flags of the GPU benchmark, or None."""
+    not_gpu = _first_flag_given({"--decode": args.decode or None, "--shape": args.shape, "--rounds": args.rounds,
+                                 "--plot": args.plot, "--min-time": args.min_time})
+    if not_gpu is not None:
+        return f"argument {not_gpu}: not with --gpu"
+    if args.dtype != "float32":
+        return f"argument --dtype: --gpu times float32 only, got {args.dtype}"
+    if args.seq is not None and len(args.seq) != 1:
+        return "argument --seq: --gpu times one sequence length"
+    if args.softcap is not None and not args.softcap > 0:
+        return f"argument --softcap: expected a number > 0, got {args.softcap}"
+    return None
 
 
 def _bench_gpu(args):
-    from elastic_np._errors import BackendUnavailableError
-    from elastic_np.cuda import _bench as cuda_bench
-
-    not_gpu = {"--decode": args.decode or None, "--shape": args.shape, "--rounds": args.rounds,
-               "--plot": args.plot, "--min-time": args.min_time}
-    for flag, value in not_gpu.items():
-        if value is not None:
-            return _usage_error("bench", f"argument {flag}: not with --gpu")
-    if args.dtype != "float32":
-        return _usage_error("bench", f"argument --dtype: --gpu times float32 only, got {args.dtype}")
-    if args.seq is not None and len(args.seq) != 1:
-        return _usage_error("bench", "argument --seq: --gpu times one sequence length")
-    if args.softcap is not None and not args.softcap > 0:
-        return _usage_error("bench", f"argument --softcap: expected a number > 0, got {args.softcap}")
     B, H, N, D = _GPU_QUICK_SHAPE if args.quick else cuda_bench.DEFAULT_SHAPE
     shape = (args.batch or B, args.heads or H, args.seq[0] if args.seq else N, args.dim or D)
     try:
@@ -284,8 +330,6 @@ _GPU_QUICK_SHAPE = (1, 4, 1024, 64)
 
 
 def build_parser():
-    from elastic_np.cuda._bench import BENCH_BIAS_SHAPES  # no numba.cuda: that is imported on first use
-
     parser = _Parser(
         prog="elastic-np",
         description="Float64 oracles and fast kernels for Elastic-Softmax attention.",
@@ -293,7 +337,12 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     example = sub.add_parser("example", help="evaluate the oracles on a worked example")
     example.set_defaults(func=_example)
+    for p in (_add_check(sub), _add_bench(sub)):
+        p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
+    return parser
 
+
+def _add_check(sub):
     check = sub.add_parser(
         "check", help="check the backends against the float64 oracles",
         description="Run the conformance battery (every option alone and combined, forward "
@@ -310,7 +359,10 @@ def build_parser():
                        default=["float32", "float64"], help="dtypes to check (default: both)")
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     check.set_defaults(func=_check)
+    return check
 
+
+def _add_bench(sub):
     bench = sub.add_parser(
         "bench", help="time the kernels against naive NumPy and PyTorch",
         description="Side-by-side time, GFLOP/s, fraction of the matrix-multiply peak and "
@@ -348,12 +400,10 @@ def build_parser():
                             "also times the decoding shapes (as python -m elastic_np.cuda --bench)")
     bench.add_argument("--softcap", type=float, help="with --gpu: time with this soft-cap of the scores")
     bench.add_argument("--alibi", action="store_true", help="with --gpu: time with ALiBi (geometric slopes)")
-    bench.add_argument("--bias", choices=sorted(BENCH_BIAS_SHAPES),
+    bench.add_argument("--bias", choices=sorted(cuda_bench.BENCH_BIAS_SHAPES),
                        help="with --gpu: time with a bias of this shape")
-    bench.set_defaults(func=_bench)
-    for p in (check, bench):
-        p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
-    return parser
+    bench.set_defaults(func=_bench_command)
+    return bench
 
 
 def main(argv=None):

@@ -22,6 +22,9 @@ import time
 
 import numpy as np
 
+from elastic_np import testing
+from elastic_np.testing import _cases
+
 #: The lock file `locked_cache_index` leaves in each Numba cache folder it writes to.
 LOCK_NAME = ".elastic_np.lock"
 
@@ -31,14 +34,11 @@ WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20")
 
 def run_cases(name, dtypes):
     """Run backend ``name`` forward and backward on the `WARMUP_CASES`, in each of ``dtypes``."""
-    from elastic_np import _conformance
-    from elastic_np.testing import backend_functions
-
-    fn, backward = backend_functions(name)
-    warmup = [c for c in _conformance.CASES if c.name in WARMUP_CASES]
+    fn, backward = testing.backend_functions(name)
+    warmup = [c for c in _cases.CASES if c.name in WARMUP_CASES]
     for dtype in dtypes:
         for case in warmup:
-            q, k, v, dout, options = _conformance.draw_inputs(case, dtype)
+            q, k, v, dout, options = _cases.draw_inputs(case, dtype)
             q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
             fn(q, k, v, **options)
             backward(dout, q, k, v, **options)
@@ -111,10 +111,10 @@ def compile_backend(name, dtypes):
     if name != "cpu" or len(dtypes) < 2 or not _can_split():
         run_cases(name, dtypes)
         return time.perf_counter() - start
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen(
-        [sys.executable, "-m", "elastic_np._first_compile", name, *(d.name for d in dtypes[1:])],
+        [sys.executable, "-m", "elastic_np.cli._first_compile", name, *(d.name for d in dtypes[1:])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

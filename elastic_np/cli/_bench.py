@@ -6,10 +6,24 @@ attention, a naive NumPy attention, PyTorch's ``scaled_dot_product_attention``
 peak.
 """
 
+import ctypes
+import ctypes.util
+import gc
 import os
+import platform
+import threading
 import time
+import tracemalloc
 
+import numba
 import numpy as np
+
+import elastic_np as enp
+from elastic_np import _dispatch, _options
+from elastic_np._errors import BackendUnavailableError
+from elastic_np.cpu import _simd, thread_count
+from elastic_np.reference._attention import _forward as _oracle_forward
+from elastic_np.reference._backward import _backward as _oracle_backward
 
 
 def make_inputs(B, H, N, M, D, *, Hkv=None, Dv=None, dtype=np.float32, seed=0):
@@ -46,28 +60,16 @@ def naive_attention(q, k, v, *, causal=False, scale=None):
 
     The oracle's own code (`elastic_np.reference`) evaluated in the dtype of ``q``.
     """
-    from elastic_np import reference
-
-    return reference._forward(_naive_problem(q, k, v, causal, scale))[0]
+    return _oracle_forward(_naive_problem(q, k, v, causal, scale))[0]
 
 
 def _naive_problem(q, k, v, causal, scale):
     """The prepared problem of ``q, k, v`` in their dtype, for the oracle's code."""
-    from elastic_np._options import prepare
-
-    return prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
+    return _options.prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
 
 
 def machine_info():
     """Processor, its SIMD width, core and thread counts and library versions, for a results file."""
-    import platform
-
-    import numba
-
-    import elastic_np
-    from elastic_np.cpu import _simd
-    from elastic_np.cpu import thread_count
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -76,7 +78,7 @@ def machine_info():
         pass
     info = {"cpu": cpu, "simd_bits": 8 * _simd._VECTOR_BYTES, "fma": _simd.HAS_FMA,
             "cores": os.cpu_count(), "numba_threads": thread_count(),
-            "python": platform.python_version(), "elastic_np": elastic_np.__version__,
+            "python": platform.python_version(), "elastic_np": enp.__version__,
             "numpy": np.__version__, "numba": numba.__version__}
     if torch_available():
         import torch
@@ -151,11 +153,9 @@ def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
     Materialises the score matrix, as an autograd framework would without a
     fused kernel; the oracle's own code evaluated in the dtype of ``q``.
     """
-    from elastic_np import reference
-
     p = _naive_problem(q, k, v, causal, scale)
-    out, lse = reference._forward(p)
-    grads = reference._backward(p, dout, out, lse)
+    out, lse = _oracle_forward(p)
+    grads = _oracle_backward(p, dout, out, lse)
     return out, grads.dq, grads.dk, grads.dv
 
 
@@ -171,9 +171,6 @@ def _rss_bytes():
 
 def _release_free_heap():
     """Hand freed heap memory back to the system (glibc), so resident memory starts low."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim(0)
@@ -193,10 +190,6 @@ def peak_memory_mib(fn, interval=2e-4):
     kernels do); for code that holds it, only what is still allocated when the
     call returns is seen, so the figure is a lower bound.
     """
-    import gc
-    import threading
-    import tracemalloc
-
     gc.collect()
     _release_free_heap()
     baseline = _rss_bytes()
@@ -224,8 +217,6 @@ def peak_memory_mib(fn, interval=2e-4):
 
 
 def _kernel_runner(backend, causal):
-    import elastic_np as enp
-
     def forward(q, k, v, dout):
         return enp.attention(q, k, v, causal=causal, backend=backend)
 
@@ -238,15 +229,13 @@ def _kernel_runner(backend, causal):
 
 def implementations(causal=False):
     """``{name: (forward, forward_backward) or reason unavailable}`` in display order."""
-    from elastic_np import _dispatch
-
     impls = {}
     for backend in ("cpu", "cuda"):
         try:
             _dispatch.get_backend(backend)
         except Exception as exc:  # a missing package or device, whatever its error type
             impls[f"elastic_np {backend}"] = (
-                str(exc) if isinstance(exc, _dispatch.BackendUnavailableError)
+                str(exc) if isinstance(exc, BackendUnavailableError)
                 else f"{type(exc).__name__}: {exc}") or "not available"
         else:
             impls[f"elastic_np {backend}"] = _kernel_runner(backend, causal)
@@ -318,17 +307,7 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
     peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
 
-    compile_s = {}
-    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
-    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
-    for name, fns in available.items():
-        if name.startswith("elastic_np"):
-            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
-            start = time.perf_counter()
-            for fn in fns:
-                fn(*small, dout_small)
-            compile_s[name] = time.perf_counter() - start
-
+    compile_s = _first_calls(available, dim, dtype, notify)
     # One implementation at a time over every size: switching between thread
     # pools (OpenBLAS, torch's OpenMP, Numba's) on every call makes the idle
     # pool's spinning threads compete with the busy one.
@@ -342,16 +321,10 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         for seq in seqs:
             for pass_name, fn in zip(PASSES, fns):
                 call = lambda fn=fn, args=inputs[seq]: fn(*args)  # noqa: E731
-                best_time(call, repeat=1, min_time=min_time / 2)  # warm up
-                seconds = best_time(call, repeat=repeat, min_time=min_time)
                 flops = attention_flops(batch, heads, seq, seq, dim, causal=causal,
                                         backward=pass_name != "forward")
-                gflops = flops / seconds / 1e9
-                results.append({
-                    "impl": name, "pass": pass_name, "seq": int(seq), "time_s": seconds,
-                    "gflops": gflops, "fraction_of_peak": gflops / peak,
-                    "peak_mib": peak_memory_mib(call),
-                })
+                results.append({"impl": name, "pass": pass_name, "seq": int(seq),
+                                **_measure(call, flops, peak, repeat, min_time)})
                 notify("step", f"{name} {pass_name} N={seq}")
     order = {name: i for i, name in enumerate(available)}
     results.sort(key=lambda r: (r["seq"], r["pass"] != "forward", order[r["impl"]]))
@@ -370,6 +343,30 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         "unavailable": unavailable,
         "results": results,
     }
+
+
+def _first_calls(available, dim, dtype, notify):
+    """Call each elastic_np kernel once, forward and backward, on tiny inputs: ``{name: seconds}`` (the JIT compile)."""
+    compile_s = {}
+    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
+    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
+    for name, fns in available.items():
+        if name.startswith("elastic_np"):
+            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
+            start = time.perf_counter()
+            for fn in fns:
+                fn(*small, dout_small)
+            compile_s[name] = time.perf_counter() - start
+    return compile_s
+
+
+def _measure(call, flops, peak, repeat, min_time):
+    """Time, throughput, fraction of ``peak`` and peak memory of ``call()``, after a warm-up."""
+    best_time(call, repeat=1, min_time=min_time / 2)  # warm up
+    seconds = best_time(call, repeat=repeat, min_time=min_time)
+    gflops = flops / seconds / 1e9
+    return {"time_s": seconds, "gflops": gflops, "fraction_of_peak": gflops / peak,
+            "peak_mib": peak_memory_mib(call)}
 
 
 def format_table(comparison):
