@@ -30,8 +30,8 @@ REPO_ROOT = PACKAGE.parent
 #: What `elastic_np._dispatch` reads of a backend.
 FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward")
 #: The low-level modules every backend may import.
-SHARED = {"elastic_np._options", "elastic_np._validation", "elastic_np._ranges", "elastic_np._compact",
-          "elastic_np._errors"}
+SHARED = {"elastic_np._spec", "elastic_np._types", "elastic_np._options", "elastic_np._validation",
+          "elastic_np._ranges", "elastic_np._compact", "elastic_np._errors"}
 #: What each backend may import besides its own package and `SHARED`.
 BACKEND_EXTRA = {"reference": set(), "cpu": {"elastic_np.reference"}, "cuda": {"elastic_np.reference"}}
 #: Library files that import the tools: the entry scripts, and the deprecated `elastic_np.cuda.bench`.
