@@ -192,3 +192,17 @@ def test_performance_hook_renders_cuda_results(tmp_path, modifiers):
     plain = [line for line in lines if "elastic_np plain" in line]
     assert len(plain) == (2 if modifiers else 0)
     assert ("modifiers cost x1.25 over plain attention (forward)" in text) == modifiers
+
+
+def test_readme_figures_are_rendered_from_their_results_files():
+    """Every measured block of the README is what its stored benchmark file renders to."""
+    import runpy
+
+    script = runpy.run_path(str(DOCS / "scripts" / "readme_figures.py"))
+    text = (ROOT / "README.md").read_text()
+    blocks = list(script["BLOCK"].finditer(text))
+    assert blocks, "the README has no figures block"
+    assert script["stale"]() == []
+    # a hand edit inside a block is caught
+    edited = text.replace(" elastic_np cpu ", " elastic_np xpu ", 1)
+    assert script["rendered"](edited) != edited
