@@ -124,10 +124,9 @@ def _setup(q, k, v, options, backend, threads_per_task):
     grid = (q.chunks[0], q.chunks[1], q.chunks[2], k.chunks[2])
     mask, bias = (_grid_array(a, grid) for a in (mask, bias))
     spec = _dask_blocks.BlockSpec(
-        N=N, M=M, group=problem.group_size, scale=problem.scale, causal=problem.causal,
-        window=problem.window, kv_lengths=problem.kv_lengths, ends=np.asarray(problem.kv_ends),
-        nvm=problem.nvm, tau=problem.tau, sigma=problem.sigma, sharpness=problem.sharpness,
-        threshold=problem.threshold, softcap=problem.softcap, alibi=problem.alibi,
+        N=N, M=M, group=problem.group_size, ends=np.asarray(problem.kv_ends),
+        problem=dataclasses.replace(problem, q=None, k=None, v=None, mask=None, bias=None),
+        options=dict(options, scale=problem.scale, beta=0.0, align="array"),
         backend=backend, threads=int(threads_per_task),
     )
     dtype = np.dtype(np.float64) if module.dtypes is None else q.dtype
