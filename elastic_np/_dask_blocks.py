@@ -335,7 +335,7 @@ def forward_block(spec, block, q, k, v, mask, bias, kv_first):
     return out, lse
 
 
-def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first, dlse=None):
+def backward_block(spec, block, q, k, v, mask, bias, kv_first, dout, out, lse, dlse=None):
     """The block's share of every gradient, in float64.
 
     Returns ``(dq, dk, dv, dtau, dsigma, dbias)``: ``dq`` of the block's
