@@ -106,18 +106,18 @@ def _gate_reach(spec, b, h0, h1):
     return reach
 
 
-def _batch_range(spec, block, b):
+def _batch_range(spec, block, b, lo, hi):
     """``(limit, S, cut)`` of batch ``b`` in ``block``, or None where the block keeps none of its pairs.
 
     ``limit``: the chunk's keys below ``kv_lengths``; ``S``: the shift;
-    ``cut``: whether causal or the window removes some of the block's pairs.
+    ``cut``: whether causal or the window (offsets ``[lo, hi]``,
+    `_structural_range`) removes some of the block's pairs.
     """
     _, _, h0, h1, i0, i1, j0, j1 = block
     n, m = i1 - i0, j1 - j0
     limit = int(min(max(spec.problem.kv_lengths[b] - j0, 0), m))
     if n == 0 or limit == 0:
         return None
-    lo, hi = _structural_range(spec)
     S = int(spec.ends[b]) - spec.N + i0 - j0
     d_min, d_max = -(n - 1) - S, limit - 1 - S
     a, z = d_min, d_max
@@ -144,9 +144,10 @@ def plan(spec, block):
     """
     b0, b1, _, _, i0, i1, _, _ = block
     n = i1 - i0
+    lo, hi = _structural_range(spec)
     kept = []
     for b in range(b0, b1):
-        batch = _batch_range(spec, block, b)
+        batch = _batch_range(spec, block, b, lo, hi)
         if batch is not None:
             kept.append((b - b0,) + batch)
     if not kept:

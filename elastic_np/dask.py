@@ -24,14 +24,15 @@ The graph is a ``HighLevelGraph`` of layers, one function each (below
 the backward's sums, `_sum_layers`), `_item_layer` and `_fields_layer`
 (a task's result split), `_total_layers` (``dtau``, ``dbeta``, ``dsigma``,
 one task each). Dask's ``blockwise`` and ``reduction`` would make a task of
-every block and pick their own trees, so only the rounding of the
-backward's float64 sums to the dtype is Dask's own (``astype``).
+every block and pick their own trees, so the layers are written out.
 
 Requires ``pip install "elastic_np[dask]"`` (``dask[array]`` and
 ``distributed``); ``import elastic_np`` never imports this module.
 """
 
 import dataclasses
+import functools
+import itertools
 import math
 import operator
 
@@ -67,6 +68,11 @@ class _Setup:
     def offsets(self, axis_chunks):
         return np.concatenate([[0], np.cumsum(axis_chunks)]).astype(int)
 
+    @functools.cached_property
+    def kv_starts(self):
+        """The first kv head of each chunk of ``k`` along the heads, and the end (Python ints)."""
+        return [int(s) for s in self.offsets(self.k.chunks[1])]
+
     def blocks(self):
         """``(index, block)`` for every (batch, head, query, key) chunk, in a fixed order."""
         qc, kc = self.q.chunks, self.k.chunks
@@ -85,9 +91,9 @@ class _Setup:
         h0, h1 = block[2], block[3]
         g = self.spec.group
         lo, hi = h0 // g, (max(h1, h0 + 1) - 1) // g + 1
-        starts = self.offsets(self.k.chunks[1])
+        starts = self.kv_starts
         cover = [c for c in range(len(starts) - 1) if starts[c] < hi and starts[c + 1] > lo]
-        return cover, int(starts[cover[0]])
+        return cover, starts[cover[0]]
 
     def inputs(self, index, block):
         """The block task's arguments that come from chunks: q, k, v, mask, bias, kv_first."""
@@ -378,7 +384,8 @@ def _per_batch_head(firsts, shares, BH, shape):
 # The graph, one function per layer. The blocks are sparse (no task for a block
 # that keeps nothing) and every sum is in a fixed order, neither of which
 # `dask.array.blockwise` or `dask.array.reduction` keeps, so these layers are
-# written out; the sums' rounding to the dtype is Dask's own `astype`.
+# written out. (The sums' rounding is each tree's root task: Dask's `astype`
+# would add a map_blocks layer per gradient, which measurably slowed the build.)
 # ---------------------------------------------------------------------------
 
 
@@ -398,6 +405,11 @@ def _graph(inputs, layers):
     return HighLevelGraph(all_layers, deps)
 
 
+def _chunk_indices(grid):
+    """The index of every chunk of the chunks ``grid``, in C order."""
+    return itertools.product(*(range(len(sizes)) for sizes in grid))
+
+
 def _chunk_shape(grid, chunk):
     """The shape of chunk ``chunk`` (an index per axis) of the chunks ``grid``."""
     return tuple(int(sizes[i]) for sizes, i in zip(grid, chunk))
@@ -414,7 +426,7 @@ def _block_layer(setup, name, fn, row_arrays=()):
     tasks, kept = {}, []
     for index, block in setup.blocks():
         if _dask_blocks.plan(setup.spec, block):
-            rows = [_row_key(a, index[:3]) for a in row_arrays]
+            rows = [_row_key(a, _row(index)) for a in row_arrays]
             tasks[(name,) + index] = (fn, setup.spec, block, *setup.inputs(index, block), *rows)
             kept.append((index, block))
     return tasks, kept
@@ -436,7 +448,7 @@ def _tree_layer(name, grid, leaves, combine, root):
     for a chunk without leaves).
     """
     tasks = {}
-    for chunk in np.ndindex(*(len(sizes) for sizes in grid)):
+    for chunk in _chunk_indices(grid):
         level, depth = list(leaves.get(chunk, ())), 0
         while len(level) > 1:
             pairs = range(0, len(level) - 1, 2)
@@ -463,7 +475,7 @@ def _finish_root(setup):
 def _item_layer(name, source, grid, item, tail=()):
     """``(name, *chunk, *tail)``: item ``item`` of the task ``(source, *chunk)``, for every chunk of ``grid``."""
     return {(name,) + chunk + tail: (operator.getitem, (source,) + chunk, item)
-            for chunk in np.ndindex(*(len(sizes) for sizes in grid))}
+            for chunk in _chunk_indices(grid)}
 
 
 #: The fields of `elastic_np._dask_blocks.backward_block`'s result, in order.
@@ -480,26 +492,30 @@ def _fields_layer(name, kept):
             for index, _ in kept for slot, field in enumerate(_BLOCK_FIELDS)}
 
 
-def _sum_layer(name, grid, leaves, reads):
-    """A layer of float64 sums in the chunks ``grid``: each chunk's ``leaves`` (`_tree_layer`), zeros for none."""
+def _sum_layer(name, grid, leaves, dtype, reads):
+    """A layer of sums in the chunks ``grid``: each chunk's float64 ``leaves`` (`_tree_layer`), rounded once."""
     def root(chunk, top):
-        return (np.zeros, _chunk_shape(grid, chunk)) if top is None else top
+        return (_rounded, top, _chunk_shape(grid, chunk), dtype)
 
     return _tree_layer(name, grid, leaves, operator.add, root), reads
 
 
+def _rounded(total, shape, dtype):
+    """A float64 sum in ``dtype`` (zeros of ``shape`` for no sum)."""
+    return np.zeros(shape, dtype=dtype) if total is None else total.astype(dtype, copy=False)
+
+
 def _kv_sum_layer(setup, name, field, kept, width):
     """``dk`` or ``dv`` in ``k``'s chunks: every block's share of the kv heads of each chunk (`_heads`), summed."""
-    starts = setup.offsets(setup.k.chunks[1])
+    starts = setup.kv_starts
     tasks, leaves = {}, {}
     for index, block in kept:
         cover, kv_first = setup.kv_cover(block)
         for c in cover:
             key = (f"{name}-{field}-heads",) + index + (c,)
-            tasks[key] = (_heads, (f"{name}-{field}",) + index,
-                          int(starts[c]) - kv_first, int(starts[c + 1]) - kv_first)
+            tasks[key] = (_heads, (f"{name}-{field}",) + index, starts[c] - kv_first, starts[c + 1] - kv_first)
             leaves.setdefault((index[0], c, index[3], 0), []).append(key)
-    sums, reads = _sum_layer(f"{name}-{field}-sum", setup.k.chunks[:3] + ((width,),), leaves,
+    sums, reads = _sum_layer(f"{name}-{field}-sum", setup.k.chunks[:3] + ((width,),), leaves, setup.dtype,
                              [f"{name}-fields"])
     return {**tasks, **sums}, reads
 
@@ -507,14 +523,14 @@ def _kv_sum_layer(setup, name, field, kept, width):
 def _sum_layers(setup, name, kept):
     """``dq`` over key chunks, ``dk`` and ``dv`` over query chunks and group heads, ``dbias`` over blocks.
 
-    Layers ``f"{name}-{field}-sum"`` of float64 sums in the chunks of the
+    Layers ``f"{name}-{field}-sum"`` of the sums in the chunks of the
     gradient (``dbias``: of the 4-D bias, its size-1 axes summed over).
     """
     D, Dv = setup.problem.shape[5:]
-    fields = [f"{name}-fields"]
+    fields, dtype = [f"{name}-fields"], setup.dtype
     layers = {
         f"{name}-dq-sum": _sum_layer(f"{name}-dq-sum", setup.q.chunks[:3] + ((D,),),
-                                     _leaves(f"{name}-dq", kept, lambda index: _row(index) + (0,)), fields),
+                                     _leaves(f"{name}-dq", kept, lambda index: _row(index) + (0,)), dtype, fields),
         f"{name}-dk-sum": _kv_sum_layer(setup, name, "dk", kept, D),
         f"{name}-dv-sum": _kv_sum_layer(setup, name, "dv", kept, Dv),
     }
@@ -524,7 +540,7 @@ def _sum_layers(setup, name, kept):
             return tuple(0 if bias.shape[ax] == 1 else index[ax] for ax in range(4))
 
         layers[f"{name}-dbias-sum"] = _sum_layer(f"{name}-dbias-sum", bias.chunks,
-                                                 _leaves(f"{name}-dbias", kept, chunk), fields)
+                                                 _leaves(f"{name}-dbias", kept, chunk), dtype, fields)
     return layers
 
 
@@ -538,7 +554,7 @@ def _total_layers(setup, name, kept, row_arrays):
     problem = setup.problem
     B, H = problem.shape[:2]
     firsts = [(block[0], block[2]) for _, block in kept]
-    rows = list(np.ndindex(*setup.q.numblocks[:3]))
+    rows = list(_chunk_indices(setup.q.chunks[:3]))
     heads = setup.offsets(setup.q.chunks[1])
     terms = [(_dask_blocks.dbeta_rows, *(_row_key(a, row) for a in row_arrays)) for row in rows]
     totals = {
@@ -557,24 +573,24 @@ def _total_layers(setup, name, kept, row_arrays):
 
 
 def _gradient_arrays(setup, name, graph):
-    """`AttentionGrads` of the backward's ``graph``: the sums rounded once to the dtype, the totals float64."""
-    problem, dtype = setup.problem, setup.dtype
+    """`AttentionGrads` of the backward's ``graph``: the sums in the dtype, the totals in float64."""
+    problem = setup.problem
     D, Dv = problem.shape[5:]
 
-    def array(layer, chunks):
-        return da.Array(graph, f"{name}-{layer}", chunks=chunks, dtype=np.float64)
+    def array(layer, chunks, dtype=setup.dtype):
+        return da.Array(graph, f"{name}-{layer}", chunks=chunks, dtype=dtype)
 
     def total(field, shape):
-        return array(f"total-{field}", tuple((n,) for n in shape))
+        return array(f"total-{field}", tuple((n,) for n in shape), np.float64)
 
     qc, kc = setup.q.chunks[:3], setup.k.chunks[:3]
     dbias = None
     if setup.bias is not None:
-        dbias = array("dbias-sum", setup.bias.chunks).astype(dtype).reshape(problem.bias_shape)
+        dbias = array("dbias-sum", setup.bias.chunks).reshape(problem.bias_shape)
     return AttentionGrads(
-        dq=array("dq-sum", qc + ((D,),)).astype(dtype),
-        dk=array("dk-sum", kc + ((D,),)).astype(dtype),
-        dv=array("dv-sum", kc + ((Dv,),)).astype(dtype),
+        dq=array("dq-sum", qc + ((D,),)),
+        dk=array("dk-sum", kc + ((D,),)),
+        dv=array("dv-sum", kc + ((Dv,),)),
         dtau=total("dtau", problem.tau_shape),
         dbeta=total("dbeta", problem.beta_shape),
         dsigma=None if problem.sigma is None else total("dsigma", problem.sigma_shape),
