@@ -47,10 +47,10 @@ class BlockSpec:
     without its arrays (``q``, ``k``, ``v``, ``mask``, ``bias`` are None: the
     blocks get their chunks), whose values say where a block's offsets fall.
     ``options`` are the keyword options of a block's call as far as they are
-    the whole problem's: every option but ``mask``, ``bias`` and
-    ``kv_lengths``, with ``beta = 0`` (added once at the root) and
-    ``align="array"`` (the call's shift places its queries); a call replaces
-    only what the block cuts or shifts (`_local_options`).
+    the whole problem's: every option as given but ``mask``, ``bias`` and
+    ``kv_lengths``, with ``scale`` as validated, ``beta = 0`` (added once at
+    the root) and ``align="array"`` (the call's shift places its queries); a
+    call replaces only what the block cuts or shifts (`_local_options`).
     """
 
     N: int
