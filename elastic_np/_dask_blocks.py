@@ -41,23 +41,24 @@ from elastic_np import _dispatch, _options
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockSpec:
-    """The whole problem's options, validated, as every block reads them."""
+    """The whole problem, as every block reads it.
+
+    ``problem`` is the validated `~elastic_np._options.AttentionProblem`
+    without its arrays (``q``, ``k``, ``v``, ``mask``, ``bias`` are None: the
+    blocks get their chunks), whose values say where a block's offsets fall.
+    ``options`` are the keyword options of a block's call as far as they are
+    the whole problem's: every option as given but ``mask``, ``bias`` and
+    ``kv_lengths``, with ``scale`` as validated, ``beta = 0`` (added once at
+    the root) and ``align="array"`` (the call's shift places its queries); a
+    call replaces only what the block cuts or shifts (`_local_options`).
+    """
 
     N: int
     M: int
     group: int  # query heads per kv head
-    scale: float
-    causal: bool
-    window: tuple
-    kv_lengths: np.ndarray  # int64 (B,)
     ends: np.ndarray  # int64 (B,): E_b
-    nvm: bool
-    tau: np.ndarray  # (H,)
-    sigma: Optional[np.ndarray]  # (B, H) or None
-    sharpness: float
-    threshold: float
-    softcap: Optional[float]
-    alibi: Optional[np.ndarray]  # (B, H) or None
+    problem: _options.AttentionProblem
+    options: dict
     backend: str
     threads: int  # kernel threads per task
 
@@ -77,8 +78,8 @@ class Call:
 
 def _structural_range(spec):
     """Offsets ``[lo, hi]`` that causal and the window keep (None: unbounded)."""
-    left, right = spec.window
-    hi = 0 if spec.causal else None
+    left, right = spec.problem.window
+    hi = 0 if spec.problem.causal else None
     if right >= 0:
         hi = right if hi is None else min(hi, right)
     lo = -left if left >= 0 else None
@@ -90,9 +91,9 @@ def _gate_reach(spec, b, h0, h1):
     E = int(spec.ends[b])
     reach = -1
     for h in range(h0, h1):
-        s = float(spec.sigma[b, h])
-        if spec.threshold > 0.0:
-            c = spec.threshold * s * math.sqrt(2 * math.pi)
+        s = float(spec.problem.sigma[b, h])
+        if spec.problem.threshold > 0.0:
+            c = spec.problem.threshold * s * math.sqrt(2 * math.pi)
             if c >= 1.0:
                 continue  # f <= 1 / (sigma sqrt(2 pi)) <= threshold: closed everywhere
             y_max = -math.log(c)
@@ -105,6 +106,35 @@ def _gate_reach(spec, b, h0, h1):
     return reach
 
 
+def _batch_range(spec, block, b, lo, hi):
+    """``(limit, S, cut)`` of batch ``b`` in ``block``, or None where the block keeps none of its pairs.
+
+    ``limit``: the chunk's keys below ``kv_lengths``; ``S``: the shift;
+    ``cut``: whether causal or the window (offsets ``[lo, hi]``,
+    `_structural_range`) removes some of the block's pairs.
+    """
+    _, _, h0, h1, i0, i1, j0, j1 = block
+    n, m = i1 - i0, j1 - j0
+    limit = int(min(max(spec.problem.kv_lengths[b] - j0, 0), m))
+    if n == 0 or limit == 0:
+        return None
+    S = int(spec.ends[b]) - spec.N + i0 - j0
+    d_min, d_max = -(n - 1) - S, limit - 1 - S
+    a, z = d_min, d_max
+    if lo is not None:
+        a = max(a, lo)
+    if hi is not None:
+        z = min(z, hi)
+    if spec.problem.sigma is not None:
+        reach = _gate_reach(spec, b, h0, h1)
+        if reach is not None:
+            a, z = max(a, -reach), min(z, reach)
+    if a > z:
+        return None
+    cut = (lo is not None and d_min < lo) or (hi is not None and d_max > hi)
+    return limit, S, cut
+
+
 def plan(spec, block):
     """The calls that compute ``block``, or ``[]`` when it keeps nothing at all.
 
@@ -112,32 +142,17 @@ def plan(spec, block):
     partial is ``out = 0``, ``lse = -inf``): the tile-pair skipping of the
     kernels, one level up.
     """
-    b0, b1, h0, h1, i0, i1, j0, j1 = block
-    n, m = i1 - i0, j1 - j0
+    b0, b1, _, _, i0, i1, _, _ = block
+    n = i1 - i0
     lo, hi = _structural_range(spec)
     kept = []
     for b in range(b0, b1):
-        limit = int(min(max(spec.kv_lengths[b] - j0, 0), m))
-        if n == 0 or limit == 0:
-            continue
-        S = int(spec.ends[b]) - spec.N + i0 - j0
-        d_min, d_max = -(n - 1) - S, limit - 1 - S
-        a, z = d_min, d_max
-        if lo is not None:
-            a = max(a, lo)
-        if hi is not None:
-            z = min(z, hi)
-        if spec.sigma is not None:
-            reach = _gate_reach(spec, b, h0, h1)
-            if reach is not None:
-                a, z = max(a, -reach), min(z, reach)
-        if a > z:
-            continue
-        cut = (lo is not None and d_min < lo) or (hi is not None and d_max > hi)
-        kept.append((b - b0, limit, S, cut))
+        batch = _batch_range(spec, block, b, lo, hi)
+        if batch is not None:
+            kept.append((b - b0,) + batch)
     if not kept:
         return []
-    if not any(cut for *_, cut in kept) and spec.alibi is None and spec.sigma is None:
+    if not any(cut for *_, cut in kept) and spec.problem.alibi is None and spec.problem.sigma is None:
         return [Call(tuple(b for b, *_ in kept), False, tuple(limit for _, limit, *_ in kept))]
     groups = {}
     for b, limit, S, _ in kept:
@@ -147,7 +162,7 @@ def plan(spec, block):
 
 def _aligned_call(spec, batches, n, m, S, E):
     """The geometry that realises shift ``S`` for ``n`` queries over ``m`` keys (the chunk cut to them)."""
-    if spec.sigma is not None and E <= 1:
+    if spec.problem.sigma is not None and E <= 1:
         # x = 0 everywhere: the call needs M'' = 1 (here m = 1), so only queries are appended
         return Call(batches, True, (m,) * len(batches), pad_queries=1 - n - S)
     # M'' - N'' = S as written, or M' - N' - S reversed; P - Q fixes it, the other is 0
@@ -156,7 +171,7 @@ def _aligned_call(spec, batches, n, m, S, E):
     reverse = backward < forward
     Q, P = backward if reverse else forward
     ratio = 1.0
-    if spec.sigma is not None:
+    if spec.problem.sigma is not None:
         extra = max(0, 2 - (m + P))  # x' = 2 d / (M'' - 1) needs M'' >= 2
         Q, P = Q + extra, P + extra
         ratio = (E - 1) / (m + P - 1)
@@ -218,29 +233,31 @@ def _kv_heads(spec, h0, h1, kv_first):
     return index, whole
 
 
-def _local_options(spec, call, block, batches, mask, bias):
-    """The keyword options of the call; ``mask`` and ``bias`` already cut and flipped."""
-    b0, b1, h0, h1, *_ = block
-    bs = [b0 + b for b in batches]
-    opts = dict(scale=spec.scale, nvm=spec.nvm, tau=spec.tau[h0:h1], softcap=spec.softcap,
-                mask=mask, bias=bias)
+def _local_options(spec, call, block, mask, bias):
+    """The keyword options of the call: the problem's, with what the block cuts or shifts replaced.
+
+    ``mask`` and ``bias`` are already cut and flipped. A call that no
+    positional option constrains (not ``call.aligned``) gets none of them.
+    """
+    b0, _, h0, h1, *_ = block
+    p = spec.problem
+    opts = dict(spec.options, tau=p.tau[h0:h1], mask=mask, bias=bias)
     if not call.aligned:
-        opts["kv_lengths"] = np.array(call.key_limits, dtype=np.int64)
+        opts.update(causal=False, window_size=(-1, -1), kv_lengths=np.array(call.key_limits, dtype=np.int64))
         return opts
-    m = call.key_limits[0]
-    opts["kv_lengths"] = np.full(len(bs), m, dtype=np.int64)
-    left, right = spec.window
+    bs = [b0 + b for b in call.batches]
+    opts["kv_lengths"] = np.full(len(bs), call.key_limits[0], dtype=np.int64)
+    left, right = p.window
     if call.reverse:  # offsets change sign: causal d <= 0 becomes d >= 0, a left bound of 0
-        opts["window_size"] = (0 if spec.causal else right, left)
+        opts.update(causal=False, window_size=(0 if p.causal else right, left))
     else:
-        opts["causal"] = spec.causal
-        opts["window_size"] = (left, right)
-    if spec.alibi is not None:
-        opts["alibi_slopes"] = spec.alibi[bs, h0:h1]
-    if spec.sigma is not None:
+        opts.update(causal=p.causal, window_size=(left, right))
+    if p.alibi is not None:
+        opts["alibi_slopes"] = p.alibi[bs, h0:h1]
+    if p.sigma is not None:
         r = call.ratio
         opts["dynamic_window"] = _options.DynamicWindow(
-            spec.sigma[bs, h0:h1] * r, sharpness=spec.sharpness * r, threshold=spec.threshold / r
+            p.sigma[bs, h0:h1] * r, sharpness=p.sharpness * r, threshold=p.threshold / r
         )
     return opts
 
@@ -306,7 +323,7 @@ def forward_block(spec, block, q, k, v, mask, bias, kv_first):
     with kernel_threads(spec.threads):
         for call in plan(spec, block):
             ql, kl, vl, ml, bl = _local_arrays(spec, call, block, q, k, v, mask, bias)
-            opts = _local_options(spec, call, block, call.batches, ml, bl)
+            opts = _local_options(spec, call, block, ml, bl)
             o, s = _dispatch.attention(ql, kl, vl, return_lse=True, backend=spec.backend, **opts)
             o, s = _unflip(o, call.reverse, n, 2), _unflip(s, call.reverse, n, 2)
             if list(call.batches) == list(range(b1 - b0)):  # one call for the whole block
@@ -319,7 +336,7 @@ def forward_block(spec, block, q, k, v, mask, bias, kv_first):
     return out, lse
 
 
-def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first, dlse=None):
+def backward_block(spec, block, q, k, v, mask, bias, kv_first, dout, out, lse, dlse=None):
     """The block's share of every gradient, in float64.
 
     Returns ``(dq, dk, dv, dtau, dsigma, dbias)``: ``dq`` of the block's
@@ -339,14 +356,14 @@ def backward_block(spec, block, q, k, v, dout, out, lse, mask, bias, kv_first, d
     dk = np.zeros(k_local.shape)
     dv = np.zeros(v_local.shape)
     dtau = np.zeros(Hc)
-    dsigma = None if spec.sigma is None else np.zeros((Bc, Hc))
+    dsigma = None if spec.problem.sigma is None else np.zeros((Bc, Hc))
     dbias = None if bias is None else np.zeros(bias.shape)
     pad_lse = np.finfo(lse.dtype).max  # appended rows: exp(z - lse) = 0, and dout = 0 there
     with kernel_threads(spec.threads):
         for call in plan(spec, block):
             bs = list(call.batches)
             ql, kl, vl, ml, bl = _local_arrays(spec, call, block, q, k_local, v_local, mask, bias)
-            opts = _local_options(spec, call, block, call.batches, ml, bl)
+            opts = _local_options(spec, call, block, ml, bl)
             rev, Q = call.reverse, call.pad_queries
             grads = _dispatch.attention_backward(
                 _flip_pad(_rows(dout, bs), rev, Q, 2), ql, kl, vl, _flip_pad(_rows(out, bs), rev, Q, 2),

@@ -18,11 +18,21 @@ chunks and the query heads of each group, ``dtau``, ``dbeta``, ``dsigma`` and
 ``dbias`` over blocks, each in a fixed order: the result depends on the
 chunking only, never on the scheduler or the worker count.
 
+The graph is a ``HighLevelGraph`` of layers, one function each (below
+`compute_grads`): `_block_layer` (a task per block that keeps something),
+`_tree_layer` (a fixed binary tree per output chunk: the forward's merges,
+the backward's sums, `_sum_layers`), `_item_layer` and `_fields_layer`
+(a task's result split), `_total_layers` (``dtau``, ``dbeta``, ``dsigma``,
+one task each). Dask's ``blockwise`` and ``reduction`` would make a task of
+every block and pick their own trees, so the layers are written out.
+
 Requires ``pip install "elastic_np[dask]"`` (``dask[array]`` and
 ``distributed``); ``import elastic_np`` never imports this module.
 """
 
 import dataclasses
+import functools
+import itertools
 import math
 import operator
 
@@ -51,8 +61,17 @@ class _Setup:
     problem: _options.AttentionProblem  # shapes and normalised options (stand-in arrays)
     dtype: np.dtype
 
+    def chunked(self):
+        """The Dask arrays every block reads chunks of: q, k, v, mask, bias (None where not given)."""
+        return [self.q, self.k, self.v, self.mask, self.bias]
+
     def offsets(self, axis_chunks):
         return np.concatenate([[0], np.cumsum(axis_chunks)]).astype(int)
+
+    @functools.cached_property
+    def kv_starts(self):
+        """The first kv head of each chunk of ``k`` along the heads, and the end (Python ints)."""
+        return [int(s) for s in self.offsets(self.k.chunks[1])]
 
     def blocks(self):
         """``(index, block)`` for every (batch, head, query, key) chunk, in a fixed order."""
@@ -72,9 +91,9 @@ class _Setup:
         h0, h1 = block[2], block[3]
         g = self.spec.group
         lo, hi = h0 // g, (max(h1, h0 + 1) - 1) // g + 1
-        starts = self.offsets(self.k.chunks[1])
+        starts = self.kv_starts
         cover = [c for c in range(len(starts) - 1) if starts[c] < hi and starts[c + 1] > lo]
-        return cover, int(starts[cover[0]])
+        return cover, starts[cover[0]]
 
     def inputs(self, index, block):
         """The block task's arguments that come from chunks: q, k, v, mask, bias, kv_first."""
@@ -124,10 +143,9 @@ def _setup(q, k, v, options, backend, threads_per_task):
     grid = (q.chunks[0], q.chunks[1], q.chunks[2], k.chunks[2])
     mask, bias = (_grid_array(a, grid) for a in (mask, bias))
     spec = _dask_blocks.BlockSpec(
-        N=N, M=M, group=problem.group_size, scale=problem.scale, causal=problem.causal,
-        window=problem.window, kv_lengths=problem.kv_lengths, ends=np.asarray(problem.kv_ends),
-        nvm=problem.nvm, tau=problem.tau, sigma=problem.sigma, sharpness=problem.sharpness,
-        threshold=problem.threshold, softcap=problem.softcap, alibi=problem.alibi,
+        N=N, M=M, group=problem.group_size, ends=np.asarray(problem.kv_ends),
+        problem=dataclasses.replace(problem, q=None, k=None, v=None, mask=None, bias=None),
+        options=dict(options, scale=problem.scale, beta=0.0, align="array"),
         backend=backend, threads=int(threads_per_task),
     )
     dtype = np.dtype(np.float64) if module.dtypes is None else q.dtype
@@ -141,20 +159,6 @@ def _grid_array(a, grid):
     a = da.asarray(a)
     a = a.reshape((1,) * (4 - a.ndim) + a.shape)
     return a.rechunk(tuple(-1 if n == 1 else c for n, c in zip(a.shape, grid)))
-
-
-def _graph(name, dsk, inputs, extra=None):
-    """One graph with layer ``name`` (all the tasks) over ``inputs``, and ``extra`` layers reading it."""
-    inputs = [a for a in inputs if a is not None]
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=inputs)
-    if not extra:
-        return graph
-    layers = dict(graph.layers)
-    deps = dict(graph.dependencies)
-    for extra_name, extra_dsk in extra.items():
-        layers[extra_name] = extra_dsk
-        deps[extra_name] = {name}
-    return HighLevelGraph(layers, deps)
 
 
 def _merge_pair(a, b):
@@ -226,47 +230,22 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
     ((4, 4), (1, 2, 8, 4))
     """
     setup = _setup(q, k, v, _spec.complete(options, "attention"), backend, threads_per_task)
-    spec, dtype = setup.spec, setup.dtype
-    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, spec.__dict__, setup.problem.beta, dtype)
-    part, node, root = (f"enp-{s}-{token}" for s in ("partial", "merge", "root"))
-    out_name, lse_name = f"enp-attention-{token}", f"enp-lse-{token}"
-    Dv = setup.problem.shape[6]
-    beta_h = setup.problem.beta
-    dsk, lse_dsk = {}, {}
-    leaves = {}
-    for index, block in setup.blocks():
-        if _dask_blocks.plan(spec, block):
-            dsk[(part,) + index] = (_dask_blocks.forward_block, spec, block) + setup.inputs(index, block)
-            leaves.setdefault(index[:3], []).append((part,) + index)
-    qc = setup.q.chunks
-    for bi, b_len in enumerate(qc[0]):
-        for hi, h_len in enumerate(qc[1]):
-            h0 = int(sum(qc[1][:hi]))
-            for ii, n_len in enumerate(qc[2]):
-                row = (bi, hi, ii)
-                level = leaves.get(row) or [(node, *row, "empty")]
-                if row not in leaves:
-                    dsk[level[0]] = (_empty_partial, (b_len, h_len, n_len, Dv))
-                depth = 0
-                while len(level) > 1:  # a fixed binary tree over key chunks, in order
-                    nxt = []
-                    for t in range(0, len(level) - 1, 2):
-                        key = (node, *row, depth, t // 2)
-                        dsk[key] = (_merge_pair, level[t], level[t + 1])
-                        nxt.append(key)
-                    if len(level) % 2:
-                        nxt.append(level[-1])
-                    level, depth = nxt, depth + 1
-                dsk[(root, *row)] = (_finish, level[0], beta_h[h0:h0 + h_len], dtype)
-                dsk[(out_name, *row, 0)] = (operator.getitem, (root, *row), 0)
-                lse_dsk[(lse_name, *row)] = (operator.getitem, (root, *row), 1)
-    graph = _graph(out_name, dsk, [setup.q, setup.k, setup.v, setup.mask, setup.bias],
-                   {lse_name: lse_dsk})
-    out = da.Array(graph, out_name, chunks=qc[:3] + ((Dv,),), dtype=dtype)
+    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, setup.spec.__dict__, setup.problem.beta,
+                     setup.dtype)
+    part, merged, out_name, lse_name = (f"enp-{s}-{token}" for s in ("partial", "merge", "attention", "lse"))
+    blocks, kept = _block_layer(setup, part, _dask_blocks.forward_block)
+    rows = setup.q.chunks[:3]
+    layers = {
+        part: (blocks, setup.chunked()),
+        merged: (_tree_layer(merged, rows, _leaves(part, kept, _row), _merge_pair, _finish_root(setup)), [part]),
+        out_name: (_item_layer(out_name, merged, rows, 0, tail=(0,)), [merged]),
+        lse_name: (_item_layer(lse_name, merged, rows, 1), [merged]),
+    }
+    graph = _graph(setup.chunked(), layers)
+    out = da.Array(graph, out_name, chunks=rows + ((setup.problem.shape[6],),), dtype=setup.dtype)
     if not return_lse:
         return out
-    lse = da.Array(graph, lse_name, chunks=qc[:3], dtype=dtype)
-    return out, lse
+    return out, da.Array(graph, lse_name, chunks=rows, dtype=setup.dtype)
 
 
 @_spec.takes_options()
@@ -309,107 +288,22 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="cpu", thr
     ((1, 2, 8, 4), True)
     """
     setup = _setup(q, k, v, _spec.complete(options, "attention_backward"), backend, threads_per_task)
-    spec, problem = setup.spec, setup.problem
-    B, H, Hkv, N, M, D, Dv = problem.shape
+    B, H, Hkv, N, M, D, Dv = setup.problem.shape
     rows = setup.q.chunks[:3]
-    dout, out = (_rows_array(a, (B, H, N, Dv), rows + ((Dv,),), name) for a, name in
-                 ((dout, "dout"), (out, "out")))
-    lse = _rows_array(lse, (B, H, N), rows, "lse")
-    if dlse is not None:
-        dlse = _rows_array(dlse, (B, H, N), rows, "dlse")
-    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse, dlse,
-                     spec.__dict__, setup.dtype)
+    row_arrays = [_rows_array(a, (B, H, N, Dv), rows + ((Dv,),), name) for a, name in ((dout, "dout"), (out, "out"))]
+    row_arrays += [_rows_array(lse, (B, H, N), rows, "lse"),
+                   None if dlse is None else _rows_array(dlse, (B, H, N), rows, "dlse")]
+    token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, *row_arrays, setup.spec.__dict__,
+                     setup.dtype)
     name = f"enp-backward-{token}"
-    blk, dq_n, dk_n, dv_n, small_n, dbias_n = (
-        f"{name}-{s}" for s in ("block", "dq", "dk", "dv", "small", "dbias"))
-    dsk = {}
-    done = []
-    for index, block in setup.blocks():
-        if not _dask_blocks.plan(spec, block):
-            continue
-        q_key, k_in, v_in, m_key, b_key, kv_first = setup.inputs(index, block)
-        row = index[:3]
-        dsk[(blk,) + index] = (_dask_blocks.backward_block, spec, block, q_key, k_in, v_in,
-                               (dout.name, *row, 0), (out.name, *row, 0), (lse.name, *row),
-                               m_key, b_key, kv_first, _row_key(dlse, row))
-        done.append((index, block))
-    # Each block's result is split into its fields on the worker that holds it, so that a sum
-    # moves only the field it needs; the sums are binary trees in block order (fixed bits).
-    fields = {"dq": 0, "dk": 1, "dv": 2, "dtau": 3, "dsigma": 4, "dbias": 5}
-    for index, _ in done:
-        for field, slot in fields.items():
-            dsk[(f"{blk}-{field}",) + index] = (operator.getitem, (blk,) + index, slot)
-    layers = {}
-    qc = setup.q.chunks
-    by_row = {}
-    for index, _ in done:
-        by_row.setdefault(index[:3], []).append((f"{blk}-dq",) + index)
-    layers[dq_n] = {}
-    for row in np.ndindex(*setup.q.numblocks[:3]):
-        shape = tuple(qc[ax][row[ax]] for ax in range(3)) + (D,)
-        _tree_sum(dsk, layers[dq_n], f"{blk}-dq-sum", row, by_row.get(row, []), shape, setup.dtype,
-                  (dq_n,) + row + (0,))
-    # dk, dv: every block's share of the kv heads of each chunk of k
-    kc = setup.k.chunks
-    k_starts = setup.offsets(kc[1])
-    for field, lname, width in (("dk", dk_n, D), ("dv", dv_n, Dv)):
-        shares = {}
-        for index, block in done:
-            cover, kv_first = setup.kv_cover(block)
-            for c in cover:
-                key = (f"{blk}-{field}-heads",) + index + (c,)
-                dsk[key] = (_heads, (f"{blk}-{field}",) + index,
-                            int(k_starts[c]) - kv_first, int(k_starts[c + 1]) - kv_first)
-                shares.setdefault((index[0], c, index[3]), []).append(key)
-        layers[lname] = {}
-        for chunk in np.ndindex(*setup.k.numblocks[:3]):
-            shape = tuple(kc[ax][chunk[ax]] for ax in range(3)) + (width,)
-            _tree_sum(dsk, layers[lname], f"{blk}-{field}-sum", chunk, shares.get(chunk, []), shape,
-                      setup.dtype, (lname,) + chunk + (0,))
-    # dtau, dsigma from the blocks; dbeta from whole rows (it is a function of the row alone)
-    heads = [(block[0], block[2], index) for index, block in done]
-    oh = setup.offsets(qc[1])
-    row_blocks = list(np.ndindex(*setup.q.numblocks[:3]))
-    dbeta_rows = [(_dask_blocks.dbeta_rows, (dout.name, *r, 0), (out.name, *r, 0), (lse.name, *r),
-                   _row_key(dlse, r)) for r in row_blocks]
-    small = {
-        "dtau": (problem.tau_shape, (_per_head, [h0 for _, h0, _ in heads],
-                                     [(f"{blk}-dtau",) + index for *_, index in heads], H, problem.tau_shape)),
-        "dbeta": (problem.beta_shape, (_sink_per_head, [int(oh[r[1]]) for r in row_blocks], dbeta_rows, H,
-                                       problem.beta_shape)),
+    blocks, kept = _block_layer(setup, name, _dask_blocks.backward_block, row_arrays)
+    layers = {
+        name: (blocks, setup.chunked() + row_arrays),
+        f"{name}-fields": (_fields_layer(name, kept), [name]),
     }
-    if problem.sigma is not None:
-        small["dsigma"] = (problem.sigma_shape, (
-            _per_batch_head, [(b0, h0) for b0, h0, _ in heads], [(f"{blk}-dsigma",) + index for *_, index in heads],
-            (B, H), problem.sigma_shape))
-    for field, (shape, task) in small.items():
-        layers[f"{small_n}-{field}"] = {(f"{small_n}-{field}",) + (0,) * len(shape): task}
-    if setup.bias is not None:
-        layers[dbias_n] = _dbias_layer(setup, dsk, dbias_n, blk, done)
-    deps = [a for a in (setup.q, setup.k, setup.v, setup.mask, setup.bias, dout, out, lse, dlse) if a is not None]
-    graph = HighLevelGraph.from_collections(blk, dsk, dependencies=deps)
-    all_layers, all_deps = dict(graph.layers), dict(graph.dependencies)
-    for lname, layer in layers.items():
-        all_layers[lname] = layer
-        all_deps[lname] = {blk, dout.name, out.name, lse.name} | ({dlse.name} if dlse is not None else set())
-    graph = HighLevelGraph(all_layers, all_deps)
-
-    def scalar(field, shape):
-        return da.Array(graph, f"{small_n}-{field}", chunks=tuple((n,) for n in shape), dtype=np.float64)
-
-    dbias = None
-    if setup.bias is not None:
-        b4 = setup.bias
-        dbias = da.Array(graph, dbias_n, chunks=b4.chunks, dtype=setup.dtype).reshape(problem.bias_shape)
-    return AttentionGrads(
-        dq=da.Array(graph, dq_n, chunks=qc[:3] + ((D,),), dtype=setup.dtype),
-        dk=da.Array(graph, dk_n, chunks=kc[:3] + ((D,),), dtype=setup.dtype),
-        dv=da.Array(graph, dv_n, chunks=kc[:3] + ((Dv,),), dtype=setup.dtype),
-        dtau=scalar("dtau", problem.tau_shape),
-        dbeta=scalar("dbeta", problem.beta_shape),
-        dsigma=None if problem.sigma is None else scalar("dsigma", problem.sigma_shape),
-        dbias=dbias,
-    )
+    layers.update(_sum_layers(setup, name, kept))
+    layers.update(_total_layers(setup, name, kept, row_arrays))
+    return _gradient_arrays(setup, name, _graph(setup.chunked() + row_arrays, layers))
 
 
 def compute_grads(grads, **compute_kwargs):
@@ -437,9 +331,14 @@ def _rows_array(a, shape, chunks, name):
     return a.rechunk(chunks)
 
 
+def _row(index):
+    """The query rows (batch, head and query chunk) of a block's index."""
+    return index[:3]
+
+
 def _row_key(a, row):
     """The key of ``a``'s chunk of the query rows ``row`` (batch, heads, queries); None without ``a``."""
-    return None if a is None else (a.name, *row)
+    return None if a is None else (a.name, *row) + (0,) * (a.ndim - 3)
 
 
 def _heads(a, lo, hi):
@@ -479,40 +378,221 @@ def _per_batch_head(firsts, shares, BH, shape):
     return np.asarray(_options.sum_to_shape(total, shape), dtype=np.float64)
 
 
-def _dbias_layer(setup, dsk, name, blk, done):
-    """``dbias`` chunked like the 4-D bias: each chunk sums its blocks (over the broadcast axes)."""
-    bias = setup.bias
-    shares = {}
-    for index, _ in done:
-        chunk = tuple(0 if bias.shape[ax] == 1 else index[ax] for ax in range(4))
-        shares.setdefault(chunk, []).append((f"{blk}-dbias",) + index)
-    layer = {}
-    for chunk in np.ndindex(*bias.numblocks):
-        shape = tuple(bias.chunks[ax][chunk[ax]] for ax in range(4))
-        _tree_sum(dsk, layer, f"{blk}-dbias-sum", chunk, shares.get(chunk, []), shape, setup.dtype,
-                  (name,) + chunk)
-    return layer
 
 
-def _tree_sum(dsk, out_layer, name, where, leaves, shape, dtype, out_key):
-    """Tasks summing ``leaves`` (float64 arrays) in a binary tree in their order, rounded once to ``dtype``.
+# ---------------------------------------------------------------------------
+# The graph, one function per layer. The blocks are sparse (no task for a block
+# that keeps nothing) and every sum is in a fixed order, neither of which
+# `dask.array.blockwise` or `dask.array.reduction` keeps, so these layers are
+# written out. (The sums' rounding is each tree's root task: Dask's `astype`
+# would add a map_blocks layer per gradient, which measurably slowed the build.)
+# ---------------------------------------------------------------------------
 
-    The tree's tasks go into ``dsk``, the rounded sum ``out_key`` into
-    ``out_layer``; zeros when there are no leaves.
+
+def _graph(inputs, layers):
+    """One graph: the ``inputs``' graphs and ``layers``, ``{name: (tasks, what the layer reads)}``.
+
+    What a layer reads: names of other layers and Dask arrays (None: nothing).
     """
-    level, depth = list(leaves), 0
-    while len(level) > 1:
-        nxt = []
-        for t in range(0, len(level) - 1, 2):
-            key = (name,) + tuple(where) + (depth, t // 2)
-            dsk[key] = (operator.add, level[t], level[t + 1])
-            nxt.append(key)
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level, depth = nxt, depth + 1
-    out_layer[out_key] = (_rounded, level[0] if level else None, shape, dtype)
+    graph = HighLevelGraph.merge(*(a.__dask_graph__() for a in inputs if a is not None))
+    all_layers, deps = dict(graph.layers), dict(graph.dependencies)
+    for name, (tasks, reads) in layers.items():
+        all_layers[name] = tasks
+        deps[name] = set()
+        for read in reads:
+            if read is not None:
+                deps[name].update([read] if isinstance(read, str) else read.__dask_layers__())
+    return HighLevelGraph(all_layers, deps)
+
+
+def _chunk_indices(grid):
+    """The index of every chunk of the chunks ``grid``, in C order."""
+    return itertools.product(*(range(len(sizes)) for sizes in grid))
+
+
+def _chunk_shape(grid, chunk):
+    """The shape of chunk ``chunk`` (an index per axis) of the chunks ``grid``."""
+    return tuple(int(sizes[i]) for sizes, i in zip(grid, chunk))
+
+
+def _block_layer(setup, name, fn, row_arrays=()):
+    """A task ``(name, b, h, i, j)`` per block that keeps something, and the kept ``(index, block)`` in order.
+
+    The task is ``fn(spec, block, q, k, v, mask, bias, kv_first, *rows)`` on
+    the block's chunks (`_Setup.inputs`) and its row chunk of each of the
+    ``row_arrays`` (chunked like the query rows; None is passed as None).
+    A block that keeps nothing is no task.
+    """
+    tasks, kept = {}, []
+    for index, block in setup.blocks():
+        if _dask_blocks.plan(setup.spec, block):
+            rows = [_row_key(a, _row(index)) for a in row_arrays]
+            tasks[(name,) + index] = (fn, setup.spec, block, *setup.inputs(index, block), *rows)
+            kept.append((index, block))
+    return tasks, kept
+
+
+def _leaves(name, kept, chunk_of):
+    """The keys ``(name, *index)`` of the ``kept`` blocks by the chunk ``chunk_of(index)`` they go to, in order."""
+    leaves = {}
+    for index, _ in kept:
+        leaves.setdefault(chunk_of(index), []).append((name,) + index)
+    return leaves
+
+
+def _tree_layer(name, grid, leaves, combine, root):
+    """Per chunk of the chunks ``grid``: its ``leaves`` combined two by two in a fixed binary tree, in order.
+
+    ``leaves`` maps a chunk's index to its leaf keys; ``root(chunk, top)``
+    is the chunk's task ``(name, *chunk)``, from the tree's top key (None
+    for a chunk without leaves).
+    """
+    tasks = {}
+    for chunk in _chunk_indices(grid):
+        level, depth = list(leaves.get(chunk, ())), 0
+        while len(level) > 1:
+            pairs = range(0, len(level) - 1, 2)
+            nodes = [(f"{name}-tree",) + chunk + (depth, t // 2) for t in pairs]
+            tasks.update((node, (combine, level[t], level[t + 1])) for node, t in zip(nodes, pairs))
+            level, depth = nodes + level[2 * len(nodes):], depth + 1
+        tasks[(name,) + chunk] = root(chunk, level[0] if level else None)
+    return tasks
+
+
+def _finish_root(setup):
+    """The forward tree's root task: `_finish` of a row's merged partial (an empty one for a row with none)."""
+    rows, heads = setup.q.chunks[:3], setup.offsets(setup.q.chunks[1])
+    Dv, beta = setup.problem.shape[6], setup.problem.beta
+
+    def root(row, top):
+        if top is None:
+            top = (_empty_partial, _chunk_shape(rows, row) + (Dv,))
+        return (_finish, top, beta[heads[row[1]]:heads[row[1] + 1]], setup.dtype)
+
+    return root
+
+
+def _item_layer(name, source, grid, item, tail=()):
+    """``(name, *chunk, *tail)``: item ``item`` of the task ``(source, *chunk)``, for every chunk of ``grid``."""
+    return {(name,) + chunk + tail: (operator.getitem, (source,) + chunk, item)
+            for chunk in _chunk_indices(grid)}
+
+
+#: The fields of `elastic_np._dask_blocks.backward_block`'s result, in order.
+_BLOCK_FIELDS = ("dq", "dk", "dv", "dtau", "dsigma", "dbias")
+
+
+def _fields_layer(name, kept):
+    """Each block's result split into its fields, ``(f"{name}-{field}", *index)``.
+
+    Split on the worker that holds the block, so that a sum moves only the
+    field it needs.
+    """
+    return {(f"{name}-{field}",) + index: (operator.getitem, (name,) + index, slot)
+            for index, _ in kept for slot, field in enumerate(_BLOCK_FIELDS)}
+
+
+def _sum_layer(name, grid, leaves, dtype, reads):
+    """A layer of sums in the chunks ``grid``: each chunk's float64 ``leaves`` (`_tree_layer`), rounded once."""
+    def root(chunk, top):
+        return (_rounded, top, _chunk_shape(grid, chunk), dtype)
+
+    return _tree_layer(name, grid, leaves, operator.add, root), reads
 
 
 def _rounded(total, shape, dtype):
     """A float64 sum in ``dtype`` (zeros of ``shape`` for no sum)."""
     return np.zeros(shape, dtype=dtype) if total is None else total.astype(dtype, copy=False)
+
+
+def _kv_sum_layer(setup, name, field, kept, width):
+    """``dk`` or ``dv`` in ``k``'s chunks: every block's share of the kv heads of each chunk (`_heads`), summed."""
+    starts = setup.kv_starts
+    tasks, leaves = {}, {}
+    for index, block in kept:
+        cover, kv_first = setup.kv_cover(block)
+        for c in cover:
+            key = (f"{name}-{field}-heads",) + index + (c,)
+            tasks[key] = (_heads, (f"{name}-{field}",) + index, starts[c] - kv_first, starts[c + 1] - kv_first)
+            leaves.setdefault((index[0], c, index[3], 0), []).append(key)
+    sums, reads = _sum_layer(f"{name}-{field}-sum", setup.k.chunks[:3] + ((width,),), leaves, setup.dtype,
+                             [f"{name}-fields"])
+    return {**tasks, **sums}, reads
+
+
+def _sum_layers(setup, name, kept):
+    """``dq`` over key chunks, ``dk`` and ``dv`` over query chunks and group heads, ``dbias`` over blocks.
+
+    Layers ``f"{name}-{field}-sum"`` of the sums in the chunks of the
+    gradient (``dbias``: of the 4-D bias, its size-1 axes summed over).
+    """
+    D, Dv = setup.problem.shape[5:]
+    fields, dtype = [f"{name}-fields"], setup.dtype
+    layers = {
+        f"{name}-dq-sum": _sum_layer(f"{name}-dq-sum", setup.q.chunks[:3] + ((D,),),
+                                     _leaves(f"{name}-dq", kept, lambda index: _row(index) + (0,)), dtype, fields),
+        f"{name}-dk-sum": _kv_sum_layer(setup, name, "dk", kept, D),
+        f"{name}-dv-sum": _kv_sum_layer(setup, name, "dv", kept, Dv),
+    }
+    bias = setup.bias
+    if bias is not None:
+        def chunk(index):
+            return tuple(0 if bias.shape[ax] == 1 else index[ax] for ax in range(4))
+
+        layers[f"{name}-dbias-sum"] = _sum_layer(f"{name}-dbias-sum", bias.chunks,
+                                                 _leaves(f"{name}-dbias", kept, chunk), dtype, fields)
+    return layers
+
+
+def _total_layers(setup, name, kept, row_arrays):
+    """``dtau`` and ``dsigma`` summed over the blocks, ``dbeta`` merged over the row chunks, in order.
+
+    One task each, in layers ``f"{name}-total-{field}"``: ``dbeta`` depends on
+    whole rows only, so its terms come from each row chunk (`dbeta_rows`),
+    not from the blocks.
+    """
+    problem = setup.problem
+    B, H = problem.shape[:2]
+    firsts = [(block[0], block[2]) for _, block in kept]
+    rows = list(_chunk_indices(setup.q.chunks[:3]))
+    heads = setup.offsets(setup.q.chunks[1])
+    terms = [(_dask_blocks.dbeta_rows, *(_row_key(a, row) for a in row_arrays)) for row in rows]
+    totals = {
+        "dtau": (problem.tau_shape, _per_head, [h0 for _, h0 in firsts], f"{name}-dtau", H),
+        "dbeta": (problem.beta_shape, _sink_per_head, [int(heads[row[1]]) for row in rows], terms, H),
+    }
+    if problem.sigma is not None:
+        totals["dsigma"] = (problem.sigma_shape, _per_batch_head, firsts, f"{name}-dsigma", (B, H))
+    layers = {}
+    for field, (shape, fn, where, shares, size) in totals.items():
+        if isinstance(shares, str):  # a field of every block
+            shares = [(shares,) + index for index, _ in kept]
+        key = (f"{name}-total-{field}",) + (0,) * len(shape)
+        layers[key[0]] = ({key: (fn, where, shares, size, shape)}, [f"{name}-fields"] + row_arrays)
+    return layers
+
+
+def _gradient_arrays(setup, name, graph):
+    """`AttentionGrads` of the backward's ``graph``: the sums in the dtype, the totals in float64."""
+    problem = setup.problem
+    D, Dv = problem.shape[5:]
+
+    def array(layer, chunks, dtype=setup.dtype):
+        return da.Array(graph, f"{name}-{layer}", chunks=chunks, dtype=dtype)
+
+    def total(field, shape):
+        return array(f"total-{field}", tuple((n,) for n in shape), np.float64)
+
+    qc, kc = setup.q.chunks[:3], setup.k.chunks[:3]
+    dbias = None
+    if setup.bias is not None:
+        dbias = array("dbias-sum", setup.bias.chunks).reshape(problem.bias_shape)
+    return AttentionGrads(
+        dq=array("dq-sum", qc + ((D,),)),
+        dk=array("dk-sum", kc + ((D,),)),
+        dv=array("dv-sum", kc + ((Dv,),)),
+        dtau=total("dtau", problem.tau_shape),
+        dbeta=total("dbeta", problem.beta_shape),
+        dsigma=None if problem.sigma is None else total("dsigma", problem.sigma_shape),
+        dbias=dbias,
+    )

@@ -126,7 +126,8 @@ def _spelled_out(tree):
 
 
 def test_no_function_outside_the_table_spells_out_the_options():
-    offenders, allowed_seen = [], set()
+    # the table (one record per option) may spell the list out but need not: the check must see the rest
+    offenders, allowed_seen = [], {("_spec.py", None)}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
         if relative.startswith(READERS):
