@@ -224,6 +224,10 @@ def complete(options, function, names=NAMES):
     ``function`` is the name the error message gives, as Python's own
     message for an unexpected keyword does.
     """
+    if names is NAMES:
+        if options.keys() <= DEFAULTS.keys():
+            return {**DEFAULTS, **options}
+        names = DEFAULTS.keys()
     for name in options:
         if name not in names:
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
