@@ -8,7 +8,7 @@ The float64 reference lives in `elastic_np.reference`; `attention` and
 from elastic_np import reference, testing
 from elastic_np._dispatch import attention, attention_backward, merge_attention
 from elastic_np._errors import BackendUnavailableError
-from elastic_np._options import AttentionGrads, DynamicWindow
+from elastic_np._types import AttentionGrads, DynamicWindow
 
 __version__ = "0.1.0"
 

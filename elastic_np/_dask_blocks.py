@@ -32,18 +32,17 @@ any Dask worker. This module imports no Dask.
 import contextlib
 import dataclasses
 import math
-from typing import Optional
 
 import numpy as np
 
-from elastic_np import _dispatch, _options
+from elastic_np import _dispatch, _grads, _problem, _types
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockSpec:
     """The whole problem, as every block reads it.
 
-    ``problem`` is the validated `~elastic_np._options.AttentionProblem`
+    ``problem`` is the validated `~elastic_np._problem.AttentionProblem`
     without its arrays (``q``, ``k``, ``v``, ``mask``, ``bias`` are None: the
     blocks get their chunks), whose values say where a block's offsets fall.
     ``options`` are the keyword options of a block's call as far as they are
@@ -57,7 +56,7 @@ class BlockSpec:
     M: int
     group: int  # query heads per kv head
     ends: np.ndarray  # int64 (B,): E_b
-    problem: _options.AttentionProblem
+    problem: _problem.AttentionProblem
     options: dict
     backend: str
     threads: int  # kernel threads per task
@@ -256,7 +255,7 @@ def _local_options(spec, call, block, mask, bias):
         opts["alibi_slopes"] = p.alibi[bs, h0:h1]
     if p.sigma is not None:
         r = call.ratio
-        opts["dynamic_window"] = _options.DynamicWindow(
+        opts["dynamic_window"] = _types.DynamicWindow(
             p.sigma[bs, h0:h1] * r, sharpness=p.sharpness * r, threshold=p.threshold / r
         )
     return opts
@@ -395,8 +394,8 @@ def backward_block(spec, block, q, k, v, mask, bias, kv_first, dout, out, lse, d
 
 
 def dbeta_rows(dout, out, lse, dlse=None):
-    """`~elastic_np._options.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i - dlse_i``."""
+    """`~elastic_np._grads.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i - dlse_i``."""
     delta = np.einsum("bhnd,bhnd->bhn", dout.astype(np.float64), out.astype(np.float64))
     if dlse is not None:
         delta -= dlse
-    return _options.sink_terms(delta, lse, (0, 2))
+    return _grads.sink_terms(delta, lse, (0, 2))

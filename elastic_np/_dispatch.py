@@ -10,8 +10,8 @@ A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 - ``is_available()`` and ``check_available()`` (which raises
   `~elastic_np.BackendUnavailableError` saying what is missing);
 - ``prepare(q, k, v, **options)``, with the signature of
-  `elastic_np._options.prepare`, returning a validated
-  `~elastic_np._options.AttentionProblem` (the CPU backend leaves the check of
+  `elastic_np._problem.prepare`, returning a validated
+  `~elastic_np._problem.AttentionProblem` (the CPU backend leaves the check of
   the bias's values to its kernels, which read every entry anyway; the CUDA
   backend keeps device arrays on the device);
 - ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;

@@ -3,7 +3,7 @@
 Each option of `elastic_np.attention` is one `Option` record in `OPTIONS`: its
 name, default, type, documentation, whether it has a gradient and whether a
 framework adapter may pass it as a tensor, and how `prepare` turns it into
-fields of the `~elastic_np._options.AttentionProblem`. Everything else is
+fields of the `~elastic_np._problem.AttentionProblem`. Everything else is
 built from the table: `prepare`'s checks, the signatures and the option
 paragraphs of the docstrings of every public function that takes the options
 (`takes_options`), the adapters' split into learnable and fixed options,

@@ -42,8 +42,8 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from elastic_np import _dask_blocks, _dispatch, _options, _spec
-from elastic_np._options import AttentionGrads
+from elastic_np import _dask_blocks, _dispatch, _grads, _problem, _spec
+from elastic_np._types import AttentionGrads
 
 __all__ = ["attention", "attention_backward", "compute_grads"]
 
@@ -58,7 +58,7 @@ class _Setup:
     mask: object  # 4-D dask array or None
     bias: object
     spec: _dask_blocks.BlockSpec
-    problem: _options.AttentionProblem  # shapes and normalised options (stand-in arrays)
+    problem: _problem.AttentionProblem  # shapes and normalised options (stand-in arrays)
     dtype: np.dtype
 
     def chunked(self):
@@ -130,7 +130,7 @@ def _setup(q, k, v, options, backend, threads_per_task):
         a = a if isinstance(a, da.Array) else np.asarray(a)
         return np.broadcast_to(np.zeros((), a.dtype), a.shape)
 
-    problem = _options.prepare(
+    problem = _problem.prepare(
         *(stand_in(a) for a in (q, k, v)), mask=stand_in(mask), bias=stand_in(bias),
         kv_lengths=kv_lengths, dtypes=module.dtypes, check_finite=False, **options,
     )
@@ -351,23 +351,23 @@ def _per_head(firsts, shares, H, shape):
     total = np.zeros(H)
     for h0, share in zip(firsts, shares):
         total[h0:h0 + len(share)] += share
-    return np.asarray(_options.sum_to_shape(total, shape), dtype=np.float64)
+    return np.asarray(_grads.sum_to_shape(total, shape), dtype=np.float64)
 
 
 def _sink_per_head(firsts, terms, H, shape):
-    """``dbeta`` from the row chunks' `~elastic_np._options.sink_terms` (heads from ``h0``), merged in order."""
+    """``dbeta`` from the row chunks' `~elastic_np._grads.sink_terms` (heads from ``h0``), merged in order."""
     top, scaled = np.zeros(H), np.zeros(H)
     for h0, part in zip(firsts, terms):
         heads = slice(h0, h0 + len(part[1]))
-        top[heads], scaled[heads] = _options.merge_sink_terms((top[heads], scaled[heads]), part)
+        top[heads], scaled[heads] = _grads.merge_sink_terms((top[heads], scaled[heads]), part)
     if math.prod(shape) > 1:
-        return np.asarray(_options.sum_to_shape(_options.sink_from_terms(top, scaled), shape), dtype=np.float64)
+        return np.asarray(_grads.sum_to_shape(_grads.sink_from_terms(top, scaled), shape), dtype=np.float64)
     if H == 0:
         return np.zeros(shape)
     shared = (top[:1], scaled[:1])  # one beta for every head: its rows merged over the heads too
     for h in range(1, H):
-        shared = _options.merge_sink_terms(shared, (top[h:h + 1], scaled[h:h + 1]))
-    return _options.sink_from_terms(*shared).reshape(shape)
+        shared = _grads.merge_sink_terms(shared, (top[h:h + 1], scaled[h:h + 1]))
+    return _grads.sink_from_terms(*shared).reshape(shape)
 
 
 def _per_batch_head(firsts, shares, BH, shape):
@@ -375,7 +375,7 @@ def _per_batch_head(firsts, shares, BH, shape):
     total = np.zeros(BH)
     for (b0, h0), share in zip(firsts, shares):
         total[b0:b0 + share.shape[0], h0:h0 + share.shape[1]] += share
-    return np.asarray(_options.sum_to_shape(total, shape), dtype=np.float64)
+    return np.asarray(_grads.sum_to_shape(total, shape), dtype=np.float64)
 
 
 

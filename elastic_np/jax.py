@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _options, _spec
+from elastic_np import _dispatch, _problem, _spec
 from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "DynamicWindow"]
@@ -70,7 +70,7 @@ def _validate(diff, traced, fixed, constants):
     learnable = {name: stand_in.get(name, constants.get(name)) for name in common.LEARNABLE}
     options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
     module = _dispatch.get_backend(options.pop("backend"))
-    _options.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
+    _problem.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
 
 
 #: The custom-VJP functions made so far, by their fixed options: a new one

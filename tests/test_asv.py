@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import elastic_np
-from elastic_np import _options
+from elastic_np import _problem
 from elastic_np.cli import _bench
 from elastic_np import reference as ref
 
@@ -188,7 +188,7 @@ class TestFlops:
         common = self.common(suite)
         options = common.variant_options(variant)
         q, k, v = (np.zeros((1, 1, n, 4)) for n in (N, M, M))
-        p = _options.prepare(q, k, v, **options)
+        p = _problem.prepare(q, k, v, **options)
         keep = ref.structural_keep(p)
         if p.sigma is not None:
             keep = keep & (ref.window_gate(p)[0] > 0)

@@ -68,7 +68,7 @@ def test_check_quick_cpu(capsys):
 def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     # The quick shapes are small; some must still be too many queries for the
     # CPU decode kernel, or `check --quick` would never run the prefill kernel.
-    from elastic_np._options import prepare
+    from elastic_np._problem import prepare
     from elastic_np.cpu import _decode
 
     decode = {}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _options, cpu
+from elastic_np import cpu, _grads, _problem
 from elastic_np.cpu._dbias import _store_transposed
 from elastic_np.cpu._transpose import stream_width
 from oracle_checks import (
@@ -140,17 +140,17 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
 def test_dbias_plan_lanes():
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = make_inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
-    p = _options.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
+    p = _problem.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
     assert plan.params.tolist() == [2, 1, 1, 4, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
     # enough key tiles for the tasks: one lane of the 4 pairs, one float64 partial
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
     assert plan.params.tolist() == [2, 1, 1, 1, 1] and plan.partials.shape == (1, 23 * 31)
-    p = _options.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
+    p = _problem.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
-    p = _options.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
+    p = _problem.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
     plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
     assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
 
@@ -159,14 +159,14 @@ def test_reduce_to_shape_sums_only_axes_longer_than_one():
     # dbias computed in its compact (1, 1, N, M) shape comes back as a view:
     # no pass over it to "sum" axes of length 1
     grad = np.arange(2 * 3 * 4, dtype=np.float32).reshape(1, 1, 6, 4)
-    out = _options.reduce_to_shape(grad, (6, 4))
+    out = _grads.reduce_to_shape(grad, (6, 4))
     assert out.shape == (6, 4) and out.dtype == np.float32 and np.shares_memory(out, grad)
     full = np.arange(2 * 3 * 6 * 4, dtype=np.float64).reshape(2, 3, 6, 4)
     for shape in [(6, 4), (3, 1, 4), (1, 6, 1), (2, 1, 1, 1), ()]:
         lead = full.ndim - len(shape)
         axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1)
         want = full.sum(axis=axes, keepdims=True).reshape(shape)
-        np.testing.assert_array_equal(_options.reduce_to_shape(full, shape), want)
+        np.testing.assert_array_equal(_grads.reduce_to_shape(full, shape), want)
 
 
 def test_every_jit_function_states_its_fastmath():
@@ -195,7 +195,7 @@ def test_bias_not_copied(dtype, layout):
     q, k, v, _ = make_inputs(dtype)
     for name in ("full", "nm", "1h1m-keypad", "bhn1"):
         bias = laid_out(BIASES[name].astype(dtype), layout)
-        p = _options.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
+        p = _problem.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
         opt = cpu._plan._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
         assert np.shares_memory(opt.bias, bias) == (layout != "reversed" or bias.shape[-1] == 1)
         assert not opt.bias.flags.writeable
@@ -206,7 +206,7 @@ def test_bias_not_copied(dtype, layout):
         np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
     # another dtype is converted into a copy, never the caller's array written
     other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
-    opt = cpu._plan._options(_options.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    opt = cpu._plan._options(_problem.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
     assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
     np.testing.assert_array_equal(opt.bias.reshape(23, 31), other.astype(dtype))
 

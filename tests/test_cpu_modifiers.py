@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _options, cpu
+from elastic_np import cpu, _problem
 from elastic_np.cli import _bench
 from elastic_np.cpu._logits import _column_max, _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
@@ -51,7 +51,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     # soft-cap: tanh is increasing): the same logits bits and the maxima of
     # a separate pass. Elsewhere the maxima are left to the caller.
     q, k, v, _ = make_inputs(dtype)
-    p = _options.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
+    p = _problem.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
     opt = cpu._plan._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
     b, h, hk, D = 1, 2, 1, 8
     i0, bq, j0, bk = 8, 12, 5, 20

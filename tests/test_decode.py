@@ -12,7 +12,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np.cpu import _decode
-from elastic_np import _options, cpu, reference
+from elastic_np import cpu, _problem, reference
 from test_cpu import assert_close, check_case
 
 DTYPES = [np.float64, np.float32]
@@ -66,7 +66,7 @@ def test_takes_decode_shapes():
     def problem(H, Hkv, N):
         q = np.zeros((1, H, N, 4))
         kv = np.zeros((1, Hkv, 9, 4))
-        return _options.prepare(q, kv, kv)
+        return _problem.prepare(q, kv, kv)
 
     assert _decode.takes(problem(8, 2, 1)) and _decode.takes(problem(8, 2, 16))
     assert not _decode.takes(problem(8, 2, 17))

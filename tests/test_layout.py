@@ -30,7 +30,7 @@ REPO_ROOT = PACKAGE.parent
 #: What `elastic_np._dispatch` reads of a backend.
 FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward")
 #: The low-level modules every backend may import.
-SHARED = {"elastic_np._spec", "elastic_np._types", "elastic_np._options", "elastic_np._validation",
+SHARED = {"elastic_np._spec", "elastic_np._types", "elastic_np._problem", "elastic_np._grads", "elastic_np._validation",
           "elastic_np._ranges", "elastic_np._compact", "elastic_np._errors"}
 #: What each backend may import besides its own package and `SHARED`.
 BACKEND_EXTRA = {"reference": set(), "cpu": {"elastic_np.reference"}, "cuda": {"elastic_np.reference"}}
@@ -51,7 +51,7 @@ def _imports(path):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: a relative import"
-            if node.module == "elastic_np":  # ``from elastic_np import _options``: elastic_np._options
+            if node.module == "elastic_np":  # ``from elastic_np import _problem``: elastic_np._problem
                 found.update(f"elastic_np.{alias.name}" for alias in node.names)
             else:
                 found.add(node.module)

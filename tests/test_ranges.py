@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic_np as enp
-from elastic_np import _options, _ranges, reference
+from elastic_np import _problem, _ranges, reference
 from elastic_np.cpu import _plan
 from elastic_np.cuda import _launch
 
@@ -48,12 +48,12 @@ def test_key_and_query_ranges_are_the_kept_keys_and_queries(N, M, diag_shift, of
         assert q_lo == q_hi
 
 
-def _problem(**options):
+def _prepared(**options):
     rng = np.random.default_rng(3)
     B, H, N, M = 2, 3, 9, 13
     q = rng.standard_normal((B, H, N, 4))
     k = rng.standard_normal((B, H, M, 4))
-    return _options.prepare(q, k, k, **options)
+    return _problem.prepare(q, k, k, **options)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def _problem(**options):
 )
 def test_the_offset_bands_hold_every_kept_entry(options):
     """Every offset the reference keeps lies in the CPU's band and in the CUDA kernels' (whose gate band is wider)."""
-    p = _problem(**options)
+    p = _prepared(**options)
     bands = [
         _plan._options(p, with_sigma_grad=False, dtype=np.dtype(np.float64)).band,
         _ranges.offset_band(p, _launch._gate_band(p)),

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _dispatch, _options
+from elastic_np import _dispatch, _problem
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cpu import _simd, thread_count
 from elastic_np.reference._attention import _forward as _oracle_forward
@@ -65,7 +65,7 @@ def naive_attention(q, k, v, *, causal=False, scale=None):
 
 def _naive_problem(q, k, v, causal, scale):
     """The prepared problem of ``q, k, v`` in their dtype, for the oracle's code."""
-    return _options.prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
+    return _problem.prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
 
 
 def machine_info():

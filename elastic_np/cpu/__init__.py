@@ -65,7 +65,7 @@ Modules
 
 import numpy as np
 
-from elastic_np import _options as options_module
+from elastic_np import _problem
 from elastic_np.cpu import _decode, _forward
 from elastic_np.cpu._backward import backward
 from elastic_np.cpu._threads import thread_count
@@ -91,7 +91,7 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._options.prepare`, leaving the bias's values, and the keys' and values', to the backend.
+    """`elastic_np._problem.prepare`, leaving the bias's values, and the keys' and values', to the backend.
 
     The bias's values are checked on its distinct entries only, before and
     after a conversion to the kernels' dtype (`elastic_np.cpu._plan`), not
@@ -100,7 +100,7 @@ def prepare(q, k, v, **options):
     pass over the cache costs as much as the attention; the other paths
     check them first.
     """
-    return options_module.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
+    return _problem.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
 
 
 def forward(problem):
@@ -111,7 +111,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._options.AttentionProblem
+    problem : elastic_np._problem.AttentionProblem
 
     Returns
     -------

@@ -45,7 +45,7 @@ def backward(problem, dout, out, lse, dlse=None):
 
     Parameters
     ----------
-    problem : elastic_np._options.AttentionProblem
+    problem : elastic_np._problem.AttentionProblem
     dout, out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
         In the problem's dtype, as `forward` returned them.

@@ -32,7 +32,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._options.AttentionProblem
+    problem : elastic_np._problem.AttentionProblem
 
     Returns
     -------

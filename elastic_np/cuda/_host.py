@@ -11,7 +11,7 @@ import importlib
 import numpy as np
 from numba import config as numba_config
 
-from elastic_np import _options, reference
+from elastic_np import _problem, reference
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cuda import _config as config
 from elastic_np.cuda import _sim
@@ -192,9 +192,9 @@ def _to_device(a):
 
 
 def prepare(q, k, v, *, dtypes=dtypes, **options):
-    """Validate the inputs like `elastic_np._options.prepare`, keeping device arrays on the device.
+    """Validate the inputs like `elastic_np._problem.prepare`, keeping device arrays on the device.
 
-    With NumPy inputs this is `~elastic_np._options.prepare`. When any of
+    With NumPy inputs this is `~elastic_np._problem.prepare`. When any of
     ``q``, ``k``, ``v`` is a device array, shapes and dtypes are validated
     from the array metadata (no copy to the host, no NaN scan), the others
     are copied to the device, and the returned problem holds device arrays.
@@ -208,13 +208,13 @@ def prepare(q, k, v, *, dtypes=dtypes, **options):
         # validated from its metadata; the problem carries the device array itself
         options["bias"] = np.broadcast_to(np.zeros((), dtype=device_bias.dtype), device_bias.shape)
     if not any(_is_device(a) for a in (q, k, v)):
-        problem = _options.prepare(q, k, v, dtypes=dtypes, **options)
+        problem = _problem.prepare(q, k, v, dtypes=dtypes, **options)
     else:
         arrays = []
         for name, a in (("q", q), ("k", k), ("v", v)):
             arrays.append(_as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a)))
         placeholders = [np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape) for a in arrays]
-        problem = _options.prepare(*placeholders, dtypes=dtypes, check_finite=False, **options)
+        problem = _problem.prepare(*placeholders, dtypes=dtypes, check_finite=False, **options)
         problem = dataclasses.replace(problem, q=arrays[0], k=arrays[1], v=arrays[2])
     if device_bias is not None:
         problem = dataclasses.replace(problem, bias=device_bias)

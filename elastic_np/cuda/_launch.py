@@ -154,7 +154,7 @@ def _launch_options(p):
     else:
         bh_consts = np.zeros((B, H, dev.C_COUNT), dtype=dtype)
         if p.sigma is not None:
-            # finite in the dtype for sigma >= its smallest normal (`_options.check_dtype_range`)
+            # finite in the dtype for sigma >= its smallest normal (`_problem.check_dtype_range`)
             sigma = p.sigma
             bh_consts[..., dev.C_NORM] = 1.0 / (sigma * math.sqrt(2 * math.pi))
             bh_consts[..., dev.C_INV_SIGMA] = 1.0 / sigma

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from elastic_np import _spec
-from elastic_np._options import prepare
+from elastic_np._problem import prepare
 
 
 def scores(p):

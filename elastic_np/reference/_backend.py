@@ -7,7 +7,7 @@ own code: `forward` is `elastic_np.reference._attention._forward`,
 beyond NumPy, so it is always available.
 """
 
-from elastic_np import _options
+from elastic_np import _problem
 from elastic_np.reference._attention import _forward
 from elastic_np.reference._backward import _backward, check_backward_arrays
 
@@ -28,8 +28,8 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._options.prepare` itself: the oracle has every value checked first."""
-    return _options.prepare(q, k, v, **options)
+    """`elastic_np._problem.prepare` itself: the oracle has every value checked first."""
+    return _problem.prepare(q, k, v, **options)
 
 
 def forward(problem):
@@ -37,7 +37,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._options.AttentionProblem
+    problem : elastic_np._problem.AttentionProblem
 
     Returns
     -------

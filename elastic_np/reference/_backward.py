@@ -3,7 +3,7 @@
 import numpy as np
 
 from elastic_np import _spec, _validation
-from elastic_np._options import prepare
+from elastic_np._problem import prepare
 from elastic_np.reference._attention import _attention_logits, _log_tanh_slope, _without_padding
 
 

@@ -20,7 +20,8 @@ import inspect
 import numpy as np
 
 from elastic_np import _spec, reference
-from elastic_np._options import DynamicWindow, prepare
+from elastic_np._problem import prepare
+from elastic_np._types import DynamicWindow
 from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
 from elastic_np.testing._gradcheck import gradcheck

@@ -5,7 +5,10 @@ import dataclasses
 import numpy as np
 
 from elastic_np import _spec, reference
-from elastic_np._options import DynamicWindow, prepare
+from elastic_np._problem import prepare
+
+#: Keyword options of the attention, in the order of the contract (`elastic_np._spec`).
+from elastic_np._types import DynamicWindow
 
 #: Keyword options of the attention, in the order of the contract (`elastic_np._spec`).
 OPTION_NAMES = _spec.NAMES

@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 
 from elastic_np import reference
-from elastic_np._options import prepare, reduce_to_shape, sum_to_shape
+from elastic_np._grads import reduce_to_shape, sum_to_shape
+from elastic_np._problem import prepare
 from elastic_np.reference import _attention, _backward
 from elastic_np.testing._report import _magnitude, worst_error
 

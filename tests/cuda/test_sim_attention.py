@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _options, cuda, reference
+from elastic_np import cuda, _problem, reference
 from elastic_np.cuda import _host, _launch
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
@@ -276,7 +276,7 @@ def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M, l
     N = M - 3
     q, k, v, _ = make_problem(0, N=N, M=M, D=2)
     aligned = {} if length is None else dict(kv_lengths=[length], align="kv_lengths")
-    p = _options.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
+    p = _problem.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
     band = _launch._window_band(p)
     G = reference.window_gate(p)[0][0, 0]
     end = M if length is None else length

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _options, cuda, reference
+from elastic_np import cuda, _problem, reference
 from elastic_np.testing import _tolerances
 from elastic_np.cuda import _config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs
@@ -175,6 +175,6 @@ def test_decode_shape_takes_the_decode_kernel():
     from elastic_np.cuda import _decode as decode
 
     q, k, v, _ = make(np.float32, 1, 32, 8, 1, 16)
-    assert decode.takes(_options.prepare(q, k, v))
+    assert decode.takes(_problem.prepare(q, k, v))
     q = np.zeros((1, 32, 17, 6), dtype=np.float32)
-    assert not decode.takes(_options.prepare(q, k, v))  # 17 queries: the flash forward
+    assert not decode.takes(_problem.prepare(q, k, v))  # 17 queries: the flash forward
