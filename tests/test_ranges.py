@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import elastic_np as enp
 from elastic_np import _problem, _ranges, reference
 from elastic_np.cpu import _plan
-from elastic_np.cuda import _launch
+from elastic_np.cuda import _api
 
 
 @settings(max_examples=300, deadline=None)
@@ -74,7 +74,7 @@ def test_the_offset_bands_hold_every_kept_entry(options):
     p = _prepared(**options)
     bands = [
         _plan._options(p, with_sigma_grad=False, dtype=np.dtype(np.float64)).band,
-        _ranges.offset_band(p, _launch._gate_band(p)),
+        _ranges.offset_band(p, _api._gate_band(p)),
     ]
     keep = reference.structural_keep(p)
     if p.sigma is not None:

@@ -104,32 +104,68 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
     if bias is not None and bias not in BENCH_BIAS_SHAPES:
         raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
     cuda = _numba_cuda()
+    arrays = _bench_arrays(B, H, N, D, bias)
+    tensors = tuple(None if a is None else torch.from_numpy(a).cuda() for a in arrays)
+    modifiers = _modifiers(H, softcap, alibi, tensors[4])
+    runs = {"elastic_np": _ours(cuda.synchronize, tensors, causal, modifiers),
+            "torch": _torch_runs(torch, tensors, causal)}
+    if modifiers:
+        runs["elastic_np plain"] = _ours(cuda.synchronize, tensors, causal, {})
+    timings = _time_runs(runs, repeat)
+    timings["tflops"] = _tflops(timings, (B, H, N, D), causal)
+    return timings
+
+
+def _bench_arrays(B, H, N, D, bias):
+    """`bench`'s seeded float32 inputs on the host: ``(q, k, v, dout, bias)``, ``bias`` None without one."""
     rng = np.random.default_rng(1)
     q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    tq, tk, tv, tdout = (torch.from_numpy(a).cuda() for a in (q, k, v, dout))
+    bias_array = None
+    if bias is not None:
+        bias_array = rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)
+    return q, k, v, dout, bias_array
+
+
+def _modifiers(H, softcap, alibi, bias):
+    """The score modifiers `bench` passes to ``elastic_np.attention`` (empty for plain attention)."""
     modifiers = {}
     if softcap is not None:
         modifiers["softcap"] = softcap
     if alibi:
         modifiers["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
-    tbias = None
     if bias is not None:
-        tbias = torch.from_numpy(rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)).cuda()
-        modifiers["bias"] = tbias
+        modifiers["bias"] = bias
+    return modifiers
 
-    def ours(options):
-        def forward():
-            enp.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            cuda.synchronize()
 
-        def forward_backward():
-            out, lse = enp.attention(tq, tk, tv, causal=causal, return_lse=True, backend="cuda", **options)
-            enp.attention_backward(tdout, tq, tk, tv, out, lse, causal=causal, backend="cuda", **options)
-            cuda.synchronize()
+def _ours(synchronize, tensors, causal, options):
+    """``(forward, forward_backward)``: elastic_np's passes on ``tensors`` (in `_bench_arrays`' order).
 
-        return forward, forward_backward
+    Each ends with ``synchronize()`` (``numba.cuda.synchronize``).
+    """
+    q, k, v, dout, _ = tensors
 
+    def forward():
+        enp.attention(q, k, v, causal=causal, return_lse=True, backend="cuda", **options)
+        synchronize()
+
+    def forward_backward():
+        out, lse = enp.attention(q, k, v, causal=causal, return_lse=True, backend="cuda", **options)
+        enp.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cuda", **options)
+        synchronize()
+
+    return forward, forward_backward
+
+
+def _torch_runs(torch, tensors, causal):
+    """``(forward, forward_backward)``: torch SDPA's passes, the bias as its float ``attn_mask``.
+
+    The forward runs without gradients; the backward's inputs, the bias
+    included, are copies that require them.
+    """
+    tq, tk, tv, tdout, tbias = tensors
+    N = tq.shape[2]
     gq, gk, gv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
     gbias = None if tbias is None else tbias.clone().requires_grad_(True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -152,23 +188,28 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
         out.backward(tdout)
         torch.cuda.synchronize()
 
-    runs = {"elastic_np": ours(modifiers), "torch": (torch_forward, torch_forward_backward)}
-    if modifiers:
-        runs["elastic_np plain"] = ours({})
+    return torch_forward, torch_forward_backward
+
+
+def _time_runs(runs, repeat):
+    """``{who: {"forward": s, "forward+backward": s}}``: each pass warmed up once, then best of ``repeat``."""
     timings = {}
     for who, (fwd, fwd_bwd) in runs.items():
         timings[who] = {}
         for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
             fn()  # warm-up (compiles)
             timings[who][what] = _bench.best_time(fn, repeat=repeat)
+    return timings
+
+
+def _tflops(timings, shape, causal):
+    """TFLOP/s of each of `_time_runs`' ``timings``, in their layout (FlashAttention's FLOP convention)."""
+    B, H, N, D = shape
     flops = {
         "forward": _bench.attention_flops(B, H, N, N, D, causal=causal),
         "forward+backward": _bench.attention_flops(B, H, N, N, D, causal=causal, backward=True),
     }
-    timings["tflops"] = {
-        who: {what: flops[what] / t / 1e12 for what, t in timings[who].items()} for who in runs
-    }
-    return timings
+    return {who: {what: flops[what] / t / 1e12 for what, t in runs.items()} for who, runs in timings.items()}
 
 
 def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):

@@ -1,21 +1,29 @@
 """The numba.cuda backend: tiled attention kernels, forward and backward.
 
 Selected with ``backend="cuda"`` (or ``"auto"`` when a GPU is usable). The
-package's modules:
+package's modules, each kernel family's kernels beside its host code (as
+FlashAttention's ``hopper/`` keeps ``flash_fwd_kernel`` beside
+``flash_fwd_launch_template``):
 
-- host side, importing no ``numba.cuda``: `elastic_np.cuda._host`
-  (``numba.cuda`` and the kernel modules on first use, availability, device
-  arrays, validation), `elastic_np.cuda._launch` (tile sizes, the option
-  arrays, `forward` and `backward`: allocate and launch),
-  `elastic_np.cuda._config` (the tunables) and `elastic_np.cuda._compile` (PTX
-  and the resource report, without a GPU);
-- kernels, imported on first use: `elastic_np.cuda._forward` (the flash
-  forward), `elastic_np.cuda._decode` (decoding),
-  `elastic_np.cuda._backward` (``delta``, ``dq``, ``dk``, ``dv``, a broadcast
-  bias's ``dbias``), the device functions they share in
-  `elastic_np.cuda._device`, every kernel by name and their conventions in
-  `elastic_np.cuda._kernels`, and the simulator's missing warp shuffles in
-  `elastic_np.cuda._sim`.
+- the three families, a kernel module (imports ``numba.cuda``, imported on
+  first use) and its ``_launch`` sibling (imports no ``numba.cuda``: tile
+  sizes or geometry, shared-memory sizing, the launch):
+  `elastic_np.cuda._forward` and `elastic_np.cuda._forward_launch` (the
+  flash forward), `elastic_np.cuda._decode` and
+  `elastic_np.cuda._decode_launch` (decoding: when it runs, stacked rows,
+  key splits, the merge), `elastic_np.cuda._backward` and
+  `elastic_np.cuda._backward_launch` (``delta``, ``dq``, ``dk``, ``dv``, a
+  broadcast bias's ``dbias``);
+- what the families share: on the host, `elastic_np.cuda._api` (the entry
+  points `forward` and `backward`, which pick decode or prefill, and the
+  option arrays every kernel takes: the window and gate bands, the bias
+  operand) and `elastic_np.cuda._host` (``numba.cuda`` and the kernel modules
+  on first use, availability, device arrays, validation, the shared-memory
+  limit); on the device, the device functions of `elastic_np.cuda._device`;
+- `elastic_np.cuda._config` (the tunables), `elastic_np.cuda._compile` (PTX
+  and the resource report, without a GPU), every kernel by name and their
+  conventions in `elastic_np.cuda._kernels`, and the simulator's missing warp
+  shuffles in `elastic_np.cuda._sim`.
 
 Importing `elastic_np` never imports this package; importing this package
 never imports ``numba.cuda``. The GPU benchmark and ``python -m
@@ -144,7 +152,7 @@ import warnings
 
 from elastic_np.cuda._compile import dynamic_shared_bytes, ptx, resources
 from elastic_np.cuda._host import check_available, check_backward_arrays, dtypes, is_available, prepare
-from elastic_np.cuda._launch import backward, forward
+from elastic_np.cuda._api import backward, forward
 
 __all__ = [
     "dtypes",

@@ -1,6 +1,7 @@
 """The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
 
-Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``).
+Imports ``numba.cuda``; imported on first use by its host side,
+`elastic_np.cuda._backward_launch` (tiles, shared memory, the launches).
 The backward recomputes the probabilities ``p = exp(z - lse)`` from the
 forward's ``lse`` with the shared score pipeline (`_entry_keep`,
 `_entry_logit`), so it sees the logits the forward saw. Three kernels, launched in this order (and a
@@ -36,18 +37,17 @@ broadcast bias (``_backward_dbias_kernel``, launched after the delta kernel,
 one block per entry of the bias's compact shape): the design section of
 `elastic_np.cuda`.
 
-Tile sizes are runtime values (`tiles`, from `elastic_np.cuda._config`,
-halved until the shared memory fits `elastic_np.cuda._host.shared_limit`); the micro-tile
-sizes are the forward's compile-time ``REG_M``, ``REG_N``, ``ACC_COLS``.
+Tile sizes are runtime values (`elastic_np.cuda._backward_launch.tiles`, from
+`elastic_np.cuda._config`, halved until the shared memory fits); the
+micro-tile sizes are the forward's compile-time ``REG_M``, ``REG_N``,
+``ACC_COLS``.
 """
 
 import math
 
 from numba import cuda
 
-from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
-from elastic_np.cuda._host import configured, shared_limit
 from elastic_np.cuda._device import (
     C_INV_SIGMA,
     F_NEG_INF,
@@ -84,81 +84,6 @@ from elastic_np.cuda._device import (
     _tile_dot,
     _tile_pv,
 )
-
-# ---------------------------------------------------------------------------
-# Host side: tiles and shared memory
-# ---------------------------------------------------------------------------
-
-
-def shared_elements(kind, rows, cols, D, Dv):
-    """Dynamic shared memory of a ``"dq"`` or ``"dkdv"`` block, in elements.
-
-    ``rows`` is the block's own tile (queries for ``dq``, keys for ``dkdv``),
-    ``cols`` the tile it loops over.
-    """
-    tpr = cols // REG_N
-    if kind == "dq":
-        # q, dout, s/ds, dp tiles; lse, delta; four compensated sums per (row, lane); K, V tiles
-        return rows * (D + 1 + Dv + 1 + 2 * (cols + 1) + 2 + 4 * tpr) + cols * (D + 1 + Dv + 1)
-    # K, V tiles; p, ds tiles; Q, dout tiles; lse, delta
-    return rows * (D + 1 + Dv + 1 + 2 * (cols + 1)) + cols * (D + 1 + Dv + 1 + 2)
-
-
-def tiles(kind, itemsize, D, Dv):
-    """``(threads, rows, cols)`` of a ``"dq"`` or ``"dkdv"`` block, the larger tile halved until it fits.
-
-    ``dq``: ``rows = DQ_BLOCK_Q`` queries, ``cols = DQ_BLOCK_K`` keys per tile;
-    ``dkdv``: ``rows = DKDV_BLOCK_K`` keys, ``cols = DKDV_BLOCK_Q`` queries per
-    tile. ``rows`` must be a multiple of ``REG_M``, ``cols`` of ``REG_N``;
-    the block has ``(rows / REG_M) (cols / REG_N)`` threads.
-    """
-    names = ("DQ_BLOCK_Q", "DQ_BLOCK_K") if kind == "dq" else ("DKDV_BLOCK_K", "DKDV_BLOCK_Q")
-    rows, cols = (getattr(config, name) for name in names)
-    if rows % REG_M or rows < REG_M:
-        raise ValueError(f"{names[0]}={rows} must be a positive multiple of REG_M={REG_M}")
-    if cols % REG_N or cols < REG_N:
-        raise ValueError(f"{names[1]}={cols} must be a positive multiple of REG_N={REG_N}")
-    limit = shared_limit()
-    while shared_elements(kind, rows, cols, D, Dv) * itemsize > limit:
-        if cols > REG_N and cols % (2 * REG_N) == 0 and (cols >= rows or rows % (2 * REG_M)):
-            cols //= 2
-        elif rows > REG_M and rows % (2 * REG_M) == 0:
-            rows //= 2
-        else:
-            raise config.shared_memory_error(D, Dv, limit)
-    return (rows // REG_M) * (cols // REG_N), rows, cols
-
-
-def launch(p, opts, q, k, v, dout, out, lse, dlse, grads):
-    """Launch the delta, dq and dk/dv kernels (``opts`` from ``_launch_options``).
-
-    ``grads`` holds the device arrays they write: ``"delta"``, ``"dq"``,
-    ``"dk"``, ``"dv"``, ``"partials"`` (the dq blocks' sums) and ``"dbias"``
-    (a full bias's, else a dummy).
-    """
-    B, H, Hkv, N, M, D, Dv = p.shape
-    itemsize = p.dtype.itemsize
-    dout_lse_delta = (dout, lse, grads["delta"])
-    if N > 0:
-        threads = max(1, min(config.DELTA_THREADS, B * H * N))
-        _backward_delta_kernel[-(-(B * H * N) // threads), threads](dout, out, dlse, opts, grads["delta"])
-        threads, rows, cols = tiles("dq", itemsize, D, Dv)
-        shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
-        configured(_backward_dq_kernel, -(-N // rows) * B * H, threads, shared)(
-            q, k, v, opts, cols, dout_lse_delta, grads["dq"], grads["partials"], grads["dbias"]
-        )
-    if M > 0:
-        threads, rows, cols = tiles("dkdv", itemsize, D, Dv)
-        shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
-        configured(_backward_dkdv_kernel, -(-M // rows) * B * Hkv, threads, shared)(
-            q, k, v, opts, cols, dout_lse_delta, grads["dk"], grads["dv"]
-        )
-
-
-# ---------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------
-
 
 @cuda.jit(cache=True)
 def _backward_delta_kernel(dout, out, dlse, opts, delta):

@@ -17,9 +17,9 @@ import numpy as np
 from numba import types as nbt
 
 from elastic_np._errors import BackendUnavailableError
+from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._host import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available
-from elastic_np.cuda._launch import _shared_elements, _tiles
 
 def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
@@ -29,7 +29,7 @@ def _signatures(dtype):
     def arr(ndim, kind=real):
         return nbt.Array(kind, ndim, "C")
 
-    # `_launch_options`'s tuple, in the order of the O_* indices
+    # `elastic_np.cuda._api._launch_options`'s tuple, in the order of the O_* indices
     opts = [None] * dev.O_COUNT
     opts[dev.O_MASK] = arr(4, nbt.uint8)
     opts[dev.O_KV_LENGTHS] = arr(1, nbt.int64)
@@ -161,23 +161,19 @@ def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
         key splits; the dbias kernel's is its bound (``DBIAS_THREADS``
         threads). The delta kernel uses none.
     """
-    bwd = _kernel_module("_backward")
-
     itemsize = np.dtype(dtype).itemsize
-    threads, tile = _tiles("forward", itemsize, D, Dv)
-    result = {"_forward_kernel": (threads, tile, _shared_elements("forward", threads, tile, D, Dv) * itemsize)}
+    threads, tile = _forward_launch.tiles(itemsize, D, Dv)
+    result = {"_forward_kernel": (threads, tile, _forward_launch.shared_elements(threads, tile, D, Dv) * itemsize)}
     for name, kind in (("_backward_dq_kernel", "dq"), ("_backward_dkdv_kernel", "dkdv")):
-        threads, rows, cols = bwd.tiles(kind, itemsize, D, Dv)
-        result[name] = (threads, cols, bwd.shared_elements(kind, rows, cols, D, Dv) * itemsize)
+        threads, rows, cols = _backward_launch.tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, cols, _backward_launch.shared_elements(kind, rows, cols, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
-    dec = _kernel_module("_decode")
-
     B, H, Hkv, N, M = decode
     rows = H // Hkv * N
-    rows_blk, tpr = dec.geometry(rows, D, Dv, itemsize)
-    n_split = dec.splits(B * Hkv * -(-rows // rows_blk), M)
+    rows_blk, tpr = _decode_launch.geometry(rows, D, Dv, itemsize)
+    n_split = _decode_launch.splits(B * Hkv * -(-rows // rows_blk), M)
     result["_decode_kernel"] = (rows_blk * tpr, tpr * config.DECODE_REG_N,
-                                dec.shared_elements(rows_blk, tpr, D, Dv) * itemsize)
+                                _decode_launch.shared_elements(rows_blk, tpr, D, Dv) * itemsize)
     result["_decode_merge_kernel"] = (max(1, min(config.DECODE_MERGE_THREADS, Dv)), n_split, n_split * itemsize)
     return result
 

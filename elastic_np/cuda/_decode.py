@@ -1,10 +1,11 @@
-"""The CUDA decode kernel: a few queries against a long key/value cache, split-KV.
+"""The CUDA decode kernels: a few queries against a long key/value cache, split-KV.
 
-Imported by `elastic_np.cuda` only, on first use (it imports ``numba.cuda``);
-`elastic_np.cuda.forward` sends a forward here when `takes` says so: 1 to
-``DECODE_MAX_QUERIES`` queries per sequence and at most ``DECODE_MAX_ROWS``
-stacked rows. The plan is the CPU
-decode kernel's (`elastic_np._decode`):
+Imports ``numba.cuda``; imported on first use by its host side,
+`elastic_np.cuda._decode_launch` (when decoding shapes run and what geometry
+they get: ``takes``, ``geometry``, ``splits``; the launch), to which
+`elastic_np.cuda.forward` sends a forward of 1 to ``DECODE_MAX_QUERIES``
+queries per sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan
+is the CPU decode kernel's (`elastic_np._decode`):
 
 - **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
   its keys: row ``r = g N + i`` of kv head ``hk`` is query ``i`` of head
@@ -24,7 +25,7 @@ decode kernel's (`elastic_np._decode`):
   ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
   into ``n_split`` runs of whole K/V tiles, one block each, when the
   (batch, kv head, row chunk) blocks alone are fewer than
-  ``DECODE_MIN_BLOCKS`` (`splits`: from the shape and the config only, never
+  ``DECODE_MIN_BLOCKS`` (``_decode_launch.splits``: from the shape and the config only, never
   from timing, so every run gives the same bits). Each block writes the
   partial ``(max, sum, acc)`` of its rows: ``acc`` and ``sum`` relative to
   ``exp(max)``, unnormalised.
@@ -45,97 +46,11 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda import _config as config
 from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._host import configured, pow2_at_least, shared_limit
 from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _dims, _entry, _fill,
     _finish_row, _flash_tiles, _group_max, _group_sum, _key_range, _lane_mask, _stage,
 )
-
-
-# ---------------------------------------------------------------------------
-# Host side: when, and with which geometry
-# ---------------------------------------------------------------------------
-
-
-def takes(p):
-    """True when `elastic_np.cuda.forward` runs this problem through the decode kernel."""
-    B, H, Hkv, N, M, D, Dv = p.shape
-    return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
-
-
-def shared_elements(rows_blk, tpr, D, Dv):
-    """Dynamic shared memory of a decode block, in elements: queries, the K/V tile, the p tile."""
-    block_k = tpr * DECODE_REG_N
-    width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
-    return rows_blk * (D + 1) + block_k * max(D + 1, width) + rows_blk * (block_k + 1)
-
-
-def geometry(rows, D, Dv, itemsize):
-    """``(rows_blk, tpr)``: stacked rows per block and lanes per row.
-
-    ``tpr`` starts as the fewest lanes whose accumulators hold the value head
-    in one pass (at most ``DECODE_LANES``), the block takes as many rows as
-    ``DECODE_THREADS`` allows, and spare threads go to more lanes per row
-    (longer K/V tiles). Then, while the shared memory exceeds the limit
-    (`elastic_np.cuda._host.shared_limit`), the larger of the K/V tile and the
-    query tile is halved.
-    """
-    lanes, threads = config.DECODE_LANES, config.DECODE_THREADS
-    if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
-        raise ValueError(f"DECODE_LANES={lanes} must be a power of two of at most 32")
-    if threads < 1:
-        raise ValueError(f"DECODE_THREADS={threads} must be at least 1")
-    tpr = min(lanes, pow2_at_least(-(-max(Dv, 1) // DECODE_ACC_COLS)))
-    tpr = min(tpr, pow2_at_least(threads + 1) // 2)  # the largest power of two <= threads
-    chunks = -(-rows // max(1, threads // tpr))
-    rows_blk = -(-rows // chunks)  # as even as the chunks allow
-    while 2 * tpr <= lanes and rows_blk * 2 * tpr <= threads:
-        tpr *= 2
-    limit = shared_limit()
-    while shared_elements(rows_blk, tpr, D, Dv) * itemsize > limit:
-        kv_elements = tpr * DECODE_REG_N * max(D + 1, min(max(Dv, 1), tpr * DECODE_ACC_COLS))
-        if tpr > 1 and (kv_elements >= rows_blk * (D + 1) or rows_blk == 1):
-            tpr //= 2
-        elif rows_blk > 1:
-            rows_blk = -(-rows_blk // 2)
-        else:
-            raise config.shared_memory_error(D, Dv, limit)
-    return rows_blk, tpr
-
-
-def splits(blocks, M):
-    """Key splits per (batch, kv head, row chunk) when ``blocks`` such blocks are too few (shape only)."""
-    if blocks == 0 or blocks >= config.DECODE_MIN_BLOCKS:
-        return 1
-    wanted = -(-config.DECODE_MIN_BLOCKS // blocks)
-    return max(1, min(wanted, M // max(1, config.DECODE_MIN_SPLIT_KEYS)))
-
-
-def forward(cuda_module, p, opts, q, k, v, out, lse):
-    """Launch the decode and merge kernels of problem ``p`` (``opts`` from ``_launch_options``)."""
-    B, H, Hkv, N, M, D, Dv = p.shape
-    dtype = p.dtype
-    rows = (H // Hkv) * N
-    rows_blk, tpr = geometry(rows, D, Dv, dtype.itemsize)
-    chunks = -(-rows // rows_blk)
-    n_split = splits(B * Hkv * chunks, M)
-    part_ms = cuda_module.device_array((B, Hkv, n_split, rows, 2), dtype=dtype)
-    part_acc = cuda_module.device_array((B, Hkv, n_split, rows, max(Dv, 1)), dtype=dtype)
-    shared = shared_elements(rows_blk, tpr, D, Dv) * dtype.itemsize
-    blocks = B * Hkv * chunks * n_split
-    configured(_decode_kernel, blocks, rows_blk * tpr, shared)(q, k, v, opts, tpr, part_ms, part_acc)
-    threads = max(1, min(config.DECODE_MERGE_THREADS, Dv))
-    _decode_merge_kernel[B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
-        part_ms, part_acc, opts, out, lse
-    )
-    return n_split
-
-
-# ---------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------
 
 
 @inline_device

@@ -20,7 +20,7 @@ from numba import cuda
 from elastic_np._ranges import key_range, query_range
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 
-# opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._launch._launch_options`)
+# opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._api._launch_options`)
 O_MASK = 0
 O_KV_LENGTHS = 1
 O_BAND = 2

@@ -1,8 +1,9 @@
 """The CUDA flash forward: `_forward_kernel` and the online-softmax steps of its rows.
 
-Imports ``numba.cuda``; `elastic_np.cuda` imports it when a forward is to
-run (`elastic_np.cuda._launch.forward`, which sends decoding shapes to
-`elastic_np.cuda._decode` instead). The design is described in
+Imports ``numba.cuda``; imported on first use by its host side,
+`elastic_np.cuda._forward_launch` (tiles, shared memory, the launch), when a
+forward is to run (`elastic_np.cuda.forward` sends decoding shapes to
+`elastic_np.cuda._decode_launch` instead). The design is described in
 `elastic_np.cuda`, the conventions every kernel follows in
 `elastic_np.cuda._kernels`.
 """

@@ -128,6 +128,11 @@ def _device_shared_limit(device_id):
     return int(_cuda().get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
 
 
+def blocks(n, size):
+    """The blocks of ``size`` that cover ``n`` (``ceil(n / size)``; a grid's size)."""
+    return (n + size - 1) // size
+
+
 def pow2_at_least(n):
     """The smallest power of two at least ``n`` (1 for ``n <= 1``)."""
     size = 1

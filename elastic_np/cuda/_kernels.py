@@ -4,8 +4,11 @@ Importing this module imports ``numba.cuda`` and the kernel modules
 (`elastic_np.cuda._forward`, `elastic_np.cuda._backward`,
 `elastic_np.cuda._decode`); `elastic_np.cuda` does so only when the PTX or
 the resource report is asked for (`elastic_np.cuda._compile`). The host
-functions that launch the kernels are in `elastic_np.cuda._launch`, the
-reasoning behind the design in `elastic_np.cuda`.
+functions that launch them sit beside each kernel module
+(`elastic_np.cuda._forward_launch`, `elastic_np.cuda._backward_launch`,
+`elastic_np.cuda._decode_launch`), what those share and the backend's
+entry points in `elastic_np.cuda._api`, the reasoning behind the design in
+`elastic_np.cuda`.
 
 Conventions shared by every kernel:
 
@@ -14,7 +17,7 @@ Conventions shared by every kernel:
   that dtype, so a float32 kernel computes in float32 throughout.
 - Options travel as runtime values, in one tuple ``opts`` of device arrays
   that every kernel takes (built once per call by
-  `elastic_np.cuda._launch._launch_options`, indexed by the ``O_*``
+  `elastic_np.cuda._api._launch_options`, indexed by the ``O_*``
   constants of `elastic_np.cuda._device`): ``mask``, ``kv_lengths``,
   ``band``, ``iopts``, ``fopts``, ``tau``, ``beta``, ``bh_consts``,
   ``bias``. Device functions take ``opts`` too, or small tuples of the

@@ -60,15 +60,15 @@ def small_tiles(monkeypatch):
 @pytest.fixture
 def decode_runs(monkeypatch):
     """Record the key splits of every decode launch (and so that one happened)."""
-    from elastic_np.cuda import _decode as _cuda_decode
+    from elastic_np.cuda import _decode_launch as _cuda_decode_launch
 
     calls = []
-    launch = _cuda_decode.forward
+    launch = _cuda_decode_launch.launch
 
     def spy(*args):
         n_split = launch(*args)
         calls.append(n_split)
         return n_split
 
-    monkeypatch.setattr(_cuda_decode, "forward", spy)
+    monkeypatch.setattr(_cuda_decode_launch, "launch", spy)
     return calls

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
@@ -107,3 +108,74 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     _cuda_bench.run(SHAPE)  # without --json: no decode shapes, nothing written
     printed = capsys.readouterr().out
     assert "decoding" not in printed and "wrote" not in printed and "0.50" in printed
+
+
+# `bench`'s parts that run without a GPU (`_ours`, which needs the kernels, runs in test_sim_bench.py)
+
+
+@pytest.mark.parametrize("bias", [None, *sorted(_cuda_bench.BENCH_BIAS_SHAPES)])
+def test_bench_arrays_are_seeded_float32(bias):
+    from elastic_np.cli import _bench
+
+    q, k, v, dout, bias_array = _cuda_bench._bench_arrays(2, 3, 8, 4, bias)
+    for got, want in zip((q, k, v), _bench.make_inputs(2, 3, 8, 8, 4, dtype=np.float32)):
+        np.testing.assert_array_equal(got, want)
+    assert dout.shape == q.shape and dout.dtype == np.float32
+    if bias is None:
+        assert bias_array is None
+    else:
+        assert bias_array.shape == _cuda_bench.BENCH_BIAS_SHAPES[bias](2, 3, 8) and bias_array.dtype == np.float32
+    again = _cuda_bench._bench_arrays(2, 3, 8, 4, bias)
+    for got, want in zip((dout, bias_array), again[3:]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bench_modifiers():
+    assert _cuda_bench._modifiers(4, None, False, None) == {}
+    bias = object()
+    got = _cuda_bench._modifiers(4, 30.0, True, bias)
+    assert got["softcap"] == 30.0 and got["bias"] is bias
+    np.testing.assert_allclose(got["alibi_slopes"], [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8])
+
+
+def test_time_runs_warms_up_once_then_takes_the_best_of_repeat():
+    calls = {}
+
+    def counted(name):
+        calls[name] = 0
+
+        def fn():
+            calls[name] += 1
+
+        return fn
+
+    runs = {"a": (counted("a fwd"), counted("a both")), "b": (counted("b fwd"), counted("b both"))}
+    timings = _cuda_bench._time_runs(runs, repeat=3)
+    assert set(timings) == {"a", "b"} and all(set(t) == {"forward", "forward+backward"} for t in timings.values())
+    assert all(0 <= s < 1 for t in timings.values() for s in t.values())
+    assert calls == {"a fwd": 4, "a both": 4, "b fwd": 4, "b both": 4}
+
+
+def test_tflops_follow_the_flop_convention():
+    from elastic_np.cli import _bench
+
+    timings = {"x": {"forward": 0.5, "forward+backward": 2.0}}
+    got = _cuda_bench._tflops(timings, (1, 2, 64, 16), True)
+    assert got["x"]["forward"] == _bench.attention_flops(1, 2, 64, 64, 16, causal=True) / 0.5 / 1e12
+    assert got["x"]["forward+backward"] == (
+        _bench.attention_flops(1, 2, 64, 64, 16, causal=True, backward=True) / 2.0 / 1e12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [None, "keys"])
+def test_torch_runs_on_cpu_tensors(monkeypatch, causal, bias):
+    torch = pytest.importorskip("torch")
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1))
+    arrays = _cuda_bench._bench_arrays(1, 2, 8, 4, bias)
+    tensors = tuple(None if a is None else torch.from_numpy(a) for a in arrays)
+    forward, forward_backward = _cuda_bench._torch_runs(torch, tensors, causal)
+    forward()
+    forward_backward()
+    assert len(synced) == 2
+    assert all(t.grad is None for t in tensors if t is not None)  # the backward's inputs are copies

@@ -10,7 +10,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cuda, _problem, reference
-from elastic_np.cuda import _host, _launch
+from elastic_np.cuda import _api, _forward_launch, _host
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
 
@@ -211,11 +211,11 @@ def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 32)
-    threads, tile = _launch._tiles("forward", 8, 64, 64)
-    assert _launch._shared_elements("forward", threads, tile, 64, 64) * 8 <= 48 * 1024
+    threads, tile = _forward_launch.tiles(8, 64, 64)
+    assert _forward_launch.shared_elements(threads, tile, 64, 64) * 8 <= 48 * 1024
     assert threads >= 1 and tile >= 1
     with pytest.raises(ValueError, match="shared memory"):
-        _launch._tiles("forward", 8, 4096, 4096)
+        _forward_launch.tiles(8, 4096, 4096)
 
 
 def test_mixed_host_and_device_inputs():
@@ -277,7 +277,7 @@ def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M, l
     q, k, v, _ = make_problem(0, N=N, M=M, D=2)
     aligned = {} if length is None else dict(kv_lengths=[length], align="kv_lengths")
     p = _problem.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
-    band = _launch._window_band(p)
+    band = _api._window_band(p)
     G = reference.window_gate(p)[0][0, 0]
     end = M if length is None else length
     offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (end - N)
