@@ -14,6 +14,10 @@ before any kernel).
 
 Each array travels as its data pointer and shape, each flag as an integer.
 The three products share one entry point, ``elastic_np_matmul_<dtype>``.
+The mechanism is Numba's internals (`elastic_np.cpu._numba_private`); where
+its paths ``entry_points`` and ``lazy_stages`` are off, the kernels call the
+typed functions and the stages themselves (`_logits.modify_tile`,
+`_backward.dbias_tile`).
 """
 
 import functools
