@@ -93,12 +93,9 @@ def enabled(path):
 # ---------------------------------------------------------------------------
 
 
-def _wrapperless():
-    """`inner`'s private version: ``(decorator, dispatcher class)``, Numba's internals imported here only."""
-    from numba import _dynfunc
-    from numba.core import compiler
+def _linked_library():
+    """The class of a helper's code library (`_wrapperless`)."""
     from numba.core.codegen import JITCodeLibrary
-    from numba.core.registry import CPUDispatcher
 
     class LinkedLibrary(JITCodeLibrary):
         """A helper's code library: optimised LLVM IR for its callers to link, never machine code.
@@ -123,6 +120,17 @@ def _wrapperless():
 
         def serialize_using_object_code(self):
             return self.serialize_using_bitcode()
+
+    return LinkedLibrary
+
+
+def _wrapperless():
+    """`inner`'s private version: ``(decorator, dispatcher class)``, Numba's internals imported here only."""
+    from numba import _dynfunc
+    from numba.core import compiler
+    from numba.core.registry import CPUDispatcher
+
+    LinkedLibrary = _linked_library()
 
     def no_executable(library, fndesc, env):
         """The overload's Python object, with no code behind it (in place of the target's ``get_executable``)."""
