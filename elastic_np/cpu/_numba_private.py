@@ -36,8 +36,8 @@ from llvmlite import binding, ir
 from numba import cfunc, njit, types
 from numba.extending import intrinsic
 
-#: The Numba versions the private paths are tested with, lowest and highest (inclusive).
-TESTED_NUMBA = ((0, 68, 1), (0, 68, 1))
+#: The Numba versions the private paths are tested with, lowest and highest (inclusive): 0.62.1 and 0.68.1.
+TESTED_NUMBA = ((0, 62, 1), (0, 68, 1))
 
 #: The paths that `enabled` knows.
 PATHS = ("inner", "entry_points", "lazy_stages", "two_process_check")
