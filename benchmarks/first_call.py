@@ -5,13 +5,17 @@ fresh temporary directory) that makes the first calls of a new user in
 order, float32: a prefill forward (``(1, 4, 256, 64)``, causal), a backward
 after it, a decode call (one query against those keys), and with
 ``--check`` the whole ``elastic-np check --quick``. It prints the seconds of
-each step; with ``--breakdown``, also the compile time of each jitted
+each step, wall and process CPU time (the fairer figure on a loaded machine);
+with ``--breakdown``, also the compile time of each jitted
 function, exclusive of the functions it compiled in turn (Numba's event API,
 ``numba:compile``). Given several source trees (directories holding the
 ``elastic_np`` package), the runs alternate between them, round by round,
-so that each sees the same load.
+so that each sees the same load; ``--public SETTING`` (repeatable) runs each
+tree once per value of ``ELASTIC_NP_PUBLIC_NUMBA`` (``""``: every private
+path of ``elastic_np/cpu/_numba_private.py`` on, ``1``: none, or the names of
+those to turn off), alternated the same way.
 
-Usage: ``python benchmarks/first_call.py [TREE ...] [--rounds R] [--check] [--breakdown N]``
+Usage: ``python benchmarks/first_call.py [TREE ...] [--rounds R] [--check] [--breakdown N] [--public SETTING ...]``
 """
 
 import argparse
@@ -68,14 +72,15 @@ def first_calls(check):
     """The steps of a new user, timed in this process: ``{step: seconds}``."""
     import elastic_np as enp
 
-    steps = {}
+    steps, cpu = {}, {}
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 4, 256, 64)).astype(np.float32) for _ in range(3))
 
     def timed(name, fn):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = fn()
         steps[name] = time.perf_counter() - start
+        cpu[name] = time.process_time() - start_cpu
         return result
 
     out, lse = timed("forward", lambda: enp.attention(q, k, v, causal=True, return_lse=True, backend="cpu"))
@@ -85,7 +90,7 @@ def first_calls(check):
         from elastic_np import cli
 
         timed("check --quick", lambda: cli.main(["check", "--quick", "--progress-delay", "1e9"]))
-    return steps
+    return steps, cpu
 
 
 def worker(check, breakdown):
@@ -95,15 +100,17 @@ def worker(check, breakdown):
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):
-            steps = first_calls(check)
+            steps, cpu = first_calls(check)
     top = sorted(times.seconds.items(), key=lambda item: -item[1])[:breakdown]
-    print(json.dumps({"steps": steps, "compile": top, "total": sum(times.seconds.values())}))
+    print(json.dumps({"steps": steps, "cpu": cpu, "compile": top, "total": sum(times.seconds.values())}))
 
 
-def run(tree, check, breakdown):
-    """One fresh-cache run of ``tree`` in a new process: the worker's JSON."""
+def run(tree, check, breakdown, public=None):
+    """One fresh-cache run of ``tree`` (``ELASTIC_NP_PUBLIC_NUMBA=public`` unless None) in a new process: its JSON."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        if public is not None:
+            env["ELASTIC_NP_PUBLIC_NUMBA"] = public
         if tree is not None:
             env["PYTHONPATH"] = os.path.abspath(tree)
         command = [sys.executable, os.path.abspath(__file__), "--worker", str(int(check)), str(breakdown)]
@@ -119,19 +126,27 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="also time elastic-np check --quick")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                         help="print the N functions that took longest to compile (last round)")
+    parser.add_argument("--public", action="append", metavar="SETTING",
+                        help="a value of ELASTIC_NP_PUBLIC_NUMBA to run each tree with (repeatable)")
     args = parser.parse_args(argv)
-    trees = args.trees or [None]
-    results = {tree: [] for tree in trees}
+    variants = [(tree, public) for tree in args.trees or [None] for public in args.public or [None]]
+    results = {variant: [] for variant in variants}
+
+    def label(variant):
+        tree, public = variant
+        return (tree or "installed") + ("" if public is None else f" ELASTIC_NP_PUBLIC_NUMBA={public!r}")
+
     for r in range(args.rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
-            result = run(tree, args.check, args.breakdown)
-            results[tree].append(result)
-            steps = "  ".join(f"{name} {s:.2f}" for name, s in result["steps"].items())
-            print(f"round {r + 1} {tree or 'installed'}: {steps}  (compile {result['total']:.1f} s)", flush=True)
-    for tree, runs in results.items():
+        for variant in variants if r % 2 == 0 else variants[::-1]:
+            result = run(variant[0], args.check, args.breakdown, variant[1])
+            results[variant].append(result)
+            steps = "  ".join(f"{name} {s:.2f} (cpu {result['cpu'][name]:.2f})" for name, s in result["steps"].items())
+            print(f"round {r + 1} {label(variant)}: {steps}  (compile {result['total']:.1f} s)", flush=True)
+    for variant, runs in results.items():
         medians = {name: np.median([run["steps"][name] for run in runs]) for name in runs[0]["steps"]}
-        print(f"\n{tree or 'installed'}, median of {len(runs)}: "
-              + "  ".join(f"{name} {s:.2f} s" for name, s in medians.items()))
+        cpu = {name: np.median([run["cpu"][name] for run in runs]) for name in runs[0]["steps"]}
+        print(f"\n{label(variant)}, median of {len(runs)}: "
+              + "  ".join(f"{name} {s:.2f} s (cpu {cpu[name]:.2f} s)" for name, s in medians.items()))
         if args.breakdown:
             print("  compile, exclusive (last round):")
             for name, seconds in runs[-1]["compile"]:

@@ -10,9 +10,15 @@ import pytest
 # processes saving different specialisations of one function at the same time
 # can leave Numba's cache index pointing at the other's code. Set before any
 # test module imports numba (which reads the variable once).
-if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
+# With ELASTIC_NP_PUBLIC_NUMBA set (Numba's private internals not used, see
+# elastic_np.cpu._numba_private) the same functions compile to other code:
+# those runs get a cache folder of their own, with or without workers.
+_PUBLIC = os.environ.get("ELASTIC_NP_PUBLIC_NUMBA", "").strip() not in ("", "0")
+if (os.environ.get("PYTEST_XDIST_WORKER") or _PUBLIC) and "numba" not in sys.modules:
     _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
+    if _PUBLIC:
+        _base = os.path.join(_base, "public-" + os.environ["ELASTIC_NP_PUBLIC_NUMBA"].strip().replace(",", "-"))
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 @pytest.fixture

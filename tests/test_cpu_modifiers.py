@@ -11,7 +11,7 @@ from elastic_np.cpu._logits import _column_max, _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
 
 
-# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._jit.inner`)
+# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._numba_private.inner`)
 @numba.njit
 def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     return _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_np.cli import _first_compile
+from elastic_np.cpu import _numba_private
 
 pytest.importorskip("fcntl")
 
@@ -38,7 +39,7 @@ def test_two_processes_saving_under_the_lock_keep_every_entry(tmp_path):
     for who in ("a", "b"):
         for n in range(count):
             assert cache.load((who, n)) == f"{who}-{n}"
-    assert (tmp_path / _first_compile.LOCK_NAME).exists()
+    assert (tmp_path / _numba_private.LOCK_NAME).exists()
 
 
 def test_the_lock_holds_only_inside_the_block(tmp_path):
@@ -67,10 +68,13 @@ class _Child:
         return 0
 
 
-@pytest.mark.parametrize("cores, split", [(2, True), (1, False)])
-def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch, cores, split):
+@pytest.mark.parametrize("cores, private, split", [(2, True, True), (1, True, False), (2, False, False)])
+def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch, cores, private, split):
+    """Only with the private path ``two_process_check`` on (it patches Numba's cache classes)."""
     ran = []
     _Child.started = []
+    on = _numba_private.PATHS if private else ()
+    monkeypatch.setattr(_numba_private, "_ON", frozenset(on))
     monkeypatch.setattr(_first_compile, "run_cases", lambda name, dtypes: ran.append((name, list(dtypes))))
     monkeypatch.setattr(_first_compile, "_cores", lambda: cores)
     monkeypatch.setattr(subprocess, "Popen", _Child)

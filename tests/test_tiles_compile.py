@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from elastic_np.cpu import _numba_private
+
 SCRIPT = """
 import numpy as np
 from numba import types
@@ -36,11 +38,12 @@ def test_compile_for_compiles_only_its_dtype():
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.skipif(not _numba_private.enabled("inner"), reason="private path inner off: helpers are plain njit")
 def test_kernel_helpers_are_only_callable_from_compiled_code():
-    # `_jit.inner` builds no Python wrapper: a call from Python raises, never runs a null entry.
-    from elastic_np.cpu import _jit, _logits, _scalar
+    # `_numba_private.inner` builds no Python wrapper: a call from Python raises, never runs a null entry.
+    from elastic_np.cpu import _logits, _scalar
 
-    assert isinstance(_logits._remove_in_row, _jit._Inner)
+    assert isinstance(_logits._remove_in_row, _numba_private._Inner)
     with pytest.raises(TypeError, match="`_log_add_exp` is only callable from compiled code"):
         _scalar._log_add_exp(0.0, 1.0)
 
@@ -72,11 +75,16 @@ print(" ".join(compiled))
 """
 
 
+# The products' public names compile too where the kernels call them, not their shared C entry point.
+_PRODUCTS = "" if _numba_private.enabled("entry_points") else " matmul_nn"
+_ALL_PRODUCTS = "" if _numba_private.enabled("entry_points") else " matmul_nn matmul_nn_max matmul_tn"
+
+
 @pytest.mark.parametrize(
     "steps, compiled",
     [
-        (("decode",), "_exp_f32 _matmul exp_inplace"),
-        (("forward", "backward"), "_exp_f32 _matmul exp_inplace exp_shift_sum"),
+        (("decode",), "_exp_f32 _matmul exp_inplace" + _PRODUCTS),
+        (("forward", "backward"), "_exp_f32 _matmul exp_inplace exp_shift_sum" + _ALL_PRODUCTS),
     ],
 )
 def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
@@ -113,7 +121,7 @@ LAZY = """
 import numpy as np
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cpu import _calls
+from elastic_np.cpu import _numba_private
 rng = np.random.default_rng(0)
 q, k, v, dout = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(4))
 bias = rng.standard_normal((24, 24)).astype(np.float32)
@@ -127,10 +135,11 @@ for name, opts in steps:
     assert np.allclose(out, want_out, atol=1e-5) and np.allclose(grads.dq, want.dq, atol=1e-4), name
     if "bias" in opts:
         assert np.allclose(grads.dbias, want.dbias, atol=1e-4)
-    print(name, ",".join(sorted(stage for stage, _ in _calls._LAZY)) or "-")
+    print(name, ",".join(sorted(symbol.split("_", 2)[2].rsplit("_", 1)[0] for symbol in _numba_private._LAZY)) or "-")
 """
 
 
+@pytest.mark.skipif(not _numba_private.enabled("lazy_stages"), reason="private path lazy_stages off: stages linked in")
 def test_modifier_and_dbias_stages_compile_on_first_use(tmp_path):
     """A call without a modifier or bias compiles neither stage; kernels loaded from the cache call them too."""
     runs = _processes(LAZY, tmp_path, count=2)
@@ -152,6 +161,10 @@ print(hashlib.sha256(out.tobytes()).hexdigest())
 """
 
 
+@pytest.mark.skipif(
+    not _numba_private.enabled("inner"),
+    reason="private path inner off: the compiling process may call a helper's own machine code (last bit apart)",
+)
 def test_the_process_that_compiles_gets_the_bits_of_the_processes_that_load(tmp_path):
     """A kernel calls its own copy of each helper, not one compiled apart: the same bits fresh and from the cache.
 

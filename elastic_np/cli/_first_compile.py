@@ -11,10 +11,11 @@ the entry, write the data file the entry names; and loads one as: read the
 index, read the data file. Two processes saving different specialisations of
 one function at the same moment could leave the index naming the other's
 code, so while they compile, both hold an exclusive lock on the cache
-folder for each save and load (`locked_cache_index`).
+folder for each save and load (`locked_cache_index`, which patches Numba's
+private cache classes: only where `elastic_np.cpu._numba_private.enabled`
+says the path ``two_process_check`` is on; else all compiles here).
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -23,10 +24,8 @@ import time
 import numpy as np
 
 from elastic_np import testing
+from elastic_np.cpu._numba_private import enabled, locked_cache_index
 from elastic_np.testing import _cases
-
-#: The lock file `locked_cache_index` leaves in each Numba cache folder it writes to.
-LOCK_NAME = ".elastic_np.lock"
 
 #: The battery's cases that reach every kernel: prefill and decode, forward and backward, every stage.
 WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20")
@@ -52,51 +51,14 @@ def _cores():
 
 
 def _can_split():
-    """Whether a second process may compile beside this one: two cores, and locks on files (POSIX)."""
+    """Whether a second process may compile beside this one: the private path on, two cores, locks on files (POSIX)."""
+    if not enabled("two_process_check"):
+        return False
     try:
         import fcntl  # noqa: F401 (what `locked_cache_index` needs)
     except ImportError:
         return False
     return _cores() >= 2
-
-
-@contextlib.contextmanager
-def locked_cache_index():
-    """Within the block, this process saves and loads Numba cache entries under an exclusive file lock.
-
-    The lock is the file `LOCK_NAME` in the cache folder of the function's
-    module, taken with ``fcntl.flock`` around Numba's own save and load.
-    """
-    import fcntl
-
-    from numba.core.caching import IndexDataCacheFile
-
-    save, load = IndexDataCacheFile.save, IndexDataCacheFile.load
-
-    @contextlib.contextmanager
-    def lock(cache_file):
-        try:
-            handle = open(os.path.join(cache_file._cache_path, LOCK_NAME), "a")
-        except OSError:  # no cache folder yet (nothing to load) or none writable: as Numba does
-            yield
-            return
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
-            yield
-
-    def locked_save(self, key, data):
-        with lock(self):
-            return save(self, key, data)
-
-    def locked_load(self, key):
-        with lock(self):
-            return load(self, key)
-
-    IndexDataCacheFile.save, IndexDataCacheFile.load = locked_save, locked_load
-    try:
-        yield
-    finally:
-        IndexDataCacheFile.save, IndexDataCacheFile.load = save, load
 
 
 def compile_backend(name, dtypes):

@@ -13,7 +13,7 @@ from numba import carray, njit
 from elastic_np._ranges import query_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu import _calls
-from elastic_np.cpu._calls import dbias_tile, exp_inplace, matmul_nn, matmul_nn_max, matmul_tn, modify_tile
+from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._dbias import (
     _accumulate_columns,
     _accumulate_transposed,
@@ -22,12 +22,13 @@ from elastic_np.cpu._dbias import (
     _store_transposed,
     _task_pairs,
 )
-from elastic_np.cpu._jit import inner
 from elastic_np.cpu._logits import (
     _logits_tile,
     _prefetch_bias,
     _query_factor,
+    modify_tile,
 )
+from elastic_np.cpu._numba_private import enabled, inner
 from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,
@@ -36,8 +37,6 @@ from elastic_np.cpu._plan import (
 from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
-
-_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -245,8 +244,25 @@ def _dbias_entry(dpt, d0, d1, params, n_params, strides, n_strides, direct, n_di
 
 
 def ensure_dbias(dtype):
-    """Compile (or load from the cache) the dbias stage for ``dtype`` before a backward with a bias runs."""
-    _calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
+    """Compile (or load from the cache) the dbias stage for ``dtype`` before a backward with a bias runs.
+
+    Nothing to do when the path ``lazy_stages`` is off (`dbias_tile` is linked in).
+    """
+    if enabled("lazy_stages"):
+        _calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
+
+
+def _linked_dbias_tile(dpt, dbias, tile, slot, inv_tau):
+    """`_calls.dbias_tile`'s stage called directly, ``inv_tau`` a double as through the entry point."""
+    bk, bq, b, h, i0, j0 = tile
+    _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, np.float64(inv_tau))
+
+
+#: What the backward kernel calls for the dbias stage: an entry point compiled on first use, or the stage linked in.
+dbias_tile = _calls.dbias_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_dbias_tile)
+
+#: What the backward kernel calls of `_calls` (see `elastic_np.cpu._simd.compile_for`).
+_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 
 @inner(fastmath=False)

@@ -10,7 +10,7 @@ and name a task's pairs (`_task_pairs`, `_pair_head`).
 import numpy as np
 
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._transpose import (
     stream_fence,
     stream_width,

@@ -46,12 +46,11 @@ from elastic_np.cpu._calls import (
     matmul_nn,
     matmul_nn_max,
     matmul_tn,
-    modify_tile,
 )
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
-from elastic_np.cpu._jit import inner
-from elastic_np.cpu._logits import _logits_tile, _query_factor, scale_logits_row
+from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
+from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._plan import _kernel_array, _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for

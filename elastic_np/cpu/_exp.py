@@ -17,7 +17,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._simd import (
     _DTYPES,
     _EXP_SIGNATURES,

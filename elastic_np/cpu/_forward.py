@@ -9,14 +9,15 @@ from numba import njit
 
 from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn, modify_tile
+from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._jit import inner
 from elastic_np.cpu._logits import (
     _column_max,
     _logits_tile,
     _query_factor,
+    modify_tile,
 )
+from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,

@@ -4,9 +4,10 @@
 rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
 `_scale_logits`), the reads of the bias (`_add_transposed`,
 `_prefetch_bias`) and the tile maxima (`_column_max`). The kernels reach the
-modifier stage through a C entry point compiled on first use
+modifier stage through `modify_tile`: a C entry point compiled on first use
 (`_calls.modify_tile`, `ensure_modifiers`), so a call without a soft-cap,
-ALiBi or bias never compiles it.
+ALiBi or bias never compiles it, or the stage linked in where that private
+path is off (`elastic_np.cpu._numba_private`).
 """
 
 import collections
@@ -15,9 +16,9 @@ import numpy as np
 from numba import carray, njit
 
 from elastic_np.cpu import _calls
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max, modify_tile
+from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import enabled, inner
 from elastic_np.cpu._scalar import _like, _removes_nothing
 from elastic_np.cpu._tanh import sech2_any, tanh_any
 from elastic_np.cpu._transpose import (
@@ -137,8 +138,26 @@ def ensure_modifiers(dtype):
 
     The kernel plan calls it for every problem with a soft-cap, ALiBi or a
     bias, before a kernel runs: a call without them never compiles it.
+    Nothing to do when the path ``lazy_stages`` is off (`modify_tile` is linked in).
     """
-    _calls.ensure_lazy("modify_tile", dtype, _modify_entry)
+    if enabled("lazy_stages"):
+        _calls.ensure_lazy("modify_tile", dtype, _modify_entry)
+
+
+def _linked_modify_tile(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
+                        softcap):
+    """`_calls.modify_tile`'s stage called directly, its floats as doubles as through the entry point."""
+    opt = Modifiers(
+        diag_shift, tau, np.float64(softcap), flags & _calls.HAS_SOFTCAP != 0, flags & _calls.HAS_ALIBI != 0,
+        alibi, flags & _calls.HAS_BIAS != 0, bias, bias_strides,
+    )
+    _modify_tile(st, opt, tile, bk, cap_slope, flags & _calls.WANT_CAP_SLOPE != 0, flags & _calls.OVERWRITE != 0)
+    if flags & _calls.CAPPED_MAX:
+        _cap_maxima(tile_max, tile[3], opt, tile[1], st)
+
+
+#: What the kernels call for the modifier stage: an entry point compiled on first use, or the stage linked in.
+modify_tile = _calls.modify_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_modify_tile)
 
 
 @inner(fastmath=_FASTMATH)

@@ -10,7 +10,7 @@ from numba import types
 from numba.extending import overload
 
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import inner
 
 
 @inner(fastmath=False)

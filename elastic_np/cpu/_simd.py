@@ -29,12 +29,14 @@ from numba.core import config
 from numba.extending import overload
 from numba.np import numpy_support
 
+from elastic_np.cpu import _numba_private
+
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
 # measured no faster for the matmuls, and would let LLVM reorder the exponential's
 # Cody-Waite reduction).
 _OPTIONS = dict(cache=True, fastmath={"contract"}, boundscheck=False, error_model="numpy")
-#: The same for their helpers (`elastic_np.cpu._jit.inner`).
+#: The same for their helpers (`elastic_np.cpu._numba_private.inner`).
 _INNER_OPTIONS = {name: value for name, value in _OPTIONS.items() if name != "cache"}
 
 
@@ -82,9 +84,6 @@ def _signatures(dispatcher):
     return next(signatures for d, signatures, _ in _TYPED if d is dispatcher)
 
 
-_LINKED = set()  # symbols registered with LLVM
-
-
 def compile_for(dtype, functions=None):
     """Compile (or load from the cache) the signatures of ``dtype`` of the tile functions.
 
@@ -121,9 +120,8 @@ def compile_for(dtype, functions=None):
             _COMPILED.add((dtype, dispatcher))
         for call in calls:
             symbol, make_entry = call.entries[element]
-            if symbol not in _LINKED:
-                binding.add_symbol(symbol, make_entry().address)
-                _LINKED.add(symbol)
+            if symbol not in _numba_private._LINKED:
+                _numba_private.register_symbol(symbol, make_entry().address)
         _READY.add(key)
 
 

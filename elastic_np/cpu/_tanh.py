@@ -26,7 +26,7 @@ from elastic_np.cpu._exp import (
     _pow2_f64,
     by_dtype,
 )
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._simd import _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _typed
 
 #: Below -64 = -2|v| (|v| > 32) tanh rounds to +-1 in float64 (1 - tanh|v| < 2**-90).

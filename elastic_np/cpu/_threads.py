@@ -8,7 +8,7 @@ import numba
 import numba.np.ufunc.parallel as _numba_parallel
 
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._jit import inner
+from elastic_np.cpu._numba_private import inner
 
 _pool = None  # (threads, executor)
 

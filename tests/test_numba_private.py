@@ -1,0 +1,83 @@
+"""The version check in front of Numba's private internals, and the public fallback it selects."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numba
+import pytest
+
+from elastic_np.cpu import _numba_private as private
+
+ALL = frozenset(private.PATHS)
+
+
+def test_every_path_is_on_inside_the_tested_range():
+    low, high = private.TESTED_NUMBA
+    for version in (low, high):
+        text = ".".join(map(str, version))
+        assert private.paths_on(text, None) == ALL
+        assert private.paths_on(text, "") == ALL and private.paths_on(text, "0") == ALL
+    assert private.paths_on(".".join(map(str, high)) + "rc1", None) == ALL
+
+
+@pytest.mark.parametrize("version", ["0.61.0", "0.62.0", "0.69.0", "0.70.1", "1.0", "unknown"])
+def test_every_path_is_off_outside_the_tested_range(version):
+    low, high = private.TESTED_NUMBA
+    assert not low <= private._version(version) <= high  # the case really is outside
+    assert private.paths_on(version, None) == frozenset()
+
+
+def test_the_environment_variable_turns_paths_off():
+    tested = ".".join(map(str, private.TESTED_NUMBA[1]))
+    assert private.paths_on(tested, "1") == frozenset()
+    assert private.paths_on(tested, " 1 ") == frozenset()
+    assert private.paths_on(tested, "inner, lazy_stages") == ALL - {"inner", "lazy_stages"}
+    with pytest.raises(ValueError, match="no path"):
+        private.paths_on(tested, "yes")
+
+
+def test_this_process_follows_the_installed_numba_and_the_variable():
+    assert private._ON == private.paths_on(numba.__version__, os.environ.get(private.ENV_VAR))
+    with pytest.raises(ValueError):
+        private.enabled("no such path")
+
+
+FORCED = """
+import numpy as np
+import elastic_np as enp
+from elastic_np.cli import _first_compile
+from elastic_np.cpu import _backward, _calls, _exp, _logits, _numba_private, _products, _scalar
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, 12, 8)) for _ in range(3))
+out, lse = enp.attention(q, k, v, causal=True, softcap=3.0, bias=np.ones((12, 12)), return_lse=True)
+enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=3.0, bias=np.ones((12, 12)))
+assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
+assert type(_logits.modify_tile) is type(_backward.dbias_tile) is type(_products.matmul_nn)
+assert np.isclose(_scalar._log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python
+assert not _numba_private._LINKED and not _numba_private._LAZY and not _numba_private._TRAMPOLINES
+assert not _first_compile._can_split()
+print(sorted(_numba_private._ON))
+"""
+
+
+def test_forced_fallback_uses_public_numba_alone(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **{private.ENV_VAR: "1"})
+    run = subprocess.run([sys.executable, "-c", FORCED], capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+PRIVATE_NAMES = r"numba\._dynfunc|_dynfunc|numba\.core\.(compiler|codegen|caching|registry)|add_symbol|create_mcjit"
+
+
+def test_no_other_module_uses_the_private_internals():
+    package = pathlib.Path(private.__file__).parents[1]
+    users = {
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if re.search(PRIVATE_NAMES, path.read_text())
+    }
+    assert users == {"cpu/_numba_private.py"}
