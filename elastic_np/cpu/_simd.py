@@ -97,32 +97,41 @@ def compile_for(dtype, functions=None):
     key = (np.dtype(dtype), functions)
     if key in _READY:
         return
-    dtype = key[0]
+    element = numpy_support.from_dtype(key[0])
     calls = [f for f in functions or () if hasattr(f, "entries")]
-    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions) - set(calls)
-    wanted.update(d for f in calls for d in f.needs)
-    element = numpy_support.from_dtype(dtype)
     with _COMPILE_LOCK:
-        for dispatcher, signatures, needs in reversed(_TYPED):  # what a function needs is defined before it
-            if dispatcher in wanted:
-                wanted.update(needs)
+        wanted = _wanted(functions, calls)
         for dispatcher, signatures, _ in _TYPED:  # in definition order: callees first
-            if dispatcher not in wanted or (dtype, dispatcher) in _COMPILED:
-                continue
-            mine = [s for s in signatures if s.args[0].dtype == element]
-            if mine:
-                dispatcher.disable_compile(False)
-                try:
-                    for signature in mine:
-                        dispatcher.compile(signature)
-                finally:
-                    dispatcher.disable_compile()
-            _COMPILED.add((dtype, dispatcher))
+            if dispatcher in wanted and (key[0], dispatcher) not in _COMPILED:
+                _compile_signatures(dispatcher, [s for s in signatures if s.args[0].dtype == element])
+                _COMPILED.add((key[0], dispatcher))
         for call in calls:
             symbol, make_entry = call.entries[element]
             if symbol not in _numba_private._LINKED:
                 _numba_private.register_symbol(symbol, make_entry().address)
         _READY.add(key)
+
+
+def _wanted(functions, calls):
+    """The typed functions that ``functions`` (all for None) and the entry points ``calls`` need."""
+    wanted = {d for d, _, _ in _TYPED} if functions is None else set(functions) - set(calls)
+    wanted.update(d for f in calls for d in f.needs)
+    for dispatcher, _, needs in reversed(_TYPED):  # what a function needs is defined before it
+        if dispatcher in wanted:
+            wanted.update(needs)
+    return wanted
+
+
+def _compile_signatures(dispatcher, signatures):
+    """Compile ``signatures`` of a typed function, which compiles nothing else."""
+    if not signatures:
+        return
+    dispatcher.disable_compile(False)
+    try:
+        for signature in signatures:
+            dispatcher.compile(signature)
+    finally:
+        dispatcher.disable_compile()
 
 
 _EXP_SIGNATURES = {dtype: types.void(_matrix(dtype), types.intp, types.intp) for dtype in _DTYPES}
