@@ -49,9 +49,11 @@ def get_backend(name):
 
 
 def _problem(module, q, k, v, options):
-    """The backend's validated problem (`_spec.check_backend`, then its ``prepare``)."""
-    _spec.check_backend(options, module.__name__.rsplit(".", 1)[-1])
-    return module.prepare(q, k, v, dtypes=module.dtypes, **options)
+    """The backend's validated problem: its ``prepare``, then `_spec.check_support`."""
+    problem = module.prepare(q, k, v, dtypes=module.dtypes, **options)
+    kernel_dtype = None if module.dtypes is None else problem.dtype
+    _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
+    return problem
 
 
 def _cuda_is_available():

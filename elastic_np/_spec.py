@@ -34,6 +34,8 @@ WINDOW_MAX = 2**63 - 1
 
 #: Every backend takes every option.
 BACKENDS = ("reference", "cpu", "cuda")
+#: The dtypes the kernels compute in; each option is taken in all of them.
+KERNEL_DTYPES = ("float32", "float64")
 
 
 class Shape(NamedTuple):
@@ -76,6 +78,9 @@ class Option:
         call, the others when it is built.
     backends : tuple of str
         The backends that take it.
+    dtypes : tuple of str
+        The dtypes the kernels take it in (the reference computes in
+        float64 whatever the inputs' dtype, and takes every option).
     """
 
     name: str
@@ -87,6 +92,7 @@ class Option:
     tensor: bool = False
     per_call: bool = False
     backends: tuple = BACKENDS
+    dtypes: tuple = KERNEL_DTYPES
 
 
 def _scale(value, shape):
@@ -242,14 +248,21 @@ def problem_fields(options, shape):
     return fields
 
 
-def check_backend(options, backend):
-    """Raise a `ValueError` for an option set away from its default that ``backend`` does not take."""
+def check_support(options, backend, dtype=None):
+    """Raise a `ValueError` for an option set away from its default that ``backend`` does not take.
+
+    ``dtype``, for a kernel backend, is the dtype it computes in: an option
+    the kernels do not take in it is rejected too.
+    """
     for option in OPTIONS:
-        if backend not in option.backends and not _is_default(options.get(option.name, option.default), option):
-            raise ValueError(
-                f"backend {backend!r} does not take `{option.name}` (backends that do: "
-                f"{', '.join(option.backends)})"
-            )
+        if backend in option.backends and (dtype is None or np.dtype(dtype).name in option.dtypes):
+            continue
+        if not _is_default(options.get(option.name, option.default), option):
+            if backend not in option.backends:
+                raise ValueError(f"backend {backend!r} does not take `{option.name}` (backends that do: "
+                                 f"{', '.join(option.backends)})")
+            raise ValueError(f"the {backend} kernels do not take `{option.name}` in {np.dtype(dtype).name} "
+                             f"(they do in {', '.join(option.dtypes)})")
 
 
 def _is_default(value, option):

@@ -1,6 +1,7 @@
 """The options are described once (`elastic_np._spec`): every signature, docstring and list follows it."""
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import pathlib
@@ -143,15 +144,30 @@ def test_no_function_outside_the_table_spells_out_the_options():
     assert allowed_seen == ALLOWED
 
 
+def _narrowed(monkeypatch, name, **fields):
+    """The option table with option ``name``'s record changed in ``fields``."""
+    option = next(o for o in _spec.OPTIONS if o.name == name)
+    narrowed = dataclasses.replace(option, **fields)
+    monkeypatch.setattr(_spec, "OPTIONS", tuple(narrowed if o is option else o for o in _spec.OPTIONS))
+
+
 def test_an_option_a_backend_does_not_take_is_rejected(monkeypatch):
-    softcap = next(o for o in _spec.OPTIONS if o.name == "softcap")
-    narrowed = tuple(softcap.__class__(**{**softcap.__dict__, "backends": ("reference",)}) if o is softcap else o
-                     for o in _spec.OPTIONS)
-    monkeypatch.setattr(_spec, "OPTIONS", narrowed)
-    _spec.check_backend({"softcap": None}, "cpu")  # the default: nothing to reject
-    _spec.check_backend({"softcap": 5.0}, "reference")
+    _narrowed(monkeypatch, "softcap", backends=("reference",))
+    _spec.check_support({"softcap": None}, "cpu")  # the default: nothing to reject
+    _spec.check_support({"softcap": 5.0}, "reference")
     with pytest.raises(ValueError, match="backend 'cpu' does not take `softcap`"):
-        _spec.check_backend({"softcap": 5.0}, "cpu")
+        _spec.check_support({"softcap": 5.0}, "cpu")
     q = np.ones((1, 1, 2, 4), np.float32)
     with pytest.raises(ValueError, match="backend 'cpu' does not take `softcap`"):
         enp.attention(q, q, q, softcap=5.0, backend="cpu")
+
+
+def test_an_option_the_kernels_do_not_take_in_a_dtype_is_rejected(monkeypatch):
+    _narrowed(monkeypatch, "softcap", dtypes=("float64",))
+    q = np.ones((1, 1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="the cpu kernels do not take `softcap` in float32"):
+        enp.attention(q, q, q, softcap=5.0, backend="cpu")
+    q64 = q.astype(np.float64)
+    enp.attention(q64, q64, q64, softcap=5.0, backend="cpu")  # the float64 kernels take it
+    enp.attention(q, q, q, softcap=5.0, backend="reference")  # the reference: float64 always
+    enp.attention(q, q, q, backend="cpu")  # the option left at its default
