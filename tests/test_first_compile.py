@@ -104,3 +104,18 @@ def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_child_imports_this_copy_even_beside_another(tmp_path, monkeypatch):
+    """Run from a folder holding another elastic_np (a source checkout), the child still imports this one."""
+    decoy = tmp_path / "elastic_np"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy copy')\n")
+    monkeypatch.chdir(tmp_path)
+    import elastic_np
+
+    found = subprocess.run([sys.executable, "-c", "import elastic_np; print(elastic_np.__file__)"],
+                           capture_output=True, text=True, check=True, **_first_compile.child_options())
+    assert found.stdout.strip() == elastic_np.__file__
+    plain = subprocess.run([sys.executable, "-c", "import elastic_np"], capture_output=True, text=True)
+    assert "the decoy copy" in plain.stderr  # what the child would import without them

@@ -61,6 +61,19 @@ def _can_split():
     return _cores() >= 2
 
 
+def child_options():
+    """``cwd`` and ``env`` of a child process that imports this very copy of elastic_np.
+
+    ``python -m`` puts its working directory first on the path: run from a
+    source checkout beside an installed copy (the README's ``pip install . &&
+    elastic-np check``), the child would compile the checkout's kernels into
+    another cache. It runs in the folder that holds this package instead.
+    """
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    return {"cwd": package_root, "env": env}
+
+
 def compile_backend(name, dtypes):
     """Compile (or load from the cache) what the battery runs of backend ``name`` in ``dtypes``; seconds taken.
 
@@ -73,11 +86,9 @@ def compile_backend(name, dtypes):
     if name != "cpu" or len(dtypes) < 2 or not _can_split():
         run_cases(name, dtypes)
         return time.perf_counter() - start
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen(
         [sys.executable, "-m", "elastic_np.cli._first_compile", name, *(d.name for d in dtypes[1:])],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        **child_options(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         with locked_cache_index():
