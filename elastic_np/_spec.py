@@ -15,6 +15,7 @@ kernels (see the architecture page).
 """
 
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -254,15 +255,21 @@ def check_support(options, backend, dtype=None):
     ``dtype``, for a kernel backend, is the dtype it computes in: an option
     the kernels do not take in it is rejected too.
     """
+    dtype = None if dtype is None else _dtype_name(dtype)
     for option in OPTIONS:
-        if backend in option.backends and (dtype is None or np.dtype(dtype).name in option.dtypes):
+        if backend in option.backends and (dtype is None or dtype in option.dtypes):
             continue
         if not _is_default(options.get(option.name, option.default), option):
             if backend not in option.backends:
                 raise ValueError(f"backend {backend!r} does not take `{option.name}` (backends that do: "
                                  f"{', '.join(option.backends)})")
-            raise ValueError(f"the {backend} kernels do not take `{option.name}` in {np.dtype(dtype).name} "
+            raise ValueError(f"the {backend} kernels do not take `{option.name}` in {dtype} "
                              f"(they do in {', '.join(option.dtypes)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype):
+    return np.dtype(dtype).name
 
 
 def _is_default(value, option):
