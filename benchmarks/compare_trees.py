@@ -56,7 +56,7 @@ def worker(argv):
     import elastic_np
     import score_modifiers
     try:
-        from elastic_np.cli import _bench
+        import elastic_np.cli._bench as _bench
     except ImportError:  # a tree from before the tools moved to elastic_np.cli
         from elastic_np import _bench
 

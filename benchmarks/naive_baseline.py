@@ -25,7 +25,7 @@ from elastic_np import reference
 from elastic_np.testing import _cases, _tolerances
 
 try:
-    from elastic_np.cli import _bench
+    import elastic_np.cli._bench as _bench
 except ImportError:  # a tree from before the tools moved to elastic_np.cli
     from elastic_np import _bench
 from elastic_np.testing._report import worst_error

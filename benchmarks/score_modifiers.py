@@ -26,7 +26,7 @@ import numpy as np
 
 import elastic_np as enp
 try:
-    from elastic_np.cli import _bench
+    import elastic_np.cli._bench as _bench
 except ImportError:  # a tree from before the tools moved to elastic_np.cli
     from elastic_np import _bench
 

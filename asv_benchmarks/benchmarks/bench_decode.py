@@ -11,7 +11,7 @@ from . import common
 from .common import DTYPES
 
 try:  # the decode measurements, in the tools' package since it has one
-    from elastic_np.cli import _bench_decode
+    import elastic_np.cli._bench_decode as _bench_decode
 except ImportError:
     try:  # before: at the top of the package; they appeared with the decode kernel
         from elastic_np import _bench_decode

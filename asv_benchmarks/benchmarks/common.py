@@ -33,7 +33,7 @@ import elastic_np
 from elastic_np import _dispatch
 
 try:  # the measurement helpers, in the tools' package since it has one
-    from elastic_np.cli import _bench
+    import elastic_np.cli._bench as _bench
 except ImportError:
     try:  # before: at the top of the package; they appeared after its skeleton
         from elastic_np import _bench
