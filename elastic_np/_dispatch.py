@@ -28,8 +28,8 @@ from elastic_np import _spec, _validation
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.reference._merge import _merge, _validate
 
-BACKENDS = ("reference", "cpu", "cuda")
-_BACKEND_MODULES = {"reference": "elastic_np.reference", "cpu": "elastic_np.cpu", "cuda": "elastic_np.cuda"}
+BACKENDS = _spec.BACKENDS
+_BACKEND_MODULES = {name: f"elastic_np.{name}" for name in BACKENDS}
 
 
 def get_backend(name):
