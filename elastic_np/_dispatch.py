@@ -83,6 +83,7 @@ def attention(
     softcap=None,
     alibi_slopes=None,
     bias=None,
+    precision=None,
     return_lse=False,
     backend="auto",
 ):
@@ -170,6 +171,7 @@ def attention_backward(
     softcap=None,
     alibi_slopes=None,
     bias=None,
+    precision=None,
     backend="auto",
 ):
     """Gradients of `attention` for ``q, k, v, tau, beta``, the window's ``sigma`` and ``bias``.

@@ -60,6 +60,7 @@ class AttentionProblem:
     bias_unchecked: bool = False
     kv_unchecked: bool = False
     align: str = "array"
+    precision: Optional[str] = None
 
     @property
     def kv_ends(self):

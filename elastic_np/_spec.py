@@ -164,6 +164,16 @@ def _bias(value, shape):
     return {"bias": bias, "bias_shape": given}
 
 
+#: The values of ``precision``: None (the dtype's own) or ``"tf32"``.
+PRECISIONS = (None, "tf32")
+
+
+def _precision(value, shape):
+    if value is not None and (not isinstance(value, str) or value not in PRECISIONS):
+        raise ValueError(f"`precision` must be None or 'tf32', got {value!r}")
+    return {"precision": value}
+
+
 def _boolean(name):
     return lambda value, shape: {name: _validation.boolean(value, name)}
 
@@ -209,6 +219,12 @@ OPTIONS = (
            "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
            "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
            _bias, gradient="dbias", tensor=True, per_call=True),
+    Option("precision", None, '{None, "tf32"}, optional',
+           "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
+           "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "
+           "mantissa), about three times faster, like ``torch.backends.cuda.matmul.allow_tf32``; kernels "
+           "that do not use the tensor cores keep float32. CUDA float32 only.",
+           _precision, backends=("cuda",), dtypes=("float32",)),
 )
 
 #: The option names, in order.

@@ -87,7 +87,7 @@ def test_every_option_sets_problem_fields_and_rejects_a_bad_value():
     assert defaults["scale"] == pytest.approx(5 ** -0.5)
     bad = {"scale": "x", "causal": 1, "window_size": (0,), "kv_lengths": [9], "align": "left",
            "mask": np.ones(4), "nvm": "yes", "tau": 0.0, "beta": -1.0, "dynamic_window": 0.5,
-           "softcap": 0.0, "alibi_slopes": np.ones(3), "bias": np.ones((5, 4))}
+           "softcap": 0.0, "alibi_slopes": np.ones(3), "bias": np.ones((5, 4)), "precision": "fast"}
     assert set(bad) == set(_spec.NAMES)
     for option in _spec.OPTIONS:
         assert option.fields(option.default, shape).keys() <= defaults.keys()
