@@ -114,6 +114,7 @@ def _int_options(p, dev, bias_strides, bias_compact):
     if bias_compact is not None:
         iopts[dev.I_DBIAS_B : dev.I_DBIAS_J + 1] = bias_compact
     iopts[dev.I_ALIGN_KV] = p.align == "kv_lengths"
+    iopts[dev.I_MMA_TERMS] = 3 if p.dtype == np.float32 and p.precision is None else 1
     return iopts
 
 

@@ -10,6 +10,7 @@ print them.
 """
 
 import contextlib
+import functools
 import re
 import types
 
@@ -43,8 +44,11 @@ def _signatures(dtype):
     opts = nbt.Tuple(tuple(opts))
     qkv = (arr(4), arr(4), arr(4))
     dout_lse_delta = nbt.Tuple((arr(4), arr(3), arr(3)))
+    tensor_cores = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, arr(4), arr(3))
+                    for kernel in _kernel_module("_forward_tc").KERNELS.values()}
     return {
         "_forward_kernel": qkv + (opts, nbt.int64, arr(4), arr(3)),
+        **tensor_cores,
         "_backward_delta_kernel": (arr(4), arr(4), arr(3), opts, arr(3)),
         "_backward_dq_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4), arr(4)),
         "_backward_dkdv_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4)),
@@ -77,8 +81,13 @@ def ptx(cc=(9, 0)):
     cuda = _cuda()
     if _simulator():
         raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    return dict(_ptx(cuda, tuple(int(c) for c in cc)))
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx(cuda, cc):
+    """`ptx`'s result, compiled once per capability in a process."""
     kern = _kernel_module("_kernels")
-    cc = tuple(int(c) for c in cc)
     result = {}
     with _device_functions_compiled_for(cc):
         for dtype in dtypes:

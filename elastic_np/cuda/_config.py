@@ -41,6 +41,29 @@ FORWARD_BLOCK_K = 64
 #: Forward: keys per K/V tile at least (before the shared memory shrinks it).
 FORWARD_MIN_BLOCK_K = 32
 
+#: Forward on the tensor cores (`elastic_np.cuda._forward_tc`, sm_80 and later): False
+#: keeps every forward on the SIMT kernel above (as on GPUs before sm_80).
+TENSOR_CORES = True
+#: Whether a float32 forward at the default ``precision`` takes the tensor cores (as
+#: 3xTF32). Off: on an H200 its output broke the float32 rule by up to 1.3x (the
+#: tensor cores' accumulation truncates), and the SIMT backward's recomputed scores
+#: differ from the forward's, which the gradients' rule does not survive; float64
+#: (DMMA) and ``precision="tf32"`` take the tensor cores.
+TC_FLOAT32 = False
+#: Tensor-core forward: warps per block at most (16 query rows each); halved until
+#: the shared memory fits. 8 ran 1.3x (float32) to 1.9x (float64) faster than 4 on an
+#: H200 before the copies became asynchronous, and as fast after.
+TC_FORWARD_WARPS = 8
+#: Tensor-core forward: keys per K/V tile by itemsize (32 or 64; the kernels with every
+#: option take 32), each a kernel of its own (`elastic_np.cuda._forward_tc.KERNELS`).
+#: On an H200 (B=4, H=16, N=4096, D=64, 8 warps) float32 ran 1.18x faster with 64 than
+#: with 32; float64 takes 32, with which its kernel keeps its registers.
+TC_KEYS = {4: 64, 8: 32}
+#: Tensor-core forward: copy 16 bytes at a time where the rows allow it (False: element by element).
+TC_VECTOR_COPY = True
+#: Tensor-core forward: padding of the shared-memory rows, in elements (compile-time).
+TC_PAD = 4
+
 #: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
 #: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_Q / REG_M) * (DQ_BLOCK_K /
 #: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.

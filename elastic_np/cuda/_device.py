@@ -51,7 +51,8 @@ I_DBIAS_B = 14  # the bias's compact shape (its own, padded to 4 dims): the layo
 I_DBIAS_H = 15
 I_DBIAS_I = 16
 I_DBIAS_J = 17
-I_COUNT = 18
+I_MMA_TERMS = 18  # tensor-core products per float32 product: 3 (3xTF32) or 1 (TF32; float64)
+I_COUNT = 19
 
 # fopts
 F_SCALE = 0

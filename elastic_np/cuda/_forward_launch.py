@@ -11,7 +11,9 @@ a decoding shape (those go to `elastic_np.cuda._decode_launch`).
 """
 
 from elastic_np.cuda import _config as config
-from elastic_np.cuda._host import _kernel_module, blocks, configured, pow2_at_least, shared_limit
+from elastic_np.cuda._host import (
+    _kernel_module, _simulator, blocks, compute_capability, configured, pow2_at_least, shared_limit,
+)
 
 
 def geometry(threads, tile):
@@ -58,10 +60,82 @@ def tiles(itemsize, D, Dv):
     return threads(), block_k
 
 
+def tc_shared_elements(warps, block_k, width_v, D):
+    """Elements of dynamic shared memory of a tensor-core forward block (Q, two of K or the scratch, two of V)."""
+    stride = -(-max(D, 1) // 8) * 8 + config.TC_PAD
+    block_q = 16 * warps
+    return block_q * stride + 2 * max(block_k * stride, block_q * (block_k + 1)) + 2 * block_k * (width_v + config.TC_PAD)
+
+
+def needs_general(p):
+    """Whether problem ``p`` has an option the simple tensor-core kernels do not take (mask, bias, NVM, ...)."""
+    return (p.mask is not None or p.bias is not None or p.nvm or p.sigma is not None or p.alibi is not None
+            or p.softcap is not None)
+
+
+def tensor_core_geometry(itemsize, D, Dv, general=False):
+    """``(kernel key, warps, shared bytes)`` of the tensor-core forward, or None where its tiles cannot fit.
+
+    The key is ``(keys per tile, value columns per pass, general)`` of
+    `elastic_np.cuda._forward_tc.KERNELS`: key tiles of ``TC_KEYS[dtype]``
+    (32 with the general pipeline, whose calls cost registers), value columns
+    in passes of 128 for float32 heads over 64, else 64. The warps per block
+    (16 query rows each) halve from ``TC_FORWARD_WARPS`` until the shared
+    memory fits.
+    """
+    block_k = 32 if general else config.TC_KEYS[itemsize]
+    width_v = 128 if Dv > 64 and itemsize == 4 else 64
+    warps = config.TC_FORWARD_WARPS
+    limit = shared_limit()
+    while warps >= 1:
+        shared = tc_shared_elements(warps, block_k, width_v, D) * itemsize
+        if shared <= limit:
+            return (block_k, width_v, bool(general)), warps, shared
+        warps //= 2
+    return None
+
+
+def tensor_core_plan(p):
+    """The tensor-core forward's `tensor_core_geometry` for problem ``p``, or None where the SIMT kernel runs.
+
+    The tensor cores take float64 and ``precision="tf32"`` (the float32
+    default only with ``TC_FLOAT32``), on sm_80 and later (and the
+    simulator), unless ``TENSOR_CORES`` is off or the tiles cannot fit.
+    """
+    itemsize = p.dtype.itemsize
+    if not config.TENSOR_CORES or not (itemsize == 8 or p.precision == "tf32" or config.TC_FLOAT32):
+        return None
+    if compute_capability() < (8, 0):
+        return None
+    B, H, Hkv, N, M, D, Dv = p.shape
+    return tensor_core_geometry(itemsize, D, Dv, needs_general(p))
+
+
+def vector_copies(itemsize, D, Dv, arrays):
+    """Whether the tensor-core forward copies 16 bytes at a time: rows of whole, 16-byte aligned units.
+
+    ``arrays`` are the device arrays ``q``, ``k``, ``v`` (C-contiguous);
+    ``TC_VECTOR_COPY`` False copies element by element.
+    """
+    unit = 16 // itemsize
+    if not config.TC_VECTOR_COPY or D % unit or Dv % unit:
+        return False
+    if _simulator():
+        return True
+    return all(a.__cuda_array_interface__["data"][0] % 16 == 0 for a in arrays)
+
+
 def launch(p, opts, q, k, v, out, lse):
     """Launch the flash forward of problem ``p`` into ``out``, ``lse`` (``opts`` from ``_api._launch_options``)."""
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
+    plan = tensor_core_plan(p)
+    if plan is not None:
+        key, warps, shared = plan
+        kernel = _kernel_module("_forward_tc").KERNELS[key]
+        vector = vector_copies(itemsize, D, Dv, (q, k, v))
+        configured(kernel, blocks(N, 16 * warps) * B * H, 32 * warps, shared)(q, k, v, opts, vector, out, lse)
+        return
     threads, tile = tiles(itemsize, D, Dv)
     shared = shared_elements(threads, tile, D, Dv) * itemsize
     block_q, _ = geometry(threads, tile)

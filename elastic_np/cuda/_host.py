@@ -123,6 +123,18 @@ def shared_limit():
     return _device_shared_limit(_cuda().get_current_device().id)
 
 
+def compute_capability():
+    """The current GPU's compute capability, ``(9, 0)`` under the simulator (whose kernels take every path)."""
+    if _simulator():
+        return (9, 0)
+    return _device_capability(_cuda().get_current_device().id)
+
+
+@functools.cache
+def _device_capability(device_id):
+    return tuple(_cuda().get_current_device().compute_capability)
+
+
 @functools.cache
 def _device_shared_limit(device_id):
     return int(_cuda().get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)

@@ -51,11 +51,12 @@ Conventions shared by every kernel:
   threads of a warp fall in different banks.
 """
 
-from elastic_np.cuda import _backward, _decode, _forward
+from elastic_np.cuda import _backward, _decode, _forward, _forward_tc
 
 #: Every kernel of the backend, by name (the PTX and resource reports go through these).
 KERNELS = {
     "_forward_kernel": _forward._forward_kernel,
+    **{kernel.py_func.__name__: kernel for kernel in _forward_tc.KERNELS.values()},
     **_backward.KERNELS,
     **_decode.KERNELS,
 }

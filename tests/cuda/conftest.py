@@ -53,6 +53,9 @@ def small_tiles(monkeypatch):
         "DECODE_LANES": 4,
         "DECODE_MIN_BLOCKS": 32,
         "DECODE_MIN_SPLIT_KEYS": 8,
+        # the tensor-core forward: one warp (16 query rows) a block, key tiles of 32
+        "TC_FORWARD_WARPS": 1,
+        "TC_KEYS": {4: 32, 8: 32},
     }.items():
         monkeypatch.setattr(_cuda_config, name, value)
 

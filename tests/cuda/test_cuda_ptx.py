@@ -34,6 +34,26 @@ def test_resource_report_from_the_compiled_code():
     # the float32 flash forward keeps its score and output micro-tiles in registers: no local memory at all
     forward = report["_forward_kernel[float32]"]
     assert forward["stack_bytes"] == 0 and not forward["spills"], forward
+    # the float64 tensor-core forward (32-key tiles, 64 value columns) keeps its fragments in registers too; the
+    # float32 ones spill 56 B and more (docs/performance.rst)
+    tensor_cores = report["_forward_tc_k32_v64_simple[float64]"]
+    assert tensor_cores["stack_bytes"] == 0 and not tensor_cores["spills"], tensor_cores
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_tensor_core_forward_uses_the_tensor_cores(cc):
+    """Its products are ``mma.sync`` (TF32 for float32; float64 as m16n8k4 on sm_90, m8n8k4 before), its copies ``cp.async``."""
+    code = cuda.ptx(cc=cc)
+    names = [name for name in _cuda_kernels.KERNELS if name.startswith("_forward_tc_")]
+    assert len(names) == 8
+    f64_shape = "m16n8k4" if cc >= (9, 0) else "m8n8k4"
+    for name in names:
+        f32, f64 = code[f"{name}[float32]"], code[f"{name}[float64]"]
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in f32 and "cvt.rna.tf32.f32" in f32, name
+        assert f"mma.sync.aligned.{f64_shape}.row.col.f64.f64.f64.f64" in f64 and ".tf32" not in f64, name
+        assert "m8n8k4" not in f64 if cc >= (9, 0) else "m16n8k4" not in f64, name
+        for text in (f32, f64):
+            assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text, name
 
 
 def test_dynamic_shared_memory_fits_the_limit():

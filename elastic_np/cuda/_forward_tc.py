@@ -1,0 +1,458 @@
+"""The tensor-core flash forward: a warp owns 16 query rows, its products on ``mma.sync``.
+
+Imports ``numba.cuda``; imported on first use by `elastic_np.cuda._forward_launch`.
+FlashAttention-2's partition: a block of ``W`` warps owns ``16 W`` query
+rows of one (batch, head); per key tile of ``8 S`` keys (``S`` =
+``s_frag.shape[0]``) the block stages K and V in shared memory, and each warp
+
+1. forms its 16 x ``8 S`` scores with `elastic_np.cuda._mma.mma` (one
+   16 x 8 x 8 product per 8 keys and 8 of ``D``; float32 in three TF32
+   products, ``small_q big_k + big_q small_k + big_q big_k``, or one with
+   ``precision="tf32"``; float64 in one);
+2. takes each score through the score pipeline where it lies: a thread holds
+   rows ``g``, ``g + 8`` and keys ``2t``, ``2t + 1`` of each 8 (`_entry`);
+3. updates the online softmax of its two rows: the max over the row's four
+   lanes by shuffles, the partial sums kept per thread until the end;
+4. adds ``P V`` into ``o_frag``: the score fragment feeds the product as its
+   ``A`` operand in place, with the keys of each 8 taken in the order
+   ``0, 2, 4, 6, 1, 3, 5, 7`` (``A``'s columns ``t``, ``t + 4`` are ``C``'s
+   ``2t``, ``2t + 1``), and V's rows read in that order.
+
+Value heads wider than ``8 o_frag.shape[0]`` take several passes over the keys.
+"""
+
+import math
+
+import numba
+from numba import cuda
+
+from elastic_np.cuda._device import (
+    F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS, _bh_params, _carve, _dims, _entry,
+    _finish_row, _key_range, inline_device,
+)
+from elastic_np.cuda._config import TC_PAD
+from elastic_np.cuda._copy import commit, copy_element, copy_vector, wait_all, wait_prior
+from elastic_np.cuda._mma import mma, split, splits
+
+#: Padding of the shared-memory rows (a row stride of 4 modulo 8 words: the fragment reads in distinct banks).
+PAD = TC_PAD
+FULL_MASK = 0xFFFFFFFF
+
+
+@inline_device
+def _at(index):
+    """``index`` as an unsigned integer: Numba indexes with it without the wraparound test of a signed one.
+
+    The test (``index < 0``: add the length) kept every shared-memory address
+    apart; unsigned, the addresses of a fragment share one base and constant
+    offsets, and stay out of the registers.
+    """
+    return numba.uint64(index)
+
+
+@inline_device
+def _issue(src, rows, cols, dst, stride, tile_rows, width, unit):
+    """Start copying ``src[r, c]`` to ``dst[r stride + c]`` for a ``tile_rows x width`` tile, zeros past ``rows``, ``cols``.
+
+    ``src`` is two-dimensional (a (batch, head)'s rows from the tile's first);
+    ``unit`` is 1 (element copies) or the elements of 16 bytes (vector copies:
+    ``cols``, ``width`` and the rows' starts are then multiples of it). Thread
+    ``t`` takes units ``t, t + threads, ...`` in row order, stepping through
+    them without a division. The copies are asynchronous (`elastic_np.cuda._copy`).
+    """
+    t = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    per_row = width // unit
+    r = t // per_row
+    c = t - r * per_row
+    step_r = threads // per_row
+    step_c = threads - step_r * per_row
+    while r < tile_rows:
+        col = c * unit
+        valid = r < rows and col < cols
+        at = _at(r * stride + col)
+        if unit == 1:
+            copy_element(dst, at, src, _at(r if valid else 0), _at(col if valid else 0), valid)
+        else:
+            copy_vector(dst, at, src, _at(r if valid else 0), _at(col if valid else 0), valid)
+        r += step_r
+        c += step_c
+        if c >= per_row:
+            c -= per_row
+            r += 1
+
+
+@inline_device
+def _accumulate(frag, n, a, b, terms, zero):
+    """``frag[n] += A B`` for one 16 x 8 x 8 step, ``a`` and ``b`` the fragments and their TF32 rests.
+
+    float32: the step's product from zero, the TF32 parts' cross products
+    first (with ``terms == 3``), then ``big_a big_b``, added to ``frag[n]`` in
+    IEEE arithmetic: the tensor cores' accumulation truncates, and starting
+    each step from zero keeps that to the 8 products of a step. float64: the
+    product accumulates in place (DMMA rounds as IEEE does).
+    """
+    a0, a1, a2, a3, a0s, a1s, a2s, a3s = a
+    b0, b1, b0s, b1s = b
+    if splits(a0):
+        c0, c1, c2, c3 = zero, zero, zero, zero
+        if terms == 3:
+            c0, c1, c2, c3 = mma(a0s, a1s, a2s, a3s, b0, b1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0s, b1s, c0, c1, c2, c3)
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        frag[n, 0] += c0
+        frag[n, 1] += c1
+        frag[n, 2] += c2
+        frag[n, 3] += c3
+    else:
+        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, frag[n, 0], frag[n, 1], frag[n, 2], frag[n, 3])
+        frag[n, 0], frag[n, 1], frag[n, 2], frag[n, 3] = c0, c1, c2, c3
+
+
+@inline_device
+def _scores(q_tile, k_tile, stride, width, row0, terms, zero, s_frag):
+    """``s_frag = Q K^T`` of the warp's 16 rows (from ``row0``) over the key tile, on the tensor cores."""
+    lane = cuda.threadIdx.x % 32
+    g = lane // 4
+    t = lane % 4
+    for n in range(s_frag.shape[0]):
+        for e in range(4):
+            s_frag[n, e] = zero
+    for d0 in range(0, width, 8):
+        top = (row0 + g) * stride + d0 + t
+        bottom = top + 8 * stride
+        a0, a0s = split(q_tile[_at(top)])
+        a1, a1s = split(q_tile[_at(bottom)])
+        a2, a2s = split(q_tile[_at(top + 4)])
+        a3, a3s = split(q_tile[_at(bottom + 4)])
+        for n in range(s_frag.shape[0]):
+            at = (8 * n + g) * stride + d0 + t
+            b0, b0s = split(k_tile[_at(at)])
+            b1, b1s = split(k_tile[_at(at + 4)])
+            _accumulate(s_frag, n, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero)
+
+
+@inline_device
+def _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, n0, e0):
+    """``o_frag += P V`` for keys ``8 n0 ..`` and value columns ``8 e0 ..`` (at most 4 x 8 products).
+
+    ``P`` is in ``s_frag`` (C layout, the keys of each 8 reordered, see the
+    module). The caller covers the fragments in such parts, at constant
+    ``n0``, ``e0``, so that each part's loops unroll in full.
+    """
+    lane = cuda.threadIdx.x % 32
+    g = lane // 4
+    t = lane % 4
+    for n in range(n0, min(n0 + 4, s_frag.shape[0])):
+        a0, a0s = split(s_frag[n, 0])
+        a1, a1s = split(s_frag[n, 2])
+        a2, a2s = split(s_frag[n, 1])
+        a3, a3s = split(s_frag[n, 3])
+        row = (8 * n + 2 * t) * stride + g
+        for e in range(e0, min(e0 + 8, o_frag.shape[0])):
+            b0, b0s = split(v_tile[_at(row + 8 * e)])
+            b1, b1s = split(v_tile[_at(row + stride + 8 * e)])
+            _accumulate(o_frag, e, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero)
+
+
+@inline_device
+def _quad_max(value):
+    """The max of ``value`` over the four lanes ``4 g .. 4 g + 3`` that share a row."""
+    value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1))
+    return max(value, cuda.shfl_xor_sync(FULL_MASK, value, 2))
+
+
+@inline_device
+def _quad_sum(value):
+    """The sum of ``value`` over the four lanes of a row, bit-identical in each (a butterfly)."""
+    value = value + cuda.shfl_xor_sync(FULL_MASK, value, 1)
+    return value + cuda.shfl_xor_sync(FULL_MASK, value, 2)
+
+
+@inline_device
+def _simple_logits(s_frag, place, keys, prm, fopts):
+    """Scores to logits in registers, where the only options are the structural ones, ``scale`` and ``tau``.
+
+    ``place = (b, h, i, N)``: the thread's rows are queries ``i`` and ``i + 8``;
+    ``keys = (j, hi)``: its columns of ``s_frag[n]`` are keys ``j + 8 n`` and
+    ``j + 8 n + 1``, kept below ``hi``. ``z = dot (scale / tau)`` (`_entry`'s
+    ``(scale dot) / tau`` within a rounding), ``-inf`` where causal, the
+    window or ``kv_lengths`` remove the entry.
+    """
+    b, h, i, N = place
+    j, hi = keys
+    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    neg_inf = fopts[F_NEG_INF]
+    end = min(hi, kv_length)
+    factor = scale / tau_h
+    no_left = left < 0
+    no_right = right < 0
+    for n in range(s_frag.shape[0]):
+        for e in range(4):  # without branches, so that the loops unroll
+            row = i + 8 * (e // 2)
+            key = j + 8 * n + e % 2
+            d = key - row - diag_shift
+            kept = (key < end) & (row < N) & ~(causal & (d > 0)) & (no_left | (d >= -left)) & (no_right | (d <= right))
+            s_frag[n, e] = s_frag[n, e] * factor if kept else neg_inf
+
+
+@inline_device
+def _general_logits(s_frag, scratch, place, keys, prm, opts):
+    """Scores to logits through the whole score pipeline (`_entry`), by way of the warp's ``scratch``.
+
+    ``scratch`` is the warp's ``16 x (8 S + 1)`` tile of shared memory: the
+    fragment goes there, the warp's lanes take its entries in row order (the
+    bias and mask read along their rows) and the logits come back. The caller
+    brackets it with barriers. ``place``, ``keys`` as in `_simple_logits`,
+    with ``keys[0]`` the tile's first key.
+    """
+    b, h, i_warp, N = place
+    j0, hi = keys
+    lane = cuda.threadIdx.x % 32
+    g = lane // 4
+    t = lane % 4
+    cols = 8 * s_frag.shape[0]
+    stride = cols + 1
+    for n in range(s_frag.shape[0]):
+        for e in range(4):
+            scratch[_at((g + 8 * (e // 2)) * stride + 8 * n + 2 * t + e % 2)] = s_frag[n, e]
+    cuda.syncthreads()
+    neg_inf = opts[O_FOPTS][F_NEG_INF]
+    for idx in range(lane, 16 * cols, 32):
+        r = idx // cols
+        c = idx - r * cols
+        z = neg_inf
+        if j0 + c < hi and i_warp + r < N:
+            z = _entry(scratch[_at(r * stride + c)], b, h, i_warp + r, j0 + c, prm, opts)[0]
+        scratch[_at(r * stride + c)] = z
+    cuda.syncthreads()
+    for n in range(s_frag.shape[0]):
+        for e in range(4):
+            s_frag[n, e] = scratch[_at((g + 8 * (e // 2)) * stride + 8 * n + 2 * t + e % 2)]
+
+
+@inline_device
+def _softmax_step(s_frag, stats, fopts):
+    """Logits to ``p = exp(z - max)`` in ``s_frag``; returns the two rows' rescale factors.
+
+    ``stats`` holds the thread's rows' running max (0, 1) and its partial sums (2, 3).
+    """
+    neg_inf = fopts[F_NEG_INF]
+    zero = fopts[F_ZERO]
+    one = fopts[F_ONE]
+    top = neg_inf
+    bottom = neg_inf
+    for n in range(s_frag.shape[0]):
+        top = max(top, max(s_frag[n, 0], s_frag[n, 1]))
+        bottom = max(bottom, max(s_frag[n, 2], s_frag[n, 3]))
+    new_top = max(stats[0], _quad_max(top))
+    new_bottom = max(stats[1], _quad_max(bottom))
+    alpha_top = one
+    alpha_bottom = one
+    if new_top > neg_inf:
+        alpha_top = math.exp(stats[0] - new_top)
+    if new_bottom > neg_inf:
+        alpha_bottom = math.exp(stats[1] - new_bottom)
+    sum_top = stats[2] * alpha_top
+    sum_bottom = stats[3] * alpha_bottom
+    for n in range(s_frag.shape[0]):
+        for e in range(4):
+            p = zero
+            if s_frag[n, e] > neg_inf:
+                p = math.exp(s_frag[n, e] - (new_top if e < 2 else new_bottom))
+            s_frag[n, e] = p
+            if e < 2:
+                sum_top += p
+            else:
+                sum_bottom += p
+    stats[0] = new_top
+    stats[1] = new_bottom
+    stats[2] = sum_top
+    stats[3] = sum_bottom
+    return alpha_top, alpha_bottom
+
+
+@inline_device
+def _is_simple(prm):
+    """Whether the only options of a (batch, head) are structural (causal, window, ``kv_lengths``), ``scale``, ``tau``."""
+    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
+     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
+    return not (has_mask or nvm or has_gate or has_bias or softcap > 0 or alibi_slope != 0)
+
+
+@inline_device
+def _issue_kv(k_bh, v_bh, j, hi, c0, buffers, geometry, unit, slot):
+    """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot``."""
+    q_tile, k_tiles, v_tiles, k_size, v_size = buffers
+    D, Dv, d_pad, qk_stride, v_stride, block_k, width_v = geometry
+    _issue(k_bh[j:], hi - j, D, k_tiles[slot * k_size :], qk_stride, block_k, d_pad, unit)
+    _issue(v_bh[j:, c0:], hi - j, Dv - c0, v_tiles[slot * v_size :], v_stride, block_k, width_v, unit)
+    commit()
+
+
+@inline_device
+def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
+    """One key tile of a pass: the next tile's copies started, this one's scores, softmax and ``P V``."""
+    k_bh, v_bh, unit = kv
+    lo, hi, c0 = keys
+    q_tile, k_tiles, v_tiles, k_size, v_size = buffers
+    D, Dv, d_pad, qk_stride, v_stride, block_k, width_v = geometry
+    b, h, i0, N, warp = place
+    s_frag, o_frag, stats = frags
+    prm, opts, general, simple, terms, zero = options
+    j0 = lo + it * block_k
+    cur = it % 2
+    if it + 1 < n_k:  # the next tile into the other buffers, while this one is used
+        _issue_kv(k_bh, v_bh, j0 + block_k, hi, c0, buffers, geometry, unit, 1 - cur)
+        wait_prior()
+    else:
+        wait_all()
+    cuda.syncthreads()  # this tile's copies (and Q's) are visible to every thread
+    k_tile = k_tiles[cur * k_size :]
+    v_tile = v_tiles[cur * v_size :]
+    row0 = 16 * warp
+    t = cuda.threadIdx.x % 4
+    _scores(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag)
+    fopts = opts[O_FOPTS]
+    if not general or simple:
+        _simple_logits(s_frag, (b, h, i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts)
+    else:
+        cuda.syncthreads()  # every warp is done with K: its rows become the scratch
+        scratch = k_tile[16 * (block_k + 1) * warp :]
+        _general_logits(s_frag, scratch, (b, h, i0 + row0, N), (j0, hi), prm, opts)
+    alpha_top, alpha_bottom = _softmax_step(s_frag, stats, fopts)
+    for e in range(o_frag.shape[0]):
+        o_frag[e, 0] *= alpha_top
+        o_frag[e, 1] *= alpha_top
+        o_frag[e, 2] *= alpha_bottom
+        o_frag[e, 3] *= alpha_bottom
+    _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 0, 0)  # parts at constant offsets (see `_add_pv`)
+    if s_frag.shape[0] > 4:
+        _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 4, 0)
+    if o_frag.shape[0] > 8:
+        _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 0, 8)
+        if s_frag.shape[0] > 4:
+            _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 4, 8)
+    cuda.syncthreads()  # every warp is done with these buffers before the next tile's copies reuse them
+
+
+@inline_device
+def _write_rows(out, lse, place, c0, Dv, o_frag, stats, fopts, beta_h):
+    """``out`` of the thread's two rows (value columns from ``c0``) and, in the first pass, their ``lse``."""
+    b, h, i, N = place
+    t = cuda.threadIdx.x % 4
+    for half in range(2):
+        row = i + 8 * half
+        row_lse, num, den = _finish_row(stats[half], _quad_sum(stats[2 + half]), beta_h, fopts)
+        if row < N:
+            if c0 == 0 and t == 0:
+                lse[b, h, row] = row_lse
+            for e in range(o_frag.shape[0]):
+                for x in range(2):
+                    col = c0 + 8 * e + 2 * t + x
+                    if col < Dv:
+                        out[b, h, row, col] = (o_frag[e, 2 * half + x] * num) / den
+
+
+@inline_device
+def _place(N, H, block_q):
+    """``(b, h, i0, i1)``: the block's (batch, head) and query rows, the longest causal rows first."""
+    n_tiles = (N + block_q - 1) // block_q
+    tile = n_tiles - 1 - cuda.blockIdx.x % n_tiles
+    i0 = tile * block_q
+    return cuda.blockIdx.x // n_tiles // H, cuda.blockIdx.x // n_tiles % H, i0, min(i0 + block_q, N)
+
+
+@inline_device
+def _reset(o_frag, stats, zero, neg_inf):
+    """A pass's fresh accumulators and row statistics."""
+    stats[0] = neg_inf
+    stats[1] = neg_inf
+    stats[2] = zero
+    stats[3] = zero
+    for e in range(o_frag.shape[0]):
+        for x in range(4):
+            o_frag[e, x] = zero
+
+
+@inline_device
+def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
+    """The kernel's body, for the fragment arrays its caller sizes (see the module).
+
+    ``general`` (a compile-time constant) compiles in the whole score pipeline
+    (`_general_logits`); without it the kernel takes the structural options,
+    ``scale`` and ``tau`` only (`_simple_logits`), and keeps its registers.
+    ``vector``: whether the rows of ``q``, ``k``, ``v`` start 16-byte aligned
+    and hold whole 16-byte units, for vector copies.
+    """
+    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    warp = cuda.threadIdx.x // 32
+    block_q = 16 * (cuda.blockDim.x // 32)
+    b, h, i0, i1 = _place(N, H, block_q)
+    hk = h // (H // Hkv)
+    block_k = 8 * s_frag.shape[0]
+    width_v = 8 * o_frag.shape[0]
+    d_pad = (D + 7) // 8 * 8
+    geometry = (D, Dv, d_pad, d_pad + PAD, width_v + PAD, block_k, width_v)
+    fopts = opts[O_FOPTS]
+    zero = fopts[F_ZERO]
+    smem = cuda.shared.array(0, dtype=q.dtype)
+    k_size = max(block_k * (d_pad + PAD), block_q * (block_k + 1))  # K, then the general pipeline's scratch
+    v_size = block_k * (width_v + PAD)
+    q_tile, at = _carve(smem, 0, block_q * (d_pad + PAD))
+    k_tiles, at = _carve(smem, at, 2 * k_size)  # two of each: one in use, the next one arriving
+    v_tiles, at = _carve(smem, at, 2 * v_size)
+    buffers = (q_tile, k_tiles, v_tiles, k_size, v_size)
+    unit = 1
+    if vector:
+        unit = 4 if splits(zero) else 2  # 16 bytes
+    _issue(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + PAD, block_q, d_pad, unit)
+    commit()
+    prm = _bh_params(b, h, N, M, opts)
+    options = (prm, opts, general, _is_simple(prm), opts[O_IOPTS][I_MMA_TERMS], zero)
+    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
+    n_k = (hi - lo + block_k - 1) // block_k if hi > lo else 0
+    kv = (k[b, hk], v[b, hk], unit)
+    for c0 in range(0, max(Dv, 1), width_v):
+        _reset(o_frag, stats, zero, fopts[F_NEG_INF])
+        if n_k > 0:
+            _issue_kv(kv[0], kv[1], lo, hi, c0, buffers, geometry, unit, 0)
+        for it in range(n_k):
+            _key_tile(it, n_k, kv, (lo, hi, c0), buffers, geometry, (b, h, i0, N, warp), (s_frag, o_frag, stats),
+                      options)
+        place = (b, h, i0 + 16 * warp + cuda.threadIdx.x % 32 // 4, N)
+        _write_rows(out, lse, place, c0, Dv, o_frag, stats, fopts, opts[O_BETA][h])
+    wait_all()  # Q's copies, where the block had no key to wait for them
+
+
+def _kernel(keys, width_v, general):
+    """A kernel whose key tiles hold ``keys`` keys, whose passes take ``width_v`` value columns.
+
+    ``general``: whether it takes every option (`_forward`).
+    """
+    s_shape = (keys // 8, 4)  # the fragment shapes: compile-time constants of each kernel
+    o_shape = (width_v // 8, 4)
+
+    def kernel(q, k, v, opts, vector, out, lse):
+        s_frag = cuda.local.array(s_shape, q.dtype)
+        o_frag = cuda.local.array(o_shape, q.dtype)
+        stats = cuda.local.array(4, q.dtype)
+        _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general)
+
+    kind = "general" if general else "simple"
+    kernel.__name__ = kernel.__qualname__ = f"_forward_tc_k{keys}_v{width_v}_{kind}"
+    kernel.__doc__ = (
+        f"One block per (batch * head, query tile): key tiles of {keys}, value columns in passes of "
+        f"{width_v}, {'every option' if general else 'the structural options, scale and tau'}."
+    )
+    return cuda.jit(cache=True)(kernel)
+
+
+#: The tensor-core forward kernels by ``(keys per tile, value columns per pass, every option)``.
+KERNELS = {
+    (keys, width, general): _kernel(keys, width, general)
+    for keys in (32, 64)
+    for width in (64, 128)
+    for general in (False, True)
+}
