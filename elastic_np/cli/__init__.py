@@ -11,9 +11,10 @@ Subcommands:
   [--rounds R] [--json FILE]``: decoding against a KV cache, beside torch SDPA
   and a streaming read of the cache's bytes.
 - ``elastic-np bench --gpu [--quick] [--batch B] [--heads H] [--seq N] [--dim D]
-  [--causal] [--softcap X] [--alibi] [--bias SHAPE] [--repeat R] [--json FILE]``:
-  the CUDA kernels against torch SDPA on one GPU, float32 (what ``python -m
-  elastic_np.cuda --bench`` runs; `elastic_np.cli._cuda_bench.run`).
+  [--causal] [--softcap X] [--alibi] [--bias SHAPE] [--dtype T] [--precision tf32]
+  [--repeat R] [--json FILE]``: the CUDA kernels against torch SDPA on one GPU,
+  float32 unless told (what ``python -m elastic_np.cuda --bench`` runs;
+  `elastic_np.cli._cuda_bench.run`).
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
@@ -193,7 +194,8 @@ def _first_flag_given(flags):
 
 
 def _gpu_only_flags(args):
-    return {"--softcap": args.softcap, "--alibi": args.alibi or None, "--bias": args.bias}
+    return {"--softcap": args.softcap, "--alibi": args.alibi or None, "--bias": args.bias,
+            "--precision": args.precision}
 
 
 def _prefill_usage_error(args):
@@ -303,8 +305,8 @@ def _gpu_usage_error(args):
                                  "--plot": args.plot, "--min-time": args.min_time})
     if not_gpu is not None:
         return f"argument {not_gpu}: not with --gpu"
-    if args.dtype != "float32":
-        return f"argument --dtype: --gpu times float32 only, got {args.dtype}"
+    if args.precision is not None and args.dtype != "float32":
+        return f"argument --precision: TF32 applies to float32, got --dtype {args.dtype}"
     if args.seq is not None and len(args.seq) != 1:
         return "argument --seq: --gpu times one sequence length"
     if args.softcap is not None and not args.softcap > 0:
@@ -318,11 +320,21 @@ def _bench_gpu(args):
     try:
         cuda_bench.run(shape, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias,
                        repeat=args.repeat or (3 if args.quick else None), json_path=args.json,
-                       command=" ".join(["elastic-np", *args.argv]))
+                       command=" ".join(["elastic-np", *args.argv]), **_gpu_dtype(args))
     except BackendUnavailableError as exc:
         print(f"elastic-np bench --gpu: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _gpu_dtype(args):
+    """The dtype and precision `elastic_np.cli._cuda_bench.run` gets: none where they are the defaults."""
+    chosen = {}
+    if args.dtype != "float32":
+        chosen["dtype"] = args.dtype
+    if args.precision is not None:
+        chosen["precision"] = args.precision
+    return chosen
 
 
 #: ``elastic-np bench --gpu --quick``: ``(B, H, N, D)``, and 3 timed runs.
@@ -402,6 +414,8 @@ def _add_bench(sub):
     bench.add_argument("--alibi", action="store_true", help="with --gpu: time with ALiBi (geometric slopes)")
     bench.add_argument("--bias", choices=sorted(cuda_bench.BENCH_BIAS_SHAPES),
                        help="with --gpu: time with a bias of this shape")
+    bench.add_argument("--precision", choices=("tf32",),
+                       help="with --gpu: float32 products as one TF32 product on the tensor cores")
     bench.set_defaults(func=_bench_command)
     return bench
 

@@ -52,7 +52,13 @@ def main(argv=None):
     parser.add_argument("--alibi", action="store_true", help="time with ALiBi (geometric slopes)")
     parser.add_argument("--bias", choices=sorted(_bench.BENCH_BIAS_SHAPES), default=None,
                         help="time with a bias of this shape")
-    parser.add_argument("--json", metavar="FILE", help="with --bench: also time the decode shapes, write all to FILE")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="with --bench: the dtype of the training shape (torch SDPA in it too)")
+    parser.add_argument("--precision", choices=("tf32",), default=None,
+                        help="with --bench: float32 products as one TF32 product on the tensor cores")
+    parser.add_argument("--json", metavar="FILE",
+                        help="with --bench: also time TF32, float64, D = 128 causal and the decode shapes, "
+                             "write all to FILE")
     parser.add_argument("--resources", nargs="*", metavar="CC",
                         help="registers, local memory, spills and shared memory of every kernel (no GPU needed)")
     args = parser.parse_args(argv)
@@ -64,7 +70,10 @@ def main(argv=None):
         _print_ptx(args.ptx or ["8.0", "9.0"])
     if args.bench:
         try:
+            chosen = {"dtype": args.dtype} if args.dtype != "float32" else {}
+            if args.precision is not None:
+                chosen["precision"] = args.precision
             _bench.run(tuple(args.shape), causal=args.causal, softcap=args.softcap, alibi=args.alibi,
-                       bias=args.bias, json_path=args.json)
+                       bias=args.bias, json_path=args.json, **chosen)
         except BackendUnavailableError as exc:
             raise SystemExit(f"python -m elastic_np.cuda --bench: {exc}") from None

@@ -60,8 +60,9 @@ BENCH_BIAS_SHAPES = {
 }
 
 
-def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10):
-    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention``, float32.
+def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, bias=None, repeat=10,
+          dtype="float32", precision=None):
+    """Time the kernels against ``torch.nn.functional.scaled_dot_product_attention`` in ``dtype``.
 
     Both run on the same GPU and the same device memory (torch CUDA tensors
     are handed to `elastic_np.attention` through ``__cuda_array_interface__``),
@@ -87,6 +88,10 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
         backward computes ``dbias``).
     repeat : int, optional
         Best of this many timed runs, after one warm-up run (which compiles).
+    dtype : {"float32", "float64"}, optional
+        Of the inputs, for both (torch SDPA computes in it too).
+    precision : {None, "tf32"}, optional
+        elastic_np's ``precision`` (torch keeps its own float32 default).
 
     Returns
     -------
@@ -104,10 +109,11 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
     if bias is not None and bias not in BENCH_BIAS_SHAPES:
         raise ValueError(f"`bias` must be one of {sorted(BENCH_BIAS_SHAPES)} or None, got {bias!r}")
     cuda = _numba_cuda()
-    arrays = _bench_arrays(B, H, N, D, bias)
+    arrays = _bench_arrays(B, H, N, D, bias, dtype)
     tensors = tuple(None if a is None else torch.from_numpy(a).cuda() for a in arrays)
     modifiers = _modifiers(H, softcap, alibi, tensors[4])
-    runs = {"elastic_np": _ours(cuda.synchronize, tensors, causal, modifiers),
+    precision_option = {} if precision is None else {"precision": precision}
+    runs = {"elastic_np": _ours(cuda.synchronize, tensors, causal, {**modifiers, **precision_option}),
             "torch": _torch_runs(torch, tensors, causal)}
     if modifiers:
         runs["elastic_np plain"] = _ours(cuda.synchronize, tensors, causal, {})
@@ -116,14 +122,14 @@ def bench(B=4, H=16, N=4096, D=64, *, causal=False, softcap=None, alibi=False, b
     return timings
 
 
-def _bench_arrays(B, H, N, D, bias):
-    """`bench`'s seeded float32 inputs on the host: ``(q, k, v, dout, bias)``, ``bias`` None without one."""
+def _bench_arrays(B, H, N, D, bias, dtype="float32"):
+    """`bench`'s seeded inputs on the host: ``(q, k, v, dout, bias)``, ``bias`` None without one."""
     rng = np.random.default_rng(1)
-    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=np.float32)
-    dout = rng.standard_normal(q.shape).astype(np.float32)
+    q, k, v = _bench.make_inputs(B, H, N, N, D, dtype=dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
     bias_array = None
     if bias is not None:
-        bias_array = rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(np.float32)
+        bias_array = rng.standard_normal(BENCH_BIAS_SHAPES[bias](B, H, N)).astype(dtype)
     return q, k, v, dout, bias_array
 
 
@@ -280,7 +286,15 @@ def _version(distribution):
         return None
 
 
-def bench_record(shape, options, timings, decode, machine, command=None):
+def _results(timings):
+    """Per implementation and pass: ``{"seconds": s, "tflops": x}``, and the speed ratios against torch."""
+    results = {who: {what: {"seconds": t, "tflops": timings["tflops"][who][what]} for what, t in runs.items()}
+               for who, runs in timings.items() if who != "tflops"}
+    ratios = {what: timings["torch"][what] / timings["elastic_np"][what] for what in timings["elastic_np"]}
+    return results, ratios
+
+
+def bench_record(shape, options, timings, decode, machine, command=None, runs=()):
     """The results file's dict: machine, command, the training shape's timings and the decode shapes'.
 
     Parameters
@@ -296,6 +310,9 @@ def bench_record(shape, options, timings, decode, machine, command=None):
         `machine_info`'s result.
     command : str, optional
         The command line (default: this process's).
+    runs : sequence of (dict, dict), optional
+        More configurations: each `bench`'s keyword arguments (``B``, ``H``,
+        ``N``, ``D``, ``dtype``, ``precision``, ``causal``) and its result.
 
     Returns
     -------
@@ -303,13 +320,15 @@ def bench_record(shape, options, timings, decode, machine, command=None):
         ``kind`` ("cuda"), ``machine``, ``command``, ``dtype``, ``config``
         (shape and options), ``results`` (per implementation and pass: time
         in seconds and TFLOP/s), ``speed_ratio`` (torch's time / ours, per
-        pass: at least 0.5 is issue 25's goal) and ``decode`` (per shape: both
-        times and the ratio).
+        pass), ``decode`` (per shape: both times and the ratio) and ``runs``
+        (per further configuration: ``config``, ``results``, ``speed_ratio``).
     """
     B, H, N, D = shape
-    results = {who: {what: {"seconds": t, "tflops": timings["tflops"][who][what]} for what, t in runs.items()}
-               for who, runs in timings.items() if who != "tflops"}
-    ratios = {what: timings["torch"][what] / timings["elastic_np"][what] for what in timings["elastic_np"]}
+    results, ratios = _results(timings)
+    more = []
+    for config, run_timings in runs:
+        run_results, run_ratios = _results(run_timings)
+        more.append({"config": dict(config), "results": run_results, "speed_ratio": run_ratios})
     return {
         "kind": "cuda",
         "machine": machine,
@@ -323,6 +342,7 @@ def bench_record(shape, options, timings, decode, machine, command=None):
              "speed_ratio": t["torch"] / t["elastic_np"]}
             for s, t in decode
         ],
+        "runs": more,
     }
 
 
@@ -358,13 +378,23 @@ def format_table(record):
                 ratio = f"{results['torch'][what]['seconds'] / runs[what]['seconds']:.2f}"
             lines.append(f"  {who:<18} {what:<17} {runs[what]['seconds'] * 1e3:>10.3f} "
                          f"{runs[what]['tflops']:>8.2f} {ratio:>13}".rstrip())
+    for run_ in record.get("runs", ()):
+        c = run_["config"]
+        lines.append(f"{c.get('dtype', 'float32')}, precision={c.get('precision')}, B={c['B']} H={c['H']} "
+                     f"N={c['N']} D={c['D']}, causal={c.get('causal', False)}")
+        for what in ("forward", "forward+backward"):
+            for who in ("elastic_np", "torch"):
+                entry = run_["results"][who][what]
+                ratio = f"{run_['speed_ratio'][what]:.2f}" if who == "elastic_np" else ""
+                lines.append(f"  {who:<18} {what:<17} {entry['seconds'] * 1e3:>10.3f} {entry['tflops']:>8.2f} "
+                             f"{ratio:>13}".rstrip())
     plain = results.get("elastic_np plain")
     if plain:
         for what, run_ in results["elastic_np"].items():
             lines.append(f"  the modifiers cost x{run_['seconds'] / plain[what]['seconds']:.2f} over plain "
                          f"attention ({what})")
     if record["decode"]:
-        lines.append(f"decoding, {record['dtype']}, causal (N queries at the end of M cached keys)")
+        lines.append("decoding, float32, causal (N queries at the end of M cached keys)")
         lines.append(f"  {'B, H/Hkv, N, M, D':<24} {'elastic_np (ms)':>16} {'torch (ms)':>11} {'torch / this':>13}")
         for entry in record["decode"]:
             s = entry["shape"]
@@ -386,9 +416,17 @@ def machine_line(machine):
 #: The training shape ``(B, H, N, D)`` that `run` times unless told otherwise.
 DEFAULT_SHAPE = (4, 16, 4096, 64)
 
+#: The further configurations a results file records (`bench`'s keyword arguments).
+RECORD_RUNS = (
+    {"B": 4, "H": 16, "N": 4096, "D": 64, "dtype": "float32", "precision": "tf32"},
+    {"B": 4, "H": 16, "N": 4096, "D": 64, "dtype": "float64"},
+    {"B": 4, "H": 16, "N": 4096, "D": 128, "causal": True},
+    {"B": 4, "H": 16, "N": 4096, "D": 128, "causal": True, "precision": "tf32"},
+)
+
 
 def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=None, repeat=None, json_path=None,
-        command=None):
+        command=None, dtype="float32", precision=None):
     """Time `bench` at ``shape`` and print the table; with ``json_path``, also the decode shapes, all to that file.
 
     What both ``python -m elastic_np.cuda --bench`` and ``elastic-np bench
@@ -410,12 +448,19 @@ def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=No
     """
     B, H, N, D = shape
     options = {"causal": causal, "softcap": softcap, "alibi": alibi, "bias": bias}
-    result = bench(B, H, N, D, **options, **({} if repeat is None else {"repeat": repeat}))
+    chosen = {"dtype": dtype, "precision": precision} if (dtype, precision) != ("float32", None) else {}
+    result = bench(B, H, N, D, **options, **chosen, **({} if repeat is None else {"repeat": repeat}))
     decode = []
+    runs = []
     if json_path is not None:
+        for config in RECORD_RUNS:
+            config = dict(config)
+            runs.append((config, bench(**config, **({} if repeat is None else {"repeat": repeat}))))
         decode = [(decode_shape, bench_decode(*decode_shape)) for decode_shape in DECODE_SHAPES]
     machine = machine_info()
-    record = bench_record(shape, options, result, decode, machine, command=command)
+    record = bench_record(shape, options, result, decode, machine, command=command, runs=runs)
+    if chosen:
+        record["dtype"], record["precision"] = dtype, precision
     print(machine_line(machine))
     print(format_table(record))
     if json_path is not None:

@@ -99,9 +99,13 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     assert result == fake_timings(0.02, 0.01)
     record = json.loads(path.read_text())
     options = {"causal": True, "softcap": None, "alibi": False, "bias": None}
+    runs = [(dict(config), fake_timings(0.02, 0.01)) for config in _cuda_bench.RECORD_RUNS]
     want = _cuda_bench.bench_record(SHAPE, options, result, [(s, {"elastic_np": 4e-4, "torch": 1e-4})
-                                                              for s in _cuda_bench.DECODE_SHAPES], machine, command="cmd")
+                                                              for s in _cuda_bench.DECODE_SHAPES], machine,
+                                    command="cmd", runs=runs)
     assert record == json.loads(json.dumps(want))
+    assert [run["config"] for run in record["runs"]] == [dict(c) for c in _cuda_bench.RECORD_RUNS]
+    assert "float64, precision=None" in _cuda_bench.format_table(record)
     printed = capsys.readouterr().out
     assert _cuda_bench.format_table(record) in printed and "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in printed
     assert f"wrote {path}" in printed
@@ -179,3 +183,18 @@ def test_torch_runs_on_cpu_tensors(monkeypatch, causal, bias):
     forward_backward()
     assert len(synced) == 2
     assert all(t.grad is None for t in tensors if t is not None)  # the backward's inputs are copies
+
+
+def test_dtype_and_precision_reach_the_benchmark(monkeypatch):
+    from elastic_np import cli
+
+    calls = []
+    monkeypatch.setattr(_cuda_bench, "run", lambda shape, **options: calls.append(options))
+    _cuda.main(["--bench", "--dtype", "float64"])
+    _cuda.main(["--bench", "--precision", "tf32"])
+    assert cli.main(["bench", "--gpu", "--precision", "tf32"]) == 0
+    assert cli.main(["bench", "--gpu", "--dtype", "float64"]) == 0
+    assert [{k: o.get(k) for k in ("dtype", "precision")} for o in calls] == [
+        {"dtype": "float64", "precision": None}, {"dtype": None, "precision": "tf32"},
+        {"dtype": None, "precision": "tf32"}, {"dtype": "float64", "precision": None}]
+    assert cli.main(["bench", "--gpu", "--dtype", "float64", "--precision", "tf32"]) == 2
