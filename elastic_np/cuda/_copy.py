@@ -14,7 +14,6 @@ On a GPU (and when compiling without one) they are inline PTX built with
 that copy at once (`_sim_copy_vector`, ...), with the same results.
 """
 
-import numpy as np
 from numba import config as numba_config
 from numba import types as nbt
 
@@ -102,11 +101,13 @@ def _declare():
             make_plain("cp.async.wait_group 0;"), make_plain("cp.async.wait_group 1;"))
 
 
-if getattr(numba_config, "ENABLE_CUDASIM", 0):
-    def copy_vector(dst, dst_index, src, row, col, valid):  # noqa: F811
-        _sim_copy(16 // np.asarray(src).dtype.itemsize)(dst, dst_index, src, row, col, valid)
+def _sim_copy_vector(dst, dst_index, src, row, col, valid):
+    _sim_copy(16 // src.dtype.itemsize)(dst, dst_index, src, row, col, valid)
 
-    copy_element = _sim_copy(1)
-    commit = wait_all = wait_prior = _sim_nothing
+
+# the functions above document the names; these are what the kernels call
+if getattr(numba_config, "ENABLE_CUDASIM", 0):
+    copy_vector, copy_element = _sim_copy_vector, _sim_copy(1)  # noqa: F811
+    commit = wait_all = wait_prior = _sim_nothing  # noqa: F811
 else:
-    copy_vector, copy_element, commit, wait_all, wait_prior = _declare()
+    copy_vector, copy_element, commit, wait_all, wait_prior = _declare()  # noqa: F811

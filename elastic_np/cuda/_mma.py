@@ -1,13 +1,13 @@
-"""Tensor-core products for the kernels: `split` and `mma`, from ``_mma.cu`` or, under the simulator, in Python.
+"""Tensor-core products for the kernels: `split`, `mma` and `splits`, inline PTX or, under the simulator, Python.
 
 Imports ``numba.cuda``; imported by the kernel modules. On a GPU (and when
 compiling without one) `split` and `mma` are inline PTX (``cvt.rna.tf32.f32``;
 ``mma.sync`` m16n8k8 TF32, and float64 as m16n8k4 on sm_90, m8n8k4 before),
 built with ``numba.cuda.extending.intrinsic`` and chosen by dtype with
-``numba.cuda.extending.overload``; the float64 product's shape is chosen
-as NVVM compiles for its target (``__nvvm_reflect("__CUDA_ARCH")``). Under the simulator they
-are Python stand-ins with the same fragment semantics and the same TF32
-rounding (`_sim_split`, `_sim_mma`).
+``numba.cuda.extending.overload``; the float64 product's shape is chosen as
+NVVM compiles for its target (``__nvvm_reflect("__CUDA_ARCH")``). Under the
+simulator they are Python stand-ins with the same fragment semantics and the
+same TF32 rounding (`_sim_split`, `_sim_mma`).
 
 Fragments (per warp; ``lane = 4 g + t``), as in the PTX ISA's m16n8k8:
 ``A`` 16 x 8 holds ``(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)``,
@@ -20,7 +20,6 @@ import threading
 
 import numpy as np
 from numba import config as numba_config
-from numba import cuda
 from numba import types as nbt
 
 def split(x):
