@@ -64,6 +64,7 @@ def _cuda_is_available():
     return module.is_available()
 
 
+@_spec.answers_foreign_names
 @_spec.with_option_docs()
 def attention(
     q,
@@ -148,6 +149,7 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+@_spec.answers_foreign_names
 @_spec.with_option_docs()
 def attention_backward(
     dout,

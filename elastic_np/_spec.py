@@ -241,6 +241,47 @@ PER_CALL = tuple(option.name for option in OPTIONS if option.per_call)
 _BY_NAME = {option.name: option for option in OPTIONS}
 
 
+#: Keywords of PyTorch's SDPA and of FlashAttention that are not ours, with what to use instead.
+FOREIGN_NAMES = {
+    "is_causal": "use `causal=` (PyTorch's `is_causal`)",
+    "attn_mask": "use `mask=` for a boolean mask (True keeps an entry) or `bias=` for a float one "
+                 "(added to the scores, -inf removes an entry)",
+    "softmax_scale": "use `scale=` (FlashAttention's `softmax_scale`)",
+    "dropout_p": "attention dropout is not supported: the kernels are deterministic and their gradients "
+                 "exact; apply dropout outside the attention if the model needs it",
+    "enable_gqa": "grouped-query attention needs no flag: `k` and `v` with Hkv heads, H a multiple of Hkv",
+}
+
+
+def unexpected_keyword(function, name):
+    """The `TypeError` for keyword ``name`` that ``function`` does not take, saying ours where it is a foreign name."""
+    message = f"{function}() got an unexpected keyword argument {name!r}"
+    if name in FOREIGN_NAMES:
+        message += f": {FOREIGN_NAMES[name]}"
+    return TypeError(message)
+
+
+def answers_foreign_names(fn):
+    """``fn``, whose call with a keyword it does not take raises `unexpected_keyword` (the foreign names answered).
+
+    Python's own message is kept for every other mistake in the call; nothing
+    is checked before a call succeeds.
+    """
+    known = frozenset(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            unknown = [name for name in kwargs if name not in known]
+            if unknown:
+                raise unexpected_keyword(fn.__name__, unknown[0]) from None
+            raise
+
+    return wrapper
+
+
 def complete(options, function, names=NAMES):
     """``options`` with the defaults of ``names`` filled in; a `TypeError` for any other keyword.
 
@@ -253,7 +294,7 @@ def complete(options, function, names=NAMES):
         names = DEFAULTS.keys()
     for name in options:
         if name not in names:
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+            raise unexpected_keyword(function, name)
     return {**{name: DEFAULTS[name] for name in names}, **options}
 
 

@@ -171,7 +171,10 @@ def broadcast_mask(mask, shape):
         return None
     mask = np.asarray(mask)
     if mask.dtype != np.bool_:
-        raise TypeError(f"`mask` must be a boolean array, got dtype {mask.dtype}")
+        hint = ""
+        if np.issubdtype(mask.dtype, np.floating):
+            hint = " (True keeps an entry); a float mask is an additive bias: pass it as `bias=`"
+        raise TypeError(f"`mask` must be a boolean array, got dtype {mask.dtype}{hint}")
     try:
         return np.broadcast_to(mask, shape)
     except ValueError:

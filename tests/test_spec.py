@@ -171,3 +171,30 @@ def test_an_option_the_kernels_do_not_take_in_a_dtype_is_rejected(monkeypatch):
     enp.attention(q64, q64, q64, softcap=5.0, backend="cpu")  # the float64 kernels take it
     enp.attention(q, q, q, softcap=5.0, backend="reference")  # the reference: float64 always
     enp.attention(q, q, q, backend="cpu")  # the option left at its default
+
+
+@pytest.mark.parametrize("foreign, ours", [("is_causal", "`causal=`"), ("attn_mask", "`bias=`"),
+                                           ("softmax_scale", "`scale=`"), ("dropout_p", "not supported"),
+                                           ("enable_gqa", "needs no flag")])
+@pytest.mark.parametrize("label, fn, names", _option_functions()[:4], ids=lambda x: x if isinstance(x, str) else "")
+def test_a_pytorch_or_flashattention_name_says_which_of_ours_it_is(label, fn, names, foreign, ours):
+    q = np.ones((1, 1, 2, 4))
+    args = (q, q, q) if "backward" not in label else (q, q, q, q, q, np.zeros((1, 1, 2)))
+    with pytest.raises(TypeError, match=f"{fn.__name__}\\(\\) got an unexpected keyword argument '{foreign}': .*{ours}"):
+        fn(*args, **{foreign: True})
+
+
+def test_other_mistakes_keep_pythons_message():
+    q = np.ones((1, 1, 2, 4))
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'v'"):
+        enp.attention(q, q)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'causl'$"):
+        enp.attention(q, q, q, causl=True)
+
+
+def test_a_float_mask_points_to_bias():
+    q = np.ones((1, 1, 2, 4))
+    with pytest.raises(TypeError, match="`mask` must be a boolean array, got dtype float64.*pass it as `bias=`"):
+        enp.attention(q, q, q, mask=np.zeros((2, 2)))
+    with pytest.raises(TypeError, match="got dtype int64$"):
+        enp.attention(q, q, q, mask=np.zeros((2, 2), dtype=np.int64))
