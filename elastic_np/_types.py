@@ -134,3 +134,14 @@ class AttentionGrads:
     dbeta: object
     dsigma: Optional[object] = None
     dbias: Optional[np.ndarray] = None
+
+    def __repr__(self):
+        """One line per field: its shape and dtype (arrays), value (scalars), or None; never every entry."""
+        lines = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None or isinstance(value, float):
+                lines.append(f"  {field.name}={value!r},")
+            else:
+                lines.append(f"  {field.name}=<{type(value).__name__} shape={tuple(value.shape)} dtype={value.dtype}>,")
+        return "AttentionGrads(\n" + "\n".join(lines) + "\n)"

@@ -347,3 +347,26 @@ def test_oracle_gradients_pass_gradcheck():
     quantities = {(r.case, r.quantity) for r in report.rows}
     assert ("combined", "dsigma") in quantities and ("tau, beta per head", "dbeta") in quantities
     assert max(r.error for r in report.rows) < 1e-6
+
+
+def test_strict_fails_on_skipped_cases_and_the_summary_counts_them():
+    import elastic_np as enp
+
+    def fn(q, k, v, causal=False):
+        return enp.attention(q, k, v, causal=causal, backend="reference")
+
+    report = enp.testing.check_attention(fn, dtypes=(np.float64,))
+    assert report and report.skipped
+    assert f"passed, {len(report.skipped)} cases skipped" in str(report)
+    strict = enp.testing.check_attention(fn, dtypes=(np.float64,), strict=True)
+    assert not strict and not strict.failures and "(strict: a skipped case fails)" in str(strict)
+
+
+def test_attention_grads_print_a_summary():
+    import elastic_np as enp
+
+    q = k = v = np.ones((1, 2, 3, 4))
+    out, lse = enp.reference.attention(q, k, v, tau=np.array([1.0, 2.0]))
+    text = repr(enp.reference.attention_backward(out, q, k, v, out, lse, tau=np.array([1.0, 2.0])))
+    assert "dq=<ndarray shape=(1, 2, 3, 4) dtype=float64>" in text and "dtau=<ndarray shape=(2,)" in text
+    assert "dsigma=None" in text and "dbias=None" in text and text.count("\n") == 8

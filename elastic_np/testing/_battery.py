@@ -218,7 +218,7 @@ def _oracle_loss(q, k, v, options, inputs):
 
 
 def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.float64), seed=0,
-                    quick=True):
+                    quick=True, strict=False):
     r"""Run an attention implementation through the conformance battery.
 
     Each case of the battery (plain, explicit scale, causal, causal with
@@ -281,11 +281,14 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
     quick : bool, optional
         Small shapes (the default); ``False`` uses longer sequences and head
         dims (about five times as long, four times as wide).
+    strict : bool, optional
+        Whether a case skipped for want of an option fails the report (the
+        summary line counts the skipped cases either way).
 
     Returns
     -------
     ConformanceReport
-        True when every compared quantity passed; ``str()`` is the table
+        True when every compared quantity passed (and, with ``strict``, no case was skipped); ``str()`` is the table
         (case, dtype, quantity, worst error, allowed error, pass/FAIL) with the
         skipped cases. An exception raised by ``fn`` or ``backward`` is a
         failed row naming it, not an error.
@@ -308,7 +311,9 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
     """
     supported = supported_options(fn, options)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return run_battery(
+    report = run_battery(
         fn, backward=backward, supported=supported, dtypes=dtypes, quick=quick, seed=seed,
         title=f"check_attention({name})",
     )
+    report.strict = bool(strict)
+    return report

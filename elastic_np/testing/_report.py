@@ -56,13 +56,18 @@ class ConformanceReport:
         One per case, dtype and quantity compared.
     skipped : list of (str, list of str)
         Cases not run and the options or capabilities they needed.
+    strict : bool
+        Whether a skipped case fails the run (`check_attention`'s ``strict``).
     """
 
     title: str
     rows: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
+    strict: bool = False
 
     def __bool__(self):
+        if self.strict and self.skipped:
+            return False
         return bool(self.rows) and all(r.passed for r in self.rows)
 
     @property
@@ -89,7 +94,11 @@ class ConformanceReport:
         if not self.rows:
             lines.append("  (nothing was run)")
         passed = sum(r.passed for r in self.rows)
-        lines.append(f"  {passed}/{len(self.rows)} passed")
+        summary = f"  {passed}/{len(self.rows)} passed"
+        if self.skipped:
+            summary += f", {len(self.skipped)} case{'s' if len(self.skipped) != 1 else ''} skipped"
+            summary += " (strict: a skipped case fails)" if self.strict else ""
+        lines.append(summary)
         if self.skipped:
             lines.append("  skipped: " + "; ".join(
                 f"{name} (needs {', '.join(needs)})" for name, needs in self.skipped))
