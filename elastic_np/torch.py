@@ -409,7 +409,7 @@ class ElasticAttention(torch.nn.Module):
         if not (math.isfinite(beta) and (beta > 0 or (beta == 0 and not learn_beta))):
             raise ValueError(
                 f"`beta` must be finite and > 0 when learned (beta = exp(log_beta)), >= 0 when "
-                f"fixed; got {beta!r}"
+                f"fixed (learn_beta=False); got beta={beta!r} with learn_beta={learn_beta!r}"
             )
         self.num_heads = num_heads
         full = lambda value: torch.full((num_heads,), value, dtype=dtype)  # noqa: E731
@@ -449,6 +449,11 @@ class ElasticAttention(torch.nn.Module):
         The options that describe the batch (%(other_names)s) are given here.
         """
         options = _spec.complete(options, "forward", _spec.PER_CALL)
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(
+                f"this ElasticAttention was built with num_heads={self.num_heads}, but `q` of shape "
+                f"{tuple(q.shape)} has {q.shape[1] if q.dim() == 4 else 'no'} heads on axis 1 (shape (B, H, N, D))"
+            )
         window = None
         if self.log_sigma is not None:
             window = DynamicWindow(self.sigma, self.sharpness, self.threshold)

@@ -326,3 +326,13 @@ class TestElasticAttention:
             enpt.ElasticAttention(2, tau=0.0)
         with pytest.raises(ValueError, match="`num_heads`"):
             enpt.ElasticAttention(0)
+        with pytest.raises(ValueError, match="fixed \\(learn_beta=False\\); got beta=0.0 with learn_beta=True"):
+            enpt.ElasticAttention(2, beta=0.0)
+
+    def test_heads_other_than_num_heads_name_num_heads(self):
+        attn = enpt.ElasticAttention(4)
+        q = torch.randn(1, 8, 3, 4)
+        with pytest.raises(ValueError, match="built with num_heads=4, but `q` of shape \\(1, 8, 3, 4\\) has 8 heads"):
+            attn(q, q, q)
+        with pytest.raises(ValueError, match="num_heads=4"):
+            attn(q[0], q[0], q[0])
