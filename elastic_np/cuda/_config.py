@@ -61,7 +61,8 @@ TC_FORWARD_WARPS = 8
 TC_KEYS = {4: 64, 8: 32}
 #: Tensor-core forward: copy 16 bytes at a time where the rows allow it (False: element by element).
 TC_VECTOR_COPY = True
-#: Tensor-core forward: padding of the shared-memory rows, in elements (compile-time).
+#: Tensor-core forward: padding of the shared-memory rows, in elements (compile-time): a row
+#: stride of 4 modulo 8 words puts a fragment's reads in distinct banks.
 TC_PAD = 4
 
 #: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,

@@ -28,15 +28,14 @@ from numba import cuda
 
 from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS, _bh_params, _carve, _dims, _entry,
-    _finish_row, _key_range, inline_device,
+    _finish_row, _group_max, _group_sum, _key_range, inline_device,
 )
 from elastic_np.cuda._config import TC_PAD
 from elastic_np.cuda._copy import commit, copy_element, copy_vector, wait_all, wait_prior
 from elastic_np.cuda._mma import mma, split, splits
 
-#: Padding of the shared-memory rows (a row stride of 4 modulo 8 words: the fragment reads in distinct banks).
-PAD = TC_PAD
-FULL_MASK = 0xFFFFFFFF
+#: Every lane of a warp: a row's 4 lanes reduce by shuffles (`_group_max`, `_group_sum` of width 4).
+FULL_MASK = numba.uint32(0xFFFFFFFF)
 
 
 @inline_device
@@ -156,20 +155,6 @@ def _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, n0, e0):
 
 
 @inline_device
-def _quad_max(value):
-    """The max of ``value`` over the four lanes ``4 g .. 4 g + 3`` that share a row."""
-    value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1))
-    return max(value, cuda.shfl_xor_sync(FULL_MASK, value, 2))
-
-
-@inline_device
-def _quad_sum(value):
-    """The sum of ``value`` over the four lanes of a row, bit-identical in each (a butterfly)."""
-    value = value + cuda.shfl_xor_sync(FULL_MASK, value, 1)
-    return value + cuda.shfl_xor_sync(FULL_MASK, value, 2)
-
-
-@inline_device
 def _simple_logits(s_frag, place, keys, prm, fopts):
     """Scores to logits in registers, where the only options are the structural ones, ``scale`` and ``tau``.
 
@@ -246,8 +231,8 @@ def _softmax_step(s_frag, stats, fopts):
     for n in range(s_frag.shape[0]):
         top = max(top, max(s_frag[n, 0], s_frag[n, 1]))
         bottom = max(bottom, max(s_frag[n, 2], s_frag[n, 3]))
-    new_top = max(stats[0], _quad_max(top))
-    new_bottom = max(stats[1], _quad_max(bottom))
+    new_top = max(stats[0], _group_max(top, 4, FULL_MASK))
+    new_bottom = max(stats[1], _group_max(bottom, 4, FULL_MASK))
     alpha_top = one
     alpha_bottom = one
     if new_top > neg_inf:
@@ -274,14 +259,6 @@ def _softmax_step(s_frag, stats, fopts):
 
 
 @inline_device
-def _is_simple(prm):
-    """Whether the only options of a (batch, head) are structural (causal, window, ``kv_lengths``), ``scale``, ``tau``."""
-    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
-     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
-    return not (has_mask or nvm or has_gate or has_bias or softcap > 0 or alibi_slope != 0)
-
-
-@inline_device
 def _issue_kv(k_bh, v_bh, j, hi, c0, buffers, geometry, unit, slot):
     """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot``."""
     q_tile, k_tiles, v_tiles, k_size, v_size = buffers
@@ -300,7 +277,7 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
     D, Dv, d_pad, qk_stride, v_stride, block_k, width_v = geometry
     b, h, i0, N, warp = place
     s_frag, o_frag, stats = frags
-    prm, opts, general, simple, terms, zero = options
+    prm, opts, general, terms, zero = options
     j0 = lo + it * block_k
     cur = it % 2
     if it + 1 < n_k:  # the next tile into the other buffers, while this one is used
@@ -315,7 +292,7 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
     t = cuda.threadIdx.x % 4
     _scores(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag)
     fopts = opts[O_FOPTS]
-    if not general or simple:
+    if not general:
         _simple_logits(s_frag, (b, h, i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts)
     else:
         cuda.syncthreads()  # every warp is done with K: its rows become the scratch
@@ -344,7 +321,7 @@ def _write_rows(out, lse, place, c0, Dv, o_frag, stats, fopts, beta_h):
     t = cuda.threadIdx.x % 4
     for half in range(2):
         row = i + 8 * half
-        row_lse, num, den = _finish_row(stats[half], _quad_sum(stats[2 + half]), beta_h, fopts)
+        row_lse, num, den = _finish_row(stats[half], _group_sum(stats[2 + half], 4, FULL_MASK), beta_h, fopts)
         if row < N:
             if c0 == 0 and t == 0:
                 lse[b, h, row] = row_lse
@@ -381,8 +358,9 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     """The kernel's body, for the fragment arrays its caller sizes (see the module).
 
     ``general`` (a compile-time constant) compiles in the whole score pipeline
-    (`_general_logits`); without it the kernel takes the structural options,
-    ``scale`` and ``tau`` only (`_simple_logits`), and keeps its registers.
+    (`_general_logits`), for the problems `elastic_np.cuda._forward_launch.needs_general`
+    names; without it the kernel takes the structural options, ``scale`` and
+    ``tau`` only (`_simple_logits`), and keeps its registers.
     ``vector``: whether the rows of ``q``, ``k``, ``v`` start 16-byte aligned
     and hold whole 16-byte units, for vector copies.
     """
@@ -394,23 +372,23 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     block_k = 8 * s_frag.shape[0]
     width_v = 8 * o_frag.shape[0]
     d_pad = (D + 7) // 8 * 8
-    geometry = (D, Dv, d_pad, d_pad + PAD, width_v + PAD, block_k, width_v)
+    geometry = (D, Dv, d_pad, d_pad + TC_PAD, width_v + TC_PAD, block_k, width_v)
     fopts = opts[O_FOPTS]
     zero = fopts[F_ZERO]
     smem = cuda.shared.array(0, dtype=q.dtype)
-    k_size = max(block_k * (d_pad + PAD), block_q * (block_k + 1))  # K, then the general pipeline's scratch
-    v_size = block_k * (width_v + PAD)
-    q_tile, at = _carve(smem, 0, block_q * (d_pad + PAD))
+    k_size = max(block_k * (d_pad + TC_PAD), block_q * (block_k + 1))  # K, then the general pipeline's scratch
+    v_size = block_k * (width_v + TC_PAD)
+    q_tile, at = _carve(smem, 0, block_q * (d_pad + TC_PAD))
     k_tiles, at = _carve(smem, at, 2 * k_size)  # two of each: one in use, the next one arriving
     v_tiles, at = _carve(smem, at, 2 * v_size)
     buffers = (q_tile, k_tiles, v_tiles, k_size, v_size)
     unit = 1
     if vector:
         unit = 4 if splits(zero) else 2  # 16 bytes
-    _issue(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + PAD, block_q, d_pad, unit)
+    _issue(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + TC_PAD, block_q, d_pad, unit)
     commit()
     prm = _bh_params(b, h, N, M, opts)
-    options = (prm, opts, general, _is_simple(prm), opts[O_IOPTS][I_MMA_TERMS], zero)
+    options = (prm, opts, general, opts[O_IOPTS][I_MMA_TERMS], zero)
     lo, hi = _key_range(i0, i1, b, h, N, M, opts)
     n_k = (hi - lo + block_k - 1) // block_k if hi > lo else 0
     kv = (k[b, hk], v[b, hk], unit)

@@ -75,15 +75,18 @@ def _sim_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     tid = thread.thread_id
     base = tid - tid % 32
     lanes = min(32, thread._manager._block_dim[0] - base)
-    state = thread._manager.__dict__.setdefault("_elastic_np_mma", {})
-    barrier = state.setdefault(("barrier", base), threading.Barrier(lanes))
+    warps = thread._manager.__dict__.setdefault("_elastic_np_mma", {})
+    warp = warps.get(base)
+    if warp is None:  # the warp's barrier, lock and two tables, made once (setdefault keeps the first)
+        warp = warps.setdefault(base, (threading.Barrier(lanes), threading.Lock(), ({}, {})))
+    barrier, lock, tables = warp
     calls = getattr(thread, "_elastic_np_mma_calls", 0)
     thread._elastic_np_mma_calls = calls + 1
-    table = state.setdefault(("table", base, calls % 2), {})
+    table = tables[calls % 2]
     table.pop("D", None)  # the product of two calls ago: every lane has read it
     table[tid] = (a0, a1, a2, a3, b0, b1)
     barrier.wait()
-    with state.setdefault(("lock", base), threading.Lock()):
+    with lock:
         if "D" not in table:
             table["D"] = _warp_product([table[base + lane] for lane in range(32)])
     lane = tid % 32
