@@ -320,21 +320,11 @@ def _bench_gpu(args):
     try:
         cuda_bench.run(shape, causal=args.causal, softcap=args.softcap, alibi=args.alibi, bias=args.bias,
                        repeat=args.repeat or (3 if args.quick else None), json_path=args.json,
-                       command=" ".join(["elastic-np", *args.argv]), **_gpu_dtype(args))
+                       command=" ".join(["elastic-np", *args.argv]), dtype=args.dtype, precision=args.precision)
     except BackendUnavailableError as exc:
         print(f"elastic-np bench --gpu: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _gpu_dtype(args):
-    """The dtype and precision `elastic_np.cli._cuda_bench.run` gets: none where they are the defaults."""
-    chosen = {}
-    if args.dtype != "float32":
-        chosen["dtype"] = args.dtype
-    if args.precision is not None:
-        chosen["precision"] = args.precision
-    return chosen
 
 
 #: ``elastic-np bench --gpu --quick``: ``(B, H, N, D)``, and 3 timed runs.

@@ -70,10 +70,7 @@ def main(argv=None):
         _print_ptx(args.ptx or ["8.0", "9.0"])
     if args.bench:
         try:
-            chosen = {"dtype": args.dtype} if args.dtype != "float32" else {}
-            if args.precision is not None:
-                chosen["precision"] = args.precision
             _bench.run(tuple(args.shape), causal=args.causal, softcap=args.softcap, alibi=args.alibi,
-                       bias=args.bias, json_path=args.json, **chosen)
+                       bias=args.bias, json_path=args.json, dtype=args.dtype, precision=args.precision)
         except BackendUnavailableError as exc:
             raise SystemExit(f"python -m elastic_np.cuda --bench: {exc}") from None

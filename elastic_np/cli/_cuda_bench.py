@@ -294,7 +294,7 @@ def _results(timings):
     return results, ratios
 
 
-def bench_record(shape, options, timings, decode, machine, command=None, runs=()):
+def bench_record(shape, options, timings, decode, machine, command=None, runs=(), dtype="float32", precision=None):
     """The results file's dict: machine, command, the training shape's timings and the decode shapes'.
 
     Parameters
@@ -313,11 +313,13 @@ def bench_record(shape, options, timings, decode, machine, command=None, runs=()
     runs : sequence of (dict, dict), optional
         More configurations: each `bench`'s keyword arguments (``B``, ``H``,
         ``N``, ``D``, ``dtype``, ``precision``, ``causal``) and its result.
+    dtype, precision : optional
+        Those of the training shape's timings (`bench`'s).
 
     Returns
     -------
     dict
-        ``kind`` ("cuda"), ``machine``, ``command``, ``dtype``, ``config``
+        ``kind`` ("cuda"), ``machine``, ``command``, ``dtype``, ``precision``, ``config``
         (shape and options), ``results`` (per implementation and pass: time
         in seconds and TFLOP/s), ``speed_ratio`` (torch's time / ours, per
         pass), ``decode`` (per shape: both times and the ratio) and ``runs``
@@ -333,7 +335,8 @@ def bench_record(shape, options, timings, decode, machine, command=None, runs=()
         "kind": "cuda",
         "machine": machine,
         "command": command if command is not None else " ".join(["python -m elastic_np.cuda"] + sys.argv[1:]),
-        "dtype": "float32",
+        "dtype": dtype,
+        "precision": precision,
         "config": {"B": B, "H": H, "N": N, "M": N, "D": D, **options},
         "results": results,
         "speed_ratio": ratios,
@@ -362,8 +365,9 @@ def format_table(record):
     """
     cfg = record["config"]
     options = " ".join(f"{name}={cfg.get(name)}" for name in ("causal", "softcap", "alibi", "bias"))
+    precision = f", precision={record['precision']}" if record.get("precision") else ""
     lines = [
-        f"{record['dtype']}, B={cfg['B']} H={cfg['H']} N={cfg['N']} M={cfg['M']} D={cfg['D']}, {options}",
+        f"{record['dtype']}{precision}, B={cfg['B']} H={cfg['H']} N={cfg['N']} M={cfg['M']} D={cfg['D']}, {options}",
         f"  {'implementation':<18} {'pass':<17} {'time (ms)':>10} {'TFLOP/s':>8} {'torch / this':>13}",
     ]
     results = record["results"]
@@ -376,18 +380,9 @@ def format_table(record):
                 ratio = f"{record['speed_ratio'][what]:.2f}"
             elif who != "torch":
                 ratio = f"{results['torch'][what]['seconds'] / runs[what]['seconds']:.2f}"
-            lines.append(f"  {who:<18} {what:<17} {runs[what]['seconds'] * 1e3:>10.3f} "
-                         f"{runs[what]['tflops']:>8.2f} {ratio:>13}".rstrip())
+            lines.append(_row(who, what, runs[what], ratio))
     for run_ in record.get("runs", ()):
-        c = run_["config"]
-        lines.append(f"{c.get('dtype', 'float32')}, precision={c.get('precision')}, B={c['B']} H={c['H']} "
-                     f"N={c['N']} D={c['D']}, causal={c.get('causal', False)}")
-        for what in ("forward", "forward+backward"):
-            for who in ("elastic_np", "torch"):
-                entry = run_["results"][who][what]
-                ratio = f"{run_['speed_ratio'][what]:.2f}" if who == "elastic_np" else ""
-                lines.append(f"  {who:<18} {what:<17} {entry['seconds'] * 1e3:>10.3f} {entry['tflops']:>8.2f} "
-                             f"{ratio:>13}".rstrip())
+        lines += _run_lines(run_)
     plain = results.get("elastic_np plain")
     if plain:
         for what, run_ in results["elastic_np"].items():
@@ -402,6 +397,24 @@ def format_table(record):
             lines.append(f"  {shape:<24} {entry['seconds']['elastic_np'] * 1e3:>16.3f} "
                          f"{entry['seconds']['torch'] * 1e3:>11.3f} {entry['speed_ratio']:>13.2f}")
     return "\n".join(lines)
+
+
+def _run_lines(run_):
+    """`format_table`'s lines of one of the record's further configurations (its ``runs``)."""
+    c = run_["config"]
+    lines = [f"{c.get('dtype', 'float32')}, precision={c.get('precision')}, B={c['B']} H={c['H']} "
+             f"N={c['N']} D={c['D']}, causal={c.get('causal', False)}"]
+    for what in ("forward", "forward+backward"):
+        for who in ("elastic_np", "torch"):
+            ratio = f"{run_['speed_ratio'][what]:.2f}" if who == "elastic_np" else ""
+            lines.append(_row(who, what, run_["results"][who][what], ratio))
+    return lines
+
+
+def _row(who, what, entry, ratio):
+    """One line of `format_table`: implementation, pass, time, TFLOP/s, torch's time / its time."""
+    return (f"  {who:<18} {what:<17} {entry['seconds'] * 1e3:>10.3f} {entry['tflops']:>8.2f} "
+            f"{ratio:>13}".rstrip())
 
 
 def machine_line(machine):
@@ -448,19 +461,16 @@ def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=No
     """
     B, H, N, D = shape
     options = {"causal": causal, "softcap": softcap, "alibi": alibi, "bias": bias}
-    chosen = {"dtype": dtype, "precision": precision} if (dtype, precision) != ("float32", None) else {}
-    result = bench(B, H, N, D, **options, **chosen, **({} if repeat is None else {"repeat": repeat}))
+    timing = {} if repeat is None else {"repeat": repeat}
+    result = bench(B, H, N, D, **options, dtype=dtype, precision=precision, **timing)
     decode = []
     runs = []
     if json_path is not None:
-        for config in RECORD_RUNS:
-            config = dict(config)
-            runs.append((config, bench(**config, **({} if repeat is None else {"repeat": repeat}))))
+        runs = [(dict(config), bench(**config, **timing)) for config in RECORD_RUNS]
         decode = [(decode_shape, bench_decode(*decode_shape)) for decode_shape in DECODE_SHAPES]
     machine = machine_info()
-    record = bench_record(shape, options, result, decode, machine, command=command, runs=runs)
-    if chosen:
-        record["dtype"], record["precision"] = dtype, precision
+    record = bench_record(shape, options, result, decode, machine, command=command, runs=runs, dtype=dtype,
+                          precision=precision)
     print(machine_line(machine))
     print(format_table(record))
     if json_path is not None:

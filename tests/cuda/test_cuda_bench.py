@@ -84,7 +84,8 @@ def test_both_command_lines_run_one_benchmark(monkeypatch):
     (shape, options), (gpu_shape, gpu_options) = calls
     assert shape == gpu_shape == (2, 4, 256, 32)
     assert gpu_options.pop("command") == "elastic-np " + " ".join(argv) and gpu_options.pop("repeat") is None
-    want = {"causal": True, "softcap": None, "alibi": False, "bias": "keys", "json_path": "x.json"}
+    want = {"causal": True, "softcap": None, "alibi": False, "bias": "keys", "json_path": "x.json",
+            "dtype": "float32", "precision": None}
     assert options == gpu_options == want
 
 
@@ -112,6 +113,8 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     _cuda_bench.run(SHAPE)  # without --json: no decode shapes, nothing written
     printed = capsys.readouterr().out
     assert "decoding" not in printed and "wrote" not in printed and "0.50" in printed
+    _cuda_bench.run(SHAPE, precision="tf32")  # the table's first line says what ran
+    assert "float32, precision=tf32, B=4 H=16" in capsys.readouterr().out
 
 
 # `bench`'s parts that run without a GPU (`_ours`, which needs the kernels, runs in test_sim_bench.py)
@@ -194,7 +197,7 @@ def test_dtype_and_precision_reach_the_benchmark(monkeypatch):
     _cuda.main(["--bench", "--precision", "tf32"])
     assert cli.main(["bench", "--gpu", "--precision", "tf32"]) == 0
     assert cli.main(["bench", "--gpu", "--dtype", "float64"]) == 0
-    assert [{k: o.get(k) for k in ("dtype", "precision")} for o in calls] == [
-        {"dtype": "float64", "precision": None}, {"dtype": None, "precision": "tf32"},
-        {"dtype": None, "precision": "tf32"}, {"dtype": "float64", "precision": None}]
+    assert [{k: o[k] for k in ("dtype", "precision")} for o in calls] == [
+        {"dtype": "float64", "precision": None}, {"dtype": "float32", "precision": "tf32"},
+        {"dtype": "float32", "precision": "tf32"}, {"dtype": "float64", "precision": None}]
     assert cli.main(["bench", "--gpu", "--dtype", "float64", "--precision", "tf32"]) == 2
