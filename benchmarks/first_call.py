@@ -4,7 +4,10 @@ Each run is a new process with an empty Numba cache (``NUMBA_CACHE_DIR``, a
 fresh temporary directory) that makes the first calls of a new user in
 order, float32: a prefill forward (``(1, 4, 256, 64)``, causal), a backward
 after it, a decode call (one query against those keys), and with
-``--check`` the whole ``elastic-np check --quick``. It prints the seconds of
+``--check`` the whole ``elastic-np check --quick``. With ``--after-warmup``,
+a process running `elastic_np.warmup` fills the cache first, and the timed
+process calls `elastic_np.warmup` (loading every kernel) before its first
+calls, as a Docker image's container or a warmed Dask worker does. It prints the seconds of
 each step, wall and process CPU time (the fairer figure on a loaded machine);
 with ``--breakdown``, also the compile time of each jitted
 function, exclusive of the functions it compiled in turn (Numba's event API,
@@ -15,7 +18,8 @@ tree once per value of ``ELASTIC_NP_PUBLIC_NUMBA`` (``""``: every private
 path of ``elastic_np/cpu/_numba_private.py`` on, ``1``: none, or the names of
 those to turn off), alternated the same way.
 
-Usage: ``python benchmarks/first_call.py [TREE ...] [--rounds R] [--check] [--breakdown N] [--public SETTING ...]``
+Usage: ``python benchmarks/first_call.py [TREE ...] [--rounds R] [--check] [--after-warmup] [--breakdown N]
+[--public SETTING ...]``
 """
 
 import argparse
@@ -68,8 +72,8 @@ class CompileTimes:
         event.unregister("numba:compile", self.listener)
 
 
-def first_calls(check):
-    """The steps of a new user, timed in this process: ``{step: seconds}``."""
+def first_calls(check, warm=False):
+    """The steps of a new user, timed in this process: ``{step: seconds}`` (after `elastic_np.warmup` if ``warm``)."""
     import elastic_np as enp
 
     steps, cpu = {}, {}
@@ -83,6 +87,8 @@ def first_calls(check):
         cpu[name] = time.process_time() - start_cpu
         return result
 
+    if warm:
+        timed("warmup", enp.warmup)
     out, lse = timed("forward", lambda: enp.attention(q, k, v, causal=True, return_lse=True, backend="cpu"))
     timed("backward", lambda: enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, backend="cpu"))
     timed("decode", lambda: enp.attention(q[:, :, :1], k, v, backend="cpu"))
@@ -93,27 +99,33 @@ def first_calls(check):
     return steps, cpu
 
 
-def worker(check, breakdown):
+def worker(check, breakdown, warm):
     """One run (in its own process): print ``{"steps": ..., "compile": ...}`` as JSON."""
     with CompileTimes() as times:
         import contextlib
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):
-            steps, cpu = first_calls(check)
+            steps, cpu = first_calls(check, warm)
     top = sorted(times.seconds.items(), key=lambda item: -item[1])[:breakdown]
     print(json.dumps({"steps": steps, "cpu": cpu, "compile": top, "total": sum(times.seconds.values())}))
 
 
-def run(tree, check, breakdown, public=None):
-    """One fresh-cache run of ``tree`` (``ELASTIC_NP_PUBLIC_NUMBA=public`` unless None) in a new process: its JSON."""
+def run(tree, check, breakdown, public=None, warm=False):
+    """One fresh-cache run of ``tree`` (``ELASTIC_NP_PUBLIC_NUMBA=public`` unless None) in a new process: its JSON.
+
+    With ``warm``, another process fills the cache with `elastic_np.warmup` first.
+    """
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
         if public is not None:
             env["ELASTIC_NP_PUBLIC_NUMBA"] = public
         if tree is not None:
             env["PYTHONPATH"] = os.path.abspath(tree)
-        command = [sys.executable, os.path.abspath(__file__), "--worker", str(int(check)), str(breakdown)]
+        if warm:
+            subprocess.run([sys.executable, "-c", "import elastic_np; elastic_np.warmup()"], env=env, check=True,
+                           cwd=tree or os.getcwd())
+        command = [sys.executable, os.path.abspath(__file__), "--worker", str(int(check)), str(breakdown), str(int(warm))]
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=True,
                                 cwd=tree or os.getcwd())
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -126,6 +138,8 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="also time elastic-np check --quick")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                         help="print the N functions that took longest to compile (last round)")
+    parser.add_argument("--after-warmup", action="store_true",
+                        help="fill the cache with elastic_np.warmup() first; time a warmup() that loads it")
     parser.add_argument("--public", action="append", metavar="SETTING",
                         help="a value of ELASTIC_NP_PUBLIC_NUMBA to run each tree with (repeatable)")
     args = parser.parse_args(argv)
@@ -138,15 +152,15 @@ def main(argv=None):
 
     for r in range(args.rounds):
         for variant in variants if r % 2 == 0 else variants[::-1]:
-            result = run(variant[0], args.check, args.breakdown, variant[1])
+            result = run(variant[0], args.check, args.breakdown, variant[1], args.after_warmup)
             results[variant].append(result)
-            steps = "  ".join(f"{name} {s:.2f} (cpu {result['cpu'][name]:.2f})" for name, s in result["steps"].items())
+            steps = "  ".join(f"{name} {s:.3f} (cpu {result['cpu'][name]:.3f})" for name, s in result["steps"].items())
             print(f"round {r + 1} {label(variant)}: {steps}  (compile {result['total']:.1f} s)", flush=True)
     for variant, runs in results.items():
         medians = {name: np.median([run["steps"][name] for run in runs]) for name in runs[0]["steps"]}
         cpu = {name: np.median([run["cpu"][name] for run in runs]) for name in runs[0]["steps"]}
         print(f"\n{label(variant)}, median of {len(runs)}: "
-              + "  ".join(f"{name} {s:.2f} s (cpu {cpu[name]:.2f} s)" for name, s in medians.items()))
+              + "  ".join(f"{name} {s:.3f} s (cpu {cpu[name]:.3f} s)" for name, s in medians.items()))
         if args.breakdown:
             print("  compile, exclusive (last round):")
             for name, seconds in runs[-1]["compile"]:
@@ -155,6 +169,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2] == "1", int(sys.argv[3]))
+        worker(sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1")
     else:
         main()

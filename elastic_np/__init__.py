@@ -2,13 +2,15 @@
 
 The float64 reference lives in `elastic_np.reference`; `attention` and
 `attention_backward` dispatch to a backend ("reference", "cpu", "cuda");
-`merge_attention` combines attention computed over disjoint key sets.
+`merge_attention` combines attention computed over disjoint key sets;
+`warmup` compiles the kernels ahead of the first call.
 """
 
 from elastic_np import reference, testing
 from elastic_np._dispatch import attention, attention_backward, merge_attention
 from elastic_np._errors import BackendUnavailableError
 from elastic_np._types import AttentionGrads, DynamicWindow
+from elastic_np._warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -16,6 +18,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "merge_attention",
+    "warmup",
     "AttentionGrads",
     "DynamicWindow",
     "BackendUnavailableError",

@@ -22,9 +22,10 @@ A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 The reference computes in float64; the kernels keep the input dtype.
 """
 
+import contextlib
 import importlib
 
-from elastic_np import _spec, _validation
+from elastic_np import _compile_report, _spec, _validation
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.reference._merge import _merge, _validate
 
@@ -54,6 +55,13 @@ def _problem(module, q, k, v, options):
     kernel_dtype = None if module.dtypes is None else problem.dtype
     _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
     return problem
+
+
+def _reported(module, what, problem):
+    """`_compile_report.reported` for a kernel backend (the reference compiles nothing)."""
+    if module.dtypes is None:
+        return contextlib.nullcontext()
+    return _compile_report.reported(module.__name__.rsplit(".", 1)[-1], what, problem.dtype)
 
 
 def _cuda_is_available():
@@ -145,7 +153,8 @@ def attention(
     return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
     problem = _problem(module, q, k, v, _spec.gathered(locals()))
-    out, lse = module.forward(problem)
+    with _reported(module, "forward", problem):
+        out, lse = module.forward(problem)
     return (out, lse) if return_lse else out
 
 
@@ -227,7 +236,8 @@ def attention_backward(
     problem = _problem(module, q, k, v, _spec.gathered(locals()))
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
-    return module.backward(problem, dout, out, lse, dlse)
+    with _reported(module, "backward", problem):
+        return module.backward(problem, dout, out, lse, dlse)
 
 
 def merge_attention(outs, lses, *, beta=0.0):

@@ -49,7 +49,7 @@ def test_check_quick_all_reports_unavailable_backends_as_skipped(capsys):
     for name in ("cpu", "cuda"):
         if available(name):
             assert f"backend '{name}' vs the float64 oracle" in captured.out
-            assert f"backend '{name}': first JIT compile took" in captured.out
+            assert f"backend '{name}': first calls took" in captured.out
             assert f"{name}: first JIT compile of the kernels" in captured.err
         else:
             assert f"backend '{name}': skipped" in captured.out
@@ -172,7 +172,7 @@ def test_bench_quick_json_and_plot(tmp_path, capsys):
     torch_installed = importlib.util.find_spec("torch") is not None
     assert ("torch sdpa" in impls) == torch_installed
     if available("cpu"):
-        assert "elastic_np cpu" in impls and "elastic_np cpu" in data["compile_s"]
+        assert "elastic_np cpu" in impls and "elastic_np cpu" in data["first_calls"]
     else:
         assert "elastic_np cpu" in data["unavailable"]
         assert "elastic_np cpu: unavailable" in out

@@ -15,6 +15,8 @@ Subcommands:
   [--repeat R] [--json FILE]``: the CUDA kernels against torch SDPA on one GPU,
   float32 unless told (what ``python -m elastic_np.cuda --bench`` runs;
   `elastic_np.cli._cuda_bench.run`).
+- ``elastic-np warmup [--dtype ...] [--options NAME ...] [--backend ...]``:
+  compile (or load from the cache) the kernels ahead of the first call.
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
 Bad arguments give a one-line error and exit code 2.
@@ -31,7 +33,8 @@ import sys
 
 import numpy as np
 
-from elastic_np import _dispatch, reference, testing
+from elastic_np import _compile_report, _dispatch, reference, testing
+from elastic_np._warmup import warmup
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
@@ -80,6 +83,26 @@ def _usage_error(command, message):
 
 
 # ---------------------------------------------------------------------------
+# warmup
+# ---------------------------------------------------------------------------
+
+
+def _warmup(args):
+    """`elastic_np.warmup` with the command's arguments; a line per kernel path and what compiled."""
+    try:
+        report = warmup(dtypes=args.dtype, options=args.options, backend=args.backend)
+    except (ValueError, BackendUnavailableError) as exc:
+        return _usage_error("warmup", str(exc))
+    for (dtype, path), seconds in report.seconds.items():
+        print(f"  {dtype:<8} {path:<20} {seconds:6.2f} s")
+    if report.compiled:
+        print(f"compiled {report.compiled} functions, saved to Numba's cache: later processes load them")
+    else:
+        print("nothing compiled: every kernel came from Numba's cache (or was already loaded)")
+    return 0
+
+
+# ---------------------------------------------------------------------------
 # check
 # ---------------------------------------------------------------------------
 
@@ -87,7 +110,10 @@ _KERNEL_BACKENDS = ("cpu", "cuda")
 
 
 def _compile(name, module, progress):
-    """The first JIT compile of every specialisation the battery uses (`elastic_np.cli._first_compile`); seconds."""
+    """The first calls of every specialisation the battery uses (`elastic_np.cli._first_compile`).
+
+    Returns the `elastic_np._compile_report.Watch` of this process's share.
+    """
     # imported here: the module also runs as a script in the child process (python -m), which
     # runpy would find already imported by this package
     from elastic_np.cli._first_compile import compile_backend
@@ -95,19 +121,21 @@ def _compile(name, module, progress):
     dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
-    return compile_backend(name, dtypes)
+    with _compile_report.watch() as seen:
+        compile_backend(name, dtypes)
+    return seen
 
 
 def _check(args):
     modules, skipped, error = _check_backends(args.backend)
     if error is not None:
         return _usage_error("check", error)
-    reports, compile_s = _run_checks(modules, args)
+    reports, first_calls = _run_checks(modules, args)
     for report in reports:
         print(report)
         print()
-    for name, seconds in compile_s.items():
-        print(f"backend {name!r}: first JIT compile took {seconds:.1f} s")
+    for name, seen in first_calls.items():
+        print(f"backend {name!r}: first calls took {seen.summary()}")
     for name, reason in skipped.items():
         print(f"backend {name!r}: skipped ({reason})")
     return _check_verdict(reports, modules, skipped)
@@ -130,17 +158,17 @@ def _check_backends(choice):
 
 
 def _run_checks(modules, args):
-    """The battery of each backend (after its first compile) and the oracles' gradients: reports, compile seconds."""
+    """The battery of each backend (after its first calls) and the oracles' gradients: reports, first calls' `Watch`."""
     dtypes = [np.dtype(d) for d in args.dtype]
     supported = _cases.OPTION_NAMES + _cases.CAPABILITIES
     cases, _ = _cases.select_cases(supported)
     steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _cases.CASES)
-    reports, compile_s = [], {}
+    reports, first_calls = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
             if name != "reference":
                 try:
-                    compile_s[name] = _compile(name, module, progress)
+                    first_calls[name] = _compile(name, module, progress)
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
@@ -152,7 +180,7 @@ def _run_checks(modules, args):
             ))
         reports.append(_battery.check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
-    return reports, compile_s
+    return reports, first_calls
 
 
 def _check_verdict(reports, modules, skipped):
@@ -339,9 +367,28 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     example = sub.add_parser("example", help="evaluate the oracles on a worked example")
     example.set_defaults(func=_example)
+    _add_warmup(sub)
     for p in (_add_check(sub), _add_bench(sub)):
         p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser
+
+
+def _add_warmup(sub):
+    warm = sub.add_parser(
+        "warmup", help="compile the kernels ahead of the first call (for a Docker build or a worker's start)",
+        description="Compile, or load from Numba's on-disk cache, every kernel that later calls of "
+                    "the given dtypes and options will run (elastic_np.warmup): run it where "
+                    "waiting is cheap, such as a Docker image's build, so that the first call "
+                    "of a training loop or a server does not compile.",
+    )
+    warm.add_argument("--dtype", nargs="+", choices=("float32", "float64"), default=["float32", "float64"],
+                      help="dtypes of the later calls (default: both)")
+    warm.add_argument("--options", nargs="+", metavar="NAME",
+                      help="names of the options the later calls use (default: every option)")
+    warm.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="backend to warm up (default: auto, as attention picks it)")
+    warm.set_defaults(func=_warmup)
+    return warm
 
 
 def _add_check(sub):

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _dispatch, _problem
+from elastic_np import _compile_report, _dispatch, _problem
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cpu import _simd, thread_count
 from elastic_np.reference._attention import _forward as _oracle_forward
@@ -293,8 +293,8 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     Returns
     -------
     dict
-        ``config``, ``matmul_peak_gflops``, ``compile_s`` (seconds of the first call
-        of each kernel), ``unavailable`` (name: reason) and ``results``: a list of
+        ``config``, ``matmul_peak_gflops``, ``first_calls`` (of each kernel,
+        `_first_calls`), ``unavailable`` (name: reason) and ``results``: a list of
         dicts with ``impl``, ``pass``, ``seq``, ``time_s``, ``gflops``,
         ``fraction_of_peak`` and ``peak_mib``.
     """
@@ -307,7 +307,7 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
     peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
 
-    compile_s = _first_calls(available, dim, dtype, notify)
+    first_calls = _first_calls(available, dim, dtype, notify)
     # One implementation at a time over every size: switching between thread
     # pools (OpenBLAS, torch's OpenMP, Numba's) on every call makes the idle
     # pool's spinning threads compete with the busy one.
@@ -339,25 +339,29 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
                    "causal": bool(causal), "seqs": [int(s) for s in seqs], "repeat": repeat,
                    "min_time": min_time},
         "matmul_peak_gflops": peak,
-        "compile_s": compile_s,
+        "first_calls": first_calls,
         "unavailable": unavailable,
         "results": results,
     }
 
 
 def _first_calls(available, dim, dtype, notify):
-    """Call each elastic_np kernel once, forward and backward, on tiny inputs: ``{name: seconds}`` (the JIT compile)."""
-    compile_s = {}
+    """Call each elastic_np kernel once, forward and backward, on tiny inputs.
+
+    Returns ``{name: {"seconds": s, "compiled": n}}``: ``n`` functions
+    compiled, 0 when the kernels came from Numba's cache.
+    """
+    first = {}
     small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
     dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
     for name, fns in available.items():
         if name.startswith("elastic_np"):
             notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
-            start = time.perf_counter()
-            for fn in fns:
-                fn(*small, dout_small)
-            compile_s[name] = time.perf_counter() - start
-    return compile_s
+            with _compile_report.watch() as seen:
+                for fn in fns:
+                    fn(*small, dout_small)
+            first[name] = {"seconds": seen.seconds, "compiled": len(seen.compiled), "summary": seen.summary()}
+    return first
 
 
 def _measure(call, flops, peak, repeat, min_time):
@@ -384,8 +388,10 @@ def format_table(comparison):
             f"  {r['impl']:<18} {r['pass']:<16} {r['seq']:>6} {1e3 * r['time_s']:>10.3f} "
             f"{r['gflops']:>9.2f} {100 * r['fraction_of_peak']:>7.1f}% {r['peak_mib']:>9.1f}"
         )
-    for name, seconds in comparison["compile_s"].items():
-        lines.append(f"  {name}: first call (JIT compile) {seconds:.2f} s")
+    for name, first in comparison.get("first_calls", {}).items():
+        lines.append(f"  {name}: first call {first['summary']}")
+    for name, seconds in comparison.get("compile_s", {}).items():  # a record from before compile and load were told apart
+        lines.append(f"  {name}: first call {seconds:.2f} s")
     for name, reason in comparison["unavailable"].items():
         lines.append(f"  {name}: unavailable ({reason})")
     return "\n".join(lines)

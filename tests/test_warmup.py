@@ -1,0 +1,105 @@
+"""`elastic_np.warmup` and `elastic-np warmup`; the INFO line of a first compile."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numba import njit
+
+import elastic_np as enp
+from elastic_np import _compile_report
+from elastic_np.cli import main
+
+# Later calls of a warmed configuration must neither compile nor load from
+# the cache: both take Numba's compiler lock, which an already loaded kernel
+# does not. Every kernel path and stage: prefill, both decode kernels, the
+# score modifiers, the bias and its gradient, grouped heads, odd sizes.
+LATER_CALLS = r"""
+import sys
+import numpy as np
+from numba.core import event
+import elastic_np as enp
+
+if sys.argv[1] == "warm":
+    enp.warmup(dtypes=["float32"])
+rng = np.random.default_rng(1)
+with event.install_recorder("numba:compiler_lock") as recorder:
+    for N, M in ((300, 280), (1, 700), (3, 700), (16, 700)):
+        q = rng.standard_normal((2, 4, N, 40)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 2, M, 40)).astype(np.float32) for _ in range(2))
+        for options in ({}, {"causal": True, "tau": 0.7, "beta": 0.5, "nvm": True},
+                        {"softcap": 20.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])},
+                        {"bias": rng.standard_normal((1, 4, N, M))}):
+            out, lse = enp.attention(q, k, v, return_lse=True, **options)
+            enp.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+print(len(recorder.buffer))
+"""
+
+
+def _compiler_lock_events(mode):
+    run = subprocess.run([sys.executable, "-c", LATER_CALLS, mode], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout.split()[-1])
+
+
+def test_after_warmup_later_calls_neither_compile_nor_load():
+    assert _compiler_lock_events("warm") == 0
+
+
+def test_without_warmup_the_same_calls_load_or_compile():
+    # the control: the count above can fail
+    assert _compiler_lock_events("cold") > 0
+
+
+def test_warmup_reports_each_path_and_checks_its_arguments():
+    report = enp.warmup(dtypes=["float64"], options=["causal", "softcap"], backend="cpu")
+    assert sorted(report.seconds) == [("float64", "decode"), ("float64", "decode, 16 queries"),
+                                      ("float64", "prefill")]
+    assert all(s >= 0 for s in report.seconds.values()) and report.compiled >= 0
+    with pytest.raises(ValueError, match="`options` must name options of `attention`.*is_causal"):
+        enp.warmup(options=["is_causal"])
+    with pytest.raises(ValueError, match="`dtypes`.*float16"):
+        enp.warmup(dtypes=["float16"], backend="cpu")
+    with pytest.raises(ValueError, match="`head_dim`"):
+        enp.warmup(head_dim=0)
+
+
+def test_warmup_reference_compiles_nothing():
+    report = enp.warmup(dtypes=["float32"], backend="reference")
+    assert report.compiled == 0
+
+
+def test_a_compile_is_one_info_line_naming_it(caplog):
+    @njit(fastmath=False)
+    def never_seen(x):
+        return x + 1
+
+    with caplog.at_level(logging.INFO, logger="elastic_np"):
+        with _compile_report.reported("cpu", "forward", np.dtype(np.float32)) as seen:
+            never_seen(np.float32(1.0))
+        with _compile_report.reported("cpu", "forward", np.dtype(np.float32)):
+            never_seen(np.float32(2.0))  # compiled already: no line
+    records = [r for r in caplog.records if r.name == "elastic_np" and r.levelno == logging.INFO]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    message = records[0].getMessage()
+    assert message.startswith("cpu backend: forward for float32: compiled 1 function")
+    assert "never_seen" in " ".join(str(n) for n in seen.compiled)
+    assert "no compile" in _compile_report.Watch().summary()
+
+
+def test_cli_warmup(capsys):
+    assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "float32  prefill" in out and "decode, 16 queries" in out
+    assert "compiled" in out or "nothing compiled" in out
+    assert main(["warmup", "--options", "dropout_p"]) == 2
+    assert "`options` must name options" in capsys.readouterr().err
+
+
+def test_importing_and_warming_the_reference_imports_no_tool():
+    code = "import sys, elastic_np as e; e.warmup(backend='reference'); print('elastic_np.cli' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert run.stdout.strip() == "False", run.stderr
