@@ -355,29 +355,34 @@ _MODEL_OPTIONS = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL and n n
 
 @_spec.with_option_docs(own=set(_spec.NAMES) - set(_MODEL_OPTIONS))
 class ElasticAttention(torch.nn.Module):
-    """The attention core of a transformer block with learnable per-head ``tau`` and ``beta``.
+    """The attention core of a transformer block, with per-head ``tau``, ``beta`` and window width to learn.
 
-    Parametrisation (each per head, shape ``(num_heads,)``):
+    With its defaults it is plain attention (``tau = 1``, ``beta = 0``, no
+    window, nothing learned): it gives what `attention` and torch's SDPA give
+    until a parameter is made learnable. Each learnable parameter is opt-in
+    (``learn_tau``, ``learn_beta``, ``learn_window``) and per head, shape
+    ``(num_heads,)``:
 
     - ``tau = softplus(raw_tau)``: the temperature, kept ``> 0``;
-    - ``beta = exp(log_beta)``: the learnable sink, kept ``> 0``;
+    - ``beta = exp(log_beta)``: the learnable sink, kept ``> 0``, so a learned
+      ``beta`` starts from a value ``> 0`` (``beta=1.0``: gpt-oss's sink logit 0);
     - ``sigma = exp(log_sigma)``: the dynamic window's width, with a window.
 
-    A parameter that is not learned (``learn_tau=False`` ...) is kept with
-    ``requires_grad=False``; a fixed ``beta`` may be 0.
+    A parameter that is not learned is kept with ``requires_grad=False``.
 
     Parameters
     ----------
     num_heads : int
         Query heads ``H``.
     tau, beta : float, optional
-        Initial values (``tau > 0``; ``beta > 0`` when learned, else ``>= 0``).
+        Initial values (``tau > 0``, default 1; ``beta >= 0``, default 0,
+        ``> 0`` when learned).
     learn_tau, learn_beta : bool, optional
-        Whether ``tau`` and ``beta`` are learned.
+        Whether ``tau`` and ``beta`` are learned (default False).
     dynamic_window : elastic_np.DynamicWindow, optional
         A window whose ``sigma`` (a scalar or ``(num_heads,)``) is the initial width.
     learn_window : bool, optional
-        Whether ``sigma`` is learned.
+        Whether ``sigma`` is learned (default False).
     %(other_names)s, backend
         Fixed options of `attention`.
     dtype : torch.dtype, optional
@@ -387,8 +392,12 @@ class ElasticAttention(torch.nn.Module):
     --------
     >>> import torch
     >>> from elastic_np.torch import ElasticAttention
-    >>> attn = ElasticAttention(4, tau=0.5, beta=1.0, causal=True)
     >>> q = k = v = torch.randn(2, 4, 16, 8)
+    >>> plain = ElasticAttention(4, causal=True)
+    >>> torch.allclose(plain(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+    ...                atol=1e-6)
+    True
+    >>> attn = ElasticAttention(4, tau=0.5, learn_tau=True, beta=1.0, learn_beta=True, causal=True)
     >>> attn(q, k, v).shape
     torch.Size([2, 4, 16, 8])
     >>> sorted(name for name, p in attn.named_parameters() if p.requires_grad)
@@ -396,8 +405,8 @@ class ElasticAttention(torch.nn.Module):
     """
 
     @_spec.takes_options(names=_MODEL_OPTIONS)
-    def __init__(self, num_heads, *, tau=1.0, beta=1.0, learn_tau=True, learn_beta=True,
-                 dynamic_window=None, learn_window=True, backend="auto", dtype=torch.float32, **options):
+    def __init__(self, num_heads, *, tau=1.0, beta=0.0, learn_tau=False, learn_beta=False,
+                 dynamic_window=None, learn_window=False, backend="auto", dtype=torch.float32, **options):
         super().__init__()
         options = _spec.complete(options, "ElasticAttention", _MODEL_OPTIONS)
         if not (isinstance(num_heads, int) and num_heads > 0):
@@ -406,10 +415,12 @@ class ElasticAttention(torch.nn.Module):
         beta = float(beta)
         if not (math.isfinite(tau) and tau > 0):
             raise ValueError(f"`tau` must be finite and > 0, got {tau!r}")
-        if not (math.isfinite(beta) and (beta > 0 or (beta == 0 and not learn_beta))):
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"`beta` must be finite and >= 0, got {beta!r}")
+        if learn_beta and beta == 0:
             raise ValueError(
-                f"`beta` must be finite and > 0 when learned (beta = exp(log_beta)), >= 0 when "
-                f"fixed (learn_beta=False); got beta={beta!r} with learn_beta={learn_beta!r}"
+                "`learn_beta=True` needs an initial `beta` > 0 (beta = exp(log_beta) cannot leave 0): "
+                "pass one, such as beta=1.0 (a sink logit of 0)"
             )
         self.num_heads = num_heads
         full = lambda value: torch.full((num_heads,), value, dtype=dtype)  # noqa: E731

@@ -156,8 +156,8 @@ class TestFloat32:
 
     def test_training_step_gives_finite_gradients_and_moves_the_parameters(self):
         torch.manual_seed(0)
-        attn = enpt.ElasticAttention(4, tau=0.7, beta=1.0, causal=True,
-                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=4.0))
+        attn = enpt.ElasticAttention(4, tau=0.7, beta=1.0, causal=True, learn_tau=True, learn_beta=True,
+                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=4.0), learn_window=True)
         proj = torch.nn.Linear(16, 16)
         x = torch.randn(2, 4, 32, 16)
         target = torch.randn(2, 4, 32, 16)
@@ -320,14 +320,32 @@ class TestElasticAttention:
         assert attn.raw_tau.grad is None and q.grad is not None
 
     def test_bad_initial_values(self):
-        with pytest.raises(ValueError, match="`beta` must be finite and > 0 when learned"):
-            enpt.ElasticAttention(2, beta=0.0)
+        with pytest.raises(ValueError, match="`learn_beta=True` needs an initial `beta` > 0.*beta=1.0"):
+            enpt.ElasticAttention(2, learn_beta=True)
+        with pytest.raises(ValueError, match="`beta` must be finite and >= 0, got -1.0"):
+            enpt.ElasticAttention(2, beta=-1.0)
         with pytest.raises(ValueError, match="`tau`"):
             enpt.ElasticAttention(2, tau=0.0)
         with pytest.raises(ValueError, match="`num_heads`"):
             enpt.ElasticAttention(0)
-        with pytest.raises(ValueError, match="fixed \\(learn_beta=False\\); got beta=0.0 with learn_beta=True"):
-            enpt.ElasticAttention(2, beta=0.0)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_defaults_are_plain_attention_with_nothing_learned(self, causal):
+        torch.manual_seed(2)
+        attn = enpt.ElasticAttention(4, causal=causal, backend="cpu")
+        assert [n for n, p in attn.named_parameters() if p.requires_grad] == []
+        assert attn.log_sigma is None
+        q, k, v = (torch.randn(2, 4, 9, 8, dtype=torch.float64) for _ in range(3))
+        got = attn(q, k, v)
+        assert torch.equal(got, enpt.attention(q, k, v, causal=causal, backend="cpu"))
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(got, sdpa, rtol=1e-12, atol=1e-12)
+
+    def test_each_learnable_parameter_is_opt_in(self):
+        window = enp.DynamicWindow(0.5)
+        for flag, name in (("learn_tau", "raw_tau"), ("learn_beta", "log_beta"), ("learn_window", "log_sigma")):
+            attn = enpt.ElasticAttention(2, beta=1.0, dynamic_window=window, **{flag: True})
+            assert [n for n, p in attn.named_parameters() if p.requires_grad] == [name]
 
     def test_heads_other_than_num_heads_name_num_heads(self):
         attn = enpt.ElasticAttention(4)

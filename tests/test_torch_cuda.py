@@ -112,8 +112,8 @@ class TestOnAGpu:
             assert torch.equal(a, b), name
 
     def test_module_parameters_on_the_gpu_get_their_gradients_there(self):
-        attn = enpt.ElasticAttention(4, tau=0.7, beta=1.0, causal=True,
-                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=4.0)).cuda()
+        attn = enpt.ElasticAttention(4, tau=0.7, beta=1.0, causal=True, learn_tau=True, learn_beta=True,
+                                     dynamic_window=enp.DynamicWindow(0.5, sharpness=4.0), learn_window=True).cuda()
         q, k, v = (torch.randn(2, 4, 33, 16, device="cuda", requires_grad=True) for _ in range(3))
         attn(q, k, v).square().mean().backward()
         for name, p in [*attn.named_parameters(), ("q", q), ("k", k), ("v", v)]:
