@@ -165,6 +165,9 @@ def test_bench_quick_json_and_plot(tmp_path, capsys):
     data = json.loads(json_path.read_text())
     assert data["config"] == {**data["config"], "heads": 1, "dim": 4, "seqs": [8, 16],
                               "dtype": "float32", "batch": 1}
+    # --quick runs every library on one thread, and says so
+    assert data["config"]["threads"]["numba"] == 1
+    assert "; 1 thread (kernels" in out
     assert data["matmul_peak_gflops"] > 0
     assert data["machine"]["cores"] >= 1 and data["command"].startswith("elastic-np bench")
     impls = {r["impl"] for r in data["results"]}
@@ -192,13 +195,14 @@ def test_bench_quick_json_and_plot(tmp_path, capsys):
 def test_bench_decode_json_and_table(tmp_path, capsys):
     json_path = tmp_path / "decode.json"
     argv = ["bench", "--decode", "--shape", "1,4,2,1,64,8", "2,4,4,3,40,8", "--rounds", "2",
-            "--dtype", "float64", "--json", str(json_path)]
+            "--dtype", "float64", "--threads", "2", "--json", str(json_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "decode, float64, causal" in out and f"results written to {json_path}" in out
     data = json.loads(json_path.read_text())
     assert data["command"].startswith("elastic-np bench --decode")
-    assert data["rounds"] == 2 and data["dtype"] == "float64" and data["threads"] >= 1
+    assert data["rounds"] == 2 and data["dtype"] == "float64" and data["threads"] == 2
+    assert data["thread_counts"]["numba"] == 2 and "causal, 2 threads (kernels" in out
     shapes = [tuple(r["shape"].values()) for r in data["rows"]]
     assert shapes == [(1, 4, 2, 1, 64, 8), (2, 4, 4, 3, 40, 8)]
     torch_installed = importlib.util.find_spec("torch") is not None
@@ -209,6 +213,31 @@ def test_bench_decode_json_and_table(tmp_path, capsys):
             assert 0 < r["min"] <= r["median"] <= r["max"]
         assert ("torch_ms" in row) == torch_installed
         assert any(line.split()[:1] == [shape] for line in out.splitlines())
+
+
+def test_thread_counts_sets_every_pool_and_restores_it():
+    import numba
+
+    from elastic_np.cli import _bench
+
+    before = numba.get_num_threads()
+    with _bench.thread_counts(1) as counts:
+        assert numba.get_num_threads() == 1 and counts["numba"] == 1
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            assert torch.get_num_threads() == 1 and counts["torch"] == 1
+    assert numba.get_num_threads() == before
+    assert _bench.describe_threads({"numba": 2, "torch": None, "blas": 2}) == \
+        "2 threads (kernels, BLAS); torch not set (not installed)"
+    with pytest.raises(ValueError, match="`threads` must be an int from 1"):
+        with _bench.thread_counts(0):
+            pass
+
+
+def test_bench_threads_is_not_a_gpu_flag(capsys):
+    assert cli.main(["bench", "--gpu", "--threads", "2"]) == 2
+    assert "argument --threads: not with --gpu" in capsys.readouterr().err
 
 
 def test_streaming_read_reads_every_byte():

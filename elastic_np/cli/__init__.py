@@ -256,6 +256,13 @@ def _prefill_sizes(args):
     return seqs, heads, dim, args.repeat or 5, min_time, matmul_n
 
 
+def _threads(args):
+    """``--threads``, else 1 with ``--quick`` and the kernels' count (all cores by default) without."""
+    if args.threads is not None:
+        return args.threads
+    return 1 if args.quick else _bench.thread_count()
+
+
 def _bench_prefill(args):
     seqs, heads, dim, repeat, min_time, matmul_n = _prefill_sizes(args)
     impls = _bench.implementations(args.causal)
@@ -271,7 +278,7 @@ def _bench_prefill(args):
         comparison = _bench.compare(
             seqs, batch=args.batch or 1, heads=heads, dim=dim, dtype=np.dtype(args.dtype),
             causal=args.causal, repeat=repeat, min_time=min_time, matmul_n=matmul_n, impls=impls,
-            progress=notify,
+            progress=notify, threads=_threads(args),
         )
     print(_bench.format_table(comparison))
     _write_results(args, comparison)
@@ -320,7 +327,7 @@ def _bench_decoding(args):
     rounds = args.rounds or (3 if args.quick else 7)
     with Progress(len(shapes), "elastic-np bench --decode", delay=args.progress_delay) as progress:
         result = _bench_decode.compare(
-            shapes, args.dtype, rounds=rounds, calls=1 if args.quick else 3,
+            shapes, args.dtype, rounds=rounds, calls=1 if args.quick else 3, threads=_threads(args),
             progress=lambda shape: progress.update(",".join(map(str, shape)) + " done"))
     print(_bench_decode.format_table(result))
     _write_results(args, result)
@@ -330,7 +337,8 @@ def _bench_decoding(args):
 def _gpu_usage_error(args):
     """What is wrong with the flags of the GPU benchmark, or None."""
     not_gpu = _first_flag_given({"--decode": args.decode or None, "--shape": args.shape, "--rounds": args.rounds,
-                                 "--plot": args.plot, "--min-time": args.min_time})
+                                 "--plot": args.plot, "--min-time": args.min_time,
+                                 "--threads": args.threads})
     if not_gpu is not None:
         return f"argument {not_gpu}: not with --gpu"
     if args.precision is not None and args.dtype != "float32":
@@ -438,8 +446,13 @@ def _add_bench(sub):
                        help="decoding: few new queries against a long KV cache (causal, GQA), "
                             "beside torch SDPA and a streaming read of the cache")
     bench.add_argument("--shape", nargs="+", metavar="B,H,Hkv,N,M,D",
-                       help="decode shapes (with --decode; default: four shapes with "
-                            "H=32, Hkv=8, M=4096-8192, N=1 and 16)")
+                       help="decode shapes (with --decode; default: "
+                            f"{' '.join(','.join(map(str, s)) for s in _bench_decode.SHAPES)}; with --quick: "
+                            f"{' '.join(','.join(map(str, s)) for s in _bench_decode.QUICK_SHAPES)})")
+    bench.add_argument("--threads", type=_positive_int,
+                       help="threads of the kernels, torch and NumPy's BLAS alike, set for the run and "
+                            "printed (default: all cores, 1 with --quick, whose small sizes gain "
+                            "nothing from threads)")
     bench.add_argument("--rounds", type=_positive_int,
                        help="interleaved rounds per decode shape (default 7, 3 with --quick)")
     bench.add_argument("--gpu", action="store_true",

@@ -6,6 +6,7 @@ attention, a naive NumPy attention, PyTorch's ``scaled_dot_product_attention``
 peak.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -85,6 +86,47 @@ def machine_info():
 
         info["torch"] = torch.__version__
     return info
+
+
+@contextlib.contextmanager
+def thread_counts(threads):
+    """Within the block, the kernels (Numba), torch and NumPy's BLAS each use ``threads`` threads.
+
+    Pools that together ask for more threads than there are cores make each
+    other wait (an idle OpenMP pool spins), which at small sizes costs more
+    than the work. Yields ``{"numba": n, "torch": n or None, "blas": n or
+    None}``: None where the library is absent (BLAS needs threadpoolctl,
+    of the ``bench`` extra); each is restored afterwards.
+    """
+    if not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+        raise ValueError(f"`threads` must be an int from 1 to {numba.config.NUMBA_NUM_THREADS}, got {threads!r}")
+    counts = {"numba": threads, "torch": None, "blas": None}
+    with contextlib.ExitStack() as stack:
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        stack.callback(numba.set_num_threads, before)
+        if torch_available():
+            import torch
+
+            stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
+            counts["torch"] = threads
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            pass
+        else:
+            stack.enter_context(threadpool_limits(limits=threads, user_api="blas"))
+            counts["blas"] = threads
+        yield counts
+
+
+def describe_threads(counts):
+    """``"2 threads (kernels, torch, BLAS)"``, naming what was not set."""
+    unset = [name for name, n in (("torch", counts["torch"]), ("BLAS", counts["blas"])) if n is None]
+    kinds = ", ".join(["kernels"] + [name for name in ("torch", "BLAS") if name not in unset])
+    return f"{counts['numba']} thread{'s' * (counts['numba'] != 1)} ({kinds})" + (
+        f"; {' and '.join(unset)} not set (not installed)" if unset else "")
 
 
 def torch_available():
@@ -257,7 +299,7 @@ PASSES = ("forward", "forward+backward")
 
 
 def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, repeat=3,
-            min_time=0.0, matmul_n=2048, impls=None, progress=None):
+            min_time=0.0, matmul_n=2048, impls=None, progress=None, threads=None):
     """Time every available implementation side by side, in this process.
 
     For each sequence length ``N`` (``M = N``) and each of forward and forward
@@ -289,11 +331,14 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     progress : callable, optional
         ``progress(kind, message)`` with kind ``"stage"`` (a step without progress of
         its own, such as a compile) or ``"step"`` (one measurement done).
+    threads : int, optional
+        Threads of the kernels, torch and NumPy's BLAS alike (`thread_counts`);
+        by default the kernels' present count.
 
     Returns
     -------
     dict
-        ``config``, ``matmul_peak_gflops``, ``first_calls`` (of each kernel,
+        ``config`` (with ``threads``, what `thread_counts` set), ``matmul_peak_gflops``, ``first_calls`` (of each kernel,
         `_first_calls`), ``unavailable`` (name: reason) and ``results``: a list of
         dicts with ``impl``, ``pass``, ``seq``, ``time_s``, ``gflops``,
         ``fraction_of_peak`` and ``peak_mib``.
@@ -301,6 +346,14 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     dtype = np.dtype(dtype)
     notify = progress or (lambda kind, message: None)
     impls = implementations(causal) if impls is None else impls
+    with thread_counts(thread_count() if threads is None else threads) as counts:
+        result = _compare(seqs, batch, heads, dim, dtype, causal, repeat, min_time, matmul_n, impls, notify)
+    result["config"]["threads"] = counts
+    return result
+
+
+def _compare(seqs, batch, heads, dim, dtype, causal, repeat, min_time, matmul_n, impls, notify):
+    """`compare`'s measurements, under the thread counts it set."""
     available = {name: fns for name, fns in impls.items() if not isinstance(fns, str)}
     unavailable = {name: reason for name, reason in impls.items() if isinstance(reason, str)}
 
@@ -379,7 +432,8 @@ def format_table(comparison):
     lines = [
         f"attention B={cfg['batch']} H={cfg['heads']} D={cfg['dim']} {cfg['dtype']}"
         f"{' causal' if cfg['causal'] else ''}; matrix-multiply peak "
-        f"{comparison['matmul_peak_gflops']:.1f} GFLOP/s",
+        f"{comparison['matmul_peak_gflops']:.1f} GFLOP/s"
+        + (f"; {describe_threads(cfg['threads'])}" if "threads" in cfg else ""),
         f"  {'implementation':<18} {'pass':<16} {'N':>6} {'time (ms)':>10} {'GFLOP/s':>9} "
         f"{'of peak':>8} {'peak MiB':>9}",
     ]

@@ -28,8 +28,8 @@ SHAPES = (
     (1, 32, 8, 16, 8192, 128),
     (1, 8, 8, 16, 8192, 64),
 )
-#: Small shapes for a quick look (and CI): seconds, not minutes.
-QUICK_SHAPES = ((1, 8, 2, 1, 2048, 64), (1, 8, 2, 16, 2048, 64))
+#: Shapes for a quick look (and CI), seconds in all: the default shapes' heads at half their cache.
+QUICK_SHAPES = ((1, 32, 8, 1, 4096, 128), (1, 32, 8, 16, 4096, 128))
 #: Names of the timed implementations, in the order they run in a round.
 IMPLEMENTATIONS = ("ours", "torch", "read")
 
@@ -156,24 +156,23 @@ def _spread(ratios):
 
 
 def compare(shapes, dtype, *, rounds=7, calls=3, threads=None, progress=None):
-    """Measure every shape; returns ``{"dtype", "threads", "rounds", "calls", "rows"}``.
+    """Measure every shape; returns ``{"dtype", "threads", "thread_counts", "rounds", "calls", "rows"}``.
 
     ``threads`` defaults to the kernels' thread count (`elastic_np.cpu.thread_count`);
-    torch is given the same. ``progress(shape)`` is called after each shape.
+    torch and NumPy's BLAS are given the same (`_bench.thread_counts`, what it
+    set in ``thread_counts``). ``progress(shape)`` is called after each shape.
     """
     dtype = np.dtype(dtype)
     threads = cpu.thread_count() if threads is None else threads
-    if _bench.torch_available():
-        import torch
-
-        torch.set_num_threads(threads)
     rows = []
-    for shape in shapes:
-        times, nbytes = measure(shape, dtype, rounds=rounds, calls=calls, threads=threads)
-        rows.append(summarise(shape, times, nbytes))
-        if progress is not None:
-            progress(shape)
-    return {"dtype": dtype.name, "threads": threads, "rounds": rounds, "calls": calls, "rows": rows}
+    with _bench.thread_counts(threads) as counts:
+        for shape in shapes:
+            times, nbytes = measure(shape, dtype, rounds=rounds, calls=calls, threads=threads)
+            rows.append(summarise(shape, times, nbytes))
+            if progress is not None:
+                progress(shape)
+    return {"dtype": dtype.name, "threads": threads, "thread_counts": counts, "rounds": rounds, "calls": calls,
+            "rows": rows}
 
 
 def format_table(result):
@@ -182,7 +181,8 @@ def format_table(result):
         return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
     lines = [
-        f"decode, {result['dtype']}, causal, {result['threads']} threads, "
+        f"decode, {result['dtype']}, causal, "
+        f"{_bench.describe_threads(result['thread_counts']) if 'thread_counts' in result else result['threads']}, "
         f"{result['rounds']} rounds of blocks of {result['calls']} calls; "
         "ratios per round: median [min-max]",
         f"{'B,H,Hkv,N,M,D':>22} {'ours ms':>8} {'torch ms':>9} {'torch/ours':>18} "
