@@ -2,7 +2,9 @@
 
 The build is strict (``sphinx-build -W --keep-going``) and works offline: no
 intersphinx. Figures are drawn at build time by the scripts in
-``docs/scripts`` into ``docs/generated`` (not committed).
+``docs/scripts`` into ``docs/generated`` (not committed); generated text (the
+CLI's help, the performance tables) is kept in the pages themselves
+(``docs/scripts/rendered_blocks.py``), and a stale block fails the build.
 """
 
 import importlib.util
@@ -65,9 +67,12 @@ def _draw_figures(app):
     """Run every figure script in docs/scripts into docs/generated."""
     out = os.path.join(DOCS, "generated")
     os.makedirs(out, exist_ok=True)
-    for name in ("plot_window_gate.py", "performance.py", "cli_help.py"):
+    for name in ("plot_window_gate.py", "performance.py"):
         module = runpy.run_path(os.path.join(DOCS, "scripts", name))
         module["main"](out)
+    stale = runpy.run_path(os.path.join(DOCS, "scripts", "rendered_blocks.py"))["stale"]()
+    if stale:
+        raise RuntimeError(f"stale generated text in {', '.join(stale)}: run python docs/scripts/rendered_blocks.py")
 
 
 def _remove_stale_stubs(app):

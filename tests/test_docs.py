@@ -206,3 +206,42 @@ def test_readme_figures_are_rendered_from_their_results_files():
     # a hand edit inside a block is caught
     edited = text.replace(" elastic_np cpu ", " elastic_np xpu ", 1)
     assert script["rendered"](edited) != edited
+
+
+def _extras():
+    """``{extra: [package names]}`` of setup.cfg, without versions, extras or comments."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = {}
+    for name, value in config["options.extras_require"].items():
+        lines = [line.split("#")[0].strip() for line in value.splitlines()]
+        extras[name] = [re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", line).group(0) for line in lines if line]
+    return extras
+
+
+def test_the_extras_table_lists_every_extra_with_what_it_installs():
+    text = (DOCS / "getting_started.rst").read_text()
+    rows = dict(re.findall(r"   \* - ``(\w+)``\n     - ([^\n]+)", text))
+    extras = _extras()
+    assert set(rows) == set(extras), "the extras table and setup.cfg name different extras"
+    for name, packages in extras.items():
+        for package in packages:
+            if package != "numpy":  # a pin of numpy, not something the extra adds
+                assert package.split("[")[0] in rows[name], f"extra {name!r}: {package} missing from the table"
+
+
+def test_generated_text_in_the_pages_is_current():
+    """The CLI help and performance tables kept in the pages are what their generators write now."""
+    import runpy
+
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the committed --help text is argparse's of Python 3.11, the project's version")
+    script = runpy.run_path(str(DOCS / "scripts" / "rendered_blocks.py"))
+    assert {page.name for page in script["pages"]()} == {"getting_started.rst", "performance.rst"}
+    assert script["stale"]() == []
+    text = (DOCS / "getting_started.rst").read_text()
+    assert "elastic-np warmup --help" in text
+    edited = text.replace("elastic-np warmup --help", "elastic-np warmup --hlp", 1)
+    assert script["rendered"](edited) != edited  # a hand edit inside a block is caught

@@ -61,7 +61,7 @@ def _title(stem, underline):
     return f"{title}\n{underline * len(title)}\n"
 
 
-def _cpu_parts(run, stem, n, outdir):
+def _cpu_parts(run, stem, n, outdir, plots=True):
     parts = [_title(stem, "~")]
     if run.get("machine"):
         parts.append(f"Machine: ``{json.dumps(run['machine'], sort_keys=True)}``\n")
@@ -69,7 +69,8 @@ def _cpu_parts(run, stem, n, outdir):
         parts.append(f"Command: ``{run['command']}``\n")
     if run.get("results"):
         png = f"performance_{n}.png"
-        _bench.plot(run, os.path.join(outdir, png))
+        if plots:
+            _bench.plot(run, os.path.join(outdir, png))
         parts.append(f".. image:: /generated/{png}\n   :alt: time against sequence length, {stem}\n")
         parts.append(_code_block(_bench.format_table(run)))
     return parts
@@ -88,11 +89,12 @@ def _cuda_parts(run, stem):
     return parts
 
 
-def main(outdir, results_dir=RESULTS):
+def main(outdir, results_dir=RESULTS, plots=True):
     """Write ``performance_results.inc`` and ``performance_cuda.inc`` (and plots) for the files in ``results_dir``.
 
     Returns the path of ``performance_results.inc``; ``performance_cuda.inc``
-    is written beside it.
+    is written beside it. Without ``plots``, the text alone (the image
+    directives name the plots a build draws).
     """
     os.makedirs(outdir, exist_ok=True)
     cpu, gpu = [], []
@@ -103,7 +105,7 @@ def main(outdir, results_dir=RESULTS):
         if run.get("kind") == "cuda":
             gpu += _cuda_parts(run, stem)
         else:
-            cpu += _cpu_parts(run, stem, n, outdir)
+            cpu += _cpu_parts(run, stem, n, outdir, plots)
     path = os.path.join(outdir, "performance_results.inc")
     for target, parts, empty in ((path, cpu, NO_RESULTS),
                                  (os.path.join(outdir, "performance_cuda.inc"), gpu, NO_CUDA_RESULTS)):
