@@ -93,6 +93,7 @@ def attention(
     alibi_slopes=None,
     bias=None,
     precision=None,
+    layout="bhnd",
     return_lse=False,
     backend="auto",
 ):
@@ -116,7 +117,8 @@ def attention(
     q : array_like, shape (B, H, N, D)
     k : array_like, shape (B, Hkv, M, D)
     v : array_like, shape (B, Hkv, M, Dv)
-        ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
+        ``H`` must be a multiple of ``Hkv`` (grouped-query attention); with
+        ``layout="bnhd"``, ``(B, N, H, D)``, ``(B, M, Hkv, D)``, ``(B, M, Hkv, Dv)``.
     %(options)s
     return_lse : bool, optional
         Also return the log-denominator ``lse`` of shape ``(B, H, N)``; a
@@ -127,7 +129,8 @@ def attention(
     Returns
     -------
     out : ndarray, shape (B, H, N, Dv)
-        In the input dtype for "cpu" and "cuda", float64 for "reference".
+        In the input dtype for "cpu" and "cuda", float64 for "reference";
+        ``(B, N, H, Dv)`` with ``layout="bnhd"``.
     lse : ndarray, shape (B, H, N)
         Only with ``return_lse=True``; same dtype as ``out``.
 
@@ -155,6 +158,7 @@ def attention(
     problem = _problem(module, q, k, v, _spec.gathered(locals()))
     with _reported(module, "forward", problem):
         out, lse = module.forward(problem)
+    out = problem.as_given(out)
     return (out, lse) if return_lse else out
 
 
@@ -183,6 +187,7 @@ def attention_backward(
     alibi_slopes=None,
     bias=None,
     precision=None,
+    layout="bhnd",
     backend="auto",
 ):
     """Gradients of `attention` for ``q, k, v, tau, beta``, the window's ``sigma`` and ``bias``.
@@ -237,7 +242,8 @@ def attention_backward(
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     with _reported(module, "backward", problem):
-        return module.backward(problem, dout, out, lse, dlse)
+        grads = module.backward(problem, dout, out, lse, dlse)
+    return problem.grads_as_given(grads)
 
 
 def merge_attention(outs, lses, *, beta=0.0):

@@ -61,6 +61,20 @@ class AttentionProblem:
     kv_unchecked: bool = False
     align: str = "array"
     precision: Optional[str] = None
+    layout: str = "bhnd"
+
+    def as_bhnd(self, a):
+        """A 4-D array of the caller's ``layout`` as ``(B, H, N, ·)``, or the reverse: a view, no copy."""
+        return a if self.layout == "bhnd" else np.swapaxes(a, 1, 2)
+
+    as_given = as_bhnd  # swapping axes 1 and 2 is its own inverse
+
+    def grads_as_given(self, grads):
+        """``grads`` with ``dq``, ``dk``, ``dv`` in the caller's ``layout`` (views)."""
+        if self.layout == "bhnd":
+            return grads
+        return dataclasses.replace(grads, dq=self.as_given(grads.dq), dk=self.as_given(grads.dk),
+                                   dv=self.as_given(grads.dv))
 
     @property
     def kv_ends(self):
@@ -84,9 +98,10 @@ class AttentionProblem:
 
     @property
     def backward_shapes(self):
-        """``(name, shape)`` of the arrays the backward takes besides the inputs."""
+        """``(name, shape)`` of the arrays the backward takes besides the inputs, ``dout`` and ``out`` in ``layout``."""
         B, H, Hkv, N, M, D, Dv = self.shape
-        return (("dout", (B, H, N, Dv)), ("out", (B, H, N, Dv)), ("lse", (B, H, N)))
+        rows = (B, H, N, Dv) if self.layout == "bhnd" else (B, N, H, Dv)
+        return (("dout", rows), ("out", rows), ("lse", (B, H, N)))
 
     @property
     def group_size(self):
@@ -143,7 +158,7 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     """
     options = _spec.complete(options, "prepare")
     check_finite = _validation.boolean(check_finite, "check_finite")
-    q, k, v = _checked_arrays(q, k, v, dtypes)
+    q, k, v = _checked_arrays(q, k, v, dtypes, _spec.check_layout(options["layout"]))
     B, H, N, D = q.shape
     if check_finite and not np.isfinite(q).all():
         raise ValueError("`q` contains NaN or inf")
@@ -166,37 +181,50 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
 _RANGE_FIELDS = ("scale", "tau", "beta", "softcap", "alibi", "sigma", "sharpness", "threshold")
 
 
-def _checked_arrays(q, k, v, dtypes):
-    """``q, k, v`` as arrays of one accepted dtype (float64 for ``dtypes=None``) and consistent shapes."""
+#: The axes of ``q, k, v`` in each layout, for messages.
+_AXES = {"bhnd": "(B, heads, length, dim)", "bnhd": "(B, length, heads, dim)"}
+
+
+def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
+    """``q, k, v`` as ``(B, H, N, D)`` arrays (views for ``layout="bnhd"``) of one accepted dtype
+    (float64 for ``dtypes=None``) and consistent shapes."""
     arrays = {"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)}
     for name, a in arrays.items():
         _validation.check_real_float_dtype(a, name)
         if a.ndim != 4:
-            raise ValueError(f"`{name}` must have 4 dimensions (B, heads, length, dim), got shape {a.shape}")
+            raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
+                             f"got shape {a.shape}")
         if dtypes is not None and a.dtype not in dtypes:
             names = " or ".join(str(d) for d in dtypes)
             raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {names}")
+    given = tuple(a.shape for a in arrays.values())
+    if layout == "bnhd":
+        arrays = {name: np.swapaxes(a, 1, 2) for name, a in arrays.items()}
     q, k, v = arrays.values()
     if dtypes is None:
         q, k, v = (a.astype(np.float64, copy=False) for a in (q, k, v))
     elif not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_shapes(q.shape, k.shape, v.shape)
+    try:
+        _check_shapes(q.shape, k.shape, v.shape)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; read as layout={layout!r}, {_AXES[layout]}, from shapes q {given[0]}, "
+                         f"k {given[1]}, v {given[2]}") from None
     return q, k, v
 
 
 def _check_shapes(q, k, v):
-    """Raise a `ValueError` unless shapes ``q, k, v`` make one problem (grouped-query heads allowed)."""
+    """Raise a `ValueError` unless ``(B, H, N, D)`` shapes ``q, k, v`` make one problem (grouped-query heads allowed)."""
     B, H, N, D = q
     if D == 0:
         raise ValueError("`q` and `k` must have a head dim D >= 1, got D = 0")
     if k[0] != B or v[0] != B:
-        raise ValueError(f"batch sizes differ: q {q}, k {k}, v {v}")
+        raise ValueError(f"batch sizes differ: q {B}, k {k[0]}, v {v[0]}")
     Hkv, M = k[1], k[2]
     if k[3] != D:
         raise ValueError(f"`k` head dim {k[3]} != `q` head dim {D}")
     if v[1:3] != (Hkv, M):
-        raise ValueError(f"`v` shape {v} does not match `k` shape {k} in heads/length")
+        raise ValueError(f"`v` heads and length {v[1:3]} do not match `k`'s {(Hkv, M)}")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv}")
 

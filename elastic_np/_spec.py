@@ -82,6 +82,10 @@ class Option:
     dtypes : tuple of str
         The dtypes the kernels take it in (the reference computes in
         float64 whatever the inputs' dtype, and takes every option).
+    in_kit : bool
+        Whether the conformance kit's cases exercise it (and a function under
+        test must take it to run them): not for how the arrays are laid out
+        or how a GPU forms its products.
     """
 
     name: str
@@ -94,6 +98,7 @@ class Option:
     per_call: bool = False
     backends: tuple = BACKENDS
     dtypes: tuple = KERNEL_DTYPES
+    in_kit: bool = True
 
 
 def _scale(value, shape):
@@ -174,6 +179,18 @@ def _precision(value, shape):
     return {"precision": value}
 
 
+#: The values of ``layout``: the axes of ``q, k, v`` (and ``out``, ``dout`` and the gradients).
+LAYOUTS = ("bhnd", "bnhd")
+
+
+def check_layout(value):
+    """``value`` if it is one of `LAYOUTS`, else a `ValueError` naming ``layout``."""
+    if not (isinstance(value, str) and value in LAYOUTS):
+        raise ValueError(f"`layout` must be 'bhnd' ((B, H, N, D), the default) or 'bnhd' ((B, N, H, D), "
+                         f"FlashAttention's), got {value!r}")
+    return value
+
+
 def _boolean(name):
     return lambda value, shape: {name: _validation.boolean(value, name)}
 
@@ -224,7 +241,12 @@ OPTIONS = (
            "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "
            "mantissa), about three times faster, like ``torch.backends.cuda.matmul.allow_tf32``; kernels "
            "that do not use the tensor cores keep float32. CUDA float32 only.",
-           _precision, backends=("cuda",), dtypes=("float32",)),
+           _precision, backends=("cuda",), dtypes=("float32",), in_kit=False),
+    Option("layout", "bhnd", '{"bhnd", "bnhd"}, optional',
+           'Axes of ``q``, ``k``, ``v`` (and of ``out``, ``dout`` and their gradients): ``"bhnd"``, '
+           '``(B, H, N, D)`` as PyTorch\'s SDPA, or ``"bnhd"``, ``(B, N, H, D)`` as FlashAttention. Read '
+           "in place, without a copy; ``lse``, ``mask`` and ``bias`` keep ``(B, H, N[, M])``.",
+           lambda value, shape: {"layout": check_layout(value)}, per_call=True, in_kit=False),
 )
 
 #: The option names, in order.
@@ -237,6 +259,8 @@ LEARNABLE = tuple(option.name for option in OPTIONS if option.gradient)
 TENSOR_OPTIONS = tuple(option.name for option in OPTIONS if option.tensor and not option.gradient)
 #: The options that describe the batch (see `Option.per_call`).
 PER_CALL = tuple(option.name for option in OPTIONS if option.per_call)
+#: The options the conformance kit's cases exercise (see `Option.in_kit`).
+IN_KIT = tuple(option.name for option in OPTIONS if option.in_kit)
 
 _BY_NAME = {option.name: option for option in OPTIONS}
 

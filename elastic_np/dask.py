@@ -114,6 +114,15 @@ class _Setup:
         return (a.name,) + tuple(0 if a.shape[ax] == 1 else index[ax] for ax in range(4))
 
 
+def _as_bhnd(arrays, options):
+    """``(arrays, layout)``: 4-D ``arrays`` read in ``options["layout"]`` as ``(B, H, N, ·)`` Dask arrays
+    (lazy transposes, no copy), the layout taken out of ``options`` (the blocks see ``"bhnd"``)."""
+    layout = _spec.check_layout(options.pop("layout"))
+    if layout == "bhnd":
+        return arrays, layout
+    return [None if a is None else da.asarray(a).transpose(0, 2, 1, 3) for a in arrays], layout
+
+
 def _setup(q, k, v, options, backend, threads_per_task):
     if backend == "auto":
         backend = "cuda" if _dispatch._cuda_is_available() else "cpu"
@@ -215,7 +224,8 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
     Returns
     -------
     out : dask.array.Array, shape (B, H, N, Dv)
-        Chunked like ``q`` along (B, H, N); the dtype of `elastic_np.attention`.
+        Chunked like ``q`` along (B, H, N); the dtype of `elastic_np.attention`
+        (``(B, N, H, Dv)`` with ``layout="bnhd"``).
     lse : dask.array.Array, shape (B, H, N)
         Only with ``return_lse=True``.
 
@@ -229,7 +239,9 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
     >>> out.chunks[2], out.compute(scheduler="sync").shape
     ((4, 4), (1, 2, 8, 4))
     """
-    setup = _setup(q, k, v, _spec.complete(options, "attention"), backend, threads_per_task)
+    options = _spec.complete(options, "attention")
+    (q, k, v), layout = _as_bhnd([q, k, v], options)
+    setup = _setup(q, k, v, options, backend, threads_per_task)
     token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, setup.spec.__dict__, setup.problem.beta,
                      setup.dtype)
     part, merged, out_name, lse_name = (f"enp-{s}-{token}" for s in ("partial", "merge", "attention", "lse"))
@@ -243,6 +255,8 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
     }
     graph = _graph(setup.chunked(), layers)
     out = da.Array(graph, out_name, chunks=rows + ((setup.problem.shape[6],),), dtype=setup.dtype)
+    if layout == "bnhd":
+        out = out.transpose(0, 2, 1, 3)
     if not return_lse:
         return out
     return out, da.Array(graph, lse_name, chunks=rows, dtype=setup.dtype)
@@ -287,7 +301,9 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="cpu", thr
     >>> g.dk.shape, isinstance(g.dtau, float)
     ((1, 2, 8, 4), True)
     """
-    setup = _setup(q, k, v, _spec.complete(options, "attention_backward"), backend, threads_per_task)
+    options = _spec.complete(options, "attention_backward")
+    (dout, q, k, v, out), layout = _as_bhnd([dout, q, k, v, out], options)
+    setup = _setup(q, k, v, options, backend, threads_per_task)
     B, H, Hkv, N, M, D, Dv = setup.problem.shape
     rows = setup.q.chunks[:3]
     row_arrays = [_rows_array(a, (B, H, N, Dv), rows + ((Dv,),), name) for a, name in ((dout, "dout"), (out, "out"))]
@@ -303,7 +319,10 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="cpu", thr
     }
     layers.update(_sum_layers(setup, name, kept))
     layers.update(_total_layers(setup, name, kept, row_arrays))
-    return _gradient_arrays(setup, name, _graph(setup.chunked() + row_arrays, layers))
+    grads = _gradient_arrays(setup, name, _graph(setup.chunked() + row_arrays, layers))
+    if layout == "bhnd":
+        return grads
+    return dataclasses.replace(grads, **{n: getattr(grads, n).transpose(0, 2, 1, 3) for n in ("dq", "dk", "dv")})
 
 
 def compute_grads(grads, **compute_kwargs):

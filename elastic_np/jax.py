@@ -226,8 +226,8 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     fixed["backend"] = common.kernel_backend(backend)
     traced = {name: fixed.pop(name) for name in _spec.TENSOR_OPTIONS if isinstance(fixed[name], jax.Array)}
     _validate(diff, traced, fixed, constants)
-    B, H, N, _ = q.shape
-    out_shape = (B, H, N, v.shape[-1])
+    B, H, N, _ = q.shape if fixed["layout"] == "bhnd" else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    out_shape = (B, H, N, v.shape[-1]) if fixed["layout"] == "bhnd" else (B, N, H, v.shape[-1])
     function = _attention_function(fixed, constants, q.dtype, out_shape, (B, H, N))
     out, lse = function(diff, traced)
     return (out, lse) if return_lse else out

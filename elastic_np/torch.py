@@ -455,15 +455,17 @@ class ElasticAttention(torch.nn.Module):
 
     @_spec.takes_options(names=_spec.PER_CALL)
     def forward(self, q, k, v, *, return_lse=False, **options):
-        """`attention` of ``q, k, v`` (shapes ``(B, H, N, D)``) with this module's parameters.
+        """`attention` of ``q, k, v`` (shapes ``(B, H, N, D)``, or ``(B, N, H, D)`` with ``layout="bnhd"``) with this module's parameters.
 
         The options that describe the batch (%(other_names)s) are given here.
         """
         options = _spec.complete(options, "forward", _spec.PER_CALL)
-        if q.dim() != 4 or q.shape[1] != self.num_heads:
+        axis, axes = (1, "(B, H, N, D)") if options["layout"] == "bhnd" else (2, "(B, N, H, D)")
+        if q.dim() != 4 or q.shape[axis] != self.num_heads:
             raise ValueError(
                 f"this ElasticAttention was built with num_heads={self.num_heads}, but `q` of shape "
-                f"{tuple(q.shape)} has {q.shape[1] if q.dim() == 4 else 'no'} heads on axis 1 (shape (B, H, N, D))"
+                f"{tuple(q.shape)} has {q.shape[axis] if q.dim() == 4 else 'no'} heads on axis {axis} "
+                f"(shape {axes}, layout={options['layout']!r})"
             )
         window = None
         if self.log_sigma is not None:

@@ -208,6 +208,14 @@ def _to_device(a):
     return _cuda().to_device(np.ascontiguousarray(a))
 
 
+def _device_layout(layout):
+    """Raise a `ValueError` for a ``layout`` the kernels cannot read device arrays in."""
+    if layout != "bhnd":
+        raise ValueError(f"layout={layout!r} is not taken with device arrays (CUDA tensors) yet: the CUDA "
+                         "kernels read (B, H, N, D); pass that layout (torch: q.transpose(1, 2)), or "
+                         "host arrays, which are copied to the device anyway")
+
+
 def prepare(q, k, v, *, dtypes=dtypes, **options):
     """Validate the inputs like `elastic_np._problem.prepare`, keeping device arrays on the device.
 
@@ -227,6 +235,7 @@ def prepare(q, k, v, *, dtypes=dtypes, **options):
     if not any(_is_device(a) for a in (q, k, v)):
         problem = _problem.prepare(q, k, v, dtypes=dtypes, **options)
     else:
+        _device_layout(options.get("layout", "bhnd"))
         arrays = []
         for name, a in (("q", q), ("k", k), ("v", v)):
             arrays.append(_as_device_array(a, name) if _is_device(a) else _to_device(np.asarray(a)))
@@ -248,6 +257,7 @@ def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
     """
     if not any(_is_device(a) for a in (p.q, dout, out, lse, dlse)):
         return reference.check_backward_arrays(p, dout, out, lse, dtype=dtype, dlse=dlse)
+    _device_layout(p.layout)
     named = list(zip(p.backward_shapes, (dout, out, lse)))
     if dlse is not None:
         named.append((("dlse", p.backward_shapes[2][1]), dlse))

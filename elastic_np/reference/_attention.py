@@ -233,7 +233,8 @@ def attention(q, k, v, *, check_finite=True, **options):
     array([[[2.      , 2.693147]]])
     """
     p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention"))
-    return _forward(p)
+    out, lse = _forward(p)
+    return p.as_given(out), lse
 
 
 def _without_padding(p):

@@ -80,15 +80,16 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, check_finite=True,
     """
     p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_backward"))
     dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
-    return _backward(p, dout, out, lse, dlse)
+    return p.grads_as_given(_backward(p, dout, out, lse, dlse))
 
 
 def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
     """Validate ``dout``, ``out``, ``lse`` and ``dlse`` against the problem's shapes.
 
-    ``dtype=None`` requires the problem's dtype (the kernels); a dtype
-    converts to it (the reference). Returns ``(dout, out, lse, dlse)``,
-    ``dlse`` None when it was.
+    ``dout`` and ``out`` are in the problem's ``layout``. ``dtype=None``
+    requires the problem's dtype (the kernels); a dtype converts to it (the
+    reference). Returns ``(dout, out, lse, dlse)``, ``dout`` and ``out`` as
+    ``(B, H, N, Dv)`` (views), ``dlse`` None when it was.
     """
     named = list(zip(p.backward_shapes, (dout, out, lse)))
     if dlse is not None:
@@ -98,7 +99,10 @@ def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
         a = np.asarray(a)
         _validation.check_real_float_dtype(a, name)
         if a.shape != shape:
-            raise ValueError(f"`{name}` must have shape {shape}, got {a.shape}")
+            layout = f" (layout={p.layout!r})" if a.ndim == 4 else ""
+            raise ValueError(f"`{name}` must have shape {shape}{layout}, got {a.shape}")
+        if a.ndim == 4:
+            a = p.as_bhnd(a)
         if dtype is None and a.dtype != p.dtype:
             raise TypeError(f"`{name}` has dtype {a.dtype}, expected {p.dtype} like `q`")
         bad = np.isnan(a) | (a == np.inf) if name == "lse" else ~np.isfinite(a)

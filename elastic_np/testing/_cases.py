@@ -7,11 +7,11 @@ import numpy as np
 from elastic_np import _spec, reference
 from elastic_np._problem import prepare
 
-#: Keyword options of the attention, in the order of the contract (`elastic_np._spec`).
 from elastic_np._types import DynamicWindow
 
-#: Keyword options of the attention, in the order of the contract (`elastic_np._spec`).
-OPTION_NAMES = _spec.NAMES
+#: Keyword options of the attention that the cases exercise, in the order of the contract
+#: (`elastic_np._spec.IN_KIT`: not ``layout`` or ``precision``).
+OPTION_NAMES = _spec.IN_KIT
 #: The score modifiers among them (a case combining them needs all three).
 MODIFIER_NAMES = ("softcap", "alibi_slopes", "bias")
 #: Capabilities that are not keyword options and are only declared via ``options``:
