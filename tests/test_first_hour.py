@@ -1,0 +1,121 @@
+"""The first hour of a PyTorch or FlashAttention user, replayed: each stumble a new user met, as a test.
+
+The walkthrough tried the README, every docs page, the CLI, the adapters and
+common mistakes; each test below is one of the places a newcomer tripped,
+checked the way the newcomer met it.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import testing
+from elastic_np.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+FIRST_CALL = """
+import logging, numpy as np, elastic_np as enp
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+q = np.ones((1, 2, 40, 8), np.float32)
+enp.attention(q, q, q, backend="cpu")
+"""
+
+
+def test_1_a_first_compile_says_what_it_compiles_and_how_long(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("elastic_np INFO")]
+    assert len(lines) == 1 and re.search(r"cpu backend: forward for float32: compiled \d+ functions "
+                                         r"\(forward_kernel\) in \d+\.\d s", lines[0]), run.stderr
+    assert run.stdout == ""  # never print
+    assert callable(enp.warmup)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_2_elastic_attention_starts_as_sdpa_and_names_what_the_user_passed():
+    import torch
+
+    from elastic_np.torch import ElasticAttention
+
+    q, k, v = (torch.randn(1, 8, 12, 16, dtype=torch.float64) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ElasticAttention(8, causal=True)(q, k, v), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="learn_beta"):
+        ElasticAttention(8, beta=0.0, learn_beta=True)
+    with pytest.raises(ValueError, match="num_heads=4"):
+        ElasticAttention(4)(q, k, v)
+
+
+@pytest.mark.parametrize("name, ours", [("is_causal", "causal="), ("attn_mask", "bias="),
+                                        ("softmax_scale", "scale="), ("dropout_p", "not supported")])
+def test_3_foreign_names_say_which_of_ours_to_use(name, ours):
+    q = np.ones((1, 1, 4, 8))
+    with pytest.raises(TypeError, match=re.escape(ours)):
+        enp.attention(q, q, q, **{name: True})
+
+
+def test_3_a_float_mask_points_to_bias():
+    q = np.ones((1, 1, 4, 8))
+    with pytest.raises(TypeError, match="bias="):
+        enp.attention(q, q, q, mask=np.zeros((4, 4)))
+
+
+def test_4_flash_attention_arrays_are_read_as_declared():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 16, 4, 8)) for _ in range(3))  # (B, N, H, D)
+    out = enp.attention(q, k, v, layout="bnhd", causal=True, backend="reference")
+    by_heads = [enp.attention(*(np.ascontiguousarray(a[:, :, h:h + 1].transpose(0, 2, 1, 3)) for a in (q, k, v)),
+                              causal=True, backend="reference") for h in range(4)]
+    np.testing.assert_array_equal(out, np.concatenate(by_heads, axis=1).transpose(0, 2, 1, 3))
+
+
+def test_5_the_docs_agree_with_each_other_and_with_the_code():
+    readme = (ROOT / "README.md").read_text()
+    pages = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.rst")}
+    # what ran on a GPU: the README and the frameworks page tell the same story
+    assert "H100" in readme and "run on an H100" in pages["frameworks.rst"]
+    # compile times live in the README's "First run" only
+    assert not re.search(r"\d+-\d+ s", pages["dask.rst"].split("Compiled kernels")[1][:400])
+    assert "client.run(elastic_np.warmup)" in pages["dask.rst"]
+    for extra in ("torch", "jax", "dask"):
+        assert f"* - ``{extra}``" in pages["getting_started.rst"]
+    assert "``dbias``" in pages["testing_kernels.rst"] and "``reference``" in pages["testing_kernels.rst"]
+    # on GitHub the CLI help and the performance tables are text, not include directives
+    assert ".. include::" not in pages["getting_started.rst"] + pages["performance.rst"]
+
+
+def test_6_benchmarks_measure_what_they_say(capsys):
+    from elastic_np.cli import _bench_decode
+
+    assert main(["bench", "--quick", "--seq", "8", "--heads", "1", "--dim", "4", "--repeat", "1",
+                 "--min-time", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "; 1 thread (kernels" in out.splitlines()[0]  # the thread counts, set and printed
+    assert re.search(r"first call \d+\.\d+ s \((compiled \d+ function|no compile: loaded)", out)
+    main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for shape in _bench_decode.QUICK_SHAPES:
+        assert ",".join(map(str, shape)) in help_text
+
+
+def test_7_a_strict_check_fails_on_skipped_cases_and_grads_print_a_summary():
+    def plain(q, k, v):
+        return enp.attention(q, k, v, backend="reference")
+
+    report = testing.check_attention(plain, dtypes=(np.float64,))
+    assert report and "2/2 passed, 26 cases skipped" in str(report)
+    assert not testing.check_attention(plain, dtypes=(np.float64,), strict=True)
+    q = np.ones((1, 1, 3, 4))
+    out, lse = enp.attention(q, q, q, return_lse=True, backend="reference")
+    text = repr(enp.attention_backward(out, q, q, q, out, lse, backend="reference"))
+    assert "dq" in text and "(1, 1, 3, 4)" in text and len(text) < 600
