@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PUBLIC_MODULES = ("elastic_np", "elastic_np.reference", "elastic_np.testing")
 #: Documented modules that need an optional extra, and the package each imports.
-OPTIONAL_MODULES = {"elastic_np.torch": "torch", "elastic_np.jax": "jax", "elastic_np.dask": "dask"}
+OPTIONAL_MODULES = {"elastic_np.torch": "torch", "elastic_np.jax": "jax", "elastic_np.dask": "dask",
+                    "elastic_np.transformers": "transformers"}
 
 
 def _api_names():

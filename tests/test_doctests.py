@@ -27,7 +27,7 @@ MODULES = ["elastic_np"] + sorted(
 def _optional(modname):
     """The CUDA modules, the framework adapters and `elastic_np.dask` need an optional extra."""
     name = modname.rpartition(".")[2]
-    return "cuda" in modname or name in ("torch", "jax", "dask")
+    return "cuda" in modname or name in ("torch", "jax", "dask", "transformers")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -93,7 +93,8 @@ def test_public_functions_document_parameters_and_returns():
 
 PAGES = sorted(p.name for p in DOCS.glob("*.rst"))
 #: Pages whose examples need optional packages: skipped without them.
-PAGE_NEEDS = {"frameworks.rst": ("torch", "jax"), "dask.rst": ("dask", "distributed")}
+PAGE_NEEDS = {"frameworks.rst": ("torch", "jax"), "dask.rst": ("dask", "distributed"),
+              "models.rst": ("torch", "transformers")}
 
 
 @pytest.mark.parametrize("page", PAGES)

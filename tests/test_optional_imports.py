@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_import_elastic_np_imports_neither_torch_nor_jax():
     code = (
         "import sys, elastic_np, elastic_np.cpu, elastic_np.testing\n"
-        "print(sorted(m for m in ('torch', 'jax', 'jaxlib', 'dask') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'jax', 'jaxlib', 'dask', 'transformers') if m in sys.modules))"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -1,0 +1,155 @@
+"""elastic_np.transformers: tiny models from configs (random weights, nothing downloaded) against "eager".
+
+A Llama-style model (grouped-query heads), a Gemma-2-style one (soft-capping,
+sliding windows) and a gpt-oss-style one (per-head sinks, sliding windows):
+logits and the gradient of every parameter within the float32 rule (at most
+twice the error, relative in norm, of transformers' own eager attention in
+float32, or a few float32 ulps where eager is closer than that, both measured
+against the model in float64 through elastic_np's float64 oracle. That model
+matches eager in float64 to float32 precision, not more: eager's softmax runs
+in float32 even there, and a padded row turns into NaN, which reaches the
+other rows through their masked keys). Then greedy generation token for
+token, with a dynamic and a static cache.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import elastic_np.transformers as enp_transformers  # noqa: E402
+
+enp_transformers.register()
+enp_transformers.register("elastic_np_reference", backend="reference")
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2),
+    "gemma2": lambda: transformers.Gemma2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=20.0,
+        final_logit_softcapping=None),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation="eager"),  # grouped_mm takes no float64
+}
+
+
+def _models(name, dtype=torch.float32):
+    """One set of random weights under each attention: ``eager``, ``elastic_np`` in ``dtype``, and in float64
+    ``float64`` (elastic_np's oracle) and ``eager64``."""
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    built = {}
+    for key, implementation in (("eager", "eager"), ("elastic_np", "elastic_np"),
+                                ("float64", "elastic_np_reference"), ("eager64", "eager")):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                              attn_implementation=implementation)
+        if built:
+            model.load_state_dict(built["eager"].state_dict())
+        built[key] = model.to(torch.float64 if key in ("float64", "eager64") else dtype)
+    if name == "gpt_oss":  # sinks start at zero: make them differ per head, so their gradient means something
+        with torch.no_grad():
+            for model in built.values():
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.copy_(torch.linspace(-1.0, 1.5, layer.self_attn.sinks.numel()))
+    return built
+
+
+def _within_the_float32_rule(ours, eager, exact, what):
+    """At most twice eager float32's error (relative, in norm), or a few float32 ulps where eager's is below that."""
+    exact = exact.detach()
+    error, naive = (float((a.detach().double() - exact).norm() / exact.norm()) for a in (ours, eager))
+    assert error <= 2 * naive + 8 * torch.finfo(torch.float32).eps, f"{what}: error {error:.3g}, eager's {naive:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_with_and_without_padding(name):
+    models = _models(name)
+    ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones_like(ids)
+    padding[1, :6] = 0  # left padding, as batched generation has
+    for mask in (None, padding):
+        out = {key: model(ids, attention_mask=mask).logits for key, model in models.items()}
+        if mask is None:
+            torch.testing.assert_close(out["float64"], out["eager64"], rtol=1e-5, atol=1e-6)
+        kept = slice(None) if mask is None else mask.bool()
+        _within_the_float32_rule(out["elastic_np"][kept], out["eager"][kept], out["float64"][kept],
+                                 f"{name} logits, mask {mask is not None}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gradient_of_every_parameter_sinks_included(name):
+    models = _models(name)
+    ids = torch.randint(0, 96, (2, 29), generator=torch.Generator().manual_seed(2))
+    for model in models.values():
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    named = [dict(model.named_parameters()) for model in (models["elastic_np"], models["eager"], models["float64"])]
+    checked = 0
+    for pname, p in named[0].items():
+        if named[2][pname].grad is None:
+            continue
+        _within_the_float32_rule(p.grad, named[1][pname].grad, named[2][pname].grad, f"{name} d{pname}")
+        checked += 1
+    assert checked == sum(p.requires_grad for p in named[0].values())
+    if name == "gpt_oss":
+        assert all(float(layer.self_attn.sinks.grad.abs().max()) > 0 for layer in models["elastic_np"].model.layers)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_gives_the_same_tokens(name, cache, monkeypatch):
+    models = _models(name)
+    prompt = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(3))
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    calls, attention = [], enp_transformers.enpt.attention
+
+    def recorded(q, k, v, **options):
+        calls.append((q.shape[2], k.shape[2], {n for n, x in options.items() if x is not None}))
+        return attention(q, k, v, **options)
+
+    monkeypatch.setattr(enp_transformers.enpt, "attention", recorded)
+    tokens = [models[key].generate(prompt, max_new_tokens=32, do_sample=False, **extra)
+              for key in ("eager", "elastic_np")]
+    assert torch.equal(*tokens)
+    steps = [(n, m, used) for n, m, used in calls if n == 1]
+    assert len(steps) == 31 * models["elastic_np"].config.num_hidden_layers
+    if cache == "static" and name == "llama":  # the empty slots of the static cache are never read
+        assert all("kv_lengths" in used and "mask" not in used for _, m, used in steps)
+        assert {m for _, m, _ in steps} == {max(m for _, m, _ in steps)}  # the whole preallocated cache
+
+
+def test_a_static_cache_decoding_step_reads_only_the_filled_slots():
+    mask = torch.zeros(2, 1, 1, 50, dtype=torch.bool)
+    mask[0, ..., :17] = True
+    mask[1, ..., :30] = True
+    options = enp_transformers._mask_options(mask, B=2, N=1, M=50)
+    assert options.keys() == {"kv_lengths"} and options["kv_lengths"].tolist() == [17, 30]
+    mask[1, ..., 3] = False  # a hole (left padding, a window): the mask itself
+    assert enp_transformers._mask_options(mask, B=2, N=1, M=50).keys() == {"mask"}
+
+
+def test_what_the_attention_cannot_honour_is_an_error_naming_it():
+    model = _models("llama")["elastic_np"]
+    ids = torch.randint(0, 96, (1, 5))
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout"):
+        model(ids)
+    model.eval()
+    model(ids)  # dropout is off at evaluation
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids, output_attentions=True)
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="packed sequences yet \\(cu_seq_lens_q\\)"):
+        enp_transformers.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                           cu_seq_lens_q=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="boolean \\(B, 1, N, M\\) mask"):
+        enp_transformers.attention_forward(model.model.layers[0].self_attn, q, q, q, torch.zeros(1, 1, 3, 3))
