@@ -86,6 +86,10 @@ class Option:
         Whether the conformance kit's cases exercise it (and a function under
         test must take it to run them): not for how the arrays are laid out
         or how a GPU forms its products.
+    schema : str
+        Its arguments in a ``torch.library`` operator's schema (``"bool
+        causal"``; the dynamic window as its ``sigma``, ``sharpness`` and
+        ``threshold``; the tensor options as ``Tensor?``).
     """
 
     name: str
@@ -99,6 +103,7 @@ class Option:
     backends: tuple = BACKENDS
     dtypes: tuple = KERNEL_DTYPES
     in_kit: bool = True
+    schema: str = ""
 
 
 def _scale(value, shape):
@@ -197,56 +202,60 @@ def _boolean(name):
 
 #: The options, in the order of the contract and of every signature.
 OPTIONS = (
-    Option("scale", None, "float, optional", "Score scale; ``1/sqrt(D)`` by default.", _scale),
+    Option("scale", None, "float, optional", "Score scale; ``1/sqrt(D)`` by default.", _scale, schema="float? scale"),
     Option("causal", False, "bool, optional",
-           "Keep ``j <= i + (M - N)`` (bottom-right aligned, as FlashAttention).", _boolean("causal")),
+           "Keep ``j <= i + (M - N)`` (bottom-right aligned, as FlashAttention).", _boolean("causal"),
+           schema="bool causal"),
     Option("window_size", (-1, -1), "(int, int), optional",
            "``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``; ``-1`` leaves a "
-           "side unbounded.", _window),
+           "side unbounded.", _window, schema="int[] window_size"),
     Option("kv_lengths", None, "array_like of int, shape (B,), optional",
            "Keep ``j < kv_lengths[b]``; the keys past it (a preallocated cache's padding) are never read.",
            lambda value, shape: {"kv_lengths": _validation.kv_lengths_array(value, shape.B, shape.M)},
-           tensor=True, per_call=True),
+           tensor=True, per_call=True, schema="Tensor? kv_lengths"),
     Option("align", "array", '{"array", "kv_lengths"}, optional',
            'Where the last query sits: at the array\'s last key (``"array"``, query ``i`` at position '
            '``i + M - N``) or at each sequence\'s last key (``"kv_lengths"``, at ``i + kv_lengths[b] - N``), '
            "as for new queries appended to a ragged cache. Causal, the window, ALiBi and the dynamic window "
-           "measure offsets from there; ``M`` above then reads ``kv_lengths[b]``.", _align, per_call=True),
+           "measure offsets from there; ``M`` above then reads ``kv_lengths[b]``.", _align, per_call=True,
+           schema="str align"),
     Option("mask", None, "array_like of bool, optional",
            "Broadcastable to ``(B, H, N, M)``; True keeps.",
            lambda value, shape: {"mask": _validation.broadcast_mask(value, (shape.B, shape.H, shape.N, shape.M))},
-           tensor=True, per_call=True),
-    Option("nvm", False, "bool, optional", "Negative Value Masking: drop scores below 0.", _boolean("nvm")),
+           tensor=True, per_call=True, schema="Tensor? mask"),
+    Option("nvm", False, "bool, optional", "Negative Value Masking: drop scores below 0.", _boolean("nvm"),
+           schema="bool nvm"),
     Option("tau", 1.0, "float or array_like of shape (H,), optional",
            "Temperature, ``> 0``: the logits are the scores divided by it. Learnable.",
-           _per_head("tau", positive=True), gradient="dtau", tensor=True),
+           _per_head("tau", positive=True), gradient="dtau", tensor=True, schema="Tensor? tau"),
     Option("beta", 0.0, "float or array_like of shape (H,), optional",
            "The sink, ``>= 0``: added to the softmax denominator. Learnable.",
-           _per_head("beta", positive=False), gradient="dbeta", tensor=True),
+           _per_head("beta", positive=False), gradient="dbeta", tensor=True, schema="Tensor? beta"),
     Option("dynamic_window", None, "DynamicWindow, optional",
            "Learnable bell-curve window gate (its ``sigma`` is learnable).", _dynamic_window,
-           gradient="dsigma", tensor=True),
+           gradient="dsigma", tensor=True, schema="Tensor? sigma, float sharpness, float threshold"),
     Option("softcap", None, "float, optional",
            "Soft-capping: the score becomes ``softcap * tanh(score / softcap)`` (``> 0``; None for none), "
-           "before ALiBi, bias, NVM and temperature.", _softcap),
+           "before ALiBi, bias, NVM and temperature.", _softcap, schema="float? softcap"),
     Option("alibi_slopes", None, "array_like, shape (H,) or (B, H), optional",
            "ALiBi: adds ``-slope * |i + (M - N) - j|`` to the score. Fixed (no gradient).",
-           lambda value, shape: {"alibi": _validation.alibi_array(value, shape.B, shape.H)}, tensor=True),
+           lambda value, shape: {"alibi": _validation.alibi_array(value, shape.B, shape.H)}, tensor=True,
+           schema="Tensor? alibi_slopes"),
     Option("bias", None, "array_like of float, optional",
            "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
            "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
-           _bias, gradient="dbias", tensor=True, per_call=True),
+           _bias, gradient="dbias", tensor=True, per_call=True, schema="Tensor? bias"),
     Option("precision", None, '{None, "tf32"}, optional',
            "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
            "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "
            "mantissa), about three times faster, like ``torch.backends.cuda.matmul.allow_tf32``; kernels "
            "that do not use the tensor cores keep float32. CUDA float32 only.",
-           _precision, backends=("cuda",), dtypes=("float32",), in_kit=False),
+           _precision, backends=("cuda",), dtypes=("float32",), in_kit=False, schema="str? precision"),
     Option("layout", "bhnd", '{"bhnd", "bnhd"}, optional',
            'Axes of ``q``, ``k``, ``v`` (and of ``out``, ``dout`` and their gradients): ``"bhnd"``, '
            '``(B, H, N, D)`` as PyTorch\'s SDPA, or ``"bnhd"``, ``(B, N, H, D)`` as FlashAttention. Read '
            "in place, without a copy; ``lse``, ``mask`` and ``bias`` keep ``(B, H, N[, M])``.",
-           lambda value, shape: {"layout": check_layout(value)}, per_call=True, in_kit=False),
+           lambda value, shape: {"layout": check_layout(value)}, per_call=True, in_kit=False, schema="str layout"),
 )
 
 #: The option names, in order.

@@ -3,14 +3,16 @@
 ``import elastic_np.torch`` imports torch (``pip install "elastic_np[torch]"``);
 ``import elastic_np`` does not.
 
-`attention` is a ``torch.autograd.Function``: its forward calls
-`elastic_np.attention` and keeps ``out`` and ``lse``; its backward calls
-`elastic_np.attention_backward` with them and the cotangents of ``out`` and
-``lse`` (the forward is never computed again) and hands ``dq``, ``dk``,
-``dv``, ``dtau``, ``dbeta``, ``dsigma`` and ``dbias`` to autograd. CPU tensors reach the kernels through
-``Tensor.numpy()``, without a copy when they are C-contiguous (the kernels
-copy a strided tensor into a contiguous one), and the results come back
-through ``torch.from_numpy``, without a copy either.
+`attention` is the operator ``elastic_np::attention`` (`torch.library`,
+``elastic_np._torch_ops``): its forward calls `elastic_np.attention` and
+keeps ``out`` and ``lse``; its backward, the operator
+``elastic_np::attention_backward``, calls `elastic_np.attention_backward`
+with them and the cotangents of ``out`` and ``lse`` (the forward is never
+computed again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``,
+``dsigma`` and ``dbias`` to autograd. ``torch.compile`` keeps a call in its
+graph. CPU tensors reach the kernels through ``Tensor.numpy()``, without a
+copy when they are C-contiguous, and the results come back through
+``torch.from_numpy`` (``elastic_np._torch_arrays``).
 
 CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias`` on one device) go
 through the CUDA backend in place: their memory reaches the kernels through
@@ -24,249 +26,16 @@ device. This path runs in the tests on an H100 (``tests/test_torch_cuda.py``) an
 the CUDA simulator.
 """
 
-import contextlib
-import dataclasses
 import math
 
 import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _spec
+from elastic_np import _spec, _torch_arrays, _torch_ops
 from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "ElasticAttention", "DynamicWindow"]
-
-_KERNEL_DTYPES = (torch.float32, torch.float64)
-
-
-def _check_dtype(value, name):
-    if value.is_floating_point() and value.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"`{name}` has dtype {value.dtype}; the elastic_np kernels take torch.float32 or "
-            "torch.float64: convert it with .float() (or .double())"
-        )
-
-
-def _host(value, name):
-    """A CPU tensor as a NumPy view (no copy), anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.device.type != "cpu":
-        raise TypeError(
-            f"`{name}` is on device {value.device}; elastic_np.torch takes CPU tensors, or CUDA "
-            "tensors with q, k, v (and bias) on one device: move it with .cpu()"
-        )
-    _check_dtype(value, name)
-    return value.detach().resolve_neg().numpy()
-
-
-def _as_grad(grad, like):
-    """A NumPy gradient (or Python float) as a tensor of ``like``'s dtype and shape."""
-    return torch.as_tensor(np.asarray(grad)).to(like.dtype).reshape(like.shape)
-
-
-# ---------------------------------------------------------------------------
-# CUDA tensors: the CUDA backend on their memory
-# ---------------------------------------------------------------------------
-
-
-class _CudaBridge:
-    """How CUDA tensors reach the CUDA backend and how its device arrays come back as tensors.
-
-    The only code that touches device memory and streams. A test swaps it for
-    one that copies CPU tensors to the CUDA simulator
-    (``tests/cuda/test_sim_torch.py``), so that everything else runs without a GPU.
-    """
-
-    #: Tensors of this device type go through the CUDA backend.
-    device_type = "cuda"
-
-    @staticmethod
-    def to_device(tensor):
-        """A detached, C-contiguous CUDA tensor as a numba device array over its memory."""
-        from elastic_np.cuda import _host as cuda_host
-
-        # torch exports version 2 of the interface, without a stream: numba does not synchronise
-        return cuda_host._cuda().as_cuda_array(tensor)
-
-    @staticmethod
-    def to_tensor(array, device):
-        """A numba device array as a tensor on ``device`` over the same memory (no copy)."""
-        return torch.as_tensor(array, device=device)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def launches(device):
-        """Around the backend's calls: numba on ``device``, its kernels ordered with torch's stream."""
-        from elastic_np.cuda import _host as cuda_host
-
-        cuda = cuda_host._cuda()
-        stream = torch.cuda.current_stream(device)
-        # numba launches on the legacy default stream, which torch's default stream is: there
-        # the kernels queue after the work that wrote the inputs and before the work that reads
-        # the outputs. torch's other streams are non-blocking and do not wait for it, so on one
-        # we synchronise: torch's stream before (the inputs are written) and the device after
-        # (the outputs are written, and the inputs are read before torch may reuse their memory).
-        # Simple and correct; it costs the overlap of the host with the device on those streams.
-        side_stream = stream.cuda_stream != 0
-        with cuda.gpus[device.index]:
-            if side_stream:
-                stream.synchronize()
-            try:
-                yield
-            finally:
-                if side_stream:
-                    cuda.synchronize()
-
-
-_cuda_bridge = _CudaBridge
-
-
-def _cuda_device(q, k, v, backend):
-    """The device of CUDA tensors ``q, k, v`` (checked to be one), None for other tensors."""
-    device = q.device
-    if device.type != _cuda_bridge.device_type:
-        return None
-    for name, x in (("k", k), ("v", v)):
-        if x.device != device:
-            raise TypeError(
-                f"`{name}` is on device {x.device} and `q` on {device}: q, k and v must be on one device"
-            )
-    if backend not in ("auto", "cuda"):
-        raise TypeError(
-            f"`q` is on device {device}, and backend={backend!r} takes CPU tensors: use "
-            "backend='cuda' (or 'auto') for CUDA tensors, or move them with .cpu()"
-        )
-    _dispatch.get_backend("cuda")  # BackendUnavailableError, saying what is missing
-    return device
-
-
-def _option(value, name, device):
-    """An option tensor on the CPU or ``device`` as a NumPy array (the CUDA backend reads it on the host)."""
-    if not isinstance(value, torch.Tensor) or value.device != device:
-        return _host(value, name)
-    _check_dtype(value, name)
-    return value.detach().resolve_neg().cpu().numpy()
-
-
-def _device_tensor(value, name, device):
-    """A tensor on ``device``, detached and C-contiguous; anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.device != device:
-        raise TypeError(
-            f"`{name}` is on device {value.device} and `q` on {device}: q, k, v and bias must be on one device"
-        )
-    _check_dtype(value, name)
-    return value.detach().resolve_neg().contiguous()
-
-
-def _device_array(value):
-    return _cuda_bridge.to_device(value) if isinstance(value, torch.Tensor) else value
-
-
-def _cuda_options(learnable, device):
-    """The learnable options for the CUDA backend: tau, beta, sigma on the host, bias on the device."""
-    options = {name: _option(learnable[name], name, device) for name in ("tau", "beta", "sigma")}
-    options["bias"] = _device_tensor(learnable["bias"], "bias", device)
-    return options
-
-
-def _cuda_forward(fixed, device, qkv, learnable):
-    """``(out, lse)`` of the CUDA backend on the memory of ``q, k, v``, as tensors on ``device``."""
-    options = _cuda_options(learnable, device)
-    qkv = [_device_tensor(x, name, device) for x, name in zip(qkv, ("q", "k", "v"))]
-    with _cuda_bridge.launches(device):
-        options["bias"] = _device_array(options["bias"])
-        out, lse = _dispatch.attention(
-            *map(_device_array, qkv), return_lse=True, **common.numpy_options(fixed, options)
-        )
-        return _cuda_bridge.to_tensor(out, device), _cuda_bridge.to_tensor(lse, device)
-
-
-def _cuda_backward(fixed, device, arrays, dlse, learnable):
-    """`elastic_np.AttentionGrads` of the CUDA backend, ``dq, dk, dv, dbias`` as tensors on ``device``.
-
-    ``arrays`` are ``dout, q, k, v, out, lse``.
-    """
-    options = _cuda_options(learnable, device)
-    names = ("dout", "q", "k", "v", "out", "lse", "dlse")
-    tensors = [_device_tensor(x, name, device) for x, name in zip((*arrays, dlse), names)]
-    with _cuda_bridge.launches(device):
-        options["bias"] = _device_array(options["bias"])
-        *arrays, dlse = map(_device_array, tensors)
-        grads = _dispatch.attention_backward(*arrays, dlse=dlse, **common.numpy_options(fixed, options))
-        on_device = {name: getattr(grads, name) for name in ("dq", "dk", "dv", "dbias")}
-        return dataclasses.replace(grads, **{
-            name: None if a is None else _cuda_bridge.to_tensor(a, device) for name, a in on_device.items()
-        })
-
-
-def _cuda_grad(grad, like):
-    """A gradient of the CUDA path (a device tensor, or a host float or array) as a tensor like ``like``."""
-    if isinstance(grad, torch.Tensor):
-        return grad.to(like.dtype).reshape(like.shape)
-    return _as_grad(grad, like).to(like.device)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """``(out, lse)`` of `elastic_np.attention`; gradients from `elastic_np.attention_backward`.
-
-    ``device`` is None for CPU tensors, the device of CUDA tensors (the CUDA backend) otherwise.
-    """
-
-    @staticmethod
-    def forward(ctx, fixed, device, q, k, v, *learnable):
-        learnable = dict(zip(common.LEARNABLE, learnable))
-        if device is None:
-            host = {name: _host(value, name) for name, value in learnable.items()}
-            qn, kn, vn = (_host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-            out, lse = _dispatch.attention(
-                qn, kn, vn, return_lse=True, **common.numpy_options(fixed, host)
-            )
-            out = torch.from_numpy(out).to(q.dtype)
-            lse = torch.from_numpy(lse).to(q.dtype)
-        else:
-            out, lse = _cuda_forward(fixed, device, (q, k, v), learnable)
-        ctx.fixed = fixed
-        ctx.cuda_device = device
-        ctx.constants = {n: v for n, v in learnable.items() if not isinstance(v, torch.Tensor)}
-        tensors = [learnable[n] if n not in ctx.constants else None for n in common.LEARNABLE]
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        # an output the loss does not use gets None, not zeros: no dlse costs nothing
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
-        learnable = dict(zip(common.LEARNABLE, tensors))
-        learnable.update(ctx.constants)
-        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
-        if dlse is not None:
-            dlse = dlse.to(lse.dtype)
-        if ctx.cuda_device is None:
-            host = {name: _host(value, name) for name, value in learnable.items()}
-            grads = _dispatch.attention_backward(
-                _host(dout, "dout"), *(_host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
-                _host(out, "out"), _host(lse, "lse"), dlse=_host(dlse, "dlse"),
-                **common.numpy_options(ctx.fixed, host),
-            )
-            as_grad = _as_grad
-        else:
-            grads = _cuda_backward(ctx.fixed, ctx.cuda_device, (dout, q, k, v, out, lse), dlse, learnable)
-            as_grad = _cuda_grad
-        needs = ctx.needs_input_grad[2:]
-        result = [
-            as_grad(g, x) if need else None
-            for g, x, need in zip((grads.dq, grads.dk, grads.dv), (q, k, v), needs[:3])
-        ]
-        for name, need in zip(common.LEARNABLE, needs[3:]):
-            result.append(as_grad(common.grad_of(grads, name), learnable[name]) if need else None)
-        return (None, None, *result)
-
 
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, return_lse=False, backend="auto", **options):
@@ -334,13 +103,12 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
-    device = _cuda_device(q, k, v, backend)
-    if device is None:
-        option, backend = _host, common.kernel_backend(backend)
-    else:
-        option, backend = (lambda value, name: _option(value, name, device)), "cuda"
-    fixed.update({name: option(fixed[name], name) for name in _spec.TENSOR_OPTIONS}, backend=backend)
-    out, lse = _AttentionFunction.apply(fixed, device, q, k, v, *(learnable[n] for n in common.LEARNABLE))
+    device = _torch_arrays._cuda_device(q, k, v, backend)
+    # before the operator, which would take tensors on "meta" for their shapes alone
+    _torch_arrays.check_devices(device, (("q", q), ("k", k), ("v", v), *learnable.items(),
+                                         *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS)))
+    fixed["backend"] = common.kernel_backend(backend) if device is None else "cuda"
+    out, lse = _torch_ops.attention(q, k, v, fixed, learnable)
     return (out, lse) if return_lse else out
 
 

@@ -100,3 +100,12 @@ def test_first_call_times_each_compile_without_what_it_compiled():
     with first_call.CompileTimes() as again:
         outer_fn(2)  # compiled already: no event
     assert not again.seconds
+
+
+def test_torch_compile_step_runs(capsys):
+    pytest.importorskip("torch")
+    import torch_compile_step
+
+    torch_compile_step.main(["--seq", "16", "--rounds", "1", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "compiled / eager:" in out and "eager " in out

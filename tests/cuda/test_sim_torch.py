@@ -20,7 +20,7 @@ from test_torch_adapter import CASES, LEARNED, make_case, numpy_options, tensors
 
 import elastic_np as enp
 import elastic_np.torch as enpt
-from elastic_np import _dispatch
+from elastic_np import _dispatch, _torch_arrays
 from elastic_np.cuda import _host as cuda_host
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -50,7 +50,7 @@ class SimBridge:
 
 def simulate(monkeypatch):
     bridge = SimBridge()
-    monkeypatch.setattr(enpt, "_cuda_bridge", bridge)
+    monkeypatch.setattr(_torch_arrays, "_cuda_bridge", bridge)
     return bridge
 
 

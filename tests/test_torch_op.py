@@ -1,0 +1,120 @@
+"""The torch operators elastic_np::attention and elastic_np::attention_backward: opcheck, torch.compile."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import elastic_np as enp  # noqa: E402
+import elastic_np.torch as enpt  # noqa: E402
+from elastic_np import _adapter_common as common  # noqa: E402
+from elastic_np import _spec, _torch_ops  # noqa: E402
+
+
+def _options(H, N, M, rng):
+    """One option set per option of the table, and one combining them (tensors where learnable)."""
+    def t(a, grad=False):
+        return torch.tensor(a, dtype=torch.float64, requires_grad=grad)
+
+    return {
+        "plain": {},
+        "scale": {"scale": 0.3},
+        "causal": {"causal": True},
+        "window_size": {"window_size": (3, 1)},
+        "kv_lengths": {"kv_lengths": torch.tensor([M - 2, M])},
+        "align": {"kv_lengths": torch.tensor([M - 3, M]), "align": "kv_lengths", "causal": True},
+        "mask": {"mask": torch.from_numpy(rng.random((N, M)) > 0.3)},
+        "nvm": {"nvm": True},
+        "tau": {"tau": t(rng.uniform(0.5, 2.0, H), True)},
+        "beta": {"beta": t(0.7, True)},
+        "dynamic_window": {"dynamic_window": enpt.DynamicWindow(t(rng.uniform(0.3, 0.9, H), True), 3.0)},
+        "softcap": {"softcap": 5.0},
+        "alibi_slopes": {"alibi_slopes": torch.tensor(rng.uniform(0.0, 0.5, H))},
+        "bias": {"bias": t(rng.standard_normal((1, H, N, M)), True)},
+        "layout": {"layout": "bnhd"},
+        "combined": {"causal": True, "nvm": True, "tau": t(rng.uniform(0.5, 2.0, H), True), "beta": t(0.5, True),
+                     "softcap": 8.0, "bias": t(rng.standard_normal((N, M)), True),
+                     "dynamic_window": enpt.DynamicWindow(t(0.6, True), 2.0)},
+    }
+
+
+CASES = sorted(_options(4, 7, 9, np.random.default_rng(0)))
+
+
+def _arguments(name, dtype=torch.float64):
+    rng = np.random.default_rng(1)
+    B, H, Hkv, N, M, D = 2, 4, 2, 7, 9, 8
+    options = _options(H, N, M, rng)[name]
+    shapes = ((B, H, N, D), (B, Hkv, M, D)) if options.get("layout") != "bnhd" else ((B, N, H, D), (B, M, Hkv, D))
+    q = torch.tensor(rng.standard_normal(shapes[0]), dtype=dtype, requires_grad=True)
+    k, v = (torch.tensor(rng.standard_normal(shapes[1]), dtype=dtype, requires_grad=True) for _ in range(2))
+    fixed, learnable = common.split(_spec.complete(options, "test"))
+    return q, k, v, _torch_ops.op_arguments(fixed, learnable), options
+
+
+def test_every_option_has_a_case():
+    assert set(CASES) >= set(_spec.NAMES) - {"precision"}  # precision: CUDA only
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_opcheck_forward_and_backward(name):
+    q, k, v, args, _ = _arguments(name)
+    torch.library.opcheck(torch.ops.elastic_np.attention.default, (q, k, v, *args, "cpu"))
+    out, lse = torch.ops.elastic_np.attention(q, k, v, *args, "cpu")
+    dout = torch.randn_like(out)
+    backward_args = (dout, torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                     *(a.detach() if isinstance(a, torch.Tensor) else a for a in args), "cpu")
+    torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
+
+
+@pytest.mark.parametrize("name", ["combined", "layout", "kv_lengths"])
+def test_the_operator_gives_the_entry_points_bits(name):
+    q, k, v, _, options = _arguments(name, torch.float32)
+    out, lse = enpt.attention(q, k, v, return_lse=True, backend="cpu", **options)
+    plain = {n: (x.detach().numpy() if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
+    if "dynamic_window" in plain:
+        window = plain["dynamic_window"]
+        plain["dynamic_window"] = enp.DynamicWindow(window.sigma.detach().numpy(), window.sharpness)
+    want, want_lse = enp.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), return_lse=True,
+                                   backend="cpu", **plain)
+    assert np.array_equal(out.detach().numpy(), want) and np.array_equal(lse.detach().numpy(), want_lse)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+        self.attn = enpt.ElasticAttention(4, causal=True, learn_tau=True, beta=1.0, learn_beta=True, softcap=20.0)
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        q, k, v = self.proj(x).view(B, N, 3, 4, 4).unbind(2)
+        return self.attn(q, k, v, layout="bnhd").square().mean()
+
+
+def test_a_layer_compiles_whole_and_gives_the_eager_bits():
+    torch.manual_seed(0)
+    layer = _Layer()
+    x = torch.randn(2, 24, 16)
+    assert torch._dynamo.explain(layer)(x).graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True)
+    loss = compiled(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    want = layer(x)
+    want.backward()
+    assert torch.equal(loss, want)
+    for n, p in layer.named_parameters():
+        if n.startswith("attn."):  # the operator's own gradients: the same bits
+            assert torch.equal(grads[n], p.grad), n
+        else:  # inductor sums the projection's gradient in another order than eager torch
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_second_derivative_is_refused_not_wrong():
+    q, k, v, _, options = _arguments("plain")
+    out = enpt.attention(q, k, v, backend="cpu")
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dq.sum(), q)
