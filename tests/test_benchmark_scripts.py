@@ -109,3 +109,12 @@ def test_torch_compile_step_runs(capsys):
     torch_compile_step.main(["--seq", "16", "--rounds", "1", "--steps", "1"])
     out = capsys.readouterr().out
     assert "compiled / eager:" in out and "eager " in out
+
+
+def test_transformers_decode_runs(capsys):
+    pytest.importorskip("transformers")
+    import transformers_decode
+
+    transformers_decode.main(["--context", "64", "--llama-context", "32", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "eager / elastic_np:" in out and "sdpa / elastic_np:" in out and "attention calls" in out
