@@ -10,6 +10,7 @@ from elastic_np import reference, testing
 from elastic_np._dispatch import attention, attention_backward, merge_attention
 from elastic_np._errors import BackendUnavailableError
 from elastic_np._types import AttentionGrads, DynamicWindow
+from elastic_np._varlen import varlen_attention, varlen_attention_backward
 from elastic_np._warmup import warmup
 
 __version__ = "0.1.0"
@@ -18,6 +19,8 @@ __all__ = [
     "attention",
     "attention_backward",
     "merge_attention",
+    "varlen_attention",
+    "varlen_attention_backward",
     "warmup",
     "AttentionGrads",
     "DynamicWindow",

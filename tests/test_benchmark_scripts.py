@@ -118,3 +118,11 @@ def test_transformers_decode_runs(capsys):
     transformers_decode.main(["--context", "64", "--llama-context", "32", "--rounds", "1"])
     out = capsys.readouterr().out
     assert "eager / elastic_np:" in out and "sdpa / elastic_np:" in out and "attention calls" in out
+
+
+def test_varlen_packed_runs(capsys):
+    import varlen_packed
+
+    varlen_packed.main(["--lengths", "40", "24", "16", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "padded / packed" in out and "forward+backward" in out

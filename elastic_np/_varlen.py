@@ -1,0 +1,240 @@
+"""Packed batches of sequences of different lengths (``cu_seqlens``), as torch's ``varlen_attn`` takes them.
+
+Sequence ``s`` holds the queries ``q[cu_seqlens_q[s]:cu_seqlens_q[s + 1]]``
+and the keys and values ``k[cu_seqlens_k[s]:cu_seqlens_k[s + 1]]``; each is
+attended to on its own, causality and the windows aligned to its own end.
+The sequences go to `elastic_np.attention` one by one as views in
+FlashAttention's layout (``layout="bnhd"``, no copy of the inputs), so the
+results are, by construction, the bits of calling it sequence by sequence,
+and no padding is ever computed.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from elastic_np import _dispatch, _spec
+from elastic_np._types import AttentionGrads, DynamicWindow
+
+#: Why a packed batch does not take the options that describe a padded batch (`_spec.PER_CALL`).
+_NOT_TAKEN = ("the packed arrays are (total, heads, dim) and each sequence's used keys are `seqused_k`, "
+              "which also aligns its queries to its last used key; a mask or a bias per sequence is not "
+              "taken yet: call `attention` per sequence")
+
+
+def _offsets(cu, name, total):
+    """``cu`` as int64 offsets: 1-D, from 0, nondecreasing, ending at ``total``."""
+    cu = np.asarray(cu)
+    if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"`{name}` must be a 1-D integer array of offsets of one sequence or more, got "
+                         f"{cu.dtype} {cu.shape}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+        raise ValueError(f"`{name}` must rise from 0 to the packed length {total} without falling, "
+                         f"got {cu.tolist() if cu.size <= 12 else cu}")
+    return cu
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k):
+    """``(cu_q, cu_k, used)``: the checked offsets and the keys each sequence uses (None: all)."""
+    cu_q = _offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` must name as many sequences, got "
+                         f"{cu_q.size - 1} and {cu_k.size - 1}")
+    for name, cu, limit in (("max_q", cu_q, max_q), ("max_k", cu_k, max_k)):
+        if limit is not None and np.diff(cu).max(initial=0) > limit:
+            raise ValueError(f"`{name}`={limit} is below the longest sequence, {np.diff(cu).max()}")
+    used = None
+    if seqused_k is not None:
+        used = np.asarray(seqused_k)
+        if used.shape != (cu_k.size - 1,) or not np.issubdtype(used.dtype, np.integer) \
+                or (used < 0).any() or (used > np.diff(cu_k)).any():
+            raise ValueError(f"`seqused_k` must give each of the {cu_k.size - 1} sequences a number of keys "
+                             f"from 0 to its length, got {used}")
+    return cu_q, cu_k, used
+
+
+def _arrays(q, k, v):
+    arrays = [np.asarray(a) for a in (q, k, v)]
+    for name, a in zip("qkv", arrays):
+        if a.ndim != 3:
+            raise ValueError(f"`{name}` must have shape (total, heads, dim), got {a.shape}")
+    return arrays
+
+
+def _check_options(options, block_table):
+    if block_table is not None:
+        raise ValueError("`block_table` (a paged cache) is not taken yet: gather the pages into (total, heads, dim)")
+    for name in _spec.PER_CALL:
+        if not _spec._is_default(options[name], _spec._BY_NAME[name]):
+            raise ValueError(f"varlen attention does not take `{name}`: {_NOT_TAKEN}")
+
+
+def _per_sequence(value, s, count):
+    """An option's value for sequence ``s``: a ``(count, ...)`` array (batch-wide) sliced, else as it is."""
+    if isinstance(value, DynamicWindow):
+        return dataclasses.replace(value, sigma=_per_sequence(value.sigma, s, count))
+    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == count:
+        return value[s:s + 1]
+    return value
+
+
+def _sequence_options(options, used, s, count):
+    per = {name: _per_sequence(np.asarray(options[name]) if name == "alibi_slopes" and options[name] is not None
+                               else options[name], s, count)
+           for name in ("alibi_slopes", "dynamic_window")}
+    extra = {} if used is None else {"kv_lengths": used[s:s + 1], "align": "kv_lengths"}
+    return {**options, **per, **extra, "layout": "bnhd"}
+
+
+def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, options):
+    """The checked ``(q, k, v, cu_q, cu_k, used, options)`` of a packed call."""
+    _check_options(options, block_table)
+    q, k, v = _arrays(q, k, v)
+    cu_q, cu_k, used = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)
+    window = options["dynamic_window"]
+    if isinstance(window, DynamicWindow):
+        options = {**options, "dynamic_window": dataclasses.replace(window, sigma=np.asarray(window.sigma))}
+    return q, k, v, cu_q, cu_k, used, options
+
+
+@_spec.takes_options(own=())
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
+                     seqused_k=None, return_lse=False, backend="auto", **options):
+    """`elastic_np.attention` over a packed batch of sequences of different lengths, with no padding.
+
+    The names and layout of ``torch.nn.attention.varlen.varlen_attn``.
+
+    Parameters
+    ----------
+    q : array_like, shape (total_q, H, D)
+    k, v : array_like, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (S + 1,)
+        Where each of the ``S`` sequences starts, from 0 to the packed length.
+    max_q, max_k : int, optional
+        The longest sequences, checked when given.
+    block_table : None
+        A paged cache is not taken yet (an error).
+    seqused_k : array_like of int, shape (S,), optional
+        Keys each sequence uses (a cache's filled part); its queries are the
+        last ones before them (causality and windows align there).
+    %(options)s
+        ``alibi_slopes`` of shape ``(S, H)`` and a window's ``sigma`` of shape
+        ``(S, H)`` or ``(S, 1)`` go per sequence. The options that
+        describe a padded batch (``kv_lengths``, ``align``, ``mask``, ``bias``,
+        ``layout``) are not taken.
+    return_lse : bool, optional
+        Also return ``lse`` of shape ``(total_q, H)``.
+    backend : {"auto", "reference", "cpu", "cuda"}, optional
+
+    Returns
+    -------
+    out : ndarray, shape (total_q, H, Dv)
+    lse : ndarray, shape (total_q, H)
+        Only with ``return_lse=True``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((7, 2, 4)) for _ in range(3))  # sequences of 3 and 4
+    >>> out = enp.varlen_attention(q, k, v, [0, 3, 7], [0, 3, 7], causal=True, backend="reference")
+    >>> second = enp.attention(q[None, 3:], k[None, 3:], v[None, 3:], causal=True, layout="bnhd",
+    ...                        backend="reference")
+    >>> bool(np.array_equal(out[3:], second[0]))
+    True
+    """
+    options = _spec.complete(options, "varlen_attention")
+    q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
+                                                 seqused_k, options)
+    count = cu_q.size - 1
+    out = lse = None
+    for s in range(count):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        out_s, lse_s = _dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
+                                           backend=backend, **_sequence_options(options, used, s, count))
+        if out is None:
+            out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_s.dtype)
+            lse = np.empty(q.shape[:2], dtype=lse_s.dtype)
+        out[rows], lse[rows] = out_s[0], lse_s[0].T
+    return (out, lse) if return_lse else out
+
+
+@_spec.takes_options(own=())
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, dlse=None, max_q=None,
+                              max_k=None, seqused_k=None, backend="auto", **options):
+    """Gradients of `varlen_attention`, sequence by sequence (`elastic_np.attention_backward`'s bits).
+
+    Parameters
+    ----------
+    dout : array_like, shape (total_q, H, Dv)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k
+        As given to `varlen_attention`.
+    out, lse : array_like
+        What `varlen_attention` returned with ``return_lse=True``.
+    dlse : array_like, shape (total_q, H), optional
+        Cotangent of ``lse``.
+    %(options)s
+        As given to `varlen_attention`.
+    backend : {"auto", "reference", "cpu", "cuda"}, optional
+
+    Returns
+    -------
+    AttentionGrads
+        ``dq``, ``dk``, ``dv`` packed like ``q``, ``k``, ``v``; ``dtau``,
+        ``dbeta`` and a shared ``sigma``'s ``dsigma`` summed over the
+        sequences in order; a per-sequence ``sigma``'s ``dsigma`` per sequence.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((7, 2, 4)) for _ in range(3))
+    >>> out, lse = enp.varlen_attention(q, k, v, [0, 3, 7], [0, 3, 7], beta=0.5, return_lse=True,
+    ...                                 backend="reference")
+    >>> grads = enp.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, [0, 3, 7], [0, 3, 7],
+    ...                                       beta=0.5, backend="reference")
+    >>> grads.dq.shape, type(grads.dbeta).__name__
+    ((7, 2, 4), 'float')
+    """
+    options = _spec.complete(options, "varlen_attention_backward")
+    q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, None,
+                                                 seqused_k, options)
+    dout, out, lse = (np.asarray(a) for a in (dout, out, lse))
+    dlse = None if dlse is None else np.asarray(dlse)
+    count = cu_q.size - 1
+    parts = []
+    for s in range(count):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        parts.append(_dispatch.attention_backward(
+            dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[rows].T[None],
+            dlse=None if dlse is None else dlse[rows].T[None], backend=backend,
+            **_sequence_options(options, used, s, count)))
+    return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
+
+
+def _packed_grads(parts, q, k, v, cu_q, cu_k, options):
+    """The per-sequence `AttentionGrads` as one: arrays packed, the shared options' gradients summed in order."""
+    dtype = parts[0].dq.dtype
+    dq, dk, dv = (np.empty(a.shape, dtype=dtype) for a in (q, k, v))
+    for s, g in enumerate(parts):
+        dq[cu_q[s]:cu_q[s + 1]] = g.dq[0]
+        dk[cu_k[s]:cu_k[s + 1]], dv[cu_k[s]:cu_k[s + 1]] = g.dk[0], g.dv[0]
+    window = options["dynamic_window"]
+    per_sequence = window is not None and _per_sequence(window.sigma, 0, len(parts)) is not window.sigma
+    totals = {}
+    for name in ("dtau", "dbeta", "dsigma"):
+        values = [getattr(g, name) for g in parts]
+        if name == "dsigma" and per_sequence:
+            totals[name] = np.concatenate(values)
+        elif values[0] is not None:
+            total = values[0]
+            for value in values[1:]:
+                total = total + value
+            totals[name] = total
+        else:
+            totals[name] = None
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=None, **totals)

@@ -1,0 +1,130 @@
+"""Packed batches (``cu_seqlens``): the bits of sequence-by-sequence calls, forward and every gradient."""
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import DynamicWindow
+
+LENGTHS_Q = [5, 0, 33, 1, 17]
+LENGTHS_K = [9, 4, 33, 40, 0]
+
+
+def _packed(dtype, Dv=8, seed=0):
+    rng = np.random.default_rng(seed)
+    H, Hkv, D = 4, 2, 8
+    cu_q, cu_k = np.cumsum([0] + LENGTHS_Q), np.cumsum([0] + LENGTHS_K)
+    q = rng.standard_normal((cu_q[-1], H, D)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], Hkv, D)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], Hkv, Dv)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def _option_sets(rng, S=len(LENGTHS_Q), H=4):
+    return [
+        {},
+        {"causal": True, "tau": rng.uniform(0.5, 2.0, H), "beta": 0.5, "nvm": True},
+        {"causal": True, "window_size": (6, 0), "softcap": 15.0, "alibi_slopes": rng.uniform(0, 0.3, (S, H))},
+        {"dynamic_window": DynamicWindow(rng.uniform(0.3, 0.9, (S, H)), sharpness=3.0), "beta": rng.uniform(0, 1, H)},
+        {"dynamic_window": DynamicWindow(0.6, sharpness=2.0), "causal": True},
+    ]
+
+
+def _one(a, lo, hi):
+    return a[None, lo:hi]
+
+
+def _sequence_options(options, s):
+    per = dict(options)
+    if options.get("alibi_slopes") is not None and np.ndim(options["alibi_slopes"]) == 2:
+        per["alibi_slopes"] = options["alibi_slopes"][s:s + 1]
+    window = options.get("dynamic_window")
+    if window is not None and np.ndim(window.sigma) == 2:
+        per["dynamic_window"] = DynamicWindow(window.sigma[s:s + 1], window.sharpness, window.threshold)
+    return per
+
+
+def _same(a, b, backend):
+    """The CPU kernels: the same bits. The reference (NumPy's sums follow the arrays' strides): within 1e-13."""
+    if backend == "cpu":
+        return np.array_equal(a, b)
+    return np.allclose(a, b, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_bits_of_calls_sequence_by_sequence(backend, dtype):
+    q, k, v, cu_q, cu_k = _packed(dtype)
+    for options in _option_sets(np.random.default_rng(1)):
+        out, lse = enp.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **options)
+        dout = np.random.default_rng(2).standard_normal(out.shape).astype(out.dtype)
+        dlse = np.random.default_rng(3).standard_normal(lse.shape).astype(lse.dtype)
+        grads = enp.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, backend=backend,
+                                              **options)
+        dtau = dbeta = dsigma = 0.0
+        dsigmas = []
+        for s in range(len(LENGTHS_Q)):
+            rows, keys = (cu_q[s], cu_q[s + 1]), (cu_k[s], cu_k[s + 1])
+            per = _sequence_options(options, s)
+            want, want_lse = enp.attention(_one(q, *rows), _one(k, *keys), _one(v, *keys), layout="bnhd",
+                                           return_lse=True, backend=backend, **per)
+            assert np.array_equal(out[slice(*rows)], want[0]) and np.array_equal(lse[slice(*rows)], want_lse[0].T)
+            g = enp.attention_backward(_one(dout, *rows), _one(q, *rows), _one(k, *keys), _one(v, *keys), want,
+                                       want_lse, dlse=dlse[slice(*rows)].T[None], layout="bnhd", backend=backend,
+                                       **per)
+            assert _same(grads.dq[slice(*rows)], g.dq[0], backend)
+            assert _same(grads.dk[slice(*keys)], g.dk[0], backend) and _same(grads.dv[slice(*keys)], g.dv[0], backend)
+            dtau, dbeta = dtau + g.dtau, dbeta + g.dbeta
+            if g.dsigma is not None:
+                dsigma = dsigma + g.dsigma
+                dsigmas.append(g.dsigma)
+        assert _same(grads.dtau, dtau, backend) and _same(grads.dbeta, dbeta, backend)
+        window = options.get("dynamic_window")
+        if window is None:
+            assert grads.dsigma is None
+        elif np.ndim(window.sigma) == 2:
+            assert _same(grads.dsigma, np.concatenate(dsigmas), backend)
+        else:
+            assert _same(grads.dsigma, dsigma, backend)
+
+
+def test_float64_kernels_within_1e_12_of_the_oracle():
+    q, k, v, cu_q, cu_k = _packed(np.float64)
+    options = _option_sets(np.random.default_rng(4))[2]
+    out = enp.varlen_attention(q, k, v, cu_q, cu_k, backend="cpu", **options)
+    want = enp.varlen_attention(q, k, v, cu_q, cu_k, backend="reference", **options)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_seqused_k_reads_only_each_sequences_used_keys():
+    q, k, v, cu_q, cu_k = _packed(np.float64)
+    used = np.array([3, 0, 20, 40, 0])
+    poisoned = k.copy()
+    for s, n in enumerate(used):  # NaN past the used keys: never read
+        poisoned[cu_k[s] + n:cu_k[s + 1]] = np.nan
+    out = enp.varlen_attention(q, poisoned, v, cu_q, cu_k, seqused_k=used, causal=True, backend="cpu")
+    for s, n in enumerate(used):
+        keys = slice(cu_k[s], cu_k[s] + n)
+        want = enp.attention(q[None, cu_q[s]:cu_q[s + 1]], k[None, keys], v[None, keys], causal=True,
+                             layout="bnhd", backend="cpu")
+        np.testing.assert_array_equal(out[cu_q[s]:cu_q[s + 1]], want[0])
+
+
+def test_bad_packed_arguments_name_themselves():
+    q, k, v, cu_q, cu_k = _packed(np.float32)
+    with pytest.raises(ValueError, match="`cu_seqlens_q` must rise from 0 to the packed length 56"):
+        enp.varlen_attention(q, k, v, cu_q[:-1], cu_k)
+    with pytest.raises(ValueError, match="as many sequences"):
+        enp.varlen_attention(q, k, v, cu_q, [0, k.shape[0]])
+    with pytest.raises(ValueError, match="`max_q`=10 is below the longest sequence, 33"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, max_q=10)
+    with pytest.raises(ValueError, match="`seqused_k`"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=[9, 4, 33, 41, 0])
+    with pytest.raises(ValueError, match="`block_table`"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, block_table=np.zeros((5, 2), np.int32))
+    with pytest.raises(ValueError, match="does not take `bias`"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, bias=np.zeros((56, 86)))
+    with pytest.raises(ValueError, match="\\(total, heads, dim\\)"):
+        enp.varlen_attention(q[None], k, v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="causal="):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
