@@ -173,8 +173,21 @@ def _cuda_options(learnable, device):
     return options
 
 
+def _bhnd(tensors):
+    """4-D tensors of ``layout="bnhd"`` as ``(B, H, N, D)`` views (their own inverse); others as they are."""
+    return [x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x for x in tensors]
+
+
 def _cuda_forward(fixed, device, qkv, learnable):
-    """``(out, lse)`` of the CUDA backend on the memory of ``q, k, v``, as tensors on ``device``."""
+    """``(out, lse)`` of the CUDA backend on the memory of ``q, k, v``, as tensors on ``device``.
+
+    The CUDA kernels read ``(B, H, N, D)``: with ``layout="bnhd"`` the tensors
+    are transposed on the device (`_device_tensor` makes them contiguous, one
+    copy each) and ``out`` comes back transposed.
+    """
+    if fixed["layout"] == "bnhd":
+        out, lse = _cuda_forward(dict(fixed, layout="bhnd"), device, _bhnd(qkv), learnable)
+        return out.transpose(1, 2), lse
     options = _cuda_options(learnable, device)
     qkv = [_device_tensor(x, name, device) for x, name in zip(qkv, ("q", "k", "v"))]
     with _cuda_bridge.launches(device):
@@ -188,8 +201,12 @@ def _cuda_forward(fixed, device, qkv, learnable):
 def _cuda_backward(fixed, device, arrays, dlse, learnable):
     """`elastic_np.AttentionGrads` of the CUDA backend, ``dq, dk, dv, dbias`` as tensors on ``device``.
 
-    ``arrays`` are ``dout, q, k, v, out, lse``.
+    ``arrays`` are ``dout, q, k, v, out, lse``; ``layout="bnhd"`` as in `_cuda_forward`.
     """
+    if fixed["layout"] == "bnhd":
+        grads = _cuda_backward(dict(fixed, layout="bhnd"), device, _bhnd(arrays), dlse, learnable)
+        dq, dk, dv = _bhnd((grads.dq, grads.dk, grads.dv))
+        return dataclasses.replace(grads, dq=dq, dk=dk, dv=dv)
     options = _cuda_options(learnable, device)
     names = ("dout", "q", "k", "v", "out", "lse", "dlse")
     tensors = [_device_tensor(x, name, device) for x, name in zip((*arrays, dlse), names)]

@@ -190,3 +190,19 @@ class TestRouting:
             enpt.attention(q, q, q, tau=torch.ones((), dtype=torch.bfloat16))
         with pytest.raises(TypeError, match=r"`bias` has dtype torch.float16"):
             enpt.attention(q, q, q, bias=torch.zeros(3, 3, dtype=torch.float16))
+
+
+def test_bnhd_tensors_are_transposed_on_the_device_and_back(monkeypatch):
+    bridge = simulate(monkeypatch)
+    rng = np.random.default_rng(8)
+    arrays = [rng.standard_normal(shape) for shape in ((1, 19, 4, 8), (1, 23, 2, 8), (1, 23, 2, 8))]
+    given = [torch.tensor(a, requires_grad=True) for a in arrays]
+    out = enpt.attention(*given, layout="bnhd", causal=True, beta=0.5)
+    out.square().sum().backward()
+    swapped = [torch.tensor(np.ascontiguousarray(a.transpose(0, 2, 1, 3)), requires_grad=True) for a in arrays]
+    want = enpt.attention(*swapped, causal=True, beta=0.5)
+    want.square().sum().backward()
+    assert torch.equal(out, want.transpose(1, 2)) and out.shape == given[0].shape
+    for got, expected in zip(given, swapped):
+        assert torch.equal(got.grad, expected.grad.transpose(1, 2))
+    assert all(t.is_contiguous() for t in bridge.sent)  # what reached the kernels: (B, H, N, D), contiguous
