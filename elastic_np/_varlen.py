@@ -55,17 +55,40 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k):
     return cu_q, cu_k, used
 
 
-def _arrays(q, k, v):
+def _arrays(q, k, v, paged=False):
     arrays = [np.asarray(a) for a in (q, k, v)]
     for name, a in zip("qkv", arrays):
-        if a.ndim != 3:
+        if name != "q" and paged and a.ndim != 4:
+            raise ValueError(f"with `block_table`, `{name}` must be pages (num_blocks, block_size, heads, dim), "
+                             f"got {a.shape}")
+        if (name == "q" or not paged) and a.ndim != 3:
             raise ValueError(f"`{name}` must have shape (total, heads, dim), got {a.shape}")
     return arrays
 
 
-def _check_options(options, block_table):
-    if block_table is not None:
-        raise ValueError("`block_table` (a paged cache) is not taken yet: gather the pages into (total, heads, dim)")
+def _pages(k, block_table, seqused_k, count):
+    """``(table, used)`` of a paged cache, checked: each sequence's pages, and the keys it uses of them."""
+    table, used = np.asarray(block_table), None if seqused_k is None else np.asarray(seqused_k)
+    if table.ndim != 2 or table.shape[0] != count or not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(f"`block_table` must be an integer array (sequences, max_blocks) = ({count}, ...), "
+                         f"got {table.dtype} {table.shape}")
+    if used is None or used.shape != (count,) or not np.issubdtype(used.dtype, np.integer) \
+            or (used < 0).any() or (used > table.shape[1] * k.shape[1]).any():
+        raise ValueError(f"a paged cache needs `seqused_k`, the keys each of the {count} sequences uses, from 0 "
+                         f"to its {table.shape[1]} pages of {k.shape[1]}, got {seqused_k!r}")
+    read = np.arange(table.shape[1]) * k.shape[1] < used[:, None]
+    if ((table < 0) | (table >= k.shape[0]))[read].any():
+        raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache")
+    return table, used
+
+
+def _paged_keys(k, v, table, used, s):
+    """Sequence ``s``'s used keys and values gathered from their pages, ``(1, used, Hkv, D)`` each (a copy)."""
+    pages = table[s, : -(-used[s] // k.shape[1])]
+    return tuple(a[pages].reshape(-1, *a.shape[2:])[None, :used[s]] for a in (k, v))
+
+
+def _check_options(options):
     for name in _spec.PER_CALL:
         if not _spec._is_default(options[name], _spec._BY_NAME[name]):
             raise ValueError(f"varlen attention does not take `{name}`: {_NOT_TAKEN}")
@@ -90,9 +113,13 @@ def _sequence_options(options, used, s, count):
 
 def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, options):
     """The checked ``(q, k, v, cu_q, cu_k, used, options)`` of a packed call."""
-    _check_options(options, block_table)
-    q, k, v = _arrays(q, k, v)
-    cu_q, cu_k, used = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)
+    _check_options(options)
+    q, k, v = _arrays(q, k, v, paged=block_table is not None)
+    if block_table is None:
+        cu_q, cu_k, used = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)
+    else:
+        cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
+        cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1)
     window = options["dynamic_window"]
     if isinstance(window, DynamicWindow):
         options = {**options, "dynamic_window": dataclasses.replace(window, sigma=np.asarray(window.sigma))}
@@ -114,11 +141,17 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         Where each of the ``S`` sequences starts, from 0 to the packed length.
     max_q, max_k : int, optional
         The longest sequences, checked when given.
-    block_table : None
-        A paged cache is not taken yet (an error).
+    block_table : array_like of int, shape (S, max_blocks), optional
+        A paged cache: ``k`` and ``v`` are then pages of shape
+        ``(num_blocks, block_size, Hkv, D)`` and sequence ``s`` uses the
+        first ``seqused_k[s]`` keys of the pages ``block_table[s]``, gathered
+        (a copy of that sequence's keys, one sequence at a time) before its
+        attention. ``cu_seqlens_k`` is then ignored (it may be None). The
+        forward only.
     seqused_k : array_like of int, shape (S,), optional
-        Keys each sequence uses (a cache's filled part); its queries are the
-        last ones before them (causality and windows align there).
+        Keys each sequence uses (a cache's filled part; required with
+        ``block_table``); its queries are the last ones before them
+        (causality and windows align there).
     %(options)s
         ``alibi_slopes`` of shape ``(S, H)`` and a window's ``sigma`` of shape
         ``(S, H)`` or ``(S, 1)`` go per sequence. The options that
@@ -152,11 +185,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     count = cu_q.size - 1
     out = lse = None
     for s in range(count):
-        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        out_s, lse_s = _dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
-                                           backend=backend, **_sequence_options(options, used, s, count))
+        rows = slice(cu_q[s], cu_q[s + 1])
+        if block_table is None:
+            keys = slice(cu_k[s], cu_k[s + 1])
+            k_s, v_s, per = k[None, keys], v[None, keys], _sequence_options(options, used, s, count)
+        else:  # exactly the used keys: the queries sit before the last of them
+            (k_s, v_s), per = _paged_keys(k, v, cu_k, used, s), _sequence_options(options, None, s, count)
+        out_s, lse_s = _dispatch.attention(q[None, rows], k_s, v_s, return_lse=True, backend=backend, **per)
         if out is None:
-            out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_s.dtype)
+            out = np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_s.dtype)
             lse = np.empty(q.shape[:2], dtype=lse_s.dtype)
         out[rows], lse[rows] = out_s[0], lse_s[0].T
     return (out, lse) if return_lse else out

@@ -128,3 +128,41 @@ def test_bad_packed_arguments_name_themselves():
         enp.varlen_attention(q[None], k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="causal="):
         enp.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_a_paged_cache_gives_the_bits_of_its_gathered_keys(block_size):
+    rng = np.random.default_rng(5)
+    H, Hkv, D = 4, 2, 8
+    used = np.array([37, 1, 0, 16])
+    lengths_q = np.array([3, 1, 0, 5])  # decoding steps and a chunk of a prefill
+    blocks = -(-used // block_size)
+    order = rng.permutation(int(blocks.sum()) + 3)  # pages in any order, and pages no one uses
+    table = np.zeros((4, blocks.max()), np.int32)
+    taken = 0
+    for s, n in enumerate(blocks):
+        table[s, :n] = order[taken:taken + n]
+        taken += n
+    k_pages, v_pages = (rng.standard_normal((order.size, block_size, Hkv, D)) for _ in range(2))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    q = rng.standard_normal((cu_q[-1], H, D))
+    options = {"causal": True, "beta": 0.5, "softcap": 20.0}
+    out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                                    return_lse=True, backend="cpu", **options)
+    for s in range(4):
+        k_s, v_s = (a[table[s, :blocks[s]]].reshape(-1, Hkv, D)[:used[s]] for a in (k_pages, v_pages))
+        rows = slice(cu_q[s], cu_q[s + 1])
+        want, want_lse = enp.attention(q[None, rows], k_s[None], v_s[None], layout="bnhd", return_lse=True,
+                                       backend="cpu", **options)
+        assert np.array_equal(out[rows], want[0]) and np.array_equal(lse[rows], want_lse[0].T)
+
+
+def test_a_paged_cache_checks_its_table():
+    k = np.zeros((3, 4, 1, 8))
+    q = np.zeros((2, 1, 8))
+    with pytest.raises(ValueError, match="needs `seqused_k`"):
+        enp.varlen_attention(q, k, k, [0, 2], None, block_table=[[0, 1]])
+    with pytest.raises(ValueError, match="a page outside the 3"):
+        enp.varlen_attention(q, k, k, [0, 2], None, block_table=[[0, 7]], seqused_k=[6])
+    with pytest.raises(ValueError, match="\\(num_blocks, block_size, heads, dim\\)"):
+        enp.varlen_attention(q, k[0], k[0], [0, 2], None, block_table=[[0]], seqused_k=[2])
