@@ -390,8 +390,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
                     _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
                     _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
-                    matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
-                    matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                    matmul_nn(pt, 0, dout[b, h, i0 : i0 + bq], 0, dv_acc, bk, Dv, bq, True)
+                    matmul_nn(v_j, 0, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
                     base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
                         pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
@@ -403,9 +403,9 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     if opt.has_softcap:
                         _softcap_slope(dpt, cap_slope, bk, bq)
                     # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                    matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
+                    matmul_nn(dpt, 0, q_scaled[b, h, i0 : i0 + bq], 0, dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                    matmul_tn(dpt, k_j, share, bq, D, bk, False)
+                    matmul_tn(dpt, 0, k_j, 0, share, bq, D, bk, False)
             for g in range(group):
                 h = hk * group + g
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)

@@ -350,7 +350,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
             if additive_first:
                 for r in range(rows):
                     _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, diag_shift)
-            matmul_nn(qs, kt, st, rows, bk, D, additive_first)
+            matmul_nn(qs, 0, kt, 0, st, rows, bk, D, additive_first)
             any_kept = False
             for r in range(rows):
                 h = hk * group + r // N
@@ -379,7 +379,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
                 for c in range(bk):
                     total += z[c]
                 row_sum[r] += total
-            matmul_nn(st, v_tile, acc, rows, Dv, bk, True)
+            matmul_nn(st, 0, v_tile, 0, acc, rows, Dv, bk, True)
         checksum += _store_split(acc, row_max, row_sum, part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s])
         suspect[b, hk, s] = not checksum == 0.0
 

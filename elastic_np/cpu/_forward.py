@@ -130,7 +130,7 @@ def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
     exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
     for r in range(bq):
         row_sum[r] += tile_sum[r]
-    matmul_tn(st, v_j, acc, bq, acc.shape[1], bk, True)
+    matmul_tn(st, 0, v_j, 0, acc, bq, acc.shape[1], bk, True)
 
 
 @inner(fastmath=_FASTMATH)

@@ -77,14 +77,14 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift, tile,
                     bk, flags + _calls.OVERWRITE, opt.softcap)
         if fuse_max:
-            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
+            matmul_nn_max(k_j, 0, q_t, 0, st, bk, bq, D, tile_max, nonneg, True)
         else:
-            matmul_nn(k_j, q_t, st, bk, bq, D, True)
+            matmul_nn(k_j, 0, q_t, 0, st, bk, bq, D, True)
     else:
         if fuse_max:
-            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
+            matmul_nn_max(k_j, 0, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
         else:
-            matmul_nn(k_j, q_t, st, bk, bq, D, False)
+            matmul_nn(k_j, 0, q_t, 0, st, bk, bq, D, False)
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:
