@@ -29,7 +29,7 @@ from elastic_np.cpu._logits import (
     modify_tile,
 )
 from elastic_np.cpu._numba_private import enabled, inner
-from elastic_np.cpu._operands import head_row, head_rows, new, operand, shape
+from elastic_np.cpu._operands import BHND, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,
@@ -87,7 +87,7 @@ def backward(problem, dout, out, lse, dlse=None):
     chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
     dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
     share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
-    dq, dq_operand = new((B, H, N, D), dtype, q[1], fill=np.zeros)
+    dq_sum = np.zeros((B, H, N, D), dtype=dtype)  # sum_j ds_ij k_j, (B, H, N, D) in every layout
     dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
     dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
     dtau_part = np.zeros((B, H, n_kt))
@@ -99,11 +99,12 @@ def backward(problem, dout, out, lse, dlse=None):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1)
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_operand)
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
-    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
+    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
+    dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
     factor = (problem.scale / problem.tau)[None, :, None, None]
-    np.multiply(dq, factor, out=dq, casting="unsafe")
+    np.multiply(dq_sum, factor, out=dq, casting="unsafe")
     return problem.reduce_grads(
         dq, dk, dv,
         dtau_part.sum(axis=2),
@@ -127,18 +128,18 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
         h = bh % H
         factor = opt.scale / opt.tau[h]
         logit_factor = _query_factor(opt, h)
+        (q_h, q_col), (dout_h, dout_col), (out_h, out_col) = head(q, b, h), head(dout, b, h), head(out, b, h)
         for i in range(N):
             it = i // block_q
             r = i - it * block_q
             acc = 0.0
-            dout_i, out_i, q_i = head_row(dout, b, h, i), head_row(out, b, h, i), head_row(q, b, h, i)
             for d in range(Dv):
-                acc += np.float64(dout_i[d]) * np.float64(out_i[d])
-                dout_t[b, h, it, d, r] = dout_i[d]
+                acc += np.float64(dout_h[i, dout_col + d]) * np.float64(out_h[i, out_col + d])
+                dout_t[b, h, it, d, r] = dout_h[i, dout_col + d]
             delta[b, h, i] = acc
             for d in range(D):
-                q_scaled[b, h, i, d] = q_i[d] * factor
-                q_scaled_t[b, h, it, d, r] = q_i[d] * logit_factor
+                q_scaled[b, h, i, d] = q_h[i, q_col + d] * factor
+                q_scaled_t[b, h, it, d, r] = q_h[i, q_col + d] * logit_factor
 
 
 @inner(fastmath=False)
@@ -285,7 +286,7 @@ def _softcap_slope(dpt, cap_slope, bk, bq):
 
 @inner(fastmath=False)
 def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
-    """The per-thread tiles of `_backward_kernel`, reused by its tasks (``k``: the keys' storage, either layout).
+    """The per-thread tiles of `_backward_kernel`, reused by its tasks (``k``: the keys' operand).
 
     ``(st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums,
     spans)``: the logits ``z``, ``p``, ``dP`` then ``dz`` (key-major tiles),
@@ -293,8 +294,8 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
     ``delta``, the ``dk`` and ``dv`` accumulators, and per head of the group
     its ``dtau`` and ``dsigma`` sums by query and its query tiles ``[it_lo, it_hi)``.
     """
-    dtype = k.dtype
-    D = k.shape[3]
+    dtype = k[0].dtype
+    D = shape(k)[3]
     tile = (block_k, block_q)
     return (
         np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype),
@@ -351,7 +352,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     dbias_mode, lanes, slots_per_lane = dbias[0][0], dbias[0][3], dbias[0][4]
     n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
-        k[0], block_q, block_k, Dv, group, opt.has_softcap
+        k, block_q, block_k, Dv, group, opt.has_softcap
     )
     no_max = np.empty(0, dtype=lse.dtype)  # the backward takes no tile maxima
     no_gate = np.empty(0)
@@ -428,8 +429,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
 
 @njit(nogil=True, cache=True, fastmath=False)
 def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
-    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t`` (``dq``: an operand)."""
-    B, H, N, D = shape(dq)
+    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
+    B, H, N, D = dq.shape
     n_qt = (N + block_q - 1) // block_q
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
@@ -441,6 +442,5 @@ def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
             lo = max(share_rows[t, b, h, 0], i0)
             hi = min(share_rows[t, b, h, 1], i1)
             for i in range(lo, hi):
-                dq_i = head_row(dq, b, h, i)
                 for d in range(D):
-                    dq_i[d] += dq_shares[t, b, h, i, d]
+                    dq[b, h, i, d] += dq_shares[t, b, h, i, d]

@@ -51,7 +51,7 @@ from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
 from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head_row, head_rows, new, operand, shape
+from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for
@@ -341,10 +341,10 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         for g in range(group):
             h = hk * group + g
             factor = _query_factor(opt, h)
+            q_h, col = head(q, b, h)
             for i in range(N):
-                q_i = head_row(q, b, h, i)
                 for d in range(D):
-                    qs[g * N + i, d] = q_i[d] * factor
+                    qs[g * N + i, d] = q_h[i, col + d] * factor
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -491,7 +491,7 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                 for s in range(n_split):
                     if part_max[b, hk, s, r] > -np.inf:
                         total += part_sum[b, hk, s, r] * math.exp(part_max[b, hk, s, r] - m)
-            out_i = head_row(out, b, h, i)
+            out_h, col = head(out, b, h)
             if total > 0.0:
                 lse_r = _log_add_exp(m + math.log(total), log_beta)
                 for s in range(n_split):
@@ -500,9 +500,9 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                     x = 0.0
                     for s in range(n_split):
                         x += np.float64(part_acc[b, hk, s, r, d]) * weight[s]
-                    out_i[d] = x
+                    out_h[i, col + d] = x
                 lse[b, h, i] = lse_r
             else:
                 for d in range(Dv):
-                    out_i[d] = 0.0
+                    out_h[i, col + d] = 0.0
                 lse[b, h, i] = log_beta

@@ -1,14 +1,15 @@
 """The kernels' ``(B, H, N, D)`` operands, read and written in place in either of two layouts.
 
-An operand is a pair ``(storage, layout)``: ``storage`` is C-contiguous,
-``(B, H, N, D)`` in `BHND`, or ``(B, N, H, D)`` in `BNHD` (FlashAttention's),
-whose ``transpose(0, 2, 1, 3)`` view is the ``(B, H, N, D)`` array. Both
-storages are one Numba type and the layout a runtime value, so one compiled
-kernel per dtype serves both. The kernels take a head's rows with `head_rows`:
-whole rows of the storage (the leading dimension ``D``, or ``H * D``) and
-the column where the head's entries start, the form the tile products read
-in place (`elastic_np.cpu._products`); one row with `head_row`, contiguous in
-both layouts.
+An array's storage is C-contiguous, ``(B, H, N, D)`` in `BHND`, or
+``(B, N, H, D)`` in `BNHD` (FlashAttention's), whose ``transpose(0, 2, 1, 3)``
+view is the ``(B, H, N, D)`` array. Its operand is ``(rows, layout, shape)``:
+the storage as a 3-D C-contiguous view, ``(B * H, N, D)`` or ``(B, N, H * D)``,
+the layout (a runtime int) and the ``(B, H, N, D)`` shape. Both layouts are
+one Numba type, so one compiled kernel per dtype serves both. The kernels take
+a head's rows with `head` and `head_rows`: whole rows of ``rows`` (the
+leading dimension ``D``, or ``H * D``) and the column where the head's
+entries start, the form the tile products read in place
+(`elastic_np.cpu._products`); a row's ``D`` entries are contiguous in both layouts.
 """
 
 import numpy as np
@@ -18,6 +19,15 @@ from elastic_np.cpu._plan import _kernel_array
 
 #: The layouts of an operand's storage.
 BHND, BNHD = 0, 1
+
+
+def _operand(storage, layout):
+    """The operand of a storage array in ``layout``."""
+    if layout == BNHD:
+        B, N, H, D = storage.shape
+        return storage.reshape(B, N, H * D), BNHD, (B, H, N, D)
+    B, H, N, D = storage.shape
+    return storage.reshape(B * H, N, D), BHND, (B, H, N, D)
 
 
 def operand(a):
@@ -31,8 +41,8 @@ def operand(a):
     if not a.flags.c_contiguous:
         storage = a.transpose(0, 2, 1, 3)
         if storage.flags.c_contiguous and storage.flags.writeable:
-            return storage, BNHD
-    return _kernel_array(a), BHND
+            return _operand(storage, BNHD)
+    return _operand(_kernel_array(a), BHND)
 
 
 def new(shape, dtype, layout, fill=np.empty):
@@ -43,37 +53,32 @@ def new(shape, dtype, layout, fill=np.empty):
     B, H, N, D = shape
     if layout == BNHD:
         storage = fill((B, N, H, D), dtype=dtype)
-        return storage.transpose(0, 2, 1, 3), (storage, BNHD)
+        return storage.transpose(0, 2, 1, 3), _operand(storage, BNHD)
     storage = fill((B, H, N, D), dtype=dtype)
-    return storage, (storage, BHND)
+    return storage, _operand(storage, BHND)
 
 
 @inner(fastmath=False)
 def shape(x):
     """``(B, H, N, D)`` of operand ``x``."""
-    s, layout = x
-    if layout == BNHD:
-        return s.shape[0], s.shape[2], s.shape[1], s.shape[3]
-    return s.shape[0], s.shape[1], s.shape[2], s.shape[3]
+    return x[2]
+
+
+@inner(fastmath=False)
+def head(x, b, h):
+    """Head ``h`` of batch entry ``b`` of operand ``x``: ``(whole, col)``.
+
+    ``whole`` is a C-contiguous ``(N, D)`` array (``(N, H * D)`` in `BNHD`:
+    the rows of every head), row ``i`` is ``whole[i, col : col + D]``.
+    """
+    rows, layout, (B, H, N, D) = x
+    # BHND: rows[b * H + h], column 0; BNHD: rows[b], column h * D (one code path, no branch)
+    heads_first = 1 - layout
+    return rows[b * (1 + (H - 1) * heads_first) + h * heads_first], h * D * layout
 
 
 @inner(fastmath=False)
 def head_rows(x, b, h, r0, nr):
-    """Rows ``r0 .. r0 + nr - 1`` of head ``h`` of batch entry ``b`` of operand ``x``: ``(whole, col)``.
-
-    ``whole`` is a C-contiguous ``(nr, D)`` array (``(nr, H * D)`` in
-    `BNHD`: the rows of every head), row ``r0 + r`` is ``whole[r, col : col + D]``.
-    """
-    s, layout = x
-    if layout == BNHD:
-        return s[b, r0 : r0 + nr].reshape((nr, s.shape[2] * s.shape[3])), h * s.shape[3]
-    return s[b, h, r0 : r0 + nr], 0
-
-
-@inner(fastmath=False)
-def head_row(x, b, h, i):
-    """Row ``i`` of head ``h`` of batch entry ``b`` of operand ``x``: a C-contiguous ``(D,)`` array."""
-    s, layout = x
-    if layout == BNHD:
-        return s[b, i, h]
-    return s[b, h, i]
+    """Rows ``r0 .. r0 + nr - 1`` of head ``h`` of batch entry ``b`` of operand ``x``: ``(whole, col)`` as `head`'s."""
+    whole, col = head(x, b, h)
+    return whole[r0 : r0 + nr], col

@@ -320,9 +320,8 @@ def _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, transposed, col_max, max
             ci = c[i]
             for p in range(k):
                 aip = _a_at(a, a_col, i, p, transposed)
-                bp = b[p, b_col:]
                 for j in range(j_tail, n):
-                    ci[j] += aip * bp[j]
+                    ci[j] += aip * b[p, b_col + j]
     if max_mode != 0:
         # what the register blocks left: their columns' leftover rows, then
         # every row of the other columns
