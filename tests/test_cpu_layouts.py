@@ -73,7 +73,7 @@ def test_prefill_same_bits_in_every_layout(small_tiles, dtype, case):
     check_layouts(*make_inputs(dtype), CASES[case])
 
 
-def _decode_options(B, H, N, M):
+def _decode_options(B, N, M):
     rng = np.random.default_rng(N + M)
     return {
         "plain": {},
@@ -90,13 +90,12 @@ def _decode_options(B, H, N, M):
 @pytest.mark.parametrize("N", [1, 3, 16])
 def test_decode_same_bits_in_every_layout(dtype, N):
     """The decode kernels (rows stacked below 16 queries, heads key-major from 16), split over the keys."""
-    B, H, M = 2, 4, 1100
-    assert cpu._decode.takes(cpu.prepare(*make_inputs(dtype, N=N, M=M)[:3], dtypes=cpu.dtypes))
+    B, M = 2, 1100
+    inputs = make_inputs(dtype, B=B, N=N, M=M, D=16, Dv=12, seed=N)
+    assert cpu._decode.takes(cpu.prepare(*inputs[:3], dtypes=cpu.dtypes))
     assert cpu._decode.splits(B, 2, M) > 1
-    for name, opts in _decode_options(B, H, N, M).items():
-        check_layouts(*make_inputs(dtype, N=N, M=M, D=16, Dv=12, seed=N), opts, {"all": MIXES["all"]})
-        if name == "plain":
-            check_layouts(*make_inputs(dtype, N=N, M=M, D=16, Dv=12, seed=N), opts)
+    for name, opts in _decode_options(B, N, M).items():
+        check_layouts(*inputs, opts, MIXES if name == "plain" else {"all": MIXES["all"]})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

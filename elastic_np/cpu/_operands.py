@@ -72,9 +72,9 @@ def head(x, b, h):
     the rows of every head), row ``i`` is ``whole[i, col : col + D]``.
     """
     rows, layout, (B, H, N, D) = x
-    # BHND: rows[b * H + h], column 0; BNHD: rows[b], column h * D (one code path, no branch)
-    heads_first = 1 - layout
-    return rows[b * (1 + (H - 1) * heads_first) + h * heads_first], h * D * layout
+    if layout == BNHD:
+        return rows[b], h * D
+    return rows[b * H + h], 0
 
 
 @inner(fastmath=False)
