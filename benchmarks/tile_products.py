@@ -38,13 +38,13 @@ SHAPES = [
 @njit  # not cached: the cache would not see changes to the tile primitives
 def _loop_nn(a, b, c, m, n, k, reps):
     for _ in range(reps):
-        matmul_nn(a, b, c, m, n, k, True)
+        matmul_nn(a, 0, b, 0, c, m, n, k, True)
 
 
 @njit  # not cached: the cache would not see changes to the tile primitives
 def _loop_tn(a, b, c, m, n, k, reps):
     for _ in range(reps):
-        matmul_tn(a, b, c, m, n, k, True)
+        matmul_tn(a, 0, b, 0, c, m, n, k, True)
 
 
 @njit  # not cached: the cache would not see changes to the tile primitives
@@ -52,7 +52,7 @@ def _loop_nn_max(a, b, c, m, n, k, reps):
     col_max = np.empty(n, c.dtype)
     for _ in range(reps):
         col_max[:] = -np.inf
-        matmul_nn_max(a, b, c, m, n, k, col_max, False, False)
+        matmul_nn_max(a, 0, b, 0, c, m, n, k, col_max, False, False)
 
 
 _LOOPS = {"nn": _loop_nn, "tn": _loop_tn, "nn_max": _loop_nn_max}

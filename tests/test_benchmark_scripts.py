@@ -126,3 +126,15 @@ def test_varlen_packed_runs(capsys):
     varlen_packed.main(["--lengths", "40", "24", "16", "--rounds", "1"])
     out = capsys.readouterr().out
     assert "padded / packed" in out and "forward+backward" in out
+
+
+def test_layouts_prints_each_case_and_computes_the_same_values(capsys):
+    import layouts
+
+    layouts.main(["--n", "40", "--heads", "2", "--dim", "8", "--cache", "300", "--rounds", "2", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for case in ("prefill fwd", "prefill bwd", "decode fwd"):
+        assert f"\n{case:<14}" in out
+    cases = layouts.make_cases(n=24, heads=2, dim=8, cache=50, dtype=np.float32)
+    np.testing.assert_array_equal(cases["decode fwd", "bnhd"](), cases["decode fwd", "bhnd"]())
+    assert cases["prefill fwd", "bnhd"]().transpose(0, 2, 1, 3).flags.c_contiguous

@@ -62,7 +62,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     nonneg = opt.nvm and not opt.has_gate
     q_t = np.zeros((D, 16), dtype)
     q_t[:, :bq] = (q[b, h, i0 : i0 + bq] * (opt.scale / opt.tau[h])).T
-    k_j = np.ascontiguousarray(k[b, hk, j0 : j0 + bk])
+    k_j = (np.ascontiguousarray(k[b, hk, j0 : j0 + bk]), 0)  # the keys' rows and their first column
     no_cap_slope = np.empty((0, 0), dtype)
 
     def logits(want_max):

@@ -41,7 +41,7 @@ def test_matmul(dtype, m, n, k, accumulate, transpose_a):
     expected[:m, :n] = prod + (expected[:m, :n] if accumulate else 0.0)
     a_in, b_in = a.copy(), b.copy()
     fn = matmul_tn if transpose_a else matmul_nn
-    fn(a, b, c, m, n, k, accumulate)
+    fn(a, 0, b, 0, c, m, n, k, accumulate)
     assert c.dtype == dtype
     # error bound: eps * k * sum |a||b| (+ |c| when accumulating)
     mag = (np.abs(a64[:k, :m].T) if transpose_a else np.abs(a64[:m, :k])) @ np.abs(b64[:k, :n])
@@ -61,7 +61,7 @@ def test_matmul(dtype, m, n, k, accumulate, transpose_a):
 def test_matmul_zero_k_overwrites_with_zero(dtype):
     c = np.ones((4, 5), dtype)
     a = np.ones((4, 4), dtype)
-    matmul_nn(a, a, c, 3, 4, 0, False)
+    matmul_nn(a, 0, a, 0, c, 3, 4, 0, False)
     assert np.all(c[:3, :4] == 0) and np.all(c[3] == 1) and np.all(c[:, 4] == 1)
 
 
@@ -74,7 +74,7 @@ def test_matmul_propagates_nan_and_inf(dtype, transpose_a):
     a[2, 5] = np.nan  # row 2 of the product (row 5 when a is stored transposed)
     b[6, 3] = np.inf  # column 3 of the product
     c = np.zeros((9, 10), dtype)
-    (matmul_tn if transpose_a else matmul_nn)(a, b, c, 9, 10, 9, False)
+    (matmul_tn if transpose_a else matmul_nn)(a, 0, b, 0, c, 9, 10, 9, False)
     with np.errstate(invalid="ignore"):
         expected = (a.T if transpose_a else a).astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_array_equal(np.isnan(c), np.isnan(expected))
@@ -88,8 +88,8 @@ def test_matmul_repeatable(dtype):
     a = rng.standard_normal((64, 64)).astype(dtype)
     b = rng.standard_normal((64, 96)).astype(dtype)
     first, second = np.zeros((64, 96), dtype), np.zeros((64, 96), dtype)
-    matmul_tn(a, b, first, 64, 96, 64, False)
-    matmul_tn(a, b, second, 64, 96, 64, False)
+    matmul_tn(a, 0, b, 0, first, 64, 96, 64, False)
+    matmul_tn(a, 0, b, 0, second, 64, 96, 64, False)
     np.testing.assert_array_equal(first, second)
 
 
@@ -105,15 +105,15 @@ def test_matmul_same_bits_on_every_path(dtype, transpose_a):
     c0 = rng.standard_normal((m, n)).astype(dtype)
     fn = matmul_tn if transpose_a else matmul_nn
     whole = c0.copy()
-    fn(a, b, whole, m, n, k, True)
+    fn(a, 0, b, 0, whole, m, n, k, True)
     for i in range(m):  # one row at a time
         a_row = np.ascontiguousarray(a[:, i : i + 1] if transpose_a else a[i : i + 1])
         row = c0[i : i + 1].copy()
-        fn(a_row, b, row, 1, n, k, True)
+        fn(a_row, 0, b, 0, row, 1, n, k, True)
         np.testing.assert_array_equal(row, whole[i : i + 1])
     for j in range(n):  # one column at a time: always the scalar tail
         col = np.ascontiguousarray(c0[:, j : j + 1])
-        fn(a, np.ascontiguousarray(b[:, j : j + 1]), col, m, 1, k, True)
+        fn(a, 0, np.ascontiguousarray(b[:, j : j + 1]), 0, col, m, 1, k, True)
         np.testing.assert_array_equal(col, whole[:, j : j + 1])
 
 
@@ -136,7 +136,7 @@ def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg, 
         col_max0[n - 2] = -np.inf  # a column of entries <= 0: with nonneg, -inf stays but for 0
         b[:k, n - 2] = -np.abs(b[:k, n - 2])
     expected_c = c.copy()
-    matmul_nn(a, b, expected_c, m, n, k, accumulate)
+    matmul_nn(a, 0, b, 0, expected_c, m, n, k, accumulate)
     expected_max = col_max0.copy()
     for i in range(m):
         for j in range(n):
@@ -145,7 +145,7 @@ def test_matmul_nn_max_is_the_product_then_the_max_pass(dtype, m, n, k, nonneg, 
             expected_max[j] = x if keep else expected_max[j]
     col_max = col_max0.copy()
     a_in, b_in = a.copy(), b.copy()
-    matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)
+    matmul_nn_max(a, 0, b, 0, c, m, n, k, col_max, nonneg, accumulate)
     np.testing.assert_array_equal(c, expected_c)
     np.testing.assert_array_equal(np.signbit(col_max), np.signbit(expected_max))
     np.testing.assert_array_equal(col_max, expected_max)
@@ -320,7 +320,7 @@ def test_vectorised(dtype):
     row = np.zeros(2, dtype)
     for fn, args in (
         (exp_fn, (x, 2, 2)),
-        (_products._matmul, (x, x, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
+        (_products._matmul, (x, 0, x, 0, x.copy(), 2, 2, 2, False, False, row.copy(), 2)),
         (_exp.exp_shift_sum, (x, 2, 2, row, False, row.copy())),
     ):
         options = {key: value for key, value in fn.targetoptions.items() if key != "nopython"}
@@ -337,13 +337,13 @@ def test_one_specialisation_per_dtype(dtype):
     frozen.setflags(write=False)
     for fn in (matmul_nn, matmul_tn):
         c = np.zeros((8, 8), dtype)
-        fn(frozen, frozen, c, np.int32(8), np.int16(8), 8, np.bool_(False))  # read-only factors, any ints
+        fn(frozen, np.int32(0), frozen, 0, c, np.int32(8), np.int16(8), 8, np.bool_(False))  # read-only factors, any ints
         np.testing.assert_allclose(c, (frozen.T if fn is matmul_tn else frozen) @ frozen, rtol=1e-5)
         assert len(fn.signatures) == 2
         with pytest.raises(TypeError):
-            fn(a[:, :4], a, c, 4, 4, 4, False)  # not C-contiguous
+            fn(a[:, :4], 0, a, 0, c, 4, 4, 4, False)  # not C-contiguous
         with pytest.raises(TypeError):
-            fn(a, a, c.astype(np.float32 if dtype == np.float64 else np.float64), 4, 4, 4, False)  # mixed dtypes
+            fn(a, 0, a, 0, c.astype(np.float32 if dtype == np.float64 else np.float64), 4, 4, 4, False)  # mixed dtypes
     exp_inplace(a, np.int32(2), 3)
     assert len(exp_inplace.signatures) == 2
     with pytest.raises(TypeError):
@@ -356,8 +356,8 @@ def test_called_from_jitted_code(dtype):
     @numba.njit
     def tile_softmax_times_v(s, v, out):
         exp_inplace(s, 5, 6)
-        matmul_nn(s, v, out, 5, 3, 6, False)
-        matmul_tn(s, s, out, 6, 3, 5, True)
+        matmul_nn(s, 0, v, 0, out, 5, 3, 6, False)
+        matmul_tn(s, 0, s, 0, out, 6, 3, 5, True)
 
     rng = np.random.default_rng(11)
     s = rng.uniform(-3, 0, (5, 6)).astype(dtype)
@@ -370,3 +370,75 @@ def test_called_from_jitted_code(dtype):
     expected += p.T @ p[:, :3]
     np.testing.assert_allclose(out, expected, rtol=20 * np.finfo(dtype).eps)
     assert len(matmul_nn.signatures) == len(matmul_tn.signatures) == len(exp_inplace.signatures) == 2
+
+
+
+def _head_rows(rng, dtype, rows, heads, width, head):
+    """A C-contiguous ``(rows, heads * width)`` array (the rows of a ``(B, N, H, D)`` tile) and head ``head``'s copy."""
+    wide = rng.standard_normal((rows, heads * width)).astype(dtype)
+    return wide, np.ascontiguousarray(wide[:, head * width : (head + 1) * width])
+
+
+def _compiled_caller(fn):
+    """``fn`` called from jitted code: through its C entry point where the private path is on."""
+
+    @numba.njit
+    def call(a, a_col, b, b_col, c, m, n, k):
+        fn(a, a_col, b, b_col, c, m, n, k, True)
+
+    return call
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(7, 59, 37), (33, 40, 16), (64, 64, 64), (5, 3, 9)])
+@pytest.mark.parametrize("fn", [matmul_nn, matmul_tn, matmul_nn_max], ids=lambda f: f.__name__)
+def test_factors_from_a_column_are_read_in_place(dtype, m, n, k, fn):
+    # a factor that starts at a column of a wider array (one head's entries, the array's
+    # row length its leading dimension) gives the bits of the same factor on its own
+    rng = np.random.default_rng(m * n + k)
+    transposed = fn is matmul_tn
+    a_wide, a = _head_rows(rng, dtype, k if transposed else m, 3, m if transposed else k, 2)
+    b_wide, b = _head_rows(rng, dtype, k, 4, n, 1)
+    a_col, b_col = 2 * a.shape[1], b.shape[1]
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+
+    def product(*factors):
+        c = c0.copy()
+        col_max = np.full(n, -np.inf, dtype)
+        if fn is matmul_nn_max:
+            fn(*factors, c, m, n, k, col_max, False, True)
+        else:
+            fn(*factors, c, m, n, k, True)
+        return c, col_max
+
+    alone = product(a, 0, b, 0)
+    for got in product(a_wide, a_col, b_wide, b_col), product(a_wide, a_col, b, 0), product(a, 0, b_wide, b_col):
+        np.testing.assert_array_equal(got[0], alone[0])
+        np.testing.assert_array_equal(got[1], alone[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_calls_read_columns_and_refuse_strided_views(dtype):
+    # through the C entry points (pointer and shape: a strided view would be misread) as
+    # called directly, a factor from a column gives the same bits and a strided view is a
+    # typing error
+    from elastic_np.cpu import _calls
+
+    _simd.compile_for(dtype, (_calls.matmul_nn, _calls.matmul_tn))
+    rng = np.random.default_rng(2)
+    a_wide, a = _head_rows(rng, dtype, 9, 3, 9, 1)
+    b_wide, b = _head_rows(rng, dtype, 9, 2, 20, 1)
+    for fn, typed in ((_calls.matmul_nn, matmul_nn), (_calls.matmul_tn, matmul_tn)):
+        call = _compiled_caller(fn)
+        expected = np.zeros((9, 20), dtype)
+        typed(a, 0, b, 0, expected, 9, 20, 9, True)
+        c = np.zeros((9, 20), dtype)
+        call(a_wide, 9, b_wide, 20, c, 9, 20, 9)
+        np.testing.assert_array_equal(c, expected)
+        for view in (a_wide[:, 9:18], a_wide[:, ::3], a.T):
+            with pytest.raises(numba.core.errors.TypingError):
+                call(view, 0, b, 0, c, 9, 20, 9)
+            with pytest.raises(numba.core.errors.TypingError):
+                call(a, 0, view, 0, c, 9, 9, 9)
+            with pytest.raises(TypeError):
+                typed(view, 0, b, 0, c, 9, 20, 9, True)

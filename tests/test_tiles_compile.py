@@ -19,14 +19,14 @@ for dispatcher, signatures, _ in _simd._TYPED:
     want = {s.args for s in signatures if s.args[0].dtype == types.float32}
     assert set(dispatcher.overloads) == want, (dispatcher, set(dispatcher.overloads), want)
 try:
-    _products.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), 2, 2, 2, False)
+    _products.matmul_nn(np.ones((2, 2)), 0, np.ones((2, 2)), 0, np.ones((2, 2)), 2, 2, 2, False)
 except TypeError:
     pass
 else:
     raise AssertionError("float64 compiled without compile_for(float64)")
 _simd.compile_for(np.float64)
 c = np.zeros((2, 2))
-_products.matmul_nn(np.ones((2, 2)), np.ones((2, 2)), c, 2, 2, 2, False)
+_products.matmul_nn(np.ones((2, 2)), 0, np.ones((2, 2)), 0, c, 2, 2, 2, False)
 assert (c == 2).all()
 print("ok")
 """

@@ -51,6 +51,9 @@ Modules
     every tunable (tile sizes, memory caps, the decode thresholds)
 ``_plan``
     the kernel plan: the options as runtime values (`_options`)
+``_operands``
+    ``q``, ``k``, ``v``, ``dout``, ``out`` and the outputs as the kernels read and write them, in place, in
+    either storage layout, ``(B, H, N, D)`` or ``(B, N, H, D)``
 ``_threads``
     the thread pool and each thread's share of the tasks
 ``_scalar``

@@ -29,6 +29,7 @@ from elastic_np.cpu._logits import (
     modify_tile,
 )
 from elastic_np.cpu._numba_private import enabled, inner
+from elastic_np.cpu._operands import BHND, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import (
     _check_cache,
     _kernel_array,
@@ -54,14 +55,14 @@ def backward(problem, dout, out, lse, dlse=None):
     Returns
     -------
     AttentionGrads
+        ``dq``, ``dk``, ``dv`` in the layouts of ``q``, ``k``, ``v`` (`elastic_np.cpu._operands`).
     """
     _check_cache(problem)
     compile_for(problem.dtype, _BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
-    q, k, v, dout, out, lse = (
-        _kernel_array(a) for a in (problem.q, problem.k, problem.v, dout, out, lse)
-    )
+    q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
+    lse = _kernel_array(lse)
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
@@ -82,27 +83,28 @@ def backward(problem, dout, out, lse, dlse=None):
     # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
     block_k = config.BLOCK_K * config.BACKWARD_K_FACTOR
     n_kt = -(-M // block_k)
-    share_bytes = max(B * H * N * D * q.itemsize, 1)
+    share_bytes = max(B * H * N * D * np.dtype(dtype).itemsize, 1)
     chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
     dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
     share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
-    dq = np.zeros_like(q)
-    dk = np.empty_like(k)
-    dv = np.empty_like(v)
+    dq_sum = np.zeros((B, H, N, D), dtype=dtype)  # sum_j ds_ij k_j, (B, H, N, D) in every layout
+    dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
+    dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
     plan = _DbiasPlan(problem, dtype, n_kt, chunk)
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
-    outs = (dk, dv, dq_shares, share_rows, dtau_part, dsigma_part)
+    outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1)
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq)
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
-    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would
+    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
+    dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
     factor = (problem.scale / problem.tau)[None, :, None, None]
-    np.multiply(dq, factor, out=dq, casting="unsafe")
+    np.multiply(dq_sum, factor, out=dq, casting="unsafe")
     return problem.reduce_grads(
         dq, dk, dv,
         dtau_part.sum(axis=2),
@@ -114,26 +116,30 @@ def backward(problem, dout, out, lse, dlse=None):
 
 @njit(nogil=True, cache=True, fastmath=False)
 def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
-    """``outs = (q_scaled, q_scaled_t, dout_t, delta)``: scaled queries (rows and Q^T tiles), dout^T tiles, delta."""
+    """``outs = (q_scaled, q_scaled_t, dout_t, delta)``: scaled queries (rows and Q^T tiles), dout^T tiles, delta.
+
+    ``q``, ``dout``, ``out``: operands (`elastic_np.cpu._operands`).
+    """
     q_scaled, q_scaled_t, dout_t, delta = outs
-    B, H, N, D = q.shape
-    Dv = dout.shape[3]
+    B, H, N, D = shape(q)
+    Dv = shape(dout)[3]
     for bh in _task_range(B * H, part, parts):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
         logit_factor = _query_factor(opt, h)
+        (q_h, q_col), (dout_h, dout_col), (out_h, out_col) = head(q, b, h), head(dout, b, h), head(out, b, h)
         for i in range(N):
             it = i // block_q
             r = i - it * block_q
             acc = 0.0
             for d in range(Dv):
-                acc += np.float64(dout[b, h, i, d]) * np.float64(out[b, h, i, d])
-                dout_t[b, h, it, d, r] = dout[b, h, i, d]
+                acc += np.float64(dout_h[i, dout_col + d]) * np.float64(out_h[i, out_col + d])
+                dout_t[b, h, it, d, r] = dout_h[i, dout_col + d]
             delta[b, h, i] = acc
             for d in range(D):
-                q_scaled[b, h, i, d] = q[b, h, i, d] * factor
-                q_scaled_t[b, h, it, d, r] = q[b, h, i, d] * logit_factor
+                q_scaled[b, h, i, d] = q_h[i, q_col + d] * factor
+                q_scaled_t[b, h, it, d, r] = q_h[i, q_col + d] * logit_factor
 
 
 @inner(fastmath=False)
@@ -147,15 +153,18 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 
 @inner(fastmath=False)
-def _copy_rows(src, dst, j0, rows):
-    """``dst[j0 : j0 + rows] = src[:rows]``, element by element.
+def _copy_rows(src, dst):
+    """``src``'s first rows into ``dst = (whole, col)`` (`elastic_np.cpu._operands.head_rows`), element by element.
 
     (An array slice assignment compiles Numba's shape-mismatch message,
     string formatting, into the caller.)
     """
-    for c in range(rows):
-        for d in range(dst.shape[1]):
-            dst[j0 + c, d] = src[c, d]
+    whole, col = dst
+    width = src.shape[1]
+    for c in range(whole.shape[0]):
+        dst_row = whole[c, col : col + width]
+        for d in range(width):
+            dst_row[d] = src[c, d]
 
 
 @inner(fastmath=False)
@@ -277,7 +286,7 @@ def _softcap_slope(dpt, cap_slope, bk, bq):
 
 @inner(fastmath=False)
 def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
-    """The per-thread tiles of `_backward_kernel`, reused by its tasks.
+    """The per-thread tiles of `_backward_kernel`, reused by its tasks (``k``: the keys' operand).
 
     ``(st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums,
     spans)``: the logits ``z``, ``p``, ``dP`` then ``dz`` (key-major tiles),
@@ -285,8 +294,8 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
     ``delta``, the ``dk`` and ``dv`` accumulators, and per head of the group
     its ``dtau`` and ``dsigma`` sums by query and its query tiles ``[it_lo, it_hi)``.
     """
-    dtype = k.dtype
-    D = k.shape[3]
+    dtype = k[0].dtype
+    D = shape(k)[3]
     tile = (block_k, block_q)
     return (
         np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype), np.empty(tile, dtype=dtype),
@@ -327,7 +336,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
-    dsigma_part)``, ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
+    dsigma_part)``; ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
+    (`elastic_np.cpu._operands`), ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
     + t``. A task covers one key tile of one (batch, kv head) pair, or of the
@@ -335,8 +345,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
-    B, Hkv, M, D = k.shape
-    H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], v.shape[3]
+    B, Hkv, M, D = shape(k)
+    H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], shape(v)[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
     dbias_mode, lanes, slots_per_lane = dbias[0][0], dbias[0][3], dbias[0][4]
@@ -344,7 +354,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
         k, block_q, block_k, Dv, group, opt.has_softcap
     )
-    no_max = np.empty(0, dtype=k.dtype)  # the backward takes no tile maxima
+    no_max = np.empty(0, dtype=lse.dtype)  # the backward takes no tile maxima
     no_gate = np.empty(0)
     # NVM tests s before log G is added: with a gate it stays in the logits
     # pass, otherwise it joins the pass that forms z - lse (the logits z
@@ -362,8 +372,9 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
             b, hk = _pair_head(dbias[0], pair, outer, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
-            k_j = k[b, hk, j0 : j0 + bk]
-            v_j = v[b, hk, j0 : j0 + bk]
+            k_j = head_rows(k, b, hk, j0, bk)
+            k_rows, k_col = k_j
+            v_rows, v_col = head_rows(v, b, hk, j0, bk)
             dk_acc[:bk_all] = 0.0
             dv_acc[:bk_all] = 0.0
             head_sums[:] = 0.0
@@ -390,8 +401,9 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
                     _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
                     _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
-                    matmul_nn(pt, dout[b, h, i0 : i0 + bq], dv_acc, bk, Dv, bq, True)
-                    matmul_nn(v_j, dout_t[b, h, it], dpt, bk, bq, Dv, False)
+                    dout_rows, dout_col = head_rows(dout, b, h, i0, bq)
+                    matmul_nn(pt, 0, dout_rows, dout_col, dv_acc, bk, Dv, bq, True)
+                    matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
                     base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
                         pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
@@ -403,16 +415,16 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
                     if opt.has_softcap:
                         _softcap_slope(dpt, cap_slope, bk, bq)
                     # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                    matmul_nn(dpt, q_scaled[b, h, i0 : i0 + bq], dk_acc, bk, D, bq, True)
+                    matmul_nn(dpt, 0, q_scaled[b, h, i0 : i0 + bq], 0, dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                    matmul_tn(dpt, k_j, share, bq, D, bk, False)
+                    matmul_tn(dpt, 0, k_rows, k_col, share, bq, D, bk, False)
             for g in range(group):
                 h = hk * group + g
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                 dtau_part[b, h, kt] = -head_sums[g, 0].sum() / opt.tau[h]
                 dsigma_part[b, h, kt] = head_sums[g, 1].sum()
-            _copy_rows(dk_acc, dk[b, hk], j0, bk_all)
-            _copy_rows(dv_acc, dv[b, hk], j0, bk_all)
+            _copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
+            _copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
 
 
 @njit(nogil=True, cache=True, fastmath=False)

@@ -12,8 +12,13 @@ code refers to it by name, so a kernel loaded from the cache in a new
 process finds it once `compile_for` has run (the CPU backend calls it
 before any kernel).
 
-Each array travels as its data pointer and shape, each flag as an integer.
-The three products share one entry point, ``elastic_np_matmul_<dtype>``.
+Each array travels as its data pointer and shape, each flag as an integer;
+only the types the typed function takes are accepted (a strided view, which
+pointer and shape would misdescribe, is a typing error, as in a direct call).
+The three products share one entry point, ``elastic_np_matmul_<dtype>``: a
+factor that starts at a column of its array (a tile of one head of a
+``(B, N, H, D)`` array) travels as the whole array's pointer and shape and
+that column, so that the entry point's arrays cover exactly what it may read.
 The mechanism is Numba's internals (`elastic_np.cpu._numba_private`); where
 its paths ``entry_points`` and ``lazy_stages`` are off, the kernels call the
 typed functions and the stages themselves (`_logits.modify_tile`,
@@ -63,7 +68,7 @@ def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=Non
     signatures = {sig.args[0].dtype: sig for sig in _signatures(public)}
     if c_signatures is None:
         c_signatures = {dtype: _c_signature(sig) for dtype, sig in signatures.items()}
-    calling = private.symbol_call(functools.partial(_symbol, name), len(signatures[_DTYPES[0]].args), arrange)
+    calling = private.symbol_call(functools.partial(_symbol, name), signatures, arrange)
     calling.needs = needs
     calling.entries = {
         dtype: (_symbol(name, dtype), functools.partial(_compile_entry, c_signatures[dtype], body))
@@ -80,9 +85,10 @@ def _compile_entry(signature, body):
 # entry point is then the only function that links the product's code.
 
 
-def _matmul(a, a0, a1, b, b0, b1, c, c0, c1, m, n, k, accumulate, transposed, col_max, n_max, max_mode):
+def _matmul(a, a0, a1, a_col, b, b0, b1, b_col, c, c0, c1, m, n, k, accumulate, transposed, col_max, n_max,
+            max_mode):
     _products._matmul(
-        carray(a, (a0, a1)), carray(b, (b0, b1)), carray(c, (c0, c1)), m, n, k, accumulate != 0,
+        carray(a, (a0, a1)), a_col, carray(b, (b0, b1)), b_col, carray(c, (c0, c1)), m, n, k, accumulate != 0,
         transposed != 0, carray(col_max, (n_max,)), max_mode,
     )
 
@@ -104,7 +110,7 @@ def _with_flags(transposed):
     """``matmul_nn``'s or ``matmul_tn``'s values, then ``transposed``, no maxima (``c``'s pointer, size 0, mode 0)."""
 
     def arrange(builder, values):
-        c_pointer, intp = values[6], values[9].type
+        c_pointer, intp = values[8], values[11].type
         return values + [ir.Constant(intp, transposed), c_pointer, ir.Constant(intp, 0), ir.Constant(intp, 0)]
 
     return arrange
@@ -112,7 +118,7 @@ def _with_flags(transposed):
 
 def _with_maxima(builder, values):
     """``matmul_nn_max``'s values ``(..., m, n, k, col_max, n_max, nonneg, accumulate)`` in the entry point's order."""
-    head, (col_max, n_max, nonneg, accumulate) = values[:12], values[12:]
+    head, (col_max, n_max, nonneg, accumulate) = values[:14], values[14:]
     mode = builder.add(nonneg, ir.Constant(nonneg.type, 1))  # 2 for entries >= 0 only, else 1
     return head + [accumulate, ir.Constant(nonneg.type, 0), col_max, n_max, mode]
 
@@ -190,13 +196,17 @@ if private.enabled("lazy_stages"):  # else `_logits` and `_backward` link the st
                     softcap):
         """`_logits._modify_tile` on ``st`` through ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
         sig = types.void(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags, softcap)
+        if not all(private.flattens(ty) for ty in sig.args):
+            return None
         return sig, private.call_codegen(functools.partial(_symbol, "modify_tile"))
 
     @intrinsic(prefer_literal=False)
     def dbias_tile(typingctx, dpt, dbias, tile, slot, inv_tau):
         """`_backward._dbias_tile` through ``elastic_np_dbias_tile_<dtype>``; ``tile = (bk, bq, b, h, i0, j0)``."""
-        codegen = private.call_codegen(functools.partial(_symbol, "dbias_tile"))
-        return types.void(dpt, dbias, tile, slot, inv_tau), codegen
+        sig = types.void(dpt, dbias, tile, slot, inv_tau)
+        if not all(private.flattens(ty) for ty in sig.args):
+            return None
+        return sig, private.call_codegen(functools.partial(_symbol, "dbias_tile"))
 
     for _lazy in (modify_tile, dbias_tile):
         _lazy.needs = ()

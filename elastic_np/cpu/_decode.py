@@ -51,7 +51,8 @@ from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
 from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._plan import _kernel_array, _options
+from elastic_np.cpu._operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._plan import _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for
 from elastic_np.cpu._tanh import tanh_any
@@ -85,17 +86,18 @@ def splits(B, Hkv, M):
 
 
 def forward(problem):
-    """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype."""
+    """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout."""
     B, H, Hkv, N, M, D, Dv = problem.shape
+    dtype = problem.dtype
     key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
-    compile_for(problem.dtype, _HEADS_TILES if key_major else _ROWS_TILES)
-    q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
-    opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
+    compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
+    q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
+    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
     rows = (H // Hkv) * N
     n_split = splits(B, Hkv, M)
     part_max = np.empty((B, Hkv, n_split, rows))
     part_sum = np.empty((B, Hkv, n_split, rows))
-    part_acc = np.empty((B, Hkv, n_split, rows, Dv), dtype=q.dtype)
+    part_acc = np.empty((B, Hkv, n_split, rows, Dv), dtype=dtype)
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
     suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
     _run_tasks(
@@ -105,9 +107,9 @@ def forward(problem):
     )
     if problem.kv_unchecked:
         _check_unread_cache(problem, read, suspect)
-    out = np.empty((B, H, N, Dv), dtype=q.dtype)
-    lse = np.empty((B, H, N), dtype=q.dtype)
-    _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out, lse, 0, 1)  # small: one thread
+    out, out_operand = new((B, H, N, Dv), dtype, q[1])
+    lse = np.empty((B, H, N), dtype=dtype)
+    _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
     return out, lse
 
 
@@ -151,21 +153,23 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 
 @inner(fastmath=_FASTMATH)
-def _read_tile(k_cache, v_cache, j0, bk):
-    """0 when keys and values ``j0 .. j0 + bk - 1`` are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
+def _read_tile(k_tile, v_tile, D, Dv):
+    """0 when the tile's keys and values are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
 
-    ``k_cache``, ``v_cache``: one kv head's ``(M, D)`` and ``(M, Dv)``
-    arrays, C-ordered. The pass also reads the tile in memory order ahead of
-    the products, which read ``V`` in column strips: those stream from
-    memory far worse than rows in order.
+    ``k_tile``, ``v_tile``: ``(whole, col)``, the tile's rows
+    (`elastic_np.cpu._operands.head_rows`), of ``D`` and ``Dv`` entries. The pass
+    also reads the tile in memory order ahead of the products, which read
+    ``V`` in column strips: those stream from memory far worse than rows in
+    order.
     """
-    zero = _like(0.0, k_cache)
+    zero = _like(0.0, k_tile[0])
     checksum = zero
-    for cache in (k_cache, v_cache):
-        width = cache.shape[1]
-        flat = cache.reshape(cache.size)[j0 * width : (j0 + bk) * width]
-        for x in range(flat.shape[0]):
-            checksum += flat[x] * zero
+    for tile, width in ((k_tile, D), (v_tile, Dv)):
+        whole, col = tile
+        for c in range(whole.shape[0]):
+            run = whole[c, col : col + width]
+            for x in range(width):
+                checksum += run[x] * zero
     return checksum
 
 
@@ -185,12 +189,15 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
 
 @inner(fastmath=False)
 def _transpose_keys(k_tile, kt, bk, D):
-    """``kt[d, c] = k_tile[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
+    """``kt[d, c] = K[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
+
+    ``k_tile = (whole, col)``: the keys' rows, ``K = whole[:, col:]`` (`elastic_np.cpu._operands.head_rows`).
 
     The blocks follow the key rows, which are then read in order; ``kt``'s
     rows are a cache line longer than the tile, so that the ``D`` rows of
     ``kt`` that a block row writes do not fall into the same few cache sets.
     """
+    whole, col = k_tile
     width = transpose_width(kt)
     stride = kt.shape[1]
     flat = kt.reshape(kt.size)
@@ -199,9 +206,9 @@ def _transpose_keys(k_tile, kt, bk, D):
     one = _like(1.0, kt)
     for c0 in range(0, bk_w, width):
         for d0 in range(0, d_w, width):
-            transpose_store(k_tile, flat, d0 * stride + c0, stride, c0, d0, one)
+            transpose_store(whole, flat, d0 * stride + c0, stride, c0, col + d0, one)
     for c in range(bk):
-        kc = k_tile[c]
+        kc = whole[c, col : col + D]
         for d in range(0 if c >= bk_w else d_w, D):
             kt[d, c] = kc[d]
 
@@ -298,19 +305,20 @@ def _row_max(z, c_lo, c_hi):
 def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     """Tasks (batch, kv head, split): partial ``(max, sum, acc)`` of every stacked row.
 
+    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
     ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
     overflow) may have reached split ``s``'s sums.
     """
     part_max, part_sum, part_acc, read, suspect = outs
-    B, H, N, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
+    B, H, N, D = shape(q)
+    Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
     rows = group * N
-    dtype = q.dtype
+    dtype = part_acc.dtype
     qs = np.empty((rows, D), dtype=dtype)
-    kt = np.empty((D, block_k + _LINE_BYTES // q.itemsize), dtype=dtype)  # see `_transpose_keys`
+    kt = np.empty((D, block_k + _LINE_BYTES // part_acc.itemsize), dtype=dtype)  # see `_transpose_keys`
     st = np.empty((rows, block_k), dtype=dtype)
     acc = np.empty((rows, Dv), dtype=dtype)
     row_max = np.empty(rows, dtype=dtype)
@@ -329,28 +337,30 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
-        checksum = _like(0.0, q)
+        checksum = _like(0.0, qs)
         for g in range(group):
             h = hk * group + g
             factor = _query_factor(opt, h)
+            q_h, col = head(q, b, h)
             for i in range(N):
                 for d in range(D):
-                    qs[g * N + i, d] = q[b, h, i, d] * factor
+                    qs[g * N + i, d] = q_h[i, col + d] * factor
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile = k[b, hk, j0 : j0 + bk]
-            v_tile = v[b, hk, j0 : j0 + bk]
-            checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
+            k_tile = head_rows(k, b, hk, j0, bk)
+            v_tile = head_rows(v, b, hk, j0, bk)
+            v_rows, v_col = v_tile
+            checksum += _read_tile(k_tile, v_tile, D, Dv)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
             if additive_first:
                 for r in range(rows):
                     _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, diag_shift)
-            matmul_nn(qs, kt, st, rows, bk, D, additive_first)
+            matmul_nn(qs, 0, kt, 0, st, rows, bk, D, additive_first)
             any_kept = False
             for r in range(rows):
                 h = hk * group + r // N
@@ -379,7 +389,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
                 for c in range(bk):
                     total += z[c]
                 row_sum[r] += total
-            matmul_nn(st, v_tile, acc, rows, Dv, bk, True)
+            matmul_nn(st, 0, v_rows, v_col, acc, rows, Dv, bk, True)
         checksum += _store_split(acc, row_max, row_sum, part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s])
         suspect[b, hk, s] = not checksum == 0.0
 
@@ -394,10 +404,10 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     per-query work runs along the SIMD lanes.
     """
     part_max, part_sum, part_acc, read, suspect = outs
-    B, H, N, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
+    B, H, N, D = shape(q)
+    Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
-    dtype = q.dtype
+    dtype = part_acc.dtype
     q_t = np.empty((group, D, N), dtype=dtype)
     st = np.empty((block_k, N), dtype=dtype)
     acc = np.empty((group, N, Dv), dtype=dtype)
@@ -424,19 +434,19 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for g in range(group):
             h = hk * group + g
-            _load_queries(q[b, h], _query_factor(opt, h), q_t[g])
+            _load_queries(head_rows(q, b, h, 0, N), _query_factor(opt, h), q_t[g])
             spans[g, 0], spans[g, 1] = key_range(
                 opt.diag_shift[b], 0, N, opt.band[b, h, 0], opt.band[b, h, 1], opt.kv_lengths[b]
             )
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
-        checksum = _like(0.0, q)
+        checksum = _like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile = k[b, hk, j0 : j0 + bk]
-            v_tile = v[b, hk, j0 : j0 + bk]
-            checksum += _read_tile(k[b, hk], v[b, hk], j0, bk)
+            k_tile = head_rows(k, b, hk, j0, bk)
+            v_tile = head_rows(v, b, hk, j0, bk)
+            checksum += _read_tile(k_tile, v_tile, D, Dv)
             for g in range(group):
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:
                     continue
@@ -459,7 +469,8 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
     """Merge the splits of each stacked row in split order, with ``beta_h`` added once.
 
     ``lse = logaddexp(m + log l, log beta)`` with ``m = max_s m_s``,
-    ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``.
+    ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``
+    (``out``: an operand, `elastic_np.cpu._operands`).
     """
     B, Hkv, n_split, rows = part_max.shape
     Dv = part_acc.shape[4]
@@ -480,6 +491,7 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                 for s in range(n_split):
                     if part_max[b, hk, s, r] > -np.inf:
                         total += part_sum[b, hk, s, r] * math.exp(part_max[b, hk, s, r] - m)
+            out_h, col = head(out, b, h)
             if total > 0.0:
                 lse_r = _log_add_exp(m + math.log(total), log_beta)
                 for s in range(n_split):
@@ -488,9 +500,9 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                     x = 0.0
                     for s in range(n_split):
                         x += np.float64(part_acc[b, hk, s, r, d]) * weight[s]
-                    out[b, h, i, d] = x
+                    out_h[i, col + d] = x
                 lse[b, h, i] = lse_r
             else:
                 for d in range(Dv):
-                    out[b, h, i, d] = 0.0
+                    out_h[i, col + d] = 0.0
                 lse[b, h, i] = log_beta

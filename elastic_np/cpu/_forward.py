@@ -18,9 +18,9 @@ from elastic_np.cpu._logits import (
     modify_tile,
 )
 from elastic_np.cpu._numba_private import inner
+from elastic_np.cpu._operands import head_rows, new, operand, shape
 from elastic_np.cpu._plan import (
     _check_cache,
-    _kernel_array,
     _options,
 )
 from elastic_np.cpu._scalar import _log_add_exp
@@ -38,16 +38,18 @@ def forward(problem):
     Returns
     -------
     out : ndarray, shape (B, H, N, Dv)
+        In the layout of ``q`` (`elastic_np.cpu._operands`).
     lse : ndarray, shape (B, H, N)
     """
     compile_for(problem.dtype, _FORWARD_TILES)
     _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
-    q, k, v = (_kernel_array(a) for a in (problem.q, problem.k, problem.v))
-    out = np.empty((B, H, N, Dv), dtype=q.dtype)
-    lse = np.empty((B, H, N), dtype=q.dtype)
-    opt = _options(problem, with_sigma_grad=False, dtype=q.dtype)
-    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out, lse,
+    dtype = problem.dtype
+    q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
+    out, out_operand = new((B, H, N, Dv), dtype, q[1])
+    lse = np.empty((B, H, N), dtype=dtype)
+    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
+    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
                work=B * H * N * M * (D + Dv))
     return out, lse
 
@@ -58,23 +60,24 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
-    """Query tiles: ``out`` and ``lse``."""
-    B, H, N, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._operands`)."""
+    B, H, N, D = shape(q)
+    Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
     n_qt = (N + block_q - 1) // block_q
+    dtype = lse.dtype
     # scratch of the thread, reused by its tasks
-    q_t = np.empty((D, block_q), dtype=q.dtype)  # scaled Q^T of the tile
-    st = np.empty((block_k, block_q), dtype=q.dtype)
-    acc = np.empty((block_q, Dv), dtype=q.dtype)
-    row_max = np.empty(block_q, dtype=q.dtype)
-    tile_max = np.empty(block_q, dtype=q.dtype)
-    shift_by = np.empty(block_q, dtype=q.dtype)
-    rescale_by = np.empty(block_q, dtype=q.dtype)
-    tile_sum = np.empty(block_q, dtype=q.dtype)
+    q_t = np.empty((D, block_q), dtype=dtype)  # scaled Q^T of the tile
+    st = np.empty((block_k, block_q), dtype=dtype)
+    acc = np.empty((block_q, Dv), dtype=dtype)
+    row_max = np.empty(block_q, dtype=dtype)
+    tile_max = np.empty(block_q, dtype=dtype)
+    shift_by = np.empty(block_q, dtype=dtype)
+    rescale_by = np.empty(block_q, dtype=dtype)
+    tile_sum = np.empty(block_q, dtype=dtype)
     scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
     row_sum = np.empty(block_q)
-    no_cap_slope = np.empty((0, 0), dtype=q.dtype)  # the forward takes no tanh slopes
+    no_cap_slope = np.empty((0, 0), dtype=dtype)  # the forward takes no tanh slopes
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
@@ -84,7 +87,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
         i0 = qt * block_q
         bq = min(block_q, N - i0)
 
-        _load_queries(q[b, h, i0 : i0 + bq], _query_factor(opt, h), q_t)
+        _load_queries(head_rows(q, b, h, i0, bq), _query_factor(opt, h), q_t)
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -100,28 +103,30 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
-                st, k[b, hk, j0 : j0 + bk], q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
+                st, head_rows(k, b, hk, j0, bk), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
                 nvm_in_max,
             )
             if kept:
-                _online_update(st, v[b, hk, j0 : j0 + bk], bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
+                v_j = head_rows(v, b, hk, j0, bk)
+                _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
-        _finish_rows(acc, row_max, row_sum, log_beta, out[b, h, i0 : i0 + bq], lse[b, h, i0 : i0 + bq])
+        _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
 
 
 @inner(fastmath=_FASTMATH)
-def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
+def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
     """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`_logits_tile`) and its values ``v_j``.
 
+    ``v_j = (whole, col)``: the values' rows, as `elastic_np.cpu._operands.head_rows` gives them.
     ``scratch = (tile_max, shift_by, rescale_by, tile_sum)``, each of length
-    ``bq`` or more; ``rows = (row_max, row_sum, acc)``, the rows' state.
+    ``bq`` or more; ``state = (row_max, row_sum, acc)``, the rows' state.
     ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
     are taken here, of the entries ``>= 0`` with ``nvm_in_max``); the rows
     are rescaled to the new maxima and the tile's exponentials (0 for the
     entries ``< 0`` with ``nvm_in_max``) and ``P V`` added.
     """
     tile_max, shift_by, rescale_by, tile_sum = scratch
-    row_max, row_sum, acc = rows
+    row_max, row_sum, acc = state
     if not maxed:
         _column_max(st, bk, bq, tile_max, nvm_in_max)
     _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
@@ -130,15 +135,22 @@ def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, rows):
     exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
     for r in range(bq):
         row_sum[r] += tile_sum[r]
-    matmul_tn(st, v_j, acc, bq, acc.shape[1], bk, True)
+    v_rows, v_col = v_j
+    matmul_tn(st, 0, v_rows, v_col, acc, bq, acc.shape[1], bk, True)
 
 
 @inner(fastmath=_FASTMATH)
 def _load_queries(q_tile, factor, q_t):
-    """``q_t[:, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`_query_factor`), transposed."""
-    for r in range(q_tile.shape[0]):
-        for d in range(q_tile.shape[1]):
-            q_t[d, r] = q_tile[r, d] * factor
+    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`_query_factor`), transposed.
+
+    ``q_tile = (whole, col)``, the ``bq`` queries' rows (`elastic_np.cpu._operands.head_rows`); ``D = q_t.shape[0]``.
+    """
+    whole, col = q_tile
+    D = q_t.shape[0]
+    for r in range(whole.shape[0]):
+        q_row = whole[r, col : col + D]
+        for d in range(D):
+            q_t[d, r] = q_row[d] * factor
 
 
 @inner(fastmath=_FASTMATH)
@@ -174,17 +186,21 @@ def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
 def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
     """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
 
+    ``out_rows = (whole, col)``, the tile's rows of ``out`` (`elastic_np.cpu._operands.head_rows`).
     A row with nothing kept gets ``out = 0``, ``lse = log beta``.
     """
-    for r in range(out_rows.shape[0]):
+    whole, col = out_rows
+    Dv = acc.shape[1]
+    for r in range(whole.shape[0]):
+        out_row = whole[r, col : col + Dv]
         if row_sum[r] > 0.0:
             m = np.float64(row_max[r])
             lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
             weight = math.exp(m - lse_r)
-            for d in range(out_rows.shape[1]):
-                out_rows[r, d] = acc[r, d] * weight
+            for d in range(Dv):
+                out_row[d] = acc[r, d] * weight
             lse_rows[r] = lse_r
         else:
-            for d in range(out_rows.shape[1]):
-                out_rows[r, d] = 0.0
+            for d in range(Dv):
+                out_row[d] = 0.0
             lse_rows[r] = log_beta

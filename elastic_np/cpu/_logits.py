@@ -34,7 +34,8 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
     ``tile = (b, h, i0, bq, j0)``: batch entry, head, first query, queries,
-    first key; its ``bk`` keys are the rows of ``k_j``. The product ``K_j
+    first key; its ``bk`` keys are ``k_j = (whole, col)``, the rows of
+    ``whole`` from column ``col`` (`elastic_np.cpu._operands.head_rows`). The product ``K_j
     Q^T`` (``q_t`` the queries scaled by ``scale / tau_h``, transposed,
     ``(D, bq)`` or wider) gives ``s_raw / tau_h``; the
     score modifiers follow in the contract's order (see `_modify_tile`).
@@ -58,7 +59,8 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     ``tile_max[:bq]`` holds the maxima.
     """
     b, h, i0, bq, j0 = tile
-    bk, D = k_j.shape
+    k_rows, k_col = k_j
+    bk, D = k_rows.shape[0], q_t.shape[0]
     want_cap_slope = cap_slope.shape[0] > 0
     want_max = tile_max.shape[0] > 0
     removes_nothing = _removes_nothing(opt, tile, bk, nvm)
@@ -77,14 +79,14 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift, tile,
                     bk, flags + _calls.OVERWRITE, opt.softcap)
         if fuse_max:
-            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, True)
+            matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, True)
         else:
-            matmul_nn(k_j, q_t, st, bk, bq, D, True)
+            matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, True)
     else:
         if fuse_max:
-            matmul_nn_max(k_j, q_t, st, bk, bq, D, tile_max, nonneg, False)
+            matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
         else:
-            matmul_nn(k_j, q_t, st, bk, bq, D, False)
+            matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
         if opt.nvm:
             _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
         if opt.has_softcap or additive:

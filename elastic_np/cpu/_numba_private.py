@@ -205,12 +205,27 @@ def register_symbol(symbol, address):
         _LINKED.add(symbol)
 
 
+def flattens(ty):
+    """Whether `_flatten` describes a value of type ``ty`` exactly: no array in it but C-contiguous ones.
+
+    A strided array's pointer and shape do not say where its entries are:
+    the typers of the calls by symbol refuse one (a typing error).
+    """
+    if isinstance(ty, types.Array):
+        return ty.layout == "C"
+    if isinstance(ty, types.BaseTuple):
+        return all(flattens(t) for t in ty)
+    return True
+
+
 def _flatten(context, builder, ty, value):
     """An argument as an entry point takes it: arrays as pointer and sizes, tuples item by item,
     floats as doubles, the rest as intp."""
     from numba.core import cgutils
 
     if isinstance(ty, types.Array):
+        if ty.layout != "C":  # typers refuse it first (`flattens`): never a misread array
+            raise TypeError(f"an entry point takes C-contiguous arrays, not {ty}")
         array = context.make_array(ty)(context, builder, value)
         return [array.data] + cgutils.unpack_tuple(builder, array.shape, ty.ndim)
     if isinstance(ty, types.BaseTuple):
@@ -242,26 +257,40 @@ def call_codegen(symbol, arrange=None):
     return codegen
 
 
-def symbol_call(symbol, arity, arrange=None):
-    """Intrinsic of ``arity`` arguments (the first an array) that calls ``symbol(dtype)`` (`call_codegen`)."""
-    codegen = call_codegen(symbol, arrange)
+def symbol_call(symbol, signatures, arrange=None):
+    """Intrinsic that calls ``symbol(dtype)`` (`call_codegen`) with the arguments of a typed function.
 
-    def signature(*args):
-        return types.void(*args) if isinstance(args[0], types.Array) else None
+    ``signatures`` maps a dtype to the typed function's signature (its
+    first argument an array of that dtype): a call whose arguments do not
+    convert to it, a strided array among them, is a typing error, as when
+    the typed function is called directly.
+    """
+    codegen = call_codegen(symbol, arrange)
+    arity = len(next(iter(signatures.values())).args)
+
+    def signature(typingctx, *args):
+        """``(signature, codegen)`` for a call with types ``args``, None (no match) when they do not convert."""
+        wanted = signatures.get(args[0].dtype) if isinstance(args[0], types.Array) else None
+        if wanted is None or len(args) != len(wanted.args):
+            return None
+        # a strided array does not convert to a C-contiguous one
+        if not all(typingctx.can_convert(ty, want) is not None for ty, want in zip(args, wanted.args)):
+            return None
+        return types.void(*args), codegen
 
     # an intrinsic's typer takes its arguments by name (no *args)
     if arity == 3:
         def typer(typingctx, x, m, n):
-            return signature(x, m, n), codegen
+            return signature(typingctx, x, m, n)
     elif arity == 6:
         def typer(typingctx, x, m, n, shift, nvm, sums):
-            return signature(x, m, n, shift, nvm, sums), codegen
-    elif arity == 7:
-        def typer(typingctx, a, b, c, m, n, k, accumulate):
-            return signature(a, b, c, m, n, k, accumulate), codegen
+            return signature(typingctx, x, m, n, shift, nvm, sums)
     elif arity == 9:
-        def typer(typingctx, a, b, c, m, n, k, col_max, nonneg, accumulate):
-            return signature(a, b, c, m, n, k, col_max, nonneg, accumulate), codegen
+        def typer(typingctx, a, a_col, b, b_col, c, m, n, k, accumulate):
+            return signature(typingctx, a, a_col, b, b_col, c, m, n, k, accumulate)
+    elif arity == 11:
+        def typer(typingctx, a, a_col, b, b_col, c, m, n, k, col_max, nonneg, accumulate):
+            return signature(typingctx, a, a_col, b, b_col, c, m, n, k, col_max, nonneg, accumulate)
     else:
         raise ValueError(f"no typer for a tile function of {arity} arguments")
     return intrinsic(prefer_literal=False)(typer)

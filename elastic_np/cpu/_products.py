@@ -1,12 +1,18 @@
 """Register-blocked matrix products of tiles, written as LLVM vector code.
 
-``matmul_nn(a, b, c, m, n, k, accumulate)``
-    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``
-``matmul_tn(a, b, c, m, n, k, accumulate)``
-    ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``
-``matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate)``
-    ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and ``col_max[:n]`` raised to the
+``matmul_nn(a, a_col, b, b_col, c, m, n, k, accumulate)``
+    ``c[:m, :n] (+)= A[:m, :k] @ B[:k, :n]``
+``matmul_tn(a, a_col, b, b_col, c, m, n, k, accumulate)``
+    ``c[:m, :n] (+)= A[:k, :m].T @ B[:k, :n]``
+``matmul_nn_max(a, a_col, b, b_col, c, m, n, k, col_max, nonneg, accumulate)``
+    ``c[:m, :n] (+)= A[:m, :k] @ B[:k, :n]`` and ``col_max[:n]`` raised to the
     column maxima of the new ``c[:m, :n]`` (of its entries ``>= 0``), in one pass
+
+where ``A = a[:, a_col:]`` and ``B = b[:, b_col:]``: a factor is a block of
+rows of a C-contiguous array starting at a column, its leading dimension
+the array's row length (BLAS's ``lda``). So a tile of one head's rows of a
+``(B, N, H, D)`` array, ``H * D`` entries apart, is read in place
+(`elastic_np.cpu._operands`); a strided view is a typing error.
 
 No BLAS (so no threads of their own): the micro-kernels keep a block of
 ``c`` in SIMD registers (AVX-512, AVX2 or SSE, whichever the host has, with
@@ -31,17 +37,17 @@ from elastic_np.cpu._simd import (
 
 
 def _matmul_signature(dtype, *flags):
-    ro, rw = _matrix(dtype, readonly=True), _matrix(dtype)
-    return types.void(ro, ro, rw, types.intp, types.intp, types.intp, *flags)
+    ro, rw, intp = _matrix(dtype, readonly=True), _matrix(dtype), types.intp
+    return types.void(ro, intp, ro, intp, rw, intp, intp, intp, *flags)
 
 
 _MATMUL_SIGNATURES = [_matmul_signature(dtype, types.boolean) for dtype in _DTYPES]
 
 
 @njit(inline="always")
-def _a_at(a, row, col, transposed):
-    """``a[row, col]``, or ``a[col, row]`` when ``a`` holds the transpose."""
-    return a[col, row] if transposed else a[row, col]
+def _a_at(a, a_col, row, col, transposed):
+    """``A[row, col]`` with ``A = a[:, a_col:]``, or ``A[col, row]`` when ``a`` holds the transpose."""
+    return a[col, a_col + row] if transposed else a[row, a_col + col]
 
 
 #: Micro-kernel block: rows of c by vectors of c kept in registers over the k loop.
@@ -54,10 +60,12 @@ _NR = 4 if _REGISTERS == 32 else 2
 
 
 def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
-    """Intrinsic ``c[i:i+rows, j:j+vectors*W] += A[i:i+rows, :k] @ b[:k, j:j+vectors*W]``.
+    """Intrinsic ``c[i:i+rows, j:j+vectors*W] += A[i:i+rows, :k] @ B[:k, j:j+vectors*W]``.
 
-    ``W`` is the number of elements of the dtype in a SIMD register and ``A``
-    is ``a`` or ``a.T`` (``transposed``). The ``rows * vectors`` vectors of
+    Its arguments are ``(a, a_col, b, b_col, c, i, j, k)``: ``A`` is
+    ``a[:, a_col:]`` or its transpose (``transposed``), ``B = b[:, b_col:]``,
+    each read with its array's row length as the leading dimension; ``W`` is
+    the number of elements of the dtype in a SIMD register. The ``rows * vectors`` vectors of
     ``c`` are loaded once, updated by fused multiply-adds in registers over
     the whole ``k`` loop (one broadcast element of ``A`` per row and one
     vector of ``b`` per column chunk at each step) and stored once.
@@ -68,8 +76,8 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
     """
 
     def codegen(context, builder, signature, args):
-        a_ty, b_ty, c_ty = signature.args[:3]
-        a_val, b_val, c_val, i_val, j_val, k_val = args[:6]
+        a_ty, b_ty, c_ty = signature.args[0], signature.args[2], signature.args[4]
+        a_val, a_col, b_val, b_col, c_val, i_val, j_val, k_val = args[:8]
         ir_float = context.get_value_type(a_ty.dtype)
         width = _VECTOR_BYTES // context.get_abi_sizeof(ir_float)
         vec_ty = ir.VectorType(ir_float, width)
@@ -77,13 +85,14 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
         intp = context.get_value_type(types.intp)
         flags = ("contract",)
 
-        def data_and_lead(ty, val):
+        def data_and_lead(ty, val, col=None):
             arr = context.make_array(ty)(context, builder, val)
             shape = cgutils.unpack_tuple(builder, arr.shape, 2)
-            return arr.data, shape[1]
+            data = arr.data if col is None else builder.gep(arr.data, [col], inbounds=True)
+            return data, shape[1]
 
-        a_ptr, a_lead = data_and_lead(a_ty, a_val)
-        b_ptr, b_lead = data_and_lead(b_ty, b_val)
+        a_ptr, a_lead = data_and_lead(a_ty, a_val, a_col)
+        b_ptr, b_lead = data_and_lead(b_ty, b_val, b_col)
         c_ptr, c_lead = data_and_lead(c_ty, c_val)
 
         def element_ptr(ptr, lead, row, col):
@@ -132,7 +141,7 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
                 ptr = vector_ptr(c_ptr, c_lead, row(r), column(t))
                 builder.store(builder.load(accs[r][t]), ptr, align=align)
         if with_max:
-            max_arr = context.make_array(signature.args[6])(context, builder, args[6])
+            max_arr = context.make_array(signature.args[8])(context, builder, args[8])
             for t in range(vectors):
                 ptr = builder.bitcast(
                     builder.gep(max_arr.data, [column(t)], inbounds=True), vec_ty.as_pointer()
@@ -148,17 +157,18 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
                 builder.store(current, ptr, align=align)
         return context.get_dummy_value()
 
+    intp = types.intp
     if with_max:
 
         @intrinsic
-        def block(typingctx, a, b, c, i, j, k, col_max):
-            return types.void(a, b, c, types.intp, types.intp, types.intp, col_max), codegen
+        def block(typingctx, a, a_col, b, b_col, c, i, j, k, col_max):
+            return types.void(a, intp, b, intp, c, intp, intp, intp, col_max), codegen
 
     else:
 
         @intrinsic
-        def block(typingctx, a, b, c, i, j, k):
-            return types.void(a, b, c, types.intp, types.intp, types.intp), codegen
+        def block(typingctx, a, a_col, b, b_col, c, i, j, k):
+            return types.void(a, intp, b, intp, c, intp, intp, intp), codegen
 
     return block
 
@@ -237,8 +247,9 @@ _MATMUL_BODY_SIGNATURES = [
 
 
 @_typed(_MATMUL_BODY_SIGNATURES, **_OPTIONS)
-def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
-    """``c[:m, :n] (+)= A @ b[:k, :n]`` with ``A = a[:m, :k]`` or ``a[:k, :m].T``.
+def _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, transposed, col_max, max_mode):
+    """``c[:m, :n] (+)= A @ B[:k, :n]`` with ``A = a[:m, a_col:a_col + k]`` or ``a[:k, a_col:a_col + m].T``,
+    ``B = b[:, b_col:]``.
 
     With ``max_mode`` 1 (2) and not ``transposed``, also ``col_max[j] = c[i, j]``
     wherever that is greater (and ``>= 0``), over ``i`` in order (see
@@ -266,52 +277,51 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
         j = jv * width
         for i in range(0, m_block, _MR):
             if transposed:
-                _block_tn(a, b, c, i, j, k)
+                _block_tn(a, a_col, b, b_col, c, i, j, k)
             elif max_mode == 1:
-                _block_nn_max(a, b, c, i, j, k, col_max)
+                _block_nn_max(a, a_col, b, b_col, c, i, j, k, col_max)
             elif max_mode == 2:
-                _block_nn_max_nonneg(a, b, c, i, j, k, col_max)
+                _block_nn_max_nonneg(a, a_col, b, b_col, c, i, j, k, col_max)
             else:
-                _block_nn(a, b, c, i, j, k)
+                _block_nn(a, a_col, b, b_col, c, i, j, k)
         i = m_block
         if _MR > 4 and i + 4 <= m:
             if transposed:
-                _block_tn_r4(a, b, c, i, j, k)
+                _block_tn_r4(a, a_col, b, b_col, c, i, j, k)
             else:
-                _block_nn_r4(a, b, c, i, j, k)
+                _block_nn_r4(a, a_col, b, b_col, c, i, j, k)
             i += 4
         if i + 2 <= m:
             if transposed:
-                _block_tn_r2(a, b, c, i, j, k)
+                _block_tn_r2(a, a_col, b, b_col, c, i, j, k)
             else:
-                _block_nn_r2(a, b, c, i, j, k)
+                _block_nn_r2(a, a_col, b, b_col, c, i, j, k)
             i += 2
         for i in range(i, m):
             if transposed:
-                _block_tn_r1(a, b, c, i, j, k)
+                _block_tn_r1(a, a_col, b, b_col, c, i, j, k)
             else:
-                _block_nn_r1(a, b, c, i, j, k)
+                _block_nn_r1(a, a_col, b, b_col, c, i, j, k)
     for jv in range(n_panel, n_vec):
         j = jv * width
         for i in range(0, m_block, _MR):
             if transposed:
-                _block_tn_v1(a, b, c, i, j, k)
+                _block_tn_v1(a, a_col, b, b_col, c, i, j, k)
             else:
-                _block_nn_v1(a, b, c, i, j, k)
+                _block_nn_v1(a, a_col, b, b_col, c, i, j, k)
         for i in range(m_block, m):
             if transposed:
-                _block_tn_r1_v1(a, b, c, i, j, k)
+                _block_tn_r1_v1(a, a_col, b, b_col, c, i, j, k)
             else:
-                _block_nn_r1_v1(a, b, c, i, j, k)
+                _block_nn_r1_v1(a, a_col, b, b_col, c, i, j, k)
     j_tail = n_vec * width
     if j_tail < n:
         for i in range(m):
             ci = c[i]
             for p in range(k):
-                aip = _a_at(a, i, p, transposed)
-                bp = b[p]
+                aip = _a_at(a, a_col, i, p, transposed)
                 for j in range(j_tail, n):
-                    ci[j] += aip * bp[j]
+                    ci[j] += aip * b[p, b_col + j]
     if max_mode != 0:
         # what the register blocks left: their columns' leftover rows, then
         # every row of the other columns
@@ -330,15 +340,19 @@ def _matmul(a, b, c, m, n, k, accumulate, transposed, col_max, max_mode):
 
 
 @_typed(_MATMUL_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
-def matmul_nn(a, b, c, m, n, k, accumulate):
-    """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]``.
+def matmul_nn(a, a_col, b, b_col, c, m, n, k, accumulate):
+    """Tile product ``c[:m, :n] (+)= a[:m, a_col:a_col + k] @ b[:k, b_col:b_col + n]``.
 
     Parameters
     ----------
-    a : ndarray, shape (>= m, >= k)
+    a : ndarray, shape (>= m, >= a_col + k)
         Left factor.
-    b : ndarray, shape (>= k, >= n)
+    a_col : int
+        Column of ``a`` where the factor starts.
+    b : ndarray, shape (>= k, >= b_col + n)
         Right factor.
+    b_col : int
+        Column of ``b`` where the factor starts.
     c : ndarray, shape (>= m, >= n)
         Output block, written in place; the rest of ``c`` is left alone.
         Must not overlap ``a`` or ``b``.
@@ -350,29 +364,35 @@ def matmul_nn(a, b, c, m, n, k, accumulate):
     Notes
     -----
     ``a``, ``b``, ``c`` are 2-D C-contiguous arrays of one dtype (float32 or
-    float64). Single-threaded. Each element of ``c`` is ``c + a_0 b_0 + a_1 b_1
-    + ...`` in the order of ``k`` (fused multiply-adds where the CPU has them),
-    whatever its position in the block, so the result matches
-    ``a @ b`` within the usual ``k * eps`` bound (not bit for bit) and depends
-    on the inputs only: repeated calls give identical bits.
+    float64); a factor's rows are its array's rows, whatever its column
+    (the leading dimension is the array's row length). Single-threaded.
+    Each element of ``c`` is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of
+    ``k`` (fused multiply-adds where the CPU has them), whatever its position
+    in the block or the factors' columns, so the result matches ``a @ b``
+    within the usual ``k * eps`` bound (not bit for bit) and depends on the
+    factors' values only: repeated calls give identical bits.
 
     See Also
     --------
     matmul_tn
     """
-    _matmul(a, b, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
+    _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, False, c.reshape(c.size), 0)
 
 
 @_typed(_MATMUL_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
-def matmul_tn(a, b, c, m, n, k, accumulate):
-    """Tile product ``c[:m, :n] (+)= a[:k, :m].T @ b[:k, :n]``.
+def matmul_tn(a, a_col, b, b_col, c, m, n, k, accumulate):
+    """Tile product ``c[:m, :n] (+)= a[:k, a_col:a_col + m].T @ b[:k, b_col:b_col + n]``.
 
     Parameters
     ----------
-    a : ndarray, shape (>= k, >= m)
+    a : ndarray, shape (>= k, >= a_col + m)
         Left factor, stored transposed.
-    b : ndarray, shape (>= k, >= n)
+    a_col : int
+        Column of ``a`` where the factor starts.
+    b : ndarray, shape (>= k, >= b_col + n)
         Right factor.
+    b_col : int
+        Column of ``b`` where the factor starts.
     c : ndarray, shape (>= m, >= n)
         Output block, written in place; the rest of ``c`` is left alone.
         Must not overlap ``a`` or ``b``.
@@ -391,26 +411,21 @@ def matmul_tn(a, b, c, m, n, k, accumulate):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, accumulate, True, c.reshape(c.size), 0)
+    _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, True, c.reshape(c.size), 0)
 
 
 _MATMUL_MAX_SIGNATURES = [
-    types.void(
-        _matrix(dtype, readonly=True), _matrix(dtype, readonly=True), _matrix(dtype),
-        types.intp, types.intp, types.intp, types.Array(dtype, 1, "C"), types.boolean,
-        types.boolean,
-    )
-    for dtype in _DTYPES
+    _matmul_signature(dtype, types.Array(dtype, 1, "C"), types.boolean, types.boolean) for dtype in _DTYPES
 ]
 
 
 @_typed(_MATMUL_MAX_SIGNATURES, cache=True, fastmath=False, needs=(_matmul,))
-def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
-    """Tile product ``c[:m, :n] (+)= a[:m, :k] @ b[:k, :n]`` and its column maxima.
+def matmul_nn_max(a, a_col, b, b_col, c, m, n, k, col_max, nonneg, accumulate):
+    """Tile product ``c[:m, :n] (+)= a[:m, a_col:a_col + k] @ b[:k, b_col:b_col + n]`` and its column maxima.
 
     Parameters
     ----------
-    a, b, c, m, n, k, accumulate
+    a, a_col, b, b_col, c, m, n, k, accumulate
         As in `matmul_nn`.
     col_max : ndarray, shape (>= n,)
         ``col_max[j]`` is replaced by ``c[i, j]`` wherever that is greater,
@@ -433,4 +448,4 @@ def matmul_nn_max(a, b, c, m, n, k, col_max, nonneg, accumulate):
     --------
     matmul_nn
     """
-    _matmul(a, b, c, m, n, k, accumulate, False, col_max, 2 if nonneg else 1)
+    _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, False, col_max, 2 if nonneg else 1)

@@ -7,8 +7,9 @@ the products (`elastic_np.cpu._products`), the exponential and the tangent
 (`elastic_np.cpu._transpose`); each module's docstring lists its functions.
 
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
-be larger than the block used, which is always the top-left corner (the row
-length of the array is its leading dimension). Each function is compiled for
+be larger than the block used, which is the top-left corner, or for a
+product's factors the block from a given column (the row length of the array
+is its leading dimension). Each function is compiled for
 explicit signatures, one per dtype, when `compile_for` is first called for that
 dtype (or loaded from the cache): a float32 caller never waits for the float64
 versions. Sizes and ``accumulate`` are runtime arguments, the factors

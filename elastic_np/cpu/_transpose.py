@@ -189,7 +189,8 @@ def _make_transpose(mode):
     def typer(typingctx, x, flat, start, stride, row0, col0, scale):
         if not (isinstance(x, types.Array) and isinstance(flat, types.Array)):
             return None
-        if x.ndim != 2 or flat.ndim != 1 or scale != flat.dtype:
+        # C-contiguous only: the blocks are addressed from the data pointer and the shape
+        if x.ndim != 2 or flat.ndim != 1 or x.layout != "C" or flat.layout != "C" or scale != flat.dtype:
             return None
         if flat.dtype != (types.float64 if mode == "accumulate" else x.dtype):
             return None
