@@ -25,9 +25,9 @@ MODULES = ["elastic_np"] + sorted(
 
 
 def _optional(modname):
-    """The CUDA modules, the framework adapters and `elastic_np.dask` need an optional extra."""
+    """The CUDA modules, the framework adapters (and their private parts) and `elastic_np.dask` need an optional extra."""
     name = modname.rpartition(".")[2]
-    return "cuda" in modname or name in ("torch", "jax", "dask", "transformers")
+    return "cuda" in modname or name in ("torch", "jax", "dask", "transformers") or name.startswith("_torch_")
 
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
