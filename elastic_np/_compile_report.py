@@ -47,7 +47,6 @@ class Watch:
         units = sorted(str(name).lstrip("_") for name in self.compiled if str(name).endswith(("_kernel", "_entry")))
         return f"compiled {n} function{'s' * (n != 1)}" + (f" ({', '.join(units)})" if units else "")
 
-
     def summary(self):
         """``"6.4 s (compiled 35 functions ...)"`` or ``"0.3 s (loaded from Numba's cache)"``."""
         source = self.describe() if self.compiled else "no compile: loaded from Numba's cache or already loaded"

@@ -268,6 +268,8 @@ LEARNABLE = tuple(option.name for option in OPTIONS if option.gradient)
 TENSOR_OPTIONS = tuple(option.name for option in OPTIONS if option.tensor and not option.gradient)
 #: The options that describe the batch (see `Option.per_call`).
 PER_CALL = tuple(option.name for option in OPTIONS if option.per_call)
+#: The score modifiers (the contract's "Score modifiers"): applied to the scores before NVM.
+MODIFIERS = ("softcap", "alibi_slopes", "bias")
 #: The options the conformance kit's cases exercise (see `Option.in_kit`).
 IN_KIT = tuple(option.name for option in OPTIONS if option.in_kit)
 

@@ -10,6 +10,8 @@ and no padding is ever computed.
 """
 
 import dataclasses
+import functools
+import operator
 
 import numpy as np
 
@@ -94,19 +96,20 @@ def _check_options(options):
             raise ValueError(f"varlen attention does not take `{name}`: {_NOT_TAKEN}")
 
 
+def _batched(value, count):
+    """Whether an option's array holds one row per sequence: shape ``(count, ...)``."""
+    return isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == count
+
+
 def _per_sequence(value, s, count):
-    """An option's value for sequence ``s``: a ``(count, ...)`` array (batch-wide) sliced, else as it is."""
+    """An option's value for sequence ``s``: a `_batched` array sliced, else as it is."""
     if isinstance(value, DynamicWindow):
         return dataclasses.replace(value, sigma=_per_sequence(value.sigma, s, count))
-    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == count:
-        return value[s:s + 1]
-    return value
+    return value[s:s + 1] if _batched(value, count) else value
 
 
 def _sequence_options(options, used, s, count):
-    per = {name: _per_sequence(np.asarray(options[name]) if name == "alibi_slopes" and options[name] is not None
-                               else options[name], s, count)
-           for name in ("alibi_slopes", "dynamic_window")}
+    per = {name: _per_sequence(options[name], s, count) for name in ("alibi_slopes", "dynamic_window")}
     extra = {} if used is None else {"kv_lengths": used[s:s + 1], "align": "kv_lengths"}
     return {**options, **per, **extra, "layout": "bnhd"}
 
@@ -120,9 +123,11 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
     else:
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
         cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1)
-    window = options["dynamic_window"]
+    window, slopes = options["dynamic_window"], options["alibi_slopes"]
     if isinstance(window, DynamicWindow):
         options = {**options, "dynamic_window": dataclasses.replace(window, sigma=np.asarray(window.sigma))}
+    if slopes is not None:
+        options = {**options, "alibi_slopes": np.asarray(slopes)}
     return q, k, v, cu_q, cu_k, used, options
 
 
@@ -261,17 +266,14 @@ def _packed_grads(parts, q, k, v, cu_q, cu_k, options):
         dq[cu_q[s]:cu_q[s + 1]] = g.dq[0]
         dk[cu_k[s]:cu_k[s + 1]], dv[cu_k[s]:cu_k[s + 1]] = g.dk[0], g.dv[0]
     window = options["dynamic_window"]
-    per_sequence = window is not None and _per_sequence(window.sigma, 0, len(parts)) is not window.sigma
+    per_sequence = window is not None and _batched(window.sigma, len(parts))
     totals = {}
     for name in ("dtau", "dbeta", "dsigma"):
         values = [getattr(g, name) for g in parts]
-        if name == "dsigma" and per_sequence:
-            totals[name] = np.concatenate(values)
-        elif values[0] is not None:
-            total = values[0]
-            for value in values[1:]:
-                total = total + value
-            totals[name] = total
-        else:
+        if values[0] is None:
             totals[name] = None
+        elif name == "dsigma" and per_sequence:
+            totals[name] = np.concatenate(values)
+        else:  # in sequence order
+            totals[name] = functools.reduce(operator.add, values)
     return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=None, **totals)

@@ -7,9 +7,6 @@ import numpy as np
 
 from elastic_np import _compile_report, _dispatch, _spec
 
-#: The options that compile code of their own on the CPU: the score modifiers' stage, and the bias's gradient.
-_MODIFIERS = ("softcap", "alibi_slopes", "bias")
-
 #: One shape per kernel path, ``(B, H, Hkv, N, M)``: the prefill, and both decode kernels
 #: (one new query per sequence; 16, the key-major kernel's).
 _PATHS = {"prefill": (1, 2, 1, 32, 32), "decode": (1, 2, 1, 1, 40), "decode, 16 queries": (1, 2, 1, 16, 40)}
@@ -21,7 +18,7 @@ Warmup = collections.namedtuple("Warmup", ["seconds", "compiled"])
 
 def _option_names(options):
     if options is None:
-        return set(_MODIFIERS)
+        return set(_spec.MODIFIERS)  # what compiles code of its own: their stage and the bias's gradient
     if isinstance(options, str):
         options = (options,)
     names = set(options)
@@ -95,8 +92,8 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     dtypes = [np.dtype(d) for d in ([dtypes] if isinstance(dtypes, (str, type, np.dtype)) else dtypes)]
     for dtype in dtypes:
         if module.dtypes is not None and dtype not in module.dtypes:
-            names_ = ", ".join(d.name for d in module.dtypes)
-            raise ValueError(f"`dtypes` must be among the backend's ({names_}); got {dtype}")
+            taken = ", ".join(d.name for d in module.dtypes)
+            raise ValueError(f"`dtypes` must be among the backend's ({taken}); got {dtype}")
     seconds = {}
     name = module.__name__.rsplit(".", 1)[-1]
     with _compile_report.watch() as everything:

@@ -13,7 +13,7 @@ from elastic_np._types import DynamicWindow
 #: (`elastic_np._spec.IN_KIT`: not ``layout`` or ``precision``).
 OPTION_NAMES = _spec.IN_KIT
 #: The score modifiers among them (a case combining them needs all three).
-MODIFIER_NAMES = ("softcap", "alibi_slopes", "bias")
+MODIFIER_NAMES = _spec.MODIFIERS
 #: Capabilities that are not keyword options and are only declared via ``options``:
 #: ``"gqa"``: ``k``, ``v`` with fewer heads than ``q`` (grouped-query attention);
 #: ``"bottom_right_causal"``: causal with ``N != M``, aligned bottom-right as in
