@@ -11,6 +11,30 @@ import operator
 import numpy as np
 
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Storage dtypes, by name, that the CPU kernels read and write while computing in
+#: float32 (bfloat16 is ``ml_dtypes.bfloat16``, the type JAX uses).
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def numpy_dtype(dtype):
+    """``dtype`` (a dtype, a type or a name such as "bfloat16") as a NumPy dtype.
+
+    "bfloat16" is ``ml_dtypes.bfloat16``, imported only here: NumPy has no
+    such type of its own.
+    """
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("bfloat16 arrays are ml_dtypes.bfloat16: pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def compute_dtype(dtype):
+    """The dtype the kernels compute in for arrays of ``dtype``: float32 for a half, else ``dtype``."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.name in HALF_DTYPES else dtype
 
 
 def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
@@ -42,10 +66,15 @@ def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
 
 
 def check_real_float_dtype(x, name):
+    """A `TypeError` naming ``name`` unless ``x`` holds real floats (NumPy's, or bfloat16)."""
+    if x.dtype.name == "bfloat16":
+        return
     if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(
-            f"`{name}` must be a real floating-point array, got dtype {x.dtype}"
-        )
+        hint = ""
+        if x.dtype in (np.uint16, np.int16):
+            hint = ("; for 16-bit floats held as raw bits, view them as their type: "
+                    "a.view(ml_dtypes.bfloat16) or a.view(np.float16)")
+        raise TypeError(f"`{name}` must be a real floating-point array, got dtype {x.dtype}{hint}")
 
 
 def positive_scalar(value, name):
