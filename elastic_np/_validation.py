@@ -65,6 +65,12 @@ def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
     return x
 
 
+def is_real_dtype(dtype):
+    """True for real floats (NumPy's and bfloat16) and integers, not bool."""
+    return dtype.name == "bfloat16" or (
+        dtype != np.bool_ and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)))
+
+
 def check_real_float_dtype(x, name):
     """A `TypeError` naming ``name`` unless ``x`` holds real floats (NumPy's, or bfloat16)."""
     if x.dtype.name == "bfloat16":
@@ -130,9 +136,7 @@ def per_head(value, H, name, *, positive):
         if math.isfinite(value) and (value > 0 if positive else value >= 0):
             return np.full(H, float(value)), ()
     arr = np.asarray(value)
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    ):
+    if not is_real_dtype(arr.dtype):
         raise TypeError(f"`{name}` must be a real number or an array of shape (H,)")
     if arr.shape not in ((), (H,)):
         raise ValueError(
@@ -217,9 +221,7 @@ def alibi_array(slopes, B, H):
     if slopes is None:
         return None
     arr = np.asarray(slopes)
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    ):
+    if not is_real_dtype(arr.dtype):
         raise TypeError(f"`alibi_slopes` must be a real array, got dtype {arr.dtype}")
     if arr.shape not in ((H,), (B, H)):
         raise ValueError(
