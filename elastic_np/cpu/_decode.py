@@ -52,7 +52,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import narrow, readable, scratch_for, widen
+from elastic_np.cpu._halves import narrow, readable_checked, scratch_for, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
@@ -157,32 +157,19 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 @inner(fastmath=_FASTMATH)
 def _read_tiles(k_tile, v_tile, D, Dv, half_scratch):
-    """``(k_tile, v_tile, checksum)``: the tiles as the products read them, and `_checksum`'s.
+    """``(k_tile, v_tile, checksum)``: the tiles as the products read them, 0 when their values are finite (else NaN).
 
     ``k_tile``, ``v_tile``: ``(whole, col)``, the tile's rows
     (`elastic_np.cpu._operands.head_rows`), of ``D`` and ``Dv`` entries;
-    half storage is converted into ``half_scratch = (keys, values)``
-    (`elastic_np.cpu._halves.readable`). Either pass reads the tile in
-    memory order ahead of the products, which read ``V`` in column strips:
-    those stream from memory far worse than rows in order.
+    half storage is converted into ``half_scratch = (keys, values)`` and
+    checked as it is (`elastic_np.cpu._halves.readable_checked`). Either
+    pass reads the tile in memory order ahead of the products, which read
+    ``V`` in column strips: those stream from memory far worse than rows in
+    order.
     """
-    k_tile = readable(k_tile, D, half_scratch[0])
-    v_tile = readable(v_tile, Dv, half_scratch[1])
-    return k_tile, v_tile, _checksum(k_tile, v_tile, D, Dv)
-
-
-@inner(fastmath=_FASTMATH)
-def _checksum(k_tile, v_tile, D, Dv):
-    """0 when the tile's keys and values are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``."""
-    zero = _like(0.0, k_tile[0])
-    checksum = zero
-    for tile, width in ((k_tile, D), (v_tile, Dv)):
-        whole, col = tile
-        for c in range(whole.shape[0]):
-            run = whole[c, col : col + width]
-            for x in range(width):
-                checksum += run[x] * zero
-    return checksum
+    k_tile, k_check = readable_checked(k_tile, D, half_scratch[0])
+    v_tile, v_check = readable_checked(v_tile, Dv, half_scratch[1])
+    return k_tile, v_tile, k_check + v_check
 
 
 @inner(fastmath=_FASTMATH)

@@ -19,6 +19,9 @@ In compiled code:
     a tile of rows ``(whole, col)`` (`elastic_np.cpu._operands.head_rows`)
     as rows the tile products read: the tile itself for float storage, its
     ``width`` entries a row converted into ``scratch`` for half storage;
+`readable_checked(tile, width, scratch)`
+    `readable`'s rows and whether the tile's values are all finite, in one
+    pass for half storage;
 `scratch_for(x, rows, width, dtype)`
     that scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
 """
@@ -159,6 +162,52 @@ def _readable(tile, width, scratch):
         return scratch[:n], col - col
 
     return convert
+
+
+def readable_checked(tile, width, scratch):
+    """`readable`'s rows and a check of the tile's values: 0 when all are finite, NaN otherwise (jit code only).
+
+    For half storage, the check is made on the bits as they are converted
+    (an exponent of all ones is an inf or a NaN), in the same pass; for
+    float storage it is ``sum(x * 0)`` over the tile, a pass of its own.
+    """
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(readable_checked)
+def _readable_checked(tile, width, scratch):
+    half = _half_format(tile.types[0].dtype)
+    if half is None:
+        def checked(tile, width, scratch):
+            whole, col = tile
+            zero = whole.dtype.type(0.0)
+            check = zero
+            for r in range(whole.shape[0]):
+                row = whole[r, col : col + width]
+                for d in range(width):
+                    check += row[d] * zero
+            return tile, check
+        return checked
+    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    bits_type = tile.types[0].dtype
+
+    def converted(tile, width, scratch):
+        # (bits & exponent) + lowest exponent bit carries into the sign bit only for an all-ones exponent
+        whole, col = tile
+        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        flags = bits_type(0)
+        n = whole.shape[0]
+        for r in range(n):
+            row = whole[r, col : col + width]
+            out = scratch[r]
+            for d in range(width):
+                x = row[d]
+                flags |= bits_type((x & mask) + carry)
+                out[d] = widen(x)
+        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
+        return (scratch[:n], col - col), np.float32(0.0) if finite else np.float32(np.nan)
+
+    return converted
 
 
 def scratch_for(x, rows, width, dtype):
