@@ -18,7 +18,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   (``st[c, i]``), through the prefill's own steps, one head after the other
   while the key tile is in cache: the per-query work runs along the SIMD
   lanes, and no key tile is transposed;
-- each key tile is first read in memory order (`_read_tiles`), which also
+- each key tile is first read in memory order (`_tiles`), which also
   finds a NaN or inf key or value, and converts bfloat16 and float16 keys and
   values to float32 (`elastic_np.cpu._halves`): a cache is read in its own
   dtype and never copied;
@@ -39,7 +39,6 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np import _validation
 from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import (
@@ -52,7 +51,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import narrow, readable_checked, scratch_for, widen
+from elastic_np.cpu._halves import copied_checked, narrow, readable_checked, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
@@ -88,13 +87,30 @@ def splits(B, Hkv, M):
     return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
-def forward(problem):
-    """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout."""
+#: `_tiles`' ``pages`` of a contiguous cache.
+_CONTIGUOUS = (np.zeros((0, 0), dtype=np.int64), 0)
+
+
+def forward(problem, paged=None):
+    """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout.
+
+    ``paged = (k_pages, v_pages, block_table)``: the keys and values from a
+    paged cache, read in place, ``problem.k`` and ``problem.v`` giving only
+    their shapes. Pages are ``(num_blocks, block_size, Hkv, D)`` (``Dv`` for
+    ``v``); key ``j`` of batch entry ``b`` is row ``j % block_size`` of
+    page ``block_table[b, j // block_size]``. The caller has checked the
+    table against ``problem.kv_lengths`` (`elastic_np._varlen`).
+    """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.compute_dtype
     key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
     compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
-    q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
+    q = operand(problem.q)
+    if paged is None:
+        k, v, pages = operand(problem.k), operand(problem.v), _CONTIGUOUS
+    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
+        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
+        pages = (np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1])
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
     rows = (H // Hkv) * N
     n_split = splits(B, Hkv, M)
@@ -105,37 +121,53 @@ def forward(problem):
     suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
     _run_tasks(
         _decode_heads_kernel if key_major else _decode_kernel,
-        q, k, v, opt, n_split, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
+        q, k, v, pages, opt, n_split, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
-        _check_unread_cache(problem, read, suspect)
+        cache = (problem.k, problem.v) if paged is None else [_paged_rows(a, paged[2]) for a in paged[:2]]
+        _check_unread_cache(cache, problem.kv_lengths, read, suspect)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
     return out, lse
 
 
-def _check_unread_cache(problem, read, suspect):
+def _check_unread_cache(cache, lengths, read, suspect):
     """`elastic_np._validation.check_cache_values` for what the kernel did not check as it read.
 
-    A suspect split (a sum that is not finite) is checked again exactly: it
-    was a NaN or inf key or value, or a product that overflowed (no error);
-    the keys below ``kv_lengths[b]`` that no split read are checked here.
+    ``cache = (k, v)``: ``(B, Hkv, M, D)`` arrays, or `_paged_rows` of a
+    paged cache. A suspect split (a sum that is not finite) is checked again
+    exactly: it was a NaN or inf key or value, or a product that overflowed
+    (no error); the keys below ``lengths[b]`` that no split read are checked
+    here.
     """
-    k, v = problem.k, problem.v
-    if suspect.any():
-        _validation.check_cache_values(k, v, problem.kv_lengths)
-    lengths = problem.kv_lengths[:, None]
-    unread = (read[..., 0] > 0) | (read[..., 1] < lengths)
-    if not unread.any():
-        return
-    for b, hk in np.argwhere(unread):
-        lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b, 0]
-        for name, a in (("k", k), ("v", v)):
-            unread = (a[b, hk, :lo], a[b, hk, hi:length]) if hi > lo else (a[b, hk, :length],)
-            if not all(np.isfinite(part).all() for part in unread):
-                raise ValueError(f"`{name}` contains NaN or inf")
+    ranges = []
+    for b, hk in np.ndindex(*read.shape[:2]):
+        lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b]
+        if suspect[b, hk].any() or hi <= lo:
+            ranges.append((b, hk, 0, length))
+        else:
+            ranges += [(b, hk, 0, lo), (b, hk, hi, length)]
+    for name, a in zip("kv", cache):
+        if not all(np.isfinite(a[b, hk, lo:hi]).all() for b, hk, lo, hi in ranges if hi > lo):
+            raise ValueError(f"`{name}` contains NaN or inf")
+
+
+class _paged_rows:
+    """A paged cache's keys (or values) indexed as ``[b, hk, lo:hi]``, like the ``(B, Hkv, M, D)`` array they stand for.
+
+    Gathers just those rows (`forward`'s ``paged`` describes the layout).
+    """
+
+    def __init__(self, pages, table):
+        self.pages, self.table = pages, table
+
+    def __getitem__(self, index):
+        b, hk, rows = index
+        keys = np.arange(rows.start, rows.stop)
+        block = self.pages.shape[1]
+        return self.pages[self.table[b, keys // block], keys % block, hk]
 
 
 @inner(fastmath=False)
@@ -156,20 +188,34 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 
 @inner(fastmath=_FASTMATH)
-def _read_tiles(k_tile, v_tile, D, Dv, half_scratch):
-    """``(k_tile, v_tile, checksum)``: the tiles as the products read them, 0 when their values are finite (else NaN).
+def _tiles(k, v, pages, b, hk, j0, bk, scratch):
+    """``(k_tile, v_tile, checksum)``: keys ``j0 .. j0 + bk - 1`` of ``(b, hk)`` as the products read them.
 
-    ``k_tile``, ``v_tile``: ``(whole, col)``, the tile's rows
-    (`elastic_np.cpu._operands.head_rows`), of ``D`` and ``Dv`` entries;
-    half storage is converted into ``half_scratch = (keys, values)`` and
-    checked as it is (`elastic_np.cpu._halves.readable_checked`). Either
-    pass reads the tile in memory order ahead of the products, which read
-    ``V`` in column strips: those stream from memory far worse than rows in
-    order.
+    ``k_tile``, ``v_tile`` are ``(whole, col)`` rows
+    (`elastic_np.cpu._operands.head_rows`); ``checksum`` is 0 when their
+    values are finite, else NaN. The rows of a contiguous cache are read in
+    place (a half one converted into ``scratch = (keys, values)``); those
+    of a paged cache (`_paged`) are gathered from their pages into
+    ``scratch``, converted if half. Either way one pass reads the tile in
+    memory order ahead of the products, which read ``V`` in column strips:
+    those stream from memory far worse than rows in order.
     """
-    k_tile, k_check = readable_checked(k_tile, D, half_scratch[0])
-    v_tile, v_check = readable_checked(v_tile, Dv, half_scratch[1])
-    return k_tile, v_tile, k_check + v_check
+    D, Dv = shape(k)[3], shape(v)[3]
+    table, block_size = pages
+    if block_size == 0:
+        k_tile, k_check = readable_checked(head_rows(k, b, hk, j0, bk), D, scratch[0])
+        v_tile, v_check = readable_checked(head_rows(v, b, hk, j0, bk), Dv, scratch[1])
+        return k_tile, v_tile, k_check + v_check
+    check = _like(0.0, scratch[0])
+    c = 0
+    while c < bk:
+        j = j0 + c
+        page, row = table[b, j // block_size], j % block_size
+        n = min(block_size - row, bk - c)
+        check += copied_checked(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
+        check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
+        c += n
+    return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check
 
 
 @inner(fastmath=_FASTMATH)
@@ -301,10 +347,11 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
+def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     """Tasks (batch, kv head, split): partial ``(max, sum, acc)`` of every stacked row.
 
-    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`).
+    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
+    `_paged`'s, where ``k`` and ``v`` are the operands of a paged cache.
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
     ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
@@ -325,7 +372,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     shift_by = np.empty(rows, dtype=dtype)
     row_lo = np.empty(rows, dtype=np.int64)
     row_hi = np.empty(rows, dtype=np.int64)
-    half_scratch = (scratch_for(k[0], block_k, D, dtype), scratch_for(v[0], block_k, Dv, dtype))
+    kv_scratch = (np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype))  # see `_tiles`
     # the prefill tiles' order: additive modifiers first, the product added onto them
     additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -350,9 +397,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         row_sum[:] = 0.0
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile, v_tile, tile_check = _read_tiles(
-                head_rows(k, b, hk, j0, bk), head_rows(v, b, hk, j0, bk), D, Dv, half_scratch
-            )
+            k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
             checksum += tile_check
             v_rows, v_col = v_tile
             # Q K^T as the prefill tiles form it (the same products in the same
@@ -396,7 +441,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
+def _decode_heads_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
@@ -422,7 +467,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     spans = np.empty((group, 2), dtype=np.int64)  # per head: its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
-    half_scratch = (scratch_for(k[0], block_k, D, dtype), scratch_for(v[0], block_k, Dv, dtype))
+    kv_scratch = (np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype))  # see `_tiles`
     no_cap_slope = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
@@ -446,9 +491,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         checksum = _like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile, v_tile, tile_check = _read_tiles(
-                head_rows(k, b, hk, j0, bk), head_rows(v, b, hk, j0, bk), D, Dv, half_scratch
-            )
+            k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
             checksum += tile_check
             for g in range(group):
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:

@@ -22,6 +22,8 @@ In compiled code:
 `readable_checked(tile, width, scratch)`
     `readable`'s rows and whether the tile's values are all finite, in one
     pass for half storage;
+`copied_checked(tile, width, out)`
+    the rows converted (or copied) into ``out`` and checked, in one pass;
 `scratch_for(x, rows, width, dtype)`
     that scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
 """
@@ -164,20 +166,65 @@ def _readable(tile, width, scratch):
     return convert
 
 
+def copied_checked(tile, width, out):
+    """``out[:n] = `` the ``n`` rows of ``tile`` as floats; 0 when their values are finite, NaN otherwise (jit code only).
+
+    For half storage, the check is made on the bits as they are converted
+    (an exponent of all ones is an inf or a NaN); for float storage it is
+    ``sum(x * 0)``, in the same pass.
+    """
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(copied_checked)
+def _copied_checked(tile, width, out):
+    half = _half_format(tile.types[0].dtype)
+    if half is None:
+        def copied(tile, width, out):
+            whole, col = tile
+            zero = whole.dtype.type(0.0)
+            check = zero
+            for r in range(whole.shape[0]):
+                row = whole[r, col : col + width]
+                to = out[r]
+                for d in range(width):
+                    to[d] = row[d]
+                    check += row[d] * zero
+            return check
+        return copied
+    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    bits_type = tile.types[0].dtype
+
+    def converted(tile, width, out):
+        # (bits & exponent) + lowest exponent bit carries into the sign bit only for an all-ones exponent
+        whole, col = tile
+        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        flags = bits_type(0)
+        for r in range(whole.shape[0]):
+            row = whole[r, col : col + width]
+            to = out[r]
+            for d in range(width):
+                x = row[d]
+                flags |= bits_type((x & mask) + carry)
+                to[d] = widen(x)
+        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
+        return np.float32(0.0) if finite else np.float32(np.nan)
+
+    return converted
+
+
 def readable_checked(tile, width, scratch):
     """`readable`'s rows and a check of the tile's values: 0 when all are finite, NaN otherwise (jit code only).
 
-    For half storage, the check is made on the bits as they are converted
-    (an exponent of all ones is an inf or a NaN), in the same pass; for
-    float storage it is ``sum(x * 0)`` over the tile, a pass of its own.
+    Half storage is converted and checked in one pass (`copied_checked`);
+    float storage is read in place, the check a pass of its own.
     """
     raise NotImplementedError("only callable from compiled code")
 
 
 @overload(readable_checked)
 def _readable_checked(tile, width, scratch):
-    half = _half_format(tile.types[0].dtype)
-    if half is None:
+    if _half_format(tile.types[0].dtype) is None:
         def checked(tile, width, scratch):
             whole, col = tile
             zero = whole.dtype.type(0.0)
@@ -188,24 +235,11 @@ def _readable_checked(tile, width, scratch):
                     check += row[d] * zero
             return tile, check
         return checked
-    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
-    bits_type = tile.types[0].dtype
 
     def converted(tile, width, scratch):
-        # (bits & exponent) + lowest exponent bit carries into the sign bit only for an all-ones exponent
-        whole, col = tile
-        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
-        flags = bits_type(0)
-        n = whole.shape[0]
-        for r in range(n):
-            row = whole[r, col : col + width]
-            out = scratch[r]
-            for d in range(width):
-                x = row[d]
-                flags |= bits_type((x & mask) + carry)
-                out[d] = widen(x)
-        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
-        return (scratch[:n], col - col), np.float32(0.0) if finite else np.float32(np.nan)
+        n = tile[0].shape[0]
+        check = copied_checked(tile, width, scratch)
+        return (scratch[:n], tile[1] - tile[1]), check
 
     return converted
 

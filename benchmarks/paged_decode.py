@@ -1,0 +1,92 @@
+"""Decoding from a paged KV cache (block tables) against the same keys in a contiguous cache, in one process.
+
+Cases: ``B`` sequences of ``--cache`` keys each (8,192), 32 query heads on 8
+key/value heads, one query, head dim 128, pages of ``--block-sizes`` keys
+(16 and 128) in shuffled order, through `elastic_np.varlen_attention` with
+``block_table`` against `elastic_np.attention` on the contiguous
+``(B, Hkv, M, D)`` cache. Each round times both (best of ``--repeat``), the
+order alternating; printed per case: the median times and contiguous / paged
+(above 1: paged is faster), median and range over the rounds, and the peak
+of NumPy allocations of one paged call (``tracemalloc``) beside the cache's size.
+
+Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B ...] [--block-sizes S ...] [--dtype float32]``
+"""
+
+import argparse
+import tracemalloc
+
+import numpy as np
+
+import elastic_np as enp
+from elastic_np import _validation
+from elastic_np.cli import _bench
+
+
+def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0):
+    """``(contiguous, paged)``: two calls over the same keys and values."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, M, D)).astype(np.float32).astype(dtype) for _ in range(2))
+    per_sequence = -(-M // block_size)
+    table = rng.permutation(B * per_sequence).reshape(B, per_sequence)
+    pages = [np.zeros((B * per_sequence, block_size, Hkv, D), dtype=dtype) for _ in range(2)]
+    for b in range(B):
+        for p in range(per_sequence):
+            rows = slice(p * block_size, min((p + 1) * block_size, M))
+            for cache, a in zip(pages, (k, v)):
+                cache[table[b, p], : rows.stop - rows.start] = a[b, :, rows].transpose(1, 0, 2)
+    q_packed = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, H, D)
+    cu_q = np.arange(B + 1)
+    cu_k = np.zeros(B + 1, dtype=np.int64)  # a paged cache: the keys are the pages
+    used = np.full(B, M)
+
+    def contiguous():
+        return enp.attention(q, k, v, backend="cpu")
+
+    def paged():
+        return enp.varlen_attention(q_packed, *pages, cu_q, cu_k, block_table=table, seqused_k=used,
+                                    backend="cpu")
+
+    return contiguous, paged, 2 * k.nbytes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--cache", type=int, default=8192)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    dtype = _validation.numpy_dtype(args.dtype)
+    with _bench.thread_counts(args.threads) as counts:
+        cases = {(B, s): make_case(B, args.cache, s, dtype) for B in args.batch for s in args.block_sizes}
+        peaks = {}
+        for key, (contiguous, paged, nbytes) in cases.items():
+            np.testing.assert_array_equal(contiguous().view(np.uint8), paged()[:, :, None].transpose(0, 2, 1, 3)
+                                          .reshape(contiguous().shape).view(np.uint8))
+            tracemalloc.start()
+            paged()
+            peaks[key] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        times = {key: ([], []) for key in cases}
+        for r in range(args.rounds):
+            for key, (contiguous, paged, _) in cases.items():
+                order = (0, 1) if r % 2 == 0 else (1, 0)
+                for i in order:
+                    times[key][i].append(_bench.best_time((contiguous, paged)[i], repeat=args.repeat))
+    print(f"decode 32/8 heads, 1 query, {args.cache} keys of 128, {dtype.name}; {_bench.describe_threads(counts)}; "
+          f"{args.rounds} rounds, best of {args.repeat}")
+    print(f"{'B':>3} {'block':>6} {'contiguous ms':>14} {'paged ms':>9}  contiguous/paged   paged peak / cache")
+    for (B, s), (c, p) in times.items():
+        ratio = np.array(c) / np.array(p)
+        nbytes = cases[B, s][2]
+        print(f"{B:>3} {s:>6} {np.median(c) * 1e3:>14.2f} {np.median(p) * 1e3:>9.2f}  "
+              f"{np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})   "
+              f"{peaks[B, s] / 2**20:.2f} MiB / {nbytes / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
