@@ -51,9 +51,9 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import copied_checked, narrow, readable_checked, widen
+from elastic_np.cpu._halves import checked, copied_checked, narrow, readable, readable_checked, widen
 from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import _LINE_BYTES, compile_for
@@ -87,8 +87,13 @@ def splits(B, Hkv, M):
     return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
-#: `_tiles`' ``pages`` of a contiguous cache.
-_CONTIGUOUS = (np.zeros((0, 0), dtype=np.int64), 0)
+#: The block table of a contiguous cache (`_tiles`).
+_NO_TABLE = np.zeros((0, 0), dtype=np.int64)
+
+
+def _together(opt):
+    """Whether every query head of each batch entry keeps the same offsets, so every kv head the same keys."""
+    return bool((opt.band == opt.band[:, :1]).all())
 
 
 def forward(problem, paged=None):
@@ -107,11 +112,13 @@ def forward(problem, paged=None):
     compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
     q = operand(problem.q)
     if paged is None:
-        k, v, pages = operand(problem.k), operand(problem.v), _CONTIGUOUS
+        k, v = operand(problem.k), operand(problem.v)
+        table, block_size = _NO_TABLE, 0
     else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
         k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
-        pages = (np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1])
+        table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
+    pages = (table, block_size, not key_major and k[1] == BNHD and _together(opt))
     rows = (H // Hkv) * N
     n_split = splits(B, Hkv, M)
     part_max = np.empty((B, Hkv, n_split, rows))
@@ -188,23 +195,54 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 
 @inner(fastmath=_FASTMATH)
+def _read_all_heads(k, v, pages, b, j0, bk):
+    """Keys and values ``j0 .. j0 + bk - 1`` of every kv head of batch entry ``b`` read in memory order: 0 when finite.
+
+    In a ``(B, N, H, D)`` or paged cache the rows of one key for all kv heads
+    are adjacent: this pass streams them in order (which the hardware
+    prefetcher follows, where a head's rows alone are ``Hkv * D`` entries
+    apart), so the products that follow, head by head, find them in cache.
+    Returns NaN if any is not finite.
+    """
+    table, block_size, _ = pages
+    check = 0.0
+    c = 0
+    while c < bk:
+        j = j0 + c
+        if block_size == 0:
+            at, row, n = b, j, bk - c
+        else:
+            at, row = table[b, j // block_size], j % block_size
+            n = min(block_size - row, bk - c)
+        check += checked(head_rows(k, at, 0, row, n), shape(k)[1] * shape(k)[3])
+        check += checked(head_rows(v, at, 0, row, n), shape(v)[1] * shape(v)[3])
+        c += n
+    return check
+
+
+@inner(fastmath=_FASTMATH)
 def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     """``(k_tile, v_tile, checksum)``: keys ``j0 .. j0 + bk - 1`` of ``(b, hk)`` as the products read them.
 
     ``k_tile``, ``v_tile`` are ``(whole, col)`` rows
     (`elastic_np.cpu._operands.head_rows`); ``checksum`` is 0 when their
-    values are finite, else NaN. The rows of a contiguous cache are read in
-    place (a half one converted into ``scratch = (keys, values)``); those
-    of a paged cache (`_paged`) are gathered from their pages into
-    ``scratch``, converted if half. Either way one pass reads the tile in
+    values are finite, else NaN. The rows of a contiguous cache, or of a tile
+    within one page of a paged cache (`forward`'s ``paged``), are read in
+    place (half ones converted into ``scratch = (keys, values)``); a tile
+    over several pages is gathered from them into ``scratch``. Either way one pass reads the tile in
     memory order ahead of the products, which read ``V`` in column strips:
     those stream from memory far worse than rows in order.
     """
     D, Dv = shape(k)[3], shape(v)[3]
-    table, block_size = pages
-    if block_size == 0:
-        k_tile, k_check = readable_checked(head_rows(k, b, hk, j0, bk), D, scratch[0])
-        v_tile, v_check = readable_checked(head_rows(v, b, hk, j0, bk), Dv, scratch[1])
+    table, block_size, together = pages
+    if block_size == 0 or j0 // block_size == (j0 + bk - 1) // block_size:  # in place: one array, or one page
+        at, row = (b, j0) if block_size == 0 else (table[b, j0 // block_size], j0 % block_size)
+        if together:  # checked by `_read_all_heads` already
+            zero = _like(0.0, scratch[0])
+            return readable(head_rows(k, at, hk, row, bk), D, scratch[0]), \
+                readable(head_rows(v, at, hk, row, bk), Dv, scratch[1]), zero
+        k_tile, k_check = readable_checked(head_rows(k, at, hk, row, bk), D, scratch[0])
+        v_tile, v_check = readable_checked(head_rows(v, at, hk, row, bk), Dv, scratch[1])
         return k_tile, v_tile, k_check + v_check
     check = _like(0.0, scratch[0])
     c = 0
@@ -348,10 +386,15 @@ def _row_max(z, c_lo, c_hi):
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
-    """Tasks (batch, kv head, split): partial ``(max, sum, acc)`` of every stacked row.
+    """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
-    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
-    `_paged`'s, where ``k`` and ``v`` are the operands of a paged cache.
+    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages =
+    (table, block_size, together)``: `_tiles`' (a paged cache when
+    ``block_size > 0``) and whether a task takes every kv head, a tile at a
+    time, so that the rows of one key for all heads, adjacent in a ``(B, N,
+    H, D)`` or paged cache, are read together (every head's keys then lie in
+    the same range: `_together`). Either way each head's tiles, and so its
+    bits, are the same.
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
     ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
@@ -363,81 +406,117 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     group = H // Hkv
     rows = group * N
     dtype = part_acc.dtype
-    qs = np.empty((rows, D), dtype=dtype)
+    heads = Hkv if pages[2] else 1  # kv heads per task
     kt = np.empty((D, block_k + _LINE_BYTES // part_acc.itemsize), dtype=dtype)  # see `_transpose_keys`
     st = np.empty((rows, block_k), dtype=dtype)
-    acc = np.empty((rows, Dv), dtype=dtype)
-    row_max = np.empty(rows, dtype=dtype)
-    row_sum = np.empty(rows)
     shift_by = np.empty(rows, dtype=dtype)
-    row_lo = np.empty(rows, dtype=np.int64)
-    row_hi = np.empty(rows, dtype=np.int64)
+    qs = np.empty((heads, rows, D), dtype=dtype)
+    acc = np.empty((heads, rows, Dv), dtype=dtype)
+    row_max = np.empty((heads, rows), dtype=dtype)
+    row_sum = np.empty((heads, rows))
+    row_span = np.empty((heads, 2, rows), dtype=np.int64)  # the keys [lo, hi) each row may keep
+    checksum = np.empty(heads, dtype=dtype)
     kv_scratch = (np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype))  # see `_tiles`
-    # the prefill tiles' order: additive modifiers first, the product added onto them
-    additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
-    for task in _task_range(B * Hkv * n_split, part, parts):
+    for task in _task_range(B * (Hkv // heads) * n_split, part, parts):
         s = task % n_split
-        b = task // n_split // Hkv
-        hk = task // n_split % Hkv
-        diag_shift = opt.diag_shift[b]
-        u_lo, u_hi = _row_ranges(opt, b, hk, group, N, row_lo, row_hi)
-        read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
+        b = task // n_split // (Hkv // heads)
+        hk0 = task // n_split % (Hkv // heads) * heads
+        for t in range(heads):
+            u_lo, u_hi = _row_ranges(opt, b, hk0 + t, group, N, row_span[t, 0], row_span[t, 1])
+            read[b, hk0 + t, 0], read[b, hk0 + t, 1] = u_lo, u_hi
+            _start_rows(q, opt, b, hk0 + t, qs[t], (acc[t], row_max[t], row_sum[t]))
+            checksum[t] = 0.0
+        u_lo, u_hi = read[b, hk0, 0], read[b, hk0, 1]  # the same for every head of the task
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
-        checksum = _like(0.0, qs)
-        for g in range(group):
-            h = hk * group + g
-            factor = _query_factor(opt, h)
-            q_h, col = head(q, b, h)
-            for i in range(N):
-                for d in range(D):
-                    qs[g * N + i, d] = widen(q_h[i, col + d]) * factor
-        acc[:] = 0.0
-        row_max[:] = -np.inf
-        row_sum[:] = 0.0
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
-            checksum += tile_check
-            v_rows, v_col = v_tile
-            # Q K^T as the prefill tiles form it (the same products in the same
-            # order): the backward recomputes these logits bit for bit
-            _transpose_keys(k_tile, kt, bk, D)
-            if additive_first:
-                for r in range(rows):
-                    _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, diag_shift)
-            matmul_nn(qs, 0, kt, 0, st, rows, bk, D, additive_first)
-            any_kept = False
-            for r in range(rows):
-                h = hk * group + r // N
-                i = r % N
-                tile_max = _score_row(st[r, :bk], opt, b, h, i, j0, row_lo[r], row_hi[r], additive_first)
-                new_max = max(row_max[r], tile_max)
-                # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
-                shift_by[r] = new_max if new_max > -np.inf else 0.0
-                if new_max > row_max[r]:
-                    alpha = math.exp(row_max[r] - shift_by[r])
-                    row_sum[r] *= alpha
-                    if alpha != 1.0:
-                        for d in range(Dv):
-                            acc[r, d] *= alpha
-                row_max[r] = new_max
-                any_kept = any_kept or tile_max > -np.inf
-                z = st[r, :bk]
-                for c in range(bk):
-                    z[c] -= shift_by[r]
-            if not any_kept:
-                continue
-            exp_inplace(st, rows, bk)
-            for r in range(rows):
-                z = st[r, :bk]
-                total = _like(0.0, st)
-                for c in range(bk):
-                    total += z[c]
-                row_sum[r] += total
-            matmul_nn(st, 0, v_rows, v_col, acc, rows, Dv, bk, True)
-        checksum += _store_split(acc, row_max, row_sum, part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s])
-        suspect[b, hk, s] = not checksum == 0.0
+            if pages[2]:
+                all_check = _read_all_heads(k, v, pages, b, j0, bk)
+                for t in range(heads):
+                    checksum[t] += all_check
+            for t in range(heads):
+                k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk0 + t, j0, bk, kv_scratch)
+                checksum[t] += tile_check
+                _rows_tile(k_tile, v_tile, (kt, st, shift_by), qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
+                           (acc[t], row_max[t], row_sum[t]))
+        for t in range(heads):
+            hk = hk0 + t
+            check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
+                                               part_max[b, hk, s], part_sum[b, hk, s])
+            suspect[b, hk, s] = not check == 0.0
+
+
+@inner(fastmath=_FASTMATH)
+def _start_rows(q, opt, b, hk, qs, state):
+    """The stacked rows of kv head ``hk`` before its first tile: ``qs`` the scaled queries, ``state`` emptied."""
+    acc, row_max, row_sum = state
+    N, D = shape(q)[2], shape(q)[3]
+    group = qs.shape[0] // N
+    for g in range(group):
+        h = hk * group + g
+        factor = _query_factor(opt, h)
+        q_h, col = head(q, b, h)
+        for i in range(N):
+            for d in range(D):
+                qs[g * N + i, d] = widen(q_h[i, col + d]) * factor
+    acc[:] = 0.0
+    row_max[:] = -np.inf
+    row_sum[:] = 0.0
+
+
+@inner(fastmath=_FASTMATH)
+def _rows_tile(k_tile, v_tile, work, qs, row_span, opt, where, state):
+    """The online softmax's step of kv head ``hk``'s stacked rows with keys ``j0 .. j0 + bk - 1``.
+
+    ``k_tile``, ``v_tile``: `_tiles`'; ``work = (kt, st, shift_by)``, the
+    thread's scratch; ``row_span``: `_row_ranges`' ``(row_lo, row_hi)``;
+    ``where = (b, hk, N, j0, bk)``; ``state = (acc, row_max, row_sum)``.
+    """
+    kt, st, shift_by = work
+    b, hk, N, j0, bk = where
+    acc, row_max, row_sum = state
+    rows, D = qs.shape
+    Dv = acc.shape[1]
+    group = rows // N
+    v_rows, v_col = v_tile
+    # the prefill tiles' order: additive modifiers first, the product added onto them
+    additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
+    # Q K^T as the prefill tiles form it (the same products in the same
+    # order): the backward recomputes these logits bit for bit
+    _transpose_keys(k_tile, kt, bk, D)
+    if additive_first:
+        for r in range(rows):
+            _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, opt.diag_shift[b])
+    matmul_nn(qs, 0, kt, 0, st, rows, bk, D, additive_first)
+    any_kept = False
+    for r in range(rows):
+        h = hk * group + r // N
+        tile_max = _score_row(st[r, :bk], opt, b, h, r % N, j0, row_span[0, r], row_span[1, r], additive_first)
+        new_max = max(row_max[r], tile_max)
+        # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
+        shift_by[r] = new_max if new_max > -np.inf else 0.0
+        if new_max > row_max[r]:
+            alpha = math.exp(row_max[r] - shift_by[r])
+            row_sum[r] *= alpha
+            if alpha != 1.0:
+                for d in range(Dv):
+                    acc[r, d] *= alpha
+        row_max[r] = new_max
+        any_kept = any_kept or tile_max > -np.inf
+        z = st[r, :bk]
+        for c in range(bk):
+            z[c] -= shift_by[r]
+    if not any_kept:
+        return
+    exp_inplace(st, rows, bk)
+    for r in range(rows):
+        z = st[r, :bk]
+        total = _like(0.0, st)
+        for c in range(bk):
+            total += z[c]
+        row_sum[r] += total
+    matmul_nn(st, 0, v_rows, v_col, acc, rows, Dv, bk, True)
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)

@@ -24,6 +24,8 @@ In compiled code:
     pass for half storage;
 `copied_checked(tile, width, out)`
     the rows converted (or copied) into ``out`` and checked, in one pass;
+`checked(tile, width)`
+    the check alone;
 `scratch_for(x, rows, width, dtype)`
     that scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
 """
@@ -213,6 +215,42 @@ def _copied_checked(tile, width, out):
     return converted
 
 
+def checked(tile, width):
+    """0 when the values of the rows of ``tile`` are finite, NaN otherwise, in one pass (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(checked)
+def _checked(tile, width):
+    half = _half_format(tile.types[0].dtype)
+    if half is None:
+        def float_check(tile, width):
+            whole, col = tile
+            zero = whole.dtype.type(0.0)
+            check = zero
+            for r in range(whole.shape[0]):
+                row = whole[r, col : col + width]
+                for d in range(width):
+                    check += row[d] * zero
+            return check
+        return float_check
+    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    bits_type = tile.types[0].dtype
+
+    def bits_check(tile, width):
+        whole, col = tile
+        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        flags = bits_type(0)
+        for r in range(whole.shape[0]):
+            row = whole[r, col : col + width]
+            for d in range(width):
+                flags |= bits_type((row[d] & mask) + carry)
+        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
+        return np.float32(0.0) if finite else np.float32(np.nan)
+
+    return bits_check
+
+
 def readable_checked(tile, width, scratch):
     """`readable`'s rows and a check of the tile's values: 0 when all are finite, NaN otherwise (jit code only).
 
@@ -225,16 +263,9 @@ def readable_checked(tile, width, scratch):
 @overload(readable_checked)
 def _readable_checked(tile, width, scratch):
     if _half_format(tile.types[0].dtype) is None:
-        def checked(tile, width, scratch):
-            whole, col = tile
-            zero = whole.dtype.type(0.0)
-            check = zero
-            for r in range(whole.shape[0]):
-                row = whole[r, col : col + width]
-                for d in range(width):
-                    check += row[d] * zero
-            return tile, check
-        return checked
+        def in_place(tile, width, scratch):
+            return tile, checked(tile, width)
+        return in_place
 
     def converted(tile, width, scratch):
         n = tile[0].shape[0]
