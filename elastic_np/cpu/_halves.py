@@ -1,6 +1,7 @@
 """Half-precision storage in the CPU kernels: bfloat16 and float16 read as float32, written rounded.
 
-The kernels compute in float32 for both formats (`compute_dtype`). Numba has
+The kernels compute in float32 for both formats
+(`elastic_np._validation.compute_dtype`). Numba has
 no 16-bit float type on the CPU, so a half array reaches compiled code as
 its bits, a view of the same memory (`bits`): bfloat16 as ``uint16``,
 float16 as ``int16``. The integer type tells the format at compile time,
@@ -37,16 +38,6 @@ from numba.extending import intrinsic, overload
 
 #: The half formats, by the name of their NumPy dtype, and the integer type of their bits.
 _BITS = {"bfloat16": np.uint16, "float16": np.int16}
-
-
-def is_half(dtype):
-    """True for bfloat16 (``ml_dtypes.bfloat16``) and float16."""
-    return np.dtype(dtype).name in _BITS
-
-
-def compute_dtype(dtype):
-    """The dtype the kernels compute in for inputs of ``dtype``: float32 for a half, else ``dtype``."""
-    return np.dtype(np.float32) if is_half(dtype) else np.dtype(dtype)
 
 
 def bits(a):
