@@ -29,6 +29,8 @@ Examples
 torch.Size([1, 3, 64])
 """
 
+import weakref
+
 import torch
 
 from elastic_np import torch as enpt
@@ -125,6 +127,10 @@ def _check_kwargs(module, dropout, kwargs):
         raise TypeError(f"elastic_np attention cannot honour {', '.join(unknown)}")
 
 
+#: The masks `_check_packed_mask` found right: ``id(mask) -> (weak reference to it, what it was checked for)``.
+_CHECKED = {}
+
+
 def _packed_attention(query, key, value, mask, kwargs, causal, window, options):
     """Packed sequences' attention, ``(B, N, H, Dv)``: the ``B * N`` tokens through `enpt.varlen_attention`."""
     missing = [name for name in _PACKED[:2] if kwargs.get(name) is None]
@@ -142,34 +148,41 @@ def _packed_attention(query, key, value, mask, kwargs, causal, window, options):
 
 
 def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
-    """Raise a `ValueError` unless ``mask`` keeps, within each packed sequence, what ``causal`` and ``window`` keep."""
+    """Raise a `ValueError` unless ``mask`` keeps, within each packed sequence, what ``causal`` and ``window`` keep.
+
+    Only the sequences' diagonal blocks are read (what the mask keeps across
+    sequences is never looked at, nor computed), once per mask: the layers of
+    one forward share it (`_CHECKED`).
+    """
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[-2:] != (total_q, total_k):
         raise ValueError(f"elastic_np attention takes packed sequences with transformers' boolean mask of one row, "
                          f"(1, 1, {total_q}, {total_k}), or none, got dtype {mask.dtype} and shape "
                          f"{tuple(mask.shape)}")
-    cu_q, cu_k = (torch.as_tensor(cu, device=mask.device).long() for cu in (cu_q, cu_k))
-    if cu_q.dim() != 1 or cu_k.shape != cu_q.shape or cu_q[-1] != total_q or cu_k[-1] != total_k:
+    starts_q, starts_k = (torch.as_tensor(cu).tolist() for cu in (cu_q, cu_k))
+    if len(starts_q) != len(starts_k):
         return  # not offsets of these tokens: varlen_attention's checks name the argument
-    seq_q = torch.searchsorted(cu_q[1:], torch.arange(total_q, device=mask.device), right=True)
-    seq_k = torch.searchsorted(cu_k[1:], torch.arange(total_k, device=mask.device), right=True)
-    # key position minus the query's, the last query aligned to its sequence's last key (bottom-right)
-    lengths_q, lengths_k = cu_q[seq_q + 1] - cu_q[seq_q], cu_k[seq_q + 1] - cu_k[seq_q]
-    query_at = torch.arange(total_q, device=mask.device) - cu_q[seq_q] + lengths_k - lengths_q
-    offset = (torch.arange(total_k, device=mask.device) - cu_k[seq_k])[None, :] - query_at[:, None]
-    keep = torch.ones_like(offset, dtype=torch.bool)
-    if causal:
-        keep &= offset <= 0
+    key = (tuple(starts_q), tuple(starts_k), causal, window)
+    seen = _CHECKED.get(id(mask))
+    if seen is not None and seen[0]() is mask and seen[1] == key:
+        return
     left, right = window
-    if left >= 0:
-        keep &= offset >= -left
-    if right >= 0:
-        keep &= offset <= right
-    same = seq_q[:, None] == seq_k[None, :]
-    if not bool(((mask[0] == keep) | ~same).all()):
-        raise ValueError("elastic_np attention takes packed sequences (cu_seq_lens_q) with a mask that keeps, "
-                         "within each sequence, what causality and the sliding window keep, and this one differs "
-                         "(padding?): packed sequences carry no padding; drop the attention_mask or the "
-                         "cu_seq_lens")
+    for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
+        n, m = q1 - q0, k1 - k0
+        keep = torch.ones((max(n, 0), max(m, 0)), dtype=torch.bool, device=mask.device)
+        if causal:  # bottom-right aligned, as the kernels
+            keep = keep.tril(m - n)
+        if left >= 0:
+            keep = keep.triu(m - n - left)
+        if right >= 0:
+            keep = keep.tril(m - n + right)
+        if not bool((mask[0, :, q0:q1, k0:k1] == keep).all()):
+            raise ValueError("elastic_np attention takes packed sequences (cu_seq_lens_q) with a mask that keeps, "
+                             "within each sequence, what causality and the sliding window keep, and this one "
+                             "differs (padding?): packed sequences carry no padding; drop the attention_mask or "
+                             "the cu_seq_lens")
+    if len(_CHECKED) >= 8:
+        _CHECKED.clear()
+    _CHECKED[id(mask)] = (weakref.ref(mask), key)
 
 
 def _mask_options(mask, B, N, M):

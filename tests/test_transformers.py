@@ -230,3 +230,20 @@ def test_a_packed_batch_with_a_padding_mask_is_an_error():
     batch["attention_mask"][0, 3] = 0
     with pytest.raises(ValueError, match="differs \\(padding\\?\\): packed sequences carry no padding"):
         model(**batch)
+
+
+def test_a_packed_mask_is_checked_within_each_sequence_only():
+    cu = torch.tensor([0, 3, 8])
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    position = torch.arange(8) - cu[seq]
+    causal = (seq[:, None] == seq[None, :]) & (position[None, :] <= position[:, None])
+    check = enp_transformers._check_packed_mask
+    check(causal[None, None], cu, cu, True, (-1, -1), 8, 8)
+    check(torch.ones(8, 8, dtype=torch.bool).tril()[None, None], cu, cu, True, (-1, -1), 8, 8)  # across: not read
+    window = causal & (position[:, None] - position[None, :] < 2)
+    check(window[None, None], cu, cu, True, (1, 0), 8, 8)
+    for mask, window_size in ((causal, (1, 0)), (window, (-1, -1)), (torch.ones(8, 8, dtype=torch.bool), (-1, -1))):
+        with pytest.raises(ValueError, match="within each sequence, what causality and the sliding window keep"):
+            check(mask[None, None].clone(), cu, cu, True, window_size, 8, 8)
+    with pytest.raises(ValueError, match="boolean mask of one row, \\(1, 1, 8, 8\\)"):
+        check(causal[None, None].float(), cu, cu, True, (-1, -1), 8, 8)
