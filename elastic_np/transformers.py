@@ -158,8 +158,8 @@ def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
         raise ValueError(f"elastic_np attention takes packed sequences with transformers' boolean mask of one row, "
                          f"(1, 1, {total_q}, {total_k}), or none, got dtype {mask.dtype} and shape "
                          f"{tuple(mask.shape)}")
-    starts_q, starts_k = (torch.as_tensor(cu).tolist() for cu in (cu_q, cu_k))
-    if len(starts_q) != len(starts_k):
+    starts_q, starts_k = _starts(cu_q, total_q), _starts(cu_k, total_k)
+    if starts_q is None or starts_k is None or len(starts_q) != len(starts_k):
         return  # not offsets of these tokens: varlen_attention's checks name the argument
     key = (tuple(starts_q), tuple(starts_k), causal, window)
     seen = _CHECKED.get(id(mask))
@@ -183,6 +183,15 @@ def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
     if len(_CHECKED) >= 8:
         _CHECKED.clear()
     _CHECKED[id(mask)] = (weakref.ref(mask), key)
+
+
+def _starts(cu, total):
+    """``cu`` as a list of offsets rising from 0 to ``total``, or None where it is not one."""
+    starts = torch.as_tensor(cu).tolist()
+    if not isinstance(starts, list) or len(starts) < 2 or starts[0] != 0 or starts[-1] != total \
+            or any(b < a for a, b in zip(starts, starts[1:])):
+        return None
+    return starts
 
 
 def _mask_options(mask, B, N, M):

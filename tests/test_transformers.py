@@ -247,3 +247,14 @@ def test_a_packed_mask_is_checked_within_each_sequence_only():
             check(mask[None, None].clone(), cu, cu, True, window_size, 8, 8)
     with pytest.raises(ValueError, match="boolean mask of one row, \\(1, 1, 8, 8\\)"):
         check(causal[None, None].float(), cu, cu, True, (-1, -1), 8, 8)
+
+
+def test_packed_offsets_that_do_not_fit_are_named_with_a_mask_too():
+    module = _models("llama")["elastic_np"].model.layers[0].self_attn
+    q = torch.zeros(1, 8, 6, 8)
+    k = torch.zeros(1, 2, 6, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    for cu in ([0, 4, 9], [0, 4, 2, 6], [1, 6]):
+        with pytest.raises(ValueError, match="`cu_seqlens_q` must rise from 0 to the packed length 6"):
+            enp_transformers.attention_forward(module, q, k, k, mask, cu_seq_lens_q=torch.tensor(cu),
+                                               cu_seq_lens_k=torch.tensor(cu))
