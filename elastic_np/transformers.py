@@ -142,8 +142,12 @@ def _packed_attention(query, key, value, mask, kwargs, causal, window, options):
     if mask is not None:
         _check_packed_mask(mask, cu_q, cu_k, causal, window, B * N, key.shape[0] * key.shape[2])
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
-    out = enpt.varlen_attention(q, k, v, cu_q, cu_k, max_q=kwargs.get("max_length_q"),
-                                max_k=kwargs.get("max_length_k"), causal=causal, window_size=window, **options)
+    try:
+        out = enpt.varlen_attention(q, k, v, cu_q, cu_k, max_q=kwargs.get("max_length_q"),
+                                    max_k=kwargs.get("max_length_k"), causal=causal, window_size=window, **options)
+    except ValueError as error:  # its names: cu_seqlens_q for transformers' cu_seq_lens_q, max_q for max_length_q
+        raise ValueError(f"packed sequences (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k): "
+                         f"{error}") from None
     return out.view(B, N, H, out.shape[-1])
 
 

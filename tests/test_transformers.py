@@ -255,6 +255,7 @@ def test_packed_offsets_that_do_not_fit_are_named_with_a_mask_too():
     k = torch.zeros(1, 2, 6, 8)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     for cu in ([0, 4, 9], [0, 4, 2, 6], [1, 6]):
-        with pytest.raises(ValueError, match="`cu_seqlens_q` must rise from 0 to the packed length 6"):
+        with pytest.raises(ValueError, match="packed sequences \\(cu_seq_lens_q, .*\\): `cu_seqlens_q` must rise "
+                                             "from 0 to the packed length 6"):
             enp_transformers.attention_forward(module, q, k, k, mask, cu_seq_lens_q=torch.tensor(cu),
                                                cu_seq_lens_k=torch.tensor(cu))
