@@ -180,6 +180,22 @@ def test_a_packed_layer_compiles_whole_and_gives_the_eager_bits():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_a_bias_and_a_mask_per_sequence_compile_whole():
+    q, k, v, cu_q, cu_k = _packed()
+    options = _options()["bias_and_mask"]
+
+    def loss(q, k, v, bias, mask):
+        return enpt.varlen_attention(q, k, v, cu_q, cu_k, bias=bias, mask=mask, causal=True).square().sum()
+
+    assert torch._dynamo.explain(loss)(q, k, v, options["bias"], options["mask"]).graph_break_count == 0
+    torch.compile(loss, fullgraph=True)(q, k, v, options["bias"], options["mask"]).backward()
+    compiled = [b.grad.clone() for b in options["bias"]]
+    for b in options["bias"]:
+        b.grad = None
+    loss(q, k, v, options["bias"], options["mask"]).backward()
+    assert all(torch.equal(a, b.grad) for a, b in zip(compiled, options["bias"]))
+
+
 def test_seqused_k_forward_and_backward():
     q, k, v, cu_q, cu_k = _packed()
     used = torch.tensor([3, 0, 12, 6, 0])
