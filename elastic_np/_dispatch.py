@@ -5,8 +5,9 @@ A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 `elastic_np.cuda`) with the same face (the reference's is
 ``reference/_backend.py``, kept out of ``reference.__all__``):
 
-- ``dtypes``: the dtypes it computes in (None: any real float, computed in
-  float64, the reference);
+- ``dtypes``: the names of the dtypes of ``q``, ``k``, ``v`` it takes (None:
+  any real float, computed in float64, the reference; the CPU kernels
+  compute in float32 for bfloat16 and float16);
 - ``is_available()`` and ``check_available()`` (which raises
   `~elastic_np.BackendUnavailableError` saying what is missing);
 - ``prepare(q, k, v, **options)``, with the signature of
@@ -52,7 +53,7 @@ def get_backend(name):
 def _problem(module, q, k, v, options):
     """The backend's validated problem: its ``prepare``, then `_spec.check_support`."""
     problem = module.prepare(q, k, v, dtypes=module.dtypes, **options)
-    kernel_dtype = None if module.dtypes is None else problem.dtype
+    kernel_dtype = None if module.dtypes is None else problem.compute_dtype
     _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
     return problem
 

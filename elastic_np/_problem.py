@@ -110,7 +110,13 @@ class AttentionProblem:
 
     @property
     def dtype(self):
+        """The dtype of ``q``, ``k``, ``v`` (and of ``out`` and the gradients of the kernels)."""
         return self.q.dtype
+
+    @property
+    def compute_dtype(self):
+        """The dtype the kernels compute in, and of ``lse``: float32 for bfloat16 and float16 inputs."""
+        return _validation.compute_dtype(self.q.dtype)
 
     def sink_gradient(self, delta, lse):
         """``dbeta`` per head, or summed over the heads when ``beta`` is shared (see `sink_gradient`)."""
@@ -145,8 +151,8 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
             **options):
     """Validate the attention inputs and options (`elastic_np._spec`); return an `AttentionProblem`.
 
-    ``dtypes`` restricts the accepted dtype of ``q, k, v`` (the kernels take
-    float32 and float64, all three the same); with ``dtypes=None`` any real
+    ``dtypes`` restricts the accepted dtype of ``q, k, v`` to these names (a
+    kernel backend's, all three the same); with ``dtypes=None`` any real
     floating dtype is accepted and converted to float64 (the reference).
     With ``check_finite=False`` no value is checked. ``defer_bias_check``
     leaves the check of the bias's values to a backend whose kernels read
@@ -167,7 +173,7 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     if check_finite and not defer_kv_check:
         _validation.check_cache_values(k, v, fields["kv_lengths"])
     check_dtype_range(
-        np.float64 if dtypes is None else q.dtype, **{name: fields[name] for name in _RANGE_FIELDS},
+        np.float64 if dtypes is None else _validation.compute_dtype(q.dtype), **{name: fields[name] for name in _RANGE_FIELDS},
         uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
     )
     return AttentionProblem(
@@ -194,9 +200,8 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
         if a.ndim != 4:
             raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
                              f"got shape {a.shape}")
-        if dtypes is not None and a.dtype not in dtypes:
-            names = " or ".join(str(d) for d in dtypes)
-            raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {names}")
+        if dtypes is not None and a.dtype.name not in dtypes:
+            raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {', '.join(map(str, dtypes))}")
     given = tuple(a.shape for a in arrays.values())
     if layout == "bnhd":
         arrays = {name: np.swapaxes(a, 1, 2) for name, a in arrays.items()}

@@ -2,7 +2,8 @@
 
 CPU tensors reach the kernels through ``Tensor.numpy()``, without a copy when
 they are C-contiguous, and the results come back through
-``torch.from_numpy``. CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias``
+``torch.from_numpy`` (bfloat16 through ``ml_dtypes.bfloat16``: `to_numpy`,
+`from_numpy`). CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias``
 on one device) go through the CUDA backend in place (`_CudaBridge`), and the
 results come back as tensors on that device over the memory the kernels
 wrote.
@@ -15,17 +16,37 @@ import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch
+from elastic_np import _dispatch, _validation
 
-_KERNEL_DTYPES = (torch.float32, torch.float64)
+#: The dtypes of tensors on the CPU (the CPU kernels compute in float32 for the halves) and on a GPU.
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CUDA_DTYPES = (torch.float32, torch.float64)
 
 
-def _check_dtype(value, name):
-    if value.is_floating_point() and value.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"`{name}` has dtype {value.dtype}; the elastic_np kernels take torch.float32 or "
-            "torch.float64: convert it with .float() (or .double())"
-        )
+def _check_dtype(value, name, taken=_CPU_DTYPES):
+    if value.is_floating_point() and value.dtype not in taken:
+        names = ", ".join(str(d) for d in taken)
+        raise TypeError(f"`{name}` has dtype {value.dtype}; elastic_np takes {names} on its device "
+                        "(the CUDA kernels: no bfloat16 or float16 yet): convert it with .float()")
+
+
+def lse_dtype(dtype):
+    """The dtype of ``lse`` for inputs of ``dtype``: float32 for bfloat16 and float16."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def to_numpy(tensor):
+    """A CPU tensor as a NumPy array over its memory (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_validation.numpy_dtype("bfloat16"))
+    return tensor.numpy()
+
+
+def from_numpy(array):
+    """A NumPy array as a CPU tensor over its memory (``ml_dtypes.bfloat16`` as torch.bfloat16)."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def check_on_cpu(value, name):
@@ -58,12 +79,12 @@ def _host(value, name):
     """A CPU tensor as a NumPy view (no copy), anything else as it is."""
     if not isinstance(check_on_cpu(value, name), torch.Tensor):
         return value
-    return value.detach().resolve_neg().numpy()
+    return to_numpy(value.detach().resolve_neg())
 
 
 def _as_grad(grad, like):
     """A NumPy gradient (or Python float) as a tensor of ``like``'s dtype and shape."""
-    return torch.as_tensor(np.asarray(grad)).to(like.dtype).reshape(like.shape)
+    return from_numpy(np.asarray(grad)).to(like.dtype).reshape(like.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -146,8 +167,8 @@ def _option(value, name, device):
     """An option tensor on the CPU or ``device`` as a NumPy array (the CUDA backend reads it on the host)."""
     if not isinstance(value, torch.Tensor) or value.device != device:
         return _host(value, name)
-    _check_dtype(value, name)
-    return value.detach().resolve_neg().cpu().numpy()
+    _check_dtype(value, name, _CUDA_DTYPES)
+    return to_numpy(value.detach().resolve_neg().cpu())
 
 
 def _device_tensor(value, name, device):
@@ -158,7 +179,7 @@ def _device_tensor(value, name, device):
         raise TypeError(
             f"`{name}` is on device {value.device} and `q` on {device}: q, k, v and bias must be on one device"
         )
-    _check_dtype(value, name)
+    _check_dtype(value, name, _CUDA_DTYPES)
     return value.detach().resolve_neg().contiguous()
 
 

@@ -67,7 +67,7 @@ def _forward(q, k, v, *args):
         host = {name: arrays._host(value, name) for name, value in learnable.items()}
         out, lse = _dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                        return_lse=True, **common.numpy_options(fixed, host))
-        out, lse = torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(q.dtype)
+        out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
     else:
         out, lse = arrays._cuda_forward(fixed, device, (q, k, v), learnable)
     return out.contiguous(), lse.contiguous()
@@ -78,7 +78,7 @@ def _forward_shapes(q, k, v, *args):
     layout = args[_NAMES.index("layout")]
     B, H, N = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[0], q.shape[2], q.shape[1])
     rows = (B, H, N, v.shape[3]) if layout == "bhnd" else (B, N, H, v.shape[3])
-    return q.new_empty(rows), q.new_empty((B, H, N))
+    return q.new_empty(rows), q.new_empty((B, H, N), dtype=arrays.lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("elastic_np::attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)

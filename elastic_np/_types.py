@@ -90,10 +90,7 @@ class DynamicWindow:
 
 
 def _is_real(value):
-    arr = np.asarray(value)
-    return arr.dtype != np.bool_ and (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    )
+    return _validation.is_real_dtype(np.asarray(value).dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -11,6 +11,30 @@ import operator
 import numpy as np
 
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Storage dtypes, by name, that the CPU kernels read and write while computing in
+#: float32 (bfloat16 is ``ml_dtypes.bfloat16``, the type JAX uses).
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def numpy_dtype(dtype):
+    """``dtype`` (a dtype, a type or a name such as "bfloat16") as a NumPy dtype.
+
+    "bfloat16" is ``ml_dtypes.bfloat16``, imported only here: NumPy has no
+    such type of its own.
+    """
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("bfloat16 arrays are ml_dtypes.bfloat16: pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def compute_dtype(dtype):
+    """The dtype the kernels compute in for arrays of ``dtype``: float32 for a half, else ``dtype``."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.name in HALF_DTYPES else dtype
 
 
 def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
@@ -41,11 +65,22 @@ def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
     return x
 
 
+def is_real_dtype(dtype):
+    """True for real floats (NumPy's and bfloat16) and integers, not bool."""
+    return dtype.name == "bfloat16" or (
+        dtype != np.bool_ and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)))
+
+
 def check_real_float_dtype(x, name):
+    """A `TypeError` naming ``name`` unless ``x`` holds real floats (NumPy's, or bfloat16)."""
+    if x.dtype.name == "bfloat16":
+        return
     if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(
-            f"`{name}` must be a real floating-point array, got dtype {x.dtype}"
-        )
+        hint = ""
+        if x.dtype in (np.uint16, np.int16):
+            hint = ("; for 16-bit floats held as raw bits, view them as their type: "
+                    "a.view(ml_dtypes.bfloat16) or a.view(np.float16)")
+        raise TypeError(f"`{name}` must be a real floating-point array, got dtype {x.dtype}{hint}")
 
 
 def positive_scalar(value, name):
@@ -101,9 +136,7 @@ def per_head(value, H, name, *, positive):
         if math.isfinite(value) and (value > 0 if positive else value >= 0):
             return np.full(H, float(value)), ()
     arr = np.asarray(value)
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    ):
+    if not is_real_dtype(arr.dtype):
         raise TypeError(f"`{name}` must be a real number or an array of shape (H,)")
     if arr.shape not in ((), (H,)):
         raise ValueError(
@@ -188,9 +221,7 @@ def alibi_array(slopes, B, H):
     if slopes is None:
         return None
     arr = np.asarray(slopes)
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    ):
+    if not is_real_dtype(arr.dtype):
         raise TypeError(f"`alibi_slopes` must be a real array, got dtype {arr.dtype}")
     if arr.shape not in ((H,), (B, H)):
         raise ValueError(

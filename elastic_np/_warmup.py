@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from elastic_np import _compile_report, _dispatch, _spec
+from elastic_np import _compile_report, _dispatch, _spec, _validation
 
 #: One shape per kernel path, ``(B, H, Hkv, N, M)``: the prefill, and both decode kernels
 #: (one new query per sequence; 16, the key-major kernel's).
@@ -89,10 +89,11 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     if not (isinstance(head_dim, int) and head_dim > 0):
         raise ValueError(f"`head_dim` must be a positive int, got {head_dim!r}")
     module = _dispatch.get_backend(backend)
-    dtypes = [np.dtype(d) for d in ([dtypes] if isinstance(dtypes, (str, type, np.dtype)) else dtypes)]
+    given = [dtypes] if isinstance(dtypes, (str, type, np.dtype)) else dtypes
+    dtypes = [_validation.numpy_dtype(d) for d in given]
     for dtype in dtypes:
-        if module.dtypes is not None and dtype not in module.dtypes:
-            taken = ", ".join(d.name for d in module.dtypes)
+        if module.dtypes is not None and dtype.name not in module.dtypes:
+            taken = ", ".join(str(d) for d in module.dtypes)
             raise ValueError(f"`dtypes` must be among the backend's ({taken}); got {dtype}")
     seconds = {}
     name = module.__name__.rsplit(".", 1)[-1]

@@ -42,7 +42,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from elastic_np import _dask_blocks, _dispatch, _grads, _problem, _spec
+from elastic_np import _dask_blocks, _dispatch, _grads, _problem, _spec, _validation
 from elastic_np._types import AttentionGrads
 
 __all__ = ["attention", "attention_backward", "compute_grads"]
@@ -188,13 +188,16 @@ def _merge_pair(a, b):
 
 
 def _finish(partial, beta, dtype):
-    """The root: ``beta`` (per head) added once to the merged denominator, rounded once to ``dtype``."""
+    """The root: ``beta`` (per head) added once to the merged denominator, rounded once to ``dtype``.
+
+    ``lse`` in the dtype of the computation (float32 for bfloat16 and float16).
+    """
     out_p, lse_p = partial
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         lse = np.logaddexp(lse_p.astype(np.float64, copy=False), np.log(beta)[:, None])
         shift = np.where(np.isneginf(lse), 0.0, lse)
         out = np.multiply(out_p, np.exp(lse_p - shift)[..., None], dtype=np.float64)
-    return out.astype(dtype, copy=False), lse.astype(dtype, copy=False)
+    return out.astype(dtype, copy=False), lse.astype(_validation.compute_dtype(dtype), copy=False)
 
 
 def _empty_partial(shape):
@@ -259,7 +262,7 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
         out = out.transpose(0, 2, 1, 3)
     if not return_lse:
         return out
-    return out, da.Array(graph, lse_name, chunks=rows, dtype=setup.dtype)
+    return out, da.Array(graph, lse_name, chunks=rows, dtype=_validation.compute_dtype(setup.dtype))
 
 
 @_spec.takes_options()

@@ -29,15 +29,21 @@ from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "DynamicWindow"]
 
-_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+#: The dtypes the kernels take (they compute in float32 for bfloat16 and float16).
+_KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
 
 
 def _check_dtype(x, name):
     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype not in _KERNEL_DTYPES:
         raise TypeError(
-            f"`{name}` has dtype {x.dtype}; the elastic_np kernels take float32 or float64: "
-            "convert it with .astype(jnp.float32)"
+            f"`{name}` has dtype {x.dtype}; the elastic_np kernels take float32, float64, bfloat16 or "
+            "float16: convert it with .astype(jnp.float32)"
         )
+
+
+def _lse_dtype(dtype):
+    """The dtype of ``lse`` for inputs of ``dtype``: float32 for bfloat16 and float16."""
+    return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
 def _host(tree):
@@ -113,7 +119,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     arrays; ``traced`` the non-differentiable options given as jax arrays
     (``kv_lengths``, ``mask``, ``alibi_slopes``); ``constants`` the rest.
     """
-    results = (jax.ShapeDtypeStruct(out_shape, q_dtype), jax.ShapeDtypeStruct(lse_shape, q_dtype))
+    results = (jax.ShapeDtypeStruct(out_shape, q_dtype), jax.ShapeDtypeStruct(lse_shape, _lse_dtype(q_dtype)))
 
     def numpy_call(diff, traced):
         learnable = {name: diff.get(name, constants.get(name)) for name in common.LEARNABLE}
@@ -123,7 +129,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     def forward_callback(diff, traced):
         q, k, v, options = numpy_call(_host(diff), _host(traced))
         out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
-        return out.astype(q_dtype, copy=False), lse.astype(q_dtype, copy=False)
+        return out.astype(q_dtype, copy=False), lse.astype(_lse_dtype(q_dtype), copy=False)
 
     def backward_callback(diff, traced, out, lse, dout, dlse):
         diff = _host(diff)
@@ -165,8 +171,8 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     ----------
     q, k, v : jax.Array or array_like
         Shapes ``(B, H, N, D)``, ``(B, Hkv, M, D)``, ``(B, Hkv, M, Dv)``,
-        float32 or float64 (float64 needs ``jax_enable_x64``), the same for
-        all three.
+        float32, float64 (which needs ``jax_enable_x64``), bfloat16 or
+        float16, the same for all three.
     tau, beta : float or jax.Array of shape () or (H,), optional
         Temperature (``> 0``) and the sink, the denominator's offset
         (``>= 0``); a jax array gets a gradient.
@@ -192,13 +198,13 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     out : jax.Array, shape (B, H, N, Dv)
         In the dtype of ``q``.
     lse : jax.Array, shape (B, H, N)
-        Only with ``return_lse=True``.
+        Only with ``return_lse=True``; float32 for bfloat16 and float16 inputs.
 
     Raises
     ------
     TypeError
-        For float16 or bfloat16 inputs (convert them with ``.astype(jnp.float32)``)
-        or ``q``, ``k``, ``v`` of different dtypes.
+        For inputs of another floating dtype (convert them with
+        ``.astype(jnp.float32)``) or ``q``, ``k``, ``v`` of different dtypes.
     ValueError
         As `elastic_np.attention`, when the call is made (or traced). Checks
         of values only a callback sees (a traced ``tau`` <= 0, NaN in ``q``)

@@ -74,14 +74,16 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     out : torch.Tensor, shape (B, H, N, Dv)
         In the dtype of ``q``, on its device.
     lse : torch.Tensor, shape (B, H, N)
-        Only with ``return_lse=True``; in the dtype of ``q``.
+        Only with ``return_lse=True``; in the dtype of ``q`` (float32 for
+        bfloat16 and float16, which the CPU kernels compute in float32).
 
     Raises
     ------
     TypeError
         For a tensor on a device other than the CPU or ``q``'s CUDA device,
-        CUDA tensors with a backend other than "auto" or "cuda", or a tensor
-        of dtype float16 or bfloat16 (convert it with ``.float()``); and as
+        CUDA tensors with a backend other than "auto" or "cuda", a CUDA tensor
+        of dtype float16 or bfloat16 (convert it with ``.float()``), or other
+        than float32, float64, bfloat16 or float16 on the CPU; and as
         `elastic_np.attention`.
     ValueError
         As `elastic_np.attention`.

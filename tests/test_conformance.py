@@ -318,7 +318,7 @@ def test_supported_options_from_signature_and_declared():
     with pytest.raises(ValueError, match="unknown options"):
         _battery.supported_options(fn, ["dropout"])
     with pytest.raises(ValueError, match="dtypes"):
-        check_attention(fn, dtypes=[np.float16])
+        check_attention(fn, dtypes=[np.longdouble])
 
 
 def test_inputs_avoid_the_nvm_jump_and_the_window_threshold():

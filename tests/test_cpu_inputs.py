@@ -52,7 +52,9 @@ def test_inputs_unmodified_and_deterministic(small_tiles, dtype):
 
 def test_dtype_errors():
     q, k, v, dout = make_inputs(np.float32)
-    with pytest.raises(TypeError, match="`q` has dtype float16"):
+    with pytest.raises(TypeError, match="`q` has dtype float128"):
+        enp.attention(*(a.astype(np.longdouble) for a in (q, k, v)), backend="cpu")
+    with pytest.raises(TypeError, match="share one dtype, got float16, float32, float32"):
         enp.attention(q.astype(np.float16), k, v, backend="cpu")
     with pytest.raises(TypeError, match="share one dtype"):
         enp.attention(q, k.astype(np.float64), v, backend="cpu")

@@ -217,8 +217,8 @@ def test_bad_options_raise_before_any_task():
         enpd.attention(q, q, q, window_size=(-2, 0))
     with pytest.raises(ValueError, match="multiple"):
         enpd.attention(q, q[:, :1].repeat(3, axis=1), q[:, :1].repeat(3, axis=1))
-    with pytest.raises(TypeError, match="float32 or float64"):
-        enpd.attention(q.astype(np.float16), q, q)
+    with pytest.raises(TypeError, match="float32, float64, bfloat16, float16"):
+        enpd.attention(q.astype(np.longdouble), q, q)
     with pytest.raises(ValueError, match="threads_per_task"):
         enpd.attention(q, q, q, threads_per_task=0)
     with pytest.raises(ValueError, match="`lse` must have shape"):

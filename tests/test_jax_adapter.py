@@ -206,14 +206,27 @@ class TestArguments:
         for name, a in arrays.items():
             np.testing.assert_array_equal(a, copies[name], err_msg=name)
 
-    @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-    def test_half_dtypes_are_refused_with_a_hint(self, dtype):
-        q = jnp.ones((1, 1, 3, 4), dtype=dtype)
-        with pytest.raises(TypeError, match=r"`q` has dtype .*astype\(jnp.float32\)"):
+    def test_other_float_dtypes_are_refused_with_a_hint(self):
+        q = jnp.ones((1, 1, 3, 4), dtype=jnp.float8_e4m3fn)
+        with pytest.raises(TypeError, match=r"`q` has dtype float8_e4m3fn.*astype\(jnp.float32\)"):
             enpj.attention(q, q, q)
         x = q.astype(jnp.float32)
         with pytest.raises(TypeError, match=r"`bias` has dtype"):
-            enpj.attention(x, x, x, bias=jnp.zeros((3, 3), dtype=dtype))
+            enpj.attention(x, x, x, bias=jnp.zeros((3, 3), dtype=jnp.float8_e4m3fn))
+
+    @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+    def test_halves_out_in_their_dtype_lse_in_float32_gradients(self, dtype):
+        q, k, v = (jax.random.normal(jax.random.key(i), (1, 2, 9, 8), dtype=dtype) for i in range(3))
+        out, lse = enpj.attention(q, k, v, causal=True, return_lse=True)
+        assert out.dtype == dtype and lse.dtype == jnp.float32
+        want, want_lse = enp.attention(*(np.asarray(x) for x in (q, k, v)), causal=True, return_lse=True,
+                                       backend="cpu")
+        np.testing.assert_array_equal(np.asarray(out), want)
+        np.testing.assert_array_equal(np.asarray(lse), want_lse)
+        beta = jnp.array([0.5, 1.0], dtype=dtype)
+        dq, dbeta = jax.grad(lambda q, beta: enpj.attention(q, k, v, beta=beta).astype(jnp.float32).sum(),
+                             argnums=(0, 1))(q, beta)
+        assert dq.dtype == dtype and dbeta.dtype == dtype and bool(jnp.all(jnp.isfinite(dq)))
 
     def test_bad_options_raise_at_the_call_also_under_jit(self):
         q = jnp.ones((1, 2, 3, 4))

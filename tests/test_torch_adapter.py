@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
-from elastic_np import _dispatch  # noqa: E402
+from elastic_np import _dispatch, _torch_arrays  # noqa: E402
 
 LEARNED = ("q", "k", "v", "tau", "beta", "sigma", "bias")
 
@@ -268,15 +268,30 @@ class TestTensors:
             module = enpt.ElasticAttention(2)(*(torch.randn(1, 2, 3, 4) for _ in range(3)))
         assert torch.equal(got, want) and not got.requires_grad and not module.requires_grad
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-    def test_half_dtypes_are_refused_with_a_hint(self, dtype):
-        q = torch.randn(1, 1, 3, 4, dtype=dtype)
-        with pytest.raises(TypeError, match=r"`q` has dtype .*\.float\(\)"):
+    def test_other_float_dtypes_are_refused_with_a_hint(self):
+        q = torch.randn(1, 1, 3, 4).to(torch.float8_e4m3fn)
+        with pytest.raises(TypeError, match=r"`q` has dtype torch.float8_e4m3fn.*\.float\(\)"):
             enpt.attention(q, q, q)
+        x = torch.randn(1, 1, 3, 4)
         with pytest.raises(TypeError, match=r"`tau` has dtype .*\.float\(\)"):
-            enpt.attention(q.float(), q.float(), q.float(), tau=torch.ones((), dtype=dtype))
-        with pytest.raises(TypeError, match=r"\.float\(\)"):
-            enpt.ElasticAttention(1)(q, q, q)
+            enpt.attention(x, x, x, tau=torch.ones((), dtype=torch.float8_e4m3fn))
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_halves_out_in_their_dtype_lse_in_float32_gradients(self, dtype):
+        q, k, v = (torch.randn(1, 2, 9, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+        beta = torch.tensor([0.5, 1.0], dtype=dtype, requires_grad=True)
+        out, lse = enpt.attention(q, k, v, causal=True, beta=beta, return_lse=True)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        arrays = [_torch_arrays.to_numpy(x.detach()) for x in (q, k, v)]
+        want, want_lse = enp.attention(*arrays, causal=True, beta=beta.detach().float().numpy(),
+                                       return_lse=True, backend="cpu")
+        np.testing.assert_array_equal(_torch_arrays.to_numpy(out.detach()), want)
+        np.testing.assert_array_equal(lse.detach().numpy(), want_lse)
+        (out.float().sum() + lse.sum()).backward()
+        assert q.grad.dtype == dtype and beta.grad.dtype == dtype and bool(torch.isfinite(q.grad).all())
+        module = enpt.ElasticAttention(2, learn_tau=True)
+        module(q.detach(), k.detach(), v.detach()).float().sum().backward()
+        assert module.raw_tau.grad is not None
 
     def test_other_devices_and_bad_arguments_are_refused(self):
         meta = torch.empty(1, 1, 3, 4, device="meta")

@@ -67,6 +67,19 @@ def test_opcheck_forward_and_backward(name):
     torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["combined", "layout"])
+def test_opcheck_in_the_halves(name, dtype):
+    """out and the gradients in the input dtype, lse in float32: what the fake implementations say."""
+    q, k, v, args, _ = _arguments(name, dtype)
+    torch.library.opcheck(torch.ops.elastic_np.attention.default, (q, k, v, *args, "cpu"))
+    out, lse = torch.ops.elastic_np.attention(q, k, v, *args, "cpu")
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    backward_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out.detach(),
+                     lse.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a for a in args), "cpu")
+    torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
+
+
 @pytest.mark.parametrize("name", ["combined", "layout", "kv_lengths"])
 def test_the_operator_gives_the_entry_points_bits(name):
     q, k, v, _, options = _arguments(name, torch.float32)

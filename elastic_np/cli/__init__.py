@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from elastic_np import _compile_report, _dispatch, reference, testing
+from elastic_np import _compile_report, _dispatch, _validation, reference, testing
 from elastic_np._warmup import warmup
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cli import _bench, _bench_decode
@@ -107,10 +107,12 @@ def _warmup(args):
 # ---------------------------------------------------------------------------
 
 _KERNEL_BACKENDS = ("cpu", "cuda")
+#: The dtypes ``check`` and ``warmup`` take.
+_DTYPES = ("float32", "float64", *_validation.HALF_DTYPES)
 
 
-def _compile(name, module, progress):
-    """The first calls of every specialisation the battery uses (`elastic_np.cli._first_compile`).
+def _compile(name, dtypes, progress):
+    """The first calls of every specialisation the battery uses in ``dtypes`` (`elastic_np.cli._first_compile`).
 
     Returns the `elastic_np._compile_report.Watch` of this process's share.
     """
@@ -118,7 +120,6 @@ def _compile(name, module, progress):
     # runpy would find already imported by this package
     from elastic_np.cli._first_compile import compile_backend
 
-    dtypes = module.dtypes or (np.dtype(np.float64),)
     progress.stage(f"{name}: first JIT compile of the kernels "
                    f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
     with _compile_report.watch() as seen:
@@ -159,19 +160,19 @@ def _check_backends(choice):
 
 def _run_checks(modules, args):
     """The battery of each backend (after its first calls) and the oracles' gradients: reports, first calls' `Watch`."""
-    dtypes = [np.dtype(d) for d in args.dtype]
+    dtypes = [_validation.numpy_dtype(d) for d in args.dtype]
     supported = _cases.OPTION_NAMES + _cases.CAPABILITIES
     cases, _ = _cases.select_cases(supported)
     steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _cases.CASES)
     reports, first_calls = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
+            backend_dtypes = [d for d in dtypes if module.dtypes is None or d.name in module.dtypes]
             if name != "reference":
                 try:
-                    first_calls[name] = _compile(name, module, progress)
+                    first_calls[name] = _compile(name, backend_dtypes, progress)
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
-            backend_dtypes = [d for d in dtypes if module.dtypes is None or d in module.dtypes]
             fn, backward = testing.backend_functions(name)
             reports.append(_battery.run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
@@ -389,8 +390,8 @@ def _add_warmup(sub):
                     "waiting is cheap, such as a Docker image's build, so that the first call "
                     "of a training loop or a server does not compile.",
     )
-    warm.add_argument("--dtype", nargs="+", choices=("float32", "float64"), default=["float32", "float64"],
-                      help="dtypes of the later calls (default: both)")
+    warm.add_argument("--dtype", nargs="+", choices=_DTYPES, default=["float32", "float64"],
+                      help="dtypes of the later calls (default: float32 and float64)")
     warm.add_argument("--options", nargs="+", metavar="NAME",
                       help="names of the options the later calls use (default: every option)")
     warm.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
@@ -412,8 +413,9 @@ def _add_check(sub):
                             "backend and reports the others as skipped; 'reference' checks "
                             "the float64 backend itself")
     check.add_argument("--quick", action="store_true", help="tiny sizes (well under a minute)")
-    check.add_argument("--dtype", nargs="+", choices=("float32", "float64"),
-                       default=["float32", "float64"], help="dtypes to check (default: both)")
+    check.add_argument("--dtype", nargs="+", choices=_DTYPES, default=["float32", "float64"],
+                       help="dtypes to check (default: float32 and float64; bfloat16 needs ml_dtypes; "
+                            "the CUDA kernels take neither half)")
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     check.set_defaults(func=_check)
     return check

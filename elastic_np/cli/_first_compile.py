@@ -21,9 +21,7 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-from elastic_np import testing
+from elastic_np import _validation, testing
 from elastic_np.cpu._numba_private import enabled, locked_cache_index
 from elastic_np.testing import _cases
 
@@ -82,7 +80,7 @@ def compile_backend(name, dtypes):
     fail, the battery compiles that dtype itself when it first calls it.
     """
     start = time.perf_counter()
-    dtypes = [np.dtype(d) for d in dtypes]
+    dtypes = [_validation.numpy_dtype(d) for d in dtypes]
     if name != "cpu" or len(dtypes) < 2 or not _can_split():
         run_cases(name, dtypes)
         return time.perf_counter() - start
@@ -103,4 +101,4 @@ def compile_backend(name, dtypes):
 
 if __name__ == "__main__":
     with locked_cache_index():
-        run_cases(sys.argv[1], [np.dtype(d) for d in sys.argv[2:]])
+        run_cases(sys.argv[1], [_validation.numpy_dtype(d) for d in sys.argv[2:]])

@@ -66,9 +66,8 @@ Modules
     the single-threaded tile primitives and what they share
 """
 
-import numpy as np
 
-from elastic_np import _problem
+from elastic_np import _problem, _validation
 from elastic_np.cpu import _decode, _forward
 from elastic_np.cpu._backward import backward
 from elastic_np.cpu._threads import thread_count
@@ -80,7 +79,8 @@ __all__ = [
 ]
 
 
-dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+#: The dtypes of ``q``, ``k``, ``v`` the kernels take: they compute in float32 for the halves.
+dtypes = ("float32", "float64", *_validation.HALF_DTYPES)
 
 
 def is_available():

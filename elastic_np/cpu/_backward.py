@@ -4,8 +4,11 @@
 (`_backward_prepare`), runs one task per (batch, kv head, key tile) in
 chunks of key tiles (`_backward_kernel`), then adds the key tiles' shares of
 ``dq`` in key-tile order (`_sum_dq_shares`). Where ``dbias`` goes is
-`elastic_np.cpu._dbias`'s.
+`elastic_np.cpu._dbias`'s. bfloat16 and float16 inputs go through the
+float32 kernels (`_from_halves`).
 """
+
+import dataclasses
 
 import numpy as np
 from numba import carray, njit
@@ -55,8 +58,11 @@ def backward(problem, dout, out, lse, dlse=None):
     Returns
     -------
     AttentionGrads
-        ``dq``, ``dk``, ``dv`` in the layouts of ``q``, ``k``, ``v`` (`elastic_np.cpu._operands`).
+        ``dq``, ``dk``, ``dv`` in the dtype and the layouts of ``q``, ``k``, ``v``
+        (`elastic_np.cpu._operands`).
     """
+    if problem.dtype != problem.compute_dtype:
+        return _from_halves(problem, dout, out, lse, dlse)
     _check_cache(problem)
     compile_for(problem.dtype, _BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
@@ -112,6 +118,26 @@ def backward(problem, dout, out, lse, dlse=None):
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
         dbias=plan.result(),
     )
+
+
+def _from_halves(problem, dout, out, lse, dlse):
+    """`backward` of bfloat16 or float16 inputs: the float32 backward of their values, the gradients rounded.
+
+    The inputs of a backward are ``O(N D)`` beside its ``O(N M D)`` work (and
+    it keeps ``O(N D)`` float32 buffers of its own anyway), so they are
+    converted to float32 once, exactly, in their layouts; the bias is
+    converted by the kernel plan, its distinct entries only. ``dq``, ``dk``,
+    ``dv`` and ``dbias`` are rounded to the inputs' dtype (to nearest even).
+    """
+    def widened(a):
+        return a.astype(np.float32, order="K")  # keeps a (B, N, H, D) storage
+
+    single = dataclasses.replace(problem, q=widened(problem.q), k=widened(problem.k), v=widened(problem.v))
+    grads = backward(single, widened(dout), widened(out), lse, dlse)
+    half = {name: getattr(grads, name).astype(problem.dtype, order="K") for name in ("dq", "dk", "dv")}
+    if grads.dbias is not None:
+        half["dbias"] = grads.dbias.astype(problem.dtype)
+    return dataclasses.replace(grads, **half)
 
 
 @njit(nogil=True, cache=True, fastmath=False)

@@ -18,8 +18,10 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   (``st[c, i]``), through the prefill's own steps, one head after the other
   while the key tile is in cache: the per-query work runs along the SIMD
   lanes, and no key tile is transposed;
-- each key tile is first read in memory order (`_read_tile`), which also
-  finds a NaN or inf key or value;
+- each key tile is first read in memory order (`_read_tiles`), which also
+  finds a NaN or inf key or value, and converts bfloat16 and float16 keys and
+  values to float32 (`elastic_np.cpu._halves`): a cache is read in its own
+  dtype and never copied;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -50,6 +52,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
+from elastic_np.cpu._halves import narrow, readable_checked, scratch_for, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
@@ -88,7 +91,7 @@ def splits(B, Hkv, M):
 def forward(problem):
     """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout."""
     B, H, Hkv, N, M, D, Dv = problem.shape
-    dtype = problem.dtype
+    dtype = problem.compute_dtype
     key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
     compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
     q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
@@ -107,7 +110,7 @@ def forward(problem):
     )
     if problem.kv_unchecked:
         _check_unread_cache(problem, read, suspect)
-    out, out_operand = new((B, H, N, Dv), dtype, q[1])
+    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
     return out, lse
@@ -153,24 +156,20 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 
 @inner(fastmath=_FASTMATH)
-def _read_tile(k_tile, v_tile, D, Dv):
-    """0 when the tile's keys and values are finite, NaN otherwise: ``sum(k * 0) + sum(v * 0)``.
+def _read_tiles(k_tile, v_tile, D, Dv, half_scratch):
+    """``(k_tile, v_tile, checksum)``: the tiles as the products read them, 0 when their values are finite (else NaN).
 
     ``k_tile``, ``v_tile``: ``(whole, col)``, the tile's rows
-    (`elastic_np.cpu._operands.head_rows`), of ``D`` and ``Dv`` entries. The pass
-    also reads the tile in memory order ahead of the products, which read
+    (`elastic_np.cpu._operands.head_rows`), of ``D`` and ``Dv`` entries;
+    half storage is converted into ``half_scratch = (keys, values)`` and
+    checked as it is (`elastic_np.cpu._halves.readable_checked`). Either
+    pass reads the tile in memory order ahead of the products, which read
     ``V`` in column strips: those stream from memory far worse than rows in
     order.
     """
-    zero = _like(0.0, k_tile[0])
-    checksum = zero
-    for tile, width in ((k_tile, D), (v_tile, Dv)):
-        whole, col = tile
-        for c in range(whole.shape[0]):
-            run = whole[c, col : col + width]
-            for x in range(width):
-                checksum += run[x] * zero
-    return checksum
+    k_tile, k_check = readable_checked(k_tile, D, half_scratch[0])
+    v_tile, v_check = readable_checked(v_tile, Dv, half_scratch[1])
+    return k_tile, v_tile, k_check + v_check
 
 
 @inner(fastmath=_FASTMATH)
@@ -326,6 +325,7 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     shift_by = np.empty(rows, dtype=dtype)
     row_lo = np.empty(rows, dtype=np.int64)
     row_hi = np.empty(rows, dtype=np.int64)
+    half_scratch = (scratch_for(k[0], block_k, D, dtype), scratch_for(v[0], block_k, Dv, dtype))
     # the prefill tiles' order: additive modifiers first, the product added onto them
     additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     for task in _task_range(B * Hkv * n_split, part, parts):
@@ -344,16 +344,17 @@ def _decode_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
             q_h, col = head(q, b, h)
             for i in range(N):
                 for d in range(D):
-                    qs[g * N + i, d] = q_h[i, col + d] * factor
+                    qs[g * N + i, d] = widen(q_h[i, col + d]) * factor
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile = head_rows(k, b, hk, j0, bk)
-            v_tile = head_rows(v, b, hk, j0, bk)
+            k_tile, v_tile, tile_check = _read_tiles(
+                head_rows(k, b, hk, j0, bk), head_rows(v, b, hk, j0, bk), D, Dv, half_scratch
+            )
+            checksum += tile_check
             v_rows, v_col = v_tile
-            checksum += _read_tile(k_tile, v_tile, D, Dv)
             # Q K^T as the prefill tiles form it (the same products in the same
             # order): the backward recomputes these logits bit for bit
             _transpose_keys(k_tile, kt, bk, D)
@@ -421,6 +422,7 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
     spans = np.empty((group, 2), dtype=np.int64)  # per head: its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
+    half_scratch = (scratch_for(k[0], block_k, D, dtype), scratch_for(v[0], block_k, Dv, dtype))
     no_cap_slope = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
@@ -444,9 +446,10 @@ def _decode_heads_kernel(q, k, v, opt, n_split, block_k, outs, part, parts):
         checksum = _like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile = head_rows(k, b, hk, j0, bk)
-            v_tile = head_rows(v, b, hk, j0, bk)
-            checksum += _read_tile(k_tile, v_tile, D, Dv)
+            k_tile, v_tile, tile_check = _read_tiles(
+                head_rows(k, b, hk, j0, bk), head_rows(v, b, hk, j0, bk), D, Dv, half_scratch
+            )
+            checksum += tile_check
             for g in range(group):
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:
                     continue
@@ -500,9 +503,9 @@ def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
                     x = 0.0
                     for s in range(n_split):
                         x += np.float64(part_acc[b, hk, s, r, d]) * weight[s]
-                    out_h[i, col + d] = x
+                    out_h[i, col + d] = narrow(x, out_h)
                 lse[b, h, i] = lse_r
             else:
                 for d in range(Dv):
-                    out_h[i, col + d] = 0.0
+                    out_h[i, col + d] = narrow(0.0, out_h)
                 lse[b, h, i] = log_beta

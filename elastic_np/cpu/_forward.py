@@ -17,6 +17,7 @@ from elastic_np.cpu._logits import (
     _query_factor,
     modify_tile,
 )
+from elastic_np.cpu._halves import narrow, readable, scratch_for, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, new, operand, shape
 from elastic_np.cpu._plan import (
@@ -38,15 +39,16 @@ def forward(problem):
     Returns
     -------
     out : ndarray, shape (B, H, N, Dv)
-        In the layout of ``q`` (`elastic_np.cpu._operands`).
+        In the dtype and the layout of ``q`` (`elastic_np.cpu._operands`).
     lse : ndarray, shape (B, H, N)
+        In the dtype of the computation (float32 for bfloat16 and float16).
     """
-    compile_for(problem.dtype, _FORWARD_TILES)
+    dtype = problem.compute_dtype
+    compile_for(dtype, _FORWARD_TILES)
     _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
-    dtype = problem.dtype
     q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
-    out, out_operand = new((B, H, N, Dv), dtype, q[1])
+    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
     _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
@@ -60,7 +62,10 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._operands`)."""
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._operands`).
+
+    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time (`elastic_np.cpu._halves`).
+    """
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
@@ -77,6 +82,8 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     tile_sum = np.empty(block_q, dtype=dtype)
     scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
     row_sum = np.empty(block_q)
+    k_half = scratch_for(k[0], block_k, D, dtype)
+    v_half = scratch_for(v[0], block_k, Dv, dtype)
     no_cap_slope = np.empty((0, 0), dtype=dtype)  # the forward takes no tanh slopes
     for task in _task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
@@ -103,11 +110,11 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = _logits_tile(
-                st, head_rows(k, b, hk, j0, bk), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
+                st, readable(head_rows(k, b, hk, j0, bk), D, k_half), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
                 nvm_in_max,
             )
             if kept:
-                v_j = head_rows(v, b, hk, j0, bk)
+                v_j = readable(head_rows(v, b, hk, j0, bk), Dv, v_half)
                 _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
@@ -150,7 +157,7 @@ def _load_queries(q_tile, factor, q_t):
     for r in range(whole.shape[0]):
         q_row = whole[r, col : col + D]
         for d in range(D):
-            q_t[d, r] = q_row[d] * factor
+            q_t[d, r] = widen(q_row[d]) * factor
 
 
 @inner(fastmath=_FASTMATH)
@@ -198,9 +205,9 @@ def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
             lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
             weight = math.exp(m - lse_r)
             for d in range(Dv):
-                out_row[d] = acc[r, d] * weight
+                out_row[d] = narrow(acc[r, d] * weight, out_row)
             lse_rows[r] = lse_r
         else:
             for d in range(Dv):
-                out_row[d] = 0.0
+                out_row[d] = narrow(0.0, out_row)
             lse_rows[r] = log_beta

@@ -5,7 +5,8 @@ An array's storage is C-contiguous, ``(B, H, N, D)`` in `BHND`, or
 view is the ``(B, H, N, D)`` array. Its operand is ``(rows, layout, shape)``:
 the storage as a 3-D C-contiguous view, ``(B * H, N, D)`` or ``(B, N, H * D)``,
 the layout (a runtime int) and the ``(B, H, N, D)`` shape. Both layouts are
-one Numba type, so one compiled kernel per dtype serves both. The kernels take
+one Numba type, so one compiled kernel per dtype serves both. A bfloat16 or
+float16 storage is its bits' view (`elastic_np.cpu._halves.bits`). The kernels take
 a head's rows with `head` and `head_rows`: whole rows of ``rows`` (the
 leading dimension ``D``, or ``H * D``) and the column where the head's
 entries start, the form the tile products read in place
@@ -14,6 +15,7 @@ entries start, the form the tile products read in place
 
 import numpy as np
 
+from elastic_np.cpu._halves import bits
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._plan import _kernel_array
 
@@ -23,6 +25,7 @@ BHND, BNHD = 0, 1
 
 def _operand(storage, layout):
     """The operand of a storage array in ``layout``."""
+    storage = bits(storage)
     if layout == BNHD:
         B, N, H, D = storage.shape
         return storage.reshape(B, N, H * D), BNHD, (B, H, N, D)

@@ -87,7 +87,8 @@ def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
     """Validate ``dout``, ``out``, ``lse`` and ``dlse`` against the problem's shapes.
 
     ``dout`` and ``out`` are in the problem's ``layout``. ``dtype=None``
-    requires the problem's dtype (the kernels); a dtype converts to it (the
+    requires the problem's dtype (the kernels; ``lse`` and ``dlse`` in the
+    dtype of the computation, float32 for bfloat16 and float16 inputs); a dtype converts to it (the
     reference). Returns ``(dout, out, lse, dlse)``, ``dout`` and ``out`` as
     ``(B, H, N, Dv)`` (views), ``dlse`` None when it was.
     """
@@ -103,8 +104,10 @@ def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
             raise ValueError(f"`{name}` must have shape {shape}{layout}, got {a.shape}")
         if a.ndim == 4:
             a = p.as_bhnd(a)
-        if dtype is None and a.dtype != p.dtype:
-            raise TypeError(f"`{name}` has dtype {a.dtype}, expected {p.dtype} like `q`")
+        expected = p.compute_dtype if name in ("lse", "dlse") else p.dtype
+        if dtype is None and a.dtype != expected:
+            like = "the forward's `lse`" if name in ("lse", "dlse") else "`q`"
+            raise TypeError(f"`{name}` has dtype {a.dtype}, expected {expected} like {like}")
         bad = np.isnan(a) | (a == np.inf) if name == "lse" else ~np.isfinite(a)
         if bad.any():
             raise ValueError(f"`{name}` contains NaN or inf")

@@ -8,10 +8,12 @@ returns with it. The allowed error follows the FlashAttention rule:
     allowed = max(2 * error of a naive evaluation in the same dtype,
                   floor * max |oracle|)
 
-with ``floor`` 1e-12 for float64 and 1e-5 for float32 (so a float32 error of
-0.1% is always caught). The naive evaluation is the contract's formula
-written out with whole arrays in NumPy, every operation in the dtype under
-test; the oracle is `elastic_np.reference`.
+with ``floor`` 1e-12 for float64, 1e-5 for float32 (so a float32 error of
+0.1% is always caught) and the machine epsilon for bfloat16 and float16.
+The naive evaluation is the contract's formula written out with whole arrays
+in NumPy, every operation in the dtype under test (float32 for bfloat16 and
+float16, whose results are then rounded to them); the oracle is
+`elastic_np.reference`.
 """
 
 import dataclasses
@@ -26,11 +28,14 @@ from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
 from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, _magnitude, worst_error
-from elastic_np.testing._tolerances import FLOOR, GRADCHECK_RTOL, naive_backward, naive_forward
+from elastic_np._validation import numpy_dtype
+from elastic_np.testing._tolerances import FLOOR, GRADCHECK_RTOL, naive_backward, naive_forward, rounded
 
 #: The option each parameter gradient belongs to (checked when the case sets it).
 _GRAD_OPTION = {option.gradient: option.name for option in _spec.OPTIONS if option.gradient}
 _GRAD_NAMES = ("dq", "dk", "dv", *_GRAD_OPTION)
+#: The results in the inputs' dtype (the others, ``lse`` and the parameters' gradients, are float32 for halves).
+_ROUNDED = ("dq", "dk", "dv", "dbias")
 
 
 def supported_options(fn, options=None):
@@ -76,7 +81,7 @@ def _unpack_backward(result):
 def _compare(report, case, dtype, quantity, got, want, naive):
     error, note = worst_error(got, want)
     naive_error, _ = worst_error(naive, want)
-    allowed = max(2.0 * naive_error, FLOOR[np.dtype(dtype)] * _magnitude(want))
+    allowed = max(2.0 * naive_error, FLOOR[np.dtype(dtype).name] * _magnitude(want))
     report.rows.append(Row(case, np.dtype(dtype).name, quantity, error, allowed,
                            bool(error <= allowed), note, naive_error))
 
@@ -93,10 +98,10 @@ def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float
     See `elastic_np.testing.check_attention` for the calling conventions.
     ``progress`` is called as ``progress(step_label)`` after each case and dtype.
     """
-    dtypes = [np.dtype(d) for d in dtypes]
+    dtypes = [numpy_dtype(d) for d in dtypes]
     for d in dtypes:
-        if d not in FLOOR:
-            raise ValueError(f"`dtypes` may hold float32 and float64, got {d}")
+        if d.name not in FLOOR:
+            raise ValueError(f"`dtypes` may hold {', '.join(FLOOR)}, got {d}")
     cases, skipped = select_cases(supported)
     report = ConformanceReport(title=title, skipped=[(c.name, needs) for c, needs in skipped])
     for case in cases:
@@ -111,6 +116,7 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
     q, k, v, dout, options = draw_inputs(case, dtype, quick=quick, seed=seed)
     out_ref, lse_ref = reference.attention(q, k, v, **options)
     out_naive, lse_naive, cache = naive_forward(q, k, v, options, dtype)
+    out_naive = rounded(out_naive, dtype)
     args = [np.array(a, dtype=dtype) for a in (q, k, v)]
     if "bias" in options:  # the implementation gets the bias in the dtype under test
         options = dict(options, bias=options["bias"].astype(dtype))
@@ -127,6 +133,7 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
     with np.errstate(invalid="ignore", divide="ignore"):  # inf * 0 off the band; masked out
         grads_ref = reference.attention_backward(dout, q, k, v, out_ref, lse_ref, **options)
     grads_naive = naive_backward(dout, out_naive, lse_naive, cache, dtype)
+    grads_naive.update({name: rounded(grads_naive[name], dtype) for name in _ROUNDED if name in grads_naive})
     try:
         grads = _unpack_backward(backward(np.array(dout, dtype=dtype), *args, **options))
     except Exception as exc:
@@ -236,8 +243,10 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
 
     where :math:`e_\text{naive}` is the error of the contract's formula
     evaluated naively with every operation in the same dtype (the
-    FlashAttention rule) and the floor is ``1e-12`` for float64 and ``1e-5``
-    for float32: an honest float32 kernel passes and a 0.1% error is caught.
+    FlashAttention rule; for bfloat16 and float16, in float32 with the
+    results in the input dtype rounded to it) and the floor is ``1e-12`` for
+    float64, ``1e-5`` for float32 and the machine epsilon for bfloat16 and
+    float16: an honest float32 kernel passes and a 0.1% error is caught.
 
     Parameters
     ----------
@@ -275,7 +284,10 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
         only, where both conventions agree. A case runs only when ``fn`` has
         every option it needs; the others are listed as skipped.
     dtypes : sequence of dtypes, optional
-        float32 and/or float64.
+        Any of float32, float64, float16 and bfloat16 (``ml_dtypes.bfloat16``,
+        or the name "bfloat16"). For the halves, ``fn`` returns ``out`` (and
+        ``backward`` ``dq``, ``dk``, ``dv``, ``dbias``) in the input dtype or
+        wider; the inputs are drawn in it.
     seed : int, optional
         Seed of the inputs.
     quick : bool, optional
@@ -296,8 +308,7 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
     Raises
     ------
     ValueError
-        For an unknown name in ``options`` or a dtype other than float32 and
-        float64.
+        For an unknown name in ``options`` or a dtype not among those above.
 
     Examples
     --------

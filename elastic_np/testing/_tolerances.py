@@ -1,8 +1,9 @@
 """The allowed errors: the floors, and the naive evaluation in one dtype that sets the float32 rule.
 
 The naive evaluation is the contract's formula written out with whole arrays
-in NumPy, every operation in the dtype under test; twice its error against the
-float64 oracle is the error a kernel is allowed (the FlashAttention rule).
+in NumPy, every operation in the dtype under test (in float32 for bfloat16
+and float16, its inputs and outputs rounded to them); twice its error against
+the float64 oracle is the error a kernel is allowed (the FlashAttention rule).
 """
 
 import dataclasses
@@ -12,11 +13,13 @@ import numpy as np
 from elastic_np import reference
 from elastic_np._grads import reduce_to_shape, sum_to_shape
 from elastic_np._problem import prepare
+from elastic_np._validation import HALF_DTYPES, compute_dtype
 from elastic_np.reference import _attention, _backward
 from elastic_np.testing._report import _magnitude, worst_error
 
-#: Relative floor of the allowed error, scaled by the largest magnitude of the oracle.
-FLOOR = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+#: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
+#: for bfloat16 and float16 their machine epsilon (one unit in the last place at that magnitude).
+FLOOR = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 #: Relative tolerance of the oracle's gradients against central differences (the contract).
 GRADCHECK_RTOL = 1e-6
 
@@ -24,9 +27,11 @@ GRADCHECK_RTOL = 1e-6
 def naive_forward(q, k, v, options, dtype):
     """The contract's forward with whole arrays, every operation in ``dtype``.
 
+    For bfloat16 and float16, every operation in float32 (their values are
+    exact there); the caller rounds the results (`rounded`).
     Returns ``(out, lse, cache)``; ``cache`` feeds `naive_backward`.
     """
-    dtype = np.dtype(dtype)
+    dtype = compute_dtype(dtype)
     t = dtype.type
     p = prepare(*(np.asarray(a, dtype=dtype) for a in (q, k, v)), dtypes=(dtype,), **options)
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -65,7 +70,7 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
 
     ``dlse``, the cotangent of ``lse`` (None: zeros), enters as ``delta - dlse``.
     """
-    dtype = np.dtype(dtype)
+    dtype = compute_dtype(dtype)
     t = dtype.type
     p, s, keep, probs, kk, vv, gate, cap_slope = cache
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -101,6 +106,13 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
     if p.bias is not None:
         grads["dbias"] = reduce_to_shape(ds, p.bias_shape)
     return grads
+
+
+def rounded(x, dtype):
+    """``x`` rounded to ``dtype`` when that is bfloat16 or float16 (as float64); else ``x``."""
+    if np.dtype(dtype).name not in HALF_DTYPES:
+        return x
+    return np.asarray(x).astype(dtype).astype(np.float64)
 
 
 def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=None):
@@ -203,4 +215,4 @@ def float32_allowed(want, naive, rounding=None):
     naive_error = max(worst_error(n, want)[0] for n in naive)
     if rounding is None:
         rounding = float(np.finfo(np.float32).eps) * scale
-    return min(2.0 * naive_error + rounding, FLOOR[np.dtype(np.float32)] * scale), naive_error
+    return min(2.0 * naive_error + rounding, FLOOR["float32"] * scale), naive_error

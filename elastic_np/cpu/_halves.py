@@ -1,0 +1,222 @@
+"""Half-precision storage in the CPU kernels: bfloat16 and float16 read as float32, written rounded.
+
+The kernels compute in float32 for both formats (`compute_dtype`). Numba has
+no 16-bit float type on the CPU, so a half array reaches compiled code as
+its bits, a view of the same memory (`bits`): bfloat16 as ``uint16``,
+float16 as ``int16``. The integer type tells the format at compile time,
+so each format is a compiled specialisation of its own, like a dtype.
+
+In compiled code:
+
+`widen(x)`
+    a stored element as the number it holds: float32 for a half, a float
+    unchanged;
+`narrow(x, like)`
+    a float as an element of the array ``like``: rounded to the nearest
+    even half (through float32) for half storage, ``x`` itself for a float
+    array (the assignment rounds it);
+`readable(tile, width, scratch)`
+    a tile of rows ``(whole, col)`` (`elastic_np.cpu._operands.head_rows`)
+    as rows the tile products read: the tile itself for float storage, its
+    ``width`` entries a row converted into ``scratch`` for half storage;
+`readable_checked(tile, width, scratch)`
+    `readable`'s rows and whether the tile's values are all finite, in one
+    pass for half storage;
+`scratch_for(x, rows, width, dtype)`
+    that scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+#: The half formats, by the name of their NumPy dtype, and the integer type of their bits.
+_BITS = {"bfloat16": np.uint16, "float16": np.int16}
+
+
+def is_half(dtype):
+    """True for bfloat16 (``ml_dtypes.bfloat16``) and float16."""
+    return np.dtype(dtype).name in _BITS
+
+
+def compute_dtype(dtype):
+    """The dtype the kernels compute in for inputs of ``dtype``: float32 for a half, else ``dtype``."""
+    return np.dtype(np.float32) if is_half(dtype) else np.dtype(dtype)
+
+
+def bits(a):
+    """``a`` as compiled code takes it: a half array as the integer view of its bits, a float array itself."""
+    name = a.dtype.name
+    return a.view(_BITS[name]) if name in _BITS else a
+
+
+def _half_format(ty):
+    """"bfloat16", "float16" or None (a float) for the Numba type of stored elements."""
+    return {types.uint16: "bfloat16", types.int16: "float16"}.get(ty)
+
+
+@intrinsic
+def _bfloat16_to_float32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(args[0], ir.IntType(32))
+        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+    return (types.float32(types.uint16), codegen) if x == types.uint16 else None
+
+
+@intrinsic
+def _float16_to_float32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return (types.float32(types.int16), codegen) if x == types.int16 else None
+
+
+@intrinsic
+def _float32_to_float16(typingctx, x):
+    """IEEE round to nearest even (LLVM's ``fptrunc``; F16C's ``vcvtps2ph`` on x86)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return (types.int16(types.float32), codegen) if x == types.float32 else None
+
+
+@intrinsic
+def _float32_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return (types.uint32(types.float32), codegen) if x == types.float32 else None
+
+
+@njit(inline="always")
+def _float32_to_bfloat16(x):
+    """Round to nearest even, as ``ml_dtypes`` and torch do; a NaN stays a (quiet) NaN of its sign."""
+    u = np.uint32(_float32_bits(x))
+    if x != x:
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    odd = (u >> np.uint32(16)) & np.uint32(1)
+    return np.uint16((u + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+
+
+def widen(x):
+    """A stored element as the number it holds (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(widen, inline="always")
+def _widen(x):
+    half = _half_format(x)
+    if half == "bfloat16":
+        return lambda x: _bfloat16_to_float32(x)
+    if half == "float16":
+        return lambda x: _float16_to_float32(x)
+    if isinstance(x, types.Float):
+        return lambda x: x
+    return None
+
+
+def narrow(x, like):
+    """A float as an element of the array ``like`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(narrow)
+def _narrow(x, like):
+    if not isinstance(like, types.Array):
+        return None
+    half = _half_format(like.dtype)
+    if half == "bfloat16":
+        def to_bfloat16(x, like):
+            return _float32_to_bfloat16(np.float32(x))
+        return to_bfloat16
+    if half == "float16":
+        def to_float16(x, like):
+            return _float32_to_float16(np.float32(x))
+        return to_float16
+
+    def unchanged(x, like):
+        return x
+    return unchanged
+
+
+def readable(tile, width, scratch):
+    """The rows of ``tile`` as float rows (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(readable, inline="always")
+def _readable(tile, width, scratch):
+    if _half_format(tile.types[0].dtype) is None:
+        return lambda tile, width, scratch: tile
+
+    def convert(tile, width, scratch):
+        whole, col = tile
+        n = whole.shape[0]
+        for r in range(n):
+            row = whole[r, col : col + width]
+            out = scratch[r]
+            for d in range(width):
+                out[d] = widen(row[d])
+        return scratch[:n], col - col
+
+    return convert
+
+
+def readable_checked(tile, width, scratch):
+    """`readable`'s rows and a check of the tile's values: 0 when all are finite, NaN otherwise (jit code only).
+
+    For half storage, the check is made on the bits as they are converted
+    (an exponent of all ones is an inf or a NaN), in the same pass; for
+    float storage it is ``sum(x * 0)`` over the tile, a pass of its own.
+    """
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(readable_checked)
+def _readable_checked(tile, width, scratch):
+    half = _half_format(tile.types[0].dtype)
+    if half is None:
+        def checked(tile, width, scratch):
+            whole, col = tile
+            zero = whole.dtype.type(0.0)
+            check = zero
+            for r in range(whole.shape[0]):
+                row = whole[r, col : col + width]
+                for d in range(width):
+                    check += row[d] * zero
+            return tile, check
+        return checked
+    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    bits_type = tile.types[0].dtype
+
+    def converted(tile, width, scratch):
+        # (bits & exponent) + lowest exponent bit carries into the sign bit only for an all-ones exponent
+        whole, col = tile
+        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        flags = bits_type(0)
+        n = whole.shape[0]
+        for r in range(n):
+            row = whole[r, col : col + width]
+            out = scratch[r]
+            for d in range(width):
+                x = row[d]
+                flags |= bits_type((x & mask) + carry)
+                out[d] = widen(x)
+        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
+        return (scratch[:n], col - col), np.float32(0.0) if finite else np.float32(np.nan)
+
+    return converted
+
+
+def scratch_for(x, rows, width, dtype):
+    """`readable`'s scratch for the storage array ``x`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(scratch_for, inline="always")
+def _scratch_for(x, rows, width, dtype):
+    if _half_format(x.dtype) is None:
+        return lambda x, rows, width, dtype: np.empty((0, width), dtype=dtype)
+    return lambda x, rows, width, dtype: np.empty((rows, width), dtype=dtype)
