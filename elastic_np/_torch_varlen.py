@@ -79,12 +79,13 @@ def _forward(q, k, v, *args):
     batch, options = _batch(args[:len(_BATCH)]), _host_options(args[len(_BATCH):])
     out, lse = _varlen.varlen_attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                         **batch, return_lse=True, backend=backend, **options)
-    return torch.from_numpy(out).to(q.dtype).contiguous(), torch.from_numpy(lse).to(q.dtype).contiguous()
+    out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
+    return out.contiguous(), lse.contiguous()
 
 
 @_forward.register_fake
 def _forward_shapes(q, k, v, *args):
-    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty(q.shape[:2])
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty(q.shape[:2], dtype=arrays.lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("elastic_np::varlen_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)

@@ -131,9 +131,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     ----------
     q : torch.Tensor, shape (total_q, H, D)
     k, v : torch.Tensor, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
-        float32 or float64 (the same for all three), CPU tensors, any strides;
-        gradients flow to those that require them. With ``block_table``, pages
-        ``(num_blocks, block_size, Hkv, D)``.
+        float32, float64, bfloat16 or float16 (the same for all three), CPU
+        tensors, any strides; gradients flow to those that require them. With
+        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``.
     cu_seqlens_q, cu_seqlens_k : torch.Tensor or array_like of int, shape (S + 1,)
         Where each of the ``S`` sequences starts, from 0 to the packed length
         (``cu_seqlens_k`` may be None with ``block_table``).
@@ -167,13 +167,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     out : torch.Tensor, shape (total_q, H, Dv)
         In the dtype of ``q``.
     lse : torch.Tensor, shape (total_q, H)
-        Only with ``return_lse=True``.
+        Only with ``return_lse=True``; in the dtype of ``q`` (float32 for
+        bfloat16 and float16).
 
     Raises
     ------
     TypeError
         For a tensor that is not on the CPU (the CUDA backend does not take
-        packed batches yet) or of dtype float16 or bfloat16, and as
+        packed batches yet) or of another floating dtype, and as
         `elastic_np.varlen_attention`.
     ValueError
         As `elastic_np.varlen_attention`, before anything is computed.

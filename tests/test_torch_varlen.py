@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
 from elastic_np import _adapter_common as common  # noqa: E402
-from elastic_np import _spec, _torch_varlen  # noqa: E402
+from elastic_np import _spec, _torch_arrays, _torch_varlen  # noqa: E402
 
 LENGTHS_Q = [5, 0, 12, 1, 7]
 LENGTHS_K = [9, 4, 12, 15, 0]
@@ -196,6 +196,23 @@ def test_a_bias_and_a_mask_per_sequence_compile_whole():
     assert all(torch.equal(a, b.grad) for a, b in zip(compiled, options["bias"]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_halves_give_the_numpy_functions_bits_lse_in_float32(dtype):
+    q, k, v, cu_q, cu_k = (x.detach().to(dtype).requires_grad_() if x.is_floating_point() else x for x in _packed())
+    beta = torch.full((H,), 0.5, dtype=dtype, requires_grad=True)
+    out, lse = enpt.varlen_attention(q, k, v, cu_q, cu_k, causal=True, beta=beta, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    out.float().square().sum().backward()
+    arrays = [_torch_arrays.to_numpy(x.detach()) for x in (q, k, v)]
+    options = {"causal": True, "beta": _torch_arrays.to_numpy(beta.detach()), "backend": "cpu"}
+    want, want_lse = enp.varlen_attention(*arrays, cu_q.numpy(), cu_k.numpy(), return_lse=True, **options)
+    assert np.array_equal(_torch_arrays.to_numpy(out.detach()), want) and np.array_equal(lse.detach().numpy(), want_lse)
+    dout = _torch_arrays.to_numpy(2 * out.detach().float().to(dtype))
+    grads = enp.varlen_attention_backward(dout, *arrays, want, want_lse, cu_q.numpy(), cu_k.numpy(), **options)
+    assert q.grad.dtype == dtype and np.array_equal(_torch_arrays.to_numpy(q.grad), grads.dq)
+    assert beta.grad.dtype == dtype and bool(torch.isfinite(beta.grad).all())
+
+
 def test_seqused_k_forward_and_backward():
     q, k, v, cu_q, cu_k = _packed()
     used = torch.tensor([3, 0, 12, 6, 0])
@@ -241,8 +258,8 @@ def test_bad_input_names_the_argument_and_mutates_nothing():
                                                                                                     15, 0])])
     with pytest.raises(ValueError, match="`seqused_k`"):
         enpt.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([10, 0, 0, 0, 0]))
-    with pytest.raises(TypeError, match="`k` has dtype torch.bfloat16"):
-        enpt.varlen_attention(q, k.bfloat16(), v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="`k` has dtype torch.float8_e4m3fn"):
+        enpt.varlen_attention(q, k.to(torch.float8_e4m3fn), v, cu_q, cu_k)
     with pytest.raises(TypeError, match="`q` is on device meta.*CPU tensors"):
         enpt.varlen_attention(q.to("meta"), k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="`mask\\[0\\]` is on device meta"):

@@ -259,3 +259,24 @@ def test_packed_offsets_that_do_not_fit_are_named_with_a_mask_too():
                                              "from 0 to the packed length 6"):
             enp_transformers.attention_forward(module, q, k, k, mask, cu_seq_lens_q=torch.tensor(cu),
                                                cu_seq_lens_k=torch.tensor(cu))
+
+
+def test_packed_sequences_in_bfloat16():
+    """A bfloat16 model packed: logits and every gradient within bfloat16's rule against eager on each sequence."""
+    pytest.importorskip("ml_dtypes")
+    models = _models("llama", dtype=torch.bfloat16)
+    sequences, batch = _packed_batch()
+    weights = torch.randn(1, sum(LENGTHS), 96, generator=torch.Generator().manual_seed(5))
+    logits, grads = {}, {}
+    for key in ("elastic_np", "eager", "float64"):
+        model = models[key].train()
+        out = model(**batch).logits if key == "elastic_np" else \
+            torch.cat([model(ids[None]).logits for ids in sequences], dim=1)
+        (out * weights.to(out.dtype)).sum().backward()
+        logits[key], grads[key] = out, {n: p.grad for n, p in model.named_parameters()}
+    assert logits["elastic_np"].dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    for what, ours, eager, exact in [("logits", logits["elastic_np"], logits["eager"], logits["float64"])] + [
+            (f"d{n}", g, grads["eager"][n], grads["float64"][n]) for n, g in grads["elastic_np"].items()]:
+        error, naive = (float((a.detach().double() - exact.detach()).norm() / exact.norm()) for a in (ours, eager))
+        assert error <= 2 * naive + 4 * eps, f"packed bfloat16 {what}: error {error:.3g}, eager's {naive:.3g}"
