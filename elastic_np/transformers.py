@@ -169,17 +169,8 @@ def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
     seen = _CHECKED.get(id(mask))
     if seen is not None and seen[0]() is mask and seen[1] == key:
         return
-    left, right = window
     for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
-        n, m = q1 - q0, k1 - k0
-        keep = torch.ones((max(n, 0), max(m, 0)), dtype=torch.bool, device=mask.device)
-        if causal:  # bottom-right aligned, as the kernels
-            keep = keep.tril(m - n)
-        if left >= 0:
-            keep = keep.triu(m - n - left)
-        if right >= 0:
-            keep = keep.tril(m - n + right)
-        if not bool((mask[0, :, q0:q1, k0:k1] == keep).all()):
+        if not bool((mask[0, :, q0:q1, k0:k1] == _kept(q1 - q0, k1 - k0, causal, window, mask.device)).all()):
             raise ValueError("elastic_np attention takes packed sequences (cu_seq_lens_q) with a mask that keeps, "
                              "within each sequence, what causality and the sliding window keep, and this one "
                              "differs (padding?): packed sequences carry no padding; drop the attention_mask or "
@@ -187,6 +178,19 @@ def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
     if len(_CHECKED) >= 8:
         _CHECKED.clear()
     _CHECKED[id(mask)] = (weakref.ref(mask), key)
+
+
+def _kept(n, m, causal, window, device):
+    """What ``causal`` and ``window`` keep of a sequence of ``n`` queries and ``m`` keys, aligned bottom-right."""
+    keep = torch.ones((n, m), dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        keep = keep.tril(m - n)
+    if left >= 0:
+        keep = keep.triu(m - n - left)
+    if right >= 0:
+        keep = keep.tril(m - n + right)
+    return keep
 
 
 def _starts(cu, total):

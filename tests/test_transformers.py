@@ -157,7 +157,7 @@ def test_what_the_attention_cannot_honour_is_an_error_naming_it():
 
 
 def _close_in_norm(ours, want, tolerance, what):
-    error = float((ours - want).norm() / want.norm())
+    error = float((ours - want).detach().norm() / want.detach().norm())
     assert error <= tolerance, f"{what}: relative error {error:.3g}"
 
 
