@@ -18,10 +18,13 @@ import numpy as np
 from elastic_np import _dispatch, _spec
 from elastic_np._types import AttentionGrads, DynamicWindow
 
-#: Why a packed batch does not take the options that describe a padded batch (`_spec.PER_CALL`).
+#: The options that describe a padded batch (`_spec.PER_CALL`) that a packed batch takes one per sequence:
+#: a list of ``S`` arrays, the ``s``-th broadcastable to sequence ``s``'s ``(H, N_s, M_s)``.
+PER_SEQUENCE = ("mask", "bias")
+
+#: Why a packed batch does not take the other options that describe a padded batch.
 _NOT_TAKEN = ("the packed arrays are (total, heads, dim) and each sequence's used keys are `seqused_k`, "
-              "which also aligns its queries to its last used key; a mask or a bias per sequence is not "
-              "taken yet: call `attention` per sequence")
+              "which also aligns its queries to its last used key")
 
 
 def _offsets(cu, name, total):
@@ -90,10 +93,46 @@ def _paged_keys(k, v, table, used, s):
     return tuple(a[pages].reshape(-1, *a.shape[2:])[None, :used[s]] for a in (k, v))
 
 
-def _check_options(options):
+def check_options(options):
+    """Raise a `ValueError` for an option of `_spec.PER_CALL` that a packed batch does not take as given.
+
+    `PER_SEQUENCE`'s must be None or a list (or tuple) of arrays, one per
+    sequence; their count and shapes are checked with the sequences'
+    (`_per_sequence_shapes`).
+    """
     for name in _spec.PER_CALL:
-        if not _spec._is_default(options[name], _spec._BY_NAME[name]):
+        value = options[name]
+        if name in PER_SEQUENCE:
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"varlen attention takes `{name}` as a list of one array per sequence, the s-th "
+                    f"broadcastable to that sequence's (H, N_s, M_s), got {type(value).__name__} of shape "
+                    f"{np.shape(value)}; one over the whole pack, (..., total_q, total_k), gives its diagonal "
+                    f"blocks: [{name}[..., cu_seqlens_q[s]:cu_seqlens_q[s + 1], "
+                    f"cu_seqlens_k[s]:cu_seqlens_k[s + 1]] for s in range(S)]")
+        elif not _spec._is_default(value, _spec._BY_NAME[name]):
             raise ValueError(f"varlen attention does not take `{name}`: {_NOT_TAKEN}")
+
+
+def _per_sequence_shapes(options, heads, lengths_q, lengths_k):
+    """Check each `PER_SEQUENCE` option's arrays against their sequence's ``(H, N_s, M_s)``."""
+    count = len(lengths_q)
+    for name in PER_SEQUENCE:
+        values = options[name]
+        if values is None:
+            continue
+        if len(values) != count:
+            raise ValueError(f"`{name}` must hold one array per sequence, {count}, got {len(values)}")
+        for s, value in enumerate(values):
+            shape, want = np.shape(value), (heads, int(lengths_q[s]), int(lengths_k[s]))
+            try:
+                np.broadcast_shapes(shape, (1, *want))
+                fits = len(shape) <= 4
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(f"`{name}[{s}]` of shape {shape} is not broadcastable to sequence {s}'s "
+                                 f"(H, N_s, M_s) = {want}")
 
 
 def _batched(value, count):
@@ -110,19 +149,23 @@ def _per_sequence(value, s, count):
 
 def _sequence_options(options, used, s, count):
     per = {name: _per_sequence(options[name], s, count) for name in ("alibi_slopes", "dynamic_window")}
+    per.update({name: options[name][s] for name in PER_SEQUENCE if options[name] is not None})
     extra = {} if used is None else {"kv_lengths": used[s:s + 1], "align": "kv_lengths"}
     return {**options, **per, **extra, "layout": "bnhd"}
 
 
 def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, options):
     """The checked ``(q, k, v, cu_q, cu_k, used, options)`` of a packed call."""
-    _check_options(options)
+    check_options(options)
     q, k, v = _arrays(q, k, v, paged=block_table is not None)
     if block_table is None:
         cu_q, cu_k, used = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)
+        lengths_k = np.diff(cu_k)
     else:
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
         cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1)
+        lengths_k = used
+    _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
     window, slopes = options["dynamic_window"], options["alibi_slopes"]
     if isinstance(window, DynamicWindow):
         options = {**options, "dynamic_window": dataclasses.replace(window, sigma=np.asarray(window.sigma))}
@@ -159,9 +202,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         (causality and windows align there).
     %(options)s
         ``alibi_slopes`` of shape ``(S, H)`` and a window's ``sigma`` of shape
-        ``(S, H)`` or ``(S, 1)`` go per sequence. The options that
-        describe a padded batch (``kv_lengths``, ``align``, ``mask``, ``bias``,
-        ``layout``) are not taken.
+        ``(S, H)`` or ``(S, 1)`` go per sequence. ``mask`` and ``bias`` go
+        per sequence, as a list of ``S`` arrays, the ``s``-th broadcastable to
+        sequence ``s``'s ``(H, N_s, M_s)`` (``M_s`` its keys; with
+        ``block_table``, its used keys). ``kv_lengths``, ``align`` and
+        ``layout``, which describe a padded batch, are not taken (see
+        ``seqused_k``).
     return_lse : bool, optional
         Also return ``lse`` of shape ``(total_q, H)``.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
@@ -227,7 +273,8 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     AttentionGrads
         ``dq``, ``dk``, ``dv`` packed like ``q``, ``k``, ``v``; ``dtau``,
         ``dbeta`` and a shared ``sigma``'s ``dsigma`` summed over the
-        sequences in order; a per-sequence ``sigma``'s ``dsigma`` per sequence.
+        sequences in order; a per-sequence ``sigma``'s ``dsigma`` per sequence;
+        ``dbias`` a list, each sequence's in the shape of its ``bias``.
 
     Examples
     --------
@@ -276,4 +323,5 @@ def _packed_grads(parts, q, k, v, cu_q, cu_k, options):
             totals[name] = np.concatenate(values)
         else:  # in sequence order
             totals[name] = functools.reduce(operator.add, values)
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=None, **totals)
+    dbias = None if options["bias"] is None else [g.dbias for g in parts]
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, **totals)

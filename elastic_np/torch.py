@@ -1,4 +1,4 @@
-"""PyTorch adapter: `attention` with autograd, and the `ElasticAttention` module.
+"""PyTorch adapter: `attention` and the packed `varlen_attention` with autograd, and the `ElasticAttention` module.
 
 ``import elastic_np.torch`` imports torch (``pip install "elastic_np[torch]"``);
 ``import elastic_np`` does not.
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
-from elastic_np import _spec, _torch_arrays, _torch_ops
+from elastic_np import _spec, _torch_arrays, _torch_ops, _torch_varlen, _varlen
 from elastic_np._adapter_common import DynamicWindow
 
-__all__ = ["attention", "ElasticAttention", "DynamicWindow"]
+__all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
 
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, return_lse=False, backend="auto", **options):
@@ -111,6 +111,109 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
                                          *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS)))
     fixed["backend"] = common.kernel_backend(backend) if device is None else "cuda"
     out, lse = _torch_ops.attention(q, k, v, fixed, learnable)
+    return (out, lse) if return_lse else out
+
+
+@_spec.takes_options(own=_spec.LEARNABLE)
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
+                     seqused_k=None, return_lse=False, backend="auto", **options):
+    """`elastic_np.varlen_attention` on torch tensors: a packed batch, differentiable in every learnable input.
+
+    The names and layout of ``torch.nn.attention.varlen.varlen_attn`` (which
+    calls the offsets ``cu_seq_q``, ``cu_seq_k``); each sequence is attended
+    to on its own, causality and the windows aligned to its own end, and the
+    forward and every gradient are the bits of `attention` called sequence by
+    sequence. The operator ``elastic_np::varlen_attention``
+    (``torch.library``, with its backward operator): ``torch.compile`` keeps
+    a call in its graph.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (total_q, H, D)
+    k, v : torch.Tensor, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
+        float32, float64, bfloat16 or float16 (the same for all three), CPU
+        tensors, any strides; gradients flow to those that require them. With
+        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``.
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor or array_like of int, shape (S + 1,)
+        Where each of the ``S`` sequences starts, from 0 to the packed length
+        (``cu_seqlens_k`` may be None with ``block_table``).
+    max_q, max_k : int, optional
+        The longest sequences, checked when given.
+    block_table : torch.Tensor of int, shape (S, max_blocks), optional
+        A paged cache, as in `elastic_np.varlen_attention`: the forward only
+        (a backward through it is an error).
+    seqused_k : torch.Tensor of int, shape (S,), optional
+        Keys each sequence uses (required with ``block_table``).
+    tau, beta : float or torch.Tensor of shape () or (H,), optional
+        Shared by the sequences; a tensor that requires grad gets ``dtau`` or
+        ``dbeta``, summed over them.
+    dynamic_window : DynamicWindow or elastic_np.DynamicWindow, optional
+        ``sigma`` broadcastable to ``(H,)``, or ``(S, H)`` per sequence; a
+        tensor gets ``dsigma``.
+    bias : list of torch.Tensor, optional
+        One per sequence, the ``s``-th broadcastable to ``(H, N_s, M_s)``;
+        each gets its ``dbias``.
+    %(other_names)s
+        As in `elastic_np.varlen_attention` (tensors are accepted; ``mask`` a
+        list of boolean tensors, one per sequence); no gradient.
+    return_lse : bool, optional
+        Also return ``lse`` of shape ``(total_q, H)``, differentiable like ``out``.
+    backend : {"auto", "cpu", "reference"}, optional
+        "auto" runs the CPU kernels; "reference" the float64 oracle (results
+        cast back to the input dtype).
+
+    Returns
+    -------
+    out : torch.Tensor, shape (total_q, H, Dv)
+        In the dtype of ``q``.
+    lse : torch.Tensor, shape (total_q, H)
+        Only with ``return_lse=True``; in the dtype of ``q`` (float32 for
+        bfloat16 and float16).
+
+    Raises
+    ------
+    TypeError
+        For a tensor that is not on the CPU (the CUDA backend does not take
+        packed batches yet) or of another floating dtype, and as
+        `elastic_np.varlen_attention`.
+    ValueError
+        As `elastic_np.varlen_attention`, before anything is computed.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import elastic_np.torch as enpt
+    >>> q, k, v = (torch.randn(7, 2, 8, requires_grad=True) for _ in range(3))  # sequences of 3 and 4
+    >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    >>> beta = torch.tensor(0.5, requires_grad=True)
+    >>> out = enpt.varlen_attention(q, k, v, cu, cu, max_q=4, max_k=4, causal=True, beta=beta)
+    >>> out.sum().backward()
+    >>> out.shape, q.grad.shape, beta.grad.shape
+    (torch.Size([7, 2, 8]), torch.Size([7, 2, 8]), torch.Size([]))
+    >>> second = enpt.attention(q[None, 3:], k[None, 3:], v[None, 3:], causal=True, beta=0.5, layout="bnhd")
+    >>> torch.equal(out[3:], second[0])
+    True
+    """
+    options = _spec.complete(options, "varlen_attention")
+    _varlen.check_options(options)
+    fixed, learnable = common.split(options)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise TypeError(f"`{name}` is on device {x.device}; elastic_np.torch.varlen_attention takes CPU "
+                            "tensors (the CUDA backend does not take packed batches yet): move them with .cpu()")
+    batch = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
+             "seqused_k": seqused_k}
+    batch = {name: x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+             for name, x in batch.items()}
+    batch.update(max_q=None if max_q is None else int(max_q), max_k=None if max_k is None else int(max_k))
+    lists = [(f"{name}[{s}]", x) for name in _varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
+    _torch_arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
+                                       *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS
+                                         if n not in _varlen.PER_SEQUENCE)))
+    fixed["backend"] = common.kernel_backend(backend)
+    out, lse = _torch_varlen.varlen_attention(q, k, v, batch, fixed, learnable)
     return (out, lse) if return_lse else out
 
 

@@ -10,9 +10,12 @@ gradient) map to the options of the same names; causality, sliding windows
 and padding arrive as transformers' boolean mask, which is never dropped:
 a decoding step's mask that keeps a prefix of the keys (a static cache's
 empty slots, right padding) becomes ``kv_lengths``, so that the keys past
-it are never read. What the function cannot honour (attention dropout while
-training, packed sequences, attention weights as an output) is an error
-naming it.
+it are never read. Packed sequences (transformers' padding-free path, where
+``cu_seq_lens_q`` and ``cu_seq_lens_k`` reach the attention, as
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them) go
+through `elastic_np.torch.varlen_attention`, each sequence on its own. What
+the function cannot honour (attention dropout while training, attention
+weights as an output) is an error naming it.
 
 Examples
 --------
@@ -26,6 +29,8 @@ Examples
 torch.Size([1, 3, 64])
 """
 
+import weakref
+
 import torch
 
 from elastic_np import torch as enpt
@@ -36,7 +41,7 @@ NAME = "elastic_np"
 #: Keyword arguments transformers passes that change nothing here.
 _IGNORED = frozenset({"position_ids", "cache_position", "num_items_in_batch", "output_hidden_states",
                       "output_router_logits", "use_cache", "past_key_values", "seq_idx"})
-#: Those that describe packed sequences (`cu_seq_lens_q`, ...), which this function does not take yet.
+#: Those that describe packed sequences: their attention goes through `elastic_np.torch.varlen_attention`.
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -81,11 +86,24 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
     ``attention_mask`` what `boolean_mask` made (or None: every key kept,
     causal where the module is). ``s_aux`` holds gpt-oss's per-head sink
     logits: ``beta = exp(s_aux)``.
+
+    With ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (and optionally
+    ``max_length_q``, ``max_length_k``), the ``B * N`` tokens are packed
+    sequences, the offsets where each starts: each is attended to on its own
+    (`elastic_np.torch.varlen_attention`), causal where the module is, with
+    its sliding window. The mask is then not needed; when given, it must keep
+    within each sequence what causality and the window keep (what it keeps
+    across sequences is never looked at), else a `ValueError` says so (a
+    padding mask with packed sequences).
     """
     _check_kwargs(module, dropout, kwargs)
     options = {"scale": scaling, "softcap": softcap, "backend": backend}
     if s_aux is not None:
         options["beta"] = torch.exp(s_aux.to(query.dtype))
+    if any(kwargs.get(name) is not None for name in _PACKED):
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+        window = (int(sliding_window) - 1, 0) if sliding_window is not None and causal else (-1, -1)
+        return _packed_attention(query, key, value, attention_mask, kwargs, causal, window, options), None
     if attention_mask is None:
         options["causal"] = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
         if sliding_window is not None and options["causal"]:
@@ -104,12 +122,84 @@ def _check_kwargs(module, dropout, kwargs):
     if kwargs.get("output_attentions"):
         raise ValueError("elastic_np attention never forms the attention weights: output_attentions=True "
                          "needs attn_implementation='eager'")
-    packed = [name for name in _PACKED if kwargs.get(name) is not None]
-    if packed:
-        raise ValueError(f"elastic_np attention does not take packed sequences yet ({', '.join(packed)})")
     unknown = sorted(set(kwargs) - _IGNORED - set(_PACKED) - {"output_attentions", "is_causal"})
     if unknown:
         raise TypeError(f"elastic_np attention cannot honour {', '.join(unknown)}")
+
+
+#: The masks `_check_packed_mask` found right: ``id(mask) -> (weak reference to it, what it was checked for)``.
+_CHECKED = {}
+
+
+def _packed_attention(query, key, value, mask, kwargs, causal, window, options):
+    """Packed sequences' attention, ``(B, N, H, Dv)``: the ``B * N`` tokens through `enpt.varlen_attention`."""
+    missing = [name for name in _PACKED[:2] if kwargs.get(name) is None]
+    if missing:
+        raise ValueError(f"elastic_np attention takes packed sequences with both cu_seq_lens_q and cu_seq_lens_k, "
+                         f"got no {missing[0]}")
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+    B, H, N, _ = query.shape
+    if mask is not None:
+        _check_packed_mask(mask, cu_q, cu_k, causal, window, B * N, key.shape[0] * key.shape[2])
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
+    try:
+        out = enpt.varlen_attention(q, k, v, cu_q, cu_k, max_q=kwargs.get("max_length_q"),
+                                    max_k=kwargs.get("max_length_k"), causal=causal, window_size=window, **options)
+    except ValueError as error:  # its names: cu_seqlens_q for transformers' cu_seq_lens_q, max_q for max_length_q
+        raise ValueError(f"packed sequences (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k): "
+                         f"{error}") from None
+    return out.view(B, N, H, out.shape[-1])
+
+
+def _check_packed_mask(mask, cu_q, cu_k, causal, window, total_q, total_k):
+    """Raise a `ValueError` unless ``mask`` keeps, within each packed sequence, what ``causal`` and ``window`` keep.
+
+    Only the sequences' diagonal blocks are read (what the mask keeps across
+    sequences is never looked at, nor computed), once per mask: the layers of
+    one forward share it (`_CHECKED`).
+    """
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[-2:] != (total_q, total_k):
+        raise ValueError(f"elastic_np attention takes packed sequences with transformers' boolean mask of one row, "
+                         f"(1, 1, {total_q}, {total_k}), or none, got dtype {mask.dtype} and shape "
+                         f"{tuple(mask.shape)}")
+    starts_q, starts_k = _starts(cu_q, total_q), _starts(cu_k, total_k)
+    if starts_q is None or starts_k is None or len(starts_q) != len(starts_k):
+        return  # not offsets of these tokens: varlen_attention's checks name the argument
+    key = (tuple(starts_q), tuple(starts_k), causal, window)
+    seen = _CHECKED.get(id(mask))
+    if seen is not None and seen[0]() is mask and seen[1] == key:
+        return
+    for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
+        if not bool((mask[0, :, q0:q1, k0:k1] == _kept(q1 - q0, k1 - k0, causal, window, mask.device)).all()):
+            raise ValueError("elastic_np attention takes packed sequences (cu_seq_lens_q) with a mask that keeps, "
+                             "within each sequence, what causality and the sliding window keep, and this one "
+                             "differs (padding?): packed sequences carry no padding; drop the attention_mask or "
+                             "the cu_seq_lens")
+    if len(_CHECKED) >= 8:
+        _CHECKED.clear()
+    _CHECKED[id(mask)] = (weakref.ref(mask), key)
+
+
+def _kept(n, m, causal, window, device):
+    """What ``causal`` and ``window`` keep of a sequence of ``n`` queries and ``m`` keys, aligned bottom-right."""
+    keep = torch.ones((n, m), dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        keep = keep.tril(m - n)
+    if left >= 0:
+        keep = keep.triu(m - n - left)
+    if right >= 0:
+        keep = keep.tril(m - n + right)
+    return keep
+
+
+def _starts(cu, total):
+    """``cu`` as a list of offsets rising from 0 to ``total``, or None where it is not one."""
+    starts = torch.as_tensor(cu).tolist()
+    if not isinstance(starts, list) or len(starts) < 2 or starts[0] != 0 or starts[-1] != total \
+            or any(b < a for a, b in zip(starts, starts[1:])):
+        return None
+    return starts
 
 
 def _mask_options(mask, B, N, M):

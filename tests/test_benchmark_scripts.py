@@ -138,3 +138,13 @@ def test_layouts_prints_each_case_and_computes_the_same_values(capsys):
     cases = layouts.make_cases(n=24, heads=2, dim=8, cache=50, dtype=np.float32)
     np.testing.assert_array_equal(cases["decode fwd", "bnhd"](), cases["decode fwd", "bhnd"]())
     assert cases["prefill fwd", "bnhd"]().transpose(0, 2, 1, 3).flags.c_contiguous
+
+
+def test_transformers_packed_runs(capsys):
+    pytest.importorskip("transformers")
+    import transformers_packed
+
+    transformers_packed.main(["--lengths", "24", "16", "8", "--layers", "1", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for name in ("packed elastic_np", "padded elastic_np", "padded sdpa"):
+        assert f"  {name:<18}" in out and "/ packed elastic_np" in out

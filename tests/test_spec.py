@@ -32,8 +32,11 @@ def _option_functions():
         ("elastic_np.attention_backward", enp.attention_backward, _spec.NAMES),
         ("reference.attention", enp.reference.attention, _spec.NAMES),
         ("reference.attention_backward", enp.reference.attention_backward, _spec.NAMES),
+        ("elastic_np.varlen_attention", enp.varlen_attention, _spec.NAMES),
+        ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _spec.NAMES),
     ]
-    for module_name, names in (("elastic_np.torch", ("attention",)), ("elastic_np.jax", ("attention",)),
+    for module_name, names in (("elastic_np.torch", ("attention", "varlen_attention")),
+                               ("elastic_np.jax", ("attention",)),
                                ("elastic_np.dask", ("attention", "attention_backward"))):
         try:
             module = importlib.import_module(module_name)

@@ -122,8 +122,17 @@ def test_bad_packed_arguments_name_themselves():
         enp.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=[9, 4, 33, 41, 0])
     with pytest.raises(ValueError, match="`block_table`"):
         enp.varlen_attention(q, k, v, cu_q, cu_k, block_table=np.zeros((5, 2), np.int32))
-    with pytest.raises(ValueError, match="does not take `bias`"):
+    with pytest.raises(ValueError, match="`bias` as a list of one array per sequence.*diagonal blocks"):
         enp.varlen_attention(q, k, v, cu_q, cu_k, bias=np.zeros((56, 86)))
+    with pytest.raises(ValueError, match="`mask` must hold one array per sequence, 5, got 2"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, mask=[np.ones((5, 9), bool)] * 2)
+    biases = [np.zeros((1, n, m)) for n, m in zip(LENGTHS_Q, LENGTHS_K)]
+    biases[2] = np.zeros((4, 33, 9))
+    with pytest.raises(ValueError, match="`bias\\[2\\]` of shape \\(4, 33, 9\\) is not broadcastable to "
+                                         "sequence 2's \\(H, N_s, M_s\\) = \\(4, 33, 33\\)"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, bias=biases)
+    with pytest.raises(ValueError, match="does not take `kv_lengths`.*`seqused_k`"):
+        enp.varlen_attention(q, k, v, cu_q, cu_k, kv_lengths=[1] * 5)
     with pytest.raises(ValueError, match="\\(total, heads, dim\\)"):
         enp.varlen_attention(q[None], k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="causal="):
@@ -166,3 +175,53 @@ def test_a_paged_cache_checks_its_table():
         enp.varlen_attention(q, k, k, [0, 2], None, block_table=[[0, 7]], seqused_k=[6])
     with pytest.raises(ValueError, match="\\(num_blocks, block_size, heads, dim\\)"):
         enp.varlen_attention(q, k[0], k[0], [0, 2], None, block_table=[[0]], seqused_k=[2])
+
+
+def _per_sequence_bias_and_mask(rng, H=4):
+    """A bias and a mask per sequence, in shapes of their own (broadcast over heads or rows)."""
+    shapes = [(H, 5, 9), (1, 0, 4), (33, 33), (H, 1, 1), (1, 17, 1)]
+    bias = [rng.standard_normal(shape) for shape in shapes]
+    bias[2][3, :5] = -np.inf  # entries removed
+    mask = [rng.random((n, m)) > 0.25 for n, m in zip(LENGTHS_Q, LENGTHS_K)]
+    return bias, mask
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_bias_and_a_mask_per_sequence(backend):
+    q, k, v, cu_q, cu_k = _packed(np.float64)
+    rng = np.random.default_rng(6)
+    bias, mask = _per_sequence_bias_and_mask(rng)
+    options = {"causal": True, "beta": 0.3, "softcap": 10.0}
+    before = [b.copy() for b in bias], [m.copy() for m in mask]
+    out, lse = enp.varlen_attention(q, k, v, cu_q, cu_k, bias=bias, mask=mask, return_lse=True, backend=backend,
+                                    **options)
+    dout = rng.standard_normal(out.shape)
+    grads = enp.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, bias=bias, mask=mask,
+                                          backend=backend, **options)
+    assert all(np.array_equal(a, b) for a, b in zip(bias + mask, before[0] + before[1]))  # nothing mutated
+    assert [g.shape for g in grads.dbias] == [b.shape for b in bias]
+    for s in range(len(LENGTHS_Q)):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        want, want_lse = enp.attention(q[None, rows], k[None, keys], v[None, keys], bias=bias[s], mask=mask[s],
+                                       layout="bnhd", return_lse=True, backend=backend, **options)
+        assert np.array_equal(out[rows], want[0]) and np.array_equal(lse[rows], want_lse[0].T)
+        g = enp.attention_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], want, want_lse,
+                                   bias=bias[s], mask=mask[s], layout="bnhd", backend=backend, **options)
+        assert _same(grads.dq[rows], g.dq[0], backend) and _same(grads.dk[keys], g.dk[0], backend)
+        assert _same(grads.dbias[s], g.dbias, backend)
+
+
+def test_a_bias_per_sequence_over_a_paged_cache_spans_its_used_keys():
+    rng = np.random.default_rng(7)
+    k_pages, v_pages = (rng.standard_normal((5, 4, 2, 8)) for _ in range(2))
+    table, used = np.array([[3, 1], [0, 4]]), np.array([6, 3])
+    q = rng.standard_normal((3, 4, 8))
+    bias = [rng.standard_normal((4, 2, 6)), rng.standard_normal((1, 1, 3))]
+    out = enp.varlen_attention(q, k_pages, v_pages, [0, 2, 3], None, block_table=table, seqused_k=used, bias=bias,
+                               causal=True, backend="cpu")
+    k0, v0 = (a[[3, 1]].reshape(8, 2, 8)[None, :6] for a in (k_pages, v_pages))
+    want = enp.attention(q[None, :2], k0, v0, bias=bias[0], causal=True, layout="bnhd", backend="cpu")
+    assert np.array_equal(out[:2], want[0])
+    with pytest.raises(ValueError, match="`bias\\[1\\]` of shape \\(1, 1, 4\\).*\\(4, 1, 3\\)"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 2, 3], None, block_table=table, seqused_k=used,
+                             bias=[bias[0], np.zeros((1, 1, 4))])
