@@ -8,6 +8,8 @@ forwards to `main`.
 
 import argparse
 
+import numpy as np
+
 from elastic_np import cuda
 from elastic_np._errors import BackendUnavailableError
 from elastic_np.cli import _cuda_bench as _bench
@@ -24,8 +26,8 @@ def _print_resources(ccs):
                   f"{entry['stack_bytes']:5d} B stack  {entry['static_shared_bytes']:5d} B static shared  {spill}")
     for dtype in cuda.dtypes:
         for D in (64, 128):
-            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, dtype).items():
-                print(f"{dtype.name} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")
+            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, np.dtype(dtype)).items():
+                print(f"{dtype} D=Dv={D}  {name:24s} {threads:4d} threads  tile {tile:3d}  {size:6d} B dynamic shared")
 
 
 def _print_ptx(ccs):

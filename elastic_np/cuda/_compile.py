@@ -91,10 +91,10 @@ def _ptx(cuda, cc):
     result = {}
     with _device_functions_compiled_for(cc):
         for dtype in dtypes:
-            signatures = _signatures(dtype)
+            signatures = _signatures(np.dtype(dtype))
             for name, kernel in kern.KERNELS.items():
                 code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
-                result[f"{name}[{dtype.name}]"] = code
+                result[f"{name}[{dtype}]"] = code
     return result
 
 

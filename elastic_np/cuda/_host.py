@@ -17,7 +17,7 @@ from elastic_np.cuda import _config as config
 from elastic_np.cuda import _sim
 
 #: The dtypes the kernels take (``q``, ``k``, ``v`` share one).
-dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+dtypes = ("float32", "float64")
 
 _INSTALL_HINT = 'install it with `pip install "elastic_np[cuda]"` (numba-cuda with the CUDA 13 toolkit wheels)'
 

@@ -2,6 +2,8 @@
 
 import re
 
+import numpy as np
+
 import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
@@ -13,7 +15,7 @@ from elastic_np.cuda import _kernels as _cuda_kernels  # noqa: E402
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_ptx_for_every_kernel(cc):
     code = cuda.ptx(cc=cc)
-    expected = {f"{name}[{dtype.name}]" for name in _cuda_kernels.KERNELS for dtype in cuda.dtypes}
+    expected = {f"{name}[{dtype}]" for name in _cuda_kernels.KERNELS for dtype in cuda.dtypes}
     assert set(code) == expected
     for name, text in code.items():
         assert re.search(rf"^\.target sm_{cc[0]}{cc[1]}\b", text, re.M), name
@@ -27,7 +29,7 @@ def test_resource_report_from_the_compiled_code():
     """Registers, stack, spills and shared memory read back from the assembler (nvJitLink, no GPU)."""
     pytest.importorskip("cuda.core", reason="needs cuda.core with nvJitLink")
     report = cuda.resources(cc=(9, 0))
-    assert set(report) == {f"{name}[{dtype.name}]" for name in _cuda_kernels.KERNELS for dtype in cuda.dtypes}
+    assert set(report) == {f"{name}[{dtype}]" for name in _cuda_kernels.KERNELS for dtype in cuda.dtypes}
     for name, entry in report.items():
         assert 1 <= entry["registers"] <= 255, name
         assert entry["spills"] == (entry["spill_store_bytes"] + entry["spill_load_bytes"] > 0), name
@@ -61,6 +63,6 @@ def test_dynamic_shared_memory_fits_the_limit():
 
     for dtype in cuda.dtypes:
         for D in (16, 64, 128, 256):
-            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, dtype).items():
+            for name, (threads, tile, size) in cuda.dynamic_shared_bytes(D, D, np.dtype(dtype)).items():
                 assert size <= shared_limit(), (name, D, dtype)
                 assert threads >= 1 and tile >= 1
