@@ -84,7 +84,32 @@ def _pages(k, block_table, seqused_k, count):
     read = np.arange(table.shape[1]) * k.shape[1] < used[:, None]
     if ((table < 0) | (table >= k.shape[0]))[read].any():
         raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache")
+    for s in range(count):
+        pages, seen = table[s, read[s]], set()
+        repeated = [p for p in pages.tolist() if p in seen or seen.add(p)]
+        if repeated:
+            raise ValueError(f"`block_table` row {s} names page {repeated[0]} twice: a sequence's pages must differ")
     return table, used
+
+
+def _paged_attention(q, k, v, table, used, options, backend):
+    """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]``.
+
+    The CPU decode kernel reads them from the pages in place where it takes
+    the call (`elastic_np.cpu._decode.takes`: a few queries); otherwise they
+    are gathered into a copy (`_paged_keys`), one sequence at a time.
+    """
+    module = _dispatch.get_backend(backend)
+    if module.__name__ == "elastic_np.cpu":
+        shape = (1, used, *k.shape[2:])  # layout="bnhd": (1, M, Hkv, D), standing in for the gathered keys
+        stand_ins = [np.broadcast_to(np.zeros((), dtype=a.dtype), shape[:3] + a.shape[3:]) for a in (k, v)]
+        problem = _dispatch._problem(module, q, *stand_ins, options)
+        if module._decode.takes(problem):
+            with _dispatch._reported(module, "forward", problem):
+                out, lse = module._decode.forward(problem, paged=(k, v, table))
+            return problem.as_given(out), lse
+    k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
+    return _dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 
 def _paged_keys(k, v, table, used, s):
@@ -192,10 +217,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     block_table : array_like of int, shape (S, max_blocks), optional
         A paged cache: ``k`` and ``v`` are then pages of shape
         ``(num_blocks, block_size, Hkv, D)`` and sequence ``s`` uses the
-        first ``seqused_k[s]`` keys of the pages ``block_table[s]``, gathered
-        (a copy of that sequence's keys, one sequence at a time) before its
-        attention. ``cu_seqlens_k`` is then ignored (it may be None). The
-        forward only.
+        first ``seqused_k[s]`` keys of the pages ``block_table[s]``: the
+        CPU decode kernel reads them in place (up to 16 queries a sequence);
+        otherwise they are gathered (a copy of that sequence's keys, one
+        sequence at a time) before its attention. ``cu_seqlens_k`` is then
+        ignored (it may be None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
         ``block_table``); its queries are the last ones before them
@@ -241,8 +267,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
             keys = slice(cu_k[s], cu_k[s + 1])
             k_s, v_s, per = k[None, keys], v[None, keys], _sequence_options(options, used, s, count)
         else:  # exactly the used keys: the queries sit before the last of them
-            (k_s, v_s), per = _paged_keys(k, v, cu_k, used, s), _sequence_options(options, None, s, count)
-        out_s, lse_s = _dispatch.attention(q[None, rows], k_s, v_s, return_lse=True, backend=backend, **per)
+            per = _sequence_options(options, None, s, count)
+            out_s, lse_s = _paged_attention(q[None, rows], k, v, cu_k[s:s + 1], used[s], per, backend)
+        if block_table is None:
+            out_s, lse_s = _dispatch.attention(q[None, rows], k_s, v_s, return_lse=True, backend=backend, **per)
         if out is None:
             out = np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_s.dtype)
             lse = np.empty(q.shape[:2], dtype=lse_s.dtype)

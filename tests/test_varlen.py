@@ -1,10 +1,19 @@
 """Packed batches (``cu_seqlens``): the bits of sequence-by-sequence calls, forward and every gradient."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
 import elastic_np as enp
 from elastic_np import DynamicWindow
+
+
+def _dtype(name):
+    """A dtype by name; bfloat16 (ml_dtypes') skips the test where ml_dtypes is missing."""
+    if name == "bfloat16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
 
 LENGTHS_Q = [5, 0, 33, 1, 17]
 LENGTHS_K = [9, 4, 33, 40, 0]
@@ -164,6 +173,81 @@ def test_a_paged_cache_gives_the_bits_of_its_gathered_keys(block_size):
         want, want_lse = enp.attention(q[None, rows], k_s[None], v_s[None], layout="bnhd", return_lse=True,
                                        backend="cpu", **options)
         assert np.array_equal(out[rows], want[0]) and np.array_equal(lse[rows], want_lse[0].T)
+
+
+def _paged_cache(rng, used, block_size, dtype, Hkv=2, D=16, spare=3):
+    """Pages in shuffled order (and ``spare`` pages no sequence uses), the table, the gathered caches."""
+    blocks = -(-np.asarray(used) // block_size)
+    order = rng.permutation(int(blocks.sum()) + spare)
+    table = np.zeros((len(used), max(blocks.max(), 1)), np.int64)
+    taken = 0
+    for s, n in enumerate(blocks):
+        table[s, :n] = order[taken:taken + n]
+        taken += n
+    pages = [rng.standard_normal((order.size, block_size, Hkv, D)).astype(np.float32).astype(dtype) for _ in "kv"]
+    gathered = [[a[table[s, :blocks[s]]].reshape(-1, Hkv, D)[None, :used[s]] for a in pages]
+                for s in range(len(used))]
+    return pages, table, gathered
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("queries", [1, 16], ids=["1 query", "16 queries"])
+def test_paged_decoding_reads_the_pages_in_place(dtype, block_size, queries):
+    """The decode kernel over the pages: the gathered keys' bits, and no copy of them in the peak memory."""
+    dtype = _dtype(dtype)
+    rng = np.random.default_rng(7)
+    used = np.array([700, 1, 0, 128])
+    (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype)
+    H, D = 8, 16
+    q = rng.standard_normal((4 * queries, H, D)).astype(np.float32).astype(dtype)
+    cu_q = np.arange(5) * queries
+    for options in ({"causal": True, "beta": 0.5, "tau": 0.8}, {"causal": True, "window_size": (100, 0),
+                                                                 "alibi_slopes": rng.uniform(0, 0.2, H)}):
+        out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                                        return_lse=True, backend="cpu", **options)
+        for s, (k_s, v_s) in enumerate(gathered):
+            rows = slice(cu_q[s], cu_q[s + 1])
+            want, want_lse = enp.attention(q[None, rows], k_s, v_s, layout="bnhd", return_lse=True, backend="cpu",
+                                           **options)
+            assert np.array_equal(out[rows].view(np.uint8), want[0].view(np.uint8)), (s, options)
+            assert np.array_equal(lse[rows], want_lse[0].T)
+    big = np.array([8192])
+    (k_pages, v_pages), table, _ = _paged_cache(rng, big, block_size, dtype, Hkv=8, D=64, spare=0)
+    q = rng.standard_normal((queries, 32, 64)).astype(np.float32).astype(dtype)
+    tracemalloc.start()
+    enp.varlen_attention(q, k_pages, v_pages, [0, queries], None, block_table=table, seqused_k=big, backend="cpu")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < k_pages.nbytes / 4, (peak, k_pages.nbytes)  # gathering k and v would take 2 * nbytes
+
+
+def test_a_nan_in_a_used_page_is_an_error_one_in_a_spare_page_is_not():
+    rng = np.random.default_rng(8)
+    used = np.array([300, 20])
+    (k_pages, v_pages), table, _ = _paged_cache(rng, used, 16, np.float32)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    spare = sorted(set(range(k_pages.shape[0])) - set(table[0, :19].tolist()) - set(table[1, :2].tolist()))
+    k_pages[spare[0]] = np.nan
+    v_pages[table[1, 1], 4:] = np.inf  # past the 20 keys sequence 1 uses
+    before = [a.copy() for a in (q, k_pages, v_pages, table)]
+    enp.varlen_attention(q, k_pages, v_pages, [0, 1, 2], None, block_table=table, seqused_k=used, backend="cpu")
+    for a, b in zip(before, (q, k_pages, v_pages, table)):
+        assert np.array_equal(a, b, equal_nan=True)
+    for where in ((table[0, 3], 5, 1, 2), (table[0, 0], 0, 0, 0)):  # read by the split, and outside the window
+        bad = k_pages.copy()
+        bad[where] = np.inf
+        with pytest.raises(ValueError, match="`k` contains NaN or inf"):
+            enp.varlen_attention(q, bad, v_pages, [0, 1, 2], None, block_table=table, seqused_k=used,
+                                 window_size=(50, 0), causal=True, backend="cpu")
+
+
+def test_a_page_named_twice_in_a_sequence_is_an_error():
+    k = np.zeros((3, 4, 1, 8))
+    q = np.zeros((2, 1, 8))
+    with pytest.raises(ValueError, match="`block_table` row 1 names page 2 twice"):
+        enp.varlen_attention(q, k, k, [0, 1, 2], None, block_table=[[0, 1], [2, 2]], seqused_k=[8, 8])
+    enp.varlen_attention(q, k, k, [0, 1, 2], None, block_table=[[0, 1], [2, 2]], seqused_k=[8, 4])  # unused: fine
 
 
 def test_a_paged_cache_checks_its_table():

@@ -51,7 +51,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import checked, copied_checked, narrow, readable, readable_checked, widen
+from elastic_np.cpu._halves import checked, copied, copied_checked, narrow, readable, readable_checked, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
@@ -250,8 +250,12 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
         j = j0 + c
         page, row = table[b, j // block_size], j % block_size
         n = min(block_size - row, bk - c)
-        check += copied_checked(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
-        check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
+        if together:  # checked by `_read_all_heads` already
+            copied(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
+            copied(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
+        else:
+            check += copied_checked(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
+            check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
         c += n
     return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check
 

@@ -23,8 +23,10 @@ In compiled code:
 `readable_checked(tile, width, scratch)`
     `readable`'s rows and whether the tile's values are all finite, in one
     pass for half storage;
+`copied(tile, width, out)`
+    the rows converted (or copied) into ``out``;
 `copied_checked(tile, width, out)`
-    the rows converted (or copied) into ``out`` and checked, in one pass;
+    and checked, in the same pass;
 `checked(tile, width)`
     the check alone;
 `scratch_for(x, rows, width, dtype)`
@@ -85,7 +87,7 @@ def _float32_bits(typingctx, x):
     return (types.uint32(types.float32), codegen) if x == types.float32 else None
 
 
-@njit(inline="always")
+@njit(inline="always", fastmath=False)
 def _float32_to_bfloat16(x):
     """Round to nearest even, as ``ml_dtypes`` and torch do; a NaN stays a (quiet) NaN of its sign."""
     u = np.uint32(_float32_bits(x))
@@ -147,16 +149,21 @@ def _readable(tile, width, scratch):
         return lambda tile, width, scratch: tile
 
     def convert(tile, width, scratch):
-        whole, col = tile
-        n = whole.shape[0]
-        for r in range(n):
-            row = whole[r, col : col + width]
-            out = scratch[r]
-            for d in range(width):
-                out[d] = widen(row[d])
-        return scratch[:n], col - col
+        copied(tile, width, scratch)
+        return scratch[: tile[0].shape[0]], tile[1] - tile[1]
 
     return convert
+
+
+@njit(inline="always", fastmath=False)
+def copied(tile, width, out):
+    """``out[:n] = `` the ``n`` rows of ``tile`` as floats (converted from a half) (jit code only)."""
+    whole, col = tile
+    for r in range(whole.shape[0]):
+        row = whole[r, col : col + width]
+        to = out[r]
+        for d in range(width):
+            to[d] = widen(row[d])
 
 
 def copied_checked(tile, width, out):
