@@ -37,7 +37,8 @@ backward, which recomputes them with the prefill tiles, then sees the
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from elastic_np._ranges import key_range
 from elastic_np.cpu import _config as config
@@ -51,7 +52,9 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import checked, copied, copied_checked, narrow, readable, readable_checked, widen
+from elastic_np.cpu._halves import (
+    checked, copied, copied_checked, narrow, readable, readable_checked, storage_format, stores_floats, widen,
+)
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
@@ -235,16 +238,18 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     """
     D, Dv = shape(k)[3], shape(v)[3]
     table, block_size, together = pages
+    zero = _like(0.0, scratch[0])
     if block_size == 0 or j0 // block_size == (j0 + bk - 1) // block_size:  # in place: one array, or one page
         at, row = (b, j0) if block_size == 0 else (table[b, j0 // block_size], j0 % block_size)
         if together:  # checked by `_read_all_heads` already
-            zero = _like(0.0, scratch[0])
             return readable(head_rows(k, at, hk, row, bk), D, scratch[0]), \
-                readable(head_rows(v, at, hk, row, bk), Dv, scratch[1]), zero
+                readable(head_rows(v, at, hk, row, bk), Dv, scratch[1]), zero, False
         k_tile, k_check = readable_checked(head_rows(k, at, hk, row, bk), D, scratch[0])
         v_tile, v_check = readable_checked(head_rows(v, at, hk, row, bk), Dv, scratch[1])
-        return k_tile, v_tile, k_check + v_check
-    check = _like(0.0, scratch[0])
+        return k_tile, v_tile, k_check + v_check, False
+    if together and stores_floats(k[0]):  # checked; the steps read the pages a segment at a time
+        return (scratch[0][:0], 0), (scratch[1][:0], 0), zero, True
+    check = zero
     c = 0
     while c < bk:
         j = j0 + c
@@ -257,7 +262,64 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
             check += copied_checked(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
             check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
         c += n
-    return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check
+    return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check, False
+
+
+def _keys_by_page(segmented, b, hk, j0, bk, kt):
+    """`_transpose_keys` of a tile over several pages, a page at a time (jit code only; float storage)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_keys_by_page)
+def _keys_by_page_float(segmented, b, hk, j0, bk, kt):
+    if not _reads_floats(segmented):
+        return lambda segmented, b, hk, j0, bk, kt: None  # a half's tiles are converted, never segmented
+
+    def by_page(segmented, b, hk, j0, bk, kt):
+        k, v, pages = segmented
+        c = 0
+        while c < bk:
+            page, row, n = _segment(pages, b, j0 + c, bk - c)
+            _transpose_keys(head_rows(k, page, hk, row, n), kt, n, shape(k)[3], c)
+            c += n
+
+    return by_page
+
+
+def _values_by_page(segmented, b, hk, j0, bk, st, acc):
+    """``acc += P V`` of a tile over several pages, a page at a time, the sums in key order (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_values_by_page)
+def _values_by_page_float(segmented, b, hk, j0, bk, st, acc):
+    if not _reads_floats(segmented):
+        return lambda segmented, b, hk, j0, bk, st, acc: None
+
+    def by_page(segmented, b, hk, j0, bk, st, acc):
+        k, v, pages = segmented
+        c = 0
+        while c < bk:
+            page, row, n = _segment(pages, b, j0 + c, bk - c)
+            v_rows, v_col = head_rows(v, page, hk, row, n)
+            matmul_nn(st, c, v_rows, v_col, acc, acc.shape[0], acc.shape[1], n, True)
+            c += n
+
+    return by_page
+
+
+def _reads_floats(segmented):
+    """Whether the (Optional) ``(k, v, pages)`` type holds float storage."""
+    ty = segmented.type if isinstance(segmented, types.Optional) else segmented
+    return isinstance(ty, types.BaseTuple) and storage_format(ty.types[0].types[0].dtype) is None
+
+
+@inner(fastmath=False)
+def _segment(pages, b, j, bk_left):
+    """``(page, row, n)``: where key ``j`` of batch entry ``b`` lies, and how many keys of at most ``bk_left`` follow it there."""
+    table, block_size, _ = pages
+    row = j % block_size
+    return table[b, j // block_size], row, min(block_size - row, bk_left)
 
 
 @inner(fastmath=_FASTMATH)
@@ -275,8 +337,8 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
 
 
 @inner(fastmath=False)
-def _transpose_keys(k_tile, kt, bk, D):
-    """``kt[d, c] = K[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
+def _transpose_keys(k_tile, kt, bk, D, at):
+    """``kt[d, at + c] = K[c, d]`` for ``c < bk``, ``d < D``: square blocks in registers, the edges one by one.
 
     ``k_tile = (whole, col)``: the keys' rows, ``K = whole[:, col:]`` (`elastic_np.cpu._operands.head_rows`).
 
@@ -293,11 +355,11 @@ def _transpose_keys(k_tile, kt, bk, D):
     one = _like(1.0, kt)
     for c0 in range(0, bk_w, width):
         for d0 in range(0, d_w, width):
-            transpose_store(whole, flat, d0 * stride + c0, stride, c0, col + d0, one)
+            transpose_store(whole, flat, d0 * stride + at + c0, stride, c0, col + d0, one)
     for c in range(bk):
         kc = whole[c, col : col + D]
         for d in range(0 if c >= bk_w else d_w, D):
-            kt[d, c] = kc[d]
+            kt[d, at + c] = kc[d]
 
 
 @inner(fastmath=_FASTMATH)
@@ -440,9 +502,10 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
                 for t in range(heads):
                     checksum[t] += all_check
             for t in range(heads):
-                k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk0 + t, j0, bk, kv_scratch)
+                k_tile, v_tile, tile_check, segmented = _tiles(k, v, pages, b, hk0 + t, j0, bk, kv_scratch)
                 checksum[t] += tile_check
-                _rows_tile(k_tile, v_tile, (kt, st, shift_by), qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
+                tiles = (k_tile, v_tile, (k, v, pages) if segmented else None)
+                _rows_tile(tiles, (kt, st, shift_by), qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
                            (acc[t], row_max[t], row_sum[t]))
         for t in range(heads):
             hk = hk0 + t
@@ -470,25 +533,32 @@ def _start_rows(q, opt, b, hk, qs, state):
 
 
 @inner(fastmath=_FASTMATH)
-def _rows_tile(k_tile, v_tile, work, qs, row_span, opt, where, state):
+def _rows_tile(tiles, work, qs, row_span, opt, where, state):
     """The online softmax's step of kv head ``hk``'s stacked rows with keys ``j0 .. j0 + bk - 1``.
 
-    ``k_tile``, ``v_tile``: `_tiles`'; ``work = (kt, st, shift_by)``, the
-    thread's scratch; ``row_span``: `_row_ranges`' ``(row_lo, row_hi)``;
-    ``where = (b, hk, N, j0, bk)``; ``state = (acc, row_max, row_sum)``.
+    ``tiles = (k_tile, v_tile, segmented)``: `_tiles`' rows, or, where they
+    span pages that are read in place, ``segmented = (k, v, pages)`` and
+    the steps that read keys or values take them a page at a time (`_segment`;
+    the products' sums run in the same order: the same bits). ``work = (kt,
+    st, shift_by)``, the thread's scratch; ``row_span``: `_row_ranges`'
+    ``(row_lo, row_hi)``; ``where = (b, hk, N, j0, bk)``; ``state = (acc,
+    row_max, row_sum)``.
     """
+    k_tile, v_tile, segmented = tiles
     kt, st, shift_by = work
     b, hk, N, j0, bk = where
     acc, row_max, row_sum = state
     rows, D = qs.shape
     Dv = acc.shape[1]
     group = rows // N
-    v_rows, v_col = v_tile
     # the prefill tiles' order: additive modifiers first, the product added onto them
     additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     # Q K^T as the prefill tiles form it (the same products in the same
     # order): the backward recomputes these logits bit for bit
-    _transpose_keys(k_tile, kt, bk, D)
+    if segmented is None:
+        _transpose_keys(k_tile, kt, bk, D, 0)
+    else:
+        _keys_by_page(segmented, b, hk, j0, bk, kt)
     if additive_first:
         for r in range(rows):
             _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, opt.diag_shift[b])
@@ -520,7 +590,10 @@ def _rows_tile(k_tile, v_tile, work, qs, row_span, opt, where, state):
         for c in range(bk):
             total += z[c]
         row_sum[r] += total
-    matmul_nn(st, 0, v_rows, v_col, acc, rows, Dv, bk, True)
+    if segmented is None:
+        matmul_nn(st, 0, v_tile[0], v_tile[1], acc, rows, Dv, bk, True)
+    else:
+        _values_by_page(segmented, b, hk, j0, bk, st, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -574,7 +647,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, part
         checksum = _like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
+            k_tile, v_tile, tile_check, _ = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)  # never segmented here
             checksum += tile_check
             for g in range(group):
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:

@@ -29,8 +29,10 @@ In compiled code:
     and checked, in the same pass;
 `checked(tile, width)`
     the check alone;
+`stores_floats(x)`
+    whether ``x`` holds floats rather than a half's bits;
 `scratch_for(x, rows, width, dtype)`
-    that scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
+    `readable`'s scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
 """
 
 import numpy as np
@@ -48,7 +50,7 @@ def bits(a):
     return a.view(_BITS[name]) if name in _BITS else a
 
 
-def _half_format(ty):
+def storage_format(ty):
     """"bfloat16", "float16" or None (a float) for the Numba type of stored elements."""
     return {types.uint16: "bfloat16", types.int16: "float16"}.get(ty)
 
@@ -104,7 +106,7 @@ def widen(x):
 
 @overload(widen, inline="always")
 def _widen(x):
-    half = _half_format(x)
+    half = storage_format(x)
     if half == "bfloat16":
         return lambda x: _bfloat16_to_float32(x)
     if half == "float16":
@@ -123,7 +125,7 @@ def narrow(x, like):
 def _narrow(x, like):
     if not isinstance(like, types.Array):
         return None
-    half = _half_format(like.dtype)
+    half = storage_format(like.dtype)
     if half == "bfloat16":
         def to_bfloat16(x, like):
             return _float32_to_bfloat16(np.float32(x))
@@ -145,7 +147,7 @@ def readable(tile, width, scratch):
 
 @overload(readable, inline="always")
 def _readable(tile, width, scratch):
-    if _half_format(tile.types[0].dtype) is None:
+    if storage_format(tile.types[0].dtype) is None:
         return lambda tile, width, scratch: tile
 
     def convert(tile, width, scratch):
@@ -178,7 +180,7 @@ def copied_checked(tile, width, out):
 
 @overload(copied_checked)
 def _copied_checked(tile, width, out):
-    half = _half_format(tile.types[0].dtype)
+    half = storage_format(tile.types[0].dtype)
     if half is None:
         def copied(tile, width, out):
             whole, col = tile
@@ -220,7 +222,7 @@ def checked(tile, width):
 
 @overload(checked)
 def _checked(tile, width):
-    half = _half_format(tile.types[0].dtype)
+    half = storage_format(tile.types[0].dtype)
     if half is None:
         def float_check(tile, width):
             whole, col = tile
@@ -260,7 +262,7 @@ def readable_checked(tile, width, scratch):
 
 @overload(readable_checked)
 def _readable_checked(tile, width, scratch):
-    if _half_format(tile.types[0].dtype) is None:
+    if storage_format(tile.types[0].dtype) is None:
         def in_place(tile, width, scratch):
             return tile, checked(tile, width)
         return in_place
@@ -273,6 +275,17 @@ def _readable_checked(tile, width, scratch):
     return converted
 
 
+def stores_floats(x):
+    """True when the storage array ``x`` holds floats, False for a half's bits (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(stores_floats, inline="always")
+def _stores_floats(x):
+    floats = storage_format(x.dtype) is None
+    return lambda x: floats
+
+
 def scratch_for(x, rows, width, dtype):
     """`readable`'s scratch for the storage array ``x`` (jit code only)."""
     raise NotImplementedError("only callable from compiled code")
@@ -280,6 +293,6 @@ def scratch_for(x, rows, width, dtype):
 
 @overload(scratch_for, inline="always")
 def _scratch_for(x, rows, width, dtype):
-    if _half_format(x.dtype) is None:
+    if storage_format(x.dtype) is None:
         return lambda x, rows, width, dtype: np.empty((0, width), dtype=dtype)
     return lambda x, rows, width, dtype: np.empty((rows, width), dtype=dtype)
