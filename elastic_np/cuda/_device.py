@@ -454,6 +454,21 @@ def _store_tile(scores, tile, stride, micro):
 
 
 @inline_device
+def _load_rows(dst, tile, stride, row0, col):
+    """``dst[r] = tile[row0 + r, col]`` for the thread's ``REG_M`` rows (row stride ``stride``)."""
+    for r in range(REG_M):
+        dst[r] = tile[(row0 + r) * stride + col]
+
+
+@inline_device
+def _outer_add(acc, a, b, cols):
+    """``acc[r, e] += a[r] b[e]`` for ``r < REG_M``, ``e < cols``: a rank-one update of a register micro-tile."""
+    for r in range(REG_M):
+        for e in range(cols):
+            acc[r, e] += a[r] * b[e]
+
+
+@inline_device
 def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
     """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
 
@@ -468,13 +483,10 @@ def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
     qv = cuda.local.array(REG_M, q_tile.dtype)
     kv = cuda.local.array(REG_N, q_tile.dtype)
     for d in range(D):
-        for r in range(REG_M):
-            qv[r] = q_tile[(row0 + r) * q_stride + d]
+        _load_rows(qv, q_tile, q_stride, row0, d)
         for n in range(REG_N):
             kv[n] = k_tile[(c + tpr * n) * k_stride + d]
-        for r in range(REG_M):
-            for n in range(REG_N):
-                scores[r, n] += qv[r] * kv[n]
+        _outer_add(scores, qv, kv, REG_N)
 
 
 @inline_device
@@ -487,11 +499,8 @@ def _tile_pv(p_tile, p_stride, v_tile, v_stride, jn, wn, micro, zero, acc):
     pv = cuda.local.array(REG_M, p_tile.dtype)
     vv = cuda.local.array(ACC_COLS, p_tile.dtype)
     for jj in range(jn):
-        for r in range(REG_M):
-            pv[r] = p_tile[(row0 + r) * p_stride + jj]
+        _load_rows(pv, p_tile, p_stride, row0, jj)
         for e in range(ACC_COLS):
             col = c + tpr * e
             vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
-        for r in range(REG_M):
-            for e in range(ACC_COLS):
-                acc[r, e] += pv[r] * vv[e]
+        _outer_add(acc, pv, vv, ACC_COLS)
