@@ -92,6 +92,13 @@ def inline_device(fn):
         return cuda.jit(device=True)(fn)
 
 
+@inline_device
+def _constants(opts):
+    """``(fopts, zero, neg_inf)``: the float option array of ``opts`` and its 0 and ``-inf`` (in the kernel's dtype)."""
+    fopts = opts[O_FOPTS]
+    return fopts, fopts[F_ZERO], fopts[F_NEG_INF]
+
+
 @cuda.jit(device=True)
 def _real(value, like):
     """``value`` converted to the dtype of the array ``like``."""
@@ -290,6 +297,32 @@ def _entry(dot, b, h, i, j, prm, opts):
         zero = fopts[F_ZERO]
         return fopts[F_NEG_INF], zero, zero, zero, zero
     return _entry_logit(dot, i, j, bias_value, prm, fopts)
+
+
+@cuda.jit(device=True)
+def _tile_entry(tile, stride, micro, queries, keys, r, n, prm, opts):
+    """Entry ``(r, n)`` of the thread's micro-tile of a key tile, scored: ``(at, i, j, z, s, cap_slope, f, u)``.
+
+    ``micro = (row0, c, tpr)`` (`_tile_block`), ``queries = (b, h, i_first,
+    N)``, ``keys = (j0, jn)``: the entry is row ``row0 + r`` and key ``c +
+    tpr n`` of the tile, query ``i = i_first + r`` and key ``j``; ``tile[at]``
+    holds its dot product. The rest is `_entry`'s tuple, with ``z = -inf``
+    past the tile's ``jn`` keys or the ``N`` queries. The forward's softmax
+    and the ``dq`` kernel's recomputation score their entries here alike.
+    """
+    row0, c, tpr = micro
+    b, h, i_first, N = queries
+    j0, jn = keys
+    jj = c + tpr * n
+    at = (row0 + r) * stride + jj
+    i = i_first + r
+    j = j0 + jj
+    if jj < jn and i < N:
+        z, s, cap_slope, f, u = _entry(tile[at], b, h, i, j, prm, opts)
+        return at, i, j, z, s, cap_slope, f, u
+    fopts = opts[O_FOPTS]
+    zero = fopts[F_ZERO]
+    return at, i, j, fopts[F_NEG_INF], zero, zero, zero, zero
 
 
 @cuda.jit(device=True)
