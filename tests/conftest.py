@@ -9,16 +9,12 @@ import pytest
 # Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
 # processes saving different specialisations of one function at the same time
 # can leave Numba's cache index pointing at the other's code. Set before any
-# test module imports numba (which reads the variable once).
-# With ELASTIC_NP_PUBLIC_NUMBA set (Numba's private internals not used, see
-# elastic_np.cpu._numba_private) the same functions compile to other code:
-# those runs get a cache folder of their own, with or without workers.
-_PUBLIC = os.environ.get("ELASTIC_NP_PUBLIC_NUMBA", "").strip() not in ("", "0")
-if (os.environ.get("PYTEST_XDIST_WORKER") or _PUBLIC) and "numba" not in sys.modules:
+# test module imports numba (which reads the variable once). Runs with
+# ELASTIC_NP_PUBLIC_NUMBA set need nothing more: the package caches their
+# kernels in a folder of their own (elastic_np.cpu._numba_private.own_cache).
+if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
     _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
-    if _PUBLIC:
-        _base = os.path.join(_base, "public-" + os.environ["ELASTIC_NP_PUBLIC_NUMBA"].strip().replace(",", "-"))
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
 
 
 @pytest.fixture

@@ -70,6 +70,55 @@ def test_forced_fallback_uses_public_numba_alone(tmp_path):
     assert run.stdout.strip() == "[]"
 
 
+def test_each_setting_but_all_on_has_a_cache_folder_of_its_own(tmp_path, monkeypatch):
+    assert private.cache_name(ALL) is None  # Numba's usual places
+    assert private.cache_name(frozenset()) == "elastic_np-public"
+    assert private.cache_name(ALL - {"inner", "lazy_stages"}) == "elastic_np-public-inner-lazy_stages"
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    assert private._cache_folder("elastic_np-public") == str(tmp_path / "elastic_np-public")
+    assert private._cache_folder(None) is None
+
+
+# One setting, then the other, on one NUMBA_CACHE_DIR: each compiles its own kernels once and then
+# loads them; a forced process that loaded the private setting's kernels would call `elastic_np_*`
+# symbols it never registered (a crash).
+SHARED_CACHE = """
+import numpy as np
+import elastic_np as enp
+from elastic_np import _compile_report, reference
+from elastic_np.cpu import _forward, _numba_private
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, 24, 8)).astype(np.float32) for _ in range(3))
+with _compile_report.watch() as watch:
+    out = enp.attention(q, k, v, causal=True, softcap=3.0, backend="cpu")
+error = np.abs(out - reference.attention(q, k, v, causal=True, softcap=3.0)[0]).max()
+folder = _numba_private.cache_folder()
+assert folder is None or _forward._forward_kernel._cache.cache_path.startswith(folder), folder
+print(len(watch.compiled), error < 1e-5, folder is not None)
+"""
+
+
+@pytest.mark.skipif(private.paths_on(numba.__version__, None) != ALL,
+                    reason="outside the tested Numba every setting is the public one")
+def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_path):
+    root = str(pathlib.Path(private.__file__).parents[2])  # this checkout's package
+    pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+
+    def run(setting):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=pythonpath, **{private.ENV_VAR: setting})
+        done = subprocess.run([sys.executable, "-c", SHARED_CACHE], capture_output=True, text=True, timeout=900,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        compiled, right, own_folder = done.stdout.split()
+        assert right == "True" and own_folder == str(setting == "1")
+        return int(compiled)
+
+    assert run("0") > 0  # fills the cache
+    assert run("1") > 0  # compiles its own
+    assert run("1") == 0 and run("0") == 0  # each loads its own
+    assert (tmp_path / "elastic_np-public").is_dir()
+
+
 PRIVATE_NAMES = r"numba\._dynfunc|_dynfunc|numba\.core\.(compiler|codegen|caching|registry)|add_symbol|create_mcjit"
 
 

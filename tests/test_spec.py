@@ -47,6 +47,8 @@ def _option_functions():
             model = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL + _spec.LEARNABLE)
             found += [("ElasticAttention", module.ElasticAttention, model),
                       ("ElasticAttention.forward", module.ElasticAttention.forward, _spec.PER_CALL)]
+    found += [("elastic_np.varlen_attention", enp.varlen_attention, _spec.NAMES),
+              ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _spec.NAMES)]
     return found
 
 

@@ -367,6 +367,9 @@ def _bench_gpu(args):
 #: ``elastic-np bench --gpu --quick``: ``(B, H, N, D)``, and 3 timed runs.
 _GPU_QUICK_SHAPE = (1, 4, 1024, 64)
 
+#: The dtypes ``bench`` times.
+_BENCH_DTYPES = ("float32", "float64")
+
 
 def build_parser():
     parser = _Parser(
@@ -374,59 +377,67 @@ def build_parser():
         description="Float64 oracles and fast kernels for Elastic-Softmax attention.",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    example = sub.add_parser("example", help="evaluate the oracles on a worked example")
-    example.set_defaults(func=_example)
+    _subcommand(sub, "example", _example, "evaluate the oracles on a worked example")
     _add_warmup(sub)
     for p in (_add_check(sub), _add_bench(sub)):
         p.add_argument("--progress-delay", type=float, default=2.0, help=argparse.SUPPRESS)
     return parser
 
 
+def _subcommand(sub, name, func, summary, description=None):
+    """The parser of ``elastic-np name``, which runs ``func(args)``; ``summary`` is its line in the list of commands."""
+    parser = sub.add_parser(name, help=summary, description=description)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _add_dtypes(parser, help):
+    """``--dtype`` with any of `_DTYPES`, float32 and float64 by default."""
+    parser.add_argument("--dtype", nargs="+", choices=_DTYPES, default=["float32", "float64"],
+                        help=f"{help} (default: float32 and float64)")
+
+
 def _add_warmup(sub):
-    warm = sub.add_parser(
-        "warmup", help="compile the kernels ahead of the first call (for a Docker build or a worker's start)",
-        description="Compile, or load from Numba's on-disk cache, every kernel that later calls of "
-                    "the given dtypes and options will run (elastic_np.warmup): run it where "
-                    "waiting is cheap, such as a Docker image's build, so that the first call "
-                    "of a training loop or a server does not compile.",
+    warm = _subcommand(
+        sub, "warmup", _warmup,
+        "compile the kernels ahead of the first call (for a Docker build or a worker's start)",
+        "Compile, or load from Numba's on-disk cache, every kernel that later calls of "
+        "the given dtypes and options will run (elastic_np.warmup): run it where "
+        "waiting is cheap, such as a Docker image's build, so that the first call "
+        "of a training loop or a server does not compile.",
     )
-    warm.add_argument("--dtype", nargs="+", choices=_DTYPES, default=["float32", "float64"],
-                      help="dtypes of the later calls (default: float32 and float64)")
+    _add_dtypes(warm, "dtypes of the later calls")
     warm.add_argument("--options", nargs="+", metavar="NAME",
                       help="names of the options the later calls use (default: every option)")
     warm.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                       help="backend to warm up (default: auto, as attention picks it)")
-    warm.set_defaults(func=_warmup)
     return warm
 
 
 def _add_check(sub):
-    check = sub.add_parser(
-        "check", help="check the backends against the float64 oracles",
-        description="Run the conformance battery (every option alone and combined, forward "
-                    "and every gradient) of each backend against the float64 oracles, and "
-                    "the oracles' gradients against finite differences. Exit code 1 on any "
-                    "failure.",
+    check = _subcommand(
+        sub, "check", _check, "check the backends against the float64 oracles",
+        "Run the conformance battery (every option alone and combined, forward "
+        "and every gradient) of each backend against the float64 oracles, and "
+        "the oracles' gradients against finite differences. Exit code 1 on any "
+        "failure.",
     )
     check.add_argument("--backend", choices=("cpu", "cuda", "reference", "all"), default="all",
                        help="backend to check; 'all' (default) checks every available kernel "
                             "backend and reports the others as skipped; 'reference' checks "
                             "the float64 backend itself")
     check.add_argument("--quick", action="store_true", help="tiny sizes (well under a minute)")
-    check.add_argument("--dtype", nargs="+", choices=_DTYPES, default=["float32", "float64"],
-                       help="dtypes to check (default: float32 and float64; bfloat16 needs ml_dtypes; "
-                            "the CUDA kernels take neither half)")
+    _add_dtypes(check, "dtypes to check (bfloat16 needs ml_dtypes; the CUDA kernels take neither half)")
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs")
-    check.set_defaults(func=_check)
     return check
 
 
 def _add_bench(sub):
-    bench = sub.add_parser(
-        "bench", help="time the kernels against naive NumPy and PyTorch",
-        description="Side-by-side time, GFLOP/s, fraction of the matrix-multiply peak and "
-                    "peak memory of the elastic_np kernels, naive NumPy attention and "
-                    "torch's scaled_dot_product_attention, forward and forward+backward.",
+    bench = _subcommand(
+        sub, "bench", _bench_command, "time the kernels against naive NumPy and PyTorch",
+        "Side-by-side time, GFLOP/s, fraction of the matrix-multiply peak and "
+        "peak memory of the elastic_np kernels, naive NumPy attention and "
+        "torch's scaled_dot_product_attention, forward and forward+backward.",
     )
     bench.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     bench.add_argument("--seq", type=_positive_int, nargs="+", metavar="N",
@@ -434,7 +445,7 @@ def _add_bench(sub):
     bench.add_argument("--heads", type=_positive_int, help="number of heads H")
     bench.add_argument("--dim", type=_positive_int, help="head dimension D")
     bench.add_argument("--batch", type=_positive_int, help="batch size B (default 1)")
-    bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    bench.add_argument("--dtype", choices=_BENCH_DTYPES, default="float32")
     bench.add_argument("--causal", action="store_true", help="causal attention")
     bench.add_argument("--repeat", type=_positive_int,
                        help="timed runs per measurement, the best is kept (default 5)")
@@ -468,7 +479,6 @@ def _add_bench(sub):
                        help="with --gpu: time with a bias of this shape")
     bench.add_argument("--precision", choices=("tf32",),
                        help="with --gpu: float32 products as one TF32 product on the tensor cores")
-    bench.set_defaults(func=_bench_command)
     return bench
 
 

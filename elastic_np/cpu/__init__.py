@@ -68,10 +68,13 @@ Modules
 
 
 from elastic_np import _problem, _validation
-from elastic_np.cpu import _decode, _forward
-from elastic_np.cpu._backward import backward
-from elastic_np.cpu._threads import thread_count
+from elastic_np.cpu._numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
+
+with own_cache():  # every module of the package that makes a cached function is imported here
+    from elastic_np.cpu import _decode, _forward
+    from elastic_np.cpu._backward import backward
+    from elastic_np.cpu._threads import thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",

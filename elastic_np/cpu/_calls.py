@@ -30,7 +30,7 @@ import types as pytypes
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, cfunc, types
+from numba import carray, types
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
@@ -71,14 +71,10 @@ def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=Non
     calling = private.symbol_call(functools.partial(_symbol, name), signatures, arrange)
     calling.needs = needs
     calling.entries = {
-        dtype: (_symbol(name, dtype), functools.partial(_compile_entry, c_signatures[dtype], body))
+        dtype: (_symbol(name, dtype), functools.partial(private.cached_cfunc, c_signatures[dtype], body))
         for dtype in _DTYPES
     }
     return calling
-
-
-def _compile_entry(signature, body):
-    return cfunc(signature, cache=True, fastmath=False)(body)
 
 
 # The bodies call what the typed functions call, one level down: the C

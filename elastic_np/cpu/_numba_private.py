@@ -21,14 +21,17 @@ environment variable ``ELASTIC_NP_PUBLIC_NUMBA`` (read once, at import) does
 not turn it off: ``1`` turns every path off, a comma-separated list of path
 names only those. Off, the kernels compile through public Numba alone
 (``njit``, called directly), with the same results and a slower first call.
-Kernels cached with one setting must not be loaded with another: give each
-its own ``NUMBA_CACHE_DIR``.
+The two compile the same functions to other code, which the other cannot
+run (Numba's cache keys do not tell them apart): with any path off, the
+kernels are cached in a folder of that setting's own (`own_cache`), so no
+setting loads another's code.
 """
 
 import contextlib
 import ctypes
 import os
 import re
+import tempfile
 import threading
 
 import numba
@@ -86,6 +89,88 @@ def enabled(path):
     if path not in PATHS:
         raise ValueError(f"no private path {path!r}")
     return path in _ON
+
+
+# ---------------------------------------------------------------------------
+# a Numba cache folder per setting
+# ---------------------------------------------------------------------------
+
+
+def cache_name(on):
+    """The name of the cache folder of the paths ``on``; None with all of them on (Numba's usual places).
+
+    ``elastic_np-public`` with every path off, else ``elastic_np-public-<the paths off>``.
+    """
+    off = [name for name in PATHS if name not in on]
+    if not off:
+        return None
+    return "elastic_np-public" if len(off) == len(PATHS) else "elastic_np-public-" + "-".join(off)
+
+
+def _writable(folder):
+    """Whether ``folder`` exists, or can be made, and takes a new file."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+def _cache_folder(name):
+    """`cache_folder` for a setting named ``name`` (`cache_name`), None for None."""
+    if name is None:
+        return None
+    if numba.config.CACHE_DIR:  # NUMBA_CACHE_DIR: its other entries are all-paths-on code
+        bases = [numba.config.CACHE_DIR]
+    else:  # where Numba caches the package with all paths on, else the user's cache folder
+        bases = [os.path.join(os.path.dirname(__file__), "__pycache__"), os.path.expanduser("~/.cache")]
+    for base in bases:
+        if _writable(os.path.join(base, name)):
+            return os.path.join(base, name)
+    return tempfile.mkdtemp(prefix=name + "-")  # this process's alone: never a folder another setting uses
+
+
+_FOLDER = []  # [cache_folder()], once found
+
+
+def cache_folder():
+    """This process's Numba cache folder for the package, or None with every path on (Numba's usual places).
+
+    ``<NUMBA_CACHE_DIR>/<cache_name>`` when the variable is set, else
+    ``<cache_name>`` in the package's ``__pycache__`` or in ``~/.cache``,
+    the first that can be written; a new temporary folder when none can.
+    """
+    if not _FOLDER:
+        _FOLDER.append(_cache_folder(cache_name(_ON)))
+    return _FOLDER[0]
+
+
+@contextlib.contextmanager
+def own_cache():
+    """Within the block, functions made with ``cache=True`` are cached in `cache_folder` (when not None).
+
+    Numba picks a function's cache folder when the function is made (the
+    decorator), from ``numba.config.CACHE_DIR`` (``NUMBA_CACHE_DIR``) among
+    others: the package makes its kernels in this block, and the setting is
+    restored after it, so that other Numba code keeps its usual cache.
+    """
+    folder = cache_folder()
+    if folder is None:
+        yield
+        return
+    saved = numba.config.CACHE_DIR
+    numba.config.CACHE_DIR = folder
+    try:
+        yield
+    finally:
+        numba.config.CACHE_DIR = saved
+
+
+def cached_cfunc(signature, body):
+    """``numba.cfunc(signature, cache=True, fastmath=False)(body)``, cached in `own_cache`'s folder."""
+    with own_cache():
+        return cfunc(signature, cache=True, fastmath=False)(body)
 
 
 # ---------------------------------------------------------------------------
@@ -340,7 +425,7 @@ def ensure_lazy(symbol, signature, body):
         return
     with _LAZY_LOCK:
         if symbol not in _LAZY:
-            entry = cfunc(signature, cache=True, fastmath=False)(body)
+            entry = cached_cfunc(signature, body)
             ctypes.c_void_p.from_address(trampoline(symbol, signature)[1]).value = entry.address
             _LAZY[symbol] = entry
 

@@ -66,12 +66,15 @@ from elastic_np.cuda._device import (
     I_DBIAS_J,
     I_HAS_GATE,
     O_FOPTS,
+    O_TAU,
     P_DSIGMA,
     P_DTAU,
     _bh_params,
     _carve,
     _compensated_add,
+    _constants,
     _dims,
+    _entry,
     _entry_keep,
     _entry_logit,
     _fill,
@@ -82,6 +85,7 @@ from elastic_np.cuda._device import (
     _store_tile,
     _tile_block,
     _tile_dot,
+    _tile_entry,
     _tile_pv,
 )
 
@@ -121,48 +125,38 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
     sums, slots, has_gate, g_inv_sigma = scalar_sums
     dbias_full, dbias = dbias_out
     row0, c, tpr = micro
-    b, h, i_first, N = queries
-    j0, jn = keys
-    fopts = opts[O_FOPTS]
-    neg_inf = fopts[F_NEG_INF]
-    zero = fopts[F_ZERO]
+    b, h = queries[0], queries[1]
+    fopts, zero, neg_inf = _constants(opts)
     sharpness = fopts[F_SHARPNESS]
     for r in range(REG_M):
         row = row0 + r
-        i = i_first + r
         slot = row * tpr + c
         row_lse = stats[row]
         row_delta = stats[block_q + row]
         for n in range(REG_N):
-            jj = c + tpr * n
-            at = row * p_stride + jj
+            at, i, j, z, s, cap_slope, f, u = _tile_entry(s_tile, p_stride, micro, queries, keys, r, n, prm, opts)
             ds_raw = zero
-            if jj < jn and i < N:
-                j = j0 + jj
-                kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
-                if kept:
-                    z, s, cap_slope, f, u = _entry_logit(s_tile[at], i, j, bias_value, prm, fopts)
-                    if z != neg_inf:  # not removed by NVM or a closed gate
-                        dz = math.exp(z - row_lse) * (dp_tile[at] - row_delta)
-                        ds = dz / tau_h  # d loss / d s, the final score: dbias[b, h, i, j]
-                        ds_raw = ds * cap_slope
-                        if first_pass:
-                            if dbias_full:
-                                dbias[b, h, i, j] = ds
-                            total, carry = _compensated_add(sums[slot], sums[slots + slot], dz * s)
-                            sums[slot] = total
-                            sums[slots + slot] = carry
-                            if has_gate:
-                                sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
-                                # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
-                                # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
-                                y = sharpness * f
-                                e = math.exp(-(y + y))
-                                dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
-                                dlogg = sharpness * dlog_dy * f * sigma_term
-                                total, carry = _compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
-                                sums[2 * slots + slot] = total
-                                sums[3 * slots + slot] = carry
+            if z != neg_inf:  # in the tile, kept, and not removed by NVM or a closed gate
+                dz = math.exp(z - row_lse) * (dp_tile[at] - row_delta)
+                ds = dz / tau_h  # d loss / d s, the final score: dbias[b, h, i, j]
+                ds_raw = ds * cap_slope
+                if first_pass:
+                    if dbias_full:
+                        dbias[b, h, i, j] = ds
+                    total, carry = _compensated_add(sums[slot], sums[slots + slot], dz * s)
+                    sums[slot] = total
+                    sums[slots + slot] = carry
+                    if has_gate:
+                        sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
+                        # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
+                        # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
+                        y = sharpness * f
+                        e = math.exp(-(y + y))
+                        dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
+                        dlogg = sharpness * dlog_dy * f * sigma_term
+                        total, carry = _compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
+                        sums[2 * slots + slot] = total
+                        sums[3 * slots + slot] = carry
             s_tile[at] = ds_raw
 
 
@@ -247,8 +241,9 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
     (``iopts[I_DBIAS_FULL]``), every entry of the block's rows of ``dbias``
     (0 where nothing is kept).
     """
-    # the shapes are read here rather than through `_dims`, with which ptxas spills more in this
-    # kernel and the dk/dv one (python -m elastic_np.cuda --resources)
+    # the shapes are read here rather than through `_dims`, which changes the code of this kernel
+    # and the dk/dv one (with numba-cuda 0.30: a sixth more PTX, a few bytes fewer spills; its
+    # speed is unmeasured; python -m elastic_np.cuda --resources)
     mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     dout, lse, delta = dout_lse_delta
     _B, H, N, D = q.shape
@@ -337,9 +332,7 @@ def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
     row0, c, tpr = micro
     j0, j1 = keys
     b, h, i0, im = queries
-    fopts = opts[O_FOPTS]
-    neg_inf = fopts[F_NEG_INF]
-    zero = fopts[F_ZERO]
+    fopts, zero, neg_inf = _constants(opts)
     for rn in range(REG_M * REG_N):
         row = row0 + rn // REG_N
         j = j0 + row
@@ -349,12 +342,10 @@ def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
         ds_raw = zero
         if j < j1 and ii < im:
             i = i0 + ii
-            kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
-            if kept:
-                z, _s, cap_slope, _f, _u = _entry_logit(p_tile[at], i, j, bias_value, prm, fopts)
-                if z != neg_inf:  # not removed by NVM or a closed gate
-                    p = math.exp(z - stats[ii])
-                    ds_raw = p * (ds_tile[at] - stats[block_q + ii]) / tau_h * cap_slope
+            z, _s, cap_slope, _f, _u = _entry(p_tile[at], b, h, i, j, prm, opts)
+            if z != neg_inf:  # kept, and not removed by NVM or a closed gate
+                p = math.exp(z - stats[ii])
+                ds_raw = p * (ds_tile[at] - stats[block_q + ii]) / tau_h * cap_slope
         p_tile[at] = p
         ds_tile[at] = ds_raw
 
@@ -386,9 +377,9 @@ def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
     of its keys. The loop runs over the query heads of the group and, for
     each, the query tiles that can see the key tile.
     """
-    mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
+    fopts, tau = opts[O_FOPTS], opts[O_TAU]
     dout, lse, delta = dout_lse_delta
-    _B, H, N, D = q.shape
+    _B, H, N, D = q.shape  # not through `_dims`: see `_backward_dq_kernel`
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]

@@ -48,7 +48,7 @@ from numba import cuda
 
 from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _dims, _entry, _fill,
+    F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _constants, _dims, _entry, _fill,
     _finish_row, _flash_tiles, _group_max, _group_sum, _key_range, _lane_mask, _stage,
 )
 
@@ -176,9 +176,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     smem = cuda.shared.array(0, dtype=q.dtype)
     q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_k)
 
-    fopts = opts[O_FOPTS]
-    zero = fopts[F_ZERO]
-    neg_inf = fopts[F_NEG_INF]
+    fopts, zero, neg_inf = _constants(opts)
     _fill(q_tile, rows_blk * q_stride, zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
     _stage_rows(q[b], hk * group, N, r0, r1, q_tile, q_stride, t, threads)
@@ -257,9 +255,7 @@ def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     h = hk * group + r // N
     i = r % N
 
-    fopts = opts[O_FOPTS]
-    zero = fopts[F_ZERO]
-    neg_inf = fopts[F_NEG_INF]
+    fopts, zero, neg_inf = _constants(opts)
     weight = cuda.shared.array(0, dtype=out.dtype)
     m = neg_inf
     for s in range(n_split):

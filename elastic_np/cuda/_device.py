@@ -92,6 +92,13 @@ def inline_device(fn):
         return cuda.jit(device=True)(fn)
 
 
+@inline_device
+def _constants(opts):
+    """``(fopts, zero, neg_inf)``: the float option array of ``opts`` and its 0 and ``-inf`` (in the kernel's dtype)."""
+    fopts = opts[O_FOPTS]
+    return fopts, fopts[F_ZERO], fopts[F_NEG_INF]
+
+
 @cuda.jit(device=True)
 def _real(value, like):
     """``value`` converted to the dtype of the array ``like``."""
@@ -293,6 +300,32 @@ def _entry(dot, b, h, i, j, prm, opts):
 
 
 @cuda.jit(device=True)
+def _tile_entry(tile, stride, micro, queries, keys, r, n, prm, opts):
+    """Entry ``(r, n)`` of the thread's micro-tile of a key tile, scored: ``(at, i, j, z, s, cap_slope, f, u)``.
+
+    ``micro = (row0, c, tpr)`` (`_tile_block`), ``queries = (b, h, i_first,
+    N)``, ``keys = (j0, jn)``: the entry is row ``row0 + r`` and key ``c +
+    tpr n`` of the tile, query ``i = i_first + r`` and key ``j``; ``tile[at]``
+    holds its dot product. The rest is `_entry`'s tuple, with ``z = -inf``
+    past the tile's ``jn`` keys or the ``N`` queries. The forward's softmax
+    and the ``dq`` kernel's recomputation score their entries here alike.
+    """
+    row0, c, tpr = micro
+    b, h, i_first, N = queries
+    j0, jn = keys
+    jj = c + tpr * n
+    at = (row0 + r) * stride + jj
+    i = i_first + r
+    j = j0 + jj
+    if jj < jn and i < N:
+        z, s, cap_slope, f, u = _entry(tile[at], b, h, i, j, prm, opts)
+        return at, i, j, z, s, cap_slope, f, u
+    fopts = opts[O_FOPTS]
+    zero = fopts[F_ZERO]
+    return at, i, j, fopts[F_NEG_INF], zero, zero, zero, zero
+
+
+@cuda.jit(device=True)
 def _finish_row(row_max, row_sum, beta_h, fopts):
     """``(lse, num, den)`` of a row from its running max and sum: ``out = (acc num) / den``.
 
@@ -454,6 +487,21 @@ def _store_tile(scores, tile, stride, micro):
 
 
 @inline_device
+def _load_rows(dst, tile, stride, row0, col):
+    """``dst[r] = tile[row0 + r, col]`` for the thread's ``REG_M`` rows (row stride ``stride``)."""
+    for r in range(REG_M):
+        dst[r] = tile[(row0 + r) * stride + col]
+
+
+@inline_device
+def _outer_add(acc, a, b, cols):
+    """``acc[r, e] += a[r] b[e]`` for ``r < REG_M``, ``e < cols``: a rank-one update of a register micro-tile."""
+    for r in range(REG_M):
+        for e in range(cols):
+            acc[r, e] += a[r] * b[e]
+
+
+@inline_device
 def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
     """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
 
@@ -468,13 +516,10 @@ def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
     qv = cuda.local.array(REG_M, q_tile.dtype)
     kv = cuda.local.array(REG_N, q_tile.dtype)
     for d in range(D):
-        for r in range(REG_M):
-            qv[r] = q_tile[(row0 + r) * q_stride + d]
+        _load_rows(qv, q_tile, q_stride, row0, d)
         for n in range(REG_N):
             kv[n] = k_tile[(c + tpr * n) * k_stride + d]
-        for r in range(REG_M):
-            for n in range(REG_N):
-                scores[r, n] += qv[r] * kv[n]
+        _outer_add(scores, qv, kv, REG_N)
 
 
 @inline_device
@@ -487,11 +532,8 @@ def _tile_pv(p_tile, p_stride, v_tile, v_stride, jn, wn, micro, zero, acc):
     pv = cuda.local.array(REG_M, p_tile.dtype)
     vv = cuda.local.array(ACC_COLS, p_tile.dtype)
     for jj in range(jn):
-        for r in range(REG_M):
-            pv[r] = p_tile[(row0 + r) * p_stride + jj]
+        _load_rows(pv, p_tile, p_stride, row0, jj)
         for e in range(ACC_COLS):
             col = c + tpr * e
             vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
-        for r in range(REG_M):
-            for e in range(ACC_COLS):
-                acc[r, e] += pv[r] * vv[e]
+        _outer_add(acc, pv, vv, ACC_COLS)

@@ -14,8 +14,8 @@ from numba import cuda
 
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_ZERO, O_BETA, O_FOPTS, _bh_params, _carve, _dims, _entry, _fill, _finish_row, _flash_tiles,
-    _group_max, _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_pv,
+    F_ONE, O_BETA, _bh_params, _carve, _constants, _dims, _fill, _finish_row, _flash_tiles, _group_max,
+    _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_entry, _tile_pv,
 )
 
 
@@ -27,9 +27,10 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
     N)``: the thread's rows are queries ``i_first + r`` of ``N``, ``keys =
     (j0, jn)``: the tile holds keys ``[j0, j0 + jn)``. ``p_tile`` holds the
     thread's dot products (row ``row0 + r``, key ``c + tpr n``); each
-    becomes its logit (`_entry`, ``-inf`` when removed), the row's tile max is combined over the ``tpr`` threads of the row group with
-    shuffles, and each becomes ``p = exp(z - max)`` (0 where removed, past the
-    tile or past ``N``). The thread's running max and partial sum of each row
+    becomes its logit (`_tile_entry`, ``-inf`` when removed, past the tile
+    or past ``N``), the row's tile max is combined over the ``tpr`` threads
+    of the row group with shuffles, and each becomes ``p = exp(z - max)``
+    (0 where removed). The thread's running max and partial sum of each row
     live in ``stats`` (slot ``row tpr + c`` of the sections at 0 and
     ``slots``, one writer each), and the row's rescale factor goes to the
     section at ``2 slots``, for the caller to apply to its accumulator
@@ -37,23 +38,15 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
     is long), so they keep their data in shared memory, not in local arrays.
     """
     row0, c, tpr = micro
-    b, h, i_first, N = queries
-    j0, jn = keys
-    fopts = opts[O_FOPTS]
-    neg_inf = fopts[F_NEG_INF]
-    zero = fopts[F_ZERO]
+    fopts, zero, neg_inf = _constants(opts)
     one = fopts[F_ONE]
     for r in range(REG_M):
         row = row0 + r
         slot = row * tpr + c
-        i = i_first + r
         tile_max = neg_inf
         for n in range(REG_N):
-            jj = c + tpr * n
-            z = neg_inf
-            if jj < jn and i < N:
-                z = _entry(p_tile[row * p_stride + jj], b, h, i, j0 + jj, prm, opts)[0]
-            p_tile[row * p_stride + jj] = z
+            at, _i, _j, z, _s, _cap_slope, _f, _u = _tile_entry(p_tile, p_stride, micro, queries, keys, r, n, prm, opts)
+            p_tile[at] = z
             tile_max = max(tile_max, z)
         old_max = stats[slot]
         new_max = max(old_max, _group_max(tile_max, tpr, lanes))
@@ -118,9 +111,7 @@ def _forward_kernel(q, k, v, opts, block_k, out, lse):
     q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_q, D, width, block_k)
     stats, at = _carve(smem, at, 3 * block_q * tpr)  # per (row, lane): max, sum, rescale
 
-    fopts = opts[O_FOPTS]
-    zero = fopts[F_ZERO]
-    neg_inf = fopts[F_NEG_INF]
+    fopts, zero, neg_inf = _constants(opts)
     _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
     cuda.syncthreads()
     _stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
