@@ -27,13 +27,18 @@ BACKWARD_SCHEMA = (f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, T
                    f"str backend) -> ({', '.join(['Tensor'] * len(_GRADS))})")
 
 
-def op_arguments(fixed, learnable):
-    """The operators' option arguments from `common.split`'s ``(fixed, learnable)``: array options as tensors."""
+def op_arguments(fixed, learnable, option_args=OPTION_ARGS):
+    """The operators' option arguments from `common.split`'s ``(fixed, learnable)``: array options as tensors.
+
+    ``option_args``: ``(name, schema type)`` of each, `OPTION_ARGS` or another operator's.
+    """
     values = {**fixed, **learnable}
     args = []
-    for name, kind in OPTION_ARGS:
+    for name, kind in option_args:
         value = values[name]
-        if kind == "Tensor?" and value is not None and not isinstance(value, torch.Tensor):
+        if kind == "Tensor[]?" and value is not None:  # one per sequence of a packed batch
+            value = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)) for x in value]
+        elif kind == "Tensor?" and value is not None and not isinstance(value, torch.Tensor):
             value = torch.from_numpy(np.array(value))  # a Python float as float64, as the backends read it
         elif kind == "int[]":
             value = [int(x) for x in value]

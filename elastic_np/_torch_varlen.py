@@ -11,7 +11,6 @@ backward's results are the gradients of ``q``, ``k``, ``v``, ``tau``,
 of the biases' gradients.
 """
 
-import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
@@ -41,18 +40,7 @@ BACKWARD_SCHEMA = (f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, T
 
 def op_arguments(fixed, learnable):
     """The operators' option arguments from `common.split`'s ``(fixed, learnable)``: arrays as tensors."""
-    values = {**fixed, **learnable}
-    args = []
-    for name, kind in OPTION_ARGS:
-        value = values[name]
-        if kind == "Tensor[]?" and value is not None:
-            value = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)) for x in value]
-        elif kind == "Tensor?" and value is not None and not isinstance(value, torch.Tensor):
-            value = torch.from_numpy(np.array(value))  # a Python float as float64, as the backends read it
-        elif kind == "int[]":
-            value = [int(x) for x in value]
-        args.append(value)
-    return args
+    return _torch_ops.op_arguments(fixed, learnable, OPTION_ARGS)
 
 
 def _host_options(args):
