@@ -84,12 +84,18 @@ def _pages(k, block_table, seqused_k, count):
     read = np.arange(table.shape[1]) * k.shape[1] < used[:, None]
     if ((table < 0) | (table >= k.shape[0]))[read].any():
         raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache")
-    for s in range(count):
-        pages, seen = table[s, read[s]], set()
-        repeated = [p for p in pages.tolist() if p in seen or seen.add(p)]
-        if repeated:
-            raise ValueError(f"`block_table` row {s} names page {repeated[0]} twice: a sequence's pages must differ")
+    _check_distinct(table, read)
     return table, used
+
+
+def _check_distinct(table, read):
+    """A `ValueError` naming the first row of ``table`` whose pages that are ``read`` repeat one."""
+    for s, row in enumerate(table):
+        pages = row[read[s]]
+        values, counts = np.unique(pages, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"`block_table` row {s} names page {values[counts > 1][0]} twice: a sequence's "
+                             "pages must differ")
 
 
 def _paged_attention(q, k, v, table, used, options, backend):
