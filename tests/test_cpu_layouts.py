@@ -117,7 +117,17 @@ def test_one_compiled_kernel_per_dtype_for_both_layouts():
         cpu._decode._merge_kernel,
     )
     for kernel in kernels:
-        assert len(kernel.signatures) <= len(DTYPES), (kernel.py_func.__name__, kernel.signatures)
+        # of the float dtypes (a half's bits are other specialisations); the decode kernels have one
+        # more per dtype, for a paged cache (the stacked-rows one also for bnhd: `pages` not None)
+        ours = [sig for sig in kernel.signatures if not _holds_half_bits(sig)]
+        allowed = len(DTYPES) * (2 if kernel in (cpu._decode._decode_kernel, cpu._decode._decode_heads_kernel) else 1)
+        assert len(ours) <= allowed, (kernel.py_func.__name__, ours)
+
+
+def _holds_half_bits(types):
+    """Whether a signature holds an array of a half's bits (uint16 or int16), at any depth of its tuples."""
+    return any(_holds_half_bits(ty.types) if hasattr(ty, "types") else str(getattr(ty, "dtype", "")) in
+               ("uint16", "int16") for ty in types)
 
 
 def _peak_bytes(fn):

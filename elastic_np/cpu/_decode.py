@@ -121,7 +121,8 @@ def forward(problem, paged=None):
         k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
         table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    pages = (table, block_size, not key_major and k[1] == BNHD and _together(opt))
+    together = not key_major and k[1] == BNHD and _together(opt)
+    pages = (table, block_size, together) if paged is not None or together else None
     rows = (H // Hkv) * N
     n_split = splits(B, Hkv, M)
     part_max = np.empty((B, Hkv, n_split, rows))
@@ -237,6 +238,10 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     those stream from memory far worse than rows in order.
     """
     D, Dv = shape(k)[3], shape(v)[3]
+    if pages is None:
+        k_tile, k_check = readable_checked(head_rows(k, b, hk, j0, bk), D, scratch[0])
+        v_tile, v_check = readable_checked(head_rows(v, b, hk, j0, bk), Dv, scratch[1])
+        return k_tile, v_tile, k_check + v_check, False
     table, block_size, together = pages
     zero = _like(0.0, scratch[0])
     if block_size == 0 or j0 // block_size == (j0 + bk - 1) // block_size:  # in place: one array, or one page
@@ -454,9 +459,10 @@ def _row_max(z, c_lo, c_hi):
 def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
-    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages =
-    (table, block_size, together)``: `_tiles`' (a paged cache when
-    ``block_size > 0``) and whether a task takes every kv head, a tile at a
+    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
+    None for a contiguous cache read head by head, else ``(table,
+    block_size, together)``: `_tiles`' (a paged cache when ``block_size >
+    0``) and whether a task takes every kv head, a tile at a
     time, so that the rows of one key for all heads, adjacent in a ``(B, N,
     H, D)`` or paged cache, are read together (every head's keys then lie in
     the same range: `_together`). Either way each head's tiles, and so its
@@ -472,7 +478,7 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     group = H // Hkv
     rows = group * N
     dtype = part_acc.dtype
-    heads = Hkv if pages[2] else 1  # kv heads per task
+    heads = _heads_per_task(pages, Hkv)
     kt = np.empty((D, block_k + _LINE_BYTES // part_acc.itemsize), dtype=dtype)  # see `_transpose_keys`
     st = np.empty((rows, block_k), dtype=dtype)
     shift_by = np.empty(rows, dtype=dtype)
@@ -496,22 +502,55 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for j0 in range(a, e, block_k):
-            bk = min(block_k, e - j0)
-            if pages[2]:
-                all_check = _read_all_heads(k, v, pages, b, j0, bk)
-                for t in range(heads):
-                    checksum[t] += all_check
-            for t in range(heads):
-                k_tile, v_tile, tile_check, segmented = _tiles(k, v, pages, b, hk0 + t, j0, bk, kv_scratch)
-                checksum[t] += tile_check
-                tiles = (k_tile, v_tile, (k, v, pages) if segmented else None)
-                _rows_tile(tiles, (kt, st, shift_by), qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
-                           (acc[t], row_max[t], row_sum[t]))
+            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0)), kv_scratch,
+                           (kt, st, shift_by), (qs, row_span, checksum), opt, (acc, row_max, row_sum))
         for t in range(heads):
             hk = hk0 + t
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
                                                part_max[b, hk, s], part_sum[b, hk, s])
             suspect[b, hk, s] = not check == 0.0
+
+
+@inner(fastmath=False)
+def _heads_per_task(pages, Hkv):
+    """Kv heads a task of `_decode_kernel` takes: all of them where ``pages`` says so (never for ``pages=None``)."""
+    if pages is None:
+        return 1
+    return Hkv if pages[2] else 1
+
+
+@inner(fastmath=_FASTMATH)
+def _tile_of_heads(k, v, pages, where, scratch, work, rows_of, opt, state):
+    """Keys ``j0 .. j0 + bk - 1`` for each kv head ``hk0 .. hk0 + heads - 1`` of a task of `_decode_kernel`.
+
+    ``where = (b, hk0, heads, N, j0, bk)``; ``scratch``: `_tiles`';
+    ``work``: `_rows_tile`'s; ``rows_of = (qs, row_span, checksum)`` and
+    ``state = (acc, row_max, row_sum)`` by head of the task. With
+    ``pages=None`` (a contiguous cache; Numba compiles that case apart, so
+    none of the paged code) the tile is read in place.
+    """
+    b, hk0, heads, N, j0, bk = where
+    qs, row_span, checksum = rows_of
+    acc, row_max, row_sum = state
+    if pages is None:
+        k_tile, v_tile, check, _ = _tiles(k, v, pages, b, hk0, j0, bk, scratch)
+        checksum[0] += check
+        _rows_tile(k_tile, v_tile, None, work, qs[0], row_span[0], opt, (b, hk0, N, j0, bk),
+                   (acc[0], row_max[0], row_sum[0]))
+        return
+    if pages[2]:
+        all_check = _read_all_heads(k, v, pages, b, j0, bk)
+        for t in range(heads):
+            checksum[t] += all_check
+    for t in range(heads):
+        k_tile, v_tile, check, segmented = _tiles(k, v, pages, b, hk0 + t, j0, bk, scratch)
+        checksum[t] += check
+        head_state = (acc[t], row_max[t], row_sum[t])
+        if segmented:
+            _rows_tile(k_tile, v_tile, (k, v, pages), work, qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
+                       head_state)
+        else:
+            _rows_tile(k_tile, v_tile, None, work, qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk), head_state)
 
 
 @inner(fastmath=_FASTMATH)
@@ -533,10 +572,10 @@ def _start_rows(q, opt, b, hk, qs, state):
 
 
 @inner(fastmath=_FASTMATH)
-def _rows_tile(tiles, work, qs, row_span, opt, where, state):
+def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state):
     """The online softmax's step of kv head ``hk``'s stacked rows with keys ``j0 .. j0 + bk - 1``.
 
-    ``tiles = (k_tile, v_tile, segmented)``: `_tiles`' rows, or, where they
+    ``k_tile``, ``v_tile``: `_tiles`' rows; ``segmented`` None, or, where they
     span pages that are read in place, ``segmented = (k, v, pages)`` and
     the steps that read keys or values take them a page at a time (`_segment`;
     the products' sums run in the same order: the same bits). ``work = (kt,
@@ -544,7 +583,6 @@ def _rows_tile(tiles, work, qs, row_span, opt, where, state):
     ``(row_lo, row_hi)``; ``where = (b, hk, N, j0, bk)``; ``state = (acc,
     row_max, row_sum)``.
     """
-    k_tile, v_tile, segmented = tiles
     kt, st, shift_by = work
     b, hk, N, j0, bk = where
     acc, row_max, row_sum = state
