@@ -22,6 +22,14 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   finds a NaN or inf key or value, and converts bfloat16 and float16 keys and
   values to float32 (`elastic_np.cpu._halves`): a cache is read in its own
   dtype and never copied;
+- in a ``(B, N, H, D)`` cache, or a paged one (`forward`'s ``paged``: pages
+  ``(num_blocks, block_size, Hkv, D)`` and a block table), a key's rows for
+  all kv heads are adjacent and one head's rows ``Hkv * D`` entries apart:
+  there, when every head keeps the same keys, a task of `_decode_kernel`
+  takes every kv head of its key split, each tile read once across the heads
+  in memory order (`_read_all_heads`) and then stepped head by head in cache
+  (`_tile_of_heads`); a tile over several pages is read a page at a time.
+  Each head's tiles, and so its bits, are those of a task of its own;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
