@@ -54,6 +54,9 @@ Modules
 ``_operands``
     ``q``, ``k``, ``v``, ``dout``, ``out`` and the outputs as the kernels read and write them, in place, in
     either storage layout, ``(B, H, N, D)`` or ``(B, N, H, D)``
+``_halves``
+    bfloat16 and float16 storage: read as float32 (a tile converted, or an element widened), written
+    rounded to nearest even, checked for inf and NaN on its bits
 ``_threads``
     the thread pool and each thread's share of the tasks
 ``_scalar``
