@@ -5,7 +5,8 @@ project's contract, section 2): every option (causal, ``window_size``,
 ``kv_lengths``, boolean ``mask``, NVM, per-head ``tau`` and ``beta``, the
 dynamic window, and the score modifiers ``softcap``, ``alibi_slopes`` and an
 additive ``bias`` with its gradient) in float32 or float64, output in the
-input dtype.
+input dtype; bfloat16 and float16 are read as they are stored, computed in
+float32 and written back rounded (``_halves``), ``lse`` in float32.
 
 Layout of the work
 ------------------
