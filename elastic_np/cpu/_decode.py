@@ -283,7 +283,7 @@ def _keys_by_page(segmented, b, hk, j0, bk, kt):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(_keys_by_page)
+@overload(_keys_by_page, jit_options={"fastmath": _FASTMATH})
 def _keys_by_page_float(segmented, b, hk, j0, bk, kt):
     if not _reads_floats(segmented):
         return lambda segmented, b, hk, j0, bk, kt: None  # a half's tiles are converted, never segmented
@@ -304,7 +304,7 @@ def _values_by_page(segmented, b, hk, j0, bk, st, acc):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(_values_by_page)
+@overload(_values_by_page, jit_options={"fastmath": _FASTMATH})
 def _values_by_page_float(segmented, b, hk, j0, bk, st, acc):
     if not _reads_floats(segmented):
         return lambda segmented, b, hk, j0, bk, st, acc: None

@@ -40,6 +40,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from elastic_np.cpu._config import _FASTMATH
+
+#: The compiler flags of the overloads' implementations: those of the kernels' tile code (the float
+#: checks' sums vectorise only with reassociation; Numba compiles an overload without any by default).
+_TILE_CODE = {"fastmath": _FASTMATH}
+
 #: The half formats, by the name of their NumPy dtype, and the integer type of their bits.
 _BITS = {"bfloat16": np.uint16, "float16": np.int16}
 
@@ -121,7 +127,7 @@ def narrow(x, like):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(narrow)
+@overload(narrow, jit_options=_TILE_CODE)
 def _narrow(x, like):
     if not isinstance(like, types.Array):
         return None
@@ -178,7 +184,7 @@ def copied_checked(tile, width, out):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(copied_checked)
+@overload(copied_checked, jit_options=_TILE_CODE)
 def _copied_checked(tile, width, out):
     half = storage_format(tile.types[0].dtype)
     if half is None:
@@ -220,7 +226,7 @@ def checked(tile, width):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(checked)
+@overload(checked, jit_options=_TILE_CODE)
 def _checked(tile, width):
     half = storage_format(tile.types[0].dtype)
     if half is None:
@@ -260,7 +266,7 @@ def readable_checked(tile, width, scratch):
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(readable_checked)
+@overload(readable_checked, jit_options=_TILE_CODE)
 def _readable_checked(tile, width, scratch):
     if storage_format(tile.types[0].dtype) is None:
         def in_place(tile, width, scratch):
