@@ -64,8 +64,9 @@ Modules
     scalar helpers (the key and query ranges are `elastic_np._ranges`, shared with CUDA)
 ``_logits``
     the logits pipeline of a tile, shared by the forward and the backward
-``_forward``, ``_backward``, ``_dbias``, ``_decode``
-    the prefill forward, the backward and its ``dbias`` plan, the decode kernel
+``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_tiles``
+    the prefill forward, the backward and its ``dbias`` plan, the decode kernel and how it reads its tiles
+    (in place, from a half, from a paged cache)
 ``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
     the single-threaded tile primitives and what they share
 """
