@@ -200,7 +200,7 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
         if a.ndim != 4:
             raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
                              f"got shape {a.shape}")
-        if dtypes is not None and a.dtype.name not in dtypes:
+        if dtypes is not None and _validation.dtype_name(a.dtype) not in dtypes:
             raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {', '.join(map(str, dtypes))}")
     given = tuple(a.shape for a in arrays.values())
     if layout == "bnhd":

@@ -31,10 +31,29 @@ def numpy_dtype(dtype):
     return np.dtype(dtype)
 
 
+def dtype_name(dtype):
+    """``dtype``'s name ("float32", "bfloat16", ...), looked up once per dtype (NumPy builds it anew each time)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        return _DTYPE_NAMES.setdefault(dtype, np.dtype(dtype).name)
+
+
+_DTYPE_NAMES = {}
+
+
+def is_half(dtype):
+    """True for bfloat16 and float16."""
+    return dtype_name(dtype) in HALF_DTYPES
+
+
 def compute_dtype(dtype):
     """The dtype the kernels compute in for arrays of ``dtype``: float32 for a half, else ``dtype``."""
     dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype.name in HALF_DTYPES else dtype
+    return _FLOAT32 if is_half(dtype) else dtype
+
+
+_FLOAT32 = np.dtype(np.float32)
 
 
 def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
@@ -67,13 +86,13 @@ def real_float_array(x, name, *, check_finite=True, allow_neg_inf=False):
 
 def is_real_dtype(dtype):
     """True for real floats (NumPy's and bfloat16) and integers, not bool."""
-    return dtype.name == "bfloat16" or (
+    return dtype_name(dtype) == "bfloat16" or (
         dtype != np.bool_ and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)))
 
 
 def check_real_float_dtype(x, name):
     """A `TypeError` naming ``name`` unless ``x`` holds real floats (NumPy's, or bfloat16)."""
-    if x.dtype.name == "bfloat16":
+    if dtype_name(x.dtype) == "bfloat16":
         return
     if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.floating):
         hint = ""

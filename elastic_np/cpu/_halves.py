@@ -40,6 +40,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from elastic_np._validation import dtype_name
 from elastic_np.cpu._config import _FASTMATH
 
 #: The compiler flags of the overloads' implementations: those of the kernels' tile code (the float
@@ -52,7 +53,7 @@ _BITS = {"bfloat16": np.uint16, "float16": np.int16}
 
 def bits(a):
     """``a`` as compiled code takes it: a half array as the integer view of its bits, a float array itself."""
-    name = a.dtype.name
+    name = dtype_name(a.dtype)
     return a.view(_BITS[name]) if name in _BITS else a
 
 
