@@ -347,7 +347,7 @@ def check_support(options, backend, dtype=None):
     ``dtype``, for a kernel backend, is the dtype it computes in: an option
     the kernels do not take in it is rejected too.
     """
-    dtype = None if dtype is None else _dtype_name(dtype)
+    dtype = None if dtype is None else _validation.dtype_name(dtype)
     for option in OPTIONS:
         if backend in option.backends and (dtype is None or dtype in option.dtypes):
             continue
@@ -357,11 +357,6 @@ def check_support(options, backend, dtype=None):
                                  f"{', '.join(option.backends)})")
             raise ValueError(f"the {backend} kernels do not take `{option.name}` in {dtype} "
                              f"(they do in {', '.join(option.dtypes)})")
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_name(dtype):
-    return np.dtype(dtype).name
 
 
 def _is_default(value, option):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _problem, _spec
+from elastic_np import _dispatch, _problem, _spec, _validation
 from elastic_np._adapter_common import DynamicWindow
 
 __all__ = ["attention", "DynamicWindow"]
@@ -40,10 +40,6 @@ def _check_dtype(x, name):
             "float16: convert it with .astype(jnp.float32)"
         )
 
-
-def _lse_dtype(dtype):
-    """The dtype of ``lse`` for inputs of ``dtype``: float32 for bfloat16 and float16."""
-    return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
 def _host(tree):
@@ -119,7 +115,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     arrays; ``traced`` the non-differentiable options given as jax arrays
     (``kv_lengths``, ``mask``, ``alibi_slopes``); ``constants`` the rest.
     """
-    results = (jax.ShapeDtypeStruct(out_shape, q_dtype), jax.ShapeDtypeStruct(lse_shape, _lse_dtype(q_dtype)))
+    results = (jax.ShapeDtypeStruct(out_shape, q_dtype), jax.ShapeDtypeStruct(lse_shape, _validation.compute_dtype(q_dtype)))
 
     def numpy_call(diff, traced):
         learnable = {name: diff.get(name, constants.get(name)) for name in common.LEARNABLE}
@@ -129,7 +125,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     def forward_callback(diff, traced):
         q, k, v, options = numpy_call(_host(diff), _host(traced))
         out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
-        return out.astype(q_dtype, copy=False), lse.astype(_lse_dtype(q_dtype), copy=False)
+        return out.astype(q_dtype, copy=False), lse.astype(_validation.compute_dtype(q_dtype), copy=False)
 
     def backward_callback(diff, traced, out, lse, dout, dlse):
         diff = _host(diff)

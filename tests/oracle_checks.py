@@ -270,3 +270,9 @@ def laid_out(bias, layout):
 
 
 LAYOUTS = ["C", "F", "queries-contiguous", "strided", "reversed"]
+
+
+def holds_half_bits(types):
+    """Whether a signature holds an array of a half's bits (uint16 or int16), at any depth of its tuples."""
+    return any(holds_half_bits(ty.types) if hasattr(ty, "types") else str(getattr(ty, "dtype", "")) in
+               ("uint16", "int16") for ty in types)

@@ -13,7 +13,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cpu
-from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, make_inputs, random_bias
+from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, holds_half_bits, make_inputs, random_bias
 
 #: Which of ``q, k, v, dout, out`` a call takes as views of ``(B, N, H, D)`` arrays (the others C-contiguous).
 MIXES = {
@@ -119,15 +119,9 @@ def test_one_compiled_kernel_per_dtype_for_both_layouts():
     for kernel in kernels:
         # of the float dtypes (a half's bits are other specialisations); the decode kernels have one
         # more per dtype, for a paged cache (the stacked-rows one also for bnhd: `pages` not None)
-        ours = [sig for sig in kernel.signatures if not _holds_half_bits(sig)]
+        ours = [sig for sig in kernel.signatures if not holds_half_bits(sig)]
         allowed = len(DTYPES) * (2 if kernel in (cpu._decode._decode_kernel, cpu._decode._decode_heads_kernel) else 1)
         assert len(ours) <= allowed, (kernel.py_func.__name__, ours)
-
-
-def _holds_half_bits(types):
-    """Whether a signature holds an array of a half's bits (uint16 or int16), at any depth of its tuples."""
-    return any(_holds_half_bits(ty.types) if hasattr(ty, "types") else str(getattr(ty, "dtype", "")) in
-               ("uint16", "int16") for ty in types)
 
 
 def _peak_bytes(fn):
