@@ -85,16 +85,10 @@ def _read_all_heads(k, v, pages, b, j0, bk):
     apart), so the products that follow, head by head, find them in cache.
     Returns NaN if any is not finite.
     """
-    table, block_size, _ = pages
     check = 0.0
     c = 0
     while c < bk:
-        j = j0 + c
-        if block_size == 0:
-            at, row, n = b, j, bk - c
-        else:
-            at, row = table[b, j // block_size], j % block_size
-            n = min(block_size - row, bk - c)
+        at, row, n = (b, j0 + c, bk - c) if pages[1] == 0 else _segment(pages, b, j0 + c, bk - c)
         check += checked(head_rows(k, at, 0, row, n), shape(k)[1] * shape(k)[3])
         check += checked(head_rows(v, at, 0, row, n), shape(v)[1] * shape(v)[3])
         c += n
@@ -116,27 +110,21 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     """
     D, Dv = shape(k)[3], shape(v)[3]
     if pages is None:
-        k_tile, k_check = readable_checked(head_rows(k, b, hk, j0, bk), D, scratch[0])
-        v_tile, v_check = readable_checked(head_rows(v, b, hk, j0, bk), Dv, scratch[1])
-        return k_tile, v_tile, k_check + v_check, False
-    table, block_size, together = pages
+        return _in_place(k, v, (b, hk, j0, bk), scratch)
+    _, block_size, together = pages
     zero = _like(0.0, scratch[0])
     if block_size == 0 or j0 // block_size == (j0 + bk - 1) // block_size:  # in place: one array, or one page
-        at, row = (b, j0) if block_size == 0 else (table[b, j0 // block_size], j0 % block_size)
+        at, row, _ = (b, j0, bk) if block_size == 0 else _segment(pages, b, j0, bk)
         if together:  # checked by `_read_all_heads` already
             return readable(head_rows(k, at, hk, row, bk), D, scratch[0]), \
                 readable(head_rows(v, at, hk, row, bk), Dv, scratch[1]), zero, False
-        k_tile, k_check = readable_checked(head_rows(k, at, hk, row, bk), D, scratch[0])
-        v_tile, v_check = readable_checked(head_rows(v, at, hk, row, bk), Dv, scratch[1])
-        return k_tile, v_tile, k_check + v_check, False
+        return _in_place(k, v, (at, hk, row, bk), scratch)
     if together and stores_floats(k[0]):  # checked; the steps read the pages a segment at a time
         return (scratch[0][:0], 0), (scratch[1][:0], 0), zero, True
     check = zero
     c = 0
     while c < bk:
-        j = j0 + c
-        page, row = table[b, j // block_size], j % block_size
-        n = min(block_size - row, bk - c)
+        page, row, n = _segment(pages, b, j0 + c, bk - c)
         if together:  # checked by `_read_all_heads` already
             copied(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
             copied(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
@@ -145,6 +133,15 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
             check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
         c += n
     return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check, False
+
+
+@inner(fastmath=_FASTMATH)
+def _in_place(k, v, rows, scratch):
+    """`_tiles`' result for rows ``r0 .. r0 + n - 1`` of ``(at, hk)`` (``rows = (at, hk, r0, n)``), read in place and checked."""
+    at, hk, r0, n = rows
+    k_tile, k_check = readable_checked(head_rows(k, at, hk, r0, n), shape(k)[3], scratch[0])
+    v_tile, v_check = readable_checked(head_rows(v, at, hk, r0, n), shape(v)[3], scratch[1])
+    return k_tile, v_tile, k_check + v_check, False
 
 
 def _keys_by_page(segmented, b, hk, j0, bk, kt):

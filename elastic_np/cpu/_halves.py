@@ -179,8 +179,8 @@ def copied_checked(tile, width, out):
     """``out[:n] = `` the ``n`` rows of ``tile`` as floats; 0 when their values are finite, NaN otherwise (jit code only).
 
     For half storage, the check is made on the bits as they are converted
-    (an exponent of all ones is an inf or a NaN); for float storage it is
-    ``sum(x * 0)``, in the same pass.
+    (an exponent of all ones is an inf or a NaN), in the same pass; for
+    float storage it is `checked`'s, a pass of its own.
     """
     raise NotImplementedError("only callable from compiled code")
 
@@ -188,26 +188,17 @@ def copied_checked(tile, width, out):
 @overload(copied_checked, jit_options=_TILE_CODE)
 def _copied_checked(tile, width, out):
     half = storage_format(tile.types[0].dtype)
-    if half is None:
-        def copied(tile, width, out):
-            whole, col = tile
-            zero = whole.dtype.type(0.0)
-            check = zero
-            for r in range(whole.shape[0]):
-                row = whole[r, col : col + width]
-                to = out[r]
-                for d in range(width):
-                    to[d] = row[d]
-                    check += row[d] * zero
-            return check
-        return copied
-    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    if half is None:  # a float tile is copied only from a paged cache of heads that keep different keys
+        def copy_then_check(tile, width, out):
+            copied(tile, width, out)
+            return checked(tile, width)
+        return copy_then_check
+    exponent, lowest = _exponent_test(half)
     bits_type = tile.types[0].dtype
 
     def converted(tile, width, out):
-        # (bits & exponent) + lowest exponent bit carries into the sign bit only for an all-ones exponent
         whole, col = tile
-        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        mask, carry = bits_type(exponent), bits_type(lowest)
         flags = bits_type(0)
         for r in range(whole.shape[0]):
             row = whole[r, col : col + width]
@@ -216,10 +207,26 @@ def _copied_checked(tile, width, out):
                 x = row[d]
                 flags |= bits_type((x & mask) + carry)
                 to[d] = widen(x)
-        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
-        return np.float32(0.0) if finite else np.float32(np.nan)
+        return _nan_if_flagged(flags)
 
     return converted
+
+
+def _exponent_test(half):
+    """``(mask, carry)`` of the half's bits: ``(x & mask) + carry`` sets the sign bit only for an all-ones exponent.
+
+    ``mask`` is the exponent's bits, ``carry`` its lowest: an all-ones
+    exponent (an inf or a NaN) plus its lowest bit carries into the sign
+    bit, which no other exponent reaches.
+    """
+    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    return exponent, exponent & -exponent
+
+
+@njit(inline="always", fastmath=False)
+def _nan_if_flagged(flags):
+    """0 when no ``(x & mask) + carry`` of `_exponent_test` set the sign bit (all finite), NaN otherwise."""
+    return np.float32(0.0) if (np.uint16(flags) & np.uint16(0x8000)) == 0 else np.float32(np.nan)
 
 
 def checked(tile, width):
@@ -241,19 +248,18 @@ def _checked(tile, width):
                     check += row[d] * zero
             return check
         return float_check
-    exponent = 0x7F80 if half == "bfloat16" else 0x7C00
+    exponent, lowest = _exponent_test(half)
     bits_type = tile.types[0].dtype
 
     def bits_check(tile, width):
         whole, col = tile
-        mask, carry = bits_type(exponent), bits_type(exponent & -exponent)
+        mask, carry = bits_type(exponent), bits_type(lowest)
         flags = bits_type(0)
         for r in range(whole.shape[0]):
             row = whole[r, col : col + width]
             for d in range(width):
                 flags |= bits_type((row[d] & mask) + carry)
-        finite = (np.uint16(flags) & np.uint16(0x8000)) == 0
-        return np.float32(0.0) if finite else np.float32(np.nan)
+        return _nan_if_flagged(flags)
 
     return bits_check
 
