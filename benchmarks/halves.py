@@ -71,20 +71,6 @@ RATIOS = {
 }
 
 
-def run(cases, rounds, repeat):
-    """``{case: {label: [seconds per round]}}``, the calls of a case alternating their order."""
-    for calls in cases.values():
-        for fn in calls.values():  # compile and warm up
-            fn()
-    times = {case: {label: [] for label in calls} for case, calls in cases.items()}
-    for r in range(rounds):
-        for case, calls in cases.items():
-            labels = list(calls) if r % 2 == 0 else list(calls)[::-1]
-            for label in labels:
-                times[case][label].append(_bench.best_time(calls[label], repeat=repeat))
-    return times
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -97,7 +83,7 @@ def main(argv=None):
 
     with _bench.thread_counts(args.threads) as counts:
         cases = {"decode": decode_calls(args.cache), "prefill": prefill_calls(args.n, args.causal)}
-        times = run(cases, args.rounds, args.repeat)
+        times = _bench.interleaved(cases, args.rounds, args.repeat)
     print(f"decode (1, 32/8, 1, {args.cache}, 128); prefill forward (1, 8, {args.n}, 64)"
           f"{' causal' if args.causal else ''}; {_bench.describe_threads(counts)}; "
           f"{args.rounds} rounds, best of {args.repeat}; torch {torch.__version__}")

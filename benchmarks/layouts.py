@@ -59,18 +59,13 @@ def main(argv=None):
 
     cases = make_cases(args.n, args.heads, args.dim, args.cache, np.dtype(args.dtype))
     names = list(dict.fromkeys(name for name, _ in cases))
-    for fn in cases.values():  # compile and warm up
-        fn()
-    times = {key: [] for key in cases}
-    for r in range(args.rounds):
-        for name in names:
-            for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-                times[name, layout].append(_bench.best_time(cases[name, layout], repeat=args.repeat))
+    by_name = {name: {layout: cases[name, layout] for layout in LAYOUTS} for name in names}
+    times = _bench.interleaved(by_name, args.rounds, args.repeat)
     print(f"prefill (1, {args.heads}, {args.n}, {args.dim}), decode (1, 32/8, 1, {args.cache}, 128), "
           f"{args.dtype}, {args.rounds} rounds, best of {args.repeat}")
     print(f"{'case':<14} {'bhnd s':>9} {'bnhd s':>9}  bnhd/bhnd: median (range) per round")
     for name in names:
-        before, after = (np.array(times[name, layout]) for layout in LAYOUTS)
+        before, after = (np.array(times[name][layout]) for layout in LAYOUTS)
         ratio = after / before
         per_round = " ".join(f"{x:.3f}" for x in ratio)
         print(f"{name:<14} {np.median(before):>9.4f} {np.median(after):>9.4f}  "

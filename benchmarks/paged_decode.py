@@ -70,16 +70,13 @@ def main(argv=None):
             paged()
             peaks[key] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-        times = {key: ([], []) for key in cases}
-        for r in range(args.rounds):
-            for key, (contiguous, paged, _) in cases.items():
-                order = (0, 1) if r % 2 == 0 else (1, 0)
-                for i in order:
-                    times[key][i].append(_bench.best_time((contiguous, paged)[i], repeat=args.repeat))
+        calls = {key: {"contiguous": contiguous, "paged": paged} for key, (contiguous, paged, _) in cases.items()}
+        times = _bench.interleaved(calls, args.rounds, args.repeat)
     print(f"decode 32/8 heads, 1 query, {args.cache} keys of 128, {dtype.name}; {_bench.describe_threads(counts)}; "
           f"{args.rounds} rounds, best of {args.repeat}")
     print(f"{'B':>3} {'block':>6} {'contiguous ms':>14} {'paged ms':>9}  contiguous/paged   paged peak / cache")
-    for (B, s), (c, p) in times.items():
+    for (B, s), by_label in times.items():
+        c, p = by_label["contiguous"], by_label["paged"]
         ratio = np.array(c) / np.array(p)
         nbytes = cases[B, s][2]
         print(f"{B:>3} {s:>6} {np.median(c) * 1e3:>14.2f} {np.median(p) * 1e3:>9.2f}  "

@@ -148,3 +148,28 @@ def test_transformers_packed_runs(capsys):
     out = capsys.readouterr().out
     for name in ("packed elastic_np", "padded elastic_np", "padded sdpa"):
         assert f"  {name:<18}" in out and "/ packed elastic_np" in out
+
+
+def test_halves_prints_every_ratio(capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("ml_dtypes")
+    import halves
+
+    halves.main(["--cache", "64", "--n", "32", "--rounds", "2", "--repeat", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    for case, ratios in halves.RATIOS.items():
+        assert f"\n{case}:" in out
+        for num, den in ratios:
+            assert f"  {num} / {den}: " in out
+
+
+def test_paged_decode_prints_each_case(capsys):
+    import paged_decode
+
+    paged_decode.main(["--cache", "256", "--batch", "1", "2", "--block-sizes", "16", "128", "--rounds", "2",
+                       "--repeat", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    for B in (1, 2):
+        for block in (16, 128):
+            assert f"\n{B:>3} {block:>6} " in out
+    assert "MiB / " in out

@@ -177,6 +177,25 @@ def best_time(fn, *, repeat=5, number=1, min_time=0.0):
     return best
 
 
+def interleaved(groups, rounds, repeat):
+    """Seconds of each call, side by side: ``{group: {label: [best of repeat, per round]}}``.
+
+    ``groups`` is ``{group: {label: fn}}``. Each call runs once first
+    (compiling, warming up); then, round after round, every group times its
+    calls (`best_time`), their order reversed every other round, so that
+    each sees the same load.
+    """
+    for calls in groups.values():
+        for fn in calls.values():
+            fn()
+    times = {group: {label: [] for label in calls} for group, calls in groups.items()}
+    for r in range(rounds):
+        for group, calls in groups.items():
+            for label in list(calls) if r % 2 == 0 else list(calls)[::-1]:
+                times[group][label].append(best_time(calls[label], repeat=repeat))
+    return times
+
+
 def matmul_peak_gflops(dtype=np.float32, n=2048, repeat=5, min_time=0.0):
     """GFLOP/s of ``np.dot`` on two ``n x n`` matrices: this machine's practical peak.
 
