@@ -12,13 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("ml_dtypes")
 
-from test_transformers import CONFIGS, _models  # noqa: E402
+from test_transformers import CONFIGS, _models, _within_the_rule  # noqa: E402
 
 
 def _within_the_bfloat16_rule(ours, eager, exact, what):
-    exact = exact.detach()
-    error, naive = (float((a.detach().double() - exact).norm() / exact.norm()) for a in (ours, eager))
-    assert error <= 2 * naive + 4 * torch.finfo(torch.bfloat16).eps, f"{what}: error {error:.3g}, eager's {naive:.3g}"
+    _within_the_rule(ours, eager, exact, what, dtype=torch.bfloat16, ulps=4)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
