@@ -65,10 +65,9 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     want_max = tile_max.shape[0] > 0
     removes_nothing = _removes_nothing(opt, tile, bk, nvm)
     additive = opt.has_alibi or opt.has_bias
-    # Accumulating the product onto the bias rounds s with partial sums that
-    # include it; under NVM its sign decides removal, so it is then formed in
-    # the contract's order, the product first (measured: dtau's error in
-    # float32 doubles otherwise).
+    # The product is summed apart and added to the stored modifiers once
+    # (`matmul_nn`), so either order rounds s the same; under NVM and a
+    # soft-cap the modifiers act on the product, which comes first.
     additive_first = additive and not opt.has_softcap and not opt.nvm
     fuse_max = want_max and removes_nothing and (additive_first or not additive)
     flags = (
