@@ -151,7 +151,7 @@ else:  # the typed functions themselves, linked into each kernel
 # `elastic_np.cpu._backward.ensure_dbias` fill before a kernel needs it.
 
 #: Flags of `modify_tile`, packed into one integer.
-WANT_CAP_SLOPE, OVERWRITE, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, CAPPED_MAX = 1, 2, 4, 8, 16, 32
+WANT_CAP_SLOPE, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, CAPPED_MAX = 1, 4, 8, 16, 32
 
 
 def _vector(dtype, ndim=1):

@@ -175,25 +175,7 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
 
 
 @inner(fastmath=_FASTMATH)
-def _additive_row(z, opt, b, h, i, j0, diag_shift):
-    """``z[c] = (- alibi |off| + bias) / tau_h`` for key ``j0 + c``, as `_modify_tile` overwrites a tile."""
-    inv_tau = 1.0 / opt.tau[h]
-    base = j0 - i - diag_shift
-    if opt.has_alibi:
-        alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
-        for c in range(z.shape[0]):
-            z[c] = -(alibi_over_tau * _like(abs(np.int32(base + c)), z))
-    if opt.has_bias:
-        inv_tau_t = _like(inv_tau, z)
-        s_j = opt.bias_strides[3]
-        at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
-        for c in range(z.shape[0]):
-            x = opt.bias[at + c * s_j] * inv_tau_t
-            z[c] = z[c] + x if opt.has_alibi else x
-
-
-@inner(fastmath=_FASTMATH)
-def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
+def _score_row(z, opt, b, h, i, j0, lo, hi):
     """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
 
     (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._logits._query_factor`.)
@@ -203,8 +185,7 @@ def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
     logits with it); then ``-inf`` outside ``[lo, hi)`` (causal, window,
     ``kv_lengths``, the gate's band) and where NVM, a closed gate, a false
     mask entry or a ``-inf`` bias removes the key; ``log G`` added.
-    With ``modified``, ``z`` holds the product added onto `_additive_row`
-    already. Returns the row's maximum.
+    Returns the row's maximum.
     """
     bk = z.shape[0]
     neg_inf = -np.inf
@@ -217,11 +198,11 @@ def _score_row(z, opt, b, h, i, j0, lo, hi, modified):
         for c in range(bk):
             z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
     base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
-    if opt.has_alibi and not modified:
+    if opt.has_alibi:
         alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
         for c in range(bk):
             z[c] -= alibi_over_tau * _like(abs(np.int32(base + c)), z)
-    if opt.has_bias and not modified:
+    if opt.has_bias:
         inv_tau_t = _like(inv_tau, z)
         s_j = opt.bias_strides[3]
         at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
@@ -396,22 +377,17 @@ def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state)
     rows, D = qs.shape
     Dv = acc.shape[1]
     group = rows // N
-    # the prefill tiles' order: additive modifiers first, the product added onto them
-    additive_first = (opt.has_alibi or opt.has_bias) and not (opt.has_softcap or opt.nvm)
     # Q K^T as the prefill tiles form it (the same products in the same
     # order): the backward recomputes these logits bit for bit
     if segmented is None:
         _transpose_keys(k_tile, kt, bk, D, 0)
     else:
         _keys_by_page(segmented, b, hk, j0, bk, kt)
-    if additive_first:
-        for r in range(rows):
-            _additive_row(st[r, :bk], opt, b, hk * group + r // N, r % N, j0, opt.diag_shift[b])
-    matmul_nn(qs, 0, kt, 0, st, rows, bk, D, additive_first)
+    matmul_nn(qs, 0, kt, 0, st, rows, bk, D, False)
     any_kept = False
     for r in range(rows):
         h = hk * group + r // N
-        tile_max = _score_row(st[r, :bk], opt, b, h, r % N, j0, row_span[0, r], row_span[1, r], additive_first)
+        tile_max = _score_row(st[r, :bk], opt, b, h, r % N, j0, row_span[0, r], row_span[1, r])
         new_max = max(row_max[r], tile_max)
         # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
         shift_by[r] = new_max if new_max > -np.inf else 0.0

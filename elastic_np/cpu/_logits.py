@@ -24,7 +24,6 @@ from elastic_np.cpu._tanh import sech2_any, tanh_any
 from elastic_np.cpu._transpose import (
     prefetch,
     transpose_add,
-    transpose_load,
     transpose_width,
 )
 
@@ -39,8 +38,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     Q^T`` (``q_t`` the queries scaled by ``scale / tau_h``, transposed,
     ``(D, bq)`` or wider) gives ``s_raw / tau_h``; the
     score modifiers follow in the contract's order (see `_modify_tile`).
-    Without a soft-cap (or NVM) they are additive: they are stored first and
-    the product accumulates onto them (one pass over the tile less). Removed
+    Removed
     entries then become ``-inf``: outside the offset band, ``s < 0`` under
     NVM on the final ``s`` (when ``nvm``, which the forward leaves to its own
     first pass when it can), a closed gate, a false mask entry (a ``-inf``
@@ -65,33 +63,25 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     want_max = tile_max.shape[0] > 0
     removes_nothing = _removes_nothing(opt, tile, bk, nvm)
     additive = opt.has_alibi or opt.has_bias
-    # The product is summed apart and added to the stored modifiers once
-    # (`matmul_nn`), so either order rounds s the same; under NVM and a
-    # soft-cap the modifiers act on the product, which comes first.
-    additive_first = additive and not opt.has_softcap and not opt.nvm
-    fuse_max = want_max and removes_nothing and (additive_first or not additive)
+    # The product first, then the modifiers, in the contract's order: a
+    # product accumulated onto a large stored ALiBi or bias term would round
+    # every partial sum at the term's magnitude (float32 ALiBi with N > M:
+    # ten times the naive error in ``out``).
+    fuse_max = want_max and removes_nothing and not additive
     flags = (
         (_calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (_calls.HAS_SOFTCAP if opt.has_softcap else 0)
         + (_calls.HAS_ALIBI if opt.has_alibi else 0) + (_calls.HAS_BIAS if opt.has_bias else 0)
     )
-    if additive_first:
-        modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift, tile,
-                    bk, flags + _calls.OVERWRITE, opt.softcap)
-        if fuse_max:
-            matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, True)
-        else:
-            matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, True)
+    if fuse_max:
+        matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
     else:
-        if fuse_max:
-            matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
-        else:
-            matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
-        if opt.nvm:
-            _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
-        if opt.has_softcap or additive:
-            # with fuse_max, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
-            modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
-                        tile, bk, flags + (_calls.CAPPED_MAX if fuse_max else 0), opt.softcap)
+        matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
+    if opt.nvm:
+        _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
+    if opt.has_softcap or additive:
+        # with fuse_max, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
+        modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
+                    tile, bk, flags + (_calls.CAPPED_MAX if fuse_max else 0), opt.softcap)
     if removes_nothing:
         return True, fuse_max
     diag_shift = opt.diag_shift[b]
@@ -128,8 +118,7 @@ def _modify_entry(st, s0, s1, cs, c0, c1, tm, t0, bias, nb, bst, ns, tau, nt, al
         carray(bias, (nb,)), carray(bst, (ns,)),
     )
     tile = carray(st, (s0, s1))
-    _modify_tile(tile, opt, (b, h, i0, bq, j0), bk, carray(cs, (c0, c1)), flags & _calls.WANT_CAP_SLOPE != 0,
-                 flags & _calls.OVERWRITE != 0)
+    _modify_tile(tile, opt, (b, h, i0, bq, j0), bk, carray(cs, (c0, c1)), flags & _calls.WANT_CAP_SLOPE != 0)
     if flags & _calls.CAPPED_MAX:
         _cap_maxima(carray(tm, (t0,)), bq, opt, h, tile)
 
@@ -152,7 +141,7 @@ def _linked_modify_tile(st, cap_slope, tile_max, bias, bias_strides, tau, alibi,
         diag_shift, tau, np.float64(softcap), flags & _calls.HAS_SOFTCAP != 0, flags & _calls.HAS_ALIBI != 0,
         alibi, flags & _calls.HAS_BIAS != 0, bias, bias_strides,
     )
-    _modify_tile(st, opt, tile, bk, cap_slope, flags & _calls.WANT_CAP_SLOPE != 0, flags & _calls.OVERWRITE != 0)
+    _modify_tile(st, opt, tile, bk, cap_slope, flags & _calls.WANT_CAP_SLOPE != 0)
     if flags & _calls.CAPPED_MAX:
         _cap_maxima(tile_max, tile[3], opt, tile[1], st)
 
@@ -236,7 +225,7 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
 
 
 @inner(fastmath=_FASTMATH)
-def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
+def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
@@ -244,8 +233,7 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
     removes afterwards are computed too (every tile entry is finite here, so
     that nothing is lost and the loops run from 0 and vectorise). With
     ``want_cap_slope`` (and a soft-cap), ``cap_slope[c, r]`` receives ``ds / ds_raw =
-    1 - tanh^2``. With ``overwrite`` (no soft-cap), ``st`` is not read: it
-    receives ``(- alibi |off| + bias) / tau_h``, for the product to be added.
+    1 - tanh^2``.
     """
     b, h, i0, bq, j0 = tile
     diag_shift = opt.diag_shift[b]
@@ -262,8 +250,6 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
     # query, one short contiguous run of the caller's row; other layouts
     # entry by entry.
     by_rows = opt.has_bias and b_i <= 1
-    # with `overwrite`, the first term stored into the tile is not added
-    bias_fresh = overwrite and not opt.has_alibi
     if opt.has_softcap:
         _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope)
     # Rows are slices of length bq (loops over range(bq) on whole rows did not
@@ -272,29 +258,21 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
         row = st[c, :bq]
         if opt.has_alibi:
             base = j0 + c - i0 - diag_shift  # off of (j0 + c, i0 + r) is base - r
-            if overwrite:
-                for r in range(row.shape[0]):
-                    row[r] = -(alibi_over_tau * _like(abs(np.int32(base - r)), st))
-            else:
-                for r in range(row.shape[0]):
-                    row[r] -= alibi_over_tau * _like(abs(np.int32(base - r)), st)
+            for r in range(row.shape[0]):
+                row[r] -= alibi_over_tau * _like(abs(np.int32(base - r)), st)
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
                 add = opt.bias[start] * inv_tau_t
-                if bias_fresh:
-                    for r in range(row.shape[0]):
-                        row[r] = add
-                else:
-                    for r in range(row.shape[0]):
-                        row[r] += add
+                for r in range(row.shape[0]):
+                    row[r] += add
             else:
-                _add_scaled(row, opt.bias[start : start + bq], inv_tau_t, bias_fresh)
+                _add_scaled(row, opt.bias[start : start + bq], inv_tau_t)
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
         if b_j == 1:
-            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t, bias_fresh)
+            _add_transposed(st, bk, bq, opt.bias, start0, b_i, inv_tau_t)
         else:
             # any other layout element by element, _BIAS_KEYS keys at a time
             for cb in range(0, bk, _BIAS_KEYS):
@@ -303,12 +281,12 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope, overwrite):
                     at = start0 + r * b_i + cb * b_j
                     for c in range(nc):
                         x = opt.bias[at + c * b_j] * inv_tau_t
-                        st[cb + c, r] = x if bias_fresh else st[cb + c, r] + x
+                        st[cb + c, r] += x
 
 
 @njit(cache=True, inline="always")
-def _add_scaled(row, src, scale, overwrite):
-    """``row += scale * src`` (``=`` with ``overwrite``), ``src`` as long as ``row``.
+def _add_scaled(row, src, scale):
+    """``row += scale * src``, ``src`` as long as ``row``.
 
     In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
     with a float64 ``scale`` is widened first (one product, one sum).
@@ -316,12 +294,8 @@ def _add_scaled(row, src, scale, overwrite):
     compiled on its own first (a call from Python), it kept no flags and
     changed the last bits of the kernels compiled after it.
     """
-    if overwrite:
-        for r in range(row.shape[0]):
-            row[r] = src[r] * scale
-    else:
-        for r in range(row.shape[0]):
-            row[r] += src[r] * scale
+    for r in range(row.shape[0]):
+        row[r] += src[r] * scale
 
 
 @inner(fastmath=_FASTMATH)
@@ -407,12 +381,12 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_sl
 
 
 @inner(fastmath=_FASTMATH)
-def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
+def _add_transposed(tile, bk, bq, src, start, stride, scale):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
 
-    (``=`` instead of ``+=`` with ``overwrite``.) The inverse direction of
+    The inverse direction of
     `elastic_np.cpu._dbias._store_transposed`: square blocks of ``W`` go
-    through SIMD registers (`transpose_add`, `transpose_load`), the edges
+    through SIMD registers (`transpose_add`), the edges
     element by element.
     """
     width = transpose_width(tile)
@@ -422,15 +396,11 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale, overwrite):
     # prefetcher follows (the blocks down the runs first would be bq streams)
     for rb in range(0, bq_w, width):
         for cb in range(0, bk_w, width):
-            if overwrite:
-                transpose_load(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
-            else:
-                transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
+            transpose_add(tile, src, start + rb * stride + cb, stride, cb, rb, scale)
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            x = src[start + r * stride + c] * scale
-            row[r] = x if overwrite else row[r] + x
+            row[r] += src[start + r * stride + c] * scale
 
 
 @inner(fastmath=_FASTMATH)

@@ -26,7 +26,6 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._simd import (
     _DTYPES,
     _OPTIONS,
@@ -66,12 +65,10 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
     Its arguments are ``(a, a_col, b, b_col, c, i, j, k)``: ``A`` is
     ``a[:, a_col:]`` or its transpose (``transposed``), ``B = b[:, b_col:]``,
     each read with its array's row length as the leading dimension; ``W`` is
-    the number of elements of the dtype in a SIMD register. The product's
-    ``rows * vectors`` vectors are summed from zero by fused multiply-adds in
-    registers over the whole ``k`` loop (one broadcast element of ``A`` per
-    row and one vector of ``b`` per column chunk at each step), then added to
-    ``c`` once: a large ``c`` (a bias, the sum of earlier tiles) never takes
-    part in the product's partial sums, whose rounding it would scale.
+    the number of elements of the dtype in a SIMD register. The ``rows * vectors`` vectors of
+    ``c`` are loaded once, updated by fused multiply-adds in registers over
+    the whole ``k`` loop (one broadcast element of ``A`` per row and one
+    vector of ``b`` per column chunk at each step) and stored once.
     ``with_max`` adds an argument ``col_max`` (1-D) after ``k``: each column's
     ``col_max[j']`` is then replaced by ``c[i', j']`` wherever that is
     greater (and, with ``nonneg``, ``>= 0``), over the block's rows in order,
@@ -114,10 +111,10 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
         accs = [
             [cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)
         ]
-        zeros = ir.Constant(vec_ty, [0.0] * width)
         for r in range(rows):
             for t in range(vectors):
-                builder.store(zeros, accs[r][t])
+                value = builder.load(vector_ptr(c_ptr, c_lead, row(r), column(t)), align=align)
+                builder.store(value, accs[r][t])
         zero_vec = ir.Constant(vec_ty, ir.Undefined)
         zero_idx = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
         with cgutils.for_range(builder, k_val) as loop:
@@ -142,9 +139,7 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
         for r in range(rows):
             for t in range(vectors):
                 ptr = vector_ptr(c_ptr, c_lead, row(r), column(t))
-                total = builder.fadd(builder.load(ptr, align=align), builder.load(accs[r][t]))
-                builder.store(total, accs[r][t])
-                builder.store(total, ptr, align=align)
+                builder.store(builder.load(accs[r][t]), ptr, align=align)
         if with_max:
             max_arr = context.make_array(signature.args[8])(context, builder, args[8])
             for t in range(vectors):
@@ -266,8 +261,8 @@ def _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, transposed, col_max, max
     the rows of ``A`` stream past. Leftover rows use blocks of 4, 2 and 1
     rows, leftover vectors blocks of one vector; the columns past the last
     whole vector, a scalar loop.
-    Every element is ``c + (a_0 b_0 + a_1 b_1 + ...)``, the product summed
-    in the order of ``k`` with fused multiply-adds, whichever path computes it.
+    Every element is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of ``k``,
+    with fused multiply-adds, whichever path computes it.
     """
     if not accumulate:
         for i in range(m):
@@ -323,11 +318,10 @@ def _matmul(a, a_col, b, b_col, c, m, n, k, accumulate, transposed, col_max, max
     if j_tail < n:
         for i in range(m):
             ci = c[i]
-            for j in range(j_tail, n):
-                total = _like(0.0, c)
-                for p in range(k):
-                    total += _a_at(a, a_col, i, p, transposed) * b[p, b_col + j]
-                ci[j] += total
+            for p in range(k):
+                aip = _a_at(a, a_col, i, p, transposed)
+                for j in range(j_tail, n):
+                    ci[j] += aip * b[p, b_col + j]
     if max_mode != 0:
         # what the register blocks left: their columns' leftover rows, then
         # every row of the other columns

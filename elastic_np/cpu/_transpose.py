@@ -1,7 +1,6 @@
 """Moving square blocks of a tile through SIMD registers: transposed loads, adds and stores, prefetch.
 
-``transpose_add``, ``transpose_load``, ``transpose_store``,
-``transpose_stream`` (whole cache lines, non-temporal) and
+``transpose_add``, ``transpose_store``, ``transpose_stream`` (whole cache lines, non-temporal) and
 ``transpose_accumulate`` (into float64) move ``W x W`` blocks
 (`transpose_width`) between a key-major tile and a query-major array;
 ``prefetch`` hints a line into the cache.
@@ -112,9 +111,9 @@ def _concatenate(builder, vectors):
 
 
 def _make_transpose(mode):
-    """``transpose_add``, ``transpose_load``, ``transpose_store``, ``transpose_stream`` or ``transpose_accumulate``.
+    """``transpose_add``, ``transpose_store``, ``transpose_stream`` or ``transpose_accumulate``.
 
-    (``mode`` "add", "load", "store", "stream" or "accumulate".)
+    (``mode`` "add", "store", "stream" or "accumulate".)
     """
     store = mode in ("store", "stream", "accumulate")
 
@@ -180,9 +179,7 @@ def _make_transpose(mode):
         rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
         for c, row in enumerate(_transpose_in_registers(builder, rows)):
             ptr = x_row(c)
-            total = builder.fmul(row, splat)
-            if mode == "add":
-                total = builder.fadd(builder.load(ptr, align=itemsize), total)
+            total = builder.fadd(builder.load(ptr, align=itemsize), builder.fmul(row, splat))
             builder.store(total, ptr, align=itemsize)
         return context.get_dummy_value()
 
@@ -214,17 +211,6 @@ def transpose_add(typingctx, x, src, start, stride, row0, col0, scale):
     to a key-major score tile without a scalar gather or scatter.
     """
     return _make_transpose("add")(typingctx, x, src, start, stride, row0, col0, scale)
-
-
-@intrinsic
-def transpose_load(typingctx, x, src, start, stride, row0, col0, scale):
-    """``x[row0 + c, col0 + r] = scale * src[start + r * stride + c]`` for ``r, c < W``.
-
-    As `transpose_add`, overwriting the block of ``x`` instead of adding to
-    it (jit code only): a bias tile stored into a score tile that a product
-    then accumulates onto.
-    """
-    return _make_transpose("load")(typingctx, x, src, start, stride, row0, col0, scale)
 
 
 @intrinsic
