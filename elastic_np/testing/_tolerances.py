@@ -20,6 +20,8 @@ from elastic_np.testing._report import _magnitude, worst_error
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
 #: for bfloat16 and float16 their machine epsilon (one unit in the last place at that magnitude).
 FLOOR = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+#: The results in the inputs' dtype (``lse`` and the parameters' gradients are float32 for halves).
+ROUNDED = ("dq", "dk", "dv", "dbias")
 #: Relative tolerance of the oracle's gradients against central differences (the contract).
 GRADCHECK_RTOL = 1e-6
 
@@ -62,17 +64,23 @@ def naive_forward(q, k, v, options, dtype):
         lse = (m + np.log(l))[..., 0]
     probs = np.divide(e, l, out=np.zeros_like(e), where=l > 0)
     out = probs @ vv
-    return out, lse, (p, s, keep, probs, kk, vv, gate, cap_slope)
+    return out, lse, (p, s, z, keep, kk, vv, gate, cap_slope)
 
 
 def naive_backward(dout, out, lse, cache, dtype, dlse=None):
     """The contract's backward, every operation in ``dtype``; returns a dict of gradients.
 
+    Like the oracle and every fused kernel, it takes the probabilities from
+    ``lse`` in ``dtype`` (``exp(z - lse)``), the backward's input, not from
+    the forward's own: at large ``|lse|`` the rounding of a float32 ``lse``
+    moves every probability of its row by as much relative to itself.
     ``dlse``, the cotangent of ``lse`` (None: zeros), enters as ``delta - dlse``.
     """
     dtype = compute_dtype(dtype)
     t = dtype.type
-    p, s, keep, probs, kk, vv, gate, cap_slope = cache
+    p, s, z, keep, kk, vv, gate, cap_slope = cache
+    with np.errstate(invalid="ignore", over="ignore"):
+        probs = np.where(keep, np.exp(z - np.asarray(lse, dtype=dtype)[..., None]), t(0))
     B, H, Hkv, N, M, D, Dv = p.shape
     dout = np.asarray(dout, dtype=dtype)
     tau = p.tau.astype(dtype)[:, None, None]
@@ -115,7 +123,7 @@ def rounded(x, dtype):
     return np.asarray(x).astype(dtype).astype(np.float64)
 
 
-def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=None):
+def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=None, backward=True):
     """`naive_forward` and `naive_backward` in several summation orders.
 
     An evaluation in float32 has no preferred order of its sums, so the
@@ -123,13 +131,15 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=Non
     a few equally valid ones: the head dimensions of ``q, k`` (and of ``v,
     dout``) are permuted together, which changes the rounding of every dot
     product and nothing else. The first ordering is the given one.
-    ``dlse`` is the cotangent of ``lse``, if any.
+    ``dlse`` is the cotangent of ``lse``, if any; without ``backward`` the
+    gradients are left out.
 
     Returns
     -------
     list of dict
         One per ordering: ``"out"``, ``"lse"`` and the gradients of
-        `naive_backward`, in the caller's head-dimension order.
+        `naive_backward`, in the caller's head-dimension order; for bfloat16
+        and float16, ``out`` and the gradients in their dtype are `rounded`.
     """
     rng = np.random.default_rng(seed)
     D, Dv = np.shape(q)[-1], np.shape(v)[-1]
@@ -138,54 +148,94 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=Non
         pd = np.arange(D) if n == 0 else rng.permutation(D)
         pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
         out, lse, cache = naive_forward(q[..., pd], k[..., pd], v[..., pv], options, dtype)
-        grads = naive_backward(np.asarray(dout)[..., pv], out, lse, cache, dtype, dlse)
+        out = rounded(out, dtype)
         ipd, ipv = np.argsort(pd), np.argsort(pv)
-        grads.update(dq=grads["dq"][..., ipd], dk=grads["dk"][..., ipd], dv=grads["dv"][..., ipv])
+        grads = {}
+        if backward:
+            grads = naive_backward(np.asarray(dout)[..., pv], out, lse, cache, dtype, dlse)
+            grads.update(dq=grads["dq"][..., ipd], dk=grads["dk"][..., ipd], dv=grads["dv"][..., ipv])
+            grads.update({name: rounded(grads[name], dtype) for name in ROUNDED if name in grads})
         results.append(dict(grads, out=out[..., ipv], lse=lse))
     return results
 
 
-def summation_allowance(q, k, v, dout, options, dlse=None):
-    """The rounding allowance of the gradients that are one cancelling sum.
+def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
+    """The rounding allowance of each quantity, beyond twice the naive evaluation's error.
 
-    ``dtau``, ``dbeta``, ``dsigma`` and a broadcast ``dbias`` each sum terms
-    over many entries (``dz * s / tau**2``, ``delta * exp(-lse)``,
-    ``dz * dlogG/dsigma``, ``ds``) that cancel (``sum_j dz_ij = 0`` when
-    ``beta = 0``): the rounding of a float32 evaluation of such a sum is of
-    the order of ``eps * sum |terms|``, not of the size of the result.
+    Two effects no reordering of a naive evaluation samples, each given
+    ``2 eps`` times the sum of the magnitudes of the terms it scales:
+
+    - **the logits' rounding.** A logit ``z`` rounded in float32 is off by
+      ``eps |z|``, which moves ``p = exp(z - lse)`` by as much relative to
+      itself, and ``lse`` is rounded at its own magnitude: every term of row
+      ``i`` carries a factor ``1 + max(|z_ij|, |lse_i|)``. At unit scale this
+      is below the float32 floor; with logits in the hundreds (``tau =
+      0.03``, ALiBi over long offsets) it is what float32 can resolve.
+    - **cancelling sums.** ``dtau``, ``dbeta``, ``dsigma`` and a broadcast
+      ``dbias`` sum terms that cancel (``sum_j dz_ij = 0`` when ``beta =
+      0``), and every gradient of the logits is a difference, ``dz = p (dP -
+      delta)`` of dot products, which ``dq``, ``dk`` and ``dbias`` carry:
+      ``|dz|`` is taken as ``p (|dP| + |delta|)``, ``|delta|`` as ``sum
+      |dout * out| + |dlse|`` (a single key gives ``dz = 0`` and ``dq = 0``
+      exactly, and every float32 evaluation a rounding of ``dP - delta``).
+
     ``dlse`` is the cotangent of ``lse``, if any (``delta`` is then ``delta - dlse``).
 
     Returns
     -------
     dict
-        ``{name: 2 * eps * max(sum |terms|)}`` for the gradients the options
-        produce, ``eps`` float32's.
+        ``{name: 2 * eps * max(sum |terms|)}`` for ``out``, ``lse`` and the
+        gradients the options produce, ``eps`` that of the dtype ``dtype``
+        computes in (float32's for float32, bfloat16 and float16).
     """
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     p = prepare(q, k, v, **options)
+    B, H, Hkv, N, M, D, Dv = p.shape
     out, lse = _attention._forward(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        s, keep, gate, _, probs, delta, dz = _backward._score_gradient(
+        s, keep, gate, cap_slope, probs, delta, dz = _backward._score_gradient(
             _attention._without_padding(p), dout, out, lse,
             None if dlse is None else np.asarray(dlse, dtype=np.float64))
-        dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz)), axis=(0, 2, 3)) / p.tau**2
-        dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta * np.exp(-lse))
-        dbeta = np.sum(np.abs(dbeta_terms), axis=(0, 2))
+        z = np.where(probs > 0, np.abs(s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
+        cond = 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
+        weights = probs * cond[..., None]
+        v_abs = np.abs(np.repeat(p.v, p.group_size, axis=1))
+        delta_mag = np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
+        dz_mag = weights * (np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None])
+        dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
+        dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta_mag * np.exp(-lse) * cond)
+        dbeta = np.sum(dbeta_terms, axis=(0, 2))
         dsigma = None
         if gate is not None:
             dlogg = _backward._dlog_gate(p, *gate)
-            dsigma = np.sum(np.abs(np.where(keep, dz * dlogg, 0.0)), axis=(2, 3))
-    bounds = dataclasses.replace(p, bias=None).reduce_grads(None, None, None, dtau, dbeta, dsigma)
-    eps = float(np.finfo(np.float32).eps)
-    allowance = {
-        name: 2 * eps * float(np.max(getattr(bounds, name)))
-        for name in ("dtau", "dbeta", "dsigma")
-        if getattr(bounds, name) is not None
-    }
+            dsigma = np.sum(np.abs(np.where(keep, dz_mag * dlogg, 0.0)), axis=(2, 3))
+        ds_mag = dz_mag / p.tau[:, None, None]
+        ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope
+        dq = p.scale * ds_raw_mag @ np.abs(np.repeat(p.k, p.group_size, axis=1))
+        dk = (p.scale * np.swapaxes(ds_raw_mag, -1, -2) @ np.abs(p.q)).reshape(B, Hkv, p.group_size, M, D)
+        dv = (np.swapaxes(weights, -1, -2) @ np.abs(dout)).reshape(B, Hkv, p.group_size, M, Dv)
+        terms = {"out": weights @ v_abs, "lse": cond}
+    bounds = dataclasses.replace(p, bias=None).reduce_grads(dq, dk.sum(axis=2), dv.sum(axis=2), dtau, dbeta, dsigma)
+    terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")})
     if p.bias is not None:
-        terms = reduce_to_shape(np.abs(dz / p.tau[:, None, None]), p.bias_shape)
-        allowance["dbias"] = 2 * eps * float(np.max(terms, initial=0.0))
-    return allowance
+        terms["dbias"] = reduce_to_shape(ds_mag, p.bias_shape)
+    eps = float(np.finfo(compute_dtype(dtype)).eps)
+    return {name: 2 * eps * float(np.max(t, initial=0.0)) for name, t in terms.items() if t is not None}
+
+
+def kit_allowed(want, naive, dtype, rounding=0.0):
+    """The conformance kit's rule: the error allowed against the oracle, and the naive baseline.
+
+    ``max(2 * naive_error + rounding, floor * max |want|)``, ``naive_error``
+    the worst error of ``naive`` (the quantity from each ordering of
+    `naive_orderings`: a naive evaluation has no preferred order of its sums,
+    and one order alone is a noisy yardstick), ``rounding`` the
+    `rounding_allowance` of a gradient that is a cancelling sum, ``floor``
+    the dtype's `FLOOR`.
+    """
+    naive_error = max(worst_error(n, want)[0] for n in naive)
+    floor = FLOOR[np.dtype(dtype).name] * _magnitude(want)
+    return max(2.0 * naive_error + rounding, floor), naive_error
 
 
 def float32_allowed(want, naive, rounding=None):
@@ -204,8 +254,8 @@ def float32_allowed(want, naive, rounding=None):
     naive : list of array_like
         The naive evaluations' values.
     rounding : float, optional
-        Default one float32 ulp of ``scale``; `summation_allowance` gives the
-        one of the gradients that are a cancelling sum.
+        `rounding_allowance`'s for the gradients that are cancelling sums;
+        never less than one float32 ulp of ``scale`` (the default).
 
     Returns
     -------
@@ -213,6 +263,6 @@ def float32_allowed(want, naive, rounding=None):
     """
     scale = max(1.0, _magnitude(want))
     naive_error = max(worst_error(n, want)[0] for n in naive)
-    if rounding is None:
-        rounding = float(np.finfo(np.float32).eps) * scale
+    ulp = float(np.finfo(np.float32).eps) * scale
+    rounding = ulp if rounding is None else max(rounding, ulp)
     return min(2.0 * naive_error + rounding, FLOOR["float32"] * scale), naive_error

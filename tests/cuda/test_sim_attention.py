@@ -71,11 +71,11 @@ def assert_float32_rule(got, q, k, v, dout, opts, want):
 
     Twice the worst error of naive float32 evaluations in several summation
     orders, plus a rounding allowance (one float32 ulp of the scale, or
-    `summation_allowance` for the cancelling sums), and at most 1e-5
+    `rounding_allowance` for the cancelling sums), and at most 1e-5
     relative to the scale: the rule of the CPU tests.
     """
     orderings = _tolerances.naive_orderings(q, k, v, dout, opts, np.float32)
-    summation = _tolerances.summation_allowance(q, k, v, dout, opts)
+    summation = _tolerances.rounding_allowance(q, k, v, dout, opts)
     for (name, g), (_, w) in zip(items(*got), items(*want)):
         g = np.asarray(g)
         if name in ARRAY_FIELDS:
