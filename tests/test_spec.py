@@ -32,6 +32,7 @@ def _option_functions():
         ("elastic_np.attention_backward", enp.attention_backward, _spec.NAMES),
         ("reference.attention", enp.reference.attention, _spec.NAMES),
         ("reference.attention_backward", enp.reference.attention_backward, _spec.NAMES),
+        ("reference.attention_double_backward", enp.reference.attention_double_backward, _spec.NAMES),
         ("elastic_np.varlen_attention", enp.varlen_attention, _spec.NAMES),
         ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _spec.NAMES),
     ]

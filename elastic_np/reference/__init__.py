@@ -12,7 +12,8 @@ NaN propagates to the rows it touches.
 
 The package mirrors the derivations: ``_softmax`` (the vector functions),
 ``_attention`` (scores, masks, the dynamic window, the forward), ``_backward``
-(the hand-derived backward) and ``_merge`` (merging partials over key sets).
+(the hand-derived backward), ``_double_backward`` (its second-order VJP) and
+``_merge`` (merging partials over key sets).
 ``_backend`` is the face that ``backend="reference"`` shows the dispatcher,
 the same as `elastic_np.cpu` and `elastic_np.cuda` (``dtypes``,
 ``is_available``, ``check_available``, ``prepare``, ``check_backward_arrays``,
@@ -31,6 +32,7 @@ from elastic_np.reference._backend import (  # noqa: F401  (the backend's face, 
     prepare,
 )
 from elastic_np.reference._backward import attention_backward
+from elastic_np.reference._double_backward import DoubleBackwardGrads, attention_double_backward
 from elastic_np.reference._merge import merge_attention
 from elastic_np.reference._softmax import (
     elastic_softmax,
@@ -52,5 +54,7 @@ __all__ = [
     "elastic_softmax_vjp",
     "attention",
     "attention_backward",
+    "attention_double_backward",
+    "DoubleBackwardGrads",
     "merge_attention",
 ]

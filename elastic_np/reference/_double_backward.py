@@ -1,0 +1,276 @@
+"""The second-order VJP of the attention ("double backward"): tangents of the forward and of the backward.
+
+The backward ``G = grad_x L`` of ``L = <dout, out(x)> + <dlse, lse(x)>`` is
+linear in ``(dout, dlse)`` and its Jacobian in ``x = (q, k, v, tau, beta,
+sigma, bias)`` is the Hessian of ``L``, which is symmetric. So the VJP of
+``G`` with cotangent ``u`` is the JVP of ``G`` along ``xdot = u`` for ``x``,
+and the JVPs of ``out`` and ``lse`` along ``u`` for ``dout`` and ``dlse``:
+forward-mode derivatives of the formulas of `_attention` and `_backward`.
+"""
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from elastic_np import _spec, _validation
+from elastic_np._problem import prepare
+from elastic_np.reference._attention import _log_tanh_slope, _without_padding
+from elastic_np.reference._backward import _dlog_gate, _dtau_terms, _score_gradient, check_backward_arrays
+
+
+class DoubleBackwardGrads(NamedTuple):
+    """The result of `attention_double_backward`.
+
+    Attributes
+    ----------
+    ddout : ndarray
+        Gradient for ``dout``, in its shape: the tangent of ``out``.
+    ddlse : ndarray, shape (B, H, N)
+        Gradient for ``dlse``: the tangent of ``lse`` (0 on rows with
+        ``lse = -inf``).
+    dq, dk, dv : ndarray
+        Second-order gradients of ``q``, ``k``, ``v``, in their shapes.
+    dtau, dbeta : float or ndarray
+        Those of ``tau`` and ``beta``, in the shapes they were given in.
+    dsigma : float or ndarray or None
+        That of the dynamic window's ``sigma``, or None without one.
+    dbias : ndarray or None
+        That of the ``bias`` in its shape, or None without a bias.
+    """
+
+    ddout: np.ndarray
+    ddlse: np.ndarray
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dtau: object
+    dbeta: object
+    dsigma: Optional[object] = None
+    dbias: Optional[np.ndarray] = None
+
+
+class _Direction(NamedTuple):
+    """The direction ``xdot``: ``q, k, v`` as ``(B, H·, ·, ·)``, ``tau``, ``beta`` ``(H,)``,
+    ``sigma`` ``(B, H)`` and ``bias`` ``(B, H, N, M)`` (or None), float64."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    tau: np.ndarray
+    beta: np.ndarray
+    sigma: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+
+
+@_spec.takes_options()
+def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=None, ddbeta=None,
+                              ddsigma=None, ddbias=None, dlse=None, check_finite=True, **options):
+    r"""Second-order VJP of `attention_backward`: the gradients of ``<u, attention_backward(...)>``.
+
+    ``u = (ddq, ddk, ddv, ddtau, ddbeta, ddsigma, ddbias)`` is a cotangent
+    of the backward's outputs ``(dq, dk, dv, dtau, dbeta, dsigma, dbias)``.
+    The result is the gradient of :math:`\langle u, G\rangle` with respect to
+    the backward's inputs ``dout``, ``dlse``, ``q``, ``k``, ``v``, ``tau``,
+    ``beta``, ``sigma`` and ``bias``, with ``out`` and ``lse`` the functions
+    of them the forward computes (a cache, not inputs of their own). With
+    :math:`L = \langle dout, out\rangle + \langle dlse, lse\rangle` and
+    :math:`G = \nabla_x L`, :math:`x = (q, k, v, \tau, \beta, \sigma, \mathrm{bias})`:
+
+    .. math::
+
+        d\,dout = J_{out}\, u, \qquad d\,dlse = J_{\lse}\, u, \qquad
+        dx = \nabla_x^2 L\; u,
+
+    the tangents of ``out``, ``lse`` and of the backward along ``u``, as the
+    Hessian is symmetric (see the derivations page).
+
+    Parameters
+    ----------
+    ddq, ddk, ddv : array_like or None
+        Cotangents of ``dq``, ``dk``, ``dv``, in the shapes of ``q``, ``k``,
+        ``v``; None stands for zeros.
+    dout, q, k, v, out, lse : array_like
+        As for `attention_backward`.
+    ddtau, ddbeta, ddsigma, ddbias : array_like or float, optional
+        Cotangents of ``dtau``, ``dbeta``, ``dsigma``, ``dbias``, in the
+        shapes ``tau``, ``beta``, ``sigma``, ``bias`` were given in; None
+        (default) stands for zeros. ``ddsigma`` needs a dynamic window,
+        ``ddbias`` a bias.
+    dlse : array_like, shape (B, H, N), optional
+        The cotangent of ``lse`` given to the backward; None stands for zeros.
+    %(other_names)s
+        The options given to the forward (see `attention`).
+    check_finite : bool, optional
+        As for `attention`; the cotangents are checked too.
+
+    Returns
+    -------
+    DoubleBackwardGrads
+        ``ddout`` (the shape of ``dout``), ``ddlse`` ``(B, H, N)``, and
+        ``dq, dk, dv, dtau, dbeta, dsigma, dbias`` as `attention_backward`
+        returns them (a Python float for a scalar parameter), float64.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `attention_backward`, and for a cotangent of the wrong shape
+        or dtype or with NaN or inf; the message names it.
+
+    Notes
+    -----
+    As for the first-order gradients, the kept set is taken as locally
+    constant (away from the NVM jump and the gate's threshold), and a row
+    with ``lse = -inf`` takes nothing.
+
+    Examples
+    --------
+    ``ddout`` is the tangent of ``out`` along ``u``:
+
+    >>> import numpy as np
+    >>> from elastic_np import reference as ref
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, ddq = (rng.standard_normal((1, 2, 3, 4)) for _ in range(4))
+    >>> out, lse = ref.attention(q, k, v, beta=0.5)
+    >>> dout = np.ones_like(out)
+    >>> g = ref.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, beta=0.5)
+    >>> g.dq.shape, type(g.dbeta).__name__
+    ((1, 2, 3, 4), 'float')
+    >>> h = 1e-6
+    >>> up, down = (ref.attention(q + e * ddq, k, v, beta=0.5)[0] for e in (h, -h))
+    >>> bool(np.allclose(g.ddout, (up - down) / (2 * h), rtol=0, atol=1e-8))
+    True
+    """
+    p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_double_backward"))
+    dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
+    direction = _direction(p, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite)
+    outdot, lsedot, grads = _double_backward(p, dout, out, lse, dlse, direction)
+    grads = p.grads_as_given(grads)
+    return DoubleBackwardGrads(p.as_given(outdot), lsedot, grads.dq, grads.dk, grads.dv, grads.dtau,
+                               grads.dbeta, grads.dsigma, grads.dbias)
+
+
+def _direction(p, arrays, parameters, check_finite):
+    """The cotangents ``(ddq, ddk, ddv)`` and ``(ddtau, ddbeta, ddsigma, ddbias)`` checked, as a `_Direction`."""
+    B, H, Hkv, N, M, D, Dv = p.shape
+    given = []
+    for name, like, a in zip(("ddq", "ddk", "ddv"), (p.q, p.k, p.v), arrays):
+        shape = p.as_given(like).shape
+        given.append(p.as_bhnd(_cotangent(a, name, shape, check_finite)))
+    padding = np.arange(M)[None, None, :, None] >= p.kv_lengths[:, None, None, None]
+    given[1:] = [np.where(padding, 0.0, a) for a in given[1:]]  # the padding is never read
+    likes = (("tau", p.tau_shape, (H,)), ("beta", p.beta_shape, (H,)),
+             ("sigma", p.sigma_shape, (B, H)), ("bias", p.bias_shape, (B, H, N, M)))
+    for value, (like, shape, full) in zip(parameters, likes):
+        if shape is None:
+            if value is not None:
+                raise ValueError(f"`dd{like}` is given but there is no `{like}`: "
+                                 f"{'pass a dynamic_window' if like == 'sigma' else 'pass a bias'}")
+            given.append(None)
+            continue
+        given.append(np.broadcast_to(_cotangent(value, f"dd{like}", shape, check_finite), full))
+    return _Direction(*given)
+
+
+def _cotangent(a, name, shape, check_finite):
+    """``a`` as a float64 array of ``shape`` (zeros for None), checked; errors name ``name``."""
+    if a is None:
+        return np.zeros(shape)
+    a = _validation.real_float_array(a, name, check_finite=check_finite)
+    if a.shape != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {a.shape}")
+    return a
+
+
+def _double_backward(p, dout, out, lse, dlse, d):
+    """``(outdot, lsedot, grads)``: the tangents of ``out``, ``lse`` and of the backward's gradients along ``d``.
+
+    ``grads`` is an `AttentionGrads` in the parameters' given shapes.
+    """
+    B, H, Hkv, N, M, D, Dv = p.shape
+    p = _without_padding(p)
+    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse, dlse)
+    dlog = None if gate is None else np.where(keep, _dlog_gate(p, *gate), 0.0)
+    zdot, sdot, rdot = _logit_tangent(p, d, s, dlog, cap_slope, probs)
+    with np.errstate(over="ignore"):
+        exp_lse = np.where(np.isneginf(lse), 0.0, np.exp(-lse))  # d lse / d beta; none for lse = -inf
+    lsedot = np.sum(probs * zdot, axis=-1) + d.beta[:, None] * exp_lse
+    pdot = probs * (zdot - lsedot[..., None])
+    v, vdot = (np.repeat(a, p.group_size, axis=1) for a in (p.v, d.v))
+    outdot = pdot @ v + probs @ vdot
+    # the backward's tangent: dz = p (dout . v - delta) with delta = dout . out - dlse
+    dP = dout @ np.swapaxes(v, -1, -2)
+    deltadot = np.sum(dout * outdot, axis=-1)
+    dzdot = pdot * (dP - delta[..., None]) + probs * (dout @ np.swapaxes(vdot, -1, -2) - deltadot[..., None])
+    tau, taudot = p.tau[:, None, None], d.tau[:, None, None]
+    dsdot = dzdot / tau - dz * (taudot / tau / tau)  # the tangent of ds = dz / tau, and of dbias
+    dq, dk_h = _product_tangents(p, d, dz / tau, dsdot, cap_slope, rdot)
+    dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
+    dv = (np.swapaxes(pdot, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
+    dtau = _dtau_tangent(p, d, s, sdot, probs, dz, dzdot)
+    # dbeta = -sum delta exp(-lse): its tangent is -sum (deltadot - delta lsedot) exp(-lse)
+    dbeta = p.sink_gradient(deltadot - delta * lsedot, lse)
+    dsigma = None
+    if gate is not None:
+        terms = dzdot * dlog + dz * _d2log_gate(p, *gate) * d.sigma[:, :, None, None]
+        dsigma = np.sum(np.where(keep, terms, 0.0), axis=(2, 3))
+    return outdot, lsedot, p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=dsdot)
+
+
+def _logit_tangent(p, d, s, dlog, cap_slope, probs):
+    """``(zdot, sdot, rdot)``: tangents of the logits, the final and the raw scores along ``d``.
+
+    ``dlog`` is ``d log G / d sigma`` (None without a dynamic window); ``zdot``
+    is 0 on the entries without weight (``p = 0``).
+    """
+    k, kdot = (np.repeat(a, p.group_size, axis=1) for a in (p.k, d.k))
+    rdot = p.scale * (np.einsum("bhnd,bhmd->bhnm", d.q, k) + np.einsum("bhnd,bhmd->bhnm", p.q, kdot))
+    sdot = rdot if cap_slope is None else cap_slope * rdot
+    if d.bias is not None:
+        sdot = sdot + d.bias
+    tau = p.tau[:, None, None]
+    with np.errstate(invalid="ignore"):
+        zdot = sdot / tau - s * (d.tau[:, None, None] / tau / tau)
+        if dlog is not None:
+            zdot = zdot + dlog * d.sigma[:, :, None, None]
+        return np.where(probs > 0, zdot, 0.0), sdot, rdot
+
+
+def _product_tangents(p, d, ds, dsdot, cap_slope, rdot):
+    """Tangents of ``dq`` and of ``dk`` per query head, from those of ``ds`` and the scores."""
+    k, kdot = (np.repeat(a, p.group_size, axis=1) for a in (p.k, d.k))
+    ds_raw, ds_rawdot = ds, dsdot
+    if cap_slope is not None:
+        # the cap's slope c = 1 - tanh^2(r / cap) moves with r: dc/dr = -2 tanh(r / cap) c / cap
+        x = p.scale * np.einsum("bhnd,bhmd->bhnm", p.q, k) / p.softcap
+        cap_slopedot = -2.0 * np.tanh(x) * cap_slope * rdot / p.softcap
+        ds_raw, ds_rawdot = ds * cap_slope, dsdot * cap_slope + ds * cap_slopedot
+    dq = p.scale * (ds_rawdot @ k + ds_raw @ kdot)
+    dk_h = p.scale * (np.swapaxes(ds_rawdot, -1, -2) @ p.q + np.swapaxes(ds_raw, -1, -2) @ d.q)
+    return dq, dk_h
+
+
+def _dtau_tangent(p, d, s, sdot, probs, dz, dzdot):
+    """The tangent of ``dtau = -sum dz s / tau^2`` per head (divided by ``tau`` step by step, as `_backward`)."""
+    tau = p.tau
+    with np.errstate(invalid="ignore"):
+        moved = np.sum(np.where(probs > 0, dzdot * s + dz * sdot, 0.0), axis=(0, 2, 3))
+    first = np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3))
+    return -(moved / tau) / tau + 2.0 * d.tau * ((first / tau) / tau) / tau
+
+
+def _d2log_gate(p, G, f, x):
+    """``d^2 log G / d sigma^2`` per entry of the dynamic window, beside `_dlog_gate`'s first derivative.
+
+    With ``y = sharpness f``, ``u = x / sigma`` and ``phi(y) = d log tanh(y) / dy``,
+    ``d log G / d sigma = y phi(y) (u^2 - 1) / sigma``; as ``d phi / dy = -2 phi
+    coth(2y)`` and ``df / dsigma = f (u^2 - 1) / sigma``, the derivative is
+    ``y phi(y) ((u^4 - 5 u^2 + 2) - 2 y coth(2y) (u^2 - 1)^2) / sigma^2`` (the derivations page).
+    """
+    t = f.dtype.type
+    sigma = p.sigma.astype(f.dtype)[:, :, None, None]
+    y = t(p.sharpness) * np.where(G > 0, f, t(1))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        u2 = (x / sigma) ** 2
+        y_coth = y / -np.expm1(-4 * y) * (1 + np.exp(-4 * y))  # y coth(2y), finite as y -> 0
+        bracket = (u2 - 5) * u2 + 2 - 2 * y_coth * (u2 - 1) ** 2
+        return y * _log_tanh_slope(y) * bracket / sigma / sigma
