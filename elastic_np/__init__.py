@@ -1,28 +1,32 @@
 """elastic_np: float64 oracles and Numba/CUDA kernels for Elastic-Softmax attention.
 
 The float64 reference lives in `elastic_np.reference`; `attention` and
-`attention_backward` dispatch to a backend ("reference", "cpu", "cuda");
+`attention_backward` (and `attention_double_backward`, the second-order
+VJP) dispatch to a backend ("reference", "cpu", "cuda");
 `merge_attention` combines attention computed over disjoint key sets;
 `warmup` compiles the kernels ahead of the first call.
 """
 
 from elastic_np import reference, testing
-from elastic_np._dispatch import attention, attention_backward, merge_attention
+from elastic_np._dispatch import attention, attention_backward, attention_double_backward, merge_attention
 from elastic_np._errors import BackendUnavailableError
 from elastic_np._types import AttentionGrads, DynamicWindow
 from elastic_np._varlen import varlen_attention, varlen_attention_backward
 from elastic_np._warmup import warmup
+from elastic_np.reference._double_backward import DoubleBackwardGrads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
     "attention_backward",
+    "attention_double_backward",
     "merge_attention",
     "varlen_attention",
     "varlen_attention_backward",
     "warmup",
     "AttentionGrads",
+    "DoubleBackwardGrads",
     "DynamicWindow",
     "BackendUnavailableError",
     "reference",

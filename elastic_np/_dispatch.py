@@ -1,5 +1,5 @@
-"""The public entry points: `attention` and `attention_backward` validate once, then hand over to a backend;
-`merge_attention` rounds the float64 merge of `elastic_np.reference.merge_attention` to the partials' dtype.
+"""The public entry points: `attention`, `attention_backward` and `attention_double_backward` validate
+once, then hand over to a backend; `merge_attention` rounds the float64 merge of `elastic_np.reference.merge_attention` to the partials' dtype.
 
 A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 `elastic_np.cuda`) with the same face (the reference's is
@@ -18,7 +18,10 @@ A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 - ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;
 - ``forward(problem) -> (out, lse)``;
 - ``backward(problem, dout, out, lse, dlse=None) -> AttentionGrads``
-  (``dlse``, the cotangent of ``lse``, None for zeros).
+  (``dlse``, the cotangent of ``lse``, None for zeros);
+- ``double_backward(problem, dout, out, lse, dlse, direction) -> (ddout,
+  ddlse, AttentionGrads)``, the second-order VJP, where a backend has it
+  (``direction``: `elastic_np.reference._double_backward._Direction`).
 
 The reference computes in float64; the kernels keep the input dtype.
 """
@@ -28,6 +31,7 @@ import importlib
 
 from elastic_np import _compile_report, _spec, _validation
 from elastic_np._errors import BackendUnavailableError
+from elastic_np.reference._double_backward import DoubleBackwardGrads, _direction
 from elastic_np.reference._merge import _merge, _validate
 
 BACKENDS = _spec.BACKENDS
@@ -245,6 +249,79 @@ def attention_backward(
     with _reported(module, "backward", problem):
         grads = module.backward(problem, dout, out, lse, dlse)
     return problem.grads_as_given(grads)
+
+
+@_spec.answers_foreign_names
+@_spec.takes_options()
+def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=None, ddbeta=None, ddsigma=None,
+                              ddbias=None, dlse=None, backend="auto", **options):
+    r"""Second-order VJP of `attention_backward`: the gradients of ``<u, attention_backward(...)>``.
+
+    ``u = (ddq, ddk, ddv, ddtau, ddbeta, ddsigma, ddbias)`` is a cotangent of
+    the backward's outputs; the result is the gradient of :math:`\langle u,
+    G\rangle` for the backward's inputs ``dout``, ``dlse``, ``q``, ``k``,
+    ``v`` and the parameters, ``out`` and ``lse`` being the forward's
+    functions of them (see `elastic_np.reference.attention_double_backward`,
+    the oracle, and the derivations page).
+
+    Parameters
+    ----------
+    ddq, ddk, ddv : array_like or None
+        Cotangents of ``dq``, ``dk``, ``dv``, in the shapes of ``q``, ``k``,
+        ``v``; None stands for zeros.
+    dout, q, k, v, out, lse : array_like
+        As for `attention_backward`.
+    ddtau, ddbeta, ddsigma, ddbias : array_like or float, optional
+        Cotangents of ``dtau``, ``dbeta``, ``dsigma``, ``dbias``, in the
+        shapes ``tau``, ``beta``, ``sigma``, ``bias`` were given in; None
+        (default) stands for zeros.
+    dlse : array_like, shape (B, H, N), optional
+        The cotangent of ``lse`` given to the backward; None stands for zeros.
+    backend : {"auto", "reference", "cpu", "cuda"}, optional
+        A backend without a double backward raises
+        `~elastic_np.BackendUnavailableError`.
+    %(other_names)s
+        The options given to `attention`.
+
+    Returns
+    -------
+    DoubleBackwardGrads
+        ``ddout`` (the shape of ``dout``), ``ddlse`` ``(B, H, N)``, and
+        ``dq, dk, dv, dtau, dbeta, dsigma, dbias`` as `attention_backward`
+        returns them.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for `attention_backward`, and for a cotangent of the wrong shape
+        or with NaN or inf; the message names it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, ddq = (rng.standard_normal((1, 1, 4, 8)) for _ in range(4))
+    >>> out, lse = enp.attention(q, k, v, return_lse=True, backend="reference")
+    >>> g = enp.attention_double_backward(ddq, None, None, np.ones_like(out), q, k, v, out, lse,
+    ...                                   backend="reference")
+    >>> g.ddout.shape, g.dq.shape
+    ((1, 1, 4, 8), (1, 1, 4, 8))
+    """
+    options = _spec.complete(options, "attention_double_backward")
+    module = get_backend(backend)
+    if not hasattr(module, "double_backward"):
+        name = module.__name__.rsplit(".", 1)[-1]
+        raise BackendUnavailableError(f"backend {name!r} has no double backward; use backend='reference'")
+    problem = _problem(module, q, k, v, options)
+    dtype = None if module.dtypes is not None else problem.dtype
+    dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
+    direction = _direction(problem, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite=True)
+    with _reported(module, "double backward", problem):
+        ddout, ddlse, grads = module.double_backward(problem, dout, out, lse, dlse, direction)
+    grads = problem.grads_as_given(grads)
+    return DoubleBackwardGrads(problem.as_given(ddout), ddlse, grads.dq, grads.dk, grads.dv, grads.dtau,
+                               grads.dbeta, grads.dsigma, grads.dbias)
 
 
 def merge_attention(outs, lses, *, beta=0.0):

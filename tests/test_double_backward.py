@@ -286,3 +286,24 @@ class TestValidation:
     def test_unknown_option(self):
         with pytest.raises(TypeError, match=r"attention_double_backward\(\) got an unexpected keyword"):
             self.call(is_causal=True)
+
+
+def test_the_dispatcher_gives_the_references_bits_and_names_a_backend_without_one():
+    rng = np.random.default_rng(5)
+    q, k, v, ddq, dout = (rng.standard_normal((1, 2, 4, 3)) for _ in range(5))
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="reference", tau=0.7, beta=0.3)
+    got = enp.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, ddtau=0.5,
+                                        backend="reference", tau=0.7, beta=0.3)
+    want = ref.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, ddtau=0.5,
+                                                tau=0.7, beta=0.3)
+    assert isinstance(got, enp.DoubleBackwardGrads)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    for backend in ("cpu", "cuda"):
+        try:
+            module = enp._dispatch.get_backend(backend)
+        except enp.BackendUnavailableError:
+            continue
+        if not hasattr(module, "double_backward"):
+            with pytest.raises(enp.BackendUnavailableError, match=backend):
+                enp.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, backend=backend)

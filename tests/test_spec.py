@@ -30,6 +30,7 @@ def _option_functions():
     found = [
         ("elastic_np.attention", enp.attention, _spec.NAMES),
         ("elastic_np.attention_backward", enp.attention_backward, _spec.NAMES),
+        ("elastic_np.attention_double_backward", enp.attention_double_backward, _spec.NAMES),
         ("reference.attention", enp.reference.attention, _spec.NAMES),
         ("reference.attention_backward", enp.reference.attention_backward, _spec.NAMES),
         ("reference.attention_double_backward", enp.reference.attention_double_backward, _spec.NAMES),
@@ -78,6 +79,8 @@ def test_docstring_names_every_option(label, fn, names):
 def test_an_unknown_option_names_the_function(label, fn, names):
     q = np.ones((1, 1, 2, 4))
     args = (q, q, q) if "backward" not in label else (q, q, q, q, q, np.zeros((1, 1, 2)))
+    if "double_backward" in label:
+        args = (q, q, q) + args
     with pytest.raises(TypeError, match=f"{fn.__name__}\\(\\) got an unexpected keyword argument 'is_causal'"):
         fn(*args, is_causal=True)
 
@@ -188,6 +191,8 @@ def test_an_option_the_kernels_do_not_take_in_a_dtype_is_rejected(monkeypatch):
 def test_a_pytorch_or_flashattention_name_says_which_of_ours_it_is(label, fn, names, foreign, ours):
     q = np.ones((1, 1, 2, 4))
     args = (q, q, q) if "backward" not in label else (q, q, q, q, q, np.zeros((1, 1, 2)))
+    if "double_backward" in label:
+        args = (q, q, q) + args
     with pytest.raises(TypeError, match=f"{fn.__name__}\\(\\) got an unexpected keyword argument '{foreign}': .*{ours}"):
         fn(*args, **{foreign: True})
 

@@ -3,18 +3,23 @@
 ``backend="reference"`` computes in float64 whatever the input dtype
 (``dtypes = None``: any real float, converted), through the oracles'
 own code: `forward` is `elastic_np.reference._attention._forward`,
-`backward` is `elastic_np.reference._backward._backward`. It needs nothing
+`backward` is `elastic_np.reference._backward._backward`, `double_backward`
+`elastic_np.reference._double_backward._double_backward`. It needs nothing
 beyond NumPy, so it is always available.
 """
 
 from elastic_np import _problem
 from elastic_np.reference._attention import _forward
 from elastic_np.reference._backward import _backward, check_backward_arrays
+from elastic_np.reference._double_backward import _double_backward
 
 #: Any real float dtype, computed in float64 (the kernels list theirs).
 dtypes = None
 
-__all__ = ["dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward"]
+__all__ = [
+    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
+    "double_backward",
+]
 
 
 def is_available():
@@ -53,3 +58,13 @@ def backward(problem, dout, out, lse, dlse=None):
     ``dlse``, the cotangent of ``lse``, is None for zeros.
     """
     return _backward(problem, dout, out, lse, dlse)
+
+
+def double_backward(problem, dout, out, lse, dlse, direction):
+    """The second-order VJP for a validated problem: ``(ddout, ddlse, AttentionGrads)``, float64.
+
+    ``direction`` holds the cotangents of the backward's outputs
+    (`elastic_np.reference._double_backward._Direction`); ``ddout`` and
+    ``ddlse`` are the tangents of ``out`` and ``lse`` along it.
+    """
+    return _double_backward(problem, dout, out, lse, dlse, direction)
