@@ -10,7 +10,8 @@ evaluation must show what it does to them::
 
 ``dump`` stores, for every case of the kit (quick and full sizes, float32
 and float64 inputs), the oracle's outputs and gradients, the naive evaluation
-in each summation order of ``naive_orderings``, the summation allowance, and
+in each summation order of ``naive_orderings``, the rounding allowance
+(``summation_allowance`` in trees from before it was renamed), and
 `_bench.naive_attention`/`naive_attention_backward` where the case has only
 ``causal``/``scale``. ``compare`` prints how many arrays are bitwise
 identical, the largest change of each kind relative to its largest value, and
@@ -45,7 +46,8 @@ def dump(path):
                                       dsigma=g.dsigma, dbias=g.dbias).items():
                     if val is not None:
                         out[f"oracle|{dn}|{case.name}|{quick}|{name}"] = np.asarray(val)
-                for name, val in _tolerances.summation_allowance(q, k, v, dout, options).items():
+                allowance = getattr(_tolerances, "rounding_allowance", None) or _tolerances.summation_allowance
+                for name, val in allowance(q, k, v, dout, options).items():
                     out[f"allowance|{dn}|{case.name}|{quick}|{name}"] = np.asarray(val)
                 for n, res in enumerate(_tolerances.naive_orderings(q, k, v, dout, options, dtype)):
                     for name, val in res.items():
