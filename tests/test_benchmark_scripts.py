@@ -173,3 +173,13 @@ def test_paged_decode_prints_each_case(capsys):
         for block in (16, 128):
             assert f"\n{B:>3} {block:>6} " in out
     assert "MiB / " in out
+
+
+def test_float32_extremes_prints_every_quantity(capsys):
+    import float32_extremes
+
+    float32_extremes.main(["--problems", "3"])
+    out = capsys.readouterr().out
+    for name in float32_extremes.QUANTITIES:
+        assert f"\n{name:9s} " in out
+    assert out.count("/3\n") == len(float32_extremes.QUANTITIES)
