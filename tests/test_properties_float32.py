@@ -79,13 +79,13 @@ def problems(draw):
     return q, k, v, dout, options, draw(st.booleans())
 
 
-def kernel_results(q, k, v, dout, options):
-    """The CPU kernels' float32 ``out``, ``lse`` and gradients, by name."""
+def kernel_results(q, k, v, dout, options, backend="cpu"):
+    """A kernel backend's float32 ``out``, ``lse`` and gradients, by name."""
     args = [a.astype(np.float32) for a in (q, k, v)]
     if "bias" in options:
         options = dict(options, bias=options["bias"].astype(np.float32))
-    out, lse = enp.attention(*args, return_lse=True, backend="cpu", **options)
-    grads = enp.attention_backward(dout.astype(np.float32), *args, out, lse, backend="cpu", **options)
+    out, lse = enp.attention(*args, return_lse=True, backend=backend, **options)
+    grads = enp.attention_backward(dout.astype(np.float32), *args, out, lse, backend=backend, **options)
     return {"out": out, "lse": lse, **{name: getattr(grads, name) for name in QUANTITIES[2:]}}
 
 
@@ -96,18 +96,9 @@ def oracle_results(q, k, v, dout, options):
     return {"out": out, "lse": lse, **{name: getattr(grads, name) for name in QUANTITIES[2:]}}
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@SETTINGS
-@given(problems())
-def test_every_float32_quantity_within_the_kits_rule(problem):
-    q, k, v, dout, options, small_tiles = problem
+def assert_within_the_kits_rule(q, k, v, dout, options, got):
+    """Every quantity of ``got`` (`kernel_results`) within `_tolerances.kit_allowed` of the oracle."""
     want = oracle_results(q, k, v, dout, options)
-    with pytest.MonkeyPatch.context() as patch:
-        if small_tiles:  # several tiles of queries and keys, each thread busy
-            patch.setattr(cpu._config, "BLOCK_Q", 8)
-            patch.setattr(cpu._config, "BLOCK_K", 5)
-            patch.setattr(cpu._config, "SERIAL_WORK", 0)
-        got = kernel_results(q, k, v, dout, options)
     with np.errstate(all="ignore"):
         naive = _tolerances.naive_orderings(q, k, v, dout, options, np.float32)
         rounding = _tolerances.rounding_allowance(q, k, v, dout, options)
@@ -121,3 +112,17 @@ def test_every_float32_quantity_within_the_kits_rule(problem):
         if not error <= allowed:
             over.append(f"{name}: error {error:.3g} > allowed {allowed:.3g} (naive {naive_error:.3g}) {note}")
     assert not over, "; ".join(over)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@SETTINGS
+@given(problems())
+def test_every_float32_quantity_within_the_kits_rule(problem):
+    q, k, v, dout, options, small_tiles = problem
+    with pytest.MonkeyPatch.context() as patch:
+        if small_tiles:  # several tiles of queries and keys, each thread busy
+            patch.setattr(cpu._config, "BLOCK_Q", 8)
+            patch.setattr(cpu._config, "BLOCK_K", 5)
+            patch.setattr(cpu._config, "SERIAL_WORK", 0)
+        got = kernel_results(q, k, v, dout, options)
+    assert_within_the_kits_rule(q, k, v, dout, options, got)
