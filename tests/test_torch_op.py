@@ -78,6 +78,8 @@ def test_opcheck_in_the_halves(name, dtype):
     backward_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out.detach(),
                      lse.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a for a in args), "cpu")
     torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
+    torch.library.opcheck(torch.ops.elastic_np.attention_double_backward.default,
+                          _double_backward_arguments(name, "reference", dtype))
 
 
 @pytest.mark.parametrize("name", ["combined", "layout", "kv_lengths"])
@@ -125,9 +127,9 @@ def test_a_layer_compiles_whole_and_gives_the_eager_bits():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
 
 
-def _double_backward_arguments(name, backend):
+def _double_backward_arguments(name, backend, dtype=torch.float64):
     """The double backward's arguments: random cotangents (None for an absent option), then the backward's."""
-    q, k, v, args, _ = _arguments(name)
+    q, k, v, args, _ = _arguments(name, dtype)
     out, lse = (x.detach() for x in torch.ops.elastic_np.attention(q, k, v, *args, "cpu"))
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     values = dict(zip(_torch_ops._NAMES, args))
