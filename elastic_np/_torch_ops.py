@@ -1,4 +1,4 @@
-"""`elastic_np.torch.attention` as three ``torch.library`` operators: ``elastic_np::attention``, its backward and double backward.
+"""`elastic_np.torch.attention` as ``torch.library`` operators: ``elastic_np::attention`` and its two derivatives.
 
 The operators' schemas are built from the option table (each option's
 ``schema``): ``q, k, v``, every option, ``backend``. Their fake
