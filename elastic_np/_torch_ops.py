@@ -1,4 +1,4 @@
-"""`elastic_np.torch.attention` as two ``torch.library`` operators, ``elastic_np::attention`` and its backward.
+"""`elastic_np.torch.attention` as ``torch.library`` operators: ``elastic_np::attention`` and its two derivatives.
 
 The operators' schemas are built from the option table (each option's
 ``schema``): ``q, k, v``, every option, ``backend``. Their fake
@@ -7,6 +7,15 @@ graph; ``register_autograd`` hands the cotangents of ``out`` and ``lse`` to
 ``elastic_np::attention_backward``, whose seven results are the gradients of
 ``q``, ``k``, ``v``, ``tau``, ``beta``, ``sigma`` and ``bias`` (an empty
 tensor where an option is absent).
+
+The backward is differentiable in turn: its ``register_autograd`` hands the
+cotangents of those seven to ``elastic_np::attention_double_backward``
+(`elastic_np.attention_double_backward`), whose results are the gradients of
+``dout``, ``dlse``, ``q``, ``k``, ``v`` and the learnable options. ``out``
+and ``lse`` get none: the double backward is the total derivative, through
+``q``, ``k``, ``v`` and the options, of which they are the forward's
+functions. The double backward has no derivative of its own (a third
+derivative raises, naming it).
 """
 
 import numpy as np
@@ -15,16 +24,22 @@ import torch
 from elastic_np import _adapter_common as common
 from elastic_np import _dispatch, _spec
 from elastic_np import _torch_arrays as arrays
+from elastic_np._errors import BackendUnavailableError
 
 #: The operators' option arguments in schema order, ``(name, schema type)``.
 OPTION_ARGS = tuple((part.split()[1], part.split()[0]) for o in _spec.OPTIONS for part in o.schema.split(", "))
 _NAMES = tuple(name for name, _ in OPTION_ARGS)
 _OPTIONS = ", ".join(f"{kind} {name}" for name, kind in OPTION_ARGS)
 _GRADS = ("dq", "dk", "dv") + tuple("d" + name for name in common.LEARNABLE)
+#: The cotangents of the backward's results, the double backward's first arguments.
+_COTANGENTS = tuple("d" + name for name in _GRADS)
 
 FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, str backend) -> (Tensor, Tensor)"
 BACKWARD_SCHEMA = (f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}, "
                    f"str backend) -> ({', '.join(['Tensor'] * len(_GRADS))})")
+DOUBLE_BACKWARD_SCHEMA = (f"({', '.join(f'Tensor? {name}' for name in _COTANGENTS)}, Tensor dout, Tensor? dlse, "
+                          f"Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}, str backend) -> "
+                          f"({', '.join(['Tensor'] * (2 + len(_GRADS)))})")
 
 
 def op_arguments(fixed, learnable, option_args=OPTION_ARGS):
@@ -114,19 +129,31 @@ def _backward_shapes(dout, dlse, q, k, v, out, lse, *args):
     return tuple(q.new_empty(0) if like is None else like.new_empty(like.shape) for like in likes)
 
 
+def _keep(ctx, tensors, args):
+    """Save ``tensors`` and the tensors among the option arguments ``args`` for the backward; keep the rest."""
+    at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ctx.args = [None if i in at else a for i, a in enumerate(args)]
+    ctx.tensor_at = at
+    ctx.save_for_backward(*tensors, *(args[i] for i in at))
+
+
+def _kept(ctx):
+    """``(tensors, args)``: what `_keep` saved, the option arguments whole again."""
+    saved = ctx.saved_tensors
+    tensors, options = saved[:len(saved) - len(ctx.tensor_at)], saved[len(saved) - len(ctx.tensor_at):]
+    args = list(ctx.args)
+    for i, tensor in zip(ctx.tensor_at, options):
+        args[i] = tensor
+    return tensors, args
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    ctx.args = [None if i in tensors else a for i, a in enumerate(args)]
-    ctx.tensor_at = tensors
-    ctx.save_for_backward(q, k, v, *output, *(args[i] for i in tensors))
+    _keep(ctx, (q, k, v, *output), args)
 
 
 def _gradients(ctx, dout, dlse):
-    q, k, v, out, lse, *saved = ctx.saved_tensors
-    args = list(ctx.args)
-    for i, tensor in zip(ctx.tensor_at, saved):
-        args[i] = tensor
+    (q, k, v, out, lse), args = _kept(ctx)
     dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
     dlse = None if dlse is None else dlse.to(lse.dtype)
     grads = dict(zip(("q", "k", "v", *common.LEARNABLE),
@@ -136,6 +163,55 @@ def _gradients(ctx, dout, dlse):
 
 
 _forward.register_autograd(_gradients, setup_context=_setup_context)
+
+
+@torch.library.custom_op("elastic_np::attention_double_backward", mutates_args=(), schema=DOUBLE_BACKWARD_SCHEMA)
+def _double_backward(*args):
+    cotangents, (dout, dlse, q, k, v, out, lse), (*options, backend) = args[:7], args[7:14], args[14:]
+    if _device(q) is not None:
+        raise BackendUnavailableError(
+            "elastic_np::attention_double_backward: the CUDA backend has no double backward yet; a second "
+            "derivative of elastic_np.torch.attention takes CPU tensors")
+    fixed, learnable = _options(options, None)
+    fixed["backend"] = backend
+    host = {name: arrays._host(value, name) for name, value in learnable.items()}
+    ddq, ddk, ddv, *dd = (arrays._host(x, name) for x, name in zip(cotangents, _COTANGENTS))
+    grads = _dispatch.attention_double_backward(
+        ddq, ddk, ddv, *(arrays._host(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"),
+                                                         (out, "out"), (lse, "lse"))),
+        dlse=arrays._host(dlse, "dlse"), **dict(zip(_COTANGENTS[3:], dd)), **common.numpy_options(fixed, host))
+    likes = (out, lse, q, k, v) + tuple(learnable[name] for name in common.LEARNABLE)
+    return tuple(q.new_empty(0) if like is None else arrays._as_grad(grad, like).contiguous()
+                 for grad, like in zip(grads, likes))
+
+
+@_double_backward.register_fake
+def _double_backward_shapes(*args):
+    dout, dlse, q, k, v, out, lse = args[7:14]
+    values = dict(zip(_NAMES, args[14:]))
+    likes = (out, lse, q, k, v) + tuple(values[name] for name in common.LEARNABLE)
+    return tuple(q.new_empty(0) if like is None else like.new_empty(like.shape) for like in likes)
+
+
+def _backward_setup_context(ctx, inputs, output):
+    dout, dlse, q, k, v, out, lse, *args = inputs
+    _keep(ctx, (dout, dlse, q, k, v, out, lse), args)
+
+
+def _second_gradients(ctx, *cotangents):
+    """The gradients of the backward's inputs: ``out`` and ``lse`` get none (see the module's docstring)."""
+    (dout, dlse, q, k, v, out, lse), args = _kept(ctx)
+    values = dict(zip(_NAMES, args))
+    likes = (q, k, v) + tuple(values[name] for name in common.LEARNABLE)
+    # None for an absent option's empty result, and for a result the loss did not use
+    cotangents = [None if like is None or c is None else c.to(like.dtype) for c, like in zip(cotangents, likes)]
+    results = torch.ops.elastic_np.attention_double_backward(*cotangents, dout, dlse, q, k, v, out, lse, *args)
+    grads = dict(zip(("dout", "dlse", "q", "k", "v", *common.LEARNABLE), results))
+    names = ("dout", "dlse", "q", "k", "v", "out", "lse", *_NAMES, "backend")
+    return tuple(grads[name] if name in grads and need else None for name, need in zip(names, ctx.needs_input_grad))
+
+
+_backward.register_autograd(_second_gradients, setup_context=_backward_setup_context)
 
 
 def attention(q, k, v, fixed, learnable):

@@ -11,6 +11,13 @@ per mapped element). The residuals are the inputs, ``out`` and ``lse``: the
 backward never computes the forward again. The callbacks run on the host; jax
 hands them read-only buffers, which the kernels copy once.
 
+The backward is a ``jax.custom_vjp`` function too, whose own backward calls
+`elastic_np.attention_double_backward`: second derivatives work in reverse
+mode (``jax.grad`` of ``jax.grad``, ``jax.jacrev(jax.grad(f))`` for a Hessian),
+not in forward mode (``jax.jvp``, ``jax.hessian``, which raise). ``out``
+and ``lse`` get no gradient from it: the double backward is the total
+derivative, through the inputs of which they are functions.
+
 An option given as a ``jax.Array`` (``tau``, ``beta``, the window's
 ``sigma``, ``bias``) is differentiable; a Python number or NumPy array is a
 constant, passed to the kernels as it is.
@@ -127,33 +134,61 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
         out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
         return out.astype(q_dtype, copy=False), lse.astype(_validation.compute_dtype(q_dtype), copy=False)
 
+    def as_cotangents(grads, like):
+        """The gradients (`elastic_np.AttentionGrads` or `DoubleBackwardGrads`) of the arrays of ``like``."""
+        cotangents = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
+        cotangents.update({n: common.grad_of(grads, n) for n in common.LEARNABLE if n in like})
+        return {name: np.asarray(g).astype(like[name].dtype, copy=False).reshape(like[name].shape)
+                for name, g in cotangents.items()}
+
     def backward_callback(diff, traced, out, lse, dout, dlse):
         diff = _host(diff)
         q, k, v, options = numpy_call(diff, _host(traced))
         grads = _dispatch.attention_backward(np.asarray(dout), q, k, v, np.asarray(out),
                                              np.asarray(lse), dlse=np.asarray(dlse), **options)
-        cotangents = {"q": grads.dq, "k": grads.dk, "v": grads.dv}
-        cotangents.update({n: common.grad_of(grads, n) for n in common.LEARNABLE if n in diff})
-        return {
-            name: np.asarray(g).astype(diff[name].dtype, copy=False).reshape(diff[name].shape)
-            for name, g in cotangents.items()
-        }
+        return as_cotangents(grads, diff)
+
+    def double_backward_callback(diff, traced, out, lse, dout, dlse, u):
+        diff, u = _host(diff), _host(u)
+        q, k, v, options = numpy_call(diff, _host(traced))
+        out, lse = np.asarray(out), np.asarray(lse)
+        grads = _dispatch.attention_double_backward(
+            u["q"], u["k"], u["v"], np.asarray(dout), q, k, v, out, lse, dlse=np.asarray(dlse),
+            **{"dd" + n: u.get(n) for n in common.LEARNABLE}, **options)
+        return (grads.ddout.astype(out.dtype, copy=False), np.asarray(grads.ddlse).astype(lse.dtype, copy=False),
+                as_cotangents(grads, diff))
 
     def run(diff, traced):
         return jax.pure_callback(forward_callback, results, diff, traced, vmap_method="sequential")
 
     def run_forward(diff, traced):
-        out, lse = run(diff, traced)
+        # through `function` itself, so that a derivative of the backward differentiates out and lse
+        out, lse = function(diff, traced)
         return (out, lse), (diff, traced, out, lse)
 
-    def run_backward(residuals, cotangents):
-        diff, traced, out, lse = residuals
-        dout, dlse = cotangents  # zeros for an output the loss does not use
+    def backward(diff, traced, out, lse, dout, dlse):
         shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in diff.items()}
-        grads = jax.pure_callback(backward_callback, shapes, diff, traced, out, lse, dout, dlse,
-                                  vmap_method="sequential")
-        return grads, None
+        return jax.pure_callback(backward_callback, shapes, diff, traced, out, lse, dout, dlse,
+                                 vmap_method="sequential")
 
+    def backward_forward(diff, traced, out, lse, dout, dlse):
+        return gradients(diff, traced, out, lse, dout, dlse), (diff, traced, out, lse, dout, dlse)
+
+    def double_backward(residuals, u):
+        diff, traced, out, lse, dout, dlse = residuals
+        shapes = (jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype),
+                  {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in diff.items()})
+        ddout, ddlse, grads = jax.pure_callback(double_backward_callback, shapes, *residuals, u,
+                                                vmap_method="sequential")
+        # out and lse are the forward's functions of diff, through which the derivative already goes
+        return grads, None, None, None, ddout, ddlse
+
+    def run_backward(residuals, cotangents):
+        dout, dlse = cotangents  # zeros for an output the loss does not use
+        return gradients(*residuals, dout, dlse), None
+
+    gradients = jax.custom_vjp(backward)
+    gradients.defvjp(backward_forward, double_backward)
     function = jax.custom_vjp(run)
     function.defvjp(run_forward, run_backward)
     return function

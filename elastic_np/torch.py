@@ -12,7 +12,11 @@ computed again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``,
 ``dsigma`` and ``dbias`` to autograd. ``torch.compile`` keeps a call in its
 graph. CPU tensors reach the kernels through ``Tensor.numpy()``, without a
 copy when they are C-contiguous, and the results come back through
-``torch.from_numpy`` (``elastic_np._torch_arrays``).
+``torch.from_numpy`` (``elastic_np._torch_arrays``). The backward operator
+is differentiable in turn (``elastic_np::attention_double_backward``, which
+calls `elastic_np.attention_double_backward`): a gradient penalty or a
+Hessian-vector product works eagerly on CPU tensors; the packed
+`varlen_attention`'s backward has no derivative.
 
 CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias`` on one device) go
 through the CUDA backend in place: their memory reaches the kernels through

@@ -1,5 +1,8 @@
 """elastic_np.jax: a custom VJP over the kernels, against check_grads and the NumPy entry points.
 
+Second derivatives (reverse over reverse) run on the reference backend, and
+on the CPU backend where it has a double backward.
+
 float64 needs ``jax_enable_x64``; the `x64` fixture sets it for one test and
 restores it, so that no other test module sees it changed.
 """
@@ -12,6 +15,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
+import double_backward_cases as second  # noqa: E402
 import elastic_np as enp  # noqa: E402
 import elastic_np.jax as enpj  # noqa: E402
 from elastic_np import _dispatch  # noqa: E402
@@ -120,6 +124,74 @@ class TestCheckGrads:
 
         for name, got, want in zip(LEARNED, grads("cpu"), grads("reference")):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def _has_double_backward(name):
+    try:
+        return hasattr(_dispatch.get_backend(name), "double_backward")
+    except enp.BackendUnavailableError:
+        return False
+
+
+DOUBLE_BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not _has_double_backward("cpu"), reason="the CPU backend has no double backward yet"))]
+
+
+class TestSecondDerivatives:
+    @pytest.mark.parametrize("backend", DOUBLE_BACKENDS)
+    @pytest.mark.parametrize("case", second.CASES)
+    def test_every_input_together(self, x64, case, backend):
+        arrays, fixed = second.make_case(case)
+
+        def f(*values):
+            return jax_call(dict(zip(LEARNED, values)), fixed, return_lse=True, backend=backend)
+
+        check_grads(f, tuple(jnp.asarray(arrays[n]) for n in LEARNED), order=2, modes=["rev"])
+
+    @pytest.mark.parametrize("name", LEARNED[3:])
+    def test_each_parameter_alone(self, x64, name):
+        arrays, fixed = second.make_case(second.CASES[0], seed=1)
+        check_grads(lambda x: jax_call({**arrays, name: x}, fixed, backend="reference"),
+                    (jnp.asarray(arrays[name]),), order=2, modes=["rev"])
+
+    def test_a_wrong_second_derivative_fails(self, x64, monkeypatch):
+        """The check sees the double backward: one 1% off in dq fails it."""
+        double_backward = _dispatch.attention_double_backward
+        monkeypatch.setattr(_dispatch, "attention_double_backward",
+                            lambda *a, **kw: (lambda g: g._replace(dq=g.dq * 1.01))(double_backward(*a, **kw)))
+        arrays, fixed = second.make_case(second.CASES[0], seed=2)
+        with pytest.raises(AssertionError, match="VJP of VJP"):
+            check_grads(lambda q: jax_call({**arrays, "q": q}, fixed, backend="reference"),
+                        (jnp.asarray(arrays["q"]),), order=2, modes=["rev"])
+
+    @pytest.mark.parametrize("case", second.CASES)
+    def test_hessian_vector_product_is_the_double_backward(self, x64, case):
+        """The VJP of the gradient, under jit, gives `elastic_np.attention_double_backward` for every input."""
+        arrays, fixed = second.make_case(case, seed=3)
+        rng = np.random.default_rng(4)
+        options = second.numpy_options(arrays, fixed)
+        out, lse = enp.attention(arrays["q"], arrays["k"], arrays["v"], return_lse=True, backend="reference",
+                                 **options)
+        dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+        u = {name: rng.standard_normal(np.shape(a)) for name, a in arrays.items()}
+        want = enp.attention_double_backward(
+            u["q"], u["k"], u["v"], dout, arrays["q"], arrays["k"], arrays["v"], out, lse, dlse=dlse,
+            backend="reference", **{"dd" + n: u[n] for n in LEARNED[3:]}, **options)
+
+        def loss(values, dout, dlse):
+            out, lse = jax_call(values, fixed, return_lse=True, backend="reference")
+            return jnp.sum(dout * out) + jnp.sum(dlse * lse)
+
+        def gradient(values, dout, dlse):
+            return jax.grad(loss)(values, dout, dlse)
+
+        args = ({n: jnp.asarray(a) for n, a in arrays.items()}, jnp.asarray(dout), jnp.asarray(dlse))
+        _, vjp = jax.vjp(jax.jit(gradient), *args)
+        got, ddout, ddlse = vjp({n: jnp.asarray(a) for n, a in u.items()})
+        np.testing.assert_allclose(ddout, want.ddout, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ddlse, want.ddlse, rtol=1e-12, atol=1e-12)
+        for name in LEARNED:
+            np.testing.assert_allclose(got[name], getattr(want, "d" + name), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 class TestFloat32:

@@ -1,4 +1,4 @@
-"""The torch operators elastic_np::attention and elastic_np::attention_backward: opcheck, torch.compile."""
+"""The torch operators elastic_np::attention, its backward and double backward: opcheck, torch.compile."""
 
 import numpy as np
 import pytest
@@ -78,6 +78,8 @@ def test_opcheck_in_the_halves(name, dtype):
     backward_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out.detach(),
                      lse.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a for a in args), "cpu")
     torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
+    torch.library.opcheck(torch.ops.elastic_np.attention_double_backward.default,
+                          _double_backward_arguments(name, "reference", dtype))
 
 
 @pytest.mark.parametrize("name", ["combined", "layout", "kv_lengths"])
@@ -125,9 +127,38 @@ def test_a_layer_compiles_whole_and_gives_the_eager_bits():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_a_second_derivative_is_refused_not_wrong():
+def _double_backward_arguments(name, backend, dtype=torch.float64):
+    """The double backward's arguments: random cotangents (None for an absent option), then the backward's."""
+    q, k, v, args, _ = _arguments(name, dtype)
+    out, lse = (x.detach() for x in torch.ops.elastic_np.attention(q, k, v, *args, "cpu"))
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    values = dict(zip(_torch_ops._NAMES, args))
+    likes = (q, k, v) + tuple(values[n] for n in common.LEARNABLE)
+    cotangents = [None if like is None else torch.randn_like(like) for like in likes]
+    return (*cotangents, torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out, lse,
+            *args, backend)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_opcheck_double_backward(name):
+    torch.library.opcheck(torch.ops.elastic_np.attention_double_backward.default,
+                          _double_backward_arguments(name, "reference"))
+
+
+@pytest.mark.parametrize("name", ["combined", "layout", "dynamic_window"])
+def test_opcheck_the_backward_with_its_gradients(name):
+    """Inputs that require grad: aot_autograd traces the backward's own autograd, the double backward."""
+    q, k, v, args, _ = _arguments(name)
+    out, lse = torch.ops.elastic_np.attention(q, k, v, *args, "reference")
+    backward_args = (torch.randn_like(out, requires_grad=True), torch.randn_like(lse, requires_grad=True), q, k, v,
+                     out.detach(), lse.detach(), *args, "reference")
+    torch.library.opcheck(torch.ops.elastic_np.attention_backward.default, backward_args)
+
+
+def test_a_third_derivative_is_refused_naming_the_operator():
     q, k, v, _, options = _arguments("plain")
-    out = enpt.attention(q, k, v, backend="cpu")
+    out = enpt.attention(q, k, v, backend="reference")
     (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(dq.sum(), q)
+    (ddq,) = torch.autograd.grad(dq.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="elastic_np.attention_double_backward"):
+        torch.autograd.grad(ddq.sum(), q)

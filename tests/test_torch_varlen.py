@@ -240,6 +240,15 @@ def test_a_paged_cache_forward_and_no_backward():
         out.sum().backward()
 
 
+def test_a_second_derivative_is_refused_naming_the_operator():
+    """The packed backward has no derivative of its own (`elastic_np.torch.attention`'s has)."""
+    q, k, v, cu_q, cu_k = _packed(torch.float64)
+    out = enpt.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="elastic_np.varlen_attention_backward.*no autograd formula"):
+        torch.autograd.grad(dq.sum(), q)
+
+
 def test_bad_input_names_the_argument_and_mutates_nothing():
     q, k, v, cu_q, cu_k = _packed()
     before = [x.detach().clone() for x in (q, k, v, cu_q, cu_k)]

@@ -181,6 +181,13 @@ class TestRouting:
         with pytest.raises(TypeError, match="`mask` is on device meta"):
             enpt.attention(q, q, q, mask=torch.ones(3, 3, dtype=torch.bool, device="meta"))
 
+    def test_a_second_derivative_is_refused(self, monkeypatch):
+        simulate(monkeypatch)
+        q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
+        (dq,) = torch.autograd.grad(enpt.attention(q, q, q).square().sum(), q, create_graph=True)
+        with pytest.raises(enp.BackendUnavailableError, match="the CUDA backend has no double backward"):
+            torch.autograd.grad(dq.sum(), q)
+
     def test_half_dtypes_are_refused_with_a_hint(self, monkeypatch):
         simulate(monkeypatch)
         q = torch.randn(1, 1, 3, 4)
