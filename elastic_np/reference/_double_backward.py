@@ -6,6 +6,9 @@ sigma, bias)`` is the Hessian of ``L``, which is symmetric. So the VJP of
 ``G`` with cotangent ``u`` is the JVP of ``G`` along ``xdot = u`` for ``x``,
 and the JVPs of ``out`` and ``lse`` along ``u`` for ``dout`` and ``dlse``:
 forward-mode derivatives of the formulas of `_attention` and `_backward`.
+`_double_backward` is generic in dtype like them: the conformance kit's naive
+float32 evaluation, which sets the CPU kernels' float32 tolerance, is the
+same code on float32 arrays.
 """
 
 from typing import NamedTuple, Optional
@@ -184,7 +187,8 @@ def _cotangent(a, name, shape, check_finite):
 def _double_backward(p, dout, out, lse, dlse, d):
     """``(outdot, lsedot, grads)``: the tangents of ``out``, ``lse`` and of the backward's gradients along ``d``.
 
-    ``grads`` is an `AttentionGrads` in the parameters' given shapes.
+    ``grads`` is an `AttentionGrads` in the parameters' given shapes. Computed in the
+    dtype of ``p.q`` (``d``'s arrays in it too); ``dbeta`` in float64 (see `sink_gradient`).
     """
     B, H, Hkv, N, M, D, Dv = p.shape
     p = _without_padding(p)
@@ -201,7 +205,7 @@ def _double_backward(p, dout, out, lse, dlse, d):
     dP = dout @ np.swapaxes(v, -1, -2)
     deltadot = np.sum(dout * outdot, axis=-1)
     dzdot = pdot * (dP - delta[..., None]) + probs * (dout @ np.swapaxes(vdot, -1, -2) - deltadot[..., None])
-    tau, taudot = p.tau[:, None, None], d.tau[:, None, None]
+    tau, taudot = p.tau.astype(p.q.dtype)[:, None, None], d.tau[:, None, None]
     dsdot = dzdot / tau - dz * (taudot / tau / tau)  # the tangent of ds = dz / tau, and of dbias
     dq, dk_h = _product_tangents(p, d, dz / tau, dsdot, cap_slope, rdot)
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
@@ -227,7 +231,7 @@ def _logit_tangent(p, d, s, dlog, cap_slope, probs):
     sdot = rdot if cap_slope is None else cap_slope * rdot
     if d.bias is not None:
         sdot = sdot + d.bias
-    tau = p.tau[:, None, None]
+    tau = p.tau.astype(s.dtype)[:, None, None]
     with np.errstate(invalid="ignore"):
         zdot = sdot / tau - s * (d.tau[:, None, None] / tau / tau)
         if dlog is not None:
@@ -251,7 +255,7 @@ def _product_tangents(p, d, ds, dsdot, cap_slope, rdot):
 
 def _dtau_tangent(p, d, s, sdot, probs, dz, dzdot):
     """The tangent of ``dtau = -sum dz s / tau^2`` per head (divided by ``tau`` step by step, as `_backward`)."""
-    tau = p.tau
+    tau = p.tau.astype(s.dtype)
     with np.errstate(invalid="ignore"):
         moved = np.sum(np.where(probs > 0, dzdot * s + dz * sdot, 0.0), axis=(0, 2, 3))
     first = np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3))
