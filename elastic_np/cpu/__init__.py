@@ -79,11 +79,12 @@ from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays
 with own_cache():  # every module of the package that makes a cached function is imported here
     from elastic_np.cpu import _decode, _forward
     from elastic_np.cpu._backward import backward
+    from elastic_np.cpu._double_backward import double_backward
     from elastic_np.cpu._threads import thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
-    "thread_count",
+    "double_backward", "thread_count",
 ]
 
 
