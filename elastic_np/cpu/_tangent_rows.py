@@ -7,7 +7,8 @@ does and ``zdot`` the tangent of the logits:
 - ``lsedot_i = sum_j p zdot + betadot exp(-lse_i)`` (float64 sums);
 - ``outdot_i = sum_j pdot v_j + p vdot_j`` with ``pdot = p (zdot - lsedot)``,
   accumulated as ``sum_j p zdot v_j - lsedot_i sum_j p v_j + sum_j p vdot_j``
-  (``lsedot`` is known only after the last key tile);
+  (``lsedot`` is known only after the last key tile), the key tiles' products
+  summed in float64 (`_add_tile_sums`);
 - ``deltadot_i = dout_i . outdot_i`` (float64), which the key pass reads.
 """
 
@@ -45,7 +46,9 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, part, parts):
     tile_shape = (block_k, block_q)
     st, pt, rdt = np.empty(tile_shape, dtype), np.empty(tile_shape, dtype), np.empty(tile_shape, dtype)
     cap_slope = np.empty(tile_shape if opt.has_softcap else (0, 0), dtype=dtype)
-    acc = np.empty((3, block_q, Dv), dtype=dtype)  # sum_j p zdot v_j, sum_j p v_j, sum_j p vdot_j
+    # sum_j p zdot v_j, sum_j p v_j, sum_j p vdot_j: each key tile's in the kernel's dtype, summed in float64
+    tile_acc = np.empty((3, block_q, Dv), dtype=dtype)
+    acc = np.empty((3, block_q, Dv))
     lse_t = np.empty(block_q, dtype=dtype)
     zsum = np.empty(block_q)  # sum_j p zdot
     no_max = np.empty(0, dtype=dtype)
@@ -78,9 +81,10 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, part, parts):
             _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk)
             v_rows, v_col = head_rows(v, b, hk, j0, bk)
             vd_rows, vd_col = head_rows(tan.v, b, hk, j0, bk)
-            matmul_tn(rdt, 0, v_rows, v_col, acc[0], bq, Dv, bk, True)
-            matmul_tn(pt, 0, v_rows, v_col, acc[1], bq, Dv, bk, True)
-            matmul_tn(pt, 0, vd_rows, vd_col, acc[2], bq, Dv, bk, True)
+            matmul_tn(rdt, 0, v_rows, v_col, tile_acc[0], bq, Dv, bk, False)
+            matmul_tn(pt, 0, v_rows, v_col, tile_acc[1], bq, Dv, bk, False)
+            matmul_tn(pt, 0, vd_rows, vd_col, tile_acc[2], bq, Dv, bk, False)
+            _add_tile_sums(acc, tile_acc, bq)
         _finish_rows(acc, zsum, lse, tan.beta[h], (b, h, i0, bq), head_rows(dout, b, h, i0, bq), outs)
 
 
@@ -117,6 +121,21 @@ def _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk):
 
 
 @inner(fastmath=False)
+def _add_tile_sums(acc, tile_acc, bq):
+    """``acc[:, :bq] += tile_acc[:, :bq]`` in float64.
+
+    ``outdot = sum p zdot v - lsedot sum p v + sum p vdot`` cancels where
+    ``zdot`` is near ``lsedot`` along a row: its parts are kept in float64 so
+    that ``outdot`` is rounded once, at the end, and ``deltadot`` is taken before.
+    """
+    for x in range(3):
+        for r in range(bq):
+            row, tile_row = acc[x, r], tile_acc[x, r]
+            for d in range(row.shape[0]):
+                row[d] += tile_row[d]
+
+
+@inner(fastmath=False)
 def _finish_rows(acc, zsum, lse, betadot, rows, dout_rows, outs):
     """``lsedot``, ``outdot`` and ``deltadot`` of the query tile's rows ``rows = (b, h, i0, bq)``.
 
@@ -133,10 +152,9 @@ def _finish_rows(acc, zsum, lse, betadot, rows, dout_rows, outs):
         if betadot != 0 and value > -np.inf:
             row_dot += betadot * math.exp(-value)
         lsedot[b, h, i0 + r] = row_dot
-        row_dot_t = _like(row_dot, acc)
         dot = 0.0
         for d in range(Dv):
-            x = acc[0, r, d] - row_dot_t * acc[1, r, d] + acc[2, r, d]
+            x = acc[0, r, d] - row_dot * acc[1, r, d] + acc[2, r, d]
             o_whole[r, o_col + d] = x
-            dot += np.float64(d_whole[r, d_col + d]) * np.float64(x)
+            dot += np.float64(d_whole[r, d_col + d]) * x
         deltadot[b, h, i0 + r] = dot
