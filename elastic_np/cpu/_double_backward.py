@@ -105,7 +105,7 @@ def _key_pass(problem, opt, ins, tan, q_layout):
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     k, v = ins[0], ins[1]
-    block_k = config.BLOCK_K * config.DOUBLE_BACKWARD_K_FACTOR
+    block_k = config.BLOCK_K * config.BACKWARD_K_FACTOR
     n_kt = -(-M // block_k)
     share_bytes = max(B * H * N * D * np.dtype(dtype).itemsize, 1)
     chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
