@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cpu, reference
+from elastic_np import cpu
 from elastic_np._problem import prepare
 from elastic_np.testing import _tolerances
 from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, assert_matches_oracle, make_dlse, make_inputs
@@ -88,7 +88,7 @@ def check_case(dtype, opts, with_lse=True, seed=0, **shape):
 
 
 def assert_close(name, result, oracle, dtype, naive, rounding):
-    """float64: `assert_matches_oracle`'s ``1e-12`` rule; float32: `kit_allowed`'s, with the worst difference printed."""
+    """float64: the ``1e-12`` rule of `assert_matches_oracle`; float32: `kit_allowed`'s, printing the worst difference."""
     if dtype == np.float64:
         assert_matches_oracle(name, result, oracle, dtype)
         return

@@ -22,11 +22,11 @@ through the float32 kernels (`_from_halves`).
 """
 
 import dataclasses
-import math
 
 import numpy as np
 from numba import njit
 
+from elastic_np._compact import compact_bias
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._backward import _BACKWARD_TILES, _sum_dq_shares, ensure_dbias
 from elastic_np.cpu._dbias import _DbiasPlan
@@ -38,7 +38,6 @@ from elastic_np.cpu._tangent_keys import _tangent_keys_kernel
 from elastic_np.cpu._tangent_rows import _tangent_rows_kernel
 from elastic_np.cpu._tangents import Tangents
 from elastic_np.cpu._threads import _run_tasks, _task_range
-from elastic_np._compact import compact_bias
 from elastic_np.reference._double_backward import _d2log_gate
 
 

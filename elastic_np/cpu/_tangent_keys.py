@@ -115,7 +115,7 @@ def _key_tile(ins, tan, outs, dbias, opt, scratch, task, block_q, block_k):
                 continue
             share = dq_shares[t, b, h, i0 : i0 + bq]
             tile = (b, h, i0, bq, j0)
-            if not _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, head_sums[g], share):
+            if not _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, head_sums[g]):
                 share[:, :] = 0.0
                 continue
             if dbias[0][0] > 0:
@@ -136,7 +136,7 @@ def _key_tile(ins, tan, outs, dbias, opt, scratch, task, block_q, block_k):
 
 
 @inner(fastmath=False)
-def _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, sums, share):
+def _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, sums):
     """The entrywise tangents of one head's tile (`_dz_tangents`); False when the mask leaves nothing in it."""
     q_t, dout_t, rows = ins[3], ins[5], ins[6]
     lse, delta, lsedot, deltadot = rows
