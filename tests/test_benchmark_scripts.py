@@ -183,3 +183,21 @@ def test_float32_extremes_prints_every_quantity(capsys):
     for name in float32_extremes.QUANTITIES:
         assert f"\n{name:9s} " in out
     assert out.count("/3\n") == len(float32_extremes.QUANTITIES)
+
+
+def test_double_backward_prints_the_ratio_and_each_peak(capsys):
+    import double_backward
+
+    double_backward.main(["--n", "40", "--heads", "2", "--dim", "8", "--rounds", "2", "--repeat", "1",
+                          "--threads", "1", "--memory-n", "32", "64"])
+    out = capsys.readouterr().out
+    for label in ("forward+backward", "hvp", "double backward"):
+        assert f"\n  {label:<18} " in out
+    assert "hvp / forward+backward: " in out
+    assert "N =     32: double backward" in out and "N =     64: double backward" in out
+    calls = double_backward.make_calls(24, 2, 8, causal=True)
+    grads, second = calls["hvp"]()
+    alone = calls["double backward"]()
+    for a, b in zip(second, alone):
+        np.testing.assert_array_equal(a, b)
+    assert grads.dq.shape == second.dq.shape == (1, 2, 24, 8)

@@ -1,4 +1,4 @@
-"""Numba CPU kernels: tiled online-softmax attention, forward and backward.
+"""Numba CPU kernels: tiled online-softmax attention, forward, backward and double backward.
 
 The contract is the one of `elastic_np.reference.attention` (see the
 project's contract, section 2): every option (causal, ``window_size``,
@@ -30,6 +30,10 @@ contiguous axis of the tile.
   `DQ_SHARES_BYTES`). No two tasks write the same memory and every sum runs
   in a fixed order, so results are the same bits on every run and for every
   thread count.
+- double backward (the backward's tangent, `double_backward`): a query pass
+  like the forward (one task per query tile: the tangents of ``out`` and
+  ``lse``), then a key pass like the backward (its tasks, dq shares and
+  dbias plan: the tangents of the gradients).
 - score modifiers: applied to each tile where its logits are formed
   (`_logits_tile`), before NVM, the temperature's division (already in the
   scaled queries) and the gate: ``tanh`` is the vectorised one of
@@ -67,6 +71,8 @@ Modules
 ``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_tiles``
     the prefill forward, the backward and its ``dbias`` plan, the decode kernel and how it reads its tiles
     (in place, from a half, from a paged cache)
+``_double_backward``, ``_tangents``, ``_tangent_rows``, ``_tangent_keys``
+    the double backward, the direction as its kernels read it, its query pass and its key pass
 ``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
     the single-threaded tile primitives and what they share
 """
@@ -79,11 +85,12 @@ from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays
 with own_cache():  # every module of the package that makes a cached function is imported here
     from elastic_np.cpu import _decode, _forward
     from elastic_np.cpu._backward import backward
+    from elastic_np.cpu._double_backward import double_backward
     from elastic_np.cpu._threads import thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
-    "thread_count",
+    "double_backward", "thread_count",
 ]
 
 

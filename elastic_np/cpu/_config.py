@@ -9,9 +9,9 @@ with ``monkeypatch.setattr(elastic_np.cpu._config, NAME, value)``.
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
 BLOCK_K = 128
-#: The backward's key tiles are this many times BLOCK_K long: every key tile
-#: reads all the query-side tiles (q, dout, both layouts) once, so longer key
-#: tiles halve that traffic and the dq shares.
+#: The backward's key tiles (and the double backward's key pass's) are this
+#: many times BLOCK_K long: every key tile reads all the query-side tiles (q,
+#: dout, both layouts) once, so longer key tiles halve that traffic and the dq shares.
 BACKWARD_K_FACTOR = 2
 #: Memory for the backward's per-key-tile shares of dq (chunks of key tiles beyond it).
 DQ_SHARES_BYTES = 1 << 25

@@ -6,6 +6,9 @@ sigma, bias)`` is the Hessian of ``L``, which is symmetric. So the VJP of
 ``G`` with cotangent ``u`` is the JVP of ``G`` along ``xdot = u`` for ``x``,
 and the JVPs of ``out`` and ``lse`` along ``u`` for ``dout`` and ``dlse``:
 forward-mode derivatives of the formulas of `_attention` and `_backward`.
+`_double_backward` is generic in dtype like them: the conformance kit's naive
+float32 evaluation, which sets the CPU kernels' float32 tolerance, is the
+same code on float32 arrays.
 """
 
 from typing import NamedTuple, Optional
@@ -181,13 +184,53 @@ def _cotangent(a, name, shape, check_finite):
     return a
 
 
+class _Terms(NamedTuple):
+    """The forward's and the backward's terms and their tangents, ``(B, H, N, M)`` or per row ``(B, H, N)``."""
+
+    s: np.ndarray
+    keep: np.ndarray
+    gate: Optional[tuple]
+    dlog: Optional[np.ndarray]
+    cap_slope: Optional[np.ndarray]
+    probs: np.ndarray
+    delta: np.ndarray
+    dz: np.ndarray
+    zdot: np.ndarray
+    sdot: np.ndarray
+    rdot: np.ndarray
+    lsedot: np.ndarray
+    pdot: np.ndarray
+    outdot: np.ndarray
+    deltadot: np.ndarray
+    dzdot: np.ndarray
+    dsdot: np.ndarray
+
+
 def _double_backward(p, dout, out, lse, dlse, d):
     """``(outdot, lsedot, grads)``: the tangents of ``out``, ``lse`` and of the backward's gradients along ``d``.
 
-    ``grads`` is an `AttentionGrads` in the parameters' given shapes.
+    ``grads`` is an `AttentionGrads` in the parameters' given shapes. Computed in the
+    dtype of ``p.q`` (``d``'s arrays in it too); ``dbeta`` in float64 (see `sink_gradient`).
     """
     B, H, Hkv, N, M, D, Dv = p.shape
     p = _without_padding(p)
+    t = _tangent_terms(p, dout, out, lse, dlse, d)
+    tau = p.tau.astype(p.q.dtype)[:, None, None]
+    dq, dk_h = _product_tangents(p, d, t.dz / tau, t.dsdot, t.cap_slope, t.rdot)
+    dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
+    dv = (np.swapaxes(t.pdot, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
+    dtau = _dtau_tangent(p, d, t.s, t.sdot, t.probs, t.dz, t.dzdot)
+    # dbeta = -sum delta exp(-lse): its tangent is -sum (deltadot - delta lsedot) exp(-lse)
+    dbeta = p.sink_gradient(t.deltadot - t.delta * t.lsedot, lse)
+    dsigma = None
+    if t.gate is not None:
+        terms = t.dzdot * t.dlog + t.dz * _d2log_gate(p, *t.gate) * d.sigma[:, :, None, None]
+        dsigma = np.sum(np.where(t.keep, terms, 0.0), axis=(2, 3))
+    return t.outdot, t.lsedot, p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=t.dsdot)
+
+
+def _tangent_terms(p, dout, out, lse, dlse, d):
+    """The `_Terms` of a problem ``p`` without padding (`_without_padding`): the steps of the derivations page."""
     s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse, dlse)
     dlog = None if gate is None else np.where(keep, _dlog_gate(p, *gate), 0.0)
     zdot, sdot, rdot = _logit_tangent(p, d, s, dlog, cap_slope, probs)
@@ -201,19 +244,10 @@ def _double_backward(p, dout, out, lse, dlse, d):
     dP = dout @ np.swapaxes(v, -1, -2)
     deltadot = np.sum(dout * outdot, axis=-1)
     dzdot = pdot * (dP - delta[..., None]) + probs * (dout @ np.swapaxes(vdot, -1, -2) - deltadot[..., None])
-    tau, taudot = p.tau[:, None, None], d.tau[:, None, None]
+    tau, taudot = p.tau.astype(p.q.dtype)[:, None, None], d.tau[:, None, None]
     dsdot = dzdot / tau - dz * (taudot / tau / tau)  # the tangent of ds = dz / tau, and of dbias
-    dq, dk_h = _product_tangents(p, d, dz / tau, dsdot, cap_slope, rdot)
-    dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
-    dv = (np.swapaxes(pdot, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
-    dtau = _dtau_tangent(p, d, s, sdot, probs, dz, dzdot)
-    # dbeta = -sum delta exp(-lse): its tangent is -sum (deltadot - delta lsedot) exp(-lse)
-    dbeta = p.sink_gradient(deltadot - delta * lsedot, lse)
-    dsigma = None
-    if gate is not None:
-        terms = dzdot * dlog + dz * _d2log_gate(p, *gate) * d.sigma[:, :, None, None]
-        dsigma = np.sum(np.where(keep, terms, 0.0), axis=(2, 3))
-    return outdot, lsedot, p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=dsdot)
+    return _Terms(s, keep, gate, dlog, cap_slope, probs, delta, dz, zdot, sdot, rdot, lsedot, pdot, outdot,
+                  deltadot, dzdot, dsdot)
 
 
 def _logit_tangent(p, d, s, dlog, cap_slope, probs):
@@ -227,7 +261,7 @@ def _logit_tangent(p, d, s, dlog, cap_slope, probs):
     sdot = rdot if cap_slope is None else cap_slope * rdot
     if d.bias is not None:
         sdot = sdot + d.bias
-    tau = p.tau[:, None, None]
+    tau = p.tau.astype(s.dtype)[:, None, None]
     with np.errstate(invalid="ignore"):
         zdot = sdot / tau - s * (d.tau[:, None, None] / tau / tau)
         if dlog is not None:
@@ -251,7 +285,7 @@ def _product_tangents(p, d, ds, dsdot, cap_slope, rdot):
 
 def _dtau_tangent(p, d, s, sdot, probs, dz, dzdot):
     """The tangent of ``dtau = -sum dz s / tau^2`` per head (divided by ``tau`` step by step, as `_backward`)."""
-    tau = p.tau
+    tau = p.tau.astype(s.dtype)
     with np.errstate(invalid="ignore"):
         moved = np.sum(np.where(probs > 0, dzdot * s + dz * sdot, 0.0), axis=(0, 2, 3))
     first = np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3))

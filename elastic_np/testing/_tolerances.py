@@ -15,6 +15,7 @@ from elastic_np._grads import reduce_to_shape, sum_to_shape
 from elastic_np._problem import prepare
 from elastic_np._validation import HALF_DTYPES, compute_dtype
 from elastic_np.reference import _attention, _backward
+from elastic_np.reference import _double_backward as _second
 from elastic_np.testing._report import _magnitude, worst_error
 
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
@@ -266,3 +267,118 @@ def float32_allowed(want, naive, rounding=None):
     ulp = float(np.finfo(np.float32).eps) * scale
     rounding = ulp if rounding is None else max(rounding, ulp)
     return min(2.0 * naive_error + rounding, FLOOR["float32"] * scale), naive_error
+
+
+def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtype=np.float32):
+    """`rounding_allowance` for the double backward: ``2 eps`` times the largest sum of its terms' magnitudes.
+
+    ``cotangents = (ddq, ddk, ddv, ddtau, ddbeta, ddsigma, ddbias)`` as
+    `elastic_np.reference.attention_double_backward` takes them (None for
+    zeros). The same two effects, on the terms of the oracle's steps
+    (`elastic_np.reference._double_backward._tangent_terms`) in magnitude:
+    every weight ``p`` carries the logits' factor ``1 + max(|z|, |lse|)``,
+    every difference is taken as the sum of its parts' magnitudes (``pdot =
+    p (zdot - lsedot)`` as ``p (|zdot| + |lsedot|)``, ``dz`` and ``dzdot``
+    likewise from ``|dout| |v|``, ``|dout| |vdot|``, ``|delta|`` and
+    ``|deltadot|``), and the soft-cap's ``|tanh|`` as 1. Beyond those of
+    the backward, the sums that cancel are ``outdot`` (the kernels take it
+    as ``sum p zdot v - lsedot sum p v + sum p vdot``, since ``lsedot`` is
+    known only after a whole row) and the tangents of ``dtau``, ``dbeta``,
+    ``dsigma`` and a broadcast ``dbias``.
+
+    Returns
+    -------
+    dict
+        ``{name: 2 * eps * max(sum |terms|)}`` for ``ddout``, ``ddlse`` and
+        the gradients the options produce.
+    """
+    q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
+    p = prepare(q, k, v, **options)
+    B, H, Hkv, N, M, D, Dv = p.shape
+    out, lse = _attention._forward(p)
+    d = _second._direction(p, cotangents[:3], cotangents[3:], True)
+    p = _attention._without_padding(p)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        t = _second._tangent_terms(p, dout, out, lse, None if dlse is None else np.asarray(dlse, np.float64), d)
+        z = np.where(t.probs > 0, np.abs(t.s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
+        cond = 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
+        w = t.probs * cond[..., None]
+        v_abs, vdot_abs, k_abs, kdot_abs = (np.abs(np.repeat(a, p.group_size, axis=1)) for a in (p.v, d.v, p.k, d.k))
+        delta_mag = np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
+        pdot_mag = w * (np.abs(t.zdot) + np.abs(t.lsedot)[..., None])
+        outdot_mag = pdot_mag @ v_abs + w @ vdot_abs
+        deltadot_mag = np.sum(np.abs(dout) * outdot_mag, axis=-1)
+        dp_mag = np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None]
+        dz_mag = w * dp_mag
+        dzdot_mag = pdot_mag * dp_mag + w * (np.abs(dout) @ np.swapaxes(vdot_abs, -1, -2) + deltadot_mag[..., None])
+        tau, ratio = p.tau[:, None, None], np.abs(d.tau / p.tau)[:, None, None]
+        dsdot_mag = (dzdot_mag + dz_mag * ratio) / tau
+        dr_mag, drdot_mag = dz_mag / tau, dsdot_mag
+        if t.cap_slope is not None:
+            cdot_mag = 2.0 * t.cap_slope * np.abs(t.rdot) / p.softcap
+            dr_mag, drdot_mag = dr_mag * t.cap_slope, dsdot_mag * t.cap_slope + dr_mag * cdot_mag
+        dq = p.scale * (drdot_mag @ k_abs + dr_mag @ kdot_abs)
+        dk = p.scale * (np.swapaxes(drdot_mag, -1, -2) @ np.abs(p.q) + np.swapaxes(dr_mag, -1, -2) @ np.abs(d.q))
+        dv = np.swapaxes(pdot_mag, -1, -2) @ np.abs(dout)
+        s_abs, sdot_abs = (np.where(t.probs > 0, np.abs(a), 0.0) for a in (t.s, t.sdot))
+        dtau = (np.sum(dzdot_mag * s_abs + dz_mag * sdot_abs, axis=(0, 2, 3)) / p.tau**2
+                + 2.0 * np.abs(d.tau) * np.sum(dz_mag * s_abs, axis=(0, 2, 3)) / p.tau**3)
+        exp_lse = np.where(np.isneginf(lse), 0.0, np.exp(-lse)) * cond
+        dbeta = np.sum((deltadot_mag + delta_mag * np.abs(t.lsedot)) * exp_lse, axis=(0, 2))
+        dsigma = None
+        if t.gate is not None:
+            d2log = np.where(t.keep, _second._d2log_gate(p, *t.gate), 0.0) * np.abs(d.sigma)[:, :, None, None]
+            dsigma = np.sum(dzdot_mag * np.abs(t.dlog) + dz_mag * np.abs(d2log), axis=(2, 3))
+        terms = {"ddout": outdot_mag, "ddlse": np.sum(w * np.abs(t.zdot), axis=-1) + np.abs(d.beta)[:, None] * exp_lse}
+    group = (B, Hkv, p.group_size, M)
+    bounds = dataclasses.replace(p, bias=None).reduce_grads(
+        dq, dk.reshape(*group, D).sum(axis=2), dv.reshape(*group, Dv).sum(axis=2), dtau, dbeta, dsigma)
+    terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")})
+    if p.bias is not None:
+        terms["dbias"] = reduce_to_shape(dsdot_mag, p.bias_shape)
+    eps = float(np.finfo(compute_dtype(dtype)).eps)
+    return {name: 2 * eps * float(np.max(x, initial=0.0)) for name, x in terms.items() if x is not None}
+
+
+def naive_double_backward(q, k, v, dout, cotangents, options, dtype=np.float32, dlse=None, orderings=4, seed=0):
+    """The oracle's double backward evaluated in ``dtype``, in several summation orders: the float32 baseline.
+
+    `elastic_np.reference._double_backward._double_backward` is generic in
+    dtype: run on ``dtype`` arrays (``out`` and ``lse`` from the oracle's
+    forward in ``dtype``, the cotangents ``(ddq, ddk, ddv, ddtau, ddbeta,
+    ddsigma, ddbias)`` and ``dlse`` rounded to it) it is the naive
+    evaluation, every operation in ``dtype``. As in `naive_orderings`, the
+    head dimensions of ``q, k, ddq, ddk`` (and of ``v, dout, ddv``) are
+    permuted together from the second ordering on.
+
+    Returns
+    -------
+    list of dict
+        One per ordering: ``ddout``, ``ddlse``, ``dq``, ``dk``, ``dv``,
+        ``dtau``, ``dbeta``, ``dsigma``, ``dbias`` (None where the options
+        have none), in the caller's layout and head-dimension order.
+    """
+    dtype = compute_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    arrays = [np.asarray(a) for a in (q, k, v, dout)]
+    moving = [np.zeros(a.shape) if c is None else np.asarray(c) for a, c in zip(arrays, cotangents[:3])]
+    D, Dv = arrays[0].shape[-1], arrays[2].shape[-1]
+    results = []
+    for n in range(orderings):
+        pd = np.arange(D) if n == 0 else rng.permutation(D)
+        pv = np.arange(Dv) if n == 0 else rng.permutation(Dv)
+        perms = (pd, pd, pv, pv)
+        q_n, k_n, v_n, dout_n = (np.asarray(a[..., perm], dtype=dtype) for a, perm in zip(arrays, perms))
+        p = prepare(q_n, k_n, v_n, dtypes=(dtype.name,), **options)
+        out, lse = _attention._forward(p)
+        d = _second._direction(p, [c[..., perm] for c, perm in zip(moving, perms)], cotangents[3:], True)
+        d = d._replace(**{f: None if a is None else a.astype(dtype) for f, a in d._asdict().items()})
+        with np.errstate(all="ignore"):
+            outdot, lsedot, g = _second._double_backward(
+                p, p.as_bhnd(dout_n), out, lse, None if dlse is None else np.asarray(dlse, dtype=dtype), d)
+        g = p.grads_as_given(g)
+        back_d, back_v = np.argsort(pd), np.argsort(pv)
+        results.append({"ddout": p.as_given(outdot)[..., back_v], "ddlse": lsedot, "dq": g.dq[..., back_d],
+                        "dk": g.dk[..., back_d], "dv": g.dv[..., back_v], "dtau": g.dtau, "dbeta": g.dbeta,
+                        "dsigma": g.dsigma, "dbias": g.dbias})
+    return results
