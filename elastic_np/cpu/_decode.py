@@ -34,7 +34,10 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
   order (`_merge_kernel`). ``n_split`` depends on the shape only, so the
-  result has the same bits for every thread count.
+  result has the same bits for every thread count. A batch entry may have
+  a count of its own (`forward`'s ``entry_splits``): the tasks of every
+  entry then run together, each entry with the splits, and so the bits, of
+  a call of its own.
 
 The logits are those of the prefill tiles, rounding included (the queries
 scaled by ``scale / tau_h``, the score modifiers divided by ``tau_h``): the
@@ -98,7 +101,7 @@ def splits(B, Hkv, M):
     return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
-def forward(problem, paged=None):
+def forward(problem, paged=None, entry_splits=None):
     """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout.
 
     ``paged = (k_pages, v_pages, block_table)``: the keys and values from a
@@ -107,6 +110,11 @@ def forward(problem, paged=None):
     ``v``); key ``j`` of batch entry ``b`` is row ``j % block_size`` of
     page ``block_table[b, j // block_size]``. The caller has checked the
     table against ``problem.kv_lengths`` (`elastic_np._varlen`).
+    ``entry_splits``: int ``(B,)``, the key splits of each batch entry (at
+    least 1; default `splits` of the whole shape for all): those of
+    ``splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
+    of its own on its first ``kv_lengths[b]`` keys, its queries aligned to
+    their end.
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.compute_dtype
@@ -123,15 +131,18 @@ def forward(problem, paged=None):
     together = not key_major and k[1] == BNHD and _together(opt)
     pages = (table, block_size, together) if paged is not None or together else None
     rows = (H // Hkv) * N
-    n_split = splits(B, Hkv, M)
-    part_max = np.empty((B, Hkv, n_split, rows))
-    part_sum = np.empty((B, Hkv, n_split, rows))
-    part_acc = np.empty((B, Hkv, n_split, rows, Dv), dtype=dtype)
+    if entry_splits is None:
+        entry_splits = np.full(B, splits(B, Hkv, M))
+    split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
+    most = int(np.max(entry_splits, initial=1))
+    part_max = np.empty((B, Hkv, most, rows))
+    part_sum = np.empty((B, Hkv, most, rows))
+    part_acc = np.empty((B, Hkv, most, rows, Dv), dtype=dtype)
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
-    suspect = np.zeros((B, Hkv, n_split), dtype=np.bool_)
+    suspect = np.zeros((B, Hkv, most), dtype=np.bool_)
     _run_tasks(
         _decode_heads_kernel if key_major else _decode_kernel,
-        q, k, v, pages, opt, n_split, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
+        q, k, v, pages, opt, split_start, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
@@ -139,7 +150,7 @@ def forward(problem, paged=None):
         _check_unread_cache(cache, problem.kv_lengths, read, suspect)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
-    _merge_kernel(part_max, part_sum, part_acc, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
+    _merge_kernel(part_max, part_sum, part_acc, split_start, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
     return out, lse
 
 
@@ -244,7 +255,7 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
+def _decode_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
     ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
@@ -254,7 +265,8 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     time, so that the rows of one key for all heads, adjacent in a ``(B, N,
     H, D)`` or paged cache, are read together (every head's keys then lie in
     the same range: `_together`). Either way each head's tiles, and so its
-    bits, are the same.
+    bits, are the same. Batch entry ``b`` has the key splits
+    ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
     ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
@@ -277,10 +289,10 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
     row_span = np.empty((heads, 2, rows), dtype=np.int64)  # the keys [lo, hi) each row may keep
     checksum = np.empty(heads, dtype=dtype)
     kv_scratch = (np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype))  # see `_tiles`
-    for task in _task_range(B * (Hkv // heads) * n_split, part, parts):
-        s = task % n_split
-        b = task // n_split // (Hkv // heads)
-        hk0 = task // n_split % (Hkv // heads) * heads
+    b = 0
+    for task in _task_range((Hkv // heads) * split_start[B], part, parts):
+        b, head_group, s, n_split = _locate(task, split_start, Hkv // heads, b)
+        hk0 = head_group * heads
         for t in range(heads):
             u_lo, u_hi = _row_ranges(opt, b, hk0 + t, group, N, row_span[t, 0], row_span[t, 1])
             read[b, hk0 + t, 0], read[b, hk0 + t, 1] = u_lo, u_hi
@@ -297,6 +309,21 @@ def _decode_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
                                                part_max[b, hk, s], part_sum[b, hk, s])
             suspect[b, hk, s] = not check == 0.0
+
+
+@inner(fastmath=False)
+def _locate(task, split_start, groups, b):
+    """``(b, group, s, n_split)`` of ``task``: its batch entry, head group, split, and the entry's splits.
+
+    Entry ``b`` has the ``groups * n_split`` tasks from ``groups *
+    split_start[b]``, the split fastest; the search starts at entry ``b``
+    (a thread's tasks rise).
+    """
+    while task >= groups * split_start[b + 1]:
+        b += 1
+    n_split = split_start[b + 1] - split_start[b]
+    local = task - groups * split_start[b]
+    return b, local // n_split, local % n_split, n_split
 
 
 @inner(fastmath=False)
@@ -418,7 +445,7 @@ def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state)
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_heads_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, parts):
+def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
@@ -448,10 +475,9 @@ def _decode_heads_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, part
     no_cap_slope = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
-    for task in _task_range(B * Hkv * n_split, part, parts):
-        s = task % n_split
-        b = task // n_split // Hkv
-        hk = task // n_split % Hkv
+    b = 0
+    for task in _task_range(Hkv * split_start[B], part, parts):
+        b, hk, s, n_split = _locate(task, split_start, Hkv, b)
         u_lo, u_hi = _row_ranges(opt, b, hk, group, N, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi
         a = u_lo + (u_hi - u_lo) * s // n_split
@@ -488,20 +514,23 @@ def _decode_heads_kernel(q, k, v, pages, opt, n_split, block_k, outs, part, part
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _merge_kernel(part_max, part_sum, part_acc, beta, N, out, lse, part, parts):
+def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, part, parts):
     """Merge the splits of each stacked row in split order, with ``beta_h`` added once.
+
+    Batch entry ``b`` has ``split_start[b + 1] - split_start[b]`` splits.
 
     ``lse = logaddexp(m + log l, log beta)`` with ``m = max_s m_s``,
     ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``
     (``out``: an operand, `elastic_np.cpu._operands`).
     """
-    B, Hkv, n_split, rows = part_max.shape
+    B, Hkv, most, rows = part_max.shape
     Dv = part_acc.shape[4]
     group = rows // N if N > 0 else 0
-    weight = np.empty(n_split)
+    weight = np.empty(most)
     for task in _task_range(B * Hkv, part, parts):
         b = task // Hkv
         hk = task % Hkv
+        n_split = split_start[b + 1] - split_start[b]
         for r in range(rows):
             h = hk * group + r // N
             i = r % N
