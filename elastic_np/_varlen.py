@@ -98,8 +98,41 @@ def _check_distinct(table, read):
                              "pages must differ")
 
 
+def _paged_batch(q, k, v, cu_q, table, used, options, backend):
+    """Packed ``(out, lse)`` of every sequence of a paged cache in one call of the CPU decode kernel, or None.
+
+    Each sequence keeps the key splits of a call of its own (`_paged_attention`'s
+    stand-in problem, ``splits(1, Hkv, used[s])``) and so its bits; the tasks
+    of all of them share the threads. None, for the caller to go sequence by
+    sequence, unless the backend is the CPU, every sequence has the same
+    number of queries, no `PER_SEQUENCE` option is given, and the batch is a
+    problem the decode kernel takes (one that `prepare` rejects, the
+    sequences' own calls raise about).
+    """
+    module = _dispatch.get_backend(backend)
+    lengths = np.diff(cu_q)
+    if module.__name__ != "elastic_np.cpu" or (lengths != lengths[0]).any() \
+            or any(options[name] is not None for name in PER_SEQUENCE):
+        return None
+    count, N = lengths.size, int(lengths[0])
+    shape = (count, int(used.max()), *k.shape[2:])  # layout="bnhd": standing in for the gathered keys
+    stand_ins = [np.broadcast_to(np.zeros((), dtype=a.dtype), shape[:3] + a.shape[3:]) for a in (k, v)]
+    batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
+    try:
+        problem = _dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *stand_ins, batch)
+    except (ValueError, TypeError):
+        return None
+    if not module._decode.takes(problem):
+        return None
+    entry_splits = [module._decode.splits(1, k.shape[2], n) for n in used]
+    with _dispatch._reported(module, "forward", problem):
+        out, lse = module._decode.forward(problem, paged=(k, v, table), entry_splits=entry_splits)
+    out = problem.as_given(out)  # (S, N, H, Dv)
+    return out.reshape(-1, *out.shape[2:]), lse.transpose(0, 2, 1).reshape(-1, lse.shape[1])
+
+
 def _paged_attention(q, k, v, table, used, options, backend):
-    """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]``.
+    """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]`` (see `_paged_batch`).
 
     The CPU decode kernel reads them from the pages in place where it takes
     the call (`elastic_np.cpu._decode.takes`: a few queries); otherwise they
@@ -224,10 +257,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         A paged cache: ``k`` and ``v`` are then pages of shape
         ``(num_blocks, block_size, Hkv, D)`` and sequence ``s`` uses the
         first ``seqused_k[s]`` keys of the pages ``block_table[s]``: the
-        CPU decode kernel reads them in place (up to 16 queries a sequence);
-        otherwise they are gathered (a copy of that sequence's keys, one
-        sequence at a time) before its attention. ``cu_seqlens_k`` is then
-        ignored (it may be None). The forward only.
+        CPU decode kernel reads them in place (up to 16 queries a sequence),
+        in one call over every sequence where they have as many queries and
+        no ``mask`` or ``bias``, else a call per sequence; otherwise they
+        are gathered (a copy of that sequence's keys, one sequence at a time)
+        before its attention. ``cu_seqlens_k`` is then ignored (it may be
+        None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
         ``block_table``); its queries are the last ones before them
@@ -266,6 +301,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
                                                  seqused_k, options)
     count = cu_q.size - 1
+    batched = None if block_table is None else _paged_batch(q, k, v, cu_q, cu_k, used, options, backend)
+    if batched is not None:
+        return batched if return_lse else batched[0]
     out = lse = None
     for s in range(count):
         rows = slice(cu_q[s], cu_q[s + 1])

@@ -309,3 +309,110 @@ def test_a_bias_per_sequence_over_a_paged_cache_spans_its_used_keys():
     with pytest.raises(ValueError, match="`bias\\[1\\]` of shape \\(1, 1, 4\\).*\\(4, 1, 3\\)"):
         enp.varlen_attention(q, k_pages, v_pages, [0, 2, 3], None, block_table=table, seqused_k=used,
                              bias=[bias[0], np.zeros((1, 1, 4))])
+
+
+def _paged_option_sets(rng, S, H):
+    """Every option a paged cache takes (no `mask` or `bias`: those go sequence by sequence)."""
+    return [
+        {},
+        {"causal": True, "tau": rng.uniform(0.5, 2.0, H), "beta": rng.uniform(0, 1, H), "softcap": 5.0},
+        {"causal": True, "window_size": (20, 0), "alibi_slopes": rng.uniform(0, 0.3, (S, H))},
+        {"window_size": (30, 2), "alibi_slopes": rng.uniform(0, 0.3, H), "scale": 0.4},
+        {"nvm": True, "causal": True, "beta": 0.5},
+        {"dynamic_window": DynamicWindow(rng.uniform(0.2, 0.9, (S, H)), sharpness=3.0, threshold=0.05)},
+        {"dynamic_window": DynamicWindow(rng.uniform(0.3, 0.9, (S, 1)), sharpness=2.0), "causal": True},
+    ]
+
+
+@pytest.fixture
+def calls_of_forward(monkeypatch):
+    """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); counts `cpu._decode.forward`'s calls."""
+    from elastic_np import cpu
+
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 24)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    calls = []
+    forward = cpu._decode.forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(cpu._decode, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("queries", [1, 3, 16], ids=["1 query", "3 queries", "16 queries (key-major)"])
+def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_size, queries, calls_of_forward,
+                                                                monkeypatch):
+    """Sequences of different lengths and split counts in one decode call: each its own call's bits, any thread count."""
+    from elastic_np import cpu
+
+    dtype = _dtype(dtype)
+    rng = np.random.default_rng(9)
+    used = np.array([0, 1, 40, 100, 300, 17])
+    H, Hkv = 8, 2
+    assert [cpu._decode.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
+    (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype, Hkv=Hkv)
+    q = rng.standard_normal((used.size * queries, H, 16)).astype(np.float32).astype(dtype)
+    cu_q = np.arange(used.size + 1) * queries
+    for options in _paged_option_sets(rng, used.size, H):
+        wants = []
+        for s, (k_s, v_s) in enumerate(gathered):
+            rows = slice(cu_q[s], cu_q[s + 1])
+            want, want_lse = enp.attention(q[None, rows], k_s, v_s, layout="bnhd", return_lse=True, backend="cpu",
+                                           **_sequence_options(options, s))
+            wants.append((want[0], want_lse[0].T))
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
+            del calls_of_forward[:]
+            out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                                            return_lse=True, backend="cpu", **options)
+            assert calls_of_forward == [used.size]  # one call, over every sequence
+            for s, (want, want_lse) in enumerate(wants):
+                rows = slice(cu_q[s], cu_q[s + 1])
+                assert np.array_equal(out[rows].view(np.uint8), want.view(np.uint8)), (s, options, threads)
+                assert np.array_equal(lse[rows], want_lse), (s, options, threads)
+
+
+def test_sequences_one_call_cannot_hold_go_one_by_one(calls_of_forward):
+    """Different numbers of queries, or a bias per sequence: a decode call per sequence, as before."""
+    rng = np.random.default_rng(10)
+    used = np.array([50, 0, 33])
+    (k_pages, v_pages), table, gathered = _paged_cache(rng, used, 16, np.float32)
+    for lengths_q, bias in (([1, 2, 1], None), ([1, 1, 1], [rng.standard_normal((1, 1, n)) for n in used])):
+        cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+        q = rng.standard_normal((cu_q[-1], 4, 16)).astype(np.float32)
+        del calls_of_forward[:]
+        out = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used, bias=bias,
+                                   causal=True, backend="cpu")
+        assert calls_of_forward == [1, 1, 1]
+        for s, (k_s, v_s) in enumerate(gathered):
+            rows = slice(cu_q[s], cu_q[s + 1])
+            want = enp.attention(q[None, rows], k_s, v_s, layout="bnhd", causal=True, backend="cpu",
+                                 bias=None if bias is None else bias[s])
+            assert np.array_equal(out[rows], want[0])
+
+
+def test_bad_options_of_a_paged_batch_raise_as_the_sequences_calls_do():
+    """What the batched problem rejects, the first sequence's own call reports (its batch of 1 in the message)."""
+    k = np.zeros((3, 4, 1, 8))
+    q = np.zeros((2, 4, 8))
+    paged = dict(block_table=[[0], [1]], seqused_k=[4, 3], backend="cpu")
+    bad_q = q.copy()
+    bad_q[1, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="`q` contains NaN or inf"):
+        enp.varlen_attention(bad_q, k, k, [0, 1, 2], None, **paged)
+    with pytest.raises(ValueError, match="`alibi_slopes` must have shape \\(H,\\) = \\(4,\\) or \\(B, H\\) = \\(1, 4\\)"):
+        enp.varlen_attention(q, k, k, [0, 1, 2], None, alibi_slopes=np.zeros(5), **paged)
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal(q.shape), rng.standard_normal(k.shape), rng.standard_normal(k.shape)
+    slopes = np.full((1, 4), 0.1)  # one row for every sequence: each call broadcasts it, the batch of 2 cannot
+    out = enp.varlen_attention(q, k, v, [0, 1, 2], None, alibi_slopes=slopes, **paged)
+    for s, n in enumerate([4, 3]):
+        want = enp.attention(q[None, s:s + 1], k[None, s, :n], v[None, s, :n], alibi_slopes=slopes, layout="bnhd",
+                             backend="cpu")
+        assert np.array_equal(out[s:s + 1], want[0])
