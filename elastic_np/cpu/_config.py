@@ -32,7 +32,6 @@ DECODE_MAX_ROWS = 128
 DECODE_KEY_MAJOR_QUERIES = 16
 #: Keys per tile (see `elastic_np.cpu._decode.block_keys`).
 DECODE_BLOCK_K = 256
-#: A task over every kv head (a (B, N, H, D) or paged cache) takes tiles this many times shorter.
 #: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
 DECODE_FEW_ROWS = 16
 #: Tasks the keys are split into when there are fewer (batch, kv head) pairs.
