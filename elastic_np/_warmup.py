@@ -6,6 +6,7 @@ import time
 import numpy as np
 
 from elastic_np import _compile_report, _dispatch, _spec, _validation
+from elastic_np._errors import BackendUnavailableError
 
 #: One shape per kernel path, ``(B, H, Hkv, N, M)``: the prefill, and both decode kernels
 #: (one new query per sequence; 16, the key-major kernel's).
@@ -40,7 +41,7 @@ def _stages(names):
     return stages
 
 
-def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64):
+def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False):
     """Compile, or load from Numba's on-disk cache, what later calls of `attention` will run.
 
     A kernel compiles on its first call in a process: seconds for each dtype
@@ -70,13 +71,27 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
         The head dimension of the tiny calls. The CPU kernels serve every
         head dimension with one compile; the CUDA kernels compile per
         head dimension.
+    second_order : bool, optional
+        Also compile the double backward (`attention_double_backward`), for
+        second derivatives (gradient penalties, Hessian-vector products):
+        its own kernels, about as long again to compile. Default False.
 
     Returns
     -------
     Warmup
-        ``seconds``: ``{(dtype name, path): seconds}`` for each kernel path;
+        ``seconds``: ``{(dtype name, path): seconds}`` for each kernel path
+        (and ``"double backward"`` with ``second_order``);
         ``compiled``: how many functions Numba compiled (0 when everything
         came from the cache or was already loaded).
+
+    Raises
+    ------
+    ValueError
+        For an unknown option name, a dtype the backend does not take, or a
+        bad ``head_dim``.
+    BackendUnavailableError
+        When the backend is not usable here, or has no double backward and
+        ``second_order`` is true.
 
     Examples
     --------
@@ -95,8 +110,10 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
         if module.dtypes is not None and dtype.name not in module.dtypes:
             taken = ", ".join(str(d) for d in module.dtypes)
             raise ValueError(f"`dtypes` must be among the backend's ({taken}); got {dtype}")
-    seconds = {}
     name = module.__name__.rsplit(".", 1)[-1]
+    if second_order and not hasattr(module, "double_backward"):
+        raise BackendUnavailableError(f"backend {name!r} has no double backward to warm up (`second_order`)")
+    seconds = {}
     with _compile_report.watch() as everything:
         for dtype in dtypes:
             for path, shape in _PATHS.items():
@@ -104,14 +121,23 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
                 for stage_options in _stages(names):
                     _run(shape, head_dim, dtype, dict(stage_options, backend=name))
                 seconds[(dtype.name, path)] = time.perf_counter() - start
+            if second_order:
+                start = time.perf_counter()
+                for stage_options in _stages(names):
+                    _run(_PATHS["prefill"], head_dim, dtype, dict(stage_options, backend=name), second_order=True)
+                seconds[(dtype.name, "double backward")] = time.perf_counter() - start
     return Warmup(seconds, len(everything.compiled))
 
 
-def _run(shape, head_dim, dtype, options):
-    """One forward and backward of `attention` at ``shape`` in ``dtype``."""
+def _run(shape, head_dim, dtype, options, second_order=False):
+    """One forward and backward of `attention` at ``shape`` in ``dtype`` (the double backward instead
+    of the backward with ``second_order``)."""
     B, H, Hkv, N, M = shape
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, H, N, head_dim)).astype(dtype)
     k, v = (rng.standard_normal((B, Hkv, M, head_dim)).astype(dtype) for _ in range(2))
     out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
-    _dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+    if second_order:
+        _dispatch.attention_double_backward(q, k, v, np.ones_like(out), q, k, v, out, lse, **options)
+    else:
+        _dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)

@@ -39,8 +39,31 @@ print(len(recorder.buffer))
 """
 
 
-def _compiler_lock_events(mode):
-    run = subprocess.run([sys.executable, "-c", LATER_CALLS, mode], capture_output=True, text=True, timeout=600)
+# The same for second derivatives after ``warmup(second_order=True)``.
+LATER_SECOND_ORDER_CALLS = r"""
+import sys
+import numpy as np
+from numba.core import event
+import elastic_np as enp
+
+if sys.argv[1] == "warm":
+    enp.warmup(dtypes=["float32"], second_order=True)
+rng = np.random.default_rng(1)
+with event.install_recorder("numba:compiler_lock") as recorder:
+    for N, M in ((300, 280), (5, 70)):
+        q, ddq = (rng.standard_normal((2, 4, N, 40)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((2, 2, M, 40)).astype(np.float32) for _ in range(2))
+        for options in ({}, {"causal": True, "tau": 0.7, "beta": 0.5, "nvm": True},
+                        {"softcap": 20.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])},
+                        {"bias": rng.standard_normal((1, 4, N, M))}):
+            out, lse = enp.attention(q, k, v, return_lse=True, **options)
+            enp.attention_double_backward(ddq, None, None, np.ones_like(out), q, k, v, out, lse, **options)
+print(len(recorder.buffer))
+"""
+
+
+def _compiler_lock_events(mode, script=LATER_CALLS):
+    run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     return int(run.stdout.split()[-1])
 
@@ -52,6 +75,19 @@ def test_after_warmup_later_calls_neither_compile_nor_load():
 def test_without_warmup_the_same_calls_load_or_compile():
     # the control: the count above can fail
     assert _compiler_lock_events("cold") > 0
+
+
+def test_after_a_second_order_warmup_later_double_backwards_neither_compile_nor_load():
+    assert _compiler_lock_events("warm", LATER_SECOND_ORDER_CALLS) == 0
+    assert _compiler_lock_events("cold", LATER_SECOND_ORDER_CALLS) > 0  # the control
+
+
+def test_second_order_warmup_reports_its_path_and_needs_a_double_backward(monkeypatch):
+    report = enp.warmup(dtypes=["float64"], options=["causal"], backend="cpu", second_order=True)
+    assert ("float64", "double backward") in report.seconds
+    monkeypatch.delattr(enp.cpu, "double_backward")
+    with pytest.raises(enp.BackendUnavailableError, match="'cpu' has no double backward.*second_order"):
+        enp.warmup(dtypes=["float64"], backend="cpu", second_order=True)
 
 
 def test_warmup_reports_each_path_and_checks_its_arguments():
@@ -95,6 +131,8 @@ def test_cli_warmup(capsys):
     out = capsys.readouterr().out
     assert "float32  prefill" in out and "decode, 16 queries" in out
     assert "compiled" in out or "nothing compiled" in out
+    assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu", "--second-order"]) == 0
+    assert "float32  double backward" in capsys.readouterr().out
     assert main(["warmup", "--options", "dropout_p"]) == 2
     assert "`options` must name options" in capsys.readouterr().err
 

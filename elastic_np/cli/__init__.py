@@ -15,7 +15,7 @@ Subcommands:
   [--repeat R] [--json FILE]``: the CUDA kernels against torch SDPA on one GPU,
   float32 unless told (what ``python -m elastic_np.cuda --bench`` runs;
   `elastic_np.cli._cuda_bench.run`).
-- ``elastic-np warmup [--dtype ...] [--options NAME ...] [--backend ...]``:
+- ``elastic-np warmup [--dtype ...] [--options NAME ...] [--backend ...] [--second-order]``:
   compile (or load from the cache) the kernels ahead of the first call.
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
@@ -90,7 +90,8 @@ def _usage_error(command, message):
 def _warmup(args):
     """`elastic_np.warmup` with the command's arguments; a line per kernel path and what compiled."""
     try:
-        report = warmup(dtypes=args.dtype, options=args.options, backend=args.backend)
+        report = warmup(dtypes=args.dtype, options=args.options, backend=args.backend,
+                        second_order=args.second_order)
     except (ValueError, BackendUnavailableError) as exc:
         return _usage_error("warmup", str(exc))
     for (dtype, path), seconds in report.seconds.items():
@@ -411,6 +412,8 @@ def _add_warmup(sub):
                       help="names of the options the later calls use (default: every option)")
     warm.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                       help="backend to warm up (default: auto, as attention picks it)")
+    warm.add_argument("--second-order", action="store_true",
+                      help="also compile the double backward (second derivatives)")
     return warm
 
 
