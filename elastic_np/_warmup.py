@@ -104,29 +104,33 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     if not (isinstance(head_dim, int) and head_dim > 0):
         raise ValueError(f"`head_dim` must be a positive int, got {head_dim!r}")
     module = _dispatch.get_backend(backend)
+    dtypes = _checked_dtypes(module, dtypes)
+    name = module.__name__.rsplit(".", 1)[-1]
+    if second_order and not hasattr(module, "double_backward"):
+        raise BackendUnavailableError(f"backend {name!r} has no double backward to warm up (`second_order`)")
+    paths = [(path, shape, False) for path, shape in _PATHS.items()]
+    if second_order:
+        paths.append(("double backward", _PATHS["prefill"], True))
+    seconds = {}
+    with _compile_report.watch() as everything:
+        for dtype in dtypes:
+            for path, shape, second in paths:
+                start = time.perf_counter()
+                for stage_options in _stages(names):
+                    _run(shape, head_dim, dtype, dict(stage_options, backend=name), second_order=second)
+                seconds[(dtype.name, path)] = time.perf_counter() - start
+    return Warmup(seconds, len(everything.compiled))
+
+
+def _checked_dtypes(module, dtypes):
+    """``dtypes`` (one or a sequence) as NumPy dtypes; a `ValueError` for one the backend does not take."""
     given = [dtypes] if isinstance(dtypes, (str, type, np.dtype)) else dtypes
     dtypes = [_validation.numpy_dtype(d) for d in given]
     for dtype in dtypes:
         if module.dtypes is not None and dtype.name not in module.dtypes:
             taken = ", ".join(str(d) for d in module.dtypes)
             raise ValueError(f"`dtypes` must be among the backend's ({taken}); got {dtype}")
-    name = module.__name__.rsplit(".", 1)[-1]
-    if second_order and not hasattr(module, "double_backward"):
-        raise BackendUnavailableError(f"backend {name!r} has no double backward to warm up (`second_order`)")
-    seconds = {}
-    with _compile_report.watch() as everything:
-        for dtype in dtypes:
-            for path, shape in _PATHS.items():
-                start = time.perf_counter()
-                for stage_options in _stages(names):
-                    _run(shape, head_dim, dtype, dict(stage_options, backend=name))
-                seconds[(dtype.name, path)] = time.perf_counter() - start
-            if second_order:
-                start = time.perf_counter()
-                for stage_options in _stages(names):
-                    _run(_PATHS["prefill"], head_dim, dtype, dict(stage_options, backend=name), second_order=True)
-                seconds[(dtype.name, "double backward")] = time.perf_counter() - start
-    return Warmup(seconds, len(everything.compiled))
+    return dtypes
 
 
 def _run(shape, head_dim, dtype, options, second_order=False):
