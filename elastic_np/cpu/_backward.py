@@ -72,17 +72,7 @@ def backward(problem, dout, out, lse, dlse=None):
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
-    n_qt = -(-N // config.BLOCK_Q)
-
-    # Per-head scaled queries q * scale / tau_h, row-major and as Q^T tiles,
-    # dout^T tiles, and delta_i = dout_i . out_i - dlse_i.
-    q_scaled = np.empty((B, H, N, D), dtype=dtype)
-    q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
-    dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
-    delta = np.empty((B, H, N), dtype=np.float64)
-    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta))
-    if dlse is not None:
-        np.subtract(delta, dlse, out=delta)
+    q_scaled, q_scaled_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).
@@ -120,6 +110,44 @@ def backward(problem, dout, out, lse, dlse=None):
     )
 
 
+def prepared(problem, opt, q, dout, out, dlse):
+    """``(q_scaled, q_scaled_t, dout_t, delta)``, what the backward's key tiles read (`_backward_prepare`).
+
+    Per-head scaled queries ``q * scale / tau_h``, row-major and as ``Q^T``
+    tiles, ``dout^T`` tiles, and ``delta_i = dout_i . out_i - dlse_i`` in
+    float64 (``dlse`` None: zeros). ``q``, ``dout``, ``out``: operands.
+    """
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    dtype = problem.dtype
+    n_qt = -(-N // config.BLOCK_Q)
+    q_scaled = np.empty((B, H, N, D), dtype=dtype)
+    q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
+    dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
+    delta = np.empty((B, H, N), dtype=np.float64)
+    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta))
+    if dlse is not None:
+        np.subtract(delta, dlse, out=delta)
+    return q_scaled, q_scaled_t, dout_t, delta
+
+
+def single(problem):
+    """The problem of bfloat16 or float16 inputs with ``q``, ``k``, ``v`` widened to float32, exactly."""
+    return dataclasses.replace(problem, q=widened(problem.q), k=widened(problem.k), v=widened(problem.v))
+
+
+def widened(a):
+    """A half array as float32 (exact), in its layout: a ``(B, N, H, D)`` storage stays one."""
+    return a.astype(np.float32, order="K")
+
+
+def halved(grads, dtype):
+    """``grads`` with ``dq``, ``dk``, ``dv`` and ``dbias`` rounded to the half ``dtype`` (to nearest even)."""
+    half = {name: getattr(grads, name).astype(dtype, order="K") for name in ("dq", "dk", "dv")}
+    if grads.dbias is not None:
+        half["dbias"] = grads.dbias.astype(dtype)
+    return dataclasses.replace(grads, **half)
+
+
 def _from_halves(problem, dout, out, lse, dlse):
     """`backward` of bfloat16 or float16 inputs: the float32 backward of their values, the gradients rounded.
 
@@ -129,15 +157,7 @@ def _from_halves(problem, dout, out, lse, dlse):
     converted by the kernel plan, its distinct entries only. ``dq``, ``dk``,
     ``dv`` and ``dbias`` are rounded to the inputs' dtype (to nearest even).
     """
-    def widened(a):
-        return a.astype(np.float32, order="K")  # keeps a (B, N, H, D) storage
-
-    single = dataclasses.replace(problem, q=widened(problem.q), k=widened(problem.k), v=widened(problem.v))
-    grads = backward(single, widened(dout), widened(out), lse, dlse)
-    half = {name: getattr(grads, name).astype(problem.dtype, order="K") for name in ("dq", "dk", "dv")}
-    if grads.dbias is not None:
-        half["dbias"] = grads.dbias.astype(problem.dtype)
-    return dataclasses.replace(grads, **half)
+    return halved(backward(single(problem), widened(dout), widened(out), lse, dlse), problem.dtype)
 
 
 @njit(nogil=True, cache=True, fastmath=False)

@@ -2,9 +2,9 @@
 
 The formulas are those of `elastic_np.reference._double_backward` (the
 derivations page, "Second derivatives"), in two tiled passes that hold
-nothing ``N x M``, after a preparation like the backward's
-(`_tangent_prepare`: the scaled queries and tangent queries, ``dout^T``,
-``delta``):
+nothing ``N x M``, after the backward's preparation (`prepared`: the
+scaled queries, ``dout^T``, ``delta``) and the tangent queries'
+(`_tangent_queries`):
 
 1. the query pass (`elastic_np.cpu._tangent_rows`), one task per (batch,
    head, query tile): ``outdot`` (``ddout``), ``lsedot`` (``ddlse``) and
@@ -21,16 +21,22 @@ the same bits for every thread count. bfloat16 and float16 inputs go
 through the float32 kernels (`_from_halves`).
 """
 
-import dataclasses
 
 import numpy as np
 from numba import njit
 
 from elastic_np._compact import compact_bias
 from elastic_np.cpu import _config as config
-from elastic_np.cpu._backward import _BACKWARD_TILES, _sum_dq_shares, ensure_dbias
+from elastic_np.cpu._backward import (
+    _BACKWARD_TILES,
+    _sum_dq_shares,
+    ensure_dbias,
+    halved,
+    prepared,
+    single,
+    widened,
+)
 from elastic_np.cpu._dbias import _DbiasPlan
-from elastic_np.cpu._logits import _query_factor
 from elastic_np.cpu._operands import BHND, head, new, operand, shape
 from elastic_np.cpu._plan import _check_cache, _kernel_array, _options
 from elastic_np.cpu._simd import compile_for
@@ -76,9 +82,8 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
-    q_rows, q_t, dout_t, delta, tan = _prepare(problem, opt, q, dout, out, direction)
-    if dlse is not None:
-        np.subtract(delta, dlse, out=delta)
+    q_rows, q_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
+    tan = _tangents(problem, opt, q, q_t, direction)
 
     outdot, outdot_operand = new((B, H, N, Dv), dtype, out[1])
     lsedot, deltadot = np.empty((B, H, N)), np.empty((B, H, N))
@@ -129,37 +134,32 @@ def _key_pass(problem, opt, ins, tan, q_layout):
     return dq, dk, dv, dtau_part.sum(axis=2), dsigma, plan.result()
 
 
-def _prepare(problem, opt, q, dout, out, direction):
-    """``(q_rows, q_t, dout_t, delta, tangents)``: the backward's prepared arrays and the `Tangents`.
+def _tangents(problem, opt, q, q_t, direction):
+    """The `Tangents` of ``direction``: the tangent queries' rows and ``Q^T`` tiles, ``kdot``, ``vdot``, the rest.
 
-    ``q_rows`` the queries times ``scale / tau_h``, ``q_t`` their ``Q^T``
-    tiles as the logits take them (`_query_factor`), ``dout_t`` the ``dout^T``
-    tiles, ``delta = dout . out`` (float64).
+    ``q_t`` are the logits' ``Q^T`` tiles (`prepared`), which the tangent
+    logits share unless NVM scales the logits after the product.
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     n_qt = -(-N // config.BLOCK_Q)
     d = direction
     qdot, kdot, vdot = (operand(a.astype(dtype, copy=False)) for a in (d.q, d.k, d.v))
-    q_rows, qdot_rows = np.empty((B, H, N, D), dtype), np.empty((B, H, N, D), dtype)
+    qdot_rows = np.empty((B, H, N, D), dtype)
     tiles = (B, H, n_qt, D, config.BLOCK_Q)
-    q_t, qdot_t = np.zeros(tiles, dtype), np.zeros(tiles, dtype)
-    q_tan_t = np.zeros(tiles, dtype) if problem.nvm else q_t  # NVM scales the logits after the product
-    dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
-    delta = np.empty((B, H, N))
-    outs = (q_rows, q_t, q_tan_t, qdot_rows, qdot_t, dout_t, delta)
-    _run_tasks(_tangent_prepare, q, qdot, dout, out, opt, config.BLOCK_Q, outs)
+    qdot_t = np.zeros(tiles, dtype)
+    q_tan_t = np.zeros(tiles, dtype) if problem.nvm else q_t
+    _run_tasks(_tangent_queries, q, qdot, opt, config.BLOCK_Q, (q_tan_t, qdot_rows, qdot_t))
     dlog, d2log = _gate_tangents(problem, opt, d.sigma)
     if problem.bias is None:
         bias, bias_strides = opt.bias, opt.bias_strides  # a dummy, never read
     else:
         bias, bias_strides = compact_bias(d.bias, dtype, check=False)
-    tan = Tangents(
+    return Tangents(
         q_rows=qdot_rows, q_t=qdot_t, q_tan_t=q_tan_t, k=kdot, v=vdot,
         tau_ratio=np.ascontiguousarray(d.tau / problem.tau), beta=np.ascontiguousarray(d.beta, dtype=np.float64),
         dlog_gate=dlog, d2log_gate=d2log, has_bias=problem.bias is not None, bias=bias, bias_strides=bias_strides,
     )
-    return q_rows, q_t, dout_t, delta, tan
 
 
 def _gate_tangents(problem, opt, sigmadot):
@@ -193,48 +193,30 @@ def _from_halves(problem, dout, out, lse, dlse, direction):
     ``dv`` and ``dbias`` rounded to the inputs' dtype (to nearest even),
     ``ddlse`` and the parameters' gradients as computed.
     """
-    def widened(a):
-        return a.astype(np.float32, order="K")  # keeps a (B, N, H, D) storage
-
-    single = dataclasses.replace(problem, q=widened(problem.q), k=widened(problem.k), v=widened(problem.v))
-    outdot, lsedot, grads = double_backward(single, widened(dout), widened(out), lse, dlse, direction)
-    half = {name: getattr(grads, name).astype(problem.dtype, order="K") for name in ("dq", "dk", "dv")}
-    if grads.dbias is not None:
-        half["dbias"] = grads.dbias.astype(problem.dtype)
-    return outdot.astype(problem.dtype, order="K"), lsedot, dataclasses.replace(grads, **half)
+    outdot, lsedot, grads = double_backward(single(problem), widened(dout), widened(out), lse, dlse, direction)
+    return outdot.astype(problem.dtype, order="K"), lsedot, halved(grads, problem.dtype)
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _tangent_prepare(q, qdot, dout, out, opt, block_q, outs, part, parts):
-    """``outs = (q_rows, q_t, q_tan_t, qdot_rows, qdot_t, dout_t, delta)`` per (batch, head).
+def _tangent_queries(q, qdot, opt, block_q, outs, part, parts):
+    """``outs = (q_tan_t, qdot_rows, qdot_t)`` per (batch, head).
 
-    Rows times ``scale / tau_h`` and ``Q^T`` tiles of the queries (``q_t``
-    with `_query_factor`, ``q_tan_t`` with ``scale / tau_h``, written only
-    under NVM: else it is ``q_t``) and of the tangent queries, the ``dout^T``
-    tiles, ``delta = dout . out`` in float64. ``q``, ``qdot``, ``dout``,
-    ``out``: operands (`elastic_np.cpu._operands`).
+    ``q_tan_t`` the queries' ``Q^T`` tiles times ``scale / tau_h``, written
+    only under NVM (else it is the logits' own, `prepared`'s); the tangent
+    queries times ``scale / tau_h`` as rows and as ``Q^T`` tiles. ``q``,
+    ``qdot``: operands (`elastic_np.cpu._operands`).
     """
-    q_rows, q_t, q_tan_t, qdot_rows, qdot_t, dout_t, delta = outs
+    q_tan_t, qdot_rows, qdot_t = outs
     B, H, N, D = shape(q)
-    Dv = shape(dout)[3]
     for bh in _task_range(B * H, part, parts):
         b, h = bh // H, bh % H
         factor = opt.scale / opt.tau[h]
-        logit_factor = _query_factor(opt, h)
         (q_h, q_col), (qd_h, qd_col) = head(q, b, h), head(qdot, b, h)
-        (dout_h, dout_col), (out_h, out_col) = head(dout, b, h), head(out, b, h)
         for i in range(N):
             it, r = i // block_q, i % block_q
-            acc = 0.0
-            for d in range(Dv):
-                acc += np.float64(dout_h[i, dout_col + d]) * np.float64(out_h[i, out_col + d])
-                dout_t[b, h, it, d, r] = dout_h[i, dout_col + d]
-            delta[b, h, i] = acc
             for d in range(D):
-                x, xd = q_h[i, q_col + d], qd_h[i, qd_col + d]
-                q_rows[b, h, i, d] = x * factor
-                q_t[b, h, it, d, r] = x * logit_factor
+                xd = qd_h[i, qd_col + d]
                 if opt.nvm:
-                    q_tan_t[b, h, it, d, r] = x * factor
+                    q_tan_t[b, h, it, d, r] = q_h[i, q_col + d] * factor
                 qdot_rows[b, h, i, d] = xd * factor
                 qdot_t[b, h, it, d, r] = xd * factor
