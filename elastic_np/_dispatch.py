@@ -31,7 +31,7 @@ import importlib
 
 from elastic_np import _compile_report, _spec, _validation
 from elastic_np._errors import BackendUnavailableError
-from elastic_np.reference._double_backward import DoubleBackwardGrads, _direction
+from elastic_np.reference._double_backward import _direction, as_given
 from elastic_np.reference._merge import _merge, _validate
 
 BACKENDS = _spec.BACKENDS
@@ -312,16 +312,15 @@ def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=N
     module = get_backend(backend)
     if not hasattr(module, "double_backward"):
         name = module.__name__.rsplit(".", 1)[-1]
-        raise BackendUnavailableError(f"backend {name!r} has no double backward; use backend='reference'")
+        raise BackendUnavailableError(
+            f"backend {name!r} has no double backward; use backend='cpu' or backend='reference'")
     problem = _problem(module, q, k, v, options)
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     direction = _direction(problem, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite=True)
     with _reported(module, "double backward", problem):
-        ddout, ddlse, grads = module.double_backward(problem, dout, out, lse, dlse, direction)
-    grads = problem.grads_as_given(grads)
-    return DoubleBackwardGrads(problem.as_given(ddout), ddlse, grads.dq, grads.dk, grads.dv, grads.dtau,
-                               grads.dbeta, grads.dsigma, grads.dbias)
+        result = module.double_backward(problem, dout, out, lse, dlse, direction)
+    return as_given(problem, *result)
 
 
 def merge_attention(outs, lses, *, beta=0.0):

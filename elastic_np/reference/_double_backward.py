@@ -146,7 +146,11 @@ def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=N
     p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_double_backward"))
     dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
     direction = _direction(p, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite)
-    outdot, lsedot, grads = _double_backward(p, dout, out, lse, dlse, direction)
+    return as_given(p, *_double_backward(p, dout, out, lse, dlse, direction))
+
+
+def as_given(p, outdot, lsedot, grads):
+    """`DoubleBackwardGrads` from a backend's ``(ddout, ddlse, grads)``, in the layout and shapes given."""
     grads = p.grads_as_given(grads)
     return DoubleBackwardGrads(p.as_given(outdot), lsedot, grads.dq, grads.dk, grads.dv, grads.dtau,
                                grads.dbeta, grads.dsigma, grads.dbias)
