@@ -160,6 +160,23 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=Non
     return results
 
 
+def _logit_condition(p, s, probs, lse):
+    """``1 + max(|z_ij|, |lse_i|)`` per row: the factor the logits' rounding puts on every term of the row."""
+    z = np.where(probs > 0, np.abs(s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
+    return 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
+
+
+def _delta_magnitude(dout, out, dlse):
+    """``sum |dout * out| + |dlse|`` per row: the magnitude of ``delta``'s terms."""
+    return np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
+
+
+def _allowances(terms, dtype):
+    """``{name: 2 * eps * max(terms)}`` for the terms that are not None, ``eps`` that of ``dtype``'s computation."""
+    eps = float(np.finfo(compute_dtype(dtype)).eps)
+    return {name: 2 * eps * float(np.max(t, initial=0.0)) for name, t in terms.items() if t is not None}
+
+
 def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     """The rounding allowance of each quantity, beyond twice the naive evaluation's error.
 
@@ -197,11 +214,10 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
         s, keep, gate, cap_slope, probs, delta, dz = _backward._score_gradient(
             _attention._without_padding(p), dout, out, lse,
             None if dlse is None else np.asarray(dlse, dtype=np.float64))
-        z = np.where(probs > 0, np.abs(s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
-        cond = 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
+        cond = _logit_condition(p, s, probs, lse)
         weights = probs * cond[..., None]
         v_abs = np.abs(np.repeat(p.v, p.group_size, axis=1))
-        delta_mag = np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
+        delta_mag = _delta_magnitude(dout, out, dlse)
         dz_mag = weights * (np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None])
         dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
         dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta_mag * np.exp(-lse) * cond)
@@ -220,8 +236,7 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")})
     if p.bias is not None:
         terms["dbias"] = reduce_to_shape(ds_mag, p.bias_shape)
-    eps = float(np.finfo(compute_dtype(dtype)).eps)
-    return {name: 2 * eps * float(np.max(t, initial=0.0)) for name, t in terms.items() if t is not None}
+    return _allowances(terms, dtype)
 
 
 def kit_allowed(want, naive, dtype, rounding=0.0):
@@ -230,9 +245,9 @@ def kit_allowed(want, naive, dtype, rounding=0.0):
     ``max(2 * naive_error + rounding, floor * max |want|)``, ``naive_error``
     the worst error of ``naive`` (the quantity from each ordering of
     `naive_orderings`: a naive evaluation has no preferred order of its sums,
-    and one order alone is a noisy yardstick), ``rounding`` the
-    `rounding_allowance` of a gradient that is a cancelling sum, ``floor``
-    the dtype's `FLOOR`.
+    and one order alone is a noisy yardstick), ``rounding`` the quantity's
+    `rounding_allowance` (what no reordering samples), ``floor`` the dtype's
+    `FLOOR`.
     """
     naive_error = max(worst_error(n, want)[0] for n in naive)
     floor = FLOOR[np.dtype(dtype).name] * _magnitude(want)
@@ -255,8 +270,8 @@ def float32_allowed(want, naive, rounding=None):
     naive : list of array_like
         The naive evaluations' values.
     rounding : float, optional
-        `rounding_allowance`'s for the gradients that are cancelling sums;
-        never less than one float32 ulp of ``scale`` (the default).
+        The quantity's `rounding_allowance`; never less than one float32
+        ulp of ``scale`` (the default).
 
     Returns
     -------
@@ -300,11 +315,10 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
     p = _attention._without_padding(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         t = _second._tangent_terms(p, dout, out, lse, None if dlse is None else np.asarray(dlse, np.float64), d)
-        z = np.where(t.probs > 0, np.abs(t.s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
-        cond = 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
+        cond = _logit_condition(p, t.s, t.probs, lse)
         w = t.probs * cond[..., None]
         v_abs, vdot_abs, k_abs, kdot_abs = (np.abs(np.repeat(a, p.group_size, axis=1)) for a in (p.v, d.v, p.k, d.k))
-        delta_mag = np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
+        delta_mag = _delta_magnitude(dout, out, dlse)
         pdot_mag = w * (np.abs(t.zdot) + np.abs(t.lsedot)[..., None])
         outdot_mag = pdot_mag @ v_abs + w @ vdot_abs
         deltadot_mag = np.sum(np.abs(dout) * outdot_mag, axis=-1)
@@ -336,8 +350,7 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
     terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")})
     if p.bias is not None:
         terms["dbias"] = reduce_to_shape(dsdot_mag, p.bias_shape)
-    eps = float(np.finfo(compute_dtype(dtype)).eps)
-    return {name: 2 * eps * float(np.max(x, initial=0.0)) for name, x in terms.items() if x is not None}
+    return _allowances(terms, dtype)
 
 
 def naive_double_backward(q, k, v, dout, cotangents, options, dtype=np.float32, dlse=None, orderings=4, seed=0):
