@@ -109,10 +109,8 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
     fixed["backend"] = backend
     if device is None:
         host = {name: arrays._host(value, name) for name, value in learnable.items()}
-        grads = _dispatch.attention_backward(
-            *(arrays._host(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
-                                              (lse, "lse"))),
-            dlse=arrays._host(dlse, "dlse"), **common.numpy_options(fixed, host))
+        grads = _dispatch.attention_backward(*_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
+                                             **common.numpy_options(fixed, host))
         as_grad = arrays._as_grad
     else:
         grads = arrays._cuda_backward(fixed, device, (dout, q, k, v, out, lse), dlse, learnable)
@@ -125,7 +123,17 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
 @_backward.register_fake
 def _backward_shapes(dout, dlse, q, k, v, out, lse, *args):
     values = dict(zip(_NAMES, args))
-    likes = (q, k, v) + tuple(values[name] for name in common.LEARNABLE)
+    return _empty_like_each(q, (q, k, v) + tuple(values[name] for name in common.LEARNABLE))
+
+
+def _hosted(dout, q, k, v, out, lse):
+    """The backward's arrays as NumPy arrays on the host (`_torch_arrays._host`), each named in its errors."""
+    return tuple(arrays._host(x, name) for x, name in zip((dout, q, k, v, out, lse),
+                                                          ("dout", "q", "k", "v", "out", "lse")))
+
+
+def _empty_like_each(q, likes):
+    """A fake result per entry of ``likes``: an empty tensor like it, or of size 0 for an absent option."""
     return tuple(q.new_empty(0) if like is None else like.new_empty(like.shape) for like in likes)
 
 
@@ -177,9 +185,8 @@ def _double_backward(*args):
     host = {name: arrays._host(value, name) for name, value in learnable.items()}
     ddq, ddk, ddv, *dd = (arrays._host(x, name) for x, name in zip(cotangents, _COTANGENTS))
     grads = _dispatch.attention_double_backward(
-        ddq, ddk, ddv, *(arrays._host(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"),
-                                                         (out, "out"), (lse, "lse"))),
-        dlse=arrays._host(dlse, "dlse"), **dict(zip(_COTANGENTS[3:], dd)), **common.numpy_options(fixed, host))
+        ddq, ddk, ddv, *_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
+        **dict(zip(_COTANGENTS[3:], dd)), **common.numpy_options(fixed, host))
     likes = (out, lse, q, k, v) + tuple(learnable[name] for name in common.LEARNABLE)
     return tuple(q.new_empty(0) if like is None else arrays._as_grad(grad, like).contiguous()
                  for grad, like in zip(grads, likes))
@@ -189,8 +196,7 @@ def _double_backward(*args):
 def _double_backward_shapes(*args):
     dout, dlse, q, k, v, out, lse = args[7:14]
     values = dict(zip(_NAMES, args[14:]))
-    likes = (out, lse, q, k, v) + tuple(values[name] for name in common.LEARNABLE)
-    return tuple(q.new_empty(0) if like is None else like.new_empty(like.shape) for like in likes)
+    return _empty_like_each(q, (out, lse, q, k, v) + tuple(values[name] for name in common.LEARNABLE))
 
 
 def _backward_setup_context(ctx, inputs, output):
