@@ -115,11 +115,10 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
             or any(options[name] is not None for name in PER_SEQUENCE):
         return None
     count, N = lengths.size, int(lengths[0])
-    shape = (count, int(used.max()), *k.shape[2:])  # layout="bnhd": standing in for the gathered keys
-    stand_ins = [np.broadcast_to(np.zeros((), dtype=a.dtype), shape[:3] + a.shape[3:]) for a in (k, v)]
     batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
     try:
-        problem = _dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *stand_ins, batch)
+        problem = _dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
+                                     batch)
     except (ValueError, TypeError):
         return None
     if not module._decode.takes(problem):
@@ -140,15 +139,22 @@ def _paged_attention(q, k, v, table, used, options, backend):
     """
     module = _dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
-        shape = (1, used, *k.shape[2:])  # layout="bnhd": (1, M, Hkv, D), standing in for the gathered keys
-        stand_ins = [np.broadcast_to(np.zeros((), dtype=a.dtype), shape[:3] + a.shape[3:]) for a in (k, v)]
-        problem = _dispatch._problem(module, q, *stand_ins, options)
+        problem = _dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
         if module._decode.takes(problem):
             with _dispatch._reported(module, "forward", problem):
                 out, lse = module._decode.forward(problem, paged=(k, v, table))
             return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
     return _dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
+
+
+def _stand_ins(k, v, count, keys):
+    """Zero-strided ``(count, keys, Hkv, D)`` keys and values (layout "bnhd") standing in for the gathered ones.
+
+    They give a problem its shapes; the decode kernel reads the pages.
+    """
+    shape = (count, int(keys), k.shape[2])
+    return [np.broadcast_to(np.zeros((), dtype=a.dtype), shape + a.shape[3:]) for a in (k, v)]
 
 
 def _paged_keys(k, v, table, used, s):
@@ -309,12 +315,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         rows = slice(cu_q[s], cu_q[s + 1])
         if block_table is None:
             keys = slice(cu_k[s], cu_k[s + 1])
-            k_s, v_s, per = k[None, keys], v[None, keys], _sequence_options(options, used, s, count)
+            out_s, lse_s = _dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
+                                               backend=backend, **_sequence_options(options, used, s, count))
         else:  # exactly the used keys: the queries sit before the last of them
             per = _sequence_options(options, None, s, count)
             out_s, lse_s = _paged_attention(q[None, rows], k, v, cu_k[s:s + 1], used[s], per, backend)
-        if block_table is None:
-            out_s, lse_s = _dispatch.attention(q[None, rows], k_s, v_s, return_lse=True, backend=backend, **per)
         if out is None:
             out = np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_s.dtype)
             lse = np.empty(q.shape[:2], dtype=lse_s.dtype)
