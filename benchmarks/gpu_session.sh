@@ -1,7 +1,6 @@
 #!/bin/bash
 # The CUDA checks of a GPU session, in one run (about 7 minutes), keeping the log in $OUT (or ./gpu_out):
 # 1. the tensor-core products of one warp against NumPy (the fragment layouts), the tensor-core forward's tests,
-#    then again with the products compiled unordered (non-volatile assembly),
 # 2. the tensor-core forward's tile choices side by side with torch,
 # 3. the float32 rule with the float32 default on the tensor cores (TC_FLOAT32),
 # 4. the benchmark that writes the results file (docs/performance/*-cuda.json),
@@ -16,8 +15,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   $PY -c "import numpy, numba, numba_cuda, torch; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'torch', torch.__version__)"
   echo "== 1. one warp, the tensor-core forward"
   timeout 120 $PY -m pytest -q -p no:cacheprovider -n 4 tests/cuda/test_sim_mma.py tests/cuda/test_sim_tc_forward.py
-  echo "== 1b. the same with the products unordered (_mma._ORDERED = False), in a cache of its own"
-  NUMBA_CACHE_DIR=/tmp/elastic_np_unordered timeout 120 $PY -c "import sys, pytest; sys.path[:0] = ['tests', 'tests/cuda']; from elastic_np.cuda import _mma; _mma._ORDERED = False; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/cuda/test_sim_mma.py', 'tests/cuda/test_sim_tc_forward.py']))" | tail -3
   echo "== 2. forward variants"; timeout 150 $PY benchmarks/cuda_forward_variants.py "$OUT/cuda_forward_variants.json"
   echo "== 3. the float32 rule with the float32 default on the tensor cores (3xTF32)"
   timeout 100 $PY -c "import sys, pytest; sys.path[:0] = ['tests', 'tests/cuda']; from elastic_np.cuda import _config as c; c.TC_FLOAT32 = True; pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', 'tests/cuda/test_sim_attention.py', 'tests/cuda/test_sim_options.py', 'tests/cuda/test_sim_lse_gradient.py', '-k', 'float32 and not decode'])" | grep -E "^FAILED|passed|failed|AssertionError: \('|worst"

@@ -128,9 +128,10 @@ _MMA_F64_SM80 = (  # four m8n8k4: rows g from a0, a2; rows g + 8 from a1, a3
 )
 
 
-#: Whether the products keep their order in the kernels (volatile inline assembly), as written;
-#: False lets the compiler interleave independent products (read when a kernel compiles).
-_ORDERED = True
+#: Whether the products keep their written order in the kernels (volatile inline assembly). False, the
+#: default, lets the compiler interleave independent products: each product is a pure function of its
+#: operands, and the sums of the 3xTF32 steps stay in IEEE arithmetic in their order (read when a kernel compiles).
+_ORDERED = False
 
 
 def _declare():
