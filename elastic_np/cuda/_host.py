@@ -154,9 +154,14 @@ def pow2_at_least(n):
 
 
 def configured(kernel, blocks, threads, shared):
-    """``kernel[blocks, threads, 0, shared]``, opted in first where ``shared`` passes the default limit."""
+    """``kernel[blocks, threads, 0, shared]``, opted in first where ``shared`` passes the default limit.
+
+    numba-cuda hands out one launch configuration per (kernel, grid, block,
+    stream, shared memory), kept across calls, so the opt-in callback is
+    added to it once, not once per call.
+    """
     launch = kernel[blocks, threads, 0, shared]
-    if shared > config.DEFAULT_SHARED_BYTES and not _simulator():
+    if shared > config.DEFAULT_SHARED_BYTES and not _simulator() and _allow_shared not in launch.pre_launch_callbacks:
         launch.pre_launch_callbacks.append(_allow_shared)
     return launch
 
