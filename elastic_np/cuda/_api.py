@@ -18,15 +18,18 @@ kernel modules are imported on first use
 (`elastic_np.cuda._host._kernel_module`).
 """
 
+import collections
 import dataclasses
 import math
+import threading
 
 import numpy as np
 
 from elastic_np._compact import compact_bias, compact_mask, element_strides
 from elastic_np._ranges import offset_band
 from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
-from elastic_np.cuda._host import _cuda, _is_device, _kernel_module, _to_device
+from elastic_np.cuda import _config as config
+from elastic_np.cuda._host import _cuda, _current_device_id, _is_device, _kernel_module, _to_device
 
 # ---------------------------------------------------------------------------
 # What every launch shares: the option arrays, the bias operand
@@ -75,8 +78,10 @@ def _launch_options(p):
     ``opts`` is one tuple, indexed by the ``O_*`` constants of
     `elastic_np.cuda._device` (`elastic_np.cuda._kernels` describes each
     array); ``bias_compact`` is `_bias_operand`'s (None without a bias).
+    Without a bias the arrays come from `_device_plan`: copied to the device
+    once per distinct set of values, so that repeated calls (decoding steps)
+    copy nothing but their inputs.
     """
-    cuda = _cuda()
     dev = _kernel_module("_device")
     dtype = p.dtype
     bias, bias_strides, bias_compact = _bias_operand(p)
@@ -84,18 +89,51 @@ def _launch_options(p):
         mask = np.ones((1, 1, 1, 1), dtype=np.uint8)
     else:
         mask = compact_mask(p.mask)[0].view(np.uint8)  # 1 on broadcast axes, read by its shape
-    opts = [None] * dev.O_COUNT
-    opts[dev.O_MASK] = mask
-    opts[dev.O_KV_LENGTHS] = np.ascontiguousarray(p.kv_lengths, dtype=np.int64)
-    opts[dev.O_BAND] = offset_band(p, _gate_band(p))
-    opts[dev.O_IOPTS] = _int_options(p, dev, bias_strides, bias_compact)
-    opts[dev.O_FOPTS] = _float_options(p, dev)
-    opts[dev.O_TAU] = p.tau.astype(dtype)
-    opts[dev.O_BETA] = p.beta.astype(dtype)
-    opts[dev.O_BH_CONSTS] = _bh_consts(p, dev)
-    opts = [cuda.to_device(a) for a in opts]
-    opts[dev.O_BIAS] = bias
+    host = [None] * dev.O_COUNT
+    host[dev.O_MASK] = mask
+    host[dev.O_KV_LENGTHS] = np.ascontiguousarray(p.kv_lengths, dtype=np.int64)
+    host[dev.O_BAND] = offset_band(p, _gate_band(p))
+    host[dev.O_IOPTS] = _int_options(p, dev, bias_strides, bias_compact)
+    host[dev.O_FOPTS] = _float_options(p, dev)
+    host[dev.O_TAU] = p.tau.astype(dtype)
+    host[dev.O_BETA] = p.beta.astype(dtype)
+    host[dev.O_BH_CONSTS] = _bh_consts(p, dev)
+    if p.bias is None:
+        host[dev.O_BIAS] = bias
+        return _device_plan(host), None
+    opts = list(_device_plan(host[: dev.O_BIAS] + host[dev.O_BIAS + 1 :], keep=False))
+    opts.insert(dev.O_BIAS, bias if _is_device(bias) else _cuda().to_device(bias))
     return tuple(opts), bias_compact
+
+
+_plans = collections.OrderedDict()  # key of the host arrays -> the same arrays on the device
+_plans_lock = threading.Lock()
+
+
+def _device_plan(host, keep=True):
+    """The NumPy arrays ``host`` on the current device, as a tuple; copied once per distinct values.
+
+    With ``keep`` and at most ``config.PLAN_MAX_BYTES`` in all, the copies
+    are kept, keyed by the device and each array's dtype, shape and bytes,
+    for the last ``config.PLAN_CACHE_SIZE`` distinct sets: the kernels only
+    read them, so one copy serves every call with the same values.
+    """
+    cuda = _cuda()
+    host = [np.ascontiguousarray(a) for a in host]
+    if not keep or sum(a.nbytes for a in host) > config.PLAN_MAX_BYTES or config.PLAN_CACHE_SIZE < 1:
+        return tuple(cuda.to_device(a) for a in host)
+    key = (_current_device_id(),) + tuple((a.dtype.str, a.shape, a.tobytes()) for a in host)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    plan = tuple(cuda.to_device(a) for a in host)
+    with _plans_lock:
+        _plans[key] = plan
+        while len(_plans) > config.PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    return plan
 
 
 def _int_options(p, dev, bias_strides, bias_compact):
@@ -153,20 +191,20 @@ def _bh_consts(p, dev):
 
 
 def _bias_operand(p):
-    """The bias as the kernels read it: ``(flat device array, element strides, compact shape)``.
+    """The bias as the kernels read it: ``(flat array, element strides, compact shape)``.
 
     The compact shape is the bias's own shape padded to four dims (``dbias``
     is computed in it, C order); the flat array holds its entries, read
     through the element strides, 0 on the axes it does not vary along. A
     NumPy bias goes through `elastic_np._compact.compact_bias` (the plan of
-    every backend) and is copied to the device as it lies; a device bias of
-    the kernel dtype is used in place. Without a bias: a one-element dummy,
-    strides 0, compact shape None.
+    every backend) and is returned as a NumPy array, which `_launch_options`
+    copies to the device; a device bias of the kernel dtype is used in place.
+    Without a bias: a one-element NumPy dummy, strides 0, compact shape None.
     """
     cuda = _cuda()
     dtype = p.dtype
     if p.bias is None:
-        return cuda.to_device(np.zeros(1, dtype=dtype)), (0, 0, 0, 0), None
+        return np.zeros(1, dtype=dtype), (0, 0, 0, 0), None
     compact = _dbias_shape(p)
     if _is_device(p.bias):
         pad = 4 - p.bias.ndim
@@ -176,7 +214,7 @@ def _bias_operand(p):
             flat = cuda.to_device(flat.copy_to_host().astype(dtype))
     else:
         flat, strides = compact_bias(p.bias, dtype, check=p.bias_unchecked)
-        flat = cuda.to_device(np.ascontiguousarray(flat))
+        flat = np.ascontiguousarray(flat)
     return flat, tuple(int(s) for s in strides), tuple(int(n) for n in compact)
 
 

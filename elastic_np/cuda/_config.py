@@ -109,6 +109,12 @@ DECODE_MIN_SPLIT_KEYS = 256
 #: Decode merge kernel: threads per block at most (one block per stacked row).
 DECODE_MERGE_THREADS = 32
 
+#: The option arrays on the device (`elastic_np.cuda._api._device_plan`): the last this many
+#: distinct sets are kept, so a repeated call copies none of them again...
+PLAN_CACHE_SIZE = 64
+#: ... when they hold at most this many bytes in all (a large mask is copied per call).
+PLAN_MAX_BYTES = 64 * 1024
+
 #: Upper bound on dynamic shared memory per block; None: the GPU's opt-in maximum
 #: (``MAX_SHARED_MEMORY_PER_BLOCK_OPTIN``, 227 KB on an H100; kernels launched with
 #: more than ``DEFAULT_SHARED_BYTES`` are opted in), and ``DEFAULT_SHARED_BYTES``

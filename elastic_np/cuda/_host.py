@@ -130,6 +130,13 @@ def compute_capability():
     return _device_capability(_cuda().get_current_device().id)
 
 
+def _current_device_id():
+    """The id of the current device (0 under the simulator)."""
+    if _simulator():
+        return 0
+    return _cuda().get_current_device().id
+
+
 @functools.cache
 def _device_capability(device_id):
     return tuple(_cuda().get_current_device().compute_capability)
