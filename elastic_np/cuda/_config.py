@@ -97,17 +97,20 @@ DECODE_THREADS = 128
 DECODE_LANES = 32
 #: Decode micro-tile: keys per lane per K/V tile (compile-time); a K/V tile
 #: holds ``DECODE_REG_N`` keys per lane of a row.
-DECODE_REG_N = 2
+DECODE_REG_N = 1
 #: Decode micro-tile: output columns per lane and pass over the keys (compile-time).
 DECODE_ACC_COLS = 8
 #: Decode split-KV: the keys of each (batch, kv head, row chunk) are split
 #: until the grid has about this many blocks...
-DECODE_MIN_BLOCKS = 256
+DECODE_MIN_BLOCKS = 512
 #: ... but no split gets fewer keys than this (the number of splits depends on
 #: the shape and these constants only).
-DECODE_MIN_SPLIT_KEYS = 256
+DECODE_MIN_SPLIT_KEYS = 128
+#: Decode: dynamic shared memory per block at most (None: the GPU's limit, as the other kernels);
+#: smaller blocks, more of them an SM, were faster on an H200 (docs/performance.rst, "The CUDA decode").
+DECODE_MAX_SHARED_BYTES = 48 * 1024
 #: Decode merge kernel: threads per block at most (one block per stacked row).
-DECODE_MERGE_THREADS = 32
+DECODE_MERGE_THREADS = 128
 
 #: The option arrays on the device (`elastic_np.cuda._api._device_plan`): the last this many
 #: distinct sets are kept, so a repeated call copies none of them again...

@@ -21,6 +21,9 @@ is the CPU decode kernel's (`elastic_np._decode`):
   (`_group_max`), the row sum a shuffle butterfly at the end (`_group_sum`,
   the same bits in every lane, run after run). Value heads wider than
   ``tpr DECODE_ACC_COLS`` take several passes over the keys.
+- **Copies.** The K and V tiles are double-buffered in shared memory
+  (`_decode_tiles`) and arrive by ``cp.async`` (`_prefetch`): the next tile
+  is in flight while this one is scored and summed.
 - **Split-KV.** The keys the chunk's rows can keep (the union of their
   ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
   into ``n_split`` runs of whole K/V tiles, one block each, when the
@@ -46,10 +49,11 @@ import math
 
 from numba import cuda
 
+from elastic_np.cuda import _copy
 from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _constants, _dims, _entry, _fill,
-    _finish_row, _flash_tiles, _group_max, _group_sum, _key_range, _lane_mask, _stage,
+    F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _carve, _constants, _dims, _entry,
+    _fill, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
 )
 
 
@@ -153,13 +157,69 @@ def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
     return tile_max
 
 
+@inline_device
+def _decode_tiles(smem, rows_blk, D, width, block_k):
+    """The decode block's shared memory: ``(q_tile, k_tiles, v_tiles, p_tile)``.
+
+    ``rows_blk`` query rows (row stride ``D + 1``), two K tiles of
+    ``block_k`` keys (row stride ``D + 1``: the lanes of a row read
+    different keys at one column, each in its own bank), two V tiles (row
+    stride ``width``) and the ``rows_blk x block_k`` tile of ``p`` (row
+    stride ``block_k + 1``). Two of each K and V tile: the next tile is
+    copied while this one is used.
+    """
+    q_tile, at = _carve(smem, 0, rows_blk * (D + 1))
+    k_tiles, at = _carve(smem, at, 2 * block_k * (D + 1))
+    v_tiles, at = _carve(smem, at, 2 * block_k * width)
+    p_tile, at = _carve(smem, at, rows_blk * (block_k + 1))
+    return q_tile, k_tiles, v_tiles, p_tile
+
+
+@inline_device
+def _copy_rows(src, r0, rn, c0, cols, dst, stride, rows, t, threads):
+    """Start copying ``src[r0:r0 + rn, c0:c0 + cols]`` into ``rows`` rows of ``dst`` (row stride ``stride``).
+
+    Asynchronous, one element a copy; rows past ``rn`` are zero-filled. The
+    block's threads take the entries in order, each stepping by ``threads``
+    (a row and column carried along, no division in the loop).
+    """
+    if cols <= 0:
+        return
+    step_r = threads // cols
+    step_c = threads - step_r * cols
+    r = t // cols
+    col = t - r * cols
+    while r < rows:
+        _copy.copy_element(dst, r * stride + col, src, r0 + min(r, rn - 1), c0 + col, r < rn)
+        r += step_r
+        col += step_c
+        if col >= cols:
+            col -= cols
+            r += 1
+
+
+@inline_device
+def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width, t, threads):
+    """Start copying keys ``[j0, j0 + jn)`` of ``k_bh`` and columns ``[c0, c0 + wn)`` of ``v_bh`` (one group).
+
+    Asynchronous (``cp.async``, `elastic_np.cuda._copy`): rows past ``jn``
+    are zero-filled. The thread commits its copies as one group; `_copy.wait_prior`
+    or `_copy.wait_all` and a ``syncthreads`` make them visible.
+    """
+    D = k_bh.shape[1]
+    _copy_rows(k_bh, j0, jn, 0, D, k_tile, D + 1, block_k, t, threads)
+    _copy_rows(v_bh, j0, jn, c0, wn, v_tile, width, block_k, t, threads)
+    _copy.commit()
+
+
 @cuda.jit(cache=True)
 def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     """One block per (batch, kv head, chunk of stacked rows, key split); split fastest.
 
     Writes the partial ``(max, sum)`` of each of its rows to ``part_ms[b, hk,
     s, r]`` and the unnormalised ``acc`` to ``part_acc[b, hk, s, r]``, a split
-    with no key kept giving ``(-inf, 0, 0)``.
+    with no key kept giving ``(-inf, 0, 0)``. The K and V tiles are
+    double-buffered: tile ``n + 1`` is copied while tile ``n`` is used.
     """
     B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
     group = H // Hkv
@@ -174,12 +234,14 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
 
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, rows_blk, D, width, block_k)
+    q_tile, k_tiles, v_tiles, p_tile = _decode_tiles(smem, rows_blk, D, width, block_k)
+    k_size = block_k * (D + 1)
+    v_size = block_k * width
 
     fopts, zero, neg_inf = _constants(opts)
-    _fill(q_tile, rows_blk * q_stride, zero, t, threads)  # padding rows and the padding column
+    _fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
-    _stage_rows(q[b], hk * group, N, r0, r1, q_tile, q_stride, t, threads)
+    _stage_rows(q[b], hk * group, N, r0, r1, q_tile, D + 1, t, threads)
     lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, opts)
     a, e = _split_keys(lo, hi, block_k, s, n_split)
 
@@ -187,22 +249,38 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     lanes = _lane_mask(t, threads)
     scores = cuda.local.array(DECODE_REG_N, q.dtype)
     acc = cuda.local.array(DECODE_ACC_COLS, q.dtype)
-    q_at = rho * q_stride
-    p_at = rho * p_stride
+    q_at = rho * (D + 1)
+    p_at = rho * (block_k + 1)
+    k_bh = k[b, hk]
+    v_bh = v[b, hk]
     for c0 in range(0, max(Dv, 1), width):
         wn = min(width, Dv - c0)
         run_max = neg_inf
         run_sum = zero
         for col in range(DECODE_ACC_COLS):
             acc[col] = zero
+        cuda.syncthreads()  # the previous pass is done with the tiles
+        if a < e:
+            _prefetch(k_bh, v_bh, a, min(block_k, e - a), c0, wn, k_tiles[:k_size], v_tiles[:v_size],
+                      block_k, width, t, threads)
+        n = 0
         for j0 in range(a, e, block_k):
             jn = min(block_k, e - j0)
-            cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
-            _stage(k[b, hk], j0, jn, 0, D, kv_tile, kv_stride, t, threads)
-            cuda.syncthreads()
-            _row_dot(q_tile, q_at, kv_tile, kv_stride, c, tpr, D, zero, scores)
-            for n in range(DECODE_REG_N):
-                p_tile[p_at + c + tpr * n] = scores[n]
+            at = n % 2
+            k_tile = k_tiles[at * k_size : (at + 1) * k_size]
+            v_tile = v_tiles[at * v_size : (at + 1) * v_size]
+            if j0 + block_k < e:  # the next tile into the other buffers, which the last iteration finished
+                nxt = 1 - at
+                _prefetch(k_bh, v_bh, j0 + block_k, min(block_k, e - j0 - block_k), c0, wn,
+                          k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
+                          block_k, width, t, threads)
+                _copy.wait_prior()
+            else:
+                _copy.wait_all()
+            cuda.syncthreads()  # this tile (and q_tile) visible to the block
+            _row_dot(q_tile, q_at, k_tile, D + 1, c, tpr, D, zero, scores)
+            for m in range(DECODE_REG_N):
+                p_tile[p_at + c + tpr * m] = scores[m]
             # the online softmax: logits, row max over the lanes, p = exp(z - max), rescale
             tile_max = _row_logits(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts)
             new_max = max(run_max, _group_max(tile_max, tpr, lanes))
@@ -210,20 +288,20 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             if new_max > neg_inf:
                 alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
             run_sum *= alpha
-            for n in range(DECODE_REG_N):
-                at = p_at + c + tpr * n
+            for m in range(DECODE_REG_N):
+                pos = p_at + c + tpr * m
                 p = zero
-                if p_tile[at] > neg_inf:
-                    p = math.exp(p_tile[at] - new_max)
+                if p_tile[pos] > neg_inf:
+                    p = math.exp(p_tile[pos] - new_max)
                 run_sum += p
-                p_tile[at] = p
+                p_tile[pos] = p
             run_max = new_max
             for col in range(DECODE_ACC_COLS):
                 acc[col] *= alpha
-            cuda.syncthreads()  # K consumed, p written
-            _stage(v[b, hk], j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
-            cuda.syncthreads()
-            _row_pv(p_tile, p_at, kv_tile, kv_stride, jn, c, tpr, wn, zero, acc)
+            cuda.syncthreads()  # the row's p, written by its lanes, read by each
+            _row_pv(p_tile, p_at, v_tile, width, jn, c, tpr, wn, zero, acc)
+            cuda.syncthreads()  # every thread is done with this tile's buffers before they are refilled
+            n += 1
         row_sum = _group_sum(run_sum, tpr, lanes)
         if valid:
             if c0 == 0 and c == 0:

@@ -22,10 +22,18 @@ def takes(p):
 
 
 def shared_elements(rows_blk, tpr, D, Dv):
-    """Dynamic shared memory of a decode block, in elements: queries, the K/V tile, the p tile."""
+    """Dynamic shared memory of a decode block, in elements: queries, two K and two V tiles, the p tile.
+
+    The layout of `elastic_np.cuda._decode._decode_tiles`.
+    """
+    return rows_blk * (D + 1) + _kv_elements(tpr, D, Dv) + rows_blk * (tpr * DECODE_REG_N + 1)
+
+
+def _kv_elements(tpr, D, Dv):
+    """The shared memory of the two K and two V tiles of a decode block, in elements."""
     block_k = tpr * DECODE_REG_N
     width = min(max(Dv, 1), tpr * DECODE_ACC_COLS)
-    return rows_blk * (D + 1) + block_k * max(D + 1, width) + rows_blk * (block_k + 1)
+    return 2 * block_k * (D + 1 + width)
 
 
 def geometry(rows, D, Dv, itemsize):
@@ -35,8 +43,8 @@ def geometry(rows, D, Dv, itemsize):
     in one pass (at most ``DECODE_LANES``), the block takes as many rows as
     ``DECODE_THREADS`` allows, and spare threads go to more lanes per row
     (longer K/V tiles). Then, while the shared memory exceeds the limit
-    (`elastic_np.cuda._host.shared_limit`), the larger of the K/V tile and the
-    query tile is halved.
+    (`elastic_np.cuda._host.shared_limit`, at most ``DECODE_MAX_SHARED_BYTES``),
+    the larger of the K/V tiles and the query tile is halved.
     """
     lanes, threads = config.DECODE_LANES, config.DECODE_THREADS
     if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
@@ -50,9 +58,10 @@ def geometry(rows, D, Dv, itemsize):
     while 2 * tpr <= lanes and rows_blk * 2 * tpr <= threads:
         tpr *= 2
     limit = shared_limit()
+    if config.DECODE_MAX_SHARED_BYTES is not None:
+        limit = min(limit, config.DECODE_MAX_SHARED_BYTES)
     while shared_elements(rows_blk, tpr, D, Dv) * itemsize > limit:
-        kv_elements = tpr * DECODE_REG_N * max(D + 1, min(max(Dv, 1), tpr * DECODE_ACC_COLS))
-        if tpr > 1 and (kv_elements >= rows_blk * (D + 1) or rows_blk == 1):
+        if tpr > 1 and (_kv_elements(tpr, D, Dv) >= rows_blk * (D + 1) or rows_blk == 1):
             tpr //= 2
         elif rows_blk > 1:
             rows_blk = -(-rows_blk // 2)
