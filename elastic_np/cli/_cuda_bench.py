@@ -228,7 +228,9 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
     Returns
     -------
     dict
-        ``{"elastic_np": s, "torch": s}``, best of ``repeat`` after a warm-up.
+        ``{"elastic_np": s, "torch": s}``, best of ``repeat`` after a
+        warm-up, and ``"elastic_np kernels"``: the device time of our kernels
+        alone per call (`kernel_seconds`), the rest of a call being the host's.
     """
     torch = _check_gpu("bench_decode()")
     cuda = _numba_cuda()
@@ -252,7 +254,41 @@ def bench_decode(B=1, H=32, Hkv=8, N=1, M=8192, D=128, *, repeat=20):
     for who, fn in (("elastic_np", ours), ("torch", theirs)):
         fn()  # warm-up (compiles)
         timings[who] = _bench.best_time(fn, repeat=repeat)
+    timings["elastic_np kernels"] = kernel_seconds(torch, ours)
     return timings
+
+
+def kernel_seconds(torch, fn, calls=20):
+    """The device time of the kernels one call of ``fn`` runs (seconds; copies and memsets left out).
+
+    Summed from the kernel records of torch's profiler (CUPTI, which sees
+    every kernel of the process, ours included) over ``calls`` calls.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return sum(e.device_time_total for e in kernels) * 1e-6 / calls
+
+
+def copy_bandwidth(nbytes=1 << 30, repeat=10):
+    """Bytes a second of a device-to-device copy of ``nbytes`` (read plus written), best of ``repeat``."""
+    torch = _check_gpu("copy_bandwidth()")
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeat):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e-3)
+    return 2 * src.nbytes / best
 
 
 def machine_info():
@@ -340,13 +376,28 @@ def bench_record(shape, options, timings, decode, machine, command=None, runs=()
         "config": {"B": B, "H": H, "N": N, "M": N, "D": D, **options},
         "results": results,
         "speed_ratio": ratios,
-        "decode": [
-            {"shape": dict(zip(("B", "H", "Hkv", "N", "M", "D"), s)), "seconds": dict(t),
-             "speed_ratio": t["torch"] / t["elastic_np"]}
-            for s, t in decode
-        ],
+        "decode": [_decode_entry(s, t, machine.get("copy_bandwidth")) for s, t in decode],
         "runs": more,
     }
+
+
+def _decode_entry(shape, timings, copy_bandwidth):
+    """A results file's entry of one decoding shape: times, ratio, and with the kernels' time their read rate.
+
+    ``kv_read_bandwidth`` is the K/V bytes (float32) over the kernels' time;
+    ``copy_fraction`` puts it over ``copy_bandwidth`` (a device-to-device
+    copy's bytes read plus written a second), when that was measured.
+    """
+    entry = {"shape": dict(zip(("B", "H", "Hkv", "N", "M", "D"), shape)), "seconds": dict(timings),
+             "speed_ratio": timings["torch"] / timings["elastic_np"]}
+    kernels = timings.get("elastic_np kernels")
+    if kernels:
+        B, H, Hkv, N, M, D = shape
+        entry["host_seconds"] = timings["elastic_np"] - kernels
+        entry["kv_read_bandwidth"] = 2 * B * Hkv * M * D * 4 / kernels
+        if copy_bandwidth:
+            entry["copy_fraction"] = entry["kv_read_bandwidth"] / copy_bandwidth
+    return entry
 
 
 def write_json(record, path):
@@ -396,6 +447,11 @@ def format_table(record):
             shape = f"{s['B']}, {s['H']}/{s['Hkv']}, {s['N']}, {s['M']}, {s['D']}"
             lines.append(f"  {shape:<24} {entry['seconds']['elastic_np'] * 1e3:>16.3f} "
                          f"{entry['seconds']['torch'] * 1e3:>11.3f} {entry['speed_ratio']:>13.2f}")
+            if "kv_read_bandwidth" in entry:
+                fraction = f", {entry['copy_fraction']:.0%} of a device copy's rate" if "copy_fraction" in entry else ""
+                lines.append(f"    kernels {entry['seconds']['elastic_np kernels'] * 1e3:.3f} ms (K/V read at "
+                             f"{entry['kv_read_bandwidth'] / 1e9:.0f} GB/s{fraction}), host "
+                             f"{entry['host_seconds'] * 1e3:.3f} ms")
     return "\n".join(lines)
 
 
@@ -423,6 +479,8 @@ def machine_line(machine):
              f"driver {machine.get('driver', '?')}", f"numba-cuda {machine.get('numba_cuda', '?')}"]
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']} (CUDA {machine.get('torch_cuda', '?')})")
+    if machine.get("copy_bandwidth"):
+        parts.append(f"device-to-device copy {machine['copy_bandwidth'] / 1e9:.0f} GB/s (read + written)")
     return ", ".join(parts)
 
 
@@ -465,10 +523,11 @@ def run(shape=DEFAULT_SHAPE, *, causal=False, softcap=None, alibi=False, bias=No
     result = bench(B, H, N, D, **options, dtype=dtype, precision=precision, **timing)
     decode = []
     runs = []
+    machine = dict(machine_info())
     if json_path is not None:
         runs = [(dict(config), bench(**config, **timing)) for config in RECORD_RUNS]
         decode = [(decode_shape, bench_decode(*decode_shape)) for decode_shape in DECODE_SHAPES]
-    machine = machine_info()
+        machine["copy_bandwidth"] = copy_bandwidth()
     record = bench_record(shape, options, result, decode, machine, command=command, runs=runs, dtype=dtype,
                           precision=precision)
     print(machine_line(machine))

@@ -43,6 +43,20 @@ def test_results_file_round_trip(tmp_path):
     assert entry["speed_ratio"] == pytest.approx(0.25)
 
 
+def test_decode_entry_splits_a_call_into_kernels_and_host():
+    machine = {"gpu": "NVIDIA H200", "copy_bandwidth": 4.0e12}
+    timings = {"elastic_np": 4e-4, "torch": 1e-4, "elastic_np kernels": 1e-4}
+    record = _cuda_bench.bench_record(SHAPE, {}, fake_timings(0.02, 0.01), [(DECODE, timings)], machine, command="c")
+    (entry,) = record["decode"]
+    kv_bytes = 2 * 8 * 8192 * 128 * 4
+    assert entry["host_seconds"] == pytest.approx(3e-4)
+    assert entry["kv_read_bandwidth"] == pytest.approx(kv_bytes / 1e-4)
+    assert entry["copy_fraction"] == pytest.approx(kv_bytes / 1e-4 / 4.0e12)
+    table = _cuda_bench.format_table(record)
+    assert "kernels 0.100 ms (K/V read at 671 GB/s, 17% of a device copy's rate), host 0.300 ms" in table
+    assert "device-to-device copy 4000 GB/s" in _cuda_bench.machine_line(machine)
+
+
 def test_decode_shapes_include_the_issue_shape():
     assert DECODE in _cuda_bench.DECODE_SHAPES
 
@@ -95,6 +109,7 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     monkeypatch.setattr(_cuda_bench, "bench", lambda B, H, N, D, **options: fake_timings(0.02, 0.01))
     monkeypatch.setattr(_cuda_bench, "bench_decode", lambda *shape: {"elastic_np": 4e-4, "torch": 1e-4})
     monkeypatch.setattr(_cuda_bench, "machine_info", lambda: machine)
+    monkeypatch.setattr(_cuda_bench, "copy_bandwidth", lambda: 3.0e12)
     path = tmp_path / "h100.json"
     result = _cuda_bench.run(SHAPE, causal=True, json_path=str(path), command="cmd")
     assert result == fake_timings(0.02, 0.01)
@@ -102,8 +117,8 @@ def test_run_prints_the_table_and_writes_the_results_file(monkeypatch, tmp_path,
     options = {"causal": True, "softcap": None, "alibi": False, "bias": None}
     runs = [(dict(config), fake_timings(0.02, 0.01)) for config in _cuda_bench.RECORD_RUNS]
     want = _cuda_bench.bench_record(SHAPE, options, result, [(s, {"elastic_np": 4e-4, "torch": 1e-4})
-                                                              for s in _cuda_bench.DECODE_SHAPES], machine,
-                                    command="cmd", runs=runs)
+                                                              for s in _cuda_bench.DECODE_SHAPES],
+                                    {**machine, "copy_bandwidth": 3.0e12}, command="cmd", runs=runs)
     assert record == json.loads(json.dumps(want))
     assert [run["config"] for run in record["runs"]] == [dict(c) for c in _cuda_bench.RECORD_RUNS]
     assert "float64, precision=None" in _cuda_bench.format_table(record)
