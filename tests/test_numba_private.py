@@ -119,6 +119,58 @@ def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_
     assert (tmp_path / "elastic_np-public").is_dir()
 
 
+HELPERS = """
+import numpy as np
+from numba import njit
+from elastic_np.cpu._numba_private import inner
+
+@inner(fastmath={"nsz", "arcp", "contract", "reassoc"})
+def scale(z, a):
+    for c in range(z.shape[0]):
+        z[c] *= a
+
+@njit(cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def first(z, a):
+    scale(z, a)
+
+@njit(cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def second(z, a):
+    scale(z, a)
+"""
+
+LINKED_IR = """
+import re, sys
+import numpy as np
+import helpers
+getattr(helpers, sys.argv[1])(np.ones(100), 3.0)
+(ir,) = helpers.scale.inspect_llvm().values()
+body = re.search(r"^define .*?^}$", ir, re.M | re.S).group(0)  # the helper's function
+body = re.sub(r"B[0-9]+v[0-9]+", "", body)  # its name without the process's counter
+print(re.sub(r" *;.*", "", body))  # and no comments (a block's predecessors are listed in use order)
+"""
+
+
+@pytest.mark.skipif(not private.enabled("inner"), reason="the helpers are plain njit functions")
+def test_a_helper_loaded_from_the_cache_links_as_it_compiled(tmp_path):
+    # Numba turned a loaded helper into machine code, which rewrites its module in place; the callers
+    # compiled afterwards linked the rewritten IR and differed in their last bits from the same callers
+    # compiled against a fresh helper (a decode over every sequence against one per sequence)
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    root = str(pathlib.Path(private.__file__).parents[2])
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONHASHSEED="0",  # fastmath's order in names
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), root, os.environ.get("PYTHONPATH")])))
+
+    def linked_ir(caller):
+        done = subprocess.run([sys.executable, "-c", LINKED_IR, caller], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    compiled = linked_ir("first")  # compiles the helper and caches it
+    loaded = linked_ir("second")  # a new caller: the helper comes from the cache
+    assert compiled.startswith("define") and loaded == compiled
+
+
 PRIVATE_NAMES = r"numba\._dynfunc|_dynfunc|numba\.core\.(compiler|codegen|caching|registry)|add_symbol|create_mcjit"
 
 

@@ -245,12 +245,65 @@ def _wrapperless():
             targetoptions = dict(options, nopython=True, fastmath=fastmath,
                                  no_cpython_wrapper=True, no_cfunc_wrapper=True)
             dispatcher = Inner(py_func=fn, locals={}, targetoptions=targetoptions, pipeline_class=InnerCompiler)
-            dispatcher.enable_caching()
+            dispatcher._cache = _inner_cache_class(LinkedLibrary, no_executable)(fn)  # enable_caching's, rebuilt as compiled
             return dispatcher
 
         return wrap
 
     return inner, Inner
+
+
+def _inner_cache_class(LinkedLibrary, no_executable):
+    """The cache of `inner`'s helpers: what it loads is rebuilt as a fresh compile leaves it.
+
+    Numba rebuilds a cached function's library with the codegen's own class,
+    which turns it into machine code: code generation rewrites the module in
+    place (CodeGenPrepare), and the callers compiled afterwards linked that
+    rewritten IR. A kernel compiled against a loaded helper then differed in
+    its last bits from the same kernel compiled against a fresh one, so two
+    kernels that give the same bits when compiled in one process (a decode
+    call over every sequence and one per sequence) did not when one of them
+    was compiled in a process that had loaded the helpers. Here a loaded
+    helper is a `LinkedLibrary` holding its cached bitcode untouched, with no
+    machine code, exactly as `inner` compiles it.
+    """
+    from numba.core.caching import CompileResultCacheImpl, FunctionCache
+
+    class Codegen:
+        """The target's codegen, but a helper's cached bitcode comes back as a `LinkedLibrary`."""
+
+        def __init__(self, codegen):
+            self._codegen = codegen
+
+        def unserialize_library(self, state):
+            name, kind, data = state
+            if kind != "bitcode":  # what `LinkedLibrary` saves is bitcode
+                return self._codegen.unserialize_library(state)
+            library = LinkedLibrary(self, name)
+            library._final_module = binding.parse_bitcode(data)
+            library._finalize_final_module()
+            return library
+
+        def set_env(self, env_name, env):
+            """Numba's, for an environment the engine holds; a helper's own is never in it (nor when compiled)."""
+            if self._codegen._engine.get_global_value_address(env_name):
+                self._codegen.set_env(env_name, env)
+
+        def __getattr__(self, name):
+            return getattr(self._codegen, name)
+
+    class InnerCacheImpl(CompileResultCacheImpl):
+        def rebuild(self, target_context, payload):
+            context = target_context.subtarget()
+            codegen = Codegen(target_context.codegen())
+            context.codegen = lambda: codegen
+            context.get_executable = no_executable
+            return super().rebuild(context, payload)
+
+    class InnerCache(FunctionCache):
+        _impl_class = InnerCacheImpl
+
+    return InnerCache
 
 
 def _public_inner(*, fastmath, **options):
