@@ -7,7 +7,8 @@ write zeros instead where ``valid`` is False (``cp.async``'s source size
 0), so the padding of a tile costs no branch. A thread's copies since its
 last `commit` form a group; `wait_all` waits for all its groups, `wait_prior`
 for all but the last one (the tile being prefetched); a ``syncthreads``
-then makes every thread's copies visible to the block.
+then makes every thread's copies visible to the block. `copy_tile` copies
+a tile with the block's threads, element by element or 16 bytes at a time.
 
 On a GPU (and when compiling without one) they are inline PTX built with
 ``numba.cuda.extending.intrinsic``; under the simulator, Python stand-ins
@@ -15,7 +16,10 @@ that copy at once (`_sim_copy_vector`, ...), with the same results.
 """
 
 from numba import config as numba_config
+from numba import cuda
 from numba import types as nbt
+
+from elastic_np.cuda._device import inline_device, unsigned
 
 
 def copy_vector(dst, dst_index, src, row, col, valid):
@@ -41,6 +45,38 @@ def wait_all():
 def wait_prior():
     """Wait for all the thread's groups of copies but the last."""
     raise NotImplementedError("called only inside a CUDA kernel")
+
+
+@inline_device
+def copy_tile(src, rows, cols, dst, stride, tile_rows, width, unit):
+    """Start copying ``src[r, c]`` to ``dst[r stride + c]`` for a ``tile_rows x width`` tile, zeros past ``rows``, ``cols``.
+
+    ``src`` is two-dimensional (a (batch, head)'s rows from the tile's first);
+    ``unit`` is 1 (element copies) or the elements of 16 bytes (vector copies:
+    ``cols``, ``width`` and the rows' starts are then multiples of it). Thread
+    ``t`` of the block takes units ``t, t + threads, ...`` in row order,
+    stepping through them without a division. The copies are asynchronous.
+    """
+    t = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    per_row = width // unit  # at least 1
+    r = t // per_row
+    c = t - r * per_row
+    step_r = threads // per_row
+    step_c = threads - step_r * per_row
+    while r < tile_rows:
+        col = c * unit
+        valid = r < rows and col < cols
+        at = unsigned(r * stride + col)
+        if unit == 1:
+            copy_element(dst, at, src, unsigned(r if valid else 0), unsigned(col if valid else 0), valid)
+        else:
+            copy_vector(dst, at, src, unsigned(r if valid else 0), unsigned(col if valid else 0), valid)
+        r += step_r
+        c += step_c
+        if c >= per_row:
+            c -= per_row
+            r += 1
 
 
 def _sim_copy(count):

@@ -176,30 +176,7 @@ def _decode_tiles(smem, rows_blk, D, width, block_k):
 
 
 @inline_device
-def _copy_rows(src, r0, rn, c0, cols, dst, stride, rows, t, threads):
-    """Start copying ``src[r0:r0 + rn, c0:c0 + cols]`` into ``rows`` rows of ``dst`` (row stride ``stride``).
-
-    Asynchronous, one element a copy; rows past ``rn`` are zero-filled. The
-    block's threads take the entries in order, each stepping by ``threads``
-    (a row and column carried along, no division in the loop).
-    """
-    if cols <= 0:
-        return
-    step_r = threads // cols
-    step_c = threads - step_r * cols
-    r = t // cols
-    col = t - r * cols
-    while r < rows:
-        _copy.copy_element(dst, r * stride + col, src, r0 + min(r, rn - 1), c0 + col, r < rn)
-        r += step_r
-        col += step_c
-        if col >= cols:
-            col -= cols
-            r += 1
-
-
-@inline_device
-def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width, t, threads):
+def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width):
     """Start copying keys ``[j0, j0 + jn)`` of ``k_bh`` and columns ``[c0, c0 + wn)`` of ``v_bh`` (one group).
 
     Asynchronous (``cp.async``, `elastic_np.cuda._copy`): rows past ``jn``
@@ -207,8 +184,10 @@ def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width, t, thr
     or `_copy.wait_all` and a ``syncthreads`` make them visible.
     """
     D = k_bh.shape[1]
-    _copy_rows(k_bh, j0, jn, 0, D, k_tile, D + 1, block_k, t, threads)
-    _copy_rows(v_bh, j0, jn, c0, wn, v_tile, width, block_k, t, threads)
+    if D > 0:
+        _copy.copy_tile(k_bh[j0:], jn, D, k_tile, D + 1, block_k, D, 1)
+    if wn > 0:
+        _copy.copy_tile(v_bh[j0:, c0:], jn, wn, v_tile, width, block_k, wn, 1)
     _copy.commit()
 
 
@@ -288,8 +267,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             acc[col] = zero
         cuda.syncthreads()  # the previous pass is done with the tiles
         if a < e:
-            _prefetch(k_bh, v_bh, a, min(block_k, e - a), c0, wn, k_tiles[:k_size], v_tiles[:v_size],
-                      block_k, width, t, threads)
+            _prefetch(k_bh, v_bh, a, min(block_k, e - a), c0, wn, k_tiles[:k_size], v_tiles[:v_size], block_k, width)
         n = 0
         for j0 in range(a, e, block_k):
             jn = min(block_k, e - j0)
@@ -300,7 +278,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
                 nxt = 1 - at
                 _prefetch(k_bh, v_bh, j0 + block_k, min(block_k, e - j0 - block_k), c0, wn,
                           k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
-                          block_k, width, t, threads)
+                          block_k, width)
                 _copy.wait_prior()
             else:
                 _copy.wait_all()

@@ -358,6 +358,17 @@ def _finish_row(row_max, row_sum, beta_h, fopts):
 
 
 @inline_device
+def unsigned(index):
+    """``index`` as an unsigned integer: Numba indexes with it without the wraparound test of a signed one.
+
+    The test (``index < 0``: add the length) kept every shared-memory address
+    apart; unsigned, the addresses of a fragment share one base and constant
+    offsets, and stay out of the registers.
+    """
+    return numba.uint64(index)
+
+
+@inline_device
 def _lane_mask(t, threads):
     """The shuffle mask of thread ``t``'s warp: its lanes that exist in a block of ``threads``."""
     lanes = min(32, threads - (t - t % 32))

@@ -30,55 +30,13 @@ from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS, _bh_params, _carve, _dims, _entry,
     _finish_row, _group_max, _group_sum, _key_range, inline_device,
 )
+from elastic_np.cuda._device import unsigned as _at
 from elastic_np.cuda._config import TC_PAD
-from elastic_np.cuda._copy import commit, copy_element, copy_vector, wait_all, wait_prior
+from elastic_np.cuda._copy import commit, copy_tile, wait_all, wait_prior
 from elastic_np.cuda._mma import mma, split, splits
 
 #: Every lane of a warp: a row's 4 lanes reduce by shuffles (`_group_max`, `_group_sum` of width 4).
 FULL_MASK = numba.uint32(0xFFFFFFFF)
-
-
-@inline_device
-def _at(index):
-    """``index`` as an unsigned integer: Numba indexes with it without the wraparound test of a signed one.
-
-    The test (``index < 0``: add the length) kept every shared-memory address
-    apart; unsigned, the addresses of a fragment share one base and constant
-    offsets, and stay out of the registers.
-    """
-    return numba.uint64(index)
-
-
-@inline_device
-def _issue(src, rows, cols, dst, stride, tile_rows, width, unit):
-    """Start copying ``src[r, c]`` to ``dst[r stride + c]`` for a ``tile_rows x width`` tile, zeros past ``rows``, ``cols``.
-
-    ``src`` is two-dimensional (a (batch, head)'s rows from the tile's first);
-    ``unit`` is 1 (element copies) or the elements of 16 bytes (vector copies:
-    ``cols``, ``width`` and the rows' starts are then multiples of it). Thread
-    ``t`` takes units ``t, t + threads, ...`` in row order, stepping through
-    them without a division. The copies are asynchronous (`elastic_np.cuda._copy`).
-    """
-    t = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    per_row = width // unit
-    r = t // per_row
-    c = t - r * per_row
-    step_r = threads // per_row
-    step_c = threads - step_r * per_row
-    while r < tile_rows:
-        col = c * unit
-        valid = r < rows and col < cols
-        at = _at(r * stride + col)
-        if unit == 1:
-            copy_element(dst, at, src, _at(r if valid else 0), _at(col if valid else 0), valid)
-        else:
-            copy_vector(dst, at, src, _at(r if valid else 0), _at(col if valid else 0), valid)
-        r += step_r
-        c += step_c
-        if c >= per_row:
-            c -= per_row
-            r += 1
 
 
 @inline_device
@@ -263,8 +221,8 @@ def _issue_kv(k_bh, v_bh, j, hi, c0, buffers, geometry, unit, slot):
     """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot``."""
     q_tile, k_tiles, v_tiles, k_size, v_size = buffers
     D, Dv, d_pad, qk_stride, v_stride, block_k, width_v = geometry
-    _issue(k_bh[j:], hi - j, D, k_tiles[slot * k_size :], qk_stride, block_k, d_pad, unit)
-    _issue(v_bh[j:, c0:], hi - j, Dv - c0, v_tiles[slot * v_size :], v_stride, block_k, width_v, unit)
+    copy_tile(k_bh[j:], hi - j, D, k_tiles[slot * k_size :], qk_stride, block_k, d_pad, unit)
+    copy_tile(v_bh[j:, c0:], hi - j, Dv - c0, v_tiles[slot * v_size :], v_stride, block_k, width_v, unit)
     commit()
 
 
@@ -385,7 +343,7 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     unit = 1
     if vector:
         unit = 4 if splits(zero) else 2  # 16 bytes
-    _issue(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + TC_PAD, block_q, d_pad, unit)
+    copy_tile(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + TC_PAD, block_q, d_pad, unit)
     commit()
     prm = _bh_params(b, h, N, M, opts)
     options = (prm, opts, general, opts[O_IOPTS][I_MMA_TERMS], zero)
