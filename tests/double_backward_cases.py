@@ -8,12 +8,11 @@ is one no bell value comes near (`elastic_np.testing`'s rule).
 
 import numpy as np
 
-import elastic_np as enp
+from adapter_cases import LEARNED, case_arrays, numpy_options  # noqa: F401 (LEARNED for the tests)
 from elastic_np import reference
 from elastic_np._problem import prepare
 from elastic_np.testing._cases import _window_threshold
 
-LEARNED = ("q", "k", "v", "tau", "beta", "sigma", "bias")
 #: Causal, NVM, grouped-query heads, the gate with a threshold, per-head tau and beta, a broadcast bias; and a
 #: sliding window, NVM, the soft-cap, kv_lengths and ALiBi with scalar tau and beta, per-batch sigma, a full bias.
 CASES = ("causal-nvm-gqa-gate-bias", "window-nvm-softcap-kvlen")
@@ -21,29 +20,20 @@ CASES = ("causal-nvm-gqa-gate-bias", "window-nvm-softcap-kvlen")
 
 def _draw(name, rng):
     if name == CASES[0]:
-        B, H, Hkv, N, M, D, Dv = 1, 4, 2, 5, 6, 3, 2
+        shape = B, H, Hkv, N, M, D, Dv = 1, 4, 2, 5, 6, 3, 2
         sigma = rng.uniform(0.4, 0.8, H)
         fixed = dict(causal=True, nvm=True, sharpness=4.0, threshold=_window_threshold(sigma, N, M))
         learn = dict(tau=rng.uniform(0.6, 1.4, H), beta=rng.uniform(0.2, 1.0, H), sigma=sigma,
                      bias=rng.standard_normal((N, M)))
     elif name == CASES[1]:
-        B, H, Hkv, N, M, D, Dv = 2, 2, 1, 4, 6, 3, 3
+        shape = B, H, Hkv, N, M, D, Dv = 2, 2, 1, 4, 6, 3, 3
         fixed = dict(window_size=(2, 1), nvm=True, softcap=5.0, kv_lengths=np.array([6, 5]),
                      alibi_slopes=np.array([0.5, 0.25]), sharpness=2.0, threshold=0.0)
         learn = dict(tau=np.array(0.8), beta=np.array(0.5), sigma=rng.uniform(0.4, 0.8, (B, H)),
                      bias=rng.standard_normal((B, H, N, M)))
     else:
         raise ValueError(name)
-    arrays = dict(q=rng.standard_normal((B, H, N, D)), k=rng.standard_normal((B, Hkv, M, D)),
-                  v=rng.standard_normal((B, Hkv, M, Dv)), **learn)
-    return arrays, fixed
-
-
-def numpy_options(arrays, fixed):
-    """The keyword options of `elastic_np.attention` for a case."""
-    fixed = dict(fixed)
-    window = enp.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
-    return dict(tau=arrays["tau"], beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window, **fixed)
+    return case_arrays(rng, shape, learn), fixed
 
 
 def make_case(name, seed=0, margin=1e-3):

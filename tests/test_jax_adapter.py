@@ -16,12 +16,11 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import double_backward_cases as second  # noqa: E402
+from adapter_cases import CASES, LEARNED, make_case, numpy_options  # noqa: E402
 import elastic_np as enp  # noqa: E402
 import elastic_np.jax as enpj  # noqa: E402
 from elastic_np import _dispatch  # noqa: E402
 
-LEARNED = ("q", "k", "v", "tau", "beta", "sigma", "bias")
-CASES = ("causal-nvm-gqa-window-bias", "sliding-kvlen-softcap-alibi")
 
 
 @pytest.fixture
@@ -30,40 +29,12 @@ def x64():
         yield
 
 
-def make_case(name, dtype=np.float64, seed=0):
-    """Inputs (NumPy) and fixed options of a named case; every learnable input is present."""
-    rng = np.random.default_rng(seed)
-    if name == "causal-nvm-gqa-window-bias":
-        B, H, Hkv, N, M, D, Dv = 1, 4, 2, 5, 5, 3, 2
-        fixed = dict(causal=True, nvm=True, sharpness=4.0, threshold=0.0)
-        learn = dict(tau=rng.uniform(0.5, 1.5, H), beta=rng.uniform(0.2, 1.0, H),
-                     sigma=rng.uniform(0.4, 0.8, H), bias=rng.standard_normal((N, M)))
-    elif name == "sliding-kvlen-softcap-alibi":
-        B, H, Hkv, N, M, D, Dv = 2, 2, 2, 4, 6, 3, 3
-        fixed = dict(window_size=(2, 1), kv_lengths=np.array([6, 5]), softcap=5.0,
-                     alibi_slopes=np.array([0.5, 0.25]), sharpness=2.0, threshold=0.0)
-        learn = dict(tau=np.array(0.8), beta=np.array(0.5), sigma=rng.uniform(0.4, 0.8, (B, H)),
-                     bias=rng.standard_normal((B, H, N, M)))
-    else:
-        raise ValueError(name)
-    arrays = dict(q=rng.standard_normal((B, H, N, D)), k=rng.standard_normal((B, Hkv, M, D)),
-                  v=rng.standard_normal((B, Hkv, M, Dv)), **learn)
-    return {n: a.astype(dtype) for n, a in arrays.items()}, fixed
-
-
 def jax_call(arrays, fixed, **extra):
     fixed = dict(fixed)
     window = enpj.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
     return enpj.attention(arrays["q"], arrays["k"], arrays["v"], tau=arrays["tau"],
                           beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window,
                           **fixed, **extra)
-
-
-def numpy_options(arrays, fixed):
-    fixed = dict(fixed)
-    window = enp.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
-    return dict(tau=arrays["tau"], beta=arrays["beta"], bias=arrays["bias"],
-                dynamic_window=window, **fixed)
 
 
 class TestCheckGrads:
