@@ -40,20 +40,25 @@ FULL_MASK = numba.uint32(0xFFFFFFFF)
 
 
 @inline_device
-def _accumulate(frag, n, a, b, terms, zero):
+def _accumulate(frag, n, a, b, terms, zero, swapped):
     """``frag[n] += A B`` for one 16 x 8 x 8 step, ``a`` and ``b`` the fragments and their TF32 rests.
 
     float32: the step's product from zero, the TF32 parts' cross products
-    first (with ``terms == 3``), then ``big_a big_b``, added to ``frag[n]`` in
-    IEEE arithmetic: the tensor cores' accumulation truncates, and starting
-    each step from zero keeps that to the 8 products of a step. float64: the
+    first (with ``terms == 3``: ``small_a big_b``, then ``big_a small_b``; the
+    other way round when ``swapped``, so that ``K Q^T`` sums its entries as
+    ``Q K^T`` does), then ``big_a big_b``, added to ``frag[n]`` in IEEE
+    arithmetic: the tensor cores' accumulation truncates, and starting each
+    step from zero keeps that to the 8 products of a step. float64: the
     product accumulates in place (DMMA rounds as IEEE does).
     """
     a0, a1, a2, a3, a0s, a1s, a2s, a3s = a
     b0, b1, b0s, b1s = b
     if splits(a0):
         c0, c1, c2, c3 = zero, zero, zero, zero
-        if terms == 3:
+        if terms == 3 and swapped:
+            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0s, b1s, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma(a0s, a1s, a2s, a3s, b0, b1, c0, c1, c2, c3)
+        elif terms == 3:
             c0, c1, c2, c3 = mma(a0s, a1s, a2s, a3s, b0, b1, c0, c1, c2, c3)
             c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0s, b1s, c0, c1, c2, c3)
         c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
@@ -67,8 +72,12 @@ def _accumulate(frag, n, a, b, terms, zero):
 
 
 @inline_device
-def _scores(q_tile, k_tile, stride, width, row0, terms, zero, s_frag):
-    """``s_frag = Q K^T`` of the warp's 16 rows (from ``row0``) over the key tile, on the tensor cores."""
+def _scores(q_tile, k_tile, stride, width, row0, terms, zero, s_frag, swapped):
+    """``s_frag = Q K^T`` of the warp's 16 rows (from ``row0``) over the key tile, on the tensor cores.
+
+    ``swapped``: ``q_tile`` holds the keys and ``k_tile`` the queries (the
+    backward's ``K Q^T``), whose entries then sum as the forward's do (`_accumulate`).
+    """
     lane = cuda.threadIdx.x % 32
     g = lane // 4
     t = lane % 4
@@ -86,7 +95,7 @@ def _scores(q_tile, k_tile, stride, width, row0, terms, zero, s_frag):
             at = (8 * n + g) * stride + d0 + t
             b0, b0s = split(k_tile[_at(at)])
             b1, b1s = split(k_tile[_at(at + 4)])
-            _accumulate(s_frag, n, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero)
+            _accumulate(s_frag, n, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero, swapped)
 
 
 @inline_device
@@ -109,34 +118,53 @@ def _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, n0, e0):
         for e in range(e0, min(e0 + 8, o_frag.shape[0])):
             b0, b0s = split(v_tile[_at(row + 8 * e)])
             b1, b1s = split(v_tile[_at(row + stride + 8 * e)])
-            _accumulate(o_frag, e, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero)
+            _accumulate(o_frag, e, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero, False)
 
 
 @inline_device
-def _simple_logits(s_frag, place, keys, prm, fopts):
+def add_products(s_frag, v_tile, stride, terms, zero, o_frag):
+    """``o_frag += P V`` over the whole fragments (`_add_pv` in parts at constant offsets)."""
+    _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 0, 0)
+    if s_frag.shape[0] > 4:
+        _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 4, 0)
+    if o_frag.shape[0] > 8:
+        _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 0, 8)
+        if s_frag.shape[0] > 4:
+            _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 4, 8)
+
+
+@inline_device
+def _simple_logits(s_frag, rows, cols, prm, fopts, transposed):
     """Scores to logits in registers, where the only options are the structural ones, ``scale`` and ``tau``.
 
-    ``place = (b, h, i, N)``: the thread's rows are queries ``i`` and ``i + 8``;
-    ``keys = (j, hi)``: its columns of ``s_frag[n]`` are keys ``j + 8 n`` and
-    ``j + 8 n + 1``, kept below ``hi``. ``z = dot (scale / tau)`` (`_entry`'s
-    ``(scale dot) / tau`` within a rounding), ``-inf`` where causal, the
-    window or ``kv_lengths`` remove the entry.
+    ``rows = (r, r_end)``: the thread's rows are ``r`` and ``r + 8``, kept
+    below ``r_end``; ``cols = (c, c_end)``: its columns of ``s_frag[n]`` are
+    ``c + 8 n`` and ``c + 8 n + 1``, kept below ``c_end``. Rows are queries
+    and columns keys, or with ``transposed`` (the backward's ``K Q^T``) the
+    other way round; keys past ``kv_lengths`` are not kept either. ``z =
+    dot (scale / tau)`` (`_entry`'s ``(scale dot) / tau`` within a
+    rounding), ``-inf`` where causal, the window or ``kv_lengths`` remove the
+    entry.
     """
-    b, h, i, N = place
-    j, hi = keys
+    r, r_end = rows
+    c, c_end = cols
     (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
     neg_inf = fopts[F_NEG_INF]
-    end = min(hi, kv_length)
+    if transposed:
+        r_end = min(r_end, kv_length)
+    else:
+        c_end = min(c_end, kv_length)
     factor = scale / tau_h
     no_left = left < 0
     no_right = right < 0
     for n in range(s_frag.shape[0]):
         for e in range(4):  # without branches, so that the loops unroll
-            row = i + 8 * (e // 2)
-            key = j + 8 * n + e % 2
-            d = key - row - diag_shift
-            kept = (key < end) & (row < N) & ~(causal & (d > 0)) & (no_left | (d >= -left)) & (no_right | (d <= right))
+            row = r + 8 * (e // 2)
+            col = c + 8 * n + e % 2
+            d = (row - col if transposed else col - row) - diag_shift  # the key's offset from the query's diagonal
+            kept = (col < c_end) & (row < r_end) & ~(causal & (d > 0)) & (no_left | (d >= -left)) & (
+                no_right | (d <= right))
             s_frag[n, e] = s_frag[n, e] * factor if kept else neg_inf
 
 
@@ -147,8 +175,9 @@ def _general_logits(s_frag, scratch, place, keys, prm, opts):
     ``scratch`` is the warp's ``16 x (8 S + 1)`` tile of shared memory: the
     fragment goes there, the warp's lanes take its entries in row order (the
     bias and mask read along their rows) and the logits come back. The caller
-    brackets it with barriers. ``place``, ``keys`` as in `_simple_logits`,
-    with ``keys[0]`` the tile's first key.
+    brackets it with barriers. ``place = (b, h, i, N)``: the warp's rows are
+    queries ``i ..`` below ``N``; ``keys = (j0, hi)``: its columns keys
+    ``j0 ..`` below ``hi``.
     """
     b, h, i_warp, N = place
     j0, hi = keys
@@ -248,10 +277,10 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
     v_tile = v_tiles[cur * v_size :]
     row0 = 16 * warp
     t = cuda.threadIdx.x % 4
-    _scores(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag)
+    _scores(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag, False)
     fopts = opts[O_FOPTS]
     if not general:
-        _simple_logits(s_frag, (b, h, i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts)
+        _simple_logits(s_frag, (i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts, False)
     else:
         cuda.syncthreads()  # every warp is done with K: its rows become the scratch
         scratch = k_tile[16 * (block_k + 1) * warp :]
@@ -262,13 +291,7 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
         o_frag[e, 1] *= alpha_top
         o_frag[e, 2] *= alpha_bottom
         o_frag[e, 3] *= alpha_bottom
-    _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 0, 0)  # parts at constant offsets (see `_add_pv`)
-    if s_frag.shape[0] > 4:
-        _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 4, 0)
-    if o_frag.shape[0] > 8:
-        _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 0, 8)
-        if s_frag.shape[0] > 4:
-            _add_pv(s_frag, v_tile, v_stride, terms, zero, o_frag, 4, 8)
+    add_products(s_frag, v_tile, v_stride, terms, zero, o_frag)
     cuda.syncthreads()  # every warp is done with these buffers before the next tile's copies reuse them
 
 
