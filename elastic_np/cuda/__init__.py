@@ -9,11 +9,13 @@ FlashAttention's ``hopper/`` keeps ``flash_fwd_kernel`` beside
   first use) and its ``_launch`` sibling (imports no ``numba.cuda``: tile
   sizes or geometry, shared-memory sizing, the launch):
   `elastic_np.cuda._forward` and `elastic_np.cuda._forward_launch` (the
-  flash forward), `elastic_np.cuda._decode` and
+  flash forward; its tensor-core kernels in `elastic_np.cuda._forward_tc`),
+  `elastic_np.cuda._decode` and
   `elastic_np.cuda._decode_launch` (decoding: when it runs, stacked rows,
   key splits, the merge), `elastic_np.cuda._backward` and
   `elastic_np.cuda._backward_launch` (``delta``, ``dq``, ``dk``, ``dv``, a
-  broadcast bias's ``dbias``);
+  broadcast bias's ``dbias``; on the tensor cores, with ``TC_BACKWARD``,
+  `elastic_np.cuda._backward_tc`);
 - what the families share: on the host, `elastic_np.cuda._api` (the entry
   points `forward` and `backward`, which pick decode or prefill, and the
   option arrays every kernel takes: the window and gate bands, the bias

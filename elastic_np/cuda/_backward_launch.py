@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from elastic_np.cuda import _config as config
+from elastic_np.cuda import _forward_launch
 from elastic_np.cuda._config import REG_M, REG_N
 from elastic_np.cuda._host import _cuda, _kernel_module, blocks, configured, shared_limit
 
@@ -62,6 +63,54 @@ def tiles(kind, itemsize, D, Dv):
     return (rows // REG_M) * (cols // REG_N), rows, cols
 
 
+def tc_shared_elements(kind, warps, tile, width):
+    """Elements of dynamic shared memory of a tensor-core backward block (`elastic_np.cuda._backward_tc`).
+
+    ``dq``: Q and dO of its ``16 warps`` rows, two each of K and V; ``dkdv``:
+    K and V of its ``16 warps`` keys, two each of Q, dO and of ``lse`` with
+    ``delta``. Rows of ``width + TC_PAD``.
+    """
+    stride = width + config.TC_PAD
+    rows = 16 * warps
+    if kind == "dq":
+        return 2 * rows * stride + 4 * tile * stride
+    return 2 * rows * stride + 4 * tile * stride + 4 * tile
+
+
+def tensor_core_plan(p):
+    """``(dq, dkdv)``, each ``(kernel key, warps, shared bytes)``, or None where the SIMT backward runs.
+
+    The tensor cores take the backward (``TC_BACKWARD``) where the forward
+    ran on them without the general score pipeline
+    (`elastic_np.cuda._forward_launch.tensor_core_plan`), except with
+    ``precision="tf32"``, whose backward keeps float32 (the contract); heads
+    up to 128 columns. The warps per block halve from ``TC_BACKWARD_WARPS``
+    until the shared memory fits.
+    """
+    if not config.TC_BACKWARD or p.precision == "tf32":
+        return None
+    forward = _forward_launch.tensor_core_plan(p)
+    if forward is None or forward[0][2]:
+        return None
+    B, H, Hkv, N, M, D, Dv = p.shape
+    itemsize = p.dtype.itemsize
+    width = next((w for w in (64, 128) if max(D, Dv) <= w), None)
+    if width is None:
+        return None
+    limit = shared_limit()
+    plans = []
+    for kind in ("dq", "dkdv"):
+        tile = config.TC_BACKWARD_TILES[kind, itemsize, width]
+        warps = config.TC_BACKWARD_WARPS
+        while warps > 1 and tc_shared_elements(kind, warps, tile, width) * itemsize > limit:
+            warps //= 2
+        shared = tc_shared_elements(kind, warps, tile, width) * itemsize
+        if shared > limit:
+            return None
+        plans.append(((kind, tile, width), warps, shared))
+    return tuple(plans)
+
+
 def outputs(p):
     """The backward's outputs before any launch: ``dq``, ``dk``, ``dv``, ``delta`` on the device.
 
@@ -73,7 +122,8 @@ def outputs(p):
     partial_sums = _kernel_module("_device").P_COUNT
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
-    dq_rows = tiles("dq", dtype.itemsize, D, Dv)[1]
+    plan = tensor_core_plan(p)
+    dq_rows = tiles("dq", dtype.itemsize, D, Dv)[1] if plan is None else 16 * plan[0][1]
     return {
         "dq": cuda.device_array((B, H, N, D), dtype=dtype),
         "dk": cuda.device_array((B, Hkv, M, D), dtype=dtype),
@@ -128,6 +178,11 @@ def _launch_kernels(p, opts, arrays, grads):
     if N > 0:
         threads = max(1, min(config.DELTA_THREADS, B * H * N))
         kernels._backward_delta_kernel[blocks(B * H * N, threads), threads](dout, out, dlse, opts, grads["delta"])
+    plan = tensor_core_plan(p)
+    if plan is not None:
+        _launch_tensor_cores(p, opts, plan, arrays, grads)
+        return
+    if N > 0:
         threads, rows, cols = tiles("dq", itemsize, D, Dv)
         shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
         configured(kernels._backward_dq_kernel, blocks(N, rows) * B * H, threads, shared)(
@@ -138,6 +193,24 @@ def _launch_kernels(p, opts, arrays, grads):
         shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
         configured(kernels._backward_dkdv_kernel, blocks(M, rows) * B * Hkv, threads, shared)(
             q, k, v, opts, cols, dout_lse_delta, grads["dk"], grads["dv"]
+        )
+
+
+def _launch_tensor_cores(p, opts, plan, arrays, grads):
+    """Launch the tensor-core dq and dk/dv kernels (`tensor_core_plan`), after the delta kernel."""
+    kernel = _kernel_module("_backward_tc").kernel
+    B, H, Hkv, N, M, D, Dv = p.shape
+    q, k, v, dout, out, lse, dlse = arrays
+    dout_lse_delta = (dout, lse, grads["delta"])
+    vector = _forward_launch.vector_copies(p.dtype.itemsize, D, Dv, (q, k, v, dout))
+    (dq_key, dq_warps, dq_shared), (kv_key, kv_warps, kv_shared) = plan
+    if N > 0:
+        configured(kernel(*dq_key), blocks(N, 16 * dq_warps) * B * H, 32 * dq_warps, dq_shared)(
+            q, k, v, opts, vector, dout_lse_delta, grads["dq"], grads["partials"]
+        )
+    if M > 0:
+        configured(kernel(*kv_key), blocks(M, 16 * kv_warps) * B * Hkv, 32 * kv_warps, kv_shared)(
+            q, k, v, opts, vector, dout_lse_delta, grads["dk"], grads["dv"]
         )
 
 

@@ -46,8 +46,11 @@ def _signatures(dtype):
     dout_lse_delta = nbt.Tuple((arr(4), arr(3), arr(3)))
     tensor_cores = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, arr(4), arr(3))
                     for kernel in _kernel_module("_forward_tc").KERNELS.values()}
+    backward_tc = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, dout_lse_delta, arr(4), arr(4))
+                   for kernel in _kernel_module("_backward_tc").KERNELS.values()}
     return {
         "_forward_kernel": qkv + (opts, nbt.int64, arr(4), arr(3)),
+        **backward_tc,
         **tensor_cores,
         "_backward_delta_kernel": (arr(4), arr(4), arr(3), opts, arr(3)),
         "_backward_dq_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4), arr(4)),

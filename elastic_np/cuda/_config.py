@@ -61,6 +61,26 @@ TC_FORWARD_WARPS = 8
 TC_KEYS = {4: 64, 8: 32}
 #: Tensor-core forward: copy 16 bytes at a time where the rows allow it (False: element by element).
 TC_VECTOR_COPY = True
+#: Backward on the tensor cores (`elastic_np.cuda._backward_tc`) where the forward ran on them
+#: without the general score pipeline, except ``precision="tf32"`` (whose backward keeps
+#: float32): float64, and the float32 default with ``TC_FLOAT32``. Off until it is measured
+#: on a GPU; the simulator runs it.
+TC_BACKWARD = False
+#: Tensor-core backward: warps per block at most (16 query rows, or keys, each); halved
+#: until the shared memory fits.
+TC_BACKWARD_WARPS = 4
+#: Tensor-core backward: keys per K/V tile of the dq kernel and queries per Q/dO tile of the
+#: dk/dv kernel, by (kernel, itemsize, head width 64 or 128), each a kernel of its own: the
+#: fragments of a thread mostly stay in its registers (python -m elastic_np.cuda --resources).
+TC_BACKWARD_TILES = {
+    ("dq", 4, 64): 64, ("dq", 4, 128): 32, ("dq", 8, 64): 32, ("dq", 8, 128): 16,
+    ("dkdv", 4, 64): 32, ("dkdv", 4, 128): 16, ("dkdv", 8, 64): 16, ("dkdv", 8, 128): 8,
+}
+#: Tensor-core dk/dv kernel (compile-time): the most words of fragments a thread keeps
+#: (``dk``, ``dv``, ``S^T``, ``dP^T``: head width plus query tile, twice in float64) for one pass
+#: over the query tiles; beyond it, two passes (``dv``, then ``dk``), which form ``S^T`` twice.
+#: ptxas on sm_90: 96 words fit the registers, 128 spilled.
+TC_BACKWARD_ONE_PASS = 96
 #: Tensor-core forward: padding of the shared-memory rows, in elements (compile-time): a row
 #: stride of 4 modulo 8 words puts a fragment's reads in distinct banks.
 TC_PAD = 4

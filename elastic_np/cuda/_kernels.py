@@ -51,12 +51,13 @@ Conventions shared by every kernel:
   threads of a warp fall in different banks.
 """
 
-from elastic_np.cuda import _backward, _decode, _forward, _forward_tc
+from elastic_np.cuda import _backward, _backward_tc, _decode, _forward, _forward_tc
 
 #: Every kernel of the backend, by name (the PTX and resource reports go through these).
 KERNELS = {
     "_forward_kernel": _forward._forward_kernel,
     **{kernel.py_func.__name__: kernel for kernel in _forward_tc.KERNELS.values()},
     **_backward.KERNELS,
+    **{kernel.py_func.__name__: kernel for kernel in _backward_tc.KERNELS.values()},
     **_decode.KERNELS,
 }

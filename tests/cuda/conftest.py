@@ -56,6 +56,9 @@ def small_tiles(monkeypatch):
         # the tensor-core forward: one warp (16 query rows) a block, key tiles of 32
         "TC_FORWARD_WARPS": 1,
         "TC_KEYS": {4: 32, 8: 32},
+        # the tensor-core backward (when on): one warp (16 rows or keys) a block, tiles of 16
+        "TC_BACKWARD_WARPS": 1,
+        "TC_BACKWARD_TILES": dict.fromkeys(_cuda_config.TC_BACKWARD_TILES, 16),
     }.items():
         monkeypatch.setattr(_cuda_config, name, value)
 

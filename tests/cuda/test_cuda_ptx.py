@@ -58,6 +58,36 @@ def test_tensor_core_forward_uses_the_tensor_cores(cc):
             assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text, name
 
 
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_tensor_core_backward_uses_the_tensor_cores(cc):
+    """Its products are ``mma.sync`` in every kernel of the config's tiles; Q/dO and K/V arrive by ``cp.async``."""
+    from elastic_np.cuda import _config as _cuda_config
+
+    code = cuda.ptx(cc=cc)
+    names = sorted(name for name in _cuda_kernels.KERNELS if name.startswith("_backward_tc_"))
+    assert names == sorted(f"_backward_tc_{kind}_t{tile}_w{width}"
+                           for (kind, _, width), tile in _cuda_config.TC_BACKWARD_TILES.items())
+    f64_shape = "m16n8k4" if cc >= (9, 0) else "m8n8k4"
+    for name in names:
+        f32, f64 = code[f"{name}[float32]"], code[f"{name}[float64]"]
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in f32 and "cvt.rna.tf32.f32" in f32, name
+        assert f"mma.sync.aligned.{f64_shape}.row.col.f64.f64.f64.f64" in f64 and ".tf32" not in f64, name
+        for text in (f32, f64):
+            assert "cp.async.cg.shared.global" in text and "cp.async.wait_group 1" in text, name
+
+
+def test_float32_tensor_core_backward_keeps_its_fragments_in_registers():
+    """The float32 kernels the config uses spill nothing on sm_90 (the float64 ones spill: docs/performance.rst)."""
+    pytest.importorskip("cuda.core", reason="needs cuda.core with nvJitLink")
+    from elastic_np.cuda import _config as _cuda_config
+
+    report = cuda.resources(cc=(9, 0))
+    for (kind, itemsize, width), tile in _cuda_config.TC_BACKWARD_TILES.items():
+        if itemsize == 4:
+            entry = report[f"_backward_tc_{kind}_t{tile}_w{width}[float32]"]
+            assert entry["stack_bytes"] == 0 and not entry["spills"], (kind, width, entry)
+
+
 def test_dynamic_shared_memory_fits_the_limit():
     from elastic_np.cuda._host import shared_limit
 
