@@ -70,6 +70,17 @@ def test_float64_every_option_and_both_copies(tensor_core_runs, monkeypatch, bia
     assert_matches_oracle("lse", lse, ref_lse, np.float64)
 
 
+@pytest.mark.parametrize("opts", [{}, {"causal": True, "tau": 0.7}, {"window_size": (40, 3)}],
+                         ids=["plain", "causal", "window"])
+def test_float64_tiles_inside_the_band(tensor_core_runs, opts):
+    """Whole 16 x 32 tiles that nothing masks (the product alone) beside cut ones."""
+    _, (out, lse), (ref_out, ref_lse) = forward_and_oracle(np.float64, opts, seed=6, B=1, H=2, Hkv=1, N=48, M=96,
+                                                           D=8, Dv=8)
+    assert tensor_core_runs == [(32, 64, False)]
+    assert_matches_oracle("out", out, ref_out, np.float64)
+    assert_matches_oracle("lse", lse, ref_lse, np.float64)
+
+
 @pytest.mark.parametrize("warps", [1, 2])
 @pytest.mark.parametrize("shape", [dict(D=16, Dv=16), dict(D=20, Dv=136), dict(D=4, Dv=3)])
 def test_geometries(tensor_core_runs, monkeypatch, shape, warps):
