@@ -18,18 +18,38 @@ logger = logging.getLogger("elastic_np")
 _PASS_EVENTS = (("numba.core.event", "numba:run_pass"), ("numba.cuda.core.event", "numba-cuda:run_pass"))
 
 
-def _listener(module, functions, lock):
-    """A listener of event ``module`` (each Numba package checks its own base class) adding to ``functions``."""
+#: The function sets of the `watch` blocks now open, in every thread (a compile may run in a pool thread).
+_open = []
+_open_lock = threading.Lock()
+#: The event modules whose pass events reach `_listener`'s listeners: registered once each.
+_registered = set()
+
+
+def _listener(module):
+    """A listener of event ``module`` (each Numba package checks its own base class) adding to every open watch."""
 
     class Compiled(module.Listener):
         def on_start(self, ev):
-            with lock:
-                functions.add(ev.data.get("qualname") if isinstance(ev.data, dict) else None)
+            name = ev.data.get("qualname") if isinstance(ev.data, dict) else None
+            with _open_lock:
+                for functions in _open:
+                    functions.add(name)
 
         def on_end(self, ev):
             pass
 
     return Compiled()
+
+
+def _register():
+    """Register the listeners of the Numba packages loaded so far, once each (a listener per call cost tens of us)."""
+    for module_name, kind in _PASS_EVENTS:
+        module = sys.modules.get(module_name)
+        if module is not None and module_name not in _registered:
+            with _open_lock:
+                if module_name not in _registered:
+                    module.register(kind, _listener(module))
+                    _registered.add(module_name)
 
 
 class Watch:
@@ -59,19 +79,18 @@ def watch():
 
     Yields a `Watch`, filled in when the block ends.
     """
-    seen, functions, lock = Watch(), set(), threading.Lock()
+    _register()
+    seen, functions = Watch(), set()
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        for module_name, kind in _PASS_EVENTS:
-            module = sys.modules.get(module_name)
-            if module is not None:
-                stack.enter_context(module.install_listener(kind, _listener(module, functions, lock)))
-        try:
-            yield seen
-        finally:
-            seen.seconds = time.perf_counter() - start
-            with lock:
-                seen.compiled = frozenset(functions)
+    with _open_lock:
+        _open.append(functions)
+    try:
+        yield seen
+    finally:
+        seen.seconds = time.perf_counter() - start
+        with _open_lock:
+            del _open[next(at for at, open_set in enumerate(_open) if open_set is functions)]
+            seen.compiled = frozenset(functions)
 
 
 @contextlib.contextmanager
