@@ -39,7 +39,7 @@ from elastic_np.cuda._device import (
     F_NEG_INF, F_ONE, F_SCALE, F_ZERO, I_MMA_TERMS, O_FOPTS, O_IOPTS, O_TAU, P_DSIGMA, P_DTAU, _bh_params,
     _compensated_add, _dims, _key_range, _query_range, inline_device,
 )
-from elastic_np.cuda._forward_tc import _place, _scores, _simple_logits, add_products
+from elastic_np.cuda._forward_tc import _place, _scores, _simple_logits, add_products, copy_unit
 from elastic_np.cuda._mma import splits
 
 
@@ -158,17 +158,18 @@ def _dq_tile(tiles, dims, place, options, frags):
 
 
 @inline_device
-def _issue_keys(kv, j, dst):
-    """Start copying the key tile from key ``j``: K into ``dst``, V after it.
+def _copy_pair(pair, first, dst, geometry, unit):
+    """Start copying rows ``first ..`` of two arrays into two tiles: ``x``'s into ``dst``, ``y``'s after it.
 
-    ``kv = (k_bh, v_bh, hi, (D, Dv, width, stride, block_k), unit)``: the
-    kv head's keys and values, the end of the block's keys, the tile geometry.
+    ``pair = (x, y, end)``: a (batch, head)'s rows of ``x`` (``D`` columns)
+    and of ``y`` (``Dv``), zeros from row ``end``; ``geometry = (D, Dv,
+    width, stride, rows)``: each tile ``rows x width`` at row stride
+    ``stride``. The caller commits.
     """
-    k_bh, v_bh, hi, geometry, unit = kv
-    D, Dv, width, stride, block_k = geometry
-    copy_tile(k_bh[j:], hi - j, D, dst, stride, block_k, width, unit)
-    copy_tile(v_bh[j:], hi - j, Dv, dst[block_k * stride :], stride, block_k, width, unit)
-    commit()
+    x, y, end = pair
+    D, Dv, width, stride, rows = geometry
+    copy_tile(x[first:], end - first, D, dst, stride, rows, width, unit)
+    copy_tile(y[first:], end - first, Dv, dst[rows * stride :], stride, rows, width, unit)
 
 
 @inline_device
@@ -191,11 +192,8 @@ def _dq(q, k, v, opts, vector, grads_in, dq, partials, frags):
     q_tile = smem[: block_q * stride]
     do_tile = smem[block_q * stride : 2 * block_q * stride]
     kv_tiles = smem[2 * block_q * stride :]  # K, V of the tile in use and of the next: (K0, V0, K1, V1)
-    unit = 1
-    if vector:
-        unit = 4 if splits(zero) else 2  # 16 bytes
-    copy_tile(q[b, h, i0:], i1 - i0, D, q_tile, stride, block_q, width, unit)
-    copy_tile(dout[b, h, i0:], i1 - i0, Dv, do_tile, stride, block_q, width, unit)
+    unit = copy_unit(vector, zero)
+    _copy_pair((q[b, h], dout[b, h], i1), i0, smem, (D, Dv, width, stride, block_q), unit)
     commit()
     row = i0 + 16 * warp + cuda.threadIdx.x % 32 // 4
     stats = ((lse[b, h, min(row, N - 1)], lse[b, h, min(row + 8, N - 1)]),
@@ -207,14 +205,17 @@ def _dq(q, k, v, opts, vector, grads_in, dq, partials, frags):
     _zero(dq_frag, zero)
     sums[0] = zero
     sums[1] = zero
-    kv = (k[b, h // (H // Hkv)], v[b, h // (H // Hkv)], hi, (D, Dv, width, stride, block_k), unit)
+    kv = (k[b, h // (H // Hkv)], v[b, h // (H // Hkv)], hi)
+    geometry = (D, Dv, width, stride, block_k)
     if n_k > 0:
-        _issue_keys(kv, lo, kv_tiles)
+        _copy_pair(kv, lo, kv_tiles, geometry, unit)
+        commit()
     for it in range(n_k):
         j0 = lo + it * block_k
         cur = it % 2
         if it + 1 < n_k:  # the next tile into the other buffers, while this one is used
-            _issue_keys(kv, j0 + block_k, kv_tiles[(1 - cur) * 2 * tile :])
+            _copy_pair(kv, j0 + block_k, kv_tiles[(1 - cur) * 2 * tile :], geometry, unit)
+            commit()
             wait_prior()
         else:
             wait_all()
@@ -236,10 +237,9 @@ def _issue_queries(place, arrays, slot_tiles, geometry, unit):
     """Start copying query tile ``i0 ..`` of head ``h``: Q, dO, then ``lse`` and ``delta``, into one buffer slot."""
     b, h, i0, hi = place
     q, dout, lse, delta = arrays
-    q_tile, do_tile, stats = slot_tiles
-    D, Dv, width, stride, block_q = geometry
-    copy_tile(q[b, h, i0:], hi - i0, D, q_tile, stride, block_q, width, unit)
-    copy_tile(dout[b, h, i0:], hi - i0, Dv, do_tile, stride, block_q, width, unit)
+    q_tile, _, stats = slot_tiles
+    block_q = geometry[4]
+    _copy_pair((q[b, h], dout[b, h], hi), i0, q_tile, geometry, unit)
     copy_tile(lse[b, h : h + 1, i0:], 1, hi - i0, stats, block_q, 1, block_q, 1)
     copy_tile(delta[b, h : h + 1, i0:], 1, hi - i0, stats[block_q:], block_q, 1, block_q, 1)
     commit()
@@ -247,10 +247,11 @@ def _issue_queries(place, arrays, slot_tiles, geometry, unit):
 
 @inline_device
 def _slot(buffers, slot, sizes):
-    """``(q_tile, do_tile, stats)`` of buffer slot ``slot`` (0 or 1)."""
-    q_tiles, do_tiles, stats_tiles = buffers
+    """``(q_tile, do_tile, stats)`` of buffer slot ``slot`` (0 or 1): each slot's dO tile follows its Q tile."""
+    pairs, stats_tiles = buffers
     q_size, stats_size = sizes
-    return q_tiles[slot * q_size :], do_tiles[slot * q_size :], stats_tiles[slot * stats_size :]
+    q_tile = pairs[2 * slot * q_size :]
+    return q_tile, q_tile[q_size:], stats_tiles[slot * stats_size :]
 
 
 #: What a pass of the dk/dv kernel forms (`_dkdv_pass`): both, ``dv`` alone, ``dk`` alone.
@@ -338,12 +339,9 @@ def _dkdv(q, k, v, opts, vector, grads_in, dk, dv, frags):
     k_tile = smem[: block_k * stride]
     v_tile = smem[block_k * stride : 2 * block_k * stride]
     at = 2 * block_k * stride
-    buffers = (smem[at : at + 2 * q_size], smem[at + 2 * q_size : at + 4 * q_size], smem[at + 4 * q_size :])
-    unit = 1
-    if vector:
-        unit = 4 if splits(zero) else 2  # 16 bytes
-    copy_tile(k[b, hk, j0:], j1 - j0, D, k_tile, stride, block_k, width, unit)
-    copy_tile(v[b, hk, j0:], j1 - j0, Dv, v_tile, stride, block_k, width, unit)
+    buffers = (smem[at : at + 4 * q_size], smem[at + 4 * q_size :])  # (Q0, dO0, Q1, dO1), then lse and delta twice
+    unit = copy_unit(vector, zero)
+    _copy_pair((k[b, hk], v[b, hk], j1), j0, smem, (D, Dv, width, stride, block_k), unit)
     commit()
     arrays = (q, k, v, dout, lse, delta, opts)
     tiles = (k_tile, v_tile, buffers, (q_size, 2 * block_q), (D, Dv, width, stride, block_q))

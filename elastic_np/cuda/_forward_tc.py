@@ -246,6 +246,14 @@ def _softmax_step(s_frag, stats, fopts):
 
 
 @inline_device
+def copy_unit(vector, zero):
+    """Elements a copy moves at a time: 16 bytes' worth where ``vector`` (rows of whole, aligned units), else 1."""
+    if vector:
+        return 4 if splits(zero) else 2
+    return 1
+
+
+@inline_device
 def _issue_kv(k_bh, v_bh, j, hi, c0, buffers, geometry, unit, slot):
     """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot``."""
     q_tile, k_tiles, v_tiles, k_size, v_size = buffers
@@ -363,9 +371,7 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     k_tiles, at = _carve(smem, at, 2 * k_size)  # two of each: one in use, the next one arriving
     v_tiles, at = _carve(smem, at, 2 * v_size)
     buffers = (q_tile, k_tiles, v_tiles, k_size, v_size)
-    unit = 1
-    if vector:
-        unit = 4 if splits(zero) else 2  # 16 bytes
+    unit = copy_unit(vector, zero)
     copy_tile(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + TC_PAD, block_q, d_pad, unit)
     commit()
     prm = _bh_params(b, h, N, M, opts)
