@@ -38,6 +38,10 @@ DECODE_FEW_ROWS = 16
 DECODE_MIN_TASKS = 32
 #: Fewest keys of a split.
 DECODE_MIN_SPLIT_KEYS = 512
+#: Keys ahead of those it reads that the stacked-rows kernel hints into the
+#: cache (`elastic_np.cpu._decode_products`); a whole number of pages in a
+#: paged cache.
+DECODE_HINT_KEYS = 128
 
 # Threads (`elastic_np.cpu._threads`)
 

@@ -10,26 +10,29 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   all of them;
 - with fewer than `DECODE_KEY_MAJOR_QUERIES` queries (`_decode_kernel`),
   score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
-  pipeline, the exponential, the row maxima and sums run along the keys;
-  ``Q K^T`` is the register-blocked product of `elastic_np.cpu._products`
-  with the key tile transposed once;
+  pipeline, the exponential, the row maxima and sums run along the keys.
+  ``Q K^T`` and ``P V`` are the products of
+  `elastic_np.cpu._decode_products`, which read the keys and values where
+  they lie, in their own dtype (a bfloat16 or float16 cache is widened in
+  registers, never converted or copied), transpose blocks of keys in
+  registers, and hint the rows some keys on into the cache as they go: the
+  cache is read once, from memory, while the products compute. A NaN or inf
+  key makes the tile's products so, a value the split's sums: both are
+  found there (`_softmax_step`, `_store_split`);
 - with `DECODE_KEY_MAJOR_QUERIES` or more (`_decode_heads_kernel`), each
   head of the group is a prefill tile of its ``N`` queries, key-major
   (``st[c, i]``), through the prefill's own steps, one head after the other
   while the key tile is in cache: the per-query work runs along the SIMD
-  lanes, and no key tile is transposed;
-- each key tile is first read in memory order (`_tiles`), which also
-  finds a NaN or inf key or value, and converts bfloat16 and float16 keys and
-  values to float32 (`elastic_np.cpu._halves`): a cache is read in its own
-  dtype and never copied;
+  lanes, and no key tile is transposed. Each key tile is first read in
+  memory order (`_tiles`), which also finds a NaN or inf key or value and
+  converts a half tile to float32 (`elastic_np.cpu._halves`);
 - in a ``(B, N, H, D)`` cache, or a paged one (`forward`'s ``paged``: pages
   ``(num_blocks, block_size, Hkv, D)`` and a block table), a key's rows for
   all kv heads are adjacent and one head's rows ``Hkv * D`` entries apart:
   there, when every head keeps the same keys, a task of `_decode_kernel`
-  takes every kv head of its key split, each tile read once across the heads
-  in memory order (`_read_all_heads`) and then stepped head by head in cache
-  (`_tile_of_heads`); a tile over several pages is read a page at a time.
-  Each head's tiles, and so its bits, are those of a task of its own;
+  takes every kv head of its key split and reads each run of a tile (the
+  tile, or its part in one page) head after head (`_tile_of_heads`). Each
+  head's products, and so its bits, are those of a task of its own;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -60,23 +63,23 @@ from elastic_np.cpu._calls import (
     matmul_tn,
 )
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._decode_products import key_scores, value_products
 from elastic_np.cpu._decode_tiles import (
-    _NO_TABLE, _check_unread_cache, _keys_by_page, _paged_rows, _read_all_heads, _tiles, _together, _transpose_keys,
-    _values_by_page,
+    _NO_TABLE, _check_unread_cache, _paged_rows, _segment, _tiles, _together,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
-from elastic_np.cpu._halves import narrow, widen
+from elastic_np.cpu._halves import checked, narrow, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
-from elastic_np.cpu._simd import _LINE_BYTES, compile_for
+from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._tanh import tanh_any
 from elastic_np.cpu._threads import _run_tasks, _task_range
 
 #: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
-_ROWS_TILES = (matmul_nn, exp_inplace)
+_ROWS_TILES = (exp_inplace,)
 _HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
 
@@ -91,6 +94,12 @@ def block_keys(rows, key_major):
     if key_major:
         return config.DECODE_BLOCK_K
     return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K
+
+
+def hint_keys(block_size):
+    """Keys ahead that the stacked-rows kernel hints: `DECODE_HINT_KEYS`, rounded up to whole pages of ``block_size``."""
+    pages = -(-config.DECODE_HINT_KEYS // block_size) if block_size > 0 else 0
+    return pages * block_size if block_size > 0 else config.DECODE_HINT_KEYS
 
 
 def splits(B, Hkv, M):
@@ -142,7 +151,9 @@ def forward(problem, paged=None, entry_splits=None):
     suspect = np.zeros((B, Hkv, most), dtype=np.bool_)
     _run_tasks(
         _decode_heads_kernel if key_major else _decode_kernel,
-        q, k, v, pages, opt, split_start, block_keys(rows, key_major), (part_max, part_sum, part_acc, read, suspect),
+        q, k, v, pages, opt, split_start,
+        block_keys(rows, key_major) if key_major else (block_keys(rows, key_major), hint_keys(block_size)),
+        (part_max, part_sum, part_acc, read, suspect),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
@@ -255,17 +266,18 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts):
+def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
     ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
     None for a contiguous cache read head by head, else ``(table,
-    block_size, together)``: `_tiles`' (a paged cache when ``block_size >
-    0``) and whether a task takes every kv head, a tile at a
-    time, so that the rows of one key for all heads, adjacent in a ``(B, N,
-    H, D)`` or paged cache, are read together (every head's keys then lie in
-    the same range: `_together`). Either way each head's tiles, and so its
-    bits, are the same. Batch entry ``b`` has the key splits
+    block_size, together)``: a paged cache when ``block_size > 0``, and
+    whether a task takes every kv head, a tile at a time, so that the rows
+    of one key for all heads, adjacent in a ``(B, N, H, D)`` or paged cache,
+    are read together (every head's keys then lie in the same range:
+    `_together`). Either way each head's tiles, and so its bits, are the
+    same. ``tiles = (block_k, ahead)``: keys per tile, and how far ahead the
+    products hint (`hint_keys`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -273,22 +285,22 @@ def _decode_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts)
     overflow) may have reached split ``s``'s sums.
     """
     part_max, part_sum, part_acc, read, suspect = outs
+    block_k, ahead = tiles
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
     rows = group * N
     dtype = part_acc.dtype
     heads = _heads_per_task(pages, Hkv)
-    kt = np.empty((D, block_k + _LINE_BYTES // part_acc.itemsize), dtype=dtype)  # see `_transpose_keys`
-    st = np.empty((rows, block_k), dtype=dtype)
+    st = np.empty((heads, rows, block_k), dtype=dtype)
     shift_by = np.empty(rows, dtype=dtype)
+    kept = np.empty(heads, dtype=np.bool_)
     qs = np.empty((heads, rows, D), dtype=dtype)
     acc = np.empty((heads, rows, Dv), dtype=dtype)
     row_max = np.empty((heads, rows), dtype=dtype)
     row_sum = np.empty((heads, rows))
     row_span = np.empty((heads, 2, rows), dtype=np.int64)  # the keys [lo, hi) each row may keep
     checksum = np.empty(heads, dtype=dtype)
-    kv_scratch = (np.empty((block_k, D), dtype=dtype), np.empty((block_k, Dv), dtype=dtype))  # see `_tiles`
     b = 0
     for task in _task_range((Hkv // heads) * split_start[B], part, parts):
         b, head_group, s, n_split = _locate(task, split_start, Hkv // heads, b)
@@ -297,13 +309,13 @@ def _decode_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts)
             u_lo, u_hi = _row_ranges(opt, b, hk0 + t, group, N, row_span[t, 0], row_span[t, 1])
             read[b, hk0 + t, 0], read[b, hk0 + t, 1] = u_lo, u_hi
             _start_rows(q, opt, b, hk0 + t, qs[t], (acc[t], row_max[t], row_sum[t]))
-            checksum[t] = 0.0
+        checksum[:] = 0.0
         u_lo, u_hi = read[b, hk0, 0], read[b, hk0, 1]  # the same for every head of the task
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for j0 in range(a, e, block_k):
-            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0)), kv_scratch,
-                           (kt, st, shift_by), (qs, row_span, checksum), opt, (acc, row_max, row_sum))
+            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead), (st, shift_by, kept),
+                           (qs, row_span, checksum), opt, (acc, row_max, row_sum))
         for t in range(heads):
             hk = hk0 + t
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
@@ -335,37 +347,78 @@ def _heads_per_task(pages, Hkv):
 
 
 @inner(fastmath=_FASTMATH)
-def _tile_of_heads(k, v, pages, where, scratch, work, rows_of, opt, state):
-    """Keys ``j0 .. j0 + bk - 1`` for each kv head ``hk0 .. hk0 + heads - 1`` of a task of `_decode_kernel`.
+def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
+    """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
-    ``where = (b, hk0, heads, N, j0, bk)``; ``scratch``: `_tiles`';
-    ``work``: `_rows_tile`'s; ``rows_of = (qs, row_span, checksum)`` and
-    ``state = (acc, row_max, row_sum)`` by head of the task. With
-    ``pages=None`` (a contiguous cache; Numba compiles that case apart, so
-    none of the paged code) the tile is read in place.
+    ``where = (b, hk0, heads, N, j0, bk, ahead)`` (``ahead``: `_ahead`'s);
+    ``work = (st, shift_by, kept)``,
+    the thread's scratch (``st``: a score tile per head); ``rows_of = (qs,
+    row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by head of
+    the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
+
+    The keys and values are read where they lie, by the products of
+    `elastic_np.cpu._decode_products`, a run of rows at a time (`_run`: the
+    whole tile, or a page's part of it) and, within a run, head after head:
+    in a ``(B, N, H, D)`` or paged cache, the rows of all the heads of a
+    run lie together, and they are read in that order. Each head's products,
+    and so its bits, are those of a task of its own. With ``pages=None`` (a
+    contiguous cache; Numba compiles that case apart, so none of the paged
+    code) the tile is one run of rows of one head.
     """
-    b, hk0, heads, N, j0, bk = where
+    b, hk0, heads, N, j0, bk, ahead = where
+    st, shift_by, kept = work
     qs, row_span, checksum = rows_of
     acc, row_max, row_sum = state
-    if pages is None:
-        k_tile, v_tile, check, _ = _tiles(k, v, pages, b, hk0, j0, bk, scratch)
-        checksum[0] += check
-        _rows_tile(k_tile, v_tile, None, work, qs[0], row_span[0], opt, (b, hk0, N, j0, bk),
-                   (acc[0], row_max[0], row_sum[0]))
-        return
-    if pages[2]:
-        all_check = _read_all_heads(k, v, pages, b, j0, bk)
+    rows, D = qs.shape[1], qs.shape[2]
+    Dv = acc.shape[2]
+    length = opt.kv_lengths[b]
+    c = 0
+    while c < bk:  # Q K^T with the sums of the prefill tiles: the backward recomputes these logits bit for bit
+        at, row, n = _run(pages, b, j0, c, bk)
         for t in range(heads):
-            checksum[t] += all_check
+            key_scores(qs[t], head_rows(k, at, hk0 + t, row, n), _ahead(k, pages, b, hk0 + t, j0 + c, ahead, length),
+                       st[t], c, rows, n, D)
+        c += n
     for t in range(heads):
-        k_tile, v_tile, check, segmented = _tiles(k, v, pages, b, hk0 + t, j0, bk, scratch)
+        check, kept[t] = _softmax_step(st[t], shift_by, row_span[t], opt, (b, hk0 + t, N, j0, bk),
+                                       (acc[t], row_max[t], row_sum[t]))
         checksum[t] += check
-        head_state = (acc[t], row_max[t], row_sum[t])
-        if segmented:
-            _rows_tile(k_tile, v_tile, (k, v, pages), work, qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk),
-                       head_state)
-        else:
-            _rows_tile(k_tile, v_tile, None, work, qs[t], row_span[t], opt, (b, hk0 + t, N, j0, bk), head_state)
+    c = 0
+    while c < bk:
+        at, row, n = _run(pages, b, j0, c, bk)
+        for t in range(heads):
+            v_rows = head_rows(v, at, hk0 + t, row, n)
+            if kept[t]:
+                value_products(st[t], c, v_rows, _ahead(v, pages, b, hk0 + t, j0 + c, ahead, length), acc[t], rows, n, Dv)
+            else:  # the values are not multiplied: checked alone
+                checksum[t] += checked(v_rows, Dv)
+        c += n
+
+
+@inner(fastmath=False)
+def _ahead(x, pages, b, hk, j, ahead, length):
+    """``(whole, col, row)``: where key ``j + ahead`` of ``(b, hk)`` lies, for the products' hints (`hint_keys`).
+
+    Key ``j`` itself where ``j + ahead`` is past ``length`` in a paged cache
+    (a contiguous cache's rows past its end are never read: a hint does not
+    fault).
+    """
+    if pages is not None and pages[1] > 0:
+        page, row, _ = _segment(pages, b, j if j + ahead >= length else j + ahead, 1)
+        whole, col = head(x, page, hk)
+        return whole, col, row
+    whole, col = head(x, b, hk)
+    return whole, col, j + ahead
+
+
+@inner(fastmath=False)
+def _run(pages, b, j0, c, bk):
+    """``(at, row, n)``: where key ``j0 + c`` of batch entry ``b`` lies (``at`` the operand's batch entry or page) and how many of the tile's keys follow it there."""
+    if pages is None:
+        return b, j0 + c, bk - c
+    if pages[1] == 0:
+        return b, j0 + c, bk - c
+    return _segment(pages, b, j0 + c, bk - c)
 
 
 @inner(fastmath=_FASTMATH)
@@ -387,30 +440,26 @@ def _start_rows(q, opt, b, hk, qs, state):
 
 
 @inner(fastmath=_FASTMATH)
-def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state):
-    """The online softmax's step of kv head ``hk``'s stacked rows with keys ``j0 .. j0 + bk - 1``.
+def _softmax_step(st, shift_by, row_span, opt, where, state):
+    """Kv head ``hk``'s logits ``st`` (`_tile_of_heads`) made its tile's ``exp(z - m)``, and ``state`` updated: ``(check, kept)``.
 
-    ``k_tile``, ``v_tile``: `_tiles`' rows; ``segmented`` None, or, where they
-    span pages that are read in place, ``segmented = (k, v, pages)`` and
-    the steps that read keys or values take them a page at a time (`_segment`;
-    the products' sums run in the same order: the same bits). ``work = (kt,
-    st, shift_by)``, the thread's scratch; ``row_span``: `_row_ranges`'
-    ``(row_lo, row_hi)``; ``where = (b, hk, N, j0, bk)``; ``state = (acc,
-    row_max, row_sum)``.
+    ``where = (b, hk, N, j0, bk)``; ``state = (acc, row_max, row_sum)``; ``kept``: whether any
+    row keeps a key of the tile (else ``st`` is left as it is). ``check`` is
+    NaN where a key may not be finite (a product ``q . k`` that is not, before
+    any mask: an inf or NaN in ``k`` makes every row's one so, as does an
+    overflow), else 0. A value that is not finite makes ``acc`` not finite
+    (``p v`` with ``p = 0`` too), which `_store_split` checks.
     """
-    kt, st, shift_by = work
     b, hk, N, j0, bk = where
     acc, row_max, row_sum = state
-    rows, D = qs.shape
-    Dv = acc.shape[1]
+    rows, Dv = acc.shape
     group = rows // N
-    # Q K^T as the prefill tiles form it (the same products in the same
-    # order): the backward recomputes these logits bit for bit
-    if segmented is None:
-        _transpose_keys(k_tile, kt, bk, D, 0)
-    else:
-        _keys_by_page(segmented, b, hk, j0, bk, kt)
-    matmul_nn(qs, 0, kt, 0, st, rows, bk, D, False)
+    zero = _like(0.0, st)
+    check = zero
+    for r in range(rows):
+        z = st[r, :bk]
+        for c in range(bk):
+            check += z[c] * zero
     any_kept = False
     for r in range(rows):
         h = hk * group + r // N
@@ -430,7 +479,7 @@ def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state)
         for c in range(bk):
             z[c] -= shift_by[r]
     if not any_kept:
-        return
+        return check, False
     exp_inplace(st, rows, bk)
     for r in range(rows):
         z = st[r, :bk]
@@ -438,10 +487,7 @@ def _rows_tile(k_tile, v_tile, segmented, work, qs, row_span, opt, where, state)
         for c in range(bk):
             total += z[c]
         row_sum[r] += total
-    if segmented is None:
-        matmul_nn(st, 0, v_tile[0], v_tile[1], acc, rows, Dv, bk, True)
-    else:
-        _values_by_page(segmented, b, hk, j0, bk, st, acc)
+    return check, True
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -494,7 +540,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, 
         checksum = _like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
-            k_tile, v_tile, tile_check, _ = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)  # never segmented here
+            k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
             checksum += tile_check
             for g in range(group):
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:

@@ -29,8 +29,6 @@ In compiled code:
     and checked, in the same pass;
 `checked(tile, width)`
     the check alone;
-`stores_floats(x)`
-    whether ``x`` holds floats rather than a half's bits;
 `scratch_for(x, rows, width, dtype)`
     `readable`'s scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
 """
@@ -188,7 +186,7 @@ def copied_checked(tile, width, out):
 @overload(copied_checked, jit_options=_TILE_CODE)
 def _copied_checked(tile, width, out):
     half = storage_format(tile.types[0].dtype)
-    if half is None:  # a float tile is copied only from a paged cache of heads that keep different keys
+    if half is None:  # a float tile is copied only where it spans pages (`elastic_np.cpu._decode_tiles._tiles`)
         def copy_then_check(tile, width, out):
             copied(tile, width, out)
             return checked(tile, width)
@@ -286,17 +284,6 @@ def _readable_checked(tile, width, scratch):
         return (scratch[:n], tile[1] - tile[1]), check
 
     return converted
-
-
-def stores_floats(x):
-    """True when the storage array ``x`` holds floats, False for a half's bits (jit code only)."""
-    raise NotImplementedError("only callable from compiled code")
-
-
-@overload(stores_floats, inline="always")
-def _stores_floats(x):
-    floats = storage_format(x.dtype) is None
-    return lambda x: floats
 
 
 def scratch_for(x, rows, width, dtype):

@@ -1,0 +1,327 @@
+"""The stacked-rows decode kernel's two products, reading the cache's rows where and as they are stored.
+
+``key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D)``
+    ``st[r, s_col + c] = qs[r, :D] . K[c, :D]`` for ``r < rows``, ``c < bk``;
+``value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv)``
+    ``acc[r, :Dv] += st[r, s_col:s_col + bk] @ V[:bk, :Dv]``;
+
+where ``K`` and ``V`` are rows of the cache, ``(whole, col)``
+(`elastic_np.cpu._operands.head_rows`), stored as floats of the compute
+dtype or as the bits of a half (`elastic_np.cpu._halves`), widened in
+registers as they are loaded: a half cache is never converted into
+scratch, and no key tile is transposed into memory. ``key_scores`` loads
+``W x W`` blocks of key rows and transposes them in registers
+(`elastic_np.cpu._transpose.transpose_width`), so that ``W`` keys' dot
+products run along the SIMD lanes, one broadcast query entry a step.
+
+As they read row ``c``, both hint row ``row + c`` of ``ahead = (whole, col,
+row)`` into the L2 cache, one hint per cache line: the caller names there
+the keys some way on (in a paged cache, on another page). A decode call reads
+each key and value once, from memory, and the hints keep that read going
+while the products compute (the hardware prefetchers do not follow the
+key blocks' 16 interleaved rows, nor the pages).
+
+The bits are those of the tile products (`elastic_np.cpu._products`):
+every entry is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of the sum's
+index with fused multiply-adds, ``st`` from 0 (`matmul_nn` of ``qs`` and the
+transposed keys) and ``acc`` from its value (``matmul_nn(st, V, acc,
+accumulate=True)``), whichever path computes it.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np import numpy_support
+
+from elastic_np.cpu._halves import widen
+from elastic_np.cpu._numba_private import inner
+from elastic_np.cpu._simd import _LINE_BYTES, _REGISTERS, _constant_in_jit_code
+from elastic_np.cpu._transpose import _transpose_in_registers, transpose_width
+
+#: The hints' cache level (``llvm.prefetch``'s locality; 2: L2).
+_LOCALITY = 2
+
+#: Rows whose sums `_key_chunk` interleaves, so that its fused multiply-adds do not wait on one another.
+_KEY_ROWS = 4
+
+#: Keys a block of `value_products` takes, so that its value rows stay in L1 over the row blocks.
+_VALUE_KEYS = 16
+
+#: Rows by vectors of ``acc`` a block of `value_products` keeps in registers (as `_products`' blocks).
+_VALUE_ROWS = 4 if _REGISTERS == 32 else 6
+_VALUE_VECTORS = 4 if _REGISTERS == 32 else 2
+
+#: The sums may not be reordered: products and sums contract into fused multiply-adds, nothing else.
+_CONTRACT = ("contract",)
+
+
+@_constant_in_jit_code
+def line_entries(x):
+    """Entries of dtype ``x`` (in jit code, of an array) in a cache line."""
+    return _LINE_BYTES // np.dtype(x).itemsize
+
+
+@_constant_in_jit_code
+def key_block(x):
+    """Keys (and entries of a key) in a block of `_key_chunk`, for compute dtype ``x`` (in jit code, an array)."""
+    return transpose_width(x)
+
+
+def _vector_type(context, dtype):
+    """``(float size, vector type, width)`` of the compute dtype ``dtype`` (a Numba float type)."""
+    flt = context.get_value_type(dtype)
+    width = transpose_width(numpy_support.as_dtype(dtype))
+    return context.get_abi_sizeof(flt), ir.VectorType(flt, width), width
+
+
+def _load_widened(builder, ptr, stored, vec_ty, align):
+    """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty``.
+
+    ``stored``: the Numba type of the stored entries (a float of ``vec_ty``'s,
+    ``uint16`` for bfloat16 bits or ``int16`` for float16 bits); ``align``
+    the float's size.
+    """
+    width = vec_ty.count
+    if stored not in (types.uint16, types.int16):
+        return builder.load(builder.bitcast(ptr, vec_ty.as_pointer()), align=align)
+    raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), width).as_pointer()), align=2)
+    if stored == types.int16:  # float16
+        return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), width)), vec_ty)
+    wide = builder.zext(raw, ir.VectorType(ir.IntType(32), width))  # bfloat16: the high half of a float32
+    shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), width), [16] * width))
+    return builder.bitcast(shifted, vec_ty)
+
+
+def _matrices(*arrays):
+    """Whether the arrays are 2-D and C-contiguous: the intrinsics address them from pointer and row length."""
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
+
+
+class _Matrix:
+    """A 2-D C-contiguous array in codegen: its data pointer (from column ``col``) and row length."""
+
+    def __init__(self, context, builder, ty, value, col=None):
+        arr = context.make_array(ty)(context, builder, value)
+        self.builder = builder
+        self.data = arr.data if col is None else builder.gep(arr.data, [col], inbounds=True)
+        self.lead = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+        self.itemsize = context.get_abi_sizeof(context.get_value_type(ty.dtype))
+
+    def at(self, row, col, inbounds=True):
+        """The element pointer of ``[row, col]`` (``inbounds=False``: it may lie past the array, for a hint)."""
+        index = self.builder.add(self.builder.mul(row, self.lead), col)
+        return self.builder.gep(self.data, [index], inbounds=inbounds)
+
+    def hint(self, row, col, entries):
+        """Hint the lines of ``[row, col : col + entries]`` into the cache (``llvm.prefetch``: never faults)."""
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(self.builder.module, fnty, "llvm.prefetch.p0")
+        start = self.at(row, col, inbounds=False)
+        for offset in range(0, entries * self.itemsize, _LINE_BYTES):
+            ptr = self.builder.gep(start, [ir.Constant(row.type, offset // self.itemsize)])
+            address = self.builder.bitcast(ptr, ir.IntType(8).as_pointer())
+            # a read (0), into the cache level of _LOCALITY, data (1)
+            self.builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, _LOCALITY), ir.Constant(i32, 1)])
+
+
+def _splat(builder, value, vec_ty):
+    undef = ir.Constant(vec_ty, ir.Undefined)
+    first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    lanes = ir.Constant(ir.VectorType(ir.IntType(32), vec_ty.count), [0] * vec_ty.count)
+    return builder.shuffle_vector(first, undef, lanes)
+
+
+def _constant(value, n):
+    return ir.Constant(value.type, n)
+
+
+@intrinsic
+def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row, hint):
+    """``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i, j < W``, ``r < rows``, ``j`` in order.
+
+    ``K = k[:, k_col:]`` as stored, widened, and ``S = st[:, s_col:]``; the
+    ``W`` key rows are loaded once and transposed in registers; with
+    ``hint``, the lines of ``a[a_row + c0 + i, a_col + p0:]`` are hinted into
+    the cache.
+    """
+    if not _matrices(qs, k, st, a):
+        return None
+    intp = types.intp
+
+    def codegen(context, builder, signature, args):
+        qs_ty, k_ty, _, _, _, st_ty, _, _, a_ty = signature.args[:9]
+        qs_v, k_v, k_col_v, c0_v, p0_v, st_v, s_col_v, rows_v, a_v, a_col_v, a_row_v, hint_v = args
+        align, vec_ty, width = _vector_type(context, qs_ty.dtype)
+        keys = _Matrix(context, builder, k_ty, k_v, k_col_v)
+        ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
+        queries = _Matrix(context, builder, qs_ty, qs_v)
+        scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
+        loaded, ptr = [], keys.at(c0_v, p0_v)
+        for _ in range(width):  # row after row, a step of the row length each: no address kept per row
+            loaded.append(_load_widened(builder, ptr, k_ty.dtype, vec_ty, align))
+            ptr = builder.gep(ptr, [keys.lead], inbounds=True)
+        with builder.if_then(hint_v):
+            first = builder.add(a_row_v, c0_v)
+            for i in range(width):
+                ahead.hint(builder.add(first, _constant(first, i)), p0_v, width)
+        columns = _transpose_in_registers(builder, loaded)  # columns[j][i] = K[c0 + i, p0 + j]
+
+        def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
+            ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())
+                    for r in range(count)]
+            totals = [builder.load(ptr, align=align) for ptr in ptrs]
+            for j in range(width):
+                entry = builder.add(p0_v, _constant(p0_v, j))
+                for r in range(count):
+                    q = builder.load(queries.at(builder.add(first, _constant(first, r)), entry))
+                    product = builder.fmul(_splat(builder, q, vec_ty), columns[j], flags=_CONTRACT)
+                    totals[r] = builder.fadd(totals[r], product, flags=_CONTRACT)
+            for ptr, total in zip(ptrs, totals):
+                builder.store(total, ptr, align=align)
+
+        groups = builder.udiv(rows_v, _constant(rows_v, _KEY_ROWS))
+        with cgutils.for_range(builder, groups) as loop:
+            rows_from(builder.mul(loop.index, _constant(rows_v, _KEY_ROWS)), _KEY_ROWS)
+        start = builder.mul(groups, _constant(rows_v, _KEY_ROWS))
+        with cgutils.for_range_slice(builder, start, rows_v, _constant(rows_v, 1)) as (index, _):
+            rows_from(index, 1)
+        return context.get_dummy_value()
+
+    return types.void(qs, k, intp, intp, intp, st, intp, intp, a, intp, intp, types.boolean), codegen
+
+
+def _make_value_block(rows, vectors):
+    """Intrinsic ``acc[r0 + r, d0 + t W ...] += sum_c st[r0 + r, c0 + c] V[c0 + c, d0 + t W ...]`` for ``c < n``, in order.
+
+    Its arguments are ``(st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col,
+    a_row, hint)``; ``st`` stands for ``st[:, s_col:]`` and ``V`` for ``v[:,
+    v_col:]``, as stored, widened; ``rows x vectors`` vectors of ``acc`` stay
+    in registers over the keys. With ``hint``, the lines of ``a[a_row + c0 +
+    c, a_col + d0:]`` are hinted into the cache as value row ``c0 + c`` is
+    read.
+    """
+
+    def codegen(context, builder, signature, args):
+        st_ty, _, v_ty, _, acc_ty, _, _, _, _, a_ty = signature.args[:10]
+        st_v, s_col_v, v_v, v_col_v, acc_v, r0_v, c0_v, n_v, d0_v, a_v, a_col_v, a_row_v, hint_v = args
+        align, vec_ty, width = _vector_type(context, st_ty.dtype)
+        values = _Matrix(context, builder, v_ty, v_v, v_col_v)
+        ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
+        probs = _Matrix(context, builder, st_ty, st_v, s_col_v)
+        out = _Matrix(context, builder, acc_ty, acc_v)
+
+        def row(r):
+            return builder.add(r0_v, _constant(r0_v, r))
+
+        def column(t):
+            return builder.add(d0_v, _constant(d0_v, t * width))
+
+        def out_ptr(r, t):
+            return builder.bitcast(out.at(row(r), column(t)), vec_ty.as_pointer())
+
+        accs = [[cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)]
+        for r in range(rows):
+            for t in range(vectors):
+                builder.store(builder.load(out_ptr(r, t), align=align), accs[r][t])
+        with cgutils.for_range(builder, n_v) as loop:
+            key = builder.add(c0_v, loop.index)
+            loaded = [_load_widened(builder, values.at(key, column(t)), v_ty.dtype, vec_ty, align)
+                      for t in range(vectors)]
+            with builder.if_then(hint_v):
+                ahead.hint(builder.add(a_row_v, key), d0_v, vectors * width)
+            for r in range(rows):
+                p = _splat(builder, builder.load(probs.at(row(r), key)), vec_ty)
+                for t in range(vectors):
+                    product = builder.fmul(p, loaded[t], flags=_CONTRACT)
+                    builder.store(builder.fadd(builder.load(accs[r][t]), product, flags=_CONTRACT), accs[r][t])
+        for r in range(rows):
+            for t in range(vectors):
+                builder.store(builder.load(accs[r][t]), out_ptr(r, t), align=align)
+        return context.get_dummy_value()
+
+    intp = types.intp
+
+    @intrinsic
+    def block(typingctx, st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col, a_row, hint):
+        if not _matrices(st, v, acc, a):
+            return None
+        return types.void(st, intp, v, intp, acc, intp, intp, intp, intp, a, intp, intp, types.boolean), codegen
+
+    return block
+
+
+_value_block = _make_value_block(_VALUE_ROWS, _VALUE_VECTORS)
+_value_row = _make_value_block(1, _VALUE_VECTORS)
+_value_vector = _make_value_block(_VALUE_ROWS, 1)
+_value_one = _make_value_block(1, 1)
+
+
+@inner(fastmath={"contract"})
+def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
+    """``st[r, s_col + c] = qs[r, :D] . K[c, :D]`` for ``r < rows``, ``c < bk``, with ``K`` the rows of ``k_tile``.
+
+    ``k_tile = (whole, col)``: ``K[c, d] = whole[c, col + d]``
+    (`elastic_np.cpu._operands.head_rows`); ``ahead = (whole, col, row)``:
+    the rows to hint (the module's docstring). Whole ``W x W`` blocks go
+    through `_key_chunk` (the one that starts a cache line hinting); the
+    keys and entries past the last whole block one at a time, each sum in
+    the same order.
+    """
+    whole, col = k_tile
+    a, a_col, a_row = ahead
+    width = key_block(st)
+    bk_w = bk - bk % width
+    d_w = D - D % width
+    line = line_entries(whole)
+    for r in range(rows):
+        for c in range(bk):
+            st[r, s_col + c] = 0.0
+    for c0 in range(0, bk_w, width):
+        for p0 in range(0, d_w, width):
+            _key_chunk(qs, whole, col, c0, p0, st, s_col, rows, a, a_col, a_row, p0 % line < width)
+    for c in range(bk):
+        key = whole[c, col : col + D]
+        for p in range(0 if c >= bk_w else d_w, D):
+            x = widen(key[p])
+            for r in range(rows):
+                st[r, s_col + c] += qs[r, p] * x
+
+
+@inner(fastmath={"contract"})
+def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
+    """``acc[r, :Dv] += st[r, s_col:s_col + bk] @ V[:bk, :Dv]`` for ``r < rows``, with ``V`` the rows of ``v_tile``.
+
+    ``ahead``: the rows to hint, as `key_scores`'. Blocks of `_VALUE_KEYS`
+    keys, each read from memory once for all the row blocks and column
+    panels that use it; the columns past the last whole vector one at a
+    time.
+    """
+    whole, col = v_tile
+    a, a_col, a_row = ahead
+    width = key_block(st)
+    n_vec = Dv // width
+    n_panel = n_vec - n_vec % _VALUE_VECTORS
+    rows_b = rows - rows % _VALUE_ROWS
+    for c0 in range(0, bk, _VALUE_KEYS):
+        n = min(_VALUE_KEYS, bk - c0)
+        for t0 in range(0, n_panel, _VALUE_VECTORS):  # the first row block over a panel hints
+            d0 = t0 * width
+            for r0 in range(0, rows_b, _VALUE_ROWS):
+                _value_block(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0)
+            for r in range(rows_b, rows):
+                _value_row(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+        for t in range(n_panel, n_vec):
+            d0 = t * width
+            for r0 in range(0, rows_b, _VALUE_ROWS):
+                _value_vector(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0)
+            for r in range(rows_b, rows):
+                _value_one(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+    for c in range(bk):
+        value = whole[c, col : col + Dv]
+        for d in range(n_vec * width, Dv):
+            x = widen(value[d])
+            for r in range(rows):
+                acc[r, d] += st[r, s_col + c] * x
