@@ -292,9 +292,8 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
     rows = group * N
     dtype = part_acc.dtype
     heads = _heads_per_task(pages, Hkv)
-    st = np.empty((heads, rows, block_k), dtype=dtype)
+    st = np.empty((rows, block_k), dtype=dtype)
     shift_by = np.empty(rows, dtype=dtype)
-    kept = np.empty(heads, dtype=np.bool_)
     qs = np.empty((heads, rows, D), dtype=dtype)
     acc = np.empty((heads, rows, Dv), dtype=dtype)
     row_max = np.empty((heads, rows), dtype=dtype)
@@ -314,7 +313,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for j0 in range(a, e, block_k):
-            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead), (st, shift_by, kept),
+            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead), (st, shift_by),
                            (qs, row_span, checksum), opt, (acc, row_max, row_sum))
         for t in range(heads):
             hk = hk0 + t
@@ -350,65 +349,69 @@ def _heads_per_task(pages, Hkv):
 def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
-    ``where = (b, hk0, heads, N, j0, bk, ahead)`` (``ahead``: `_ahead`'s);
-    ``work = (st, shift_by, kept)``,
-    the thread's scratch (``st``: a score tile per head); ``rows_of = (qs,
+    ``where = (b, hk0, heads, N, j0, bk, ahead)`` (``ahead``: `hint_keys`);
+    ``work = (st, shift_by)``, the thread's scratch; ``rows_of = (qs,
     row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by head of
     the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
 
     The keys and values are read where they lie, by the products of
-    `elastic_np.cpu._decode_products`, a run of rows at a time (`_run`: the
-    whole tile, or a page's part of it) and, within a run, head after head:
-    in a ``(B, N, H, D)`` or paged cache, the rows of all the heads of a
-    run lie together, and they are read in that order. Each head's products,
-    and so its bits, are those of a task of its own. With ``pages=None`` (a
+    `elastic_np.cpu._decode_products`, head after head and a run of rows at a
+    time (`_run`: the whole tile, or a page's part of it): each head's
+    products, and so its bits, are those of a task of its own. As a head
+    reads its rows, it hints the next head's same rows (in a ``(B, N, H,
+    D)`` or paged cache, the next ``D`` entries), the last head the first
+    one's ``ahead`` keys on: what it will read next, and that soon enough to
+    stay in the L2 cache (hinting each head's next tile, eight heads of a
+    128-key tile of float32 would fill it). With ``pages=None`` (a
     contiguous cache; Numba compiles that case apart, so none of the paged
     code) the tile is one run of rows of one head.
     """
     b, hk0, heads, N, j0, bk, ahead = where
-    st, shift_by, kept = work
+    st, shift_by = work
     qs, row_span, checksum = rows_of
     acc, row_max, row_sum = state
     rows, D = qs.shape[1], qs.shape[2]
     Dv = acc.shape[2]
     length = opt.kv_lengths[b]
-    c = 0
-    while c < bk:  # Q K^T with the sums of the prefill tiles: the backward recomputes these logits bit for bit
-        at, row, n = _run(pages, b, j0, c, bk)
-        for t in range(heads):
-            key_scores(qs[t], head_rows(k, at, hk0 + t, row, n), _ahead(k, pages, b, hk0 + t, j0 + c, ahead, length),
-                       st[t], c, rows, n, D)
-        c += n
     for t in range(heads):
-        check, kept[t] = _softmax_step(st[t], shift_by, row_span[t], opt, (b, hk0 + t, N, j0, bk),
+        hk = hk0 + t
+        # the rows to hint: the next head's, last the first head's some keys on (`hint_keys`)
+        hint_head, hint_from = (hk + 1, j0) if t + 1 < heads else (hk0, j0 + ahead)
+        c = 0
+        while c < bk:  # Q K^T with the sums of the prefill tiles: the backward recomputes these logits bit for bit
+            at, row, n = _run(pages, b, j0, c, bk)
+            key_scores(qs[t], head_rows(k, at, hk, row, n), _ahead(k, pages, b, hint_head, hint_from + c, j0 + c, length),
+                       st, c, rows, n, D)
+            c += n
+        check, kept = _softmax_step(st, shift_by, row_span[t], opt, (b, hk, N, j0, bk),
                                        (acc[t], row_max[t], row_sum[t]))
         checksum[t] += check
-    c = 0
-    while c < bk:
-        at, row, n = _run(pages, b, j0, c, bk)
-        for t in range(heads):
-            v_rows = head_rows(v, at, hk0 + t, row, n)
-            if kept[t]:
-                value_products(st[t], c, v_rows, _ahead(v, pages, b, hk0 + t, j0 + c, ahead, length), acc[t], rows, n, Dv)
+        c = 0
+        while c < bk:
+            at, row, n = _run(pages, b, j0, c, bk)
+            v_rows = head_rows(v, at, hk, row, n)
+            if kept:
+                value_products(st, c, v_rows, _ahead(v, pages, b, hint_head, hint_from + c, j0 + c, length), acc[t],
+                               rows, n, Dv)
             else:  # the values are not multiplied: checked alone
                 checksum[t] += checked(v_rows, Dv)
-        c += n
+            c += n
 
 
 @inner(fastmath=False)
-def _ahead(x, pages, b, hk, j, ahead, length):
-    """``(whole, col, row)``: where key ``j + ahead`` of ``(b, hk)`` lies, for the products' hints (`hint_keys`).
+def _ahead(x, pages, b, hk, j, here, length):
+    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints.
 
-    Key ``j`` itself where ``j + ahead`` is past ``length`` in a paged cache
-    (a contiguous cache's rows past its end are never read: a hint does not
-    fault).
+    In a paged cache, key ``here`` (the one read) where ``j`` is past
+    ``length`` (a contiguous cache's rows past its end are never read: a
+    hint does not fault).
     """
     if pages is not None and pages[1] > 0:
-        page, row, _ = _segment(pages, b, j if j + ahead >= length else j + ahead, 1)
+        page, row, _ = _segment(pages, b, here if j >= length else j, 1)
         whole, col = head(x, page, hk)
         return whole, col, row
     whole, col = head(x, b, hk)
-    return whole, col, j + ahead
+    return whole, col, j
 
 
 @inner(fastmath=False)

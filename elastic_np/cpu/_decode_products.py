@@ -32,7 +32,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from numba.np import numpy_support
 
 from elastic_np.cpu._halves import widen
@@ -61,6 +61,18 @@ _CONTRACT = ("contract",)
 def line_entries(x):
     """Entries of dtype ``x`` (in jit code, of an array) in a cache line."""
     return _LINE_BYTES // np.dtype(x).itemsize
+
+
+def chunk_entries(x):
+    """Entries of a key a `_key_chunk` multiplies: ``W``, or ``2 W`` for the bits of a half (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(chunk_entries, inline="always")
+def _chunk_entries(x):
+    entries = 2 * transpose_width(np.float32) if x.dtype in (types.uint16, types.int16) else transpose_width(
+        numpy_support.as_dtype(x.dtype))
+    return lambda x: entries
 
 
 @_constant_in_jit_code
@@ -92,6 +104,20 @@ def _load_widened(builder, ptr, stored, vec_ty, align):
     wide = builder.zext(raw, ir.VectorType(ir.IntType(32), width))  # bfloat16: the high half of a float32
     shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), width), [16] * width))
     return builder.bitcast(shifted, vec_ty)
+
+
+def _pair_widened(builder, pairs, stored, vec_ty):
+    """The vectors of the low and of the high halves of ``pairs`` (32-bit lanes, each two stored halves), widened."""
+    width = vec_ty.count
+    i32 = ir.VectorType(ir.IntType(32), width)
+    if stored == types.int16:  # float16
+        low, high = builder.trunc(pairs, ir.VectorType(ir.IntType(16), width)), \
+            builder.trunc(builder.lshr(pairs, ir.Constant(i32, [16] * width)), ir.VectorType(ir.IntType(16), width))
+        return [builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), width)), vec_ty) for x in (low, high)]
+    # bfloat16: the high half of a float32
+    low = builder.shl(pairs, ir.Constant(i32, [16] * width))
+    high = builder.and_(pairs, ir.Constant(i32, [-65536] * width))
+    return [builder.bitcast(x, vec_ty) for x in (low, high)]
 
 
 def _matrices(*arrays):
@@ -140,12 +166,15 @@ def _constant(value, n):
 
 @intrinsic
 def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row, hint):
-    """``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i, j < W``, ``r < rows``, ``j`` in order.
+    """``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i < W``, ``j < E``, ``r < rows``, ``j`` in order.
 
     ``K = k[:, k_col:]`` as stored, widened, and ``S = st[:, s_col:]``; the
     ``W`` key rows are loaded once and transposed in registers; with
     ``hint``, the lines of ``a[a_row + c0 + i, a_col + p0:]`` are hinted into
-    the cache.
+    the cache. ``E = chunk_entries(k)``: ``W`` entries of a float, ``2 W`` of
+    a half, whose rows are transposed as pairs of halves (32-bit lanes, half
+    the shuffles an entry) and widened after: the low half of each lane is
+    entry ``p0 + 2 j``, the high half ``p0 + 2 j + 1``.
     """
     if not _matrices(qs, k, st, a):
         return None
@@ -159,21 +188,25 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
         queries = _Matrix(context, builder, qs_ty, qs_v)
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
+        half = k_ty.dtype in (types.uint16, types.int16)
+        lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            loaded.append(_load_widened(builder, ptr, k_ty.dtype, vec_ty, align))
+            loaded.append(builder.load(builder.bitcast(ptr, lanes_ty.as_pointer()), align=2 if half else align))
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
             for i in range(width):
-                ahead.hint(builder.add(first, _constant(first, i)), p0_v, width)
-        columns = _transpose_in_registers(builder, loaded)  # columns[j][i] = K[c0 + i, p0 + j]
+                ahead.hint(builder.add(first, _constant(first, i)), p0_v, 2 * width if half else width)
+        lanes = _transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
+        columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype, vec_ty)] if half \
+            else lanes
 
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
             ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())
                     for r in range(count)]
             totals = [builder.load(ptr, align=align) for ptr in ptrs]
-            for j in range(width):
+            for j in range(len(columns)):
                 entry = builder.add(p0_v, _constant(p0_v, j))
                 for r in range(count):
                     q = builder.load(queries.at(builder.add(first, _constant(first, r)), entry))
@@ -273,15 +306,16 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
     whole, col = k_tile
     a, a_col, a_row = ahead
     width = key_block(st)
+    entries = chunk_entries(whole)
     bk_w = bk - bk % width
-    d_w = D - D % width
+    d_w = D - D % entries
     line = line_entries(whole)
     for r in range(rows):
         for c in range(bk):
             st[r, s_col + c] = 0.0
     for c0 in range(0, bk_w, width):
-        for p0 in range(0, d_w, width):
-            _key_chunk(qs, whole, col, c0, p0, st, s_col, rows, a, a_col, a_row, p0 % line < width)
+        for p0 in range(0, d_w, entries):
+            _key_chunk(qs, whole, col, c0, p0, st, s_col, rows, a, a_col, a_row, p0 % line < entries)
     for c in range(bk):
         key = whole[c, col : col + D]
         for p in range(0 if c >= bk_w else d_w, D):
