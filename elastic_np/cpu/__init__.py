@@ -68,9 +68,9 @@ Modules
     scalar helpers (the key and query ranges are `elastic_np._ranges`, shared with CUDA)
 ``_logits``
     the logits pipeline of a tile, shared by the forward and the backward
-``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_tiles``
-    the prefill forward, the backward and its ``dbias`` plan, the decode kernel and how it reads its tiles
-    (in place, from a half, from a paged cache)
+``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_products``, ``_decode_tiles``
+    the prefill forward, the backward and its ``dbias`` plan, the decode kernels, the products that read
+    the cache in place for the stacked-rows one, and how the key-major one reads its tiles
 ``_double_backward``, ``_tangents``, ``_tangent_rows``, ``_tangent_keys``
     the double backward, the direction as its kernels read it, its query pass and its key pass
 ``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
