@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np import numpy_support
 
-from elastic_np.cpu._halves import widen
+from elastic_np.cpu._halves import storage_format, widen, widened
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._simd import _LINE_BYTES, _REGISTERS, _constant_in_jit_code
 from elastic_np.cpu._transpose import _transpose_in_registers, transpose_width
@@ -70,7 +70,7 @@ def chunk_entries(x):
 
 @overload(chunk_entries, inline="always")
 def _chunk_entries(x):
-    entries = 2 * transpose_width(np.float32) if x.dtype in (types.uint16, types.int16) else transpose_width(
+    entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
         numpy_support.as_dtype(x.dtype))
     return lambda x: entries
 
@@ -92,32 +92,26 @@ def _load_widened(builder, ptr, stored, vec_ty, align):
     """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty``.
 
     ``stored``: the Numba type of the stored entries (a float of ``vec_ty``'s,
-    ``uint16`` for bfloat16 bits or ``int16`` for float16 bits); ``align``
-    the float's size.
+    or a half's bits, `storage_format`); ``align`` the float's size.
     """
-    width = vec_ty.count
-    if stored not in (types.uint16, types.int16):
+    half = storage_format(stored)
+    if half is None:
         return builder.load(builder.bitcast(ptr, vec_ty.as_pointer()), align=align)
-    raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), width).as_pointer()), align=2)
-    if stored == types.int16:  # float16
-        return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), width)), vec_ty)
-    wide = builder.zext(raw, ir.VectorType(ir.IntType(32), width))  # bfloat16: the high half of a float32
-    shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), width), [16] * width))
-    return builder.bitcast(shifted, vec_ty)
+    raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), vec_ty.count).as_pointer()), align=2)
+    return widened(builder, raw, half)
 
 
-def _pair_widened(builder, pairs, stored, vec_ty):
+def _pair_widened(builder, pairs, stored):
     """The vectors of the low and of the high halves of ``pairs`` (32-bit lanes, each two stored halves), widened."""
-    width = vec_ty.count
-    i32 = ir.VectorType(ir.IntType(32), width)
-    if stored == types.int16:  # float16
-        low, high = builder.trunc(pairs, ir.VectorType(ir.IntType(16), width)), \
-            builder.trunc(builder.lshr(pairs, ir.Constant(i32, [16] * width)), ir.VectorType(ir.IntType(16), width))
-        return [builder.fpext(builder.bitcast(x, ir.VectorType(ir.HalfType(), width)), vec_ty) for x in (low, high)]
-    # bfloat16: the high half of a float32
-    low = builder.shl(pairs, ir.Constant(i32, [16] * width))
-    high = builder.and_(pairs, ir.Constant(i32, [-65536] * width))
-    return [builder.bitcast(x, vec_ty) for x in (low, high)]
+    i32 = pairs.type
+    sixteen = ir.Constant(i32, [16] * i32.count)
+    half = storage_format(stored)
+    if half == "float16":
+        i16 = ir.VectorType(ir.IntType(16), i32.count)
+        return [widened(builder, builder.trunc(x, i16), half) for x in (pairs, builder.lshr(pairs, sixteen))]
+    # bfloat16: the high half of a float32, so each half moved there (the low one) or left there (the high one)
+    low, high = builder.shl(pairs, sixteen), builder.and_(pairs, ir.Constant(i32, [-65536] * i32.count))
+    return [builder.bitcast(x, ir.VectorType(ir.FloatType(), i32.count)) for x in (low, high)]
 
 
 def _matrices(*arrays):
@@ -188,7 +182,7 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
         queries = _Matrix(context, builder, qs_ty, qs_v)
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
-        half = k_ty.dtype in (types.uint16, types.int16)
+        half = storage_format(k_ty.dtype) is not None
         lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
@@ -199,8 +193,7 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
             for i in range(width):
                 ahead.hint(builder.add(first, _constant(first, i)), p0_v, 2 * width if half else width)
         lanes = _transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
-        columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype, vec_ty)] if half \
-            else lanes
+        columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] if half else lanes
 
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
             ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())

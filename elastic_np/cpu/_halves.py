@@ -31,6 +31,9 @@ In compiled code:
     the check alone;
 `scratch_for(x, rows, width, dtype)`
     `readable`'s scratch: ``(rows, width)`` for a half ``x``, empty for a float one.
+
+And for code generation, `widened(builder, raw, half)`: `widen` as LLVM IR,
+for a half's bits or a vector of them.
 """
 
 import numpy as np
@@ -60,11 +63,27 @@ def storage_format(ty):
     return {types.uint16: "bfloat16", types.int16: "float16"}.get(ty)
 
 
+def widened(builder, raw, half):
+    """LLVM IR: the bits ``raw`` of the half ``half`` ("bfloat16" or "float16"), an ``i16`` or a vector of them, as float32.
+
+    bfloat16 is the high half of a float32 (zero-extend and shift); float16
+    converts exactly (``fpext``; F16C's ``vcvtph2ps`` on x86). For the
+    intrinsics here and the kernels' vector code (`elastic_np.cpu._decode_products`).
+    """
+    def like(element):  # the type of raw's shape with this element type
+        return ir.VectorType(element, raw.type.count) if isinstance(raw.type, ir.VectorType) else element
+
+    if half == "float16":
+        return builder.fpext(builder.bitcast(raw, like(ir.HalfType())), like(ir.FloatType()))
+    wide = builder.zext(raw, like(ir.IntType(32)))
+    sixteen = ir.Constant(like(ir.IntType(32)), [16] * raw.type.count if isinstance(raw.type, ir.VectorType) else 16)
+    return builder.bitcast(builder.shl(wide, sixteen), like(ir.FloatType()))
+
+
 @intrinsic
 def _bfloat16_to_float32(typingctx, x):
     def codegen(context, builder, signature, args):
-        wide = builder.zext(args[0], ir.IntType(32))
-        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+        return widened(builder, args[0], "bfloat16")
 
     return (types.float32(types.uint16), codegen) if x == types.uint16 else None
 
@@ -72,7 +91,7 @@ def _bfloat16_to_float32(typingctx, x):
 @intrinsic
 def _float16_to_float32(typingctx, x):
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return widened(builder, args[0], "float16")
 
     return (types.float32(types.int16), codegen) if x == types.int16 else None
 
