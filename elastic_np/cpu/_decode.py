@@ -65,7 +65,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._decode_products import key_scores, value_products
 from elastic_np.cpu._decode_tiles import (
-    _NO_TABLE, _check_unread_cache, _paged_rows, _segment, _tiles, _together,
+    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
@@ -98,8 +98,9 @@ def block_keys(rows, key_major):
 
 def hint_keys(block_size):
     """Keys ahead that the stacked-rows kernel hints: `DECODE_HINT_KEYS`, rounded up to whole pages of ``block_size``."""
-    pages = -(-config.DECODE_HINT_KEYS // block_size) if block_size > 0 else 0
-    return pages * block_size if block_size > 0 else config.DECODE_HINT_KEYS
+    if block_size == 0:
+        return config.DECODE_HINT_KEYS
+    return -(-config.DECODE_HINT_KEYS // block_size) * block_size
 
 
 def splits(B, Hkv, M):
@@ -400,28 +401,13 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
 
 @inner(fastmath=False)
 def _ahead(x, pages, b, hk, j, here, length):
-    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints.
+    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints; key ``here`` (the one read) where ``j`` is past ``length``.
 
-    In a paged cache, key ``here`` (the one read) where ``j`` is past
-    ``length`` (a contiguous cache's rows past its end are never read: a
-    hint does not fault).
+    (A paged cache's table names no page past ``length``.)
     """
-    if pages is not None and pages[1] > 0:
-        page, row, _ = _segment(pages, b, here if j >= length else j, 1)
-        whole, col = head(x, page, hk)
-        return whole, col, row
-    whole, col = head(x, b, hk)
-    return whole, col, j
-
-
-@inner(fastmath=False)
-def _run(pages, b, j0, c, bk):
-    """``(at, row, n)``: where key ``j0 + c`` of batch entry ``b`` lies (``at`` the operand's batch entry or page) and how many of the tile's keys follow it there."""
-    if pages is None:
-        return b, j0 + c, bk - c
-    if pages[1] == 0:
-        return b, j0 + c, bk - c
-    return _segment(pages, b, j0 + c, bk - c)
+    at, row, _ = _run(pages, b, here if j >= length else j, 0, 1)
+    whole, col = head(x, at, hk)
+    return whole, col, row
 
 
 @inner(fastmath=_FASTMATH)

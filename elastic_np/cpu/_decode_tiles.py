@@ -6,8 +6,8 @@ check of its values: in place from a contiguous cache, converted into
 scratch from a bfloat16 or float16 one (`elastic_np.cpu._halves`), gathered
 from the pages of a paged cache (``pages = (block_table, block_size,
 together)``, `elastic_np.cpu._decode.forward`). The stacked-rows kernel reads
-its rows in place through `_segment`. `_check_unread_cache` checks what the
-kernels did not read.
+its rows in place, a run at a time (`_run`). `_check_unread_cache` checks
+what the kernels did not read.
 """
 
 import numpy as np
@@ -85,9 +85,8 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     D, Dv = shape(k)[3], shape(v)[3]
     if pages is None:
         return _in_place(k, v, (b, hk, j0, bk), scratch)
-    block_size = pages[1]
-    if block_size == 0 or j0 // block_size == (j0 + bk - 1) // block_size:  # in place: one array, or one page
-        at, row, _ = (b, j0, bk) if block_size == 0 else _segment(pages, b, j0, bk)
+    at, row, n = _run(pages, b, j0, 0, bk)
+    if n == bk:  # in place: one array, or one page
         return _in_place(k, v, (at, hk, row, bk), scratch)
     check = _like(0.0, scratch[0])
     c = 0
@@ -106,6 +105,16 @@ def _in_place(k, v, rows, scratch):
     k_tile, k_check = readable_checked(head_rows(k, at, hk, r0, n), shape(k)[3], scratch[0])
     v_tile, v_check = readable_checked(head_rows(v, at, hk, r0, n), shape(v)[3], scratch[1])
     return k_tile, v_tile, k_check + v_check
+
+
+@inner(fastmath=False)
+def _run(pages, b, j0, c, bk):
+    """``(at, row, n)``: where key ``j0 + c`` of batch entry ``b`` lies (``at`` the operand's batch entry or page) and how many of the tile's keys follow it there."""
+    if pages is None:
+        return b, j0 + c, bk - c
+    if pages[1] == 0:
+        return b, j0 + c, bk - c
+    return _segment(pages, b, j0 + c, bk - c)
 
 
 @inner(fastmath=False)
