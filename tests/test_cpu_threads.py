@@ -52,25 +52,76 @@ def test_a_forked_child_runs_the_kernels():
     np.testing.assert_array_equal(got, want)
 
 
-def test_a_smaller_pool_is_shut_down_when_more_threads_are_asked_for(monkeypatch):
-    import concurrent.futures
-
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("needs two Numba threads")
-    small = concurrent.futures.ThreadPoolExecutor(1)
-    small.submit(int).result()  # one idle worker thread
-    monkeypatch.setattr(cpu._threads, "_pool", (1, small))
+def test_a_smaller_pool_is_closed_when_more_threads_are_asked_for(monkeypatch):
+    monkeypatch.setattr(cpu._threads, "_pool", None)
     monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     q, k, v, _ = make_inputs(np.float32)
-    threads = numba.get_num_threads()
-    numba.set_num_threads(2)
-    try:
-        np.testing.assert_array_equal(_attention_cpu(q, k, v), _attention_cpu(q, k, v))
-    finally:
-        numba.set_num_threads(threads)
-    assert cpu._threads._pool[0] == 2 and cpu._threads._pool[1] is not small
-    with pytest.raises(RuntimeError, match="shutdown"):
-        small.submit(int)  # shut down, its thread gone
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    want = _attention_cpu(q, k, v)
+    small = cpu._threads._pool
+    assert small.size == 1
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 3)
+    np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
+    assert cpu._threads._pool.size == 2 and small.closed
+    small.threads[0].join(timeout=60)
+    assert not small.threads[0].is_alive()
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)  # a larger pool serves fewer threads
+    np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
+    assert cpu._threads._pool.size == 2
+
+
+def _record_part(parts_seen, fail_part, part, parts):
+    parts_seen.append((part, parts))
+    if part == fail_part:
+        raise ValueError(f"part {part} failed")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_every_part_runs_once_and_a_workers_error_reaches_the_caller(monkeypatch, threads):
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
+    seen = []
+    cpu._threads._run_tasks(_record_part, seen, -1)
+    assert sorted(seen) == [(p, threads) for p in range(threads)]
+    for fail_part in (0, threads - 1):
+        seen.clear()
+        with pytest.raises(ValueError, match=f"part {fail_part} failed"):
+            cpu._threads._run_tasks(_record_part, seen, fail_part)
+        assert sorted(seen) == [(p, threads) for p in range(threads)]  # the others ran to the end
+    seen.clear()
+    cpu._threads._run_tasks(_record_part, seen, -1)  # the pool still serves
+    assert sorted(seen) == [(p, threads) for p in range(threads)]
+
+
+def test_a_caller_that_slept_is_woken_when_the_last_part_ends(monkeypatch):
+    """The caller spins a while for a worker's part, then sleeps; the worker wakes it."""
+    import time
+
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu._config, "THREAD_SPIN_SECONDS", 1e-5)  # the caller spins 10 ms
+    seen = []
+
+    def slow(part, parts):
+        if part == 1:
+            time.sleep(0.2)
+        seen.append(part)
+
+    cpu._threads._run_tasks(slow)
+    assert sorted(seen) == [0, 1]
+
+
+def test_calls_find_their_worker_spinning_or_asleep(monkeypatch):
+    """Back to back (the worker spins for the next part), and after it has slept."""
+    import time
+
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    seen = []
+    for pause in (0, 0, 0.05, 0, 0.05):
+        time.sleep(pause)
+        cpu._threads._run_tasks(_record_part, seen, -1)
+    assert sorted(seen) == sorted([(0, 2), (1, 2)] * 5)
 
 
 @pytest.mark.parametrize("N", [1, 20])  # the decode kernel and the prefill forward

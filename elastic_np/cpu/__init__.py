@@ -46,9 +46,10 @@ contiguous axis of the tile.
   it is broadcast over the keys, each key tile keeps a partial of its own
   (like the shares of dq), summed in key-tile order (`_DbiasPlan`).
 
-The tasks of a kernel run on a pool of Python threads (`_run_tasks`; the
-kernels release the GIL), as many as `numba.get_num_threads` says, so the
-number of threads follows `numba.set_num_threads` (`thread_count`).
+The tasks of a kernel run on the calling thread and a pool of Python
+threads (`_run_tasks`; the kernels release the GIL), as many as
+`numba.get_num_threads` says, so the number of threads follows
+`numba.set_num_threads` (`thread_count`).
 
 Modules
 -------

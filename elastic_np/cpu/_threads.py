@@ -1,28 +1,41 @@
-"""The CPU kernels' thread pool: a kernel runs as ``threads`` parts, each a contiguous share of its tasks."""
+"""The CPU kernels' thread pool: a kernel runs as ``threads`` parts, the calling thread running part 0.
 
-import concurrent.futures
+Handing work to a sleeping thread costs the time it takes to wake it, up to
+0.1 ms on a virtual machine, as much as a small decode call's arithmetic. So
+a worker that has run a part waits for the next by spinning, without the
+GIL, for `config.THREAD_SPIN_SECONDS` before it sleeps, and the calling
+thread waits for the workers' parts by spinning too. A thread that waits
+for the GIL sleeps, so each side signals the other from code that does not
+hold it: the worker stores its count of finished parts after releasing it.
+"""
+
 import os
+import platform
 import threading
+import time
 
 import numba
 import numba.np.ufunc.parallel as _numba_parallel
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._numba_private import inner
 
-_pool = None  # (threads, executor)
-
-
+_pool = None
 _pool_lock = threading.Lock()
 
 
 def _forget_pool():
     global _pool, _pool_lock
-    _pool = None
+    _pool = None  # a forked child has none of the threads
     _pool_lock = threading.Lock()  # a thread of the parent may have held it
 
 
-os.register_at_fork(after_in_child=_forget_pool)  # a forked child has none of the threads
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def thread_count():
@@ -41,10 +54,11 @@ def thread_count():
 
 
 def _run_tasks(kernel, *args, work=None):
-    """Run ``kernel(*args, part, parts)`` on `thread_count` threads.
+    """Run ``kernel(*args, part, parts)`` for every ``part`` of ``parts`` = `thread_count` threads.
 
     With ``work`` (the multiply-adds of the call, an estimate) below
-    `SERIAL_WORK`, on the calling thread alone.
+    `SERIAL_WORK`, or while another Python thread's call holds the pool, on
+    the calling thread alone (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`; the kernels release the GIL). Every task writes
@@ -53,19 +67,184 @@ def _run_tasks(kernel, *args, work=None):
     its loop body again as a gufunc and LLVM optimises it once per level it
     is linked into, which doubled the first compile of these kernels.
     """
-    global _pool
     threads = thread_count()
-    if threads == 1 or (work is not None and work < config.SERIAL_WORK):
+    pool = None if threads == 1 or (work is not None and work < config.SERIAL_WORK) else _pool_of(threads - 1)
+    if pool is None or not pool.lock.acquire(blocking=False):
         kernel(*args, 0, 1)
         return
-    with _pool_lock:  # another Python thread may replace the pool meanwhile
-        if _pool is None or _pool[0] < threads:
+    try:
+        if pool.closed:  # replaced by a larger pool meanwhile
+            kernel(*args, 0, 1)
+        else:
+            pool.run(kernel, args, threads)
+    finally:
+        pool.lock.release()
+
+
+def _pool_of(workers):
+    """The pool, with at least ``workers`` workers (a smaller one is closed and replaced)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool.size < workers:
             if _pool is not None:
-                _pool[1].shutdown(wait=False)  # its idle threads exit; queued tasks still run
-            _pool = (threads, concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="elastic_np"))
-        futures = [_pool[1].submit(kernel, *args, t, threads) for t in range(threads)]
-    for future in futures:
-        future.result()
+                _pool.close()
+            _pool = _Pool(workers)
+        return _pool
+
+
+class _Pool:
+    """Worker threads, each serving the parts posted to it.
+
+    ``flags[2 w]`` counts the parts posted to worker ``w``, ``flags[2 w + 1]``
+    those it has finished; either side spins on the other's count
+    (`_spin_while`) and then sleeps on an event, which the other sets after
+    each change of its count.
+    """
+
+    def __init__(self, size):
+        self.size = size
+        self.lock = threading.Lock()  # held by the call running on the pool
+        self.flags = np.zeros(2 * size, dtype=np.int64)
+        self.jobs = [None] * size
+        self.errors = [None] * size
+        self.posted = [threading.Event() for _ in range(size)]
+        self.finished = [threading.Event() for _ in range(size)]
+        self.closed = False
+        self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"elastic_np-{w}", daemon=True)
+                        for w in range(size)]
+        for thread in self.threads:
+            thread.start()
+
+    def run(self, kernel, args, parts):
+        """``kernel(*args, part, parts)`` for every part, part 0 on the calling thread; raises a part's error."""
+        for w in range(parts - 1):
+            self.errors[w] = None
+            self.jobs[w] = (kernel, (*args, w + 1, parts))
+            self.flags[2 * w] += 1
+            self.posted[w].set()
+        try:
+            kernel(*args, 0, parts)
+        finally:
+            for w in range(parts - 1):
+                self._wait_finished(w)
+        for error in self.errors[: parts - 1]:
+            if error is not None:
+                raise error
+
+    def close(self):
+        """Let the workers exit, once the call running on the pool, if any, has finished."""
+        with self.lock:
+            self.closed = True
+        for event in self.posted:
+            event.set()
+
+    def _wait_finished(self, w):
+        posted = self.flags[2 * w]
+        # the calling thread's own core would idle meanwhile: spin long before sleeping
+        _spin_while(self.flags, 2 * w + 1, posted - 1, _spin_steps(1000 * config.THREAD_SPIN_SECONDS), -1)
+        while self.flags[2 * w + 1] != posted:
+            self.finished[w].wait()
+            self.finished[w].clear()
+
+    def _serve(self, w):
+        seen = 0
+        steps = _spin_steps(config.THREAD_SPIN_SECONDS)
+        changed = _spin_while(self.flags, 2 * w, seen, steps, -1)
+        while True:
+            if not changed:  # no part posted within the spin: sleep
+                self.finished[w].set()  # for a caller that fell asleep waiting for the last part
+                if self.closed:
+                    return
+                self.posted[w].wait()
+                self.posted[w].clear()  # a set after the wait is for a count checked next
+                changed = _spin_while(self.flags, 2 * w, seen, steps, -1)
+                continue
+            seen = self.flags[2 * w]
+            kernel, args = self.jobs[w]
+            self.jobs[w] = None
+            try:
+                kernel(*args)
+            except BaseException as exc:  # raised by the calling thread
+                self.errors[w] = exc
+            # the count of finished parts is stored without the GIL, which the caller, seeing it, takes at once
+            changed = _spin_while(self.flags, 2 * w, seen, steps, 2 * w + 1)
+
+
+_STEPS_PER_SECOND = []
+
+
+def _spin_steps(seconds):
+    """Steps of `_spin_while` that take about ``seconds`` (measured once per process)."""
+    if not _STEPS_PER_SECOND:
+        flags = np.zeros(1, dtype=np.int64)
+        _spin_while(flags, 0, 0, 1, -1)
+        steps = 20_000
+        start = time.perf_counter()
+        _spin_while(flags, 0, 0, steps, -1)
+        _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
+    return max(1, int(seconds * _STEPS_PER_SECOND[0]))
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _spin_while(flags, i, value, steps, store_at):
+    """Wait, without the GIL, while ``flags[i] == value``, at most ``steps`` steps; True if it changed.
+
+    With ``store_at >= 0``, first ``flags[store_at] = value``.
+    """
+    if store_at >= 0:
+        _write_release(flags, store_at, value)
+    for _ in range(steps):
+        if _read_acquire(flags, i) != value:
+            return True
+        _pause()
+    return _read_acquire(flags, i) != value
+
+
+@intrinsic
+def _read_acquire(typingctx, flags, i):
+    """``flags[i]`` read anew on every call (an atomic load), which another thread's store changes."""
+    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(array.data, [args[1]], inbounds=True)
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(flags, types.intp), codegen
+
+
+@intrinsic
+def _write_release(typingctx, flags, i, value):
+    """``flags[i] = value``, an atomic store that another thread's `_read_acquire` sees."""
+    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(array.data, [args[1]], inbounds=True)
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(value, ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(flags, types.intp, value), codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@intrinsic
+def _pause(typingctx):
+    """The CPU's spin-wait hint (``pause`` on x86; nothing elsewhere)."""
+
+    def codegen(context, builder, signature, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @inner(fastmath=False)
