@@ -223,3 +223,23 @@ def test_empty_batches_heads_and_values(dtype):
         assert out.shape == ref_out.shape and out.dtype == dtype
         np.testing.assert_allclose(out, ref_out, atol=1e-6)
         np.testing.assert_allclose(lse, ref_lse, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_max_of_every_range(dtype):
+    """`_decode._row_max` (eight running maxima): any range, any length, ``-inf`` entries, empty."""
+    from numba import njit
+
+    @njit(fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
+    def row_max(z, lo, hi):
+        return _decode._row_max(z, lo, hi)
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 16, 23, 128):
+        z = rng.standard_normal(n).astype(dtype)
+        z[rng.random(n) < 0.3] = -np.inf
+        for lo in range(0, n + 1, max(1, n // 5)):
+            for hi in range(lo, n + 1, max(1, n // 7)):
+                want = z[lo:hi].max() if hi > lo else -np.inf
+                got = row_max(z, lo, hi)
+                assert got == want, (n, lo, hi)

@@ -259,10 +259,20 @@ def _score_row(z, opt, b, h, i, j0, lo, hi):
 
 @inner(fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
 def _row_max(z, c_lo, c_hi):
-    """``max(z[c_lo:c_hi])``, ``-inf`` when empty (no NaN reaches it: it may assume none)."""
-    m = -np.inf
-    for c in range(c_lo, c_hi):
-        m = max(m, z[c])
+    """``max(z[c_lo:c_hi])``, ``-inf`` when empty (no NaN reaches it: it may assume none).
+
+    Eight running maxima, independent of one another: LLVM does not vectorise
+    this reduction, and one running maximum waits on each step's latency.
+    """
+    kept = z[c_lo:c_hi]  # indexed from 0: no wraparound of a negative index to test
+    n = kept.shape[0]
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _like(-np.inf, z)
+    for c in range(0, n - n % 8, 8):
+        m0, m1, m2, m3 = max(m0, kept[c]), max(m1, kept[c + 1]), max(m2, kept[c + 2]), max(m3, kept[c + 3])
+        m4, m5, m6, m7 = max(m4, kept[c + 4]), max(m5, kept[c + 5]), max(m6, kept[c + 6]), max(m7, kept[c + 7])
+    m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for c in range(n - n % 8, n):
+        m = max(m, kept[c])
     return m
 
 

@@ -304,8 +304,7 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
     d_w = D - D % entries
     line = line_entries(whole)
     for r in range(rows):
-        for c in range(bk):
-            st[r, s_col + c] = 0.0
+        st[r, s_col : s_col + bk] = 0.0  # a slice: ``st[r, s_col + c]`` tests each index for wraparound
     for c0 in range(0, bk_w, width):
         for p0 in range(0, d_w, entries):
             _key_chunk(qs, whole, col, c0, p0, st, s_col, rows, a, a_col, a_row, p0 % line < entries)
