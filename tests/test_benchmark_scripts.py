@@ -222,3 +222,16 @@ def test_thread_pool_prints_each_case_and_restores_the_pool(capsys, monkeypatch)
     assert thread_pool.timed(thread_pool.executor_runner(2), call, 1, 0.0) > 0
     assert all(m._run_tasks is not _threads._run_tasks for m in thread_pool._KERNEL_MODULES)
     np.testing.assert_array_equal(call().view(np.uint16), want.view(np.uint16))  # the same bits on the executor
+
+
+def test_decode_products_prints_every_layout(capsys):
+    import decode_products
+
+    decode_products.main(["--rows", "4", "--keys", "32", "--reps", "2", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for layout in ("float32   rows   4  contiguous", "4096 B apart", "4160 B apart", "2048 B apart", "2112 B apart"):
+        assert layout in out
+    assert out.count("Q K^T") == 6
+    tiles = decode_products.layouts(np.float32, 8)
+    a, b = tiles["contiguous"], tiles["4096 B apart"]
+    assert a[0].strides[0] == 512 and b[0].strides[0] == 4096 and b[1] == 3 * 128
