@@ -156,3 +156,64 @@ def test_kernels_do_not_launch_numbas_threading_layer():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def _interrupted_part(part, parts):
+    import time
+
+    if part == 0:
+        raise KeyboardInterrupt
+    time.sleep(0.2)
+    raise ValueError("the interrupted call's part")
+
+
+def _quiet_part(part, parts):
+    pass
+
+
+def test_an_interrupted_call_leaves_nothing_to_the_next(monkeypatch):
+    """Its worker's part finishes before the next call posts; its error stays with it."""
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    with pytest.raises(KeyboardInterrupt):
+        cpu._threads._run_tasks(_interrupted_part)
+    cpu._threads._run_tasks(_quiet_part)
+    pool = cpu._threads._pool
+    assert pool.flags[0] == pool.flags[1] == 2 and pool.jobs == [None]
+
+
+def test_a_calls_arguments_are_not_kept_by_the_pool(monkeypatch):
+    import gc
+    import weakref
+
+    class Array(np.ndarray):
+        pass
+
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    for fail_part in (-1, 1):
+        a = np.zeros(4).view(Array)
+        ref = weakref.ref(a)
+        try:
+            cpu._threads._run_tasks(_record_part, [a], fail_part)
+        except ValueError:
+            pass
+        del a
+        gc.collect()
+        assert ref() is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_is_an_error_and_its_pool_is_replaced(monkeypatch):
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    cpu._threads._run_tasks(_quiet_part)
+    pool = cpu._threads._pool
+    pool.flags[0] += 1  # a part with no job: the worker dies reading it
+    pool.posted[0].set()
+    pool.threads[0].join(timeout=60)
+    with pytest.raises(RuntimeError, match="worker 0 .* has died"):
+        cpu._threads._run_tasks(_quiet_part)
+    seen = []
+    cpu._threads._run_tasks(_record_part, seen, -1)
+    assert cpu._threads._pool is not pool and sorted(seen) == [(0, 2), (1, 2)]

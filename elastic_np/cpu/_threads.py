@@ -4,9 +4,11 @@ Handing work to a sleeping thread costs the time it takes to wake it, up to
 0.1 ms on a virtual machine, as much as a small decode call's arithmetic. So
 a worker that has run a part waits for the next by spinning, without the
 GIL, for `config.THREAD_SPIN_SECONDS` before it sleeps, and the calling
-thread waits for the workers' parts by spinning too. A thread that waits
-for the GIL sleeps, so each side signals the other from code that does not
-hold it: the worker stores its count of finished parts after releasing it.
+thread waits for the workers' parts by spinning too; neither spins when
+the process has fewer cores than threads (the spin would take the core the
+other needs). A thread that waits for the GIL sleeps, so each side signals
+the other from code that does not hold it: the worker stores its count of
+finished parts after releasing it.
 """
 
 import os
@@ -82,14 +84,24 @@ def _run_tasks(kernel, *args, work=None):
 
 
 def _pool_of(workers):
-    """The pool, with at least ``workers`` workers (a smaller one is closed and replaced)."""
+    """The pool, with at least ``workers`` workers (a smaller or broken one is replaced, and closed outside the lock)."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool.size < workers:
-            if _pool is not None:
-                _pool.close()
-            _pool = _Pool(workers)
-        return _pool
+        old = None
+        if _pool is None or _pool.size < workers or _pool.broken:
+            old, _pool = _pool, _Pool(workers)
+        pool = _pool
+    if old is not None:
+        old.close()  # waits for a call running on it, if any
+    return pool
+
+
+def _cores():
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 class _Pool:
@@ -98,18 +110,21 @@ class _Pool:
     ``flags[2 w]`` counts the parts posted to worker ``w``, ``flags[2 w + 1]``
     those it has finished; either side spins on the other's count
     (`_spin_while`) and then sleeps on an event, which the other sets after
-    each change of its count.
+    each change of its count. A call waits until every worker has finished
+    the parts of any earlier call (one interrupted, say) before it posts.
     """
 
     def __init__(self, size):
         self.size = size
         self.lock = threading.Lock()  # held by the call running on the pool
         self.flags = np.zeros(2 * size, dtype=np.int64)
-        self.jobs = [None] * size
-        self.errors = [None] * size
+        self.jobs = [None] * size  # (count, kernel, args, errors): the part of post ``count``
         self.posted = [threading.Event() for _ in range(size)]
         self.finished = [threading.Event() for _ in range(size)]
         self.closed = False
+        self.broken = False
+        # spinning only pays when the caller and every worker have a core each: else it takes the caller's
+        self.spin_steps = _spin_steps(config.THREAD_SPIN_SECONDS) if _cores() > size else 0
         self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"elastic_np-{w}", daemon=True)
                         for w in range(size)]
         for thread in self.threads:
@@ -117,17 +132,20 @@ class _Pool:
 
     def run(self, kernel, args, parts):
         """``kernel(*args, part, parts)`` for every part, part 0 on the calling thread; raises a part's error."""
-        for w in range(parts - 1):
-            self.errors[w] = None
-            self.jobs[w] = (kernel, (*args, w + 1, parts))
-            self.flags[2 * w] += 1
-            self.posted[w].set()
+        errors = [None] * (parts - 1)
+        posted = []
         try:
+            for w in range(parts - 1):
+                self._wait_finished(w)  # an interrupted call's part, if any
+                self.jobs[w] = (self.flags[2 * w] + 1, kernel, (*args, w + 1, parts), errors)
+                self.flags[2 * w] += 1
+                posted.append(w)
+                self.posted[w].set()
             kernel(*args, 0, parts)
         finally:
-            for w in range(parts - 1):
+            for w in posted:
                 self._wait_finished(w)
-        for error in self.errors[: parts - 1]:
+        for error in errors:
             if error is not None:
                 raise error
 
@@ -140,16 +158,19 @@ class _Pool:
 
     def _wait_finished(self, w):
         posted = self.flags[2 * w]
+        if self.flags[2 * w + 1] == posted:
+            return
         # the calling thread's own core would idle meanwhile: spin long before sleeping
-        _spin_while(self.flags, 2 * w + 1, posted - 1, _spin_steps(1000 * config.THREAD_SPIN_SECONDS), -1)
+        _spin_while(self.flags, 2 * w + 1, self.flags[2 * w + 1], 1000 * self.spin_steps, -1)
         while self.flags[2 * w + 1] != posted:
-            self.finished[w].wait()
+            if not self.finished[w].wait(timeout=1.0) and not self.threads[w].is_alive():
+                self.broken = True
+                raise RuntimeError(f"worker {w} of the CPU kernels' thread pool has died")
             self.finished[w].clear()
 
     def _serve(self, w):
         seen = 0
-        steps = _spin_steps(config.THREAD_SPIN_SECONDS)
-        changed = _spin_while(self.flags, 2 * w, seen, steps, -1)
+        changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, -1)
         while True:
             if not changed:  # no part posted within the spin: sleep
                 self.finished[w].set()  # for a caller that fell asleep waiting for the last part
@@ -157,31 +178,34 @@ class _Pool:
                     return
                 self.posted[w].wait()
                 self.posted[w].clear()  # a set after the wait is for a count checked next
-                changed = _spin_while(self.flags, 2 * w, seen, steps, -1)
+                changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, -1)
                 continue
-            seen = self.flags[2 * w]
-            kernel, args = self.jobs[w]
+            count, kernel, args, errors = self.jobs[w]  # posted before the count: the part of count `count`
             self.jobs[w] = None
             try:
                 kernel(*args)
             except BaseException as exc:  # raised by the calling thread
-                self.errors[w] = exc
+                errors[w] = exc
+            seen = count
+            kernel = args = errors = None  # nothing of the call outlives it here
             # the count of finished parts is stored without the GIL, which the caller, seeing it, takes at once
-            changed = _spin_while(self.flags, 2 * w, seen, steps, 2 * w + 1)
+            changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, 2 * w + 1)
 
 
 _STEPS_PER_SECOND = []
+_calibrate_lock = threading.Lock()
 
 
 def _spin_steps(seconds):
     """Steps of `_spin_while` that take about ``seconds`` (measured once per process)."""
-    if not _STEPS_PER_SECOND:
-        flags = np.zeros(1, dtype=np.int64)
-        _spin_while(flags, 0, 0, 1, -1)
-        steps = 20_000
-        start = time.perf_counter()
-        _spin_while(flags, 0, 0, steps, -1)
-        _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
+    with _calibrate_lock:
+        if not _STEPS_PER_SECOND:
+            flags = np.zeros(1, dtype=np.int64)
+            _spin_while(flags, 0, 0, 1, -1)
+            steps = 20_000
+            start = time.perf_counter()
+            _spin_while(flags, 0, 0, steps, -1)
+            _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
     return max(1, int(seconds * _STEPS_PER_SECOND[0]))
 
 
