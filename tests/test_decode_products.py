@@ -10,6 +10,10 @@ pages and the ``(B, N, H, D)`` layout are all crossed; a NaN or inf in any
 of them is found.
 """
 
+import itertools
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -45,22 +49,28 @@ def test_the_bits_of_the_tile_products(dtype, storage):
     sizes = [(rows, bk, D, Dv) for rows, bk, D, Dv in
              [(1, 1, 1, 1), (4, width, width, 4 * width), (4, 128, 128, 128), (5, 2 * width + 3, width + 5, 70),
               (9, 40, 3 * width, 2 * width - 1), (2, width - 1, 2 * width, 8 * width + 1), (13, 37, 24, 33)]]
-    for rows, bk, D, Dv in sizes:
+    rounded = _decode_products._QUERY_ROUND
+    for (rows, bk, D, Dv), padded in itertools.product(sizes, (False, True)):
         k_col, v_col, s_col = (int(x) for x in rng.integers(0, 5, 3))
         qs = rng.standard_normal((rows, D)).astype(dtype)
+        if padded:  # as the kernel's: a row's tail past its last whole chunk is a masked chunk (`_key_tail`)
+            qs = np.concatenate([qs, np.zeros((rows, -(-D // rounded) * rounded - D), dtype)], axis=1)
         k = rng.standard_normal((bk, D + k_col + 3)).astype(storage)
         v = rng.standard_normal((bk, Dv + v_col + 2)).astype(storage)
+        for a, first, n in ((k, k_col, D), (v, v_col, Dv)):  # what a product reads past its rows would show
+            a[:, :first] = np.nan
+            a[:, first + n:] = np.nan
         st = np.full((rows, s_col + bk + 3), 7.0, dtype)
         acc0 = rng.standard_normal((rows, Dv)).astype(dtype)
         acc = acc0.copy()
         _both_products(qs, (bits(k), k_col), (bits(v), v_col), st, s_col, acc, (rows, bk, D, Dv))
         keys_t = np.ascontiguousarray(k[:, k_col:k_col + D].astype(dtype).T)
         want_st = np.empty((rows, bk), dtype)
-        matmul_nn(qs, 0, keys_t, 0, want_st, rows, bk, D, False)
+        matmul_nn(np.ascontiguousarray(qs[:, :D]), 0, keys_t, 0, want_st, rows, bk, D, False)
         want_acc = acc0.copy()
         matmul_nn(want_st, 0, np.ascontiguousarray(v[:, v_col:v_col + Dv].astype(dtype)), 0, want_acc, rows, Dv, bk,
                   True)
-        assert np.array_equal(st[:, s_col:s_col + bk], want_st), (rows, bk, D, Dv)
+        assert np.array_equal(st[:, s_col:s_col + bk], want_st), (rows, bk, D, Dv, padded)
         assert (st[:, :s_col] == 7).all() and (st[:, s_col + bk:] == 7).all()  # nothing else written
         assert np.array_equal(acc, want_acc), (rows, bk, D, Dv)
 
@@ -129,3 +139,42 @@ def test_paged_decoding_gives_the_contiguous_bits_whatever_the_hints(monkeypatch
     k, v = (a[table[0]].reshape(-1, Hkv, D)[None, :used] for a in (k_pages, v_pages))
     want = enp.attention(q[None], k, v, layout="bnhd", causal=True, backend="cpu")
     assert np.array_equal(out, want[0])
+
+
+_GUARDED = """
+import ctypes, mmap, sys
+import ml_dtypes, numpy as np
+import elastic_np as enp
+
+def before_a_guard_page(a):
+    '''A copy of ``a`` whose last byte ends a page that a page no read may touch follows.'''
+    page = mmap.PAGESIZE
+    total = -(-a.nbytes // page) * page + page
+    buf = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    out = np.frombuffer(buf, np.uint8, a.nbytes, total - page - a.nbytes).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(start + total - page, page, 0) == 0
+    return out
+
+dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[sys.argv[1]]
+D, M = int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in ((1, 4, 1, D), (1, 1, M, D), (1, 1, M, D)))
+want = enp.attention(q, k, v, backend="cpu")
+got = enp.attention(q, before_a_guard_page(k), before_a_guard_page(v), backend="cpu")
+assert np.array_equal(got, want)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect of an anonymous map")
+@pytest.mark.parametrize("dtype, D", [("float32", 40), ("bfloat16", 40), ("float16", 49), ("bfloat16", 80)])
+def test_the_last_rows_tail_is_read_to_its_end_and_no_further(dtype, D):
+    """A row's tail past its last whole chunk is a masked load: a cache that ends at a page that faults is fine."""
+    for M in (256, 300):  # the last key in a whole block of 16 (its tail a masked chunk), and one past them
+        result = subprocess.run([sys.executable, "-c", _GUARDED, dtype, str(D), str(M)], capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0 and result.stdout.strip() == "ok", (M, result.returncode, result.stderr[-2000:])

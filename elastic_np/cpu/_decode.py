@@ -63,7 +63,7 @@ from elastic_np.cpu._calls import (
     matmul_tn,
 )
 from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._decode_products import key_scores, value_products
+from elastic_np.cpu._decode_products import key_scores, query_width, value_products
 from elastic_np.cpu._decode_tiles import (
     _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together,
 )
@@ -305,7 +305,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
     heads = _heads_per_task(pages, Hkv)
     st = np.empty((rows, block_k), dtype=dtype)
     shift_by = np.empty(rows, dtype=dtype)
-    qs = np.empty((heads, rows, D), dtype=dtype)
+    qs = np.zeros((heads, rows, query_width(D)), dtype=dtype)  # zeros past D: `key_scores` reads a whole chunk
     acc = np.empty((heads, rows, Dv), dtype=dtype)
     row_max = np.empty((heads, rows), dtype=dtype)
     row_sum = np.empty((heads, rows))
@@ -381,7 +381,7 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     st, shift_by = work
     qs, row_span, checksum = rows_of
     acc, row_max, row_sum = state
-    rows, D = qs.shape[1], qs.shape[2]
+    rows, D = qs.shape[1], shape(k)[3]  # qs rows are `query_width(D)` long
     Dv = acc.shape[2]
     length = opt.kv_lengths[b]
     for t in range(heads):

@@ -28,6 +28,8 @@ transposed keys) and ``acc`` from its value (``matmul_nn(st, V, acc,
 accumulate=True)``), whichever path computes it.
 """
 
+import contextlib
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -73,6 +75,16 @@ def _chunk_entries(x):
     entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
         numpy_support.as_dtype(x.dtype))
     return lambda x: entries
+
+
+#: Entries a row of `key_scores`' queries must hold: ``D`` rounded up to the widest chunk (``2 W`` halves).
+_QUERY_ROUND = 2 * transpose_width(np.float32)
+
+
+@inner(fastmath=False)
+def query_width(D):
+    """The row length of `key_scores`' ``qs`` for head dim ``D``, so that a row's tail is a masked chunk."""
+    return -(-D // _QUERY_ROUND) * _QUERY_ROUND
 
 
 @_constant_in_jit_code
@@ -158,25 +170,37 @@ def _constant(value, n):
     return ir.Constant(value.type, n)
 
 
-@intrinsic
-def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row, hint):
-    """``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i < W``, ``j < E``, ``r < rows``, ``j`` in order.
+def _masked_row(builder, ptr, stored_ty, entries, align):
+    """The first ``entries`` (a runtime ``intp``) elements of ``stored_ty`` at ``ptr``, zeros after: nothing past them is read."""
+    n = stored_ty.count
+    index_ty = ir.VectorType(entries.type, n)
+    mask = builder.icmp_unsigned("<", ir.Constant(index_ty, list(range(n))), _splat(builder, entries, index_ty))
+    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[stored_ty.element]
+    fnty = ir.FunctionType(stored_ty, [stored_ty.as_pointer(), ir.IntType(32), mask.type, stored_ty])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{n}{element}.p0")
+    return builder.call(fn, [builder.bitcast(ptr, stored_ty.as_pointer()), ir.Constant(ir.IntType(32), align), mask,
+                             ir.Constant(stored_ty, None)])
 
-    ``K = k[:, k_col:]`` as stored, widened, and ``S = st[:, s_col:]``; the
-    ``W`` key rows are loaded once and transposed in registers; with
-    ``hint``, the lines of ``a[a_row + c0 + i, a_col + p0:]`` are hinted into
-    the cache. ``E = chunk_entries(k)``: ``W`` entries of a float, ``2 W`` of
-    a half, whose rows are transposed as pairs of halves (32-bit lanes, half
-    the shuffles an entry) and widened after: the low half of each lane is
-    entry ``p0 + 2 j``, the high half ``p0 + 2 j + 1``.
+
+def _make_key_chunk(masked):
+    """Intrinsic ``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i < W``, ``j < E``, ``r < rows``, ``j`` in order.
+
+    Its arguments are ``(qs, k, k_col, c0, p0, st, s_col, rows, a, a_col,
+    a_row, hint)``, and with ``masked`` then ``entries``: ``K = k[:,
+    k_col:]`` as stored, widened, and ``S = st[:, s_col:]``; the ``W`` key
+    rows are loaded once and transposed in registers; with ``hint``, the
+    lines of ``a[a_row + c0 + i, a_col + p0:]`` are hinted into the cache.
+    ``E = chunk_entries(k)``: ``W`` entries of a float, ``2 W`` of a half,
+    whose rows are transposed as pairs of halves (32-bit lanes, half the
+    shuffles an entry) and widened after: the low half of each lane is entry
+    ``p0 + 2 j``, the high half ``p0 + 2 j + 1``. ``masked``: only the first
+    ``entries < E`` of each row are read and added (the tail of a row whose
+    length is not a whole number of chunks), ``qs`` read to ``p0 + E``.
     """
-    if not _matrices(qs, k, st, a):
-        return None
-    intp = types.intp
 
     def codegen(context, builder, signature, args):
         qs_ty, k_ty, _, _, _, st_ty, _, _, a_ty = signature.args[:9]
-        qs_v, k_v, k_col_v, c0_v, p0_v, st_v, s_col_v, rows_v, a_v, a_col_v, a_row_v, hint_v = args
+        qs_v, k_v, k_col_v, c0_v, p0_v, st_v, s_col_v, rows_v, a_v, a_col_v, a_row_v, hint_v = args[:12]
         align, vec_ty, width = _vector_type(context, qs_ty.dtype)
         keys = _Matrix(context, builder, k_ty, k_v, k_col_v)
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
@@ -184,9 +208,14 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
         half = storage_format(k_ty.dtype) is not None
         lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
+        stored_ty = ir.VectorType(ir.IntType(16), 2 * width) if half else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            loaded.append(builder.load(builder.bitcast(ptr, lanes_ty.as_pointer()), align=2 if half else align))
+            if masked:
+                row = builder.bitcast(_masked_row(builder, ptr, stored_ty, args[12], 2 if half else align), lanes_ty)
+            else:
+                row = builder.load(builder.bitcast(ptr, lanes_ty.as_pointer()), align=2 if half else align)
+            loaded.append(row)
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
@@ -198,15 +227,20 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
             ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())
                     for r in range(count)]
-            totals = [builder.load(ptr, align=align) for ptr in ptrs]
+            totals = [cgutils.alloca_once(builder, vec_ty) for _ in range(count)]
+            for ptr, total in zip(ptrs, totals):
+                builder.store(builder.load(ptr, align=align), total)
             for j in range(len(columns)):
                 entry = builder.add(p0_v, _constant(p0_v, j))
-                for r in range(count):
-                    q = builder.load(queries.at(builder.add(first, _constant(first, r)), entry))
-                    product = builder.fmul(_splat(builder, q, vec_ty), columns[j], flags=_CONTRACT)
-                    totals[r] = builder.fadd(totals[r], product, flags=_CONTRACT)
+                # masked: no product past `entries` (even a zero one: 0 q added to -0 is +0)
+                with builder.if_then(builder.icmp_signed("<", _constant(p0_v, j), args[12])) if masked \
+                        else contextlib.nullcontext():
+                    for r in range(count):
+                        q = builder.load(queries.at(builder.add(first, _constant(first, r)), entry))
+                        product = builder.fmul(_splat(builder, q, vec_ty), columns[j], flags=_CONTRACT)
+                        builder.store(builder.fadd(builder.load(totals[r]), product, flags=_CONTRACT), totals[r])
             for ptr, total in zip(ptrs, totals):
-                builder.store(total, ptr, align=align)
+                builder.store(builder.load(total), ptr, align=align)
 
         groups = builder.udiv(rows_v, _constant(rows_v, _KEY_ROWS))
         with cgutils.for_range(builder, groups) as loop:
@@ -216,7 +250,26 @@ def _key_chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row
             rows_from(index, 1)
         return context.get_dummy_value()
 
-    return types.void(qs, k, intp, intp, intp, st, intp, intp, a, intp, intp, types.boolean), codegen
+    intp = types.intp
+
+    if masked:
+        @intrinsic
+        def chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row, hint, entries):
+            if not _matrices(qs, k, st, a):
+                return None
+            return types.void(qs, k, intp, intp, intp, st, intp, intp, a, intp, intp, types.boolean, intp), codegen
+    else:
+        @intrinsic
+        def chunk(typingctx, qs, k, k_col, c0, p0, st, s_col, rows, a, a_col, a_row, hint):
+            if not _matrices(qs, k, st, a):
+                return None
+            return types.void(qs, k, intp, intp, intp, st, intp, intp, a, intp, intp, types.boolean), codegen
+
+    return chunk
+
+
+_key_chunk = _make_key_chunk(False)
+_key_tail = _make_key_chunk(True)
 
 
 def _make_value_block(rows, vectors):
@@ -292,9 +345,10 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
     ``k_tile = (whole, col)``: ``K[c, d] = whole[c, col + d]``
     (`elastic_np.cpu._operands.head_rows`); ``ahead = (whole, col, row)``:
     the rows to hint (the module's docstring). Whole ``W x W`` blocks go
-    through `_key_chunk` (the one that starts a cache line hinting); the
-    keys and entries past the last whole block one at a time, each sum in
-    the same order.
+    through `_key_chunk` (the one that starts a cache line hinting), a row's
+    entries past its last whole chunk through `_key_tail` when ``qs`` rows
+    are `query_width` long (zeros past ``D``), else one at a time; the keys
+    past the last whole block one at a time; each sum in the same order.
     """
     whole, col = k_tile
     a, a_col, a_row = ahead
@@ -302,15 +356,20 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
     entries = chunk_entries(whole)
     bk_w = bk - bk % width
     d_w = D - D % entries
+    tail = D - d_w
     line = line_entries(whole)
+    # a row's tail as a masked chunk, if qs holds a chunk's entries there (zeros past D, `query_width`)
+    vector_tail = tail > 0 and qs.shape[1] >= d_w + entries
     for r in range(rows):
         st[r, s_col : s_col + bk] = 0.0  # a slice: ``st[r, s_col + c]`` tests each index for wraparound
     for c0 in range(0, bk_w, width):
         for p0 in range(0, d_w, entries):
             _key_chunk(qs, whole, col, c0, p0, st, s_col, rows, a, a_col, a_row, p0 % line < entries)
+        if vector_tail:
+            _key_tail(qs, whole, col, c0, d_w, st, s_col, rows, a, a_col, a_row, d_w % line < entries, tail)
     for c in range(bk):
         key = whole[c, col : col + D]
-        for p in range(0 if c >= bk_w else d_w, D):
+        for p in range(0 if c >= bk_w else (D if vector_tail else d_w), D):
             x = widen(key[p])
             for r in range(rows):
                 st[r, s_col + c] += qs[r, p] * x
