@@ -170,16 +170,33 @@ def _constant(value, n):
     return ir.Constant(value.type, n)
 
 
+def _first(builder, entries, n):
+    """The mask of the first ``entries`` (a runtime ``intp``) of ``n`` lanes."""
+    index_ty = ir.VectorType(entries.type, n)
+    return builder.icmp_unsigned("<", ir.Constant(index_ty, list(range(n))), _splat(builder, entries, index_ty))
+
+
+def _masked_name(operation, vec_ty):
+    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
+    return f"llvm.masked.{operation}.v{vec_ty.count}{element}.p0"
+
+
 def _masked_row(builder, ptr, stored_ty, entries, align):
     """The first ``entries`` (a runtime ``intp``) elements of ``stored_ty`` at ``ptr``, zeros after: nothing past them is read."""
-    n = stored_ty.count
-    index_ty = ir.VectorType(entries.type, n)
-    mask = builder.icmp_unsigned("<", ir.Constant(index_ty, list(range(n))), _splat(builder, entries, index_ty))
-    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[stored_ty.element]
+    mask = _first(builder, entries, stored_ty.count)
     fnty = ir.FunctionType(stored_ty, [stored_ty.as_pointer(), ir.IntType(32), mask.type, stored_ty])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.load.v{n}{element}.p0")
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _masked_name("load", stored_ty))
     return builder.call(fn, [builder.bitcast(ptr, stored_ty.as_pointer()), ir.Constant(ir.IntType(32), align), mask,
                              ir.Constant(stored_ty, None)])
+
+
+def _masked_store(builder, value, ptr, entries, align):
+    """Store the first ``entries`` lanes of ``value`` at ``ptr``; nothing past them is written."""
+    vec_ty = value.type
+    mask = _first(builder, entries, vec_ty.count)
+    fnty = ir.FunctionType(ir.VoidType(), [vec_ty, vec_ty.as_pointer(), ir.IntType(32), mask.type])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, _masked_name("store", vec_ty))
+    builder.call(fn, [value, builder.bitcast(ptr, vec_ty.as_pointer()), ir.Constant(ir.IntType(32), align), mask])
 
 
 def _make_key_chunk(masked):
@@ -272,20 +289,22 @@ _key_chunk = _make_key_chunk(False)
 _key_tail = _make_key_chunk(True)
 
 
-def _make_value_block(rows, vectors):
+def _make_value_block(rows, vectors, masked=False):
     """Intrinsic ``acc[r0 + r, d0 + t W ...] += sum_c st[r0 + r, c0 + c] V[c0 + c, d0 + t W ...]`` for ``c < n``, in order.
 
     Its arguments are ``(st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col,
-    a_row, hint)``; ``st`` stands for ``st[:, s_col:]`` and ``V`` for ``v[:,
-    v_col:]``, as stored, widened; ``rows x vectors`` vectors of ``acc`` stay
-    in registers over the keys. With ``hint``, the lines of ``a[a_row + c0 +
-    c, a_col + d0:]`` are hinted into the cache as value row ``c0 + c`` is
-    read.
+    a_row, hint)``, and with ``masked`` then ``entries``; ``st`` stands for
+    ``st[:, s_col:]`` and ``V`` for ``v[:, v_col:]``, as stored, widened;
+    ``rows x vectors`` vectors of ``acc`` stay in registers over the keys.
+    With ``hint``, the lines of ``a[a_row + c0 + c, a_col + d0:]`` are
+    hinted into the cache as value row ``c0 + c`` is read. ``masked`` (one
+    vector): only the first ``entries < W`` columns of ``V`` and ``acc`` are
+    read and written (a row's tail past its last whole vector).
     """
 
     def codegen(context, builder, signature, args):
         st_ty, _, v_ty, _, acc_ty, _, _, _, _, a_ty = signature.args[:10]
-        st_v, s_col_v, v_v, v_col_v, acc_v, r0_v, c0_v, n_v, d0_v, a_v, a_col_v, a_row_v, hint_v = args
+        st_v, s_col_v, v_v, v_col_v, acc_v, r0_v, c0_v, n_v, d0_v, a_v, a_col_v, a_row_v, hint_v = args[:13]
         align, vec_ty, width = _vector_type(context, st_ty.dtype)
         values = _Matrix(context, builder, v_ty, v_v, v_col_v)
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
@@ -301,14 +320,24 @@ def _make_value_block(rows, vectors):
         def out_ptr(r, t):
             return builder.bitcast(out.at(row(r), column(t)), vec_ty.as_pointer())
 
+        def load_acc(ptr):
+            return _masked_row(builder, ptr, vec_ty, args[13], align) if masked else builder.load(ptr, align=align)
+
+        def load_values(ptr):
+            if not masked:
+                return _load_widened(builder, ptr, v_ty.dtype, vec_ty, align)
+            half = storage_format(v_ty.dtype)
+            stored_ty = ir.VectorType(ir.IntType(16), width) if half else vec_ty
+            raw = _masked_row(builder, ptr, stored_ty, args[13], 2 if half else align)
+            return widened(builder, raw, half) if half else raw
+
         accs = [[cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)]
         for r in range(rows):
             for t in range(vectors):
-                builder.store(builder.load(out_ptr(r, t), align=align), accs[r][t])
+                builder.store(load_acc(out_ptr(r, t)), accs[r][t])
         with cgutils.for_range(builder, n_v) as loop:
             key = builder.add(c0_v, loop.index)
-            loaded = [_load_widened(builder, values.at(key, column(t)), v_ty.dtype, vec_ty, align)
-                      for t in range(vectors)]
+            loaded = [load_values(values.at(key, column(t))) for t in range(vectors)]
             with builder.if_then(hint_v):
                 ahead.hint(builder.add(a_row_v, key), d0_v, vectors * width)
             for r in range(rows):
@@ -318,16 +347,28 @@ def _make_value_block(rows, vectors):
                     builder.store(builder.fadd(builder.load(accs[r][t]), product, flags=_CONTRACT), accs[r][t])
         for r in range(rows):
             for t in range(vectors):
-                builder.store(builder.load(accs[r][t]), out_ptr(r, t), align=align)
+                if masked:
+                    _masked_store(builder, builder.load(accs[r][t]), out_ptr(r, t), args[13], align)
+                else:
+                    builder.store(builder.load(accs[r][t]), out_ptr(r, t), align=align)
         return context.get_dummy_value()
 
     intp = types.intp
+    assert vectors == 1 or not masked
 
-    @intrinsic
-    def block(typingctx, st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col, a_row, hint):
-        if not _matrices(st, v, acc, a):
-            return None
-        return types.void(st, intp, v, intp, acc, intp, intp, intp, intp, a, intp, intp, types.boolean), codegen
+    if masked:
+        @intrinsic
+        def block(typingctx, st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col, a_row, hint, entries):
+            if not _matrices(st, v, acc, a):
+                return None
+            return types.void(st, intp, v, intp, acc, intp, intp, intp, intp, a, intp, intp, types.boolean,
+                              intp), codegen
+    else:
+        @intrinsic
+        def block(typingctx, st, s_col, v, v_col, acc, r0, c0, n, d0, a, a_col, a_row, hint):
+            if not _matrices(st, v, acc, a):
+                return None
+            return types.void(st, intp, v, intp, acc, intp, intp, intp, intp, a, intp, intp, types.boolean), codegen
 
     return block
 
@@ -336,6 +377,8 @@ _value_block = _make_value_block(_VALUE_ROWS, _VALUE_VECTORS)
 _value_row = _make_value_block(1, _VALUE_VECTORS)
 _value_vector = _make_value_block(_VALUE_ROWS, 1)
 _value_one = _make_value_block(1, 1)
+_value_tail = _make_value_block(_VALUE_ROWS, 1, masked=True)
+_value_tail_one = _make_value_block(1, 1, masked=True)
 
 
 @inner(fastmath={"contract"})
@@ -381,8 +424,8 @@ def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
 
     ``ahead``: the rows to hint, as `key_scores`'. Blocks of `_VALUE_KEYS`
     keys, each read from memory once for all the row blocks and column
-    panels that use it; the columns past the last whole vector one at a
-    time.
+    panels that use it; the columns past the last whole vector as one
+    masked vector.
     """
     whole, col = v_tile
     a, a_col, a_row = ahead
@@ -404,9 +447,10 @@ def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
                 _value_vector(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0)
             for r in range(rows_b, rows):
                 _value_one(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
-    for c in range(bk):
-        value = whole[c, col : col + Dv]
-        for d in range(n_vec * width, Dv):
-            x = widen(value[d])
-            for r in range(rows):
-                acc[r, d] += st[r, s_col + c] * x
+        tail = Dv - n_vec * width
+        if tail > 0:  # the columns past the last whole vector: one masked vector
+            d0 = n_vec * width
+            for r0 in range(0, rows_b, _VALUE_ROWS):
+                _value_tail(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0, tail)
+            for r in range(rows_b, rows):
+                _value_tail_one(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0, tail)
