@@ -100,17 +100,51 @@ def _vector_type(context, dtype):
     return context.get_abi_sizeof(flt), ir.VectorType(flt, width), width
 
 
-def _load_widened(builder, ptr, stored, vec_ty, align):
-    """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty``.
+def _first(builder, entries, n):
+    """The mask of the first ``entries`` (a runtime ``intp``) of ``n`` lanes."""
+    index_ty = ir.VectorType(entries.type, n)
+    return builder.icmp_unsigned("<", ir.Constant(index_ty, list(range(n))), _splat(builder, entries, index_ty))
+
+
+def _masked(builder, operation, vec_ty, entries):
+    """``llvm.masked.load`` or ``.store`` of ``vec_ty`` and the mask of its first ``entries`` lanes."""
+    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
+    mask = _first(builder, entries, vec_ty.count)
+    ptr_ty, i32 = vec_ty.as_pointer(), ir.IntType(32)
+    fnty = ir.FunctionType(vec_ty, [ptr_ty, i32, mask.type, vec_ty]) if operation == "load" else \
+        ir.FunctionType(ir.VoidType(), [vec_ty, ptr_ty, i32, mask.type])
+    return cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.{operation}.v{vec_ty.count}{element}.p0"), mask
+
+
+def _load_row(builder, ptr, vec_ty, align, entries=None):
+    """The ``vec_ty`` at element pointer ``ptr``; with ``entries`` (a runtime ``intp``) its first ``entries`` lanes, zeros after (a masked load: nothing past them is read)."""
+    vec_ptr = builder.bitcast(ptr, vec_ty.as_pointer())
+    if entries is None:
+        return builder.load(vec_ptr, align=align)
+    fn, mask = _masked(builder, "load", vec_ty, entries)
+    return builder.call(fn, [vec_ptr, ir.Constant(ir.IntType(32), align), mask, ir.Constant(vec_ty, None)])
+
+
+def _store_row(builder, value, ptr, align, entries=None):
+    """Store ``value`` at element pointer ``ptr``; with ``entries`` its first ``entries`` lanes only (nothing past them is written)."""
+    vec_ptr = builder.bitcast(ptr, value.type.as_pointer())
+    if entries is None:
+        builder.store(value, vec_ptr, align=align)
+        return
+    fn, mask = _masked(builder, "store", value.type, entries)
+    builder.call(fn, [value, vec_ptr, ir.Constant(ir.IntType(32), align), mask])
+
+
+def _load_widened(builder, ptr, stored, vec_ty, align, entries=None):
+    """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty`` (``entries``: `_load_row`'s).
 
     ``stored``: the Numba type of the stored entries (a float of ``vec_ty``'s,
     or a half's bits, `storage_format`); ``align`` the float's size.
     """
     half = storage_format(stored)
     if half is None:
-        return builder.load(builder.bitcast(ptr, vec_ty.as_pointer()), align=align)
-    raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), vec_ty.count).as_pointer()), align=2)
-    return widened(builder, raw, half)
+        return _load_row(builder, ptr, vec_ty, align, entries)
+    return widened(builder, _load_row(builder, ptr, ir.VectorType(ir.IntType(16), vec_ty.count), 2, entries), half)
 
 
 def _pair_widened(builder, pairs, stored):
@@ -170,35 +204,6 @@ def _constant(value, n):
     return ir.Constant(value.type, n)
 
 
-def _first(builder, entries, n):
-    """The mask of the first ``entries`` (a runtime ``intp``) of ``n`` lanes."""
-    index_ty = ir.VectorType(entries.type, n)
-    return builder.icmp_unsigned("<", ir.Constant(index_ty, list(range(n))), _splat(builder, entries, index_ty))
-
-
-def _masked_name(operation, vec_ty):
-    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
-    return f"llvm.masked.{operation}.v{vec_ty.count}{element}.p0"
-
-
-def _masked_row(builder, ptr, stored_ty, entries, align):
-    """The first ``entries`` (a runtime ``intp``) elements of ``stored_ty`` at ``ptr``, zeros after: nothing past them is read."""
-    mask = _first(builder, entries, stored_ty.count)
-    fnty = ir.FunctionType(stored_ty, [stored_ty.as_pointer(), ir.IntType(32), mask.type, stored_ty])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, _masked_name("load", stored_ty))
-    return builder.call(fn, [builder.bitcast(ptr, stored_ty.as_pointer()), ir.Constant(ir.IntType(32), align), mask,
-                             ir.Constant(stored_ty, None)])
-
-
-def _masked_store(builder, value, ptr, entries, align):
-    """Store the first ``entries`` lanes of ``value`` at ``ptr``; nothing past them is written."""
-    vec_ty = value.type
-    mask = _first(builder, entries, vec_ty.count)
-    fnty = ir.FunctionType(ir.VoidType(), [vec_ty, vec_ty.as_pointer(), ir.IntType(32), mask.type])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, _masked_name("store", vec_ty))
-    builder.call(fn, [value, builder.bitcast(ptr, vec_ty.as_pointer()), ir.Constant(ir.IntType(32), align), mask])
-
-
 def _make_key_chunk(masked):
     """Intrinsic ``S[r, c0 + i] += sum_j qs[r, p0 + j] K[c0 + i, p0 + j]`` for ``i < W``, ``j < E``, ``r < rows``, ``j`` in order.
 
@@ -218,6 +223,7 @@ def _make_key_chunk(masked):
     def codegen(context, builder, signature, args):
         qs_ty, k_ty, _, _, _, st_ty, _, _, a_ty = signature.args[:9]
         qs_v, k_v, k_col_v, c0_v, p0_v, st_v, s_col_v, rows_v, a_v, a_col_v, a_row_v, hint_v = args[:12]
+        entries = args[12] if masked else None
         align, vec_ty, width = _vector_type(context, qs_ty.dtype)
         keys = _Matrix(context, builder, k_ty, k_v, k_col_v)
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
@@ -228,11 +234,7 @@ def _make_key_chunk(masked):
         stored_ty = ir.VectorType(ir.IntType(16), 2 * width) if half else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            if masked:
-                row = builder.bitcast(_masked_row(builder, ptr, stored_ty, args[12], 2 if half else align), lanes_ty)
-            else:
-                row = builder.load(builder.bitcast(ptr, lanes_ty.as_pointer()), align=2 if half else align)
-            loaded.append(row)
+            loaded.append(builder.bitcast(_load_row(builder, ptr, stored_ty, 2 if half else align, entries), lanes_ty))
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
@@ -250,7 +252,7 @@ def _make_key_chunk(masked):
             for j in range(len(columns)):
                 entry = builder.add(p0_v, _constant(p0_v, j))
                 # masked: no product past `entries` (even a zero one: 0 q added to -0 is +0)
-                with builder.if_then(builder.icmp_signed("<", _constant(p0_v, j), args[12])) if masked \
+                with builder.if_then(builder.icmp_signed("<", _constant(p0_v, j), entries)) if masked \
                         else contextlib.nullcontext():
                     for r in range(count):
                         q = builder.load(queries.at(builder.add(first, _constant(first, r)), entry))
@@ -305,6 +307,7 @@ def _make_value_block(rows, vectors, masked=False):
     def codegen(context, builder, signature, args):
         st_ty, _, v_ty, _, acc_ty, _, _, _, _, a_ty = signature.args[:10]
         st_v, s_col_v, v_v, v_col_v, acc_v, r0_v, c0_v, n_v, d0_v, a_v, a_col_v, a_row_v, hint_v = args[:13]
+        entries = args[13] if masked else None
         align, vec_ty, width = _vector_type(context, st_ty.dtype)
         values = _Matrix(context, builder, v_ty, v_v, v_col_v)
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
@@ -318,26 +321,16 @@ def _make_value_block(rows, vectors, masked=False):
             return builder.add(d0_v, _constant(d0_v, t * width))
 
         def out_ptr(r, t):
-            return builder.bitcast(out.at(row(r), column(t)), vec_ty.as_pointer())
-
-        def load_acc(ptr):
-            return _masked_row(builder, ptr, vec_ty, args[13], align) if masked else builder.load(ptr, align=align)
-
-        def load_values(ptr):
-            if not masked:
-                return _load_widened(builder, ptr, v_ty.dtype, vec_ty, align)
-            half = storage_format(v_ty.dtype)
-            stored_ty = ir.VectorType(ir.IntType(16), width) if half else vec_ty
-            raw = _masked_row(builder, ptr, stored_ty, args[13], 2 if half else align)
-            return widened(builder, raw, half) if half else raw
+            return out.at(row(r), column(t))
 
         accs = [[cgutils.alloca_once(builder, vec_ty) for _ in range(vectors)] for _ in range(rows)]
         for r in range(rows):
             for t in range(vectors):
-                builder.store(load_acc(out_ptr(r, t)), accs[r][t])
+                builder.store(_load_row(builder, out_ptr(r, t), vec_ty, align, entries), accs[r][t])
         with cgutils.for_range(builder, n_v) as loop:
             key = builder.add(c0_v, loop.index)
-            loaded = [load_values(values.at(key, column(t))) for t in range(vectors)]
+            loaded = [_load_widened(builder, values.at(key, column(t)), v_ty.dtype, vec_ty, align, entries)
+                      for t in range(vectors)]
             with builder.if_then(hint_v):
                 ahead.hint(builder.add(a_row_v, key), d0_v, vectors * width)
             for r in range(rows):
@@ -347,10 +340,7 @@ def _make_value_block(rows, vectors, masked=False):
                     builder.store(builder.fadd(builder.load(accs[r][t]), product, flags=_CONTRACT), accs[r][t])
         for r in range(rows):
             for t in range(vectors):
-                if masked:
-                    _masked_store(builder, builder.load(accs[r][t]), out_ptr(r, t), args[13], align)
-                else:
-                    builder.store(builder.load(accs[r][t]), out_ptr(r, t), align=align)
+                _store_row(builder, builder.load(accs[r][t]), out_ptr(r, t), align, entries)
         return context.get_dummy_value()
 
     intp = types.intp

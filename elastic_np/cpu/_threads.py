@@ -193,19 +193,18 @@ class _Pool:
 
 
 _STEPS_PER_SECOND = []
-_calibrate_lock = threading.Lock()
 
 
 def _spin_steps(seconds):
-    """Steps of `_spin_while` that take about ``seconds`` (measured once per process)."""
-    with _calibrate_lock:
-        if not _STEPS_PER_SECOND:
-            flags = np.zeros(1, dtype=np.int64)
-            _spin_while(flags, 0, 0, 1, -1)
-            steps = 20_000
-            start = time.perf_counter()
-            _spin_while(flags, 0, 0, steps, -1)
-            _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
+    """Steps of `_spin_while` that take about ``seconds`` (measured once per process, by the first pool made: under
+    `_pool_lock`)."""
+    if not _STEPS_PER_SECOND:
+        flags = np.zeros(1, dtype=np.int64)
+        _spin_while(flags, 0, 0, 1, -1)
+        steps = 20_000
+        start = time.perf_counter()
+        _spin_while(flags, 0, 0, steps, -1)
+        _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
     return max(1, int(seconds * _STEPS_PER_SECOND[0]))
 
 
@@ -224,34 +223,34 @@ def _spin_while(flags, i, value, steps, store_at):
     return _read_acquire(flags, i) != value
 
 
+def _is_flags(flags):
+    return isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1
+
+
+def _flag_pointer(context, builder, signature, args):
+    """The pointer to ``flags[i]`` of an intrinsic's first two arguments ``(flags, i)``."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    return builder.gep(array.data, [args[1]], inbounds=True)
+
+
 @intrinsic
 def _read_acquire(typingctx, flags, i):
     """``flags[i]`` read anew on every call (an atomic load), which another thread's store changes."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
-        return None
-
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(array.data, [args[1]], inbounds=True)
-        return builder.load_atomic(ptr, "acquire", 8)
+        return builder.load_atomic(_flag_pointer(context, builder, signature, args), "acquire", 8)
 
-    return types.int64(flags, types.intp), codegen
+    return (types.int64(flags, types.intp), codegen) if _is_flags(flags) else None
 
 
 @intrinsic
 def _write_release(typingctx, flags, i, value):
     """``flags[i] = value``, an atomic store that another thread's `_read_acquire` sees."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
-        return None
-
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(array.data, [args[1]], inbounds=True)
         value = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store_atomic(value, ptr, "release", 8)
+        builder.store_atomic(value, _flag_pointer(context, builder, signature, args), "release", 8)
         return context.get_dummy_value()
 
-    return types.void(flags, types.intp, value), codegen
+    return (types.void(flags, types.intp, value), codegen) if _is_flags(flags) else None
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
