@@ -235,3 +235,18 @@ def test_decode_products_prints_every_layout(capsys):
     tiles = decode_products.layouts(np.float32, 8)
     a, b = tiles["contiguous"], tiles["4096 B apart"]
     assert a[0].strides[0] == 512 and b[0].strides[0] == 4096 and b[1] == 3 * 128
+
+
+def test_openmp_neighbours_prints_both_situations_and_restores_the_setting(capsys):
+    pytest.importorskip("torch")
+    import openmp_neighbours
+
+    from elastic_np.cpu import _config
+
+    before = _config.QUIET_OPENMP_WORK
+    openmp_neighbours.main(["--cache", "64", "--rounds", "2", "--gap", "0.001"])
+    out = capsys.readouterr().out
+    assert "64 keys" in out
+    for where in ("after torch", "after a gap"):
+        assert f"  {where:<12} asking" in out
+    assert _config.QUIET_OPENMP_WORK == before

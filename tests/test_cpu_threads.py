@@ -217,3 +217,62 @@ def test_a_dead_worker_is_an_error_and_its_pool_is_replaced(monkeypatch):
     seen = []
     cpu._threads._run_tasks(_record_part, seen, -1)
     assert cpu._threads._pool is not pool and sorted(seen) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_a_large_call_on_the_pool_first_asks_the_openmp_runtimes(monkeypatch, asks):
+    """From `QUIET_OPENMP_WORK` multiply-adds on (not below it, nor on the calling thread alone); the same bits."""
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    q, k, v, _ = make_inputs(np.float32, N=1)
+    want = _attention_cpu(q, k, v)
+    asked = []
+    monkeypatch.setattr(cpu._openmp, "quiet", lambda: asked.append(1))
+    monkeypatch.setattr(cpu._config, "QUIET_OPENMP_WORK", 0 if asks else np.inf)
+    np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 1)
+    np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
+    assert len(asked) == (1 if asks else 0)
+
+
+def _in_a_process_of_its_own(code):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="finds the runtimes in /proc/self/maps")
+def test_asking_loads_no_openmp_runtime():
+    _in_a_process_of_its_own(
+        """
+        from elastic_np.cpu import _openmp
+        before = _openmp.runtimes()
+        assert _openmp.quiet() == 0 or before
+        assert _openmp.runtimes() == before
+        print("ok")
+        """
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads in /proc/self/task")
+def test_pytorchs_idle_openmp_workers_go_when_asked_and_come_back_when_it_needs_them():
+    pytest.importorskip("torch")
+    _in_a_process_of_its_own(
+        """
+        import os
+        import torch
+        from elastic_np.cpu import _openmp
+        torch.set_num_threads(2)
+        x = torch.rand(1 << 22)
+        threads = lambda: len(os.listdir("/proc/self/task"))
+        want = x.exp()  # a parallel region: PyTorch's second thread
+        running = threads()
+        assert any("libgomp" in os.path.basename(path) for path in _openmp.runtimes()), _openmp.runtimes()
+        assert _openmp.quiet() >= 1
+        assert threads() < running
+        assert torch.equal(x.exp(), want)
+        assert threads() == running
+        print("ok")
+        """
+    )

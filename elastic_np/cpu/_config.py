@@ -51,6 +51,13 @@ SERIAL_WORK = 1 << 21
 #: Seconds a worker of the pool spins, without the GIL, waiting for its next
 #: part before it sleeps: waking a sleeping thread costs about 0.1 ms.
 THREAD_SPIN_SECONDS = 3e-4
+#: Multiply-adds from which a call that runs on the pool first asks the OpenMP
+#: runtimes in the process (PyTorch's) to let their idle workers go
+#: (`elastic_np.cpu._openmp`): they spin for milliseconds after each of their
+#: parallel regions, on the cores the parts need. Where they sleep already,
+#: asking, and the library starting its threads again, is pure cost: below this
+#: it would cost more than it can save (docs/performance.rst). ``math.inf``: never.
+QUIET_OPENMP_WORK = 1 << 23
 
 # Compiler flags of the kernels' tile code. Reassociation lets LLVM vectorise
 # the row sums; no flag that assumes finite values, since -inf marks every

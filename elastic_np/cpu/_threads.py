@@ -25,6 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from elastic_np.cpu import _config as config
+from elastic_np.cpu import _openmp
 from elastic_np.cpu._numba_private import inner
 
 _pool = None
@@ -65,7 +66,9 @@ def _run_tasks(kernel, *args, work=None):
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`; the kernels release the GIL). Every task writes
     outputs of its own, so the result has the same bits for every thread
-    count. Threads instead of ``prange``: a parallel Numba function compiles
+    count. From `QUIET_OPENMP_WORK` multiply-adds on, the OpenMP runtimes in
+    the process are first asked to let their idle workers go
+    (`elastic_np.cpu._openmp`). Threads instead of ``prange``: a parallel Numba function compiles
     its loop body again as a gufunc and LLVM optimises it once per level it
     is linked into, which doubled the first compile of these kernels.
     """
@@ -78,6 +81,8 @@ def _run_tasks(kernel, *args, work=None):
         if pool.closed:  # replaced by a larger pool meanwhile
             kernel(*args, 0, 1)
         else:
+            if work is None or work >= config.QUIET_OPENMP_WORK:
+                _openmp.quiet()  # their spinning workers would share the cores with the parts
             pool.run(kernel, args, threads)
     finally:
         pool.lock.release()
