@@ -276,3 +276,29 @@ def test_pytorchs_idle_openmp_workers_go_when_asked_and_come_back_when_it_needs_
         print("ok")
         """
     )
+
+
+@numba.njit(nogil=True, cache=False, fastmath=False)
+def _claiming_kernel(tasks, owner, slow_steps, part, parts):
+    """Claims tasks as the forward and decode kernels do; part 1 spins ``slow_steps`` steps on each of its tasks."""
+    n = owner.shape[0]
+    idle = np.zeros(1, dtype=np.int64)
+    for _ in range(n):
+        task = cpu._threads.claim(tasks)
+        if task >= n:
+            break
+        owner[task] = part
+        if part == 1:
+            cpu._threads._spin_while(idle, 0, 0, slow_steps, -1)
+
+
+def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
+    """Every task runs once, and the fast thread runs those the slow one has not got to."""
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    n = 64
+    for threads in (1, 2):
+        monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
+        tasks, owner = cpu._threads.task_counter(), np.full(n, -1)
+        cpu._threads._run_tasks(_claiming_kernel, tasks, owner, cpu._threads._spin_steps(2e-3))
+        assert (owner >= 0).all() and n <= tasks[0] <= n + threads  # at most one claim a thread finds none
+        assert (owner == 0).sum() >= (n if threads == 1 else n - 8), owner  # a contiguous half each: 32

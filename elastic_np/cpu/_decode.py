@@ -76,7 +76,7 @@ from elastic_np.cpu._plan import _options
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._tanh import tanh_any
-from elastic_np.cpu._threads import _run_tasks, _task_range
+from elastic_np.cpu._threads import _run_tasks, _task_range, claim, task_counter
 
 #: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
 _ROWS_TILES = (exp_inplace,)
@@ -154,7 +154,7 @@ def forward(problem, paged=None, entry_splits=None):
         _decode_heads_kernel if key_major else _decode_kernel,
         q, k, v, pages, opt, split_start,
         block_keys(rows, key_major) if key_major else (block_keys(rows, key_major), hint_keys(block_size)),
-        (part_max, part_sum, part_acc, read, suspect),
+        (part_max, part_sum, part_acc, read, suspect), task_counter(),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:
@@ -277,7 +277,7 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
+def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
     ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
@@ -312,7 +312,11 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, part, parts):
     row_span = np.empty((heads, 2, rows), dtype=np.int64)  # the keys [lo, hi) each row may keep
     checksum = np.empty(heads, dtype=dtype)
     b = 0
-    for task in _task_range((Hkv // heads) * split_start[B], part, parts):
+    n_tasks = (Hkv // heads) * split_start[B]
+    for _ in range(n_tasks):
+        task = claim(tasks)  # the next unclaimed (`elastic_np.cpu._threads.claim`); a thread's tasks rise
+        if task >= n_tasks:
+            break
         b, head_group, s, n_split = _locate(task, split_start, Hkv // heads, b)
         hk0 = head_group * heads
         for t in range(heads):
@@ -490,7 +494,7 @@ def _softmax_step(st, shift_by, row_span, opt, where, state):
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, parts):
+def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
@@ -521,7 +525,11 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, part, 
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
     b = 0
-    for task in _task_range(Hkv * split_start[B], part, parts):
+    n_tasks = Hkv * split_start[B]
+    for _ in range(n_tasks):
+        task = claim(tasks)
+        if task >= n_tasks:
+            break
         b, hk, s, n_split = _locate(task, split_start, Hkv, b)
         u_lo, u_hi = _row_ranges(opt, b, hk, group, N, row_lo, row_hi)
         read[b, hk, 0], read[b, hk, 1] = u_lo, u_hi

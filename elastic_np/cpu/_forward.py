@@ -26,7 +26,7 @@ from elastic_np.cpu._plan import (
 )
 from elastic_np.cpu._scalar import _log_add_exp
 from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
+from elastic_np.cpu._threads import _run_tasks, _zigzag, claim, task_counter
 
 
 def forward(problem):
@@ -51,7 +51,7 @@ def forward(problem):
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
+    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse, task_counter(),
                work=B * H * N * M * (D + Dv))
     return out, lse
 
@@ -61,8 +61,11 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts):
     """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._operands`).
+
+    A task is one query tile of one (batch, head); each thread takes the next
+    unclaimed one from the call's counter ``tasks`` (`claim`).
 
     The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time (`elastic_np.cpu._halves`).
     """
@@ -85,7 +88,11 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, part, parts):
     k_half = scratch_for(k[0], block_k, D, dtype)
     v_half = scratch_for(v[0], block_k, Dv, dtype)
     no_cap_slope = np.empty((0, 0), dtype=dtype)  # the forward takes no tanh slopes
-    for task in _task_range(B * H * n_qt, part, parts):
+    n_tasks = B * H * n_qt
+    for _ in range(n_tasks):
+        task = claim(tasks)
+        if task >= n_tasks:
+            break
         bh = task // n_qt
         b = bh // H
         h = bh % H

@@ -64,7 +64,9 @@ def _run_tasks(kernel, *args, work=None):
     the calling thread alone (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
-    tasks (`_task_range`; the kernels release the GIL). Every task writes
+    tasks (`_task_range`), or, in the forward and decode kernels, the tasks
+    it claims first from the call's `task_counter` (`claim`); the kernels
+    release the GIL. Every task writes
     outputs of its own, so the result has the same bits for every thread
     count. From `QUIET_OPENMP_WORK` multiply-adds on, the OpenMP runtimes in
     the process are first asked to let their idle workers go
@@ -273,6 +275,34 @@ def _pause(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+def task_counter():
+    """A call's counter of claimed tasks, for a kernel that takes them as its threads get to them (`claim`)."""
+    return np.zeros(1, dtype=np.int64)
+
+
+@inner(fastmath=False)
+def claim(tasks):
+    """The next unclaimed task of a call's `task_counter`, claimed: each task goes to the first thread that asks.
+
+    A kernel's loop ``for _ in range(n): task = claim(tasks); if task >= n: break``
+    keeps every thread busy until no task is left, however much slower one
+    thread runs than another (another process on its core, a slower core);
+    each thread's tasks still rise. Each task writes outputs of its own, so
+    which thread runs it changes no bits.
+    """
+    return _fetch_add(tasks, 0, 1)
+
+
+@intrinsic
+def _fetch_add(typingctx, flags, i, value):
+    """``flags[i] += value`` as one atomic step of every thread's; the value before."""
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", _flag_pointer(context, builder, signature, args), value, "monotonic")
+
+    return (types.int64(flags, types.intp, value), codegen) if _is_flags(flags) else None
 
 
 @inner(fastmath=False)
