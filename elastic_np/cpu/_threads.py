@@ -66,13 +66,13 @@ def _run_tasks(kernel, *args, work=None):
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`), or, in the forward and decode kernels, the tasks
     it claims first from the call's `task_counter` (`claim`); the kernels
-    release the GIL. Every task writes
-    outputs of its own, so the result has the same bits for every thread
-    count. From `QUIET_OPENMP_WORK` multiply-adds on, the OpenMP runtimes in
-    the process are first asked to let their idle workers go
-    (`elastic_np.cpu._openmp`). Threads instead of ``prange``: a parallel Numba function compiles
-    its loop body again as a gufunc and LLVM optimises it once per level it
-    is linked into, which doubled the first compile of these kernels.
+    release the GIL. Every task writes outputs of its own, so the result has
+    the same bits for every thread count. From `QUIET_OPENMP_WORK`
+    multiply-adds on, the OpenMP runtimes in the process are first asked to
+    let their idle workers go (`elastic_np.cpu._openmp`). Threads instead of
+    ``prange``: a parallel Numba function compiles its loop body again as a
+    gufunc and LLVM optimises it once per level it is linked into, which
+    doubled the first compile of these kernels.
     """
     threads = thread_count()
     pool = None if threads == 1 or (work is not None and work < config.SERIAL_WORK) else _pool_of(threads - 1)
