@@ -34,7 +34,9 @@ def _timed(call, before, gap, quiet):
     before()
     if gap:
         time.sleep(gap)
-    _config.QUIET_OPENMP_WORK, saved = (_config.QUIET_OPENMP_WORK if quiet else math.inf), _config.QUIET_OPENMP_WORK
+    saved = _config.QUIET_OPENMP_WORK
+    if not quiet:
+        _config.QUIET_OPENMP_WORK = math.inf
     try:
         start = time.perf_counter()
         call()

@@ -137,9 +137,15 @@ def test_a_small_call_runs_on_the_calling_thread(monkeypatch, N):
     assert cpu._threads._pool is not None
 
 
+def _in_a_process_of_its_own(code):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
 def test_kernels_do_not_launch_numbas_threading_layer():
     """Launching it can load a second OpenMP runtime beside another library's (PyTorch's)."""
-    code = textwrap.dedent(
+    _in_a_process_of_its_own(
         """
         import numba, numba.np.ufunc.parallel as parallel, numpy as np
         import elastic_np as enp
@@ -154,8 +160,6 @@ def test_kernels_do_not_launch_numbas_threading_layer():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def _interrupted_part(part, parts):
@@ -234,12 +238,6 @@ def test_a_large_call_on_the_pool_first_asks_the_openmp_runtimes(monkeypatch, as
     monkeypatch.setattr(cpu._threads, "thread_count", lambda: 1)
     np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
     assert len(asked) == (1 if asks else 0)
-
-
-def _in_a_process_of_its_own(code):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="finds the runtimes in /proc/self/maps")
