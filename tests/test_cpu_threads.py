@@ -300,3 +300,28 @@ def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
         cpu._threads._run_tasks(_claiming_kernel, tasks, owner, cpu._threads._spin_steps(2e-3))
         assert (owner >= 0).all() and n <= tasks[0] <= n + threads  # at most one claim a thread finds none
         assert (owner == 0).sum() >= (n if threads == 1 else n - 8), owner  # a contiguous half each: 32
+
+
+def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
+    """The backward's threads claim its tasks (one per key tile of a kv head) from one counter a chunk; same bits as one thread."""
+    counters = []
+
+    def counted():
+        counters.append(real())
+        return counters[-1]
+
+    real = cpu._threads.task_counter
+    monkeypatch.setattr(cpu._backward, "task_counter", counted)
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((2, 4, 23, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 2, 31, 16)) for _ in range(2))
+    bias = rng.standard_normal((23, 31))  # summed over batch and heads: lanes of (batch, kv head) pairs
+    out, lse = enp.attention(q, k, v, bias=bias, causal=True, return_lse=True, backend="cpu")
+    grads = enp.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, backend="cpu")
+    n_tasks = 2 * 2 * -(-31 // (cpu._config.BLOCK_K * cpu._config.BACKWARD_K_FACTOR))
+    assert sum(c[0] for c in counters) >= n_tasks and all(c[0] >= 1 for c in counters)
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 1)
+    alone = enp.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, backend="cpu")
+    for field in ("dq", "dk", "dv", "dbias"):
+        np.testing.assert_array_equal(getattr(grads, field), getattr(alone, field))

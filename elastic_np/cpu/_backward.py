@@ -40,7 +40,7 @@ from elastic_np.cpu._plan import (
 )
 from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag
+from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag, claim, task_counter
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -94,7 +94,7 @@ def backward(problem, dout, out, lse, dlse=None):
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1)
+        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1, task_counter())
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
@@ -377,7 +377,7 @@ def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, parts):
+def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
@@ -387,7 +387,12 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
     + t``. A task covers one key tile of one (batch, kv head) pair, or of the
-    pairs of a dbias lane (`_DbiasPlan`), one after the other.
+    pairs of a dbias lane (`_DbiasPlan`), one after the other; the threads
+    claim them from ``tasks`` (`elastic_np.cpu._threads.claim`). Every task
+    writes outputs of its own: its rows of ``dk``, ``dv`` and the dq share,
+    its entries of ``dtau_part`` and ``dsigma_part``, and its dbias slot (a
+    lane's one slot when the keys are not reduced: then each key tile writes
+    columns of its own).
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
@@ -407,7 +412,11 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, part, pa
     # themselves are read only where p != 0).
     nvm_in_logits = opt.nvm and opt.has_gate
     nvm_in_exp = opt.nvm and not opt.has_gate
-    for task in _task_range(n_outer * lanes * n_chunk, part, parts):
+    n_tasks = n_outer * lanes * n_chunk
+    for _ in range(n_tasks):
+        task = claim(tasks)
+        if task >= n_tasks:
+            break
         t = _zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
         outer = task // n_chunk // lanes
