@@ -325,3 +325,23 @@ def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
     alone = enp.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, backend="cpu")
     for field in ("dq", "dk", "dv", "dbias"):
         np.testing.assert_array_equal(getattr(grads, field), getattr(alone, field))
+
+
+def test_the_double_backward_claims_its_query_and_key_tiles(monkeypatch, small_tiles):
+    """Both passes of the double backward claim their tasks from a counter of their own, every task claimed."""
+    counters = []
+
+    def counted():
+        counters.append(real())
+        return counters[-1]
+
+    real = cpu._threads.task_counter
+    monkeypatch.setattr(cpu._double_backward, "task_counter", counted)
+    rng = np.random.default_rng(4)
+    q, dout, ddq = (rng.standard_normal((1, 2, 23, 16)) for _ in range(3))
+    k, v, ddk, ddv = (rng.standard_normal((1, 2, 31, 16)) for _ in range(4))
+    out, lse = enp.attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+    enp.attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, causal=True, backend="cpu")
+    query_tasks = 2 * -(-23 // cpu._config.BLOCK_Q)
+    key_tasks = 2 * -(-31 // (cpu._config.BLOCK_K * cpu._config.BACKWARD_K_FACTOR))
+    assert len(counters) >= 2 and counters[0][0] >= query_tasks and sum(c[0] for c in counters[1:]) >= key_tasks

@@ -33,18 +33,19 @@ from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, shape
 from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._tangents import score_tangent
-from elastic_np.cpu._threads import _task_range, _zigzag
+from elastic_np.cpu._threads import _zigzag, claim
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _tangent_keys_kernel(ins, tan, outs, dbias, opt, block_q, block_k, kt0, kt1, part, parts):
+def _tangent_keys_kernel(ins, tan, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dkdot, dvdot, the tiles' shares of dqdot, the dtau, dsigma and dbias tangents.
 
     ``ins = (k, v, q_rows, q_t, dout, dout_t, rows)`` as the backward's
     (``q_rows`` the queries times ``scale / tau_h``), ``rows = (lse, delta,
     lsedot, deltadot)``; ``tan`` the `Tangents`; ``outs = (dk, dv,
     dq_shares, share_rows, dtau_part, dsigma_part)`` and ``dbias`` as the
-    backward's (`elastic_np.cpu._backward._backward_kernel`).
+    backward's (`elastic_np.cpu._backward._backward_kernel`), whose tasks,
+    each writing outputs of its own, its threads claim as these do.
     """
     k, v, q_rows = ins[0], ins[1], ins[2]
     B, Hkv, M, D = shape(k)
@@ -54,7 +55,11 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, opt, block_q, block_k, kt0, kt1,
     lanes, slots_per_lane = dbias[0][3], dbias[0][4]
     n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
     scratch = _keys_scratch(k, block_q, block_k, Dv, group, opt.has_softcap)
-    for task in _task_range(n_outer * lanes * n_chunk, part, parts):
+    n_tasks = n_outer * lanes * n_chunk
+    for _ in range(n_tasks):
+        task = claim(tasks)
+        if task >= n_tasks:
+            break
         t = _zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
         outer = task // n_chunk // lanes

@@ -25,11 +25,11 @@ from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, shape
 from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._tangents import score_tangent
-from elastic_np.cpu._threads import _task_range, _zigzag
+from elastic_np.cpu._threads import _zigzag, claim
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, part, parts):
+def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, tasks, part, parts):
     """Query tiles: ``outs = (outdot, lsedot, deltadot)``.
 
     ``ins = (k, v, q_t, dout, lse)``: the operands of ``k``, ``v``,
@@ -55,7 +55,11 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, part, parts):
     # NVM as in the backward: in the logits pass with a gate, else in the exponential's
     nvm_in_logits = opt.nvm and opt.has_gate
     nvm_in_exp = opt.nvm and not opt.has_gate
-    for task in _task_range(B * H * n_qt, part, parts):
+    n_tasks = B * H * n_qt
+    for _ in range(n_tasks):
+        task = claim(tasks)  # each task writes its own rows: `elastic_np.cpu._threads.claim`
+        if task >= n_tasks:
+            break
         bh = task // n_qt
         b, h = bh // H, bh % H
         hk = h // group
