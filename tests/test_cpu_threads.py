@@ -302,16 +302,22 @@ def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
         assert (owner == 0).sum() >= (n if threads == 1 else n - 8), owner  # a contiguous half each: 32
 
 
-def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
-    """The backward's threads claim its tasks (one per key tile of a kv head) from one counter a chunk; same bits as one thread."""
-    counters = []
+
+def _counters_of(monkeypatch, module):
+    """The task counters ``module``'s calls make, kept in a list as they are made."""
+    counters, real = [], cpu._threads.task_counter
 
     def counted():
         counters.append(real())
         return counters[-1]
 
-    real = cpu._threads.task_counter
-    monkeypatch.setattr(cpu._backward, "task_counter", counted)
+    monkeypatch.setattr(module, "task_counter", counted)
+    return counters
+
+
+def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
+    """The backward claims its tasks (a key tile of a kv head each) from a counter a chunk; the bits of one thread."""
+    counters = _counters_of(monkeypatch, cpu._backward)
     rng = np.random.default_rng(3)
     q, dout = (rng.standard_normal((2, 4, 23, 16)) for _ in range(2))
     k, v = (rng.standard_normal((2, 2, 31, 16)) for _ in range(2))
@@ -329,14 +335,7 @@ def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
 
 def test_the_double_backward_claims_its_query_and_key_tiles(monkeypatch, small_tiles):
     """Both passes of the double backward claim their tasks from a counter of their own, every task claimed."""
-    counters = []
-
-    def counted():
-        counters.append(real())
-        return counters[-1]
-
-    real = cpu._threads.task_counter
-    monkeypatch.setattr(cpu._double_backward, "task_counter", counted)
+    counters = _counters_of(monkeypatch, cpu._double_backward)
     rng = np.random.default_rng(4)
     q, dout, ddq = (rng.standard_normal((1, 2, 23, 16)) for _ in range(3))
     k, v, ddk, ddv = (rng.standard_normal((1, 2, 31, 16)) for _ in range(4))
