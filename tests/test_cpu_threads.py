@@ -278,7 +278,7 @@ def test_pytorchs_idle_openmp_workers_go_when_asked_and_come_back_when_it_needs_
 
 @numba.njit(nogil=True, cache=False, fastmath=False)
 def _claiming_kernel(tasks, owner, slow_steps, part, parts):
-    """Claims tasks as the forward and decode kernels do; part 1 spins ``slow_steps`` steps on each of its tasks."""
+    """Claims tasks as the kernels do; part 1 spins ``slow_steps`` steps on each of its tasks."""
     n = owner.shape[0]
     idle = np.zeros(1, dtype=np.int64)
     for _ in range(n):
@@ -300,7 +300,6 @@ def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
         cpu._threads._run_tasks(_claiming_kernel, tasks, owner, cpu._threads._spin_steps(2e-3))
         assert (owner >= 0).all() and n <= tasks[0] <= n + threads  # at most one claim a thread finds none
         assert (owner == 0).sum() >= (n if threads == 1 else n - 8), owner  # a contiguous half each: 32
-
 
 
 def _counters_of(monkeypatch, module):

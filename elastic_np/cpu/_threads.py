@@ -64,9 +64,9 @@ def _run_tasks(kernel, *args, work=None):
     the calling thread alone (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
-    tasks (`_task_range`), or, in the forward and decode kernels, the tasks
-    it claims first from the call's `task_counter` (`claim`); the kernels
-    release the GIL. Every task writes outputs of its own, so the result has
+    tasks (`_task_range`), or, in the kernels of the forward, decode,
+    backward and double backward, the tasks it claims first from the call's
+    `task_counter` (`claim`); the kernels release the GIL. Every task writes outputs of its own, so the result has
     the same bits for every thread count. From `QUIET_OPENMP_WORK`
     multiply-adds on, the OpenMP runtimes in the process are first asked to
     let their idle workers go (`elastic_np.cpu._openmp`). Threads instead of
