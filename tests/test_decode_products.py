@@ -122,23 +122,61 @@ def test_a_non_finite_entry_anywhere_in_full_tiles_is_found(dtype, name):
                     enp.attention(q, bad["k"], bad["v"], backend="cpu", **options)
 
 
-@pytest.mark.parametrize("block_size", [16, 48, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 48, 128, 200])
 @pytest.mark.parametrize("hint_keys", [0, 40, 128])
-def test_paged_decoding_gives_the_contiguous_bits_whatever_the_hints(monkeypatch, block_size, hint_keys):
-    """Pages of any size, hints of any distance (`elastic_np.cpu._decode.hint_keys`): the gathered cache's bits."""
-    monkeypatch.setattr(_config, "DECODE_HINT_KEYS", hint_keys)
-    assert _decode.hint_keys(block_size) % block_size == 0 and _decode.hint_keys(block_size) >= hint_keys
+def test_paged_decoding_gives_the_contiguous_bits_whatever_the_hints(monkeypatch, dtype, block_size, hint_keys):
+    """Pages of any size, read head by head (float32) or run by run (bfloat16), hints of any distance: the gathered
+    cache's bits (`elastic_np.cpu._decode.tile_reads`; runs of 24 keys here, within pages of 16 and 48 and across
+    tiles of 128)."""
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    for name in ("DECODE_HINT_KEYS", "DECODE_RUN_HINT_KEYS"):
+        monkeypatch.setattr(_config, name, hint_keys)
+    monkeypatch.setattr(_config, "DECODE_RUN_KEYS", 24)
+    half = dtype.itemsize == 2
+    ahead, by_run, run_keys = _decode.tile_reads(True, half, block_size, 128)
+    assert by_run == half and run_keys == (min(24, block_size) if half else min(128, block_size))
+    assert ahead >= hint_keys and ahead % (run_keys if half else block_size) == 0
     rng = np.random.default_rng(3)
     used, Hkv, D = 1000, 2, 64
     blocks = -(-used // block_size)
     table = rng.permutation(blocks + 2)[None, :blocks]
-    k_pages, v_pages = (_cache(rng, (blocks + 2, block_size, Hkv, D), np.float32) for _ in "kv")
-    q = _cache(rng, (1, 8, D), np.float32)
+    k_pages, v_pages = (_cache(rng, (blocks + 2, block_size, Hkv, D), dtype) for _ in "kv")
+    q = _cache(rng, (1, 8, D), dtype)
     out = enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, block_table=table, seqused_k=[used],
                                causal=True, backend="cpu")
     k, v = (a[table[0]].reshape(-1, Hkv, D)[None, :used] for a in (k_pages, v_pages))
     want = enp.attention(q[None], k, v, layout="bnhd", causal=True, backend="cpu")
-    assert np.array_equal(out, want[0])
+    assert np.array_equal(out.view(np.uint8), want[0].view(np.uint8))
+    if half:  # the (B, N, H, D) cache is read run by run too: the (B, H, N, D) one's bits
+        want_bhnd = enp.attention(q[None].transpose(0, 2, 1, 3), *(a.transpose(0, 2, 1, 3) for a in (k, v)),
+                                  causal=True, backend="cpu")
+        assert np.array_equal(out[0].view(np.uint8), want_bhnd[0, :, 0].view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_a_kv_head_that_keeps_no_key_has_its_values_checked_in_either_order(dtype, block_size):
+    """NVM removes every key of kv head 0 (its scores are all negative), not of head 1: pages read head by head
+    (float32) or run by run (bfloat16) give the gathered cache's bits, and a NaN in head 0's values is still found."""
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(4)
+    used, Hkv, D = 600, 2, 32
+    blocks = -(-used // block_size)
+    table = rng.permutation(blocks + 1)[None, :blocks]
+    k_pages, v_pages = (_cache(rng, (blocks + 1, block_size, Hkv, D), dtype) for _ in "kv")
+    k_pages[:, :, 0] = np.abs(k_pages[:, :, 0])
+    q = _cache(rng, (1, 4, D), dtype)
+    q[:, :2] = -np.abs(q[:, :2])  # the query heads of kv head 0: every score below 0
+    k, v = (a[table[0]].reshape(-1, Hkv, D)[None, :used] for a in (k_pages, v_pages))
+    out = enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, block_table=table, seqused_k=[used], nvm=True,
+                               beta=0.5, backend="cpu")
+    want = enp.attention(q[None], k, v, layout="bnhd", nvm=True, beta=0.5, backend="cpu")
+    assert np.array_equal(out.view(np.uint8), want[0].view(np.uint8)) and not out[0, :2].any() and out[0, 2:].all()
+    v_pages[table[0, 1], 3, 0, 5] = np.nan
+    with pytest.raises(ValueError, match="`v` contains NaN or inf"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, block_table=table, seqused_k=[used], nvm=True,
+                             backend="cpu")
 
 
 _GUARDED = """

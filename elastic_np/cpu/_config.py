@@ -42,6 +42,10 @@ DECODE_MIN_SPLIT_KEYS = 512
 #: cache (`elastic_np.cpu._decode_products`); a whole number of pages in a
 #: paged cache.
 DECODE_HINT_KEYS = 128
+#: Where a task reads its tiles run by run (`elastic_np.cpu._decode.tile_reads`):
+#: the longest run, and the keys ahead that each kv head hints.
+DECODE_RUN_KEYS = 32
+DECODE_RUN_HINT_KEYS = 32
 
 # Threads (`elastic_np.cpu._threads`)
 

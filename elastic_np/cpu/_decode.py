@@ -30,9 +30,11 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   ``(num_blocks, block_size, Hkv, D)`` and a block table), a key's rows for
   all kv heads are adjacent and one head's rows ``Hkv * D`` entries apart:
   there, when every head keeps the same keys, a task of `_decode_kernel`
-  takes every kv head of its key split and reads each run of a tile (the
-  tile, or its part in one page) head after head (`_tile_of_heads`). Each
-  head's products, and so its bits, are those of a task of its own;
+  takes every kv head of its key split and reads a tile's runs (the tile,
+  or its parts in each page) head after head, or, where pages are shorter
+  than a tile, page after page, every head's rows of a page in turn
+  (`_tile_of_heads`, `tile_reads`). Each head's products, and so its bits,
+  are those of a task of its own;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -65,7 +67,7 @@ from elastic_np.cpu._calls import (
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._decode_products import key_scores, query_width, value_products
 from elastic_np.cpu._decode_tiles import (
-    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together,
+    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together, _visit,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
@@ -96,11 +98,27 @@ def block_keys(rows, key_major):
     return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K
 
 
-def hint_keys(block_size):
-    """Keys ahead that the stacked-rows kernel hints: `DECODE_HINT_KEYS`, rounded up to whole pages of ``block_size``."""
-    if block_size == 0:
-        return config.DECODE_HINT_KEYS
-    return -(-config.DECODE_HINT_KEYS // block_size) * block_size
+def tile_reads(together, half, block_size, block_k):
+    """``(ahead, by_run, run_keys)``: how the stacked-rows kernel's tasks read their tiles (`_visit`).
+
+    ``together``: a task takes every kv head (`_tile_of_heads`); ``half``:
+    the cache holds bfloat16 or float16; ``block_size``: keys a page (0:
+    not paged). A task over every kv head of a half cache reads its tiles
+    ``by_run``, run after run of at most `DECODE_RUN_KEYS` keys (within a
+    page), every head's rows of a run in turn, each head hinting its own
+    rows `DECODE_RUN_HINT_KEYS` on; any other task reads them head by
+    head, whole pages at a time, hinting `DECODE_HINT_KEYS` on: the first
+    order is the faster for halves, the second for float32 and float64
+    (docs/performance.rst, "Paged caches"). ``ahead`` is rounded up to a
+    whole number of runs, or of pages.
+    """
+    by_run = together and half
+    run_keys = config.DECODE_RUN_KEYS if by_run else block_k
+    if block_size > 0:
+        run_keys = min(run_keys, block_size)
+    keys = config.DECODE_RUN_HINT_KEYS if by_run else config.DECODE_HINT_KEYS
+    unit = run_keys if by_run else max(block_size, 1)
+    return -(-keys // unit) * unit, by_run, run_keys
 
 
 def splits(B, Hkv, M):
@@ -141,6 +159,7 @@ def forward(problem, paged=None, entry_splits=None):
     together = not key_major and k[1] == BNHD and _together(opt)
     pages = (table, block_size, together) if paged is not None or together else None
     rows = (H // Hkv) * N
+    block_k = block_keys(rows, key_major)
     if entry_splits is None:
         entry_splits = np.full(B, splits(B, Hkv, M))
     split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
@@ -153,7 +172,8 @@ def forward(problem, paged=None, entry_splits=None):
     _run_tasks(
         _decode_heads_kernel if key_major else _decode_kernel,
         q, k, v, pages, opt, split_start,
-        block_keys(rows, key_major) if key_major else (block_keys(rows, key_major), hint_keys(block_size)),
+        block_k if key_major else (block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size,
+                                                        block_k)),
         (part_max, part_sum, part_acc, read, suspect), task_counter(),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
@@ -287,8 +307,9 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     of one key for all heads, adjacent in a ``(B, N, H, D)`` or paged cache,
     are read together (every head's keys then lie in the same range:
     `_together`). Either way each head's tiles, and so its bits, are the
-    same. ``tiles = (block_k, ahead)``: keys per tile, and how far ahead the
-    products hint (`hint_keys`). Batch entry ``b`` has the key splits
+    same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
+    far ahead the products hint, in which order a task's heads read a tile
+    and the longest run (`tile_reads`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -296,15 +317,17 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     overflow) may have reached split ``s``'s sums.
     """
     part_max, part_sum, part_acc, read, suspect = outs
-    block_k, ahead = tiles
+    block_k, ahead, by_run, run_keys = tiles
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
     rows = group * N
     dtype = part_acc.dtype
     heads = _heads_per_task(pages, Hkv)
-    st = np.empty((rows, block_k), dtype=dtype)
+    st = np.empty((heads, rows, block_k), dtype=dtype)
     shift_by = np.empty(rows, dtype=dtype)
+    kept = np.empty(heads, dtype=np.bool_)
+    runs = np.empty((block_k, 4), dtype=np.int64)  # the tile's runs: (at, row, c, n)
     qs = np.zeros((heads, rows, query_width(D)), dtype=dtype)  # zeros past D: `key_scores` reads a whole chunk
     acc = np.empty((heads, rows, Dv), dtype=dtype)
     row_max = np.empty((heads, rows), dtype=dtype)
@@ -328,8 +351,8 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
         a = u_lo + (u_hi - u_lo) * s // n_split
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for j0 in range(a, e, block_k):
-            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead), (st, shift_by),
-                           (qs, row_span, checksum), opt, (acc, row_max, row_sum))
+            _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead, by_run, run_keys),
+                           (st, shift_by, kept, runs), (qs, row_span, checksum), opt, (acc, row_max, row_sum))
         for t in range(heads):
             hk = hk0 + t
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
@@ -364,64 +387,50 @@ def _heads_per_task(pages, Hkv):
 def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
-    ``where = (b, hk0, heads, N, j0, bk, ahead)`` (``ahead``: `hint_keys`);
-    ``work = (st, shift_by)``, the thread's scratch; ``rows_of = (qs,
-    row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by head of
-    the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
+    ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`tile_reads`);
+    ``work = (st, shift_by, kept, runs)``, the thread's scratch (``st`` and
+    ``kept`` by head of the task, ``runs`` the tile's runs); ``rows_of =
+    (qs, row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by
+    head of the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
 
     The keys and values are read where they lie, by the products of
-    `elastic_np.cpu._decode_products`, head after head and a run of rows at a
-    time (`_run`: the whole tile, or a page's part of it): each head's
-    products, and so its bits, are those of a task of its own. As a head
-    reads its rows, it hints the next head's same rows (in a ``(B, N, H,
-    D)`` or paged cache, the next ``D`` entries), the last head the first
-    one's ``ahead`` keys on: what it will read next, and that soon enough to
-    stay in the L2 cache (hinting each head's next tile, eight heads of a
-    128-key tile of float32 would fill it). With ``pages=None`` (a
-    contiguous cache; Numba compiles that case apart, so none of the paged
-    code) the tile is one run of rows of one head.
+    `elastic_np.cpu._decode_products`, a run of rows at a time (`_run`: the
+    whole tile, or a page's part of it, at most ``run_keys`` keys): ``Q
+    K^T`` of every head, then the softmax steps, then ``P V`` of every head,
+    each pass in `_visit`'s order
+    (the passes written here, not in a helper of their own: the kernel ran
+    slower so). Each head's products, and so its bits, are those of a task
+    of its own.
     """
-    b, hk0, heads, N, j0, bk, ahead = where
-    st, shift_by = work
+    b, hk0, heads, N, j0, bk, ahead, by_run, run_keys = where
+    st, shift_by, kept, runs = work
     qs, row_span, checksum = rows_of
     acc, row_max, row_sum = state
-    rows, D = qs.shape[1], shape(k)[3]  # qs rows are `query_width(D)` long
-    Dv = acc.shape[2]
-    length = opt.kv_lengths[b]
+    n_runs = 0
+    c = 0
+    while c < bk:
+        at, row, n = _run(pages, b, j0, c, min(bk, c + run_keys))
+        runs[n_runs, 0], runs[n_runs, 1], runs[n_runs, 2], runs[n_runs, 3] = at, row, c, n
+        n_runs += 1
+        c += n
+    order = (b, hk0, heads, j0, ahead, by_run, n_runs)
+    rows, D, Dv = qs.shape[1], shape(k)[3], acc.shape[2]  # qs rows are `query_width(D)` long
+    for i in range(n_runs if by_run else heads):
+        for j in range(heads if by_run else n_runs):
+            t, c, n, rows_at, hint = _visit(k, pages, order, runs, i, j, opt)
+            # the sums of the prefill tiles: the backward recomputes these logits bit for bit
+            key_scores(qs[t], rows_at, hint, st[t], c, rows, n, D)
     for t in range(heads):
-        hk = hk0 + t
-        # the rows to hint: the next head's, last the first head's some keys on (`hint_keys`)
-        hint_head, hint_from = (hk + 1, j0) if t + 1 < heads else (hk0, j0 + ahead)
-        c = 0
-        while c < bk:  # Q K^T with the sums of the prefill tiles: the backward recomputes these logits bit for bit
-            at, row, n = _run(pages, b, j0, c, bk)
-            key_scores(qs[t], head_rows(k, at, hk, row, n), _ahead(k, pages, b, hint_head, hint_from + c, j0 + c, length),
-                       st, c, rows, n, D)
-            c += n
-        check, kept = _softmax_step(st, shift_by, row_span[t], opt, (b, hk, N, j0, bk),
+        check, kept[t] = _softmax_step(st[t], shift_by, row_span[t], opt, (b, hk0 + t, N, j0, bk),
                                        (acc[t], row_max[t], row_sum[t]))
         checksum[t] += check
-        c = 0
-        while c < bk:
-            at, row, n = _run(pages, b, j0, c, bk)
-            v_rows = head_rows(v, at, hk, row, n)
-            if kept:
-                value_products(st, c, v_rows, _ahead(v, pages, b, hint_head, hint_from + c, j0 + c, length), acc[t],
-                               rows, n, Dv)
+    for i in range(n_runs if by_run else heads):
+        for j in range(heads if by_run else n_runs):
+            t, c, n, rows_at, hint = _visit(v, pages, order, runs, i, j, opt)
+            if kept[t]:
+                value_products(st[t], c, rows_at, hint, acc[t], rows, n, Dv)
             else:  # the values are not multiplied: checked alone
-                checksum[t] += checked(v_rows, Dv)
-            c += n
-
-
-@inner(fastmath=False)
-def _ahead(x, pages, b, hk, j, here, length):
-    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints; key ``here`` (the one read) where ``j`` is past ``length``.
-
-    (A paged cache's table names no page past ``length``.)
-    """
-    at, row, _ = _run(pages, b, here if j >= length else j, 0, 1)
-    whole, col = head(x, at, hk)
-    return whole, col, row
+                checksum[t] += checked(rows_at, Dv)
 
 
 @inner(fastmath=_FASTMATH)

@@ -6,8 +6,8 @@ check of its values: in place from a contiguous cache, converted into
 scratch from a bfloat16 or float16 one (`elastic_np.cpu._halves`), gathered
 from the pages of a paged cache (``pages = (block_table, block_size,
 together)``, `elastic_np.cpu._decode.forward`). The stacked-rows kernel reads
-its rows in place, a run at a time (`_run`). `_check_unread_cache` checks
-what the kernels did not read.
+its rows in place, a run at a time (`_run`), in the order `_visit` gives.
+`_check_unread_cache` checks what the kernels did not read.
 """
 
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._halves import copied_checked, readable_checked
 from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head_rows, shape
+from elastic_np.cpu._operands import head, head_rows, shape
 from elastic_np.cpu._scalar import _like
 
 
@@ -123,3 +123,39 @@ def _segment(pages, b, j, bk_left):
     table, block_size, _ = pages
     row = j % block_size
     return table[b, j // block_size], row, min(block_size - row, bk_left)
+
+
+@inner(fastmath=False)
+def _visit(x, pages, order, runs, i, j, opt):
+    """``(t, c, n, rows, hint)``: the head and run a pass visits at step ``(i, j)``, its rows and the rows it hints.
+
+    ``order = (b, hk0, heads, j0, ahead, by_run, n_runs)``. ``by_run``: run
+    after run, every head's rows of a run in turn (in a paged cache they
+    are adjacent: each page is read in one stretch), each head hinting its
+    own rows ``ahead`` keys on; else head after head, each hinting the next
+    head's same rows (in a ``(B, N, H, D)`` or paged cache, the next ``D``
+    entries), the last head the first one's ``ahead`` keys on: what is read
+    next, soon enough to stay in the L2 cache.
+    """
+    b, hk0, heads, j0, ahead, by_run, _ = order
+    r, t = (i, j) if by_run else (j, i)
+    at, row, c, n = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
+    hk = hk0 + t
+    if by_run:
+        hint_head, hint_key = hk, j0 + c + ahead
+    elif t + 1 < heads:
+        hint_head, hint_key = hk + 1, j0 + c
+    else:
+        hint_head, hint_key = hk0, j0 + c + ahead
+    return t, c, n, head_rows(x, at, hk, row, n), _ahead(x, pages, b, hint_head, hint_key, j0 + c, opt.kv_lengths[b])
+
+
+@inner(fastmath=False)
+def _ahead(x, pages, b, hk, j, here, length):
+    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints; key ``here`` (the one read) where ``j`` is past ``length``.
+
+    (A paged cache's table names no page past ``length``.)
+    """
+    at, row, _ = _run(pages, b, here if j >= length else j, 0, 1)
+    whole, col = head(x, at, hk)
+    return whole, col, row
