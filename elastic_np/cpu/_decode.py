@@ -589,6 +589,7 @@ def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, 
     Dv = part_acc.shape[4]
     group = rows // N if N > 0 else 0
     weight = np.empty(most)
+    x = np.empty(Dv)
     for task in _task_range(B * Hkv, part, parts):
         b = task // Hkv
         hk = task % Hkv
@@ -610,11 +611,13 @@ def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, 
                 lse_r = _log_add_exp(m + math.log(total), log_beta)
                 for s in range(n_split):
                     weight[s] = math.exp(part_max[b, hk, s, r] - lse_r)  # 0 for an empty split
+                x[:] = 0.0
+                for s in range(n_split):  # each x[d] summed in split order; the loop over d vectorises
+                    acc_s, w = part_acc[b, hk, s, r], weight[s]
+                    for d in range(Dv):
+                        x[d] += np.float64(acc_s[d]) * w
                 for d in range(Dv):
-                    x = 0.0
-                    for s in range(n_split):
-                        x += np.float64(part_acc[b, hk, s, r, d]) * weight[s]
-                    out_h[i, col + d] = narrow(x, out_h)
+                    out_h[i, col + d] = narrow(x[d], out_h)
                 lse[b, h, i] = lse_r
             else:
                 for d in range(Dv):
