@@ -18,7 +18,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   registers, and hint the rows some keys on into the cache as they go: the
   cache is read once, from memory, while the products compute. A NaN or inf
   key makes the tile's products so, a value the split's sums: both are
-  found there (`_softmax_step`, `_store_split`);
+  found there (`_score_rows`, `_store_split`);
 - with `DECODE_KEY_MAJOR_QUERIES` or more (`_decode_heads_kernel`), each
   head of the group is a prefill tile of its ``N`` queries, key-major
   (``st[c, i]``), through the prefill's own steps, one head after the other
@@ -218,63 +218,81 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
 
 
 @inner(fastmath=_FASTMATH)
-def _score_row(z, opt, b, h, i, j0, lo, hi):
-    """Turn ``z[c] = (q_i scale / tau_h) . k_{j0 + c}`` into the logit of key ``j0 + c``.
+def _score_rows(st, tile_max, opt, where, row_span):
+    """Turn each stacked row's ``z = st[r, :bk]``, ``z[c] = (q_i scale / tau_h) . k_{j0 + c}``, into its logits.
 
     (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._logits._query_factor`.)
 
-    The score modifiers, each divided by ``tau_h`` like the product, with the
-    arithmetic of `elastic_np.cpu._logits._modify_tile` (the backward recomputes these
-    logits with it); then ``-inf`` outside ``[lo, hi)`` (causal, window,
-    ``kv_lengths``, the gate's band) and where NVM, a closed gate, a false
-    mask entry or a ``-inf`` bias removes the key; ``log G`` added.
-    Returns the row's maximum.
+    ``where = (b, hk, N, j0, bk)``; row ``r`` is query ``i = r % N`` of head
+    ``h = hk * group + r // N``, keeping the keys ``[row_span[0, r],
+    row_span[1, r])``. The score modifiers, each divided by ``tau_h`` like
+    the product, with the arithmetic of `elastic_np.cpu._logits._modify_tile`
+    (the backward recomputes these logits with it); then ``-inf`` outside
+    that range (causal, window, ``kv_lengths``, the gate's band) and where
+    NVM, a closed gate, a false mask entry or a ``-inf`` bias removes the
+    key; ``log G`` added. ``tile_max[r]`` receives the row's maximum.
+    Returns ``check``: NaN where a key may not be finite (a raw product ``q
+    . k`` that is not, before any mask: an inf or NaN in ``k`` makes every
+    row's one so, as does an overflow), else 0. (One call for all the rows,
+    and the only helper of a tile that takes ``opt``: the options are many
+    arguments to pass.)
     """
-    bk = z.shape[0]
+    b, hk, N, j0, bk = where
+    group = st.shape[0] // N
     neg_inf = -np.inf
-    inv_tau = 1.0 / opt.tau[h]
-    if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
-        scale_logits_row(z, opt, h)
-    if opt.has_softcap:
-        tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
-        cap_over_tau = _like(opt.softcap * inv_tau, z)
+    zero = _like(0.0, st)
+    check = zero
+    for r in range(st.shape[0]):
+        z = st[r, :bk]
         for c in range(bk):
-            z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
-    base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
-    if opt.has_alibi:
-        alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
-        for c in range(bk):
-            z[c] -= alibi_over_tau * _like(abs(np.int32(base + c)), z)
-    if opt.has_bias:
-        inv_tau_t = _like(inv_tau, z)
-        s_j = opt.bias_strides[3]
-        at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
-        if s_j == 1:
+            check += z[c] * zero
+    for r in range(st.shape[0]):
+        z = st[r, :bk]
+        h, i = hk * group + r // N, r % N
+        inv_tau = 1.0 / opt.tau[h]
+        if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
+            scale_logits_row(z, opt, h)
+        if opt.has_softcap:
+            tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
+            cap_over_tau = _like(opt.softcap * inv_tau, z)
             for c in range(bk):
-                z[c] += opt.bias[at + c] * inv_tau_t
-        else:
+                z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
+        base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
+        if opt.has_alibi:
+            alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
             for c in range(bk):
-                z[c] += opt.bias[at + c * s_j] * inv_tau_t
-    if opt.nvm:
-        for c in range(bk):
-            z[c] = z[c] if z[c] >= 0 else neg_inf
-    c_lo = min(max(lo - j0, 0), bk)
-    c_hi = max(min(hi - j0, bk), c_lo)
-    for c in range(c_lo):
-        z[c] = neg_inf
-    for c in range(c_hi, bk):
-        z[c] = neg_inf
-    if opt.has_gate:
-        at = base + opt.n_keys - 1  # the table's index of offset base + c is at + c
-        for c in range(c_lo, c_hi):
-            z[c] += opt.log_gate[b, h, at + c]
-    if opt.has_mask:
-        s_j = opt.mask_strides[3]
-        at = b * opt.mask_strides[0] + h * opt.mask_strides[1] + i * opt.mask_strides[2] + j0 * s_j
-        for c in range(c_lo, c_hi):
-            if not opt.mask[at + c * s_j]:
-                z[c] = neg_inf
-    return _row_max(z, c_lo, c_hi)
+                z[c] -= alibi_over_tau * _like(abs(np.int32(base + c)), z)
+        if opt.has_bias:
+            inv_tau_t = _like(inv_tau, z)
+            s_j = opt.bias_strides[3]
+            at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
+            if s_j == 1:
+                for c in range(bk):
+                    z[c] += opt.bias[at + c] * inv_tau_t
+            else:
+                for c in range(bk):
+                    z[c] += opt.bias[at + c * s_j] * inv_tau_t
+        if opt.nvm:
+            for c in range(bk):
+                z[c] = z[c] if z[c] >= 0 else neg_inf
+        c_lo = min(max(row_span[0, r] - j0, 0), bk)
+        c_hi = max(min(row_span[1, r] - j0, bk), c_lo)
+        for c in range(c_lo):
+            z[c] = neg_inf
+        for c in range(c_hi, bk):
+            z[c] = neg_inf
+        if opt.has_gate:
+            at = base + opt.n_keys - 1  # the table's index of offset base + c is at + c
+            for c in range(c_lo, c_hi):
+                z[c] += opt.log_gate[b, h, at + c]
+        if opt.has_mask:
+            s_j = opt.mask_strides[3]
+            at = b * opt.mask_strides[0] + h * opt.mask_strides[1] + i * opt.mask_strides[2] + j0 * s_j
+            for c in range(c_lo, c_hi):
+                if not opt.mask[at + c * s_j]:
+                    z[c] = neg_inf
+        tile_max[r] = _row_max(z, c_lo, c_hi)
+    return check
 
 
 @inner(fastmath={"nnan", "nsz", "arcp", "contract", "reassoc"})
@@ -414,19 +432,19 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
         n_runs += 1
         c += n
     order = (b, hk0, heads, j0, ahead, by_run, n_runs)
+    length = opt.kv_lengths[b]
     rows, D, Dv = qs.shape[1], shape(k)[3], acc.shape[2]  # qs rows are `query_width(D)` long
     for i in range(n_runs if by_run else heads):
         for j in range(heads if by_run else n_runs):
-            t, c, n, rows_at, hint = _visit(k, pages, order, runs, i, j, opt)
+            t, c, n, rows_at, hint = _visit(k, pages, order, runs, i, j, length)
             # the sums of the prefill tiles: the backward recomputes these logits bit for bit
             key_scores(qs[t], rows_at, hint, st[t], c, rows, n, D)
     for t in range(heads):
-        check, kept[t] = _softmax_step(st[t], shift_by, row_span[t], opt, (b, hk0 + t, N, j0, bk),
-                                       (acc[t], row_max[t], row_sum[t]))
-        checksum[t] += check
+        checksum[t] += _score_rows(st[t], shift_by, opt, (b, hk0 + t, N, j0, bk), row_span[t])
+        kept[t] = _softmax_step(st[t], bk, shift_by, (acc[t], row_max[t], row_sum[t]))
     for i in range(n_runs if by_run else heads):
         for j in range(heads if by_run else n_runs):
-            t, c, n, rows_at, hint = _visit(v, pages, order, runs, i, j, opt)
+            t, c, n, rows_at, hint = _visit(v, pages, order, runs, i, j, length)
             if kept[t]:
                 value_products(st[t], c, rows_at, hint, acc[t], rows, n, Dv)
             else:  # the values are not multiplied: checked alone
@@ -452,30 +470,20 @@ def _start_rows(q, opt, b, hk, qs, state):
 
 
 @inner(fastmath=_FASTMATH)
-def _softmax_step(st, shift_by, row_span, opt, where, state):
-    """Kv head ``hk``'s logits ``st`` (`_tile_of_heads`) made its tile's ``exp(z - m)``, and ``state`` updated: ``(check, kept)``.
+def _softmax_step(st, bk, shift_by, state):
+    """A kv head's logits ``st[:, :bk]`` (`_score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
 
-    ``where = (b, hk, N, j0, bk)``; ``state = (acc, row_max, row_sum)``; ``kept``: whether any
-    row keeps a key of the tile (else ``st`` is left as it is). ``check`` is
-    NaN where a key may not be finite (a product ``q . k`` that is not, before
-    any mask: an inf or NaN in ``k`` makes every row's one so, as does an
-    overflow), else 0. A value that is not finite makes ``acc`` not finite
-    (``p v`` with ``p = 0`` too), which `_store_split` checks.
+    ``shift_by``: the rows' maxima over the tile, made what each row shifts
+    by; ``state = (acc, row_max, row_sum)``; ``kept``: whether any row
+    keeps a key of the tile (else ``st`` is left as it is). A value that is
+    not finite makes ``acc`` not finite (``p v`` with ``p = 0`` too), which
+    `_store_split` checks.
     """
-    b, hk, N, j0, bk = where
     acc, row_max, row_sum = state
     rows, Dv = acc.shape
-    group = rows // N
-    zero = _like(0.0, st)
-    check = zero
-    for r in range(rows):
-        z = st[r, :bk]
-        for c in range(bk):
-            check += z[c] * zero
     any_kept = False
     for r in range(rows):
-        h = hk * group + r // N
-        tile_max = _score_row(st[r, :bk], opt, b, h, r % N, j0, row_span[0, r], row_span[1, r])
+        tile_max = shift_by[r]
         new_max = max(row_max[r], tile_max)
         # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
         shift_by[r] = new_max if new_max > -np.inf else 0.0
@@ -491,7 +499,7 @@ def _softmax_step(st, shift_by, row_span, opt, where, state):
         for c in range(bk):
             z[c] -= shift_by[r]
     if not any_kept:
-        return check, False
+        return False
     exp_inplace(st, rows, bk)
     for r in range(rows):
         z = st[r, :bk]
@@ -499,7 +507,7 @@ def _softmax_step(st, shift_by, row_span, opt, where, state):
         for c in range(bk):
             total += z[c]
         row_sum[r] += total
-    return check, True
+    return True
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)

@@ -126,10 +126,11 @@ def _segment(pages, b, j, bk_left):
 
 
 @inner(fastmath=False)
-def _visit(x, pages, order, runs, i, j, opt):
+def _visit(x, pages, order, runs, i, j, length):
     """``(t, c, n, rows, hint)``: the head and run a pass visits at step ``(i, j)``, its rows and the rows it hints.
 
-    ``order = (b, hk0, heads, j0, ahead, by_run, n_runs)``. ``by_run``: run
+    ``order = (b, hk0, heads, j0, ahead, by_run, n_runs)``; ``length``: the
+    keys of batch entry ``b`` (no hint past them). ``by_run``: run
     after run, every head's rows of a run in turn (in a paged cache they
     are adjacent: each page is read in one stretch), each head hinting its
     own rows ``ahead`` keys on; else head after head, each hinting the next
@@ -147,7 +148,7 @@ def _visit(x, pages, order, runs, i, j, opt):
         hint_head, hint_key = hk + 1, j0 + c
     else:
         hint_head, hint_key = hk0, j0 + c + ahead
-    return t, c, n, head_rows(x, at, hk, row, n), _ahead(x, pages, b, hint_head, hint_key, j0 + c, opt.kv_lengths[b])
+    return t, c, n, head_rows(x, at, hk, row, n), _ahead(x, pages, b, hint_head, hint_key, j0 + c, length)
 
 
 @inner(fastmath=False)
