@@ -43,7 +43,7 @@ def test_kernel_helpers_are_only_callable_from_compiled_code():
     # `_numba_private.inner` builds no Python wrapper: a call from Python raises, never runs a null entry.
     from elastic_np.cpu import _logits, _scalar
 
-    assert isinstance(_logits._remove_in_row, _numba_private._Inner)
+    assert isinstance(_logits._remove_in_tile, _numba_private._Inner)
     with pytest.raises(TypeError, match="`_log_add_exp` is only callable from compiled code"):
         _scalar._log_add_exp(0.0, 1.0)
 

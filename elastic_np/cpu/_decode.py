@@ -70,7 +70,7 @@ from elastic_np.cpu._decode_tiles import (
     _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together, _visit,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
-from elastic_np.cpu._logits import _logits_tile, _query_factor, modify_tile, scale_logits_row
+from elastic_np.cpu._logits import _logits_tile, _query_factor, logits_factor, modify_tile, scale_row
 from elastic_np.cpu._halves import checked, narrow, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
@@ -251,7 +251,7 @@ def _score_rows(st, tile_max, opt, where, row_span):
         h, i = hk * group + r // N, r % N
         inv_tau = 1.0 / opt.tau[h]
         if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
-            scale_logits_row(z, opt, h)
+            scale_row(z, logits_factor(opt, h, z))
         if opt.has_softcap:
             tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
             cap_over_tau = _like(opt.softcap * inv_tau, z)

@@ -1,7 +1,7 @@
 """The logits of a tile, as the contract forms them: ``Q K^T``, the score modifiers, NVM, the gate, the mask.
 
 `_logits_tile` is the one pipeline the forward and the backward share; the
-rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_row`,
+rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_tile`,
 `_scale_logits`), the reads of the bias (`_add_transposed`,
 `_prefetch_bias`) and the tile maxima (`_column_max`). The kernels reach the
 modifier stage through `modify_tile`: a C entry point compiled on first use
@@ -84,23 +84,7 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
                     tile, bk, flags + (_calls.CAPPED_MAX if fuse_max else 0), opt.softcap)
     if removes_nothing:
         return True, fuse_max
-    diag_shift = opt.diag_shift[b]
-    off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
-    neg_inf = -np.inf
-    any_kept = False
-    for c in range(bk):
-        j = j0 + c
-        row = st[c]
-        # off = j - (i0 + r) - diag_shift in [off_lo, off_hi]
-        r_lo = min(max(j - diag_shift - off_hi - i0, 0), bq)
-        r_hi = max(min(j - diag_shift - off_lo - i0 + 1, bq), r_lo)
-        for r in range(r_lo):
-            row[r] = neg_inf
-        for r in range(r_hi, bq):
-            row[r] = neg_inf
-        kept = _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, opt.has_mask)
-        any_kept = any_kept or kept
-    return any_kept, False
+    return _remove_in_tile(st, bk, opt, tile, nvm), False
 
 
 # What the modifier stage reads of the options (`_calls.modify_tile` passes these alone).
@@ -181,15 +165,21 @@ def _scale_logits(st, bk, bq, opt, h, tile_max):
 
     A positive factor keeps every sign, and the maxima (rounding is monotone).
     """
+    factor = logits_factor(opt, h, st)
     for c in range(bk):
-        scale_logits_row(st[c, :bq], opt, h)
-    scale_logits_row(tile_max, opt, h)
+        scale_row(st[c, :bq], factor)
+    scale_row(tile_max, factor)
 
 
 @inner(fastmath=False)
-def scale_logits_row(z, opt, h):
-    """``z *= scale / tau_h`` in ``z``'s dtype, without fast-math: the same bits wherever inlined."""
-    factor = _like(opt.scale / opt.tau[h], z)
+def logits_factor(opt, h, like):
+    """``scale / tau_h`` in the dtype of ``like``: what `scale_row` multiplies NVM's unscaled products by."""
+    return _like(opt.scale / opt.tau[h], like)
+
+
+@inner(fastmath=False)
+def scale_row(z, factor):
+    """``z *= factor``, without fast-math: the same bits wherever inlined."""
     for c in range(z.shape[0]):
         z[c] *= factor
 
@@ -404,27 +394,45 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale):
 
 
 @inner(fastmath=_FASTMATH)
-def _remove_in_row(row, opt, b, h, j, i0, r_lo, r_hi, nvm, check_kept):
-    """NVM, gate and mask on one key's row of a tile; True if an entry of ``[r_lo, r_hi)`` is kept."""
-    neg_inf = -np.inf
+def _remove_in_tile(st, bk, opt, tile, nvm):
+    """The offset band, NVM, gate and mask on the tile's ``bk`` key rows of ``st`` (`_logits_tile`'s ``tile``); True if an entry is kept.
+
+    One call for the whole tile: the options are many arguments to pass.
+    """
+    b, h, i0, bq, j0 = tile
     diag_shift = opt.diag_shift[b]
-    if nvm:
-        for r in range(r_lo, r_hi):
-            x = row[r]
-            row[r] = x if x >= 0 else neg_inf
-    if opt.has_gate:
-        base = j - diag_shift - i0 + opt.n_keys - 1  # table index of (j, i0 + r) is base - r
-        for r in range(r_lo, r_hi):
-            row[r] += opt.log_gate[b, h, base - r]
-    if opt.has_mask:
-        s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
-        start = b * s_b + h * s_h + j * s_j + i0 * s_i
-        for r in range(r_lo, r_hi):
-            if not opt.mask[start + r * s_i]:
-                row[r] = neg_inf
-    if check_kept:
-        for r in range(r_lo, r_hi):
-            if row[r] > neg_inf:
-                return True
-        return False
-    return r_hi > r_lo
+    off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
+    neg_inf = -np.inf
+    any_kept = False
+    for c in range(bk):
+        j = j0 + c
+        row = st[c]
+        # off = j - (i0 + r) - diag_shift in [off_lo, off_hi]
+        r_lo = min(max(j - diag_shift - off_hi - i0, 0), bq)
+        r_hi = max(min(j - diag_shift - off_lo - i0 + 1, bq), r_lo)
+        for r in range(r_lo):
+            row[r] = neg_inf
+        for r in range(r_hi, bq):
+            row[r] = neg_inf
+        if nvm:
+            for r in range(r_lo, r_hi):
+                x = row[r]
+                row[r] = x if x >= 0 else neg_inf
+        if opt.has_gate:
+            base = j - diag_shift - i0 + opt.n_keys - 1  # table index of (j, i0 + r) is base - r
+            for r in range(r_lo, r_hi):
+                row[r] += opt.log_gate[b, h, base - r]
+        if opt.has_mask:
+            s_b, s_h, s_i, s_j = opt.mask_strides[0], opt.mask_strides[1], opt.mask_strides[2], opt.mask_strides[3]
+            start = b * s_b + h * s_h + j * s_j + i0 * s_i
+            for r in range(r_lo, r_hi):
+                if not opt.mask[start + r * s_i]:
+                    row[r] = neg_inf
+            if not any_kept:
+                for r in range(r_lo, r_hi):
+                    if row[r] > neg_inf:
+                        any_kept = True
+                        break
+        else:
+            any_kept = any_kept or r_hi > r_lo
+    return any_kept
