@@ -7,7 +7,9 @@ Cases (the shapes of issue #43):
   float16 and float32 cache, torch SDPA on bfloat16 and float32 tensors
   (``enable_gqa``);
 - prefill: ``(1, 8, --n, 64)`` forward (2,048; ``--causal`` for the causal
-  case): elastic_np and torch SDPA in bfloat16, float16 and float32.
+  case): elastic_np and torch SDPA in bfloat16, float16 and float32, and on a
+  CPU with AMX tiles elastic_np bfloat16 with the float32 products too
+  (``config.AMX`` off).
 
 Every call of a case is timed in each round (best of ``--repeat``), the
 order alternating from round to round; printed per case: each call's median
@@ -59,7 +61,31 @@ def prefill_calls(n, causal):
         tensors = tuple(_tensor(a, name) for a in (q, k, v))
         calls[f"torch {name}"] = lambda a=tensors: torch.nn.functional.scaled_dot_product_attention(
             *a, is_causal=causal)
+    if amx_in_use():
+        args = tuple(a.astype(_NUMPY["bfloat16"]) for a in (q, k, v))
+        calls[_NO_TILES] = lambda a=args: _without_tiles(enp.attention, *a, causal=causal, backend="cpu")
     return calls
+
+
+#: The label of the bfloat16 prefill with the float32 products, where the CPU has AMX tiles.
+_NO_TILES = "elastic_np bfloat16, no AMX"
+
+
+def amx_in_use():
+    """Whether a bfloat16 prefill runs on AMX tiles here (`elastic_np.cpu._forward_amx`)."""
+    from elastic_np.cpu import _amx, _config
+
+    return _config.AMX and _amx.permitted()
+
+
+def _without_tiles(fn, *args, **kwargs):
+    from elastic_np.cpu import _config
+
+    _config.AMX = False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _config.AMX = True
 
 
 #: The ratios printed per case: (numerator, denominator) seconds, so > 1 means the denominator is faster.
@@ -91,7 +117,7 @@ def main(argv=None):
         print(f"{case}:")
         for label, seconds in by_label.items():
             print(f"  {label:<20} {np.median(seconds) * 1e3:9.3f} ms")
-        for num, den in RATIOS[case]:
+        for num, den in RATIOS[case] + ([(_NO_TILES, "elastic_np bfloat16")] if _NO_TILES in by_label else []):
             ratio = np.array(by_label[num]) / np.array(by_label[den])
             print(f"  {num} / {den}: {np.median(ratio):.2f} ({ratio.min():.2f}-{ratio.max():.2f})")
 

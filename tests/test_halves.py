@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import testing
+from elastic_np import cpu, testing
 from elastic_np.testing import _battery
 from elastic_np.testing._cases import CAPABILITIES, OPTION_NAMES
 
@@ -49,8 +49,12 @@ def _heads(options, H):
 @pytest.mark.parametrize("dtype", half_ids)
 @pytest.mark.parametrize("shape", SHAPES, ids=["prefill", "decode rows", "decode heads"])
 @pytest.mark.parametrize("options", OPTIONS, ids=["plain", "causal tau beta", "modifiers window"])
-def test_bits_of_the_float32_kernels_rounded(dtype, shape, options):
-    """The values of a half are exact in float32: ``out`` is the float32 kernels' on them, rounded to nearest even."""
+def test_bits_of_the_float32_kernels_rounded(monkeypatch, dtype, shape, options):
+    """The values of a half are exact in float32: ``out`` is the float32 kernels' on them, rounded to nearest even.
+
+    With the float32 products: a bfloat16 prefill forward on AMX tiles sums in the unit's order (``tests/test_amx.py``).
+    """
+    monkeypatch.setattr(cpu._config, "AMX", False)
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     B, H, Hkv, N, M, D = shape
     options = _heads(options, H)

@@ -72,6 +72,8 @@ Modules
 ``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_products``, ``_decode_tiles``
     the prefill forward, the backward and its ``dbias`` plan, the decode kernels, the products that read
     the cache in place for the stacked-rows one, and how the key-major one reads its tiles
+``_forward_amx``, ``_amx``
+    the bfloat16 prefill forward with its products on AMX tiles, and the tiles from compiled code
 ``_double_backward``, ``_tangents``, ``_tangent_rows``, ``_tangent_keys``
     the double backward, the direction as its kernels read it, its query pass and its key pass
 ``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
@@ -84,7 +86,7 @@ from elastic_np.cpu._numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
-    from elastic_np.cpu import _decode, _forward
+    from elastic_np.cpu import _decode, _forward, _forward_amx
     from elastic_np.cpu._backward import backward
     from elastic_np.cpu._double_backward import double_backward
     from elastic_np.cpu._threads import thread_count
@@ -126,7 +128,8 @@ def forward(problem):
     """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
 
     The decode kernel when the problem has a few queries per sequence
-    (`elastic_np.cpu._decode.takes`), the prefill kernel otherwise.
+    (`elastic_np.cpu._decode.takes`), the prefill kernel otherwise: on AMX
+    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._forward_amx.takes`).
 
     Parameters
     ----------
@@ -139,4 +142,6 @@ def forward(problem):
     """
     if _decode.takes(problem):
         return _decode.forward(problem)
+    if _forward_amx.takes(problem):
+        return _forward_amx.forward(problem)
     return _forward.forward(problem)

@@ -20,6 +20,10 @@ DBIAS_PARTIALS_BYTES = 1 << 25
 #: Tasks the backward aims at when a broadcast bias folds (batch, kv head) pairs into lanes.
 DBIAS_MIN_TASKS = 64
 
+#: Whether a bfloat16 prefill forward runs its products on AMX tiles where the CPU has them
+#: (`elastic_np.cpu._forward_amx`); False: the float32 products, as on every other CPU.
+AMX = True
+
 # Decoding (`elastic_np.cpu._decode`)
 
 #: Queries per sequence up to which `elastic_np.cpu.forward` takes the decode kernel.

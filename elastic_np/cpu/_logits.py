@@ -59,31 +59,41 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     b, h, i0, bq, j0 = tile
     k_rows, k_col = k_j
     bk, D = k_rows.shape[0], q_t.shape[0]
-    want_cap_slope = cap_slope.shape[0] > 0
-    want_max = tile_max.shape[0] > 0
-    removes_nothing = _removes_nothing(opt, tile, bk, nvm)
-    additive = opt.has_alibi or opt.has_bias
     # The product first, then the modifiers, in the contract's order: a
     # product accumulated onto a large stored ALiBi or bias term would round
     # every partial sum at the term's magnitude (float32 ALiBi with N > M:
     # ten times the naive error in ``out``).
-    fuse_max = want_max and removes_nothing and not additive
-    flags = (
-        (_calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (_calls.HAS_SOFTCAP if opt.has_softcap else 0)
-        + (_calls.HAS_ALIBI if opt.has_alibi else 0) + (_calls.HAS_BIAS if opt.has_bias else 0)
-    )
+    fuse_max = tile_max.shape[0] > 0 and _removes_nothing(opt, tile, bk, nvm) and not (opt.has_alibi or opt.has_bias)
     if fuse_max:
         matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
     else:
         matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
     if opt.nvm:
         _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
+    return shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, fuse_max)
+
+
+@inner(fastmath=_FASTMATH)
+def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
+    """The steps of `_logits_tile` after the product ``st[:bk, :bq]`` of ``s_raw / tau_h``: the modifiers, then the removals.
+
+    ``maxed``: ``tile_max[:bq]`` holds the product's column maxima (which a
+    soft-cap caps too). Returns `_logits_tile`'s ``(kept, maxed)``.
+    """
+    b, h, i0, bq, j0 = tile
+    want_cap_slope = cap_slope.shape[0] > 0
+    removes_nothing = _removes_nothing(opt, tile, bk, nvm)
+    additive = opt.has_alibi or opt.has_bias
+    flags = (
+        (_calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (_calls.HAS_SOFTCAP if opt.has_softcap else 0)
+        + (_calls.HAS_ALIBI if opt.has_alibi else 0) + (_calls.HAS_BIAS if opt.has_bias else 0)
+    )
     if opt.has_softcap or additive:
-        # with fuse_max, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
+        # with maxed, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
-                    tile, bk, flags + (_calls.CAPPED_MAX if fuse_max else 0), opt.softcap)
+                    tile, bk, flags + (_calls.CAPPED_MAX if maxed else 0), opt.softcap)
     if removes_nothing:
-        return True, fuse_max
+        return True, maxed
     return _remove_in_tile(st, bk, opt, tile, nvm), False
 
 
