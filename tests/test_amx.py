@@ -1,9 +1,11 @@
 """The bfloat16 prefill forward on AMX tiles (`elastic_np.cpu._forward_amx`), where this CPU has them.
 
-Against the float32 products of the same kernels (``config.AMX`` off): ``lse``
-to float32 rounding and ``out`` to one unit of bfloat16 in the last place,
-for every option, layout and edge of the tiles; the kit's rule is held by
-``tests/test_halves.py``, which runs the tiles' path here too.
+Every call is held to the kit's rule against the float64 oracle, and to the
+float32 products of the same kernels (``config.AMX`` off): ``lse`` to
+float32 rounding and ``out`` to one unit of bfloat16 in the last place (plus
+what the split of ``p`` may move), for every option, layout and edge of the
+tiles. (The kit's own cases, ``tests/test_halves.py``, have head dims the
+tiles do not take.)
 """
 
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 import elastic_np as enp
 from elastic_np import cpu
 from elastic_np.cpu import _amx, _forward_amx
+from elastic_np.testing._report import worst_error
+from elastic_np.testing._tolerances import kit_allowed, naive_orderings, rounding_allowance
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -23,13 +27,34 @@ def _draw(shape, seed, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32).astype(BF16)
 
 
-def _both(monkeypatch, q, k, v, **options):
-    """``((out, lse) on the tiles, (out, lse) with the float32 products)``, checking which path each took."""
+def _assert_within_rule(q, k, v, out, lse, **options):
+    """``out`` and ``lse`` within the kit's bfloat16 rule against the float64 oracle (`elastic_np.testing.check_attention`)."""
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    if "bias" in options:
+        options = dict(options, bias=options["bias"].astype(np.float64))
+    want = enp.attention(*wide, return_lse=True, backend="reference", **options)
+    dout = np.zeros_like(want[0])
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        naive = naive_orderings(*wide, dout, options, BF16, backward=False)
+        rounding = rounding_allowance(*wide, dout, options, dtype=BF16)
+    for name, got, ref in (("out", out, want[0]), ("lse", lse, want[1])):
+        error, note = worst_error(got, ref)
+        allowed, _ = kit_allowed(ref, [n[name] for n in naive], BF16, rounding[name])
+        assert error <= allowed, (name, error, allowed, note)
+
+
+def _both(monkeypatch, q, k, v, rule=True, **options):
+    """``((out, lse) on the tiles, (out, lse) with the float32 products)``, checking which path each took.
+
+    The tiles' result is held to the kit's rule (`_assert_within_rule`) with ``rule``.
+    """
     calls = []
     forward = _forward_amx.forward
     monkeypatch.setattr(_forward_amx, "forward", lambda problem: calls.append(1) or forward(problem))
     tiles = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
     assert calls, "the tiles' path was not taken"
+    if rule:
+        _assert_within_rule(q, k, v, *tiles, **options)
     monkeypatch.setattr(cpu._config, "AMX", False)
     products = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
     assert len(calls) == 1
@@ -112,21 +137,62 @@ def test_padding_past_kv_lengths_is_never_read(monkeypatch):
     lengths = np.array([100, 45])
     clean = _both(monkeypatch, q, k, v, kv_lengths=lengths)
     k[1, :, 45:], v[1, :, 45:] = np.nan, np.inf
-    dirty = _both(monkeypatch, q, k, v, kv_lengths=lengths)
+    dirty = _both(monkeypatch, q, k, v, rule=False, kv_lengths=lengths)  # the oracle reads the padding
     for a, b in zip(dirty[0], clean[0]):
         np.testing.assert_array_equal(a, b)
     _assert_agree(*dirty, v)
 
 
 @needs_amx
-def test_large_and_tiny_values(monkeypatch):
-    """Logits of thousands, and entries below float32's smallest normal (which the unit reads as zero)."""
+def test_large_logits(monkeypatch):
     q, k, v = _draw((1, 2, 50, 64), 1, 8.0), _draw((1, 2, 80, 64), 2, 8.0), _draw((1, 2, 80, 64), 3)
     _assert_agree(*_both(monkeypatch, q, k, v), v)
-    tiny = (_draw((1, 2, 50, 64), 4).astype(np.float32) * np.float32(2.0 ** -130)).astype(BF16)
-    assert (np.abs(tiny.astype(np.float32)) < 2.0 ** -126).all() and tiny.any()
-    tiles, products = _both(monkeypatch, np.concatenate([q[:, :, :25], tiny[:, :, 25:]], axis=2), k, v)
-    _assert_agree(tiles, products, v)
+
+
+@needs_amx
+@pytest.mark.parametrize("scale", [2.0 ** -100, 2.0 ** -125, 2.0 ** -132])
+def test_tiny_values(monkeypatch, scale):
+    """Values whose products with ``p`` fall below float32's smallest normal, which the unit writes as zero.
+
+    One key with ``p`` near 1, the others near 0.005: flushed, their share
+    of ``out`` (about nine tenths) would be lost. The head is scaled up on
+    the tiles (`_forward_amx.values_transposed`); the second head is not.
+    """
+    q, k = np.zeros((1, 2, 64, 64), np.float32), np.zeros((1, 2, 2048, 64), np.float32)
+    q[..., 0], k[..., 0] = 1.0, 8 * np.log(0.005)
+    k[:, :, 0, 0] = 0.0
+    v = np.ones((1, 2, 2048, 64), np.float32) + _draw((1, 2, 2048, 64), 3).astype(np.float32) / 4
+    v[:, 0] *= np.float32(scale)
+    q, k, v = (a.astype(BF16) for a in (q, k, v))
+    tiles, products = _both(monkeypatch, q, k, v)
+    _, unscale = _forward_amx.values_transposed(v, np.array([2048]))
+    largest = np.abs(v[0, 0].astype(np.float64)).max()
+    assert unscale[0] == 2.0 ** np.floor(np.log2(largest)) and unscale[1] == 1
+    for got, want in zip(tiles[0][0].astype(np.float64), products[0][0].astype(np.float64)):
+        np.testing.assert_allclose(got, want, rtol=2.0 ** -7)
+
+
+@needs_amx
+def test_an_overflowing_product_takes_the_float32_products(monkeypatch):
+    """Unscaled ``q . k`` beyond float32 where ``q scale / tau`` is not: the tiles' result is dropped for the float32 products'."""
+    q, k, v = _draw((1, 1, 40, 64), 1, 1e19), _draw((1, 1, 60, 64), 2, 1e19), _draw((1, 1, 60, 64), 3)
+    tiles, products = _both(monkeypatch, q, k, v, tau=np.array([1e30]))
+    for a, b in zip(tiles, products):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(tiles[1]).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(0, 2, 1, 40, 50, 64, 64), (1, 2, 1, 40, 50, 64, 0), (1, 2, 1, 40, 0, 64, 64)],
+                         ids=["B=0", "Dv=0", "M=0"])
+def test_empty_problems(monkeypatch, shape):
+    B, H, Hkv, N, M, D, Dv = shape
+    q, k, v = _draw((B, H, N, D), 1), _draw((B, Hkv, M, D), 2), _draw((B, Hkv, M, Dv), 3)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    monkeypatch.setattr(cpu._config, "AMX", False)
+    out32, lse32 = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    assert out.shape == out32.shape == (B, H, N, Dv) and out.dtype == BF16
+    np.testing.assert_allclose(lse, lse32, rtol=2e-6)
 
 
 @needs_amx

@@ -21,7 +21,10 @@ contract's accuracy rule holds them; ``config.AMX = False`` gives those). A task
 tile reads past them. The unit reads a number below float32's smallest
 normal as zero and writes one as zero (`elastic_np.cpu._amx`), so a problem
 under NVM, whose ``s >= 0`` test would see a flushed ``-1e-40`` as ``+0``,
-takes the float32 products (`takes`).
+takes the float32 products (`takes`), and a head of tiny values is scaled
+up for the tiles (`values_transposed`). A logit of ``+inf`` can only be an
+unscaled ``q . k`` beyond float32's range: the call then returns the float32
+products' result (`forward`).
 """
 
 import math
@@ -33,6 +36,7 @@ from elastic_np._ranges import key_range
 from elastic_np._validation import dtype_name
 from elastic_np.cpu import _amx
 from elastic_np.cpu import _config as config
+from elastic_np.cpu import _forward
 from elastic_np.cpu._calls import exp_shift_sum
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._forward import _finish_rows, _rescale_rows
@@ -58,17 +62,51 @@ def takes(problem):
     )
 
 
-def values_transposed(v):
-    """``vt[b * Hkv + hk, d, j]``: the bits of the values ``(B, Hkv, M, Dv)``, each head transposed.
+#: A head whose largest value is below this is scaled up by a power of two on the tiles (`values_transposed`).
+_TINY_VALUES = 2.0 ** -60
+
+
+def values_transposed(v, kv_lengths):
+    """``(vt, unscale)``: ``vt[b * Hkv + hk, d, j]``, the bits of the values ``(B, Hkv, M, Dv)``, each head transposed.
 
     A row holds ``M`` rounded up to 64, plus 32, entries (zeros past ``M``):
     an odd number of cache lines, so that the 16 rows a tile loads fall in
     16 sets of the L1 cache (rows of 4,096 bytes would all fall in one).
+
+    The unit writes a product ``p v`` below float32's smallest normal as
+    zero: a head whose values (those of its first ``kv_lengths[b]`` keys)
+    all lie below `_TINY_VALUES` is multiplied by the power of two that
+    brings the largest to ``[1, 2)`` (exact: bfloat16 has float32's
+    exponents), and ``unscale[b * Hkv + hk]`` is that power's inverse, for
+    the sums. Elsewhere what is flushed is below ``2**-126`` of the head's
+    largest value, a key, far under the rule's floor.
     """
     B, Hkv, M, Dv = v.shape
-    vt = np.zeros((B * Hkv, Dv, -(-M // 64) * 64 + 32), dtype=np.uint16)
-    vt.reshape(B, Hkv, Dv, -1)[..., :M] = bits(v).transpose(0, 1, 3, 2)
-    return vt
+    heads = bits(v)
+    vt = np.zeros((B, Hkv, Dv, -(-M // 64) * 64 + 32), dtype=np.uint16)
+    vt[..., :M] = heads.transpose(0, 1, 3, 2)
+    unscale = np.ones((B, Hkv), dtype=np.float32)
+    largest = _largest(heads, kv_lengths)
+    for b, hk in zip(*np.nonzero((largest > 0) & (largest < _TINY_VALUES))):
+        shift = -int(np.floor(np.log2(largest[b, hk])))  # the largest times 2**shift lies in [1, 2)
+        wide = (heads[b, hk].astype(np.uint32) << np.uint32(16)).view(np.float32)
+        scaled = np.ldexp(wide, shift).view(np.uint32) >> np.uint32(16)  # exact: no low bits
+        vt[b, hk, :, :M] = scaled.astype(np.uint16).T
+        unscale[b, hk] = np.ldexp(np.float32(1.0), -shift)
+    return vt.reshape(B * Hkv, Dv, vt.shape[3]), unscale.reshape(B * Hkv)
+
+
+def _largest(heads, kv_lengths):
+    """The largest magnitude of each ``(b, hk)`` head's values, float32, over its first ``kv_lengths[b]`` keys.
+
+    A bfloat16's bits without the sign order like its magnitude. Keys past
+    a sequence's length may hold anything: where a head's largest over all
+    its keys is not finite, it is taken again over those it may read.
+    """
+    magnitude = (heads & np.uint16(0x7FFF)).max(axis=(2, 3), initial=0)
+    for b, hk in zip(*np.nonzero(magnitude >= 0x7F80)):
+        magnitude[b, hk] = (heads[b, hk, : kv_lengths[b]] & np.uint16(0x7FFF)).max(initial=0)
+    return (magnitude.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def forward(problem):
@@ -77,18 +115,29 @@ def forward(problem):
     _check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k = operand(problem.q), operand(problem.k)
-    vt = values_transposed(problem.v)
+    vt, unscale = values_transposed(problem.v, problem.kv_lengths)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=np.float32)
     opt = _options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
-    _run_tasks(_amx_kernel, q, k, vt, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse, task_counter(),
-               work=B * H * N * M * (D + Dv) // 16)
+    overflow = np.zeros(1, dtype=np.bool_)
+    _run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
+               task_counter(), work=B * H * N * M * (D + Dv) // 16)
+    if overflow[0]:  # a product of the unscaled queries overflowed: the float32 products scale them first
+        return _forward.forward(problem)
     return out, lse
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _amx_kernel(q, k, vt, opt, block_q, block_k, out, lse, tasks, part, parts):
-    """`elastic_np.cpu._forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring)."""
+def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
+    """`elastic_np.cpu._forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring).
+
+    ``values = (vt, unscale)`` (`values_transposed`); ``outs = (out, lse,
+    overflow)``: ``overflow[0]`` is set when a logit came out ``+inf`` (a
+    product of the unscaled queries beyond float32's range; the inputs are
+    finite), and the caller then discards ``out`` and ``lse``.
+    """
+    vt, unscale = values
+    out, lse, overflow = outs
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], vt.shape[1]
     group = H // Hkv
@@ -145,6 +194,9 @@ def _amx_kernel(q, k, vt, opt, block_q, block_k, out, lse, tasks, part, parts):
             for r in range(bq):
                 tile_max[r] = -np.inf
             _column_max(st, bk, bq, tile_max, False)
+            for r in range(bq):
+                if tile_max[r] == np.inf:
+                    overflow[0] = True
             _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, no_acc, bq)
             for d in range(Dv):
                 acc_row = acc_t[d, :bq]
@@ -157,9 +209,10 @@ def _amx_kernel(q, k, vt, opt, block_q, block_k, out, lse, tasks, part, parts):
                 row_sum[r] += tile_sum[r]
             _pack_probabilities(st, bk, bq, p_hi, p_lo)
             _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge)
+        back = unscale[b * Hkv + hk]
         for r in range(bq):
             for d in range(Dv):
-                acc[r, d] = acc_t[d, r]
+                acc[r, d] = acc_t[d, r] * back
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
     _amx.release()
@@ -269,6 +322,11 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
     has configured the tiles (`_amx.configure`).
     """
     Dv, lead, p_lead, a_lead = v_t.shape[0], v_t.shape[1], p_hi.shape[1], acc_t.shape[1]
+    last = bk - bk % _PAIR  # the first key of a block of fewer than _PAIR, if any
+    if last < bk:
+        for d in range(Dv):
+            for c in range(_PAIR):
+                v_edge[d, c] = v_t[d, j0 + last + c] if last + c < bk else np.uint16(0)
     for d0 in range(0, Dv, _PAIR):
         for r0 in range(0, bq_pad, _PAIR):
             first = d0 * a_lead + r0
@@ -277,12 +335,8 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
             _amx.load(2, acc_t, first + _amx.ROWS * a_lead, a_lead)
             _amx.load(3, acc_t, first + _amx.ROWS * a_lead + _amx.ROWS, a_lead)
             for c0 in range(0, bk, _PAIR):
-                n = min(_PAIR, bk - c0)
                 values, at, stride = v_t, d0 * lead + j0 + c0, lead
-                if n < _PAIR:
-                    for d in range(_PAIR):
-                        for c in range(_PAIR):
-                            v_edge[d0 + d, c] = v_t[d0 + d, j0 + c0 + c] if c < n else np.uint16(0)
+                if c0 == last:
                     values, at, stride = v_edge, d0 * _PAIR, _PAIR
                 _amx.load(4, values, at, stride)
                 _amx.load(5, values, at + _amx.ROWS * stride, stride)
