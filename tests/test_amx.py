@@ -238,3 +238,32 @@ def test_no_tiles_without_the_cpu_feature(monkeypatch):
     monkeypatch.setattr(_amx, "_PERMISSION", [])
     assert not _amx.permitted() and _amx._PERMISSION == []
     assert not _forward_amx.takes(_problem())
+
+
+@needs_amx
+def test_mixed_layouts(monkeypatch):
+    """``q`` and ``v`` stored ``(B, N, H, D)``, ``k`` ``(B, H, N, D)``: each read in place."""
+    q = _draw((2, 90, 4, 64), 1).transpose(0, 2, 1, 3)
+    k = _draw((2, 2, 130, 64), 2)
+    v = _draw((2, 130, 2, 64), 3).transpose(0, 2, 1, 3)
+    _assert_agree(*_both(monkeypatch, q, k, v, causal=True), v)
+
+
+@needs_amx
+def test_concurrent_calls_from_python_threads(monkeypatch):
+    """Each thread configures its own tiles: calls from four Python threads at once give the bits of calls one by one."""
+    import concurrent.futures
+
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    problems = [(_draw((1, 4, 150, 64), s), _draw((1, 2, 200, 64), s + 10), _draw((1, 2, 200, 64), s + 20))
+                for s in range(4)]
+
+    def run(inputs):
+        return enp.attention(*inputs, return_lse=True, backend="cpu", causal=True)
+
+    one_by_one = [run(p) for p in problems]
+    with concurrent.futures.ThreadPoolExecutor(4) as callers:
+        at_once = list(callers.map(run, problems * 2))
+    for (out_a, lse_a), (out_b, lse_b) in zip(one_by_one * 2, at_once):
+        np.testing.assert_array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
+        np.testing.assert_array_equal(lse_a, lse_b)
