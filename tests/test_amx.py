@@ -141,6 +141,12 @@ def test_padding_past_kv_lengths_is_never_read(monkeypatch):
     for a, b in zip(dirty[0], clean[0]):
         np.testing.assert_array_equal(a, b)
     _assert_agree(*dirty, v)
+    # tiny values with huge ones in the padding: scaled as if the padding were not there
+    v[1, :, :45] = (v[1, :, :45].astype(np.float32) * np.float32(2.0 ** -121)).astype(BF16)
+    v[1, :, 45:] = 1e30
+    tiles, products = _both(monkeypatch, q, k, v, rule=False, kv_lengths=lengths)
+    want = enp.attention(q, k[:, :, :45], v[:, :, :45], backend="reference", kv_lengths=np.array([45, 45]))
+    np.testing.assert_allclose(tiles[0][1].astype(np.float64), want[1], rtol=2.0 ** -7, atol=2.0 ** -7 * np.abs(want[1]).max())
 
 
 @needs_amx

@@ -90,7 +90,8 @@ def values_transposed(v, kv_lengths):
     for b, hk in zip(*np.nonzero((largest > 0) & (largest < _TINY_VALUES))):
         shift = -int(np.floor(np.log2(largest[b, hk])))  # the largest times 2**shift lies in [1, 2)
         wide = (heads[b, hk].astype(np.uint32) << np.uint32(16)).view(np.float32)
-        scaled = np.ldexp(wide, shift).view(np.uint32) >> np.uint32(16)  # exact: no low bits
+        with np.errstate(over="ignore"):  # past kv_lengths[b] anything may overflow: never read
+            scaled = np.ldexp(wide, shift).view(np.uint32) >> np.uint32(16)  # exact: no low bits
         vt[b, hk, :, :M] = scaled.astype(np.uint16).T
         unscale[b, hk] = np.ldexp(np.float32(1.0), -shift)
     return vt.reshape(B * Hkv, Dv, vt.shape[3]), unscale.reshape(B * Hkv)
@@ -100,12 +101,15 @@ def _largest(heads, kv_lengths):
     """The largest magnitude of each ``(b, hk)`` head's values, float32, over its first ``kv_lengths[b]`` keys.
 
     A bfloat16's bits without the sign order like its magnitude. Keys past
-    a sequence's length may hold anything: where a head's largest over all
-    its keys is not finite, it is taken again over those it may read.
+    a sequence's length may hold anything, so they are left out.
     """
-    magnitude = (heads & np.uint16(0x7FFF)).max(axis=(2, 3), initial=0)
-    for b, hk in zip(*np.nonzero(magnitude >= 0x7F80)):
-        magnitude[b, hk] = (heads[b, hk, : kv_lengths[b]] & np.uint16(0x7FFF)).max(initial=0)
+    B, M = heads.shape[0], heads.shape[2]
+    if (kv_lengths >= M).all():
+        magnitude = (heads & np.uint16(0x7FFF)).max(axis=(2, 3), initial=0)
+    else:
+        magnitude = np.empty(heads.shape[:2], dtype=np.uint16)
+        for b in range(B):
+            magnitude[b] = (heads[b, :, : kv_lengths[b]] & np.uint16(0x7FFF)).max(axis=(1, 2), initial=0)
     return (magnitude.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
