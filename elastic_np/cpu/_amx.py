@@ -23,7 +23,7 @@ import sys
 import threading
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -117,34 +117,29 @@ def _literal(ty):
     return ty.literal_value if isinstance(ty, types.IntegerLiteral) else None
 
 
-@intrinsic(prefer_literal=True)
-def load(typingctx, tile, array, index, stride):
-    """Tile register ``tile`` (a constant) = `ROWS` rows of `ROW_BYTES` bytes from ``array.flat[index]``, ``stride`` entries apart."""
-    number = _literal(tile)
-    if number is None or not _contiguous(array):
-        return None
+def _memory(name, doc):
+    """The intrinsic ``op(tile, array, index, stride)`` that moves tile register ``tile`` by LLVM's ``name``."""
 
-    def codegen(context, builder, signature, args):
-        ptr = _address(context, builder, signature.args[1], args[1], args[2])
-        _call(builder, "llvm.x86.tileloadd64", [_tile(number), ptr, _row_bytes(context, builder, array, args[3])])
-        return context.get_dummy_value()
+    def typer(typingctx, tile, array, index, stride):
+        number = _literal(tile)
+        if number is None or not _contiguous(array):
+            return None
 
-    return types.void(tile, array, types.intp, types.intp), codegen
+        def codegen(context, builder, signature, args):
+            ptr = _address(context, builder, signature.args[1], args[1], args[2])
+            _call(builder, name, [_tile(number), ptr, _row_bytes(context, builder, array, args[3])])
+            return context.get_dummy_value()
+
+        return types.void(tile, array, types.intp, types.intp), codegen
+
+    typer.__doc__ = doc
+    return intrinsic(prefer_literal=True)(typer)
 
 
-@intrinsic(prefer_literal=True)
-def store(typingctx, tile, array, index, stride):
-    """Tile register ``tile`` into ``array.flat[index]`` on, its rows ``stride`` entries apart."""
-    number = _literal(tile)
-    if number is None or not _contiguous(array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ptr = _address(context, builder, signature.args[1], args[1], args[2])
-        _call(builder, "llvm.x86.tilestored64", [_tile(number), ptr, _row_bytes(context, builder, array, args[3])])
-        return context.get_dummy_value()
-
-    return types.void(tile, array, types.intp, types.intp), codegen
+load = _memory("llvm.x86.tileloadd64", "Tile register ``tile`` (a constant) = `ROWS` rows of `ROW_BYTES` bytes "
+                                       "from ``array.flat[index]``, ``stride`` entries apart.")
+store = _memory("llvm.x86.tilestored64", "Tile register ``tile`` into ``array.flat[index]`` on, its rows ``stride`` "
+                                         "entries apart.")
 
 
 @intrinsic(prefer_literal=True)
@@ -173,3 +168,42 @@ def dot(typingctx, c, a, b):
         return context.get_dummy_value()
 
     return types.void(c, a, b), codegen
+
+
+# A 2 x 2 block of float32 sums in tiles 0-3 (rows by columns of 16), by rows in tiles 4, 5 and pairs in 6, 7.
+
+
+@njit(inline="always", fastmath=False)
+def load_block(array, first, lead):
+    """Tiles 0-3 = the 32 x 32 float32 block of ``array`` (rows ``lead`` entries apart) from ``array.flat[first]``."""
+    load(0, array, first, lead)
+    load(1, array, first + ROWS, lead)
+    load(2, array, first + ROWS * lead, lead)
+    load(3, array, first + ROWS * lead + ROWS, lead)
+
+
+@njit(inline="always", fastmath=False)
+def store_block(array, first, lead):
+    """Tiles 0-3 into the 32 x 32 float32 block of ``array`` at ``array.flat[first]`` (`load_block`'s)."""
+    store(0, array, first, lead)
+    store(1, array, first + ROWS, lead)
+    store(2, array, first + ROWS * lead, lead)
+    store(3, array, first + ROWS * lead + ROWS, lead)
+
+
+@njit(inline="always", fastmath=False)
+def zero_block():
+    """Tiles 0-3 = 0."""
+    zero(0)
+    zero(1)
+    zero(2)
+    zero(3)
+
+
+@njit(inline="always", fastmath=False)
+def dot_block():
+    """Tiles 0-3 += tiles 4, 5 (rows) times tiles 6, 7 (pairs): tile ``2 i + j`` takes rows ``4 + i`` and pairs ``6 + j``."""
+    dot(0, 4, 6)
+    dot(1, 4, 7)
+    dot(2, 5, 6)
+    dot(3, 5, 7)

@@ -39,14 +39,15 @@ from elastic_np.cpu import _config as config
 from elastic_np.cpu import _forward
 from elastic_np.cpu._calls import exp_shift_sum
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._exp import _float_from_bits
 from elastic_np.cpu._forward import _finish_rows, _rescale_rows
-from elastic_np.cpu._halves import _float32_bits, _float32_from_bits, bits
+from elastic_np.cpu._halves import _float32_bits, bits
 from elastic_np.cpu._logits import _column_max, _scale_logits, modify_tile, shape_logits
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _check_cache, _options
 from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, _zigzag, claim, task_counter
+from elastic_np.cpu._threads import _run_tasks, claim, query_tile, task_counter
 
 #: Keys and queries a pair of tiles takes, and entries of a row a tile loads.
 _PAIR = 2 * _amx.ROWS
@@ -170,13 +171,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
         task = claim(tasks)
         if task >= n_tasks:
             break
-        bh = task // n_qt
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        qt = _zigzag(task % n_qt, n_qt)
-        i0 = qt * block_q
-        bq = min(block_q, N - i0)
+        b, h, hk, qt, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
         bq_pad = -(-bq // _PAIR) * _PAIR
 
         _query_pairs(head_rows(q, b, h, i0, bq), q_pairs)
@@ -251,24 +246,14 @@ def _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge):
                     k_edge[c, d] = k_rows[j0 + c0 + c, k_col + d] if c < n else np.uint16(0)
             keys, at, stride = k_edge, 0, D
         for r0 in range(0, bq_pad, _PAIR):
-            _amx.zero(0)
-            _amx.zero(1)
-            _amx.zero(2)
-            _amx.zero(3)
+            _amx.zero_block()
             for d0 in range(0, D, _CHUNK):
                 _amx.load(4, keys, at + d0, stride)
                 _amx.load(5, keys, at + _amx.ROWS * stride + d0, stride)
                 _amx.load(6, q_pairs, (d0 // 2) * q_lead + r0, q_lead)
                 _amx.load(7, q_pairs, (d0 // 2) * q_lead + r0 + _amx.ROWS, q_lead)
-                _amx.dot(0, 4, 6)
-                _amx.dot(1, 4, 7)
-                _amx.dot(2, 5, 6)
-                _amx.dot(3, 5, 7)
-            first = c0 * s_lead + r0
-            _amx.store(0, st, first, s_lead)
-            _amx.store(1, st, first + _amx.ROWS, s_lead)
-            _amx.store(2, st, first + _amx.ROWS * s_lead, s_lead)
-            _amx.store(3, st, first + _amx.ROWS * s_lead + _amx.ROWS, s_lead)
+                _amx.dot_block()
+            _amx.store_block(st, c0 * s_lead + r0, s_lead)
 
 
 @inner(fastmath=False)
@@ -313,7 +298,7 @@ def _split(x):
     """``(hi, lo)``: bfloat16 bits, ``hi`` the high half of ``x`` (a float32, finite), ``lo`` the rest rounded."""
     u = np.uint32(_float32_bits(x))
     hi = np.uint32(u >> np.uint32(16))
-    rest = x - _float32_from_bits(np.uint32(u & np.uint32(0xFFFF0000)))
+    rest = x - _float_from_bits(np.int32(u & np.uint32(0xFFFF0000)))
     return hi, _round_bits(rest)
 
 
@@ -334,10 +319,7 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
     for d0 in range(0, Dv, _PAIR):
         for r0 in range(0, bq_pad, _PAIR):
             first = d0 * a_lead + r0
-            _amx.load(0, acc_t, first, a_lead)
-            _amx.load(1, acc_t, first + _amx.ROWS, a_lead)
-            _amx.load(2, acc_t, first + _amx.ROWS * a_lead, a_lead)
-            _amx.load(3, acc_t, first + _amx.ROWS * a_lead + _amx.ROWS, a_lead)
+            _amx.load_block(acc_t, first, a_lead)
             for c0 in range(0, bk, _PAIR):
                 values, at, stride = v_t, d0 * lead + j0 + c0, lead
                 if c0 == last:
@@ -347,11 +329,5 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
                 for p in (p_hi, p_lo):
                     _amx.load(6, p, (c0 // 2) * p_lead + r0, p_lead)
                     _amx.load(7, p, (c0 // 2) * p_lead + r0 + _amx.ROWS, p_lead)
-                    _amx.dot(0, 4, 6)
-                    _amx.dot(1, 4, 7)
-                    _amx.dot(2, 5, 6)
-                    _amx.dot(3, 5, 7)
-            _amx.store(0, acc_t, first, a_lead)
-            _amx.store(1, acc_t, first + _amx.ROWS, a_lead)
-            _amx.store(2, acc_t, first + _amx.ROWS * a_lead, a_lead)
-            _amx.store(3, acc_t, first + _amx.ROWS * a_lead + _amx.ROWS, a_lead)
+                    _amx.dot_block()
+            _amx.store_block(acc_t, first, a_lead)

@@ -113,14 +113,6 @@ def _float32_bits(typingctx, x):
     return (types.uint32(types.float32), codegen) if x == types.float32 else None
 
 
-@intrinsic
-def _float32_from_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return (types.float32(types.uint32), codegen) if x == types.uint32 else None
-
-
 @njit(inline="always", fastmath=False)
 def _float32_to_bfloat16(x):
     """Round to nearest even, as ``ml_dtypes`` and torch do; a NaN stays a (quiet) NaN of its sign."""
