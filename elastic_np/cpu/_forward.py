@@ -26,7 +26,7 @@ from elastic_np.cpu._plan import (
 )
 from elastic_np.cpu._scalar import _log_add_exp
 from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, _zigzag, claim, task_counter
+from elastic_np.cpu._threads import _run_tasks, claim, query_tile, task_counter
 
 
 def forward(problem):
@@ -93,13 +93,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
         task = claim(tasks)
         if task >= n_tasks:
             break
-        bh = task // n_qt
-        b = bh // H
-        h = bh % H
-        hk = h // group
-        qt = _zigzag(task % n_qt, n_qt)
-        i0 = qt * block_q
-        bq = min(block_q, N - i0)
+        b, h, hk, qt, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
 
         _load_queries(head_rows(q, b, h, i0, bq), _query_factor(opt, h), q_t)
         acc[:] = 0.0

@@ -25,7 +25,7 @@ from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, shape
 from elastic_np.cpu._scalar import _like
 from elastic_np.cpu._tangents import score_tangent
-from elastic_np.cpu._threads import _zigzag, claim
+from elastic_np.cpu._threads import claim, query_tile
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -60,12 +60,7 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, tasks, part, par
         task = claim(tasks)  # each task writes its own rows: `elastic_np.cpu._threads.claim`
         if task >= n_tasks:
             break
-        bh = task // n_qt
-        b, h = bh // H, bh % H
-        hk = h // group
-        it = _zigzag(task % n_qt, n_qt)
-        i0 = it * block_q
-        bq = min(block_q, N - i0)
+        b, h, hk, it, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
         acc[:] = 0.0
         zsum[:] = 0.0
         for r in range(bq):

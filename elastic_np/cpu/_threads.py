@@ -318,6 +318,20 @@ def _task_range(n, part, parts):
 
 
 @inner(fastmath=False)
+def query_tile(task, n_qt, H, group, block_q, N):
+    """``(b, h, hk, qt, i0, bq)`` of a task of the kernels with one task per (batch, head, query tile).
+
+    Batch entry, head, its kv head, the query tile (tiles taken in `_zigzag`'s
+    order within a head), its first query and its queries.
+    """
+    bh = task // n_qt
+    b, h = bh // H, bh % H
+    qt = _zigzag(task % n_qt, n_qt)
+    i0 = qt * block_q
+    return b, h, h // group, qt, i0, min(block_q, N - i0)
+
+
+@inner(fastmath=False)
 def _zigzag(t, n):
     """Visit tiles 0, n-1, 1, n-2, ...: cheap and costly causal tiles alternate."""
     return t // 2 if t % 2 == 0 else n - 1 - t // 2
