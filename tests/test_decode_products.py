@@ -48,7 +48,8 @@ def test_the_bits_of_the_tile_products(dtype, storage):
     width = _decode_products.key_block(np.dtype(dtype))
     sizes = [(rows, bk, D, Dv) for rows, bk, D, Dv in
              [(1, 1, 1, 1), (4, width, width, 4 * width), (4, 128, 128, 128), (5, 2 * width + 3, width + 5, 70),
-              (9, 40, 3 * width, 2 * width - 1), (2, width - 1, 2 * width, 8 * width + 1), (13, 37, 24, 33)]]
+              (9, 40, 3 * width, 2 * width - 1), (2, width - 1, 2 * width, 8 * width + 1), (13, 37, 24, 33),
+              (3, 20, 2 * width + 1, 3 * width + 5), (6, 128, 128, 128), (7, 17, width, 9 * width - 3)]]
     rounded = _decode_products._QUERY_ROUND
     for (rows, bk, D, Dv), padded in itertools.product(sizes, (False, True)):
         k_col, v_col, s_col = (int(x) for x in rng.integers(0, 5, 3))
