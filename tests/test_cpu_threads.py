@@ -59,15 +59,15 @@ def test_a_smaller_pool_is_closed_when_more_threads_are_asked_for(monkeypatch):
     monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
     want = _attention_cpu(q, k, v)
     small = cpu._threads._pool
-    assert small.size == 1
+    assert small.size == 2
     monkeypatch.setattr(cpu._threads, "thread_count", lambda: 3)
     np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
-    assert cpu._threads._pool.size == 2 and small.closed
+    assert cpu._threads._pool.size == 3 and small.closed
     small.threads[0].join(timeout=60)
     assert not small.threads[0].is_alive()
     monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)  # a larger pool serves fewer threads
     np.testing.assert_array_equal(_attention_cpu(q, k, v), want)
-    assert cpu._threads._pool.size == 2
+    assert cpu._threads._pool.size == 3
 
 
 def _record_part(parts_seen, fail_part, part, parts):
@@ -99,7 +99,7 @@ def test_a_caller_that_slept_is_woken_when_the_last_part_ends(monkeypatch):
 
     monkeypatch.setattr(cpu._threads, "_pool", None)
     monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
-    monkeypatch.setattr(cpu._config, "THREAD_SPIN_SECONDS", 1e-5)  # the caller spins 10 ms
+    monkeypatch.setattr(cpu._config, "CALLER_SPIN_SECONDS", 1e-2)
     seen = []
 
     def slow(part, parts):
@@ -183,7 +183,7 @@ def test_an_interrupted_call_leaves_nothing_to_the_next(monkeypatch):
         cpu._threads._run_tasks(_interrupted_part)
     cpu._threads._run_tasks(_quiet_part)
     pool = cpu._threads._pool
-    assert pool.flags[0] == pool.flags[1] == 2 and pool.jobs == [None]
+    assert pool.flags[0] == pool.flags[1] == 2 and pool.jobs == [None, None]
 
 
 def test_a_calls_arguments_are_not_kept_by_the_pool(monkeypatch):
@@ -277,8 +277,8 @@ def test_pytorchs_idle_openmp_workers_go_when_asked_and_come_back_when_it_needs_
 
 
 @numba.njit(nogil=True, cache=False, fastmath=False)
-def _claiming_kernel(tasks, owner, slow_steps, part, parts):
-    """Claims tasks as the kernels do; part 1 spins ``slow_steps`` steps on each of its tasks."""
+def _claiming_kernel(owner, slow_ns, tasks, part, parts):
+    """Claims tasks as the kernels do; part 1 spins ``slow_ns`` nanoseconds on each of its tasks."""
     n = owner.shape[0]
     idle = np.zeros(1, dtype=np.int64)
     for _ in range(n):
@@ -287,7 +287,7 @@ def _claiming_kernel(tasks, owner, slow_steps, part, parts):
             break
         owner[task] = part
         if part == 1:
-            cpu._threads._spin_while(idle, 0, 0, slow_steps, -1)
+            cpu._threads._spin_while(idle, 0, 0, slow_ns, -1)
 
 
 def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
@@ -297,7 +297,7 @@ def test_a_slow_thread_leaves_its_tasks_to_the_others(monkeypatch):
     for threads in (1, 2):
         monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
         tasks, owner = cpu._threads.task_counter(), np.full(n, -1)
-        cpu._threads._run_tasks(_claiming_kernel, tasks, owner, cpu._threads._spin_steps(2e-3))
+        cpu._threads._run_tasks(_claiming_kernel, owner, 2_000_000, tasks=tasks)
         assert (owner >= 0).all() and n <= tasks[0] <= n + threads  # at most one claim a thread finds none
         assert (owner == 0).sum() >= (n if threads == 1 else n - 8), owner  # a contiguous half each: 32
 

@@ -94,7 +94,9 @@ def backward(problem, dout, out, lse, dlse=None):
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1, task_counter())
+        keys = min(M, kt1 * block_k) - kt0 * block_k
+        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1, tasks=task_counter(),
+                   work=B * H * N * keys * (3 * D + 2 * Dv))
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout

@@ -59,6 +59,15 @@ SERIAL_WORK = 1 << 21
 #: Seconds a worker of the pool spins, without the GIL, waiting for its next
 #: part before it sleeps: waking a sleeping thread costs about 0.1 ms.
 THREAD_SPIN_SECONDS = 3e-4
+#: Seconds at most a calling thread that has run its part spins, without the
+#: GIL, for the workers' parts before it sleeps: their parts end within a task
+#: of its own (the tasks are claimed), which below `INTERRUPTIBLE_WORK` is short.
+CALLER_SPIN_SECONDS = 2e-3
+#: Multiply-adds from which a call from the main thread runs all its parts on
+#: the pool's workers while the calling thread sleeps, where a signal (Ctrl-C)
+#: reaches it and stops the call's tasks (`elastic_np.cpu._threads`): a few
+#: milliseconds of arithmetic, against up to 0.1 ms to wake the caller.
+INTERRUPTIBLE_WORK = 1 << 28
 #: Multiply-adds from which a call that runs on the pool first asks the OpenMP
 #: runtimes in the process (PyTorch's) to let their idle workers go
 #: (`elastic_np.cpu._openmp`): they spin for milliseconds after each of their

@@ -174,7 +174,7 @@ def forward(problem, paged=None, entry_splits=None):
         q, k, v, pages, opt, split_start,
         block_k if key_major else (block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size,
                                                         block_k)),
-        (part_max, part_sum, part_acc, read, suspect), task_counter(),
+        (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(),
         work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
     )
     if problem.kv_unchecked:

@@ -88,7 +88,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     outdot, outdot_operand = new((B, H, N, Dv), dtype, out[1])
     lsedot, deltadot = np.empty((B, H, N)), np.empty((B, H, N))
     _run_tasks(_tangent_rows_kernel, (k, v, q_t, dout, lse), tan, opt, config.BLOCK_Q, config.BLOCK_K,
-               (outdot_operand, lsedot, deltadot), task_counter())
+               (outdot_operand, lsedot, deltadot), tasks=task_counter(), work=B * H * N * M * (3 * D + 2 * Dv))
 
     ins = (k, v, q_rows, q_t, dout, dout_t, (lse, delta, lsedot, deltadot))
     dq, dk, dv, dtau, dsigma, dbias = _key_pass(problem, opt, ins, tan, q[1])
@@ -124,8 +124,9 @@ def _key_pass(problem, opt, ins, tan, q_layout):
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
+        keys = min(M, kt1 * block_k) - kt0 * block_k
         _run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1,
-                   task_counter())
+                   tasks=task_counter(), work=B * H * N * keys * (5 * D + 4 * Dv))
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
     # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout

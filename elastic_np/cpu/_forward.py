@@ -51,8 +51,8 @@ def forward(problem):
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse, task_counter(),
-               work=B * H * N * M * (D + Dv))
+    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
+               tasks=task_counter(), work=B * H * N * M * (D + Dv))
     return out, lse
 
 

@@ -126,7 +126,7 @@ def forward(problem):
     opt = _options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
     overflow = np.zeros(1, dtype=np.bool_)
     _run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
-               task_counter(), work=B * H * N * M * (D + Dv) // 16)
+               tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
     if overflow[0]:  # a product of the unscaled queries overflowed: the float32 products scale them first
         return _forward.forward(problem)
     return out, lse

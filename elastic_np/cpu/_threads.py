@@ -1,14 +1,24 @@
-"""The CPU kernels' thread pool: a kernel runs as ``threads`` parts, the calling thread running part 0.
+"""The CPU kernels' thread pool: a kernel runs as ``threads`` parts, on the pool's workers and the calling thread.
 
 Handing work to a sleeping thread costs the time it takes to wake it, up to
 0.1 ms on a virtual machine, as much as a small decode call's arithmetic. So
 a worker that has run a part waits for the next by spinning, without the
-GIL, for `config.THREAD_SPIN_SECONDS` before it sleeps, and the calling
-thread waits for the workers' parts by spinning too; neither spins when
-the process has fewer cores than threads (the spin would take the core the
-other needs). A thread that waits for the GIL sleeps, so each side signals
-the other from code that does not hold it: the worker stores its count of
-finished parts after releasing it.
+GIL, for `config.THREAD_SPIN_SECONDS` before it sleeps, and a calling thread
+that has run part 0 spins for the workers' parts, for at most
+`config.CALLER_SPIN_SECONDS`, before it sleeps. Each spin is bounded by the
+monotonic clock, not by a count of steps: a thread that the system takes
+off its core (another process wants it) spins no longer for that, and
+nobody spins when the process has fewer cores than threads (the spin would
+take the core another thread needs). A thread that waits for the GIL
+sleeps, so each side signals the other from code that does not hold it:
+the worker stores its count of finished parts after releasing it.
+
+A long call from the main thread (`config.INTERRUPTIBLE_WORK` multiply-adds
+or more, of a kernel whose threads claim their tasks) runs every part on
+the workers while the calling thread sleeps, where a signal's handler runs:
+when it raises (Ctrl-C's `KeyboardInterrupt`), the call's tasks are
+stopped, each worker ends after the task it holds (`claim`), and the
+exception goes on.
 """
 
 import os
@@ -56,18 +66,21 @@ def thread_count():
     return numba.config.NUMBA_NUM_THREADS
 
 
-def _run_tasks(kernel, *args, work=None):
+def _run_tasks(kernel, *args, work=None, tasks=None):
     """Run ``kernel(*args, part, parts)`` for every ``part`` of ``parts`` = `thread_count` threads.
 
-    With ``work`` (the multiply-adds of the call, an estimate) below
-    `SERIAL_WORK`, or while another Python thread's call holds the pool, on
-    the calling thread alone (``parts = 1``).
+    ``tasks``: the call's `task_counter`, for a kernel whose threads claim
+    their tasks from it (`claim`): then ``kernel(*args, tasks, part, parts)``,
+    and a long call is interruptible (`_interruptible`). With ``work`` (the
+    multiply-adds of the call, an estimate) below `SERIAL_WORK`, or while
+    another Python thread's call holds the pool, on the calling thread alone
+    (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`), or, in the kernels of the forward, decode,
-    backward and double backward, the tasks it claims first from the call's
-    `task_counter` (`claim`); the kernels release the GIL. Every task writes outputs of its own, so the result has
-    the same bits for every thread count. From `QUIET_OPENMP_WORK`
+    backward and double backward, the tasks it claims first from ``tasks``;
+    the kernels release the GIL. Every task writes outputs of its own, so the
+    result has the same bits for every thread count. From `QUIET_OPENMP_WORK`
     multiply-adds on, the OpenMP runtimes in the process are first asked to
     let their idle workers go (`elastic_np.cpu._openmp`). Threads instead of
     ``prange``: a parallel Numba function compiles its loop body again as a
@@ -75,7 +88,11 @@ def _run_tasks(kernel, *args, work=None):
     doubled the first compile of these kernels.
     """
     threads = thread_count()
-    pool = None if threads == 1 or (work is not None and work < config.SERIAL_WORK) else _pool_of(threads - 1)
+    if tasks is not None:
+        args = (*args, tasks)
+    interruptible = _interruptible(tasks, work)
+    serial = threads == 1 or (work is not None and work < config.SERIAL_WORK)
+    pool = None if serial and not interruptible else _pool_of(threads)
     if pool is None or not pool.lock.acquire(blocking=False):
         kernel(*args, 0, 1)
         return
@@ -85,9 +102,21 @@ def _run_tasks(kernel, *args, work=None):
         else:
             if work is None or work >= config.QUIET_OPENMP_WORK:
                 _openmp.quiet()  # their spinning workers would share the cores with the parts
-            pool.run(kernel, args, threads)
+            pool.run(kernel, args, threads, tasks if interruptible else None)
     finally:
         pool.lock.release()
+
+
+def _interruptible(tasks, work):
+    """Whether a call runs its parts on the workers alone, the calling thread asleep where a signal reaches it.
+
+    A call of `config.INTERRUPTIBLE_WORK` multiply-adds or more, from the main
+    thread (the only one Python runs signal handlers in), of a kernel that
+    claims its ``tasks``. A shorter call's calling thread runs a part:
+    waking it after the workers' parts would cost up to 0.1 ms.
+    """
+    return (tasks is not None and work is not None and work >= config.INTERRUPTIBLE_WORK
+            and threading.current_thread() is threading.main_thread())
 
 
 def _pool_of(workers):
@@ -125,33 +154,50 @@ class _Pool:
         self.size = size
         self.lock = threading.Lock()  # held by the call running on the pool
         self.flags = np.zeros(2 * size, dtype=np.int64)
-        self.jobs = [None] * size  # (count, kernel, args, errors): the part of post ``count``
+        self.jobs = [None] * size  # (count, kernel, args, errors, wake): the part of post ``count``
         self.posted = [threading.Event() for _ in range(size)]
         self.finished = [threading.Event() for _ in range(size)]
         self.closed = False
         self.broken = False
-        # spinning only pays when the caller and every worker have a core each: else it takes the caller's
-        self.spin_steps = _spin_steps(config.THREAD_SPIN_SECONDS) if _cores() > size else 0
+        # spinning only pays when every thread that runs a part has a core: else it takes another's
+        spins = _CLOCK is not None and _cores() >= size
+        self.spin_ns = int(config.THREAD_SPIN_SECONDS * 1e9) if spins else 0
+        self.caller_spin_ns = int(config.CALLER_SPIN_SECONDS * 1e9) if spins else 0
         self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"elastic_np-{w}", daemon=True)
                         for w in range(size)]
         for thread in self.threads:
             thread.start()
 
-    def run(self, kernel, args, parts):
-        """``kernel(*args, part, parts)`` for every part, part 0 on the calling thread; raises a part's error."""
-        errors = [None] * (parts - 1)
+    def run(self, kernel, args, parts, tasks=None):
+        """``kernel(*args, part, parts)`` for every part; raises a part's error.
+
+        Part 0 runs on the calling thread; with ``tasks`` (the counter the
+        kernel claims its tasks from), every part runs on a worker and the
+        calling thread sleeps until they end: an exception that a signal's
+        handler raises there stops the tasks (`stop`) and goes on once each
+        worker has ended the task it held.
+        """
+        first = 0 if tasks is not None else 1  # the first part a worker runs
+        errors = [None] * (parts - first)
         posted = []
         try:
-            for w in range(parts - 1):
-                self._wait_finished(w)  # an interrupted call's part, if any
-                self.jobs[w] = (self.flags[2 * w] + 1, kernel, (*args, w + 1, parts), errors)
+            for w in range(parts - first):
+                self._wait_finished(w, self.caller_spin_ns)  # an interrupted call's part, if any
+                self.jobs[w] = (self.flags[2 * w] + 1, kernel, (*args, w + first, parts), errors, first == 0)
                 self.flags[2 * w] += 1
                 posted.append(w)
                 self.posted[w].set()
-            kernel(*args, 0, parts)
+            if first:
+                kernel(*args, 0, parts)
+            for w in posted:
+                self._wait_finished(w, self.caller_spin_ns if first else 0)
+        except BaseException:
+            if tasks is not None:
+                stop(tasks)
+            raise
         finally:
             for w in posted:
-                self._wait_finished(w)
+                self._wait_finished(w, self.caller_spin_ns)
         for error in errors:
             if error is not None:
                 raise error
@@ -163,21 +209,23 @@ class _Pool:
         for event in self.posted:
             event.set()
 
-    def _wait_finished(self, w):
+    def _wait_finished(self, w, spin_ns):
+        """Wait for worker ``w``'s parts: spin up to ``spin_ns`` nanoseconds, then sleep (where signals' handlers run)."""
         posted = self.flags[2 * w]
         if self.flags[2 * w + 1] == posted:
             return
-        # the calling thread's own core would idle meanwhile: spin long before sleeping
-        _spin_while(self.flags, 2 * w + 1, self.flags[2 * w + 1], 1000 * self.spin_steps, -1)
+        if spin_ns:
+            _spin_while(self.flags, 2 * w + 1, self.flags[2 * w + 1], spin_ns, -1)
         while self.flags[2 * w + 1] != posted:
-            if not self.finished[w].wait(timeout=1.0) and not self.threads[w].is_alive():
+            # woken each 0.1 s: a signal's handler runs then even where the signal went to another thread
+            if not self.finished[w].wait(timeout=0.1) and not self.threads[w].is_alive():
                 self.broken = True
                 raise RuntimeError(f"worker {w} of the CPU kernels' thread pool has died")
             self.finished[w].clear()
 
     def _serve(self, w):
         seen = 0
-        changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, -1)
+        changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, -1)
         while True:
             if not changed:  # no part posted within the spin: sleep
                 self.finished[w].set()  # for a caller that fell asleep waiting for the last part
@@ -185,9 +233,9 @@ class _Pool:
                     return
                 self.posted[w].wait()
                 self.posted[w].clear()  # a set after the wait is for a count checked next
-                changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, -1)
+                changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, -1)
                 continue
-            count, kernel, args, errors = self.jobs[w]  # posted before the count: the part of count `count`
+            count, kernel, args, errors, wake = self.jobs[w]  # posted before the count: the part of `count`
             self.jobs[w] = None
             try:
                 kernel(*args)
@@ -195,38 +243,51 @@ class _Pool:
                 errors[w] = exc
             seen = count
             kernel = args = errors = None  # nothing of the call outlives it here
+            if wake:  # the caller sleeps: the count, then its event
+                _spin_while(self.flags, 2 * w, seen, 0, 2 * w + 1)
+                self.finished[w].set()
             # the count of finished parts is stored without the GIL, which the caller, seeing it, takes at once
-            changed = _spin_while(self.flags, 2 * w, seen, self.spin_steps, 2 * w + 1)
+            changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, 2 * w + 1)
 
 
-_STEPS_PER_SECOND = []
+#: The clock the spins read (`_monotonic_ns`); None where the platform has no ``clock_gettime``: nobody spins.
+_CLOCK = getattr(time, "CLOCK_MONOTONIC", None)
 
 
-def _spin_steps(seconds):
-    """Steps of `_spin_while` that take about ``seconds`` (measured once per process, by the first pool made: under
-    `_pool_lock`)."""
-    if not _STEPS_PER_SECOND:
-        flags = np.zeros(1, dtype=np.int64)
-        _spin_while(flags, 0, 0, 1, -1)
-        steps = 20_000
-        start = time.perf_counter()
-        _spin_while(flags, 0, 0, steps, -1)
-        _STEPS_PER_SECOND.append(steps / max(time.perf_counter() - start, 1e-6))
-    return max(1, int(seconds * _STEPS_PER_SECOND[0]))
+@intrinsic
+def _monotonic_ns(typingctx):
+    """Nanoseconds of the monotonic clock (``clock_gettime``; 0 where `_CLOCK` is None)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        if _CLOCK is None:
+            return ir.Constant(i64, 0)
+        timespec = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))  # (seconds, nanoseconds) on LP64
+        clock_gettime = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32), timespec.type]), "clock_gettime")
+        builder.call(clock_gettime, [ir.Constant(ir.IntType(32), _CLOCK), timespec])
+        seconds, nanoseconds = (builder.load(cgutils.gep_inbounds(builder, timespec, 0, i)) for i in (0, 1))
+        return builder.add(builder.mul(seconds, ir.Constant(i64, 1_000_000_000)), nanoseconds)
+
+    return types.int64(), codegen
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _spin_while(flags, i, value, steps, store_at):
-    """Wait, without the GIL, while ``flags[i] == value``, at most ``steps`` steps; True if it changed.
+def _spin_while(flags, i, value, ns, store_at):
+    """Wait, without the GIL, while ``flags[i] == value``, for at most ``ns`` nanoseconds; True if it changed.
 
-    With ``store_at >= 0``, first ``flags[store_at] = value``.
+    With ``store_at >= 0``, first ``flags[store_at] = value``. The clock is
+    read every 64 spin-wait hints (a few microseconds).
     """
     if store_at >= 0:
         _write_release(flags, store_at, value)
-    for _ in range(steps):
-        if _read_acquire(flags, i) != value:
-            return True
-        _pause()
+    if ns > 0:
+        deadline = _monotonic_ns() + ns
+        while _monotonic_ns() < deadline:
+            for _ in range(64):
+                if _read_acquire(flags, i) != value:
+                    return True
+                _pause()
     return _read_acquire(flags, i) != value
 
 
@@ -278,8 +339,21 @@ def _pause(typingctx):
 
 
 def task_counter():
-    """A call's counter of claimed tasks, for a kernel that takes them as its threads get to them (`claim`)."""
-    return np.zeros(1, dtype=np.int64)
+    """A call's counter of claimed tasks, for a kernel that takes them as its threads get to them (`claim`).
+
+    ``[claimed, stopped]``: the tasks claimed so far, and 1 once the call is
+    stopped (`stop`).
+    """
+    return np.zeros(2, dtype=np.int64)
+
+
+def stop(tasks):
+    """Stop a call's tasks: every later `claim` of its threads finds none left."""
+    tasks[1] = 1
+
+
+#: What `claim` returns once a call's tasks are stopped: above the tasks of any call.
+_STOPPED = 1 << 62
 
 
 @inner(fastmath=False)
@@ -290,8 +364,11 @@ def claim(tasks):
     keeps every thread busy until no task is left, however much slower one
     thread runs than another (another process on its core, a slower core);
     each thread's tasks still rise. Each task writes outputs of its own, so
-    which thread runs it changes no bits.
+    which thread runs it changes no bits. Once the call is stopped (`stop`),
+    none is left.
     """
+    if _read_acquire(tasks, 1) != 0:
+        return _STOPPED
     return _fetch_add(tasks, 0, 1)
 
 
