@@ -75,11 +75,13 @@ def saturated_inputs(seed=0, N=3, M=5, D=4):
 
 
 def relative_errors(grads, want):
+    """Each gradient's largest error relative to the largest magnitude of ``want``'s; inf for NaN."""
     errors = {}
     for name, ref in want.items():
         if getattr(grads, name) is None:
             continue
         got = np.asarray(getattr(grads, name), dtype=np.float64).reshape(np.shape(ref))
         scale = np.max(np.abs(ref))
-        errors[name] = float(np.max(np.abs(got - ref)) / scale) if scale > 0 else float(np.max(np.abs(got)))
+        error = float(np.max(np.abs(got - ref)) / scale) if scale > 0 else float(np.max(np.abs(got)))
+        errors[name] = np.inf if np.isnan(error) else error  # so that max(errors.values()) cannot skip it
     return errors

@@ -175,16 +175,28 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
                 if g > 0.0:
                     log_gate[b, h, t] = math.log(g)
                     if with_grad:
-                        # d log G / d sigma = sharpness (1 - G^2) / G f (x^2 / s^3 - 1 / s), with
-                        # (1 - g^2) / g = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y), y = sharpness f:
-                        # no cancellation as g -> 1, no overflow as y grows
-                        y = sharpness * f
-                        dlog_dy = 4.0 * math.exp(-2.0 * y) / -math.expm1(-4.0 * y)
-                        dlog_gate[b, h, t] = sharpness * dlog_dy * f * ((u * u - 1.0) / s)
+                        # d log G / d sigma = (d log G / d log y) (d log f / d sigma), y = sharpness f
+                        dlog_gate[b, h, t] = _log_tanh_elasticity(sharpness * f) * ((u * u - 1.0) / s)
                     first = min(first, t)
                     last = max(last, t)
             band[b, h, 0] = first - (M - 1)
             band[b, h, 1] = last - (M - 1)
+
+
+@njit(cache=True, fastmath=False)
+def _log_tanh_elasticity(y):
+    """``d log tanh(y) / d log y = 2y / sinh(2y)`` for ``y > 0``, as the oracle's `_log_tanh_elasticity`.
+
+    ``(w / (1 - e^2)) e`` with ``w = 4y``, ``e = exp(-2y)``, ``1 - e^2`` from
+    ``expm1``: no cancellation as ``tanh(y)`` rounds to 1, and no ``1 / y``
+    that overflows as ``y`` reaches the subnormals (a row far from all its
+    keys), where it is exactly 1. 0 where ``e`` underflows.
+    """
+    e = math.exp(-2.0 * y)
+    if e == 0.0:
+        return 0.0
+    w = 4.0 * y
+    return w / -math.expm1(-w) * e
 
 
 def _check_cache(problem):

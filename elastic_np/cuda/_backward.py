@@ -147,17 +147,29 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
                     sums[slot] = total
                     sums[slots + slot] = carry
                     if has_gate:
+                        # d log G / d sigma = (d log G / d log y) (d log f / d sigma), y = sharpness f
                         sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
-                        # d log G / dy = (1 - G^2) / G = 2 / sinh(2y) = 4 e / (1 - e^2), e = exp(-2y),
-                        # y = sharpness f > 0: no cancellation as G -> 1, no overflow as y grows
-                        y = sharpness * f
-                        e = math.exp(-(y + y))
-                        dlog_dy = ((e + e) + (e + e)) / -math.expm1(-((y + y) + (y + y)))
-                        dlogg = sharpness * dlog_dy * f * sigma_term
+                        dlogg = _log_tanh_elasticity(sharpness * f, zero) * sigma_term
                         total, carry = _compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
                         sums[2 * slots + slot] = total
                         sums[3 * slots + slot] = carry
             s_tile[at] = ds_raw
+
+
+@cuda.jit(device=True)
+def _log_tanh_elasticity(y, zero):
+    """``d log tanh(y) / d log y = 2y / sinh(2y)`` for ``y > 0`` in ``y``'s dtype (``zero``: a 0 of it).
+
+    ``(w / (1 - e^2)) e`` with ``w = 4y``, ``e = exp(-2y)``, ``1 - e^2`` from
+    ``expm1``, as the oracle's `elastic_np.reference._attention._log_tanh_elasticity`:
+    no cancellation as ``tanh(y)`` rounds to 1, no ``1 / y`` to overflow as
+    ``y`` reaches the subnormals (exactly 1 there); 0 where ``e`` underflows.
+    """
+    e = math.exp(-(y + y))
+    if not e > zero:
+        return zero
+    w = (y + y) + (y + y)
+    return w / -math.expm1(-w) * e
 
 
 @inline_device

@@ -141,14 +141,22 @@ def _tanh_slope(x):
     return 4 * e / (1 + e) ** 2
 
 
-def _log_tanh_slope(y):
-    """``d log tanh(y) / dy = (1 - tanh(y)**2) / tanh(y)`` for ``y > 0``, in the dtype of ``y``.
+def _log_tanh_elasticity(y):
+    """``d log tanh(y) / d log y = y (1 - tanh(y)**2) / tanh(y) = 2y / sinh(2y)`` for ``y > 0``, in ``y``'s dtype.
 
-    Evaluated as ``4 e / (1 - e**2)`` with ``e = exp(-2y)`` and ``1 - e**2``
-    from ``expm1``: neither the cancellation of ``1 - tanh**2`` nor the
-    overflow of ``2 / sinh(2y)``.
+    It falls from 1 (``y -> 0``) to 0; ``d log G / d sigma`` is this times
+    ``d log f / d sigma = (u^2 - 1) / sigma`` (`_dlog_gate`), which ``f``
+    itself no longer enters. Evaluated as ``(w / (1 - e^2)) e`` with ``w =
+    4y``, ``e = exp(-2y)`` and ``1 - e^2`` from ``expm1``: no cancellation
+    of ``1 - tanh**2`` as ``y`` grows, and no ``1 / y`` to overflow as ``y``
+    reaches the subnormals (``w / -expm1(-w)`` is exactly 1 there). Where
+    ``e`` underflows (the true value is below the dtype's smallest
+    subnormals) it is 0.
     """
-    return 4 * np.exp(-2 * y) / -np.expm1(-4 * y)
+    w = 4 * y
+    e = np.exp(-2 * y)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(e > 0, w / -np.expm1(-w) * e, y.dtype.type(0))
 
 
 def window_gate(p):

@@ -4,7 +4,7 @@ import numpy as np
 
 from elastic_np import _spec, _validation
 from elastic_np._problem import prepare
-from elastic_np.reference._attention import _attention_logits, _log_tanh_slope, _without_padding
+from elastic_np.reference._attention import _attention_logits, _log_tanh_elasticity, _without_padding
 
 
 @_spec.takes_options()
@@ -174,12 +174,14 @@ def _dtau_terms(s, probs, dz):
 def _dlog_gate(p, G, f, x):
     """``d log G / d sigma`` per entry of the dynamic window (see `window_gate`).
 
-    The chain ``(d log G / dy) sharpness df/dsigma`` at ``y = sharpness f``;
-    where ``G = 0``, ``y = sharpness`` (any finite value, removed by keep).
+    ``(d log G / d log y) (d log f / d sigma)`` at ``y = sharpness f``: the
+    gate's `_log_tanh_elasticity` times ``(u^2 - 1) / sigma``, ``u = x /
+    sigma``, finite however small ``f`` is (a row far from all its keys).
+    Where ``G = 0``, ``y = sharpness`` (any finite value, removed by keep).
     """
     t = f.dtype.type
     sigma = p.sigma.astype(f.dtype)[:, :, None, None]
     y = t(p.sharpness) * np.where(G > 0, f, t(1))
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        u = x / sigma  # (x^2 / sigma^3 - 1 / sigma) without sigma**3, which underflows
-        return t(p.sharpness) * _log_tanh_slope(y) * f * ((u * u - 1) / sigma)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 only where the gate is closed
+        u = x / sigma  # (x^2 / sigma^2 - 1) / sigma without sigma**3, which underflows
+        return _log_tanh_elasticity(y) * ((u * u - 1) / sigma)

@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np import _spec, _validation
 from elastic_np._problem import prepare
-from elastic_np.reference._attention import _log_tanh_slope, _without_padding
+from elastic_np.reference._attention import _log_tanh_elasticity, _without_padding
 from elastic_np.reference._backward import _dlog_gate, _dtau_terms, _score_gradient, check_backward_arrays
 
 
@@ -302,7 +302,8 @@ def _d2log_gate(p, G, f, x):
     With ``y = sharpness f``, ``u = x / sigma`` and ``phi(y) = d log tanh(y) / dy``,
     ``d log G / d sigma = y phi(y) (u^2 - 1) / sigma``; as ``d phi / dy = -2 phi
     coth(2y)`` and ``df / dsigma = f (u^2 - 1) / sigma``, the derivative is
-    ``y phi(y) ((u^4 - 5 u^2 + 2) - 2 y coth(2y) (u^2 - 1)^2) / sigma^2`` (the derivations page).
+    ``y phi(y) ((u^4 - 5 u^2 + 2) - 2 y coth(2y) (u^2 - 1)^2) / sigma^2`` (the derivations page),
+    ``y phi(y)`` evaluated as `_log_tanh_elasticity`: finite as ``y`` reaches the subnormals.
     """
     t = f.dtype.type
     sigma = p.sigma.astype(f.dtype)[:, :, None, None]
@@ -311,4 +312,4 @@ def _d2log_gate(p, G, f, x):
         u2 = (x / sigma) ** 2
         y_coth = y / -np.expm1(-4 * y) * (1 + np.exp(-4 * y))  # y coth(2y), finite as y -> 0
         bracket = (u2 - 5) * u2 + 2 - 2 * y_coth * (u2 - 1) ** 2
-        return y * _log_tanh_slope(y) * bracket / sigma / sigma
+        return _log_tanh_elasticity(y) * bracket / sigma / sigma

@@ -109,7 +109,7 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
         G, f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             y = t(p.sharpness) * np.where(G > 0, f, t(1))
-            dlogG = t(p.sharpness) * _attention._log_tanh_slope(y) * f * (x * x / sigma**3 - t(1) / sigma)
+            dlogG = _attention._log_tanh_elasticity(y) * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:

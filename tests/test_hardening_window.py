@@ -1,0 +1,180 @@
+"""The dynamic window at its edges: rows far from all their keys.
+
+With many more queries than keys, the first rows sit far outside the
+window: every key they keep has a gate ``G = tanh(sharpness f)`` whose bell
+``f`` is tiny or subnormal, ``log G`` is hundreds below 0, and the rows'
+probabilities still sum to 1. ``d log G / d sigma`` tends to ``(u^2 - 1) /
+sigma`` there (``u = x / sigma``); it must not come out as ``inf * 0``.
+The float64 oracle is held to
+finite differences and to a 40-digit evaluation (`mp_oracle`), the kernels
+to the oracle by the conformance kit's rule. The CUDA kernels have the same
+cases in ``tests/cuda/test_sim_hardening_window.py``.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import elastic_np as enp
+from elastic_np import reference
+from elastic_np.reference._attention import window_gate
+from elastic_np._problem import prepare
+from elastic_np.testing import _tolerances
+from elastic_np.testing._report import worst_error
+from mp_oracle import mp_attention_grads, relative_errors
+
+KERNELS = [("cpu", np.float64), ("cpu", np.float32)]
+GRADS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")
+#: Below this ``y = sharpness f``, ``1 / y`` (what ``d log G / dy`` tends to) overflows float64.
+OVERFLOWS = 1 / np.finfo(np.float64).max
+SETTINGS = settings(
+    max_examples=40, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def far_rows(seed=0, N=24, M=3, D=4):
+    """``q, k, v, dout`` of one head, unit normals, with many more queries than keys."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s) for s in ((N, D), (M, D), (M, D), (N, D)))
+
+
+def smallest_open_gate(q, k, v, options):
+    """The smallest ``sharpness f`` among the entries the gate keeps (where ``d log G / dy`` is largest)."""
+    p = prepare(q, k, v, **options)
+    G, f, _ = window_gate(p)
+    return float(np.min(p.sharpness * f[G > 0]))
+
+
+def run(backend, dtype, q, k, v, dout, options, dlse=None):
+    """``(out, lse, grads)`` of ``backend`` on the inputs in ``dtype``."""
+    args = [np.asarray(a, dtype=dtype) for a in (q, k, v)]
+    out, lse = enp.attention(*args, return_lse=True, backend=backend, **options)
+    with np.errstate(all="ignore"):  # the oracle's warnings are the test's to judge
+        grads = enp.attention_backward(np.asarray(dout, dtype=dtype), *args, out, lse, dlse=dlse,
+                                       backend=backend, **options)
+    return out, lse, grads
+
+
+def fields(out, lse, grads):
+    """``out``, ``lse`` and the gradients the options produce, by name."""
+    found = {"out": out, "lse": lse}
+    found.update({name: getattr(grads, name) for name in GRADS if getattr(grads, name) is not None})
+    return found
+
+
+def out_of_rule(q, k, v, dout, options, dtype, got):
+    """The quantities of ``got`` outside the kit's rule for ``dtype`` against the oracle, as messages.
+
+    float32: `_tolerances.kit_allowed` (twice the naive float32 error plus
+    the rounding allowance, or the floor). float64: the float64 floor or the
+    rounding allowance at float64's epsilon, whichever is larger.
+    """
+    want = fields(*run("reference", np.float64, q, k, v, dout, options))
+    with np.errstate(all="ignore"):
+        rounding = _tolerances.rounding_allowance(q, k, v, dout, options, dtype=dtype)
+        naive = _tolerances.naive_orderings(q, k, v, dout, options, dtype) if dtype == np.float32 else None
+    over = []
+    for name, value in want.items():
+        if name not in ("lse", "dbeta"):  # an empty row's lse, and its e^-lse, may be infinite
+            assert np.isfinite(value).all(), f"the oracle's {name} is not finite"
+        if naive is not None:
+            allowed, _ = _tolerances.kit_allowed(value, [n[name] for n in naive], dtype, rounding.get(name, 0.0))
+        else:
+            allowed = max(_tolerances.FLOOR["float64"] * max(1.0, np.max(np.abs(value), initial=0.0)),
+                          rounding.get(name, 0.0))
+        error, note = worst_error(got[name], value)
+        if not error <= allowed:
+            over.append(f"{name}: error {error:.3g} > allowed {allowed:.3g} {note}")
+    return over
+
+
+# --- dsigma where a row's keys all lie far outside the window (issue 71, item 3) ----------
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", np.float64), *KERNELS])
+def test_dsigma_of_the_reported_rows_is_finite_and_right(backend, dtype):
+    q = np.ones((1, 1, 20, 4))
+    k = v = np.ones((1, 1, 3, 4))
+    options = dict(dynamic_window=enp.DynamicWindow(0.5, sharpness=2.0))
+    assert smallest_open_gate(q, k, v, options) < OVERFLOWS
+    out, lse, grads = run(backend, dtype, q, k, v, np.ones_like(q), options)
+    want = mp_attention_grads(q[0, 0], k[0, 0], v[0, 0], q[0, 0], 0.5, 1.0, 0.0, sigma=0.5, sharpness=2.0)
+    assert np.isfinite(grads.dsigma)
+    # every p (dP - delta) is 0 here: a rounding of delta is all the kernels may add
+    assert abs(grads.dsigma - want["dsigma"]) <= 3000 * 20 * 4 * np.finfo(dtype).eps
+    if backend == "cpu":
+        assert not out_of_rule(q, k, v, np.ones_like(q), options, dtype, fields(out, lse, grads))
+
+
+# (N, M, sigma): the first row's nearest key has a normal f, its farthest a subnormal one
+# (1 / (4 sharpness f) overflows), and no f within e^-10 of underflowing to 0
+FAR = [(24, 3, 0.6), (20, 4, 0.3), (26, 5, 0.3)]
+
+
+@pytest.mark.parametrize("seed, sizes, sharpness", [(0, FAR[0], 2.0), (1, FAR[1], 0.05), (2, FAR[2], 40.0)])
+def test_oracle_of_far_rows_matches_finite_differences(seed, sizes, sharpness):
+    N, M, sigma = sizes
+    q, k, v, dout = (a[None, None] for a in far_rows(seed, N, M))
+    window = enp.DynamicWindow(sigma, sharpness=sharpness)
+    options = dict(scale=0.5, beta=0.2, tau=0.9)
+    assert smallest_open_gate(q, k, v, dict(options, dynamic_window=window)) < OVERFLOWS
+    out, lse = reference.attention(q, k, v, dynamic_window=window, **options)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, dynamic_window=window, **options)
+    assert np.isfinite(grads.dsigma) and abs(grads.dsigma) > 1e-3
+
+    def forward(q, k, v, sigma, tau, beta):
+        win = enp.DynamicWindow(sigma, sharpness=sharpness)
+        return reference.attention(q, k, v, scale=0.5, tau=tau, beta=beta, dynamic_window=win)[0]
+
+    inputs = dict(q=q, k=k, v=v, sigma=sigma, tau=0.9, beta=0.2)
+    claimed = dict(q=grads.dq, k=grads.dk, v=grads.dv, sigma=grads.dsigma, tau=grads.dtau, beta=grads.dbeta)
+    enp.testing.gradcheck(forward, inputs, claimed, dout=dout)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("seed, sizes, sharpness", [(3, FAR[0], 40.0), (4, FAR[1], 2.0), (5, FAR[2], 0.05)])
+def test_far_rows_match_a_40_digit_evaluation(backend, seed, sizes, sharpness):
+    N, M, sigma = sizes
+    q, k, v, dout = far_rows(seed, N, M)
+    options = dict(scale=0.5, tau=0.8, beta=0.1, dynamic_window=enp.DynamicWindow(sigma, sharpness=sharpness))
+    assert smallest_open_gate(q[None, None], k[None, None], v[None, None], options) < OVERFLOWS
+    want = mp_attention_grads(q, k, v, dout, 0.5, 0.8, 0.1, sigma=sigma, sharpness=sharpness)
+    _, _, grads = run(backend, np.float64, *(a[None, None] for a in (q, k, v, dout)), options)
+    errors = relative_errors(grads, want)
+    assert max(errors.values()) < 1e-9, errors
+
+
+@st.composite
+def outrun_problems(draw):
+    """``(q, k, v, dout, options)``: up to 48 queries over 1 to 6 keys, a narrow or wide window, any sharpness."""
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    M = draw(st.integers(1, 6))
+    N = M + draw(st.integers(0, 42))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, dout = (rng.standard_normal((B, H, N, 4)) for _ in range(2))
+    k, v = (rng.standard_normal((B, H, M, 4)) for _ in range(2))
+    sigma = 10.0 ** rng.uniform(-1.3, 0.3, size=draw(st.sampled_from([(), (B, H)])))
+    window = enp.DynamicWindow(sigma, sharpness=10.0 ** draw(st.floats(-3, 3)),
+                               threshold=draw(st.sampled_from([0.0, 1e-200, 1e-30])))
+    options = dict(dynamic_window=window, tau=10.0 ** draw(st.floats(-1, 0.5)))
+    if draw(st.booleans()):
+        options["beta"] = 10.0 ** draw(st.floats(-3, 1))
+    if draw(st.booleans()):
+        options["causal"] = True
+    q, k, v, dout = (a.astype(np.float32).astype(np.float64) for a in (q, k, v, dout))
+    return q, k, v, dout, options
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@SETTINGS
+@given(outrun_problems())
+def test_rows_that_outrun_their_keys_within_the_kits_rule(problem):
+    q, k, v, dout, options = problem
+    over = {}
+    for backend, dtype in KERNELS:
+        got = fields(*run(backend, dtype, q, k, v, dout, options))
+        over[np.dtype(dtype).name] = out_of_rule(q, k, v, dout, options, dtype, got)
+    assert not any(over.values()), over
+
