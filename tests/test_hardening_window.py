@@ -1,11 +1,12 @@
-"""The dynamic window at its edges: rows far from all their keys.
+"""The dynamic window at its edges: rows far from all their keys, and ``dtau`` beside a large ``log G``.
 
 With many more queries than keys, the first rows sit far outside the
 window: every key they keep has a gate ``G = tanh(sharpness f)`` whose bell
 ``f`` is tiny or subnormal, ``log G`` is hundreds below 0, and the rows'
 probabilities still sum to 1. ``d log G / d sigma`` tends to ``(u^2 - 1) /
-sigma`` there (``u = x / sigma``); it must not come out as ``inf * 0``.
-The float64 oracle is held to
+sigma`` there (``u = x / sigma``); it must not come out as ``inf * 0``. And
+a logit ``z = s / tau + log G`` rounded at ``|log G|`` no longer holds
+``s / tau`` to the precision ``dtau`` needs. The float64 oracle is held to
 finite differences and to a 40-digit evaluation (`mp_oracle`), the kernels
 to the oracle by the conformance kit's rule. The CUDA kernels have the same
 cases in ``tests/cuda/test_sim_hardening_window.py``.
@@ -178,3 +179,69 @@ def test_rows_that_outrun_their_keys_within_the_kits_rule(problem):
         over[np.dtype(dtype).name] = out_of_rule(q, k, v, dout, options, dtype, got)
     assert not any(over.values()), over
 
+
+# --- dtau beside a large log G (issue 71, item 12) ----------------------------------------
+
+
+def faint_gate_inputs(scale, seed=0, N=8, M=6, D=4):
+    """Scores ``s = scale q.k`` near 1e-3 under a gate of sharpness 1e-3 (``log G`` near -8): ``(q, k, v, dout, options)``."""
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((1, 2, N, D)), 1e-3 * rng.standard_normal((1, 2, M, D))
+    v, dout = rng.standard_normal((1, 2, M, 3)), rng.standard_normal((1, 2, N, 3))
+    q, k, v, dout = (a.astype(np.float32).astype(np.float64) for a in (q, k, v, dout))
+    window = enp.DynamicWindow([0.7, 0.3], sharpness=1e-3)
+    return q, k, v, dout, dict(scale=scale, tau=[1.0, 0.5], beta=[0.0, 0.3], dynamic_window=window)
+
+
+@pytest.mark.parametrize("backend, dtype", KERNELS)
+def test_dtau_of_small_scores_under_a_faint_gate(backend, dtype):
+    q, k, v, dout, options = faint_gate_inputs(1.0)
+    got = fields(*run(backend, dtype, q, k, v, dout, options))
+    assert not out_of_rule(q, k, v, dout, options, dtype, got)
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", np.float64), *KERNELS])
+def test_dtau_of_zero_scores_under_a_gate_is_zero(backend, dtype):
+    # scale = 0: every score is 0, and so is every term dz s of dtau
+    q, k, v, dout, options = faint_gate_inputs(0.0)
+    _, _, grads = run(backend, dtype, q, k, v, dout, options)
+    np.testing.assert_array_equal(grads.dtau, 0.0)
+    assert np.all(grads.dsigma != 0.0)
+
+
+@st.composite
+def extreme_problems(draw):
+    """``(q, k, v, dout, options)`` under a dynamic window, with logits up to the thousands.
+
+    ``tau`` down to 0.02 and queries up to 30 times a unit normal, sinks,
+    soft-caps, ALiBi, NVM, causal masks and a bias drawn on top; the window
+    narrow or wide, faint or saturated.
+    """
+    H, M, N = draw(st.integers(1, 3)), draw(st.integers(1, 40)), draw(st.integers(1, 50))
+    D = draw(st.sampled_from([4, 16]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = 10.0 ** draw(st.floats(0, 1.5)) * rng.standard_normal((1, H, N, D))
+    k, v = (rng.standard_normal((1, H, M, D)) for _ in range(2))
+    dout = rng.standard_normal((1, H, N, D))
+    sigma = 10.0 ** rng.uniform(-1.3, 0.3, size=draw(st.sampled_from([(), (1, H)])))
+    options = dict(
+        tau=10.0 ** rng.uniform(np.log10(0.02), np.log10(50), size=draw(st.sampled_from([(), (H,)]))),
+        dynamic_window=enp.DynamicWindow(sigma, sharpness=10.0 ** draw(st.floats(-3, 3)),
+                                         threshold=draw(st.sampled_from([0.0, 0.01, 0.1]))),
+    )
+    extras = dict(beta=10.0 ** draw(st.floats(-3, 3)), softcap=10.0 ** draw(st.floats(0.7, 3)),
+                  alibi_slopes=2.0 ** rng.uniform(-8, 0, size=H), nvm=True, causal=True,
+                  bias=rng.standard_normal((N, M)).astype(np.float32).astype(np.float64))
+    options.update({name: value for name, value in extras.items() if draw(st.booleans())})
+    q, k, v, dout = (a.astype(np.float32).astype(np.float64) for a in (q, k, v, dout))
+    return q, k, v, dout, options
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@SETTINGS
+@given(extreme_problems())
+def test_float32_under_a_window_on_extreme_logits_within_the_kits_rule(problem):
+    q, k, v, dout, options = problem
+    got = fields(*run("cpu", np.float32, q, k, v, dout, options))
+    over = out_of_rule(q, k, v, dout, options, np.float32, got)
+    assert not over, over

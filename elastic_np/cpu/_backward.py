@@ -73,6 +73,9 @@ def backward(problem, dout, out, lse, dlse=None):
     if problem.bias is not None:
         ensure_dbias(dtype)
     q_scaled, q_scaled_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
+    # the kernel forms the logits tiles without log G and adds it with the probabilities
+    # (`_gated_probabilities`): the tile keeps the score s / tau that dtau needs
+    logits_opt = opt._replace(has_gate=False)
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
     # the shares are summed in key-tile order afterwards (no racing writes).
@@ -95,8 +98,8 @@ def backward(problem, dout, out, lse, dlse=None):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         keys = min(M, kt1 * block_k) - kt0 * block_k
-        _run_tasks(_backward_kernel, ins, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1, tasks=task_counter(),
-                   work=B * H * N * keys * (3 * D + 2 * Dv))
+        _run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
+                   tasks=task_counter(), work=B * H * N * keys * (3 * D + 2 * Dv))
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
@@ -232,18 +235,41 @@ def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
 
 
 @inner(fastmath=False)
-def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk):
+def _gated_probabilities(st, pt, lse_t, bk, bq, nvm, log_gate, base):
+    """`_probabilities` under the dynamic window: ``st`` holds the scores ``s / tau`` without ``log G``.
+
+    ``z = s / tau + log G`` is rounded to the tile's dtype as the forward
+    rounds it (`elastic_np.cpu._logits._remove_in_tile`: the same bits), and
+    ``p = exp(z - lse)`` goes into ``pt``; ``st`` keeps ``s / tau``, which
+    ``z - log G`` would give only to the rounding of ``z`` at ``|log G|``
+    (`_dz_tile`). The gate's table is read at ``base + c - r`` for key ``j0
+    + c``, query ``i0 + r``; a closed gate's ``-inf`` and, with ``nvm``, ``s
+    < 0`` remove the entry.
+    """
+    neg_inf = -np.inf
+    for c in range(bk):
+        at = base + c
+        for r in range(bq):
+            x = st[c, r]
+            z = _like(np.float64(x) + log_gate[at - r], st)
+            pt[c, r] = z - lse_t[r] if x >= 0 or not nvm else neg_inf
+    exp_inplace(pt, bk, bq)
+
+
+@inner(fastmath=False)
+def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, dlog_gate, base, bk):
     """``dz = p (dP - delta)`` in place of ``dP``, and the query rows' ``dtau`` and ``dsigma`` sums.
 
     ``dz`` in the working dtype feeds the products; the sums (``sums[0]``,
     ``sums[1]``) take it in float64 against the float64 ``delta_r``, on the
-    entries with ``p != 0``: ``dz s`` for ``dtau`` (``s = z - log G``),
-    ``dz dlog G / dsigma`` for ``dsigma``, the gate's tables read at index
-    ``base + c - r`` for key ``j0 + c``, query ``i0 + r`` (empty tables: no gate).
+    entries with ``p != 0``: ``dz s`` for ``dtau`` (``st``: ``s / tau``, also
+    under the gate, `_gated_probabilities`), ``dz dlog G / dsigma`` for
+    ``dsigma``, the gate's table read at index ``base + c - r`` for key ``j0
+    + c``, query ``i0 + r`` (an empty table: no gate).
     """
     bq = delta_r.shape[0]
     dtau, dsigma = sums[0], sums[1]
-    gated = log_gate.shape[0] > 0
+    gated = dlog_gate.shape[0] > 0
     for c in range(bk):
         if gated:
             at = base + c
@@ -253,7 +279,7 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, log_gate, dlog_gate, base, bk)
                 dpt[c, r] = p * (dp - delta_t[r])
                 if p != 0:
                     dz = np.float64(p) * (np.float64(dp) - delta_r[r])
-                    dtau[r] += dz * (np.float64(st[c, r]) - log_gate[at - r])
+                    dtau[r] += dz * np.float64(st[c, r])
                     dsigma[r] += dz * dlog_gate[at - r]
         else:
             for r in range(bq):
@@ -379,12 +405,14 @@ def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, part, parts):
+def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, tasks, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
-    dsigma_part)``; ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
+    dsigma_part)``, ``options = (opt, logits_opt)``: the plan's options and
+    those the logits tiles are formed with, the gate left out (it joins
+    with the probabilities, `_gated_probabilities`); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
     (`elastic_np.cpu._operands`), ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
@@ -398,6 +426,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, p
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
+    opt, logits_opt = options
     B, Hkv, M, D = shape(k)
     H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], shape(v)[3]
     group = H // Hkv
@@ -409,11 +438,8 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, p
     )
     no_max = np.empty(0, dtype=lse.dtype)  # the backward takes no tile maxima
     no_gate = np.empty(0)
-    # NVM tests s before log G is added: with a gate it stays in the logits
-    # pass, otherwise it joins the pass that forms z - lse (the logits z
-    # themselves are read only where p != 0).
-    nvm_in_logits = opt.nvm and opt.has_gate
-    nvm_in_exp = opt.nvm and not opt.has_gate
+    # NVM tests s, which the logits tile holds (log G comes with p): it joins
+    # the pass that forms z - lse (the tile is read only where p != 0).
     n_tasks = n_outer * lanes * n_chunk
     for _ in range(n_tasks):
         task = claim(tasks)
@@ -448,7 +474,7 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, p
                     if opt.has_bias and it + 1 < spans[g, 1]:
                         _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
                     kept, _ = _logits_tile(
-                        st, k_j, q_scaled_t[b, h, it], opt, (b, h, i0, bq, j0), nvm_in_logits, cap_slope, no_max,
+                        st, k_j, q_scaled_t[b, h, it], logits_opt, (b, h, i0, bq, j0), False, cap_slope, no_max,
                         opt.nvm,
                     )
                     if not kept:
@@ -457,14 +483,16 @@ def _backward_kernel(ins, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, p
                     # the steps of docs/derivations.rst: p, dv, dP, dz (with the
                     # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
                     _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                    _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
+                    base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
+                    if opt.has_gate:
+                        _gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
+                    else:
+                        _probabilities(st, pt, lse_t, bk, bq, opt.nvm)
                     dout_rows, dout_col = head_rows(dout, b, h, i0, bq)
                     matmul_nn(pt, 0, dout_rows, dout_col, dv_acc, bk, Dv, bq, True)
                     matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
-                    base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     _dz_tile(
                         pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
-                        opt.log_gate[b, h] if opt.has_gate else no_gate,
                         opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
                     )
                     if dbias_mode > 0:

@@ -6,11 +6,13 @@ compute their gate in) and ``dtau`` beside a large ``log G``.
 """
 
 import numpy as np
+import pytest
+
 import elastic_np as enp
 from elastic_np._problem import prepare
 from elastic_np.reference._attention import window_gate
 from mp_oracle import mp_attention_grads
-from test_hardening_window import far_rows, fields, out_of_rule, run
+from test_hardening_window import faint_gate_inputs, far_rows, fields, out_of_rule, run
 
 
 def test_dsigma_of_the_reported_rows_is_finite_and_right():
@@ -34,3 +36,10 @@ def test_float32_dsigma_where_the_bell_is_subnormal():
     assert np.isfinite(grads.dsigma)
     assert not out_of_rule(q, k, v, dout, options, np.float32, fields(out, lse, grads))
 
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_dtau_under_a_faint_gate(dtype):
+    q, k, v, dout, options = faint_gate_inputs(1.0)
+    assert not out_of_rule(q, k, v, dout, options, dtype, fields(*run("cuda", dtype, q, k, v, dout, options)))
+    q, k, v, dout, options = faint_gate_inputs(0.0)
+    np.testing.assert_array_equal(run("cuda", dtype, q, k, v, dout, options)[2].dtau, 0.0)
