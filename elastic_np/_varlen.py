@@ -48,8 +48,7 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k):
         raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_k` must name as many sequences, got "
                          f"{cu_q.size - 1} and {cu_k.size - 1}")
     for name, cu, limit in (("max_q", cu_q, max_q), ("max_k", cu_k, max_k)):
-        if limit is not None and np.diff(cu).max(initial=0) > limit:
-            raise ValueError(f"`{name}`={limit} is below the longest sequence, {np.diff(cu).max()}")
+        _check_longest(np.diff(cu), name, limit, "the longest sequence")
     used = None
     if seqused_k is not None:
         used = np.asarray(seqused_k)
@@ -60,6 +59,28 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k):
     return cu_q, cu_k, used
 
 
+def _maximum(value, name):
+    """``max_q`` or ``max_k`` as an int (or None): a `TypeError` or `ValueError` naming it unless an integer >= 0."""
+    if value is None:
+        return None
+    try:
+        index = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"`{name}` must be an integer or None, got {type(value).__name__} {value!r}")
+    if index < 0:
+        raise ValueError(f"`{name}` must be at least 0, got {index}")
+    return index
+
+
+def _check_longest(lengths, name, limit, what):
+    """A `ValueError` naming ``name`` unless ``limit`` (None: unchecked) is at least every one of ``lengths``."""
+    limit = _maximum(limit, name)
+    if limit is not None and lengths.max(initial=0) > limit:
+        raise ValueError(f"`{name}`={limit} is below {what}, {lengths.max()}")
+
+
 def _arrays(q, k, v, paged=False):
     arrays = [np.asarray(a) for a in (q, k, v)]
     for name, a in zip("qkv", arrays):
@@ -68,7 +89,26 @@ def _arrays(q, k, v, paged=False):
                              f"got {a.shape}")
         if (name == "q" or not paged) and a.ndim != 3:
             raise ValueError(f"`{name}` must have shape (total, heads, dim), got {a.shape}")
+    _check_keys_and_values(*arrays, paged)
     return arrays
+
+
+def _check_keys_and_values(q, k, v, paged):
+    """A `ValueError` naming the argument unless ``k`` and ``v`` hold the same keys, with heads that fit ``q``'s.
+
+    Pages: as many, of as many keys, with as many heads; packed keys: as
+    many, with as many heads. ``v`` may have a head dim of its own.
+    """
+    agree, what = (3, "pages (num_blocks, block_size, heads)") if paged else (2, "(total_k, heads)")
+    if v.shape[:agree] != k.shape[:agree]:
+        raise ValueError(f"`v` {what} {v.shape[:agree]} must match `k`'s {k.shape[:agree]}")
+    if paged and k.shape[1] == 0:
+        raise ValueError("`k` and `v` pages must hold one key or more, got block_size 0")
+    heads = k.shape[-2]
+    if heads == 0:
+        raise ValueError("`k` and `v` must have one head or more, got 0")
+    if q.shape[1] % heads:
+        raise ValueError(f"`q`'s {q.shape[1]} heads must be a multiple of `k`'s {heads}")
 
 
 def _pages(k, block_table, seqused_k, count):
@@ -81,11 +121,16 @@ def _pages(k, block_table, seqused_k, count):
             or (used < 0).any() or (used > table.shape[1] * k.shape[1]).any():
         raise ValueError(f"a paged cache needs `seqused_k`, the keys each of the {count} sequences uses, from 0 "
                          f"to its {table.shape[1]} pages of {k.shape[1]}, got {seqused_k!r}")
-    read = np.arange(table.shape[1]) * k.shape[1] < used[:, None]
+    read = _read_pages(table, used, k.shape[1])
     if ((table < 0) | (table >= k.shape[0]))[read].any():
-        raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache")
+        raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache (`k` and `v`)")
     _check_distinct(table, read)
     return table, used
+
+
+def _read_pages(table, used, block_size):
+    """Which entries of ``table`` hold keys the sequences use: ``(S, max_blocks)`` bools."""
+    return np.arange(table.shape[1]) * block_size < np.asarray(used).reshape(-1, 1)
 
 
 def _check_distinct(table, read):
@@ -238,6 +283,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
     else:
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
         cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1)
+        _check_longest(used, "max_k", max_k, "the most keys a sequence uses (`seqused_k`)")
         lengths_k = used
     _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
     window, slopes = options["dynamic_window"], options["alibi_slopes"]
@@ -262,7 +308,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (S + 1,)
         Where each of the ``S`` sequences starts, from 0 to the packed length.
     max_q, max_k : int, optional
-        The longest sequences, checked when given.
+        The longest sequences (with ``block_table``, ``max_k`` bounds
+        ``seqused_k``), checked when given.
     block_table : array_like of int, shape (S, max_blocks), optional
         A paged cache: ``k`` and ``v`` are then pages of shape
         ``(num_blocks, block_size, Hkv, D)`` and sequence ``s`` uses the
@@ -271,7 +318,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         in one call over every sequence where they have as many queries and
         no ``mask`` or ``bias``, else a call per sequence; otherwise they
         are gathered (a copy of that sequence's keys, one sequence at a time)
-        before its attention. ``cu_seqlens_k`` is then ignored (it may be
+        before its attention. ``k`` and ``v`` have as many pages, of as
+        many keys and heads. ``cu_seqlens_k`` is then ignored (it may be
         None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
@@ -375,6 +423,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                                  seqused_k, options)
     dout, out, lse = (np.asarray(a) for a in (dout, out, lse))
     dlse = None if dlse is None else np.asarray(dlse)
+    _check_rows(q, v, dout=dout, out=out, lse=lse, dlse=dlse)
     count = cu_q.size - 1
     parts = []
     for s in range(count):
@@ -384,6 +433,22 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             dlse=None if dlse is None else dlse[rows].T[None], backend=backend,
             **_sequence_options(options, used, s, count)))
     return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
+
+
+def _check_rows(q, v, **arrays):
+    """A `ValueError` naming the array unless it has one row per packed query.
+
+    ``dout`` and ``out``: ``(total_q, H, Dv)``; ``lse`` and ``dlse`` (None:
+    not given): ``(total_q, H)``.
+    """
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        rows, axes = q.shape[:2], "(total_q, H)"
+        if name in ("dout", "out"):
+            rows, axes = (*rows, v.shape[-1]), "(total_q, H, Dv)"
+        if a.shape != rows:
+            raise ValueError(f"`{name}` must have shape {axes} = {rows}, one row per packed query, got {a.shape}")
 
 
 def _packed_grads(parts, q, k, v, cu_q, cu_k, options):
