@@ -200,8 +200,8 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
         if a.ndim != 4:
             raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
                              f"got shape {a.shape}")
-        if dtypes is not None and _validation.dtype_name(a.dtype) not in dtypes:
-            raise TypeError(f"`{name}` has dtype {a.dtype}; this backend takes {', '.join(map(str, dtypes))}")
+        if dtypes is not None:
+            _check_kernel_dtype(a.dtype, name, dtypes)
     given = tuple(a.shape for a in arrays.values())
     if layout == "bnhd":
         arrays = {name: np.swapaxes(a, 1, 2) for name, a in arrays.items()}
@@ -216,6 +216,16 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
         raise ValueError(f"{exc}; read as layout={layout!r}, {_AXES[layout]}, from shapes q {given[0]}, "
                          f"k {given[1]}, v {given[2]}") from None
     return q, k, v
+
+
+def _check_kernel_dtype(dtype, name, dtypes):
+    """A `TypeError` naming ``name`` unless ``dtype`` is one of ``dtypes``, in the machine's byte order."""
+    if _validation.dtype_name(dtype) not in dtypes:
+        raise TypeError(f"`{name}` has dtype {dtype}; this backend takes {', '.join(map(str, dtypes))}")
+    if not dtype.isnative:
+        order = "big" if dtype.byteorder == ">" else "little"
+        raise TypeError(f"`{name}` is stored {order}-endian ({dtype.str}); this backend reads the machine's "
+                        f"byte order: pass `{name}.astype({name}.dtype.newbyteorder('='))`")
 
 
 def _check_shapes(q, k, v):

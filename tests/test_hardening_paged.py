@@ -1,4 +1,4 @@
-"""Packed and paged arguments checked against one another (issue 71, items 1, 2, 4 and 5).
+"""Packed and paged arguments checked against one another (issue 71, items 1, 2, 4, 5 and 9).
 
 Every drawn call either raises a ValueError or TypeError naming the argument
 at fault, or gives the float64 reference's answer over the gathered keys;
@@ -166,6 +166,37 @@ def test_the_backward_takes_exactly_the_forwards_rows(name, axis, by, backend):
     with pytest.raises(ValueError, match=f"`{name}` must have shape"):
         enp.varlen_attention_backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], cu, cu,
                                       dlse=arrays["dlse"], backend=backend)
+
+
+# ---------------------------------------------------------------------------
+# Item 9: big-endian inputs
+# ---------------------------------------------------------------------------
+
+
+def _big_endian(a):
+    return a.astype(a.dtype.newbyteorder(">"))
+
+
+@FUZZ
+@given(which=st.sets(st.sampled_from("qkv"), min_size=1), dtype=st.sampled_from([np.float32, np.float64]),
+       paged=st.booleans())
+def test_big_endian_inputs_are_a_type_error_on_the_cpu_and_read_by_the_reference(which, dtype, paged):
+    rng = np.random.default_rng(4)
+    if paged:
+        arrays = {"q": rng.standard_normal((2, 2, 4)), "k": rng.standard_normal((3, 4, 1, 4)),
+                  "v": rng.standard_normal((3, 4, 1, 4))}
+        call = dict(cu_seqlens_q=[0, 1, 2], cu_seqlens_k=None, block_table=[[0, 1], [2, 0]], seqused_k=[6, 3])
+        entry = enp.varlen_attention
+    else:
+        arrays = {name: rng.standard_normal((1, 2, 5, 4)) for name in "qkv"}
+        call, entry = {}, enp.attention
+    arrays = {name: a.astype(dtype) for name, a in arrays.items()}
+    swapped = {name: _big_endian(a) if name in which else a for name, a in arrays.items()}
+    first = min(which, key="qkv".index)
+    with pytest.raises(TypeError, match=f"`{first}` is stored big-endian"):
+        entry(**swapped, **call, backend="cpu")
+    np.testing.assert_array_equal(entry(**swapped, **call, backend="reference"),
+                                  entry(**arrays, **call, backend="reference"))
 
 
 # ---------------------------------------------------------------------------
