@@ -38,13 +38,13 @@ def operand(a):
 
     ``a`` itself when C-contiguous (`BHND`), its ``(B, N, H, D)`` storage when
     ``a`` is the ``transpose(0, 2, 1, 3)`` view of a C-contiguous array
-    (`BNHD`); any other array (or a read-only one) is copied as
-    `_kernel_array` copies it.
+    (`BNHD`), read-only or not (`_kernel_array`); any other array is copied
+    as `_kernel_array` copies it.
     """
     if not a.flags.c_contiguous:
         storage = a.transpose(0, 2, 1, 3)
-        if storage.flags.c_contiguous and storage.flags.writeable:
-            return _operand(storage, BNHD)
+        if storage.flags.c_contiguous:
+            return _operand(_kernel_array(storage), BNHD)
     return _operand(_kernel_array(a), BHND)
 
 

@@ -52,14 +52,35 @@ _Options = collections.namedtuple(
 
 
 def _kernel_array(a):
-    """``a`` itself when C-contiguous and writable, else a copy that is.
+    """``a``'s memory as a C-contiguous writeable array the kernels read: ``a`` itself, a view of it, or a copy.
 
-    The kernels never write to their inputs, but a read-only or strided array
-    is another Numba type, and every new type compiles every kernel again.
+    A read-only or strided array is another Numba type, and every new type
+    compiles every kernel again: a C-contiguous read-only ``a`` is read in
+    place through a writeable view of its memory (`_ReadOnlyMemory`), any
+    other layout is copied.
     """
-    if a.flags.c_contiguous and a.flags.writeable:
+    if not a.flags.c_contiguous:
+        return np.array(a, order="C", copy=True)
+    if a.flags.writeable:
         return a
-    return np.array(a, order="C", copy=True)
+    view = np.asarray(_ReadOnlyMemory(a))
+    return view if view.dtype == a.dtype else view.view(a.dtype)  # a bfloat16's interface says only "V2"
+
+
+class _ReadOnlyMemory:
+    """A read-only C-contiguous array's ``__array_interface__`` marked writeable, holding the array (and so its memory).
+
+    Safe because the kernels only read their inputs (they write only the
+    arrays the backends allocate for their results), and the view never
+    leaves the call: nothing writes through it, so a read-only mapping
+    (``np.load(..., mmap_mode="r")``) is read where it lies, never faulted on.
+    """
+
+    def __init__(self, array):
+        self.array = array
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)  # (address, read-only flag)
+        self.__array_interface__ = interface
 
 
 def _options(p, with_sigma_grad, dtype):
