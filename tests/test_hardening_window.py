@@ -213,25 +213,27 @@ def test_dtau_of_zero_scores_under_a_gate_is_zero(backend, dtype):
 def extreme_problems(draw):
     """``(q, k, v, dout, options)`` under a dynamic window, with logits up to the thousands.
 
-    ``tau`` down to 0.02 and queries up to 30 times a unit normal, sinks,
-    soft-caps, ALiBi, NVM, causal masks and a bias drawn on top; the window
-    narrow or wide, faint or saturated.
+    ``tau`` down to 0.02; scores of magnitude 1e-3 to 30 (queries, ALiBi's
+    terms and the bias alike): scores that ``log G`` dwarfs, and logits in
+    the thousands; sinks, soft-caps, ALiBi, NVM, causal masks and a bias
+    drawn on top; the window narrow or wide, faint or saturated.
     """
     H, M, N = draw(st.integers(1, 3)), draw(st.integers(1, 40)), draw(st.integers(1, 50))
     D = draw(st.sampled_from([4, 16]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = 10.0 ** draw(st.floats(0, 1.5)) * rng.standard_normal((1, H, N, D))
+    magnitude = draw(st.sampled_from([1e-3, 1e-2, 1.0, 30.0]))  # of the scores, and of ALiBi's and the bias's terms
+    q = magnitude * rng.standard_normal((1, H, N, D))
     k, v = (rng.standard_normal((1, H, M, D)) for _ in range(2))
     dout = rng.standard_normal((1, H, N, D))
     sigma = 10.0 ** rng.uniform(-1.3, 0.3, size=draw(st.sampled_from([(), (1, H)])))
     options = dict(
         tau=10.0 ** rng.uniform(np.log10(0.02), np.log10(50), size=draw(st.sampled_from([(), (H,)]))),
-        dynamic_window=enp.DynamicWindow(sigma, sharpness=10.0 ** draw(st.floats(-3, 3)),
+        dynamic_window=enp.DynamicWindow(sigma, sharpness=10.0 ** draw(st.sampled_from([-3, -2, 0, 3])),
                                          threshold=draw(st.sampled_from([0.0, 0.01, 0.1]))),
     )
     extras = dict(beta=10.0 ** draw(st.floats(-3, 3)), softcap=10.0 ** draw(st.floats(0.7, 3)),
-                  alibi_slopes=2.0 ** rng.uniform(-8, 0, size=H), nvm=True, causal=True,
-                  bias=rng.standard_normal((N, M)).astype(np.float32).astype(np.float64))
+                  alibi_slopes=magnitude * 2.0 ** rng.uniform(-8, 0, size=H), nvm=True, causal=True,
+                  bias=(magnitude * rng.standard_normal((N, M))).astype(np.float32).astype(np.float64))
     options.update({name: value for name, value in extras.items() if draw(st.booleans())})
     q, k, v, dout = (a.astype(np.float32).astype(np.float64) for a in (q, k, v, dout))
     return q, k, v, dout, options
