@@ -147,6 +147,29 @@ def test_far_rows_match_a_40_digit_evaluation(backend, seed, sizes, sharpness):
     assert max(errors.values()) < 1e-9, errors
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_double_backward_of_far_rows_matches_finite_differences(backend):
+    # d^2 log G / d sigma^2 has the same factor (d log tanh / d log y) as the first derivative
+    N, M, sigma = FAR[1]
+    q, k, v, dout = (a[None, None] for a in far_rows(7, N, M))
+    options = dict(scale=0.5, tau=0.8, beta=0.1)
+    rng = np.random.default_rng(8)
+    ddq, ddk, ddv = (rng.standard_normal(a.shape) for a in (q, k, v))
+
+    def backward(q, sigma, tau):
+        window = enp.DynamicWindow(sigma, sharpness=2.0)
+        out, lse = reference.attention(q, k, v, scale=0.5, tau=tau, beta=0.1, dynamic_window=window)
+        g = reference.attention_backward(dout, q, k, v, out, lse, scale=0.5, tau=tau, beta=0.1, dynamic_window=window)
+        return np.concatenate([g.dq.ravel(), g.dk.ravel(), g.dv.ravel(), [g.dsigma, g.dtau]])
+
+    window = enp.DynamicWindow(sigma, sharpness=2.0)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend=backend, dynamic_window=window, **options)
+    h = enp.attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, ddsigma=0.7, ddtau=0.3,
+                                      backend=backend, dynamic_window=window, **options)
+    weights = np.concatenate([ddq.ravel(), ddk.ravel(), ddv.ravel(), [0.7, 0.3]])
+    enp.testing.gradcheck(backward, dict(q=q, sigma=sigma, tau=0.8), dict(q=h.dq, sigma=h.dsigma, tau=h.dtau),
+                          dout=weights)
+
 @st.composite
 def outrun_problems(draw):
     """``(q, k, v, dout, options)``: up to 48 queries over 1 to 6 keys, a narrow or wide window, any sharpness."""
