@@ -173,8 +173,9 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     if not module._decode.takes(problem):
         return None
     entry_splits = [module._decode.splits(1, k.shape[2], n) for n in used]
+    paged = _decode_pools(k, v, table, used)
     with _dispatch._reported(module, "forward", problem):
-        out, lse = module._decode.forward(problem, paged=(k, v, table), entry_splits=entry_splits)
+        out, lse = module._decode.forward(problem, paged=paged, entry_splits=entry_splits)
     out = problem.as_given(out)  # (S, N, H, Dv)
     return out.reshape(-1, *out.shape[2:]), lse.transpose(0, 2, 1).reshape(-1, lse.shape[1])
 
@@ -191,10 +192,38 @@ def _paged_attention(q, k, v, table, used, options, backend):
         problem = _dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
         if module._decode.takes(problem):
             with _dispatch._reported(module, "forward", problem):
-                out, lse = module._decode.forward(problem, paged=(k, v, table))
+                out, lse = module._decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
             return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
     return _dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
+
+
+def _decode_pools(k, v, table, used):
+    """``(k, v, table)`` as the CPU decode kernel reads them (`elastic_np.cpu._decode.forward`'s ``paged``).
+
+    C-contiguous pools, writeable or not, are read in place. The kernel
+    reads no other layout (pages apart, rows strided or broadcast): then the
+    pages the call reads, and only those, are copied into compact pools, the
+    table renumbered to them.
+    """
+    if k.flags.c_contiguous and v.flags.c_contiguous:
+        return k, v, table
+    read = _read_pages(table, used, k.shape[1])
+    pages, renumbered = np.unique(table[read], return_inverse=True)
+    compact_table = np.zeros(table.shape, dtype=np.int64)  # the entries not read: any page
+    compact_table[read] = renumbered
+    return _take_pages(k, pages), _take_pages(v, pages), compact_table
+
+
+def _take_pages(pool, pages):
+    """``pool[pages]``, C-contiguous whatever ``pool``'s layout.
+
+    Indexing, not `numpy.take`, which first copies the whole of a pool that
+    is not C-contiguous. The result is C-contiguous already unless a page's
+    own axes are laid out otherwise (a Fortran-ordered pool): copied once
+    more then.
+    """
+    return np.ascontiguousarray(pool[pages])
 
 
 def _stand_ins(k, v, count, keys):
@@ -319,8 +348,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         no ``mask`` or ``bias``, else a call per sequence; otherwise they
         are gathered (a copy of that sequence's keys, one sequence at a time)
         before its attention. ``k`` and ``v`` have as many pages, of as
-        many keys and heads. ``cu_seqlens_k`` is then ignored (it may be
-        None). The forward only.
+        many keys and heads. Read in place where C-contiguous, read-only or
+        not; of any other layout, the decode kernel first copies the pages
+        the call reads (only those). ``cu_seqlens_k`` is then ignored (it
+        may be None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
         ``block_table``); its queries are the last ones before them

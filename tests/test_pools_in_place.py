@@ -1,7 +1,9 @@
-"""Read-only page pools (and dense keys) read in place (issue 71, item 6).
+"""Page pools (and dense keys) read in place whatever their strides or write flag (issue 71, item 6).
 
-A read-only C-contiguous array is read where it lies, with the bits of the
-same call on a writeable one, and nothing the caller passed changes.
+A read-only C-contiguous array is read where it lies; a pool whose layout
+the decode kernel cannot read has only the pages the call reads copied.
+Either way the result has the bits of the same call on C-contiguous,
+writeable pools, and nothing the caller passed changes.
 """
 
 import os
@@ -11,8 +13,14 @@ import textwrap
 import tracemalloc
 
 import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import elastic_np as enp
+
+FUZZ = settings(max_examples=30, deadline=None, derandomize=True, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 def _peak(call):
@@ -31,6 +39,60 @@ def _read_only(a):
     return a
 
 
+def _with_layout(pool, layout, rng):
+    """An array equal to C-contiguous ``pool`` laid out as ``layout`` says."""
+    if layout == "read-only":
+        return _read_only(pool)
+    if layout == "every other page":
+        wider = rng.standard_normal((2 * pool.shape[0], *pool.shape[1:])).astype(pool.dtype)
+        wider[::2] = pool
+        return wider[::2]
+    if layout == "read-only, every other page":
+        strided = _with_layout(pool, "every other page", rng)
+        strided.flags.writeable = False
+        return strided
+    if layout == "pages reversed":
+        return np.ascontiguousarray(pool[::-1])[::-1]
+    if layout == "fortran":
+        return np.asfortranarray(pool)
+    if layout == "some heads of a wider pool":
+        return np.concatenate([pool, rng.standard_normal(pool.shape).astype(pool.dtype)], axis=2)[:, :, :pool.shape[2]]
+    raise AssertionError(layout)
+
+
+LAYOUTS = ["read-only", "every other page", "read-only, every other page", "pages reversed", "fortran",
+           "some heads of a wider pool"]
+
+
+@FUZZ
+@given(seed=st.integers(0, 2**16), k_layout=st.sampled_from(LAYOUTS + ["C"]), v_layout=st.sampled_from(LAYOUTS),
+       block_size=st.sampled_from([1, 3, 16]), lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+       queries=st.sampled_from([1, 16]), dtype=st.sampled_from([np.float32, np.float64]))
+def test_pools_of_any_layout_give_the_bits_of_contiguous_ones(seed, k_layout, v_layout, block_size, lengths,
+                                                              queries, dtype):
+    rng = np.random.default_rng(seed)
+    used = np.array(lengths)
+    blocks = -(-used // block_size)
+    num_blocks = int(blocks.sum()) + 2
+    order = rng.permutation(num_blocks)
+    table = np.zeros((used.size, max(int(blocks.max()), 1)), np.int64)
+    for s, start in enumerate(np.cumsum(blocks) - blocks):
+        table[s, :blocks[s]] = order[start:start + blocks[s]]
+    k, v = (rng.standard_normal((num_blocks, block_size, 2, 8)).astype(dtype) for _ in "kv")
+    q = rng.standard_normal((queries * used.size, 4, 8)).astype(dtype)
+    cu_q = np.arange(used.size + 1) * queries
+    call = dict(block_table=table, seqused_k=used, return_lse=True, backend="cpu", causal=True, softcap=20.0)
+    want = enp.varlen_attention(q, k, v, cu_q, None, **call)
+    k_given = k if k_layout == "C" else _with_layout(k, k_layout, rng)
+    v_given = _with_layout(v, v_layout, rng)
+    before = [(a.copy(), a.strides, a.flags.writeable) for a in (k_given, v_given)]
+    got = enp.varlen_attention(q, k_given, v_given, cu_q, None, **call)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    for a, (values, strides, writeable) in zip((k_given, v_given), before):
+        assert np.array_equal(a, values) and a.strides == strides and a.flags.writeable == writeable
+
+
 def _pools(rng, num_blocks=1024, block_size=16, Hkv=8, D=64):
     """Two float32 pools of 32 MiB each, and a table of two sequences reading 32 pages each (4 MiB in all)."""
     k, v = (rng.standard_normal((num_blocks, block_size, Hkv, D), dtype=np.float32) for _ in "kv")
@@ -47,6 +109,31 @@ def test_a_read_only_pool_is_not_copied():
                                                    seqused_k=used, backend="cpu"))
     assert np.array_equal(got, want)
     assert peak < 1 << 20, peak  # the pools are 64 MiB, the pages read 4 MiB
+
+
+def test_a_strided_pool_copies_only_the_pages_it_reads():
+    rng = np.random.default_rng(2)
+    k, v, table, used, q = _pools(rng)
+    want = enp.varlen_attention(q, k, v, [0, 1, 2], None, block_table=table, seqused_k=used, backend="cpu")
+    wider = [np.concatenate([a, a], axis=2) for a in (k, v)]
+    k_s, v_s = (a[:, :, :8] for a in wider)
+    got, peak = _peak(lambda: enp.varlen_attention(q, k_s, v_s, [0, 1, 2], None, block_table=table,
+                                                   seqused_k=used, backend="cpu"))
+    assert np.array_equal(got, want)
+    read = 2 * 64 * k[0].nbytes  # k's and v's pages read: 4 MiB
+    assert read <= peak < read + (1 << 20), (peak, read)
+
+
+def test_a_zero_strided_pool_of_ten_million_pages():
+    rng = np.random.default_rng(3)
+    page = rng.standard_normal((1, 16, 1, 64), dtype=np.float32)
+    pool = np.broadcast_to(page, (10**7, 16, 1, 64))  # 38 GiB as a C-contiguous array
+    q = rng.standard_normal((1, 2, 64), dtype=np.float32)
+    got = enp.varlen_attention(q, pool, pool, [0, 1], None, block_table=[[123456, 10**7 - 1]], seqused_k=[20],
+                               backend="cpu")
+    two = np.concatenate([page, page])
+    assert np.array_equal(got, enp.varlen_attention(q, two, two, [0, 1], None, block_table=[[0, 1]],
+                                                    seqused_k=[20], backend="cpu"))
 
 
 def test_dense_read_only_keys_are_not_copied():
