@@ -33,7 +33,13 @@ def _optional(modname):
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
+#: Packages a module's examples import beyond those the module itself does (it imports them lazily).
+EXAMPLES_NEED = {"elastic_np.transformers": ("transformers",)}
+
+
 def _import(modname):
+    for package in EXAMPLES_NEED.get(modname, ()):
+        pytest.importorskip(package, reason=f"{modname}'s examples need {package}")
     try:
         return importlib.import_module(modname)
     except ImportError as exc:
