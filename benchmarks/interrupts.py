@@ -2,10 +2,11 @@
 
 Each run is a process of its own that compiles (or loads) the kernels on a
 small problem, says it is ready, and starts one long call (a float32 causal
-prefill forward or a backward of ``(1, 8, N, 64)``, about ``--seconds``
-seconds); the parent sends it SIGINT, as a terminal's Ctrl-C does, at a
-random moment between 1 second and 80% of the call, and reads the
-moment the child's call raised (both on the system's monotonic clock).
+prefill forward or a backward of ``(1, 8, N, 64)``, sized to take twice
+``--seconds`` seconds); the parent sends it SIGINT, as a terminal's Ctrl-C
+does, at a random moment between 1 and ``--seconds`` seconds into the call,
+and reads the moment the child's call raised (both on the system's
+monotonic clock).
 Printed per thread count and call: the runs interrupted out of those run,
 and the latency from the signal to the exception, median and maximum.
 
@@ -60,12 +61,15 @@ def one_run(threads, kind, N, seconds, rng):
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHILD), str(threads), kind, str(N)],
                              stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
-    time.sleep(rng.uniform(1.0, 0.8 * seconds))
+    time.sleep(rng.uniform(1.0, seconds))
     sent = time.monotonic()
     child.send_signal(subprocess.signal.SIGINT)
     words = child.stdout.read().split()
     child.wait()
-    return words[0] == "interrupted", float(words[1]) - sent if words[0] == "interrupted" else float("nan")
+    if words[0] != "interrupted":
+        print(f"not interrupted: {' '.join(words)}")
+        return False, float("nan")
+    return True, float(words[1]) - sent
 
 
 def main(argv=None):
@@ -75,11 +79,12 @@ def main(argv=None):
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    print(f"SIGINT at a random moment of a call of about {args.seconds:g} s; {args.runs} runs each")
+    print(f"SIGINT at a random moment of the first {args.seconds:g} s of a call of about twice that; "
+          f"{args.runs} runs each")
     print(f"{'threads':>7} {'call':9s} {'N':>6} {'interrupted':>11} {'median s':>9} {'max s':>7}")
     for threads in args.threads:
         for kind in ("forward", "backward"):
-            N = keys_for(args.seconds, threads, kind)
+            N = keys_for(2 * args.seconds, threads, kind)
             runs = [one_run(threads, kind, N, args.seconds, rng) for _ in range(args.runs)]
             latency = np.array([seconds for stopped, seconds in runs if stopped])
             print(f"{threads:>7} {kind:9s} {N:>6} {len(latency):>5} of {args.runs:<3} "
