@@ -178,11 +178,15 @@ def test_paged_decode_prints_each_case(capsys):
 def test_float32_extremes_prints_every_quantity(capsys):
     import float32_extremes
 
-    float32_extremes.main(["--problems", "3"])
+    # problems 4 to 6 of seed 0: NVM, the decode kernel, a dynamic window and a bias among them
+    float32_extremes.main(["--problems", "3", "--first", "4"])
     out = capsys.readouterr().out
     for name in float32_extremes.QUANTITIES:
         assert f"\n{name:9s} " in out
-    assert out.count("/3\n") == len(float32_extremes.QUANTITIES)
+    assert out.count("/3 ") == 7 and out.count("/1 ") == 2  # dsigma and dbias: the one problem with them
+    assert out.rstrip().endswith("every quantity within the rule")
+    float32_extremes.main(["--problem", "6"])
+    assert capsys.readouterr().out.startswith("1 problems from 6 of seed 0")
 
 
 def test_double_backward_prints_the_ratio_and_each_peak(capsys):
