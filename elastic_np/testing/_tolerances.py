@@ -7,6 +7,7 @@ the float64 oracle is the error a kernel is allowed (the FlashAttention rule).
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -30,7 +31,15 @@ GRADCHECK_RTOL = 1e-6
 def naive_forward(q, k, v, options, dtype):
     """The contract's forward with whole arrays, every operation in ``dtype``.
 
-    For bfloat16 and float16, every operation in float32 (their values are
+    The normalisation is the softmax of each row's logits and the sink's
+    logit ``log beta`` (taken in float64 and rounded to ``dtype``, as the
+    kernels take it: a ``beta`` of ``1e-50``, a tiny sink the contract
+    accepts, is 0 in float32, its logit is not), stable: the exponentials
+    are taken relative to the largest of them all, ``log beta`` included (a
+    row whose logits all lie far below ``log beta`` would otherwise overflow
+    ``exp(log beta - m)`` and give ``lse = inf`` where the oracle's is
+    ``log beta``). The dynamic window's gate is `_naive_gate`'s. For
+    bfloat16 and float16, every operation in float32 (their values are
     exact there); the caller rounds the results (`rounded`).
     Returns ``(out, lse, cache)``; ``cache`` feeds `naive_backward`.
     """
@@ -48,24 +57,55 @@ def naive_forward(q, k, v, options, dtype):
     z = s / tau
     gate = None
     if p.sigma is not None:
-        x = reference.window_position(p).astype(dtype)
-        sigma = p.sigma.astype(dtype)[:, :, None, None]
-        f = np.exp(-(x * x) / (t(2) * sigma * sigma)) / (sigma * t(np.sqrt(2 * np.pi)))
-        G = np.tanh(t(p.sharpness) * np.where(f > t(p.threshold), f, t(0)))
-        keep = keep & (G > 0)
-        with np.errstate(divide="ignore"):
-            z = z + np.log(G)
-        gate = (G, f, x, sigma)
+        is_open, log_gate, gate = _naive_gate(p, dtype)
+        keep = keep & is_open
+        z = z + log_gate
     z = np.where(keep, z, t(-np.inf))
-    m = np.max(z, axis=-1, keepdims=True, initial=t(-np.inf))  # M = 0 has no entries
+    with np.errstate(divide="ignore"):  # the sink's logit, rounded to dtype (beta may not fit); -inf without one
+        log_beta = np.log(np.asarray(p.beta, dtype=np.float64)).astype(dtype)[:, None, None]
+    # the row's maximum over the sink's logit too, as softmax over [z, log beta]
+    # takes it: a row whose logits all lie far below log beta would overflow exp(log beta - m)
+    m = np.maximum(np.max(z, axis=-1, keepdims=True, initial=t(-np.inf)), log_beta)  # M = 0 has no entries
     m = np.where(np.isneginf(m), t(0), m)
     e = np.exp(z - m)
-    with np.errstate(divide="ignore", over="ignore"):
-        l = e.sum(axis=-1, keepdims=True) + np.exp(np.log(p.beta.astype(dtype))[:, None, None] - m)
+    with np.errstate(divide="ignore"):
+        l = e.sum(axis=-1, keepdims=True) + np.exp(log_beta - m)
         lse = (m + np.log(l))[..., 0]
     probs = np.divide(e, l, out=np.zeros_like(e), where=l > 0)
     out = probs @ vv
     return out, lse, (p, s, z, keep, kk, vv, gate, cap_slope)
+
+
+def _naive_gate(p, dtype):
+    """The dynamic window's gate in ``dtype``: ``(open, log G, (f, x, sigma))``, each ``(B, H, N, M)`` or broadcast.
+
+    Which gates are open is the oracle's
+    (`elastic_np.reference._attention.window_gate`), as the keep mask is: it
+    is the problem's structure, which the kernels decide in float64 too,
+    not a rounding. ``log G`` is the plain form, ``log tanh(sharpness f)``
+    of the bell ``f = exp(-x^2 / (2 sigma^2)) / (sigma sqrt(2 pi))``,
+    wherever its ``exp`` and ``y = sharpness f`` are normal numbers of
+    ``dtype``. Below (a narrow window, a row far from its keys: ``f`` under
+    ``1e-38`` in float32, where the oracle's float64 ``f`` reaches
+    ``1e-308``) ``G`` rounds to few bits or to 0, and a row could lose
+    every key the oracle keeps (``lse = -inf`` where the oracle's is
+    finite). There ``log G = log(sharpness) + log f``, ``log f = -x^2 / (2
+    sigma^2) - log(sigma sqrt(2 pi))`` in ``dtype`` (``tanh y = y`` to
+    within ``y^2 / 3`` relative).
+    """
+    t = dtype.type
+    is_open = _attention.window_gate(dataclasses.replace(p, q=p.q.astype(np.float64)))[0] > 0
+    x = reference.window_position(p).astype(dtype)
+    sigma = p.sigma.astype(dtype)[:, :, None, None]
+    exponent = -(x * x) / (t(2) * sigma * sigma)
+    bell = np.exp(exponent)
+    f = bell / (sigma * t(np.sqrt(2 * np.pi)))
+    y = t(p.sharpness) * np.where(is_open, f, t(0))
+    plain = (bell >= np.finfo(dtype).tiny) & (y >= np.finfo(dtype).tiny)
+    with np.errstate(divide="ignore"):
+        log_f = exponent - np.log(sigma * t(np.sqrt(2 * np.pi)))
+        log_gate = np.where(plain, np.log(np.tanh(y)), np.log(t(p.sharpness)) + log_f)
+    return is_open, np.where(is_open, log_gate, t(-np.inf)), (f, x, sigma)
 
 
 def naive_backward(dout, out, lse, cache, dtype, dlse=None):
@@ -97,25 +137,55 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
     dk = dk.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
     dv = (np.swapaxes(probs, -1, -2) @ dout).reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
     dtau = -np.sum(np.where(keep, dz * s, t(0)), axis=(0, 2, 3)) / (tau[:, 0, 0] ** 2)
-    with np.errstate(over="ignore", invalid="ignore"):
-        per_row = np.where((delta == 0) | np.isneginf(lse), t(0), delta * np.exp(-lse))
-    dbeta = -per_row.sum(axis=(0, 2))
     grads = {
         "dq": dq, "dk": dk, "dv": dv,
         "dtau": sum_to_shape(dtau, p.tau_shape),
-        "dbeta": sum_to_shape(dbeta, p.beta_shape),
+        "dbeta": naive_sink_gradient(delta, np.asarray(lse, dtype=dtype), p.beta_shape),
     }
     if gate is not None:
-        G, f, x, sigma = gate
+        f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            y = t(p.sharpness) * np.where(G > 0, f, t(1))
-            dlogG = _attention._log_tanh_elasticity(y) * (x * x / sigma**3 - t(1) / sigma)
+            y = t(p.sharpness) * f  # 0 where f underflowed (`_naive_gate`): there tanh y = y, elasticity 1
+            elasticity = np.where(y > 0, _attention._log_tanh_elasticity(np.where(y > 0, y, t(1))), t(1))
+            dlogG = elasticity * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
         grads["dbias"] = reduce_to_shape(ds, p.bias_shape)
     return grads
 
+
+def naive_sink_gradient(delta, lse, beta_shape):
+    """``dbeta = -sum_{b,i} delta_i exp(-lse_i)``, every term in the dtype of ``delta`` and ``lse``.
+
+    The plain sum, its terms and their sum over the rows in that dtype (the
+    heads of a shared ``beta`` then added in float64, as
+    `elastic_np._grads.sum_to_shape` does), wherever it is finite. Where it is not (``exp(-lse)`` overflows float32 for ``lse``
+    below -88.7: rows whose logits all lie far below zero, with no sink or a
+    tiny one), the true ``dbeta`` may lie outside float32's range, and the
+    kernels return it in float64 (`elastic_np._grads.sink_gradient`). There
+    the same sum is taken with every term scaled by ``exp(-top)`` in that
+    dtype, ``top`` the largest ``-lse_i`` of the rows that count (per head,
+    or over every head for a shared ``beta``, as the oracle does), and the
+    factor restored in float64: the dtype's rounding of every term, relative
+    to itself, without the limit of its exponent range, which is no part of
+    its precision. Either way a row with ``delta = 0`` or ``lse = -inf``
+    adds nothing.
+    """
+    t = delta.dtype.type
+    live = (delta != 0) & ~np.isneginf(lse)
+    with np.errstate(over="ignore", invalid="ignore"):
+        plain = sum_to_shape(-np.where(live, delta * np.exp(-lse), t(0)).sum(axis=(0, 2)), beta_shape)
+    if np.isfinite(plain).all():
+        return plain
+    axes = (0, 2) if math.prod(beta_shape) > 1 else (0, 1, 2)
+    top = np.max(np.where(live, -lse, t(-np.inf)), axis=axes, keepdims=True, initial=t(-np.inf))
+    top = np.where(np.isneginf(top), t(0), top)  # 0 where no row counts
+    scaled = np.asarray(sum_to_shape(-np.where(live, delta * np.exp(-lse - top), t(0)).sum(axis=(0, 2)), beta_shape))
+    with np.errstate(over="ignore"):
+        restored = np.where(scaled == 0, 0.0, scaled * np.exp(top.astype(np.float64)).reshape(scaled.shape))
+    result = np.where(np.isfinite(plain), plain, restored)
+    return float(result) if beta_shape == () else result
 
 def rounded(x, dtype):
     """``x`` rounded to ``dtype`` when that is bfloat16 or float16 (as float64); else ``x``."""
@@ -171,10 +241,30 @@ def _delta_magnitude(dout, out, dlse):
     return np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
 
 
+def _sink_bound(p, delta, delta_mag, lse, cond):
+    """``sum_{b,i} |delta_i| cond_i exp(-lse_i)`` per head: the magnitude of ``dbeta``'s terms, each with its factor.
+
+    Each term is formed in the exponent, ``exp(log(|delta_i| cond_i) -
+    lse_i)``, so that one whose value fits float64 does not overflow on the
+    way. A head whose ``dbeta`` overflows float64 in the oracle gets 0: the
+    kit compares its infinity exactly (`worst_error`), and it must not make
+    the other heads' allowance infinite.
+    """
+    live = (delta != 0) & ~np.isneginf(lse)
+    terms = np.where(live, np.exp(np.log(delta_mag * cond) - lse), 0.0)
+    return np.where(np.isfinite(p.sink_gradient(delta, lse)), terms.sum(axis=(0, 2)), 0.0)
+
+
 def _allowances(terms, dtype):
-    """``{name: 2 * eps * max(terms)}`` for the terms that are not None, ``eps`` that of ``dtype``'s computation."""
+    """``{name: 2 * eps * max(terms)}`` for the terms that are not None, ``eps`` that of ``dtype``'s computation.
+
+    A sum of terms beyond float64's range (the oracle's value itself within
+    it) counts as float64's largest number: the allowance stays finite.
+    """
     eps = float(np.finfo(compute_dtype(dtype)).eps)
-    return {name: 2 * eps * float(np.max(t, initial=0.0)) for name, t in terms.items() if t is not None}
+    biggest = np.finfo(np.float64).max
+    return {name: 2 * eps * float(np.max(np.minimum(t, biggest), initial=0.0))
+            for name, t in terms.items() if t is not None}
 
 
 def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
@@ -220,8 +310,7 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
         delta_mag = _delta_magnitude(dout, out, dlse)
         dz_mag = weights * (np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None])
         dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
-        dbeta_terms = np.where((delta == 0) | np.isneginf(lse), 0.0, delta_mag * np.exp(-lse) * cond)
-        dbeta = np.sum(dbeta_terms, axis=(0, 2))
+        dbeta = _sink_bound(p, delta, delta_mag, lse, cond)
         dsigma = None
         if gate is not None:
             dlogg = _backward._dlog_gate(p, *gate)
@@ -247,9 +336,14 @@ def kit_allowed(want, naive, dtype, rounding=0.0):
     `naive_orderings`: a naive evaluation has no preferred order of its sums,
     and one order alone is a noisy yardstick), ``rounding`` the quantity's
     `rounding_allowance` (what no reordering samples), ``floor`` the dtype's
-    `FLOOR`.
+    `FLOOR`. The allowance is finite wherever the oracle is (the naive
+    evaluation stays finite there, see `naive_forward` and
+    `naive_sink_gradient`); an oracle with no finite value allows nothing:
+    its infinities must be matched exactly.
     """
     naive_error = max(worst_error(n, want)[0] for n in naive)
+    if not np.isfinite(want).any():  # nothing to allow: `worst_error` compares the infinities exactly
+        return 0.0, naive_error
     floor = FLOOR[np.dtype(dtype).name] * _magnitude(want)
     return max(2.0 * naive_error + rounding, floor), naive_error
 

@@ -1,0 +1,166 @@
+"""The conformance kit's float32 rule is finite wherever the oracle is, and still rejects a wrong result.
+
+Where a plain float32 evaluation of the formula overflows, its error, and
+the rule's allowance, were infinite: any result passed. Three places:
+
+- a row whose logits all lie far below the sink's logit ``log beta``
+  (``exp(log beta - m)`` with ``m`` the row's largest logit): the naive
+  evaluation now takes the row maximum over ``log beta`` too;
+- ``dbeta = -sum delta exp(-lse)`` with ``lse`` below -88.7 (rows of very
+  negative logits, no sink or a tiny one), whose true value lies beyond
+  float32's range (the kernels return it in float64): the naive sum is then
+  taken with its terms scaled by a common power and the factor restored in
+  float64 (`_tolerances.naive_sink_gradient`);
+- a dynamic window whose bell underflows float32 on every key of a row (the
+  oracle's float64 bell does not): the naive gate is then taken in
+  logarithms (`_tolerances._naive_gate`).
+
+Each test checks the regime is reached, the allowance finite, the CPU
+kernels within it, and a result perturbed by 0.1% (or less) rejected.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np import reference
+from elastic_np.testing import _tolerances
+from elastic_np.testing._report import worst_error
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import float32_extremes  # noqa: E402
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def exact(a):
+    return np.asarray(a, dtype=np.float32).astype(np.float64)
+
+
+def far_below(rng, B, H, N, M, D, offset, rows=slice(None)):
+    """``q, k, v, dout`` whose every ``q . k / sqrt(D)`` lies near ``-offset`` on the query rows ``rows``."""
+    shift = np.sqrt(offset * np.sqrt(D)) * np.eye(D)[0]
+    q = rng.standard_normal((B, H, N, D))
+    q[:, :, rows] += shift
+    k = rng.standard_normal((B, H, M, D)) - shift
+    return tuple(exact(a) for a in (q, k, rng.standard_normal((B, H, M, D)), rng.standard_normal((B, H, N, D))))
+
+
+def judged(problem, have):
+    """`float32_extremes.judge` of ``have``, each allowance asserted finite wherever the oracle is."""
+    result = float32_extremes.judge(*problem, have)
+    want = float32_extremes.oracle_results(*problem)
+    for name, (error, naive_error, allowed, note) in result.items():
+        if np.isfinite(want[name]).any():
+            assert np.isfinite(allowed), f"{name}: allowance {allowed} (naive error {naive_error})"
+    return result
+
+
+def assert_within(result):
+    over = {name: r for name, r in result.items() if not r[0] <= r[2]}
+    assert not over, over
+
+
+def assert_rejected(problem, have, name, change):
+    """``have`` with ``change`` applied to quantity ``name`` is outside the rule."""
+    wrong = dict(have, **{name: change(np.asarray(have[name], dtype=np.float64))})
+    error, _, allowed, _ = judged(problem, wrong)[name]
+    assert error > allowed, f"{name}: perturbed error {error:.3g} within {allowed:.3g}"
+
+
+@pytest.mark.parametrize("N", [1, 6, 40])  # the decode kernel (1 to 16 queries) and the prefill kernel
+@pytest.mark.parametrize("tau", [1.0, 0.02])
+def test_a_sink_far_above_every_logit_of_its_rows(N, tau):
+    """Every other row's logits lie near -200 / tau, the others' at unit scale."""
+    rng = np.random.default_rng(N)
+    far = np.arange(N) % 2 == 0
+    q, k, v, dout = far_below(rng, 1, 2, N, 23, 16, offset=200.0, rows=far)
+    problem = (q, k, v, dout, None, {"beta": 1.0, "tau": tau})
+    z = np.einsum("bhnd,bhmd->bhnm", q, k) / 4.0 / tau
+    assert z[:, :, far].max() < -89  # a plain float32 exp(log beta - max z) overflows
+    have = float32_extremes.kernel_results(*problem)
+    result = judged(problem, have)
+    assert_within(result)
+    # ten times the float32 floor, on the sink's rows alone
+    assert_rejected(problem, have, "lse", lambda lse: lse + np.where(far, 1e-4 * (1 + np.abs(lse).max()), 0.0))
+    if not far.all():  # the other rows' logits reach 350 at tau = 0.02: float32 resolves dq to a few percent
+        assert_rejected(problem, have, "out", lambda out: out * 1.001)
+        assert_rejected(problem, have, "dq", lambda dq: dq * (1.001 if tau == 1.0 else 1.1))
+
+
+@pytest.mark.parametrize("beta", [0.0, 1e-50, np.array([0.0, 1e-60])])
+@pytest.mark.parametrize("N", [3, 40])
+def test_a_dbeta_beyond_float32s_range(beta, N):
+    rng = np.random.default_rng(N)
+    q, k, v, dout = far_below(rng, 2, 2, N, 9, 8, offset=150.0)
+    problem = (q, k, v, dout, None, {"beta": beta})
+    want = float32_extremes.oracle_results(*problem)["dbeta"]
+    assert np.all(np.isfinite(want)) and np.all(np.abs(want) > F32_MAX)
+    have = float32_extremes.kernel_results(*problem)
+    result = judged(problem, have)
+    assert_within(result)
+    assert_rejected(problem, have, "dbeta", lambda dbeta: dbeta * 1.001)
+    assert_rejected(problem, have, "dbeta", lambda dbeta: -dbeta)
+
+
+def test_a_head_whose_dbeta_overflows_float64_leaves_the_others_judged():
+    """Head 0's rows reach ``lse`` near -1000 (the oracle's ``dbeta`` is infinite), head 1's stay at unit scale."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = far_below(rng, 1, 2, 4, 7, 8, offset=1000.0)
+    q[:, 1], k[:, 1] = exact(rng.standard_normal(q[:, 1].shape)), exact(rng.standard_normal(k[:, 1].shape))
+    problem = (q, k, v, dout, None, {"beta": np.array([0.0, 0.5])})
+    want = float32_extremes.oracle_results(*problem)["dbeta"]
+    assert np.isinf(want[0]) and np.isfinite(want[1])
+    have = float32_extremes.kernel_results(*problem)
+    result = judged(problem, have)
+    assert_within(result)
+    assert result["dbeta"][2] < 1e-4 * abs(want[1])
+    assert_rejected(problem, have, "dbeta", lambda dbeta: dbeta * np.array([1.0, 1.001]))
+    assert_rejected(problem, have, "dbeta", lambda dbeta: dbeta * np.array([np.nan, 1.0]))
+
+
+@pytest.mark.parametrize("N", [16, 56])
+def test_rows_whose_every_key_lies_far_outside_a_narrow_window(N):
+    """A bell of width 0.1 over 15 keys: the first rows' ``f`` underflows float32, not float64."""
+    rng = np.random.default_rng(N)
+    q, k, v, dout = (exact(rng.standard_normal(s)) for s in [(1, 2, N, 16), (1, 2, 15, 16), (1, 2, 15, 16), (1, 2, N, 16)])
+    window = enp.DynamicWindow(0.1, sharpness=0.01)
+    problem = (q, k, v, dout, None, {"dynamic_window": window})
+    x = 2.0 * (N - 1) / 14  # the first row's nearest key
+    assert np.exp(-0.5 * (x / 0.1) ** 2) < np.finfo(np.float32).smallest_subnormal
+    have = float32_extremes.kernel_results(*problem)
+    result = judged(problem, have)
+    assert_within(result)
+    assert_rejected(problem, have, "out", lambda out: out * 1.001)
+    if N == 16:  # at N = 56 the far rows' logits reach -3000: the rule's allowance exceeds |dsigma| there
+        assert_rejected(problem, have, "dsigma", lambda dsigma: dsigma * 1.001)
+
+
+def test_an_oracle_without_a_finite_value_allows_nothing():
+    """Its infinities must be matched: a NaN or an infinity of the other sign is outside, whatever the naive gave."""
+    want = np.array([np.inf, -np.inf])
+    allowed, _ = _tolerances.kit_allowed(want, [want.copy()], np.float32, rounding=np.inf)
+    assert allowed == 0.0
+    assert worst_error(want, want)[0] <= allowed
+    for wrong in (np.array([np.inf, np.nan]), np.array([np.inf, np.inf])):
+        assert not worst_error(wrong, want)[0] <= allowed
+
+
+def test_the_naive_dbeta_is_the_plain_float32_sum_wherever_that_is_finite():
+    """The scaled sum replaces only what overflows: a head at unit scale keeps the plain sum's bits."""
+    rng = np.random.default_rng(0)
+    delta = rng.standard_normal((2, 2, 5)).astype(np.float32)
+    lse = rng.uniform(-3.0, 3.0, (2, 2, 5)).astype(np.float32)
+    lse[:, 0] -= np.float32(200.0)  # head 0: exp(-lse) overflows float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        plain = -(delta * np.exp(-lse)).sum(axis=(0, 2)).astype(np.float64)
+    got = _tolerances.naive_sink_gradient(delta, lse, (2,))
+    assert not np.isfinite(plain[0]) and got[1] == plain[1]
+    truth = -np.sum(delta[:, 0].astype(np.float64) * np.exp(-lse[:, 0].astype(np.float64)))
+    assert abs(got[0] - truth) < 1e-5 * np.sum(np.abs(delta[:, 0] * np.exp(-lse[:, 0].astype(np.float64))))
+    shared = _tolerances.naive_sink_gradient(delta, lse, ())
+    assert isinstance(shared, float) and abs(shared - (truth + plain[1])) < 1e-5 * abs(truth)
