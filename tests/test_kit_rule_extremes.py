@@ -164,3 +164,35 @@ def test_the_naive_dbeta_is_the_plain_float32_sum_wherever_that_is_finite():
     assert abs(got[0] - truth) < 1e-5 * np.sum(np.abs(delta[:, 0] * np.exp(-lse[:, 0].astype(np.float64))))
     shared = _tolerances.naive_sink_gradient(delta, lse, ())
     assert isinstance(shared, float) and abs(shared - (truth + plain[1])) < 1e-5 * abs(truth)
+
+
+def test_a_cancelling_product_in_any_summation_order():
+    """``q . k`` near 10 from terms of magnitude 1000: every sequential float32 order passes, 8 eps beyond them fails.
+
+    One key and no sink: ``out = v`` exactly and ``lse`` is the logit, so a
+    kernel's ``lse`` error is its product's. NumPy's blocked products (the
+    naive evaluation, in four orders of the head dims) can land well below a
+    sequential sum's error, which the rule allows through the products'
+    magnitude in the logits' factor.
+    """
+    rng = np.random.default_rng(5)
+    D = 32
+    q = 30.0 * rng.standard_normal(D)
+    k = 30.0 * rng.standard_normal(D)
+    k = exact(k - (q @ k - 10.0 * np.sqrt(D)) / (q @ q) * q)  # q . k / sqrt(D) near 10
+    q = exact(q)
+    terms = np.abs(q * k).sum() / np.sqrt(D)
+    assert terms > 50 * abs(q @ k) / np.sqrt(D)
+    problem = (q.reshape(1, 1, 1, D), k.reshape(1, 1, 1, D), np.ones((1, 1, 1, 4)), np.ones((1, 1, 1, 4)), None, {})
+    want = float32_extremes.oracle_results(*problem)
+    have = {name: np.asarray(want[name], dtype=np.float32) for name in float32_extremes.QUANTITIES if want[name] is not None}
+    scale = np.float32(1 / np.sqrt(D))
+    for _ in range(200):
+        total = np.float32(0)
+        for d in rng.permutation(D):
+            total = np.float32(total + np.float32(q[d] * scale) * np.float32(k[d]))
+        have["lse"] = np.full((1, 1, 1), total, dtype=np.float32)
+        error, _, allowed, _ = judged(problem, have)["lse"]
+        assert error <= allowed
+    eps = float(np.finfo(np.float32).eps)
+    assert_rejected(problem, have, "lse", lambda lse: want["lse"] + 8 * eps * (1 + terms))

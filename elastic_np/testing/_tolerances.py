@@ -230,9 +230,25 @@ def naive_orderings(q, k, v, dout, options, dtype, orderings=4, seed=0, dlse=Non
     return results
 
 
-def _logit_condition(p, s, probs, lse):
-    """``1 + max(|z_ij|, |lse_i|)`` per row: the factor the logits' rounding puts on every term of the row."""
-    z = np.where(probs > 0, np.abs(s / p.tau[:, None, None]), 0.0).max(axis=-1, initial=0.0)
+def _logit_condition(p, s, probs, lse, cap_slope=None):
+    """``1 + max(|z_ij|, |lse_i|)`` per row: the factor the logits' rounding puts on every term of the row.
+
+    ``|z_ij|`` is the magnitude a logit is computed from: its own, or its
+    product's terms', ``|scale| sum_d |q_id k_jd| / tau`` (times the
+    soft-cap's slope ``1 - tanh^2``, given as ``cap_slope``), when that is
+    larger. A sum is rounded at the magnitude of its terms, not of its
+    value: a product that cancels (``|q . k|`` far below ``sum |q_d k_d|``)
+    is off by up to ``eps sum |q_d k_d|`` in any order, which the four
+    orders of `naive_orderings` sample poorly (NumPy's products sum in
+    blocks, a tiled kernel otherwise: on a product of 12 from terms of 900
+    the CPU kernel's was off by 1.4e-4, NumPy's by 2e-6 to 3e-5).
+    """
+    k = np.repeat(p.k, p.group_size, axis=1)
+    products = abs(p.scale) * (np.abs(p.q) @ np.swapaxes(np.abs(k), -1, -2))
+    if cap_slope is not None:
+        products = products * cap_slope
+    z = np.maximum(np.abs(s), products) / p.tau[:, None, None]
+    z = np.where(probs > 0, z, 0.0).max(axis=-1, initial=0.0)
     return 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
 
 
@@ -273,12 +289,14 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     Two effects no reordering of a naive evaluation samples, each given
     ``2 eps`` times the sum of the magnitudes of the terms it scales:
 
-    - **the logits' rounding.** A logit ``z`` rounded in float32 is off by
-      ``eps |z|``, which moves ``p = exp(z - lse)`` by as much relative to
-      itself, and ``lse`` is rounded at its own magnitude: every term of row
-      ``i`` carries a factor ``1 + max(|z_ij|, |lse_i|)``. At unit scale this
-      is below the float32 floor; with logits in the hundreds (``tau =
-      0.03``, ALiBi over long offsets) it is what float32 can resolve.
+    - **the logits' rounding.** A logit ``z`` computed in float32 is off by
+      ``eps`` times the magnitude it is computed from, its own ``|z|`` or
+      its product's terms' (`_logit_condition`), which moves ``p = exp(z -
+      lse)`` by as much relative to itself, and ``lse`` is rounded at its
+      own magnitude: every term of row ``i`` carries a factor ``1 +
+      max(|z_ij|, |lse_i|)``. At unit scale this is below the float32
+      floor; with logits in the hundreds (``tau = 0.03``, ALiBi over long
+      offsets) or products that cancel it is what float32 can resolve.
     - **cancelling sums.** ``dtau``, ``dbeta``, ``dsigma`` and a broadcast
       ``dbias`` sum terms that cancel (``sum_j dz_ij = 0`` when ``beta =
       0``), and every gradient of the logits is a difference, ``dz = p (dP -
@@ -304,7 +322,7 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
         s, keep, gate, cap_slope, probs, delta, dz = _backward._score_gradient(
             _attention._without_padding(p), dout, out, lse,
             None if dlse is None else np.asarray(dlse, dtype=np.float64))
-        cond = _logit_condition(p, s, probs, lse)
+        cond = _logit_condition(p, s, probs, lse, cap_slope)
         weights = probs * cond[..., None]
         v_abs = np.abs(np.repeat(p.v, p.group_size, axis=1))
         delta_mag = _delta_magnitude(dout, out, dlse)
@@ -409,7 +427,7 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
     p = _attention._without_padding(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         t = _second._tangent_terms(p, dout, out, lse, None if dlse is None else np.asarray(dlse, np.float64), d)
-        cond = _logit_condition(p, t.s, t.probs, lse)
+        cond = _logit_condition(p, t.s, t.probs, lse, t.cap_slope)
         w = t.probs * cond[..., None]
         v_abs, vdot_abs, k_abs, kdot_abs = (np.abs(np.repeat(a, p.group_size, axis=1)) for a in (p.v, d.v, p.k, d.k))
         delta_mag = _delta_magnitude(dout, out, dlse)
