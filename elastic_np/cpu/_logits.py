@@ -63,7 +63,10 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     # product accumulated onto a large stored ALiBi or bias term would round
     # every partial sum at the term's magnitude (float32 ALiBi with N > M:
     # ten times the naive error in ``out``).
-    fuse_max = tile_max.shape[0] > 0 and _removes_nothing(opt, tile, bk, nvm) and not (opt.has_alibi or opt.has_bias)
+    fuse_max = (
+        tile_max.shape[0] > 0 and _removes_nothing(opt, tile, bk, nvm) and not (opt.has_alibi or opt.has_bias)
+        and _maxima_scale(opt, h, st)
+    )
     if fuse_max:
         matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
     else:
@@ -170,15 +173,34 @@ def _query_factor(opt, h):
 
 
 @inner(fastmath=False)
+def _maxima_scale(opt, h, like):
+    """Whether the product's tile maxima scale to the logits' (`_scale_logits`): no NVM, or a positive factor.
+
+    NVM keeps ``s = scale q . k >= 0``: with ``scale < 0`` the entries
+    whose product is ``<= 0``, with ``scale = 0`` every entry. The maxima of
+    the products ``>= 0`` are those of the kept logits only when the factor
+    is positive; otherwise the kernels take the maxima of the scaled logits.
+    """
+    return not opt.nvm or logits_factor(opt, h, like) > 0
+
+
+@inner(fastmath=False)
 def _scale_logits(st, bk, bq, opt, h, tile_max):
     """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `_query_factor` is 1).
 
-    A positive factor keeps every sign, and the maxima (rounding is monotone).
+    ``tile_max``: the maxima of the products ``>= 0``, taken with the
+    product, given only when the factor is positive (`_maxima_scale`),
+    which keeps every sign, and the maxima (rounding is monotone). A
+    negative product may scale to ``-0``, which NVM keeps (``s >= 0``): a
+    column without a product ``>= 0`` gets the maximum 0, which every kept
+    logit reaches (they are ``>= 0``), not ``-inf``.
     """
     factor = logits_factor(opt, h, st)
     for c in range(bk):
         scale_row(st[c, :bq], factor)
     scale_row(tile_max, factor)
+    for r in range(tile_max.shape[0]):
+        tile_max[r] = max(tile_max[r], 0.0)
 
 
 @inner(fastmath=False)

@@ -335,8 +335,8 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
             dsigma = np.sum(np.abs(np.where(keep, dz_mag * dlogg, 0.0)), axis=(2, 3))
         ds_mag = dz_mag / p.tau[:, None, None]
         ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope
-        dq = p.scale * ds_raw_mag @ np.abs(np.repeat(p.k, p.group_size, axis=1))
-        dk = (p.scale * np.swapaxes(ds_raw_mag, -1, -2) @ np.abs(p.q)).reshape(B, Hkv, p.group_size, M, D)
+        dq = abs(p.scale) * ds_raw_mag @ np.abs(np.repeat(p.k, p.group_size, axis=1))
+        dk = (abs(p.scale) * np.swapaxes(ds_raw_mag, -1, -2) @ np.abs(p.q)).reshape(B, Hkv, p.group_size, M, D)
         dv = (np.swapaxes(weights, -1, -2) @ np.abs(dout)).reshape(B, Hkv, p.group_size, M, Dv)
         terms = {"out": weights @ v_abs, "lse": cond}
     bounds = dataclasses.replace(p, bias=None).reduce_grads(dq, dk.sum(axis=2), dv.sum(axis=2), dtau, dbeta, dsigma)
@@ -443,8 +443,8 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
         if t.cap_slope is not None:
             cdot_mag = 2.0 * t.cap_slope * np.abs(t.rdot) / p.softcap
             dr_mag, drdot_mag = dr_mag * t.cap_slope, dsdot_mag * t.cap_slope + dr_mag * cdot_mag
-        dq = p.scale * (drdot_mag @ k_abs + dr_mag @ kdot_abs)
-        dk = p.scale * (np.swapaxes(drdot_mag, -1, -2) @ np.abs(p.q) + np.swapaxes(dr_mag, -1, -2) @ np.abs(d.q))
+        dq = abs(p.scale) * (drdot_mag @ k_abs + dr_mag @ kdot_abs)
+        dk = abs(p.scale) * (np.swapaxes(drdot_mag, -1, -2) @ np.abs(p.q) + np.swapaxes(dr_mag, -1, -2) @ np.abs(d.q))
         dv = np.swapaxes(pdot_mag, -1, -2) @ np.abs(dout)
         s_abs, sdot_abs = (np.where(t.probs > 0, np.abs(a), 0.0) for a in (t.s, t.sdot))
         dtau = (np.sum(dzdot_mag * s_abs + dz_mag * sdot_abs, axis=(0, 2, 3)) / p.tau**2
