@@ -1,4 +1,4 @@
-"""NVM under every scale.
+"""NVM under every scale, and one set of logits for the decode forward and every backward.
 
 NVM keeps an entry where its final score ``s = scale q . k`` (after the
 modifiers) is ``>= 0``: with ``scale = 0`` every entry, with ``scale < 0``
@@ -6,6 +6,14 @@ those where ``q . k <= 0``. Under NVM the kernels scale the product after
 it, and took the tile maxima of the products ``>= 0`` with it: those of
 the kept logits for a positive scale only (with ``scale = 0`` a NaN, with a
 negative one ``+inf``, and the rows empty).
+
+The backward recomputes the probabilities from the forward's ``lse``: on a
+row with a single kept key, ``p = exp(z - lse)`` is exactly 1 only when it
+forms the logit ``z`` with the forward's bits. The bias and ALiBi terms,
+added with one rounding (a fused multiply-add) in some kernels and tile
+positions and with two in others, and float64 soft-cap factors formed as
+``c / tau`` in one kernel and ``c (1 / tau)`` in another, put ``dv`` off by
+6% at ``tau = 1e-6`` and to infinity at ``tau = 1e-8``.
 """
 
 import dataclasses
@@ -153,3 +161,91 @@ def test_nvm_of_any_scale_within_the_kits_rule(problem):
         tiles(patch, tile_sizes)
         got = kernel_results(q, k, v, dout, options)
     assert_within_the_kits_rule(q, k, v, dout, options, got)
+
+
+# The decode forward's logits, recomputed by the backward
+
+
+def test_the_issue_reproducer_for_a_biased_decode_logit():
+    for tau, N in ((1e-6, n) for n in range(1, 17)):
+        q = np.full((1, 1, N, 1), -2.3250308, np.float32)
+        k = np.full((1, 1, 1, 1), -0.21879166, np.float32)
+        v = np.ones((1, 1, 1, 1), np.float32)
+        options = dict(scale=1.0, tau=tau, bias=np.full((1, 1, N, 1), -1.2459110, np.float32))
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
+        grads = enp.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="cpu", **options)
+        assert grads.dv[0, 0, 0, 0] == N, (N, grads.dv[0, 0, 0, 0] / N)
+
+
+@st.composite
+def one_key_problems(draw):
+    """Rows that keep one key each (a window of width 1, or a mask), with every option that changes a logit.
+
+    Returns ``(q, k, v, dout, options, keys, tile_sizes)``: ``keys[b, h, i]`` the key row ``i`` may keep
+    (-1: none); ``dout`` small integers, so that sums of them are exact.
+    """
+    dtype = draw(st.sampled_from(DTYPES))
+    Hkv = draw(st.integers(1, 2))
+    H = Hkv * draw(st.integers(1, 2))
+    B = draw(st.integers(1, 2))
+    N = draw(st.integers(1, 20))
+    M = draw(st.integers(1, 300))
+    D = draw(st.sampled_from([1, 3, 16, 64]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((B, H, N, D))
+    k, v = rng.standard_normal((2, B, Hkv, M, D))
+    dout = rng.integers(1, 4, (B, H, N, D)).astype(float)
+    tau = draw(per_head(log_uniform(1e-8, 50.0), H))
+    options = dict(tau=tau, scale=draw(st.sampled_from([-1.0, 1.0])) * draw(log_uniform(0.05, 5.0)))
+    if draw(st.booleans()):  # the diagonal's key
+        options["window_size"] = (0, 0)
+        keys = np.broadcast_to(np.arange(N) + M - N, (B, H, N)).copy()
+        keys[keys < 0] = -1
+    else:  # a key drawn for each row
+        keys = rng.integers(0, M, (B, H, N))
+        options["mask"] = np.arange(M) == keys[..., None]
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(B, H, N, M), (N, M), (1, H, 1, M), (B, 1, N, 1)]))
+        options["bias"] = rng.standard_normal(shape) * draw(log_uniform(1e-2, 1e3))
+        if draw(st.booleans()):
+            options["bias"] = np.asfortranarray(options["bias"])
+    if draw(st.booleans()):
+        options["alibi_slopes"] = rng.uniform(0.0, 1.0, H)
+    if draw(st.booleans()):
+        options["softcap"] = draw(log_uniform(0.1, 1e3))
+    if draw(st.booleans()):
+        options["nvm"] = True
+    if draw(st.booleans()):
+        options["dynamic_window"] = enp.DynamicWindow(draw(st.floats(0.2, 2.0)), sharpness=3.0)
+    if "bias" in options:
+        options["bias"] = options["bias"].astype(dtype)
+    inputs = tuple(a.astype(dtype) for a in (q, k, v, dout))
+    return (*inputs, options, keys, draw(st.sampled_from(["default", "decode", "prefill"])))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@SETTINGS
+@given(one_key_problems())
+def test_a_row_with_one_key_has_p_exactly_one(problem):
+    """``dv`` of every key is the sum of ``dout`` over the rows that keep it; the forward's ``lse`` is the
+    prefill tiles' logit, bit for bit; the double backward's ``ddout`` of a row is ``ddv`` of its key."""
+    q, k, v, dout, options, keys, tile_sizes = problem
+    B, H, N = q.shape[:3]
+    group = H // k.shape[1]
+    with pytest.MonkeyPatch.context() as patch:
+        tiles(patch, tile_sizes)
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
+        grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **options)
+        prefill_lse = cpu._forward.forward(cpu.prepare(q, k, v, dtypes=cpu.dtypes, **options))[1]
+        ddv = np.random.default_rng(1).integers(-3, 4, v.shape).astype(v.dtype)
+        second = enp.attention_double_backward(None, None, ddv, dout, q, k, v, out, lse, backend="cpu", **options)
+    np.testing.assert_array_equal(lse, prefill_lse)
+    kept = lse > -np.inf
+    assert np.all(keys[kept] >= 0)
+    want_dv = np.zeros(v.shape)
+    want_ddout = np.zeros(dout.shape)
+    for b, h, i in zip(*np.nonzero(kept)):
+        want_dv[b, h // group, keys[b, h, i]] += dout[b, h, i]
+        want_ddout[b, h, i] = ddv[b, h // group, keys[b, h, i]]
+    np.testing.assert_array_equal(grads.dv, want_dv)
+    np.testing.assert_array_equal(second.ddout, want_ddout)

@@ -70,7 +70,9 @@ from elastic_np.cpu._decode_tiles import (
     _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together, _visit,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
-from elastic_np.cpu._logits import _logits_tile, _query_factor, logits_factor, modify_tile, scale_row
+from elastic_np.cpu._logits import (
+    _logits_tile, _query_factor, logits_factor, modifier_factors, modify_tile, plus_scaled, scale_row,
+)
 from elastic_np.cpu._halves import checked, narrow, widen
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
@@ -227,7 +229,8 @@ def _score_rows(st, tile_max, opt, where, row_span):
     ``h = hk * group + r // N``, keeping the keys ``[row_span[0, r],
     row_span[1, r])``. The score modifiers, each divided by ``tau_h`` like
     the product, with the arithmetic of `elastic_np.cpu._logits._modify_tile`
-    (the backward recomputes these logits with it); then ``-inf`` outside
+    (each term added by `plus_scaled`: the backward recomputes these logits
+    with it, bit for bit); then ``-inf`` outside
     that range (causal, window, ``kv_lengths``, the gate's band) and where
     NVM, a closed gate, a false mask entry or a ``-inf`` bias removes the
     key; ``log G`` added. ``tile_max[r]`` receives the row's maximum.
@@ -249,29 +252,26 @@ def _score_rows(st, tile_max, opt, where, row_span):
     for r in range(st.shape[0]):
         z = st[r, :bk]
         h, i = hk * group + r // N, r % N
-        inv_tau = 1.0 / opt.tau[h]
+        inv_tau_t, tau_over_cap, cap_over_tau, minus_alibi_over_tau = modifier_factors(
+            opt.tau[h], opt.softcap, opt.alibi[b, h] if opt.has_alibi else 0.0, z)
         if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
             scale_row(z, logits_factor(opt, h, z))
         if opt.has_softcap:
-            tau_over_cap = _like(opt.tau[h] / opt.softcap, z)
-            cap_over_tau = _like(opt.softcap * inv_tau, z)
             for c in range(bk):
                 z[c] = cap_over_tau * tanh_any(z[c] * tau_over_cap)
         base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
         if opt.has_alibi:
-            alibi_over_tau = _like(opt.alibi[b, h] * inv_tau, z)
             for c in range(bk):
-                z[c] -= alibi_over_tau * _like(abs(np.int32(base + c)), z)
+                z[c] = plus_scaled(z[c], _like(abs(np.int32(base + c)), z), minus_alibi_over_tau)
         if opt.has_bias:
-            inv_tau_t = _like(inv_tau, z)
             s_j = opt.bias_strides[3]
             at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
             if s_j == 1:
                 for c in range(bk):
-                    z[c] += opt.bias[at + c] * inv_tau_t
+                    z[c] = plus_scaled(z[c], opt.bias[at + c], inv_tau_t)
             else:
                 for c in range(bk):
-                    z[c] += opt.bias[at + c * s_j] * inv_tau_t
+                    z[c] = plus_scaled(z[c], opt.bias[at + c * s_j], inv_tau_t)
         if opt.nvm:
             for c in range(bk):
                 z[c] = z[c] if z[c] >= 0 else neg_inf

@@ -13,7 +13,7 @@ path is off (`elastic_np.cpu._numba_private`).
 import collections
 
 import numpy as np
-from numba import carray, njit
+from numba import carray
 
 from elastic_np.cpu import _calls
 from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
@@ -153,8 +153,7 @@ def _cap_maxima(tile_max, bq, opt, h, st):
 
     The same expression as `_modify_tile`'s, and so are the entries ``>= 0``.
     """
-    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
-    cap_over_tau = _like(opt.softcap * (1.0 / opt.tau[h]), st)
+    tau_over_cap, cap_over_tau = modifier_factors(opt.tau[h], opt.softcap, 0.0, st)[1:3]
     for r in range(bq):
         x = tile_max[r]
         if x > -np.inf:
@@ -251,7 +250,8 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
     """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
-    ``+ bias``, each divided by ``tau_h`` like the score; entries the caller
+    ``+ bias``, each divided by ``tau_h`` like the score and added by
+    `plus_scaled` (the decode kernel's logits are the same bits); entries the caller
     removes afterwards are computed too (every tile entry is finite here, so
     that nothing is lost and the loops run from 0 and vectorise). With
     ``want_cap_slope`` (and a soft-cap), ``cap_slope[c, r]`` receives ``ds / ds_raw =
@@ -259,12 +259,9 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
     """
     b, h, i0, bq, j0 = tile
     diag_shift = opt.diag_shift[b]
-    inv_tau = 1.0 / opt.tau[h]
     # in the tile's dtype, so that float32 tiles stay float32
-    tau_over_cap = _like(opt.tau[h] / opt.softcap, st)
-    cap_over_tau = _like(opt.softcap * inv_tau, st)
-    alibi_over_tau = _like(opt.alibi[b, h] * inv_tau if opt.has_alibi else 0.0, st)
-    inv_tau_t = _like(inv_tau, st)
+    inv_tau_t, tau_over_cap, cap_over_tau, minus_alibi_over_tau = modifier_factors(
+        opt.tau[h], opt.softcap, opt.alibi[b, h] if opt.has_alibi else 0.0, st)
     b_b, b_h, b_i, b_j = opt.bias_strides[0], opt.bias_strides[1], opt.bias_strides[2], opt.bias_strides[3]
     # A bias contiguous (or constant) along the queries is added row by row
     # of the tile; a bias contiguous along the keys
@@ -281,15 +278,17 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
         if opt.has_alibi:
             base = j0 + c - i0 - diag_shift  # off of (j0 + c, i0 + r) is base - r
             for r in range(row.shape[0]):
-                row[r] -= alibi_over_tau * _like(abs(np.int32(base - r)), st)
+                row[r] = plus_scaled(row[r], _like(abs(np.int32(base - r)), st), minus_alibi_over_tau)
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
-                add = opt.bias[start] * inv_tau_t
+                term = opt.bias[start]
                 for r in range(row.shape[0]):
-                    row[r] += add
+                    row[r] = plus_scaled(row[r], term, inv_tau_t)
             else:
-                _add_scaled(row, opt.bias[start : start + bq], inv_tau_t)
+                terms = opt.bias[start : start + bq]
+                for r in range(row.shape[0]):
+                    row[r] = plus_scaled(row[r], terms[r], inv_tau_t)
     if opt.has_bias and not by_rows:
         # st[c, r] += bias[i0 + r, j0 + c]: the bias is laid out query-major
         start0 = b * b_b + h * b_h + i0 * b_i + j0 * b_j
@@ -302,22 +301,35 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
                 for r in range(bq):
                     at = start0 + r * b_i + cb * b_j
                     for c in range(nc):
-                        x = opt.bias[at + c * b_j] * inv_tau_t
-                        st[cb + c, r] += x
+                        st[cb + c, r] = plus_scaled(st[cb + c, r], opt.bias[at + c * b_j], inv_tau_t)
 
 
-@njit(cache=True, inline="always")
-def _add_scaled(row, src, scale):
-    """``row += scale * src``, ``src`` as long as ``row``.
+@inner(fastmath=False)
+def modifier_factors(tau_h, softcap, slope, like):
+    """``(1 / tau_h, tau_h / softcap, softcap / tau_h, -slope / tau_h)``, the modifiers' factors, in ``like``'s dtype.
 
-    In the dtype of ``row``: a float32 ``src`` added to a float64 ``row``
-    with a float64 ``scale`` is widened first (one product, one sum).
-    Inlined into its callers, whose `fastmath` it takes (see `_FASTMATH`):
-    compiled on its own first (a call from Python), it kept no flags and
-    changed the last bits of the kernels compiled after it.
+    Formed in float64 as ``softcap (1 / tau_h)`` and ``-slope (1 / tau_h)``,
+    without fast-math: under ``arcp`` a caller may turn ``x (1 / y)`` into
+    ``x / y`` (or the converse) as its context suits it, and the decode
+    kernel's float64 soft-capped logits were a rounding from the tiles'.
     """
-    for r in range(row.shape[0]):
-        row[r] += src[r] * scale
+    inv_tau = 1.0 / tau_h
+    return (_like(inv_tau, like), _like(tau_h / softcap, like), _like(softcap * inv_tau, like),
+            _like(-slope * inv_tau, like))
+
+
+@inner(fastmath=False)
+def plus_scaled(x, term, factor):
+    """``x + term * factor``, the product rounded before the sum: never a fused multiply-add.
+
+    How every kernel adds a score modifier's term (ALiBi's, the bias's,
+    divided by ``tau_h``) to a logit: the prefill tiles (`_modify_tile`,
+    whose SIMD blocks, `_add_transposed`, round the same way) and the decode
+    kernel (`elastic_np.cpu._decode._score_rows`). Without fast-math, so
+    that no caller contracts it: a fused multiply-add in one kernel and not
+    in another put the forward's logit and the backward's one rounding apart.
+    """
+    return x + term * factor
 
 
 @inner(fastmath=_FASTMATH)
@@ -402,14 +414,16 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_sl
                 cap_slope[c, r] = sech2_any(x)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=False)
 def _add_transposed(tile, bk, bq, src, start, stride, scale):
-    """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``.
+    """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``, as `plus_scaled` adds.
 
     The inverse direction of
     `elastic_np.cpu._dbias._store_transposed`: square blocks of ``W`` go
     through SIMD registers (`transpose_add`), the edges
-    element by element.
+    element by element. Without fast-math: Numba sets a function's flags on
+    every instruction of its code, `transpose_add`'s too, and with
+    ``contract`` the blocks' products and sums became fused multiply-adds.
     """
     width = transpose_width(tile)
     bk_w = bk - bk % width
@@ -422,7 +436,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale):
     for c in range(bk):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
-            row[r] += src[start + r * stride + c] * scale
+            row[r] = plus_scaled(row[r], src[start + r * stride + c], scale)
 
 
 @inner(fastmath=_FASTMATH)
