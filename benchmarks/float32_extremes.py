@@ -312,8 +312,8 @@ def print_table(rows):
         stats = np.percentile(ratio, [50, 99, 100]) if ratio.size else [np.nan] * 3
         within = int(np.sum(values[:, 0] <= values[:, 2]))
         unjudged = int(np.sum(~np.isfinite(values[:, 2])))
-        print(f"{name:9s} {stats[0]:8.2f} {stats[1]:8.2f} {stats[2]:8.2f} {int(np.sum(~inexact)):12d} "
-              f"{within:8d}/{len(values):<5d} {unjudged:7d}")
+        ratios = " ".join(f"{x:8.2f}" if x < 1e6 else f"{x:8.2g}" for x in stats)
+        print(f"{name:9s} {ratios} {int(np.sum(~inexact)):12d} {within:8d}/{len(values):<5d} {unjudged:7d}")
 
 
 def print_findings(seed, found):
