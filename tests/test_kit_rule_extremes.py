@@ -16,7 +16,10 @@ the rule's allowance, were infinite: any result passed. Three places:
   logarithms (`_tolerances._naive_gate`).
 
 Each test checks the regime is reached, the allowance finite, the CPU
-kernels within it, and a result perturbed by 0.1% (or less) rejected.
+kernels within it, and a perturbed result rejected (by 0.1%, or by as much
+as float32 resolves there). The last test: the products' terms in the
+logits' factor (`_tolerances._logit_condition`), which a cancelling product
+needs.
 """
 
 import os
