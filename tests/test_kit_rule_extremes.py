@@ -44,12 +44,15 @@ def exact(a):
     return np.asarray(a, dtype=np.float32).astype(np.float64)
 
 
-def far_below(rng, B, H, N, M, D, offset, rows=slice(None)):
-    """``q, k, v, dout`` whose every ``q . k / sqrt(D)`` lies near ``-offset`` on the query rows ``rows``."""
+def far_below(rng, B, H, N, M, D, offset, rows=slice(None), spread=1.0):
+    """``q, k, v, dout`` whose every ``q . k / sqrt(D)`` lies near ``-offset`` on the query rows ``rows``.
+
+    ``q`` and ``k`` are a shift plus normals of deviation ``spread``.
+    """
     shift = np.sqrt(offset * np.sqrt(D)) * np.eye(D)[0]
-    q = rng.standard_normal((B, H, N, D))
+    q = spread * rng.standard_normal((B, H, N, D))
     q[:, :, rows] += shift
-    k = rng.standard_normal((B, H, M, D)) - shift
+    k = spread * rng.standard_normal((B, H, M, D)) - shift
     return tuple(exact(a) for a in (q, k, rng.standard_normal((B, H, M, D)), rng.standard_normal((B, H, N, D))))
 
 
@@ -199,3 +202,48 @@ def test_a_cancelling_product_in_any_summation_order():
         assert error <= allowed
     eps = float(np.finfo(np.float32).eps)
     assert_rejected(problem, have, "lse", lambda lse: want["lse"] + 8 * eps * (1 + terms))
+
+
+@pytest.mark.parametrize("seed, index", [(1, 6291), (1, 7144), (2, 2987), (2, 7022), (2, 9076)])
+def test_the_problems_that_10000_extreme_problems_found_over_the_rule(seed, index):
+    """Honest results the rule rejected, each for a rounding it did not count.
+
+    A logit from a cancelling product (seed 1: 6291, 7144); a ``dbeta``
+    below float32's normal range, whose ``delta`` are subnormal (2987); the
+    slope of a saturated soft-cap, ``4 exp(-2 |x|)``, which moves by ``2 |dx|``
+    relative to itself (7022); a ``dbeta`` near float64's largest number,
+    whose terms' magnitudes overflow it (9076).
+    """
+    result = float32_extremes.measure(*float32_extremes.problem(seed, index))
+    assert not float32_extremes.findings(result)
+
+
+def test_a_dbeta_near_float64s_largest_number():
+    """Rows near ``lse = -705``: ``dbeta`` about 1e307, its terms' magnitudes with their factors beyond float64."""
+    rng = np.random.default_rng(9)
+    q, k, v, dout = far_below(rng, 1, 2, 9, 30, 16, offset=708.0, spread=0.1)
+    problem = (q, k, v, dout, None, {})
+    want = float32_extremes.oracle_results(*problem)["dbeta"]
+    assert np.isfinite(want) and abs(want) > 1e306
+    have = float32_extremes.kernel_results(*problem)
+    result = judged(problem, have)
+    assert_within(result)
+    assert result["dbeta"][2] < 5e-3 * abs(want)
+    # every term carries the logits' factor, above 700 here: the bound is not cut at float64's largest number
+    rounding = _tolerances.rounding_allowance(q, k, v, dout, {})["dbeta"]
+    assert rounding >= 2 * float(np.finfo(np.float32).eps) * 700 * abs(want)
+    assert_rejected(problem, have, "dbeta", lambda dbeta: dbeta * 1.01)
+
+
+def test_a_result_below_float32s_normal_range():
+    """A sink of 2 over logits near -100: ``out`` and ``delta`` are float32 subnormals, resolved to 1.4e-45 at best."""
+    rng = np.random.default_rng(4)
+    q, k, v, dout = far_below(rng, 1, 2, 20, 30, 16, offset=100.0, spread=0.1)
+    problem = (q, k, v, dout, None, {"beta": 2.0})
+    want = float32_extremes.oracle_results(*problem)
+    tiny = float(np.finfo(np.float32).tiny)
+    assert np.abs(want["out"]).max() < 1e-4 * tiny and 0 < abs(want["dbeta"]) < 1e-4 * tiny
+    have = float32_extremes.kernel_results(*problem)
+    assert_within(judged(problem, have))
+    assert_rejected(problem, have, "out", lambda out: out + 2 * tiny)
+    assert_rejected(problem, have, "dbeta", lambda dbeta: dbeta + 2 * tiny)

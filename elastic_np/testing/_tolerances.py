@@ -243,8 +243,7 @@ def _logit_condition(p, s, probs, lse, cap_slope=None):
     blocks, a tiled kernel otherwise: on a product of 12 from terms of 900
     the CPU kernel's was off by 1.4e-4, NumPy's by 2e-6 to 3e-5).
     """
-    k = np.repeat(p.k, p.group_size, axis=1)
-    products = abs(p.scale) * (np.abs(p.q) @ np.swapaxes(np.abs(k), -1, -2))
+    products = _products(p)[1]
     if cap_slope is not None:
         products = products * cap_slope
     z = np.maximum(np.abs(s), products) / p.tau[:, None, None]
@@ -252,41 +251,62 @@ def _logit_condition(p, s, probs, lse, cap_slope=None):
     return 1.0 + np.maximum(z, np.where(np.isfinite(lse), np.abs(lse), 0.0))
 
 
+def _products(p):
+    """``(scale q . k, |scale| sum_d |q_d k_d|)``, ``(B, H, N, M)``: the raw scores and their terms' magnitudes."""
+    k = np.repeat(p.k, p.group_size, axis=1)
+    raw = p.scale * (p.q @ np.swapaxes(k, -1, -2))
+    return raw, abs(p.scale) * (np.abs(p.q) @ np.swapaxes(np.abs(k), -1, -2))
+
+
+def _slope_condition(p):
+    """``2 |tanh(x)| max(|x|, |scale| sum_d |q_d k_d| / softcap)``, ``x = scale q . k / softcap``: the soft-cap's slope's factor.
+
+    The slope ``1 - tanh(x)^2`` moves by ``2 |tanh(x)| |dx|`` relative to
+    itself, and ``x`` is off by ``eps`` times the magnitude it is computed
+    from (`_logit_condition`): once the cap saturates (``|x|`` of 10 to 40,
+    where the slope is ``4 exp(-2 |x|)``, tiny but not 0 in float32) the
+    slope, and every gradient through it, is off by ``eps`` times ``2 |x|``
+    relative to itself.
+    """
+    raw, products = _products(p)
+    x = raw / p.softcap
+    return 2 * np.abs(np.tanh(x)) * np.maximum(np.abs(x), products / p.softcap)
+
+
 def _delta_magnitude(dout, out, dlse):
     """``sum |dout * out| + |dlse|`` per row: the magnitude of ``delta``'s terms."""
     return np.sum(np.abs(dout * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))
 
 
-def _sink_bound(p, delta, delta_mag, lse, cond):
-    """``sum_{b,i} |delta_i| cond_i exp(-lse_i)`` per head: the magnitude of ``dbeta``'s terms, each with its factor.
+def _sink_allowance(p, delta, delta_mag, lse, cond, dtype):
+    """``2 eps sum_{b,i} |delta_i| cond_i exp(-lse_i)``, the largest over ``dbeta``'s entries: its rounding allowance.
 
-    Each term is formed in the exponent, ``exp(log(|delta_i| cond_i) -
-    lse_i)``, so that one whose value fits float64 does not overflow on the
-    way. A head whose ``dbeta`` overflows float64 in the oracle gets 0: the
-    kit compares its infinity exactly (`worst_error`), and it must not make
-    the other heads' allowance infinite.
+    Summed in the exponent (a log-sum-exp over the rows of each head, and
+    over the heads of a shared ``beta``), so that a ``dbeta`` near float64's
+    largest number, whose terms' magnitudes with their factors overflow it,
+    still gets its allowance. An entry whose ``dbeta`` overflows float64 in
+    the oracle gets none: the kit compares its infinity exactly
+    (`worst_error`), and it must not make the others' allowance infinite.
     """
+    eps = float(np.finfo(compute_dtype(dtype)).eps)
     live = (delta != 0) & ~np.isneginf(lse)
-    terms = np.where(live, np.exp(np.log(delta_mag * cond) - lse), 0.0)
-    return np.where(np.isfinite(p.sink_gradient(delta, lse)), terms.sum(axis=(0, 2)), 0.0)
+    log_terms = np.where(live, np.log(delta_mag * cond) - lse, -np.inf)
+    log_sums = np.logaddexp.reduce(log_terms, axis=(0, 2) if math.prod(p.beta_shape) > 1 else (0, 1, 2))
+    oracle = np.reshape(p.sink_gradient(delta, lse), np.shape(log_sums))
+    log_bound = np.max(np.where(np.isfinite(oracle), log_sums, -np.inf), initial=-np.inf)
+    return float(np.minimum(np.exp(np.log(2 * eps) + log_bound), np.finfo(np.float64).max))
 
 
 def _allowances(terms, dtype):
-    """``{name: 2 * eps * max(terms)}`` for the terms that are not None, ``eps`` that of ``dtype``'s computation.
-
-    A sum of terms beyond float64's range (the oracle's value itself within
-    it) counts as float64's largest number: the allowance stays finite.
-    """
+    """``{name: 2 * eps * max(terms)}`` for the terms that are not None, ``eps`` that of ``dtype``'s computation."""
     eps = float(np.finfo(compute_dtype(dtype)).eps)
-    biggest = np.finfo(np.float64).max
-    return {name: 2 * eps * float(np.max(np.minimum(t, biggest), initial=0.0))
-            for name, t in terms.items() if t is not None}
+    return {name: 2 * eps * float(np.max(t, initial=0.0)) for name, t in terms.items() if t is not None}
 
 
 def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     """The rounding allowance of each quantity, beyond twice the naive evaluation's error.
 
-    Two effects no reordering of a naive evaluation samples, each given
+    The effects no reordering of a naive evaluation samples, each given
     ``2 eps`` times the sum of the magnitudes of the terms it scales:
 
     - **the logits' rounding.** A logit ``z`` computed in float32 is off by
@@ -304,7 +324,11 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
       ``|dz|`` is taken as ``p (|dP| + |delta|)``, ``|delta|`` as ``sum
       |dout * out| + |dlse|`` (a single key gives ``dz = 0`` and ``dq = 0``
       exactly, and every float32 evaluation a rounding of ``dP - delta``).
+    - **the soft-cap's slope.** ``dq`` and ``dk`` carry ``1 - tanh(x)^2``,
+      which moves by ``2 |tanh(x)|`` times the error of ``x``, relative to
+      itself (`_slope_condition`): large once the cap saturates.
 
+    ``dbeta``'s terms are summed in the exponent (`_sink_allowance`).
     ``dlse`` is the cotangent of ``lse``, if any (``delta`` is then ``delta - dlse``).
 
     Returns
@@ -328,22 +352,22 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
         delta_mag = _delta_magnitude(dout, out, dlse)
         dz_mag = weights * (np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None])
         dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
-        dbeta = _sink_bound(p, delta, delta_mag, lse, cond)
+        dbeta = _sink_allowance(p, delta, delta_mag, lse, cond, dtype)
         dsigma = None
         if gate is not None:
             dlogg = _backward._dlog_gate(p, *gate)
             dsigma = np.sum(np.abs(np.where(keep, dz_mag * dlogg, 0.0)), axis=(2, 3))
         ds_mag = dz_mag / p.tau[:, None, None]
-        ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope
+        ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope * (1 + _slope_condition(p) / cond[..., None])
         dq = abs(p.scale) * ds_raw_mag @ np.abs(np.repeat(p.k, p.group_size, axis=1))
         dk = (abs(p.scale) * np.swapaxes(ds_raw_mag, -1, -2) @ np.abs(p.q)).reshape(B, Hkv, p.group_size, M, D)
         dv = (np.swapaxes(weights, -1, -2) @ np.abs(dout)).reshape(B, Hkv, p.group_size, M, Dv)
         terms = {"out": weights @ v_abs, "lse": cond}
-    bounds = dataclasses.replace(p, bias=None).reduce_grads(dq, dk.sum(axis=2), dv.sum(axis=2), dtau, dbeta, dsigma)
-    terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dbeta", "dsigma")})
+    bounds = dataclasses.replace(p, bias=None).reduce_grads(dq, dk.sum(axis=2), dv.sum(axis=2), dtau, np.zeros(H), dsigma)
+    terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dsigma")})
     if p.bias is not None:
         terms["dbias"] = reduce_to_shape(ds_mag, p.bias_shape)
-    return _allowances(terms, dtype)
+    return dict(_allowances(terms, dtype), dbeta=dbeta)
 
 
 def kit_allowed(want, naive, dtype, rounding=0.0):
@@ -354,15 +378,19 @@ def kit_allowed(want, naive, dtype, rounding=0.0):
     `naive_orderings`: a naive evaluation has no preferred order of its sums,
     and one order alone is a noisy yardstick), ``rounding`` the quantity's
     `rounding_allowance` (what no reordering samples), ``floor`` the dtype's
-    `FLOOR`. The allowance is finite wherever the oracle is (the naive
-    evaluation stays finite there, see `naive_forward` and
+    `FLOOR`. It is never below the smallest normal number of the dtype the
+    computation takes (``1.2e-38`` for float32 and the halves): below it a
+    float holds no relative precision, its subnormals lie ``1.4e-45`` apart
+    and every term of a sum there may be off by that much, which no relative
+    allowance counts. The allowance is finite wherever the oracle is (the
+    naive evaluation stays finite there, see `naive_forward` and
     `naive_sink_gradient`); an oracle with no finite value allows nothing:
     its infinities must be matched exactly.
     """
     naive_error = max(worst_error(n, want)[0] for n in naive)
     if not np.isfinite(want).any():  # nothing to allow: `worst_error` compares the infinities exactly
         return 0.0, naive_error
-    floor = FLOOR[np.dtype(dtype).name] * _magnitude(want)
+    floor = max(FLOOR[np.dtype(dtype).name] * _magnitude(want), float(np.finfo(compute_dtype(dtype)).tiny))
     return max(2.0 * naive_error + rounding, floor), naive_error
 
 
