@@ -29,6 +29,7 @@ from elastic_np import cpu
 from elastic_np._problem import prepare
 from elastic_np.testing import _tolerances
 from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, assert_matches_oracle, make_dlse, make_inputs
+from test_hardening_window import faint_gate_inputs
 
 #: The double backward's outputs, as `DoubleBackwardGrads` names them.
 FIELDS = ("ddout", "ddlse", "dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
@@ -64,7 +65,11 @@ def check_case(dtype, opts, with_lse=True, seed=0, **shape):
     """Every output of the CPU double backward against the oracle (`assert_close`); returns the result."""
     q, k, v, dout = make_inputs(dtype, seed=seed, **shape)
     dlse = make_dlse(dtype, q, seed) if with_lse else None
-    u = cotangents(q, k, v, opts, dtype, seed)
+    return check_outputs(q, k, v, dout, cotangents(q, k, v, opts, dtype, seed), opts, dtype, dlse)
+
+
+def check_outputs(q, k, v, dout, u, opts, dtype, dlse=None):
+    """`check_case` on given inputs and cotangents ``u``, all in ``dtype``; returns the result."""
     got = double_backward(q, k, v, dout, u, opts, dlse)
     wide = [a.astype(np.float64) for a in (q, k, v, dout)]
     wide_u = {name: None if a is None else a.astype(np.float64) for name, a in u.items()}
@@ -223,3 +228,42 @@ def test_auto_is_the_cpu_kernels_without_a_gpu():
     kernels = double_backward(q, k, v, dout, u, {"tau": 0.8})
     for name, a, b in zip(FIELDS, auto, kernels):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+# --- s / tau beside a large log G, as the backward's (tests/test_hardening_window.py) -------------
+
+#: Along ``tau`` alone every output is a sum of terms in ``s / tau``; along every cotangent the
+#: gate's ``sigmadot d log G / d sigma`` dominates all but ``dtau``.
+ALONG = {"tau": ("ddtau",), "every": ("ddq", "ddk", "ddv", "ddtau", "ddbeta", "ddsigma")}
+
+
+def faint_gate_case(scale, along, dtype):
+    """`faint_gate_inputs` in ``dtype`` and its `cotangents` of the names ``along`` (None elsewhere).
+
+    ``ddk`` is scaled as ``k`` is (1e-3), so that ``sdot`` is as small as ``s``.
+    """
+    q, k, v, dout, opts = faint_gate_inputs(scale)
+    u = cotangents(q, k, v, opts, np.float32)
+    u["ddk"] *= np.float32(1e-3)
+    u = {name: a.astype(dtype) if name in along else None for name, a in u.items()}
+    return (*(a.astype(dtype) for a in (q, k, v, dout)), u, opts)
+
+
+@pytest.mark.parametrize("along", sorted(ALONG))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_scores_under_a_faint_gate_within_the_kits_rule(small_tiles, dtype, along):
+    # log G near -8 and s / tau near 1e-3: z - log G holds s / tau only to eps |log G|
+    q, k, v, dout, u, opts = faint_gate_case(1.0, ALONG[along], dtype)
+    check_outputs(q, k, v, dout, u, opts, dtype)
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", np.float64), ("cpu", np.float64), ("cpu", np.float32)])
+def test_zero_scores_under_a_gate_give_exact_zeros(small_tiles, backend, dtype):
+    # scale = 0: every s and sdot is 0, and so is dtau's tangent; along tau alone zdot = -s taudot / tau^2
+    # is 0 too, and with it every output
+    got = double_backward(*faint_gate_case(0.0, ALONG["every"], dtype), backend=backend)
+    np.testing.assert_array_equal(got.dtau, 0.0)
+    assert np.all(got.dsigma != 0.0)
+    got = double_backward(*faint_gate_case(0.0, ALONG["tau"], dtype), backend=backend)
+    for name in FIELDS[:-1]:
+        np.testing.assert_array_equal(getattr(got, name), 0.0, err_msg=name)

@@ -84,14 +84,17 @@ def double_backward(problem, dout, out, lse, dlse, direction):
         ensure_dbias(dtype)
     q_rows, q_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
     tan = _tangents(problem, opt, q, q_t, direction)
+    # as the backward: logits tiles without log G, added with the probabilities
+    # (`elastic_np.cpu._tangents.tile_probabilities`), so the tiles keep s / tau
+    options = (opt, opt._replace(has_gate=False))
 
     outdot, outdot_operand = new((B, H, N, Dv), dtype, out[1])
     lsedot, deltadot = np.empty((B, H, N)), np.empty((B, H, N))
-    _run_tasks(_tangent_rows_kernel, (k, v, q_t, dout, lse), tan, opt, config.BLOCK_Q, config.BLOCK_K,
+    _run_tasks(_tangent_rows_kernel, (k, v, q_t, dout, lse), tan, options, config.BLOCK_Q, config.BLOCK_K,
                (outdot_operand, lsedot, deltadot), tasks=task_counter(), work=B * H * N * M * (3 * D + 2 * Dv))
 
     ins = (k, v, q_rows, q_t, dout, dout_t, (lse, delta, lsedot, deltadot))
-    dq, dk, dv, dtau, dsigma, dbias = _key_pass(problem, opt, ins, tan, q[1])
+    dq, dk, dv, dtau, dsigma, dbias = _key_pass(problem, options, ins, tan, q[1])
     grads = problem.reduce_grads(
         dq, dk, dv, dtau,
         problem.sink_gradient(deltadot - delta * lsedot, lse),  # dbeta = -sum delta exp(-lse), differentiated
@@ -100,9 +103,10 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     return outdot, lsedot.astype(problem.compute_dtype), grads
 
 
-def _key_pass(problem, opt, ins, tan, q_layout):
+def _key_pass(problem, options, ins, tan, q_layout):
     """The key pass in chunks of key tiles, as the backward's: ``(dq, dk, dv, dtau, dsigma, dbias)`` tangents.
 
+    ``options = (opt, logits_opt)`` as `_tangent_keys_kernel` takes them;
     ``dtau`` and ``dsigma`` per ``(b, h)`` (None without a dynamic window),
     ``dbias`` compact (`_DbiasPlan.result`).
     """
@@ -125,7 +129,7 @@ def _key_pass(problem, opt, ins, tan, q_layout):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         keys = min(M, kt1 * block_k) - kt0 * block_k
-        _run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, opt, config.BLOCK_Q, block_k, kt0, kt1,
+        _run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
                    tasks=task_counter(), work=B * H * N * keys * (5 * D + 4 * Dv))
         _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
         plan.after_chunk()

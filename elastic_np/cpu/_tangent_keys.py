@@ -2,8 +2,9 @@
 
 The backward's kernel (`elastic_np.cpu._backward`) differentiated along the
 direction, with the same tasks, query spans, dq shares and dbias plan: per
-tile, ``p`` from ``lse``, ``sdot / tau`` (`score_tangent`), ``dP = dout v``
-and ``dPdot = dout vdot``, then per entry (`_dz_tangents`)
+tile, ``p`` from ``lse`` (`tile_probabilities`: the tile keeps ``s / tau``),
+``sdot / tau`` (`score_tangent`), ``dP = dout v`` and ``dPdot = dout
+vdot``, then per entry (`_dz_tangents`)
 
     zdot = sdot / tau - (s / tau) taudot / tau + sigmadot d log G / d sigma
     pdot = p (zdot - lsedot),  dz = p (dP - delta)
@@ -25,29 +26,31 @@ The rows of ``dtau``'s and ``dsigma``'s tangents are summed in float64.
 import numpy as np
 from numba import njit
 
-from elastic_np.cpu._backward import _copy_rows, _group_spans, _probabilities, _row_stats, dbias_tile
+from elastic_np.cpu._backward import _copy_rows, _group_spans, _row_stats, dbias_tile
 from elastic_np.cpu._calls import matmul_nn, matmul_tn
 from elastic_np.cpu._dbias import _pair_head, _task_pairs
 from elastic_np.cpu._logits import _logits_tile
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, shape
 from elastic_np.cpu._scalar import _like
-from elastic_np.cpu._tangents import score_tangent
+from elastic_np.cpu._tangents import score_tangent, tile_probabilities
 from elastic_np.cpu._threads import _zigzag, claim
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _tangent_keys_kernel(ins, tan, outs, dbias, opt, block_q, block_k, kt0, kt1, tasks, part, parts):
+def _tangent_keys_kernel(ins, tan, outs, dbias, options, block_q, block_k, kt0, kt1, tasks, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dkdot, dvdot, the tiles' shares of dqdot, the dtau, dsigma and dbias tangents.
 
     ``ins = (k, v, q_rows, q_t, dout, dout_t, rows)`` as the backward's
     (``q_rows`` the queries times ``scale / tau_h``), ``rows = (lse, delta,
     lsedot, deltadot)``; ``tan`` the `Tangents`; ``outs = (dk, dv,
-    dq_shares, share_rows, dtau_part, dsigma_part)`` and ``dbias`` as the
-    backward's (`elastic_np.cpu._backward._backward_kernel`), whose tasks,
-    each writing outputs of its own, its threads claim as these do.
+    dq_shares, share_rows, dtau_part, dsigma_part)``, ``dbias`` and
+    ``options = (opt, logits_opt)`` as the backward's
+    (`elastic_np.cpu._backward._backward_kernel`), whose tasks, each writing
+    outputs of its own, its threads claim as these do.
     """
     k, v, q_rows = ins[0], ins[1], ins[2]
+    opt = options[0]
     B, Hkv, M, D = shape(k)
     H, Dv = q_rows.shape[1], shape(v)[3]
     group = H // Hkv
@@ -66,7 +69,7 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, opt, block_q, block_k, kt0, kt1,
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
             b, hk = _pair_head(dbias[0], pair, outer, Hkv)
-            _key_tile(ins, tan, outs, dbias, opt, scratch, (b, hk, t, kt0 + t, slot), block_q, block_k)
+            _key_tile(ins, tan, outs, dbias, options, scratch, (b, hk, t, kt0 + t, slot), block_q, block_k)
 
 
 @inner(fastmath=False)
@@ -94,9 +97,10 @@ def _keys_scratch(k, block_q, block_k, Dv, group, has_softcap):
 
 
 @inner(fastmath=False)
-def _key_tile(ins, tan, outs, dbias, opt, scratch, task, block_q, block_k):
+def _key_tile(ins, tan, outs, dbias, options, scratch, task, block_q, block_k):
     """One key tile of one (batch, kv head) pair: ``task = (b, hk, t, kt, slot)``, ``t`` its place in the chunk."""
     k, v = ins[0], ins[1]
+    opt = options[0]
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
     b, hk, t, kt, slot = task
     M, N = opt.n_keys, opt.n_queries
@@ -120,7 +124,7 @@ def _key_tile(ins, tan, outs, dbias, opt, scratch, task, block_q, block_k):
                 continue
             share = dq_shares[t, b, h, i0 : i0 + bq]
             tile = (b, h, i0, bq, j0)
-            if not _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, head_sums[g]):
+            if not _key_tile_head(ins, tan, options, scratch, keys, tile, bk, head_sums[g]):
                 share[:, :] = 0.0
                 continue
             if dbias[0][0] > 0:
@@ -141,9 +145,10 @@ def _key_tile(ins, tan, outs, dbias, opt, scratch, task, block_q, block_k):
 
 
 @inner(fastmath=False)
-def _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, sums):
+def _key_tile_head(ins, tan, options, scratch, keys, tile, bk, sums):
     """The entrywise tangents of one head's tile (`_dz_tangents`); False when the mask leaves nothing in it."""
     q_t, dout_t, rows = ins[3], ins[5], ins[6]
+    opt, logits_opt = options
     lse, delta, lsedot, deltadot = rows
     tiles, cap, rows_t = scratch[0], scratch[1], scratch[2]
     st, pt, rdt, dpt, dpdt = tiles
@@ -151,13 +156,12 @@ def _key_tile_head(ins, tan, opt, scratch, keys, tile, bk, sums):
     b, h, i0, bq, j0 = tile
     Dv = dout_t.shape[3]
     it = i0 // q_t.shape[4]
-    nvm_in_logits = opt.nvm and opt.has_gate
-    kept, _ = _logits_tile(st, keys[0], q_t[b, h, it], opt, tile, nvm_in_logits, cap[0], rows_t[0, :0], opt.nvm)
+    kept, _ = _logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm)
     if not kept:
         return False
     _row_stats(lse, delta, b, h, i0, bq, rows_t[0], rows_t[1])
     _row_stats(lsedot, deltadot, b, h, i0, bq, rows_t[2], rows_t[3])
-    _probabilities(st, pt, rows_t[0], bk, bq, opt.nvm and not opt.has_gate)
+    tile_probabilities(st, pt, rows_t[0], opt, tile, bk)
     score_tangent(rdt, keys[0], kdot_j, tan, opt, tile, bk, cap[0], cap[1])
     matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
     matmul_nn(vd_rows, vd_col, dout_t[b, h, it], 0, dpdt, bk, bq, Dv, False)
@@ -186,12 +190,12 @@ def _tangent_products(ins, tan, scratch, keys, tile, bk, share):
 def _dz_tangents(tiles, rows_t, sums, tan, opt, tile, bk):
     """Entrywise: ``pdot``, ``dz`` and ``tau dsdot`` in place of ``p``, ``dP`` and ``dPdot``; the rows' sums.
 
-    ``tiles = (st, pt, rdt, dpt, dpdt)`` hold ``z``, ``p``, ``sdot / tau``,
+    ``tiles = (st, pt, rdt, dpt, dpdt)`` hold ``s / tau``, ``p``, ``sdot / tau``,
     ``dP``, ``dPdot``; ``rows_t`` the rows' ``lse``, ``delta``, ``lsedot``,
     ``deltadot``. ``sums`` (float64, by query) take ``dzdot s / tau + dz sdot
     / tau`` and ``dz s / tau`` (``dtau``'s tangent) and ``dzdot d log G /
     d sigma + dz sigmadot d^2 log G / d sigma^2`` (``dsigma``'s). Entries
-    with ``p = 0`` give 0 (their ``z`` may be ``-inf``).
+    with ``p = 0`` give 0 (their ``s / tau`` may be ``-inf``).
     """
     st, pt, rdt, dpt, dpdt = tiles
     delta_t, lsedot_t, deltadot_t = rows_t[1], rows_t[2], rows_t[3]
@@ -202,7 +206,7 @@ def _dz_tangents(tiles, rows_t, sums, tan, opt, tile, bk):
     gated = opt.has_gate
     base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the gate tables' index of (j0, i0)
     gb, gh = (b, h) if gated else (0, 0)  # the tables are 1 x 1 x 1 without a gate
-    log_gate, dlog_gate = opt.log_gate[gb, gh], opt.dlog_gate[gb, gh]
+    dlog_gate = opt.dlog_gate[gb, gh]
     dlog_dot, d2log_dot = tan.dlog_gate[gb, gh], tan.d2log_gate[gb, gh]
     for c in range(bk):
         at = base + c
@@ -210,11 +214,10 @@ def _dz_tangents(tiles, rows_t, sums, tan, opt, tile, bk):
             p = pt[c, r]
             live = p != 0
             sd = rdt[c, r]
+            s = st[c, r]
             if gated:
-                s = _like(st[c, r] - log_gate[at - r], st)
                 zdot = _like(sd - s * ratio + dlog_dot[at - r], st)
             else:
-                s = st[c, r]
                 zdot = sd - s * ratio_t
             s = s if live else zero
             dp = dpt[c, r] - delta_t[r]

@@ -2,7 +2,8 @@
 
 Over the key tiles that the query tile may keep (as the forward visits
 them), with ``p = exp(z - lse)`` recomputed from ``lse`` as the backward
-does and ``zdot`` the tangent of the logits:
+does (`tile_probabilities`: the tile keeps ``s / tau``) and ``zdot`` the
+tangent of the logits:
 
 - ``lsedot_i = sum_j p zdot + betadot exp(-lse_i)`` (float64 sums);
 - ``outdot_i = sum_j pdot v_j + p vdot_j`` with ``pdot = p (zdot - lsedot)``,
@@ -18,26 +19,28 @@ import numpy as np
 from numba import njit
 
 from elastic_np._ranges import key_range
-from elastic_np.cpu._backward import _probabilities
 from elastic_np.cpu._calls import matmul_tn
 from elastic_np.cpu._logits import _logits_tile
 from elastic_np.cpu._numba_private import inner
 from elastic_np.cpu._operands import head_rows, shape
 from elastic_np.cpu._scalar import _like
-from elastic_np.cpu._tangents import score_tangent
+from elastic_np.cpu._tangents import score_tangent, tile_probabilities
 from elastic_np.cpu._threads import claim, query_tile
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, tasks, part, parts):
+def _tangent_rows_kernel(ins, tan, options, block_q, block_k, outs, tasks, part, parts):
     """Query tiles: ``outs = (outdot, lsedot, deltadot)``.
 
     ``ins = (k, v, q_t, dout, lse)``: the operands of ``k``, ``v``,
     ``dout``, the logits' ``Q^T`` tiles (as the backward scales them) and
-    ``lse``; ``tan`` the `Tangents`. ``outdot`` is an operand in the
-    kernel's dtype, ``lsedot`` and ``deltadot`` float64 ``(B, H, N)``.
+    ``lse``; ``tan`` the `Tangents`; ``options = (opt, logits_opt)``: the
+    plan's options and those the logits tiles are formed with, the gate left
+    out (`tile_probabilities`). ``outdot`` is an operand in the kernel's
+    dtype, ``lsedot`` and ``deltadot`` float64 ``(B, H, N)``.
     """
     k, v, q_t, dout, lse = ins
+    opt, logits_opt = options
     B, Hkv, M, D = shape(k)
     H, N, Dv = q_t.shape[1], opt.n_queries, shape(v)[3]
     group = H // Hkv
@@ -52,9 +55,6 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, tasks, part, par
     lse_t = np.empty(block_q, dtype=dtype)
     zsum = np.empty(block_q)  # sum_j p zdot
     no_max = np.empty(0, dtype=dtype)
-    # NVM as in the backward: in the logits pass with a gate, else in the exponential's
-    nvm_in_logits = opt.nvm and opt.has_gate
-    nvm_in_exp = opt.nvm and not opt.has_gate
     n_tasks = B * H * n_qt
     for _ in range(n_tasks):
         task = claim(tasks)  # each task writes its own rows: `elastic_np.cpu._threads.claim`
@@ -72,10 +72,10 @@ def _tangent_rows_kernel(ins, tan, opt, block_q, block_k, outs, tasks, part, par
             bk = min(block_k, j_hi - j0)
             tile = (b, h, i0, bq, j0)
             k_j = head_rows(k, b, hk, j0, bk)
-            kept, _ = _logits_tile(st, k_j, q_t[b, h, it], opt, tile, nvm_in_logits, cap_slope, no_max, opt.nvm)
+            kept, _ = _logits_tile(st, k_j, q_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
             if not kept:
                 continue
-            _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp)
+            tile_probabilities(st, pt, lse_t, opt, tile, bk)
             score_tangent(rdt, k_j, head_rows(tan.k, b, hk, j0, bk), tan, opt, tile, bk, cap_slope, rdt[:0])
             _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk)
             v_rows, v_col = head_rows(v, b, hk, j0, bk)
@@ -92,20 +92,20 @@ def _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk):
     """``rdt = p zdot`` in place of ``sdot / tau``, and ``zsum[r] += sum_c p zdot`` in float64.
 
     ``zdot = sdot / tau - (s / tau) taudot / tau + sigmadot d log G / d sigma``
-    with ``s / tau = z - log G`` (``st`` holds ``z``); 0 where ``p = 0``,
-    among them the removed entries, whose ``z = -inf``.
+    with ``st`` the scores ``s / tau`` (`tile_probabilities`); 0 where ``p =
+    0``, among them the removed entries, whose ``s / tau`` may be ``-inf``.
     """
     b, h, i0, bq, j0 = tile
     zero = _like(0.0, st)
     if opt.has_gate:
         ratio = tan.tau_ratio[h]
-        base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the tables' index of (j0, i0)
-        log_gate, dlog_gate = opt.log_gate[b, h], tan.dlog_gate[b, h]
+        base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the table's index of (j0, i0)
+        dlog_gate = tan.dlog_gate[b, h]
         for c in range(bk):
             at = base + c
             for r in range(bq):
                 p = pt[c, r]
-                zdot = rdt[c, r] - (st[c, r] - log_gate[at - r]) * ratio + dlog_gate[at - r]
+                zdot = rdt[c, r] - st[c, r] * ratio + dlog_gate[at - r]
                 pz = _like(p * zdot, st) if p != 0 else zero
                 rdt[c, r] = pz
                 zsum[r] += pz

@@ -5,15 +5,16 @@ backward's outputs, see the derivations page, "Second derivatives"): the
 tangent queries scaled and transposed like the queries, ``kdot`` and
 ``vdot`` as operands, per head ``taudot / tau`` and ``betadot``, the gate's
 derivatives times ``sigmadot`` tabulated by offset like the plan's
-``log_gate``, and ``biasdot``'s distinct entries. `score_tangent` forms a
-tile's ``sdot / tau``, the first step of both passes of
+``log_gate``, and ``biasdot``'s distinct entries. `tile_probabilities`
+forms a tile's ``p`` from its scores ``s / tau`` and `score_tangent` its
+``sdot / tau``, the first steps of both passes of
 `elastic_np.cpu._double_backward`.
 """
 
 import collections
 
 from elastic_np.cpu import _calls
-from elastic_np.cpu._backward import _softcap_slope
+from elastic_np.cpu._backward import _gated_probabilities, _probabilities, _softcap_slope
 from elastic_np.cpu._calls import matmul_nn
 from elastic_np.cpu._logits import modify_tile
 from elastic_np.cpu._numba_private import inner
@@ -37,6 +38,25 @@ Tangents = collections.namedtuple(
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`
     ],
 )
+
+
+@inner(fastmath=False)
+def tile_probabilities(st, pt, lse_t, opt, tile, bk):
+    """``p = exp(z - lse)`` into ``pt`` from the scores ``s / tau`` in ``st``, which keeps them.
+
+    ``st`` is a logits tile formed without the gate (the passes' options
+    with ``has_gate`` False): as in the backward, ``log G`` joins here
+    (`elastic_np.cpu._backward._gated_probabilities`, ``z`` the forward's
+    bits) and NVM removes ``s < 0`` here, so that the passes read ``s /
+    tau`` itself, not ``z - log G``, which holds it only to the rounding of
+    ``z`` at ``|log G|``. ``tile`` as in `score_tangent`.
+    """
+    b, h, i0, bq, j0 = tile
+    if opt.has_gate:
+        base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the gate's index of (j0, i0)
+        _gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
+    else:
+        _probabilities(st, pt, lse_t, bk, bq, opt.nvm)
 
 
 @inner(fastmath=False)
