@@ -22,9 +22,11 @@ import time
 import numpy as np
 
 _CHILD = """
-import sys, time
+import signal, sys, time
 import numba, numpy as np
 import elastic_np as enp
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even where the parent ignores SIGINT
 
 threads, kind, N = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 numba.set_num_threads(threads)

@@ -33,7 +33,9 @@ def executor_runner(threads):
     """``_run_tasks`` as it was: each part submitted to a ``ThreadPoolExecutor``, the caller waiting."""
     executor = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def run_tasks(kernel, *args, work=None):
+    def run_tasks(kernel, *args, work=None, tasks=None):
+        if tasks is not None:
+            args = (*args, tasks)
         parts = _threads.thread_count()
         if parts == 1 or (work is not None and work < _config.SERIAL_WORK):
             kernel(*args, 0, 1)

@@ -17,6 +17,15 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
     os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
 
 
+@pytest.fixture(autouse=True)
+def pool_never_late(monkeypatch):
+    """A worker late for a call makes the next like it run on the calling thread (`cpu._threads._late_for`):
+    off in the tests, whose calls then use the pool as `SERIAL_WORK` says, whatever the machine's load."""
+    from elastic_np.cpu import _config
+
+    monkeypatch.setattr(_config, "LATE_WORKER_SECONDS", 0.0)
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 8 queries x 5 keys: every test shape spans several of both, on every thread."""

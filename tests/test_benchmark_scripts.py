@@ -228,6 +228,24 @@ def test_thread_pool_prints_each_case_and_restores_the_pool(capsys, monkeypatch)
     np.testing.assert_array_equal(call().view(np.uint16), want.view(np.uint16))  # the same bits on the executor
 
 
+def test_interrupts_interrupts_a_long_call_in_a_process_of_its_own():
+    import interrupts
+
+    stopped, latency = interrupts.one_run(1, "forward", 16384, 1.0, np.random.default_rng(0))
+    assert stopped and 0 <= latency < 1.0
+
+
+def test_loaded_machine_prints_both_libraries_and_their_ratio(capsys):
+    pytest.importorskip("torch")
+    import loaded_machine
+
+    loaded_machine.main(["--rounds", "1", "--repeat", "1", "--load", "1", "--only", "float32 (4"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("float32 (4, 8, 128, 64)")]
+    assert [row[5] for row in rows] == ["elastic_np", "torch"] and all(len(row) == 10 for row in rows)
+    assert out.count("ours/torch") == 1  # one case, one ratio of ratios
+
+
 def test_decode_products_prints_every_layout(capsys):
     import decode_products
 

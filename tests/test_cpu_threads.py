@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numba
 import numpy as np
@@ -109,6 +111,81 @@ def test_a_caller_that_slept_is_woken_when_the_last_part_ends(monkeypatch):
 
     cpu._threads._run_tasks(slow)
     assert sorted(seen) == [0, 1]
+
+
+def _late_workers(monkeypatch, late):
+    """Workers ``late`` start serving only once the returned event is set (as if the system gave them no core)."""
+    release, serve = threading.Event(), cpu._threads._Pool._serve
+
+    def late_serve(pool, w):
+        if w in late:
+            release.wait()
+        serve(pool, w)
+
+    monkeypatch.setattr(cpu._threads._Pool, "_serve", late_serve)
+    monkeypatch.setattr(cpu._threads, "_pool", None)
+    return release
+
+
+@pytest.mark.parametrize("work", [None, "interruptible"])
+def test_a_call_does_not_wait_for_a_worker_that_has_not_started(monkeypatch, work):
+    """The calling thread runs a part no worker has taken once a part has ended; the late worker then skips it."""
+    release = _late_workers(monkeypatch, {1} if work else {0})
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    owner, tasks = np.full(64, -1), cpu._threads.task_counter()
+    threading.Timer(5.0, release.set).start()  # a call that waited for the late worker would take 5 s
+    start = time.perf_counter()
+    if work:  # every part on the workers: worker 0's, then worker 1's taken back
+        cpu._threads._run_tasks(_claiming_kernel, owner, 0, tasks=tasks, work=cpu._config.INTERRUPTIBLE_WORK)
+    else:  # part 0 on the calling thread, then worker 0's taken back
+        cpu._threads._run_tasks(_claiming_kernel, owner, 0, tasks=tasks)
+    assert (owner >= 0).all() and time.perf_counter() - start < 2.5
+    release.set()
+    seen = []
+    for _ in range(3):  # the late worker skips the part it was too late for, and serves the next calls
+        cpu._threads._run_tasks(_record_part, seen, -1)
+    assert sorted(seen) == sorted([(0, 2), (1, 2)] * 3)
+
+
+def test_a_share_of_tasks_waits_for_its_late_worker(monkeypatch):
+    """A kernel that does not claim its tasks gets its worker's share from the worker, however late."""
+    release = _late_workers(monkeypatch, {0})
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    threading.Timer(0.3, release.set).start()
+    seen, start = [], time.perf_counter()
+    cpu._threads._run_tasks(_record_thread, seen)
+    assert time.perf_counter() - start >= 0.3 and sorted(seen) == [(0, "MainThread"), (1, "elastic_np-0")]
+
+
+def _record_thread(seen, part, parts):
+    seen.append((part, threading.current_thread().name))
+
+
+def _record_claimed(seen, tasks, part, parts):
+    seen.append((part, parts))
+
+
+def test_after_a_late_worker_calls_of_up_to_twice_its_work_run_on_the_calling_thread(monkeypatch):
+    """For `LATE_WORKER_SECONDS`, then the pool is tried again; a larger call uses it meanwhile."""
+    release = _late_workers(monkeypatch, {0})
+    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "LATE_WORKER_SECONDS", 0.5)
+    seen = []
+
+    def call(work):
+        seen.clear()
+        cpu._threads._run_tasks(_record_claimed, seen, tasks=cpu._threads.task_counter(), work=work)
+        return sorted(seen)
+
+    start = time.monotonic()
+    assert call(1000) == [(0, 2), (1, 2)]  # worker 0 late: part 1 taken back
+    release.set()
+    for work, parts in ((2000, 1), (500, 1), (2001, 2)):
+        assert [p for _, p in call(work)] == [parts] * parts, work
+    assert time.monotonic() - start < 0.5  # all of that within the pool's lateness
+    time.sleep(0.5)
+    assert call(1000) == [(0, 2), (1, 2)]
 
 
 def test_calls_find_their_worker_spinning_or_asleep(monkeypatch):

@@ -82,7 +82,7 @@ def test_a_short_call_runs_a_part_on_the_calling_thread(monkeypatch):
     for work, on_caller in ((cpu._config.INTERRUPTIBLE_WORK - 1, True), (cpu._config.INTERRUPTIBLE_WORK, False)):
         callers.clear()
         cpu._threads._run_tasks(record, tasks=cpu._threads.task_counter(), work=work)
-        assert sorted(callers) == [(0, on_caller), (1, False)]
+        assert sorted(part for part, _ in callers) == [0, 1] and (0, on_caller) in callers
 
 
 def test_a_call_from_another_thread_is_not_interruptible(monkeypatch):
@@ -106,6 +106,7 @@ import os, signal, sys, threading, time
 import numba, numpy as np
 import elastic_np as enp
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even where the parent ignores SIGINT
 threads, kind = int(sys.argv[1]), sys.argv[2]
 numba.set_num_threads(threads)
 rng = np.random.default_rng(0)

@@ -97,10 +97,10 @@ def backward(problem, dout, out, lse, dlse=None):
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        keys = min(M, kt1 * block_k) - kt0 * block_k
+        work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
         _run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
-                   tasks=task_counter(), work=B * H * N * keys * (3 * D + 2 * Dv))
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
+                   tasks=task_counter(), work=work)
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
     dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
@@ -129,7 +129,9 @@ def prepared(problem, opt, q, dout, out, dlse):
     q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
     dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
     delta = np.empty((B, H, N), dtype=np.float64)
-    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta))
+    # the work of the backward it prepares decides the threads (`_run_tasks`)
+    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
+               work=B * H * N * M * (3 * D + 2 * Dv))
     if dlse is not None:
         np.subtract(delta, dlse, out=delta)
     return q_scaled, q_scaled_t, dout_t, delta

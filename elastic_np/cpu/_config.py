@@ -65,9 +65,14 @@ THREAD_SPIN_SECONDS = 3e-4
 CALLER_SPIN_SECONDS = 2e-3
 #: Multiply-adds from which a call from the main thread runs all its parts on
 #: the pool's workers while the calling thread sleeps, where a signal (Ctrl-C)
-#: reaches it and stops the call's tasks (`elastic_np.cpu._threads`): a few
-#: milliseconds of arithmetic, against up to 0.1 ms to wake the caller.
-INTERRUPTIBLE_WORK = 1 << 28
+#: reaches it and stops the call's tasks (`elastic_np.cpu._threads`): tens of
+#: milliseconds of arithmetic on two cores, against about 1 ms that the hand-off
+#: costs (docs/performance.rst); a shorter call ends before Ctrl-C is missed.
+INTERRUPTIBLE_WORK = 1 << 32
+#: Seconds for which calls of up to twice the work of a call a worker was late
+#: for run on the calling thread alone (`elastic_np.cpu._threads._late_for`):
+#: on a loaded machine the pool is tried again this often.
+LATE_WORKER_SECONDS = 0.5
 #: Multiply-adds from which a call that runs on the pool first asks the OpenMP
 #: runtimes in the process (PyTorch's) to let their idle workers go
 #: (`elastic_np.cpu._openmp`): they spin for milliseconds after each of their

@@ -128,10 +128,10 @@ def _key_pass(problem, options, ins, tan, q_layout):
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
-        keys = min(M, kt1 * block_k) - kt0 * block_k
+        work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (5 * D + 4 * Dv)  # the chunk's
         _run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
-                   tasks=task_counter(), work=B * H * N * keys * (5 * D + 4 * Dv))
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum)
+                   tasks=task_counter(), work=work)
+        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout
     dq = dq_sum if q_layout == BHND else new((B, H, N, D), dtype, q_layout)[0]
@@ -155,7 +155,8 @@ def _tangents(problem, opt, q, q_t, direction):
     tiles = (B, H, n_qt, D, config.BLOCK_Q)
     qdot_t = np.zeros(tiles, dtype)
     q_tan_t = np.zeros(tiles, dtype) if problem.nvm else q_t
-    _run_tasks(_tangent_queries, q, qdot, opt, config.BLOCK_Q, (q_tan_t, qdot_rows, qdot_t))
+    _run_tasks(_tangent_queries, q, qdot, opt, config.BLOCK_Q, (q_tan_t, qdot_rows, qdot_t),
+               work=B * H * N * M * (5 * D + 4 * Dv))  # the double backward's, which decides the threads
     dlog, d2log = _gate_tangents(problem, opt, d.sigma)
     if problem.bias is None:
         bias, bias_strides = opt.bias, opt.bias_strides  # a dummy, never read

@@ -71,10 +71,11 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
 
     ``tasks``: the call's `task_counter`, for a kernel whose threads claim
     their tasks from it (`claim`): then ``kernel(*args, tasks, part, parts)``,
-    and a long call is interruptible (`_interruptible`). With ``work`` (the
-    multiply-adds of the call, an estimate) below `SERIAL_WORK`, or while
-    another Python thread's call holds the pool, on the calling thread alone
-    (``parts = 1``).
+    and a long call is interruptible (`_interruptible`). ``work``: the
+    multiply-adds of the call, an estimate (of the attention call it serves,
+    for a pass that prepares or sums for one); below `SERIAL_WORK`, after a
+    late worker (`_late_for`), or while another Python thread's call holds
+    the pool, on the calling thread alone (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
     tasks (`_task_range`), or, in the kernels of the forward, decode,
@@ -91,7 +92,7 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
     if tasks is not None:
         args = (*args, tasks)
     interruptible = _interruptible(tasks, work)
-    serial = threads == 1 or (work is not None and work < config.SERIAL_WORK)
+    serial = threads == 1 or (work is not None and (work < config.SERIAL_WORK or _late_for(work)))
     pool = None if serial and not interruptible else _pool_of(threads)
     if pool is None or not pool.lock.acquire(blocking=False):
         kernel(*args, 0, 1)
@@ -102,9 +103,24 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
         else:
             if work is None or work >= config.QUIET_OPENMP_WORK:
                 _openmp.quiet()  # their spinning workers would share the cores with the parts
-            pool.run(kernel, args, threads, tasks if interruptible else None)
+            pool.run(kernel, args, threads, tasks, interruptible, work)
     finally:
         pool.lock.release()
+
+
+def _late_for(work):
+    """Whether a worker of the pool was late for a call of at least ``work`` multiply-adds a moment ago.
+
+    Late: it had not taken its part when the calling thread had ended its
+    own (`_Pool.run`), so it added nothing but a thread to wake. For
+    `config.LATE_WORKER_SECONDS` after that, calls of up to twice that work
+    run on the calling thread alone: on a loaded machine (other processes
+    on the cores) the woken workers would only take turns with them, and
+    with the caller's neighbours (PyTorch's threads); then the pool is tried
+    again.
+    """
+    pool = _pool
+    return pool is not None and work <= pool.late_work and pool.late()
 
 
 def _interruptible(tasks, work):
@@ -143,22 +159,28 @@ def _cores():
 class _Pool:
     """Worker threads, each serving the parts posted to it.
 
-    ``flags[2 w]`` counts the parts posted to worker ``w``, ``flags[2 w + 1]``
-    those it has finished; either side spins on the other's count
-    (`_spin_while`) and then sleeps on an event, which the other sets after
-    each change of its count. A call waits until every worker has finished
-    the parts of any earlier call (one interrupted, say) before it posts.
+    ``flags[3 w]`` counts the parts posted to worker ``w``, ``flags[3 w + 1]``
+    those finished, and ``flags[3 w + 2]`` those taken: a part of a kernel
+    that claims its tasks runs on whichever thread takes it first (`_take`),
+    the worker when it gets to it, or the calling thread once its own part
+    is done, so such a call never waits for a worker that the system has not
+    given a core yet (a loaded machine).
+    Either side spins on the other's count (`_spin_while`) and then sleeps
+    on an event, which the other sets after each change of its count. A call
+    waits until every worker has finished the parts of any earlier call (one
+    interrupted, say) before it posts.
     """
 
     def __init__(self, size):
         self.size = size
         self.lock = threading.Lock()  # held by the call running on the pool
-        self.flags = np.zeros(2 * size, dtype=np.int64)
-        self.jobs = [None] * size  # (count, kernel, args, errors, wake): the part of post ``count``
+        self.flags = np.zeros(3 * size, dtype=np.int64)
+        self.jobs = [None] * size  # (kernel, args, errors, wake): the part of the last post, until taken
         self.posted = [threading.Event() for _ in range(size)]
         self.finished = [threading.Event() for _ in range(size)]
         self.closed = False
         self.broken = False
+        self.late_work, self.late_until = -1, 0.0  # see `_late_for`
         # spinning only pays when every thread that runs a part has a core: else it takes another's
         spins = _CLOCK is not None and _cores() >= size
         self.spin_ns = int(config.THREAD_SPIN_SECONDS * 1e9) if spins else 0
@@ -168,31 +190,33 @@ class _Pool:
         for thread in self.threads:
             thread.start()
 
-    def run(self, kernel, args, parts, tasks=None):
+    def run(self, kernel, args, parts, tasks=None, interruptible=False, work=None):
         """``kernel(*args, part, parts)`` for every part; raises a part's error.
 
-        Part 0 runs on the calling thread; with ``tasks`` (the counter the
-        kernel claims its tasks from), every part runs on a worker and the
-        calling thread sleeps until they end: an exception that a signal's
-        handler raises there stops the tasks (`stop`) and goes on once each
-        worker has ended the task it held.
+        Part 0 runs on the calling thread. ``tasks``: the counter the kernel
+        claims its tasks from, if it does; once a part has ended, a part no
+        worker has taken yet finds none left, and runs on the calling thread
+        at once (`_take_back`) rather than waiting for a worker that the
+        system has not given a core. ``interruptible``: the parts are the
+        workers', and the calling thread sleeps until the first ends (then
+        takes back the others'): an exception that a signal's handler raises
+        there stops the tasks (`stop`) and goes on once each worker has
+        ended the task it held. A part taken back after the caller's own, of
+        a call of ``work`` multiply-adds, makes the pool late for that work
+        (`_late_for`).
         """
-        first = 0 if tasks is not None else 1  # the first part a worker runs
+        first = 0 if interruptible else 1  # the first part a worker runs
         errors = [None] * (parts - first)
         posted = []
         try:
             for w in range(parts - first):
-                self._wait_finished(w, self.caller_spin_ns)  # an interrupted call's part, if any
-                self.jobs[w] = (self.flags[2 * w] + 1, kernel, (*args, w + first, parts), errors, first == 0)
-                self.flags[2 * w] += 1
+                self._post(w, (kernel, (*args, w + first, parts), errors, first == 0))
                 posted.append(w)
-                self.posted[w].set()
             if first:
                 kernel(*args, 0, parts)
-            for w in posted:
-                self._wait_finished(w, self.caller_spin_ns if first else 0)
+            late = self._collect(posted, caller_ran=first == 1, claimed=tasks is not None)
         except BaseException:
-            if tasks is not None:
+            if interruptible:
                 stop(tasks)
             raise
         finally:
@@ -201,6 +225,42 @@ class _Pool:
         for error in errors:
             if error is not None:
                 raise error
+        if late and work is not None:
+            self._note_late(work)
+
+    def _post(self, w, job):
+        """Post ``job = (kernel, args, errors, wake)`` to worker ``w``, once its earlier parts have ended."""
+        self._wait_finished(w, self.caller_spin_ns)  # an interrupted call's part, if any
+        self.jobs[w] = job
+        self.flags[3 * w] += 1
+        self.posted[w].set()
+
+    def _collect(self, posted, caller_ran, claimed):
+        """Wait for the ``posted`` workers' parts, or take them back; whether one was late for the caller's part.
+
+        In a kernel that claims its tasks (``claimed``), once a part has ended
+        (the caller's, or the first worker's), a part that no worker has
+        taken finds no task left and runs on the calling thread. (A share of
+        another kernel's tasks would run there after the caller's own: a
+        worker waking, 0.1-1 ms on a virtual machine, is waited for.)
+        """
+        late = False
+        for i, w in enumerate(posted):
+            if claimed and (caller_ran or i) and self._take_back(w):
+                late = late or caller_ran
+            else:
+                self._wait_finished(w, self.caller_spin_ns if caller_ran else 0)
+        return late
+
+    def late(self):
+        """Whether a worker was late a moment ago (`_late_for`)."""
+        return time.monotonic() < self.late_until
+
+    def _note_late(self, work):
+        """A worker was late for a call of ``work`` multiply-adds: the next calls of up to twice that go serial."""
+        now = time.monotonic()
+        self.late_work = max(2 * work, self.late_work if now < self.late_until else -1)
+        self.late_until = now + config.LATE_WORKER_SECONDS
 
     def close(self):
         """Let the workers exit, once the call running on the pool, if any, has finished."""
@@ -209,14 +269,27 @@ class _Pool:
         for event in self.posted:
             event.set()
 
+    def _take_back(self, w):
+        """Run worker ``w``'s posted part on the calling thread if the worker has not taken it; whether it did."""
+        count = int(self.flags[3 * w])
+        if not _take(self.flags, 3 * w + 2, count - 1, count):
+            return False
+        kernel, args, _, _ = self.jobs[w]
+        self.jobs[w] = None
+        try:
+            kernel(*args)
+        finally:
+            _store(self.flags, 3 * w + 1, count)
+        return True
+
     def _wait_finished(self, w, spin_ns):
         """Wait for worker ``w``'s parts: spin up to ``spin_ns`` nanoseconds, then sleep (where signals' handlers run)."""
-        posted = self.flags[2 * w]
-        if self.flags[2 * w + 1] == posted:
+        posted = self.flags[3 * w]
+        if self.flags[3 * w + 1] == posted:
             return
         if spin_ns:
-            _spin_while(self.flags, 2 * w + 1, self.flags[2 * w + 1], spin_ns, -1)
-        while self.flags[2 * w + 1] != posted:
+            _spin_while(self.flags, 3 * w + 1, self.flags[3 * w + 1], spin_ns, -1)
+        while self.flags[3 * w + 1] != posted:
             # woken each 0.1 s: a signal's handler runs then even where the signal went to another thread
             if not self.finished[w].wait(timeout=0.1) and not self.threads[w].is_alive():
                 self.broken = True
@@ -225,7 +298,7 @@ class _Pool:
 
     def _serve(self, w):
         seen = 0
-        changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, -1)
+        changed = _spin_while(self.flags, 3 * w, seen, self.spin_ns, -1)
         while True:
             if not changed:  # no part posted within the spin: sleep
                 self.finished[w].set()  # for a caller that fell asleep waiting for the last part
@@ -233,21 +306,40 @@ class _Pool:
                     return
                 self.posted[w].wait()
                 self.posted[w].clear()  # a set after the wait is for a count checked next
-                changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, -1)
+                changed = _spin_while(self.flags, 3 * w, seen, self.spin_ns, -1)
                 continue
-            count, kernel, args, errors, wake = self.jobs[w]  # posted before the count: the part of `count`
-            self.jobs[w] = None
-            try:
-                kernel(*args)
-            except BaseException as exc:  # raised by the calling thread
-                errors[w] = exc
-            seen = count
-            kernel = args = errors = None  # nothing of the call outlives it here
-            if wake:  # the caller sleeps: the count, then its event
-                _spin_while(self.flags, 2 * w, seen, 0, 2 * w + 1)
-                self.finished[w].set()
-            # the count of finished parts is stored without the GIL, which the caller, seeing it, takes at once
-            changed = _spin_while(self.flags, 2 * w, seen, self.spin_ns, 2 * w + 1)
+            seen = int(self.flags[3 * w])
+            finished = -1  # where the spin stores the count of finished parts: nowhere if the caller took the part
+            if _take(self.flags, 3 * w + 2, seen - 1, seen):
+                if self._run_part(w):  # the caller sleeps: the count, then its event
+                    _store(self.flags, 3 * w + 1, seen)
+                    self.finished[w].set()
+                else:
+                    finished = 3 * w + 1
+            # the count is stored without the GIL, in the spin, where the caller, seeing it, takes the GIL at once
+            changed = _spin_while(self.flags, 3 * w, seen, self.spin_ns, finished)
+
+    def _run_part(self, w):
+        """Run worker ``w``'s posted part, which it has taken; whether its caller sleeps until it ends."""
+        kernel, args, errors, wake = self.jobs[w]  # posted before the count
+        self.jobs[w] = None
+        try:
+            kernel(*args)
+        except BaseException as exc:  # raised by the calling thread
+            errors[w] = exc
+        return wake
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _take(flags, i, expected, taken):
+    """``flags[i] = taken`` if ``flags[i] == expected``, as one atomic step of every thread's; whether it was."""
+    return _compare_exchange(flags, i, expected, taken)
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _store(flags, i, value):
+    """``flags[i] = value``, released to the other threads, without the GIL."""
+    _write_release(flags, i, value)
 
 
 #: The clock the spins read (`_monotonic_ns`); None where the platform has no ``clock_gettime``: nobody spins.
@@ -370,6 +462,17 @@ def claim(tasks):
     if _read_acquire(tasks, 1) != 0:
         return _STOPPED
     return _fetch_add(tasks, 0, 1)
+
+
+@intrinsic
+def _compare_exchange(typingctx, flags, i, expected, new):
+    """``flags[i] = new`` if ``flags[i] == expected``, as one atomic step of every thread's; whether it was."""
+    def codegen(context, builder, signature, args):
+        expected, new = (context.cast(builder, args[k], signature.args[k], types.int64) for k in (2, 3))
+        pair = builder.cmpxchg(_flag_pointer(context, builder, signature, args), expected, new, "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+
+    return (types.boolean(flags, types.intp, expected, new), codegen) if _is_flags(flags) else None
 
 
 @intrinsic
