@@ -89,11 +89,11 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu import _decode, _forward, _forward_amx
     from elastic_np.cpu._backward import backward
     from elastic_np.cpu._double_backward import double_backward
-    from elastic_np.cpu._threads import thread_count
+    from elastic_np.cpu._threads import start_threads, thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
-    "double_backward", "thread_count",
+    "double_backward", "thread_count", "start_threads",
 ]
 
 

@@ -108,6 +108,13 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
         pool.lock.release()
 
 
+def start_threads():
+    """Start the pool of `thread_count` threads, and load its compiled helpers, as a first parallel call would."""
+    threads = thread_count()
+    if threads > 1:
+        _pool_of(threads)
+
+
 def _late_for(work):
     """Whether a worker of the pool was late for a call of at least ``work`` multiply-adds a moment ago.
 
@@ -185,6 +192,10 @@ class _Pool:
         spins = _CLOCK is not None and _cores() >= size
         self.spin_ns = int(config.THREAD_SPIN_SECONDS * 1e9) if spins else 0
         self.caller_spin_ns = int(config.CALLER_SPIN_SECONDS * 1e9) if spins else 0
+        # compiled (or loaded) now, not within a later call that first takes a part back
+        _take(self.flags, 0, 0, 0)
+        _store(self.flags, 0, 0)
+        _spin_while(self.flags, 0, 1, 0, -1)
         self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"elastic_np-{w}", daemon=True)
                         for w in range(size)]
         for thread in self.threads:
