@@ -13,10 +13,11 @@ median of ``--repeat`` steps. Printed per case and library: the medians of
 the idle and loaded rounds, their ratio (loaded / idle), and ours / torch's
 ratio, median and range over the rounds' pairs.
 
-Usage: ``python benchmarks/loaded_machine.py [--rounds R] [--repeat N] [--load P] [--only TEXT]``
+Usage: ``python benchmarks/loaded_machine.py [--rounds R] [--repeat N] [--load P] [--only TEXT] [--json PATH]``
 """
 
 import argparse
+import json
 import multiprocessing
 import time
 
@@ -121,6 +122,7 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--load", type=int, default=2)
     parser.add_argument("--only", default="", help="the cases whose name holds this text (default: all)")
+    parser.add_argument("--json", help="write every round's medians (seconds) here")
     args = parser.parse_args(argv)
     import torch
 
@@ -139,6 +141,9 @@ def main(argv=None):
                     loaded.append(timed_round(steps, args.repeat))
             else:
                 idle.append(timed_round(steps, args.repeat))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": threads, "load": args.load, "idle": idle, "loaded": loaded}, f, indent=1)
     print(f"{threads} threads, {args.load} busy processes in the loaded rounds, {args.rounds} rounds of "
           f"{args.repeat} steps; medians in ms; loaded / idle per library; ours / torch's")
     print(f"{'case':28s} {'library':10s} {'idle':>8} {'loaded':>8}  loaded/idle")

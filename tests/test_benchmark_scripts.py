@@ -1,5 +1,6 @@
 """The scripts in ``benchmarks/`` run end to end on a tiny problem (their figures are not checked)."""
 
+import json
 import os
 import sys
 
@@ -235,15 +236,19 @@ def test_interrupts_interrupts_a_long_call_in_a_process_of_its_own():
     assert stopped and 0 <= latency < 1.0
 
 
-def test_loaded_machine_prints_both_libraries_and_their_ratio(capsys):
+def test_loaded_machine_prints_both_libraries_and_their_ratio(capsys, tmp_path):
     pytest.importorskip("torch")
     import loaded_machine
 
-    loaded_machine.main(["--rounds", "1", "--repeat", "1", "--load", "1", "--only", "float32 (4"])
+    path = tmp_path / "rounds.json"
+    loaded_machine.main(["--rounds", "1", "--repeat", "1", "--load", "1", "--only", "float32 (4",
+                         "--json", str(path)])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("float32 (4, 8, 128, 64)")]
     assert [row[5] for row in rows] == ["elastic_np", "torch"] and all(len(row) == 10 for row in rows)
     assert out.count("ours/torch") == 1  # one case, one ratio of ratios
+    saved = json.loads(path.read_text())
+    assert saved["load"] == 1 and len(saved["idle"]) == len(saved["loaded"]) == 1
 
 
 def test_decode_products_prints_every_layout(capsys):
