@@ -8,13 +8,18 @@ ratios the CPU kernels aim at: torch time / our time (> 1: faster than
 torch), float32 and float64, forward and forward + backward; the cost of the
 elastic options (nvm + tau + beta) over plain attention; causal speed-up.
 
-Usage: ``python benchmarks/cpu_vs_torch.py [--rounds R] [--n N] [--heads H]``
+With ``--json PATH`` it also writes the ratios (median, min, max over the
+rounds) and each case's per-round seconds to a results file
+(``benchmarks/_record.py``).
+
+Usage: ``python benchmarks/cpu_vs_torch.py [--rounds R] [--n N] [--heads H] [--json PATH]``
 """
 
 import argparse
 
 import numpy as np
 
+import _record
 import elastic_np as enp
 try:
     import elastic_np.cli._bench as _bench
@@ -35,6 +40,7 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--no-naive", action="store_true", help="skip the naive NumPy baseline")
+    parser.add_argument("--json", metavar="PATH", help="write the ratios and per-round seconds here")
     args = parser.parse_args(argv)
 
     B, H, N, D = 1, args.heads, args.n, args.dim
@@ -89,15 +95,21 @@ def main(argv=None):
         print(f"{name:28s} {t.min():8.4f} {gf:8.1f} {100 * gf / peak:6.1f}%")
 
     print(f"\nratios over {args.rounds} interleaved rounds (per round), min-max:")
+    ratios = {}
     for dt in ("float32", "float64"):
         if have_torch:
             for part in ("fwd", "fwd+bwd"):
-                r = times[f"{dt} torch {part}"] / times[f"{dt} {part}"]
+                ratios[f"{dt} {part} torch/ours"] = r = times[f"{dt} torch {part}"] / times[f"{dt} {part}"]
                 print(f"  {dt} {part:8s} torch/ours        {_ranges(r)}")
-    r = times["float32 fwd"] / times["float32 fwd causal"]
+    ratios["float32 fwd full/causal"] = r = times["float32 fwd"] / times["float32 fwd causal"]
     print(f"  float32 causal speed-up full/causal   {_ranges(r)}")
-    r = times["float32 fwd nvm+tau+beta"] / times["float32 fwd"] - 1.0
-    print(f"  float32 nvm+tau+beta overhead         {_ranges(100 * r)} %")
+    ratios["float32 fwd nvm+tau+beta/plain"] = r = times["float32 fwd nvm+tau+beta"] / times["float32 fwd"]
+    print(f"  float32 nvm+tau+beta overhead         {_ranges(100 * (r - 1.0))} %")
+    if args.json:
+        _record.write(args.json, "benchmarks/cpu_vs_torch.py", argv,
+                      {name: _record.summary(r) for name, r in ratios.items()},
+                      shape={"B": B, "H": H, "N": N, "M": N, "D": D}, rounds=args.rounds, repeat=args.repeat,
+                      seconds={name: t.tolist() for name, t in times.items()})
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ function, exclusive of the functions it compiled in turn (Numba's event API,
 so that each sees the same load; ``--public SETTING`` (repeatable) runs each
 tree once per value of ``ELASTIC_NP_PUBLIC_NUMBA`` (``""``: every private
 path of ``elastic_np/cpu/_numba_private.py`` on, ``1``: none, or the names of
-those to turn off), alternated the same way.
+those to turn off), alternated the same way. With ``--json PATH``, the seconds of every step
+(wall and CPU) of each round, and their median and range per variant, go to a
+results file (``benchmarks/_record.py``).
 
 Usage: ``python benchmarks/first_call.py [TREE ...] [--rounds R] [--check] [--after-warmup] [--breakdown N]
-[--public SETTING ...]``
+[--public SETTING ...] [--json PATH]``
 """
 
 import argparse
@@ -32,6 +34,8 @@ import time
 from collections import defaultdict
 
 import numpy as np
+
+import _record
 
 
 class CompileTimes:
@@ -142,6 +146,7 @@ def main(argv=None):
                         help="fill the cache with elastic_np.warmup() first; time a warmup() that loads it")
     parser.add_argument("--public", action="append", metavar="SETTING",
                         help="a value of ELASTIC_NP_PUBLIC_NUMBA to run each tree with (repeatable)")
+    parser.add_argument("--json", metavar="PATH", help="write every round's seconds and their medians here")
     args = parser.parse_args(argv)
     variants = [(tree, public) for tree in args.trees or [None] for public in args.public or [None]]
     results = {variant: [] for variant in variants}
@@ -165,6 +170,12 @@ def main(argv=None):
             print("  compile, exclusive (last round):")
             for name, seconds in runs[-1]["compile"]:
                 print(f"  {seconds:7.2f} s  {name}")
+    if args.json:
+        figures = {label(variant): {name: _record.summary([run["steps"][name] for run in runs])
+                                    for name in runs[0]["steps"]}
+                   for variant, runs in results.items()}
+        _record.write(args.json, "benchmarks/first_call.py", argv, figures,
+                      rounds={label(variant): runs for variant, runs in results.items()})
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ The layer projects ``x`` to ``q, k, v`` in FlashAttention's layout, runs
 `elastic_np.torch.ElasticAttention` (learned ``tau`` and sink, causal) and
 projects back; a step is its forward and backward. Both versions run in this
 process over interleaved rounds; printed: each one's median step time and the
-compiled/eager ratio per round (median and range).
+compiled/eager ratio per round (median and range); with ``--json PATH``
+also a results file of them (``benchmarks/_record.py``).
 
-Usage: ``python benchmarks/torch_compile_step.py [--seq N] [--rounds R] [--steps S]``
+Usage: ``python benchmarks/torch_compile_step.py [--seq N] [--rounds R] [--steps S] [--json PATH]``
 """
 
 import argparse
@@ -15,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+import _record
 import elastic_np.torch as enpt
 
 
@@ -46,6 +48,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="write the step times and their ratio here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     layer = Layer(8, 64)
@@ -63,6 +66,12 @@ def main(argv=None):
     for name, t in times.items():
         print(f"  {name:<9} {1e3 * np.median(t):8.2f} ms")
     print(f"  compiled / eager: {np.median(ratio):.3f} [{ratio.min():.3f}-{ratio.max():.3f}]")
+    if args.json:
+        figures = {"compiled/eager": _record.summary(ratio),
+                   **{f"{name} step seconds": _record.summary(t) for name, t in times.items()}}
+        _record.write(args.json, "benchmarks/torch_compile_step.py", argv, figures,
+                      shape={"B": 1, "N": args.seq, "H": 8, "D": 64}, rounds=args.rounds, steps=args.steps,
+                      torch_threads=torch.get_num_threads(), seconds=times)
 
 
 if __name__ == "__main__":
