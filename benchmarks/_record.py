@@ -40,11 +40,15 @@ def summary(values):
 
 
 def write(path, script, argv, figures, **details):
-    """Write ``script``'s record to ``path``: its command (``argv``), machine, date, commit and ``figures``."""
+    """Write ``script``'s record to ``path``: its command (``argv``), machine, date, commit and ``figures``.
+
+    ``load_average`` is the machine's at the end (1, 5 and 15 minutes), the
+    work of other processes the figures shared the cores with.
+    """
     argv = sys.argv[1:] if argv is None else argv
     record = {"script": script, "command": "python " + " ".join([script, *argv]),
               "date": datetime.date.today().isoformat(), "commit": commit(), "machine": machine(),
-              "figures": figures, **details}
+              "load_average": [round(x, 2) for x in os.getloadavg()], "figures": figures, **details}
     with open(path, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
         f.write("\n")

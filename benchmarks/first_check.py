@@ -5,7 +5,8 @@ elastic_np check --quick`` in a new process (it compiles every kernel the
 battery runs), then runs it again in another process that loads them from
 that cache. It prints the wall seconds of both per round, and the CPU
 seconds of the processes (the check's and the one compiling float64 beside
-it: the fairer figure on a loaded machine), and their median and range;
+it: the fairer figure on a loaded machine), and their median and range, and
+the machine's load average after each round;
 ``--json PATH`` writes them to a results file (``benchmarks/_record.py``).
 The time of ``pip install .`` is not included.
 
@@ -43,12 +44,14 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="write every round's seconds and their medians here")
     args = parser.parse_args(argv)
     seconds = {"fresh cache": [], "filled cache": [], "fresh cache cpu": [], "filled cache cpu": []}
+    load = []
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as cache:
             for name in ("fresh cache", "filled cache"):
                 wall, cpu = timed_check(cache)
                 seconds[name].append(wall)
                 seconds[f"{name} cpu"].append(cpu)
+        load.append(os.getloadavg()[0])
         print(f"round {r + 1}: " + ", ".join(f"{name} {values[-1]:.1f} s" for name, values in seconds.items()),
               flush=True)
     figures = {name: _record.summary(values) for name, values in seconds.items()}
@@ -56,7 +59,8 @@ def main(argv=None):
         print(f"{name}: median {figure['median']:.1f} s ({figure['min']:.1f}-{figure['max']:.1f}) "
               f"over {args.rounds} rounds")
     if args.json:
-        _record.write(args.json, "benchmarks/first_check.py", argv, figures, seconds=seconds)
+        _record.write(args.json, "benchmarks/first_check.py", argv, figures, seconds=seconds,
+                      load_after_each_round=load)
 
 
 if __name__ == "__main__":
