@@ -94,7 +94,17 @@ def main(argv=None):
         gf = flops / t.min() / 1e9
         print(f"{name:28s} {t.min():8.4f} {gf:8.1f} {100 * gf / peak:6.1f}%")
 
-    print(f"\nratios over {args.rounds} interleaved rounds (per round), min-max:")
+    ratios = print_ratios(times, args.rounds, have_torch)
+    if args.json:
+        _record.write(args.json, "benchmarks/cpu_vs_torch.py", argv,
+                      {name: _record.summary(r) for name, r in ratios.items()},
+                      shape={"B": B, "H": H, "N": N, "M": N, "D": D}, rounds=args.rounds, repeat=args.repeat,
+                      seconds={name: t.tolist() for name, t in times.items()})
+
+
+def print_ratios(times, rounds, have_torch):
+    """Print the ratios of ``times`` (case -> per-round seconds) round by round; return them by name."""
+    print(f"\nratios over {rounds} interleaved rounds (per round), min-max:")
     ratios = {}
     for dt in ("float32", "float64"):
         if have_torch:
@@ -105,12 +115,7 @@ def main(argv=None):
     print(f"  float32 causal speed-up full/causal   {_ranges(r)}")
     ratios["float32 fwd nvm+tau+beta/plain"] = r = times["float32 fwd nvm+tau+beta"] / times["float32 fwd"]
     print(f"  float32 nvm+tau+beta overhead         {_ranges(100 * (r - 1.0))} %")
-    if args.json:
-        _record.write(args.json, "benchmarks/cpu_vs_torch.py", argv,
-                      {name: _record.summary(r) for name, r in ratios.items()},
-                      shape={"B": B, "H": H, "N": N, "M": N, "D": D}, rounds=args.rounds, repeat=args.repeat,
-                      seconds={name: t.tolist() for name, t in times.items()})
-
+    return ratios
 
 if __name__ == "__main__":
     main()

@@ -135,6 +135,13 @@ def run(tree, check, breakdown, public=None, warm=False):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def write_json(path, argv, results):
+    """Write the results file of ``results`` (label -> its rounds' JSON): each step's median and range."""
+    figures = {label: {name: _record.summary([run["steps"][name] for run in runs]) for name in runs[0]["steps"]}
+               for label, runs in results.items()}
+    _record.write(path, "benchmarks/first_call.py", argv, figures, rounds=results)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trees", nargs="*", help="source trees to compare (default: the installed package)")
@@ -171,11 +178,7 @@ def main(argv=None):
             for name, seconds in runs[-1]["compile"]:
                 print(f"  {seconds:7.2f} s  {name}")
     if args.json:
-        figures = {label(variant): {name: _record.summary([run["steps"][name] for run in runs])
-                                    for name in runs[0]["steps"]}
-                   for variant, runs in results.items()}
-        _record.write(args.json, "benchmarks/first_call.py", argv, figures,
-                      rounds={label(variant): runs for variant, runs in results.items()})
+        write_json(args.json, argv, {label(variant): runs for variant, runs in results.items()})
 
 
 if __name__ == "__main__":
