@@ -11,6 +11,8 @@ backward's results are the gradients of ``q``, ``k``, ``v``, ``tau``,
 of the biases' gradients.
 """
 
+import functools
+
 import torch
 
 from elastic_np import _adapter_common as common
@@ -161,3 +163,52 @@ def varlen_attention(q, k, v, batch, fixed, learnable):
     backend = fixed["backend"]
     args = op_arguments({n: x for n, x in fixed.items() if n != "backend"}, learnable)
     return torch.ops.elastic_np.varlen_attention(q, k, v, *(batch[name] for name in _BATCH), *args, backend)
+
+
+#: `elastic_np.varlen_attention`'s names (FlashAttention's) of the first arguments, by torch's ``varlen_attn`` names.
+OUR_NAMES = {"q": "query", "k": "key", "v": "value", "cu_seqlens_q": "cu_seq_q", "cu_seqlens_k": "cu_seq_k"}
+
+
+def taking_our_names(fn):
+    """``fn``, with torch's names of `OUR_NAMES`, also taking ours by keyword."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for ours, torchs in OUR_NAMES.items():
+            if ours in kwargs:
+                if torchs in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both `{torchs}` and `{ours}`, two names of one argument")
+                kwargs[torchs] = kwargs.pop(ours)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def wants_aux_lse(return_aux, return_lse):
+    """Whether torch's ``return_aux`` asks for ``lse``; an error for what else it asks, or with ``return_lse``.
+
+    ``return_aux`` is None or ``torch.nn.attention.varlen.AuxRequest`` (a
+    named tuple of bools, of which elastic_np computes ``lse``).
+    """
+    if return_aux is None:
+        return False
+    fields = getattr(return_aux, "_asdict", None)
+    if fields is None or "lse" not in fields():
+        raise TypeError(f"`return_aux` must be None or torch.nn.attention.varlen.AuxRequest, got "
+                        f"{type(return_aux).__name__} {return_aux!r}")
+    others = [name for name, wanted in fields().items() if wanted and name != "lse"]
+    if others:
+        raise ValueError(f"`return_aux` asks for {', '.join(others)}, which elastic_np does not compute (it "
+                         "returns `lse` alone)")
+    if return_aux.lse and return_lse:
+        raise ValueError("give `return_aux=AuxRequest(lse=True)` (torch's lse, (H, total_q)) or `return_lse=True` "
+                         "(elastic_np's, (total_q, H)), not both")
+    return bool(return_aux.lse)
+
+
+def check_num_splits(num_splits):
+    """A `ValueError` for a ``num_splits`` other than None or 1 (torch's split-KV count on a GPU)."""
+    if num_splits is not None and (isinstance(num_splits, bool) or num_splits != 1):
+        raise ValueError(f"`num_splits`={num_splits!r} sets the split-KV count of torch's GPU kernel; the CPU "
+                         "kernels split each sequence's keys as a call of that sequence alone would, so its "
+                         "bits never depend on the rest of the batch (what torch's num_splits=1 gives): pass "
+                         "None or 1")

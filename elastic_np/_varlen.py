@@ -22,6 +22,9 @@ from elastic_np._types import AttentionGrads, DynamicWindow
 #: a list of ``S`` arrays, the ``s``-th broadcastable to sequence ``s``'s ``(H, N_s, M_s)``.
 PER_SEQUENCE = ("mask", "bias")
 
+#: The options a packed batch takes, those its functions' signatures list: the padded batch's others are refused.
+OPTIONS = tuple(name for name in _spec.NAMES if name not in _spec.PER_CALL or name in PER_SEQUENCE)
+
 #: Why a packed batch does not take the other options that describe a padded batch.
 _NOT_TAKEN = ("the packed arrays are (total, heads, dim) and each sequence's used keys are `seqused_k`, "
               "which also aligns its queries to its last used key")
@@ -107,18 +110,50 @@ def _check_keys_and_values(q, k, v, paged):
     heads = k.shape[-2]
     if heads == 0:
         raise ValueError("`k` and `v` must have one head or more, got 0")
+    if q.shape[1] % heads and paged:
+        raise _page_shape_error(q.shape[1], k, f"`q`'s {q.shape[1]} heads must be a multiple of its Hkv (axis 2), "
+                                               f"{heads}")
     if q.shape[1] % heads:
         raise ValueError(f"`q`'s {q.shape[1]} heads must be a multiple of `k`'s {heads}")
 
 
-def _pages(k, block_table, seqused_k, count):
-    """``(table, used)`` of a paged cache, checked: each sequence's pages, and the keys it uses of them."""
+def _page_shape_error(heads, k, why):
+    """The `ValueError` for pages ``k`` that do not fit ``heads`` query heads, saying ``why``.
+
+    It names the per-head order, ``(num_blocks, Hkv, block_size, D)``
+    (vLLM's paged attention), where the pages could be in it (`_per_head_order`).
+    """
+    message = (f"with `block_table`, `k` and `v` must be pages of shape (num_blocks, block_size, Hkv, D), got `k` "
+               f"of shape {tuple(k.shape)}: {why}")
+    if _per_head_order(heads, k):
+        message += (f"; these look like pages in the per-head order (num_blocks, Hkv, block_size, D) of "
+                    f"vLLM's paged attention, {k.shape[1]} heads of {k.shape[2]} keys: pass `k.swapaxes(1, 2)` "
+                    "and `v.swapaxes(1, 2)` (views; a call then copies the pages it reads)")
+    return ValueError(message)
+
+
+def _per_head_order(heads, k):
+    """Whether pages ``k`` could be in vLLM's per-head order: their axis 1 divides the ``heads`` query heads."""
+    return k.shape[1] != k.shape[2] and k.shape[1] > 0 and heads % k.shape[1] == 0
+
+
+def _pages(k, block_table, seqused_k, count, heads):
+    """``(table, used)`` of a paged cache, checked: each sequence's pages, and the keys it uses of them.
+
+    ``heads`` is ``q``'s number of heads: pages too small for ``seqused_k``
+    that would hold it in vLLM's per-head order are a `_page_shape_error`.
+    """
     table, used = np.asarray(block_table), None if seqused_k is None else np.asarray(seqused_k)
     if table.ndim != 2 or table.shape[0] != count or not np.issubdtype(table.dtype, np.integer):
         raise ValueError(f"`block_table` must be an integer array (sequences, max_blocks) = ({count}, ...), "
                          f"got {table.dtype} {table.shape}")
-    if used is None or used.shape != (count,) or not np.issubdtype(used.dtype, np.integer) \
-            or (used < 0).any() or (used > table.shape[1] * k.shape[1]).any():
+    valid = used is not None and used.shape == (count,) and np.issubdtype(used.dtype, np.integer) \
+        and (used >= 0).all()
+    if valid and (used > table.shape[1] * k.shape[1]).any() and (used <= table.shape[1] * k.shape[2]).all() \
+            and _per_head_order(heads, k):
+        raise _page_shape_error(heads, k, f"{table.shape[1]} pages of {k.shape[1]} keys (axis 1) a sequence hold "
+                                          f"fewer than `seqused_k` {used.tolist()}")
+    if not valid or (used > table.shape[1] * k.shape[1]).any():
         raise ValueError(f"a paged cache needs `seqused_k`, the keys each of the {count} sequences uses, from 0 "
                          f"to its {table.shape[1]} pages of {k.shape[1]}, got {seqused_k!r}")
     read = _read_pages(table, used, k.shape[1])
@@ -311,7 +346,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
         lengths_k = np.diff(cu_k)
     else:
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
-        cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1)
+        cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1, q.shape[1])
         _check_longest(used, "max_k", max_k, "the most keys a sequence uses (`seqused_k`)")
         lengths_k = used
     _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
@@ -323,12 +358,14 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
     return q, k, v, cu_q, cu_k, used, options
 
 
-@_spec.takes_options(own=())
+@_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
                      seqused_k=None, return_lse=False, backend="auto", **options):
     """`elastic_np.attention` over a packed batch of sequences of different lengths, with no padding.
 
-    The names and layout of ``torch.nn.attention.varlen.varlen_attn``.
+    The layout of ``torch.nn.attention.varlen.varlen_attn``, the offsets
+    named as FlashAttention names them (``cu_seqlens_q``; torch's
+    ``cu_seq_q``, which `elastic_np.torch.varlen_attention` takes as well).
 
     Parameters
     ----------
@@ -410,7 +447,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     return (out, lse) if return_lse else out
 
 
-@_spec.takes_options(own=())
+@_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, dlse=None, max_q=None,
                               max_k=None, seqused_k=None, backend="auto", **options):
     """Gradients of `varlen_attention`, sequence by sequence (`elastic_np.attention_backward`'s bits).

@@ -31,6 +31,7 @@ the CUDA simulator.
 """
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from elastic_np._adapter_common import DynamicWindow
 __all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
 
 @_spec.takes_options(own=_spec.LEARNABLE)
-def attention(q, k, v, *, return_lse=False, backend="auto", **options):
+def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **options):
     """`elastic_np.attention` on torch tensors, differentiable in every learnable input.
 
     Parameters
@@ -64,6 +65,9 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
         device; gets ``dbias`` in its own shape.
     %(other_names)s
         As in `elastic_np.attention` (tensors are accepted); no gradient.
+    dropout_p : float, optional
+        SDPA's attention dropout: 0 only (it changes nothing); any other value
+        is a `ValueError`, attention dropout not being supported.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(B, H, N)``, differentiable like ``out``
         (a loss may use either or both). A row with ``lse = -inf`` (nothing
@@ -90,7 +94,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
         than float32, float64, bfloat16 or float16 on the CPU; and as
         `elastic_np.attention`.
     ValueError
-        As `elastic_np.attention`.
+        For ``dropout_p`` other than 0, and as `elastic_np.attention`.
     elastic_np.BackendUnavailableError
         For CUDA tensors where the CUDA backend cannot run (saying what is missing).
 
@@ -105,6 +109,7 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
+    _check_dropout(dropout_p)
     fixed, learnable = common.split(_spec.complete(options, "attention"))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -118,13 +123,25 @@ def attention(q, k, v, *, return_lse=False, backend="auto", **options):
     return (out, lse) if return_lse else out
 
 
-@_spec.takes_options(own=_spec.LEARNABLE)
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
-                     seqused_k=None, return_lse=False, backend="auto", **options):
+def _check_dropout(dropout_p):
+    """A `ValueError` unless ``dropout_p`` is 0 (SDPA's default, which drops nothing)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise ValueError(f"`dropout_p`={dropout_p!r}: {_spec.FOREIGN_NAMES['dropout_p']} (dropout_p=0.0, "
+                         "which drops nothing, is taken)")
+
+
+@_torch_varlen.taking_our_names
+@_spec.takes_options(own=_spec.LEARNABLE, names=_varlen.OPTIONS)
+def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=None, *, return_aux=None,
+                     enable_gqa=False, seqused_k=None, block_table=None, num_splits=None, dropout_p=0.0,
+                     return_lse=False, backend="auto", **options):
     """`elastic_np.varlen_attention` on torch tensors: a packed batch, differentiable in every learnable input.
 
-    The names and layout of ``torch.nn.attention.varlen.varlen_attn`` (which
-    calls the offsets ``cu_seq_q``, ``cu_seq_k``); each sequence is attended
+    ``torch.nn.attention.varlen.varlen_attn``'s arguments, in its order and
+    by its names (``varlen_attn(query, key, value, cu_seq_q, cu_seq_k,
+    max_q, max_k)`` reads the same here), and `elastic_np.varlen_attention`'s
+    names too (``q``, ``k``, ``v``, ``cu_seqlens_q``, ``cu_seqlens_k``, by
+    keyword), with the options of `attention`. Each sequence is attended
     to on its own, causality and the windows aligned to its own end, and the
     forward and every gradient are the bits of `attention` called sequence by
     sequence. The operator ``elastic_np::varlen_attention``
@@ -133,21 +150,36 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
 
     Parameters
     ----------
-    q : torch.Tensor, shape (total_q, H, D)
-    k, v : torch.Tensor, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
+    query : torch.Tensor, shape (total_q, H, D)
+    key, value : torch.Tensor, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
         float32, float64, bfloat16 or float16 (the same for all three), CPU
         tensors, any strides; gradients flow to those that require them. With
-        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``.
-    cu_seqlens_q, cu_seqlens_k : torch.Tensor or array_like of int, shape (S + 1,)
+        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``. By
+        keyword also ``q``, ``k``, ``v``.
+    cu_seq_q, cu_seq_k : torch.Tensor or array_like of int, shape (S + 1,)
         Where each of the ``S`` sequences starts, from 0 to the packed length
-        (``cu_seqlens_k`` may be None with ``block_table``).
+        (``cu_seq_k`` may be None with ``block_table``). By keyword also
+        ``cu_seqlens_q``, ``cu_seqlens_k``.
     max_q, max_k : int, optional
-        The longest sequences, checked when given.
+        The longest sequences, checked when given (torch requires them).
+    return_aux : torch.nn.attention.varlen.AuxRequest, optional
+        With ``lse=True``, return ``(out, lse)`` as torch does: ``lse`` of
+        shape ``(H, total_q)``, differentiable like ``out``.
+    enable_gqa : bool, optional
+        Taken for torch's signature: grouped-query heads need no flag here
+        (``H`` a multiple of ``Hkv``).
+    seqused_k : torch.Tensor of int, shape (S,), optional
+        Keys each sequence uses (required with ``block_table``).
     block_table : torch.Tensor of int, shape (S, max_blocks), optional
         A paged cache, as in `elastic_np.varlen_attention`: the forward only
         (a backward through it is an error).
-    seqused_k : torch.Tensor of int, shape (S,), optional
-        Keys each sequence uses (required with ``block_table``).
+    num_splits : {None, 1}, optional
+        torch's split-KV count on a GPU. Each sequence's result here is the
+        bits of a call of its own whatever the batch (what torch's 1 asks
+        for); another count is a `ValueError`.
+    dropout_p : float, optional
+        0 only, as in `attention` (FlashAttention's ``flash_attn_varlen_func``
+        takes it).
     tau, beta : float or torch.Tensor of shape () or (H,), optional
         Shared by the sequences; a tensor that requires grad gets ``dtau`` or
         ``dbeta``, summed over them.
@@ -158,8 +190,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         One per sequence, the ``s``-th broadcastable to ``(H, N_s, M_s)``;
         each gets its ``dbias``.
     %(other_names)s
-        As in `elastic_np.varlen_attention` (tensors are accepted; ``mask`` a
-        list of boolean tensors, one per sequence); no gradient.
+        As in `elastic_np.varlen_attention` (``scale`` and ``window_size``
+        as torch's; tensors are accepted; ``mask`` a list of boolean tensors,
+        one per sequence); no gradient.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(total_q, H)``, differentiable like ``out``.
     backend : {"auto", "cpu", "reference"}, optional
@@ -169,10 +202,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     Returns
     -------
     out : torch.Tensor, shape (total_q, H, Dv)
-        In the dtype of ``q``.
-    lse : torch.Tensor, shape (total_q, H)
-        Only with ``return_lse=True``; in the dtype of ``q`` (float32 for
-        bfloat16 and float16).
+        In the dtype of ``query``.
+    lse : torch.Tensor, shape (total_q, H), or (H, total_q) with ``return_aux``
+        Only with ``return_lse=True`` or ``return_aux.lse``; in the dtype of
+        ``query`` (float32 for bfloat16 and float16, as torch's always is).
 
     Raises
     ------
@@ -181,7 +214,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         packed batches yet) or of another floating dtype, and as
         `elastic_np.varlen_attention`.
     ValueError
-        As `elastic_np.varlen_attention`, before anything is computed.
+        For ``num_splits`` other than None or 1, ``return_aux`` asking for
+        more than ``lse``, ``dropout_p`` other than 0, and as
+        `elastic_np.varlen_attention` (whose messages name ``q``, ``k``,
+        ``v``, ``cu_seqlens_q``, ``cu_seqlens_k``), before anything is
+        computed.
 
     Examples
     --------
@@ -190,7 +227,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     >>> q, k, v = (torch.randn(7, 2, 8, requires_grad=True) for _ in range(3))  # sequences of 3 and 4
     >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     >>> beta = torch.tensor(0.5, requires_grad=True)
-    >>> out = enpt.varlen_attention(q, k, v, cu, cu, max_q=4, max_k=4, causal=True, beta=beta)
+    >>> out = enpt.varlen_attention(q, k, v, cu, cu, 4, 4, window_size=(-1, 0), beta=beta)
     >>> out.sum().backward()
     >>> out.shape, q.grad.shape, beta.grad.shape
     (torch.Size([7, 2, 8]), torch.Size([7, 2, 8]), torch.Size([]))
@@ -198,26 +235,31 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     >>> torch.equal(out[3:], second[0])
     True
     """
+    _check_dropout(dropout_p)
+    aux_lse = _torch_varlen.wants_aux_lse(return_aux, return_lse)
+    _torch_varlen.check_num_splits(num_splits)
     options = _spec.complete(options, "varlen_attention")
     _varlen.check_options(options)
     fixed, learnable = common.split(options)
+    q, k, v = query, key, value
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
         if x.device.type != "cpu":
             raise TypeError(f"`{name}` is on device {x.device}; elastic_np.torch.varlen_attention takes CPU "
                             "tensors (the CUDA backend does not take packed batches yet): move them with .cpu()")
-    batch = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
-             "seqused_k": seqused_k}
+    batch = {"cu_seqlens_q": cu_seq_q, "cu_seqlens_k": cu_seq_k, "block_table": block_table, "seqused_k": seqused_k}
     batch = {name: x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
              for name, x in batch.items()}
-    batch.update(max_q=None if max_q is None else int(max_q), max_k=None if max_k is None else int(max_k))
+    batch.update(max_q=_varlen._maximum(max_q, "max_q"), max_k=_varlen._maximum(max_k, "max_k"))
     lists = [(f"{name}[{s}]", x) for name in _varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
     _torch_arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
                                        *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS
                                          if n not in _varlen.PER_SEQUENCE)))
     fixed["backend"] = common.kernel_backend(backend)
     out, lse = _torch_varlen.varlen_attention(q, k, v, batch, fixed, learnable)
+    if aux_lse:
+        return out, lse.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out
 
 

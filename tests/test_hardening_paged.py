@@ -92,9 +92,41 @@ def test_pages_with_no_heads_or_no_keys_are_an_error_naming_k(backend):
         with pytest.raises(ValueError, match=message):
             enp.varlen_attention(q, np.zeros(shape), np.zeros(shape), [0, 1], None, block_table=[[3, 2]],
                                  seqused_k=[0], backend=backend)
-    with pytest.raises(ValueError, match="`q`'s 3 heads must be a multiple of `k`'s 2"):
+    with pytest.raises(ValueError, match="`q`'s 3 heads must be a multiple of its Hkv \\(axis 2\\), 2"):
         enp.varlen_attention(np.zeros((1, 3, 8)), np.zeros((4, 4, 2, 8)), np.zeros((4, 4, 2, 8)), [0, 1], None,
                              block_table=[[3]], seqused_k=[2], backend=backend)
+
+
+def _per_head_pages(heads, kv_heads, block_size, seed=5):
+    """``(q, k, v, per_head_k, per_head_v)``: pages, and the same pages in the per-head order (a copy)."""
+    rng = np.random.default_rng(seed)
+    k, v = (rng.standard_normal((6, block_size, kv_heads, 8)) for _ in range(2))
+    return (rng.standard_normal((2, heads, 8)), k, v, *(np.ascontiguousarray(a.swapaxes(1, 2)) for a in (k, v)))
+
+
+#: The per-head pages' error: the shape expected, the one given, the order they look like.
+PER_HEAD = ("`k` and `v` must be pages of shape \\(num_blocks, block_size, Hkv, D\\), got `k` of shape {shape}: "
+            ".*per-head order \\(num_blocks, Hkv, block_size, D\\).*`k.swapaxes\\(1, 2\\)`")
+
+
+# heads that do not divide H (8 heads, pages read as 16), then heads that do, but pages too small for `seqused_k`
+@pytest.mark.parametrize("heads, kv_heads, block_size", [(8, 2, 16), (32, 8, 16)])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_pages_in_the_per_head_order_are_an_error_about_their_shape(heads, kv_heads, block_size, backend):
+    q, k, v, k_per_head, v_per_head = _per_head_pages(heads, kv_heads, block_size)
+    call = dict(block_table=[[0, 1], [2, 3]], seqused_k=[20, 7], backend=backend)
+    shape = str(k_per_head.shape).replace("(", "\\(").replace(")", "\\)")
+    with pytest.raises(ValueError, match=PER_HEAD.format(shape=shape)):
+        enp.varlen_attention(q, k_per_head, v_per_head, [0, 1, 2], None, **call)
+    swapped = enp.varlen_attention(q, k_per_head.swapaxes(1, 2), v_per_head.swapaxes(1, 2), [0, 1, 2], None, **call)
+    assert np.array_equal(swapped, enp.varlen_attention(q, k, v, [0, 1, 2], None, **call))
+
+
+def test_seqused_k_beyond_the_pages_in_either_order_is_still_an_error_about_seqused_k():
+    q, _, _, k_per_head, v_per_head = _per_head_pages(32, 8, 16)
+    with pytest.raises(ValueError, match="a paged cache needs `seqused_k`.* 2 pages of 8, got \\[40, 7\\]"):
+        enp.varlen_attention(q, k_per_head, v_per_head, [0, 1, 2], None, block_table=[[0, 1], [2, 3]],
+                             seqused_k=[40, 7], backend="reference")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -216,3 +248,15 @@ def test_the_torch_adapter_checks_the_pages_and_maxima():
     with pytest.raises(ValueError, match="`max_k`=0"):
         enpt.varlen_attention(q, k[:2], k[:2], [0, 1], None, block_table=torch.tensor([[1]]),
                               seqused_k=torch.tensor([1]), max_k=0, backend="cpu")
+
+
+def test_the_torch_adapter_names_pages_in_the_per_head_order():
+    torch = pytest.importorskip("torch")
+    import elastic_np.torch as enpt
+
+    q, k, v, k_per_head, v_per_head = (torch.from_numpy(a) for a in _per_head_pages(32, 8, 16))
+    call = dict(block_table=torch.tensor([[0, 1], [2, 3]]), seqused_k=torch.tensor([20, 7]), backend="cpu")
+    with pytest.raises(ValueError, match=PER_HEAD.format(shape="\\(6, 8, 16, 8\\)")):
+        enpt.varlen_attention(q, k_per_head, v_per_head, torch.tensor([0, 1, 2]), None, 1, 20, **call)
+    swapped = enpt.varlen_attention(q, k_per_head.swapaxes(1, 2), v_per_head.swapaxes(1, 2), [0, 1, 2], None, **call)
+    assert torch.equal(swapped, enpt.varlen_attention(q, k, v, [0, 1, 2], None, **call))

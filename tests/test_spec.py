@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _spec, testing
+from elastic_np import _spec, _varlen, testing
 from elastic_np.testing import _cases
 
 PACKAGE = pathlib.Path(enp.__file__).parent
@@ -34,8 +34,8 @@ def _option_functions():
         ("reference.attention", enp.reference.attention, _spec.NAMES),
         ("reference.attention_backward", enp.reference.attention_backward, _spec.NAMES),
         ("reference.attention_double_backward", enp.reference.attention_double_backward, _spec.NAMES),
-        ("elastic_np.varlen_attention", enp.varlen_attention, _spec.NAMES),
-        ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _spec.NAMES),
+        ("elastic_np.varlen_attention", enp.varlen_attention, _varlen.OPTIONS),
+        ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _varlen.OPTIONS),
     ]
     for module_name, names in (("elastic_np.torch", ("attention", "varlen_attention")),
                                ("elastic_np.jax", ("attention",)),
@@ -44,13 +44,15 @@ def _option_functions():
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        found += [(f"{module_name}.{n}", getattr(module, n), _spec.NAMES) for n in names]
+        # a packed batch's signature lists the options it takes (`_varlen.OPTIONS`)
+        found += [(f"{module_name}.{n}", getattr(module, n), _varlen.OPTIONS if "varlen" in n else _spec.NAMES)
+                  for n in names]
         if module_name == "elastic_np.torch":
             model = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL + _spec.LEARNABLE)
             found += [("ElasticAttention", module.ElasticAttention, model),
                       ("ElasticAttention.forward", module.ElasticAttention.forward, _spec.PER_CALL)]
-    found += [("elastic_np.varlen_attention", enp.varlen_attention, _spec.NAMES),
-              ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _spec.NAMES)]
+    found += [("elastic_np.varlen_attention", enp.varlen_attention, _varlen.OPTIONS),
+              ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _varlen.OPTIONS)]
     return found
 
 

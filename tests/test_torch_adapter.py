@@ -336,3 +336,29 @@ class TestElasticAttention:
             attn(q, q, q)
         with pytest.raises(ValueError, match="num_heads=4"):
             attn(q[0], q[0], q[0])
+
+
+def test_dropout_p_zero_is_taken_and_any_other_is_an_error_saying_dropout_is_not_supported():
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    want = enpt.attention(q, k, v, causal=True)
+    for p in (0.0, 0, np.float32(0)):
+        assert torch.equal(enpt.attention(q, k, v, causal=True, dropout_p=p), want), p
+    for p in (0.1, 1, True, "0"):
+        with pytest.raises(ValueError, match=f"`dropout_p`={p!r}: attention dropout is not supported"):
+            enpt.attention(q, k, v, dropout_p=p)
+
+
+def test_the_transformers_attention_takes_no_dropout_while_training():
+    """transformers passes ``dropout=0.0`` (or the config's while training): 0 runs, else an error naming it."""
+    from elastic_np import transformers as adapter
+
+    module = torch.nn.Linear(1, 1).train()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    want = enpt.attention(q, k, v, causal=True).transpose(1, 2)
+    for dropout in (0.0, 0):
+        out, weights = adapter.attention_forward(module, q, k, v, None, dropout=dropout)
+        assert torch.equal(out, want) and weights is None
+    with pytest.raises(ValueError, match="does not apply attention dropout \\(dropout=0.1 while training\\)"):
+        adapter.attention_forward(module, q, k, v, None, dropout=0.1)
+    assert torch.equal(adapter.attention_forward(module.eval(), q, k, v, None, dropout=0.1)[0], want)

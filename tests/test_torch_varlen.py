@@ -277,3 +277,102 @@ def test_bad_input_names_the_argument_and_mutates_nothing():
         enpt.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
     for x, b in zip((q, k, v, cu_q, cu_k), before):
         assert torch.equal(x.detach(), b)
+
+
+# ---------------------------------------------------------------------------
+# torch.nn.attention.varlen.varlen_attn's signature, taken as it is
+# ---------------------------------------------------------------------------
+
+torch_varlen = pytest.importorskip("torch.nn.attention.varlen")
+
+
+def test_the_signature_holds_torchs_varlen_attn_and_only_what_it_takes():
+    import inspect
+
+    ours = inspect.signature(enpt.varlen_attention).parameters
+    for name, theirs in inspect.signature(torch_varlen.varlen_attn).parameters.items():
+        assert name in ours and ours[name].kind is theirs.kind, name
+        if theirs.default is not theirs.empty:
+            assert ours[name].default == theirs.default, name
+    assert list(ours)[:7] == list(inspect.signature(torch_varlen.varlen_attn).parameters)[:7]
+    assert not {"layout", "kv_lengths", "align"} & set(ours)
+
+
+def _torch_form(seed=4):
+    """A packed batch in torch's names: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)``."""
+    q, k, v, cu_q, cu_k = _packed(seed=seed)
+    return q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 0)])
+def test_torchs_positional_and_keyword_forms_and_ours_give_the_same_bits(window):
+    """torch's window_size reads as ours: (-1, 0) is causal, (W, 0) a causal window of W keys before."""
+    q, k, v, cu_q, cu_k, max_q, max_k = args = _torch_form()
+    positional = enpt.varlen_attention(*args, window_size=window)
+    keywords = enpt.varlen_attention(query=q, key=k, value=v, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q,
+                                     max_k=max_k, window_size=window, scale=0.3, enable_gqa=True, num_splits=1)
+    ours = enpt.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=window, scale=0.3)
+    want = enp.varlen_attention(*(x.detach().numpy() for x in (q, k, v)), cu_q.numpy(), cu_k.numpy(),
+                                window_size=window, backend="cpu")
+    reference = enp.varlen_attention(*(x.detach().numpy() for x in (q, k, v)), cu_q.numpy(), cu_k.numpy(),
+                                     causal=window == (-1, 0), window_size=(3, 0) if window == (3, 0) else (-1, -1),
+                                     backend="reference")
+    assert np.array_equal(positional.detach().numpy(), want) and torch.equal(keywords, ours)
+    np.testing.assert_allclose(want, reference, rtol=2e-5, atol=2e-6)
+
+
+def test_return_aux_gives_torchs_lse_as_torch_gives_it():
+    """torch's CPU build cannot run varlen_attn (no CPU flash kernel); on "meta" tensors it gives the shapes."""
+    q, k, v, cu_q, cu_k, max_q, max_k = args = _torch_form()
+    aux = torch_varlen.AuxRequest(lse=True)
+    out, lse = enpt.varlen_attention(*args, return_aux=aux, window_size=(-1, 0))
+    meta = torch_varlen.varlen_attn(*(x.detach().to("meta") for x in (q, k, v, cu_q, cu_k)), max_q, max_k,
+                                    return_aux=aux, window_size=(-1, 0), enable_gqa=True)
+    assert [(x.shape, x.dtype) for x in (out, lse)] == [(x.shape, x.dtype) for x in meta]
+    mine_out, mine_lse = enpt.varlen_attention(*args, return_lse=True, causal=True)
+    assert torch.equal(out, mine_out) and torch.equal(lse, mine_lse.T)
+    lse.sum().backward()  # differentiable, as ``return_lse``'s
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+    assert isinstance(enpt.varlen_attention(*args, return_aux=torch_varlen.AuxRequest()), torch.Tensor)
+
+
+def test_what_torch_takes_and_elastic_np_cannot_honour_is_an_error_naming_it():
+    args = _torch_form()
+    with pytest.raises(ValueError, match="`num_splits`=2 sets the split-KV count.*None or 1"):
+        enpt.varlen_attention(*args, num_splits=2)
+    with pytest.raises(ValueError, match="`return_aux=AuxRequest\\(lse=True\\)`.*or `return_lse=True`.*not both"):
+        enpt.varlen_attention(*args, return_aux=torch_varlen.AuxRequest(lse=True), return_lse=True)
+    with pytest.raises(TypeError, match="`return_aux` must be None or torch.nn.attention.varlen.AuxRequest"):
+        enpt.varlen_attention(*args, return_aux=True)
+    with pytest.raises(TypeError, match="got both `cu_seq_q` and `cu_seqlens_q`"):
+        enpt.varlen_attention(*args[:3], cu_seq_q=args[3], cu_seqlens_q=args[3], cu_seq_k=args[4])
+    with pytest.raises(ValueError, match="`dropout_p`=0.1: attention dropout is not supported"):
+        enpt.varlen_attention(*args, dropout_p=0.1)
+    assert torch.equal(enpt.varlen_attention(*args, dropout_p=0.0), enpt.varlen_attention(*args, dropout_p=0))
+
+
+def test_torchs_paged_form():
+    rng = np.random.default_rng(3)
+    pages_k, pages_v = (torch.tensor(rng.standard_normal((5, 4, HKV, D)), dtype=torch.float32) for _ in range(2))
+    table, used = torch.tensor([[3, 1], [0, 4]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
+    q, cu_q = torch.randn(2, H, D), torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = enpt.varlen_attention(q, pages_k, pages_v, cu_q, None, 1, 6, window_size=(-1, 0), seqused_k=used,
+                                block_table=table)
+    want = enp.varlen_attention(q.numpy(), pages_k.numpy(), pages_v.numpy(), [0, 1, 2], None, causal=True,
+                                block_table=table.numpy(), seqused_k=used.numpy())
+    assert np.array_equal(out.numpy(), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch runs varlen_attn on CUDA only")
+def test_torchs_own_varlen_attn_on_cuda_agrees():
+    q, k, v, cu_q, cu_k, max_q, max_k = _torch_form()
+    q, k, v = (x.detach().to(torch.bfloat16) for x in (q, k, v))
+    hkv = k.shape[1]
+    aux = torch_varlen.AuxRequest(lse=True)
+    theirs, their_lse = torch_varlen.varlen_attn(*(x.cuda() for x in (q, k, v, cu_q, cu_k)), max_q, max_k,
+                                                 return_aux=aux, window_size=(-1, 0), enable_gqa=hkv != H)
+    out, lse = enpt.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=aux, window_size=(-1, 0))
+    assert lse.shape == their_lse.shape
+    torch.testing.assert_close(out.float(), theirs.float().cpu(), rtol=2e-2, atol=2e-2)
+    keep = torch.isfinite(lse)
+    torch.testing.assert_close(lse[keep], their_lse.cpu()[keep], rtol=1e-3, atol=1e-3)
