@@ -50,11 +50,14 @@ def test_check_quick_all_reports_unavailable_backends_as_skipped(capsys):
         if available(name):
             assert f"backend '{name}' vs the float64 oracle" in captured.out
             assert f"backend '{name}': first calls took" in captured.out
-            assert f"{name}: first JIT compile of the kernels" in captured.err
+            assert f"{name}: first call of the kernels (float32, float64): compiling, or loading" in captured.err
+            # and the line after it says which it was
+            assert (f"\n{name}: compiled " in captured.err) != (f"\n{name}: nothing compiled (loaded" in captured.err)
         else:
             assert f"backend '{name}': skipped" in captured.out
     assert "float64 oracle gradients" in captured.out
     assert captured.out.strip().splitlines()[-1].startswith("PASS: ")
+    assert "\r" not in captured.err and "first JIT compile" not in captured.err  # stderr is not a terminal here
 
 
 @pytest.mark.skipif(not available("cpu"), reason="the cpu backend is not available")
@@ -228,8 +231,9 @@ def test_thread_counts_sets_every_pool_and_restores_it():
 
             assert torch.get_num_threads() == 1 and counts["torch"] == 1
     assert numba.get_num_threads() == before
-    assert _bench.describe_threads({"numba": 2, "torch": None, "blas": 2}) == \
-        "2 threads (kernels, BLAS); torch not set (not installed)"
+    assert _bench.describe_threads({"numba": 2, "torch": None, "blas": 2}) == "2 threads (kernels, BLAS)"
+    assert _bench.unset_notes({"numba": 2, "torch": None, "blas": 2}) == [
+        "note: torch is not installed: its threads were not set and torch sdpa is not timed"]
     with pytest.raises(ValueError, match="`threads` must be an int from 1"):
         with _bench.thread_counts(0):
             pass
@@ -301,7 +305,8 @@ def test_bench_gpu_without_gpu_exits_1(tmp_path, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["bench", "--seq", "0"], "--seq"),
     (["bench", "--heads", "two"], "--heads"),
-    (["bench", "--dtype", "float16"], "--dtype"),
+    (["bench", "--dtype", "float8"], "--dtype"),
+    (["bench", "--gpu", "--dtype", "bfloat16"], "--dtype"),
     (["bench", "--min-time", "-1"], "--min-time"),
     (["bench", "--decode", "--shape", "1,2,3"], "--shape"),
     (["bench", "--decode", "--shape", "1,3,2,1,8,8"], "Hkv=2"),
@@ -347,3 +352,174 @@ def test_progress_bar_draws_after_the_delay():
     with Progress(4, "work", stream=quiet, delay=60.0) as bar:
         bar.update("a")
     assert quiet.getvalue() == ""
+
+
+def test_progress_off_a_terminal_writes_a_few_plain_lines():
+    stream = io.StringIO()  # a file or a pipe: isatty() is False
+    with Progress(100, "work", stream=stream, delay=0.0) as bar:
+        bar.stage("a notice")
+        for i in range(100):
+            bar.update(f"step {i}")
+    text = stream.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines[0] == "a notice" and len(lines) == 5  # the notice, then one line per quarter
+    assert lines[-1].startswith("work [########################] 100/100")
+
+    terminal = io.StringIO()
+    with Progress(100, "work", stream=terminal, delay=0.0, tty=True) as bar:
+        for i in range(100):
+            bar.update(f"step {i}")
+    assert terminal.getvalue().count("\r") == 101 and terminal.getvalue().endswith("\n")
+
+
+def _wait_for(predicate, seconds=5.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_a_long_step_shows_its_time_and_what_numba_compiles_on_a_terminal():
+    from types import SimpleNamespace
+
+    from numba.core import event
+
+    def my_kernel():
+        pass
+
+    stream = io.StringIO()
+    bar = Progress(3, "work", stream=stream, tty=True, interval=0.01)
+    bar.begin("cpu: first call of the kernels")
+    bar.doing("float32 'plain', forward")
+    # what Numba's dispatcher sends while it compiles (and never for a load from its cache)
+    with event.trigger_event("numba:compile", data={"dispatcher": SimpleNamespace(py_func=my_kernel)}):
+        assert _wait_for(lambda: "compiling " in stream.getvalue())
+    assert _wait_for(lambda: "; 1 function compiled" in stream.getvalue().rsplit("\r", 1)[-1])
+    bar.stage("cpu: compiled 1 function in 0.1 s")
+    text = stream.getvalue()
+    assert text.startswith("cpu: first call of the kernels\n\r  0 s so far; float32 'plain', forward")
+    assert "; float32 'plain', forward; compiling my_kernel (1 function compiled)" in text
+    # the ticker's line cleared before the next message
+    assert text.endswith("\r" + " " * bar.line_width + "\rcpu: compiled 1 function in 0.1 s\n")
+
+
+def test_a_long_step_off_a_terminal_writes_a_line_after_each_delay_only():
+    stream = io.StringIO()
+    bar = Progress(3, "work", stream=stream, interval=0.01, notes_after=(0.05, 0.1))
+    bar.begin("cpu: first call of the kernels")
+    bar.doing("waiting for float64 in a second process")
+    assert _wait_for(lambda: stream.getvalue().count("\n") == 3)
+    bar.update("next")
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 3
+    assert lines[1].startswith("  0 s and still running; waiting for float64 in a second process")
+
+
+def test_the_first_call_line_tells_a_compile_from_a_load():
+    import numba
+
+    from elastic_np.cli import _bench
+
+    def add_one(x):
+        return x + 1
+
+    jitted = numba.njit(cache=False, fastmath=False)(add_one)  # compiles on its first call, never cached
+    impls = {"elastic_np fake": (lambda *arrays: jitted(1.0), lambda *arrays: jitted(2.0))}
+    said = []
+    first = _bench._first_calls(impls, [8], 4, np.dtype(np.float32), lambda *kind_message: said.append(kind_message))
+    assert said[0] == ("start", "elastic_np fake: first call of the forward and backward kernels: "
+                                "compiling, or loading from Numba's cache")
+    assert said[1][0] == "stage" and said[1][1].startswith("elastic_np fake: compiled 1 function in ")
+    assert first["elastic_np fake"]["compiled"] == 1
+    said.clear()
+    first = _bench._first_calls(impls, [8], 4, np.dtype(np.float32), lambda *kind_message: said.append(kind_message))
+    assert said[1][1].startswith("elastic_np fake: nothing compiled (loaded from Numba's cache, or already loaded)")
+    assert first["elastic_np fake"]["compiled"] == 0
+
+
+@pytest.mark.parametrize("child, said", [
+    (frozenset({"_forward_kernel"}), "cpu: compiled 1 function (forward_kernel) in "),
+    (frozenset(), "cpu: nothing compiled (loaded from Numba's cache, or already loaded) in "),
+    (None, "; the second process failed: float64 compiles on its first call in the battery"),
+])
+def test_check_counts_what_the_second_process_compiled(monkeypatch, child, said):
+    from elastic_np.cli import _first_compile
+
+    steps = []
+
+    def compile_backend(name, dtypes, step=None):
+        step("waiting for float64 in a second process")
+        steps.append(bar.now)
+        return child
+
+    monkeypatch.setattr(_first_compile, "compile_backend", compile_backend)
+    stream = io.StringIO()
+    bar = Progress(1, "check", stream=stream)
+    seen = cli._compile("cpu", [np.dtype(np.float32), np.dtype(np.float64)], bar)
+    bar.close()
+    first, second = stream.getvalue().splitlines()
+    assert first == "cpu: first call of the kernels (float32, float64): compiling, or loading from Numba's cache"
+    assert said in second and steps == ["waiting for float64 in a second process"]
+    assert seen.compiled == (child or frozenset())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_bench_takes_the_half_dtypes(dtype, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("ml_dtypes")
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # `import threadpoolctl` fails
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--quick", "--seq", "8", "--heads", "1", "--dim", "4", "--repeat", "1",
+                     "--min-time", "0", "--dtype", dtype, "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(path.read_text())
+    assert data["config"]["dtype"] == dtype and data["config"]["peak_dtype"] == "float32"
+    assert data["config"]["threads"]["blas"] is None
+    impls = {r["impl"] for r in data["results"]}
+    assert "naive numpy" in impls and ("elastic_np cpu" in impls) == available("cpu")
+    assert ("torch sdpa" in impls) == (importlib.util.find_spec("torch") is not None)
+    assert all(r["time_s"] > 0 for r in data["results"])
+    assert f"D=4 {dtype}; matrix-multiply peak" in captured.out
+    assert "(in float32, as the kernels compute)" in captured.out
+    assert ("note: NumPy's BLAS threads were not set (naive numpy ran on BLAS's own count): the optional package "
+            "threadpoolctl, which sets them, is not installed (pip install threadpoolctl)") in captured.out
+    assert "\r" not in captured.err
+
+
+def test_torch_sdpa_takes_bfloat16_arrays():
+    pytest.importorskip("torch")
+    from elastic_np import _validation, reference
+    from elastic_np.cli import _bench
+
+    bf16 = _validation.numpy_dtype("bfloat16")
+    q, k, v = _bench.make_inputs(1, 2, 5, 5, 4, dtype=bf16)
+    out = _bench.torch_sdpa(q, k, v, causal=True)
+    want, _ = reference.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True)
+    assert out.dtype == bf16
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=0.05)
+
+
+@pytest.mark.skipif(not available("cpu"), reason="the decode benchmark times the cpu backend")
+def test_bench_decode_takes_bfloat16(capsys):
+    pytest.importorskip("ml_dtypes")
+    assert cli.main(["bench", "--decode", "--shape", "1,2,1,1,16,8", "--rounds", "1", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "decode, bfloat16, causal" in out and "1,2,1,1,16,8" in out
+
+
+def test_the_commands_silence_compile_warnings_only_while_they_run(monkeypatch):
+    import warnings
+
+    def compiles(args):
+        warnings.warn("compiling", elastic_np.CompileWarning)
+        return 0
+
+    monkeypatch.setattr(cli, "_example", compiles)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["example"]) == 0
+        assert caught == []
+        compiles(None)  # outside a command, the user's filters apply
+    assert [w.category for w in caught] == [elastic_np.CompileWarning]

@@ -57,15 +57,23 @@ def test_the_lock_holds_only_inside_the_block(tmp_path):
 
 
 class _Child:
+    """A child process that compiled ``_Child.printed`` (its stdout) and exited with ``_Child.exit_code``."""
+
+    printed, exit_code = '["_forward_kernel", "_exp_f64"]\n', 0
+
     def __init__(self, command, **kwargs):
-        self.command, self.env = command, kwargs["env"]
+        self.command, self.env, self.returncode = command, kwargs["env"], None
         _Child.started.append(self)
 
+    def communicate(self):
+        self.returncode = _Child.exit_code
+        return _Child.printed, None
+
     def wait(self):
-        return 0
+        return self.returncode
 
     def poll(self):
-        return 0
+        return self.returncode
 
 
 @pytest.mark.parametrize("cores, private, split", [(2, True, True), (1, True, False), (2, False, False)])
@@ -75,23 +83,57 @@ def test_the_second_dtype_compiles_in_a_child_where_there_are_cores(monkeypatch,
     _Child.started = []
     on = _numba_private.PATHS if private else ()
     monkeypatch.setattr(_numba_private, "_ON", frozenset(on))
-    monkeypatch.setattr(_first_compile, "run_cases", lambda name, dtypes: ran.append((name, list(dtypes))))
+    monkeypatch.setattr(_first_compile, "run_cases", lambda name, dtypes, step=None: ran.append((name, list(dtypes))))
     monkeypatch.setattr(_first_compile, "_cores", lambda: cores)
     monkeypatch.setattr(subprocess, "Popen", _Child)
-    _first_compile.compile_backend("cpu", (np.float32, np.float64))
+    steps = []
+    child_compiled = _first_compile.compile_backend("cpu", (np.float32, np.float64), step=steps.append)
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
     if split:
         assert ran == [("cpu", [f32])]
+        # what the child printed: the parent adds it to what it reports as compiled
+        assert child_compiled == {"_forward_kernel", "_exp_f64"}
+        assert steps == ["waiting for float64 in a second process"]
         (child,) = _Child.started
         assert child.command[1:] == ["-m", "elastic_np.cli._first_compile", "cpu", "float64"]
         # the child imports this very package, whatever its working folder
         root = os.path.dirname(os.path.dirname(os.path.dirname(_first_compile.__file__)))
         assert child.env["PYTHONPATH"].split(os.pathsep)[0] == os.path.abspath(root)
     else:
-        assert ran == [("cpu", [f32, f64])] and not _Child.started
+        assert ran == [("cpu", [f32, f64])] and not _Child.started and child_compiled == frozenset()
     ran.clear()
-    _first_compile.compile_backend("reference", (np.float64,))
+    assert _first_compile.compile_backend("reference", (np.float64,)) == frozenset()
     assert ran == [("reference", [f64])]
+
+
+@pytest.mark.parametrize("printed, exit_code, names", [
+    ("[]\n", 0, frozenset()),  # loaded everything from the cache
+    ("numba says hello\n[\"_decode_kernel\"]\n", 0, {"_decode_kernel"}),
+    ('["_decode_kernel"]\n', 1, None),  # failed after printing
+    ("", 0, None),
+    ("Traceback ...\n", 0, None),
+])
+def test_what_the_child_compiled_or_none_when_it_failed(monkeypatch, printed, exit_code, names):
+    monkeypatch.setattr(_numba_private, "_ON", frozenset(_numba_private.PATHS))
+    monkeypatch.setattr(_first_compile, "run_cases", lambda name, dtypes, step=None: None)
+    monkeypatch.setattr(_first_compile, "_cores", lambda: 2)
+    monkeypatch.setattr(subprocess, "Popen", _Child)
+    monkeypatch.setattr(_Child, "printed", printed)
+    monkeypatch.setattr(_Child, "exit_code", exit_code)
+    _Child.started = []
+    assert _first_compile.compile_backend("cpu", ("float32", "float64")) == names
+
+
+def test_run_cases_says_what_runs_next(monkeypatch):
+    from elastic_np import testing
+
+    calls = []
+    monkeypatch.setattr(testing, "backend_functions", lambda name: (
+        lambda *a, **o: calls.append("forward"), lambda *a, **o: calls.append("backward")))
+    steps = []
+    _first_compile.run_cases("cpu", [np.dtype(np.float64)], step=lambda text: steps.append((text, len(calls))))
+    assert steps[:2] == [("float64 'plain', forward", 0), ("float64 'plain', backward", 1)]
+    assert len(steps) == 2 * len(_first_compile.WARMUP_CASES) == len(calls)
 
 
 def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):
@@ -104,6 +146,7 @@ def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr
+    assert _first_compile._child_compiled(result.returncode, result.stdout) == frozenset()  # the oracles never compile
 
 
 def test_the_child_imports_this_copy_even_beside_another(tmp_path, monkeypatch):

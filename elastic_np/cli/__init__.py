@@ -30,15 +30,16 @@ benchmarks (``_bench``, ``_bench_decode``, ``_cuda_bench``), the progress bar
 import argparse
 import json
 import sys
+import warnings
 
 import numpy as np
 
 from elastic_np import _compile_report, _dispatch, _validation, reference, testing
 from elastic_np._warmup import warmup
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError, CompileWarning
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
-from elastic_np.cli._progress import Progress
+from elastic_np.cli._progress import Progress, first_call_line
 from elastic_np.testing import _battery, _cases
 
 
@@ -115,16 +116,24 @@ _DTYPES = ("float32", "float64", *_validation.HALF_DTYPES)
 def _compile(name, dtypes, progress):
     """The first calls of every specialisation the battery uses in ``dtypes`` (`elastic_np.cli._first_compile`).
 
-    Returns the `elastic_np._compile_report.Watch` of this process's share.
+    Says before them that they compile or load from Numba's cache, while they
+    run what runs, and after them which it was. Returns their
+    `elastic_np._compile_report.Watch`, with the functions a second process compiled.
     """
     # imported here: the module also runs as a script in the child process (python -m), which
     # runpy would find already imported by this package
     from elastic_np.cli._first_compile import compile_backend
 
-    progress.stage(f"{name}: first JIT compile of the kernels "
-                   f"({', '.join(np.dtype(d).name for d in dtypes)}; cached on disk afterwards)")
+    names = ", ".join(np.dtype(d).name for d in dtypes)
+    progress.begin(f"{name}: first call of the kernels ({names}): compiling, or loading from Numba's cache")
     with _compile_report.watch() as seen:
-        compile_backend(name, dtypes)
+        child = compile_backend(name, dtypes, step=progress.doing)
+    seen.compiled = seen.compiled | (child or frozenset())
+    line = first_call_line(name, seen)
+    if child is None:
+        later = ", ".join(np.dtype(d).name for d in dtypes[1:])
+        line += f"; the second process failed: {later} compiles on its first call in the battery"
+    progress.stage(line)
     return seen
 
 
@@ -210,12 +219,21 @@ def _bench_command(args):
     if args.gpu:
         kind, error = _bench_gpu, _gpu_usage_error(args)
     elif args.decode:
-        kind, error = _bench_decoding, _decode_usage_error(args)
+        kind, error = _bench_decoding, _decode_usage_error(args) or _dtype_usage_error(args)
     else:
-        kind, error = _bench_prefill, _prefill_usage_error(args)
+        kind, error = _bench_prefill, _prefill_usage_error(args) or _dtype_usage_error(args)
     if error is not None:
         return _usage_error("bench", error)
     return kind(args)
+
+
+def _dtype_usage_error(args):
+    """The error of a ``--dtype`` this installation cannot make (bfloat16 without ml_dtypes), or None."""
+    try:
+        _validation.numpy_dtype(args.dtype)
+    except TypeError as exc:
+        return f"argument --dtype: {exc}"
+    return None
 
 
 def _first_flag_given(flags):
@@ -272,13 +290,10 @@ def _bench_prefill(args):
     with Progress(len(seqs) * available * len(_bench.PASSES), "elastic-np bench",
                   delay=args.progress_delay) as progress:
         def notify(kind, message):
-            if kind == "stage":
-                progress.stage(message)
-            else:
-                progress.update(message)
+            {"start": progress.begin, "stage": progress.stage}.get(kind, progress.update)(message)
 
         comparison = _bench.compare(
-            seqs, batch=args.batch or 1, heads=heads, dim=dim, dtype=np.dtype(args.dtype),
+            seqs, batch=args.batch or 1, heads=heads, dim=dim, dtype=args.dtype,
             causal=args.causal, repeat=repeat, min_time=min_time, matmul_n=matmul_n, impls=impls,
             progress=notify, threads=_threads(args),
         )
@@ -343,6 +358,9 @@ def _gpu_usage_error(args):
                                  "--threads": args.threads})
     if not_gpu is not None:
         return f"argument {not_gpu}: not with --gpu"
+    if args.dtype in _validation.HALF_DTYPES:
+        return (f"argument --dtype: --gpu times float32 or float64 (the CUDA kernels take neither half), "
+                f"got {args.dtype}")
     if args.precision is not None and args.dtype != "float32":
         return f"argument --precision: TF32 applies to float32, got --dtype {args.dtype}"
     if args.seq is not None and len(args.seq) != 1:
@@ -367,9 +385,6 @@ def _bench_gpu(args):
 
 #: ``elastic-np bench --gpu --quick``: ``(B, H, N, D)``, and 3 timed runs.
 _GPU_QUICK_SHAPE = (1, 4, 1024, 64)
-
-#: The dtypes ``bench`` times.
-_BENCH_DTYPES = ("float32", "float64")
 
 
 def build_parser():
@@ -448,7 +463,9 @@ def _add_bench(sub):
     bench.add_argument("--heads", type=_positive_int, help="number of heads H")
     bench.add_argument("--dim", type=_positive_int, help="head dimension D")
     bench.add_argument("--batch", type=_positive_int, help="batch size B (default 1)")
-    bench.add_argument("--dtype", choices=_BENCH_DTYPES, default="float32")
+    bench.add_argument("--dtype", choices=_DTYPES, default="float32",
+                       help="dtype of the inputs (default float32; bfloat16 needs ml_dtypes; "
+                            "--gpu takes float32 and float64)")
     bench.add_argument("--causal", action="store_true", help="causal attention")
     bench.add_argument("--repeat", type=_positive_int,
                        help="timed runs per measurement, the best is kept (default 5)")
@@ -495,7 +512,10 @@ def main(argv=None):
     except SystemExit as exc:
         return exc.code
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    return args.func(args)
+    with warnings.catch_warnings():
+        # the commands say what compiled themselves (first_call_line, warmup's report)
+        warnings.filterwarnings("ignore", category=CompileWarning)
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _compile_report, _dispatch, _problem
+from elastic_np import _compile_report, _dispatch, _problem, _validation
 from elastic_np._errors import BackendUnavailableError
+from elastic_np.cli._progress import first_call_line
 from elastic_np.cpu import _simd, thread_count
 from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.reference._backward import _backward as _oracle_backward
@@ -59,14 +60,18 @@ def attention_flops(B, H, N, M, D, Dv=None, *, causal=False, backward=False):
 def naive_attention(q, k, v, *, causal=False, scale=None):
     """Plain NumPy attention in the input dtype, materialising the score matrix.
 
-    The oracle's own code (`elastic_np.reference`) evaluated in the dtype of ``q``.
+    The oracle's own code (`elastic_np.reference`) evaluated in the dtype of
+    ``q``, or in float32 for bfloat16 and float16 inputs (NumPy multiplies
+    matrices of neither), as the kernels compute.
     """
     return _oracle_forward(_naive_problem(q, k, v, causal, scale))[0]
 
 
 def _naive_problem(q, k, v, causal, scale):
-    """The prepared problem of ``q, k, v`` in their dtype, for the oracle's code."""
-    return _problem.prepare(q, k, v, causal=causal, scale=scale, dtypes=(q.dtype,))
+    """The prepared problem of ``q, k, v`` in their compute dtype, for the oracle's code."""
+    dtype = _validation.compute_dtype(q.dtype)
+    q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
+    return _problem.prepare(q, k, v, causal=causal, scale=scale, dtypes=(dtype,))
 
 
 def machine_info():
@@ -121,12 +126,44 @@ def thread_counts(threads):
         yield counts
 
 
+#: What `thread_counts` leaves unset without each optional package, as `unset_notes` says it.
+_UNSET_NOTES = {
+    "torch": "torch is not installed: its threads were not set and torch sdpa is not timed",
+    "blas": "NumPy's BLAS threads were not set (naive numpy ran on BLAS's own count): the optional "
+            "package threadpoolctl, which sets them, is not installed (pip install threadpoolctl)",
+}
+
+
 def describe_threads(counts):
-    """``"2 threads (kernels, torch, BLAS)"``, naming what was not set."""
-    unset = [name for name, n in (("torch", counts["torch"]), ("BLAS", counts["blas"])) if n is None]
-    kinds = ", ".join(["kernels"] + [name for name in ("torch", "BLAS") if name not in unset])
-    return f"{counts['numba']} thread{'s' * (counts['numba'] != 1)} ({kinds})" + (
-        f"; {' and '.join(unset)} not set (not installed)" if unset else "")
+    """``"2 threads (kernels, torch, BLAS)"``: what `thread_counts` set (`unset_notes` says why not the others)."""
+    kinds = ", ".join(["kernels"] + [name for pool, name in (("torch", "torch"), ("blas", "BLAS"))
+                                     if counts.get(pool) is not None])
+    return f"{counts['numba']} thread{'s' * (counts['numba'] != 1)} ({kinds})"
+
+
+def unset_notes(counts):
+    """``"note: ..."`` lines, one per thread pool that `thread_counts` did not set: which package is missing."""
+    return [f"note: {note}" for pool, note in _UNSET_NOTES.items() if counts.get(pool, 0) is None]
+
+
+def torch_tensor(a):
+    """NumPy array ``a`` as a torch tensor sharing its memory (bfloat16 through a 16-bit view)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def numpy_array(t):
+    """Torch tensor ``t`` as a NumPy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(_validation.numpy_dtype("bfloat16"))
+    return t.numpy()
 
 
 def torch_available():
@@ -147,7 +184,7 @@ def torch_sdpa(q, k, v, *, causal=False, backward=False, dout=None):
     import torch
 
     H, Hkv = q.shape[1], k.shape[1]
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
+    tq, tk, tv = (torch_tensor(a) for a in (q, k, v))
     if backward:
         for t in (tq, tk, tv):
             t.requires_grad_(True)
@@ -155,10 +192,10 @@ def torch_sdpa(q, k, v, *, causal=False, backward=False, dout=None):
         tq, tk, tv, is_causal=causal, enable_gqa=H != Hkv
     )
     if not backward:
-        return out.numpy()
-    grad = torch.ones_like(out) if dout is None else torch.from_numpy(np.ascontiguousarray(dout))
+        return numpy_array(out)
+    grad = torch.ones_like(out) if dout is None else torch_tensor(dout)
     out.backward(grad)
-    return out.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+    return tuple(numpy_array(t) for t in (out, tq.grad, tk.grad, tv.grad))
 
 
 def best_time(fn, *, repeat=5, number=1, min_time=0.0):
@@ -216,7 +253,7 @@ def naive_attention_backward(q, k, v, dout, *, causal=False, scale=None):
     """
     p = _naive_problem(q, k, v, causal, scale)
     out, lse = _oracle_forward(p)
-    grads = _oracle_backward(p, dout, out, lse)
+    grads = _oracle_backward(p, dout.astype(out.dtype, copy=False), out, lse)
     return out, grads.dq, grads.dk, grads.dv
 
 
@@ -328,7 +365,8 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     the approximate peak memory (`peak_memory_mib`) of: the elastic_np CPU kernel and CUDA kernel (when available), the naive
     NumPy attention and PyTorch's ``scaled_dot_product_attention`` (when
     installed). Every implementation is called once before it is timed, so the
-    first JIT compile is excluded and reported separately.
+    first call (a JIT compile, or a load from Numba's cache) is excluded and
+    reported separately.
 
     Parameters
     ----------
@@ -336,7 +374,10 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         Sequence lengths.
     batch, heads, dim : int, optional
         ``B``, ``H`` and ``D`` (``Dv = D``).
-    dtype : {np.float32, np.float64}, optional
+    dtype : dtype or str, optional
+        float32 (default), float64, bfloat16 (ml_dtypes) or float16. For the
+        halves, naive NumPy computes in float32 (`naive_attention`) and the
+        peak is float32's, which the kernels compute in.
     causal : bool, optional
     repeat : int, optional
         Timed runs per measurement; the best is kept.
@@ -348,8 +389,9 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
     impls : dict, optional
         What `implementations` returns (by default, called with ``causal``).
     progress : callable, optional
-        ``progress(kind, message)`` with kind ``"stage"`` (a step without progress of
-        its own, such as a compile) or ``"step"`` (one measurement done).
+        ``progress(kind, message)`` with kind ``"start"`` (a long step begins,
+        such as a kernel's first call), ``"stage"`` (a notice, which ends it) or
+        ``"step"`` (one measurement done).
     threads : int, optional
         Threads of the kernels, torch and NumPy's BLAS alike (`thread_counts`);
         by default the kernels' present count.
@@ -362,7 +404,7 @@ def compare(seqs, *, batch=1, heads=8, dim=64, dtype=np.float32, causal=False, r
         dicts with ``impl``, ``pass``, ``seq``, ``time_s``, ``gflops``,
         ``fraction_of_peak`` and ``peak_mib``.
     """
-    dtype = np.dtype(dtype)
+    dtype = _validation.numpy_dtype(dtype)
     notify = progress or (lambda kind, message: None)
     impls = implementations(causal) if impls is None else impls
     with thread_counts(thread_count() if threads is None else threads) as counts:
@@ -376,10 +418,11 @@ def _compare(seqs, batch, heads, dim, dtype, causal, repeat, min_time, matmul_n,
     available = {name: fns for name, fns in impls.items() if not isinstance(fns, str)}
     unavailable = {name: reason for name, reason in impls.items() if isinstance(reason, str)}
 
-    notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {dtype.name})")
-    peak = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
+    peak_dtype = _validation.compute_dtype(dtype)
+    notify("stage", f"measuring the matrix-multiply peak ({matmul_n} x {matmul_n}, {peak_dtype.name})")
+    peak = matmul_peak_gflops(peak_dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
 
-    first_calls = _first_calls(available, dim, dtype, notify)
+    first_calls = _first_calls(available, seqs, dim, dtype, notify)
     # One implementation at a time over every size: switching between thread
     # pools (OpenBLAS, torch's OpenMP, Numba's) on every call makes the idle
     # pool's spinning threads compete with the busy one.
@@ -401,13 +444,13 @@ def _compare(seqs, batch, heads, dim, dtype, causal, repeat, min_time, matmul_n,
     order = {name: i for i, name in enumerate(available)}
     results.sort(key=lambda r: (r["seq"], r["pass"] != "forward", order[r["impl"]]))
     # The peak again, after the measurements: on a busy machine the better of the two.
-    peak_after = matmul_peak_gflops(dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
+    peak_after = matmul_peak_gflops(peak_dtype, n=matmul_n, repeat=max(repeat, 5), min_time=2 * min_time)
     if peak_after > peak:
         peak = peak_after
         for r in results:
             r["fraction_of_peak"] = r["gflops"] / peak
     return {
-        "config": {"batch": batch, "heads": heads, "dim": dim, "dtype": dtype.name,
+        "config": {"batch": batch, "heads": heads, "dim": dim, "dtype": dtype.name, "peak_dtype": peak_dtype.name,
                    "causal": bool(causal), "seqs": [int(s) for s in seqs], "repeat": repeat,
                    "min_time": min_time},
         "matmul_peak_gflops": peak,
@@ -417,21 +460,24 @@ def _compare(seqs, batch, heads, dim, dtype, causal, repeat, min_time, matmul_n,
     }
 
 
-def _first_calls(available, dim, dtype, notify):
-    """Call each elastic_np kernel once, forward and backward, on tiny inputs.
+def _first_calls(available, seqs, dim, dtype, notify):
+    """Call each elastic_np kernel forward and backward, one head at each of ``seqs`` (the paths timed later).
 
-    Returns ``{name: {"seconds": s, "compiled": n}}``: ``n`` functions
-    compiled, 0 when the kernels came from Numba's cache.
+    Returns ``{name: {"seconds": s, "compiled": n, "summary": text}}``: ``n``
+    functions compiled, 0 when the kernels came from Numba's cache.
     """
     first = {}
-    small = make_inputs(1, 1, 8, 8, dim, dtype=dtype)
-    dout_small = np.ones((1, 1, 8, dim), dtype=dtype)
+    small = [(*make_inputs(1, 1, n, n, dim, dtype=dtype), np.ones((1, 1, n, dim), dtype=dtype))
+             for n in sorted(set(seqs))]
     for name, fns in available.items():
         if name.startswith("elastic_np"):
-            notify("stage", f"{name}: first JIT compile of the forward and backward kernels")
+            notify("start", f"{name}: first call of the forward and backward kernels: "
+                            "compiling, or loading from Numba's cache")
             with _compile_report.watch() as seen:
                 for fn in fns:
-                    fn(*small, dout_small)
+                    for arrays in small:
+                        fn(*arrays)
+            notify("stage", first_call_line(name, seen))
             first[name] = {"seconds": seen.seconds, "compiled": len(seen.compiled), "summary": seen.summary()}
     return first
 
@@ -452,6 +498,8 @@ def format_table(comparison):
         f"attention B={cfg['batch']} H={cfg['heads']} D={cfg['dim']} {cfg['dtype']}"
         f"{' causal' if cfg['causal'] else ''}; matrix-multiply peak "
         f"{comparison['matmul_peak_gflops']:.1f} GFLOP/s"
+        + (f" (in {cfg['peak_dtype']}, as the kernels compute)" if cfg.get("peak_dtype", cfg["dtype"]) != cfg["dtype"]
+           else "")
         + (f"; {describe_threads(cfg['threads'])}" if "threads" in cfg else ""),
         f"  {'implementation':<18} {'pass':<16} {'N':>6} {'time (ms)':>10} {'GFLOP/s':>9} "
         f"{'of peak':>8} {'peak MiB':>9}",
@@ -467,6 +515,7 @@ def format_table(comparison):
         lines.append(f"  {name}: first call {seconds:.2f} s")
     for name, reason in comparison["unavailable"].items():
         lines.append(f"  {name}: unavailable ({reason})")
+    lines.extend(unset_notes(cfg.get("threads", {})))
     return "\n".join(lines)
 
 

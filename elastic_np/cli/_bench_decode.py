@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import cpu
+from elastic_np import _validation, cpu
 from elastic_np.cli import _bench
 
 #: (B, H, Hkv, N, M, D) of the CPU inference issue's goals.
@@ -88,7 +88,7 @@ def torch_decode(q, k, v):
     """A no-argument callable: torch SDPA on ``q, k, v`` with bottom-right causal alignment."""
     import torch
 
-    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    tq, tk, tv = (_bench.torch_tensor(a) for a in (q, k, v))
     N, M = q.shape[2], k.shape[2]
     # query i keeps keys j <= i + M - N (all of them for N = 1)
     mask = None if N == 1 else torch.ones(N, M, dtype=torch.bool).tril(M - N)
@@ -121,7 +121,8 @@ def measure(shape, dtype, *, rounds, calls, threads, with_torch=True):
     """
     q, k, v = make_inputs(shape, dtype)
     nbytes = k.nbytes + v.nbytes
-    with StreamingRead(nbytes, threads, dtype) as read:
+    # as many bytes, in float32 for a half (NumPy's sums of halves are not vectorised)
+    with StreamingRead(nbytes, threads, _validation.compute_dtype(dtype)) as read:
         fns = {"ours": lambda: enp.attention(q, k, v, causal=True, backend="cpu")}
         if with_torch and _bench.torch_available():
             fns["torch"] = torch_decode(q, k, v)
@@ -162,7 +163,7 @@ def compare(shapes, dtype, *, rounds=7, calls=3, threads=None, progress=None):
     torch and NumPy's BLAS are given the same (`_bench.thread_counts`, what it
     set in ``thread_counts``). ``progress(shape)`` is called after each shape.
     """
-    dtype = np.dtype(dtype)
+    dtype = _validation.numpy_dtype(dtype)
     threads = cpu.thread_count() if threads is None else threads
     rows = []
     with _bench.thread_counts(threads) as counts:
@@ -198,4 +199,5 @@ def format_table(result):
         )
     if result["rows"]:
         lines.append(f"streaming read: {max(r['read_gb_per_s'] for r in result['rows']):.1f} GB/s at best")
+    lines.extend(_bench.unset_notes(result.get("thread_counts", {})))
     return "\n".join(lines)

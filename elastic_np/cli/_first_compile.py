@@ -4,7 +4,9 @@
 the battery starts (`compile_backend`). Numba compiles one function at a time
 in a process, so with two or more cores the CPU backend's float64 kernels
 compile in a second process while this one compiles the float32 ones; both
-save to the same on-disk cache, from which the battery then loads them.
+save to the same on-disk cache, from which the battery then loads them. The
+child prints the names of the functions it compiled (none when it loaded
+them all from the cache), so that ``check`` can say which it was.
 
 Numba saves a cache entry as: read the function's index, write it back with
 the entry, write the data file the entry names; and loads one as: read the
@@ -16,12 +18,14 @@ private cache classes: only where `elastic_np.cpu._numba_private.enabled`
 says the path ``two_process_check`` is on; else all compiles here).
 """
 
+import json
 import os
 import subprocess
 import sys
-import time
+import warnings
 
-from elastic_np import _validation, testing
+from elastic_np import _compile_report, _validation, testing
+from elastic_np._errors import CompileWarning
 from elastic_np.cpu._numba_private import enabled, locked_cache_index
 from elastic_np.testing import _cases
 
@@ -29,15 +33,21 @@ from elastic_np.testing import _cases
 WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20")
 
 
-def run_cases(name, dtypes):
-    """Run backend ``name`` forward and backward on the `WARMUP_CASES`, in each of ``dtypes``."""
+def run_cases(name, dtypes, step=None):
+    """Run backend ``name`` forward and backward on the `WARMUP_CASES`, in each of ``dtypes``.
+
+    ``step(text)``, if given, is told what runs next (``"float32 'plain', forward"``).
+    """
     fn, backward = testing.backend_functions(name)
     warmup = [c for c in _cases.CASES if c.name in WARMUP_CASES]
+    step = step or (lambda text: None)
     for dtype in dtypes:
         for case in warmup:
             q, k, v, dout, options = _cases.draw_inputs(case, dtype)
             q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
+            step(f"{dtype.name} {case.name!r}, forward")
             fn(q, k, v, **options)
+            step(f"{dtype.name} {case.name!r}, backward")
             backward(dout, q, k, v, **options)
 
 
@@ -72,33 +82,52 @@ def child_options():
     return {"cwd": package_root, "env": env}
 
 
-def compile_backend(name, dtypes):
-    """Compile (or load from the cache) what the battery runs of backend ``name`` in ``dtypes``; seconds taken.
+def compile_backend(name, dtypes, step=None):
+    """Compile (or load from the cache) what the battery runs of backend ``name`` in ``dtypes``.
 
     For ``"cpu"`` with two dtypes on a machine that `_can_split`, the second
     dtype compiles in a child process at the same time. Should the child
     fail, the battery compiles that dtype itself when it first calls it.
+    ``step(text)`` is told what runs (`run_cases`).
+
+    Returns the names of the functions the child compiled (a frozenset,
+    empty without a child), or None when the child failed.
     """
-    start = time.perf_counter()
     dtypes = [_validation.numpy_dtype(d) for d in dtypes]
     if name != "cpu" or len(dtypes) < 2 or not _can_split():
-        run_cases(name, dtypes)
-        return time.perf_counter() - start
+        run_cases(name, dtypes, step)
+        return frozenset()
     child = subprocess.Popen(
         [sys.executable, "-m", "elastic_np.cli._first_compile", name, *(d.name for d in dtypes[1:])],
-        **child_options(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        **child_options(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
         with locked_cache_index():
-            run_cases(name, dtypes[:1])
-            child.wait()
+            run_cases(name, dtypes[:1], step)
+            if step is not None:
+                step(f"waiting for {', '.join(d.name for d in dtypes[1:])} in a second process")
+            out, _ = child.communicate()
     finally:
         if child.poll() is None:  # this process failed first
             child.kill()
             child.wait()
-    return time.perf_counter() - start
+    return _child_compiled(child.returncode, out)
+
+
+def _child_compiled(returncode, out):
+    """The names the child printed as its last line (a JSON list), or None when it failed."""
+    lines = (out or "").strip().splitlines()
+    if returncode != 0 or not lines:
+        return None
+    try:
+        return frozenset(json.loads(lines[-1]))
+    except (ValueError, TypeError):
+        return None
 
 
 if __name__ == "__main__":
-    with locked_cache_index():
+    # the parent says what compiled (from the names printed here), not a CompileWarning
+    warnings.filterwarnings("ignore", category=CompileWarning)
+    with locked_cache_index(), _compile_report.watch() as seen:
         run_cases(sys.argv[1], [_validation.numpy_dtype(d) for d in sys.argv[2:]])
+    print(json.dumps(sorted(str(name) for name in seen.compiled)))
