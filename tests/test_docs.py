@@ -195,20 +195,6 @@ def test_performance_hook_renders_cuda_results(tmp_path, modifiers):
     assert ("modifiers cost x1.25 over plain attention (forward)" in text) == modifiers
 
 
-def test_readme_figures_are_rendered_from_their_results_files():
-    """Every measured block of the README is what its stored benchmark file renders to."""
-    import runpy
-
-    script = runpy.run_path(str(DOCS / "scripts" / "readme_figures.py"))
-    text = (ROOT / "README.md").read_text()
-    blocks = list(script["BLOCK"].finditer(text))
-    assert blocks, "the README has no figures block"
-    assert script["stale"]() == []
-    # a hand edit inside a block is caught
-    edited = text.replace(" elastic_np cpu ", " elastic_np xpu ", 1)
-    assert script["rendered"](edited) != edited
-
-
 def _extras():
     """``{extra: [package names]}`` of setup.cfg, without versions, extras or comments."""
     import configparser
