@@ -9,7 +9,7 @@ VJP) dispatch to a backend ("reference", "cpu", "cuda");
 
 from elastic_np import reference, testing
 from elastic_np._dispatch import attention, attention_backward, attention_double_backward, merge_attention
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._errors import BackendUnavailableError, CompileWarning
 from elastic_np._types import AttentionGrads, DynamicWindow
 from elastic_np._varlen import varlen_attention, varlen_attention_backward
 from elastic_np._warmup import warmup
@@ -29,6 +29,7 @@ __all__ = [
     "DoubleBackwardGrads",
     "DynamicWindow",
     "BackendUnavailableError",
+    "CompileWarning",
     "reference",
     "testing",
 ]

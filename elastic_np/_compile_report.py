@@ -1,10 +1,14 @@
-"""Telling a Numba compile from a cache load, and saying so through `logging`.
+"""Telling a Numba compile from a cache load, and saying so: once through `warnings`, always through `logging`.
 
 A kernel's first call in a process either compiles it (seconds) or loads it
 from Numba's on-disk cache (a fraction of a second). `watch` listens to
 Numba's public event API for compiler passes, which run only when something
 compiles, and `reported` logs one INFO line on the ``"elastic_np"`` logger
 when a call compiled: what, for which dtype, how many functions, how long.
+The first compile of the package's code in a process within a `reported`
+block, outside `unannounced` ones (`elastic_np.warmup`'s), is announced
+as it starts, with a `~elastic_np.CompileWarning` pointing at the caller's
+line (`NOTICE`).
 """
 
 import contextlib
@@ -12,6 +16,9 @@ import logging
 import sys
 import threading
 import time
+import warnings
+
+from elastic_np._errors import CompileWarning
 
 logger = logging.getLogger("elastic_np")
 
@@ -26,14 +33,19 @@ _registered = set()
 
 
 def _listener(module):
-    """A listener of event ``module`` (each Numba package checks its own base class) adding to every open watch."""
+    """A listener of event ``module`` (each Numba package checks its own base class) adding to every open watch.
+
+    A compile of the package's code also makes `NOTICE`'s announcement, when due.
+    """
 
     class Compiled(module.Listener):
         def on_start(self, ev):
-            name = ev.data.get("qualname") if isinstance(ev.data, dict) else None
+            data = ev.data if isinstance(ev.data, dict) else {}
             with _open_lock:
                 for functions in _open:
-                    functions.add(name)
+                    functions.add(data.get("qualname"))
+            if NOTICE.due and NOTICE.blocks and str(data.get("module")).startswith("elastic_np"):
+                NOTICE.announce()
 
         def on_end(self, ev):
             pass
@@ -93,11 +105,95 @@ def watch():
             seen.compiled = frozenset(functions)
 
 
+class _Notice:
+    """The announcement of a process's first compile: ``due`` until made (a test suite may clear it).
+
+    ``blocks``: the open `reported` blocks that would announce one, each
+    ``[backend, what, dtype, caller's frame, deferred exception]``;
+    ``quiet``: how many `unannounced` blocks are open (in any thread).
+    """
+
+    def __init__(self):
+        self.due, self.blocks, self.quiet, self.lock = True, [], 0, threading.Lock()
+
+    def opened(self, backend, what, dtype):
+        """A block's entry, or None when nothing is due: the caller is the first frame outside the package."""
+        if not self.due:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
+            frame = frame.f_back
+        entry = [backend, what, dtype, frame, None]
+        with self.lock:
+            self.blocks.append(entry)
+        return entry
+
+    def closed(self, entry):
+        """Forget an entry of `opened`; the exception the warning raised within it (an "error" filter), if any."""
+        if entry is None:
+            return None
+        with self.lock:
+            self.blocks.remove(entry)
+        entry[3] = None
+        return entry[4]
+
+    def announce(self):
+        """Warn about the compile now starting, in the newest open block, unless quiet or made already."""
+        with self.lock:
+            if not (self.due and self.blocks) or self.quiet:
+                return
+            self.due = False
+            entry = self.blocks[-1]
+            backend, what, dtype, frame, _ = entry
+        message = (f"elastic_np is compiling the {backend} backend's {what} for {dtype}: seconds, once (Numba saves "
+                   "it to its cache, from which later processes load it); compile ahead with elastic_np.warmup() or "
+                   "`elastic-np warmup`, silence this with warnings.filterwarnings('ignore', "
+                   "category=elastic_np.CompileWarning); logging at INFO level on the 'elastic_np' logger has details")
+        where = {"filename": "elastic_np", "lineno": 0} if frame is None else {
+            "filename": frame.f_code.co_filename, "lineno": frame.f_lineno, "module": frame.f_globals.get("__name__"),
+            "registry": frame.f_globals.setdefault("__warningregistry__", {}),
+        }
+        try:
+            warnings.warn_explicit(message, CompileWarning, **where)
+        except Exception as exc:  # noqa: BLE001 (raised in the caller's thread when its block ends, not in Numba)
+            entry[4] = exc
+
+
+#: The top-level packages whose frames the announcement skips to find the caller.
+_INTERNAL = ("elastic_np", "contextlib")
+
+#: The announcement of the process's first compile (`reported` blocks, `unannounced`).
+NOTICE = _Notice()
+
+
+@contextlib.contextmanager
+def unannounced():
+    """Within the block, compiles are not announced (they are what the caller asked for); `NOTICE` stays due."""
+    with NOTICE.lock:
+        NOTICE.quiet += 1
+    try:
+        yield
+    finally:
+        with NOTICE.lock:
+            NOTICE.quiet -= 1
+
+
 @contextlib.contextmanager
 def reported(backend, what, dtype):
-    """`watch` the block; when it compiled, one INFO line: ``backend``, ``what``, ``dtype``, functions, seconds."""
-    with watch() as seen:
-        yield seen
+    """`watch` the block; when it compiled, one INFO line: ``backend``, ``what``, ``dtype``, functions, seconds.
+
+    The first compile of the process (outside `unannounced` blocks) is also
+    announced as it starts: a `~elastic_np.CompileWarning` pointing at the
+    first caller outside the package.
+    """
+    entry = NOTICE.opened(backend, what, dtype)
+    try:
+        with watch() as seen:
+            yield seen
+    finally:
+        deferred = NOTICE.closed(entry)
+    if deferred is not None:
+        raise deferred
     if seen.compiled:
         logger.info(
             "%s backend: %s for %s: %s in %.1f s (saved to Numba's cache; later processes load it)",

@@ -1,16 +1,44 @@
-"""`warmup`: compile, or load from Numba's cache, the kernels later calls will need, ahead of them."""
+"""`warmup`: compile, or load from Numba's cache, every kernel later calls will need, ahead of them.
+
+What compiles separately, and so what `warmup` runs (tiny calls, through
+the public functions, once per kernel path and dtype):
+
+- a kernel per path: the prefill, the decode kernel of a few queries and
+  the key-major one of 16, the backward, the double backward;
+- the decode kernels again for keys read by position rather than by head:
+  a ``(B, N, H, D)`` cache (``layout="bnhd"``, every packed sequence) and
+  paged keys (``block_table``);
+- stages compiled on first use: the score modifiers (soft-cap, ALiBi, the
+  bias), the bias's gradient, the dynamic window's tables;
+- for bfloat16, the prefill forward on AMX tiles and the one without them
+  (NVM, a head dimension the tiles do not take).
+
+The other options are runtime values of the same kernels (`elastic_np.cpu._plan`).
+"""
 
 import collections
 import time
 
 import numpy as np
 
-from elastic_np import _compile_report, _dispatch, _spec, _validation
+from elastic_np import _compile_report, _dispatch, _spec, _validation, _varlen
 from elastic_np._errors import BackendUnavailableError
+from elastic_np._types import DynamicWindow
 
-#: One shape per kernel path, ``(B, H, Hkv, N, M)``: the prefill, and both decode kernels
-#: (one new query per sequence; 16, the key-major kernel's).
-_PATHS = {"prefill": (1, 2, 1, 32, 32), "decode": (1, 2, 1, 1, 40), "decode, 16 queries": (1, 2, 1, 16, 40)}
+#: ``(H, Hkv, N, M)`` of the padded calls of each path (batch 1): the prefill, and both decode kernels (one
+#: new query per sequence; 16, the key-major kernel's). Two kv heads: with one, a ``(B, M, Hkv, D)`` cache
+#: is also a ``(B, Hkv, M, D)`` one, and ``layout="bnhd"`` would not reach the kernels' other reading.
+_HEADS = (4, 2)
+_PADDED = {"prefill": (*_HEADS, 32, 32), "decode": (*_HEADS, 1, 40), "decode, 16 queries": (*_HEADS, 16, 40)}
+
+#: The packed sequences, ``(queries, keys)`` each: a prefill, a decode of one query and one of 16.
+_PACKED = ((24, 24), (1, 40), (16, 40))
+
+#: The paged calls: 2 sequences of ``queries`` each, ``used`` keys of pages of ``block`` keys.
+_PAGED = {"queries": (1, 16), "used": (40, 21), "block": 16}
+
+#: The options of the calls that leave the kernels' common stage (the other options are runtime values).
+_COMMON = {"causal": True, "nvm": True, "tau": 0.5, "beta": 0.5}
 
 
 #: What `warmup` returns.
@@ -19,7 +47,7 @@ Warmup = collections.namedtuple("Warmup", ["seconds", "compiled"])
 
 def _option_names(options):
     if options is None:
-        return set(_spec.MODIFIERS)  # what compiles code of its own: their stage and the bias's gradient
+        return set(_spec.MODIFIERS) | {"dynamic_window"}  # what compiles code of its own
     if isinstance(options, str):
         options = (options,)
     names = set(options)
@@ -32,29 +60,44 @@ def _option_names(options):
 
 
 def _stages(names):
-    """The options of the calls that reach the code ``names`` need: none, a modifier, a bias."""
-    stages = [{}]
+    """The options of the calls that reach the code ``names`` need: the common stage, a modifier, a bias, a window.
+
+    The common stage's NVM also reaches bfloat16's prefill forward without
+    AMX tiles, which other head dimensions run too.
+    """
+    stages = [{}, dict(_COMMON)]
     if names & {"softcap", "alibi_slopes"}:
-        stages.append({"softcap": 30.0})
+        stages.append({"softcap": 30.0, "alibi_slopes": np.linspace(0.25, 1.0, _HEADS[0])})
     if "bias" in names:
         stages.append({"bias": np.full((1, 1, 1, 1), 0.25)})
+    if "dynamic_window" in names:
+        stages.append({"dynamic_window": DynamicWindow(2.0)})
     return stages
 
 
 def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False):
-    """Compile, or load from Numba's on-disk cache, what later calls of `attention` will run.
+    """Compile, or load from Numba's on-disk cache, every kernel that later calls of ``dtypes`` will run.
 
     A kernel compiles on its first call in a process: seconds for each dtype
-    (loading it from the cache, which the first compile fills, takes a
-    fraction of that). Call this where waiting is cheap: in a Docker image's
-    build (``RUN elastic-np warmup``, which fills the cache the image ships),
-    at a worker's start (``client.run(elastic_np.warmup)`` for Dask), or
-    before a training loop. It calls `attention` and `attention_backward` on
-    tiny inputs, once per kernel path (prefill, and both decode kernels),
-    which compiles every specialisation later calls of those dtypes use:
-    the kernels take the options as runtime values, and only the score
-    modifiers and the bias's gradient have code of their own. A compile is
-    logged at INFO level on the ``"elastic_np"`` logger, as on any call.
+    and path (loading it from the cache, which the first compile fills,
+    takes a fraction of that). Call this where waiting is cheap: in a Docker
+    image's build (``RUN elastic-np warmup``, which fills the cache the image
+    ships), at a worker's start (``client.run(elastic_np.warmup)`` for
+    Dask), or before a training loop.
+
+    It runs tiny calls of every path in both layouts (``"bhnd"`` and
+    ``"bnhd"``): the forward and backward of the prefill, of both decode
+    kernels (one query, and the key-major kernel's 16) and of packed batches
+    (`varlen_attention` with ``cu_seqlens``), and the forward of paged
+    batches (``block_table``, ``seqused_k``; they have no backward), each
+    plain, with the common options (causal, NVM, ``tau``, ``beta``), and
+    with those of the score modifiers, the bias (and its gradient) and the
+    dynamic window that ``options`` names: what compiles code of its own,
+    every other option being a runtime value of the same kernels.
+    ``second_order`` adds the double backward (at the prefill's and the
+    decode's shapes, in both layouts). A compile is logged at INFO level on
+    the ``"elastic_np"`` logger, as on any call, but not announced
+    (`CompileWarning`): here it is what was asked for.
 
     Parameters
     ----------
@@ -62,15 +105,18 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
         The dtypes of later calls (default: float32 and float64).
     options : sequence of str, optional
         Names of the options later calls use (``("causal", "softcap")``);
-        None (default) compiles what every option needs.
+        None (default) compiles what every option needs. Only the score
+        modifiers (``softcap``, ``alibi_slopes``), ``bias`` and
+        ``dynamic_window`` have code of their own, compiled when named.
     backend : {"auto", "cpu", "cuda", "reference"}, optional
         The backend to warm up, as `attention` picks it ("auto", the
         default: "cuda" when a GPU is usable, else "cpu"); "reference"
         compiles nothing.
     head_dim : int, optional
         The head dimension of the tiny calls. The CPU kernels serve every
-        head dimension with one compile; the CUDA kernels compile per
-        head dimension.
+        head dimension with one compile (bfloat16's prefill forward, which
+        runs on AMX tiles where the head dimension allows, with two, both
+        compiled here); the CUDA kernels compile per head dimension.
     second_order : bool, optional
         Also compile the double backward (`attention_double_backward`), for
         second derivatives (gradient penalties, Hessian-vector products):
@@ -79,8 +125,9 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     Returns
     -------
     Warmup
-        ``seconds``: ``{(dtype name, path): seconds}`` for each kernel path
-        (and ``"double backward"`` with ``second_order``);
+        ``seconds``: ``{(dtype name, path): seconds}`` for each path
+        (``"prefill"``, ``"decode"``, ``"decode, 16 queries"``, ``"packed"``,
+        ``"paged"``, and ``"double backward"`` with ``second_order``);
         ``compiled``: how many functions Numba compiled (0 when everything
         came from the cache or was already loaded).
 
@@ -97,8 +144,8 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     --------
     >>> import elastic_np as enp
     >>> report = enp.warmup(dtypes=["float64"], options=["causal"])
-    >>> sorted(report.seconds)
-    [('float64', 'decode'), ('float64', 'decode, 16 queries'), ('float64', 'prefill')]
+    >>> [path for dtype, path in report.seconds]
+    ['prefill', 'decode', 'decode, 16 queries', 'packed', 'paged']
     """
     names = _option_names(options)
     if not (isinstance(head_dim, int) and head_dim > 0):
@@ -108,18 +155,19 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     name = module.__name__.rsplit(".", 1)[-1]
     if second_order and not hasattr(module, "double_backward"):
         raise BackendUnavailableError(f"backend {name!r} has no double backward to warm up (`second_order`)")
-    paths = [(path, shape, False) for path, shape in _PATHS.items()]
+    paths = [(path, _padded_calls(shape)) for path, shape in _PADDED.items()]
+    paths += [("packed", _packed_calls), ("paged", _paged_calls)]
     if second_order:
-        paths.append(("double backward", _PATHS["prefill"], True))
+        paths.append(("double backward", _double_backward_calls))
     seconds = {}
-    with _compile_report.watch() as everything:
+    with _compile_report.watch() as everything, _compile_report.unannounced():
         if hasattr(module, "start_threads"):  # else the first call that goes parallel starts them
             module.start_threads()
         for dtype in dtypes:
-            for path, shape, second in paths:
+            for path, calls in paths:
                 start = time.perf_counter()
-                for stage_options in _stages(names):
-                    _run(shape, head_dim, dtype, dict(stage_options, backend=name), second_order=second)
+                for stage in _stages(names):
+                    calls(_Inputs(dtype, head_dim), dict(stage, backend=name))
                 seconds[(dtype.name, path)] = time.perf_counter() - start
     return Warmup(seconds, len(everything.compiled))
 
@@ -135,15 +183,71 @@ def _checked_dtypes(module, dtypes):
     return dtypes
 
 
-def _run(shape, head_dim, dtype, options, second_order=False):
-    """One forward and backward of `attention` at ``shape`` in ``dtype`` (the double backward instead
-    of the backward with ``second_order``)."""
-    B, H, Hkv, N, M = shape
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((B, H, N, head_dim)).astype(dtype)
-    k, v = (rng.standard_normal((B, Hkv, M, head_dim)).astype(dtype) for _ in range(2))
-    out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
-    if second_order:
-        _dispatch.attention_double_backward(q, k, v, np.ones_like(out), q, k, v, out, lse, **options)
-    else:
-        _dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+class _Inputs:
+    """Random arrays of one dtype and head dimension, drawn from one seed."""
+
+    def __init__(self, dtype, head_dim):
+        self.dtype, self.head_dim, self.rng = dtype, head_dim, np.random.default_rng(0)
+
+    def __call__(self, *shape):
+        """An array of ``shape`` followed by the head dimension."""
+        return self.rng.standard_normal((*shape, self.head_dim)).astype(self.dtype)
+
+    def padded(self, H, Hkv, N, M, layout):
+        """``q, k, v`` of one sequence in ``layout``, ``(1, H, N, D)`` or ``(1, N, H, D)``."""
+        if layout == "bnhd":
+            return self(1, N, H), self(1, M, Hkv), self(1, M, Hkv)
+        return self(1, H, N), self(1, Hkv, M), self(1, Hkv, M)
+
+
+def _padded_calls(shape):
+    """The forward and backward of `attention` at ``(H, Hkv, N, M)``, in both layouts."""
+
+    def calls(inputs, options):
+        for layout in _spec.LAYOUTS:
+            q, k, v = inputs.padded(*shape, layout)
+            out, lse = _dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
+            _dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, layout=layout, **options)
+
+    return calls
+
+
+def _double_backward_calls(inputs, options):
+    """The forward and double backward of `attention` at the prefill's and the decode's shapes, in both layouts."""
+    for shape in (_PADDED["prefill"], _PADDED["decode"]):
+        for layout in _spec.LAYOUTS:
+            q, k, v = inputs.padded(*shape, layout)
+            out, lse = _dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
+            _dispatch.attention_double_backward(np.ones_like(q), None, None, np.ones_like(out), q, k, v, out, lse,
+                                                layout=layout, **options)
+
+
+def _per_sequence(options, count):
+    """``options`` as a packed call takes them: a bias as one array per sequence."""
+    if options.get("bias") is None:
+        return options
+    return {**options, "bias": [options["bias"][0]] * count}
+
+
+def _packed_calls(inputs, options):
+    """`varlen_attention` and its backward on `_PACKED`'s sequences."""
+    cu_q, cu_k = (np.cumsum([0, *lengths]) for lengths in zip(*_PACKED))
+    q, k, v = inputs(cu_q[-1], _HEADS[0]), inputs(cu_k[-1], _HEADS[1]), inputs(cu_k[-1], _HEADS[1])
+    options = _per_sequence(options, len(_PACKED))
+    out, lse = _varlen.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    _varlen.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k, **options)
+
+
+def _paged_calls(inputs, options):
+    """`varlen_attention` over a paged cache, with each of `_PAGED`'s numbers of queries a sequence."""
+    used, block = np.array(_PAGED["used"]), _PAGED["block"]
+    blocks = -(-used // block)
+    table = np.zeros((used.size, blocks.max()), dtype=np.int64)
+    for s, first in enumerate(np.cumsum([0, *blocks[:-1]])):
+        table[s, :blocks[s]] = first + np.arange(blocks[s])
+    k, v = inputs(blocks.sum(), block, _HEADS[1]), inputs(blocks.sum(), block, _HEADS[1])
+    options = _per_sequence(options, used.size)
+    for queries in _PAGED["queries"]:
+        q = inputs(used.size * queries, _HEADS[0])
+        _varlen.varlen_attention(q, k, v, np.arange(used.size + 1) * queries, None, block_table=table,
+                                 seqused_k=used, **options)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``), and a Numba cache per worker."""
+"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``), a Numba cache per worker,
+no announcement of a compile."""
 
 import os
 import sys
@@ -15,6 +16,16 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
     _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
     os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
+
+
+def pytest_configure(config):
+    """The suite's processes never announce a compile (`elastic_np.CompileWarning`, once a process): in a cold
+    cache, a test that turns warnings into errors would fail on whichever call compiled first. The tests of the
+    announcement use a notice of their own (tests/test_compile_report.py); the processes tests start have theirs.
+    """
+    from elastic_np import _compile_report  # imports no Numba
+
+    _compile_report.NOTICE.due = False
 
 
 @pytest.fixture(autouse=True)

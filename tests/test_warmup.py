@@ -15,8 +15,12 @@ from elastic_np.cli import main
 
 # Later calls of a warmed configuration must neither compile nor load from
 # the cache: both take Numba's compiler lock, which an already loaded kernel
-# does not. Every kernel path and stage: prefill, both decode kernels, the
-# score modifiers, the bias and its gradient, grouped heads, odd sizes.
+# does not. Every path, in shapes and head counts of their own: padded
+# batches in both layouts (prefill, decode of 1, 3 and 16 queries), packed
+# sequences (a prefill, decodes of 1 and 16 queries) and their backward,
+# paged caches (1 and 16 queries a sequence; one call for all, and one a
+# sequence with a bias); each with the common options, the score modifiers,
+# the bias and its gradient, the dynamic window.
 LATER_CALLS = r"""
 import sys
 import numpy as np
@@ -26,20 +30,48 @@ import elastic_np as enp
 if sys.argv[1] == "warm":
     enp.warmup(dtypes=["float32"])
 rng = np.random.default_rng(1)
+H, HKV, D = 4, 2, 40
+
+
+def arrays(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def stages(bias):
+    return ({}, {"causal": True, "tau": 0.7, "beta": 0.5, "nvm": True, "window_size": (50, 0)},
+            {"softcap": 20.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])}, {"bias": bias},
+            {"dynamic_window": enp.DynamicWindow(np.full(H, 0.8))})
+
+
+def padded(N, M, layout):
+    if layout == "bnhd":
+        return arrays(2, N, H, D), arrays(2, M, HKV, D), arrays(2, M, HKV, D)
+    return arrays(2, H, N, D), arrays(2, HKV, M, D), arrays(2, HKV, M, D)
+
+
 with event.install_recorder("numba:compiler_lock") as recorder:
-    for N, M in ((300, 280), (1, 700), (3, 700), (16, 700)):
-        q = rng.standard_normal((2, 4, N, 40)).astype(np.float32)
-        k, v = (rng.standard_normal((2, 2, M, 40)).astype(np.float32) for _ in range(2))
-        for options in ({}, {"causal": True, "tau": 0.7, "beta": 0.5, "nvm": True},
-                        {"softcap": 20.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])},
-                        {"bias": rng.standard_normal((1, 4, N, M))}):
-            out, lse = enp.attention(q, k, v, return_lse=True, **options)
-            enp.attention_backward(np.ones_like(out), q, k, v, out, lse, **options)
+    for layout in ("bhnd", "bnhd"):
+        for N, M in ((300, 280), (1, 700), (3, 700), (16, 700)):
+            q, k, v = padded(N, M, layout)
+            for options in stages(rng.standard_normal((1, H, N, M))):
+                out, lse = enp.attention(q, k, v, return_lse=True, layout=layout, **options)
+                enp.attention_backward(np.ones_like(out), q, k, v, out, lse, layout=layout, **options)
+    cu_q, cu_k = np.array([0, 300, 301, 317]), np.array([0, 280, 980, 1680])
+    q, k, v = arrays(317, H, D), arrays(1680, HKV, D), arrays(1680, HKV, D)
+    for options in stages([rng.standard_normal((H, n, m)) for n, m in ((300, 280), (1, 700), (16, 700))]):
+        out, lse = enp.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **options)
+        enp.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k, **options)
+    pages, table, used = arrays(30, 32, HKV, D), np.arange(30).reshape(3, 10)[::-1], np.array([300, 17, 260])
+    for n in (1, 16):
+        for options in stages([rng.standard_normal((H, n, m)) for m in used]):
+            for paged in ({name: value for name, value in options.items() if name != "bias"}, options):
+                enp.varlen_attention(arrays(3 * n, H, D), pages, pages, np.arange(4) * n, None, block_table=table,
+                                     seqused_k=used, **paged)
 print(len(recorder.buffer))
 """
 
 
-# The same for second derivatives after ``warmup(second_order=True)``.
+# The same for second derivatives after ``warmup(second_order=True)``, in both layouts.
 LATER_SECOND_ORDER_CALLS = r"""
 import sys
 import numpy as np
@@ -50,14 +82,17 @@ if sys.argv[1] == "warm":
     enp.warmup(dtypes=["float32"], second_order=True)
 rng = np.random.default_rng(1)
 with event.install_recorder("numba:compiler_lock") as recorder:
-    for N, M in ((300, 280), (5, 70)):
-        q, ddq = (rng.standard_normal((2, 4, N, 40)).astype(np.float32) for _ in range(2))
-        k, v = (rng.standard_normal((2, 2, M, 40)).astype(np.float32) for _ in range(2))
+    for N, M, layout in ((300, 280, "bhnd"), (5, 70, "bhnd"), (1, 70, "bnhd"), (40, 30, "bnhd")):
+        axes = (2, N, 4, 40) if layout == "bnhd" else (2, 4, N, 40)
+        q, ddq = (rng.standard_normal(axes).astype(np.float32) for _ in range(2))
+        axes = (2, M, 2, 40) if layout == "bnhd" else (2, 2, M, 40)
+        k, v = (rng.standard_normal(axes).astype(np.float32) for _ in range(2))
         for options in ({}, {"causal": True, "tau": 0.7, "beta": 0.5, "nvm": True},
                         {"softcap": 20.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])},
-                        {"bias": rng.standard_normal((1, 4, N, M))}):
-            out, lse = enp.attention(q, k, v, return_lse=True, **options)
-            enp.attention_double_backward(ddq, None, None, np.ones_like(out), q, k, v, out, lse, **options)
+                        {"bias": rng.standard_normal((1, 4, N, M))}, {"dynamic_window": enp.DynamicWindow(0.8)}):
+            out, lse = enp.attention(q, k, v, return_lse=True, layout=layout, **options)
+            enp.attention_double_backward(ddq, None, None, np.ones_like(out), q, k, v, out, lse, layout=layout,
+                                          **options)
 print(len(recorder.buffer))
 """
 
@@ -92,8 +127,8 @@ def test_second_order_warmup_reports_its_path_and_needs_a_double_backward(monkey
 
 def test_warmup_reports_each_path_and_checks_its_arguments():
     report = enp.warmup(dtypes=["float64"], options=["causal", "softcap"], backend="cpu")
-    assert sorted(report.seconds) == [("float64", "decode"), ("float64", "decode, 16 queries"),
-                                      ("float64", "prefill")]
+    assert list(report.seconds) == [("float64", path) for path in
+                                    ("prefill", "decode", "decode, 16 queries", "packed", "paged")]
     assert all(s >= 0 for s in report.seconds.values()) and report.compiled >= 0
     with pytest.raises(ValueError, match="`options` must name options of `attention`.*is_causal"):
         enp.warmup(options=["is_causal"])
