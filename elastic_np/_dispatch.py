@@ -27,6 +27,7 @@ The reference computes in float64; the kernels keep the input dtype.
 """
 
 import contextlib
+import functools
 import importlib
 
 from elastic_np import _compile_report, _spec, _validation
@@ -55,11 +56,21 @@ def get_backend(name):
 
 
 def _problem(module, q, k, v, options):
-    """The backend's validated problem: its ``prepare``, then `_spec.check_support`."""
+    """The backend's validated problem: its ``prepare``, then `_spec.check_support` (once per ``plan_key``)."""
     problem = module.prepare(q, k, v, dtypes=module.dtypes, **options)
-    kernel_dtype = None if module.dtypes is None else problem.compute_dtype
-    _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
+    supported = None if problem.plan_key is None else (module.__name__, problem.plan_key)
+    if supported is None or supported not in _SUPPORTED:
+        kernel_dtype = None if module.dtypes is None else problem.compute_dtype
+        _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
+        if supported is not None:
+            if len(_SUPPORTED) >= 64:
+                _SUPPORTED.clear()
+            _SUPPORTED.add(supported)
     return problem
+
+
+#: ``(backend module's name, plan_key)`` of the latest problems `_spec.check_support` passed.
+_SUPPORTED = set()
 
 
 def _reported(module, what, problem):
@@ -69,7 +80,10 @@ def _reported(module, what, problem):
     return _compile_report.reported(module.__name__.rsplit(".", 1)[-1], what, problem.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _cuda_is_available():
+    """Whether the CUDA backend can run here: asked once a process ("auto" on every call took 40 us
+    where numba-cuda is missing), as a GPU does not come or go while it runs."""
     try:
         module = importlib.import_module(_BACKEND_MODULES["cuda"])
     except ImportError:

@@ -34,6 +34,11 @@ class AttentionProblem:
     is True when its values are still to be checked, by the backend (see
     `prepare`'s ``defer_bias_check``); ``kv_unchecked`` likewise for the
     keys and values below ``kv_lengths`` (`check_cache_values`).
+    ``plan_key``: hashable, the same for every call whose fields are the
+    same (shape, dtype, checks and option values; `_spec.fields_key`), or
+    None (an option given as an array): a backend may key what it derives
+    from the fields on it. Such calls share their field arrays, which
+    nothing writes to.
     """
 
     q: np.ndarray
@@ -62,6 +67,7 @@ class AttentionProblem:
     align: str = "array"
     precision: Optional[str] = None
     layout: str = "bhnd"
+    plan_key: Optional[tuple] = None
 
     def as_bhnd(self, a):
         """A 4-D array of the caller's ``layout`` as ``(B, H, N, ·)``, or the reverse: a view, no copy."""
@@ -169,18 +175,55 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     if check_finite and not np.isfinite(q).all():
         raise ValueError("`q` contains NaN or inf")
     shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check)
-    fields = _spec.problem_fields(options, shape)
+    compute_dtype = np.dtype(np.float64) if dtypes is None else _validation.compute_dtype(q.dtype)
+    plan_key, fields = _fields(options, shape, compute_dtype, (q.shape, k.shape, v.shape))
     if check_finite and not defer_kv_check:
         _validation.check_cache_values(k, v, fields["kv_lengths"])
-    check_dtype_range(
-        np.float64 if dtypes is None else _validation.compute_dtype(q.dtype), **{name: fields[name] for name in _RANGE_FIELDS},
-        uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
-    )
-    return AttentionProblem(
+    return _new_problem(
         q=q, k=k, v=v, **fields,
         bias_unchecked=fields["bias"] is not None and check_finite and defer_bias_check,
-        kv_unchecked=check_finite and defer_kv_check,
+        kv_unchecked=check_finite and defer_kv_check, plan_key=plan_key,
     )
+
+
+#: Every field of `AttentionProblem` with a default, and the default.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionProblem) if f.default is not dataclasses.MISSING}
+
+
+def _new_problem(**values):
+    """``AttentionProblem(**values)``, without the frozen class's ``__init__``, which sets each of its
+    28 fields through ``object.__setattr__`` (about 10 us a call)."""
+    problem = object.__new__(AttentionProblem)
+    problem.__dict__.update(_DEFAULTS, **values)
+    return problem
+
+
+#: `_fields` of the latest option sets given as scalars, by key: every layer of a model's step repeats one.
+_FIELDS = {}
+_FIELDS_KEPT = 64
+
+
+def _fields(options, shape, compute_dtype, shapes):
+    """``(plan_key, fields)``: the problem's fields of ``options``, checked against ``compute_dtype``'s range.
+
+    Looked up when every option is a plain scalar (`_spec.fields_key`), and
+    computed, and kept, the first time; ``plan_key`` (with ``shapes``, those
+    of ``q, k, v``) is None otherwise.
+    """
+    options_key = _spec.fields_key(options)
+    plan_key = None if options_key is None else (shape, shapes, compute_dtype, options_key)
+    fields = _FIELDS.get(plan_key) if plan_key is not None else None
+    if fields is None:
+        fields = _spec.problem_fields(options, shape)
+        check_dtype_range(
+            compute_dtype, **{name: fields[name] for name in _RANGE_FIELDS},
+            uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
+        )
+        if plan_key is not None:
+            if len(_FIELDS) >= _FIELDS_KEPT:
+                _FIELDS.clear()
+            _FIELDS[plan_key] = fields
+    return plan_key, fields
 
 
 #: The problem's fields that `check_dtype_range` reads.

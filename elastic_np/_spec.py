@@ -333,6 +333,43 @@ def complete(options, function, names=NAMES):
     return {**{name: DEFAULTS[name] for name in names}, **options}
 
 
+#: The types of option values that `fields_key` keys on: a call with any other is not looked up.
+_KEYED_TYPES = frozenset((type(None), bool, int, float, str))
+#: The options that may be keyed by an array's values: their fields are copies, never views of it.
+_KEYED_ARRAYS = frozenset(("tau", "beta", "kv_lengths", "alibi_slopes"))
+#: The largest such array keyed (entries); a larger one is not looked up.
+_KEYED_SIZE = 1024
+
+
+def fields_key(options):
+    """A hashable key of ``options`` (complete) when every value can be keyed, else None.
+
+    Keyed: Python's scalars, tuples of ints, and small NumPy arrays of
+    NumPy's numbers for the options whose fields copy them (`_KEYED_ARRAYS`,
+    by dtype, shape and bytes). Two calls with the same key have the same `problem_fields` for
+    the same shape: the values enter with their types (``1``, ``1.0`` and
+    ``True`` are told apart); a negative float zero, whose sign ``==`` does
+    not see, is not keyed.
+    """
+    values = tuple(map(options.__getitem__, NAMES))
+    types = tuple(map(type, values))
+    key = None
+    for at, (value, kind) in enumerate(zip(values, types)):
+        if kind in _KEYED_TYPES:
+            if kind is float and value == 0 and math.copysign(1.0, value) < 0:
+                return None
+        elif kind is tuple:
+            if any(type(part) is not int for part in value):
+                return None
+        elif (kind is np.ndarray and NAMES[at] in _KEYED_ARRAYS and value.size <= _KEYED_SIZE
+              and value.dtype.kind in "fiu"):
+            key = key or list(values)
+            key[at] = (value.dtype, value.shape, value.tobytes())
+        else:
+            return None
+    return (values if key is None else tuple(key)), types
+
+
 def problem_fields(options, shape):
     """The ``AttentionProblem`` fields of every option in ``options`` (complete), in table order."""
     fields = {}
