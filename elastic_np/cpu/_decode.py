@@ -50,6 +50,7 @@ backward, which recomputes them with the prefill tiles, then sees the
 ``lse`` it would have computed itself.
 """
 
+import collections
 import math
 
 import numpy as np
@@ -148,8 +149,6 @@ def forward(problem, paged=None, entry_splits=None):
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.compute_dtype
-    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
-    compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
     q = operand(problem.q)
     if paged is None:
         k, v = operand(problem.k), operand(problem.v)
@@ -157,35 +156,61 @@ def forward(problem, paged=None, entry_splits=None):
     else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
         k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
         table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
-    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    together = not key_major and k[1] == BNHD and _together(opt)
-    pages = (table, block_size, together) if paged is not None or together else None
+    plan = _plan(problem, k[1], block_size if paged is not None else None, entry_splits)
+    pages = (table, block_size, plan.together) if paged is not None or plan.together else None
     rows = (H // Hkv) * N
-    block_k = block_keys(rows, key_major)
-    if entry_splits is None:
-        entry_splits = np.full(B, splits(B, Hkv, M))
-    split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
-    most = int(np.max(entry_splits, initial=1))
-    part_max = np.empty((B, Hkv, most, rows))
-    part_sum = np.empty((B, Hkv, most, rows))
-    part_acc = np.empty((B, Hkv, most, rows, Dv), dtype=dtype)
+    part_max = np.empty((B, Hkv, plan.most, rows))
+    part_sum = np.empty((B, Hkv, plan.most, rows))
+    part_acc = np.empty((B, Hkv, plan.most, rows, Dv), dtype=dtype)
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
-    suspect = np.zeros((B, Hkv, most), dtype=np.bool_)
+    suspect = np.zeros((B, Hkv, plan.most), dtype=np.bool_)
     _run_tasks(
-        _decode_heads_kernel if key_major else _decode_kernel,
-        q, k, v, pages, opt, split_start,
-        block_k if key_major else (block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size,
-                                                        block_k)),
-        (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(),
-        work=H * N * int(problem.kv_lengths.sum()) * (D + Dv),
+        plan.kernel, q, k, v, pages, plan.opt, plan.split_start, plan.tiles,
+        (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(), work=plan.work,
     )
     if problem.kv_unchecked:
         cache = (problem.k, problem.v) if paged is None else [_paged_rows(a, paged[2]) for a in paged[:2]]
         _check_unread_cache(cache, problem.kv_lengths, read, suspect)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
-    _merge_kernel(part_max, part_sum, part_acc, split_start, opt.beta, N, out_operand, lse, 0, 1)  # small: one thread
+    _merge_kernel(part_max, part_sum, part_acc, plan.split_start, plan.opt.beta, N, out_operand, lse, 0, 1)  # small
     return out, lse
+
+
+#: What `forward` runs for a problem, from its fields and layout alone (`_plan`).
+_Plan = collections.namedtuple("_Plan", ["kernel", "opt", "together", "split_start", "most", "tiles", "work"])
+#: The `_Plan` of the latest problems with a ``plan_key``: every layer of a model's step repeats one.
+_PLANS = {}
+
+
+def _plan(problem, k_layout, block_size, entry_splits):
+    """The `_Plan` of ``problem`` with keys stored in ``k_layout`` (`BNHD` or not), pages of ``block_size``
+    keys (None: no pages) and ``entry_splits``; looked up when neither varies beyond the problem's key."""
+    key = None
+    if problem.plan_key is not None and entry_splits is None:
+        key = (problem.plan_key, problem.dtype, k_layout, block_size)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    dtype = problem.compute_dtype
+    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
+    compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
+    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
+    together = not key_major and k_layout == BNHD and _together(opt)
+    block_k = block_keys((H // Hkv) * N, key_major)
+    if entry_splits is None:
+        entry_splits = np.full(B, splits(B, Hkv, M))
+    split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
+    tiles = block_k if key_major else (
+        block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
+    plan = _Plan(_decode_heads_kernel if key_major else _decode_kernel, opt, together, split_start,
+                 int(np.max(entry_splits, initial=1)), tiles, H * N * int(problem.kv_lengths.sum()) * (D + Dv))
+    if key is not None:
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 @inner(fastmath=False)

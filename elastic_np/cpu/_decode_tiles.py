@@ -11,6 +11,7 @@ its rows in place, a run at a time (`_run`), in the order `_visit` gives.
 """
 
 import numpy as np
+from numba import njit
 
 from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._halves import copied_checked, readable_checked
@@ -37,8 +38,7 @@ def _check_unread_cache(cache, lengths, read, suspect):
     (no error); the keys below ``lengths[b]`` that no split read are checked
     here.
     """
-    lengths_by_pair = np.asarray(lengths)[:, None]
-    if not suspect.any() and not ((read[..., 0] > 0) | (read[..., 1] < lengths_by_pair)).any():
+    if _all_read(read, lengths, suspect):
         return  # every key below its length was read, and checked, by the kernel
     ranges = []
     for b, hk in np.ndindex(*read.shape[:2]):
@@ -50,6 +50,20 @@ def _check_unread_cache(cache, lengths, read, suspect):
     for name, a in zip("kv", cache):
         if not all(np.isfinite(a[b, hk, lo:hi]).all() for b, hk, lo, hi in ranges if hi > lo):
             raise ValueError(f"`{name}` contains NaN or inf")
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _all_read(read, lengths, suspect):
+    """Whether every (batch, kv head) read keys ``[0, lengths[b])`` and no split is suspect (one call: NumPy's
+    reductions cost microseconds each)."""
+    for b in range(read.shape[0]):
+        for hk in range(read.shape[1]):
+            if read[b, hk, 0] > 0 or read[b, hk, 1] < lengths[b]:
+                return False
+            for s in range(suspect.shape[2]):
+                if suspect[b, hk, s]:
+                    return False
+    return True
 
 
 class _paged_rows:

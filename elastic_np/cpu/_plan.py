@@ -83,7 +83,28 @@ class _ReadOnlyMemory:
         self.__array_interface__ = interface
 
 
+#: `_options` of the latest problems with a ``plan_key``, by it: every layer of a model's step repeats one.
+_KEPT = {}
+_KEPT_MAX = 64
+
+
 def _options(p, with_sigma_grad, dtype):
+    """The `_Options` of problem ``p`` for kernels computing in ``dtype``; looked up when ``p.plan_key`` is set.
+
+    A kept one's arrays are shared by the calls that look it up: the kernels only read them.
+    """
+    key = None if p.plan_key is None else (p.plan_key, with_sigma_grad, dtype)
+    opt = _KEPT.get(key) if key is not None else None
+    if opt is None:
+        opt = _built_options(p, with_sigma_grad, dtype)
+        if key is not None:
+            if len(_KEPT) >= _KEPT_MAX:
+                _KEPT.clear()
+            _KEPT[key] = opt
+    return opt
+
+
+def _built_options(p, with_sigma_grad, dtype):
     B, H, Hkv, N, M, D, Dv = p.shape
     if p.mask is None:
         mask = np.ones(1, dtype=np.bool_)

@@ -88,9 +88,12 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
     gufunc and LLVM optimises it once per level it is linked into, which
     doubled the first compile of these kernels.
     """
-    threads = thread_count()
     if tasks is not None:
         args = (*args, tasks)
+    if work is not None and work < config.SERIAL_WORK:  # below any parallel or interruptible call's work
+        kernel(*args, 0, 1)
+        return
+    threads = thread_count()
     interruptible = _interruptible(tasks, work)
     serial = threads == 1 or (work is not None and (work < config.SERIAL_WORK or _late_for(work)))
     pool = None if serial and not interruptible else _pool_of(threads)
