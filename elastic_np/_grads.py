@@ -57,7 +57,8 @@ def sink_from_terms(top, scaled):
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         grad = np.asarray(np.where(scaled == 0, 0.0, -scaled * np.exp(top)))
         wide = ~np.isfinite(grad)  # exp(top) alone overflows: the product may not
-        grad[wide] = -np.sign(scaled[wide]) * np.exp(top[wide] + np.log(np.abs(scaled[wide])))
+        if wide.any():
+            grad[wide] = -np.sign(scaled[wide]) * np.exp(top[wide] + np.log(np.abs(scaled[wide])))
     return grad
 
 

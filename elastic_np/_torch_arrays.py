@@ -44,7 +44,7 @@ def to_numpy(tensor):
 
 def from_numpy(array):
     """A NumPy array as a CPU tensor over its memory (``ml_dtypes.bfloat16`` as torch.bfloat16)."""
-    if array.dtype.name == "bfloat16":
+    if _validation.dtype_name(array.dtype) == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 

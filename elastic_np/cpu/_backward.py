@@ -39,6 +39,7 @@ from elastic_np.cpu._plan import (
     _options,
 )
 from elastic_np.cpu._scalar import _like
+from elastic_np.cpu._scratch import scratch
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag, claim, task_counter
 
@@ -125,10 +126,10 @@ def prepared(problem, opt, q, dout, out, dlse):
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     n_qt = -(-N // config.BLOCK_Q)
-    q_scaled = np.empty((B, H, N, D), dtype=dtype)
-    q_scaled_t = np.zeros((B, H, n_qt, D, config.BLOCK_Q), dtype=dtype)
-    dout_t = np.zeros((B, H, n_qt, Dv, config.BLOCK_Q), dtype=dtype)
-    delta = np.empty((B, H, N), dtype=np.float64)
+    q_scaled = scratch("q_scaled", (B, H, N, D), dtype)
+    q_scaled_t = scratch("q_scaled_t", (B, H, n_qt, D, config.BLOCK_Q), dtype, np.zeros)  # zero padding
+    dout_t = scratch("dout_t", (B, H, n_qt, Dv, config.BLOCK_Q), dtype, np.zeros)
+    delta = scratch("delta", (B, H, N), np.float64)
     # the work of the backward it prepares decides the threads (`_run_tasks`)
     _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
                work=B * H * N * M * (3 * D + 2 * Dv))
@@ -183,16 +184,21 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
         logit_factor = _query_factor(opt, h)
         (q_h, q_col), (dout_h, dout_col), (out_h, out_col) = head(q, b, h), head(dout, b, h), head(out, b, h)
         for i in range(N):
-            it = i // block_q
-            r = i - it * block_q
             acc = 0.0
             for d in range(Dv):
                 acc += np.float64(dout_h[i, dout_col + d]) * np.float64(out_h[i, out_col + d])
-                dout_t[b, h, it, d, r] = dout_h[i, dout_col + d]
             delta[b, h, i] = acc
             for d in range(D):
                 q_scaled[b, h, i, d] = q_h[i, q_col + d] * factor
-                q_scaled_t[b, h, it, d, r] = q_h[i, q_col + d] * logit_factor
+        # the tiles a query tile at a time, each of their rows written in order (not one entry a row apart)
+        for i0 in range(0, N, block_q):
+            it, bq = i0 // block_q, min(block_q, N - i0)
+            for d in range(Dv):
+                for r in range(bq):
+                    dout_t[b, h, it, d, r] = dout_h[i0 + r, dout_col + d]
+            for d in range(D):
+                for r in range(bq):
+                    q_scaled_t[b, h, it, d, r] = q_h[i0 + r, q_col + d] * logit_factor
 
 
 @inner(fastmath=False)
