@@ -277,3 +277,15 @@ def test_openmp_neighbours_prints_both_situations_and_restores_the_setting(capsy
     for where in ("after torch", "after a gap"):
         assert f"  {where:<12} asking" in out
     assert _config.QUIET_OPENMP_WORK == before
+
+
+def test_call_overhead_prints_each_way_and_the_ratio(capsys, tmp_path):
+    pytest.importorskip("torch")
+    import call_overhead
+
+    path = tmp_path / "rounds.json"
+    call_overhead.main(["--rounds", "1", "--calls", "2", "--only", "64 keys", "--threads", "1", "--json", str(path)])
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("decode, 8/2 heads, 64 keys")]
+    assert len(row.split()) == 10  # the name's 5 words, three times and the ratio with its range
+    assert set(json.loads(path.read_text())["rounds"]["decode, 8/2 heads, 64 keys"]) == {"numpy", "torch op", "sdpa"}

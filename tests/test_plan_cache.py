@@ -125,3 +125,46 @@ def test_each_shape_has_its_own_plan_and_the_kept_ones_are_bounded():
         np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
     assert 0 < len(_problem._FIELDS) <= _problem._FIELDS_KEPT
     assert 0 < len(_decode._PLANS) <= 64
+
+
+def test_kept_scratch_is_per_thread_and_shape_and_keeps_the_bits():
+    import threading
+
+    from elastic_np.cpu import _scratch
+
+    mine = _scratch.scratch("probe", (2, 3), np.float32, np.zeros)
+    assert _scratch.scratch("probe", (2, 3), np.float32) is mine
+    assert _scratch.scratch("probe", (2, 4), np.float32) is not mine
+    assert _scratch.scratch("other", (2, 3), np.float32) is not mine
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(_scratch.scratch("probe", (2, 3), np.float32)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine
+    assert _scratch.scratch("big", (_scratch.KEPT_BYTES + 1,), np.uint8) is not _scratch.scratch(
+        "big", (_scratch.KEPT_BYTES + 1,), np.uint8)
+    # backward calls of two query counts in turn, and from two threads at once: the bits of the first call
+    cases = [_arrays(N, 30, np.float64, seed=N) for N in (5, 9)]
+    first = []
+    for q, k, v in cases:
+        out, lse = enp.attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+        first.append(enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, backend="cpu"))
+    results = {}
+
+    def run(index):
+        q, k, v = cases[index % 2]
+        for _ in range(20):
+            out, lse = enp.attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+            grads = enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, backend="cpu")
+            results.setdefault(index, []).append(grads)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for index, runs in results.items():
+        for grads in runs:
+            for name in ("dq", "dk", "dv", "dtau", "dbeta"):
+                np.testing.assert_array_equal(getattr(grads, name), getattr(first[index % 2], name))
+    assert len(results) == 4
