@@ -8,7 +8,7 @@ backward), and a 4,096-key decode (32 over 8 heads, D = 128). Prints per
 call the median over the rounds of each way's median, in microseconds, and
 SDPA's time / ours (above 1: ours is faster), median and range.
 
-Usage: ``python benchmarks/call_overhead.py [--rounds R] [--calls N] [--threads T] [--json PATH]``
+Usage: ``python benchmarks/call_overhead.py [--rounds R] [--calls N] [--threads T] [--only TEXT] [--json PATH]``
 """
 
 import argparse
@@ -81,17 +81,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=2, help="torch's and ours (numba.set_num_threads)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's threads (default: ours, NUMBA_NUM_THREADS; numba.set_num_threads would start "
+                             "Numba's OpenMP layer beside torch's, which slows torch)")
     parser.add_argument("--only", default="", help="the cases whose name holds this text")
     parser.add_argument("--no-torch", action="store_true", help="time the NumPy calls only")
     parser.add_argument("--json", help="write every round's medians here")
     args = parser.parse_args(argv)
+    from elastic_np.cpu import thread_count
+
+    threads = args.threads or thread_count()
     torch = None
     if not args.no_torch:
         import torch
-        torch.set_num_threads(args.threads)
-    import numba
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+        torch.set_num_threads(threads)
     cases = {name: calls(case, torch) for name, case in CASES.items() if args.only in name}
     for ways in cases.values():  # compile, warm the allocators
         for call in ways.values():
@@ -103,8 +106,8 @@ def main(argv=None):
                 rounds[name][way].append(timed(call, args.calls))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "calls": args.calls, "rounds": rounds}, f, indent=1)
-    print(f"float32, B = 1, {args.threads} threads; medians over {args.rounds} rounds of {args.calls} calls, us")
+            json.dump({"threads": threads, "ours": thread_count(), "calls": args.calls, "rounds": rounds}, f, indent=1)
+    print(f"float32, B = 1, {thread_count()} threads (torch's: {threads}); medians over {args.rounds} rounds of {args.calls} calls, us")
     print(f"{'call':40s} {'numpy':>8} {'torch op':>9} {'sdpa':>8}  sdpa / torch op")
     for name, times in rounds.items():
         row = [f"{np.median(times[way]):8.1f}" if way in times else f"{'-':>8}" for way in ("numpy", "torch op", "sdpa")]
