@@ -119,3 +119,116 @@ def test_7_a_strict_check_fails_on_skipped_cases_and_grads_print_a_summary():
     out, lse = enp.attention(q, q, q, return_lse=True, backend="reference")
     text = repr(enp.attention_backward(out, q, q, q, out, lse, backend="reference"))
     assert "dq" in text and "(1, 1, 3, 4)" in text and len(text) < 600
+
+
+# The second walkthrough (a PyTorch and Hugging Face user on a 2-core CPU, in a fresh virtual environment).
+
+NOTICE = r'''
+import sys, types, warnings
+import numba
+import elastic_np as enp
+from elastic_np import _compile_report
+if sys.argv[1] == "filtered":
+    warnings.filterwarnings("ignore", category=enp.CompileWarning)
+probe = types.ModuleType("elastic_np._first_hour_probe")  # its compiles count as the package's
+sys.modules[probe.__name__] = probe
+for n in range(2):  # two compiling calls
+    exec(f"def f{n}(x):\n    return x + {n}\n", probe.__dict__)
+    with _compile_report.reported("cpu", "forward", "float32") as seen:
+        numba.njit(fastmath=False)(getattr(probe, f"f{n}"))(1)
+    assert seen.compiled
+'''
+
+
+def test_8_a_first_compile_is_announced_on_stderr_once_and_a_filter_silences_it():
+    for mode, notices in (("shown", 1), ("filtered", 0)):
+        run = subprocess.run([sys.executable, "-c", NOTICE, mode], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stderr.count(": CompileWarning: elastic_np is compiling the cpu backend's forward") == notices, \
+            run.stderr
+        assert ("elastic_np.warmup()" in run.stderr) == bool(notices)
+
+
+def test_8_warmup_reports_every_path_it_covers():
+    paths = {path for _, path in enp.warmup(dtypes=["float32"], backend="cpu").seconds}
+    assert paths == {"prefill", "decode", "decode, 16 queries", "packed", "paged"}
+
+
+def test_9_the_docs_say_which_dtypes_the_figures_come_from_files_and_torch_has_a_cpu_build():
+    import runpy
+
+    import elastic_np.cpu
+
+    readme = (ROOT / "README.md").read_text()
+    started = (ROOT / "docs" / "getting_started.rst").read_text()
+    figures = runpy.run_path(str(ROOT / "docs" / "scripts" / "figures.py"))
+    assert figures["stale"]() == [] and figures["used"]() == set(figures["FIGURES"])
+    assert "eager bits" not in readme + (ROOT / "docs" / "models.rst").read_text()
+    dtypes = started.split("Dtypes\n------")[1]
+    assert all(name in dtypes for name in elastic_np.cpu.dtypes)
+    cpu_build = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_build in readme and cpu_build in started
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_10_torch_varlen_attn_call_reads_the_same_and_dropout_zero_is_taken():
+    import inspect
+
+    import torch
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    import elastic_np.torch as enpt
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(7, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    out, lse = enpt.varlen_attention(q, k, v, cu, cu, 4, 4, window_size=(-1, 0),
+                                     return_aux=varlen.AuxRequest(lse=True))
+    ours, our_lse = enpt.varlen_attention(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                                          return_lse=True)
+    assert torch.equal(out, ours) and torch.equal(lse, our_lse.T)  # torch's lse: (H, total_q)
+    params = inspect.signature(enpt.varlen_attention).parameters
+    assert list(params)[:7] == list(inspect.signature(varlen.varlen_attn).parameters)[:7]
+    assert not {"layout", "kv_lengths", "align"} & set(params)
+    x = torch.randn(1, 2, 4, 8)
+    assert torch.equal(enpt.attention(x, x, x, dropout_p=0.0), enpt.attention(x, x, x))
+    with pytest.raises(ValueError, match="dropout is not supported"):
+        enpt.attention(x, x, x, dropout_p=0.1)
+
+
+def test_11_pages_in_the_per_head_order_are_named_by_their_shape():
+    k = np.zeros((4, 8, 16, 8), np.float32)  # (num_blocks, Hkv, block_size, D): vLLM's per-head order
+    q = np.zeros((2, 32, 8), np.float32)
+    with pytest.raises(ValueError, match=re.escape("must be pages of shape (num_blocks, block_size, Hkv, D), "
+                                                   "got `k` of shape (4, 8, 16, 8)") + ".*per-head order"):
+        enp.varlen_attention(q, k, k, [0, 1, 2], None, block_table=[[0, 1], [2, 3]], seqused_k=[20, 7])
+
+
+def test_12_the_cli_tells_compiled_from_loaded_writes_plain_lines_off_a_terminal_and_takes_bfloat16(monkeypatch):
+    import io
+
+    import numba
+
+    from elastic_np.cli import _bench
+    from elastic_np.cli._progress import Progress
+
+    jitted = numba.njit(cache=False, fastmath=False)(lambda x: x + 1)
+    impls = {"elastic_np fake": (lambda *a: jitted(1.0), lambda *a: jitted(2.0))}
+    said = []
+    for _ in range(2):
+        _bench._first_calls(impls, [8], 4, np.dtype(np.float32), lambda kind, message: said.append(message))
+    assert said[0].endswith("compiling, or loading from Numba's cache")
+    assert said[1].startswith("elastic_np fake: compiled 1 function in ")
+    assert said[3].startswith("elastic_np fake: nothing compiled (loaded from Numba's cache")
+    stream = io.StringIO()
+    with Progress(100, "work", stream=stream, delay=0.0) as bar:
+        for _ in range(100):
+            bar.update()
+    assert "\r" not in stream.getvalue() and len(stream.getvalue().splitlines()) == 4
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    with _bench.thread_counts(1) as counts:
+        pass
+    assert any("threadpoolctl" in n and "pip install threadpoolctl" in n for n in _bench.unset_notes(counts))
+    run = _bench.compare([8], heads=1, dim=4, dtype="bfloat16", repeat=1, matmul_n=64, threads=1,
+                         impls={k: v for k, v in _bench.implementations().items() if k != "elastic_np cuda"})
+    assert run["config"]["dtype"] == "bfloat16" and run["config"]["peak_dtype"] == "float32"
+    assert {r["impl"] for r in run["results"]} >= {"elastic_np cpu", "naive numpy"}
