@@ -85,24 +85,33 @@ class Watch:
         return f"{self.seconds:.2f} s ({source})"
 
 
-@contextlib.contextmanager
 def watch():
     """Within the block, record whether Numba compiled anything (CPU or, when loaded, CUDA) and the time taken.
 
     Yields a `Watch`, filled in when the block ends.
     """
-    _register()
-    seen, functions = Watch(), set()
-    start = time.perf_counter()
-    with _open_lock:
-        _open.append(functions)
-    try:
-        yield seen
-    finally:
-        seen.seconds = time.perf_counter() - start
+    return _Watching()
+
+
+class _Watching:
+    """`watch`'s block (a class: a generator's context manager cost microseconds on every call)."""
+
+    __slots__ = ("seen", "functions", "start")
+
+    def __enter__(self):
+        _register()
+        self.seen, self.functions = Watch(), set()
+        self.start = time.perf_counter()
         with _open_lock:
-            del _open[next(at for at, open_set in enumerate(_open) if open_set is functions)]
-            seen.compiled = frozenset(functions)
+            _open.append(self.functions)
+        return self.seen
+
+    def __exit__(self, *exc_info):
+        self.seen.seconds = time.perf_counter() - self.start
+        with _open_lock:
+            del _open[next(at for at, open_set in enumerate(_open) if open_set is self.functions)]
+            self.seen.compiled = frozenset(self.functions)
+        return False
 
 
 class _Notice:
@@ -178,7 +187,6 @@ def unannounced():
             NOTICE.quiet -= 1
 
 
-@contextlib.contextmanager
 def reported(backend, what, dtype):
     """`watch` the block; when it compiled, one INFO line: ``backend``, ``what``, ``dtype``, functions, seconds.
 
@@ -186,17 +194,35 @@ def reported(backend, what, dtype):
     announced as it starts: a `~elastic_np.CompileWarning` pointing at the
     first caller outside the package.
     """
-    entry = NOTICE.opened(backend, what, dtype)
-    try:
-        with watch() as seen:
-            yield seen
-    finally:
-        deferred = NOTICE.closed(entry)
-    if deferred is not None:
-        raise deferred
-    if seen.compiled:
-        logger.info(
-            "%s backend: %s for %s: %s in %.1f s (saved to Numba's cache; later processes load it)",
-            backend, what, dtype, seen.describe(), seen.seconds,
-        )
-        logger.debug("compiled: %s", ", ".join(sorted(str(name) for name in seen.compiled)))
+    return _Reported(backend, what, dtype)
+
+
+class _Reported:
+    """`reported`'s block."""
+
+    __slots__ = ("backend", "what", "dtype", "entry", "watching", "seen")
+
+    def __init__(self, backend, what, dtype):
+        self.backend, self.what, self.dtype = backend, what, dtype
+
+    def __enter__(self):
+        self.entry = NOTICE.opened(self.backend, self.what, self.dtype)
+        self.watching = _Watching()
+        self.seen = self.watching.__enter__()
+        return self.seen
+
+    def __exit__(self, *exc_info):
+        try:
+            self.watching.__exit__(*exc_info)
+        finally:
+            deferred = NOTICE.closed(self.entry)
+        if deferred is not None:
+            raise deferred
+        seen = self.seen
+        if seen.compiled:
+            logger.info(
+                "%s backend: %s for %s: %s in %.1f s (saved to Numba's cache; later processes load it)",
+                self.backend, self.what, self.dtype, seen.describe(), seen.seconds,
+            )
+            logger.debug("compiled: %s", ", ".join(sorted(str(name) for name in seen.compiled)))
+        return False
