@@ -205,9 +205,9 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
                                      batch)
     except (ValueError, TypeError):
         return None
-    if not module._decode.takes(problem):
+    if not module._decode_plan.takes(problem):
         return None
-    entry_splits = [module._decode.splits(1, k.shape[2], n) for n in used]
+    entry_splits = [module._decode_plan.splits(1, k.shape[2], n) for n in used]
     paged = _decode_pools(k, v, table, used)
     with _dispatch._reported(module, "forward", problem):
         out, lse = module._decode.forward(problem, paged=paged, entry_splits=entry_splits)
@@ -219,13 +219,13 @@ def _paged_attention(q, k, v, table, used, options, backend):
     """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]`` (see `_paged_batch`).
 
     The CPU decode kernel reads them from the pages in place where it takes
-    the call (`elastic_np.cpu._decode.takes`: a few queries); otherwise they
+    the call (`elastic_np.cpu._decode_plan.takes`: a few queries); otherwise they
     are gathered into a copy (`_paged_keys`), one sequence at a time.
     """
     module = _dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
         problem = _dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
-        if module._decode.takes(problem):
+        if module._decode_plan.takes(problem):
             with _dispatch._reported(module, "forward", problem):
                 out, lse = module._decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
             return problem.as_given(out), lse

@@ -72,12 +72,12 @@ def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     # The quick shapes are small; some must still be too many queries for the
     # CPU decode kernel, or `check --quick` would never run the prefill kernel.
     from elastic_np._problem import prepare
-    from elastic_np.cpu import _decode
+    from elastic_np.cpu import _decode_plan
 
     decode = {}
     for case in _cases.CASES:
         q, k, v, dout, options = _cases.draw_inputs(case, np.float32)
-        decode[case.name] = _decode.takes(prepare(q, k, v, **options))
+        decode[case.name] = _decode_plan.takes(prepare(q, k, v, **options))
     assert decode["plain"] and decode["combined"] and decode["modifiers combined"]
     assert not decode["plain, N=20"] and not decode["combined, N=20"]
     assert not decode["modifiers combined, N=20"]

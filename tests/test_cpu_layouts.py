@@ -92,8 +92,8 @@ def test_decode_same_bits_in_every_layout(dtype, N):
     """The decode kernels (rows stacked below 16 queries, heads key-major from 16), split over the keys."""
     B, M = 2, 1100
     inputs = make_inputs(dtype, B=B, N=N, M=M, D=16, Dv=12, seed=N)
-    assert cpu._decode.takes(cpu.prepare(*inputs[:3], dtypes=cpu.dtypes))
-    assert cpu._decode.splits(B, 2, M) > 1
+    assert cpu._decode_plan.takes(cpu.prepare(*inputs[:3], dtypes=cpu.dtypes))
+    assert cpu._decode_plan.splits(B, 2, M) > 1
     for name, opts in _decode_options(B, N, M).items():
         check_layouts(*inputs, opts, MIXES if name == "plain" else {"all": MIXES["all"]})
 

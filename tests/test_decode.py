@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np.cpu import _decode
+from elastic_np.cpu import _decode, _decode_plan
 from elastic_np import cpu, _problem, reference
 from test_cpu import assert_close, check_case
 
@@ -68,10 +68,10 @@ def test_takes_decode_shapes():
         kv = np.zeros((1, Hkv, 9, 4))
         return _problem.prepare(q, kv, kv)
 
-    assert _decode.takes(problem(8, 2, 1)) and _decode.takes(problem(8, 2, 16))
-    assert not _decode.takes(problem(8, 2, 17))
-    assert not _decode.takes(problem(64, 1, 4))  # 256 stacked rows
-    assert not _decode.takes(problem(8, 2, 0))
+    assert _decode_plan.takes(problem(8, 2, 1)) and _decode_plan.takes(problem(8, 2, 16))
+    assert not _decode_plan.takes(problem(8, 2, 17))
+    assert not _decode_plan.takes(problem(64, 1, 4))  # 256 stacked rows
+    assert not _decode_plan.takes(problem(8, 2, 0))
 
 
 @pytest.mark.parametrize(
@@ -90,10 +90,10 @@ def test_kernel_follows_the_query_count(monkeypatch, N, kernel):
 
 
 def test_splits_follow_the_shape():
-    assert _decode.splits(1, 8, 8192) == 4
-    assert _decode.splits(1, 8, 100) == 1
-    assert _decode.splits(4, 8, 4096) == 1
-    assert _decode.splits(0, 8, 4096) == 1
+    assert _decode_plan.splits(1, 8, 8192) == 4
+    assert _decode_plan.splits(1, 8, 100) == 1
+    assert _decode_plan.splits(4, 8, 4096) == 1
+    assert _decode_plan.splits(0, 8, 4096) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,7 +147,7 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype, N):
     k = rng.standard_normal((1, 2, 3000, 32)).astype(dtype)
     v = rng.standard_normal((1, 2, 3000, 16)).astype(dtype)
     opts = dict(causal=True, nvm=True, beta=0.5, softcap=2.0)
-    assert _decode.splits(1, 2, 3000) > 1
+    assert _decode_plan.splits(1, 2, 3000) > 1
     monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
     results = []
     for threads in (1, 2, 4):

@@ -20,7 +20,7 @@ import pytest
 from numba import njit
 
 import elastic_np as enp
-from elastic_np.cpu import _config, _decode, _decode_products
+from elastic_np.cpu import _config, _decode_plan, _decode_products
 from elastic_np.cpu._halves import bits
 from elastic_np.cpu._products import matmul_nn
 from elastic_np.cpu._simd import compile_for
@@ -128,14 +128,14 @@ def test_a_non_finite_entry_anywhere_in_full_tiles_is_found(dtype, name):
 @pytest.mark.parametrize("hint_keys", [0, 40, 128])
 def test_paged_decoding_gives_the_contiguous_bits_whatever_the_hints(monkeypatch, dtype, block_size, hint_keys):
     """Pages of any size, read head by head (float32) or run by run (bfloat16), hints of any distance: the gathered
-    cache's bits (`elastic_np.cpu._decode.tile_reads`; runs of 24 keys here, within pages of 16 and 48 and across
+    cache's bits (`elastic_np.cpu._decode_plan.tile_reads`; runs of 24 keys here, within pages of 16 and 48 and across
     tiles of 128)."""
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     for name in ("DECODE_HINT_KEYS", "DECODE_RUN_HINT_KEYS"):
         monkeypatch.setattr(_config, name, hint_keys)
     monkeypatch.setattr(_config, "DECODE_RUN_KEYS", 24)
     half = dtype.itemsize == 2
-    ahead, by_run, run_keys = _decode.tile_reads(True, half, block_size, 128)
+    ahead, by_run, run_keys = _decode_plan.tile_reads(True, half, block_size, 128)
     assert by_run == half and run_keys == (min(24, block_size) if half else min(128, block_size))
     assert ahead >= hint_keys and ahead % (run_keys if half else block_size) == 0
     rng = np.random.default_rng(3)

@@ -5,7 +5,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import _problem, _spec
-from elastic_np.cpu import _decode, _plan
+from elastic_np.cpu import _decode_plan, _plan
 
 
 def _arrays(N, M, dtype=np.float32, seed=0):
@@ -18,7 +18,7 @@ def _arrays(N, M, dtype=np.float32, seed=0):
 def _forget():
     _problem._FIELDS.clear()
     _plan._KEPT.clear()
-    _decode._PLANS.clear()
+    _decode_plan._PLANS.clear()
 
 
 @pytest.mark.parametrize("N, M", [(1, 70), (16, 70), (40, 33)])
@@ -101,7 +101,7 @@ def test_an_array_changed_in_place_between_calls_is_read_anew():
         exact = enp.attention(q, k, v, tau=tau, kv_lengths=lengths, backend="reference")
         np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
         tau[2], lengths[1] = 0.25, 9  # the next call's values
-    assert len(_decode._PLANS) == 2
+    assert len(_decode_plan._PLANS) == 2
 
 
 def test_a_mask_or_bias_is_not_kept_and_still_right():
@@ -113,7 +113,7 @@ def test_a_mask_or_bias_is_not_kept_and_still_right():
         exact = enp.attention(q, k, v, mask=mask, backend="reference")
         np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
         mask[..., 20:] = False
-    assert not _problem._FIELDS and not _decode._PLANS
+    assert not _problem._FIELDS and not _decode_plan._PLANS
 
 
 def test_each_shape_has_its_own_plan_and_the_kept_ones_are_bounded():
@@ -124,7 +124,7 @@ def test_each_shape_has_its_own_plan_and_the_kept_ones_are_bounded():
         exact = enp.attention(q, k, v, backend="reference")
         np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
     assert 0 < len(_problem._FIELDS) <= _problem._FIELDS_KEPT
-    assert 0 < len(_decode._PLANS) <= 64
+    assert 0 < len(_decode_plan._PLANS) <= 64
 
 
 def test_kept_scratch_is_per_thread_and_shape_and_keeps_the_bits():

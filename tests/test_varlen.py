@@ -355,7 +355,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
     rng = np.random.default_rng(9)
     used = np.array([0, 1, 40, 100, 300, 17])
     H, Hkv = 8, 2
-    assert [cpu._decode.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
+    assert [cpu._decode_plan.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
     (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype, Hkv=Hkv)
     q = rng.standard_normal((used.size * queries, H, 16)).astype(np.float32).astype(dtype)
     cu_q = np.arange(used.size + 1) * queries

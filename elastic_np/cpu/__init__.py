@@ -86,7 +86,7 @@ from elastic_np.cpu._numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
-    from elastic_np.cpu import _decode, _forward, _forward_amx
+    from elastic_np.cpu import _decode, _decode_plan, _forward, _forward_amx
     from elastic_np.cpu._backward import backward
     from elastic_np.cpu._double_backward import double_backward
     from elastic_np.cpu._threads import start_threads, thread_count
@@ -128,7 +128,7 @@ def forward(problem):
     """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
 
     The decode kernel when the problem has a few queries per sequence
-    (`elastic_np.cpu._decode.takes`), the prefill kernel otherwise: on AMX
+    (`elastic_np.cpu._decode_plan.takes`), the prefill kernel otherwise: on AMX
     tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._forward_amx.takes`).
 
     Parameters
@@ -140,7 +140,7 @@ def forward(problem):
     out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
     """
-    if _decode.takes(problem):
+    if _decode_plan.takes(problem):
         return _decode.forward(problem)
     if _forward_amx.takes(problem):
         return _forward_amx.forward(problem)

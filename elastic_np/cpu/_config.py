@@ -34,7 +34,7 @@ DECODE_MAX_ROWS = 128
 #: prefill tile of its queries: a multiple of the float32 vector fills its
 #: registers), below which the stacked-rows kernel does.
 DECODE_KEY_MAJOR_QUERIES = 16
-#: Keys per tile (see `elastic_np.cpu._decode.block_keys`).
+#: Keys per tile (see `elastic_np.cpu._decode_plan.block_keys`).
 DECODE_BLOCK_K = 256
 #: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
 DECODE_FEW_ROWS = 16
@@ -46,7 +46,7 @@ DECODE_MIN_SPLIT_KEYS = 512
 #: cache (`elastic_np.cpu._decode_products`); a whole number of pages in a
 #: paged cache.
 DECODE_HINT_KEYS = 128
-#: Where a task reads its tiles run by run (`elastic_np.cpu._decode.tile_reads`):
+#: Where a task reads its tiles run by run (`elastic_np.cpu._decode_plan.tile_reads`):
 #: the longest run, and the keys ahead that each kv head hints.
 DECODE_RUN_KEYS = 32
 DECODE_RUN_HINT_KEYS = 32

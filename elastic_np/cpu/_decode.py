@@ -33,7 +33,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   takes every kv head of its key split and reads a tile's runs (the tile,
   or its parts in each page) head after head, or, where pages are shorter
   than a tile, page after page, every head's rows of a page in turn
-  (`_tile_of_heads`, `tile_reads`). Each head's products, and so its bits,
+  (`_tile_of_heads`, `elastic_np.cpu._decode_plan.tile_reads`). Each head's products, and so its bits,
   are those of a task of its own;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
@@ -50,14 +50,12 @@ backward, which recomputes them with the prefill tiles, then sees the
 ``lse`` it would have computed itself.
 """
 
-import collections
 import math
 
 import numpy as np
 from numba import njit
 
 from elastic_np._ranges import key_range
-from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import (
     exp_inplace,
     exp_shift_sum,
@@ -66,9 +64,10 @@ from elastic_np.cpu._calls import (
     matmul_tn,
 )
 from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._decode_plan import schedule
 from elastic_np.cpu._decode_products import key_scores, query_width, value_products
 from elastic_np.cpu._decode_tiles import (
-    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _together, _visit,
+    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit,
 )
 from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._logits import (
@@ -76,8 +75,7 @@ from elastic_np.cpu._logits import (
 )
 from elastic_np.cpu._halves import checked, narrow, widen
 from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import BNHD, head, head_rows, new, operand, shape
-from elastic_np.cpu._plan import _options
+from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._scalar import _like, _log_add_exp
 from elastic_np.cpu._simd import compile_for
 from elastic_np.cpu._tanh import tanh_any
@@ -86,50 +84,6 @@ from elastic_np.cpu._threads import _run_tasks, _task_range, claim, task_counter
 #: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
 _ROWS_TILES = (exp_inplace,)
 _HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
-
-
-def takes(problem):
-    """True when the decode kernel computes this problem's forward."""
-    B, H, Hkv, N, M, D, Dv = problem.shape
-    return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
-
-
-def block_keys(rows, key_major):
-    """Keys per tile for ``rows`` stacked rows: measured, 128 suit a few rows, 256 many."""
-    if key_major:
-        return config.DECODE_BLOCK_K
-    return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K
-
-
-def tile_reads(together, half, block_size, block_k):
-    """``(ahead, by_run, run_keys)``: how the stacked-rows kernel's tasks read their tiles (`_visit`).
-
-    ``together``: a task takes every kv head (`_tile_of_heads`); ``half``:
-    the cache holds bfloat16 or float16; ``block_size``: keys a page (0:
-    not paged). A task over every kv head of a half cache reads its tiles
-    ``by_run``, run after run of at most `DECODE_RUN_KEYS` keys (within a
-    page), every head's rows of a run in turn, each head hinting its own
-    rows `DECODE_RUN_HINT_KEYS` on; any other task reads them head by
-    head, whole pages at a time, hinting `DECODE_HINT_KEYS` on: the first
-    order is the faster for halves, the second for float32 and float64
-    (docs/performance.rst, "Paged caches"). ``ahead`` is rounded up to a
-    whole number of runs, or of pages.
-    """
-    by_run = together and half
-    run_keys = config.DECODE_RUN_KEYS if by_run else block_k
-    if block_size > 0:
-        run_keys = min(run_keys, block_size)
-    keys = config.DECODE_RUN_HINT_KEYS if by_run else config.DECODE_HINT_KEYS
-    unit = run_keys if by_run else max(block_size, 1)
-    return -(-keys // unit) * unit, by_run, run_keys
-
-
-def splits(B, Hkv, M):
-    """Key splits per (batch, kv head): from the shape alone, never the thread count."""
-    if B * Hkv == 0 or B * Hkv >= config.DECODE_MIN_TASKS:
-        return 1
-    wanted = -(-config.DECODE_MIN_TASKS // (B * Hkv))
-    return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
 def forward(problem, paged=None, entry_splits=None):
@@ -143,7 +97,7 @@ def forward(problem, paged=None, entry_splits=None):
     table against ``problem.kv_lengths`` (`elastic_np._varlen`).
     ``entry_splits``: int ``(B,)``, the key splits of each batch entry (at
     least 1; default `splits` of the whole shape for all): those of
-    ``splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
+    ``_decode_plan.splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
     of its own on its first ``kv_lengths[b]`` keys, its queries aligned to
     their end.
     """
@@ -156,7 +110,8 @@ def forward(problem, paged=None, entry_splits=None):
     else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
         k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
         table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
-    plan = _plan(problem, k[1], block_size if paged is not None else None, entry_splits)
+    plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
+    compile_for(problem.compute_dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
     pages = (table, block_size, plan.together) if paged is not None or plan.together else None
     rows = (H // Hkv) * N
     part_max = np.empty((B, Hkv, plan.most, rows))
@@ -165,7 +120,7 @@ def forward(problem, paged=None, entry_splits=None):
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
     suspect = np.zeros((B, Hkv, plan.most), dtype=np.bool_)
     _run_tasks(
-        plan.kernel, q, k, v, pages, plan.opt, plan.split_start, plan.tiles,
+        _decode_heads_kernel if plan.key_major else _decode_kernel, q, k, v, pages, plan.opt, plan.split_start, plan.tiles,
         (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(), work=plan.work,
     )
     if problem.kv_unchecked:
@@ -175,42 +130,6 @@ def forward(problem, paged=None, entry_splits=None):
     lse = np.empty((B, H, N), dtype=dtype)
     _merge_kernel(part_max, part_sum, part_acc, plan.split_start, plan.opt.beta, N, out_operand, lse, 0, 1)  # small
     return out, lse
-
-
-#: What `forward` runs for a problem, from its fields and layout alone (`_plan`).
-_Plan = collections.namedtuple("_Plan", ["kernel", "opt", "together", "split_start", "most", "tiles", "work"])
-#: The `_Plan` of the latest problems with a ``plan_key``: every layer of a model's step repeats one.
-_PLANS = {}
-
-
-def _plan(problem, k_layout, block_size, entry_splits):
-    """The `_Plan` of ``problem`` with keys stored in ``k_layout`` (`BNHD` or not), pages of ``block_size``
-    keys (None: no pages) and ``entry_splits``; looked up when neither varies beyond the problem's key."""
-    key = None
-    if problem.plan_key is not None and entry_splits is None:
-        key = (problem.plan_key, problem.dtype, k_layout, block_size)
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan
-    B, H, Hkv, N, M, D, Dv = problem.shape
-    dtype = problem.compute_dtype
-    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
-    compile_for(dtype, _HEADS_TILES if key_major else _ROWS_TILES)
-    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    together = not key_major and k_layout == BNHD and _together(opt)
-    block_k = block_keys((H // Hkv) * N, key_major)
-    if entry_splits is None:
-        entry_splits = np.full(B, splits(B, Hkv, M))
-    split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
-    tiles = block_k if key_major else (
-        block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
-    plan = _Plan(_decode_heads_kernel if key_major else _decode_kernel, opt, together, split_start,
-                 int(np.max(entry_splits, initial=1)), tiles, H * N * int(problem.kv_lengths.sum()) * (D + Dv))
-    if key is not None:
-        if len(_PLANS) >= 64:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
 
 
 @inner(fastmath=False)
@@ -352,7 +271,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     `_together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
-    and the longest run (`tile_reads`). Batch entry ``b`` has the key splits
+    and the longest run (`elastic_np.cpu._decode_plan.tile_reads`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -430,7 +349,7 @@ def _heads_per_task(pages, Hkv):
 def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
-    ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`tile_reads`);
+    ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`elastic_np.cpu._decode_plan.tile_reads`);
     ``work = (st, shift_by, kept, runs)``, the thread's scratch (``st`` and
     ``kept`` by head of the task, ``runs`` the tile's runs); ``rows_of =
     (qs, row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by
