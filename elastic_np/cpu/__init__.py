@@ -56,7 +56,9 @@ Modules
 ``_config``
     every tunable (tile sizes, memory caps, the decode thresholds)
 ``_plan``
-    the kernel plan: the options as runtime values (`_options`)
+    the kernel plan: the options as runtime values (`_options`), kept per ``plan_key``
+``_scratch``
+    scratch arrays kept between the calls of one shape on each thread
 ``_operands``
     ``q``, ``k``, ``v``, ``dout``, ``out`` and the outputs as the kernels read and write them, in place, in
     either storage layout, ``(B, H, N, D)`` or ``(B, N, H, D)``
@@ -69,9 +71,10 @@ Modules
     scalar helpers (the key and query ranges are `elastic_np._ranges`, shared with CUDA)
 ``_logits``
     the logits pipeline of a tile, shared by the forward and the backward
-``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_products``, ``_decode_tiles``
-    the prefill forward, the backward and its ``dbias`` plan, the decode kernels, the products that read
-    the cache in place for the stacked-rows one, and how the key-major one reads its tiles
+``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_plan``, ``_decode_products``, ``_decode_tiles``
+    the prefill forward, the backward and its ``dbias`` plan, the decode kernels, their schedule, the
+    products that read the cache in place for the stacked-rows one, and how the key-major one reads its
+    tiles
 ``_forward_amx``, ``_amx``
     the bfloat16 prefill forward with its products on AMX tiles, and the tiles from compiled code
 ``_double_backward``, ``_tangents``, ``_tangent_rows``, ``_tangent_keys``
