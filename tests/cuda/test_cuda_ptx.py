@@ -8,6 +8,20 @@ import pytest
 
 pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
+
+def _nvrtc_found():
+    """Whether the CUDA toolkit's NVRTC is here (numba-cuda's ``cu13`` extra brings it; numba-cuda alone does not)."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        load_nvidia_dynamic_lib("nvrtc")
+    except Exception:  # noqa: BLE001 (any failure to find or load it)
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _nvrtc_found(), reason='needs the CUDA toolkit\'s NVRTC: pip install "elastic_np[cuda]"')
+
 from elastic_np import cuda  # noqa: E402
 from elastic_np.cuda import _kernels as _cuda_kernels  # noqa: E402
 
