@@ -382,10 +382,12 @@ def _wait_for(predicate, seconds=5.0):
     return predicate()
 
 
-def test_a_long_step_shows_its_time_and_what_numba_compiles_on_a_terminal():
+def test_a_long_step_shows_its_time_and_what_numba_compiles_on_a_terminal(monkeypatch):
     from types import SimpleNamespace
 
     from numba.core import event
+
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width: 80 columns would cut it here
 
     def my_kernel():
         pass
