@@ -289,3 +289,12 @@ def test_call_overhead_prints_each_way_and_the_ratio(capsys, tmp_path):
     (row,) = [line for line in out.splitlines() if line.startswith("decode, 8/2 heads, 64 keys")]
     assert len(row.split()) == 10  # the name's 5 words, three times and the ratio with its range
     assert set(json.loads(path.read_text())["rounds"]["decode, 8/2 heads, 64 keys"]) == {"numpy", "torch op", "sdpa"}
+
+
+def test_transformers_generate_prints_both_and_their_ratio(capsys):
+    pytest.importorskip("transformers")
+    import transformers_generate
+
+    transformers_generate.main(["--rounds", "1", "--tokens", "2", "--prompt", "3"])
+    out = capsys.readouterr().out
+    assert "elastic_np" in out and "sdpa " in out and out.count("sdpa / elastic_np: ") == 1
