@@ -119,6 +119,13 @@ def _window(value, shape):
     Every offset ``j - i - (E_b - N)`` lies in ``(-(N + M), N + M)``, so a wider
     side is unbounded; as -1 it cannot overflow the kernels' int64 arithmetic.
     """
+    left, right = window_pair(value)
+    span = shape.N + shape.M
+    return {"window": (-1 if left >= span else left, -1 if right >= span else right)}
+
+
+def window_pair(value):
+    """``window_size`` as two ints in ``[-1, WINDOW_MAX]``, else a `ValueError` naming it (a bool is no side)."""
     try:
         left, right = value
         if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
@@ -132,8 +139,7 @@ def _window(value, shape):
         raise ValueError(
             f"`window_size` entries must lie in [-1, 2**63 - 1] (-1: unbounded), got {value!r}"
         )
-    span = shape.N + shape.M
-    return {"window": (-1 if left >= span else left, -1 if right >= span else right)}
+    return left, right
 
 
 def _align(value, shape):

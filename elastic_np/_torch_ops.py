@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _spec
+from elastic_np import _dispatch, _spec, _validation
 from elastic_np import _torch_arrays as arrays
 from elastic_np._errors import BackendUnavailableError
 
@@ -55,8 +55,10 @@ def op_arguments(fixed, learnable, option_args=OPTION_ARGS):
             value = [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)) for x in value]
         elif kind == "Tensor?" and value is not None and not isinstance(value, torch.Tensor):
             value = torch.from_numpy(np.array(value))  # a Python float as float64, as the backends read it
-        elif kind == "int[]":
-            value = [int(x) for x in value]
+        elif kind == "int[]":  # window_size, the only one: checked as the NumPy entry points check it
+            value = list(_spec.window_pair(value))
+        elif kind == "bool":  # the schema would take 1 for True
+            value = _validation.boolean(value, name)
         args.append(value)
     return args
 
@@ -84,12 +86,17 @@ def _forward(q, k, v, *args):
     fixed, learnable = _options(options, device)
     fixed["backend"] = backend
     if device is None:
-        host = {name: arrays._host(value, name) for name, value in learnable.items()}
-        out, lse = _dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
-                                       return_lse=True, **common.numpy_options(fixed, host))
-        out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
-    else:
-        out, lse = arrays._cuda_forward(fixed, device, (q, k, v), learnable)
+        return _host_forward(q, k, v, fixed, learnable)
+    out, lse = arrays._cuda_forward(fixed, device, (q, k, v), learnable)
+    return out.contiguous(), lse.contiguous()
+
+
+def _host_forward(q, k, v, fixed, learnable):
+    """The forward of CPU tensors (``fixed`` with ``backend``, its tensor options on the host): ``(out, lse)``."""
+    host = {name: arrays._host(value, name) for name, value in learnable.items()}
+    out, lse = _dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                                   return_lse=True, **common.numpy_options(fixed, host))
+    out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
     return out.contiguous(), lse.contiguous()
 
 
@@ -221,7 +228,31 @@ _backward.register_autograd(_second_gradients, setup_context=_backward_setup_con
 
 
 def attention(q, k, v, fixed, learnable):
-    """``(out, lse)`` through ``elastic_np::attention``, from `common.split`'s options (``fixed`` with ``backend``)."""
+    """``(out, lse)`` through ``elastic_np::attention``, from `common.split`'s options (``fixed`` with ``backend``).
+
+    An eager call that records no gradient, on plain CPU tensors, runs the
+    operator's forward directly (`_host_forward`, the same code and bits):
+    the operator's dispatch cost about 80 us a call, most of a small
+    model's decoding step. Anything else (``torch.compile`` tracing, a
+    gradient to record, a tensor subclass, CUDA tensors) goes through the
+    operator.
+    """
+    if _plain_inference(q, k, v, fixed, learnable):
+        host_fixed = {name: value for name, value in fixed.items()}
+        for name in _spec.TENSOR_OPTIONS:
+            host_fixed[name] = arrays._host(host_fixed[name], name)
+        return _host_forward(q, k, v, host_fixed, learnable)
     backend = fixed["backend"]
     args = op_arguments({n: x for n, x in fixed.items() if n != "backend"}, learnable)
     return torch.ops.elastic_np.attention(q, k, v, *args, backend)
+
+
+def _plain_inference(q, k, v, fixed, learnable):
+    """Whether the call may skip the operator: eager, no gradient recorded, plain CPU tensors (`attention`)."""
+    tensors = [x for x in (q, k, v, *learnable.values(), *(fixed[n] for n in _spec.TENSOR_OPTIONS))
+               if isinstance(x, torch.Tensor)]
+    if any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in tensors):
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))

@@ -95,6 +95,47 @@ def test_the_operator_gives_the_entry_points_bits(name):
     assert np.array_equal(out.detach().numpy(), want) and np.array_equal(lse.detach().numpy(), want_lse)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_inference_without_the_operator_gives_its_bits(name):
+    q, k, v, args, options = _arguments(name, torch.float32)
+    want, want_lse = torch.ops.elastic_np.attention(q, k, v, *args, "cpu")
+    with torch.no_grad():
+        assert _torch_ops._plain_inference(q, k, v, *common.split(_spec.complete(options, "test")))
+        out, lse = enpt.attention(q, k, v, return_lse=True, backend="cpu", **options)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert out.dtype == want.dtype and lse.dtype == want_lse.dtype and out.is_contiguous()
+
+
+def test_what_goes_through_the_operator():
+    q, k, v, _, options = _arguments("combined", torch.float32)
+    fixed, learnable = common.split(_spec.complete(options, "test"))
+    assert not _torch_ops._plain_inference(q, k, v, fixed, learnable)  # a gradient to record
+    with torch.no_grad():
+        assert _torch_ops._plain_inference(q, k, v, fixed, learnable)
+        assert not _torch_ops._plain_inference(torch.nn.Parameter(q.detach()), k, v, fixed, learnable)  # a subclass
+        assert not _torch_ops._plain_inference(q, k, v, fixed, {**learnable, "tau": torch.nn.Parameter(
+            torch.ones(4))})
+    detached = [x.detach() for x in (q, k, v)]
+    plain = {n: (x.detach() if isinstance(x, torch.Tensor) else x) for n, x in options.items()
+             if n != "dynamic_window"}
+    assert _torch_ops._plain_inference(*detached, *common.split(_spec.complete(plain, "test")))
+
+    def layer(q, k, v):  # traced by torch.compile in inference too: a call on .numpy() would break the graph
+        return enpt.attention(q, k, v, causal=True, backend="cpu")
+
+    with torch.no_grad():
+        assert torch._dynamo.explain(layer)(*detached).graph_break_count == 0
+        assert torch.equal(torch.compile(layer, fullgraph=True)(*detached), layer(*detached))
+
+
+def test_the_operator_checks_bools_and_the_window_as_the_entry_points_do():
+    q = torch.randn(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="`window_size` must be a pair of integers"):
+        enpt.attention(q, q, q, window_size=(1.5, 2))
+    with pytest.raises(TypeError, match="`causal`"):
+        enpt.attention(q, q, q, causal=1)
+
+
 class _Layer(torch.nn.Module):
     def __init__(self):
         super().__init__()
