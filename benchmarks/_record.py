@@ -32,6 +32,18 @@ def commit():
     return result.stdout.strip()
 
 
+def measured():
+    """The commit of the `elastic_np` imported (``PYTHONPATH`` may name another tree than the script's)."""
+    import elastic_np
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(elastic_np.__file__)))
+    try:
+        return subprocess.run(["git", "-C", where, "describe", "--always", "--dirty", "--abbrev=12"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return where
+
+
 def summary(values):
     """``{"median", "min", "max", "n"}`` of ``values`` (per-round figures)."""
     values = np.asarray(values, dtype=float)

@@ -12,7 +12,6 @@ Usage: ``python benchmarks/call_overhead.py [--rounds R] [--calls N] [--threads 
 """
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -77,18 +76,6 @@ def timed(call, n):
     return float(np.median(times)) * 1e6
 
 
-def _tree():
-    """The checkout of the `elastic_np` measured (``PYTHONPATH`` may name another tree than this script's)."""
-    import subprocess
-
-    where = os.path.dirname(os.path.dirname(os.path.abspath(enp.__file__)))
-    try:
-        return subprocess.run(["git", "-C", where, "describe", "--always", "--dirty", "--abbrev=12"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return where
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -122,7 +109,7 @@ def main(argv=None):
         figures = {f"{name}: {way} us": _record.summary(times) for name, ways in rounds.items()
                    for way, times in ways.items()}
         _record.write(args.json, "benchmarks/call_overhead.py", argv, figures, rounds=rounds, threads=threads,
-                      ours=thread_count(), calls=args.calls, measured=_tree())
+                      ours=thread_count(), calls=args.calls, measured=_record.measured())
     print(f"float32, B = 1, {thread_count()} threads (torch's: {threads}); medians over {args.rounds} rounds of {args.calls} calls, us")
     print(f"{'call':40s} {'numpy':>8} {'torch op':>9} {'sdpa':>8}  sdpa / torch op")
     for name, times in rounds.items():

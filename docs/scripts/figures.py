@@ -87,6 +87,8 @@ def _figures():
         "fig-compile-cpu": (step, *cpu),
         "fig-compile-step": (step, _summary("compiled/eager"), RATIO),
         "fig-compile-rounds": (step, lambda record: record["rounds"], "{}"),
+        "fig-generate": ("runs/transformers-generate.json", _summary("sdpa/ours"), RATIO),
+        "fig-generate-before": ("runs/transformers-generate-before.json", _summary("sdpa/ours"), RATIO),
         "fig-h100-fwd": (h100, lambda record: record["speed_ratio"]["forward"], "{:.2f}"),
         "fig-h100-fwdbwd": (h100, lambda record: record["speed_ratio"]["forward+backward"], "{:.2f}"),
         "fig-h100-decode": (h100, lambda record: record["decode"][0]["speed_ratio"], "{:.2f}"),
