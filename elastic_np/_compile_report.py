@@ -129,10 +129,7 @@ class _Notice:
         """A block's entry, or None when nothing is due: the caller is the first frame outside the package."""
         if not self.due:
             return None
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
-            frame = frame.f_back
-        entry = [backend, what, dtype, frame, None]
+        entry = [backend, what, dtype, sys._getframe(1), None]  # walked out of the package by `announce`, if ever
         with self.lock:
             self.blocks.append(entry)
         return entry
@@ -154,6 +151,8 @@ class _Notice:
             self.due = False
             entry = self.blocks[-1]
             backend, what, dtype, frame, _ = entry
+        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
+            frame = frame.f_back
         message = (f"elastic_np is compiling the {backend} backend's {what} for {dtype}: seconds, once (Numba saves "
                    "it to its cache, from which later processes load it); compile ahead with elastic_np.warmup() or "
                    "`elastic-np warmup`, silence this with warnings.filterwarnings('ignore', "

@@ -77,8 +77,9 @@ def check_devices(device, named):
 
 def _host(value, name):
     """A CPU tensor as a NumPy view (no copy), anything else as it is."""
-    if not isinstance(check_on_cpu(value, name), torch.Tensor):
+    if not isinstance(value, torch.Tensor):
         return value
+    check_on_cpu(value, name)
     return to_numpy(value.detach().resolve_neg())
 
 
