@@ -12,7 +12,7 @@ the same packages from the npm registry with ``npm`` (into a cache directory),
 copies them into ``html/vendor/`` and points the pages there (``--no-vendor``
 keeps the CDN links).
 
-Usage, from ``asv_benchmarks/`` after ``asv run`` (see the README)::
+Usage, from ``asv_benchmarks/`` after ``asv run`` (see ``docs/performance.rst``, "The asv suite")::
 
     python screenshot.py --publish                   # asv publish, then the screenshot
     python screenshot.py --publish --branch my-branch   # a branch not in asv.conf.json

@@ -151,13 +151,15 @@ def attention(
         In the input dtype for "cpu" and "cuda", float64 for "reference";
         ``(B, N, H, Dv)`` with ``layout="bnhd"``.
     lse : ndarray, shape (B, H, N)
-        Only with ``return_lse=True``; same dtype as ``out``.
+        Only with ``return_lse=True``; in the dtype the backend computes in:
+        that of ``out``, float32 for bfloat16 and float16 inputs.
 
     Raises
     ------
     TypeError
-        For a dtype the backend does not take (the kernels: float32 and
-        float64, the same for ``q``, ``k``, ``v``), a non-boolean mask, or a
+        For a dtype the backend does not take (the CPU kernels: float32,
+        float64, bfloat16, float16; the CUDA kernels: float32, float64; the
+        same for ``q``, ``k``, ``v``), a non-boolean mask, or a
         ``causal``, ``nvm`` or ``return_lse`` that is not a bool.
     ValueError
         For inconsistent shapes or an out-of-range option, including one

@@ -50,7 +50,8 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     ----------
     q, k, v : torch.Tensor
         Tensors of shapes ``(B, H, N, D)``, ``(B, Hkv, M, D)``,
-        ``(B, Hkv, M, Dv)``, float32 or float64 (the same for all three), any
+        ``(B, Hkv, M, Dv)``, float32, float64, bfloat16 or float16 on the CPU
+        (float32 or float64 on a GPU; the same for all three), any
         strides, all on the CPU or all on one CUDA device; gradients flow to
         those that require them.
     tau, beta : float or torch.Tensor of shape () or (H,), optional

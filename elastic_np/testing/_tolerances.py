@@ -22,7 +22,7 @@ from elastic_np.testing._report import _magnitude, worst_error
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
 #: for bfloat16 and float16 their machine epsilon (one unit in the last place at that magnitude).
 FLOOR = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2.0**-7, "float16": 2.0**-10}
-#: The results in the inputs' dtype (``lse`` and the parameters' gradients are float32 for halves).
+#: The results in the inputs' dtype (for halves ``lse`` is float32, the parameters' gradients float64).
 ROUNDED = ("dq", "dk", "dv", "dbias")
 #: Relative tolerance of the oracle's gradients against central differences (the contract).
 GRADCHECK_RTOL = 1e-6
