@@ -527,3 +527,16 @@ def test_the_commands_silence_compile_warnings_only_while_they_run(monkeypatch):
         assert caught == []
         compiles(None)  # outside a command, the user's filters apply
     assert [w.category for w in caught] == [elastic_np.CompileWarning]
+
+
+def test_bench_at_the_default_thread_count_leaves_numbas_threading_layer_unstarted():
+    # starting it loads an OpenMP runtime beside torch's, which slows torch's timings
+    code = ("import numba, numba.np.ufunc.parallel as p; from elastic_np.cli import _bench\n"
+            "with _bench.thread_counts(numba.config.NUMBA_NUM_THREADS): pass\n"
+            "print(p._is_initialized)\n"
+            "if numba.config.NUMBA_NUM_THREADS > 1:\n"
+            "    with _bench.thread_counts(1): pass\n"
+            "    print(p._is_initialized, numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() in (["False"], ["False", "True", "True"])  # another count sets it, and restores it

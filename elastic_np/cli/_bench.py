@@ -107,9 +107,10 @@ def thread_counts(threads):
         raise ValueError(f"`threads` must be an int from 1 to {numba.config.NUMBA_NUM_THREADS}, got {threads!r}")
     counts = {"numba": threads, "torch": None, "blas": None}
     with contextlib.ExitStack() as stack:
-        before = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        stack.callback(numba.set_num_threads, before)
+        before = thread_count()
+        if threads != before:  # setting them starts Numba's threading layer, an OpenMP runtime beside torch's
+            numba.set_num_threads(threads)
+            stack.callback(numba.set_num_threads, before)
         if torch_available():
             import torch
 
