@@ -251,6 +251,8 @@ def _plain_inference(q, k, v, fixed, learnable):
     """Whether the call may skip the operator: eager, no gradient recorded, plain CPU tensors (`attention`)."""
     tensors = [x for x in (q, k, v, *learnable.values(), *(fixed[n] for n in _spec.TENSOR_OPTIONS))
                if isinstance(x, torch.Tensor)]
+    if fixed.get("backend") == "cuda" or _device(q) is not None:  # the CUDA backend's tensors
+        return False
     if any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in tensors):
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing():

@@ -115,6 +115,7 @@ def test_what_goes_through_the_operator():
         assert not _torch_ops._plain_inference(torch.nn.Parameter(q.detach()), k, v, fixed, learnable)  # a subclass
         assert not _torch_ops._plain_inference(q, k, v, fixed, {**learnable, "tau": torch.nn.Parameter(
             torch.ones(4))})
+        assert not _torch_ops._plain_inference(q, k, v, {**fixed, "backend": "cuda"}, learnable)
     detached = [x.detach() for x in (q, k, v)]
     plain = {n: (x.detach() if isinstance(x, torch.Tensor) else x) for n, x in options.items()
              if n != "dynamic_window"}
