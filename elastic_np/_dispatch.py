@@ -32,6 +32,7 @@ import importlib
 
 from elastic_np import _compile_report, _spec, _validation
 from elastic_np._errors import BackendUnavailableError
+from elastic_np._problem import Kept
 from elastic_np.reference._double_backward import _direction, as_given
 from elastic_np.reference._merge import _merge, _validate
 
@@ -58,19 +59,15 @@ def get_backend(name):
 def _problem(module, q, k, v, options):
     """The backend's validated problem: its ``prepare``, then `_spec.check_support` (once per ``plan_key``)."""
     problem = module.prepare(q, k, v, dtypes=module.dtypes, **options)
-    supported = None if problem.plan_key is None else (module.__name__, problem.plan_key)
-    if supported is None or supported not in _SUPPORTED:
-        kernel_dtype = None if module.dtypes is None else problem.compute_dtype
-        _spec.check_support(options, module.__name__.rsplit(".", 1)[-1], kernel_dtype)
-        if supported is not None:
-            if len(_SUPPORTED) >= 64:
-                _SUPPORTED.clear()
-            _SUPPORTED.add(supported)
+    kernel_dtype = None if module.dtypes is None else problem.compute_dtype
+    key = None if problem.plan_key is None else (module.__name__, problem.plan_key)
+    _SUPPORTED.get_or_make(key, lambda: _spec.check_support(options, module.__name__.rsplit(".", 1)[-1],
+                                                            kernel_dtype) or True)
     return problem
 
 
-#: ``(backend module's name, plan_key)`` of the latest problems `_spec.check_support` passed.
-_SUPPORTED = set()
+#: True for ``(backend module's name, plan_key)`` of the latest problems `_spec.check_support` passed.
+_SUPPORTED = Kept()
 
 
 def _reported(module, what, problem):

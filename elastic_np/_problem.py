@@ -186,6 +186,30 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     )
 
 
+class Kept(dict):
+    """What was derived from a hashable key (a ``plan_key``, say), the latest ``size`` of them.
+
+    All are dropped when it is full: a model's step repeats a few keys, each
+    layer the same, and what is dropped is made again on its next call.
+    """
+
+    def __init__(self, size=64):
+        super().__init__()
+        self.size = size
+
+    def get_or_make(self, key, make):
+        """``self[key]``, ``make()`` and kept the first time; ``make()`` alone, kept nowhere, for ``key`` None."""
+        if key is None:
+            return make()
+        value = self.get(key)
+        if value is None:
+            value = make()
+            if len(self) >= self.size:
+                self.clear()
+            self[key] = value
+        return value
+
+
 #: Every field of `AttentionProblem` with a default, and the default.
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionProblem) if f.default is not dataclasses.MISSING}
 
@@ -198,9 +222,9 @@ def _new_problem(**values):
     return problem
 
 
-#: `_fields` of the latest option sets given as scalars, by key: every layer of a model's step repeats one.
-_FIELDS = {}
 _FIELDS_KEPT = 64
+#: `_fields` of the latest option sets that `_spec.fields_key` keys, by ``plan_key``.
+_FIELDS = Kept(_FIELDS_KEPT)
 
 
 def _fields(options, shape, compute_dtype, shapes):
@@ -212,18 +236,17 @@ def _fields(options, shape, compute_dtype, shapes):
     """
     options_key = _spec.fields_key(options)
     plan_key = None if options_key is None else (shape, shapes, compute_dtype, options_key)
-    fields = _FIELDS.get(plan_key) if plan_key is not None else None
-    if fields is None:
-        fields = _spec.problem_fields(options, shape)
-        check_dtype_range(
-            compute_dtype, **{name: fields[name] for name in _RANGE_FIELDS},
-            uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
-        )
-        if plan_key is not None:
-            if len(_FIELDS) >= _FIELDS_KEPT:
-                _FIELDS.clear()
-            _FIELDS[plan_key] = fields
-    return plan_key, fields
+    return plan_key, _FIELDS.get_or_make(plan_key, lambda: _checked_fields(options, shape, compute_dtype))
+
+
+def _checked_fields(options, shape, compute_dtype):
+    """`_spec.problem_fields`, checked against ``compute_dtype``'s range (`check_dtype_range`)."""
+    fields = _spec.problem_fields(options, shape)
+    check_dtype_range(
+        compute_dtype, **{name: fields[name] for name in _RANGE_FIELDS},
+        uniform=fields["tau_shape"] == () and fields["beta_shape"] == (),
+    )
+    return fields
 
 
 #: The problem's fields that `check_dtype_range` reads.

@@ -92,7 +92,8 @@ def _forward(q, k, v, *args):
 
 
 def _host_forward(q, k, v, fixed, learnable):
-    """The forward of CPU tensors (``fixed`` with ``backend``, its tensor options on the host): ``(out, lse)``."""
+    """The forward of CPU tensors (``fixed`` with ``backend``): ``(out, lse)``."""
+    fixed = {**fixed, **{name: arrays._host(fixed[name], name) for name in _spec.TENSOR_OPTIONS}}
     host = {name: arrays._host(value, name) for name, value in learnable.items()}
     out, lse = _dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                    return_lse=True, **common.numpy_options(fixed, host))
@@ -238,10 +239,7 @@ def attention(q, k, v, fixed, learnable):
     operator.
     """
     if _plain_inference(q, k, v, fixed, learnable):
-        host_fixed = {name: value for name, value in fixed.items()}
-        for name in _spec.TENSOR_OPTIONS:
-            host_fixed[name] = arrays._host(host_fixed[name], name)
-        return _host_forward(q, k, v, host_fixed, learnable)
+        return _host_forward(q, k, v, fixed, learnable)
     backend = fixed["backend"]
     args = op_arguments({n: x for n, x in fixed.items() if n != "backend"}, learnable)
     return torch.ops.elastic_np.attention(q, k, v, *args, backend)

@@ -10,6 +10,7 @@ import collections
 
 import numpy as np
 
+from elastic_np._problem import Kept
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._decode_tiles import _together
 from elastic_np.cpu._operands import BNHD
@@ -63,7 +64,7 @@ def splits(B, Hkv, M):
 #: What `elastic_np.cpu._decode.forward` runs for a problem, from its fields and layout alone (`schedule`).
 _Plan = collections.namedtuple("_Plan", ["key_major", "opt", "together", "split_start", "most", "tiles", "work"])
 #: The `_Plan` of the latest problems with a ``plan_key``: every layer of a model's step repeats one.
-_PLANS = {}
+_PLANS = Kept(64)
 
 
 def schedule(problem, k_layout, block_size, entry_splits):
@@ -72,9 +73,11 @@ def schedule(problem, k_layout, block_size, entry_splits):
     key = None
     if problem.plan_key is not None and entry_splits is None:
         key = (problem.plan_key, problem.dtype, k_layout, block_size)
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan
+    return _PLANS.get_or_make(key, lambda: _made(problem, k_layout, block_size, entry_splits))
+
+
+def _made(problem, k_layout, block_size, entry_splits):
+    """`schedule`'s `_Plan`, made."""
     B, H, Hkv, N, M, D, Dv = problem.shape
     key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
     opt = _options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
@@ -85,10 +88,5 @@ def schedule(problem, k_layout, block_size, entry_splits):
     split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
     tiles = block_k if key_major else (
         block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
-    plan = _Plan(key_major, opt, together, split_start,
+    return _Plan(key_major, opt, together, split_start,
                  int(np.max(entry_splits, initial=1)), tiles, H * N * int(problem.kv_lengths.sum()) * (D + Dv))
-    if key is not None:
-        if len(_PLANS) >= 64:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan

@@ -14,6 +14,7 @@ from numba import njit
 
 from elastic_np import _validation
 from elastic_np._compact import compact_bias, compact_mask
+from elastic_np._problem import Kept
 from elastic_np._ranges import offset_band
 from elastic_np.cpu._logits import ensure_modifiers
 
@@ -84,8 +85,7 @@ class _ReadOnlyMemory:
 
 
 #: `_options` of the latest problems with a ``plan_key``, by it: every layer of a model's step repeats one.
-_KEPT = {}
-_KEPT_MAX = 64
+_KEPT = Kept()
 
 
 def _options(p, with_sigma_grad, dtype):
@@ -94,14 +94,7 @@ def _options(p, with_sigma_grad, dtype):
     A kept one's arrays are shared by the calls that look it up: the kernels only read them.
     """
     key = None if p.plan_key is None else (p.plan_key, with_sigma_grad, dtype)
-    opt = _KEPT.get(key) if key is not None else None
-    if opt is None:
-        opt = _built_options(p, with_sigma_grad, dtype)
-        if key is not None:
-            if len(_KEPT) >= _KEPT_MAX:
-                _KEPT.clear()
-            _KEPT[key] = opt
-    return opt
+    return _KEPT.get_or_make(key, lambda: _built_options(p, with_sigma_grad, dtype))
 
 
 def _built_options(p, with_sigma_grad, dtype):

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from elastic_np._problem import Kept
+
 #: Arrays of at most this many bytes are kept; a larger call's arithmetic dwarfs its faults.
 KEPT_BYTES = 1 << 22
 #: Arrays kept per thread: the latest of as many (role, shape, dtype).
@@ -36,11 +38,5 @@ def scratch(role, shape, dtype, fill=np.empty):
         return fill(shape, dtype=dtype)
     kept = getattr(_local, "arrays", None)
     if kept is None:
-        kept = _local.arrays = {}
-    key = (role, shape, dtype)
-    array = kept.get(key)
-    if array is None:
-        if len(kept) >= KEPT_ARRAYS:
-            kept.clear()
-        array = kept[key] = fill(shape, dtype=dtype)
-    return array
+        kept = _local.arrays = Kept(KEPT_ARRAYS)
+    return kept.get_or_make((role, shape, dtype), lambda: fill(shape, dtype=dtype))
