@@ -21,7 +21,7 @@ distributed = pytest.importorskip("distributed")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.dask as enpd  # noqa: E402
-from elastic_np import _dask_blocks, cpu, reference  # noqa: E402
+from elastic_np import _dask_blocks, _dispatch, cpu, reference  # noqa: E402
 from oracle_checks import check_results, make_dlse, make_inputs  # noqa: E402
 
 B, H, HKV, D, DV = 2, 4, 2, 5, 3
@@ -242,13 +242,23 @@ def test_import_elastic_np_does_not_import_dask():
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
+def _counting_threads(attention, seen):
+    """``attention`` that appends to ``seen`` the thread count its kernels get (`cpu.thread_count`)
+    on the calling thread; small calls then run on one of them (`SERIAL_WORK`), larger ones on all."""
+
+    def counted(*args, **kwargs):
+        seen.append(cpu.thread_count())
+        return attention(*args, **kwargs)
+
+    return counted
+
+
 def test_kernel_threads_follow_threads_per_task(monkeypatch):
     """Each block task sets its own thread's Numba count; the caller's count is left as it was."""
     import numba
 
     seen = []
-    original = cpu.thread_count
-    monkeypatch.setattr(cpu._threads, "thread_count", lambda: seen.append(original()) or seen[-1])
+    monkeypatch.setattr(_dispatch, "attention", _counting_threads(_dispatch.attention, seen))
     before = numba.get_num_threads()
     q, k, v, _ = _inputs(np.float32, 16, 16)
     qd = da.from_array(q, chunks=(1, 2, 8, D))
@@ -308,8 +318,8 @@ def _run_on(client, q, k, v, dout, opts, q_chunks, k_chunk):
 def _kernel_threads_in_worker():
     """In a worker: the thread count the CPU kernels see inside a block task."""
     seen = []
-    original = cpu._threads.thread_count
-    cpu._threads.thread_count = lambda: seen.append(original()) or seen[-1]
+    original = _dispatch.attention
+    _dispatch.attention = _counting_threads(original, seen)
     try:
         q = np.ones((1, 2, 64, 8), np.float32)
         spec = enpd._setup(q, q, q, dict(scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
@@ -318,7 +328,7 @@ def _kernel_threads_in_worker():
                            "cpu", 1).spec
         _dask_blocks.forward_block(spec, (0, 1, 0, 2, 0, 64, 0, 64), q, q, q, None, None, 0)
     finally:
-        cpu._threads.thread_count = original
+        _dispatch.attention = original
     import numba
 
     return seen, numba.config.NUMBA_NUM_THREADS
