@@ -16,6 +16,7 @@ cases are enough: ``--cases plain``). Exit status 1 when any array differs.
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -35,8 +36,14 @@ def _dtype(name):
 
 
 def _store(results, key, value):
-    """Every array of ``value`` (an array, a tuple, an `AttentionGrads`-like tuple, a list) under ``key``."""
+    """Every array of ``value`` (an array; a tuple, list, dict or dataclass of them, nested) under ``key``."""
     if value is None:
+        return
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _store(results, f"{key}.{name}", item)
         return
     if isinstance(value, (tuple, list)):
         fields = getattr(value, "_fields", None) or range(len(value))
@@ -44,6 +51,8 @@ def _store(results, key, value):
             _store(results, f"{key}.{name}", item)
         return
     array = np.asarray(value)
+    if array.dtype == object:
+        raise TypeError(f"{key}: not an array of numbers ({type(value).__name__})")
     results[key] = array.view(np.uint8) if array.dtype.kind == "V" or array.dtype.itemsize == 2 else array
 
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _validation
+from elastic_np._contract import _validation
 from elastic_np.cli import _bench
 
 

@@ -8,11 +8,11 @@ VJP) dispatch to a backend ("reference", "cpu", "cuda");
 """
 
 from elastic_np import reference, testing
-from elastic_np._dispatch import attention, attention_backward, attention_double_backward, merge_attention
-from elastic_np._errors import BackendUnavailableError, CompileWarning
-from elastic_np._types import AttentionGrads, DynamicWindow
-from elastic_np._varlen import varlen_attention, varlen_attention_backward
-from elastic_np._warmup import warmup
+from elastic_np._api.dispatch import attention, attention_backward, attention_double_backward, merge_attention
+from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
+from elastic_np._contract._types import AttentionGrads, DynamicWindow
+from elastic_np._api.varlen import varlen_attention, varlen_attention_backward
+from elastic_np._api.warmup import warmup
 from elastic_np.reference._double_backward import DoubleBackwardGrads
 
 __version__ = "0.1.0"

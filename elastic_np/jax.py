@@ -31,9 +31,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _problem, _spec, _validation
-from elastic_np._adapter_common import DynamicWindow
+from elastic_np._api import adapters as common
+from elastic_np._api import dispatch
+from elastic_np._contract import _problem, _spec, _validation
+from elastic_np._api.adapters import DynamicWindow
 
 __all__ = ["attention", "DynamicWindow"]
 
@@ -79,7 +80,7 @@ def _validate(diff, traced, fixed, constants):
         stand_in[name] = np.broadcast_to(np.array(fill, dtype=x.dtype), x.shape)
     learnable = {name: stand_in.get(name, constants.get(name)) for name in common.LEARNABLE}
     options = common.numpy_options({**fixed, **{n: stand_in[n] for n in traced}}, learnable)
-    module = _dispatch.get_backend(options.pop("backend"))
+    module = dispatch.get_backend(options.pop("backend"))
     _problem.prepare(stand_in["q"], stand_in["k"], stand_in["v"], dtypes=module.dtypes, **options)
 
 
@@ -132,7 +133,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
 
     def forward_callback(diff, traced):
         q, k, v, options = numpy_call(_host(diff), _host(traced))
-        out, lse = _dispatch.attention(q, k, v, return_lse=True, **options)
+        out, lse = dispatch.attention(q, k, v, return_lse=True, **options)
         return out.astype(q_dtype, copy=False), lse.astype(_validation.compute_dtype(q_dtype), copy=False)
 
     def as_cotangents(grads, like):
@@ -145,7 +146,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
     def backward_callback(diff, traced, out, lse, dout, dlse):
         diff = _host(diff)
         q, k, v, options = numpy_call(diff, _host(traced))
-        grads = _dispatch.attention_backward(np.asarray(dout), q, k, v, np.asarray(out),
+        grads = dispatch.attention_backward(np.asarray(dout), q, k, v, np.asarray(out),
                                              np.asarray(lse), dlse=np.asarray(dlse), **options)
         return as_cotangents(grads, diff)
 
@@ -153,7 +154,7 @@ def _make_attention(fixed, constants, q_dtype, out_shape, lse_shape):
         diff, u = _host(diff), _host(u)
         q, k, v, options = numpy_call(diff, _host(traced))
         out, lse = np.asarray(out), np.asarray(lse)
-        grads = _dispatch.attention_double_backward(
+        grads = dispatch.attention_double_backward(
             u["q"], u["k"], u["v"], np.asarray(dout), q, k, v, out, lse, dlse=np.asarray(dlse),
             **{"dd" + n: u.get(n) for n in common.LEARNABLE}, **options)
         return (grads.ddout.astype(out.dtype, copy=False), np.asarray(grads.ddlse).astype(lse.dtype, copy=False),

@@ -23,9 +23,9 @@ def pytest_configure(config):
     cache, a test that turns warnings into errors would fail on whichever call compiled first. The tests of the
     announcement use a notice of their own (tests/test_compile_report.py); the processes tests start have theirs.
     """
-    from elastic_np import _compile_report  # imports no Numba
+    from elastic_np._api import compile_report  # imports no Numba
 
-    _compile_report.NOTICE.due = False
+    compile_report.NOTICE.due = False
 
 
 @pytest.fixture(autouse=True)

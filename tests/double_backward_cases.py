@@ -10,7 +10,7 @@ import numpy as np
 
 from adapter_cases import LEARNED, case_arrays, numpy_options  # noqa: F401 (LEARNED for the tests)
 from elastic_np import reference
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.testing._cases import _window_threshold
 
 #: Causal, NVM, grouped-query heads, the gate with a threshold, per-head tau and beta, a broadcast bias; and a

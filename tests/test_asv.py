@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import elastic_np
-from elastic_np import _problem
+from elastic_np._contract import _problem
 from elastic_np.cli import _bench
 from elastic_np import reference as ref
 
@@ -214,11 +214,11 @@ class TestRelativeError:
 
 
 def test_cuda_benchmarks_skip_without_a_gpu(suite):
-    from elastic_np import _dispatch
+    from elastic_np._api import dispatch
 
     try:
-        _dispatch.get_backend("cuda")
-    except _dispatch.BackendUnavailableError:
+        dispatch.get_backend("cuda")
+    except dispatch.BackendUnavailableError:
         pass
     else:
         pytest.skip("a usable GPU is present")

@@ -20,7 +20,7 @@ def available(name):
     if importlib.util.find_spec(f"elastic_np.{name}") is None:
         return False
     try:
-        elastic_np._dispatch.get_backend(name)
+        elastic_np._api.dispatch.get_backend(name)
     except elastic_np.BackendUnavailableError:
         return False
     return True
@@ -71,7 +71,7 @@ def test_check_quick_cpu(capsys):
 def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     # The quick shapes are small; some must still be too many queries for the
     # CPU decode kernel, or `check --quick` would never run the prefill kernel.
-    from elastic_np._problem import prepare
+    from elastic_np._contract._problem import prepare
     from elastic_np.cpu import _decode_plan
 
     decode = {}
@@ -95,14 +95,14 @@ def test_check_named_unavailable_backend_is_an_error(name, capsys):
 
 
 def test_backend_failing_to_start_is_skipped_or_an_error(monkeypatch, capsys):
-    real = elastic_np._dispatch.get_backend
+    real = elastic_np._api.dispatch.get_backend
 
     def failing_cuda(name):
         if name == "cuda":
             raise RuntimeError("driver missing")
         return real(name)
 
-    monkeypatch.setattr(elastic_np._dispatch, "get_backend", failing_cuda)
+    monkeypatch.setattr(elastic_np._api.dispatch, "get_backend", failing_cuda)
     assert cli.main(["check", "--quick", "--dtype", "float64"]) == 0
     out = capsys.readouterr().out
     assert ("backend 'cuda': skipped (backend 'cuda' is not available: "
@@ -494,7 +494,8 @@ def test_bench_takes_the_half_dtypes(dtype, tmp_path, monkeypatch, capsys):
 
 def test_torch_sdpa_takes_bfloat16_arrays():
     pytest.importorskip("torch")
-    from elastic_np import _validation, reference
+    from elastic_np import reference
+    from elastic_np._contract import _validation
     from elastic_np.cli import _bench
 
     bf16 = _validation.numpy_dtype("bfloat16")

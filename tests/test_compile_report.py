@@ -1,4 +1,4 @@
-"""`elastic_np._compile_report`: what `watch` sees, that a call pays no listener registration, and the
+"""`elastic_np._api.compile_report`: what `watch` sees, that a call pays no listener registration, and the
 announcement of a process's first compile (`elastic_np.CompileWarning`)."""
 
 import inspect
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _compile_report
+from elastic_np._api import compile_report
 
 
 def fresh_function():
@@ -30,18 +30,18 @@ def fresh_function():
 
 def test_sees_a_compile_in_the_block_and_not_outside():
     outside = fresh_function()
-    with _compile_report.watch() as seen:
+    with compile_report.watch() as seen:
         fresh_function()(1)
     outside(1)
     assert "add_one" in {str(name).rsplit(".", 1)[-1] for name in seen.compiled}
-    with _compile_report.watch() as quiet:
+    with compile_report.watch() as quiet:
         pass
     assert not quiet.compiled and "no compile" in quiet.summary()
 
 
 def test_nested_blocks_and_other_threads_see_it():
-    with _compile_report.watch() as outer:
-        with _compile_report.watch() as inner:
+    with compile_report.watch() as outer:
+        with compile_report.watch() as inner:
             worker = threading.Thread(target=fresh_function(), args=(1,))
             worker.start()
             worker.join()
@@ -49,21 +49,21 @@ def test_nested_blocks_and_other_threads_see_it():
 
 
 def test_listeners_are_registered_once(monkeypatch):
-    with _compile_report.watch():
+    with compile_report.watch():
         pass
     calls = []
     monkeypatch.setattr(numba.core.event, "register", lambda *args: calls.append(args))
     for _ in range(5):
-        with _compile_report.watch():
+        with compile_report.watch():
             pass
     assert calls == []
 
 
 def test_a_block_that_raises_stops_watching():
     with pytest.raises(ValueError):
-        with _compile_report.watch() as raised:
+        with compile_report.watch() as raised:
             raise ValueError("inside")
-    with _compile_report.watch() as seen:
+    with compile_report.watch() as seen:
         fresh_function()(1)
     assert seen.compiled and not raised.compiled
 
@@ -76,8 +76,8 @@ def test_a_block_that_raises_stops_watching():
 @pytest.fixture
 def notice(monkeypatch):
     """A notice still due (the suite's own is made already: tests/conftest.py)."""
-    fresh = _compile_report._Notice()
-    monkeypatch.setattr(_compile_report, "NOTICE", fresh)
+    fresh = compile_report._Notice()
+    monkeypatch.setattr(compile_report, "NOTICE", fresh)
     return fresh
 
 
@@ -98,10 +98,10 @@ def test_the_first_compile_is_announced_once_at_the_callers_line(notice, package
     first, second = package_function(), package_function()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _compile_report.reported("cpu", "forward", np.dtype(np.float32)):
+        with compile_report.reported("cpu", "forward", np.dtype(np.float32)):
             line = inspect.currentframe().f_lineno + 1
             assert first(1) == 2
-        with _compile_report.reported("cpu", "backward", np.dtype(np.float64)) as seen:
+        with compile_report.reported("cpu", "backward", np.dtype(np.float64)) as seen:
             second(1)
     assert seen.compiled  # a second compile, and no second notice
     assert [w.category for w in caught] == [enp.CompileWarning]
@@ -116,16 +116,16 @@ def test_the_first_compile_is_announced_once_at_the_callers_line(notice, package
 def test_what_is_not_announced(notice, package_function):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _compile_report.reported("cpu", "forward", "float32"):
+        with compile_report.reported("cpu", "forward", "float32"):
             fresh_function()(1)  # not the package's code
         package_function()(1)  # the package's, outside a call
-        with _compile_report.unannounced(), _compile_report.reported("cpu", "forward", "float32"):
+        with compile_report.unannounced(), compile_report.reported("cpu", "forward", "float32"):
             package_function()(1)  # asked for (`elastic_np.warmup`)
     assert caught == [] and notice.due
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", category=enp.CompileWarning)
-        with _compile_report.reported("cpu", "forward", "float32"):
+        with compile_report.reported("cpu", "forward", "float32"):
             package_function()(1)
     assert caught == [] and not notice.due  # silenced by the filter
 
@@ -135,11 +135,11 @@ def test_an_error_filter_raises_in_the_callers_thread_after_the_compile(notice, 
     with warnings.catch_warnings():
         warnings.simplefilter("error", enp.CompileWarning)
         with pytest.raises(enp.CompileWarning, match="cpu backend's forward for bfloat16"):
-            with _compile_report.reported("cpu", "forward", "bfloat16"):
+            with compile_report.reported("cpu", "forward", "bfloat16"):
                 worker = threading.Thread(target=compiled_in_a_thread, args=(1,))
                 worker.start()
                 worker.join()
-    with _compile_report.watch() as seen:
+    with compile_report.watch() as seen:
         assert compiled_in_a_thread(2) == 3
     assert not seen.compiled and not notice.blocks
 
@@ -154,7 +154,7 @@ import warnings
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _compile_report
+from elastic_np._api import compile_report
 
 if sys.argv[1] == "filtered":
     warnings.filterwarnings("ignore", category=enp.CompileWarning)
@@ -162,7 +162,7 @@ rng = np.random.default_rng(0)
 q, (k, v) = rng.standard_normal((1, 4, 1, 16)), rng.standard_normal((2, 1, 2, 30, 16))
 OPTIONS = {"plain": {}, "softcap": {"softcap": 5.0}, "window": {"dynamic_window": enp.DynamicWindow(2.0)}}
 for name in sys.argv[2:]:
-    with _compile_report.watch() as seen:
+    with compile_report.watch() as seen:
         enp.attention(q, k, v, backend="cpu", **OPTIONS[name])  # the call
     print(len(seen.compiled))
 """

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cpu, _grads, _problem
+from elastic_np import cpu
+from elastic_np._contract import _grads, _problem
 from elastic_np.cpu._dbias import _store_transposed
 from elastic_np.cpu._transpose import stream_width
 from oracle_checks import (

@@ -26,7 +26,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cpu
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.testing import _tolerances
 from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, assert_matches_oracle, make_dlse, make_inputs
 from test_hardening_window import faint_gate_inputs

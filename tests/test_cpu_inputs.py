@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _dispatch, cpu
+from elastic_np import cpu
+from elastic_np._api import dispatch
 from elastic_np.cli import _bench
 from oracle_checks import (
     DTYPES, MASK_B1NM, MASK_NM, SIGMA_BH, check_unmodified_and_deterministic, holds_half_bits, make_inputs,
@@ -77,9 +78,9 @@ def test_output_dtype_follows_input(dtype):
 
 
 def test_auto_backend_without_gpu():
-    if _dispatch._cuda_is_available():
+    if dispatch._cuda_is_available():
         pytest.skip("a GPU is usable here, so 'auto' picks cuda")
-    assert _dispatch.get_backend("auto") is cpu
+    assert dispatch.get_backend("auto") is cpu
     q, k, v, _ = make_inputs(np.float32, N=5, M=7)
     np.testing.assert_array_equal(
         enp.attention(q, k, v, backend="auto"), enp.attention(q, k, v, backend="cpu")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cpu, _problem
+from elastic_np import cpu
+from elastic_np._contract import _problem
 from elastic_np.cli import _bench
 from elastic_np.cpu._logits import _column_max, _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs

@@ -21,7 +21,9 @@ distributed = pytest.importorskip("distributed")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.dask as enpd  # noqa: E402
-from elastic_np import _dask_blocks, _dispatch, cpu, reference  # noqa: E402
+from elastic_np import cpu, reference
+from elastic_np._api import dispatch
+from elastic_np.dask import _blocks  # noqa: E402
 from oracle_checks import check_results, make_dlse, make_inputs  # noqa: E402
 
 B, H, HKV, D, DV = 2, 4, 2, 5, 3
@@ -258,7 +260,7 @@ def test_kernel_threads_follow_threads_per_task(monkeypatch):
     import numba
 
     seen = []
-    monkeypatch.setattr(_dispatch, "attention", _counting_threads(_dispatch.attention, seen))
+    monkeypatch.setattr(dispatch, "attention", _counting_threads(dispatch.attention, seen))
     before = numba.get_num_threads()
     q, k, v, _ = _inputs(np.float32, 16, 16)
     qd = da.from_array(q, chunks=(1, 2, 8, D))
@@ -318,17 +320,17 @@ def _run_on(client, q, k, v, dout, opts, q_chunks, k_chunk):
 def _kernel_threads_in_worker():
     """In a worker: the thread count the CPU kernels see inside a block task."""
     seen = []
-    original = _dispatch.attention
-    _dispatch.attention = _counting_threads(original, seen)
+    original = dispatch.attention
+    dispatch.attention = _counting_threads(original, seen)
     try:
         q = np.ones((1, 2, 64, 8), np.float32)
         spec = enpd._setup(q, q, q, dict(scale=None, causal=False, window_size=(-1, -1), kv_lengths=None,
                                          align="array", mask=None, nvm=False, tau=1.0, beta=0.0,
                                          dynamic_window=None, softcap=None, alibi_slopes=None, bias=None),
                            "cpu", 1).spec
-        _dask_blocks.forward_block(spec, (0, 1, 0, 2, 0, 64, 0, 64), q, q, q, None, None, 0)
+        _blocks.forward_block(spec, (0, 1, 0, 2, 0, 64, 0, 64), q, q, q, None, None, 0)
     finally:
-        _dispatch.attention = original
+        dispatch.attention = original
     import numba
 
     return seen, numba.config.NUMBA_NUM_THREADS

@@ -12,7 +12,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np.cpu import _decode, _decode_plan
-from elastic_np import cpu, _problem, reference
+from elastic_np import cpu, reference
+from elastic_np._contract import _problem
 from test_cpu import assert_close, check_case
 
 DTYPES = [np.float64, np.float32]

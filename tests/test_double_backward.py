@@ -13,7 +13,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference as ref
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.reference import _double_backward
 from elastic_np.testing import gradcheck
 from test_reference_attention import BIAS_FULL, CASES, SHAPE, SLOPES, make_qkv

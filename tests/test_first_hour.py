@@ -127,14 +127,14 @@ NOTICE = r'''
 import sys, types, warnings
 import numba
 import elastic_np as enp
-from elastic_np import _compile_report
+from elastic_np._api import compile_report
 if sys.argv[1] == "filtered":
     warnings.filterwarnings("ignore", category=enp.CompileWarning)
 probe = types.ModuleType("elastic_np._first_hour_probe")  # its compiles count as the package's
 sys.modules[probe.__name__] = probe
 for n in range(2):  # two compiling calls
     exec(f"def f{n}(x):\n    return x + {n}\n", probe.__dict__)
-    with _compile_report.reported("cpu", "forward", "float32") as seen:
+    with compile_report.reported("cpu", "forward", "float32") as seen:
         numba.njit(fastmath=False)(getattr(probe, f"f{n}"))(1)
     assert seen.compiled
 '''

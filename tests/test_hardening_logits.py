@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import elastic_np as enp
-from elastic_np import _problem, cpu, reference
+from elastic_np import cpu, reference
+from elastic_np._contract import _problem
 from oracle_checks import assert_matches_oracle
 from test_properties_float32 import assert_within_the_kits_rule, kernel_results, log_uniform, per_head
 

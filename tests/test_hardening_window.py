@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import elastic_np as enp
 from elastic_np import reference
 from elastic_np.reference._attention import window_gate
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.testing import _tolerances
 from elastic_np.testing._report import worst_error
 from mp_oracle import mp_attention_grads, relative_errors

@@ -19,7 +19,7 @@ import double_backward_cases as second  # noqa: E402
 from adapter_cases import CASES, LEARNED, make_case, numpy_options  # noqa: E402
 import elastic_np as enp  # noqa: E402
 import elastic_np.jax as enpj  # noqa: E402
-from elastic_np import _dispatch  # noqa: E402
+from elastic_np._api import dispatch  # noqa: E402
 
 
 
@@ -120,8 +120,8 @@ class TestSecondDerivatives:
 
     def test_a_wrong_second_derivative_fails(self, x64, monkeypatch):
         """The check sees the double backward: one 1% off in dq fails it."""
-        double_backward = _dispatch.attention_double_backward
-        monkeypatch.setattr(_dispatch, "attention_double_backward",
+        double_backward = dispatch.attention_double_backward
+        monkeypatch.setattr(dispatch, "attention_double_backward",
                             lambda *a, **kw: (lambda g: g._replace(dq=g.dq * 1.01))(double_backward(*a, **kw)))
         arrays, fixed = second.make_case(second.CASES[0], seed=2)
         with pytest.raises(AssertionError, match="VJP of VJP"):
@@ -214,8 +214,8 @@ class TestFloat32:
 
     def test_lse_gradient_and_the_forward_runs_once(self, monkeypatch):
         calls = []
-        real = _dispatch.attention
-        monkeypatch.setattr(_dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        real = dispatch.attention
+        monkeypatch.setattr(dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
         q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, 6, 4))
         (out, lse), vjp = jax.vjp(lambda q: enpj.attention(q, k, v, return_lse=True), q)
         (dq,) = vjp((jnp.zeros_like(out), jnp.ones_like(lse)))

@@ -2,8 +2,8 @@
 
 - `elastic_np.reference`, `elastic_np.cpu` and `elastic_np.cuda` show the
   dispatcher the same functions (`FACE`).
-- A backend imports, from the rest of the package, only the shared
-  low-level modules (`SHARED`) and, for the kernels, the reference (its
+- A backend imports, from the rest of the package, only the contract
+  (`SHARED`, ``elastic_np._contract``) and, for the kernels, the reference (its
   check of ``dout``, ``out`` and ``lse``); checked by parsing every module's
   imports, so no import inside a function escapes.
 - The tools (`elastic_np.cli`) use the library from the top: nothing of the
@@ -27,11 +27,10 @@ from elastic_np.cli import _cuda_bench
 PACKAGE = pathlib.Path(elastic_np.__file__).resolve().parent
 REPO_ROOT = PACKAGE.parent
 
-#: What `elastic_np._dispatch` reads of a backend.
+#: What `elastic_np._api.dispatch` reads of a backend.
 FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward")
-#: The low-level modules every backend may import.
-SHARED = {"elastic_np._spec", "elastic_np._types", "elastic_np._problem", "elastic_np._grads", "elastic_np._validation",
-          "elastic_np._ranges", "elastic_np._compact", "elastic_np._errors"}
+#: The package every backend may import: the contract.
+SHARED = {"elastic_np._contract"}
 #: What each backend may import besides its own package and `SHARED`.
 BACKEND_EXTRA = {"reference": set(), "cpu": {"elastic_np.reference"}, "cuda": {"elastic_np.reference"}}
 #: Library files that import the tools: the entry scripts, and the deprecated `elastic_np.cuda.bench`.
@@ -51,7 +50,7 @@ def _imports(path):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: a relative import"
-            if node.module == "elastic_np":  # ``from elastic_np import _problem``: elastic_np._problem
+            if node.module == "elastic_np":  # ``from elastic_np import _problem``: elastic_np._contract._problem
                 found.update(f"elastic_np.{alias.name}" for alias in node.names)
             else:
                 found.add(node.module)
@@ -69,7 +68,7 @@ def _within(name, packages):
 def test_backends_import_nothing_above_them(backend):
     allowed = SHARED | BACKEND_EXTRA[backend] | {f"elastic_np.{backend}"}
     reaching_up = {}
-    for path in sorted((PACKAGE / backend).glob("*.py")):
+    for path in sorted((PACKAGE / backend).rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         names = _imports(path) - TOOL_IMPORTS_ALLOWED.get(rel, set())
         bad = sorted(n for n in names if not _within(n, allowed))
@@ -120,11 +119,11 @@ def test_every_backend_shows_the_same_face(module):
 def test_the_reference_face_stays_out_of_its_public_names():
     assert not set(FACE) & set(reference.__all__)
     assert reference.is_available() and reference.check_available() is None
-    assert elastic_np._dispatch.get_backend("reference") is reference
+    assert elastic_np._api.dispatch.get_backend("reference") is reference
 
 
 def test_the_dispatcher_gets_each_backend_module():
-    assert elastic_np._dispatch.get_backend("cpu") is cpu
+    assert elastic_np._api.dispatch.get_backend("cpu") is cpu
 
 
 @pytest.mark.parametrize("name", ["bench", "bench_decode", "bench_record", "BENCH_BIAS_SHAPES", "DECODE_SHAPES"])

@@ -85,11 +85,12 @@ def test_each_setting_but_all_on_has_a_cache_folder_of_its_own(tmp_path, monkeyp
 SHARED_CACHE = """
 import numpy as np
 import elastic_np as enp
-from elastic_np import _compile_report, reference
+from elastic_np import reference
+from elastic_np._api import compile_report
 from elastic_np.cpu import _forward, _numba_private
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 24, 8)).astype(np.float32) for _ in range(3))
-with _compile_report.watch() as watch:
+with compile_report.watch() as watch:
     out = enp.attention(q, k, v, causal=True, softcap=3.0, backend="cpu")
 error = np.abs(out - reference.attention(q, k, v, causal=True, softcap=3.0)[0]).max()
 folder = _numba_private.cache_folder()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _problem, _spec
+from elastic_np._contract import _problem, _spec
 from elastic_np.cpu import _decode_plan, _plan
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.reference import _attention
 from elastic_np.testing import _tolerances
 

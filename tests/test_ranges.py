@@ -1,4 +1,4 @@
-"""The range arithmetic every kernel shares (`elastic_np._ranges`), against brute force and the reference."""
+"""The range arithmetic every kernel shares (`elastic_np._contract._ranges`), against brute force and the reference."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic_np as enp
-from elastic_np import _problem, _ranges, reference
+from elastic_np import reference
+from elastic_np._contract import _problem, _ranges
 from elastic_np.cpu import _plan
 from elastic_np.cuda import _api
 

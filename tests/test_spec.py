@@ -1,4 +1,4 @@
-"""The options are described once (`elastic_np._spec`): every signature, docstring and list follows it."""
+"""The options are described once (`elastic_np._contract._spec`): every signature, docstring and list follows it."""
 
 import ast
 import dataclasses
@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _spec, _varlen, testing
+from elastic_np import testing
+from elastic_np._api import varlen
+from elastic_np._contract import _spec
 from elastic_np.testing import _cases
 
 PACKAGE = pathlib.Path(enp.__file__).parent
 
 #: Where the option list may be spelled out: the table, and the two public entry points.
-ALLOWED = {("_spec.py", None), ("_dispatch.py", "attention"), ("_dispatch.py", "attention_backward")}
+ALLOWED = {("_contract/_spec.py", None), ("_api/dispatch.py", "attention"), ("_api/dispatch.py", "attention_backward")}
 #: What reads the options one by one by its nature, as the steps of adding an option say: the
 #: oracle and the kernels (their records of the problem), and the kit's cases (values per option).
 READERS = ("reference/", "cpu/", "cuda/", "testing/_cases.py")
@@ -34,8 +36,8 @@ def _option_functions():
         ("reference.attention", enp.reference.attention, _spec.NAMES),
         ("reference.attention_backward", enp.reference.attention_backward, _spec.NAMES),
         ("reference.attention_double_backward", enp.reference.attention_double_backward, _spec.NAMES),
-        ("elastic_np.varlen_attention", enp.varlen_attention, _varlen.OPTIONS),
-        ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _varlen.OPTIONS),
+        ("elastic_np.varlen_attention", enp.varlen_attention, varlen.OPTIONS),
+        ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, varlen.OPTIONS),
     ]
     for module_name, names in (("elastic_np.torch", ("attention", "varlen_attention")),
                                ("elastic_np.jax", ("attention",)),
@@ -44,15 +46,15 @@ def _option_functions():
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        # a packed batch's signature lists the options it takes (`_varlen.OPTIONS`)
-        found += [(f"{module_name}.{n}", getattr(module, n), _varlen.OPTIONS if "varlen" in n else _spec.NAMES)
+        # a packed batch's signature lists the options it takes (`varlen.OPTIONS`)
+        found += [(f"{module_name}.{n}", getattr(module, n), varlen.OPTIONS if "varlen" in n else _spec.NAMES)
                   for n in names]
         if module_name == "elastic_np.torch":
             model = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL + _spec.LEARNABLE)
             found += [("ElasticAttention", module.ElasticAttention, model),
                       ("ElasticAttention.forward", module.ElasticAttention.forward, _spec.PER_CALL)]
-    found += [("elastic_np.varlen_attention", enp.varlen_attention, _varlen.OPTIONS),
-              ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, _varlen.OPTIONS)]
+    found += [("elastic_np.varlen_attention", enp.varlen_attention, varlen.OPTIONS),
+              ("elastic_np.varlen_attention_backward", enp.varlen_attention_backward, varlen.OPTIONS)]
     return found
 
 
@@ -141,18 +143,18 @@ def _spelled_out(tree):
 
 def test_no_function_outside_the_table_spells_out_the_options():
     # the table (one record per option) may spell the list out but need not: the check must see the rest
-    offenders, allowed_seen = [], {("_spec.py", None)}
+    offenders, allowed_seen = [], {("_contract/_spec.py", None)}
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
         if relative.startswith(READERS):
             continue
         for function, line, named in _spelled_out(ast.parse(path.read_text(), relative)):
-            key = (relative, None if relative == "_spec.py" else function)
+            key = (relative, None if relative == "_contract/_spec.py" else function)
             if key in ALLOWED:
                 allowed_seen.add(key)
             else:
                 offenders.append(f"{relative}:{line} in {function}: {', '.join(named)}")
-    assert not offenders, "the option list spelled out outside elastic_np/_spec.py:\n" + "\n".join(offenders)
+    assert not offenders, "the option list spelled out outside elastic_np/_contract/_spec.py:\n" + "\n".join(offenders)
     # the check sees the lists it allows: it would see any other
     assert allowed_seen == ALLOWED
 

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
 from adapter_cases import CASES, LEARNED, make_case, numpy_options  # noqa: E402, F401
-from elastic_np import _dispatch, _torch_arrays  # noqa: E402
+from elastic_np._api import dispatch
+from elastic_np.torch import _arrays  # noqa: E402
 
 def torch_call(arrays, fixed, **extra):
     """``out`` of elastic_np.torch.attention for tensors ``arrays``."""
@@ -154,13 +155,13 @@ class TestTensors:
 
     def test_contiguous_tensors_reach_the_kernels_without_a_copy(self, monkeypatch):
         seen = {}
-        real = _dispatch.attention
+        real = dispatch.attention
 
         def spy(q, k, v, **options):
             seen.update(q=q, k=k, v=v, bias=options["bias"])
             return real(q, k, v, **options)
 
-        monkeypatch.setattr(_dispatch, "attention", spy)
+        monkeypatch.setattr(dispatch, "attention", spy)
         arrays, fixed = make_case(CASES[1], dtype=np.float32)
         inputs = tensors(arrays)
         out = torch_call(inputs, fixed)
@@ -170,8 +171,8 @@ class TestTensors:
 
     def test_the_forward_runs_once_and_lse_is_kept(self, monkeypatch):
         calls = []
-        real = _dispatch.attention
-        monkeypatch.setattr(_dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        real = dispatch.attention
+        monkeypatch.setattr(dispatch, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
         arrays, fixed = make_case(CASES[0], dtype=np.float32)
         inputs = tensors(arrays)
         torch_call(inputs, fixed).sum().backward()
@@ -249,10 +250,10 @@ class TestTensors:
         beta = torch.tensor([0.5, 1.0], dtype=dtype, requires_grad=True)
         out, lse = enpt.attention(q, k, v, causal=True, beta=beta, return_lse=True)
         assert out.dtype == dtype and lse.dtype == torch.float32
-        arrays = [_torch_arrays.to_numpy(x.detach()) for x in (q, k, v)]
+        arrays = [_arrays.to_numpy(x.detach()) for x in (q, k, v)]
         want, want_lse = enp.attention(*arrays, causal=True, beta=beta.detach().float().numpy(),
                                        return_lse=True, backend="cpu")
-        np.testing.assert_array_equal(_torch_arrays.to_numpy(out.detach()), want)
+        np.testing.assert_array_equal(_arrays.to_numpy(out.detach()), want)
         np.testing.assert_array_equal(lse.detach().numpy(), want_lse)
         (out.float().sum() + lse.sum()).backward()
         assert q.grad.dtype == dtype and beta.grad.dtype == dtype and bool(torch.isfinite(q.grad).all())

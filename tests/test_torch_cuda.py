@@ -14,9 +14,9 @@ from test_torch_adapter import CASES, LEARNED, make_case, tensors, torch_call
 
 import elastic_np as enp
 import elastic_np.torch as enpt
-from elastic_np import _dispatch
+from elastic_np._api import dispatch
 
-GPU = torch.cuda.is_available() and _dispatch._cuda_is_available()
+GPU = torch.cuda.is_available() and dispatch._cuda_is_available()
 
 
 def fake_cuda(*shape):
@@ -27,7 +27,7 @@ def fake_cuda(*shape):
 
 
 class TestWithoutAGpu:
-    @pytest.mark.skipif(_dispatch._cuda_is_available(), reason="the CUDA backend is usable here")
+    @pytest.mark.skipif(dispatch._cuda_is_available(), reason="the CUDA backend is usable here")
     def test_cuda_tensors_raise_a_clear_error(self):
         q = fake_cuda(1, 2, 3, 4)
         with pytest.raises(enp.BackendUnavailableError, match=r"backend 'cuda'.*elastic_np\[cuda\]"):
@@ -70,7 +70,7 @@ class TestOnAGpu:
     @pytest.mark.parametrize("case", CASES)
     def test_in_place_and_against_the_reference(self, monkeypatch, case):
         seen = {}
-        real = _dispatch.attention
+        real = dispatch.attention
 
         def spy(q, k, v, **options):
             result = real(q, k, v, **options)
@@ -80,7 +80,7 @@ class TestOnAGpu:
         arrays, fixed = make_case(case, seed=2)
         oracle = tensors(arrays)
         loss_of(*torch_call(oracle, fixed, return_lse=True, backend="reference")).backward()
-        monkeypatch.setattr(_dispatch, "attention", spy)
+        monkeypatch.setattr(dispatch, "attention", spy)
         inputs = cuda_tensors(arrays)
         out, lse = torch_call(inputs, fixed, return_lse=True)
         assert out.device == lse.device == inputs["q"].device

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
 from double_backward_cases import CASES, LEARNED, make_case, numpy_options  # noqa: E402
-from elastic_np import _dispatch  # noqa: E402
+from elastic_np._api import dispatch  # noqa: E402
 
 
 #: Every backend with a double backward.
@@ -73,13 +73,13 @@ class TestGradgradcheck:
         """The check sees the double backward: one 1% off in dtau fails it."""
         arrays, fixed = make_case(CASES[0], seed=3)
         inputs = tensors(arrays, requires_grad=("q", "tau"))
-        double_backward = _dispatch.attention_double_backward
+        double_backward = dispatch.attention_double_backward
 
         def off(*args, **kwargs):
             grads = double_backward(*args, **kwargs)
             return grads._replace(dtau=grads.dtau * 1.01)
 
-        monkeypatch.setattr(_dispatch, "attention_double_backward", off)
+        monkeypatch.setattr(dispatch, "attention_double_backward", off)
 
         def f(q, tau):
             return torch_call({**inputs, "q": q, "tau": tau}, fixed, backend="reference")

@@ -7,8 +7,9 @@ torch = pytest.importorskip("torch")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
-from elastic_np import _adapter_common as common  # noqa: E402
-from elastic_np import _spec, _torch_ops  # noqa: E402
+from elastic_np._api import adapters as common  # noqa: E402
+from elastic_np._contract import _spec
+from elastic_np.torch import _ops  # noqa: E402
 
 
 def _options(H, N, M, rng):
@@ -49,7 +50,7 @@ def _arguments(name, dtype=torch.float64):
     q = torch.tensor(rng.standard_normal(shapes[0]), dtype=dtype, requires_grad=True)
     k, v = (torch.tensor(rng.standard_normal(shapes[1]), dtype=dtype, requires_grad=True) for _ in range(2))
     fixed, learnable = common.split(_spec.complete(options, "test"))
-    return q, k, v, _torch_ops.op_arguments(fixed, learnable), options
+    return q, k, v, _ops.op_arguments(fixed, learnable), options
 
 
 def test_every_option_has_a_case():
@@ -100,7 +101,7 @@ def test_inference_without_the_operator_gives_its_bits(name):
     q, k, v, args, options = _arguments(name, torch.float32)
     want, want_lse = torch.ops.elastic_np.attention(q, k, v, *args, "cpu")
     with torch.no_grad():
-        assert _torch_ops._plain_inference(q, k, v, *common.split(_spec.complete(options, "test")))
+        assert _ops._plain_inference(q, k, v, *common.split(_spec.complete(options, "test")))
         out, lse = enpt.attention(q, k, v, return_lse=True, backend="cpu", **options)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert out.dtype == want.dtype and lse.dtype == want_lse.dtype and out.is_contiguous()
@@ -109,17 +110,17 @@ def test_inference_without_the_operator_gives_its_bits(name):
 def test_what_goes_through_the_operator():
     q, k, v, _, options = _arguments("combined", torch.float32)
     fixed, learnable = common.split(_spec.complete(options, "test"))
-    assert not _torch_ops._plain_inference(q, k, v, fixed, learnable)  # a gradient to record
+    assert not _ops._plain_inference(q, k, v, fixed, learnable)  # a gradient to record
     with torch.no_grad():
-        assert _torch_ops._plain_inference(q, k, v, fixed, learnable)
-        assert not _torch_ops._plain_inference(torch.nn.Parameter(q.detach()), k, v, fixed, learnable)  # a subclass
-        assert not _torch_ops._plain_inference(q, k, v, fixed, {**learnable, "tau": torch.nn.Parameter(
+        assert _ops._plain_inference(q, k, v, fixed, learnable)
+        assert not _ops._plain_inference(torch.nn.Parameter(q.detach()), k, v, fixed, learnable)  # a subclass
+        assert not _ops._plain_inference(q, k, v, fixed, {**learnable, "tau": torch.nn.Parameter(
             torch.ones(4))})
-        assert not _torch_ops._plain_inference(q, k, v, {**fixed, "backend": "cuda"}, learnable)
+        assert not _ops._plain_inference(q, k, v, {**fixed, "backend": "cuda"}, learnable)
     detached = [x.detach() for x in (q, k, v)]
     plain = {n: (x.detach() if isinstance(x, torch.Tensor) else x) for n, x in options.items()
              if n != "dynamic_window"}
-    assert _torch_ops._plain_inference(*detached, *common.split(_spec.complete(plain, "test")))
+    assert _ops._plain_inference(*detached, *common.split(_spec.complete(plain, "test")))
 
     def layer(q, k, v):  # traced by torch.compile in inference too: a call on .numpy() would break the graph
         return enpt.attention(q, k, v, causal=True, backend="cpu")
@@ -174,7 +175,7 @@ def _double_backward_arguments(name, backend, dtype=torch.float64):
     q, k, v, args, _ = _arguments(name, dtype)
     out, lse = (x.detach() for x in torch.ops.elastic_np.attention(q, k, v, *args, "cpu"))
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    values = dict(zip(_torch_ops._NAMES, args))
+    values = dict(zip(_ops._NAMES, args))
     likes = (q, k, v) + tuple(values[n] for n in common.LEARNABLE)
     cotangents = [None if like is None else torch.randn_like(like) for like in likes]
     return (*cotangents, torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out, lse,

@@ -8,8 +8,9 @@ torch = pytest.importorskip("torch")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
-from elastic_np import _adapter_common as common  # noqa: E402
-from elastic_np import _spec, _torch_arrays, _torch_varlen  # noqa: E402
+from elastic_np._api import adapters as common  # noqa: E402
+from elastic_np._contract import _spec
+from elastic_np.torch import _arrays, _varlen  # noqa: E402
 
 LENGTHS_Q = [5, 0, 12, 1, 7]
 LENGTHS_K = [9, 4, 12, 15, 0]
@@ -130,7 +131,7 @@ def _op_arguments(name, dtype=torch.float64):
     q, k, v, cu_q, cu_k = _packed(dtype)
     fixed, learnable = common.split(_spec.complete(_options(dtype)[name], "test"))
     batch = (cu_q, cu_k, 12, 15, None, None)
-    return q, k, v, batch, _torch_varlen.op_arguments(fixed, learnable)
+    return q, k, v, batch, _varlen.op_arguments(fixed, learnable)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -203,13 +204,13 @@ def test_halves_give_the_numpy_functions_bits_lse_in_float32(dtype):
     out, lse = enpt.varlen_attention(q, k, v, cu_q, cu_k, causal=True, beta=beta, return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32
     out.float().square().sum().backward()
-    arrays = [_torch_arrays.to_numpy(x.detach()) for x in (q, k, v)]
-    options = {"causal": True, "beta": _torch_arrays.to_numpy(beta.detach()), "backend": "cpu"}
+    arrays = [_arrays.to_numpy(x.detach()) for x in (q, k, v)]
+    options = {"causal": True, "beta": _arrays.to_numpy(beta.detach()), "backend": "cpu"}
     want, want_lse = enp.varlen_attention(*arrays, cu_q.numpy(), cu_k.numpy(), return_lse=True, **options)
-    assert np.array_equal(_torch_arrays.to_numpy(out.detach()), want) and np.array_equal(lse.detach().numpy(), want_lse)
-    dout = _torch_arrays.to_numpy(2 * out.detach().float().to(dtype))
+    assert np.array_equal(_arrays.to_numpy(out.detach()), want) and np.array_equal(lse.detach().numpy(), want_lse)
+    dout = _arrays.to_numpy(2 * out.detach().float().to(dtype))
     grads = enp.varlen_attention_backward(dout, *arrays, want, want_lse, cu_q.numpy(), cu_k.numpy(), **options)
-    assert q.grad.dtype == dtype and np.array_equal(_torch_arrays.to_numpy(q.grad), grads.dq)
+    assert q.grad.dtype == dtype and np.array_equal(_arrays.to_numpy(q.grad), grads.dq)
     assert beta.grad.dtype == dtype and bool(torch.isfinite(beta.grad).all())
 
 

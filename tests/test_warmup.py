@@ -10,7 +10,7 @@ import pytest
 from numba import njit
 
 import elastic_np as enp
-from elastic_np import _compile_report
+from elastic_np._api import compile_report
 from elastic_np.cli import main
 
 # Later calls of a warmed configuration must neither compile nor load from
@@ -149,16 +149,16 @@ def test_a_compile_is_one_info_line_naming_it(caplog):
         return x + 1
 
     with caplog.at_level(logging.INFO, logger="elastic_np"):
-        with _compile_report.reported("cpu", "forward", np.dtype(np.float32)) as seen:
+        with compile_report.reported("cpu", "forward", np.dtype(np.float32)) as seen:
             never_seen(np.float32(1.0))
-        with _compile_report.reported("cpu", "forward", np.dtype(np.float32)):
+        with compile_report.reported("cpu", "forward", np.dtype(np.float32)):
             never_seen(np.float32(2.0))  # compiled already: no line
     records = [r for r in caplog.records if r.name == "elastic_np" and r.levelno == logging.INFO]
     assert len(records) == 1, [r.getMessage() for r in records]
     message = records[0].getMessage()
     assert message.startswith("cpu backend: forward for float32: compiled 1 function")
     assert "never_seen" in " ".join(str(n) for n in seen.compiled)
-    assert "no compile" in _compile_report.Watch().summary()
+    assert "no compile" in compile_report.Watch().summary()
 
 
 def test_cli_warmup(capsys):

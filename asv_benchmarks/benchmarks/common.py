@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 import elastic_np
-from elastic_np import _dispatch
+from elastic_np._api import dispatch
 
 try:  # the measurement helpers, in the tools' package since it has one
     import elastic_np.cli._bench as _bench
@@ -167,8 +167,8 @@ def require_backend(name):
     CUDA backend without a usable GPU, makes the benchmark skip in ``setup``.
     """
     try:
-        return _dispatch.get_backend(name)
-    except (_dispatch.BackendUnavailableError, ImportError) as exc:
+        return dispatch.get_backend(name)
+    except (dispatch.BackendUnavailableError, ImportError) as exc:
         raise NotImplementedError(str(exc)) from exc
 
 

@@ -34,9 +34,11 @@ import warnings
 
 import numpy as np
 
-from elastic_np import _compile_report, _dispatch, _validation, reference, testing
-from elastic_np._warmup import warmup
-from elastic_np._errors import BackendUnavailableError, CompileWarning
+from elastic_np import reference, testing
+from elastic_np._api import compile_report, dispatch
+from elastic_np._contract import _validation
+from elastic_np._api.warmup import warmup
+from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
 from elastic_np.cli._progress import Progress, first_call_line
@@ -118,7 +120,7 @@ def _compile(name, dtypes, progress):
 
     Says before them that they compile or load from Numba's cache, while they
     run what runs, and after them which it was. Returns their
-    `elastic_np._compile_report.Watch`, with the functions a second process compiled.
+    `elastic_np._api.compile_report.Watch`, with the functions a second process compiled.
     """
     # imported here: the module also runs as a script in the child process (python -m), which
     # runpy would find already imported by this package
@@ -126,7 +128,7 @@ def _compile(name, dtypes, progress):
 
     names = ", ".join(np.dtype(d).name for d in dtypes)
     progress.begin(f"{name}: first call of the kernels ({names}): compiling, or loading from Numba's cache")
-    with _compile_report.watch() as seen:
+    with compile_report.watch() as seen:
         child = compile_backend(name, dtypes, step=progress.doing)
     seen.compiled = seen.compiled | (child or frozenset())
     line = first_call_line(name, seen)
@@ -158,7 +160,7 @@ def _check_backends(choice):
     modules, skipped = {}, {}
     for name in requested:
         try:
-            modules[name] = _dispatch.get_backend(name)
+            modules[name] = dispatch.get_backend(name)
         except Exception as exc:  # a missing package or device, whatever its error type
             reason = str(exc) if isinstance(exc, BackendUnavailableError) else (
                 f"backend {name!r} is not available: {type(exc).__name__}: {exc}")
@@ -337,7 +339,7 @@ def _bench_decoding(args):
     shapes = [_bench_decode.parse_shape(s) for s in args.shape] if args.shape else (
         _bench_decode.QUICK_SHAPES if args.quick else _bench_decode.SHAPES)
     try:
-        _dispatch.get_backend("cpu")
+        dispatch.get_backend("cpu")
     except BackendUnavailableError as exc:
         print(f"elastic-np bench --decode: the cpu backend is unavailable: {exc}", file=sys.stderr)
         return 1

@@ -20,8 +20,9 @@ import numba
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _compile_report, _dispatch, _problem, _validation
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._api import compile_report, dispatch
+from elastic_np._contract import _problem, _validation
+from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli._progress import first_call_line
 from elastic_np.cpu import _simd, thread_count
 from elastic_np.reference._attention import _forward as _oracle_forward
@@ -331,7 +332,7 @@ def implementations(causal=False):
     impls = {}
     for backend in ("cpu", "cuda"):
         try:
-            _dispatch.get_backend(backend)
+            dispatch.get_backend(backend)
         except Exception as exc:  # a missing package or device, whatever its error type
             impls[f"elastic_np {backend}"] = (
                 str(exc) if isinstance(exc, BackendUnavailableError)
@@ -474,7 +475,7 @@ def _first_calls(available, seqs, dim, dtype, notify):
         if name.startswith("elastic_np"):
             notify("start", f"{name}: first call of the forward and backward kernels: "
                             "compiling, or loading from Numba's cache")
-            with _compile_report.watch() as seen:
+            with compile_report.watch() as seen:
                 for fn in fns:
                     for arrays in small:
                         fn(*arrays)

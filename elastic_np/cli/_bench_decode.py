@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 import elastic_np as enp
-from elastic_np import _validation, cpu
+from elastic_np import cpu
+from elastic_np._contract import _validation
 from elastic_np.cli import _bench
 
 #: (B, H, Hkv, N, M, D) of the CPU inference issue's goals.

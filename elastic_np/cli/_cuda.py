@@ -11,7 +11,7 @@ import argparse
 import numpy as np
 
 from elastic_np import cuda
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli import _cuda_bench as _bench
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np import cuda as enp_cuda
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli import _bench
 
 #: Decoding shapes ``(B, H, Hkv, N, M, D)`` the results file records (the CPU page's first).

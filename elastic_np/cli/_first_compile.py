@@ -24,8 +24,10 @@ import subprocess
 import sys
 import warnings
 
-from elastic_np import _compile_report, _validation, testing
-from elastic_np._errors import CompileWarning
+from elastic_np import testing
+from elastic_np._api import compile_report
+from elastic_np._contract import _validation
+from elastic_np._contract._errors import CompileWarning
 from elastic_np.cpu._numba_private import enabled, locked_cache_index
 from elastic_np.testing import _cases
 
@@ -128,6 +130,6 @@ def _child_compiled(returncode, out):
 if __name__ == "__main__":
     # the parent says what compiled (from the names printed here), not a CompileWarning
     warnings.filterwarnings("ignore", category=CompileWarning)
-    with locked_cache_index(), _compile_report.watch() as seen:
+    with locked_cache_index(), compile_report.watch() as seen:
         run_cases(sys.argv[1], [_validation.numpy_dtype(d) for d in sys.argv[2:]])
     print(json.dumps(sorted(str(name) for name in seen.compiled)))

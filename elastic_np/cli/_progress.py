@@ -22,7 +22,7 @@ import time
 
 
 def first_call_line(name, seen):
-    """``name``'s first call, told by ``seen`` (a `elastic_np._compile_report.Watch`): compiled, or loaded."""
+    """``name``'s first call, told by ``seen`` (a `elastic_np._api.compile_report.Watch`): compiled, or loaded."""
     if seen.compiled:
         return (f"{name}: {seen.describe()} in {seen.seconds:.1f} s "
                 "(saved to Numba's cache: later runs load them)")

@@ -39,7 +39,7 @@ contiguous axis of the tile.
   scaled queries) and the gate: ``tanh`` is the vectorised one of
   `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
   entries (no copy when its dtype is the kernel's), whose values the kernel
-  plan checks first (`elastic_np._compact.compact_bias`). ``dbias`` is written by
+  plan checks first (`elastic_np._contract._compact.compact_bias`). ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
@@ -68,7 +68,7 @@ Modules
 ``_threads``
     the thread pool and each thread's share of the tasks
 ``_scalar``
-    scalar helpers (the key and query ranges are `elastic_np._ranges`, shared with CUDA)
+    scalar helpers (the key and query ranges are `elastic_np._contract._ranges`, shared with CUDA)
 ``_logits``
     the logits pipeline of a tile, shared by the forward and the backward
 ``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_plan``, ``_decode_products``, ``_decode_tiles``
@@ -84,7 +84,7 @@ Modules
 """
 
 
-from elastic_np import _problem, _validation
+from elastic_np._contract import _problem, _validation
 from elastic_np.cpu._numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
@@ -115,7 +115,7 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._problem.prepare`, leaving the bias's values, and the keys' and values', to the backend.
+    """`elastic_np._contract._problem.prepare`, leaving the bias's values, and the keys' and values', to the backend.
 
     The bias's values are checked on its distinct entries only, before and
     after a conversion to the kernels' dtype (`elastic_np.cpu._plan`), not
@@ -136,7 +136,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._problem.AttentionProblem
+    problem : elastic_np._contract._problem.AttentionProblem
 
     Returns
     -------

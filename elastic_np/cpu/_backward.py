@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 from numba import carray, njit
 
-from elastic_np._ranges import query_range
+from elastic_np._contract._ranges import query_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu import _calls
 from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
@@ -49,7 +49,7 @@ def backward(problem, dout, out, lse, dlse=None):
 
     Parameters
     ----------
-    problem : elastic_np._problem.AttentionProblem
+    problem : elastic_np._contract._problem.AttentionProblem
     dout, out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
         In the problem's dtype, as `forward` returned them.

@@ -55,7 +55,7 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np._ranges import key_range
+from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._calls import (
     exp_inplace,
     exp_shift_sum,
@@ -94,7 +94,7 @@ def forward(problem, paged=None, entry_splits=None):
     their shapes. Pages are ``(num_blocks, block_size, Hkv, D)`` (``Dv`` for
     ``v``); key ``j`` of batch entry ``b`` is row ``j % block_size`` of
     page ``block_table[b, j // block_size]``. The caller has checked the
-    table against ``problem.kv_lengths`` (`elastic_np._varlen`).
+    table against ``problem.kv_lengths`` (`elastic_np._api.varlen`).
     ``entry_splits``: int ``(B,)``, the key splits of each batch entry (at
     least 1; default `splits` of the whole shape for all): those of
     ``_decode_plan.splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call

@@ -2,7 +2,7 @@
 
 Everything here depends on the shapes, the dtype and the option values
 alone, so `schedule` keeps its result per ``plan_key``
-(`elastic_np._problem.AttentionProblem`): every layer of a model's step
+(`elastic_np._contract._problem.AttentionProblem`): every layer of a model's step
 repeats one.
 """
 
@@ -10,7 +10,7 @@ import collections
 
 import numpy as np
 
-from elastic_np._problem import Kept
+from elastic_np._contract._problem import Kept
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._decode_tiles import _together
 from elastic_np.cpu._operands import BNHD

@@ -30,7 +30,7 @@ def _together(opt):
 
 
 def _check_unread_cache(cache, lengths, read, suspect):
-    """`elastic_np._validation.check_cache_values` for what the kernel did not check as it read.
+    """`elastic_np._contract._validation.check_cache_values` for what the kernel did not check as it read.
 
     ``cache = (k, v)``: ``(B, Hkv, M, D)`` arrays, or `_paged_rows` of a
     paged cache. A suspect split (a sum that is not finite) is checked again

@@ -25,7 +25,7 @@ through the float32 kernels (`_from_halves`).
 import numpy as np
 from numba import njit
 
-from elastic_np._compact import compact_bias
+from elastic_np._contract._compact import compact_bias
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._backward import (
     _BACKWARD_TILES,
@@ -52,7 +52,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
 
     Parameters
     ----------
-    problem : elastic_np._problem.AttentionProblem
+    problem : elastic_np._contract._problem.AttentionProblem
     dout, out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
         In the problem's dtype, as `forward` returned them.

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np._ranges import key_range
+from elastic_np._contract._ranges import key_range
 from elastic_np.cpu import _config as config
 from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._config import _FASTMATH
@@ -34,7 +34,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._problem.AttentionProblem
+    problem : elastic_np._contract._problem.AttentionProblem
 
     Returns
     -------

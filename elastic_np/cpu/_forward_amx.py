@@ -32,8 +32,8 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np._ranges import key_range
-from elastic_np._validation import dtype_name
+from elastic_np._contract._ranges import key_range
+from elastic_np._contract._validation import dtype_name
 from elastic_np.cpu import _amx
 from elastic_np.cpu import _config as config
 from elastic_np.cpu import _forward

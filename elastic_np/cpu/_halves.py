@@ -1,7 +1,7 @@
 """Half-precision storage in the CPU kernels: bfloat16 and float16 read as float32, written rounded.
 
 The kernels compute in float32 for both formats
-(`elastic_np._validation.compute_dtype`). Numba has
+(`elastic_np._contract._validation.compute_dtype`). Numba has
 no 16-bit float type on the CPU, so a half array reaches compiled code as
 its bits, a view of the same memory (`bits`): bfloat16 as ``uint16``,
 float16 as ``int16``. The integer type tells the format at compile time,
@@ -41,7 +41,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from elastic_np._validation import dtype_name
+from elastic_np._contract._validation import dtype_name
 from elastic_np.cpu._config import _FASTMATH
 
 #: The compiler flags of the overloads' implementations: those of the kernels' tile code (the float

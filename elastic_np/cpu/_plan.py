@@ -12,10 +12,10 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np import _validation
-from elastic_np._compact import compact_bias, compact_mask
-from elastic_np._problem import Kept
-from elastic_np._ranges import offset_band
+from elastic_np._contract import _validation
+from elastic_np._contract._compact import compact_bias, compact_mask
+from elastic_np._contract._problem import Kept
+from elastic_np._contract._ranges import offset_band
 from elastic_np.cpu._logits import ensure_modifiers
 
 # Everything the njit code needs to know about the options, as runtime values:

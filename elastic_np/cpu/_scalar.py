@@ -1,6 +1,6 @@
 """Scalar helpers of the CPU kernels: whether a tile removes nothing, dtype casts, ``log(e^a + e^b)``.
 
-The key and query ranges are `elastic_np._ranges`, shared with the CUDA kernels.
+The key and query ranges are `elastic_np._contract._ranges`, shared with the CUDA kernels.
 """
 
 import math

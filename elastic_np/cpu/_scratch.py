@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from elastic_np._problem import Kept
+from elastic_np._contract._problem import Kept
 
 #: Arrays of at most this many bytes are kept; a larger call's arithmetic dwarfs its faults.
 KEPT_BYTES = 1 << 22

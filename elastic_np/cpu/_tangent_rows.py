@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import njit
 
-from elastic_np._ranges import key_range
+from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._calls import matmul_tn
 from elastic_np.cpu._logits import _logits_tile
 from elastic_np.cpu._numba_private import inner

@@ -173,7 +173,7 @@ __all__ = [
 _MOVED_TO_THE_BENCHMARK = ("bench", "bench_decode", "bench_record", "BENCH_BIAS_SHAPES", "DECODE_SHAPES")
 #: Other names of the flat module this package replaced, deprecated: name -> (module, attribute or None, use).
 _DEPRECATED = {
-    "BackendUnavailableError": ("elastic_np._errors", "BackendUnavailableError", "elastic_np.BackendUnavailableError"),
+    "BackendUnavailableError": ("elastic_np._contract._errors", "BackendUnavailableError", "elastic_np.BackendUnavailableError"),
     "config": ("elastic_np.cuda._config", None, "the tunables' module, elastic_np.cuda._config"),
 }
 

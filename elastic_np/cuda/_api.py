@@ -25,8 +25,8 @@ import threading
 
 import numpy as np
 
-from elastic_np._compact import compact_bias, compact_mask, element_strides
-from elastic_np._ranges import offset_band
+from elastic_np._contract._compact import compact_bias, compact_mask, element_strides
+from elastic_np._contract._ranges import offset_band
 from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._host import _cuda, _current_device_id, _is_device, _kernel_module, _to_device
@@ -196,7 +196,7 @@ def _bias_operand(p):
     The compact shape is the bias's own shape padded to four dims (``dbias``
     is computed in it, C order); the flat array holds its entries, read
     through the element strides, 0 on the axes it does not vary along. A
-    NumPy bias goes through `elastic_np._compact.compact_bias` (the plan of
+    NumPy bias goes through `elastic_np._contract._compact.compact_bias` (the plan of
     every backend) and is returned as a NumPy array, which `_launch_options`
     copies to the device; a device bias of the kernel dtype is used in place.
     Without a bias: a one-element NumPy dummy, strides 0, compact shape None.

@@ -17,7 +17,7 @@ import types
 import numpy as np
 from numba import types as nbt
 
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
 from elastic_np.cuda import _config as config
 from elastic_np.cuda._host import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available

@@ -17,7 +17,7 @@ import math
 import numba
 from numba import cuda
 
-from elastic_np._ranges import key_range, query_range
+from elastic_np._contract._ranges import key_range, query_range
 from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
 
 # opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._api._launch_options`)
@@ -121,7 +121,7 @@ def _diag_shift(b, N, M, opts):
 
 @cuda.jit(device=True)
 def _key_range(i0, i1, b, h, N, M, opts):
-    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._ranges.key_range`)."""
+    """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._contract._ranges.key_range`)."""
     band = opts[O_BAND]
     kv_lengths = opts[O_KV_LENGTHS]
     diag_shift = _diag_shift(b, N, M, opts)
@@ -130,7 +130,7 @@ def _key_range(i0, i1, b, h, N, M, opts):
 
 @cuda.jit(device=True)
 def _query_range(j0, j1, b, h, N, M, opts):
-    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._ranges.query_range`)."""
+    """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._contract._ranges.query_range`)."""
     band = opts[O_BAND]
     if j0 >= opts[O_KV_LENGTHS][b]:
         return 0, 0

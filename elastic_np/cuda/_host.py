@@ -11,8 +11,9 @@ import importlib
 import numpy as np
 from numba import config as numba_config
 
-from elastic_np import _problem, reference
-from elastic_np._errors import BackendUnavailableError
+from elastic_np import reference
+from elastic_np._contract import _problem
+from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cuda import _config as config
 from elastic_np.cuda import _sim
 
@@ -229,9 +230,9 @@ def _device_layout(layout):
 
 
 def prepare(q, k, v, *, dtypes=dtypes, **options):
-    """Validate the inputs like `elastic_np._problem.prepare`, keeping device arrays on the device.
+    """Validate the inputs like `elastic_np._contract._problem.prepare`, keeping device arrays on the device.
 
-    With NumPy inputs this is `~elastic_np._problem.prepare`. When any of
+    With NumPy inputs this is `~elastic_np._contract._problem.prepare`. When any of
     ``q``, ``k``, ``v`` is a device array, shapes and dtypes are validated
     from the array metadata (no copy to the host, no NaN scan), the others
     are copied to the device, and the returned problem holds device arrays.

@@ -28,7 +28,7 @@ Conventions shared by every kernel:
   ``(H,)``, ``bh_consts`` ``(B, H, C_COUNT)`` (the per-(b, h) constants: the
   window's and the ALiBi slope; ``(1, 1, C_COUNT)`` when neither is given),
   ``band`` int64 ``(B, H, 2)`` (the offsets ``[lo, hi]`` that causal, the
-  window and the dynamic window's open band leave: `elastic_np._ranges`),
+  window and the dynamic window's open band leave: `elastic_np._contract._ranges`),
   ``kv_lengths`` int64 ``(B,)`` and ``mask`` uint8 with each of its
   four dims either full or 1 (broadcast).
 - The dq, dk/dv and dbias kernels take the backward's per-row inputs as one tuple
@@ -37,7 +37,7 @@ Conventions shared by every kernel:
 - The additive ``bias`` is a flat array (the dtype) of the caller's distinct
   entries; entry ``(b, h, i, j)`` is ``bias[b sb + h sh + i si + j sj]`` with
   the element strides ``iopts[I_BIAS_SB:I_BIAS_SJ + 1]``, 0 on the axes it is
-  broadcast along (`elastic_np._compact.compact_bias` builds both for a NumPy
+  broadcast along (`elastic_np._contract._compact.compact_bias` builds both for a NumPy
   bias, as for the CPU kernels). ``dbias`` of a broadcast bias is laid out in
   C order over the bias's own shape padded to four dims,
   ``iopts[I_DBIAS_B:I_DBIAS_J + 1]``. Without a bias it is a one-element dummy,

@@ -20,7 +20,7 @@ the same as `elastic_np.cpu` and `elastic_np.cuda` (``dtypes``,
 ``forward``, ``backward``); those names are not in ``__all__``.
 """
 
-from elastic_np._types import AttentionGrads  # noqa: F401  (a name of the former module)
+from elastic_np._contract._types import AttentionGrads  # noqa: F401  (a name of the former module)
 from elastic_np.reference._attention import attention, scores, structural_keep, window_gate, window_position  # noqa: F401
 from elastic_np.reference._backend import (  # noqa: F401  (the backend's face, for the dispatcher)
     backward,

@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from elastic_np import _spec
-from elastic_np._problem import prepare
+from elastic_np._contract import _spec
+from elastic_np._contract._problem import prepare
 
 
 def scores(p):

@@ -8,7 +8,7 @@ own code: `forward` is `elastic_np.reference._attention._forward`,
 beyond NumPy, so it is always available.
 """
 
-from elastic_np import _problem
+from elastic_np._contract import _problem
 from elastic_np.reference._attention import _forward
 from elastic_np.reference._backward import _backward, check_backward_arrays
 from elastic_np.reference._double_backward import _double_backward
@@ -33,7 +33,7 @@ def check_available():
 
 
 def prepare(q, k, v, **options):
-    """`elastic_np._problem.prepare` itself: the oracle has every value checked first."""
+    """`elastic_np._contract._problem.prepare` itself: the oracle has every value checked first."""
     return _problem.prepare(q, k, v, **options)
 
 
@@ -42,7 +42,7 @@ def forward(problem):
 
     Parameters
     ----------
-    problem : elastic_np._problem.AttentionProblem
+    problem : elastic_np._contract._problem.AttentionProblem
 
     Returns
     -------

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from elastic_np import _spec, _validation
-from elastic_np._problem import prepare
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._problem import prepare
 from elastic_np.reference._attention import _attention_logits, _log_tanh_elasticity, _without_padding
 
 

@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from elastic_np import _spec, _validation
-from elastic_np._problem import prepare
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._problem import prepare
 from elastic_np.reference._attention import _log_tanh_elasticity, _without_padding
 from elastic_np.reference._backward import _dlog_gate, _dtau_terms, _score_gradient, check_backward_arrays
 

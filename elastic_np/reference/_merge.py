@@ -12,12 +12,12 @@ with the sink ``beta`` added once,
 (see the derivation in the documentation, beside the online softmax). The
 validation and the float64 computation `_merge` live here; this module's
 `merge_attention` returns that result, and `elastic_np.merge_attention`
-(``elastic_np/_dispatch.py``) rounds it to the partials' dtype.
+(``elastic_np/_api/dispatch.py``) rounds it to the partials' dtype.
 """
 
 import numpy as np
 
-from elastic_np import _validation
+from elastic_np._contract import _validation
 
 #: The shape of one partial and of the stacked array, by parameter name.
 _SHAPES = {"outs": ("(B, H, N, Dv)", "(P, B, H, N, Dv)"), "lses": ("(B, H, N)", "(P, B, H, N)")}

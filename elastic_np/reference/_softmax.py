@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from elastic_np import _validation
-from elastic_np._grads import sink_from_terms, sink_terms
+from elastic_np._contract import _validation
+from elastic_np._contract._grads import sink_from_terms, sink_terms
 
 
 def _logits(x, axis, check_finite, name="x"):

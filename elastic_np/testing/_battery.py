@@ -24,14 +24,15 @@ import inspect
 
 import numpy as np
 
-from elastic_np import _spec, reference
-from elastic_np._problem import prepare
-from elastic_np._types import DynamicWindow
+from elastic_np import reference
+from elastic_np._contract import _spec
+from elastic_np._contract._problem import prepare
+from elastic_np._contract._types import DynamicWindow
 from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
 from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, worst_error
-from elastic_np._validation import numpy_dtype
+from elastic_np._contract._validation import numpy_dtype
 from elastic_np.testing._tolerances import (
     FLOOR,
     GRADCHECK_RTOL,

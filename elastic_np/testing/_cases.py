@@ -4,13 +4,14 @@ import dataclasses
 
 import numpy as np
 
-from elastic_np import _spec, reference
-from elastic_np._problem import prepare
+from elastic_np import reference
+from elastic_np._contract import _spec
+from elastic_np._contract._problem import prepare
 
-from elastic_np._types import DynamicWindow
+from elastic_np._contract._types import DynamicWindow
 
 #: Keyword options of the attention that the cases exercise, in the order of the contract
-#: (`elastic_np._spec.IN_KIT`: not ``layout`` or ``precision``).
+#: (`elastic_np._contract._spec.IN_KIT`: not ``layout`` or ``precision``).
 OPTION_NAMES = _spec.IN_KIT
 #: The score modifiers among them (a case combining them needs all three).
 MODIFIER_NAMES = _spec.MODIFIERS

@@ -12,9 +12,9 @@ import math
 import numpy as np
 
 from elastic_np import reference
-from elastic_np._grads import reduce_to_shape, sum_to_shape
-from elastic_np._problem import prepare
-from elastic_np._validation import HALF_DTYPES, compute_dtype
+from elastic_np._contract._grads import reduce_to_shape, sum_to_shape
+from elastic_np._contract._problem import prepare
+from elastic_np._contract._validation import HALF_DTYPES, compute_dtype
 from elastic_np.reference import _attention, _backward
 from elastic_np.reference import _double_backward as _second
 from elastic_np.testing._report import _magnitude, worst_error
@@ -160,10 +160,10 @@ def naive_sink_gradient(delta, lse, beta_shape):
 
     The plain sum, its terms and their sum over the rows in that dtype (the
     heads of a shared ``beta`` then added in float64, as
-    `elastic_np._grads.sum_to_shape` does), wherever it is finite. Where it is not (``exp(-lse)`` overflows float32 for ``lse``
+    `elastic_np._contract._grads.sum_to_shape` does), wherever it is finite. Where it is not (``exp(-lse)`` overflows float32 for ``lse``
     below -88.7: rows whose logits all lie far below zero, with no sink or a
     tiny one), the true ``dbeta`` may lie outside float32's range, and the
-    kernels return it in float64 (`elastic_np._grads.sink_gradient`). There
+    kernels return it in float64 (`elastic_np._contract._grads.sink_gradient`). There
     the same sum is taken with every term scaled by ``exp(-top)`` in that
     dtype, ``top`` the largest ``-lse_i`` of the rows that count (per head,
     or over every head for a shared ``beta``, as the oracle does), and the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import _dispatch
+from elastic_np._api import dispatch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(enp.__file__)))
 
@@ -40,7 +40,7 @@ def test_cuda_backward_without_gpu_raises_clear_error():
 
 
 def test_auto_does_not_pick_cuda_without_gpu():
-    assert _dispatch._cuda_is_available() is False
+    assert dispatch._cuda_is_available() is False
 
 
 def test_missing_numba_cuda_is_named(monkeypatch):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cuda, _problem, reference
+from elastic_np import cuda, reference
+from elastic_np._contract import _problem
 from elastic_np.cuda import _api, _forward_launch, _host
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cuda, _problem, reference
+from elastic_np import cuda, reference
+from elastic_np._contract import _problem
 from elastic_np.testing import _tolerances
 from elastic_np.cuda import _config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np._problem import prepare
+from elastic_np._contract._problem import prepare
 from elastic_np.reference._attention import window_gate
 from mp_oracle import mp_attention_grads
 from test_hardening_window import faint_gate_inputs, far_rows, fields, out_of_rule, run

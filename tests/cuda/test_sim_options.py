@@ -1,6 +1,6 @@
 """Every option alone and all of them combined, on both forward paths, on the CUDA simulator.
 
-The table of issue 25's must-hold: each option of `elastic_np._spec`
+The table of issue 25's must-hold: each option of `elastic_np._contract._spec`
 (``scale``, ``causal``, ``window_size``, ``kv_lengths``, ``align``, ``mask``,
 ``nvm``, ``tau``, ``beta``, ``dynamic_window``, ``softcap``,
 ``alibi_slopes``, ``bias`` full and broadcast) and the backward's ``dlse``,

@@ -20,7 +20,8 @@ from test_torch_adapter import CASES, LEARNED, make_case, numpy_options, tensors
 
 import elastic_np as enp
 import elastic_np.torch as enpt
-from elastic_np import _dispatch, _torch_arrays
+from elastic_np._api import dispatch
+from elastic_np.torch import _arrays
 from elastic_np.cuda import _host as cuda_host
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -50,7 +51,7 @@ class SimBridge:
 
 def simulate(monkeypatch):
     bridge = SimBridge()
-    monkeypatch.setattr(_torch_arrays, "_cuda_bridge", bridge)
+    monkeypatch.setattr(_arrays, "_cuda_bridge", bridge)
     return bridge
 
 
@@ -135,13 +136,13 @@ class TestRouting:
     def test_auto_hands_the_tensors_memory_to_the_cuda_backend(self, monkeypatch):
         seen = {}
         for entry in ("attention", "attention_backward"):
-            real = getattr(_dispatch, entry)
+            real = getattr(dispatch, entry)
 
             def spy(*arrays, _real=real, _entry=entry, **options):
                 seen[_entry] = (arrays, options)
                 return _real(*arrays, **options)
 
-            monkeypatch.setattr(_dispatch, entry, spy)
+            monkeypatch.setattr(dispatch, entry, spy)
         bridge = simulate(monkeypatch)
         arrays, fixed = make_case(CASES[0], dtype=np.float32)
         inputs = tensors(arrays)

@@ -4,7 +4,7 @@
 ``import elastic_np`` does not.
 
 `attention` is the operator ``elastic_np::attention`` (`torch.library`,
-``elastic_np._torch_ops``): its forward calls `elastic_np.attention` and
+``elastic_np.torch._ops``): its forward calls `elastic_np.attention` and
 keeps ``out`` and ``lse``; its backward, the operator
 ``elastic_np::attention_backward``, calls `elastic_np.attention_backward`
 with them and the cotangents of ``out`` and ``lse`` (the forward is never
@@ -12,7 +12,7 @@ computed again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``,
 ``dsigma`` and ``dbias`` to autograd. ``torch.compile`` keeps a call in its
 graph. CPU tensors reach the kernels through ``Tensor.numpy()``, without a
 copy when they are C-contiguous, and the results come back through
-``torch.from_numpy`` (``elastic_np._torch_arrays``). The backward operator
+``torch.from_numpy`` (``elastic_np.torch._arrays``). The backward operator
 is differentiable in turn (``elastic_np::attention_double_backward``, which
 calls `elastic_np.attention_double_backward`): a gradient penalty or a
 Hessian-vector product works eagerly on CPU tensors; the packed
@@ -36,9 +36,11 @@ import numbers
 import numpy as np
 import torch
 
-from elastic_np import _adapter_common as common
-from elastic_np import _spec, _torch_arrays, _torch_ops, _torch_varlen, _varlen
-from elastic_np._adapter_common import DynamicWindow
+from elastic_np._api import adapters as common
+from elastic_np._api import varlen
+from elastic_np._contract import _spec
+from elastic_np.torch import _arrays, _ops, _varlen
+from elastic_np._api.adapters import DynamicWindow
 
 __all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
 
@@ -115,12 +117,12 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
-    device = _torch_arrays._cuda_device(q, k, v, backend)
+    device = _arrays._cuda_device(q, k, v, backend)
     # before the operator, which would take tensors on "meta" for their shapes alone
-    _torch_arrays.check_devices(device, (("q", q), ("k", k), ("v", v), *learnable.items(),
+    _arrays.check_devices(device, (("q", q), ("k", k), ("v", v), *learnable.items(),
                                          *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS)))
     fixed["backend"] = common.kernel_backend(backend) if device is None else "cuda"
-    out, lse = _torch_ops.attention(q, k, v, fixed, learnable)
+    out, lse = _ops.attention(q, k, v, fixed, learnable)
     return (out, lse) if return_lse else out
 
 
@@ -131,8 +133,8 @@ def _check_dropout(dropout_p):
                          "which drops nothing, is taken)")
 
 
-@_torch_varlen.taking_our_names
-@_spec.takes_options(own=_spec.LEARNABLE, names=_varlen.OPTIONS)
+@_varlen.taking_our_names
+@_spec.takes_options(own=_spec.LEARNABLE, names=varlen.OPTIONS)
 def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=None, *, return_aux=None,
                      enable_gqa=False, seqused_k=None, block_table=None, num_splits=None, dropout_p=0.0,
                      return_lse=False, backend="auto", **options):
@@ -237,10 +239,10 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     True
     """
     _check_dropout(dropout_p)
-    aux_lse = _torch_varlen.wants_aux_lse(return_aux, return_lse)
-    _torch_varlen.check_num_splits(num_splits)
+    aux_lse = _varlen.wants_aux_lse(return_aux, return_lse)
+    _varlen.check_num_splits(num_splits)
     options = _spec.complete(options, "varlen_attention")
-    _varlen.check_options(options)
+    varlen.check_options(options)
     fixed, learnable = common.split(options)
     q, k, v = query, key, value
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -252,13 +254,13 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     batch = {"cu_seqlens_q": cu_seq_q, "cu_seqlens_k": cu_seq_k, "block_table": block_table, "seqused_k": seqused_k}
     batch = {name: x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
              for name, x in batch.items()}
-    batch.update(max_q=_varlen._maximum(max_q, "max_q"), max_k=_varlen._maximum(max_k, "max_k"))
-    lists = [(f"{name}[{s}]", x) for name in _varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
-    _torch_arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
+    batch.update(max_q=varlen._maximum(max_q, "max_q"), max_k=varlen._maximum(max_k, "max_k"))
+    lists = [(f"{name}[{s}]", x) for name in varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
+    _arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
                                        *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS
-                                         if n not in _varlen.PER_SEQUENCE)))
+                                         if n not in varlen.PER_SEQUENCE)))
     fixed["backend"] = common.kernel_backend(backend)
-    out, lse = _torch_varlen.varlen_attention(q, k, v, batch, fixed, learnable)
+    out, lse = _varlen.varlen_attention(q, k, v, batch, fixed, learnable)
     if aux_lse:
         return out, lse.transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

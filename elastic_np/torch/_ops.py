@@ -21,10 +21,11 @@ derivative raises, naming it).
 import numpy as np
 import torch
 
-from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _spec, _validation
-from elastic_np import _torch_arrays as arrays
-from elastic_np._errors import BackendUnavailableError
+from elastic_np._api import adapters as common
+from elastic_np._api import dispatch
+from elastic_np._contract import _spec, _validation
+from elastic_np.torch import _arrays as arrays
+from elastic_np._contract._errors import BackendUnavailableError
 
 #: The operators' option arguments in schema order, ``(name, schema type)``.
 OPTION_ARGS = tuple((part.split()[1], part.split()[0]) for o in _spec.OPTIONS for part in o.schema.split(", "))
@@ -95,7 +96,7 @@ def _host_forward(q, k, v, fixed, learnable):
     """The forward of CPU tensors (``fixed`` with ``backend``): ``(out, lse)``."""
     fixed = {**fixed, **{name: arrays._host(fixed[name], name) for name in _spec.TENSOR_OPTIONS}}
     host = {name: arrays._host(value, name) for name, value in learnable.items()}
-    out, lse = _dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+    out, lse = dispatch.attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                    return_lse=True, **common.numpy_options(fixed, host))
     out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
     return out.contiguous(), lse.contiguous()
@@ -117,7 +118,7 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
     fixed["backend"] = backend
     if device is None:
         host = {name: arrays._host(value, name) for name, value in learnable.items()}
-        grads = _dispatch.attention_backward(*_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
+        grads = dispatch.attention_backward(*_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
                                              **common.numpy_options(fixed, host))
         as_grad = arrays._as_grad
     else:
@@ -192,7 +193,7 @@ def _double_backward(*args):
     fixed["backend"] = backend
     host = {name: arrays._host(value, name) for name, value in learnable.items()}
     ddq, ddk, ddv, *dd = (arrays._host(x, name) for x, name in zip(cotangents, _COTANGENTS))
-    grads = _dispatch.attention_double_backward(
+    grads = dispatch.attention_double_backward(
         ddq, ddk, ddv, *_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
         **dict(zip(_COTANGENTS[3:], dd)), **common.numpy_options(fixed, host))
     likes = (out, lse, q, k, v) + tuple(learnable[name] for name in common.LEARNABLE)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from elastic_np import _validation
+from elastic_np._contract import _validation
 
 #: The smallest ``sigma``: the smallest normal float64 (see `DynamicWindow`).
 SIGMA_MIN = float(np.finfo(np.float64).tiny)

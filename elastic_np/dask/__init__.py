@@ -11,7 +11,7 @@ chunk). Their chunks along the batch, the heads and the queries (those of
 - a block that causal, the window, ``kv_lengths`` or the dynamic window's
   band removes entirely is no task at all;
 - each block is one ordinary `elastic_np.attention` call, shifted so that
-  its offsets are those of the whole problem (`elastic_np._dask_blocks`).
+  its offsets are those of the whole problem (`elastic_np.dask._blocks`).
 
 ``attention_backward`` sums ``dq`` over key chunks, ``dk``/``dv`` over query
 chunks and the query heads of each group, ``dtau``, ``dbeta``, ``dsigma`` and
@@ -42,8 +42,10 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from elastic_np import _dask_blocks, _dispatch, _grads, _problem, _spec, _validation
-from elastic_np._types import AttentionGrads
+from elastic_np._api import dispatch
+from elastic_np._contract import _grads, _problem, _spec, _validation
+from elastic_np.dask import _blocks
+from elastic_np._contract._types import AttentionGrads
 
 __all__ = ["attention", "attention_backward", "compute_grads"]
 
@@ -57,7 +59,7 @@ class _Setup:
     v: da.Array
     mask: object  # 4-D dask array or None
     bias: object
-    spec: _dask_blocks.BlockSpec
+    spec: _blocks.BlockSpec
     problem: _problem.AttentionProblem  # shapes and normalised options (stand-in arrays)
     dtype: np.dtype
 
@@ -125,8 +127,8 @@ def _as_bhnd(arrays, options):
 
 def _setup(q, k, v, options, backend, threads_per_task):
     if backend == "auto":
-        backend = "cuda" if _dispatch._cuda_is_available() else "cpu"
-    module = _dispatch.get_backend(backend)
+        backend = "cuda" if dispatch._cuda_is_available() else "cpu"
+    module = dispatch.get_backend(backend)
     q, k, v = (da.asarray(a) for a in (q, k, v))
     mask, bias = options.pop("mask"), options.pop("bias")
     kv_lengths = options.pop("kv_lengths")
@@ -151,7 +153,7 @@ def _setup(q, k, v, options, backend, threads_per_task):
     v = v.rechunk({0: q.chunks[0], 1: k.chunks[1], 2: k.chunks[2], 3: -1})
     grid = (q.chunks[0], q.chunks[1], q.chunks[2], k.chunks[2])
     mask, bias = (_grid_array(a, grid) for a in (mask, bias))
-    spec = _dask_blocks.BlockSpec(
+    spec = _blocks.BlockSpec(
         N=N, M=M, group=problem.group_size, ends=np.asarray(problem.kv_ends),
         problem=dataclasses.replace(problem, q=None, k=None, v=None, mask=None, bias=None),
         options=dict(options, scale=problem.scale, beta=0.0, align="array"),
@@ -248,7 +250,7 @@ def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, *
     token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, setup.spec.__dict__, setup.problem.beta,
                      setup.dtype)
     part, merged, out_name, lse_name = (f"enp-{s}-{token}" for s in ("partial", "merge", "attention", "lse"))
-    blocks, kept = _block_layer(setup, part, _dask_blocks.forward_block)
+    blocks, kept = _block_layer(setup, part, _blocks.forward_block)
     rows = setup.q.chunks[:3]
     layers = {
         part: (blocks, setup.chunked()),
@@ -315,7 +317,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="cpu", thr
     token = tokenize(setup.q, setup.k, setup.v, setup.mask, setup.bias, *row_arrays, setup.spec.__dict__,
                      setup.dtype)
     name = f"enp-backward-{token}"
-    blocks, kept = _block_layer(setup, name, _dask_blocks.backward_block, row_arrays)
+    blocks, kept = _block_layer(setup, name, _blocks.backward_block, row_arrays)
     layers = {
         name: (blocks, setup.chunked() + row_arrays),
         f"{name}-fields": (_fields_layer(name, kept), [name]),
@@ -377,7 +379,7 @@ def _per_head(firsts, shares, H, shape):
 
 
 def _sink_per_head(firsts, terms, H, shape):
-    """``dbeta`` from the row chunks' `~elastic_np._grads.sink_terms` (heads from ``h0``), merged in order."""
+    """``dbeta`` from the row chunks' `~elastic_np._contract._grads.sink_terms` (heads from ``h0``), merged in order."""
     top, scaled = np.zeros(H), np.zeros(H)
     for h0, part in zip(firsts, terms):
         heads = slice(h0, h0 + len(part[1]))
@@ -447,7 +449,7 @@ def _block_layer(setup, name, fn, row_arrays=()):
     """
     tasks, kept = {}, []
     for index, block in setup.blocks():
-        if _dask_blocks.plan(setup.spec, block):
+        if _blocks.plan(setup.spec, block):
             rows = [_row_key(a, _row(index)) for a in row_arrays]
             tasks[(name,) + index] = (fn, setup.spec, block, *setup.inputs(index, block), *rows)
             kept.append((index, block))
@@ -500,7 +502,7 @@ def _item_layer(name, source, grid, item, tail=()):
             for chunk in _chunk_indices(grid)}
 
 
-#: The fields of `elastic_np._dask_blocks.backward_block`'s result, in order.
+#: The fields of `elastic_np.dask._blocks.backward_block`'s result, in order.
 _BLOCK_FIELDS = ("dq", "dk", "dv", "dtau", "dsigma", "dbias")
 
 
@@ -578,7 +580,7 @@ def _total_layers(setup, name, kept, row_arrays):
     firsts = [(block[0], block[2]) for _, block in kept]
     rows = list(_chunk_indices(setup.q.chunks[:3]))
     heads = setup.offsets(setup.q.chunks[1])
-    terms = [(_dask_blocks.dbeta_rows, *(_row_key(a, row) for a in row_arrays)) for row in rows]
+    terms = [(_blocks.dbeta_rows, *(_row_key(a, row) for a in row_arrays)) for row in rows]
     totals = {
         "dtau": (problem.tau_shape, _per_head, [h0 for _, h0 in firsts], f"{name}-dtau", H),
         "dbeta": (problem.beta_shape, _sink_per_head, [int(heads[row[1]]) for row in rows], terms, H),

@@ -14,9 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from elastic_np import _spec, _validation
-from elastic_np._grads import reduce_to_shape, sink_gradient, sum_to_shape
-from elastic_np._types import AttentionGrads
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._grads import reduce_to_shape, sink_gradient, sum_to_shape
+from elastic_np._contract._types import AttentionGrads
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttentionProblem:
@@ -155,7 +155,7 @@ class AttentionProblem:
 
 def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, defer_kv_check=False,
             **options):
-    """Validate the attention inputs and options (`elastic_np._spec`); return an `AttentionProblem`.
+    """Validate the attention inputs and options (`elastic_np._contract._spec`); return an `AttentionProblem`.
 
     ``dtypes`` restricts the accepted dtype of ``q, k, v`` to these names (a
     kernel backend's, all three the same); with ``dtypes=None`` any real

@@ -1,11 +1,11 @@
 """`elastic_np.torch.varlen_attention`: the operators ``elastic_np::varlen_attention`` and its backward.
 
-The packed counterpart of ``elastic_np._torch_ops``: the operators call
+The packed counterpart of ``elastic_np.torch._ops``: the operators call
 `elastic_np.varlen_attention` and `elastic_np.varlen_attention_backward` on
 NumPy views of CPU tensors. Their option arguments are those of
 ``elastic_np::attention`` (built from the option table) less the ones a
 packed batch does not take, with the per-sequence ``mask`` and ``bias``
-(`elastic_np._varlen.PER_SEQUENCE`) as lists of tensors, ``Tensor[]?``. The
+(`elastic_np._api.varlen.PER_SEQUENCE`) as lists of tensors, ``Tensor[]?``. The
 backward's results are the gradients of ``q``, ``k``, ``v``, ``tau``,
 ``beta``, ``sigma`` (an empty tensor where an option is absent) and the list
 of the biases' gradients.
@@ -15,20 +15,22 @@ import functools
 
 import torch
 
-from elastic_np import _adapter_common as common
-from elastic_np import _spec, _torch_ops, _varlen
-from elastic_np import _torch_arrays as arrays
+from elastic_np._api import adapters as common
+from elastic_np._api import varlen
+from elastic_np._contract import _spec
+from elastic_np.torch import _ops
+from elastic_np.torch import _arrays as arrays
 
 #: The operators' option arguments in schema order, ``(name, schema type)``.
 OPTION_ARGS = tuple(
-    (name, "Tensor[]?" if name in _varlen.PER_SEQUENCE else kind) for name, kind in _torch_ops.OPTION_ARGS
-    if name not in _spec.PER_CALL or name in _varlen.PER_SEQUENCE
+    (name, "Tensor[]?" if name in varlen.PER_SEQUENCE else kind) for name, kind in _ops.OPTION_ARGS
+    if name not in _spec.PER_CALL or name in varlen.PER_SEQUENCE
 )
 _NAMES = tuple(name for name, _ in OPTION_ARGS)
 _OPTIONS = ", ".join(f"{kind} {name}" for name, kind in OPTION_ARGS)
 #: The learnable options given as one tensor, and those given as a list of tensors (one per sequence).
-_LEARNABLE = tuple(name for name in common.LEARNABLE if name not in _varlen.PER_SEQUENCE)
-_LEARNABLE_LISTS = tuple(name for name in common.LEARNABLE if name in _varlen.PER_SEQUENCE)
+_LEARNABLE = tuple(name for name in common.LEARNABLE if name not in varlen.PER_SEQUENCE)
+_LEARNABLE_LISTS = tuple(name for name in common.LEARNABLE if name in varlen.PER_SEQUENCE)
 #: The packed batch's own arguments, after ``q, k, v`` (``cu_seqlens_k`` may be None with ``block_table``).
 _BATCH = ("cu_seqlens_q", "cu_seqlens_k", "max_q", "max_k", "block_table", "seqused_k")
 _BATCH_SCHEMA = "Tensor cu_seqlens_q, Tensor? cu_seqlens_k, int? max_q, int? max_k, Tensor? block_table, " \
@@ -42,7 +44,7 @@ BACKWARD_SCHEMA = (f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, T
 
 def op_arguments(fixed, learnable):
     """The operators' option arguments from `common.split`'s ``(fixed, learnable)``: arrays as tensors."""
-    return _torch_ops.op_arguments(fixed, learnable, OPTION_ARGS)
+    return _ops.op_arguments(fixed, learnable, OPTION_ARGS)
 
 
 def _host_options(args):
@@ -67,7 +69,7 @@ def _batch(batch):
 def _forward(q, k, v, *args):
     *args, backend = args
     batch, options = _batch(args[:len(_BATCH)]), _host_options(args[len(_BATCH):])
-    out, lse = _varlen.varlen_attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+    out, lse = varlen.varlen_attention(*(arrays._host(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                         **batch, return_lse=True, backend=backend, **options)
     out, lse = arrays.from_numpy(out).to(q.dtype), arrays.from_numpy(lse).to(arrays.lse_dtype(q.dtype))
     return out.contiguous(), lse.contiguous()
@@ -84,7 +86,7 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
     batch, options = _batch(args[:len(_BATCH)]), _host_options(args[len(_BATCH):])
     if batch.pop("block_table") is not None:
         raise ValueError("varlen attention has no backward over a paged cache (`block_table`): the forward only")
-    grads = _varlen.varlen_attention_backward(
+    grads = varlen.varlen_attention_backward(
         *(arrays._host(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                           (lse, "lse"))),
         **batch, dlse=arrays._host(dlse, "dlse"), backend=backend, **options)

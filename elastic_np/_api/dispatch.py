@@ -11,8 +11,8 @@ A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
 - ``is_available()`` and ``check_available()`` (which raises
   `~elastic_np.BackendUnavailableError` saying what is missing);
 - ``prepare(q, k, v, **options)``, with the signature of
-  `elastic_np._problem.prepare`, returning a validated
-  `~elastic_np._problem.AttentionProblem` (the CPU backend leaves the check of
+  `elastic_np._contract._problem.prepare`, returning a validated
+  `~elastic_np._contract._problem.AttentionProblem` (the CPU backend leaves the check of
   the bias's values to its kernels, which read every entry anyway; the CUDA
   backend keeps device arrays on the device);
 - ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;
@@ -30,9 +30,10 @@ import contextlib
 import functools
 import importlib
 
-from elastic_np import _compile_report, _spec, _validation
-from elastic_np._errors import BackendUnavailableError
-from elastic_np._problem import Kept
+from elastic_np._api import compile_report
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._errors import BackendUnavailableError
+from elastic_np._contract._problem import Kept
 from elastic_np.reference._double_backward import _direction, as_given
 from elastic_np.reference._merge import _merge, _validate
 
@@ -71,10 +72,10 @@ _SUPPORTED = Kept()
 
 
 def _reported(module, what, problem):
-    """`_compile_report.reported` for a kernel backend (the reference compiles nothing)."""
+    """`compile_report.reported` for a kernel backend (the reference compiles nothing)."""
     if module.dtypes is None:
         return contextlib.nullcontext()
-    return _compile_report.reported(module.__name__.rsplit(".", 1)[-1], what, problem.dtype)
+    return compile_report.reported(module.__name__.rsplit(".", 1)[-1], what, problem.dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,14 +35,15 @@ import math
 
 import numpy as np
 
-from elastic_np import _dispatch, _grads, _problem, _types
+from elastic_np._api import dispatch
+from elastic_np._contract import _grads, _problem, _types
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockSpec:
     """The whole problem, as every block reads it.
 
-    ``problem`` is the validated `~elastic_np._problem.AttentionProblem`
+    ``problem`` is the validated `~elastic_np._contract._problem.AttentionProblem`
     without its arrays (``q``, ``k``, ``v``, ``mask``, ``bias`` are None: the
     blocks get their chunks), whose values say where a block's offsets fall.
     ``options`` are the keyword options of a block's call as far as they are
@@ -323,7 +324,7 @@ def forward_block(spec, block, q, k, v, mask, bias, kv_first):
         for call in plan(spec, block):
             ql, kl, vl, ml, bl = _local_arrays(spec, call, block, q, k, v, mask, bias)
             opts = _local_options(spec, call, block, ml, bl)
-            o, s = _dispatch.attention(ql, kl, vl, return_lse=True, backend=spec.backend, **opts)
+            o, s = dispatch.attention(ql, kl, vl, return_lse=True, backend=spec.backend, **opts)
             o, s = _unflip(o, call.reverse, n, 2), _unflip(s, call.reverse, n, 2)
             if list(call.batches) == list(range(b1 - b0)):  # one call for the whole block
                 return o, s
@@ -364,7 +365,7 @@ def backward_block(spec, block, q, k, v, mask, bias, kv_first, dout, out, lse, d
             ql, kl, vl, ml, bl = _local_arrays(spec, call, block, q, k_local, v_local, mask, bias)
             opts = _local_options(spec, call, block, ml, bl)
             rev, Q = call.reverse, call.pad_queries
-            grads = _dispatch.attention_backward(
+            grads = dispatch.attention_backward(
                 _flip_pad(_rows(dout, bs), rev, Q, 2), ql, kl, vl, _flip_pad(_rows(out, bs), rev, Q, 2),
                 _flip_pad(_rows(lse, bs), rev, Q, 2, fill=pad_lse),
                 dlse=None if dlse is None else _flip_pad(_rows(dlse, bs), rev, Q, 2),
@@ -394,7 +395,7 @@ def backward_block(spec, block, q, k, v, mask, bias, kv_first, dout, out, lse, d
 
 
 def dbeta_rows(dout, out, lse, dlse=None):
-    """`~elastic_np._grads.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i - dlse_i``."""
+    """`~elastic_np._contract._grads.sink_terms` per head of whole rows, ``delta_i = dout_i . out_i - dlse_i``."""
     delta = np.einsum("bhnd,bhnd->bhn", dout.astype(np.float64), out.astype(np.float64))
     if dlse is not None:
         delta -= dlse

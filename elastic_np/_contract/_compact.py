@@ -10,7 +10,7 @@ copies them to the device as they are (the strides stay valid).
 
 import numpy as np
 
-from elastic_np import _validation
+from elastic_np._contract import _validation
 
 
 def element_strides(shape, byte_strides, itemsize):
@@ -50,7 +50,7 @@ def compact_bias(bias, dtype, check):
     see one array type.
 
     With ``check``, the distinct entries are checked first (no NaN, no
-    ``+inf``: `elastic_np._validation.check_bias_values`), then, when
+    ``+inf``: `elastic_np._contract._validation.check_bias_values`), then, when
     converted, the converted ones (a float64 entry beyond the float32 range
     becomes ``+inf``).
     """

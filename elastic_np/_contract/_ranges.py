@@ -20,7 +20,7 @@ def offset_band(p, gate_band=None):
 
     Parameters
     ----------
-    p : elastic_np._problem.AttentionProblem
+    p : elastic_np._contract._problem.AttentionProblem
         The validated problem (its shape, ``causal`` and ``window``).
     gate_band : ndarray of int64, shape (B, H, 2), optional
         Offsets outside of which the dynamic window's gate is closed.

@@ -1,6 +1,6 @@
 """The exceptions and warnings of elastic_np, in a module of their own that imports nothing.
 
-The backends raise them without importing the dispatcher (`elastic_np._dispatch`),
+The backends raise them without importing the dispatcher (`elastic_np._api.dispatch`),
 which re-exports them, as does `elastic_np` itself.
 """
 

@@ -21,9 +21,10 @@ import time
 
 import numpy as np
 
-from elastic_np import _compile_report, _dispatch, _spec, _validation, _varlen
-from elastic_np._errors import BackendUnavailableError
-from elastic_np._types import DynamicWindow
+from elastic_np._api import compile_report, dispatch, varlen
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._errors import BackendUnavailableError
+from elastic_np._contract._types import DynamicWindow
 
 #: ``(H, Hkv, N, M)`` of the padded calls of each path (batch 1): the prefill, and both decode kernels (one
 #: new query per sequence; 16, the key-major kernel's). Two kv heads: with one, a ``(B, M, Hkv, D)`` cache
@@ -150,7 +151,7 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     names = _option_names(options)
     if not (isinstance(head_dim, int) and head_dim > 0):
         raise ValueError(f"`head_dim` must be a positive int, got {head_dim!r}")
-    module = _dispatch.get_backend(backend)
+    module = dispatch.get_backend(backend)
     dtypes = _checked_dtypes(module, dtypes)
     name = module.__name__.rsplit(".", 1)[-1]
     if second_order and not hasattr(module, "double_backward"):
@@ -160,7 +161,7 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     if second_order:
         paths.append(("double backward", _double_backward_calls))
     seconds = {}
-    with _compile_report.watch() as everything, _compile_report.unannounced():
+    with compile_report.watch() as everything, compile_report.unannounced():
         if hasattr(module, "start_threads"):  # else the first call that goes parallel starts them
             module.start_threads()
         for dtype in dtypes:
@@ -206,8 +207,8 @@ def _padded_calls(shape):
     def calls(inputs, options):
         for layout in _spec.LAYOUTS:
             q, k, v = inputs.padded(*shape, layout)
-            out, lse = _dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
-            _dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, layout=layout, **options)
+            out, lse = dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
+            dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, layout=layout, **options)
 
     return calls
 
@@ -217,8 +218,8 @@ def _double_backward_calls(inputs, options):
     for shape in (_PADDED["prefill"], _PADDED["decode"]):
         for layout in _spec.LAYOUTS:
             q, k, v = inputs.padded(*shape, layout)
-            out, lse = _dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
-            _dispatch.attention_double_backward(np.ones_like(q), None, None, np.ones_like(out), q, k, v, out, lse,
+            out, lse = dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
+            dispatch.attention_double_backward(np.ones_like(q), None, None, np.ones_like(out), q, k, v, out, lse,
                                                 layout=layout, **options)
 
 
@@ -234,8 +235,8 @@ def _packed_calls(inputs, options):
     cu_q, cu_k = (np.cumsum([0, *lengths]) for lengths in zip(*_PACKED))
     q, k, v = inputs(cu_q[-1], _HEADS[0]), inputs(cu_k[-1], _HEADS[1]), inputs(cu_k[-1], _HEADS[1])
     options = _per_sequence(options, len(_PACKED))
-    out, lse = _varlen.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **options)
-    _varlen.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k, **options)
+    out, lse = varlen.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    varlen.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k, **options)
 
 
 def _paged_calls(inputs, options):
@@ -249,5 +250,5 @@ def _paged_calls(inputs, options):
     options = _per_sequence(options, used.size)
     for queries in _PAGED["queries"]:
         q = inputs(used.size * queries, _HEADS[0])
-        _varlen.varlen_attention(q, k, v, np.arange(used.size + 1) * queries, None, block_table=table,
+        varlen.varlen_attention(q, k, v, np.arange(used.size + 1) * queries, None, block_table=table,
                                  seqused_k=used, **options)

@@ -9,8 +9,8 @@ keyword arguments of `elastic_np.attention` and `elastic_np.attention_backward`.
 
 from typing import Any, NamedTuple
 
-from elastic_np import _spec
-from elastic_np._types import DynamicWindow as _CoreWindow
+from elastic_np._contract import _spec
+from elastic_np._contract._types import DynamicWindow as _CoreWindow
 
 #: The options of `elastic_np.attention` that carry a gradient, the dynamic window by its ``sigma``.
 LEARNABLE = tuple("sigma" if name == "dynamic_window" else name for name in _spec.LEARNABLE)
@@ -26,7 +26,7 @@ class DynamicWindow(NamedTuple):
 
     Examples
     --------
-    >>> from elastic_np._adapter_common import DynamicWindow
+    >>> from elastic_np._api.adapters import DynamicWindow
     >>> DynamicWindow(0.5, sharpness=4.0)
     DynamicWindow(sigma=0.5, sharpness=4.0, threshold=0.0)
     """

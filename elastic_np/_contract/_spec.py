@@ -3,7 +3,7 @@
 Each option of `elastic_np.attention` is one `Option` record in `OPTIONS`: its
 name, default, type, documentation, whether it has a gradient and whether a
 framework adapter may pass it as a tensor, and how `prepare` turns it into
-fields of the `~elastic_np._problem.AttentionProblem`. Everything else is
+fields of the `~elastic_np._contract._problem.AttentionProblem`. Everything else is
 built from the table: `prepare`'s checks, the signatures and the option
 paragraphs of the docstrings of every public function that takes the options
 (`takes_options`), the adapters' split into learnable and fixed options,
@@ -24,8 +24,8 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from elastic_np import _validation
-from elastic_np._types import DynamicWindow
+from elastic_np._contract import _validation
+from elastic_np._contract._types import DynamicWindow
 
 #: The values of ``align``: where the last query sits (see ``AttentionProblem.kv_ends``).
 ALIGNS = ("array", "kv_lengths")

@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 
-from elastic_np._errors import CompileWarning
+from elastic_np._contract._errors import CompileWarning
 
 logger = logging.getLogger("elastic_np")
 

@@ -15,8 +15,9 @@ import operator
 
 import numpy as np
 
-from elastic_np import _dispatch, _spec
-from elastic_np._types import AttentionGrads, DynamicWindow
+from elastic_np._api import dispatch
+from elastic_np._contract import _spec
+from elastic_np._contract._types import AttentionGrads, DynamicWindow
 
 #: The options that describe a padded batch (`_spec.PER_CALL`) that a packed batch takes one per sequence:
 #: a list of ``S`` arrays, the ``s``-th broadcastable to sequence ``s``'s ``(H, N_s, M_s)``.
@@ -193,7 +194,7 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     problem the decode kernel takes (one that `prepare` rejects, the
     sequences' own calls raise about).
     """
-    module = _dispatch.get_backend(backend)
+    module = dispatch.get_backend(backend)
     lengths = np.diff(cu_q)
     if module.__name__ != "elastic_np.cpu" or (lengths != lengths[0]).any() \
             or any(options[name] is not None for name in PER_SEQUENCE):
@@ -201,7 +202,7 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     count, N = lengths.size, int(lengths[0])
     batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
     try:
-        problem = _dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
+        problem = dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
                                      batch)
     except (ValueError, TypeError):
         return None
@@ -209,7 +210,7 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
         return None
     entry_splits = [module._decode_plan.splits(1, k.shape[2], n) for n in used]
     paged = _decode_pools(k, v, table, used)
-    with _dispatch._reported(module, "forward", problem):
+    with dispatch._reported(module, "forward", problem):
         out, lse = module._decode.forward(problem, paged=paged, entry_splits=entry_splits)
     out = problem.as_given(out)  # (S, N, H, Dv)
     return out.reshape(-1, *out.shape[2:]), lse.transpose(0, 2, 1).reshape(-1, lse.shape[1])
@@ -222,15 +223,15 @@ def _paged_attention(q, k, v, table, used, options, backend):
     the call (`elastic_np.cpu._decode_plan.takes`: a few queries); otherwise they
     are gathered into a copy (`_paged_keys`), one sequence at a time.
     """
-    module = _dispatch.get_backend(backend)
+    module = dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
-        problem = _dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
+        problem = dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
         if module._decode_plan.takes(problem):
-            with _dispatch._reported(module, "forward", problem):
+            with dispatch._reported(module, "forward", problem):
                 out, lse = module._decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
             return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
-    return _dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
+    return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 
 def _decode_pools(k, v, table, used):
@@ -435,7 +436,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         rows = slice(cu_q[s], cu_q[s + 1])
         if block_table is None:
             keys = slice(cu_k[s], cu_k[s + 1])
-            out_s, lse_s = _dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
+            out_s, lse_s = dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
                                                backend=backend, **_sequence_options(options, used, s, count))
         else:  # exactly the used keys: the queries sit before the last of them
             per = _sequence_options(options, None, s, count)
@@ -496,7 +497,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     parts = []
     for s in range(count):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        parts.append(_dispatch.attention_backward(
+        parts.append(dispatch.attention_backward(
             dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[rows].T[None],
             dlse=None if dlse is None else dlse[rows].T[None], backend=backend,
             **_sequence_options(options, used, s, count)))

@@ -15,8 +15,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from elastic_np import _adapter_common as common
-from elastic_np import _dispatch, _validation
+from elastic_np._api import adapters as common
+from elastic_np._api import dispatch
+from elastic_np._contract import _validation
 
 #: The dtypes of tensors on the CPU (the CPU kernels compute in float32 for the halves) and on a GPU.
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -160,7 +161,7 @@ def _cuda_device(q, k, v, backend):
             f"`q` is on device {device}, and backend={backend!r} takes CPU tensors: use "
             "backend='cuda' (or 'auto') for CUDA tensors, or move them with .cpu()"
         )
-    _dispatch.get_backend("cuda")  # BackendUnavailableError, saying what is missing
+    dispatch.get_backend("cuda")  # BackendUnavailableError, saying what is missing
     return device
 
 
@@ -214,7 +215,7 @@ def _cuda_forward(fixed, device, qkv, learnable):
     qkv = [_device_tensor(x, name, device) for x, name in zip(qkv, ("q", "k", "v"))]
     with _cuda_bridge.launches(device):
         options["bias"] = _device_array(options["bias"])
-        out, lse = _dispatch.attention(
+        out, lse = dispatch.attention(
             *map(_device_array, qkv), return_lse=True, **common.numpy_options(fixed, options)
         )
         return _cuda_bridge.to_tensor(out, device), _cuda_bridge.to_tensor(lse, device)
@@ -235,7 +236,7 @@ def _cuda_backward(fixed, device, arrays, dlse, learnable):
     with _cuda_bridge.launches(device):
         options["bias"] = _device_array(options["bias"])
         *arrays, dlse = map(_device_array, tensors)
-        grads = _dispatch.attention_backward(*arrays, dlse=dlse, **common.numpy_options(fixed, options))
+        grads = dispatch.attention_backward(*arrays, dlse=dlse, **common.numpy_options(fixed, options))
         on_device = {name: getattr(grads, name) for name in ("dq", "dk", "dv", "dbias")}
         return dataclasses.replace(grads, **{
             name: None if a is None else _cuda_bridge.to_tensor(a, device) for name, a in on_device.items()
