@@ -67,7 +67,7 @@ def _draw_figures(app):
     """Run every figure script in docs/scripts into docs/generated."""
     out = os.path.join(DOCS, "generated")
     os.makedirs(out, exist_ok=True)
-    for name in ("plot_window_gate.py", "performance.py"):
+    for name in ("plot_window_gate.py", "performance.py", "module_map.py"):
         module = runpy.run_path(os.path.join(DOCS, "scripts", name))
         module["main"](out)
     stale = runpy.run_path(os.path.join(DOCS, "scripts", "rendered_blocks.py"))["stale"]()

@@ -13,7 +13,7 @@ from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 from elastic_np._api.varlen import varlen_attention, varlen_attention_backward
 from elastic_np._api.warmup import warmup
-from elastic_np.reference._double_backward import DoubleBackwardGrads
+from elastic_np._contract._grads import DoubleBackwardGrads
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ def cpu_available():
     if importlib.util.find_spec("elastic_np.cpu") is None:
         return False
     try:
-        enp._dispatch.get_backend("cpu")
+        enp._api.dispatch.get_backend("cpu")
     except enp.BackendUnavailableError:
         return False
     return True
@@ -328,7 +328,7 @@ def test_inputs_avoid_the_nvm_jump_and_the_window_threshold():
     assert np.min(np.abs(s)) > 1e-5 * np.max(np.abs(s))
     assert q.dtype == np.float64 and np.array_equal(q, q.astype(np.float32))
     window = options["dynamic_window"]
-    p = enp._problem.prepare(q, k, v, **options)
+    p = enp._contract._problem.prepare(q, k, v, **options)
     f = reference.window_gate(p)[1]
     assert np.min(np.abs(f - window.threshold)) > 1e-3 * window.threshold
 

@@ -220,7 +220,7 @@ class TestKernel:
 
 
 def test_auto_is_the_cpu_kernels_without_a_gpu():
-    if enp._dispatch._cuda_is_available():
+    if enp._api.dispatch.cuda_is_available():
         pytest.skip("auto picks the CUDA backend here")
     q, k, v, dout = make_inputs(np.float64, N=9, M=12)
     u = cotangents(q, k, v, {"tau": 0.8}, np.float64)

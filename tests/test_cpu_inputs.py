@@ -78,7 +78,7 @@ def test_output_dtype_follows_input(dtype):
 
 
 def test_auto_backend_without_gpu():
-    if dispatch._cuda_is_available():
+    if dispatch.cuda_is_available():
         pytest.skip("a GPU is usable here, so 'auto' picks cuda")
     assert dispatch.get_backend("auto") is cpu
     q, k, v, _ = make_inputs(np.float32, N=5, M=7)

@@ -142,7 +142,7 @@ class TestGateSecondDerivative:
         q = np.zeros((1, 1, 4, 1))
         p = prepare(q, q, q, dynamic_window=enp.DynamicWindow(sigma, sharpness=sharpness))
         G, f, x = ref.window_gate(p)
-        got = _double_backward._d2log_gate(p, G, f, x)[0, 0]
+        got = _double_backward.d2log_gate(p, G, f, x)[0, 0]
         mpmath.mp.dps = 40
         for (i, j), xij in np.ndenumerate(x[0, 0]):
             if G[0, 0, i, j] == 0:  # the bell underflows: the entry is removed
@@ -308,7 +308,7 @@ def test_the_dispatcher_gives_the_references_bits_and_names_a_backend_without_on
             continue
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * max(1.0, np.abs(b).max()))
     # a backend without one is named
-    module = enp._dispatch.get_backend("cpu")
+    module = enp._api.dispatch.get_backend("cpu")
     monkeypatch.delattr(module, "double_backward")
     with pytest.raises(enp.BackendUnavailableError, match="backend 'cpu' has no double backward"):
         enp.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, backend="cpu")

@@ -22,13 +22,12 @@ import pytest
 
 import elastic_np
 from elastic_np import cpu, cuda, reference
+from elastic_np._contract._backend import FACE, Backend
 from elastic_np.cli import _cuda_bench
 
 PACKAGE = pathlib.Path(elastic_np.__file__).resolve().parent
 REPO_ROOT = PACKAGE.parent
 
-#: What `elastic_np._api.dispatch` reads of a backend.
-FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward")
 #: The package every backend may import: the contract.
 SHARED = {"elastic_np._contract"}
 #: What each backend may import besides its own package and `SHARED`.
@@ -100,8 +99,7 @@ def test_the_import_check_sees_imports_inside_functions(tmp_path):
 
 @pytest.mark.parametrize("module", [reference, cpu, cuda], ids=lambda m: m.__name__)
 def test_every_backend_shows_the_same_face(module):
-    for name in FACE:
-        assert hasattr(module, name), f"{module.__name__} lacks {name}"
+    assert isinstance(module, Backend), f"{module.__name__} lacks {[n for n in FACE if not hasattr(module, n)]}"
     assert module.dtypes is None or all(isinstance(d, str) for d in module.dtypes)  # names: bfloat16 is ml_dtypes'
     for name in FACE[1:]:
         assert callable(getattr(module, name)), f"{module.__name__}.{name}"
@@ -157,3 +155,52 @@ def test_importing_the_package_and_its_tools_imports_no_optional_dependency():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def _package_of(module):
+    """The dotted package a module name (or a package's own name) belongs to."""
+    path = REPO_ROOT / module.replace(".", "/")
+    return module if path.is_dir() else module.rsplit(".", 1)[0]
+
+
+def private_names_across_packages(path):
+    """``"line: what"`` for each private name (leading underscore) that the module at ``path`` takes from
+    another package than its own, by import or as an attribute of a module it imported, other than from
+    the contract (`SHARED`), which is the package's private core."""
+    own = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts[:-1])
+    tree, found, foreign = ast.parse(path.read_text(), str(path)), [], {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("elastic_np")):
+            continue
+        for alias in node.names:
+            full = f"{node.module}.{alias.name}"
+            is_module = (REPO_ROOT / full.replace(".", "/")).with_suffix(".py").exists() or (
+                REPO_ROOT / full.replace(".", "/")).is_dir()
+            home = _package_of(full) if is_module else _package_of(node.module)
+            if home == own or _within(home, SHARED):
+                continue
+            if alias.name.startswith("_"):
+                found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+            if is_module:
+                foreign[alias.asname or alias.name] = full
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in foreign
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_packages_share_no_private_names_but_the_contract():
+    found = {path.relative_to(PACKAGE).as_posix(): names for path in sorted(PACKAGE.rglob("*.py"))
+             if (names := private_names_across_packages(path))}
+    assert not found, f"private names taken from another package: {found}"
+
+
+def test_the_private_name_check_sees_imports_and_attributes(tmp_path, monkeypatch):
+    module = PACKAGE / "torch" / "_probe_module.py"
+    source = ("from elastic_np._api import dispatch\nfrom elastic_np.cpu import _config\n"
+              "from elastic_np._contract import _spec\nfrom elastic_np.torch import _arrays\n"
+              "dispatch._problem\n_spec._private\n_arrays._x\n")
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == module else "")
+    assert private_names_across_packages(module) == [
+        "2: from elastic_np.cpu import _config", "5: dispatch._problem"]

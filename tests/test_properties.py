@@ -167,7 +167,7 @@ def allowances(q, k, v, dout, options):
             G, f, x = gate
             y = p.sharpness * np.where(G > 0, f, 1.0)
             sigma = p.sigma[:, :, None, None]
-            dlogg = _attention._log_tanh_elasticity(y) * ((x / sigma) ** 2 + 1) / sigma
+            dlogg = _attention.log_tanh_elasticity(y) * ((x / sigma) ** 2 + 1) / sigma
             terms["dsigma"] = np.sum(np.where(keep, dz * dlogg, 0.0), axis=(2, 3))
     relative = max(32 * np.finfo(np.float64).eps * (1.0 + zmax), _tolerances.FLOOR["float64"])
     return {name: relative * float(np.max(t, initial=0.0)) for name, t in terms.items()}

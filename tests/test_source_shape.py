@@ -81,3 +81,13 @@ def test_the_measure_sees_a_long_and_a_branchy_function(tmp_path):
     found = oversized(path, tmp_path)
     assert [entry.split(": ")[0].split(" ")[1] for entry in found] == ["f", "g"]
     assert "61 lines" in found[0] and "complexity 16" in found[1]
+
+
+#: No module of the package is longer than this (lines, everything counted).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_limit():
+    long = {path.relative_to(PACKAGE).as_posix(): n for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -16,7 +16,7 @@ import elastic_np as enp
 import elastic_np.torch as enpt
 from elastic_np._api import dispatch
 
-GPU = torch.cuda.is_available() and dispatch._cuda_is_available()
+GPU = torch.cuda.is_available() and dispatch.cuda_is_available()
 
 
 def fake_cuda(*shape):
@@ -27,7 +27,7 @@ def fake_cuda(*shape):
 
 
 class TestWithoutAGpu:
-    @pytest.mark.skipif(dispatch._cuda_is_available(), reason="the CUDA backend is usable here")
+    @pytest.mark.skipif(dispatch.cuda_is_available(), reason="the CUDA backend is usable here")
     def test_cuda_tensors_raise_a_clear_error(self):
         q = fake_cuda(1, 2, 3, 4)
         with pytest.raises(enp.BackendUnavailableError, match=r"backend 'cuda'.*elastic_np\[cuda\]"):

@@ -2,28 +2,7 @@
 once, then hand over to a backend; `merge_attention` rounds the float64 merge of `elastic_np.reference.merge_attention` to the partials' dtype.
 
 A backend is a module (`elastic_np.reference`, `elastic_np.cpu`,
-`elastic_np.cuda`) with the same face (the reference's is
-``reference/_backend.py``, kept out of ``reference.__all__``):
-
-- ``dtypes``: the names of the dtypes of ``q``, ``k``, ``v`` it takes (None:
-  any real float, computed in float64, the reference; the CPU kernels
-  compute in float32 for bfloat16 and float16);
-- ``is_available()`` and ``check_available()`` (which raises
-  `~elastic_np.BackendUnavailableError` saying what is missing);
-- ``prepare(q, k, v, **options)``, with the signature of
-  `elastic_np._contract._problem.prepare`, returning a validated
-  `~elastic_np._contract._problem.AttentionProblem` (the CPU backend leaves the check of
-  the bias's values to its kernels, which read every entry anyway; the CUDA
-  backend keeps device arrays on the device);
-- ``check_backward_arrays(problem, dout, out, lse, dtype=None, dlse=None)``;
-- ``forward(problem) -> (out, lse)``;
-- ``backward(problem, dout, out, lse, dlse=None) -> AttentionGrads``
-  (``dlse``, the cotangent of ``lse``, None for zeros);
-- ``double_backward(problem, dout, out, lse, dlse, direction) -> (ddout,
-  ddlse, AttentionGrads)``, the second-order VJP, where a backend has it
-  (``direction``: `elastic_np.reference._double_backward._Direction`).
-
-The reference computes in float64; the kernels keep the input dtype.
+`elastic_np.cuda`) with the face `elastic_np._contract._backend.Backend`.
 """
 
 import contextlib
@@ -31,24 +10,24 @@ import functools
 import importlib
 
 from elastic_np._api import compile_report
-from elastic_np._contract import _spec, _validation
+from elastic_np._contract import _grads, _spec, _validation
+from elastic_np._contract._backend import Backend
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np._contract._problem import Kept
-from elastic_np.reference._double_backward import _direction, as_given
-from elastic_np.reference._merge import _merge, _validate
+from elastic_np.reference._merge import check_partials, merge_partials
 
 BACKENDS = _spec.BACKENDS
 _BACKEND_MODULES = {name: f"elastic_np.{name}" for name in BACKENDS}
 
 
-def get_backend(name):
+def get_backend(name) -> Backend:
     """Return the backend module for ``name`` ("auto", "reference", "cpu", "cuda")."""
     if not isinstance(name, str) or (name != "auto" and name not in _BACKEND_MODULES):
         raise ValueError(
             f"`backend` must be one of 'auto', {', '.join(repr(b) for b in BACKENDS)}; got {name!r}"
         )
     if name == "auto":
-        name = "cuda" if _cuda_is_available() else "cpu"
+        name = "cuda" if cuda_is_available() else "cpu"
     try:
         module = importlib.import_module(_BACKEND_MODULES[name])
     except ImportError as exc:
@@ -79,7 +58,7 @@ def _reported(module, what, problem):
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_is_available():
+def cuda_is_available():
     """Whether the CUDA backend can run here: asked once a process ("auto" on every call took 40 us
     where numba-cuda is missing), as a GPU does not come or go while it runs."""
     try:
@@ -331,10 +310,10 @@ def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=N
     problem = _problem(module, q, k, v, options)
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
-    direction = _direction(problem, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite=True)
+    direction = _grads.direction(problem, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite=True)
     with _reported(module, "double backward", problem):
         result = module.double_backward(problem, dout, out, lse, dlse, direction)
-    return as_given(problem, *result)
+    return _grads.double_backward_as_given(problem, *result)
 
 
 def merge_attention(outs, lses, *, beta=0.0):
@@ -410,7 +389,7 @@ def merge_attention(outs, lses, *, beta=0.0):
     >>> bool(np.allclose(out, want, rtol=1e-13, atol=0) and np.allclose(lse, want_lse, rtol=1e-13))
     True
     """
-    outs, lses, beta = _validate(outs, lses, beta, kernel_dtypes=True)
-    out, lse = _merge(outs, lses, beta)
+    outs, lses, beta = check_partials(outs, lses, beta, kernel_dtypes=True)
+    out, lse = merge_partials(outs, lses, beta)
     dtype = outs[0].dtype
     return out.astype(dtype, copy=False), lse.astype(dtype, copy=False)

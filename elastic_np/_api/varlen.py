@@ -63,7 +63,7 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k):
     return cu_q, cu_k, used
 
 
-def _maximum(value, name):
+def check_maximum(value, name):
     """``max_q`` or ``max_k`` as an int (or None): a `TypeError` or `ValueError` naming it unless an integer >= 0."""
     if value is None:
         return None
@@ -80,7 +80,7 @@ def _maximum(value, name):
 
 def _check_longest(lengths, name, limit, what):
     """A `ValueError` naming ``name`` unless ``limit`` (None: unchecked) is at least every one of ``lengths``."""
-    limit = _maximum(limit, name)
+    limit = check_maximum(limit, name)
     if limit is not None and lengths.max(initial=0) > limit:
         raise ValueError(f"`{name}`={limit} is below {what}, {lengths.max()}")
 

@@ -1,6 +1,10 @@
-"""The gradients of the options: sums back to the shape an option was given in, and the sink's gradient."""
+"""The gradients' records and checks: the double backward's result and direction, the sink's gradient."""
+
+from typing import NamedTuple, Optional
 
 import numpy as np
+
+from elastic_np._contract import _validation
 
 
 def sink_gradient(delta, lse, per_head=True):
@@ -76,3 +80,86 @@ def reduce_to_shape(grad, shape):
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
     )
     return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad.reshape(shape)
+
+
+class DoubleBackwardGrads(NamedTuple):
+    """The result of `attention_double_backward`.
+
+    Attributes
+    ----------
+    ddout : ndarray
+        Gradient for ``dout``, in its shape: the tangent of ``out``.
+    ddlse : ndarray, shape (B, H, N)
+        Gradient for ``dlse``: the tangent of ``lse`` (0 on rows with
+        ``lse = -inf``).
+    dq, dk, dv : ndarray
+        Second-order gradients of ``q``, ``k``, ``v``, in their shapes.
+    dtau, dbeta : float or ndarray
+        Those of ``tau`` and ``beta``, in the shapes they were given in.
+    dsigma : float or ndarray or None
+        That of the dynamic window's ``sigma``, or None without one.
+    dbias : ndarray or None
+        That of the ``bias`` in its shape, or None without a bias.
+    """
+
+    ddout: np.ndarray
+    ddlse: np.ndarray
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dtau: object
+    dbeta: object
+    dsigma: Optional[object] = None
+    dbias: Optional[np.ndarray] = None
+
+
+class Direction(NamedTuple):
+    """The direction ``xdot``: ``q, k, v`` as ``(B, H·, ·, ·)``, ``tau``, ``beta`` ``(H,)``,
+    ``sigma`` ``(B, H)`` and ``bias`` ``(B, H, N, M)`` (or None), float64."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    tau: np.ndarray
+    beta: np.ndarray
+    sigma: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+
+
+def double_backward_as_given(p, outdot, lsedot, grads):
+    """`DoubleBackwardGrads` from a backend's ``(ddout, ddlse, grads)``, in the layout and shapes given."""
+    grads = p.grads_as_given(grads)
+    return DoubleBackwardGrads(p.as_given(outdot), lsedot, grads.dq, grads.dk, grads.dv, grads.dtau,
+                               grads.dbeta, grads.dsigma, grads.dbias)
+
+
+def direction(p, arrays, parameters, check_finite):
+    """The cotangents ``(ddq, ddk, ddv)`` and ``(ddtau, ddbeta, ddsigma, ddbias)`` checked, as a `Direction`."""
+    B, H, Hkv, N, M, D, Dv = p.shape
+    given = []
+    for name, like, a in zip(("ddq", "ddk", "ddv"), (p.q, p.k, p.v), arrays):
+        shape = p.as_given(like).shape
+        given.append(p.as_bhnd(cotangent(a, name, shape, check_finite)))
+    padding = np.arange(M)[None, None, :, None] >= p.kv_lengths[:, None, None, None]
+    given[1:] = [np.where(padding, 0.0, a) for a in given[1:]]  # the padding is never read
+    likes = (("tau", p.tau_shape, (H,)), ("beta", p.beta_shape, (H,)),
+             ("sigma", p.sigma_shape, (B, H)), ("bias", p.bias_shape, (B, H, N, M)))
+    for value, (like, shape, full) in zip(parameters, likes):
+        if shape is None:
+            if value is not None:
+                raise ValueError(f"`dd{like}` is given but there is no `{like}`: "
+                                 f"{'pass a dynamic_window' if like == 'sigma' else 'pass a bias'}")
+            given.append(None)
+            continue
+        given.append(np.broadcast_to(cotangent(value, f"dd{like}", shape, check_finite), full))
+    return Direction(*given)
+
+
+def cotangent(a, name, shape, check_finite):
+    """``a`` as a float64 array of ``shape`` (zeros for None), checked; errors name ``name``."""
+    if a is None:
+        return np.zeros(shape)
+    a = _validation.real_float_array(a, name, check_finite=check_finite)
+    if a.shape != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {a.shape}")
+    return a

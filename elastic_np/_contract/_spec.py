@@ -25,18 +25,15 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from elastic_np._contract import _validation
-from elastic_np._contract._types import DynamicWindow
+from elastic_np._contract._types import WINDOW_MAX, DynamicWindow
 
 #: The values of ``align``: where the last query sits (see ``AttentionProblem.kv_ends``).
 ALIGNS = ("array", "kv_lengths")
 
-#: ``window_size`` entries are int64 in the kernels.
-WINDOW_MAX = 2**63 - 1
-
 #: Every backend takes every option.
 BACKENDS = ("reference", "cpu", "cuda")
-#: The dtypes the kernels compute in; each option is taken in all of them.
-KERNEL_DTYPES = ("float32", "float64")
+#: The dtypes the kernels compute in, by name; each option is taken in all of them.
+KERNEL_DTYPES = tuple(dtype.name for dtype in _validation.KERNEL_DTYPES)
 
 
 class Shape(NamedTuple):

@@ -10,6 +10,7 @@ import operator
 
 import numpy as np
 
+#: The dtypes the kernels compute in.
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Storage dtypes, by name, that the CPU kernels read and write while computing in
 #: float32 (bfloat16 is ``ml_dtypes.bfloat16``, the type JAX uses).

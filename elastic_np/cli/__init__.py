@@ -42,7 +42,8 @@ from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
 from elastic_np.cli._progress import Progress, first_call_line
-from elastic_np.testing import _battery, _cases
+from elastic_np.testing._battery import check_oracle_gradients, run_battery
+from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, select_cases
 
 
 def _example(args):
@@ -173,9 +174,9 @@ def _check_backends(choice):
 def _run_checks(modules, args):
     """The battery of each backend (after its first calls) and the oracles' gradients: reports, first calls' `Watch`."""
     dtypes = [_validation.numpy_dtype(d) for d in args.dtype]
-    supported = _cases.OPTION_NAMES + _cases.CAPABILITIES
-    cases, _ = _cases.select_cases(supported)
-    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in _cases.CASES)
+    supported = OPTION_NAMES + CAPABILITIES
+    cases, _ = select_cases(supported)
+    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in CASES)
     reports, first_calls = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
@@ -186,12 +187,12 @@ def _run_checks(modules, args):
                 except Exception as exc:  # the battery below reports each failing case
                     progress.stage(f"{name}: the first call failed: {type(exc).__name__}: {exc}")
             fn, backward = testing.backend_functions(name)
-            reports.append(_battery.run_battery(
+            reports.append(run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
                 quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",
                 progress=progress.update,
             ))
-        reports.append(_battery.check_oracle_gradients(
+        reports.append(check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
     return reports, first_calls
 

@@ -25,8 +25,8 @@ from elastic_np._contract import _problem, _validation
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli._progress import first_call_line
 from elastic_np.cpu import _simd, thread_count
-from elastic_np.reference._attention import _forward as _oracle_forward
-from elastic_np.reference._backward import _backward as _oracle_backward
+from elastic_np.reference._backend import forward as _oracle_forward
+from elastic_np.reference._backend import backward as _oracle_backward
 
 
 def make_inputs(B, H, N, M, D, *, Hkv=None, Dv=None, dtype=np.float32, seed=0):

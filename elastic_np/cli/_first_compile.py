@@ -29,7 +29,7 @@ from elastic_np._api import compile_report
 from elastic_np._contract import _validation
 from elastic_np._contract._errors import CompileWarning
 from elastic_np.cpu._numba_private import enabled, locked_cache_index
-from elastic_np.testing import _cases
+from elastic_np.testing._cases import CASES, draw_inputs
 
 #: The battery's cases that reach every kernel: prefill and decode, forward and backward, every stage.
 WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20")
@@ -41,11 +41,11 @@ def run_cases(name, dtypes, step=None):
     ``step(text)``, if given, is told what runs next (``"float32 'plain', forward"``).
     """
     fn, backward = testing.backend_functions(name)
-    warmup = [c for c in _cases.CASES if c.name in WARMUP_CASES]
+    warmup = [c for c in CASES if c.name in WARMUP_CASES]
     step = step or (lambda text: None)
     for dtype in dtypes:
         for case in warmup:
-            q, k, v, dout, options = _cases.draw_inputs(case, dtype)
+            q, k, v, dout, options = draw_inputs(case, dtype)
             q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
             step(f"{dtype.name} {case.name!r}, forward")
             fn(q, k, v, **options)

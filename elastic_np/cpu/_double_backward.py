@@ -44,7 +44,7 @@ from elastic_np.cpu._tangent_keys import _tangent_keys_kernel
 from elastic_np.cpu._tangent_rows import _tangent_rows_kernel
 from elastic_np.cpu._tangents import Tangents
 from elastic_np.cpu._threads import _run_tasks, _task_range, task_counter
-from elastic_np.reference._double_backward import _d2log_gate
+from elastic_np.reference._double_backward import d2log_gate
 
 
 def double_backward(problem, dout, out, lse, dlse, direction):
@@ -173,7 +173,7 @@ def _gate_tangents(problem, opt, sigmadot):
     """``sigmadot d log G / d sigma`` and ``sigmadot d^2 log G / d sigma^2`` by offset, float64 ``(B, H, N + M - 1)``.
 
     The first from the plan's table; the second by the oracle's
-    `_d2log_gate`, on the oracle's gate at the offsets ``j - i - diag_shift
+    `d2log_gate`, on the oracle's gate at the offsets ``j - i - diag_shift
     = t - (M - 1)`` (0 where the gate is closed). ``1 x 1 x 1`` zeros without a
     dynamic window.
     """
@@ -188,7 +188,7 @@ def _gate_tangents(problem, opt, sigmadot):
         u = x / sigma
         f = np.exp(-0.5 * (u * u)) / (sigma * np.sqrt(2 * np.pi))
         G = np.tanh(problem.sharpness * np.where(f > problem.threshold, f, 0.0))
-        d2log = np.where(G > 0, _d2log_gate(problem, G, f, x), 0.0)[:, :, 0]
+        d2log = np.where(G > 0, d2log_gate(problem, G, f, x), 0.0)[:, :, 0]
     scale = np.broadcast_to(sigmadot, (B, H))[:, :, None]
     return np.ascontiguousarray(opt.dlog_gate * scale), np.ascontiguousarray(d2log * scale)
 

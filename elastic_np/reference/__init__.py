@@ -33,7 +33,8 @@ from elastic_np.reference._backend import (  # noqa: F401  (the backend's face, 
     prepare,
 )
 from elastic_np.reference._backward import attention_backward
-from elastic_np.reference._double_backward import DoubleBackwardGrads, attention_double_backward  # noqa: F401
+from elastic_np._contract._grads import DoubleBackwardGrads  # noqa: F401
+from elastic_np.reference._double_backward import attention_double_backward
 from elastic_np.reference._merge import merge_attention
 from elastic_np.reference._softmax import (
     elastic_softmax,

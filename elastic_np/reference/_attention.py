@@ -25,10 +25,10 @@ def scores(p):
     t = p.q.dtype.type
     k = np.repeat(p.k, p.group_size, axis=1)  # query head h reads kv head h // group_size
     with np.errstate(over="ignore"):
-        return _modify_scores(p, t(p.scale) * np.einsum("bhnd,bhmd->bhnm", p.q, k))
+        return modify_scores(p, t(p.scale) * np.einsum("bhnd,bhmd->bhnm", p.q, k))
 
 
-def _modify_scores(p, s):
+def modify_scores(p, s):
     """The score modifiers on the scaled products ``s``: ``(final score, cap slope)``, see `scores`."""
     t = s.dtype.type
     # an overflow is either harmless (-inf: weight 0) or found by `_attention_logits`
@@ -56,7 +56,7 @@ def _attention_logits(p):
     """
     s, cap_slope = scores(p)
     t = s.dtype.type
-    s, keep = _kept_scores(p, s)
+    s, keep = kept_scores(p, s)
     with np.errstate(over="ignore"):
         z = s / p.tau.astype(s.dtype)[:, None, None]
     if not (np.where(keep, z, t(0)) < np.inf).all():  # +inf or NaN where kept
@@ -75,7 +75,7 @@ def _attention_logits(p):
     return s, z, keep, gate, cap_slope
 
 
-def _kept_scores(p, s):
+def kept_scores(p, s):
     """``(s, keep)``: the final scores ``s`` with 0 where the bias removes an entry, and the keep mask.
 
     The mask of `structural_keep`, less the entries a ``-inf`` bias removes
@@ -141,11 +141,11 @@ def _tanh_slope(x):
     return 4 * e / (1 + e) ** 2
 
 
-def _log_tanh_elasticity(y):
+def log_tanh_elasticity(y):
     """``d log tanh(y) / d log y = y (1 - tanh(y)**2) / tanh(y) = 2y / sinh(2y)`` for ``y > 0``, in ``y``'s dtype.
 
     It falls from 1 (``y -> 0``) to 0; ``d log G / d sigma`` is this times
-    ``d log f / d sigma = (u^2 - 1) / sigma`` (`_dlog_gate`), which ``f``
+    ``d log f / d sigma = (u^2 - 1) / sigma`` (`dlog_gate`), which ``f``
     itself no longer enters. Evaluated as ``(w / (1 - e^2)) e`` with ``w =
     4y``, ``e = exp(-2y)`` and ``1 - e^2`` from ``expm1``: no cancellation
     of ``1 - tanh**2`` as ``y`` grows, and no ``1 / y`` to overflow as ``y``
@@ -245,7 +245,7 @@ def attention(q, k, v, *, check_finite=True, **options):
     return p.as_given(out), lse
 
 
-def _without_padding(p):
+def without_padding(p):
     """``p`` with the keys and values past each ``kv_lengths[b]`` set to 0: padding is never read."""
     M = p.k.shape[2]
     if (p.kv_lengths == M).all():
@@ -255,7 +255,7 @@ def _without_padding(p):
 
 
 def _forward(p):
-    p = _without_padding(p)
+    p = without_padding(p)
     s, z, keep, gate, cap_slope = _attention_logits(p)
     lse = _log_denominator(z, p.beta)
     with np.errstate(invalid="ignore"):

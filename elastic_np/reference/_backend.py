@@ -64,7 +64,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     """The second-order VJP for a validated problem: ``(ddout, ddlse, AttentionGrads)``, float64.
 
     ``direction`` holds the cotangents of the backward's outputs
-    (`elastic_np.reference._double_backward._Direction`); ``ddout`` and
+    (`elastic_np._contract._grads.Direction`); ``ddout`` and
     ``ddlse`` are the tangents of ``out`` and ``lse`` along it.
     """
     return _double_backward(problem, dout, out, lse, dlse, direction)

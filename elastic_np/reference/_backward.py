@@ -4,7 +4,7 @@ import numpy as np
 
 from elastic_np._contract import _spec, _validation
 from elastic_np._contract._problem import prepare
-from elastic_np.reference._attention import _attention_logits, _log_tanh_elasticity, _without_padding
+from elastic_np.reference._attention import _attention_logits, log_tanh_elasticity, without_padding
 
 
 @_spec.takes_options()
@@ -120,8 +120,8 @@ def _backward(p, dout, out, lse, dlse=None):
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.q.dtype
     t = dtype.type
-    p = _without_padding(p)
-    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse, dlse)
+    p = without_padding(p)
+    s, keep, gate, cap_slope, probs, delta, dz = score_gradient(p, dout, out, lse, dlse)
     k = np.repeat(p.k, p.group_size, axis=1)
     ds = dz / p.tau.astype(dtype)[:, None, None]  # d loss / d s, the final score: also dbias
     ds_raw = ds if cap_slope is None else ds * cap_slope
@@ -133,15 +133,15 @@ def _backward(p, dout, out, lse, dlse=None):
     dv = dv_h.reshape(B, Hkv, p.group_size, M, Dv).sum(axis=2)
 
     tau = p.tau.astype(dtype)
-    dtau = -(np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3)) / tau) / tau
+    dtau = -(np.sum(dtau_terms(s, probs, dz), axis=(0, 2, 3)) / tau) / tau
     dbeta = p.sink_gradient(delta, lse)
     dsigma = None
     if gate is not None:
-        dsigma = np.sum(dz * np.where(keep, _dlog_gate(p, *gate), t(0)), axis=(2, 3))
+        dsigma = np.sum(dz * np.where(keep, dlog_gate(p, *gate), t(0)), axis=(2, 3))
     return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
 
 
-def _score_gradient(p, dout, out, lse, dlse=None):
+def score_gradient(p, dout, out, lse, dlse=None):
     """The forward recomputed from ``lse`` and ``dz = d loss / d z``, the gradient of the logits.
 
     Returns ``(s, keep, gate, cap_slope, probs, delta, dz)``: `_attention_logits`'s
@@ -161,7 +161,7 @@ def _score_gradient(p, dout, out, lse, dlse=None):
     return s, keep, gate, cap_slope, probs, delta, dz
 
 
-def _dtau_terms(s, probs, dz):
+def dtau_terms(s, probs, dz):
     """``dz * s`` on the entries with weight, the terms of ``-tau**2 dtau``.
 
     A score of -inf (a slope ``|off|`` beyond the dtype) has ``p = dz = 0``
@@ -171,11 +171,11 @@ def _dtau_terms(s, probs, dz):
         return np.where(probs > 0, dz * s, s.dtype.type(0))
 
 
-def _dlog_gate(p, G, f, x):
+def dlog_gate(p, G, f, x):
     """``d log G / d sigma`` per entry of the dynamic window (see `window_gate`).
 
     ``(d log G / d log y) (d log f / d sigma)`` at ``y = sharpness f``: the
-    gate's `_log_tanh_elasticity` times ``(u^2 - 1) / sigma``, ``u = x /
+    gate's `log_tanh_elasticity` times ``(u^2 - 1) / sigma``, ``u = x /
     sigma``, finite however small ``f`` is (a row far from all its keys).
     Where ``G = 0``, ``y = sharpness`` (any finite value, removed by keep).
     """
@@ -184,4 +184,4 @@ def _dlog_gate(p, G, f, x):
     y = t(p.sharpness) * np.where(G > 0, f, t(1))
     with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 only where the gate is closed
         u = x / sigma  # (x^2 / sigma^2 - 1) / sigma without sigma**3, which underflows
-        return _log_tanh_elasticity(y) * ((u * u - 1) / sigma)
+        return log_tanh_elasticity(y) * ((u * u - 1) / sigma)

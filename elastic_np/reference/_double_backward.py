@@ -15,54 +15,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from elastic_np._contract import _spec, _validation
+from elastic_np._contract import _grads, _spec
 from elastic_np._contract._problem import prepare
-from elastic_np.reference._attention import _log_tanh_elasticity, _without_padding
-from elastic_np.reference._backward import _dlog_gate, _dtau_terms, _score_gradient, check_backward_arrays
-
-
-class DoubleBackwardGrads(NamedTuple):
-    """The result of `attention_double_backward`.
-
-    Attributes
-    ----------
-    ddout : ndarray
-        Gradient for ``dout``, in its shape: the tangent of ``out``.
-    ddlse : ndarray, shape (B, H, N)
-        Gradient for ``dlse``: the tangent of ``lse`` (0 on rows with
-        ``lse = -inf``).
-    dq, dk, dv : ndarray
-        Second-order gradients of ``q``, ``k``, ``v``, in their shapes.
-    dtau, dbeta : float or ndarray
-        Those of ``tau`` and ``beta``, in the shapes they were given in.
-    dsigma : float or ndarray or None
-        That of the dynamic window's ``sigma``, or None without one.
-    dbias : ndarray or None
-        That of the ``bias`` in its shape, or None without a bias.
-    """
-
-    ddout: np.ndarray
-    ddlse: np.ndarray
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dtau: object
-    dbeta: object
-    dsigma: Optional[object] = None
-    dbias: Optional[np.ndarray] = None
-
-
-class _Direction(NamedTuple):
-    """The direction ``xdot``: ``q, k, v`` as ``(B, H·, ·, ·)``, ``tau``, ``beta`` ``(H,)``,
-    ``sigma`` ``(B, H)`` and ``bias`` ``(B, H, N, M)`` (or None), float64."""
-
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    tau: np.ndarray
-    beta: np.ndarray
-    sigma: Optional[np.ndarray]
-    bias: Optional[np.ndarray]
+from elastic_np.reference._attention import log_tanh_elasticity, without_padding
+from elastic_np.reference._backward import dlog_gate, dtau_terms, score_gradient, check_backward_arrays
 
 
 @_spec.takes_options()
@@ -145,47 +101,8 @@ def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=N
     """
     p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_double_backward"))
     dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
-    direction = _direction(p, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite)
-    return as_given(p, *_double_backward(p, dout, out, lse, dlse, direction))
-
-
-def as_given(p, outdot, lsedot, grads):
-    """`DoubleBackwardGrads` from a backend's ``(ddout, ddlse, grads)``, in the layout and shapes given."""
-    grads = p.grads_as_given(grads)
-    return DoubleBackwardGrads(p.as_given(outdot), lsedot, grads.dq, grads.dk, grads.dv, grads.dtau,
-                               grads.dbeta, grads.dsigma, grads.dbias)
-
-
-def _direction(p, arrays, parameters, check_finite):
-    """The cotangents ``(ddq, ddk, ddv)`` and ``(ddtau, ddbeta, ddsigma, ddbias)`` checked, as a `_Direction`."""
-    B, H, Hkv, N, M, D, Dv = p.shape
-    given = []
-    for name, like, a in zip(("ddq", "ddk", "ddv"), (p.q, p.k, p.v), arrays):
-        shape = p.as_given(like).shape
-        given.append(p.as_bhnd(_cotangent(a, name, shape, check_finite)))
-    padding = np.arange(M)[None, None, :, None] >= p.kv_lengths[:, None, None, None]
-    given[1:] = [np.where(padding, 0.0, a) for a in given[1:]]  # the padding is never read
-    likes = (("tau", p.tau_shape, (H,)), ("beta", p.beta_shape, (H,)),
-             ("sigma", p.sigma_shape, (B, H)), ("bias", p.bias_shape, (B, H, N, M)))
-    for value, (like, shape, full) in zip(parameters, likes):
-        if shape is None:
-            if value is not None:
-                raise ValueError(f"`dd{like}` is given but there is no `{like}`: "
-                                 f"{'pass a dynamic_window' if like == 'sigma' else 'pass a bias'}")
-            given.append(None)
-            continue
-        given.append(np.broadcast_to(_cotangent(value, f"dd{like}", shape, check_finite), full))
-    return _Direction(*given)
-
-
-def _cotangent(a, name, shape, check_finite):
-    """``a`` as a float64 array of ``shape`` (zeros for None), checked; errors name ``name``."""
-    if a is None:
-        return np.zeros(shape)
-    a = _validation.real_float_array(a, name, check_finite=check_finite)
-    if a.shape != tuple(shape):
-        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {a.shape}")
-    return a
+    direction = _grads.direction(p, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite)
+    return _grads.double_backward_as_given(p, *_double_backward(p, dout, out, lse, dlse, direction))
 
 
 class _Terms(NamedTuple):
@@ -217,8 +134,8 @@ def _double_backward(p, dout, out, lse, dlse, d):
     dtype of ``p.q`` (``d``'s arrays in it too); ``dbeta`` in float64 (see `sink_gradient`).
     """
     B, H, Hkv, N, M, D, Dv = p.shape
-    p = _without_padding(p)
-    t = _tangent_terms(p, dout, out, lse, dlse, d)
+    p = without_padding(p)
+    t = tangent_terms(p, dout, out, lse, dlse, d)
     tau = p.tau.astype(p.q.dtype)[:, None, None]
     dq, dk_h = _product_tangents(p, d, t.dz / tau, t.dsdot, t.cap_slope, t.rdot)
     dk = dk_h.reshape(B, Hkv, p.group_size, M, D).sum(axis=2)
@@ -228,15 +145,15 @@ def _double_backward(p, dout, out, lse, dlse, d):
     dbeta = p.sink_gradient(t.deltadot - t.delta * t.lsedot, lse)
     dsigma = None
     if t.gate is not None:
-        terms = t.dzdot * t.dlog + t.dz * _d2log_gate(p, *t.gate) * d.sigma[:, :, None, None]
+        terms = t.dzdot * t.dlog + t.dz * d2log_gate(p, *t.gate) * d.sigma[:, :, None, None]
         dsigma = np.sum(np.where(t.keep, terms, 0.0), axis=(2, 3))
     return t.outdot, t.lsedot, p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=t.dsdot)
 
 
-def _tangent_terms(p, dout, out, lse, dlse, d):
-    """The `_Terms` of a problem ``p`` without padding (`_without_padding`): the steps of the derivations page."""
-    s, keep, gate, cap_slope, probs, delta, dz = _score_gradient(p, dout, out, lse, dlse)
-    dlog = None if gate is None else np.where(keep, _dlog_gate(p, *gate), 0.0)
+def tangent_terms(p, dout, out, lse, dlse, d):
+    """The `_Terms` of a problem ``p`` without padding (`without_padding`): the steps of the derivations page."""
+    s, keep, gate, cap_slope, probs, delta, dz = score_gradient(p, dout, out, lse, dlse)
+    dlog = None if gate is None else np.where(keep, dlog_gate(p, *gate), 0.0)
     zdot, sdot, rdot = _logit_tangent(p, d, s, dlog, cap_slope, probs)
     with np.errstate(over="ignore"):
         exp_lse = np.where(np.isneginf(lse), 0.0, np.exp(-lse))  # d lse / d beta; none for lse = -inf
@@ -292,18 +209,18 @@ def _dtau_tangent(p, d, s, sdot, probs, dz, dzdot):
     tau = p.tau.astype(s.dtype)
     with np.errstate(invalid="ignore"):
         moved = np.sum(np.where(probs > 0, dzdot * s + dz * sdot, 0.0), axis=(0, 2, 3))
-    first = np.sum(_dtau_terms(s, probs, dz), axis=(0, 2, 3))
+    first = np.sum(dtau_terms(s, probs, dz), axis=(0, 2, 3))
     return -(moved / tau) / tau + 2.0 * d.tau * ((first / tau) / tau) / tau
 
 
-def _d2log_gate(p, G, f, x):
-    """``d^2 log G / d sigma^2`` per entry of the dynamic window, beside `_dlog_gate`'s first derivative.
+def d2log_gate(p, G, f, x):
+    """``d^2 log G / d sigma^2`` per entry of the dynamic window, beside `dlog_gate`'s first derivative.
 
     With ``y = sharpness f``, ``u = x / sigma`` and ``phi(y) = d log tanh(y) / dy``,
     ``d log G / d sigma = y phi(y) (u^2 - 1) / sigma``; as ``d phi / dy = -2 phi
     coth(2y)`` and ``df / dsigma = f (u^2 - 1) / sigma``, the derivative is
     ``y phi(y) ((u^4 - 5 u^2 + 2) - 2 y coth(2y) (u^2 - 1)^2) / sigma^2`` (the derivations page),
-    ``y phi(y)`` evaluated as `_log_tanh_elasticity`: finite as ``y`` reaches the subnormals.
+    ``y phi(y)`` evaluated as `log_tanh_elasticity`: finite as ``y`` reaches the subnormals.
     """
     t = f.dtype.type
     sigma = p.sigma.astype(f.dtype)[:, :, None, None]
@@ -312,4 +229,4 @@ def _d2log_gate(p, G, f, x):
         u2 = (x / sigma) ** 2
         y_coth = y / -np.expm1(-4 * y) * (1 + np.exp(-4 * y))  # y coth(2y), finite as y -> 0
         bracket = (u2 - 5) * u2 + 2 - 2 * y_coth * (u2 - 1) ** 2
-        return _log_tanh_elasticity(y) * bracket / sigma / sigma
+        return log_tanh_elasticity(y) * bracket / sigma / sigma

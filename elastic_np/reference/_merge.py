@@ -66,11 +66,11 @@ def merge_attention(outs, lses, *, beta=0.0):
     >>> out.round(6), lse.round(6)
     (array([[[[0.333333, 0.333333]]]]), array([[[1.098612]]]))
     """
-    outs, lses, beta = _validate(outs, lses, beta, kernel_dtypes=False)
-    return _merge(outs, lses, beta)
+    outs, lses, beta = check_partials(outs, lses, beta, kernel_dtypes=False)
+    return merge_partials(outs, lses, beta)
 
 
-def _merge(outs, lses, beta):
+def merge_partials(outs, lses, beta):
     """Float64 ``(out, lse)`` over the union, from validated partials and float64 ``(H,)`` ``beta``."""
     B, H, N, Dv = outs[0].shape
     lses = [lse.astype(np.float64, copy=False) for lse in lses]
@@ -89,7 +89,7 @@ def _merge(outs, lses, beta):
     return out, lse
 
 
-def _validate(outs, lses, beta, *, kernel_dtypes):
+def check_partials(outs, lses, beta, *, kernel_dtypes):
     """Lists of the partials' arrays (the caller's, unconverted) and ``beta`` as float64 ``(H,)``."""
     outs = _partials(outs, "outs", ndim=4)
     lses = _partials(lses, "lses", ndim=3)

@@ -28,7 +28,7 @@ from elastic_np import reference
 from elastic_np._contract import _spec
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._types import DynamicWindow
-from elastic_np.reference._attention import _forward as _oracle_forward
+from elastic_np.reference._backend import forward as _oracle_forward
 from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
 from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, worst_error

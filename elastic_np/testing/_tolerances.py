@@ -12,11 +12,14 @@ import math
 import numpy as np
 
 from elastic_np import reference
-from elastic_np._contract._grads import reduce_to_shape, sum_to_shape
+from elastic_np._contract._grads import direction, reduce_to_shape, sum_to_shape
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._validation import HALF_DTYPES, compute_dtype
-from elastic_np.reference import _attention, _backward
-from elastic_np.reference import _double_backward as _second
+from elastic_np.reference._attention import kept_scores, log_tanh_elasticity, modify_scores, window_gate, without_padding
+from elastic_np.reference._backend import double_backward as oracle_double_backward
+from elastic_np.reference._backend import forward as oracle_forward
+from elastic_np.reference._backward import dlog_gate, dtau_terms, score_gradient
+from elastic_np.reference._double_backward import d2log_gate, tangent_terms
 from elastic_np.testing._report import _magnitude, worst_error
 
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
@@ -51,8 +54,8 @@ def naive_forward(q, k, v, options, dtype):
     vv = np.repeat(p.v, p.group_size, axis=1)
     # the score modifiers and the keep mask are the oracle's; the product, the
     # gate and the normalisation are the plain forms whose rounding sets the rule
-    s, cap_slope = _attention._modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
-    s, keep = _attention._kept_scores(p, s)
+    s, cap_slope = modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
+    s, keep = kept_scores(p, s)
     tau = p.tau.astype(dtype)[:, None, None]
     z = s / tau
     gate = None
@@ -94,7 +97,7 @@ def _naive_gate(p, dtype):
     within ``y^2 / 3`` relative).
     """
     t = dtype.type
-    is_open = _attention.window_gate(dataclasses.replace(p, q=p.q.astype(np.float64)))[0] > 0
+    is_open = window_gate(dataclasses.replace(p, q=p.q.astype(np.float64)))[0] > 0
     x = reference.window_position(p).astype(dtype)
     sigma = p.sigma.astype(dtype)[:, :, None, None]
     exponent = -(x * x) / (t(2) * sigma * sigma)
@@ -146,7 +149,7 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
         f, x, sigma = gate
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             y = t(p.sharpness) * f  # 0 where f underflowed (`_naive_gate`): there tanh y = y, elasticity 1
-            elasticity = np.where(y > 0, _attention._log_tanh_elasticity(np.where(y > 0, y, t(1))), t(1))
+            elasticity = np.where(y > 0, log_tanh_elasticity(np.where(y > 0, y, t(1))), t(1))
             dlogG = elasticity * (x * x / sigma**3 - t(1) / sigma)
             dsigma = np.sum(np.where(keep, dz * dlogG, t(0)), axis=(2, 3))
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
@@ -341,21 +344,21 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     p = prepare(q, k, v, **options)
     B, H, Hkv, N, M, D, Dv = p.shape
-    out, lse = _attention._forward(p)
+    out, lse = oracle_forward(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        s, keep, gate, cap_slope, probs, delta, dz = _backward._score_gradient(
-            _attention._without_padding(p), dout, out, lse,
+        s, keep, gate, cap_slope, probs, delta, dz = score_gradient(
+            without_padding(p), dout, out, lse,
             None if dlse is None else np.asarray(dlse, dtype=np.float64))
         cond = _logit_condition(p, s, probs, lse, cap_slope)
         weights = probs * cond[..., None]
         v_abs = np.abs(np.repeat(p.v, p.group_size, axis=1))
         delta_mag = _delta_magnitude(dout, out, dlse)
         dz_mag = weights * (np.abs(dout) @ np.swapaxes(v_abs, -1, -2) + delta_mag[..., None])
-        dtau = np.sum(np.abs(_backward._dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
+        dtau = np.sum(np.abs(dtau_terms(s, probs, dz_mag)), axis=(0, 2, 3)) / p.tau**2
         dbeta = _sink_allowance(p, delta, delta_mag, lse, cond, dtype)
         dsigma = None
         if gate is not None:
-            dlogg = _backward._dlog_gate(p, *gate)
+            dlogg = dlog_gate(p, *gate)
             dsigma = np.sum(np.abs(np.where(keep, dz_mag * dlogg, 0.0)), axis=(2, 3))
         ds_mag = dz_mag / p.tau[:, None, None]
         ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope * (1 + _slope_condition(p) / cond[..., None])
@@ -430,7 +433,7 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
     ``cotangents = (ddq, ddk, ddv, ddtau, ddbeta, ddsigma, ddbias)`` as
     `elastic_np.reference.attention_double_backward` takes them (None for
     zeros). The same two effects, on the terms of the oracle's steps
-    (`elastic_np.reference._double_backward._tangent_terms`) in magnitude:
+    (`elastic_np.reference._double_backward.tangent_terms`) in magnitude:
     every weight ``p`` carries the logits' factor ``1 + max(|z|, |lse|)``,
     every difference is taken as the sum of its parts' magnitudes (``pdot =
     p (zdot - lsedot)`` as ``p (|zdot| + |lsedot|)``, ``dz`` and ``dzdot``
@@ -450,11 +453,11 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     p = prepare(q, k, v, **options)
     B, H, Hkv, N, M, D, Dv = p.shape
-    out, lse = _attention._forward(p)
-    d = _second._direction(p, cotangents[:3], cotangents[3:], True)
-    p = _attention._without_padding(p)
+    out, lse = oracle_forward(p)
+    d = direction(p, cotangents[:3], cotangents[3:], True)
+    p = without_padding(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        t = _second._tangent_terms(p, dout, out, lse, None if dlse is None else np.asarray(dlse, np.float64), d)
+        t = tangent_terms(p, dout, out, lse, None if dlse is None else np.asarray(dlse, np.float64), d)
         cond = _logit_condition(p, t.s, t.probs, lse, t.cap_slope)
         w = t.probs * cond[..., None]
         v_abs, vdot_abs, k_abs, kdot_abs = (np.abs(np.repeat(a, p.group_size, axis=1)) for a in (p.v, d.v, p.k, d.k))
@@ -481,7 +484,7 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
         dbeta = np.sum((deltadot_mag + delta_mag * np.abs(t.lsedot)) * exp_lse, axis=(0, 2))
         dsigma = None
         if t.gate is not None:
-            d2log = np.where(t.keep, _second._d2log_gate(p, *t.gate), 0.0) * np.abs(d.sigma)[:, :, None, None]
+            d2log = np.where(t.keep, d2log_gate(p, *t.gate), 0.0) * np.abs(d.sigma)[:, :, None, None]
             dsigma = np.sum(dzdot_mag * np.abs(t.dlog) + dz_mag * np.abs(d2log), axis=(2, 3))
         terms = {"ddout": outdot_mag, "ddlse": np.sum(w * np.abs(t.zdot), axis=-1) + np.abs(d.beta)[:, None] * exp_lse}
     group = (B, Hkv, p.group_size, M)
@@ -523,11 +526,11 @@ def naive_double_backward(q, k, v, dout, cotangents, options, dtype=np.float32, 
         perms = (pd, pd, pv, pv)
         q_n, k_n, v_n, dout_n = (np.asarray(a[..., perm], dtype=dtype) for a, perm in zip(arrays, perms))
         p = prepare(q_n, k_n, v_n, dtypes=(dtype.name,), **options)
-        out, lse = _attention._forward(p)
-        d = _second._direction(p, [c[..., perm] for c, perm in zip(moving, perms)], cotangents[3:], True)
+        out, lse = oracle_forward(p)
+        d = direction(p, [c[..., perm] for c, perm in zip(moving, perms)], cotangents[3:], True)
         d = d._replace(**{f: None if a is None else a.astype(dtype) for f, a in d._asdict().items()})
         with np.errstate(all="ignore"):
-            outdot, lsedot, g = _second._double_backward(
+            outdot, lsedot, g = oracle_double_backward(
                 p, p.as_bhnd(dout_n), out, lse, None if dlse is None else np.asarray(dlse, dtype=dtype), d)
         g = p.grads_as_given(g)
         back_d, back_v = np.argsort(pd), np.argsort(pv)

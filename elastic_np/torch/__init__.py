@@ -254,7 +254,7 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     batch = {"cu_seqlens_q": cu_seq_q, "cu_seqlens_k": cu_seq_k, "block_table": block_table, "seqused_k": seqused_k}
     batch = {name: x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
              for name, x in batch.items()}
-    batch.update(max_q=varlen._maximum(max_q, "max_q"), max_k=varlen._maximum(max_k, "max_k"))
+    batch.update(max_q=varlen.check_maximum(max_q, "max_q"), max_k=varlen.check_maximum(max_k, "max_k"))
     lists = [(f"{name}[{s}]", x) for name in varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
     _arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
                                        *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS

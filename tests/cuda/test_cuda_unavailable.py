@@ -40,7 +40,7 @@ def test_cuda_backward_without_gpu_raises_clear_error():
 
 
 def test_auto_does_not_pick_cuda_without_gpu():
-    assert dispatch._cuda_is_available() is False
+    assert dispatch.cuda_is_available() is False
 
 
 def test_missing_numba_cuda_is_named(monkeypatch):
