@@ -54,7 +54,7 @@ def _listener(module):
 
 
 def _register():
-    """Register the listeners of the Numba packages loaded so far, once each (a listener per call cost tens of us)."""
+    """Register the listeners of the Numba packages loaded so far, once each, not on every call."""
     for module_name, kind in _PASS_EVENTS:
         module = sys.modules.get(module_name)
         if module is not None and module_name not in _registered:
@@ -94,7 +94,7 @@ def watch():
 
 
 class _Watching:
-    """`watch`'s block (a class: a generator's context manager cost microseconds on every call)."""
+    """`watch`'s block (a class: cheaper on every call than a generator's context manager)."""
 
     __slots__ = ("seen", "functions", "start")
 

@@ -59,8 +59,8 @@ def _reported(module, what, problem):
 
 @functools.lru_cache(maxsize=None)
 def cuda_is_available():
-    """Whether the CUDA backend can run here: asked once a process ("auto" on every call took 40 us
-    where numba-cuda is missing), as a GPU does not come or go while it runs."""
+    """Whether the CUDA backend can run here: asked once a process, not on every call of "auto" (an
+    import attempt where numba-cuda is missing), as a GPU does not come or go while it runs."""
     try:
         module = importlib.import_module(_BACKEND_MODULES["cuda"])
     except ImportError:

@@ -251,8 +251,9 @@ OPTIONS = (
     Option("precision", None, '{None, "tf32"}, optional',
            "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
            "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "
-           "mantissa), about three times faster, like ``torch.backends.cuda.matmul.allow_tf32``; kernels "
-           "that do not use the tensor cores keep float32. CUDA float32 only.",
+           "mantissa) instead of three, faster and less accurate, like "
+           "``torch.backends.cuda.matmul.allow_tf32``; kernels that do not use the tensor cores keep float32. "
+           "CUDA float32 only.",
            _precision, backends=("cuda",), dtypes=("float32",), in_kit=False, schema="str? precision"),
     Option("layout", "bhnd", '{"bhnd", "bnhd"}, optional',
            'Axes of ``q``, ``k``, ``v`` (and of ``out``, ``dout`` and their gradients): ``"bhnd"``, '

@@ -121,7 +121,7 @@ def _per_batch_head(firsts, shares, BH, shape):
 # that keeps nothing) and every sum is in a fixed order, neither of which
 # `dask.array.blockwise` or `dask.array.reduction` keeps, so these layers are
 # written out. (The sums' rounding is each tree's root task: Dask's `astype`
-# would add a map_blocks layer per gradient, which measurably slowed the build.)
+# would add a map_blocks layer per gradient, which slows the build.)
 # ---------------------------------------------------------------------------
 
 

@@ -234,8 +234,8 @@ def attention(q, k, v, fixed, learnable):
 
     An eager call that records no gradient, on plain CPU tensors, runs the
     operator's forward directly (`_host_forward`, the same code and bits):
-    the operator's dispatch cost about 80 us a call, most of a small
-    model's decoding step. Anything else (``torch.compile`` tracing, a
+    the operator's dispatch would be most of a small model's decoding
+    step. Anything else (``torch.compile`` tracing, a
     gradient to record, a tensor subclass, CUDA tensors) goes through the
     operator.
     """
