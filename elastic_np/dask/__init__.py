@@ -159,6 +159,7 @@ def _setup(q, k, v, options, backend, threads_per_task):
     return _Setup(q, k, v, mask, bias, spec, problem, dtype)
 
 
+@_spec.takes_options(own=("mask", "bias"))
 def attention(q, k, v, *, return_lse=False, backend="cpu", threads_per_task=1, **options):
     """`elastic_np.attention` over Dask arrays, lazily: a Dask array (and ``lse``).
 

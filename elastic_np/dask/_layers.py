@@ -8,7 +8,7 @@ import dask.array as da
 import numpy as np
 from dask.highlevelgraph import HighLevelGraph
 
-from elastic_np._contract import _grads, _spec, _validation
+from elastic_np._contract import _grads, _validation
 from elastic_np._contract._types import AttentionGrads
 from elastic_np.dask import _blocks
 
@@ -54,9 +54,6 @@ def _finish(partial, beta, dtype):
 
 def _empty_partial(shape):
     return np.zeros(shape), np.full(shape[:3], -np.inf)
-
-
-@_spec.takes_options(own=("mask", "bias"))
 
 
 def _rows_array(a, shape, chunks, name):
