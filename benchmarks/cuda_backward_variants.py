@@ -20,7 +20,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cuda import _config
+from elastic_np.cuda._runtime import config as _config
 
 
 def _ours(q, k, v, dout, causal, tensor_cores):

@@ -21,7 +21,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench, _cuda_bench
-from elastic_np.cuda import _config
+from elastic_np.cuda._runtime import config as _config
 
 #: (DECODE_MIN_BLOCKS, DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SHARED_BYTES), the defaults first
 VARIANTS = ((512, 128, 48 * 1024), (256, 256, 48 * 1024), (1024, 64, 48 * 1024), (2048, 32, 48 * 1024),

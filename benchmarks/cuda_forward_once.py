@@ -14,7 +14,8 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cuda import _config, _mma
+from elastic_np.cuda._runtime import config as _config
+from elastic_np.cuda._tensor_core import mma as _mma
 
 
 def main(dtype, precision, keys, warps, ordered=False):

@@ -9,7 +9,7 @@ import elastic_np as enp
 from elastic_np import reference
 from elastic_np._contract import _problem, _ranges
 from elastic_np.cpu import _plan
-from elastic_np.cuda import _api
+from elastic_np.cuda._launch import api as _api
 
 
 @settings(max_examples=300, deadline=None)

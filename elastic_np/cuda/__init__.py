@@ -152,9 +152,9 @@ results are device arrays, ``dbias`` too.
 import importlib
 import warnings
 
-from elastic_np.cuda._compile import dynamic_shared_bytes, ptx, resources
-from elastic_np.cuda._host import check_available, check_backward_arrays, dtypes, is_available, prepare
-from elastic_np.cuda._api import backward, forward
+from elastic_np.cuda._compile.report import dynamic_shared_bytes, ptx, resources
+from elastic_np.cuda._runtime.gpu import check_available, check_backward_arrays, dtypes, is_available, prepare
+from elastic_np.cuda._launch.api import backward, forward
 
 __all__ = [
     "dtypes",
@@ -174,7 +174,7 @@ _MOVED_TO_THE_BENCHMARK = ("bench", "bench_decode", "bench_record", "BENCH_BIAS_
 #: Other names of the flat module this package replaced, deprecated: name -> (module, attribute or None, use).
 _DEPRECATED = {
     "BackendUnavailableError": ("elastic_np._contract._errors", "BackendUnavailableError", "elastic_np.BackendUnavailableError"),
-    "config": ("elastic_np.cuda._config", None, "the tunables' module, elastic_np.cuda._config"),
+    "config": ("elastic_np.cuda._runtime.config", None, "the tunables' module, elastic_np.cuda._runtime.config"),
 }
 
 

@@ -11,7 +11,8 @@ import pytest
 import elastic_np as enp
 from elastic_np import cuda, reference
 from elastic_np._contract import _problem
-from elastic_np.cuda import _api, _forward_launch, _host
+from elastic_np.cuda._launch import api as _api, forward as _forward_launch
+from elastic_np.cuda._runtime import gpu as _host
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
 
@@ -207,7 +208,7 @@ def test_simulator_is_not_picked_by_auto():
 
 
 def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
@@ -413,7 +414,7 @@ def test_float64_bias_with_float32_q():
 
 
 def test_dbias_is_deterministic_and_any_thread_count_agrees():
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     q, k, v, dout = make_problem(14, B=2, H=2, N=9, M=10)
     opts = dict(bias=np.array([0.2]), softcap=1.0, causal=True)

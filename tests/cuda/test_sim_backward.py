@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 from elastic_np import cuda
 from test_sim_attention import (
     assert_float32_rule,
@@ -59,7 +59,7 @@ def set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m):
 
 @pytest.mark.parametrize("dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name", GEOMETRIES)
 def test_backward_geometries_match_reference(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name):
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import backward as _backward_launch
 
     set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m)
     assert _backward_launch.tiles("dq", 8, D, Dv)[1:] == (dq_m, dq_n)  # nothing shrunk
@@ -87,7 +87,7 @@ def test_backward_is_bit_identical_across_runs(monkeypatch, dtype):
 @pytest.mark.parametrize("name, value", [("DQ_BLOCK_Q", 6), ("DQ_BLOCK_K", 2), ("DKDV_BLOCK_K", 10),
                                          ("DKDV_BLOCK_Q", 0)])
 def test_backward_tiles_are_checked(monkeypatch, name, value):
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import backward as _backward_launch
 
     monkeypatch.setattr(_cuda_config, name, value)
     with pytest.raises(ValueError, match=name):
@@ -95,8 +95,8 @@ def test_backward_tiles_are_checked(monkeypatch, name, value):
 
 
 def test_backward_tiles_shrink_to_fit(monkeypatch):
-    from elastic_np.cuda import _backward_launch
-    from elastic_np.cuda._host import shared_limit
+    from elastic_np.cuda._launch import backward as _backward_launch
+    from elastic_np.cuda._runtime.gpu import shared_limit
 
     set_tiles(monkeypatch, 64, 32, 64, 32)
     for kind in ("dq", "dkdv"):
@@ -114,7 +114,7 @@ def test_default_geometry(monkeypatch):
     """The shipped backward tiles (8 lanes a row or key; float64 dq halves its rows), ragged last tiles."""
     import importlib
 
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import backward as _backward_launch
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)  # the tiles without a GPU's opt-in

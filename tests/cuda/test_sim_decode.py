@@ -12,7 +12,7 @@ import elastic_np as enp
 from elastic_np import cuda, reference
 from elastic_np._contract import _problem
 from elastic_np.testing import _tolerances
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -111,7 +111,7 @@ def test_float32_queries_and_groups(decode_runs, N, group):
 
 def test_geometry_of_these_tests():
     """The fixture's tiles give several splits, row chunks, and several tiles per split."""
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import decode as _decode_launch
 
     rows_blk, tpr = _decode_launch.geometry(4 * 2, 6, 5, 8)
     assert (rows_blk, tpr) == (8, 2)  # block_k = 4 keys
@@ -121,7 +121,7 @@ def test_geometry_of_these_tests():
 
 
 def test_splits_depend_on_the_shape_only(monkeypatch):
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import decode as _decode_launch
 
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_BLOCKS", 256)
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_SPLIT_KEYS", 256)
@@ -145,7 +145,7 @@ def test_bit_identical_across_runs(decode_runs, dtype):
 
 def test_wide_value_head_takes_several_passes(monkeypatch, decode_runs):
     """One lane per row: 8 output columns per pass, so Dv = 21 takes three passes over the keys."""
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import decode as _decode_launch
 
     monkeypatch.setattr(_cuda_config, "DECODE_LANES", 1)
     assert _decode_launch.geometry(8, 6, 21, 8)[1] == 1
@@ -173,7 +173,7 @@ def test_empty_caches(decode_runs):
 
 
 def test_decode_shape_takes_the_decode_kernel():
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import decode as _decode_launch
 
     q, k, v, _ = make(np.float32, 1, 32, 8, 1, 16)
     assert _decode_launch.takes(_problem.prepare(q, k, v))
@@ -183,13 +183,14 @@ def test_decode_shape_takes_the_decode_kernel():
 
 def test_option_arrays_are_copied_once_per_distinct_values(monkeypatch):
     """Repeated calls reuse the device copies of the option arrays; other values get their own, still right."""
-    from elastic_np.cuda import _api
+    from elastic_np.cuda._launch import api as _api
+    from elastic_np.cuda._runtime import gpu as _host
 
     monkeypatch.setattr(_api, "_plans", type(_api._plans)())
     monkeypatch.setattr(_cuda_config, "PLAN_CACHE_SIZE", 2)
     copies = []
-    to_device = cuda._host._cuda().to_device
-    monkeypatch.setattr(cuda._host._cuda(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
+    to_device = _host._cuda().to_device
+    monkeypatch.setattr(_host._cuda(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
     B, H, Hkv, N, M = 2, 4, 2, 1, 40
     q, k, v, dout = make(np.float32, B, H, Hkv, N, M, seed=6)
     first, _ = check_forward(q, k, v, dout, dict(causal=True, tau=0.7))
@@ -206,7 +207,7 @@ def test_option_arrays_are_copied_once_per_distinct_values(monkeypatch):
 
 
 def test_a_bias_is_copied_per_call_and_never_kept(monkeypatch):
-    from elastic_np.cuda import _api
+    from elastic_np.cuda._launch import api as _api
 
     monkeypatch.setattr(_api, "_plans", type(_api._plans)())
     B, H, Hkv, N, M = 1, 4, 2, 1, 24

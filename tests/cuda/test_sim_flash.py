@@ -12,8 +12,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cuda, reference
-from elastic_np.cuda import _config as _cuda_config
-from elastic_np.cuda import _forward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
+from elastic_np.cuda._launch import forward as _forward_launch
 from oracle_checks import assert_matches_oracle
 from test_sim_attention import CASES, MOD_CASES, case_options, make_problem
 
@@ -96,7 +96,7 @@ def test_forward_geometry_is_checked(monkeypatch, name, value):
 
 
 def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
-    from elastic_np.cuda import _host
+    from elastic_np.cuda._runtime import gpu as _host
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
@@ -144,7 +144,7 @@ def test_forward_key_tile_follows_the_value_head(monkeypatch):
 
 
 def test_shared_limit(monkeypatch):
-    from elastic_np.cuda import _host
+    from elastic_np.cuda._runtime import gpu as _host
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 20000)
     assert _host.shared_limit() == 20000

@@ -10,7 +10,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cuda import _host
+from elastic_np.cuda._runtime import gpu as _host
 from elastic_np.testing import _tolerances
 from test_sim_attention import (
     ARRAY_FIELDS, CASES, GRAD_FIELDS, MOD_CASES, assert_float64_close, case_options, items, make_problem, max_error,

@@ -10,10 +10,10 @@ non-symmetric matrices.
 import numpy as np
 import pytest
 
-from elastic_np.cuda import _host
+from elastic_np.cuda._runtime import gpu as _host
 
 cuda = _host._cuda()
-_mma = _host._kernel_module("_mma")
+_mma = _host._kernel_module("_tensor_core.mma")
 
 
 @cuda.jit

@@ -26,7 +26,7 @@ import pytest
 from oracle_checks import check_case, make_dlse, make_inputs
 
 import elastic_np as enp
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -132,7 +132,7 @@ def test_every_option_combined(decode_runs, dtype, path, bias):
 
 def test_these_shapes_run_several_tiles_and_a_partial_last_one():
     """The docstring's geometry at these shapes, under ``small_tiles``, in both dtypes."""
-    from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
+    from elastic_np.cuda._launch import backward as _backward_launch, decode as _decode_launch, forward as _forward_launch
 
     assert _cuda_config.DECODE_MAX_QUERIES < PATHS["flash"] and PATHS["decode"] <= _cuda_config.DECODE_MAX_QUERIES
     N = PATHS["flash"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_sim_attention import assert_float32_rule, assert_float64_close, make_problem, run_cuda, run_reference
 
-from elastic_np.cuda import _backward_launch
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._launch import backward as _backward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 

@@ -14,8 +14,8 @@ from test_sim_options import ALONE, M, alone, everything
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cuda import _config as _cuda_config
-from elastic_np.cuda import _forward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
+from elastic_np.cuda._launch import forward as _forward_launch
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 

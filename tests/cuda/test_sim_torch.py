@@ -22,7 +22,7 @@ import elastic_np as enp
 import elastic_np.torch as enpt
 from elastic_np._api import dispatch
 from elastic_np.torch import _arrays
-from elastic_np.cuda import _host as cuda_host
+from elastic_np.cuda._runtime import gpu as cuda_host
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 

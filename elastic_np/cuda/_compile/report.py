@@ -18,13 +18,15 @@ import numpy as np
 from numba import types as nbt
 
 from elastic_np._contract._errors import BackendUnavailableError
-from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
-from elastic_np.cuda import _config as config
-from elastic_np.cuda._host import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available
+from elastic_np.cuda._launch import backward as _backward_launch
+from elastic_np.cuda._launch import decode as _decode_launch
+from elastic_np.cuda._launch import forward as _forward_launch
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._runtime.gpu import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available
 
 def _signatures(dtype):
     """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
-    dev = _kernel_module("_device")
+    dev = _kernel_module("_device.score")
     real = nbt.float64 if dtype == np.float64 else nbt.float32
 
     def arr(ndim, kind=real):
@@ -45,9 +47,9 @@ def _signatures(dtype):
     qkv = (arr(4), arr(4), arr(4))
     dout_lse_delta = nbt.Tuple((arr(4), arr(3), arr(3)))
     tensor_cores = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, arr(4), arr(3))
-                    for kernel in _kernel_module("_forward_tc").KERNELS.values()}
+                    for kernel in _kernel_module("_tensor_core.forward").KERNELS.values()}
     backward_tc = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, dout_lse_delta, arr(4), arr(4))
-                   for kernel in _kernel_module("_backward_tc").KERNELS.values()}
+                   for kernel in _kernel_module("_tensor_core.backward").KERNELS.values()}
     return {
         "_forward_kernel": qkv + (opts, nbt.int64, arr(4), arr(3)),
         **backward_tc,
@@ -90,7 +92,7 @@ def ptx(cc=(9, 0)):
 @functools.lru_cache(maxsize=None)
 def _ptx(cuda, cc):
     """`ptx`'s result, compiled once per capability in a process."""
-    kern = _kernel_module("_kernels")
+    kern = _kernel_module("_compile.kernels")
     result = {}
     with _device_functions_compiled_for(cc):
         for dtype in dtypes:

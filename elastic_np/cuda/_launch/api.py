@@ -27,9 +27,11 @@ import numpy as np
 
 from elastic_np._contract._compact import compact_bias, compact_mask, element_strides
 from elastic_np._contract._ranges import offset_band
-from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
-from elastic_np.cuda import _config as config
-from elastic_np.cuda._host import _cuda, _current_device_id, _is_device, _kernel_module, _to_device
+from elastic_np.cuda._launch import backward as _backward_launch
+from elastic_np.cuda._launch import decode as _decode_launch
+from elastic_np.cuda._launch import forward as _forward_launch
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._runtime.gpu import _cuda, _current_device_id, _is_device, _kernel_module, _to_device
 
 # ---------------------------------------------------------------------------
 # What every launch shares: the option arrays, the bias operand
@@ -82,7 +84,7 @@ def _launch_options(p):
     once per distinct set of values, so that repeated calls (decoding steps)
     copy nothing but their inputs.
     """
-    dev = _kernel_module("_device")
+    dev = _kernel_module("_device.score")
     dtype = p.dtype
     bias, bias_strides, bias_compact = _bias_operand(p)
     if p.mask is None:
@@ -274,7 +276,7 @@ def _backward_result(p, grads, lse, on_device):
     formed from ``delta`` and ``lse``, all on the host in float64; the arrays
     are copied to the host unless ``on_device``.
     """
-    dev = _kernel_module("_device")
+    dev = _kernel_module("_device.score")
     dq, dk, dv, dbias = grads["dq"], grads["dk"], grads["dv"], grads["dbias"]
     partials = grads["partials"].astype(np.float64)
     dtau_h = -(partials[..., dev.P_DTAU].sum(axis=(0, 2)) / p.tau) / p.tau  # tau**2 may underflow

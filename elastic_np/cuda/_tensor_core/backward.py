@@ -33,14 +33,14 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
-from elastic_np.cuda._copy import commit, copy_tile, wait_all, wait_prior
-from elastic_np.cuda._device import (
+from elastic_np.cuda._runtime.config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
+from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
+from elastic_np.cuda._device.score import (
     F_NEG_INF, F_ONE, F_SCALE, F_ZERO, I_MMA_TERMS, O_FOPTS, O_IOPTS, O_TAU, P_DSIGMA, P_DTAU, _bh_params,
     _compensated_add, _dims, _key_range, _query_range, inline_device,
 )
-from elastic_np.cuda._forward_tc import _place, _scores, _simple_logits, add_products, copy_unit
-from elastic_np.cuda._mma import splits
+from elastic_np.cuda._tensor_core.forward import _place, _scores, _simple_logits, add_products, copy_unit
+from elastic_np.cuda._tensor_core.mma import splits
 
 
 @inline_device

@@ -51,7 +51,11 @@ Conventions shared by every kernel:
   threads of a warp fall in different banks.
 """
 
-from elastic_np.cuda import _backward, _backward_tc, _decode, _forward, _forward_tc
+from elastic_np.cuda._simt import backward as _backward
+from elastic_np.cuda._simt import decode as _decode
+from elastic_np.cuda._simt import forward as _forward
+from elastic_np.cuda._tensor_core import backward as _backward_tc
+from elastic_np.cuda._tensor_core import forward as _forward_tc
 
 #: Every kernel of the backend, by name (the PTX and resource reports go through these).
 KERNELS = {

@@ -10,9 +10,9 @@ imports the kernel module on first use
 `elastic_np.cuda._api.forward`, calls `launch` when `takes` says so.
 """
 
-from elastic_np.cuda import _config as config
-from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._host import _cuda, _kernel_module, configured, pow2_at_least, shared_limit
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np.cuda._runtime.gpu import _cuda, _kernel_module, configured, pow2_at_least, shared_limit
 
 
 def takes(p):
@@ -84,7 +84,7 @@ def launch(p, opts, q, k, v, out, lse):
     ``opts`` comes from ``_api._launch_options``.
     """
     cuda = _cuda()
-    kernels = _kernel_module("_decode")
+    kernels = _kernel_module("_simt.decode")
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     rows = (H // Hkv) * N

@@ -18,7 +18,7 @@ import numba
 from numba import cuda
 
 from elastic_np._contract._ranges import key_range, query_range
-from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 
 # opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._api._launch_options`)
 O_MASK = 0

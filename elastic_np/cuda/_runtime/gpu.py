@@ -14,8 +14,8 @@ from numba import config as numba_config
 from elastic_np import reference
 from elastic_np._contract import _problem
 from elastic_np._contract._errors import BackendUnavailableError
-from elastic_np.cuda import _config as config
-from elastic_np.cuda import _sim
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._runtime import sim as _sim
 
 #: The dtypes the kernels take (``q``, ``k``, ``v`` share one).
 dtypes = ("float32", "float64")

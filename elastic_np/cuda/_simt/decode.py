@@ -49,9 +49,9 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda import _copy
-from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._device import (
+from elastic_np.cuda._device import async_copy as _copy
+from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
+from elastic_np.cuda._device.score import (
     F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _carve, _constants, _dims, _entry,
     _fill, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
 )

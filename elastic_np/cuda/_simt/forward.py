@@ -12,8 +12,8 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
-from elastic_np.cuda._device import (
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device.score import (
     F_ONE, O_BETA, _bh_params, _carve, _constants, _dims, _fill, _finish_row, _flash_tiles, _group_max,
     _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_entry, _tile_pv,
 )

@@ -47,8 +47,8 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
-from elastic_np.cuda._device import (
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._device.score import (
     C_INV_SIGMA,
     F_NEG_INF,
     F_ONE,

@@ -26,14 +26,14 @@ import math
 import numba
 from numba import cuda
 
-from elastic_np.cuda._device import (
+from elastic_np.cuda._device.score import (
     F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS, _bh_params, _carve, _dims, _entry,
     _finish_row, _group_max, _group_sum, _key_range, inline_device,
 )
-from elastic_np.cuda._device import unsigned as _at
-from elastic_np.cuda._config import TC_PAD
-from elastic_np.cuda._copy import commit, copy_tile, wait_all, wait_prior
-from elastic_np.cuda._mma import mma, split, splits
+from elastic_np.cuda._device.score import unsigned as _at
+from elastic_np.cuda._runtime.config import TC_PAD
+from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
+from elastic_np.cuda._tensor_core.mma import mma, split, splits
 
 #: Every lane of a warp: a row's 4 lanes reduce by shuffles (`_group_max`, `_group_sum` of width 4).
 FULL_MASK = numba.uint32(0xFFFFFFFF)

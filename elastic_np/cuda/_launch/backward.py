@@ -18,10 +18,10 @@ import math
 
 import numpy as np
 
-from elastic_np.cuda import _config as config
-from elastic_np.cuda import _forward_launch
-from elastic_np.cuda._config import REG_M, REG_N
-from elastic_np.cuda._host import _cuda, _kernel_module, blocks, configured, shared_limit
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._launch import forward as _forward_launch
+from elastic_np.cuda._runtime.config import REG_M, REG_N
+from elastic_np.cuda._runtime.gpu import _cuda, _kernel_module, blocks, configured, shared_limit
 
 
 def shared_elements(kind, rows, cols, D, Dv):
@@ -119,7 +119,7 @@ def outputs(p):
     ``"dbias"``, None until `launch` allocates it.
     """
     cuda = _cuda()
-    partial_sums = _kernel_module("_device").P_COUNT
+    partial_sums = _kernel_module("_device.score").P_COUNT
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     plan = tensor_core_plan(p)
@@ -170,7 +170,7 @@ def _launch_kernels(p, opts, arrays, grads):
     ``"dk"``, ``"dv"``, ``"partials"`` (the dq blocks' sums) and ``"dbias"``
     (a full bias's, else a dummy).
     """
-    kernels = _kernel_module("_backward")
+    kernels = _kernel_module("_simt.backward")
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
     q, k, v, dout, out, lse, dlse = arrays
@@ -198,7 +198,7 @@ def _launch_kernels(p, opts, arrays, grads):
 
 def _launch_tensor_cores(p, opts, plan, arrays, grads):
     """Launch the tensor-core dq and dk/dv kernels (`tensor_core_plan`), after the delta kernel."""
-    kernel = _kernel_module("_backward_tc").kernel
+    kernel = _kernel_module("_tensor_core.backward").kernel
     B, H, Hkv, N, M, D, Dv = p.shape
     q, k, v, dout, out, lse, dlse = arrays
     dout_lse_delta = (dout, lse, grads["delta"])
@@ -216,7 +216,7 @@ def _launch_tensor_cores(p, opts, plan, arrays, grads):
 
 def _launch_dbias(p, opts, bias_compact, arrays, grads):
     """Launch the dbias kernel of a broadcast bias, one block per entry of ``bias_compact``, after delta."""
-    kernels = _kernel_module("_backward")
+    kernels = _kernel_module("_simt.backward")
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
     q, k, v, dout, out, lse, dlse = arrays
