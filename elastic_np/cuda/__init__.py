@@ -153,7 +153,8 @@ import importlib
 import warnings
 
 from elastic_np.cuda._compile.report import dynamic_shared_bytes, ptx, resources
-from elastic_np.cuda._runtime.gpu import check_available, check_backward_arrays, dtypes, is_available, prepare
+from elastic_np.cuda._launch.arrays import check_backward_arrays, dtypes, prepare
+from elastic_np.cuda._runtime.gpu import check_available, is_available
 from elastic_np.cuda._launch.api import backward, forward
 
 __all__ = [

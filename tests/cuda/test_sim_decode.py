@@ -183,36 +183,36 @@ def test_decode_shape_takes_the_decode_kernel():
 
 def test_option_arrays_are_copied_once_per_distinct_values(monkeypatch):
     """Repeated calls reuse the device copies of the option arrays; other values get their own, still right."""
-    from elastic_np.cuda._launch import api as _api
+    from elastic_np.cuda._launch import options as _options
     from elastic_np.cuda._runtime import gpu as _host
 
-    monkeypatch.setattr(_api, "_plans", type(_api._plans)())
+    monkeypatch.setattr(_options, "_plans", type(_options._plans)())
     monkeypatch.setattr(_cuda_config, "PLAN_CACHE_SIZE", 2)
     copies = []
-    to_device = _host._cuda().to_device
-    monkeypatch.setattr(_host._cuda(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
+    to_device = _host.cuda_module().to_device
+    monkeypatch.setattr(_host.cuda_module(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
     B, H, Hkv, N, M = 2, 4, 2, 1, 40
     q, k, v, dout = make(np.float32, B, H, Hkv, N, M, seed=6)
     first, _ = check_forward(q, k, v, dout, dict(causal=True, tau=0.7))
     made = len(copies)
     again = enp.attention(q, k, v, causal=True, tau=0.7, backend="cuda")
-    assert len(copies) == made + 3 and len(_api._plans) == 1  # q, k, v only
+    assert len(copies) == made + 3 and len(_options._plans) == 1  # q, k, v only
     np.testing.assert_array_equal(first, again)
     for tau in (0.9, 1.3):  # new values: new copies, the oldest set dropped past PLAN_CACHE_SIZE
         check_forward(q, k, v, dout, dict(causal=True, tau=tau))
-    assert len(_api._plans) == 2
+    assert len(_options._plans) == 2
     monkeypatch.setattr(_cuda_config, "PLAN_MAX_BYTES", 0)  # too large to keep: copied per call, not kept
     check_forward(q, k, v, dout, dict(causal=True, tau=0.7))
-    assert len(_api._plans) == 2
+    assert len(_options._plans) == 2
 
 
 def test_a_bias_is_copied_per_call_and_never_kept(monkeypatch):
-    from elastic_np.cuda._launch import api as _api
+    from elastic_np.cuda._launch import options as _options
 
-    monkeypatch.setattr(_api, "_plans", type(_api._plans)())
+    monkeypatch.setattr(_options, "_plans", type(_options._plans)())
     B, H, Hkv, N, M = 1, 4, 2, 1, 24
     q, k, v, dout = make(np.float64, B, H, Hkv, N, M, seed=7)
     bias = np.random.default_rng(7).standard_normal((B, H, N, M))
     check_forward(q, k, v, dout, dict(bias=bias))
     check_forward(q, k, v, dout, dict(bias=2.0 * bias))
-    assert len(_api._plans) == 0
+    assert len(_options._plans) == 0

@@ -12,8 +12,8 @@ import pytest
 
 from elastic_np.cuda._runtime import gpu as _host
 
-cuda = _host._cuda()
-_mma = _host._kernel_module("_tensor_core.mma")
+cuda = _host.cuda_module()
+_mma = _host.kernel_module("_tensor_core.mma")
 
 
 @cuda.jit

@@ -19,7 +19,7 @@ from numba import config as numba_config
 from numba import cuda
 from numba import types as nbt
 
-from elastic_np.cuda._device.score import inline_device, unsigned
+from elastic_np.cuda._device.basics import inline_device, unsigned
 
 
 def copy_vector(dst, dst_index, src, row, col, valid):

@@ -1,102 +1,22 @@
-"""Device functions and option indices shared by the numba.cuda kernels.
+"""The per-entry score pipeline every kernel shares, and the key and query ranges that decide which tiles a block visits.
 
-Imported by the kernel modules only (so only when the CUDA backend is asked
-for). The kernels' conventions are described in `elastic_np.cuda._kernels`;
-this module holds
-what every kernel uses: the indices of the ``opts`` tuple (``O_*``) and of
-the packed option arrays in it (``I_*``, ``F_*``, ``C_*``), the key and
-query ranges that decide tile skipping, the per-entry score pipeline
-(`_bh_params` read once per block, `_entry` per score: keep, bias, score,
-NVM, gate), the warp-level reductions of a row group, the kernels' common
-prologue (`_dims`, `_tile_block`, the shared-memory tiles: `_carve`,
-`_flash_tiles`, `_fill`) and the register micro-tile products.
+`bh_params` reads a (batch, head)'s options once per block; `entry` takes
+an entry through the pipeline in the contract's order: the structural
+conditions and the bias (`entry_keep`), then the scaled dot product,
+soft-cap, ALiBi, bias, NVM and the dynamic window's gate (`entry_logit`).
+Imports ``numba.cuda``: imported by the kernel modules only.
 """
 
 import math
 
-import numba
 from numba import cuda
 
 from elastic_np._contract._ranges import key_range, query_range
-from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
-
-# opts: the option arrays every kernel takes, as one tuple (built by `elastic_np.cuda._api._launch_options`)
-O_MASK = 0
-O_KV_LENGTHS = 1
-O_BAND = 2
-O_IOPTS = 3
-O_FOPTS = 4
-O_TAU = 5
-O_BETA = 6
-O_BH_CONSTS = 7
-O_BIAS = 8
-O_COUNT = 9
-
-# iopts
-I_CAUSAL = 0
-I_LEFT = 1
-I_RIGHT = 2
-I_HAS_MASK = 3
-I_NVM = 4
-I_HAS_GATE = 5
-I_HAS_ALIBI = 6
-I_HAS_BIAS = 7
-I_BIAS_SB = 8  # element strides of the bias, 0 where broadcast
-I_BIAS_SH = 9
-I_BIAS_SI = 10
-I_BIAS_SJ = 11
-I_DBIAS_FULL = 12  # the bias is (B, H, N, M): the dq kernel writes dbias itself
-I_ALIGN_KV = 13  # align="kv_lengths": the last query sits at kv_lengths[b], not M (`_diag_shift`)
-I_DBIAS_B = 14  # the bias's compact shape (its own, padded to 4 dims): the layout of dbias, C order
-I_DBIAS_H = 15
-I_DBIAS_I = 16
-I_DBIAS_J = 17
-I_MMA_TERMS = 18  # tensor-core products per float32 product: 3 (3xTF32) or 1 (TF32; float64)
-I_COUNT = 19
-
-# fopts
-F_SCALE = 0
-F_SHARPNESS = 1
-F_THRESHOLD = 2
-F_ZERO = 3
-F_NEG_INF = 4
-F_ONE = 5
-F_SOFTCAP = 6  # 0: no soft-cap
-F_COUNT = 7
-
-# bh_consts, per (b, h); the window works with u = x / sigma, which neither
-# over- nor underflows where the bell is open, unlike sigma^2 and sigma^3
-C_NORM = 0  # 1 / (sigma sqrt(2 pi))
-C_INV_SIGMA = 1  # 1 / sigma
-C_ALIBI = 2  # the ALiBi slope
-C_U_SCALE = 3  # u per offset: 2 / ((E_b - 1) sigma), or 0 for E_b <= 1 (E_b: see `_diag_shift`)
-C_COUNT = 4
-
-# partials of the dq kernel, per (b, h, query tile)
-P_DTAU = 0  # sum dz * s
-P_DSIGMA = 1  # sum dz * dlogG/dsigma
-P_COUNT = 2
-
-
-def inline_device(fn):
-    """``cuda.jit(device=True, forceinline=True)``: inlined at the NVVM IR level.
-
-    For the device functions that take the kernels' register micro-tiles
-    (``cuda.local.array`` s): once inlined and unrolled, their indices are
-    constants and the arrays become registers. The simulator's ``jit`` has no
-    ``forceinline`` (and nothing to inline).
-    """
-    try:
-        return cuda.jit(device=True, forceinline=True)(fn)
-    except TypeError:
-        return cuda.jit(device=True)(fn)
-
-
-@inline_device
-def _constants(opts):
-    """``(fopts, zero, neg_inf)``: the float option array of ``opts`` and its 0 and ``-inf`` (in the kernel's dtype)."""
-    fopts = opts[O_FOPTS]
-    return fopts, fopts[F_ZERO], fopts[F_NEG_INF]
+from elastic_np.cuda._device.indices import (
+    C_ALIBI, C_NORM, C_U_SCALE, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_SOFTCAP, F_THRESHOLD, F_ZERO, I_ALIGN_KV,
+    I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ, I_CAUSAL, I_HAS_ALIBI, I_HAS_BIAS, I_HAS_GATE, I_HAS_MASK, I_LEFT,
+    I_NVM, I_RIGHT, O_BAND, O_BIAS, O_FOPTS, O_IOPTS, O_KV_LENGTHS, O_MASK,
+)
 
 
 @cuda.jit(device=True)
@@ -120,7 +40,7 @@ def _diag_shift(b, N, M, opts):
 
 
 @cuda.jit(device=True)
-def _key_range(i0, i1, b, h, N, M, opts):
+def block_key_range(i0, i1, b, h, N, M, opts):
     """Keys ``[lo, hi)`` that queries ``[i0, i1)`` can keep (`elastic_np._contract._ranges.key_range`)."""
     band = opts[O_BAND]
     kv_lengths = opts[O_KV_LENGTHS]
@@ -129,7 +49,7 @@ def _key_range(i0, i1, b, h, N, M, opts):
 
 
 @cuda.jit(device=True)
-def _query_range(j0, j1, b, h, N, M, opts):
+def block_query_range(j0, j1, b, h, N, M, opts):
     """Queries ``[lo, hi)`` that can keep one of the keys ``[j0, j1)`` (`elastic_np._contract._ranges.query_range`)."""
     band = opts[O_BAND]
     if j0 >= opts[O_KV_LENGTHS][b]:
@@ -141,7 +61,7 @@ def _query_range(j0, j1, b, h, N, M, opts):
 def _structural_keep(b, h, i, j, prm, mask):
     """Causal, window, ``kv_lengths`` and ``mask`` conditions of entry ``(i, j)``.
 
-    The options come from ``prm``, `_bh_params`'s scalars, read once per block.
+    The options come from ``prm``, `bh_params`'s scalars, read once per block.
     """
     (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
@@ -176,24 +96,6 @@ def _gate(i, j, diag_shift, u_scale, norm, threshold, sharpness, fopts):
 
 
 @cuda.jit(device=True)
-def _compensated_add(total, carry, term):
-    """Neumaier's compensated sum: add ``term`` to ``total`` keeping the lost low part in ``carry``."""
-    new_total = total + term
-    if abs(total) >= abs(term):
-        carry += (total - new_total) + term
-    else:
-        carry += (term - new_total) + total
-    return new_total, carry
-
-
-@cuda.jit(device=True)
-def _log_add_exp(a, b):
-    """``log(exp(a) + exp(b))`` for finite ``a``, ``b``."""
-    hi = max(a, b)
-    return hi + math.log1p(math.exp(min(a, b) - hi))
-
-
-@cuda.jit(device=True)
 def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
     """The final score of an entry at offset ``d`` (see `_diag_shift`) and ``ds / ds_raw``.
 
@@ -216,8 +118,8 @@ def _score(dot, d, scale, softcap, alibi_slope, bias_value, fopts):
 
 
 @cuda.jit(device=True)
-def _bh_params(b, h, N, M, opts):
-    """The options of `_entry` for batch ``b``, head ``h``, read from the option arrays once per block."""
+def bh_params(b, h, N, M, opts):
+    """The options of `entry` for batch ``b``, head ``h``, read from the option arrays once per block."""
     mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     zero = fopts[F_ZERO]
     alibi_slope = zero
@@ -238,12 +140,12 @@ def _bh_params(b, h, N, M, opts):
 
 
 @cuda.jit(device=True)
-def _entry_keep(b, h, i, j, prm, opts):
+def entry_keep(b, h, i, j, prm, opts):
     """``(kept, bias_value)``: the structural conditions and the bias of entry ``(b, h, i, j)``.
 
     The first half of the score pipeline, before the dot product is needed:
     an entry the causal, window, ``kv_lengths`` or mask conditions remove,
-    or whose bias is ``-inf``, is not kept. ``prm`` is `_bh_params`'s tuple.
+    or whose bias is ``-inf``, is not kept. ``prm`` is `bh_params`'s tuple.
     """
     (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
      scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
@@ -261,7 +163,7 @@ def _entry_keep(b, h, i, j, prm, opts):
 
 
 @cuda.jit(device=True)
-def _entry_logit(dot, i, j, bias_value, prm, fopts):
+def entry_logit(dot, i, j, bias_value, prm, fopts):
     """``(z, s, cap_slope, f, u)`` of a kept entry from ``dot = q_i . k_j``: the second half of the pipeline.
 
     ``s`` is the final score (`_score`: scale, soft-cap, ALiBi, bias) and
@@ -289,262 +191,11 @@ def _entry_logit(dot, i, j, bias_value, prm, fopts):
 
 
 @cuda.jit(device=True)
-def _entry(dot, b, h, i, j, prm, opts):
-    """The whole score pipeline of entry ``(b, h, i, j)``: `_entry_logit`'s tuple, ``z = -inf`` when removed."""
+def entry(dot, b, h, i, j, prm, opts):
+    """The whole score pipeline of entry ``(b, h, i, j)``: `entry_logit`'s tuple, ``z = -inf`` when removed."""
     fopts = opts[O_FOPTS]
-    kept, bias_value = _entry_keep(b, h, i, j, prm, opts)
+    kept, bias_value = entry_keep(b, h, i, j, prm, opts)
     if not kept:
         zero = fopts[F_ZERO]
         return fopts[F_NEG_INF], zero, zero, zero, zero
-    return _entry_logit(dot, i, j, bias_value, prm, fopts)
-
-
-@cuda.jit(device=True)
-def _tile_entry(tile, stride, micro, queries, keys, r, n, prm, opts):
-    """Entry ``(r, n)`` of the thread's micro-tile of a key tile, scored: ``(at, i, j, z, s, cap_slope, f, u)``.
-
-    ``micro = (row0, c, tpr)`` (`_tile_block`), ``queries = (b, h, i_first,
-    N)``, ``keys = (j0, jn)``: the entry is row ``row0 + r`` and key ``c +
-    tpr n`` of the tile, query ``i = i_first + r`` and key ``j``; ``tile[at]``
-    holds its dot product. The rest is `_entry`'s tuple, with ``z = -inf``
-    past the tile's ``jn`` keys or the ``N`` queries. The forward's softmax
-    and the ``dq`` kernel's recomputation score their entries here alike.
-    """
-    row0, c, tpr = micro
-    b, h, i_first, N = queries
-    j0, jn = keys
-    jj = c + tpr * n
-    at = (row0 + r) * stride + jj
-    i = i_first + r
-    j = j0 + jj
-    if jj < jn and i < N:
-        z, s, cap_slope, f, u = _entry(tile[at], b, h, i, j, prm, opts)
-        return at, i, j, z, s, cap_slope, f, u
-    fopts = opts[O_FOPTS]
-    zero = fopts[F_ZERO]
-    return at, i, j, fopts[F_NEG_INF], zero, zero, zero, zero
-
-
-@cuda.jit(device=True)
-def _finish_row(row_max, row_sum, beta_h, fopts):
-    """``(lse, num, den)`` of a row from its running max and sum: ``out = (acc num) / den``.
-
-    ``lse = log(row_sum exp(row_max) + beta)``; ``out = acc / (row_sum +
-    beta exp(-row_max))``, computed directly rather than as ``acc exp(row_max
-    - lse)``, which would turn the rounding of ``lse`` into a relative error
-    of ``out``, and as a quotient (one rounding, not two through a
-    reciprocal). A row that kept nothing has ``out = 0`` and ``lse = log(beta)``.
-    """
-    zero = fopts[F_ZERO]
-    one = fopts[F_ONE]
-    if row_sum > zero:
-        row_lse = row_max + math.log(row_sum)
-        num = one
-        den = row_sum
-        if beta_h > zero:
-            log_beta = math.log(beta_h)
-            row_lse = _log_add_exp(row_lse, log_beta)
-            gap = log_beta - row_max  # beta exp(-row_max) = exp(gap); no exp of a positive gap
-            if gap > zero:
-                num = math.exp(-gap)
-                den = row_sum * num + one
-            else:
-                den = row_sum + math.exp(gap)
-        return row_lse, num, den
-    row_lse = fopts[F_NEG_INF]
-    if beta_h > zero:
-        row_lse = math.log(beta_h)
-    return row_lse, zero, one
-
-
-@inline_device
-def unsigned(index):
-    """``index`` as an unsigned integer: Numba indexes with it without the wraparound test of a signed one.
-
-    The test (``index < 0``: add the length) kept every shared-memory address
-    apart; unsigned, the addresses of a fragment share one base and constant
-    offsets, and stay out of the registers.
-    """
-    return numba.uint64(index)
-
-
-@inline_device
-def _lane_mask(t, threads):
-    """The shuffle mask of thread ``t``'s warp: its lanes that exist in a block of ``threads``."""
-    lanes = min(32, threads - (t - t % 32))
-    if lanes >= 32:
-        return numba.uint32(0xFFFFFFFF)
-    return numba.uint32((1 << lanes) - 1)
-
-
-@inline_device
-def _group_max(value, width, lanes):
-    """The max of ``value`` over an aligned group of ``width`` lanes (a power of two <= 32), in every lane."""
-    offset = 16
-    for _ in range(5):  # a fixed trip count, unrolled; the steps past the group are skipped
-        if offset < width:
-            value = max(value, cuda.shfl_xor_sync(lanes, value, offset))
-        offset //= 2
-    return value
-
-
-@inline_device
-def _group_sum(value, width, lanes):
-    """The sum of ``value`` over an aligned group of ``width`` lanes, bit-identical in every lane.
-
-    A butterfly: at each step two lanes add the same two numbers (in swapped
-    order, which IEEE addition does not see), so every lane ends with the
-    same bits, run after run.
-    """
-    offset = 16
-    for _ in range(5):
-        if offset < width:
-            value = value + cuda.shfl_xor_sync(lanes, value, offset)
-        offset //= 2
-    return value
-
-
-@inline_device
-def _stage(src, r0, rows, c0, cols, dst, stride, t, threads):
-    """Copy ``src[r0:r0 + rows, c0:c0 + cols]`` to ``dst`` (row stride ``stride``), coalesced.
-
-    ``src`` is one (batch, head) of an operand: ``q[b, h]``, ``k[b, hk]``.
-    """
-    for idx in range(t, rows * cols, threads):
-        dst[(idx // cols) * stride + idx % cols] = src[r0 + idx // cols, c0 + idx % cols]
-
-
-# ---------------------------------------------------------------------------
-# Kernel prologues: shapes, the block's place, shared-memory tiles
-# ---------------------------------------------------------------------------
-
-
-@inline_device
-def _dims(q, k, v):
-    """``(B, H, Hkv, N, M, D, Dv)`` from the shapes of ``q``, ``k``, ``v`` (the order of ``AttentionProblem.shape``)."""
-    B, H, N, D = q.shape
-    return B, H, k.shape[1], N, k.shape[2], D, v.shape[3]
-
-
-@inline_device
-def _tile_block(rows, heads, cols):
-    """The place of a micro-tile kernel's block and thread: a block per (batch * head, tile of rows), tiles fastest.
-
-    ``rows`` are what the block owns a tile of (queries for the forward and
-    ``dq`` kernels, keys for ``dk``/``dv``), ``heads`` the heads of its grid,
-    ``cols`` the length of the tiles it loops over. The block's threads form
-    groups of ``tpr = cols / REG_N`` lanes; each group owns ``REG_M`` rows.
-    Returns ``(threads, t, tpr, block_rows, row0, c, tile, b, h, r0, r1)``:
-    thread ``t`` of ``threads`` is lane ``c`` of the group whose rows start at
-    ``row0`` in the block's ``block_rows``, and the block holds rows ``[r0,
-    r1)``, tile ``tile``, of batch ``b``, head ``h``.
-    """
-    threads = cuda.blockDim.x
-    t = cuda.threadIdx.x
-    tpr = cols // REG_N
-    block_rows = threads // tpr * REG_M
-    row0 = t // tpr * REG_M
-    c = t % tpr
-    n_tiles = (rows + block_rows - 1) // block_rows
-    tile = cuda.blockIdx.x % n_tiles
-    b = cuda.blockIdx.x // n_tiles // heads
-    h = cuda.blockIdx.x // n_tiles % heads
-    r0 = tile * block_rows
-    return threads, t, tpr, block_rows, row0, c, tile, b, h, r0, min(r0 + block_rows, rows)
-
-
-@inline_device
-def _carve(smem, at, size):
-    """``(smem[at:at + size], at + size)``: the next tile of the block's dynamic shared memory, and its end."""
-    return smem[at : at + size], at + size
-
-
-@inline_device
-def _flash_tiles(smem, rows, D, width, block_k):
-    """The tiles the forward and decode kernels start their shared memory with, and their strides.
-
-    ``(q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, end)``: ``rows``
-    query rows (row stride ``D + 1``), the K/V tile of ``block_k`` keys (K,
-    then V's ``width`` columns of a pass, in the same buffer; row stride
-    ``max(D + 1, width)``) and the ``rows x block_k`` tile of ``p`` (row
-    stride ``block_k + 1``); ``end`` is the offset past them.
-    """
-    q_stride = D + 1
-    kv_stride = max(D + 1, width)
-    p_stride = block_k + 1
-    q_tile, at = _carve(smem, 0, rows * q_stride)
-    kv_tile, at = _carve(smem, at, block_k * kv_stride)
-    p_tile, at = _carve(smem, at, rows * p_stride)
-    return q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at
-
-
-@inline_device
-def _fill(tile, size, value, t, threads):
-    """``tile[:size] = value``, thread ``t`` of the block's ``threads`` taking every ``threads``-th entry."""
-    for idx in range(t, size, threads):
-        tile[idx] = value
-
-
-@inline_device
-def _store_tile(scores, tile, stride, micro):
-    """``tile[row0 + r, c + tpr n] = scores[r, n]`` (row stride ``stride``): a register micro-tile to shared memory.
-
-    ``micro = (row0, c, tpr)`` is the thread's place in the block's micro-tiles (`_tile_block`).
-    """
-    row0, c, tpr = micro
-    for r in range(REG_M):
-        for n in range(REG_N):
-            tile[(row0 + r) * stride + c + tpr * n] = scores[r, n]
-
-
-@inline_device
-def _load_rows(dst, tile, stride, row0, col):
-    """``dst[r] = tile[row0 + r, col]`` for the thread's ``REG_M`` rows (row stride ``stride``)."""
-    for r in range(REG_M):
-        dst[r] = tile[(row0 + r) * stride + col]
-
-
-@inline_device
-def _outer_add(acc, a, b, cols):
-    """``acc[r, e] += a[r] b[e]`` for ``r < REG_M``, ``e < cols``: a rank-one update of a register micro-tile."""
-    for r in range(REG_M):
-        for e in range(cols):
-            acc[r, e] += a[r] * b[e]
-
-
-@inline_device
-def _tile_dot(q_tile, q_stride, k_tile, k_stride, D, micro, zero, scores):
-    """``scores[r, n] = q_tile[row0 + r] . k_tile[c + tpr n]``: a ``REG_M x REG_N`` register micro-tile.
-
-    ``micro = (row0, c, tpr)``. Per step of ``d`` a thread reads ``REG_M``
-    query and ``REG_N`` key values from shared memory and does ``REG_M REG_N``
-    multiply-adds on registers.
-    """
-    row0, c, tpr = micro
-    for r in range(REG_M):
-        for n in range(REG_N):
-            scores[r, n] = zero
-    qv = cuda.local.array(REG_M, q_tile.dtype)
-    kv = cuda.local.array(REG_N, q_tile.dtype)
-    for d in range(D):
-        _load_rows(qv, q_tile, q_stride, row0, d)
-        for n in range(REG_N):
-            kv[n] = k_tile[(c + tpr * n) * k_stride + d]
-        _outer_add(scores, qv, kv, REG_N)
-
-
-@inline_device
-def _tile_pv(p_tile, p_stride, v_tile, v_stride, jn, wn, micro, zero, acc):
-    """``acc[r, e] += sum_jj p_tile[row0 + r, jj] v_tile[jj, c + tpr e]``, a ``REG_M x ACC_COLS`` micro-tile.
-
-    ``micro = (row0, c, tpr)``; ``jn`` rows of ``v_tile``, columns past ``wn`` read as 0.
-    """
-    row0, c, tpr = micro
-    pv = cuda.local.array(REG_M, p_tile.dtype)
-    vv = cuda.local.array(ACC_COLS, p_tile.dtype)
-    for jj in range(jn):
-        _load_rows(pv, p_tile, p_stride, row0, jj)
-        for e in range(ACC_COLS):
-            col = c + tpr * e
-            vv[e] = v_tile[jj * v_stride + col] if col < wn else zero
-        _outer_add(acc, pv, vv, ACC_COLS)
+    return entry_logit(dot, i, j, bias_value, prm, fopts)

@@ -19,9 +19,10 @@ import math
 import numpy as np
 
 from elastic_np.cuda._runtime import config
-from elastic_np.cuda._launch import forward as _forward_launch
+from elastic_np.cuda._launch import forward as forward_launch
 from elastic_np.cuda._runtime.config import REG_M, REG_N
-from elastic_np.cuda._runtime.gpu import _cuda, _kernel_module, blocks, configured, shared_limit
+from elastic_np.cuda._device.indices import P_COUNT
+from elastic_np.cuda._runtime.gpu import blocks, configured, cuda_module, kernel_module, shared_limit
 
 
 def shared_elements(kind, rows, cols, D, Dv):
@@ -82,14 +83,14 @@ def tensor_core_plan(p):
 
     The tensor cores take the backward (``TC_BACKWARD``) where the forward
     ran on them without the general score pipeline
-    (`elastic_np.cuda._forward_launch.tensor_core_plan`), except with
+    (`elastic_np.cuda.forward.tensor_core_plan`), except with
     ``precision="tf32"``, whose backward keeps float32 (the contract); heads
     up to 128 columns. The warps per block halve from ``TC_BACKWARD_WARPS``
     until the shared memory fits.
     """
     if not config.TC_BACKWARD or p.precision == "tf32":
         return None
-    forward = _forward_launch.tensor_core_plan(p)
+    forward = forward_launch.tensor_core_plan(p)
     if forward is None or forward[0][2]:
         return None
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -118,8 +119,7 @@ def outputs(p):
     query tile), zeros on the host until `launch` fills them, and
     ``"dbias"``, None until `launch` allocates it.
     """
-    cuda = _cuda()
-    partial_sums = _kernel_module("_device.score").P_COUNT
+    cuda = cuda_module()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     plan = tensor_core_plan(p)
@@ -129,7 +129,7 @@ def outputs(p):
         "dk": cuda.device_array((B, Hkv, M, D), dtype=dtype),
         "dv": cuda.device_array((B, Hkv, M, Dv), dtype=dtype),
         "delta": cuda.device_array((B, H, N), dtype=dtype),
-        "partials": np.zeros((B, H, blocks(N, dq_rows), partial_sums), dtype=dtype),
+        "partials": np.zeros((B, H, blocks(N, dq_rows), P_COUNT), dtype=dtype),
         "dbias": None,
     }
 
@@ -143,7 +143,7 @@ def launch(p, opts, bias_compact, arrays, grads):
     dbias kernel (`_launch_dbias`), flat, in its compact shape. The
     ``"partials"`` come back to the host.
     """
-    cuda = _cuda()
+    cuda = cuda_module()
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     full = bias_compact == (B, H, N, M)
@@ -170,14 +170,14 @@ def _launch_kernels(p, opts, arrays, grads):
     ``"dk"``, ``"dv"``, ``"partials"`` (the dq blocks' sums) and ``"dbias"``
     (a full bias's, else a dummy).
     """
-    kernels = _kernel_module("_simt.backward")
+    kernels = kernel_module("_simt.backward")
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
     q, k, v, dout, out, lse, dlse = arrays
     dout_lse_delta = (dout, lse, grads["delta"])
     if N > 0:
         threads = max(1, min(config.DELTA_THREADS, B * H * N))
-        kernels._backward_delta_kernel[blocks(B * H * N, threads), threads](dout, out, dlse, opts, grads["delta"])
+        kernels.KERNELS["_backward_delta_kernel"][blocks(B * H * N, threads), threads](dout, out, dlse, opts, grads["delta"])
     plan = tensor_core_plan(p)
     if plan is not None:
         _launch_tensor_cores(p, opts, plan, arrays, grads)
@@ -185,24 +185,24 @@ def _launch_kernels(p, opts, arrays, grads):
     if N > 0:
         threads, rows, cols = tiles("dq", itemsize, D, Dv)
         shared = shared_elements("dq", rows, cols, D, Dv) * itemsize
-        configured(kernels._backward_dq_kernel, blocks(N, rows) * B * H, threads, shared)(
+        configured(kernels.KERNELS["_backward_dq_kernel"], blocks(N, rows) * B * H, threads, shared)(
             q, k, v, opts, cols, dout_lse_delta, grads["dq"], grads["partials"], grads["dbias"]
         )
     if M > 0:
         threads, rows, cols = tiles("dkdv", itemsize, D, Dv)
         shared = shared_elements("dkdv", rows, cols, D, Dv) * itemsize
-        configured(kernels._backward_dkdv_kernel, blocks(M, rows) * B * Hkv, threads, shared)(
+        configured(kernels.KERNELS["_backward_dkdv_kernel"], blocks(M, rows) * B * Hkv, threads, shared)(
             q, k, v, opts, cols, dout_lse_delta, grads["dk"], grads["dv"]
         )
 
 
 def _launch_tensor_cores(p, opts, plan, arrays, grads):
     """Launch the tensor-core dq and dk/dv kernels (`tensor_core_plan`), after the delta kernel."""
-    kernel = _kernel_module("_tensor_core.backward").kernel
+    kernel = kernel_module("_tensor_core.backward").kernel
     B, H, Hkv, N, M, D, Dv = p.shape
     q, k, v, dout, out, lse, dlse = arrays
     dout_lse_delta = (dout, lse, grads["delta"])
-    vector = _forward_launch.vector_copies(p.dtype.itemsize, D, Dv, (q, k, v, dout))
+    vector = forward_launch.vector_copies(p.dtype.itemsize, D, Dv, (q, k, v, dout))
     (dq_key, dq_warps, dq_shared), (kv_key, kv_warps, kv_shared) = plan
     if N > 0:
         configured(kernel(*dq_key), blocks(N, 16 * dq_warps) * B * H, 32 * dq_warps, dq_shared)(
@@ -216,7 +216,7 @@ def _launch_tensor_cores(p, opts, plan, arrays, grads):
 
 def _launch_dbias(p, opts, bias_compact, arrays, grads):
     """Launch the dbias kernel of a broadcast bias, one block per entry of ``bias_compact``, after delta."""
-    kernels = _kernel_module("_simt.backward")
+    kernels = kernel_module("_simt.backward")
     B, H, Hkv, N, M, D, Dv = p.shape
     itemsize = p.dtype.itemsize
     q, k, v, dout, out, lse, dlse = arrays
@@ -224,6 +224,6 @@ def _launch_dbias(p, opts, bias_compact, arrays, grads):
     # the broadcast entries one compact entry stands for
     spans = (B * H * N * M) // entries
     threads = max(1, min(config.DBIAS_THREADS, spans))
-    kernels._backward_dbias_kernel[entries, threads, 0, threads * itemsize](
+    kernels.KERNELS["_backward_dbias_kernel"][entries, threads, 0, threads * itemsize](
         q, k, v, opts, (dout, lse, grads["delta"]), grads["dbias"]
     )

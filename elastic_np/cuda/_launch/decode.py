@@ -12,7 +12,7 @@ imports the kernel module on first use
 
 from elastic_np.cuda._runtime import config
 from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._runtime.gpu import _cuda, _kernel_module, configured, pow2_at_least, shared_limit
+from elastic_np.cuda._runtime.gpu import configured, cuda_module, kernel_module, pow2_at_least, shared_limit
 
 
 def takes(p):
@@ -83,8 +83,8 @@ def launch(p, opts, q, k, v, out, lse):
 
     ``opts`` comes from ``_api._launch_options``.
     """
-    cuda = _cuda()
-    kernels = _kernel_module("_simt.decode")
+    cuda = cuda_module()
+    kernels = kernel_module("_simt.decode")
     B, H, Hkv, N, M, D, Dv = p.shape
     dtype = p.dtype
     rows = (H // Hkv) * N
@@ -95,9 +95,9 @@ def launch(p, opts, q, k, v, out, lse):
     part_acc = cuda.device_array((B, Hkv, n_split, rows, max(Dv, 1)), dtype=dtype)
     shared = shared_elements(rows_blk, tpr, D, Dv) * dtype.itemsize
     blocks = B * Hkv * chunks * n_split
-    configured(kernels._decode_kernel, blocks, rows_blk * tpr, shared)(q, k, v, opts, tpr, part_ms, part_acc)
+    configured(kernels.KERNELS["_decode_kernel"], blocks, rows_blk * tpr, shared)(q, k, v, opts, tpr, part_ms, part_acc)
     threads = max(1, min(config.DECODE_MERGE_THREADS, Dv))
-    kernels._decode_merge_kernel[B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
+    kernels.KERNELS["_decode_merge_kernel"][B * Hkv * rows, threads, 0, n_split * dtype.itemsize](
         part_ms, part_acc, opts, out, lse
     )
     return n_split

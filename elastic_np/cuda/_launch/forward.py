@@ -12,7 +12,7 @@ a decoding shape (those go to `elastic_np.cuda._decode_launch`).
 
 from elastic_np.cuda._runtime import config
 from elastic_np.cuda._runtime.gpu import (
-    _kernel_module, _simulator, blocks, compute_capability, configured, pow2_at_least, shared_limit,
+    blocks, compute_capability, configured, kernel_module, pow2_at_least, shared_limit, simulator,
 )
 
 
@@ -120,7 +120,7 @@ def vector_copies(itemsize, D, Dv, arrays):
     unit = 16 // itemsize
     if not config.TC_VECTOR_COPY or D % unit or Dv % unit:
         return False
-    if _simulator():
+    if simulator():
         return True
     return all(a.__cuda_array_interface__["data"][0] % 16 == 0 for a in arrays)
 
@@ -132,12 +132,12 @@ def launch(p, opts, q, k, v, out, lse):
     plan = tensor_core_plan(p)
     if plan is not None:
         key, warps, shared = plan
-        kernel = _kernel_module("_tensor_core.forward").KERNELS[key]
+        kernel = kernel_module("_tensor_core.forward").KERNELS[key]
         vector = vector_copies(itemsize, D, Dv, (q, k, v))
         configured(kernel, blocks(N, 16 * warps) * B * H, 32 * warps, shared)(q, k, v, opts, vector, out, lse)
         return
     threads, tile = tiles(itemsize, D, Dv)
     shared = shared_elements(threads, tile, D, Dv) * itemsize
     block_q, _ = geometry(threads, tile)
-    kernel = _kernel_module("_simt.forward")._forward_kernel
+    kernel = kernel_module("_simt.forward").KERNELS["_forward_kernel"]
     configured(kernel, blocks(N, block_q) * B * H, threads, shared)(q, k, v, opts, tile, out, lse)

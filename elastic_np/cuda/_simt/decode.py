@@ -18,7 +18,7 @@ is the CPU decode kernel's (`elastic_np._decode`):
   scores of keys ``c + tpr n`` in registers, and output columns ``c + tpr e``
   (``DECODE_ACC_COLS`` accumulators). One row per thread: its running max and
   sum are scalars. The row max over the lanes is a shuffle butterfly
-  (`_group_max`), the row sum a shuffle butterfly at the end (`_group_sum`,
+  (`group_max`), the row sum a shuffle butterfly at the end (`group_sum`,
   the same bits in every lane, run after run). Value heads wider than
   ``tpr DECODE_ACC_COLS`` take several passes over the keys.
 - **Copies.** The K and V tiles are double-buffered in shared memory
@@ -34,12 +34,12 @@ is the CPU decode kernel's (`elastic_np._decode`):
   ``exp(max)``, unnormalised.
 - **Merge.** `_decode_merge_kernel`, one block per stacked row, combines the
   splits in split order: ``m = max_s m_s``, ``l = sum_s l_s exp(m_s - m)``,
-  ``acc = sum_s acc_s exp(m_s - m)``, then `_finish_row` adds ``beta`` once
+  ``acc = sum_s acc_s exp(m_s - m)``, then `finish_row` adds ``beta`` once
   (``lse = log(l exp(m) + beta)``, ``out = (acc num) / den``) exactly as the
   flash forward finishes a row; with one split it gives the forward's
   formula.
 
-The scores go through the shared per-entry pipeline (`_entry`), so the
+The scores go through the shared per-entry pipeline (`entry`), so the
 backward, which recomputes them, sees the ``lse`` of the same logits. Options
 are runtime values and the kernels compute in the input dtype: one compiled
 specialisation per dtype.
@@ -51,10 +51,11 @@ from numba import cuda
 
 from elastic_np.cuda._device import async_copy as _copy
 from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._device.score import (
-    F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _carve, _constants, _dims, _entry,
-    _fill, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
-)
+from elastic_np.cuda._device.basics import constants, inline_device, problem_dims
+from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS
+from elastic_np.cuda._device.score import bh_params, block_key_range, entry
+from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum, lane_mask
+from elastic_np.cuda._device.tiles import carve, fill
 
 
 @inline_device
@@ -89,7 +90,7 @@ def _chunk_keys(b, hk, group, r0, r1, N, M, opts):
     for g in range(r0 // N, (r1 - 1) // N + 1):
         i0 = max(r0 - g * N, 0)
         i1 = min(r1 - g * N, N)
-        g_lo, g_hi = _key_range(i0, i1, b, hk * group + g, N, M, opts)
+        g_lo, g_hi = block_key_range(i0, i1, b, hk * group + g, N, M, opts)
         if g_hi > g_lo:
             lo = min(lo, g_lo)
             hi = max(hi, g_hi)
@@ -139,7 +140,7 @@ def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
     """The lane's logits of one key tile, in place, and their max.
 
     ``p_tile[p_at + c + tpr n]`` holds the lane's dot products; each becomes
-    its logit (`_entry`), ``-inf`` when removed, past the tile's ``jn`` keys
+    its logit (`entry`), ``-inf`` when removed, past the tile's ``jn`` keys
     or on a padding thread. ``row = (valid, b, h, i)``, ``keys = (j0, jn)``.
     The pipeline is long: the loop stays a loop.
     """
@@ -151,7 +152,7 @@ def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
         jj = c + tpr * n
         z = neg_inf
         if valid and jj < jn:
-            z = _entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, opts)[0]
+            z = entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, opts)[0]
         p_tile[p_at + jj] = z
         tile_max = max(tile_max, z)
     return tile_max
@@ -168,10 +169,10 @@ def _decode_tiles(smem, rows_blk, D, width, block_k):
     stride ``block_k + 1``). Two of each K and V tile: the next tile is
     copied while this one is used.
     """
-    q_tile, at = _carve(smem, 0, rows_blk * (D + 1))
-    k_tiles, at = _carve(smem, at, 2 * block_k * (D + 1))
-    v_tiles, at = _carve(smem, at, 2 * block_k * width)
-    p_tile, at = _carve(smem, at, rows_blk * (block_k + 1))
+    q_tile, at = carve(smem, 0, rows_blk * (D + 1))
+    k_tiles, at = carve(smem, at, 2 * block_k * (D + 1))
+    v_tiles, at = carve(smem, at, 2 * block_k * width)
+    p_tile, at = carve(smem, at, rows_blk * (block_k + 1))
     return q_tile, k_tiles, v_tiles, p_tile
 
 
@@ -199,9 +200,9 @@ def _softmax_step(p_tile, p_at, c, tpr, row, keys, prm, opts, lanes, run_max, ru
     running sum and the accumulators rescaled by ``exp(old max - new max)``;
     returns the new ``(run_max, run_sum)``.
     """
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     tile_max = _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts)
-    new_max = max(run_max, _group_max(tile_max, tpr, lanes))
+    new_max = max(run_max, group_max(tile_max, tpr, lanes))
     alpha = fopts[F_ONE]
     if new_max > neg_inf:
         alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
@@ -227,7 +228,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     with no key kept giving ``(-inf, 0, 0)``. The K and V tiles are
     double-buffered: tile ``n + 1`` is copied while tile ``n`` is used.
     """
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     group = H // Hkv
     n_split = part_ms.shape[2]
     threads, t, rows_blk, s, b, hk, r0, r1, rho, c = _decode_block(tpr, group * N, Hkv, n_split)
@@ -244,15 +245,15 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     k_size = block_k * (D + 1)
     v_size = block_k * width
 
-    _, zero, neg_inf = _constants(opts)
-    _fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
+    _, zero, neg_inf = constants(opts)
+    fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
     _stage_rows(q[b], hk * group, N, r0, r1, q_tile, D + 1, t, threads)
     lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, opts)
     a, e = _split_keys(lo, hi, block_k, s, n_split)
 
-    prm = _bh_params(b, h, N, M, opts)
-    lanes = _lane_mask(t, threads)
+    prm = bh_params(b, h, N, M, opts)
+    lanes = lane_mask(t, threads)
     scores = cuda.local.array(DECODE_REG_N, q.dtype)
     acc = cuda.local.array(DECODE_ACC_COLS, q.dtype)
     q_at = rho * (D + 1)
@@ -292,7 +293,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             _row_pv(p_tile, p_at, v_tile, width, jn, c, tpr, wn, zero, acc)
             cuda.syncthreads()  # every thread is done with this tile's buffers before they are refilled
             n += 1
-        row_sum = _group_sum(run_sum, tpr, lanes)
+        row_sum = group_sum(run_sum, tpr, lanes)
         if valid:
             if c0 == 0 and c == 0:
                 part_ms[b, hk, s, r, 0] = run_max
@@ -323,7 +324,7 @@ def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     h = hk * group + r // N
     i = r % N
 
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     weight = cuda.shared.array(0, dtype=out.dtype)
     m = neg_inf
     for s in range(n_split):
@@ -337,7 +338,7 @@ def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     total = zero
     for s in range(n_split):
         total += part_ms[b, hk, s, r, 1] * weight[s]
-    row_lse, num, den = _finish_row(m, total, opts[O_BETA][h], fopts)
+    row_lse, num, den = finish_row(m, total, opts[O_BETA][h], fopts)
     if t == 0:
         lse[b, h, i] = row_lse
     for d in range(t, Dv, threads):

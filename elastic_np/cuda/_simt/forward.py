@@ -13,21 +13,23 @@ import math
 from numba import cuda
 
 from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
-from elastic_np.cuda._device.score import (
-    F_ONE, O_BETA, _bh_params, _carve, _constants, _dims, _fill, _finish_row, _flash_tiles, _group_max,
-    _group_sum, _key_range, _lane_mask, _stage, _store_tile, _tile_block, _tile_dot, _tile_entry, _tile_pv,
-)
+from elastic_np.cuda._device.basics import constants, problem_dims
+from elastic_np.cuda._device.indices import F_ONE, O_BETA
+from elastic_np.cuda._device.score import bh_params, block_key_range
+from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum, lane_mask
+from elastic_np.cuda._device.tiles import carve, fill, stage
+from elastic_np.cuda._simt.micro_tiles import flash_tiles, store_tile, tile_block, tile_dot, tile_entry, tile_pv
 
 
 @cuda.jit(device=True)
 def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, prm, opts):
     """The online softmax step of the thread's rows over one key tile, in place in ``p_tile``.
 
-    ``micro = (row0, c, tpr)`` (`_tile_block`), ``queries = (b, h, i_first,
+    ``micro = (row0, c, tpr)`` (`tile_block`), ``queries = (b, h, i_first,
     N)``: the thread's rows are queries ``i_first + r`` of ``N``, ``keys =
     (j0, jn)``: the tile holds keys ``[j0, j0 + jn)``. ``p_tile`` holds the
     thread's dot products (row ``row0 + r``, key ``c + tpr n``); each
-    becomes its logit (`_tile_entry`, ``-inf`` when removed, past the tile
+    becomes its logit (`tile_entry`, ``-inf`` when removed, past the tile
     or past ``N``), the row's tile max is combined over the ``tpr`` threads
     of the row group with shuffles, and each becomes ``p = exp(z - max)``
     (0 where removed). The thread's running max and partial sum of each row
@@ -38,18 +40,18 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
     is long), so they keep their data in shared memory, not in local arrays.
     """
     row0, c, tpr = micro
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     one = fopts[F_ONE]
     for r in range(REG_M):
         row = row0 + r
         slot = row * tpr + c
         tile_max = neg_inf
         for n in range(REG_N):
-            at, _i, _j, z, _s, _cap_slope, _f, _u = _tile_entry(p_tile, p_stride, micro, queries, keys, r, n, prm, opts)
+            at, _i, _j, z, _s, _cap_slope, _f, _u = tile_entry(p_tile, p_stride, micro, queries, keys, r, n, prm, opts)
             p_tile[at] = z
             tile_max = max(tile_max, z)
         old_max = stats[slot]
-        new_max = max(old_max, _group_max(tile_max, tpr, lanes))
+        new_max = max(old_max, group_max(tile_max, tpr, lanes))
         alpha = one
         if new_max > neg_inf:
             alpha = math.exp(old_max - new_max)  # 1 when the max stays, 0 from -inf
@@ -68,7 +70,7 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
 
 @cuda.jit(device=True)
 def _finish_rows(stats, slots, micro, lanes, queries, c0, beta_h, fopts, lse):
-    """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`_finish_row`).
+    """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`finish_row`).
 
     ``micro``, ``queries`` as in `_tile_softmax`; ``c0`` is the pass's first
     output column. ``num`` is left in the section of ``stats`` at ``2 slots``,
@@ -79,7 +81,7 @@ def _finish_rows(stats, slots, micro, lanes, queries, c0, beta_h, fopts, lse):
     for r in range(REG_M):
         slot = (row0 + r) * tpr + c
         i = i_first + r
-        row_lse, num, den = _finish_row(stats[slot], _group_sum(stats[slots + slot], tpr, lanes), beta_h, fopts)
+        row_lse, num, den = finish_row(stats[slot], group_sum(stats[slots + slot], tpr, lanes), beta_h, fopts)
         stats[2 * slots + slot] = num
         stats[slots + slot] = den
         if i < N and c0 == 0 and c == 0:
@@ -101,23 +103,23 @@ def _forward_kernel(q, k, v, opts, block_k, out, lse):
     than ``tpr ACC_COLS`` output columns take several passes over the keys
     (each recomputing the same scores, so every pass has the same softmax).
     """
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
-    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
+    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = tile_block(N, H, block_k)
     micro = (row0, c, tpr)
     hk = h // (H // Hkv)
     width = min(max(Dv, 1), tpr * ACC_COLS)
 
     smem = cuda.shared.array(0, dtype=q.dtype)
-    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = _flash_tiles(smem, block_q, D, width, block_k)
-    stats, at = _carve(smem, at, 3 * block_q * tpr)  # per (row, lane): max, sum, rescale
+    q_tile, q_stride, kv_tile, kv_stride, p_tile, p_stride, at = flash_tiles(smem, block_q, D, width, block_k)
+    stats, at = carve(smem, at, 3 * block_q * tpr)  # per (row, lane): max, sum, rescale
 
-    fopts, zero, neg_inf = _constants(opts)
-    _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
+    fopts, zero, neg_inf = constants(opts)
+    fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
     cuda.syncthreads()
-    _stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
-    prm = _bh_params(b, h, N, M, opts)
-    lanes = _lane_mask(t, threads)
-    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
+    stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    prm = bh_params(b, h, N, M, opts)
+    lanes = lane_mask(t, threads)
+    lo, hi = block_key_range(i0, i1, b, h, N, M, opts)
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
     slots = block_q * tpr
@@ -133,19 +135,19 @@ def _forward_kernel(q, k, v, opts, block_k, out, lse):
         for j0 in range(lo, hi, block_k):
             jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous V tile is consumed (and q_tile written)
-            _stage(k[b, hk], j0, jn, 0, D, kv_tile, kv_stride, t, threads)
+            stage(k[b, hk], j0, jn, 0, D, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
-            _tile_dot(q_tile, q_stride, kv_tile, kv_stride, D, micro, zero, scores)
-            _store_tile(scores, p_tile, p_stride, micro)
+            tile_dot(q_tile, q_stride, kv_tile, kv_stride, D, micro, zero, scores)
+            store_tile(scores, p_tile, p_stride, micro)
             _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, (j0, jn), prm, opts)
             for r in range(REG_M):
                 alpha = stats[2 * slots + (row0 + r) * tpr + c]
                 for e in range(ACC_COLS):
                     acc[r, e] *= alpha
             cuda.syncthreads()  # K consumed, p written
-            _stage(v[b, hk], j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
+            stage(v[b, hk], j0, jn, c0, wn, kv_tile, kv_stride, t, threads)
             cuda.syncthreads()
-            _tile_pv(p_tile, p_stride, kv_tile, kv_stride, jn, wn, micro, zero, acc)
+            tile_pv(p_tile, p_stride, kv_tile, kv_stride, jn, wn, micro, zero, acc)
         _finish_rows(stats, slots, micro, lanes, queries, c0, opts[O_BETA][h], fopts, lse)
         for r in range(REG_M):
             i = i_first + r
@@ -155,3 +157,7 @@ def _forward_kernel(q, k, v, opts, block_k, out, lse):
                 col = c + tpr * e
                 if i < N and col < wn:
                     out[b, h, i, c0 + col] = (acc[r, e] * num) / den
+
+
+#: The kernels of this module, by name.
+KERNELS = {"_forward_kernel": _forward_kernel}

@@ -10,7 +10,7 @@ rows of one (batch, head); per key tile of ``8 S`` keys (``S`` =
    products, ``small_q big_k + big_q small_k + big_q big_k``, or one with
    ``precision="tf32"``; float64 in one);
 2. takes each score through the score pipeline where it lies: a thread holds
-   rows ``g``, ``g + 8`` and keys ``2t``, ``2t + 1`` of each 8 (`_entry`);
+   rows ``g``, ``g + 8`` and keys ``2t``, ``2t + 1`` of each 8 (`entry`);
 3. updates the online softmax of its two rows: the max over the row's four
    lanes by shuffles, the partial sums kept per thread until the end;
 4. adds ``P V`` into ``o_frag``: the score fragment feeds the product as its
@@ -23,154 +23,24 @@ Value heads wider than ``8 o_frag.shape[0]`` take several passes over the keys.
 
 import math
 
-import numba
 from numba import cuda
 
-from elastic_np.cuda._device.score import (
-    F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS, _bh_params, _carve, _dims, _entry,
-    _finish_row, _group_max, _group_sum, _key_range, inline_device,
-)
-from elastic_np.cuda._device.score import unsigned as _at
-from elastic_np.cuda._runtime.config import TC_PAD
 from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
-from elastic_np.cuda._tensor_core.mma import mma, split, splits
-
-#: Every lane of a warp: a row's 4 lanes reduce by shuffles (`_group_max`, `_group_sum` of width 4).
-FULL_MASK = numba.uint32(0xFFFFFFFF)
-
-
-@inline_device
-def _accumulate(frag, n, a, b, terms, zero, swapped):
-    """``frag[n] += A B`` for one 16 x 8 x 8 step, ``a`` and ``b`` the fragments and their TF32 rests.
-
-    float32: the step's product from zero, the TF32 parts' cross products
-    first (with ``terms == 3``: ``small_a big_b``, then ``big_a small_b``; the
-    other way round when ``swapped``, so that ``K Q^T`` sums its entries as
-    ``Q K^T`` does), then ``big_a big_b``, added to ``frag[n]`` in IEEE
-    arithmetic: the tensor cores' accumulation truncates, and starting each
-    step from zero keeps that to the 8 products of a step. float64: the
-    product accumulates in place (DMMA rounds as IEEE does).
-    """
-    a0, a1, a2, a3, a0s, a1s, a2s, a3s = a
-    b0, b1, b0s, b1s = b
-    if splits(a0):
-        c0, c1, c2, c3 = zero, zero, zero, zero
-        if terms == 3 and swapped:
-            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0s, b1s, c0, c1, c2, c3)
-            c0, c1, c2, c3 = mma(a0s, a1s, a2s, a3s, b0, b1, c0, c1, c2, c3)
-        elif terms == 3:
-            c0, c1, c2, c3 = mma(a0s, a1s, a2s, a3s, b0, b1, c0, c1, c2, c3)
-            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0s, b1s, c0, c1, c2, c3)
-        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-        frag[n, 0] += c0
-        frag[n, 1] += c1
-        frag[n, 2] += c2
-        frag[n, 3] += c3
-    else:
-        c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, frag[n, 0], frag[n, 1], frag[n, 2], frag[n, 3])
-        frag[n, 0], frag[n, 1], frag[n, 2], frag[n, 3] = c0, c1, c2, c3
-
-
-@inline_device
-def _scores(q_tile, k_tile, stride, width, row0, terms, zero, s_frag, swapped):
-    """``s_frag = Q K^T`` of the warp's 16 rows (from ``row0``) over the key tile, on the tensor cores.
-
-    ``swapped``: ``q_tile`` holds the keys and ``k_tile`` the queries (the
-    backward's ``K Q^T``), whose entries then sum as the forward's do (`_accumulate`).
-    """
-    lane = cuda.threadIdx.x % 32
-    g = lane // 4
-    t = lane % 4
-    for n in range(s_frag.shape[0]):
-        for e in range(4):
-            s_frag[n, e] = zero
-    for d0 in range(0, width, 8):
-        top = (row0 + g) * stride + d0 + t
-        bottom = top + 8 * stride
-        a0, a0s = split(q_tile[_at(top)])
-        a1, a1s = split(q_tile[_at(bottom)])
-        a2, a2s = split(q_tile[_at(top + 4)])
-        a3, a3s = split(q_tile[_at(bottom + 4)])
-        for n in range(s_frag.shape[0]):
-            at = (8 * n + g) * stride + d0 + t
-            b0, b0s = split(k_tile[_at(at)])
-            b1, b1s = split(k_tile[_at(at + 4)])
-            _accumulate(s_frag, n, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero, swapped)
-
-
-@inline_device
-def _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, n0, e0):
-    """``o_frag += P V`` for keys ``8 n0 ..`` and value columns ``8 e0 ..`` (at most 4 x 8 products).
-
-    ``P`` is in ``s_frag`` (C layout, the keys of each 8 reordered, see the
-    module). The caller covers the fragments in such parts, at constant
-    ``n0``, ``e0``, so that each part's loops unroll in full.
-    """
-    lane = cuda.threadIdx.x % 32
-    g = lane // 4
-    t = lane % 4
-    for n in range(n0, min(n0 + 4, s_frag.shape[0])):
-        a0, a0s = split(s_frag[n, 0])
-        a1, a1s = split(s_frag[n, 2])
-        a2, a2s = split(s_frag[n, 1])
-        a3, a3s = split(s_frag[n, 3])
-        row = (8 * n + 2 * t) * stride + g
-        for e in range(e0, min(e0 + 8, o_frag.shape[0])):
-            b0, b0s = split(v_tile[_at(row + 8 * e)])
-            b1, b1s = split(v_tile[_at(row + stride + 8 * e)])
-            _accumulate(o_frag, e, (a0, a1, a2, a3, a0s, a1s, a2s, a3s), (b0, b1, b0s, b1s), terms, zero, False)
-
-
-@inline_device
-def add_products(s_frag, v_tile, stride, terms, zero, o_frag):
-    """``o_frag += P V`` over the whole fragments (`_add_pv` in parts at constant offsets)."""
-    _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 0, 0)
-    if s_frag.shape[0] > 4:
-        _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 4, 0)
-    if o_frag.shape[0] > 8:
-        _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 0, 8)
-        if s_frag.shape[0] > 4:
-            _add_pv(s_frag, v_tile, stride, terms, zero, o_frag, 4, 8)
-
-
-@inline_device
-def _simple_logits(s_frag, rows, cols, prm, fopts, transposed):
-    """Scores to logits in registers, where the only options are the structural ones, ``scale`` and ``tau``.
-
-    ``rows = (r, r_end)``: the thread's rows are ``r`` and ``r + 8``, kept
-    below ``r_end``; ``cols = (c, c_end)``: its columns of ``s_frag[n]`` are
-    ``c + 8 n`` and ``c + 8 n + 1``, kept below ``c_end``. Rows are queries
-    and columns keys, or with ``transposed`` (the backward's ``K Q^T``) the
-    other way round; keys past ``kv_lengths`` are not kept either. ``z =
-    dot (scale / tau)`` (`_entry`'s ``(scale dot) / tau`` within a
-    rounding), ``-inf`` where causal, the window or ``kv_lengths`` remove the
-    entry.
-    """
-    r, r_end = rows
-    c, c_end = cols
-    (diag_shift, kv_length, causal, left, right, has_mask, nvm, has_gate, has_bias, bias_bh, bias_si, bias_sj,
-     scale, softcap, alibi_slope, tau_h, u_scale, g_norm, threshold, sharpness) = prm
-    neg_inf = fopts[F_NEG_INF]
-    if transposed:
-        r_end = min(r_end, kv_length)
-    else:
-        c_end = min(c_end, kv_length)
-    factor = scale / tau_h
-    no_left = left < 0
-    no_right = right < 0
-    for n in range(s_frag.shape[0]):
-        for e in range(4):  # without branches, so that the loops unroll
-            row = r + 8 * (e // 2)
-            col = c + 8 * n + e % 2
-            d = (row - col if transposed else col - row) - diag_shift  # the key's offset from the query's diagonal
-            kept = (col < c_end) & (row < r_end) & ~(causal & (d > 0)) & (no_left | (d >= -left)) & (
-                no_right | (d <= right))
-            s_frag[n, e] = s_frag[n, e] * factor if kept else neg_inf
+from elastic_np.cuda._device.basics import inline_device, problem_dims
+from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS
+from elastic_np.cuda._device.score import bh_params, block_key_range, entry
+from elastic_np.cuda._device.basics import unsigned as _at
+from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum
+from elastic_np.cuda._device.tiles import carve
+from elastic_np.cuda._tensor_core.fragments import (
+    FULL_MASK, add_products, block_place, copy_unit, dot_products, simple_logits,
+)
+from elastic_np.cuda._runtime.config import TC_PAD
 
 
 @inline_device
 def _general_logits(s_frag, scratch, place, keys, prm, opts):
-    """Scores to logits through the whole score pipeline (`_entry`), by way of the warp's ``scratch``.
+    """Scores to logits through the whole score pipeline (`entry`), by way of the warp's ``scratch``.
 
     ``scratch`` is the warp's ``16 x (8 S + 1)`` tile of shared memory: the
     fragment goes there, the warp's lanes take its entries in row order (the
@@ -196,7 +66,7 @@ def _general_logits(s_frag, scratch, place, keys, prm, opts):
         c = idx - r * cols
         z = neg_inf
         if j0 + c < hi and i_warp + r < N:
-            z = _entry(scratch[_at(r * stride + c)], b, h, i_warp + r, j0 + c, prm, opts)[0]
+            z = entry(scratch[_at(r * stride + c)], b, h, i_warp + r, j0 + c, prm, opts)[0]
         scratch[_at(r * stride + c)] = z
     cuda.syncthreads()
     for n in range(s_frag.shape[0]):
@@ -218,8 +88,8 @@ def _softmax_step(s_frag, stats, fopts):
     for n in range(s_frag.shape[0]):
         top = max(top, max(s_frag[n, 0], s_frag[n, 1]))
         bottom = max(bottom, max(s_frag[n, 2], s_frag[n, 3]))
-    new_top = max(stats[0], _group_max(top, 4, FULL_MASK))
-    new_bottom = max(stats[1], _group_max(bottom, 4, FULL_MASK))
+    new_top = max(stats[0], group_max(top, 4, FULL_MASK))
+    new_bottom = max(stats[1], group_max(bottom, 4, FULL_MASK))
     alpha_top = one
     alpha_bottom = one
     if new_top > neg_inf:
@@ -243,14 +113,6 @@ def _softmax_step(s_frag, stats, fopts):
     stats[2] = sum_top
     stats[3] = sum_bottom
     return alpha_top, alpha_bottom
-
-
-@inline_device
-def copy_unit(vector, zero):
-    """Elements a copy moves at a time: 16 bytes' worth where ``vector`` (rows of whole, aligned units), else 1."""
-    if vector:
-        return 4 if splits(zero) else 2
-    return 1
 
 
 @inline_device
@@ -285,10 +147,10 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
     v_tile = v_tiles[cur * v_size :]
     row0 = 16 * warp
     t = cuda.threadIdx.x % 4
-    _scores(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag, False)
+    dot_products(q_tile, k_tile, qk_stride, d_pad, row0, terms, zero, s_frag, False)
     fopts = opts[O_FOPTS]
     if not general:
-        _simple_logits(s_frag, (i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts, False)
+        simple_logits(s_frag, (i0 + row0 + cuda.threadIdx.x % 32 // 4, N), (j0 + 2 * t, hi), prm, fopts, False)
     else:
         cuda.syncthreads()  # every warp is done with K: its rows become the scratch
         scratch = k_tile[16 * (block_k + 1) * warp :]
@@ -310,7 +172,7 @@ def _write_rows(out, lse, place, c0, Dv, o_frag, stats, fopts, beta_h):
     t = cuda.threadIdx.x % 4
     for half in range(2):
         row = i + 8 * half
-        row_lse, num, den = _finish_row(stats[half], _group_sum(stats[2 + half], 4, FULL_MASK), beta_h, fopts)
+        row_lse, num, den = finish_row(stats[half], group_sum(stats[2 + half], 4, FULL_MASK), beta_h, fopts)
         if row < N:
             if c0 == 0 and t == 0:
                 lse[b, h, row] = row_lse
@@ -319,15 +181,6 @@ def _write_rows(out, lse, place, c0, Dv, o_frag, stats, fopts, beta_h):
                     col = c0 + 8 * e + 2 * t + x
                     if col < Dv:
                         out[b, h, row, col] = (o_frag[e, 2 * half + x] * num) / den
-
-
-@inline_device
-def _place(N, H, block_q):
-    """``(b, h, i0, i1)``: the block's (batch, head) and query rows, the longest causal rows first."""
-    n_tiles = (N + block_q - 1) // block_q
-    tile = n_tiles - 1 - cuda.blockIdx.x % n_tiles
-    i0 = tile * block_q
-    return cuda.blockIdx.x // n_tiles // H, cuda.blockIdx.x // n_tiles % H, i0, min(i0 + block_q, N)
 
 
 @inline_device
@@ -349,14 +202,14 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     ``general`` (a compile-time constant) compiles in the whole score pipeline
     (`_general_logits`), for the problems `elastic_np.cuda._forward_launch.needs_general`
     names; without it the kernel takes the structural options, ``scale`` and
-    ``tau`` only (`_simple_logits`), and keeps its registers.
+    ``tau`` only (`simple_logits`), and keeps its registers.
     ``vector``: whether the rows of ``q``, ``k``, ``v`` start 16-byte aligned
     and hold whole 16-byte units, for vector copies.
     """
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     warp = cuda.threadIdx.x // 32
     block_q = 16 * (cuda.blockDim.x // 32)
-    b, h, i0, i1 = _place(N, H, block_q)
+    b, h, i0, i1 = block_place(N, H, block_q)
     hk = h // (H // Hkv)
     block_k = 8 * s_frag.shape[0]
     width_v = 8 * o_frag.shape[0]
@@ -367,16 +220,16 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     smem = cuda.shared.array(0, dtype=q.dtype)
     k_size = max(block_k * (d_pad + TC_PAD), block_q * (block_k + 1))  # K, then the general pipeline's scratch
     v_size = block_k * (width_v + TC_PAD)
-    q_tile, at = _carve(smem, 0, block_q * (d_pad + TC_PAD))
-    k_tiles, at = _carve(smem, at, 2 * k_size)  # two of each: one in use, the next one arriving
-    v_tiles, at = _carve(smem, at, 2 * v_size)
+    q_tile, at = carve(smem, 0, block_q * (d_pad + TC_PAD))
+    k_tiles, at = carve(smem, at, 2 * k_size)  # two of each: one in use, the next one arriving
+    v_tiles, at = carve(smem, at, 2 * v_size)
     buffers = (q_tile, k_tiles, v_tiles, k_size, v_size)
     unit = copy_unit(vector, zero)
     copy_tile(q[b, h, i0:], i1 - i0, D, q_tile, d_pad + TC_PAD, block_q, d_pad, unit)
     commit()
-    prm = _bh_params(b, h, N, M, opts)
+    prm = bh_params(b, h, N, M, opts)
     options = (prm, opts, general, opts[O_IOPTS][I_MMA_TERMS], zero)
-    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
+    lo, hi = block_key_range(i0, i1, b, h, N, M, opts)
     n_k = (hi - lo + block_k - 1) // block_k if hi > lo else 0
     kv = (k[b, hk], v[b, hk], unit)
     for c0 in range(0, max(Dv, 1), width_v):
