@@ -54,7 +54,7 @@ from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device.basics import constants, inline_device, problem_dims
 from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS
 from elastic_np.cuda._device.score import bh_params, block_key_range, entry
-from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum, lane_mask
+from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
 from elastic_np.cuda._device.tiles import carve, fill
 
 
@@ -192,31 +192,6 @@ def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width):
     _copy.commit()
 
 
-@inline_device
-def _softmax_step(p_tile, p_at, c, tpr, row, keys, prm, opts, lanes, run_max, run_sum, acc):
-    """The online softmax over one tile: ``p = exp(z - max)`` in place of the lane's dot products.
-
-    The logits (`_row_logits`), the row max over the ``tpr`` lanes, the
-    running sum and the accumulators rescaled by ``exp(old max - new max)``;
-    returns the new ``(run_max, run_sum)``.
-    """
-    fopts, zero, neg_inf = constants(opts)
-    tile_max = _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts)
-    new_max = max(run_max, group_max(tile_max, tpr, lanes))
-    alpha = fopts[F_ONE]
-    if new_max > neg_inf:
-        alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
-    run_sum *= alpha
-    for m in range(DECODE_REG_N):
-        pos = p_at + c + tpr * m
-        p = zero
-        if p_tile[pos] > neg_inf:
-            p = math.exp(p_tile[pos] - new_max)
-        run_sum += p
-        p_tile[pos] = p
-    for col in range(DECODE_ACC_COLS):
-        acc[col] *= alpha
-    return new_max, run_sum
 
 
 @cuda.jit(cache=True)
@@ -245,7 +220,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     k_size = block_k * (D + 1)
     v_size = block_k * width
 
-    _, zero, neg_inf = constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
     _stage_rows(q[b], hk * group, N, r0, r1, q_tile, D + 1, t, threads)
@@ -287,8 +262,12 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             _row_dot(q_tile, q_at, k_tile, D + 1, c, tpr, D, zero, scores)
             for m in range(DECODE_REG_N):
                 p_tile[p_at + c + tpr * m] = scores[m]
-            run_max, run_sum = _softmax_step(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts, lanes,
-                                             run_max, run_sum, acc)
+            tile_max = _row_logits(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts)
+            consts = (zero, fopts[F_ONE], neg_inf)
+            run_max, run_sum, alpha = row_step(p_tile, p_at + c, tpr, DECODE_REG_N, (run_max, run_sum), tile_max,
+                                               lanes, consts)
+            for col in range(DECODE_ACC_COLS):
+                acc[col] *= alpha
             cuda.syncthreads()  # the row's p, written by its lanes, read by each
             _row_pv(p_tile, p_at, v_tile, width, jn, c, tpr, wn, zero, acc)
             cuda.syncthreads()  # every thread is done with this tile's buffers before they are refilled

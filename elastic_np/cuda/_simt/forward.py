@@ -8,7 +8,6 @@ forward is to run (`elastic_np.cuda.forward` sends decoding shapes to
 `elastic_np.cuda._kernels`.
 """
 
-import math
 
 from numba import cuda
 
@@ -16,32 +15,31 @@ from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device.basics import constants, problem_dims
 from elastic_np.cuda._device.indices import F_ONE, O_BETA
 from elastic_np.cuda._device.score import bh_params, block_key_range
-from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum, lane_mask
+from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
 from elastic_np.cuda._device.tiles import carve, fill, stage
 from elastic_np.cuda._simt.micro_tiles import flash_tiles, store_tile, tile_block, tile_dot, tile_entry, tile_pv
 
 
 @cuda.jit(device=True)
-def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, prm, opts):
-    """The online softmax step of the thread's rows over one key tile, in place in ``p_tile``.
+def _tile_step(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, prm, opts):
+    """The thread's rows over one key tile: their logits, then each row's online-softmax step, in place in ``p_tile``.
 
     ``micro = (row0, c, tpr)`` (`tile_block`), ``queries = (b, h, i_first,
     N)``: the thread's rows are queries ``i_first + r`` of ``N``, ``keys =
     (j0, jn)``: the tile holds keys ``[j0, j0 + jn)``. ``p_tile`` holds the
     thread's dot products (row ``row0 + r``, key ``c + tpr n``); each
     becomes its logit (`tile_entry`, ``-inf`` when removed, past the tile
-    or past ``N``), the row's tile max is combined over the ``tpr`` threads
-    of the row group with shuffles, and each becomes ``p = exp(z - max)``
-    (0 where removed). The thread's running max and partial sum of each row
-    live in ``stats`` (slot ``row tpr + c`` of the sections at 0 and
-    ``slots``, one writer each), and the row's rescale factor goes to the
-    section at ``2 slots``, for the caller to apply to its accumulator
-    registers. The loops here are not unrolled on purpose (the score pipeline
-    is long), so they keep their data in shared memory, not in local arrays.
+    or past ``N``), then ``p`` (`row_step`). The thread's running max and
+    partial sum of each row live in ``stats`` (slot ``row tpr + c`` of the
+    sections at 0 and ``slots``, one writer each), and the row's rescale
+    factor goes to the section at ``2 slots``, for the caller to apply to its
+    accumulator registers. The loop over the rows is not unrolled (the score
+    pipeline is long), so the rows' state lives in shared memory, not in
+    local arrays.
     """
     row0, c, tpr = micro
     fopts, zero, neg_inf = constants(opts)
-    one = fopts[F_ONE]
+    consts = (zero, fopts[F_ONE], neg_inf)
     for r in range(REG_M):
         row = row0 + r
         slot = row * tpr + c
@@ -50,19 +48,8 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
             at, _i, _j, z, _s, _cap_slope, _f, _u = tile_entry(p_tile, p_stride, micro, queries, keys, r, n, prm, opts)
             p_tile[at] = z
             tile_max = max(tile_max, z)
-        old_max = stats[slot]
-        new_max = max(old_max, group_max(tile_max, tpr, lanes))
-        alpha = one
-        if new_max > neg_inf:
-            alpha = math.exp(old_max - new_max)  # 1 when the max stays, 0 from -inf
-        total = stats[slots + slot] * alpha
-        for n in range(REG_N):
-            at = row * p_stride + c + tpr * n
-            p = zero
-            if p_tile[at] > neg_inf:
-                p = math.exp(p_tile[at] - new_max)
-            total += p
-            p_tile[at] = p
+        state = (stats[slot], stats[slots + slot])
+        new_max, total, alpha = row_step(p_tile, row * p_stride + c, tpr, REG_N, state, tile_max, lanes, consts)
         stats[slot] = new_max
         stats[slots + slot] = total
         stats[2 * slots + slot] = alpha
@@ -72,7 +59,7 @@ def _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, keys, p
 def _finish_rows(stats, slots, micro, lanes, queries, c0, beta_h, fopts, lse):
     """Each row's ``lse`` (written once) and ``out = (acc num) / den`` (`finish_row`).
 
-    ``micro``, ``queries`` as in `_tile_softmax`; ``c0`` is the pass's first
+    ``micro``, ``queries`` as in `_tile_step`; ``c0`` is the pass's first
     output column. ``num`` is left in the section of ``stats`` at ``2 slots``,
     ``den`` in that at ``slots``.
     """
@@ -139,7 +126,7 @@ def _forward_kernel(q, k, v, opts, block_k, out, lse):
             cuda.syncthreads()
             tile_dot(q_tile, q_stride, kv_tile, kv_stride, D, micro, zero, scores)
             store_tile(scores, p_tile, p_stride, micro)
-            _tile_softmax(p_tile, p_stride, stats, slots, micro, lanes, queries, (j0, jn), prm, opts)
+            _tile_step(p_tile, p_stride, stats, slots, micro, lanes, queries, (j0, jn), prm, opts)
             for r in range(REG_M):
                 alpha = stats[2 * slots + (row0 + r) * tpr + c]
                 for e in range(ACC_COLS):

@@ -21,20 +21,17 @@ rows of one (batch, head); per key tile of ``8 S`` keys (``S`` =
 Value heads wider than ``8 o_frag.shape[0]`` take several passes over the keys.
 """
 
-import math
 
 from numba import cuda
 
 from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
 from elastic_np.cuda._device.basics import inline_device, problem_dims
-from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS
-from elastic_np.cuda._device.score import bh_params, block_key_range, entry
 from elastic_np.cuda._device.basics import unsigned as _at
-from elastic_np.cuda._device.softmax import finish_row, group_max, group_sum
+from elastic_np.cuda._device.indices import F_NEG_INF, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS
+from elastic_np.cuda._device.score import bh_params, block_key_range, entry
+from elastic_np.cuda._device.softmax import FULL_MASK, finish_row, fragment_step, group_sum
 from elastic_np.cuda._device.tiles import carve
-from elastic_np.cuda._tensor_core.fragments import (
-    FULL_MASK, add_products, block_place, copy_unit, dot_products, simple_logits,
-)
+from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
 from elastic_np.cuda._runtime.config import TC_PAD
 
 
@@ -74,45 +71,6 @@ def _general_logits(s_frag, scratch, place, keys, prm, opts):
             s_frag[n, e] = scratch[_at((g + 8 * (e // 2)) * stride + 8 * n + 2 * t + e % 2)]
 
 
-@inline_device
-def _softmax_step(s_frag, stats, fopts):
-    """Logits to ``p = exp(z - max)`` in ``s_frag``; returns the two rows' rescale factors.
-
-    ``stats`` holds the thread's rows' running max (0, 1) and its partial sums (2, 3).
-    """
-    neg_inf = fopts[F_NEG_INF]
-    zero = fopts[F_ZERO]
-    one = fopts[F_ONE]
-    top = neg_inf
-    bottom = neg_inf
-    for n in range(s_frag.shape[0]):
-        top = max(top, max(s_frag[n, 0], s_frag[n, 1]))
-        bottom = max(bottom, max(s_frag[n, 2], s_frag[n, 3]))
-    new_top = max(stats[0], group_max(top, 4, FULL_MASK))
-    new_bottom = max(stats[1], group_max(bottom, 4, FULL_MASK))
-    alpha_top = one
-    alpha_bottom = one
-    if new_top > neg_inf:
-        alpha_top = math.exp(stats[0] - new_top)
-    if new_bottom > neg_inf:
-        alpha_bottom = math.exp(stats[1] - new_bottom)
-    sum_top = stats[2] * alpha_top
-    sum_bottom = stats[3] * alpha_bottom
-    for n in range(s_frag.shape[0]):
-        for e in range(4):
-            p = zero
-            if s_frag[n, e] > neg_inf:
-                p = math.exp(s_frag[n, e] - (new_top if e < 2 else new_bottom))
-            s_frag[n, e] = p
-            if e < 2:
-                sum_top += p
-            else:
-                sum_bottom += p
-    stats[0] = new_top
-    stats[1] = new_bottom
-    stats[2] = sum_top
-    stats[3] = sum_bottom
-    return alpha_top, alpha_bottom
 
 
 @inline_device
@@ -155,7 +113,7 @@ def _key_tile(it, n_k, kv, keys, buffers, geometry, place, frags, options):
         cuda.syncthreads()  # every warp is done with K: its rows become the scratch
         scratch = k_tile[16 * (block_k + 1) * warp :]
         _general_logits(s_frag, scratch, (b, h, i0 + row0, N), (j0, hi), prm, opts)
-    alpha_top, alpha_bottom = _softmax_step(s_frag, stats, fopts)
+    alpha_top, alpha_bottom = fragment_step(s_frag, stats, fopts)
     for e in range(o_frag.shape[0]):
         o_frag[e, 0] *= alpha_top
         o_frag[e, 1] *= alpha_top

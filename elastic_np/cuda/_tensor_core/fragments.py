@@ -7,17 +7,12 @@ a thread of the accumulator layout holds rows ``g``, ``g + 8`` and columns
 ``precision="tf32"``; float64 one (DMMA).
 """
 
-import numba
 from numba import cuda
 
 from elastic_np.cuda._device.basics import inline_device
 from elastic_np.cuda._device.basics import unsigned as _at
 from elastic_np.cuda._device.indices import F_NEG_INF
 from elastic_np.cuda._tensor_core.mma import mma, split, splits
-
-
-#: Every lane of a warp: a row's 4 lanes reduce by shuffles (`group_max`, `group_sum` of width 4).
-FULL_MASK = numba.uint32(0xFFFFFFFF)
 
 
 @inline_device
