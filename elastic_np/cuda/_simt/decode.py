@@ -22,7 +22,7 @@ is the CPU decode kernel's (`elastic_np._decode`):
   the same bits in every lane, run after run). Value heads wider than
   ``tpr DECODE_ACC_COLS`` take several passes over the keys.
 - **Copies.** The K and V tiles are double-buffered in shared memory
-  (`_decode_tiles`) and arrive by ``cp.async`` (`_prefetch`): the next tile
+  (`_decode_tiles`) and arrive by ``cp.async`` (`stage_kv`): the next tile
   is in flight while this one is scored and summed.
 - **Split-KV.** The keys the chunk's rows can keep (the union of their
   ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
@@ -49,13 +49,13 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._device import async_copy as _copy
+from elastic_np.cuda._device import async_copy
 from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device.basics import constants, inline_device, problem_dims
 from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS
 from elastic_np.cuda._device.score import bh_params, block_key_range, entry
 from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
-from elastic_np.cuda._device.tiles import carve, fill
+from elastic_np.cuda._device.tiles import carve, fill, stage_kv
 
 
 @inline_device
@@ -176,24 +176,6 @@ def _decode_tiles(smem, rows_blk, D, width, block_k):
     return q_tile, k_tiles, v_tiles, p_tile
 
 
-@inline_device
-def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width):
-    """Start copying keys ``[j0, j0 + jn)`` of ``k_bh`` and columns ``[c0, c0 + wn)`` of ``v_bh`` (one group).
-
-    Asynchronous (``cp.async``, `elastic_np.cuda._copy`): rows past ``jn``
-    are zero-filled. The thread commits its copies as one group; `_copy.wait_prior`
-    or `_copy.wait_all` and a ``syncthreads`` make them visible.
-    """
-    D = k_bh.shape[1]
-    if D > 0:
-        _copy.copy_tile(k_bh[j0:], jn, D, k_tile, D + 1, block_k, D, 1)
-    if wn > 0:
-        _copy.copy_tile(v_bh[j0:, c0:], jn, wn, v_tile, width, block_k, wn, 1)
-    _copy.commit()
-
-
-
-
 @cuda.jit(cache=True)
 def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     """One block per (batch, kv head, chunk of stacked rows, key split); split fastest.
@@ -243,7 +225,8 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             acc[col] = zero
         cuda.syncthreads()  # the previous pass is done with the tiles
         if a < e:
-            _prefetch(k_bh, v_bh, a, min(block_k, e - a), c0, wn, k_tiles[:k_size], v_tiles[:v_size], block_k, width)
+            stage_kv(k_bh[a:], v_bh[a:, c0:], min(block_k, e - a), k_tiles[:k_size], v_tiles[:v_size], (D, D + 1, D),
+                     (wn, width, wn), block_k, 1)
         n = 0
         for j0 in range(a, e, block_k):
             jn = min(block_k, e - j0)
@@ -252,12 +235,12 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             v_tile = v_tiles[at * v_size : (at + 1) * v_size]
             if j0 + block_k < e:  # the next tile into the other buffers, which the last iteration finished
                 nxt = 1 - at
-                _prefetch(k_bh, v_bh, j0 + block_k, min(block_k, e - j0 - block_k), c0, wn,
-                          k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
-                          block_k, width)
-                _copy.wait_prior()
+                stage_kv(k_bh[j0 + block_k :], v_bh[j0 + block_k :, c0:], min(block_k, e - j0 - block_k),
+                         k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
+                         (D, D + 1, D), (wn, width, wn), block_k, 1)
+                async_copy.wait_prior()
             else:
-                _copy.wait_all()
+                async_copy.wait_all()
             cuda.syncthreads()  # this tile (and q_tile) visible to the block
             _row_dot(q_tile, q_at, k_tile, D + 1, c, tpr, D, zero, scores)
             for m in range(DECODE_REG_N):

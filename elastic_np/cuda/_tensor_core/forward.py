@@ -30,7 +30,7 @@ from elastic_np.cuda._device.basics import unsigned as _at
 from elastic_np.cuda._device.indices import F_NEG_INF, F_ZERO, I_MMA_TERMS, O_BETA, O_FOPTS, O_IOPTS
 from elastic_np.cuda._device.score import bh_params, block_key_range, entry
 from elastic_np.cuda._device.softmax import FULL_MASK, finish_row, fragment_step, group_sum
-from elastic_np.cuda._device.tiles import carve
+from elastic_np.cuda._device.tiles import carve, stage_kv
 from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
 from elastic_np.cuda._runtime.config import TC_PAD
 
@@ -71,16 +71,13 @@ def _general_logits(s_frag, scratch, place, keys, prm, opts):
             s_frag[n, e] = scratch[_at((g + 8 * (e // 2)) * stride + 8 * n + 2 * t + e % 2)]
 
 
-
-
 @inline_device
 def _issue_kv(k_bh, v_bh, j, hi, c0, buffers, geometry, unit, slot):
-    """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot``."""
+    """Start copying the key tile from key ``j`` (K, and V's columns from ``c0``) into buffer ``slot`` (`stage_kv`)."""
     q_tile, k_tiles, v_tiles, k_size, v_size = buffers
     D, Dv, d_pad, qk_stride, v_stride, block_k, width_v = geometry
-    copy_tile(k_bh[j:], hi - j, D, k_tiles[slot * k_size :], qk_stride, block_k, d_pad, unit)
-    copy_tile(v_bh[j:, c0:], hi - j, Dv - c0, v_tiles[slot * v_size :], v_stride, block_k, width_v, unit)
-    commit()
+    stage_kv(k_bh[j:], v_bh[j:, c0:], hi - j, k_tiles[slot * k_size :], v_tiles[slot * v_size :],
+             (D, qk_stride, d_pad), (Dv - c0, v_stride, width_v), block_k, unit)
 
 
 @inline_device
