@@ -11,7 +11,7 @@ import pytest
 import elastic_np as enp
 from elastic_np import cuda, reference
 from elastic_np._contract import _problem
-from elastic_np.cuda._launch import arrays as _arrays, forward as _forward_launch, options as _options
+from elastic_np.cuda._launch import arrays as _arrays, layouts as _layouts, options as _options, plan as _plan
 from elastic_np.cuda._runtime import gpu as _host
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
@@ -213,11 +213,11 @@ def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 32)
-    threads, tile = _forward_launch.tiles(8, 64, 64)
-    assert _forward_launch.shared_elements(threads, tile, 64, 64) * 8 <= 48 * 1024
+    threads, tile = _plan.forward_tiles(8, 64, 64)
+    assert _layouts.forward_elements(threads, tile, 64, 64) * 8 <= 48 * 1024
     assert threads >= 1 and tile >= 1
     with pytest.raises(ValueError, match="shared memory"):
-        _forward_launch.tiles(8, 4096, 4096)
+        _plan.forward_tiles(8, 4096, 4096)
 
 
 def test_mixed_host_and_device_inputs():

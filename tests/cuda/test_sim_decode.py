@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cuda, reference
+from elastic_np import reference
 from elastic_np._contract import _problem
 from elastic_np.testing import _tolerances
 from elastic_np.cuda._runtime import config as _cuda_config
@@ -111,24 +111,24 @@ def test_float32_queries_and_groups(decode_runs, N, group):
 
 def test_geometry_of_these_tests():
     """The fixture's tiles give several splits, row chunks, and several tiles per split."""
-    from elastic_np.cuda._launch import decode as _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
-    rows_blk, tpr = _decode_launch.geometry(4 * 2, 6, 5, 8)
+    rows_blk, tpr = _plan.decode_geometry(4 * 2, 6, 5, 8)
     assert (rows_blk, tpr) == (8, 2)  # block_k = 4 keys
-    assert _decode_launch.splits(3, 37) == 4  # 37 keys in 4 splits of 2 or 3 tiles
-    rows_blk, tpr = _decode_launch.geometry(8 * 16, 6, 5, 8)
+    assert _plan.decode_splits(3, 37) == 4  # 37 keys in 4 splits of 2 or 3 tiles
+    rows_blk, tpr = _plan.decode_geometry(8 * 16, 6, 5, 8)
     assert rows_blk * tpr <= _cuda_config.DECODE_THREADS and -(-128 // rows_blk) > 1
 
 
 def test_splits_depend_on_the_shape_only(monkeypatch):
-    from elastic_np.cuda._launch import decode as _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_BLOCKS", 256)
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_SPLIT_KEYS", 256)
-    assert _decode_launch.splits(8, 8192) == 32  # the bench's decode shape: 8 (batch, kv head) pairs
-    assert _decode_launch.splits(256, 8192) == 1
-    assert _decode_launch.splits(8, 600) == 2  # no split under 256 keys
-    assert _decode_launch.splits(8, 100) == 1
+    assert _plan.decode_splits(8, 8192) == 32  # the bench's decode shape: 8 (batch, kv head) pairs
+    assert _plan.decode_splits(256, 8192) == 1
+    assert _plan.decode_splits(8, 600) == 2  # no split under 256 keys
+    assert _plan.decode_splits(8, 100) == 1
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -145,10 +145,10 @@ def test_bit_identical_across_runs(decode_runs, dtype):
 
 def test_wide_value_head_takes_several_passes(monkeypatch, decode_runs):
     """One lane per row: 8 output columns per pass, so Dv = 21 takes three passes over the keys."""
-    from elastic_np.cuda._launch import decode as _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     monkeypatch.setattr(_cuda_config, "DECODE_LANES", 1)
-    assert _decode_launch.geometry(8, 6, 21, 8)[1] == 1
+    assert _plan.decode_geometry(8, 6, 21, 8)[1] == 1
     q, k, v, dout = make(np.float64, 2, 4, 2, 4, 30, Dv=21, seed=3)
     check_forward(q, k, v, dout, dict(causal=True, softcap=1.5, beta=0.2, kv_lengths=[30, 11]))
     assert decode_runs[0] > 1
@@ -173,12 +173,12 @@ def test_empty_caches(decode_runs):
 
 
 def test_decode_shape_takes_the_decode_kernel():
-    from elastic_np.cuda._launch import decode as _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     q, k, v, _ = make(np.float32, 1, 32, 8, 1, 16)
-    assert _decode_launch.takes(_problem.prepare(q, k, v))
+    assert _plan.takes_decode(_problem.prepare(q, k, v))
     q = np.zeros((1, 32, 17, 6), dtype=np.float32)
-    assert not _decode_launch.takes(_problem.prepare(q, k, v))  # 17 queries: the flash forward
+    assert not _plan.takes_decode(_problem.prepare(q, k, v))  # 17 queries: the flash forward
 
 
 def test_option_arrays_are_copied_once_per_distinct_values(monkeypatch):

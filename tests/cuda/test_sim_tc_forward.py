@@ -15,7 +15,7 @@ from test_sim_options import ALONE, M, alone, everything
 import elastic_np as enp
 from elastic_np import reference
 from elastic_np.cuda._runtime import config as _cuda_config
-from elastic_np.cuda._launch import forward as _forward_launch
+from elastic_np.cuda._launch import plan as _plan
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -26,14 +26,14 @@ N = 37  # three blocks of 16 query rows under small_tiles, the last one partial
 def tensor_core_runs(monkeypatch):
     """The kernel keys the tensor-core forward launched, in order."""
     runs = []
-    geometry = _forward_launch.tensor_core_geometry
+    geometry = _plan.tensor_core_geometry
 
     def spy(itemsize, D, Dv, general=False):
         found = geometry(itemsize, D, Dv, general)
         runs.append(None if found is None else found[0])
         return found
 
-    monkeypatch.setattr(_forward_launch, "tensor_core_geometry", spy)
+    monkeypatch.setattr(_plan, "tensor_core_geometry", spy)
     monkeypatch.setattr(_cuda_config, "DECODE_MAX_QUERIES", 0)
     return runs
 

@@ -17,9 +17,7 @@ import types
 import numpy as np
 
 from elastic_np._contract._errors import BackendUnavailableError
-from elastic_np.cuda._launch import backward as backward_launch
-from elastic_np.cuda._launch import decode as decode_launch
-from elastic_np.cuda._launch import forward as forward_launch
+from elastic_np.cuda._launch import layouts, plan
 from elastic_np.cuda._launch.arrays import dtypes
 from elastic_np.cuda._runtime import config
 from elastic_np.cuda._runtime.gpu import INSTALL_HINT, cuda_module, is_available, kernel_module, simulator
@@ -138,18 +136,18 @@ def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
         threads). The delta kernel uses none.
     """
     itemsize = np.dtype(dtype).itemsize
-    threads, tile = forward_launch.tiles(itemsize, D, Dv)
-    result = {"_forward_kernel": (threads, tile, forward_launch.shared_elements(threads, tile, D, Dv) * itemsize)}
+    threads, tile = plan.forward_tiles(itemsize, D, Dv)
+    result = {"_forward_kernel": (threads, tile, layouts.forward_elements(threads, tile, D, Dv) * itemsize)}
     for name, kind in (("_backward_dq_kernel", "dq"), ("_backward_dkdv_kernel", "dkdv")):
-        threads, rows, cols = backward_launch.tiles(kind, itemsize, D, Dv)
-        result[name] = (threads, cols, backward_launch.shared_elements(kind, rows, cols, D, Dv) * itemsize)
+        threads, rows, cols = plan.backward_tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, cols, layouts.backward_elements(kind, rows, cols, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
     B, H, Hkv, N, M = decode
     rows = H // Hkv * N
-    rows_blk, tpr = decode_launch.geometry(rows, D, Dv, itemsize)
-    n_split = decode_launch.splits(B * Hkv * -(-rows // rows_blk), M)
+    rows_blk, tpr = plan.decode_geometry(rows, D, Dv, itemsize)
+    n_split = plan.decode_splits(B * Hkv * -(-rows // rows_blk), M)
     result["_decode_kernel"] = (rows_blk * tpr, tpr * config.DECODE_REG_N,
-                                decode_launch.shared_elements(rows_blk, tpr, D, Dv) * itemsize)
+                                layouts.decode_elements(rows_blk, tpr, D, Dv) * itemsize)
     result["_decode_merge_kernel"] = (max(1, min(config.DECODE_MERGE_THREADS, Dv)), n_split, n_split * itemsize)
     return result
 

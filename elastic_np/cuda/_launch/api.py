@@ -16,6 +16,7 @@ from elastic_np.cuda._device.indices import P_DSIGMA, P_DTAU
 from elastic_np.cuda._launch import backward as backward_launch
 from elastic_np.cuda._launch import decode as decode_launch
 from elastic_np.cuda._launch import forward as forward_launch
+from elastic_np.cuda._launch import plan
 from elastic_np.cuda._launch.arrays import is_device, to_device
 from elastic_np.cuda._launch.options import dbias_shape, launch_options
 from elastic_np.cuda._runtime.gpu import cuda_module
@@ -24,7 +25,7 @@ from elastic_np.cuda._runtime.gpu import cuda_module
 def forward(p):
     """Run the forward kernels on a validated problem; return ``(out, lse)``.
 
-    Decoding shapes (`elastic_np.cuda._launch.decode.takes`) go to the decode
+    Decoding shapes (`elastic_np.cuda._launch.plan.takes_decode`) go to the decode
     kernels, the others to the flash forward. NumPy arrays for a NumPy
     problem, device arrays for a device problem.
     """
@@ -36,7 +37,7 @@ def forward(p):
     out = cuda.device_array((B, H, N, Dv), dtype=dtype)
     lse = cuda.device_array((B, H, N), dtype=dtype)
     if B * H * N > 0:
-        family = decode_launch if decode_launch.takes(p) else forward_launch
+        family = decode_launch if plan.takes_decode(p) else forward_launch
         family.launch(p, launch_options(p)[0], q, k, v, out, lse)
     if on_device:
         return out, lse
