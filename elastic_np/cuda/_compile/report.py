@@ -1,6 +1,6 @@
-"""Compiling the CUDA kernels without a GPU: PTX, and what the compiled code uses.
+"""The compile-only reports: every kernel's PTX, what its compiled code uses, the shared memory it asks for.
 
-`ptx` compiles every kernel, for each dtype, to PTX for a compute
+No GPU needed. `ptx` compiles every kernel, for each dtype, to PTX for a compute
 capability with numba-cuda's NVVM; `resources` assembles that PTX with
 nvJitLink and reads the assembler's report (registers per thread, stack
 frame, spills, static shared memory); `dynamic_shared_bytes` gives the

@@ -1,1 +1,1 @@
-"""Device functions that every kernel family of the CUDA backend shares (their modules import ``numba.cuda``)."""
+"""The device functions every kernel family shares: option indices, score, online softmax, tiles, copies."""

@@ -1,6 +1,8 @@
-"""The device-code basics every kernel uses: forced inlining, unsigned indices, the dtype's constants, compensated sums, the shapes.
+"""The device-code basics every kernel uses: forced inlining, unsigned indices, the dtype's constants, the shapes.
 
-Imports ``numba.cuda``: imported by the kernel modules only.
+Also Neumaier's compensated sum (`compensated_add`), for the backward's
+deterministic parameter gradients. Imports ``numba.cuda``: imported by the
+kernel modules only.
 """
 
 import numba

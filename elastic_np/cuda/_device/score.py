@@ -1,10 +1,17 @@
-"""The per-entry score pipeline every kernel shares, and the key and query ranges that decide which tiles a block visits.
+"""The per-entry score pipeline every kernel shares, and the key and query ranges that decide the tiles visited.
 
 `bh_params` reads a (batch, head)'s options once per block; `entry` takes
 an entry through the pipeline in the contract's order: the structural
-conditions and the bias (`entry_keep`), then the scaled dot product,
-soft-cap, ALiBi, bias, NVM and the dynamic window's gate (`entry_logit`).
-Imports ``numba.cuda``: imported by the kernel modules only.
+conditions (causal, window, ``kv_lengths``, mask) and the bias
+(`entry_keep`), then the scaled dot product, soft-cap, ALiBi, bias, NVM on
+the final score and the dynamic window's gate (`entry_logit`). The options
+are runtime values (``softcap`` in ``fopts``, 0 for none; the ALiBi slope
+with the window's per-(b, h) constants; the bias read entry by entry like
+the mask, through its element strides), so each kernel compiles once per
+dtype. `block_key_range` and `block_query_range` give the keys a block of
+queries can keep and the queries a block of keys can
+(`elastic_np._contract._ranges`). Imports ``numba.cuda``: imported by the
+kernel modules only.
 """
 
 import math

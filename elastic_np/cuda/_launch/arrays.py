@@ -1,8 +1,17 @@
 """The CUDA backend's inputs: NumPy arrays or device arrays, validated, on the device.
 
-NumPy inputs are copied to the device; device arrays (anything with
-``__cuda_array_interface__``) must be C-contiguous and are used in place,
-validated from their metadata (no copy to the host, no NaN scan).
+NumPy inputs are copied to the GPU and the results copied back as NumPy
+arrays. Device arrays (anything with ``__cuda_array_interface__``: numba
+device arrays, CuPy arrays, PyTorch CUDA tensors) must be C-contiguous; they
+are used in place, validated from their metadata (no copy to the host, no
+NaN or inf scan), and when any input is a device array the results are
+numba device arrays, with no host round trip (NumPy inputs next to them are
+copied to the device). ``mask`` and ``kv_lengths`` are small option arrays
+taken from the host. ``bias`` may be a NumPy array (its distinct entries are
+copied to the device, in the kernel dtype) or a C-contiguous device array
+of the kernel dtype, used in place (one of another dtype makes a round trip
+through the host to be converted); with a device bias the results are
+device arrays, ``dbias`` too.
 """
 
 import dataclasses

@@ -81,7 +81,8 @@ def _launch_kernels(p, opts, arrays, grads):
     dout_lse_delta = (dout, lse, grads["delta"])
     if N > 0:
         threads = max(1, min(config.DELTA_THREADS, B * H * N))
-        kernels.KERNELS["_backward_delta_kernel"][blocks(B * H * N, threads), threads](dout, out, dlse, opts, grads["delta"])
+        delta_kernel = kernels.KERNELS["_backward_delta_kernel"]
+        delta_kernel[blocks(B * H * N, threads), threads](dout, out, dlse, opts, grads["delta"])
     tensor_cores = plan.tensor_core_backward(p)
     if tensor_cores is not None:
         _launch_tensor_cores(p, opts, tensor_cores, arrays, grads)

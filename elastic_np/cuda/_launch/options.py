@@ -1,4 +1,4 @@
-"""The option arrays every kernel takes, built on the host and copied to the device once per distinct set of values.
+"""The option arrays every kernel takes, built on the host, copied to the device once per distinct set of values.
 
 `launch_options` builds the ``opts`` tuple (indexed by the ``O_*``
 constants of `elastic_np.cuda._device.indices`): the mask, ``kv_lengths``,
@@ -61,8 +61,8 @@ def launch_options(p):
     """``(opts, bias_compact)``: the option arrays every kernel takes, on the device, and the bias's compact shape.
 
     ``opts`` is one tuple, indexed by the ``O_*`` constants of
-    `elastic_np.cuda._device` (`elastic_np.cuda._kernels` describes each
-    array); ``bias_compact`` is `_bias_operand`'s (None without a bias).
+    `elastic_np.cuda._device.indices` (which describes each array);
+    ``bias_compact`` is `_bias_operand`'s (None without a bias).
     Without a bias the arrays come from `_device_plan`: copied to the device
     once per distinct set of values, so that repeated calls (decoding steps)
     copy nothing but their inputs.

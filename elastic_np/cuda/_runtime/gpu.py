@@ -1,7 +1,9 @@
-"""The CUDA backend's host side: numba.cuda on first use, availability, device arrays, validation.
+"""The GPU as the backend sees it: ``numba.cuda`` and the kernel modules on first use, availability, the GPU's limits.
 
-Imports neither ``numba.cuda`` nor a kernel module when imported: `numba_cuda`
-imports the one, `kernel_module` the others, when a kernel is to run.
+Imports neither ``numba.cuda`` nor a kernel module when imported: `cuda_module`
+imports the one, `kernel_module` the others, when a kernel is to run. Also
+the launch configuration that opts a kernel in to more than the default
+48 KB of dynamic shared memory (`configured`).
 """
 
 import functools
@@ -40,7 +42,7 @@ def kernel_module(name):
 
     ``"_forward"``, ``"_decode"``, ``"_backward"``, ``"_device"`` (the option
     indices) or ``"_kernels"`` (every kernel by name). Under the simulator its
-    missing warp shuffles are installed first (`elastic_np.cuda._sim`).
+    missing warp shuffles are installed first (`elastic_np.cuda._runtime.sim`).
     """
     cuda_module()
     if simulator():

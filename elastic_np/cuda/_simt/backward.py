@@ -1,14 +1,13 @@
-"""The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
+"""The SIMT backward: FlashAttention-2 partitioning with register micro-tiles, deterministic, without atomics.
 
-Imports ``numba.cuda``; imported on first use by its host side,
-`elastic_np.cuda._backward_launch` (tiles, shared memory, the launches).
 The backward recomputes the probabilities ``p = exp(z - lse)`` from the
 forward's ``lse`` with the shared score pipeline (`entry_keep`,
-`entry_logit`), so it sees the logits the forward saw. Three kernels, launched in this order (and a
-fourth for a broadcast bias's ``dbias``, below):
+`entry_logit`), so it sees the logits the forward saw. Three kernels,
+launched in this order (and a fourth for a broadcast bias's ``dbias``):
 
 - ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
-  thread a row), read by the two kernels below and by the host (``dbeta``).
+  thread a row; ``dlse``, the cotangent of ``lse``, zeros when none is
+  given), read by the two kernels below and by the host (``dbeta``).
 - ``_backward_dkdv_kernel``: a block per (batch x kv head, key tile of
   ``DKDV_BLOCK_K`` keys), key tiles fastest. Its K and V tiles stay in shared
   memory while it loops over the query heads of the GQA group and, for each,
@@ -27,27 +26,36 @@ fourth for a broadcast bias's ``dbias``, below):
   ``DQ_BLOCK_Q`` rows), laid out like the flash forward (row groups of
   ``tpr = DQ_BLOCK_K / REG_N`` lanes, ``REG_M`` rows a thread); per key tile
   it recomputes ``s`` and ``dp`` as micro-tiles and accumulates ``dq += ds k``
-  in registers.
+  in registers. A kernel of its own costs a second recomputation of the
+  scores but keeps ``dq`` free of atomics too (float atomics would make
+  ``dq`` depend on scheduling) and needs no ``(B, H, N, D)`` buffer per key
+  tile.
 
-Why ``dq`` has a kernel of its own (no float atomics, no per-key-tile
-buffer, at the cost of a second recomputation of ``s`` and ``dp``), how the
-``dq`` kernel's per-(row, lane) compensated sums make ``dtau`` and
-``dsigma`` deterministic, and which kernel writes ``dbias`` for a full or a
-broadcast bias (``_backward_dbias_kernel``, launched after the delta kernel,
-one block per entry of the bias's compact shape): the design section of
-`elastic_np.cuda`.
+``dtau``, ``dsigma``: the ``dq`` kernel keeps compensated sums per (row,
+lane), adds them in a fixed order and writes one partial per (batch, head,
+query tile); the host sums these few numbers in float64 in a fixed order.
+``dbeta`` is formed on the host from ``delta`` and ``lse``. The soft-cap's
+slope ``1 - tanh^2`` multiplies ``ds`` before it enters ``dq`` and ``dk``.
+``dbias`` is ``ds`` summed over the bias's broadcast axes, without atomics:
+a full ``(B, H, N, M)`` bias is written by the ``dq`` kernel, whose threads
+own query rows (one writer per entry, under GQA too); a broadcast bias by
+``_backward_dbias_kernel``, launched after the delta kernel, one block per
+entry of the bias's compact shape, whose threads recompute ``ds`` for the
+entries it stands for in a fixed assignment and add their sums in thread
+order (a third recomputation of the scores, read from global memory; a bias
+broadcast over every axis is summed by a single block).
 
-Tile sizes are runtime values (`elastic_np.cuda._backward_launch.tiles`, from
-`elastic_np.cuda._config`, halved until the shared memory fits); the
-micro-tile sizes are the forward's compile-time ``REG_M``, ``REG_N``,
-``ACC_COLS``.
+Tile sizes are runtime values (`elastic_np.cuda._launch.plan.backward_tiles`,
+from `elastic_np.cuda._runtime.config`, halved until the shared memory
+fits); the micro-tile sizes are the forward's compile-time ``REG_M``,
+``REG_N``, ``ACC_COLS``. Imports ``numba.cuda``; imported on first use by
+its launch, `elastic_np.cuda._launch.backward`.
 """
 
 import math
 
 from numba import cuda
 
-from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device.basics import compensated_add, constants, inline_device, problem_dims
 from elastic_np.cuda._device.indices import (
     C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ,
@@ -55,6 +63,7 @@ from elastic_np.cuda._device.indices import (
 )
 from elastic_np.cuda._device.score import bh_params, block_key_range, block_query_range, entry, entry_keep, entry_logit
 from elastic_np.cuda._device.tiles import carve, fill, stage
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._simt.micro_tiles import store_tile, tile_block, tile_dot, tile_entry, tile_pv
 
 @cuda.jit(cache=True)
@@ -221,9 +230,8 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
     (``iopts[I_DBIAS_FULL]``), every entry of the block's rows of ``dbias``
     (0 where nothing is kept).
     """
-    # the shapes are read here rather than through `problem_dims`, which changes the code of this kernel
-    # and the dk/dv one (with numba-cuda 0.30: a sixth more PTX, a few bytes fewer spills; its
-    # speed is unmeasured; python -m elastic_np.cuda --resources)
+    # the shapes are read here, not through `problem_dims`, whose tuple changes the compiled code of
+    # this kernel and the dk/dv one (python -m elastic_np.cuda --resources)
     mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     dout, lse, delta = dout_lse_delta
     _B, H, N, D = q.shape
@@ -303,10 +311,9 @@ def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
     query column ``ii`` are ``stats[ii]`` and ``stats[block_q + ii]``;
     ``ds_raw = p (dp - delta) / tau_h cap_slope``.
     One loop over the ``REG_M REG_N`` entries, not two nested ones: NVVM
-    unrolled the inner loop of the nested form (four copies of the score
-    pipeline), and ptxas spilled more (``python -m elastic_np.cuda
-    --resources``: 392 B of stack on sm_90 in float32 nested, 304 B flat).
-    The entries are independent, so the order changes no bit.
+    unrolls the inner loop of the nested form (four copies of the score
+    pipeline), and ptxas spills more. The entries are independent, so the
+    order changes no bit.
     """
     p_tile, ds_tile, p_stride, stats, block_q = score_tiles
     row0, c, tpr = micro

@@ -1,11 +1,12 @@
-"""The CUDA decode kernels: a few queries against a long key/value cache, split-KV.
+"""The SIMT decode kernels: a few queries against a long key/value cache, split-KV, then a merge.
 
-Imports ``numba.cuda``; imported on first use by its host side,
-`elastic_np.cuda._decode_launch` (when decoding shapes run and what geometry
-they get: ``takes``, ``geometry``, ``splits``; the launch), to which
-`elastic_np.cuda.forward` sends a forward of 1 to ``DECODE_MAX_QUERIES``
-queries per sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan
-is the CPU decode kernel's (`elastic_np._decode`):
+`elastic_np.cuda.forward` sends them a forward of 1 to
+``DECODE_MAX_QUERIES`` queries per sequence and at most
+``DECODE_MAX_ROWS`` stacked rows (`elastic_np.cuda._launch.plan`:
+``takes_decode``, ``decode_geometry``, ``decode_splits``). Imports
+``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.decode`. The plan is the CPU backend's decode
+kernel's (`elastic_np.cpu`):
 
 - **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
   its keys: row ``r = g N + i`` of kv head ``hk`` is query ``i`` of head
@@ -28,7 +29,7 @@ is the CPU decode kernel's (`elastic_np._decode`):
   ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
   into ``n_split`` runs of whole K/V tiles, one block each, when the
   (batch, kv head, row chunk) blocks alone are fewer than
-  ``DECODE_MIN_BLOCKS`` (``_decode_launch.splits``: from the shape and the config only, never
+  ``DECODE_MIN_BLOCKS`` (``plan.decode_splits``: from the shape and the config only, never
   from timing, so every run gives the same bits). Each block writes the
   partial ``(max, sum, acc)`` of its rows: ``acc`` and ``sum`` relative to
   ``exp(max)``, unnormalised.
@@ -50,12 +51,12 @@ import math
 from numba import cuda
 
 from elastic_np.cuda._device import async_copy
-from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
 from elastic_np.cuda._device.basics import constants, inline_device, problem_dims
 from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS
 from elastic_np.cuda._device.score import bh_params, block_key_range, entry
 from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
 from elastic_np.cuda._device.tiles import carve, fill, stage_kv
+from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
 
 
 @inline_device

@@ -1,22 +1,44 @@
-"""The CUDA flash forward: `_forward_kernel` and the online-softmax steps of its rows.
+"""The SIMT flash forward, `_forward_kernel`: register micro-tiles, one online softmax per row, on any GPU.
 
-Imports ``numba.cuda``; imported on first use by its host side,
-`elastic_np.cuda._forward_launch` (tiles, shared memory, the launch), when a
-forward is to run (`elastic_np.cuda.forward` sends decoding shapes to
-`elastic_np.cuda._decode_launch` instead). The design is described in
-`elastic_np.cuda`, the conventions every kernel follows in
-`elastic_np.cuda._kernels`.
+One block per (batch * head, query tile of ``block_q`` rows); the block's
+threads form row groups of ``tpr = block_k / REG_N`` consecutive lanes of
+one warp, each thread owning ``REG_M`` query rows. Per K/V tile of
+``block_k`` keys (staged in shared memory, K then V in the same buffer):
+each thread computes a ``REG_M x REG_N`` micro-tile of dot products in
+registers (``REG_M + REG_N`` shared loads per ``REG_M REG_N`` multiply-adds,
+loops fully unrolled), the score pipeline turns them into logits
+(`elastic_np.cuda._device.score.entry`, shared with the backward kernels),
+the row max is combined across the row group with warp shuffles, the
+running sums and the ``REG_M x ACC_COLS`` output accumulator are rescaled in
+registers (`elastic_np.cuda._device.softmax.row_step`), and ``p`` goes
+through shared memory to the ``p V`` micro-tile product. Each thread's
+running max and partial row sum, and the rescale factor, sit in shared
+memory (one slot per thread and row) rather than in local arrays: the score
+pipeline is long, so its loop over the rows is not unrolled, and a local
+array indexed by a loop counter would live in local memory. Only the key
+tiles that the causal, window, ``kv_lengths`` and dynamic-window band can
+reach are visited. A value head wider than ``tpr * ACC_COLS`` takes several
+passes over the keys (each recomputing the same scores, hence the same
+softmax). The row sums are combined in a fixed butterfly, so results are
+bit-identical from run to run, and ``out = (acc num) / den``
+(`elastic_np.cuda._device.softmax.finish_row`): one rounding, not two
+through a reciprocal.
+
+Imports ``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.forward`, for the forwards that the plan sends
+neither to the decode kernels nor to the tensor cores
+(`elastic_np.cuda._launch.plan`).
 """
 
 
 from numba import cuda
 
-from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._device.basics import constants, problem_dims
 from elastic_np.cuda._device.indices import F_ONE, O_BETA
 from elastic_np.cuda._device.score import bh_params, block_key_range
 from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
 from elastic_np.cuda._device.tiles import carve, fill, stage
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
 from elastic_np.cuda._simt.micro_tiles import flash_tiles, store_tile, tile_block, tile_dot, tile_entry, tile_pv
 
 

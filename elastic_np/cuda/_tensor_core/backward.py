@@ -1,15 +1,16 @@
 """The tensor-core backward: ``dq`` and ``dk``/``dv`` on ``mma.sync``, for the problems the simple forward takes.
 
-Imports ``numba.cuda``; imported on first use by `elastic_np.cuda._backward_launch`.
-It runs where the forward ran on the tensor cores without the general score
-pipeline (`elastic_np.cuda._forward_launch.tensor_core_plan`, ``needs_general``
+Imports ``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.backward`. It runs where the forward ran on the
+tensor cores without the general score pipeline
+(`elastic_np.cuda._launch.plan.tensor_core_backward`, ``needs_general``
 False: the structural options, ``scale``, ``tau`` and ``beta``), and forms
-the scores as that forward does (`elastic_np.cuda._forward_tc._scores`, the
-same split, the same order of the products and of the k-steps, and
-`simple_logits`' rounding), so that ``p = exp(z - lse)`` sees the logits
-whose ``lse`` the forward wrote. The delta kernel is the SIMT one
-(`elastic_np.cuda._backward`). Two kernels, FlashAttention-2's partition
-with the forward's fragments (`elastic_np.cuda._mma`):
+the scores as that forward does (`dot_products`, the same split, the same
+order of the products and of the k-steps, and `simple_logits`' rounding),
+so that ``p = exp(z - lse)`` sees the logits whose ``lse`` the forward
+wrote. The delta kernel is the SIMT one (`elastic_np.cuda._simt.backward`).
+Two kernels, FlashAttention-2's partition with the forward's fragments
+(`elastic_np.cuda._tensor_core.fragments`):
 
 - ``dq``: a block of ``W`` warps owns ``16 W`` query rows of one (batch,
   head), as the forward; per K/V tile (double-buffered, ``cp.async``) each
@@ -33,13 +34,13 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._runtime.config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
 from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
 from elastic_np.cuda._device.basics import compensated_add, inline_device, problem_dims
 from elastic_np.cuda._device.indices import (
     F_NEG_INF, F_ONE, F_SCALE, F_ZERO, I_MMA_TERMS, O_FOPTS, O_IOPTS, O_TAU, P_DSIGMA, P_DTAU,
 )
 from elastic_np.cuda._device.score import bh_params, block_key_range, block_query_range
+from elastic_np.cuda._runtime.config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
 from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
 from elastic_np.cuda._tensor_core.mma import splits
 
@@ -398,6 +399,6 @@ def kernel(kind, tile, width):
     return _BUILT[key]
 
 
-#: The tensor-core backward kernels of the config's tiles (`elastic_np.cuda._config.TC_BACKWARD_TILES`)
+#: The tensor-core backward kernels of the config's tiles (`elastic_np.cuda._runtime.config.TC_BACKWARD_TILES`)
 #: by ``(kind, tile, width)``: what the PTX and resource reports compile.
 KERNELS = {(kind, tile, width): kernel(kind, tile, width) for (kind, _, width), tile in sorted(TC_BACKWARD_TILES.items())}

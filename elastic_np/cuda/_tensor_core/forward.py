@@ -1,18 +1,19 @@
-"""The tensor-core flash forward: a warp owns 16 query rows, its products on ``mma.sync``.
+"""The tensor-core flash forward: a warp owns 16 query rows, its products on ``mma.sync`` (float64, or TF32).
 
-Imports ``numba.cuda``; imported on first use by `elastic_np.cuda._forward_launch`.
-FlashAttention-2's partition: a block of ``W`` warps owns ``16 W`` query
+Imports ``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.forward`. FlashAttention-2's partition: a block of ``W`` warps owns ``16 W`` query
 rows of one (batch, head); per key tile of ``8 S`` keys (``S`` =
 ``s_frag.shape[0]``) the block stages K and V in shared memory, and each warp
 
-1. forms its 16 x ``8 S`` scores with `elastic_np.cuda._mma.mma` (one
+1. forms its 16 x ``8 S`` scores with `elastic_np.cuda._tensor_core.mma.mma` (one
    16 x 8 x 8 product per 8 keys and 8 of ``D``; float32 in three TF32
    products, ``small_q big_k + big_q small_k + big_q big_k``, or one with
    ``precision="tf32"``; float64 in one);
 2. takes each score through the score pipeline where it lies: a thread holds
    rows ``g``, ``g + 8`` and keys ``2t``, ``2t + 1`` of each 8 (`entry`);
-3. updates the online softmax of its two rows: the max over the row's four
-   lanes by shuffles, the partial sums kept per thread until the end;
+3. updates the online softmax of its two rows (`fragment_step`): the max
+   over the row's four lanes by shuffles, the partial sums kept per thread
+   until the end;
 4. adds ``P V`` into ``o_frag``: the score fragment feeds the product as its
    ``A`` operand in place, with the keys of each 8 taken in the order
    ``0, 2, 4, 6, 1, 3, 5, 7`` (``A``'s columns ``t``, ``t + 4`` are ``C``'s
@@ -31,8 +32,8 @@ from elastic_np.cuda._device.indices import F_NEG_INF, F_ZERO, I_MMA_TERMS, O_BE
 from elastic_np.cuda._device.score import bh_params, block_key_range, entry
 from elastic_np.cuda._device.softmax import FULL_MASK, finish_row, fragment_step, group_sum
 from elastic_np.cuda._device.tiles import carve, stage_kv
-from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
 from elastic_np.cuda._runtime.config import TC_PAD
+from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
 
 
 @inline_device
@@ -155,7 +156,7 @@ def _forward(q, k, v, opts, vector, out, lse, s_frag, o_frag, stats, general):
     """The kernel's body, for the fragment arrays its caller sizes (see the module).
 
     ``general`` (a compile-time constant) compiles in the whole score pipeline
-    (`_general_logits`), for the problems `elastic_np.cuda._forward_launch.needs_general`
+    (`_general_logits`), for the problems `elastic_np.cuda._launch.plan.needs_general`
     names; without it the kernel takes the structural options, ``scale`` and
     ``tau`` only (`simple_logits`), and keeps its registers.
     ``vector``: whether the rows of ``q``, ``k``, ``v`` start 16-byte aligned
