@@ -5,7 +5,7 @@ configuration (keys per tile, warps per block, precision; the float32
 default as 3xTF32, ``TC_FLOAT32``) in interleaved rounds with torch SDPA in
 the same dtype; prints medians and ranges and
 writes them to a JSON file (first argument). The tile sizes are read at
-launch (`elastic_np.cuda._config`), so one process times them all.
+launch (`elastic_np.cuda._runtime.config`), so one process times them all.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The tensor-core products (`elastic_np.cuda._mma`) of one warp against NumPy.
+"""The tensor-core products (`elastic_np.cuda._tensor_core.mma`) of one warp against NumPy.
 
 On the simulator this checks the Python stand-ins; on a GPU the inline PTX,
 and with it the fragment layouts every tensor-core kernel relies on: each

@@ -1,4 +1,4 @@
-"""The tensor-core backward (`elastic_np.cuda._backward_tc`) on the simulator or a GPU.
+"""The tensor-core backward (`elastic_np.cuda._tensor_core.backward`) on the simulator or a GPU.
 
 With ``TC_BACKWARD`` on: float64 (DMMA) within 1e-12 of the oracle and the
 float32 default (3xTF32, with ``TC_FLOAT32``) within the float32 rule, for

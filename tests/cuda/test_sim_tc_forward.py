@@ -1,4 +1,4 @@
-"""The tensor-core forward (`elastic_np.cuda._forward_tc`) on the simulator or a GPU.
+"""The tensor-core forward (`elastic_np.cuda._tensor_core.forward`) on the simulator or a GPU.
 
 float64 (DMMA) against the oracle for every option alone and all combined,
 on multi-block grids with 16-byte and element copies; ``precision="tf32"``
