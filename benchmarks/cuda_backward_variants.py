@@ -3,10 +3,10 @@
 ``B=4, H=16, N=M=4096``: D = 64 and D = 128 causal. Per dtype, in
 interleaved rounds in one process: elastic_np's forward and backward as
 configured by default (``TC_BACKWARD`` off: a SIMT backward), the same with
-the tensor-core backward (`elastic_np.cuda._backward_tc`; for float32 also
+the tensor-core backward (`elastic_np.cuda._tensor_core.backward`; for float32 also
 the forward as 3xTF32, ``TC_FLOAT32``), and torch's
 ``scaled_dot_product_attention`` forward and backward in the same dtype.
-The switches are read at launch (`elastic_np.cuda._config`), so one process
+The switches are read at launch (`elastic_np.cuda._runtime.config`), so one process
 times them all. Also the largest difference of the gradients between the
 two elastic_np runs, relative to their magnitude. Prints medians and ranges
 and writes them to a JSON file (first argument).
@@ -20,7 +20,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cuda import _config
+from elastic_np.cuda._runtime import config as _config
 
 
 def _ours(q, k, v, dout, causal, tensor_cores):

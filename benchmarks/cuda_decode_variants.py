@@ -2,7 +2,7 @@
 
 Decoding shape ``B=1, H=32, Hkv=8, N=1, M=8192, D=128`` float32 (issue 45's),
 each setting (``DECODE_MIN_BLOCKS``, ``DECODE_MIN_SPLIT_KEYS`` and
-``DECODE_MAX_SHARED_BYTES`` of `elastic_np.cuda._config`, read at launch, so
+``DECODE_MAX_SHARED_BYTES`` of `elastic_np.cuda._runtime.config`, read at launch, so
 one process times them all; the 48 KB cap gives half the lanes a row)
 against torch SDPA in interleaved rounds: the call (best of 20, synchronised),
 our kernels alone (`elastic_np.cli._cuda_bench.kernel_seconds`, CUPTI
@@ -21,7 +21,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench, _cuda_bench
-from elastic_np.cuda import _config
+from elastic_np.cuda._runtime import config as _config
 
 #: (DECODE_MIN_BLOCKS, DECODE_MIN_SPLIT_KEYS, DECODE_MAX_SHARED_BYTES), the defaults first
 VARIANTS = ((512, 128, 48 * 1024), (256, 256, 48 * 1024), (1024, 64, 48 * 1024), (2048, 32, 48 * 1024),

@@ -3,7 +3,7 @@
 ``python benchmarks/cuda_forward_once.py DTYPE PRECISION KEYS WARPS [ordered]``
 times the forward at ``B=4, H=16, N=M=4096, D=64`` (median of 10 after a
 warm-up) and prints it; ``ordered`` compiles the products as volatile
-assembly, in their written order (`elastic_np.cuda._mma._ORDERED`; give the
+assembly, in their written order (`elastic_np.cuda._tensor_core.mma._ORDERED`; give the
 process a cache directory of its own, ``NUMBA_CACHE_DIR``).
 """
 
@@ -14,7 +14,8 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cuda import _config, _mma
+from elastic_np.cuda._runtime import config as _config
+from elastic_np.cuda._tensor_core import mma as _mma
 
 
 def main(dtype, precision, keys, warps, ordered=False):

@@ -5,7 +5,7 @@ configuration (keys per tile, warps per block, precision; the float32
 default as 3xTF32, ``TC_FLOAT32``) in interleaved rounds with torch SDPA in
 the same dtype; prints medians and ranges and
 writes them to a JSON file (first argument). The tile sizes are read at
-launch (`elastic_np.cuda._config`), so one process times them all.
+launch (`elastic_np.cuda._runtime.config`), so one process times them all.
 """
 
 import json
@@ -16,7 +16,7 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cuda import _config
+from elastic_np.cuda._runtime import config as _config
 
 
 def main(path):

@@ -152,7 +152,7 @@ def test_bad_dtypes_name_the_argument():
 
 
 def test_cuda_refuses_halves_by_name():
-    host = pytest.importorskip("elastic_np.cuda._host")
+    host = pytest.importorskip("elastic_np.cuda._launch.arrays")
     q = _draw((1, 1, 4, 8), ml_dtypes.bfloat16)
     with pytest.raises(TypeError, match="`q` has dtype bfloat16; this backend takes float32, float64"):
         host.prepare(q, q, q)

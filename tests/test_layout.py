@@ -133,11 +133,11 @@ def test_the_gpu_benchmark_names_of_elastic_np_cuda_are_deprecated(name):
 
 
 def test_the_other_public_names_of_the_flat_cuda_module_are_deprecated():
-    from elastic_np.cuda import _config
+    from elastic_np.cuda._runtime import config as _config
 
     with pytest.warns(DeprecationWarning, match="use elastic_np.BackendUnavailableError"):
         assert cuda.BackendUnavailableError is elastic_np.BackendUnavailableError
-    with pytest.warns(DeprecationWarning, match="elastic_np.cuda._config"):
+    with pytest.warns(DeprecationWarning, match="elastic_np.cuda._runtime.config"):
         assert cuda.config is _config
 
 

@@ -9,7 +9,7 @@ import elastic_np as enp
 from elastic_np import reference
 from elastic_np._contract import _problem, _ranges
 from elastic_np.cpu import _plan
-from elastic_np.cuda import _api
+from elastic_np.cuda._launch import options as _cuda_options
 
 
 @settings(max_examples=300, deadline=None)
@@ -75,7 +75,7 @@ def test_the_offset_bands_hold_every_kept_entry(options):
     p = _prepared(**options)
     bands = [
         _plan._options(p, with_sigma_grad=False, dtype=np.dtype(np.float64)).band,
-        _ranges.offset_band(p, _api._gate_band(p)),
+        _ranges.offset_band(p, _cuda_options.gate_band(p)),
     ]
     keep = reference.structural_keep(p)
     if p.sigma is not None:

@@ -108,10 +108,10 @@ class _CudaBridge:
     @staticmethod
     def to_device(tensor):
         """A detached, C-contiguous CUDA tensor as a numba device array over its memory."""
-        from elastic_np.cuda import _host as cuda_host
+        from elastic_np.cuda._runtime import gpu as cuda_host
 
         # torch exports version 2 of the interface, without a stream: numba does not synchronise
-        return cuda_host._cuda().as_cuda_array(tensor)
+        return cuda_host.cuda_module().as_cuda_array(tensor)
 
     @staticmethod
     def to_tensor(array, device):
@@ -122,9 +122,9 @@ class _CudaBridge:
     @contextlib.contextmanager
     def launches(device):
         """Around the backend's calls: numba on ``device``, its kernels ordered with torch's stream."""
-        from elastic_np.cuda import _host as cuda_host
+        from elastic_np.cuda._runtime import gpu as cuda_host
 
-        cuda = cuda_host._cuda()
+        cuda = cuda_host.cuda_module()
         stream = torch.cuda.current_stream(device)
         # numba launches on the legacy default stream, which torch's default stream is: there
         # the kernels queue after the work that wrote the inputs and before the work that reads

@@ -34,7 +34,7 @@ elif not _gpu_usable():
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of a few rows, so that small problems still run on multi-block grids."""
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     for name, value in {
         "FORWARD_BLOCK_Q": 8,
@@ -66,7 +66,7 @@ def small_tiles(monkeypatch):
 @pytest.fixture
 def decode_runs(monkeypatch):
     """Record the key splits of every decode launch (and so that one happened)."""
-    from elastic_np.cuda import _decode_launch as _cuda_decode_launch
+    from elastic_np.cuda._launch import decode as _cuda_decode_launch
 
     calls = []
     launch = _cuda_decode_launch.launch

@@ -6,7 +6,7 @@ pytest.importorskip("numba_cuda", reason="needs the cuda extra (numba-cuda)")
 
 from numba import cuda  # noqa: E402
 
-from elastic_np.cuda import _config, _host  # noqa: E402
+from elastic_np.cuda._runtime import config as _config, gpu as _host  # noqa: E402
 
 
 def test_the_shared_memory_opt_in_is_added_once_per_launch_configuration():

@@ -23,7 +23,7 @@ def _nvrtc_found():
 pytestmark = pytest.mark.skipif(not _nvrtc_found(), reason='needs the CUDA toolkit\'s NVRTC: pip install "elastic_np[cuda]"')
 
 from elastic_np import cuda  # noqa: E402
-from elastic_np.cuda import _kernels as _cuda_kernels  # noqa: E402
+from elastic_np.cuda._compile import kernels as _cuda_kernels  # noqa: E402
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
@@ -75,7 +75,7 @@ def test_tensor_core_forward_uses_the_tensor_cores(cc):
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_tensor_core_backward_uses_the_tensor_cores(cc):
     """Its products are ``mma.sync`` in every kernel of the config's tiles; Q/dO and K/V arrive by ``cp.async``."""
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     code = cuda.ptx(cc=cc)
     names = sorted(name for name in _cuda_kernels.KERNELS if name.startswith("_backward_tc_"))
@@ -93,7 +93,7 @@ def test_tensor_core_backward_uses_the_tensor_cores(cc):
 def test_float32_tensor_core_backward_keeps_its_fragments_in_registers():
     """The float32 kernels the config uses spill nothing on sm_90 (the float64 ones spill: docs/performance.rst)."""
     pytest.importorskip("cuda.core", reason="needs cuda.core with nvJitLink")
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     report = cuda.resources(cc=(9, 0))
     for (kind, itemsize, width), tile in _cuda_config.TC_BACKWARD_TILES.items():
@@ -103,7 +103,7 @@ def test_float32_tensor_core_backward_keeps_its_fragments_in_registers():
 
 
 def test_dynamic_shared_memory_fits_the_limit():
-    from elastic_np.cuda._host import shared_limit
+    from elastic_np.cuda._runtime.gpu import shared_limit
 
     for dtype in cuda.dtypes:
         for D in (16, 64, 128, 256):

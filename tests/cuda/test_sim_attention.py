@@ -11,7 +11,8 @@ import pytest
 import elastic_np as enp
 from elastic_np import cuda, reference
 from elastic_np._contract import _problem
-from elastic_np.cuda import _api, _forward_launch, _host
+from elastic_np.cuda._launch import arrays as _arrays, layouts as _layouts, options as _options, plan as _plan
+from elastic_np.cuda._runtime import gpu as _host
 from elastic_np.testing import _tolerances
 from oracle_checks import make_inputs
 
@@ -174,10 +175,10 @@ def test_device_arrays_stay_on_device():
     host = run_cuda(q, k, v, dout, opts)
     dq_, dk_, dv_, ddout = (numba_cuda.to_device(a) for a in (q, k, v, dout))
     out, lse = enp.attention(dq_, dk_, dv_, return_lse=True, backend="cuda", **opts)
-    assert _host._is_device(out) and _host._is_device(lse)
+    assert _arrays.is_device(out) and _arrays.is_device(lse)
     grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, backend="cuda", **opts)
     for name in ("dq", "dk", "dv"):
-        assert _host._is_device(getattr(grads, name)), name
+        assert _arrays.is_device(getattr(grads, name)), name
         np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name))
     np.testing.assert_array_equal(out.copy_to_host(), host[0])
     np.testing.assert_array_equal(lse.copy_to_host(), host[1])
@@ -200,23 +201,23 @@ def test_device_arrays_are_validated():
         enp.attention_backward(out, dq_, dk_, dk_, out, numba_cuda.to_device(np.zeros((1, 2, 3))), backend="cuda")
 
 
-@pytest.mark.skipif(not _host._simulator(), reason="runs on a real GPU, not the simulator")
+@pytest.mark.skipif(not _host.simulator(), reason="runs on a real GPU, not the simulator")
 def test_simulator_is_not_picked_by_auto():
     assert cuda.is_available() is False
     cuda.check_available()  # the simulator runs the kernels when asked for explicitly
 
 
 def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 32)
-    threads, tile = _forward_launch.tiles(8, 64, 64)
-    assert _forward_launch.shared_elements(threads, tile, 64, 64) * 8 <= 48 * 1024
+    threads, tile = _plan.forward_tiles(8, 64, 64)
+    assert _layouts.forward_elements(threads, tile, 64, 64) * 8 <= 48 * 1024
     assert threads >= 1 and tile >= 1
     with pytest.raises(ValueError, match="shared memory"):
-        _forward_launch.tiles(8, 4096, 4096)
+        _plan.forward_tiles(8, 4096, 4096)
 
 
 def test_mixed_host_and_device_inputs():
@@ -224,7 +225,7 @@ def test_mixed_host_and_device_inputs():
 
     q, k, v, dout = make_problem(6, N=6, M=9)
     out, lse = enp.attention(numba_cuda.to_device(q), k, v, return_lse=True, backend="cuda", beta=0.5)
-    assert _host._is_device(out)
+    assert _arrays.is_device(out)
     want_out, want_lse = reference.attention(q, k, v, beta=0.5)
     np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-12, atol=1e-12)
     grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", beta=0.5)
@@ -278,7 +279,7 @@ def test_window_band_covers_the_open_gate_and_little_more(sigma, threshold, M, l
     q, k, v, _ = make_problem(0, N=N, M=M, D=2)
     aligned = {} if length is None else dict(kv_lengths=[length], align="kv_lengths")
     p = _problem.prepare(q, k, v, dynamic_window=enp.DynamicWindow(sigma, threshold=threshold), **aligned)
-    band = _api._window_band(p)
+    band = _options.window_band(p)
     G = reference.window_gate(p)[0][0, 0]
     end = M if length is None else length
     offset = np.arange(M)[None, :] - np.arange(N)[:, None] - (end - N)
@@ -413,7 +414,7 @@ def test_float64_bias_with_float32_q():
 
 
 def test_dbias_is_deterministic_and_any_thread_count_agrees():
-    from elastic_np.cuda import _config as _cuda_config
+    from elastic_np.cuda._runtime import config as _cuda_config
 
     q, k, v, dout = make_problem(14, B=2, H=2, N=9, M=10)
     opts = dict(bias=np.array([0.2]), softcap=1.0, causal=True)
@@ -435,9 +436,9 @@ def test_device_bias_stays_on_device():
         host = run_cuda(q, k, v, dout, dict(opts, bias=bias))
         device_bias = numba_cuda.to_device(bias)
         out, lse = enp.attention(q, k, v, return_lse=True, backend="cuda", bias=device_bias, **opts)
-        assert _host._is_device(out) and _host._is_device(lse)
+        assert _arrays.is_device(out) and _arrays.is_device(lse)
         grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cuda", bias=device_bias, **opts)
-        assert _host._is_device(grads.dbias) and tuple(grads.dbias.shape) == bias.shape
+        assert _arrays.is_device(grads.dbias) and tuple(grads.dbias.shape) == bias.shape
         np.testing.assert_array_equal(out.copy_to_host(), host[0])
         for name in ("dq", "dk", "dv", "dbias"):
             np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host[2], name), err_msg=name)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 from elastic_np import cuda
 from test_sim_attention import (
     assert_float32_rule,
@@ -59,11 +59,11 @@ def set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m):
 
 @pytest.mark.parametrize("dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name", GEOMETRIES)
 def test_backward_geometries_match_reference(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m, D, Dv, name):
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     set_tiles(monkeypatch, dq_m, dq_n, dkdv_n, dkdv_m)
-    assert _backward_launch.tiles("dq", 8, D, Dv)[1:] == (dq_m, dq_n)  # nothing shrunk
-    assert _backward_launch.tiles("dkdv", 8, D, Dv)[1:] == (dkdv_n, dkdv_m)
+    assert _plan.backward_tiles("dq", 8, D, Dv)[1:] == (dq_m, dq_n)  # nothing shrunk
+    assert _plan.backward_tiles("dkdv", 8, D, Dv)[1:] == (dkdv_n, dkdv_m)
     B, H, Hkv, N, M = 2, 4, 2, 19, 23
     q, k, v, dout = make_problem(7, B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, Dv=Dv)
     opts = OPTIONS[name](B, H, N, M)
@@ -87,42 +87,42 @@ def test_backward_is_bit_identical_across_runs(monkeypatch, dtype):
 @pytest.mark.parametrize("name, value", [("DQ_BLOCK_Q", 6), ("DQ_BLOCK_K", 2), ("DKDV_BLOCK_K", 10),
                                          ("DKDV_BLOCK_Q", 0)])
 def test_backward_tiles_are_checked(monkeypatch, name, value):
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     monkeypatch.setattr(_cuda_config, name, value)
     with pytest.raises(ValueError, match=name):
-        _backward_launch.tiles("dq" if name.startswith("DQ") else "dkdv", 8, 8, 8)
+        _plan.backward_tiles("dq" if name.startswith("DQ") else "dkdv", 8, 8, 8)
 
 
 def test_backward_tiles_shrink_to_fit(monkeypatch):
-    from elastic_np.cuda import _backward_launch
-    from elastic_np.cuda._host import shared_limit
+    from elastic_np.cuda._launch import layouts as _layouts, plan as _plan
+    from elastic_np.cuda._runtime.gpu import shared_limit
 
     set_tiles(monkeypatch, 64, 32, 64, 32)
     for kind in ("dq", "dkdv"):
         for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128), (8, 256)):
-            threads, rows, cols = _backward_launch.tiles(kind, itemsize, D, D)
-            size = _backward_launch.shared_elements(kind, rows, cols, D, D) * itemsize
+            threads, rows, cols = _plan.backward_tiles(kind, itemsize, D, D)
+            size = _layouts.backward_elements(kind, rows, cols, D, D) * itemsize
             assert size <= shared_limit(), (kind, itemsize, D)
             assert rows % _cuda_config.REG_M == 0 and cols % _cuda_config.REG_N == 0
             assert threads == (rows // _cuda_config.REG_M) * (cols // _cuda_config.REG_N)
     with pytest.raises(ValueError, match="shared memory"):
-        _backward_launch.tiles("dq", 8, 4096, 4096)
+        _plan.backward_tiles("dq", 8, 4096, 4096)
 
 
 def test_default_geometry(monkeypatch):
     """The shipped backward tiles (8 lanes a row or key; float64 dq halves its rows), ragged last tiles."""
     import importlib
 
-    from elastic_np.cuda import _backward_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     defaults = importlib.reload(_cuda_config)  # undo small_tiles: the module's own values
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)  # the tiles without a GPU's opt-in
     for name in ("DQ_BLOCK_Q", "DQ_BLOCK_K", "DKDV_BLOCK_K", "DKDV_BLOCK_Q"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
-    assert _backward_launch.tiles("dq", 4, 4, 5) == (128, 64, 32)  # float32: 64 rows x 32 keys
-    assert _backward_launch.tiles("dq", 8, 4, 5) == (64, 32, 32)  # float64: 32 rows x 32 keys
-    assert _backward_launch.tiles("dkdv", 8, 4, 5) == (128, 64, 32)  # 64 keys x 32 queries
+    assert _plan.backward_tiles("dq", 4, 4, 5) == (128, 64, 32)  # float32: 64 rows x 32 keys
+    assert _plan.backward_tiles("dq", 8, 4, 5) == (64, 32, 32)  # float64: 32 rows x 32 keys
+    assert _plan.backward_tiles("dkdv", 8, 4, 5) == (128, 64, 32)  # 64 keys x 32 queries
     q, k, v, dout = make_problem(9, B=1, H=2, Hkv=1, N=70, M=75, D=4, Dv=5)
     opts = dict(causal=True, beta=0.25, softcap=2.0)
     assert_float64_close(run_cuda(q, k, v, dout, opts), run_reference(q, k, v, dout, opts))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np import cuda, reference
+from elastic_np import reference
 from elastic_np._contract import _problem
 from elastic_np.testing import _tolerances
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 from oracle_checks import assert_matches_oracle, make_inputs
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
@@ -111,24 +111,24 @@ def test_float32_queries_and_groups(decode_runs, N, group):
 
 def test_geometry_of_these_tests():
     """The fixture's tiles give several splits, row chunks, and several tiles per split."""
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
-    rows_blk, tpr = _decode_launch.geometry(4 * 2, 6, 5, 8)
+    rows_blk, tpr = _plan.decode_geometry(4 * 2, 6, 5, 8)
     assert (rows_blk, tpr) == (8, 2)  # block_k = 4 keys
-    assert _decode_launch.splits(3, 37) == 4  # 37 keys in 4 splits of 2 or 3 tiles
-    rows_blk, tpr = _decode_launch.geometry(8 * 16, 6, 5, 8)
+    assert _plan.decode_splits(3, 37) == 4  # 37 keys in 4 splits of 2 or 3 tiles
+    rows_blk, tpr = _plan.decode_geometry(8 * 16, 6, 5, 8)
     assert rows_blk * tpr <= _cuda_config.DECODE_THREADS and -(-128 // rows_blk) > 1
 
 
 def test_splits_depend_on_the_shape_only(monkeypatch):
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_BLOCKS", 256)
     monkeypatch.setattr(_cuda_config, "DECODE_MIN_SPLIT_KEYS", 256)
-    assert _decode_launch.splits(8, 8192) == 32  # the bench's decode shape: 8 (batch, kv head) pairs
-    assert _decode_launch.splits(256, 8192) == 1
-    assert _decode_launch.splits(8, 600) == 2  # no split under 256 keys
-    assert _decode_launch.splits(8, 100) == 1
+    assert _plan.decode_splits(8, 8192) == 32  # the bench's decode shape: 8 (batch, kv head) pairs
+    assert _plan.decode_splits(256, 8192) == 1
+    assert _plan.decode_splits(8, 600) == 2  # no split under 256 keys
+    assert _plan.decode_splits(8, 100) == 1
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -145,10 +145,10 @@ def test_bit_identical_across_runs(decode_runs, dtype):
 
 def test_wide_value_head_takes_several_passes(monkeypatch, decode_runs):
     """One lane per row: 8 output columns per pass, so Dv = 21 takes three passes over the keys."""
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     monkeypatch.setattr(_cuda_config, "DECODE_LANES", 1)
-    assert _decode_launch.geometry(8, 6, 21, 8)[1] == 1
+    assert _plan.decode_geometry(8, 6, 21, 8)[1] == 1
     q, k, v, dout = make(np.float64, 2, 4, 2, 4, 30, Dv=21, seed=3)
     check_forward(q, k, v, dout, dict(causal=True, softcap=1.5, beta=0.2, kv_lengths=[30, 11]))
     assert decode_runs[0] > 1
@@ -173,45 +173,46 @@ def test_empty_caches(decode_runs):
 
 
 def test_decode_shape_takes_the_decode_kernel():
-    from elastic_np.cuda import _decode_launch
+    from elastic_np.cuda._launch import plan as _plan
 
     q, k, v, _ = make(np.float32, 1, 32, 8, 1, 16)
-    assert _decode_launch.takes(_problem.prepare(q, k, v))
+    assert _plan.takes_decode(_problem.prepare(q, k, v))
     q = np.zeros((1, 32, 17, 6), dtype=np.float32)
-    assert not _decode_launch.takes(_problem.prepare(q, k, v))  # 17 queries: the flash forward
+    assert not _plan.takes_decode(_problem.prepare(q, k, v))  # 17 queries: the flash forward
 
 
 def test_option_arrays_are_copied_once_per_distinct_values(monkeypatch):
     """Repeated calls reuse the device copies of the option arrays; other values get their own, still right."""
-    from elastic_np.cuda import _api
+    from elastic_np.cuda._launch import options as _options
+    from elastic_np.cuda._runtime import gpu as _host
 
-    monkeypatch.setattr(_api, "_plans", type(_api._plans)())
+    monkeypatch.setattr(_options, "_plans", type(_options._plans)())
     monkeypatch.setattr(_cuda_config, "PLAN_CACHE_SIZE", 2)
     copies = []
-    to_device = cuda._host._cuda().to_device
-    monkeypatch.setattr(cuda._host._cuda(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
+    to_device = _host.cuda_module().to_device
+    monkeypatch.setattr(_host.cuda_module(), "to_device", lambda a, *args, **kw: copies.append(1) or to_device(a))
     B, H, Hkv, N, M = 2, 4, 2, 1, 40
     q, k, v, dout = make(np.float32, B, H, Hkv, N, M, seed=6)
     first, _ = check_forward(q, k, v, dout, dict(causal=True, tau=0.7))
     made = len(copies)
     again = enp.attention(q, k, v, causal=True, tau=0.7, backend="cuda")
-    assert len(copies) == made + 3 and len(_api._plans) == 1  # q, k, v only
+    assert len(copies) == made + 3 and len(_options._plans) == 1  # q, k, v only
     np.testing.assert_array_equal(first, again)
     for tau in (0.9, 1.3):  # new values: new copies, the oldest set dropped past PLAN_CACHE_SIZE
         check_forward(q, k, v, dout, dict(causal=True, tau=tau))
-    assert len(_api._plans) == 2
+    assert len(_options._plans) == 2
     monkeypatch.setattr(_cuda_config, "PLAN_MAX_BYTES", 0)  # too large to keep: copied per call, not kept
     check_forward(q, k, v, dout, dict(causal=True, tau=0.7))
-    assert len(_api._plans) == 2
+    assert len(_options._plans) == 2
 
 
 def test_a_bias_is_copied_per_call_and_never_kept(monkeypatch):
-    from elastic_np.cuda import _api
+    from elastic_np.cuda._launch import options as _options
 
-    monkeypatch.setattr(_api, "_plans", type(_api._plans)())
+    monkeypatch.setattr(_options, "_plans", type(_options._plans)())
     B, H, Hkv, N, M = 1, 4, 2, 1, 24
     q, k, v, dout = make(np.float64, B, H, Hkv, N, M, seed=7)
     bias = np.random.default_rng(7).standard_normal((B, H, N, M))
     check_forward(q, k, v, dout, dict(bias=bias))
     check_forward(q, k, v, dout, dict(bias=2.0 * bias))
-    assert len(_api._plans) == 0
+    assert len(_options._plans) == 0

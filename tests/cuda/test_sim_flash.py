@@ -12,8 +12,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cuda, reference
-from elastic_np.cuda import _config as _cuda_config
-from elastic_np.cuda import _forward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
+from elastic_np.cuda._launch import layouts as _layouts, plan as _plan
 from oracle_checks import assert_matches_oracle
 from test_sim_attention import CASES, MOD_CASES, case_options, make_problem
 
@@ -62,8 +62,8 @@ GEOMETRIES = [
 def test_forward_geometries_match_reference(monkeypatch, block_q, block_k, Dv, name):
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", block_q)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", block_k)
-    threads, tile = _forward_launch.tiles(8, 6, Dv)
-    block_rows, tpr = _forward_launch.geometry(threads, tile)
+    threads, tile = _plan.forward_tiles(8, 6, Dv)
+    block_rows, tpr = _layouts.forward_geometry(threads, tile)
     assert (block_rows, tile) == (block_q, block_k)  # nothing shrunk: the geometry asked for runs
     assert tpr == block_k // _cuda_config.REG_N
     passes = -(-Dv // (tpr * _cuda_config.ACC_COLS))
@@ -92,19 +92,19 @@ def test_forward_is_bit_identical_across_runs(monkeypatch, dtype):
 def test_forward_geometry_is_checked(monkeypatch, name, value):
     monkeypatch.setattr(_cuda_config, name, value)
     with pytest.raises(ValueError, match=name):
-        _forward_launch.tiles(8, 8, 8)
+        _plan.forward_tiles(8, 8, 8)
 
 
 def test_forward_tiles_shrink_the_larger_side_first(monkeypatch):
-    from elastic_np.cuda import _host
+    from elastic_np.cuda._runtime import gpu as _host
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 64)
     for itemsize, D in ((4, 64), (4, 128), (8, 64), (8, 128)):
-        threads, tile = _forward_launch.tiles(itemsize, D, D)
-        block_q, tpr = _forward_launch.geometry(threads, tile)
-        assert _forward_launch.shared_elements(threads, tile, D, D) * itemsize <= _host.shared_limit()
+        threads, tile = _plan.forward_tiles(itemsize, D, D)
+        block_q, tpr = _layouts.forward_geometry(threads, tile)
+        assert _layouts.forward_elements(threads, tile, D, D) * itemsize <= _host.shared_limit()
         assert block_q % _cuda_config.REG_M == 0 and tpr & (tpr - 1) == 0
         assert max(block_q, tile) <= 2 * min(block_q, tile)  # neither side shrunk alone
 
@@ -117,9 +117,9 @@ def test_default_geometry(monkeypatch):
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 48 * 1024)  # the tiles without a GPU's opt-in
     for name in ("FORWARD_BLOCK_Q", "FORWARD_BLOCK_K"):
         monkeypatch.setattr(_cuda_config, name, getattr(defaults, name))
-    assert _forward_launch.tiles(4, 4, 5) == (128, 32)  # one lane holds Dv = 5: FORWARD_MIN_BLOCK_K keys
-    assert _forward_launch.tiles(8, 4, 5) == (128, 32)
-    assert _forward_launch.tiles(4, 4, 72) == (256, 64)  # 72 columns in one pass: 16 lanes a row
+    assert _plan.forward_tiles(4, 4, 5) == (128, 32)  # one lane holds Dv = 5: FORWARD_MIN_BLOCK_K keys
+    assert _plan.forward_tiles(8, 4, 5) == (128, 32)
+    assert _plan.forward_tiles(4, 4, 72) == (256, 64)  # 72 columns in one pass: 16 lanes a row
     rng = np.random.default_rng(3)
     q, k = rng.standard_normal((1, 1, 70, 4)), rng.standard_normal((1, 1, 75, 4))
     opts = dict(causal=True, beta=0.25)
@@ -137,19 +137,19 @@ def test_forward_key_tile_follows_the_value_head(monkeypatch):
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_Q", 64)
     monkeypatch.setattr(_cuda_config, "FORWARD_BLOCK_K", 64)
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 227 * 1024)
-    tiles = {Dv: _forward_launch.tiles(4, 64, Dv) for Dv in (1, 16, 64, 65, 128, 256)}
+    tiles = {Dv: _plan.forward_tiles(4, 64, Dv) for Dv in (1, 16, 64, 65, 128, 256)}
     assert tiles == {1: (128, 32), 16: (128, 32), 64: (128, 32), 65: (256, 64), 128: (256, 64), 256: (256, 64)}
     monkeypatch.setattr(_cuda_config, "FORWARD_MIN_BLOCK_K", 8)
-    assert _forward_launch.tiles(4, 64, 16) == (32, 8)
+    assert _plan.forward_tiles(4, 64, 16) == (32, 8)
 
 
 def test_shared_limit(monkeypatch):
-    from elastic_np.cuda import _host
+    from elastic_np.cuda._runtime import gpu as _host
 
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", 20000)
     assert _host.shared_limit() == 20000
     with pytest.raises(ValueError, match="20000 bytes"):
-        _forward_launch.tiles(8, 4096, 4096)
+        _plan.forward_tiles(8, 4096, 4096)
     monkeypatch.setattr(_cuda_config, "MAX_SHARED_BYTES", None)
     if cuda.is_available():  # the device's opt-in maximum (227 KB on an H100)
         assert _host.shared_limit() >= _cuda_config.DEFAULT_SHARED_BYTES

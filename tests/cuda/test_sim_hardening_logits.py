@@ -1,7 +1,7 @@
 """NVM under every scale, and rows with one key, on the CUDA kernels: the cases of ``tests/test_hardening_logits.py``.
 
 Every CUDA kernel scores its entries with one device function
-(`elastic_np.cuda._device._entry_logit`), which tests the sign of the final
+(`elastic_np.cuda._device.score.entry_logit`), which tests the sign of the final
 ``s = scale q . k`` (the modifiers added): right for any scale. The decode,
 prefill and backward kernels call it alike, so a row with one kept key has
 ``p = exp(z - lse) = 1`` exactly in the backward: ``dv`` of that key is the

@@ -10,7 +10,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cuda import _host
+from elastic_np.cuda._launch import arrays as _arrays
 from elastic_np.testing import _tolerances
 from test_sim_attention import (
     ARRAY_FIELDS, CASES, GRAD_FIELDS, MOD_CASES, assert_float64_close, case_options, items, make_problem, max_error,
@@ -100,7 +100,7 @@ def test_device_dlse():
     for given in (numba_cuda.to_device(dlse), dlse):  # on the device, and a host dlse with device arrays
         grads = enp.attention_backward(ddout, dq_, dk_, dv_, out, lse, dlse=given, backend="cuda", **opts)
         for name in ("dq", "dk", "dv"):
-            assert _host._is_device(getattr(grads, name)), name
+            assert _arrays.is_device(getattr(grads, name)), name
             np.testing.assert_array_equal(getattr(grads, name).copy_to_host(), getattr(host, name))
         assert grads.dtau == host.dtau and grads.dbeta == host.dbeta
     with pytest.raises(ValueError, match="`dlse` must have shape"):

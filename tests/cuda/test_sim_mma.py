@@ -1,4 +1,4 @@
-"""The tensor-core products (`elastic_np.cuda._mma`) of one warp against NumPy.
+"""The tensor-core products (`elastic_np.cuda._tensor_core.mma`) of one warp against NumPy.
 
 On the simulator this checks the Python stand-ins; on a GPU the inline PTX,
 and with it the fragment layouts every tensor-core kernel relies on: each
@@ -10,10 +10,10 @@ non-symmetric matrices.
 import numpy as np
 import pytest
 
-from elastic_np.cuda import _host
+from elastic_np.cuda._runtime import gpu as _host
 
-cuda = _host._cuda()
-_mma = _host._kernel_module("_mma")
+cuda = _host.cuda_module()
+_mma = _host.kernel_module("_tensor_core.mma")
 
 
 @cuda.jit

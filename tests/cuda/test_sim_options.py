@@ -26,7 +26,7 @@ import pytest
 from oracle_checks import check_case, make_dlse, make_inputs
 
 import elastic_np as enp
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._runtime import config as _cuda_config
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -132,20 +132,20 @@ def test_every_option_combined(decode_runs, dtype, path, bias):
 
 def test_these_shapes_run_several_tiles_and_a_partial_last_one():
     """The docstring's geometry at these shapes, under ``small_tiles``, in both dtypes."""
-    from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
+    from elastic_np.cuda._launch import layouts as _layouts, plan as _plan
 
     assert _cuda_config.DECODE_MAX_QUERIES < PATHS["flash"] and PATHS["decode"] <= _cuda_config.DECODE_MAX_QUERIES
     N = PATHS["flash"]
     for itemsize in (4, 8):
-        threads, tile = _forward_launch.tiles(itemsize, 6, 5)
-        block_q, _ = _forward_launch.geometry(threads, tile)
+        threads, tile = _plan.forward_tiles(itemsize, 6, 5)
+        block_q, _ = _layouts.forward_geometry(threads, tile)
         assert (block_q, tile) == (8, 8) and N % block_q and M % tile and N > 2 * block_q and M > 2 * tile
-        assert _backward_launch.tiles("dq", itemsize, 6, 5)[1:] == (8, 4) and M % 4 and M > 2 * 4
-        assert _backward_launch.tiles("dkdv", itemsize, 6, 5)[1:] == (8, 4) and N % 4 and M % 8
+        assert _plan.backward_tiles("dq", itemsize, 6, 5)[1:] == (8, 4) and M % 4 and M > 2 * 4
+        assert _plan.backward_tiles("dkdv", itemsize, 6, 5)[1:] == (8, 4) and N % 4 and M % 8
         for group in (1, 2):  # the options alone, and combined (GQA)
-            rows_blk, tpr = _decode_launch.geometry(group * PATHS["decode"], 6, 5, itemsize)
+            rows_blk, tpr = _plan.decode_geometry(group * PATHS["decode"], 6, 5, itemsize)
             block_k = tpr * _cuda_config.DECODE_REG_N
-            n_split = _decode_launch.splits(2 * 2 * -(-(group * PATHS["decode"]) // rows_blk), M)
+            n_split = _plan.decode_splits(2 * 2 * -(-(group * PATHS["decode"]) // rows_blk), M)
             assert n_split == 2 and M / n_split > block_k and M % block_k
     assert 2 * 2 * N > _cuda_config.DELTA_THREADS and (2 * 2 * N) % _cuda_config.DELTA_THREADS
     assert 5 % _cuda_config.DECODE_MERGE_THREADS and 5 > _cuda_config.DECODE_MERGE_THREADS

@@ -1,4 +1,4 @@
-"""The tensor-core backward (`elastic_np.cuda._backward_tc`) on the simulator or a GPU.
+"""The tensor-core backward (`elastic_np.cuda._tensor_core.backward`) on the simulator or a GPU.
 
 With ``TC_BACKWARD`` on: float64 (DMMA) within 1e-12 of the oracle and the
 float32 default (3xTF32, with ``TC_FLOAT32``) within the float32 rule, for
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_sim_attention import assert_float32_rule, assert_float64_close, make_problem, run_cuda, run_reference
 
-from elastic_np.cuda import _backward_launch
-from elastic_np.cuda import _config as _cuda_config
+from elastic_np.cuda._launch import backward as _backward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 

@@ -1,4 +1,4 @@
-"""The tensor-core forward (`elastic_np.cuda._forward_tc`) on the simulator or a GPU.
+"""The tensor-core forward (`elastic_np.cuda._tensor_core.forward`) on the simulator or a GPU.
 
 float64 (DMMA) against the oracle for every option alone and all combined,
 on multi-block grids with 16-byte and element copies; ``precision="tf32"``
@@ -14,8 +14,8 @@ from test_sim_options import ALONE, M, alone, everything
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cuda import _config as _cuda_config
-from elastic_np.cuda import _forward_launch
+from elastic_np.cuda._runtime import config as _cuda_config
+from elastic_np.cuda._launch import plan as _plan
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -26,14 +26,14 @@ N = 37  # three blocks of 16 query rows under small_tiles, the last one partial
 def tensor_core_runs(monkeypatch):
     """The kernel keys the tensor-core forward launched, in order."""
     runs = []
-    geometry = _forward_launch.tensor_core_geometry
+    geometry = _plan.tensor_core_geometry
 
     def spy(itemsize, D, Dv, general=False):
         found = geometry(itemsize, D, Dv, general)
         runs.append(None if found is None else found[0])
         return found
 
-    monkeypatch.setattr(_forward_launch, "tensor_core_geometry", spy)
+    monkeypatch.setattr(_plan, "tensor_core_geometry", spy)
     monkeypatch.setattr(_cuda_config, "DECODE_MAX_QUERIES", 0)
     return runs
 

@@ -22,7 +22,8 @@ import elastic_np as enp
 import elastic_np.torch as enpt
 from elastic_np._api import dispatch
 from elastic_np.torch import _arrays
-from elastic_np.cuda import _host as cuda_host
+from elastic_np.cuda._launch import arrays as cuda_arrays
+from elastic_np.cuda._runtime import gpu as cuda_host
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -38,10 +39,10 @@ class SimBridge:
 
     def to_device(self, tensor):
         self.sent.append(tensor)
-        return cuda_host._cuda().to_device(tensor.numpy())  # refuses a non-contiguous array
+        return cuda_host.cuda_module().to_device(tensor.numpy())  # refuses a non-contiguous array
 
     def to_tensor(self, array, device):
-        assert cuda_host._is_device(array)
+        assert cuda_arrays.is_device(array)
         return torch.from_numpy(array.copy_to_host()).to(device)
 
     def launches(self, device):
@@ -150,12 +151,12 @@ class TestRouting:
         (out.sum() + lse.sum()).backward()
 
         forward, options = seen["attention"]
-        assert options["backend"] == "cuda" and cuda_host._is_device(options["bias"])
-        assert all(cuda_host._is_device(a) for a in forward)
+        assert options["backend"] == "cuda" and cuda_arrays.is_device(options["bias"])
+        assert all(cuda_arrays.is_device(a) for a in forward)
         assert all(isinstance(options[n], np.ndarray) for n in ("tau", "beta"))  # read on the host
         backward, options = seen["attention_backward"]
-        assert options["backend"] == "cuda" and cuda_host._is_device(options["dlse"])
-        assert len(backward) == 6 and all(cuda_host._is_device(a) for a in backward)
+        assert options["backend"] == "cuda" and cuda_arrays.is_device(options["dlse"])
+        assert len(backward) == 6 and all(cuda_arrays.is_device(a) for a in backward)
         # contiguous tensors are handed over as they are, not copied
         pointers = {t.data_ptr() for t in bridge.sent}
         for name in ("q", "k", "v", "bias"):

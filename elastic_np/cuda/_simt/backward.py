@@ -1,14 +1,13 @@
-"""The CUDA backward: FlashAttention-2 partitioning with register micro-tiles.
+"""The SIMT backward: FlashAttention-2 partitioning with register micro-tiles, deterministic, without atomics.
 
-Imports ``numba.cuda``; imported on first use by its host side,
-`elastic_np.cuda._backward_launch` (tiles, shared memory, the launches).
 The backward recomputes the probabilities ``p = exp(z - lse)`` from the
-forward's ``lse`` with the shared score pipeline (`_entry_keep`,
-`_entry_logit`), so it sees the logits the forward saw. Three kernels, launched in this order (and a
-fourth for a broadcast bias's ``dbias``, below):
+forward's ``lse`` with the shared score pipeline (`entry_keep`,
+`entry_logit`), so it sees the logits the forward saw. Three kernels,
+launched in this order (and a fourth for a broadcast bias's ``dbias``):
 
 - ``_backward_delta_kernel``: ``delta = dout . out - dlse`` per query row (one
-  thread a row), read by the two kernels below and by the host (``dbeta``).
+  thread a row; ``dlse``, the cotangent of ``lse``, zeros when none is
+  given), read by the two kernels below and by the host (``dbeta``).
 - ``_backward_dkdv_kernel``: a block per (batch x kv head, key tile of
   ``DKDV_BLOCK_K`` keys), key tiles fastest. Its K and V tiles stay in shared
   memory while it loops over the query heads of the GQA group and, for each,
@@ -27,67 +26,45 @@ fourth for a broadcast bias's ``dbias``, below):
   ``DQ_BLOCK_Q`` rows), laid out like the flash forward (row groups of
   ``tpr = DQ_BLOCK_K / REG_N`` lanes, ``REG_M`` rows a thread); per key tile
   it recomputes ``s`` and ``dp`` as micro-tiles and accumulates ``dq += ds k``
-  in registers.
+  in registers. A kernel of its own costs a second recomputation of the
+  scores but keeps ``dq`` free of atomics too (float atomics would make
+  ``dq`` depend on scheduling) and needs no ``(B, H, N, D)`` buffer per key
+  tile.
 
-Why ``dq`` has a kernel of its own (no float atomics, no per-key-tile
-buffer, at the cost of a second recomputation of ``s`` and ``dp``), how the
-``dq`` kernel's per-(row, lane) compensated sums make ``dtau`` and
-``dsigma`` deterministic, and which kernel writes ``dbias`` for a full or a
-broadcast bias (``_backward_dbias_kernel``, launched after the delta kernel,
-one block per entry of the bias's compact shape): the design section of
-`elastic_np.cuda`.
+``dtau``, ``dsigma``: the ``dq`` kernel keeps compensated sums per (row,
+lane), adds them in a fixed order and writes one partial per (batch, head,
+query tile); the host sums these few numbers in float64 in a fixed order.
+``dbeta`` is formed on the host from ``delta`` and ``lse``. The soft-cap's
+slope ``1 - tanh^2`` multiplies ``ds`` before it enters ``dq`` and ``dk``.
+``dbias`` is ``ds`` summed over the bias's broadcast axes, without atomics:
+a full ``(B, H, N, M)`` bias is written by the ``dq`` kernel, whose threads
+own query rows (one writer per entry, under GQA too); a broadcast bias by
+``_backward_dbias_kernel``, launched after the delta kernel, one block per
+entry of the bias's compact shape, whose threads recompute ``ds`` for the
+entries it stands for in a fixed assignment and add their sums in thread
+order (a third recomputation of the scores, read from global memory; a bias
+broadcast over every axis is summed by a single block).
 
-Tile sizes are runtime values (`elastic_np.cuda._backward_launch.tiles`, from
-`elastic_np.cuda._config`, halved until the shared memory fits); the
-micro-tile sizes are the forward's compile-time ``REG_M``, ``REG_N``,
-``ACC_COLS``.
+Tile sizes are runtime values (`elastic_np.cuda._launch.plan.backward_tiles`,
+from `elastic_np.cuda._runtime.config`, halved until the shared memory
+fits); the micro-tile sizes are the forward's compile-time ``REG_M``,
+``REG_N``, ``ACC_COLS``. Imports ``numba.cuda``; imported on first use by
+its launch, `elastic_np.cuda._launch.backward`.
 """
 
 import math
 
 from numba import cuda
 
-from elastic_np.cuda._config import ACC_COLS, REG_M, REG_N
-from elastic_np.cuda._device import (
-    C_INV_SIGMA,
-    F_NEG_INF,
-    F_ONE,
-    F_SCALE,
-    F_SHARPNESS,
-    F_ZERO,
-    I_BIAS_SB,
-    I_BIAS_SH,
-    I_BIAS_SI,
-    I_BIAS_SJ,
-    I_DBIAS_B,
-    I_DBIAS_FULL,
-    I_DBIAS_H,
-    I_DBIAS_I,
-    I_DBIAS_J,
-    I_HAS_GATE,
-    O_FOPTS,
-    O_TAU,
-    P_DSIGMA,
-    P_DTAU,
-    _bh_params,
-    _carve,
-    _compensated_add,
-    _constants,
-    _dims,
-    _entry,
-    _entry_keep,
-    _entry_logit,
-    _fill,
-    inline_device,
-    _key_range,
-    _query_range,
-    _stage,
-    _store_tile,
-    _tile_block,
-    _tile_dot,
-    _tile_entry,
-    _tile_pv,
+from elastic_np.cuda._device.basics import compensated_add, constants, inline_device, problem_dims
+from elastic_np.cuda._device.indices import (
+    C_INV_SIGMA, F_NEG_INF, F_ONE, F_SCALE, F_SHARPNESS, F_ZERO, I_BIAS_SB, I_BIAS_SH, I_BIAS_SI, I_BIAS_SJ,
+    I_DBIAS_B, I_DBIAS_FULL, I_DBIAS_H, I_DBIAS_I, I_DBIAS_J, I_HAS_GATE, O_FOPTS, O_TAU, P_DSIGMA, P_DTAU,
 )
+from elastic_np.cuda._device.score import bh_params, block_key_range, block_query_range, entry, entry_keep, entry_logit
+from elastic_np.cuda._device.tiles import carve, fill, stage
+from elastic_np.cuda._runtime.config import ACC_COLS, REG_M, REG_N
+from elastic_np.cuda._simt.micro_tiles import store_tile, tile_block, tile_dot, tile_entry, tile_pv
 
 @cuda.jit(cache=True)
 def _backward_delta_kernel(dout, out, dlse, opts, delta):
@@ -112,7 +89,7 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
     ``score_tiles = (s_tile, dp_tile, p_stride, stats, block_q)``: ``dp``
     comes from ``dp_tile``, ``lse`` and ``delta`` of row ``row`` from
     ``stats[row]``, ``stats[block_q + row]``. ``micro = (row0, c, tpr)``
-    (`_tile_block`), ``queries = (b, h, i_first, N)``, ``keys = (j0, jn)``.
+    (`tile_block`), ``queries = (b, h, i_first, N)``, ``keys = (j0, jn)``.
     ``ds = p (dp - delta) / tau_h``, 0 where the entry is removed, past the
     tile or past ``N``. On the first pass over the keys it also writes a full
     bias's ``dbias`` (``dbias_out = (dbias_full, dbias)``) and adds to the
@@ -126,7 +103,7 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
     dbias_full, dbias = dbias_out
     row0, c, tpr = micro
     b, h = queries[0], queries[1]
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     sharpness = fopts[F_SHARPNESS]
     for r in range(REG_M):
         row = row0 + r
@@ -134,7 +111,7 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
         row_lse = stats[row]
         row_delta = stats[block_q + row]
         for n in range(REG_N):
-            at, i, j, z, s, cap_slope, f, u = _tile_entry(s_tile, p_stride, micro, queries, keys, r, n, prm, opts)
+            at, i, j, z, s, cap_slope, f, u = tile_entry(s_tile, p_stride, micro, queries, keys, r, n, prm, opts)
             ds_raw = zero
             if z != neg_inf:  # in the tile, kept, and not removed by NVM or a closed gate
                 dz = math.exp(z - row_lse) * (dp_tile[at] - row_delta)
@@ -143,14 +120,14 @@ def _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, keys, pr
                 if first_pass:
                     if dbias_full:
                         dbias[b, h, i, j] = ds
-                    total, carry = _compensated_add(sums[slot], sums[slots + slot], dz * s)
+                    total, carry = compensated_add(sums[slot], sums[slots + slot], dz * s)
                     sums[slot] = total
                     sums[slots + slot] = carry
                     if has_gate:
                         # d log G / d sigma = (d log G / d log y) (d log f / d sigma), y = sharpness f
                         sigma_term = (u * u - fopts[F_ONE]) * g_inv_sigma  # x^2 / sigma^3 - 1 / sigma
                         dlogg = _log_tanh_elasticity(sharpness * f, zero) * sigma_term
-                        total, carry = _compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
+                        total, carry = compensated_add(sums[2 * slots + slot], sums[3 * slots + slot], dz * dlogg)
                         sums[2 * slots + slot] = total
                         sums[3 * slots + slot] = carry
             s_tile[at] = ds_raw
@@ -180,14 +157,14 @@ def _dq_tiles(smem, block_q, block_k, D, Dv, slots):
     (``s``, ``dp``); ``stats`` holds the rows' ``lse`` then ``delta``,
     ``sums`` four sections of ``slots`` (`_dq_tile_grads`).
     """
-    q_tile, at = _carve(smem, 0, block_q * (D + 1))
-    do_tile, at = _carve(smem, at, block_q * (Dv + 1))
-    s_tile, at = _carve(smem, at, block_q * (block_k + 1))
-    dp_tile, at = _carve(smem, at, block_q * (block_k + 1))
-    stats, at = _carve(smem, at, 2 * block_q)
-    sums, at = _carve(smem, at, 4 * slots)
-    k_tile, at = _carve(smem, at, block_k * (D + 1))
-    v_tile, at = _carve(smem, at, block_k * (Dv + 1))
+    q_tile, at = carve(smem, 0, block_q * (D + 1))
+    do_tile, at = carve(smem, at, block_q * (Dv + 1))
+    s_tile, at = carve(smem, at, block_q * (block_k + 1))
+    dp_tile, at = carve(smem, at, block_q * (block_k + 1))
+    stats, at = carve(smem, at, 2 * block_q)
+    sums, at = carve(smem, at, 4 * slots)
+    k_tile, at = carve(smem, at, block_k * (D + 1))
+    v_tile, at = carve(smem, at, block_k * (Dv + 1))
     return q_tile, do_tile, s_tile, dp_tile, stats, sums, k_tile, v_tile
 
 
@@ -235,8 +212,8 @@ def _sum_slots(sums, base, slots, zero):
     total = zero
     carry = zero
     for slot in range(slots):
-        total, carry = _compensated_add(total, carry, sums[base + slot])
-        total, carry = _compensated_add(total, carry, sums[base + slots + slot])
+        total, carry = compensated_add(total, carry, sums[base + slot])
+        total, carry = compensated_add(total, carry, sums[base + slots + slot])
     return total + carry
 
 
@@ -253,16 +230,15 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
     (``iopts[I_DBIAS_FULL]``), every entry of the block's rows of ``dbias``
     (0 where nothing is kept).
     """
-    # the shapes are read here rather than through `_dims`, which changes the code of this kernel
-    # and the dk/dv one (with numba-cuda 0.30: a sixth more PTX, a few bytes fewer spills; its
-    # speed is unmeasured; python -m elastic_np.cuda --resources)
+    # the shapes are read here, not through `problem_dims`, whose tuple changes the compiled code of
+    # this kernel and the dk/dv one (python -m elastic_np.cuda --resources)
     mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     dout, lse, delta = dout_lse_delta
     _B, H, N, D = q.shape
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
-    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = _tile_block(N, H, block_k)
+    threads, t, tpr, block_q, row0, c, tile, b, h, i0, i1 = tile_block(N, H, block_k)
     micro = (row0, c, tpr)
     hk = h // (H // Hkv)
     width = min(max(D, 1), tpr * ACC_COLS)
@@ -274,16 +250,16 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
     q_tile, do_tile, s_tile, dp_tile, stats, sums, k_tile, v_tile = _dq_tiles(smem, block_q, block_k, D, Dv, slots)
 
     zero = fopts[F_ZERO]
-    _fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
-    _fill(do_tile, block_q * do_stride, zero, t, threads)
-    _fill(sums, 4 * slots, zero, t, threads)
+    fill(q_tile, block_q * q_stride, zero, t, threads)  # rows past N and the padding column
+    fill(do_tile, block_q * do_stride, zero, t, threads)
+    fill(sums, 4 * slots, zero, t, threads)
     _load_row_stats(stats, block_q, lse[b, h], delta[b, h], i0, N, zero, t, threads)
     dbias_full = iopts[I_DBIAS_FULL] != 0
     if dbias_full:  # the block's rows of dbias, zeroed (coalesced) before the tile loop's first syncthreads
         _zero_rows(dbias, b, h, i0, i1, M, zero, t, threads)
     cuda.syncthreads()
-    _stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
-    _stage(dout[b, h], i0, i1 - i0, 0, Dv, do_tile, do_stride, t, threads)
+    stage(q[b, h], i0, i1 - i0, 0, D, q_tile, q_stride, t, threads)
+    stage(dout[b, h], i0, i1 - i0, 0, Dv, do_tile, do_stride, t, threads)
 
     g_inv_sigma = zero
     has_gate = iopts[I_HAS_GATE] != 0
@@ -292,8 +268,8 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
     tau_h = tau[h]
     scalar_sums = (sums, slots, has_gate, g_inv_sigma)
     dbias_out = (dbias_full, dbias)
-    prm = _bh_params(b, h, N, M, opts)
-    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
+    prm = bh_params(b, h, N, M, opts)
+    lo, hi = block_key_range(i0, i1, b, h, N, M, opts)
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
     i_first = i0 + row0
@@ -305,17 +281,17 @@ def _backward_dq_kernel(q, k, v, opts, block_k, dout_lse_delta, dq, partials, db
         for j0 in range(lo, hi, block_k):
             jn = min(block_k, hi - j0)
             cuda.syncthreads()  # the previous tiles are consumed (and q, dout, stats written)
-            _stage(k[b, hk], j0, jn, 0, D, k_tile, q_stride, t, threads)
-            _stage(v[b, hk], j0, jn, 0, Dv, v_tile, do_stride, t, threads)
+            stage(k[b, hk], j0, jn, 0, D, k_tile, q_stride, t, threads)
+            stage(v[b, hk], j0, jn, 0, Dv, v_tile, do_stride, t, threads)
             cuda.syncthreads()
             # recompute s and dp; ds, the dq share of this key tile
-            _tile_dot(q_tile, q_stride, k_tile, q_stride, D, micro, zero, scores)
-            _store_tile(scores, s_tile, p_stride, micro)
-            _tile_dot(do_tile, do_stride, v_tile, do_stride, Dv, micro, zero, scores)
-            _store_tile(scores, dp_tile, p_stride, micro)
+            tile_dot(q_tile, q_stride, k_tile, q_stride, D, micro, zero, scores)
+            store_tile(scores, s_tile, p_stride, micro)
+            tile_dot(do_tile, do_stride, v_tile, do_stride, Dv, micro, zero, scores)
+            store_tile(scores, dp_tile, p_stride, micro)
             _dq_tile_grads(score_tiles, scalar_sums, dbias_out, micro, queries, (j0, jn), prm, opts, tau_h, c0 == 0)
             cuda.syncthreads()  # ds written
-            _tile_pv(s_tile, p_stride, k_tile[c0:], q_stride, jn, wn, micro, zero, acc)
+            tile_pv(s_tile, p_stride, k_tile[c0:], q_stride, jn, wn, micro, zero, acc)
         _store_acc(dq[b, h], acc, i_first, N, c0, wn, micro, fopts[F_SCALE])
     cuda.syncthreads()
     if t == 0:  # the (row, lane) sums in slot order: the same result whatever the scheduling
@@ -328,23 +304,22 @@ def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
     """``p_tile`` (``k . q``) becomes ``p``, ``ds_tile`` (``v . dout``) becomes ``ds_raw``, for the thread's entries.
 
     ``score_tiles = (p_tile, ds_tile, p_stride, stats, block_q)``, ``micro =
-    (row0, c, tpr)`` (`_tile_block`), ``keys = (j0, j1)``: the block's keys,
+    (row0, c, tpr)`` (`tile_block`), ``keys = (j0, j1)``: the block's keys,
     ``queries = (b, h, i0, im)``: the tile's ``im`` queries from ``i0``.
     Rows are keys ``j0 + row0 + r``, columns queries ``i0 + c + tpr n``; 0
     where the entry is removed or past the tiles. ``lse`` and ``delta`` of
     query column ``ii`` are ``stats[ii]`` and ``stats[block_q + ii]``;
     ``ds_raw = p (dp - delta) / tau_h cap_slope``.
     One loop over the ``REG_M REG_N`` entries, not two nested ones: NVVM
-    unrolled the inner loop of the nested form (four copies of the score
-    pipeline), and ptxas spilled more (``python -m elastic_np.cuda
-    --resources``: 392 B of stack on sm_90 in float32 nested, 304 B flat).
-    The entries are independent, so the order changes no bit.
+    unrolls the inner loop of the nested form (four copies of the score
+    pipeline), and ptxas spills more. The entries are independent, so the
+    order changes no bit.
     """
     p_tile, ds_tile, p_stride, stats, block_q = score_tiles
     row0, c, tpr = micro
     j0, j1 = keys
     b, h, i0, im = queries
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     for rn in range(REG_M * REG_N):
         row = row0 + rn // REG_N
         j = j0 + row
@@ -354,7 +329,7 @@ def _dkdv_tile_grads(score_tiles, micro, keys, queries, prm, opts, tau_h):
         ds_raw = zero
         if j < j1 and ii < im:
             i = i0 + ii
-            z, _s, cap_slope, _f, _u = _entry(p_tile[at], b, h, i, j, prm, opts)
+            z, _s, cap_slope, _f, _u = entry(p_tile[at], b, h, i, j, prm, opts)
             if z != neg_inf:  # kept, and not removed by NVM or a closed gate
                 p = math.exp(z - stats[ii])
                 ds_raw = p * (ds_tile[at] - stats[block_q + ii]) / tau_h * cap_slope
@@ -369,13 +344,13 @@ def _dkdv_tiles(smem, block_k, block_q, D, Dv):
     Row strides ``D + 1`` (K, q), ``Dv + 1`` (V, dout) and ``block_q + 1``
     (``p``, ``ds``); ``stats`` holds the query tile's ``lse`` then ``delta``.
     """
-    k_tile, at = _carve(smem, 0, block_k * (D + 1))
-    v_tile, at = _carve(smem, at, block_k * (Dv + 1))
-    p_tile, at = _carve(smem, at, block_k * (block_q + 1))
-    ds_tile, at = _carve(smem, at, block_k * (block_q + 1))
-    q_tile, at = _carve(smem, at, block_q * (D + 1))
-    do_tile, at = _carve(smem, at, block_q * (Dv + 1))
-    stats, at = _carve(smem, at, 2 * block_q)
+    k_tile, at = carve(smem, 0, block_k * (D + 1))
+    v_tile, at = carve(smem, at, block_k * (Dv + 1))
+    p_tile, at = carve(smem, at, block_k * (block_q + 1))
+    ds_tile, at = carve(smem, at, block_k * (block_q + 1))
+    q_tile, at = carve(smem, at, block_q * (D + 1))
+    do_tile, at = carve(smem, at, block_q * (Dv + 1))
+    stats, at = carve(smem, at, 2 * block_q)
     return k_tile, v_tile, p_tile, ds_tile, q_tile, do_tile, stats
 
 
@@ -391,12 +366,12 @@ def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
     """
     fopts, tau = opts[O_FOPTS], opts[O_TAU]
     dout, lse, delta = dout_lse_delta
-    _B, H, N, D = q.shape  # not through `_dims`: see `_backward_dq_kernel`
+    _B, H, N, D = q.shape  # not through `problem_dims`: see `_backward_dq_kernel`
     Hkv = k.shape[1]
     M = k.shape[2]
     Dv = v.shape[3]
     group = H // Hkv
-    threads, t, tpr, block_k, row0, c, _tile, b, hk, j0, j1 = _tile_block(M, Hkv, block_q)
+    threads, t, tpr, block_k, row0, c, _tile, b, hk, j0, j1 = tile_block(M, Hkv, block_q)
     micro = (row0, c, tpr)
     widest = max(D, Dv, 1)
     width = min(widest, tpr * ACC_COLS)
@@ -409,13 +384,13 @@ def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
     score_tiles = (p_tile, ds_tile, p_stride, stats, block_q)
 
     zero = fopts[F_ZERO]
-    _fill(k_tile, block_k * k_stride, zero, t, threads)  # keys past M and the padding column
-    _fill(v_tile, block_k * v_stride, zero, t, threads)
-    _fill(q_tile, block_q * k_stride, zero, t, threads)
-    _fill(do_tile, block_q * v_stride, zero, t, threads)
+    fill(k_tile, block_k * k_stride, zero, t, threads)  # keys past M and the padding column
+    fill(v_tile, block_k * v_stride, zero, t, threads)
+    fill(q_tile, block_q * k_stride, zero, t, threads)
+    fill(do_tile, block_q * v_stride, zero, t, threads)
     cuda.syncthreads()
-    _stage(k[b, hk], j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
-    _stage(v[b, hk], j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
+    stage(k[b, hk], j0, j1 - j0, 0, D, k_tile, k_stride, t, threads)
+    stage(v[b, hk], j0, j1 - j0, 0, Dv, v_tile, v_stride, t, threads)
 
     scores = cuda.local.array((REG_M, REG_N), q.dtype)
     dk_acc = cuda.local.array((REG_M, ACC_COLS), q.dtype)
@@ -427,28 +402,28 @@ def _backward_dkdv_kernel(q, k, v, opts, block_q, dout_lse_delta, dk, dv):
         _zero_acc(dv_acc, zero)
         for h in range(hk * group, (hk + 1) * group):
             tau_h = tau[h]
-            prm = _bh_params(b, h, N, M, opts)
-            lo, hi = _query_range(j0, j1, b, h, N, M, opts)
+            prm = bh_params(b, h, N, M, opts)
+            lo, hi = block_query_range(j0, j1, b, h, N, M, opts)
             for i0 in range(lo, hi, block_q):
                 im = min(block_q, hi - i0)
                 cuda.syncthreads()  # the previous query tile is consumed (and K, V written)
-                _stage(q[b, h], i0, im, 0, D, q_tile, k_stride, t, threads)
-                _stage(dout[b, h], i0, im, 0, Dv, do_tile, v_stride, t, threads)
+                stage(q[b, h], i0, im, 0, D, q_tile, k_stride, t, threads)
+                stage(dout[b, h], i0, im, 0, Dv, do_tile, v_stride, t, threads)
                 for idx in range(t, im, threads):
                     stats[idx] = lse[b, h, i0 + idx]
                     stats[block_q + idx] = delta[b, h, i0 + idx]
                 cuda.syncthreads()
                 # recompute s = k . q and dp = v . dout; p from lse, ds (`_dkdv_tile_grads`); dv += p dout, dk += ds q
-                _tile_dot(k_tile, k_stride, q_tile, k_stride, D, micro, zero, scores)
-                _store_tile(scores, p_tile, p_stride, micro)
-                _tile_dot(v_tile, v_stride, do_tile, v_stride, Dv, micro, zero, scores)
-                _store_tile(scores, ds_tile, p_stride, micro)
+                tile_dot(k_tile, k_stride, q_tile, k_stride, D, micro, zero, scores)
+                store_tile(scores, p_tile, p_stride, micro)
+                tile_dot(v_tile, v_stride, do_tile, v_stride, Dv, micro, zero, scores)
+                store_tile(scores, ds_tile, p_stride, micro)
                 _dkdv_tile_grads(score_tiles, micro, (j0, j1), (b, h, i0, im), prm, opts, tau_h)
                 cuda.syncthreads()  # p and ds written
                 if wv > 0:
-                    _tile_pv(p_tile, p_stride, do_tile[c0:], v_stride, im, wv, micro, zero, dv_acc)
+                    tile_pv(p_tile, p_stride, do_tile[c0:], v_stride, im, wv, micro, zero, dv_acc)
                 if wk > 0:
-                    _tile_pv(ds_tile, p_stride, q_tile[c0:], k_stride, im, wk, micro, zero, dk_acc)
+                    tile_pv(ds_tile, p_stride, q_tile[c0:], k_stride, im, wk, micro, zero, dk_acc)
         scale = fopts[F_SCALE]
         for r in range(REG_M):
             j = j0 + row0 + r
@@ -476,7 +451,7 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
     """
     mask, kv_lengths, band, iopts, fopts, tau, beta, bh_consts, bias = opts
     dout, lse, delta = dout_lse_delta
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     group = H // Hkv
     threads = cuda.blockDim.x
     t = cuda.threadIdx.x
@@ -508,15 +483,15 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
             h = ch + r // (rj_n * ri_n) % rh_n
             i = ci + r // rj_n % ri_n
             j = cj + r % rj_n
-            prm = _bh_params(b, h, N, M, opts)
-            kept, _entry_bias = _entry_keep(b, h, i, j, prm, opts)  # entry_bias is bias_value
+            prm = bh_params(b, h, N, M, opts)
+            kept, _entry_bias = entry_keep(b, h, i, j, prm, opts)  # entry_bias is bias_value
             if not kept:
                 continue
             hk = h // group
             dot = zero
             for d in range(D):
                 dot += q[b, h, i, d] * k[b, hk, j, d]
-            z, _s, _cap_slope, _f, _u = _entry_logit(dot, i, j, bias_value, prm, fopts)
+            z, _s, _cap_slope, _f, _u = entry_logit(dot, i, j, bias_value, prm, fopts)
             if z == neg_inf:  # removed by NVM or a closed gate
                 continue
             tau_h = tau[h]
@@ -525,7 +500,7 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
             for d in range(Dv):
                 dp += dout[b, h, i, d] * v[b, hk, j, d]
             ds = p * (dp - delta[b, h, i]) / tau_h
-            total, carry = _compensated_add(total, carry, ds)
+            total, carry = compensated_add(total, carry, ds)
 
     sums = cuda.shared.array(0, dtype=q.dtype)
     sums[t] = total + carry
@@ -534,7 +509,7 @@ def _backward_dbias_kernel(q, k, v, opts, dout_lse_delta, dbias):
         total = zero
         carry = zero
         for r in range(threads):
-            total, carry = _compensated_add(total, carry, sums[r])
+            total, carry = compensated_add(total, carry, sums[r])
         dbias[e] = total + carry
 
 

@@ -1,6 +1,6 @@
-"""Compiling the CUDA kernels without a GPU: PTX, and what the compiled code uses.
+"""The compile-only reports: every kernel's PTX, what its compiled code uses, the shared memory it asks for.
 
-`ptx` compiles every kernel, for each dtype, to PTX for a compute
+No GPU needed. `ptx` compiles every kernel, for each dtype, to PTX for a compute
 capability with numba-cuda's NVVM; `resources` assembles that PTX with
 nvJitLink and reads the assembler's report (registers per thread, stack
 frame, spills, static shared memory); `dynamic_shared_bytes` gives the
@@ -15,50 +15,12 @@ import re
 import types
 
 import numpy as np
-from numba import types as nbt
 
 from elastic_np._contract._errors import BackendUnavailableError
-from elastic_np.cuda import _backward_launch, _decode_launch, _forward_launch
-from elastic_np.cuda import _config as config
-from elastic_np.cuda._host import _INSTALL_HINT, _cuda, _kernel_module, _simulator, dtypes, is_available
-
-def _signatures(dtype):
-    """The argument types each kernel is launched with for ``dtype`` (one specialisation each)."""
-    dev = _kernel_module("_device")
-    real = nbt.float64 if dtype == np.float64 else nbt.float32
-
-    def arr(ndim, kind=real):
-        return nbt.Array(kind, ndim, "C")
-
-    # `elastic_np.cuda._api._launch_options`'s tuple, in the order of the O_* indices
-    opts = [None] * dev.O_COUNT
-    opts[dev.O_MASK] = arr(4, nbt.uint8)
-    opts[dev.O_KV_LENGTHS] = arr(1, nbt.int64)
-    opts[dev.O_BAND] = arr(3, nbt.int64)
-    opts[dev.O_IOPTS] = arr(1, nbt.int64)
-    opts[dev.O_FOPTS] = arr(1)
-    opts[dev.O_TAU] = arr(1)
-    opts[dev.O_BETA] = arr(1)
-    opts[dev.O_BH_CONSTS] = arr(3)
-    opts[dev.O_BIAS] = arr(1)
-    opts = nbt.Tuple(tuple(opts))
-    qkv = (arr(4), arr(4), arr(4))
-    dout_lse_delta = nbt.Tuple((arr(4), arr(3), arr(3)))
-    tensor_cores = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, arr(4), arr(3))
-                    for kernel in _kernel_module("_forward_tc").KERNELS.values()}
-    backward_tc = {kernel.py_func.__name__: qkv + (opts, nbt.boolean, dout_lse_delta, arr(4), arr(4))
-                   for kernel in _kernel_module("_backward_tc").KERNELS.values()}
-    return {
-        "_forward_kernel": qkv + (opts, nbt.int64, arr(4), arr(3)),
-        **backward_tc,
-        **tensor_cores,
-        "_backward_delta_kernel": (arr(4), arr(4), arr(3), opts, arr(3)),
-        "_backward_dq_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4), arr(4)),
-        "_backward_dkdv_kernel": qkv + (opts, nbt.int64, dout_lse_delta, arr(4), arr(4)),
-        "_backward_dbias_kernel": qkv + (opts, dout_lse_delta, arr(1)),
-        "_decode_kernel": qkv + (opts, nbt.int64, arr(5), arr(5)),
-        "_decode_merge_kernel": (arr(5), arr(5), opts, arr(4), arr(3)),
-    }
+from elastic_np.cuda._launch import layouts, plan
+from elastic_np.cuda._launch.arrays import dtypes
+from elastic_np.cuda._runtime import config
+from elastic_np.cuda._runtime.gpu import INSTALL_HINT, cuda_module, is_available, kernel_module, simulator
 
 
 def ptx(cc=(9, 0)):
@@ -81,8 +43,8 @@ def ptx(cc=(9, 0)):
     elastic_np.BackendUnavailableError
         Without numba-cuda, or under the CUDA simulator (which compiles nothing).
     """
-    cuda = _cuda()
-    if _simulator():
+    cuda = cuda_module()
+    if simulator():
         raise BackendUnavailableError("ptx() cannot compile under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     return dict(_ptx(cuda, tuple(int(c) for c in cc)))
 
@@ -90,12 +52,12 @@ def ptx(cc=(9, 0)):
 @functools.lru_cache(maxsize=None)
 def _ptx(cuda, cc):
     """`ptx`'s result, compiled once per capability in a process."""
-    kern = _kernel_module("_kernels")
+    kernels = kernel_module("_compile.kernels")
     result = {}
     with _device_functions_compiled_for(cc):
         for dtype in dtypes:
-            signatures = _signatures(np.dtype(dtype))
-            for name, kernel in kern.KERNELS.items():
+            signatures = kernels.signatures(np.dtype(dtype))
+            for name, kernel in kernels.KERNELS.items():
                 code, _ = cuda.compile_ptx(kernel.py_func, signatures[name], cc=cc)
                 result[f"{name}[{dtype}]"] = code
     return result
@@ -141,7 +103,7 @@ def resources(cc=(9, 0)):
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError as exc:
-        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + _INSTALL_HINT) from exc
+        raise BackendUnavailableError(f"resources() needs cuda.core with nvJitLink ({exc}); " + INSTALL_HINT) from exc
     arch = f"sm_{int(cc[0])}{int(cc[1])}"
     report = {}
     for name, code in ptx(cc=cc).items():
@@ -174,18 +136,18 @@ def dynamic_shared_bytes(D, Dv, dtype, decode=(1, 32, 8, 1, 8192)):
         threads). The delta kernel uses none.
     """
     itemsize = np.dtype(dtype).itemsize
-    threads, tile = _forward_launch.tiles(itemsize, D, Dv)
-    result = {"_forward_kernel": (threads, tile, _forward_launch.shared_elements(threads, tile, D, Dv) * itemsize)}
+    threads, tile = plan.forward_tiles(itemsize, D, Dv)
+    result = {"_forward_kernel": (threads, tile, layouts.forward_elements(threads, tile, D, Dv) * itemsize)}
     for name, kind in (("_backward_dq_kernel", "dq"), ("_backward_dkdv_kernel", "dkdv")):
-        threads, rows, cols = _backward_launch.tiles(kind, itemsize, D, Dv)
-        result[name] = (threads, cols, _backward_launch.shared_elements(kind, rows, cols, D, Dv) * itemsize)
+        threads, rows, cols = plan.backward_tiles(kind, itemsize, D, Dv)
+        result[name] = (threads, cols, layouts.backward_elements(kind, rows, cols, D, Dv) * itemsize)
     result["_backward_dbias_kernel"] = (config.DBIAS_THREADS, 1, config.DBIAS_THREADS * itemsize)
     B, H, Hkv, N, M = decode
     rows = H // Hkv * N
-    rows_blk, tpr = _decode_launch.geometry(rows, D, Dv, itemsize)
-    n_split = _decode_launch.splits(B * Hkv * -(-rows // rows_blk), M)
+    rows_blk, tpr = plan.decode_geometry(rows, D, Dv, itemsize)
+    n_split = plan.decode_splits(B * Hkv * -(-rows // rows_blk), M)
     result["_decode_kernel"] = (rows_blk * tpr, tpr * config.DECODE_REG_N,
-                                _decode_launch.shared_elements(rows_blk, tpr, D, Dv) * itemsize)
+                                layouts.decode_elements(rows_blk, tpr, D, Dv) * itemsize)
     result["_decode_merge_kernel"] = (max(1, min(config.DECODE_MERGE_THREADS, Dv)), n_split, n_split * itemsize)
     return result
 
@@ -209,4 +171,3 @@ def _device_functions_compiled_for(cc):
         yield
     finally:
         dispatcher.get_current_device = current
-

@@ -1,4 +1,4 @@
-"""Asynchronous copies from global to shared memory (``cp.async``, sm_80 and later) for the kernels.
+"""Asynchronous copies from global to shared memory (``cp.async``, sm_80 on): inline PTX or simulator stand-ins.
 
 Imports ``numba.cuda``; imported by the kernel modules. `copy_vector`
 copies 16 bytes (four float32 or two float64) of a row of a two-dimensional
@@ -19,7 +19,7 @@ from numba import config as numba_config
 from numba import cuda
 from numba import types as nbt
 
-from elastic_np.cuda._device import inline_device, unsigned
+from elastic_np.cuda._device.basics import inline_device, unsigned
 
 
 def copy_vector(dst, dst_index, src, row, col, valid):

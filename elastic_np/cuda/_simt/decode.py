@@ -1,11 +1,12 @@
-"""The CUDA decode kernels: a few queries against a long key/value cache, split-KV.
+"""The SIMT decode kernels: a few queries against a long key/value cache, split-KV, then a merge.
 
-Imports ``numba.cuda``; imported on first use by its host side,
-`elastic_np.cuda._decode_launch` (when decoding shapes run and what geometry
-they get: ``takes``, ``geometry``, ``splits``; the launch), to which
-`elastic_np.cuda.forward` sends a forward of 1 to ``DECODE_MAX_QUERIES``
-queries per sequence and at most ``DECODE_MAX_ROWS`` stacked rows. The plan
-is the CPU decode kernel's (`elastic_np._decode`):
+`elastic_np.cuda.forward` sends them a forward of 1 to
+``DECODE_MAX_QUERIES`` queries per sequence and at most
+``DECODE_MAX_ROWS`` stacked rows (`elastic_np.cuda._launch.plan`:
+``takes_decode``, ``decode_geometry``, ``decode_splits``). Imports
+``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.decode`. The plan is the CPU backend's decode
+kernel's (`elastic_np.cpu`):
 
 - **Stacked rows.** The ``group = H / Hkv`` query heads of a kv head share
   its keys: row ``r = g N + i`` of kv head ``hk`` is query ``i`` of head
@@ -18,28 +19,28 @@ is the CPU decode kernel's (`elastic_np._decode`):
   scores of keys ``c + tpr n`` in registers, and output columns ``c + tpr e``
   (``DECODE_ACC_COLS`` accumulators). One row per thread: its running max and
   sum are scalars. The row max over the lanes is a shuffle butterfly
-  (`_group_max`), the row sum a shuffle butterfly at the end (`_group_sum`,
+  (`group_max`), the row sum a shuffle butterfly at the end (`group_sum`,
   the same bits in every lane, run after run). Value heads wider than
   ``tpr DECODE_ACC_COLS`` take several passes over the keys.
 - **Copies.** The K and V tiles are double-buffered in shared memory
-  (`_decode_tiles`) and arrive by ``cp.async`` (`_prefetch`): the next tile
+  (`_decode_tiles`) and arrive by ``cp.async`` (`stage_kv`): the next tile
   is in flight while this one is scored and summed.
 - **Split-KV.** The keys the chunk's rows can keep (the union of their
   ranges: causal, window, ``kv_lengths``, the dynamic window's band) are cut
   into ``n_split`` runs of whole K/V tiles, one block each, when the
   (batch, kv head, row chunk) blocks alone are fewer than
-  ``DECODE_MIN_BLOCKS`` (``_decode_launch.splits``: from the shape and the config only, never
+  ``DECODE_MIN_BLOCKS`` (``plan.decode_splits``: from the shape and the config only, never
   from timing, so every run gives the same bits). Each block writes the
   partial ``(max, sum, acc)`` of its rows: ``acc`` and ``sum`` relative to
   ``exp(max)``, unnormalised.
 - **Merge.** `_decode_merge_kernel`, one block per stacked row, combines the
   splits in split order: ``m = max_s m_s``, ``l = sum_s l_s exp(m_s - m)``,
-  ``acc = sum_s acc_s exp(m_s - m)``, then `_finish_row` adds ``beta`` once
+  ``acc = sum_s acc_s exp(m_s - m)``, then `finish_row` adds ``beta`` once
   (``lse = log(l exp(m) + beta)``, ``out = (acc num) / den``) exactly as the
   flash forward finishes a row; with one split it gives the forward's
   formula.
 
-The scores go through the shared per-entry pipeline (`_entry`), so the
+The scores go through the shared per-entry pipeline (`entry`), so the
 backward, which recomputes them, sees the ``lse`` of the same logits. Options
 are runtime values and the kernels compute in the input dtype: one compiled
 specialisation per dtype.
@@ -49,12 +50,13 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda import _copy
-from elastic_np.cuda._config import DECODE_ACC_COLS, DECODE_REG_N
-from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS, inline_device, _bh_params, _carve, _constants, _dims, _entry,
-    _fill, _finish_row, _group_max, _group_sum, _key_range, _lane_mask,
-)
+from elastic_np.cuda._device import async_copy
+from elastic_np.cuda._device.basics import constants, inline_device, problem_dims
+from elastic_np.cuda._device.indices import F_NEG_INF, F_ONE, O_BETA, O_FOPTS, O_KV_LENGTHS
+from elastic_np.cuda._device.score import bh_params, block_key_range, entry
+from elastic_np.cuda._device.softmax import finish_row, group_sum, lane_mask, row_step
+from elastic_np.cuda._device.tiles import carve, fill, stage_kv
+from elastic_np.cuda._runtime.config import DECODE_ACC_COLS, DECODE_REG_N
 
 
 @inline_device
@@ -89,7 +91,7 @@ def _chunk_keys(b, hk, group, r0, r1, N, M, opts):
     for g in range(r0 // N, (r1 - 1) // N + 1):
         i0 = max(r0 - g * N, 0)
         i1 = min(r1 - g * N, N)
-        g_lo, g_hi = _key_range(i0, i1, b, hk * group + g, N, M, opts)
+        g_lo, g_hi = block_key_range(i0, i1, b, hk * group + g, N, M, opts)
         if g_hi > g_lo:
             lo = min(lo, g_lo)
             hi = max(hi, g_hi)
@@ -139,7 +141,7 @@ def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
     """The lane's logits of one key tile, in place, and their max.
 
     ``p_tile[p_at + c + tpr n]`` holds the lane's dot products; each becomes
-    its logit (`_entry`), ``-inf`` when removed, past the tile's ``jn`` keys
+    its logit (`entry`), ``-inf`` when removed, past the tile's ``jn`` keys
     or on a padding thread. ``row = (valid, b, h, i)``, ``keys = (j0, jn)``.
     The pipeline is long: the loop stays a loop.
     """
@@ -151,7 +153,7 @@ def _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts):
         jj = c + tpr * n
         z = neg_inf
         if valid and jj < jn:
-            z = _entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, opts)[0]
+            z = entry(p_tile[p_at + jj], b, h, i, j0 + jj, prm, opts)[0]
         p_tile[p_at + jj] = z
         tile_max = max(tile_max, z)
     return tile_max
@@ -168,54 +170,11 @@ def _decode_tiles(smem, rows_blk, D, width, block_k):
     stride ``block_k + 1``). Two of each K and V tile: the next tile is
     copied while this one is used.
     """
-    q_tile, at = _carve(smem, 0, rows_blk * (D + 1))
-    k_tiles, at = _carve(smem, at, 2 * block_k * (D + 1))
-    v_tiles, at = _carve(smem, at, 2 * block_k * width)
-    p_tile, at = _carve(smem, at, rows_blk * (block_k + 1))
+    q_tile, at = carve(smem, 0, rows_blk * (D + 1))
+    k_tiles, at = carve(smem, at, 2 * block_k * (D + 1))
+    v_tiles, at = carve(smem, at, 2 * block_k * width)
+    p_tile, at = carve(smem, at, rows_blk * (block_k + 1))
     return q_tile, k_tiles, v_tiles, p_tile
-
-
-@inline_device
-def _prefetch(k_bh, v_bh, j0, jn, c0, wn, k_tile, v_tile, block_k, width):
-    """Start copying keys ``[j0, j0 + jn)`` of ``k_bh`` and columns ``[c0, c0 + wn)`` of ``v_bh`` (one group).
-
-    Asynchronous (``cp.async``, `elastic_np.cuda._copy`): rows past ``jn``
-    are zero-filled. The thread commits its copies as one group; `_copy.wait_prior`
-    or `_copy.wait_all` and a ``syncthreads`` make them visible.
-    """
-    D = k_bh.shape[1]
-    if D > 0:
-        _copy.copy_tile(k_bh[j0:], jn, D, k_tile, D + 1, block_k, D, 1)
-    if wn > 0:
-        _copy.copy_tile(v_bh[j0:, c0:], jn, wn, v_tile, width, block_k, wn, 1)
-    _copy.commit()
-
-
-@inline_device
-def _softmax_step(p_tile, p_at, c, tpr, row, keys, prm, opts, lanes, run_max, run_sum, acc):
-    """The online softmax over one tile: ``p = exp(z - max)`` in place of the lane's dot products.
-
-    The logits (`_row_logits`), the row max over the ``tpr`` lanes, the
-    running sum and the accumulators rescaled by ``exp(old max - new max)``;
-    returns the new ``(run_max, run_sum)``.
-    """
-    fopts, zero, neg_inf = _constants(opts)
-    tile_max = _row_logits(p_tile, p_at, c, tpr, row, keys, prm, opts)
-    new_max = max(run_max, _group_max(tile_max, tpr, lanes))
-    alpha = fopts[F_ONE]
-    if new_max > neg_inf:
-        alpha = math.exp(run_max - new_max)  # 1 when the max stays, 0 from -inf
-    run_sum *= alpha
-    for m in range(DECODE_REG_N):
-        pos = p_at + c + tpr * m
-        p = zero
-        if p_tile[pos] > neg_inf:
-            p = math.exp(p_tile[pos] - new_max)
-        run_sum += p
-        p_tile[pos] = p
-    for col in range(DECODE_ACC_COLS):
-        acc[col] *= alpha
-    return new_max, run_sum
 
 
 @cuda.jit(cache=True)
@@ -227,7 +186,7 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     with no key kept giving ``(-inf, 0, 0)``. The K and V tiles are
     double-buffered: tile ``n + 1`` is copied while tile ``n`` is used.
     """
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     group = H // Hkv
     n_split = part_ms.shape[2]
     threads, t, rows_blk, s, b, hk, r0, r1, rho, c = _decode_block(tpr, group * N, Hkv, n_split)
@@ -244,15 +203,15 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
     k_size = block_k * (D + 1)
     v_size = block_k * width
 
-    _, zero, neg_inf = _constants(opts)
-    _fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
+    fopts, zero, neg_inf = constants(opts)
+    fill(q_tile, rows_blk * (D + 1), zero, t, threads)  # padding rows and the padding column
     cuda.syncthreads()
     _stage_rows(q[b], hk * group, N, r0, r1, q_tile, D + 1, t, threads)
     lo, hi = _chunk_keys(b, hk, group, r0, r1, N, M, opts)
     a, e = _split_keys(lo, hi, block_k, s, n_split)
 
-    prm = _bh_params(b, h, N, M, opts)
-    lanes = _lane_mask(t, threads)
+    prm = bh_params(b, h, N, M, opts)
+    lanes = lane_mask(t, threads)
     scores = cuda.local.array(DECODE_REG_N, q.dtype)
     acc = cuda.local.array(DECODE_ACC_COLS, q.dtype)
     q_at = rho * (D + 1)
@@ -267,7 +226,8 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             acc[col] = zero
         cuda.syncthreads()  # the previous pass is done with the tiles
         if a < e:
-            _prefetch(k_bh, v_bh, a, min(block_k, e - a), c0, wn, k_tiles[:k_size], v_tiles[:v_size], block_k, width)
+            stage_kv(k_bh[a:], v_bh[a:, c0:], min(block_k, e - a), k_tiles[:k_size], v_tiles[:v_size], (D, D + 1, D),
+                     (wn, width, wn), block_k, 1)
         n = 0
         for j0 in range(a, e, block_k):
             jn = min(block_k, e - j0)
@@ -276,23 +236,27 @@ def _decode_kernel(q, k, v, opts, tpr, part_ms, part_acc):
             v_tile = v_tiles[at * v_size : (at + 1) * v_size]
             if j0 + block_k < e:  # the next tile into the other buffers, which the last iteration finished
                 nxt = 1 - at
-                _prefetch(k_bh, v_bh, j0 + block_k, min(block_k, e - j0 - block_k), c0, wn,
-                          k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
-                          block_k, width)
-                _copy.wait_prior()
+                stage_kv(k_bh[j0 + block_k :], v_bh[j0 + block_k :, c0:], min(block_k, e - j0 - block_k),
+                         k_tiles[nxt * k_size : (nxt + 1) * k_size], v_tiles[nxt * v_size : (nxt + 1) * v_size],
+                         (D, D + 1, D), (wn, width, wn), block_k, 1)
+                async_copy.wait_prior()
             else:
-                _copy.wait_all()
+                async_copy.wait_all()
             cuda.syncthreads()  # this tile (and q_tile) visible to the block
             _row_dot(q_tile, q_at, k_tile, D + 1, c, tpr, D, zero, scores)
             for m in range(DECODE_REG_N):
                 p_tile[p_at + c + tpr * m] = scores[m]
-            run_max, run_sum = _softmax_step(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts, lanes,
-                                             run_max, run_sum, acc)
+            tile_max = _row_logits(p_tile, p_at, c, tpr, (valid, b, h, i), (j0, jn), prm, opts)
+            consts = (zero, fopts[F_ONE], neg_inf)
+            run_max, run_sum, alpha = row_step(p_tile, p_at + c, tpr, DECODE_REG_N, (run_max, run_sum), tile_max,
+                                               lanes, consts)
+            for col in range(DECODE_ACC_COLS):
+                acc[col] *= alpha
             cuda.syncthreads()  # the row's p, written by its lanes, read by each
             _row_pv(p_tile, p_at, v_tile, width, jn, c, tpr, wn, zero, acc)
             cuda.syncthreads()  # every thread is done with this tile's buffers before they are refilled
             n += 1
-        row_sum = _group_sum(run_sum, tpr, lanes)
+        row_sum = group_sum(run_sum, tpr, lanes)
         if valid:
             if c0 == 0 and c == 0:
                 part_ms[b, hk, s, r, 0] = run_max
@@ -323,7 +287,7 @@ def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     h = hk * group + r // N
     i = r % N
 
-    fopts, zero, neg_inf = _constants(opts)
+    fopts, zero, neg_inf = constants(opts)
     weight = cuda.shared.array(0, dtype=out.dtype)
     m = neg_inf
     for s in range(n_split):
@@ -337,7 +301,7 @@ def _decode_merge_kernel(part_ms, part_acc, opts, out, lse):
     total = zero
     for s in range(n_split):
         total += part_ms[b, hk, s, r, 1] * weight[s]
-    row_lse, num, den = _finish_row(m, total, opts[O_BETA][h], fopts)
+    row_lse, num, den = finish_row(m, total, opts[O_BETA][h], fopts)
     if t == 0:
         lse[b, h, i] = row_lse
     for d in range(t, Dv, threads):

@@ -1,6 +1,6 @@
-"""Tensor-core products for the kernels: `split`, `mma` and `splits`, inline PTX or, under the simulator, Python.
+"""The tensor-core product of one warp, `mma`, and the TF32 split, `split`: inline PTX or, under the simulator, Python.
 
-Imports ``numba.cuda``; imported by the kernel modules. On a GPU (and when
+Imports ``numba.cuda``; imported by the tensor-core kernels. On a GPU (and when
 compiling without one) `split` and `mma` are inline PTX (``cvt.rna.tf32.f32``;
 ``mma.sync`` m16n8k8 TF32, and float64 as m16n8k4 on sm_90, m8n8k4 before),
 built with ``numba.cuda.extending.intrinsic`` and chosen by dtype with

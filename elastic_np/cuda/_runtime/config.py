@@ -1,4 +1,4 @@
-"""Tunables of the numba.cuda kernels in `elastic_np.cuda`.
+"""The tunables of the CUDA kernels: tile sizes, the tensor-core switches, decoding's split-KV, the shared-memory limit.
 
 The block and tile sizes are read by the host functions at launch time (tile
 sizes are runtime arguments and the shared memory is allocated dynamically),
@@ -14,7 +14,7 @@ on-disk cache of the kernels cleared).
 
 The host shrinks a tile (halving the larger of the query and key tiles, the
 key tile on a tie) when the shared memory it needs for the given head dims and
-dtype exceeds the limit (`elastic_np.cuda._host.shared_limit`: ``MAX_SHARED_BYTES``
+dtype exceeds the limit (`elastic_np.cuda._runtime.gpu.shared_limit`: ``MAX_SHARED_BYTES``
 when set, else the GPU's opt-in maximum), and raises `shared_memory_error` when
 no tile is left to shrink.
 """
@@ -41,29 +41,27 @@ FORWARD_BLOCK_K = 64
 #: Forward: keys per K/V tile at least (before the shared memory shrinks it).
 FORWARD_MIN_BLOCK_K = 32
 
-#: Forward on the tensor cores (`elastic_np.cuda._forward_tc`, sm_80 and later): False
+#: Forward on the tensor cores (`elastic_np.cuda._tensor_core.forward`, sm_80 and later): False
 #: keeps every forward on the SIMT kernel above (as on GPUs before sm_80).
 TENSOR_CORES = True
 #: Whether a float32 forward at the default ``precision`` takes the tensor cores (as
-#: 3xTF32). Off: on an H200 its output broke the float32 rule by up to 1.3x (the
-#: tensor cores' accumulation truncates), and the SIMT backward's recomputed scores
-#: differ from the forward's, which the gradients' rule does not survive; float64
-#: (DMMA) and ``precision="tf32"`` take the tensor cores.
+#: 3xTF32). Off: the tensor cores' accumulation truncates, which takes the output past
+#: the float32 rule, and the SIMT backward's recomputed scores would differ from the
+#: forward's, which the gradients' rule does not survive; float64 (DMMA) and
+#: ``precision="tf32"`` take the tensor cores.
 TC_FLOAT32 = False
 #: Tensor-core forward: warps per block at most (16 query rows each); halved until
-#: the shared memory fits. 8 ran 1.3x (float32) to 1.9x (float64) faster than 4 on an
-#: H200 before the copies became asynchronous, and as fast after.
+#: the shared memory fits.
 TC_FORWARD_WARPS = 8
 #: Tensor-core forward: keys per K/V tile by itemsize (32 or 64; the kernels with every
-#: option take 32), each a kernel of its own (`elastic_np.cuda._forward_tc.KERNELS`).
-#: On an H200 (B=4, H=16, N=4096, D=64, 8 warps) float32 ran 1.18x faster with 64 than
-#: with 32; float64 takes 32, with which its kernel keeps its registers.
+#: option take 32), each a kernel of its own (`elastic_np.cuda._tensor_core.forward.KERNELS`).
+#: float64 takes 32, with which its kernel keeps its fragments in registers.
 TC_KEYS = {4: 64, 8: 32}
 #: Tensor-core forward: copy 16 bytes at a time where the rows allow it (False: element by element).
 TC_VECTOR_COPY = True
-#: Backward on the tensor cores (`elastic_np.cuda._backward_tc`) where the forward ran on them
+#: Backward on the tensor cores (`elastic_np.cuda._tensor_core.backward`) where the forward ran on them
 #: without the general score pipeline, except ``precision="tf32"`` (whose backward keeps
-#: float32): float64, and the float32 default with ``TC_FLOAT32``. Off until it is measured
+#: float32): float64, and the float32 default with ``TC_FLOAT32``. Off until it is timed
 #: on a GPU; the simulator runs it.
 TC_BACKWARD = False
 #: Tensor-core backward: warps per block at most (16 query rows, or keys, each); halved
@@ -79,13 +77,13 @@ TC_BACKWARD_TILES = {
 #: Tensor-core dk/dv kernel (compile-time): the most words of fragments a thread keeps
 #: (``dk``, ``dv``, ``S^T``, ``dP^T``: head width plus query tile, twice in float64) for one pass
 #: over the query tiles; beyond it, two passes (``dv``, then ``dk``), which form ``S^T`` twice.
-#: ptxas on sm_90: 96 words fit the registers, 128 spilled.
+#: 96 words stay in the registers on sm_90 (``python -m elastic_np.cuda --resources``).
 TC_BACKWARD_ONE_PASS = 96
 #: Tensor-core forward: padding of the shared-memory rows, in elements (compile-time): a row
 #: stride of 4 modulo 8 words puts a fragment's reads in distinct banks.
 TC_PAD = 4
 
-#: Backward ``dq`` kernel (`elastic_np.cuda._backward`): query rows per block,
+#: Backward ``dq`` kernel (`elastic_np.cuda._simt.backward`): query rows per block,
 #: a multiple of ``REG_M``; the block has ``(DQ_BLOCK_Q / REG_M) * (DQ_BLOCK_K /
 #: REG_N)`` threads, each with a ``REG_M x REG_N`` micro-tile.
 DQ_BLOCK_Q = 64
@@ -106,7 +104,7 @@ DELTA_THREADS = 128
 #: of the entries it stands for.
 DBIAS_THREADS = 128
 
-#: Decode kernel (`elastic_np.cuda._decode`): `elastic_np.cuda.forward` takes it
+#: Decode kernel (`elastic_np.cuda._simt.decode`): `elastic_np.cuda.forward` takes it
 #: for 1 to ``DECODE_MAX_QUERIES`` queries per sequence...
 DECODE_MAX_QUERIES = 16
 #: ... when the stacked rows (query heads of a GQA group x queries) are at most this many.
@@ -126,13 +124,13 @@ DECODE_MIN_BLOCKS = 512
 #: ... but no split gets fewer keys than this (the number of splits depends on
 #: the shape and these constants only).
 DECODE_MIN_SPLIT_KEYS = 128
-#: Decode: dynamic shared memory per block at most (None: the GPU's limit, as the other kernels);
-#: smaller blocks, more of them an SM, were faster on an H200 (docs/performance.rst, "The CUDA decode").
+#: Decode: dynamic shared memory per block at most (None: the GPU's limit, as the other kernels):
+#: smaller blocks let more of them share an SM (docs/performance.rst, "The CUDA decode").
 DECODE_MAX_SHARED_BYTES = 48 * 1024
 #: Decode merge kernel: threads per block at most (one block per stacked row).
 DECODE_MERGE_THREADS = 128
 
-#: The option arrays on the device (`elastic_np.cuda._api._device_plan`): the last this many
+#: The option arrays on the device (`elastic_np.cuda._launch.options`): the last this many
 #: distinct sets are kept, so a repeated call copies none of them again...
 PLAN_CACHE_SIZE = 64
 #: ... when they hold at most this many bytes in all (a large mask is copied per call).

@@ -1,15 +1,16 @@
 """The tensor-core backward: ``dq`` and ``dk``/``dv`` on ``mma.sync``, for the problems the simple forward takes.
 
-Imports ``numba.cuda``; imported on first use by `elastic_np.cuda._backward_launch`.
-It runs where the forward ran on the tensor cores without the general score
-pipeline (`elastic_np.cuda._forward_launch.tensor_core_plan`, ``needs_general``
+Imports ``numba.cuda``; imported on first use by its launch,
+`elastic_np.cuda._launch.backward`. It runs where the forward ran on the
+tensor cores without the general score pipeline
+(`elastic_np.cuda._launch.plan.tensor_core_backward`, ``needs_general``
 False: the structural options, ``scale``, ``tau`` and ``beta``), and forms
-the scores as that forward does (`elastic_np.cuda._forward_tc._scores`, the
-same split, the same order of the products and of the k-steps, and
-`_simple_logits`' rounding), so that ``p = exp(z - lse)`` sees the logits
-whose ``lse`` the forward wrote. The delta kernel is the SIMT one
-(`elastic_np.cuda._backward`). Two kernels, FlashAttention-2's partition
-with the forward's fragments (`elastic_np.cuda._mma`):
+the scores as that forward does (`dot_products`, the same split, the same
+order of the products and of the k-steps, and `simple_logits`' rounding),
+so that ``p = exp(z - lse)`` sees the logits whose ``lse`` the forward
+wrote. The delta kernel is the SIMT one (`elastic_np.cuda._simt.backward`).
+Two kernels, FlashAttention-2's partition with the forward's fragments
+(`elastic_np.cuda._tensor_core.fragments`):
 
 - ``dq``: a block of ``W`` warps owns ``16 W`` query rows of one (batch,
   head), as the forward; per K/V tile (double-buffered, ``cp.async``) each
@@ -33,14 +34,15 @@ import math
 
 from numba import cuda
 
-from elastic_np.cuda._config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
-from elastic_np.cuda._copy import commit, copy_tile, wait_all, wait_prior
-from elastic_np.cuda._device import (
-    F_NEG_INF, F_ONE, F_SCALE, F_ZERO, I_MMA_TERMS, O_FOPTS, O_IOPTS, O_TAU, P_DSIGMA, P_DTAU, _bh_params,
-    _compensated_add, _dims, _key_range, _query_range, inline_device,
+from elastic_np.cuda._device.async_copy import commit, copy_tile, wait_all, wait_prior
+from elastic_np.cuda._device.basics import compensated_add, inline_device, problem_dims
+from elastic_np.cuda._device.indices import (
+    F_NEG_INF, F_ONE, F_SCALE, F_ZERO, I_MMA_TERMS, O_FOPTS, O_IOPTS, O_TAU, P_DSIGMA, P_DTAU,
 )
-from elastic_np.cuda._forward_tc import _place, _scores, _simple_logits, add_products, copy_unit
-from elastic_np.cuda._mma import splits
+from elastic_np.cuda._device.score import bh_params, block_key_range, block_query_range
+from elastic_np.cuda._runtime.config import TC_BACKWARD_ONE_PASS, TC_BACKWARD_TILES, TC_PAD
+from elastic_np.cuda._tensor_core.fragments import add_products, block_place, copy_unit, dot_products, simple_logits
+from elastic_np.cuda._tensor_core.mma import splits
 
 
 @inline_device
@@ -62,7 +64,7 @@ def _row_grads(s_frag, dp_frag, stats, tau_h, fopts, sums):
             ds = zero
             if z > neg_inf:
                 dz = math.exp(z - lse[e // 2]) * (dp_frag[n, e] - delta[e // 2])
-                total, carry = _compensated_add(total, carry, dz * (z * tau_h))
+                total, carry = compensated_add(total, carry, dz * (z * tau_h))
                 ds = dz / tau_h
             s_frag[n, e] = ds
     sums[0] = total
@@ -128,7 +130,7 @@ def _block_sum(value, scratch, zero):
     carry = zero
     if cuda.threadIdx.x == 0:
         for r in range(cuda.blockDim.x):
-            total, carry = _compensated_add(total, carry, scratch[r])
+            total, carry = compensated_add(total, carry, scratch[r])
     return total + carry
 
 
@@ -137,7 +139,7 @@ def _dq_tile(tiles, dims, place, options, frags):
     """A key tile of the ``dq`` kernel: ``S`` and ``dP``, ``ds`` where it lies, ``dq += ds K``.
 
     ``tiles = (q_tile, do_tile, k_tile, v_tile, stride)``, ``dims = (D,
-    Dv)``, ``place = (row, N, j, hi)`` (`_simple_logits`' ``rows`` and
+    Dv)``, ``place = (row, N, j, hi)`` (`simple_logits`' ``rows`` and
     ``cols``), ``options = (prm, opts, stats, tau_h)`` (`_row_grads`'
     ``stats``).
     """
@@ -150,9 +152,9 @@ def _dq_tile(tiles, dims, place, options, frags):
     zero = fopts[F_ZERO]
     terms = opts[O_IOPTS][I_MMA_TERMS]
     row0 = 16 * (cuda.threadIdx.x // 32)
-    _scores(q_tile, k_tile, stride, (D + 7) // 8 * 8, row0, terms, zero, s_frag, False)
-    _simple_logits(s_frag, (row, N), (j, hi), prm, fopts, False)
-    _scores(do_tile, v_tile, stride, (Dv + 7) // 8 * 8, row0, terms, zero, dp_frag, False)
+    dot_products(q_tile, k_tile, stride, (D + 7) // 8 * 8, row0, terms, zero, s_frag, False)
+    simple_logits(s_frag, (row, N), (j, hi), prm, fopts, False)
+    dot_products(do_tile, v_tile, stride, (Dv + 7) // 8 * 8, row0, terms, zero, dp_frag, False)
     _row_grads(s_frag, dp_frag, stats, tau_h, fopts, sums)
     add_products(s_frag, k_tile, stride, terms, zero, dq_frag)
 
@@ -177,11 +179,11 @@ def _dq(q, k, v, opts, vector, grads_in, dq, partials, frags):
     """The ``dq`` kernel's body, for the fragment arrays its caller sizes (see the module)."""
     s_frag, dp_frag, dq_frag, sums = frags
     dout, lse, delta = grads_in
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     warp = cuda.threadIdx.x // 32
     t = cuda.threadIdx.x % 4
     block_q = 16 * (cuda.blockDim.x // 32)
-    b, h, i0, i1 = _place(N, H, block_q)
+    b, h, i0, i1 = block_place(N, H, block_q)
     block_k = 8 * s_frag.shape[0]
     width = 8 * dq_frag.shape[0]
     stride = width + TC_PAD
@@ -198,9 +200,9 @@ def _dq(q, k, v, opts, vector, grads_in, dq, partials, frags):
     row = i0 + 16 * warp + cuda.threadIdx.x % 32 // 4
     stats = ((lse[b, h, min(row, N - 1)], lse[b, h, min(row + 8, N - 1)]),
              (delta[b, h, min(row, N - 1)], delta[b, h, min(row + 8, N - 1)]))
-    prm = _bh_params(b, h, N, M, opts)
+    prm = bh_params(b, h, N, M, opts)
     tau_h = opts[O_TAU][h]
-    lo, hi = _key_range(i0, i1, b, h, N, M, opts)
+    lo, hi = block_key_range(i0, i1, b, h, N, M, opts)
     n_k = (hi - lo + block_k - 1) // block_k if hi > lo else 0
     _zero(dq_frag, zero)
     sums[0] = zero
@@ -271,7 +273,7 @@ def _dkdv_pass(arrays, tiles, place, options, frags, mode):
     b, hk, j0, j1 = place
     terms, zero, unit = options
     s_frag, dp_frag, acc, acc_v = frags
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     group = H // Hkv
     warp = cuda.threadIdx.x // 32
     g = cuda.threadIdx.x % 32 // 4
@@ -280,9 +282,9 @@ def _dkdv_pass(arrays, tiles, place, options, frags, mode):
     stride = geometry[3]
     fopts = opts[O_FOPTS]
     for h in range(hk * group, (hk + 1) * group):
-        prm = _bh_params(b, h, N, M, opts)
+        prm = bh_params(b, h, N, M, opts)
         tau_h = opts[O_TAU][h]
-        lo, hi = _query_range(j0, j1, b, h, N, M, opts)
+        lo, hi = block_query_range(j0, j1, b, h, N, M, opts)
         n_q = (hi - lo + block_q - 1) // block_q if hi > lo else 0
         if n_q > 0:
             _issue_queries((b, h, lo, hi), (q, dout, lse, delta), _slot(buffers, 0, sizes), geometry, unit)
@@ -297,13 +299,13 @@ def _dkdv_pass(arrays, tiles, place, options, frags, mode):
                 wait_all()
             cuda.syncthreads()  # this tile's copies (and K's, V's) are visible to every thread
             q_tile, do_tile, stats = _slot(buffers, cur, sizes)
-            _scores(k_tile, q_tile, stride, (D + 7) // 8 * 8, 16 * warp, terms, zero, s_frag, True)
-            _simple_logits(s_frag, (j0 + 16 * warp + g, j1), (i0 + 2 * t, hi), prm, fopts, True)
+            dot_products(k_tile, q_tile, stride, (D + 7) // 8 * 8, 16 * warp, terms, zero, s_frag, True)
+            simple_logits(s_frag, (j0 + 16 * warp + g, j1), (i0 + 2 * t, hi), prm, fopts, True)
             if mode == _VALUES:
                 _key_grads(s_frag, dp_frag, stats, tau_h, fopts, False)
                 add_products(s_frag, do_tile, stride, terms, zero, acc)
             else:
-                _scores(v_tile, do_tile, stride, (Dv + 7) // 8 * 8, 16 * warp, terms, zero, dp_frag, False)
+                dot_products(v_tile, do_tile, stride, (Dv + 7) // 8 * 8, 16 * warp, terms, zero, dp_frag, False)
                 _key_grads(s_frag, dp_frag, stats, tau_h, fopts, True)
                 if mode == _BOTH:
                     add_products(s_frag, do_tile, stride, terms, zero, acc_v)
@@ -325,10 +327,10 @@ def _dkdv(q, k, v, opts, vector, grads_in, dk, dv, frags):
     """
     s_frag, dp_frag, acc, acc_v = frags
     dout, lse, delta = grads_in
-    B, H, Hkv, N, M, D, Dv = _dims(q, k, v)
+    B, H, Hkv, N, M, D, Dv = problem_dims(q, k, v)
     warp = cuda.threadIdx.x // 32
     block_k = 16 * (cuda.blockDim.x // 32)
-    b, hk, j0, j1 = _place(M, Hkv, block_k)
+    b, hk, j0, j1 = block_place(M, Hkv, block_k)
     block_q = 8 * s_frag.shape[0]
     width = 8 * acc.shape[0]
     stride = width + TC_PAD
@@ -397,6 +399,6 @@ def kernel(kind, tile, width):
     return _BUILT[key]
 
 
-#: The tensor-core backward kernels of the config's tiles (`elastic_np.cuda._config.TC_BACKWARD_TILES`)
+#: The tensor-core backward kernels of the config's tiles (`elastic_np.cuda._runtime.config.TC_BACKWARD_TILES`)
 #: by ``(kind, tile, width)``: what the PTX and resource reports compile.
 KERNELS = {(kind, tile, width): kernel(kind, tile, width) for (kind, _, width), tile in sorted(TC_BACKWARD_TILES.items())}

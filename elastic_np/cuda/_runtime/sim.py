@@ -1,15 +1,16 @@
-"""Warp shuffles for the CUDA simulator, which has none (numba-cuda 0.30).
+"""What the CUDA simulator lacks for these kernels: warp shuffles, and a block scheduler that yields while it waits.
 
 The kernels combine the partial row max and row sum of the threads of a row
-group with ``cuda.shfl_xor_sync``. The simulator runs each thread of a block
-as a Python thread and offers ``syncthreads`` but no shuffles; `install` adds
-``shfl_xor_sync`` to its fake ``cuda`` module: every thread posts its value
-in a table of its block, waits at a barrier, reads its partner's value
-(lane ``lane ^ offset``, in the same warp) and waits again before the table
-is reused. This is stronger than the hardware (a block-wide barrier, not a
-warp's), so it is only right for kernels in which every thread of the block
-reaches each shuffle, as ours do (their control flow around the reductions
-is uniform). The lane mask is not checked.
+group with ``cuda.shfl_xor_sync``. The simulator (numba-cuda 0.30) runs each
+thread of a block as a Python thread and offers ``syncthreads`` but no
+shuffles; `install` adds ``shfl_xor_sync`` to its fake ``cuda`` module:
+every thread posts its value in a table of its block, waits at a barrier,
+reads its partner's value (lane ``lane ^ offset``, in the same warp) and
+waits again before the table is reused. This is stronger than the hardware
+(a block-wide barrier, not a warp's), so it is only right for kernels in
+which every thread of the block reaches each shuffle, as ours do (their
+control flow around the reductions is uniform). The lane mask is not
+checked.
 """
 
 import threading
@@ -34,9 +35,10 @@ def _run_block(self, grid_point, *args):
     The same steps as numba-cuda 0.30's: start a thread per thread of the
     block, release them when all wait in ``syncthreads``, re-raise the first
     exception. Its loop polls without ever giving up the interpreter lock, so
-    each thread woken from a barrier waited for the switch interval (5 ms);
-    here the loop yields (``time.sleep(0)``) on every pass, which makes the
-    barriers of the tensor-core products and the shuffles about four times faster.
+    each thread woken from a barrier waits for the switch interval (5 ms);
+    here the loop yields (``time.sleep(0)``) on every pass, so a woken thread
+    runs at once: the barriers of the tensor-core products and the shuffles
+    are where the simulated kernels spend their time.
     """
     from numba.cuda.simulator.kernel import BlockThread
 

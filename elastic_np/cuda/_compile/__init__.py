@@ -1,0 +1,1 @@
+"""Compiling the kernels without a GPU: every kernel by name, its PTX, and what its compiled code uses."""

@@ -1,0 +1,1 @@
+"""The device functions every kernel family shares: option indices, score, online softmax, tiles, copies."""

@@ -1,0 +1,1 @@
+"""What the rest of the CUDA backend stands on: the tunables, ``numba.cuda`` and the GPU, the simulator's gaps."""
