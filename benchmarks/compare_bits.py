@@ -12,7 +12,9 @@ every array of the two runs bit for bit and prints the ones that differ.
 Usage: ``python benchmarks/compare_bits.py BEFORE_TREE AFTER_TREE [--backend cpu|cuda] [--cases SUBSTRING ...]``
 (the trees are directories holding the ``elastic_np`` package; ``cuda`` on a
 GPU, or in the simulator under ``NUMBA_ENABLE_CUDASIM=1``, where a few small
-cases are enough: ``--cases plain``). Exit status 1 when any array differs.
+cases are enough: ``--cases plain decode``; ``decode`` and ``varlen`` select
+those parts). What a backend refuses (an error it raises) is recorded as a
+refusal and compared too. Exit status 1 when any array differs.
 """
 
 import argparse
@@ -33,6 +35,17 @@ def _dtype(name):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def _refusals():
+    """The errors a backend gives for what it does not take: recorded as a refusal, the same on both trees."""
+    import elastic_np as enp
+
+    return (ValueError, TypeError, NotImplementedError, enp.BackendUnavailableError)
+
+
+def _refused(results, key, exc):
+    results[f"{key}.refused"] = np.frombuffer(type(exc).__name__.encode(), np.uint8)
 
 
 def _store(results, key, value):
@@ -73,8 +86,8 @@ def _battery(results, backend, selected):
             try:
                 out, lse = enp.attention(q, k, v, return_lse=True, backend=backend, **options)
                 grads = enp.attention_backward(dout, q, k, v, out, lse, backend=backend, **options)
-            except (ValueError, TypeError, NotImplementedError) as exc:  # the same refusal on both trees
-                results[f"{key}.refused"] = np.frombuffer(type(exc).__name__.encode(), np.uint8)
+            except _refusals() as exc:
+                _refused(results, key, exc)
                 continue
             _store(results, f"{key}.forward", (out, lse))
             _store(results, f"{key}.backward", grads)
@@ -83,8 +96,8 @@ def _battery(results, backend, selected):
                 dd = [rng.standard_normal(a.shape).astype(dtype) for a in (q, k, v)]
                 try:
                     second = enp.attention_double_backward(*dd, dout, q, k, v, out, lse, backend=backend, **options)
-                except (ValueError, TypeError, NotImplementedError) as exc:
-                    results[f"{key}.double.refused"] = np.frombuffer(type(exc).__name__.encode(), np.uint8)
+                except _refusals() as exc:
+                    _refused(results, f"{key}.double", exc)
                     continue
                 _store(results, f"{key}.double", second)
 
@@ -103,45 +116,55 @@ def _decode(results, backend, selected):
             for options in ({}, {"causal": True, "kv_lengths": np.array([700, 1500])},
                             {"nvm": True, "tau": 0.7, "beta": 0.3, "softcap": 20.0}):
                 key = f"decode.{name}.{n}.{sorted(options)}"
-                _store(results, key, enp.attention(q, k, v, return_lse=True, backend=backend, **options))
+                try:
+                    _store(results, key, enp.attention(q, k, v, return_lse=True, backend=backend, **options))
+                except _refusals() as exc:
+                    _refused(results, key, exc)
 
 
 def _varlen(results, backend, selected):
-    import elastic_np as enp
-
     if selected and not any(s in "varlen" for s in selected):
         return
     rng = np.random.default_rng(4)
     lengths_q, lengths_k = np.array([1, 7, 30, 1]), np.array([40, 7, 90, 300])
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
     for name in ("float32", "float64", "bfloat16"):
-        dtype = _dtype(name)
-        q = rng.standard_normal((cu_q[-1], 4, 32)).astype(dtype)
-        k, v = (rng.standard_normal((cu_k[-1], 2, 32)).astype(dtype) for _ in range(2))
-        dout = rng.standard_normal(q.shape).astype(dtype)
-        opts = dict(causal=True, beta=0.2)
-        out, lse = enp.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **opts)
-        _store(results, f"varlen.{name}.forward", (out, lse))
-        _store(results, f"varlen.{name}.backward",
-               enp.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend=backend, **opts))
-        # the same keys in shuffled pages of 16
-        block = 16
-        blocks = [int(np.ceil(n / block)) for n in lengths_k]
-        order = rng.permutation(sum(blocks))
-        pages_k = np.full((len(order), block, 2, 32), np.nan, dtype)
-        pages_v = pages_k.copy()
-        table = np.zeros((len(blocks), max(blocks)), np.int32)
-        page = 0
-        for s, n in enumerate(lengths_k):
-            for b in range(blocks[s]):
-                lo, hi = cu_k[s] + b * block, min(cu_k[s] + (b + 1) * block, cu_k[s + 1])
-                pages_k[order[page], :hi - lo], pages_v[order[page], :hi - lo] = k[lo:hi], v[lo:hi]
-                table[s, b] = order[page]
-                page += 1
-        decode_q = rng.standard_normal((len(lengths_k), 4, 32)).astype(dtype)
-        _store(results, f"paged.{name}", enp.varlen_attention(
-            decode_q, pages_k, pages_v, np.arange(len(lengths_k) + 1, dtype=np.int32), None, block_table=table,
-            seqused_k=lengths_k.astype(np.int32), return_lse=True, backend=backend, **opts))
+        try:
+            _packed_and_paged(results, backend, name, rng, lengths_q, lengths_k, cu_q, cu_k)
+        except _refusals() as exc:
+            _refused(results, f"varlen.{name}", exc)
+
+
+def _packed_and_paged(results, backend, name, rng, lengths_q, lengths_k, cu_q, cu_k):
+    import elastic_np as enp
+
+    dtype = _dtype(name)
+    q = rng.standard_normal((cu_q[-1], 4, 32)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 32)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    opts = dict(causal=True, beta=0.2)
+    out, lse = enp.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **opts)
+    _store(results, f"varlen.{name}.forward", (out, lse))
+    _store(results, f"varlen.{name}.backward",
+           enp.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend=backend, **opts))
+    # the same keys in shuffled pages of 16
+    block = 16
+    blocks = [int(np.ceil(n / block)) for n in lengths_k]
+    order = rng.permutation(sum(blocks))
+    pages_k = np.full((len(order), block, 2, 32), np.nan, dtype)
+    pages_v = pages_k.copy()
+    table = np.zeros((len(blocks), max(blocks)), np.int32)
+    page = 0
+    for s, n in enumerate(lengths_k):
+        for b in range(blocks[s]):
+            lo, hi = cu_k[s] + b * block, min(cu_k[s] + (b + 1) * block, cu_k[s + 1])
+            pages_k[order[page], :hi - lo], pages_v[order[page], :hi - lo] = k[lo:hi], v[lo:hi]
+            table[s, b] = order[page]
+            page += 1
+    decode_q = rng.standard_normal((len(lengths_k), 4, 32)).astype(dtype)
+    _store(results, f"paged.{name}", enp.varlen_attention(
+        decode_q, pages_k, pages_v, np.arange(len(lengths_k) + 1, dtype=np.int32), None, block_table=table,
+        seqused_k=lengths_k.astype(np.int32), return_lse=True, backend=backend, **opts))
 
 
 def run_worker(path, backend, selected):
