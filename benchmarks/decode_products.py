@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu._decode_products import key_scores, value_products
-from elastic_np.cpu._halves import bits
+from elastic_np.cpu._tiles.halves import bits
 
 _LINE = 64
 

@@ -11,7 +11,7 @@ import elastic_np as enp
 from elastic_np import cpu
 from elastic_np._contract import _grads, _problem
 from elastic_np.cpu._dbias import _store_transposed
-from elastic_np.cpu._transpose import stream_width
+from elastic_np.cpu._tiles.transpose import stream_width
 from oracle_checks import (
     ALIBI_BH,
     ALIBI_H,
@@ -85,9 +85,9 @@ def test_modifiers_default_tiles_odd_sizes(dtype, opts):
 )
 def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes):
     # one key tile per chunk of dq shares
-    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", min_tasks)
-    monkeypatch.setattr(cpu._config, "DBIAS_PARTIALS_BYTES", partial_bytes)
+    monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", min_tasks)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_PARTIALS_BYTES", partial_bytes)
     check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
 
 
@@ -95,7 +95,7 @@ def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_
 def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype):
     # a task's heads visit different query tiles (a gate per head, lengths
     # per batch) and some tiles none: the sum over heads and pairs
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", 1)
     sigma = np.array([[0.05, 0.5, 0.1, 1.2], [0.6, 0.08, 0.4, 2.0]])
     opts = dict(
         bias=BIASES["nm"], kv_lengths=[9, 31], nvm=True, tau=[0.5, 1.0, 2.0, 0.8],
@@ -110,7 +110,7 @@ def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
     # 48 keys, whole cache lines in both dtypes: the rows of dbias start on
     # lines and `_store_transposed` streams them (a full bias; the broadcast
     # one goes to float64 partials), the 37 queries leave edges to it
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", 1)
     bias = random_bias((2, 4, 37, 48), 11) if layout == "full" else random_bias((37, 48), 12)
     check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
 
@@ -177,8 +177,8 @@ def test_every_jit_function_states_its_fastmath():
     # came first, and the kernels' last bits changed with the order (measured:
     # 488 of 1104 float32 entries of `out`). Inlined functions take their caller's.
     jitted = {}
-    for info in pkgutil.iter_modules(cpu.__path__):
-        module = importlib.import_module(f"{cpu.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(cpu.__path__, f"{cpu.__name__}."):
+        module = importlib.import_module(info.name)
         jitted.update({
             f"{info.name}.{name}": f for name, f in vars(module).items()
             if isinstance(f, numba.core.registry.CPUDispatcher) and f.py_func.__module__ == module.__name__
@@ -292,7 +292,7 @@ def test_bias_values_checked_before_conversion():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["full", "nm", "b11m-keypad", "bhn1", "scalar"])
 def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch, dtype, bias_name):
-    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
+    monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
     q, k, v, dout = make_inputs(dtype)
     bias = BIASES[bias_name].astype(dtype)
     slopes = ALIBI_BH.copy()

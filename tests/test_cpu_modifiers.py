@@ -8,11 +8,11 @@ import elastic_np as enp
 from elastic_np import cpu
 from elastic_np._contract import _problem
 from elastic_np.cli import _bench
-from elastic_np.cpu._logits import _column_max, _logits_tile
+from elastic_np.cpu._tiles.logits import column_max as _column_max, logits_tile as _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
 
 
-# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._numba_private.inner`)
+# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._runtime.numba_private.inner`)
 @numba.njit
 def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     return _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg)
@@ -58,7 +58,7 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     i0, bq, j0, bk = 8, 12, 5, 20
     bk = min(bk, int(opt.kv_lengths[b]) - j0)
     # the C entry points the tile calls, registered as the backend's entry points do
-    cpu._simd.compile_for(np.dtype(dtype), cpu._forward._FORWARD_TILES)
+    cpu._tiles.simd.compile_for(np.dtype(dtype), cpu._forward._FORWARD_TILES)
     nvm_in_logits = opt.nvm and opt.has_gate
     nonneg = opt.nvm and not opt.has_gate
     q_t = np.zeros((D, 16), dtype)

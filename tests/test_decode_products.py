@@ -2,7 +2,7 @@
 
 The products read the cache where and as it is stored (float32, float64, or
 the bits of bfloat16 and float16 widened in registers) and must give the
-bits of the tile products (`elastic_np.cpu._products.matmul_nn` on the keys
+bits of the tile products (`elastic_np.cpu._tiles.products.matmul_nn` on the keys
 transposed and converted): the backward recomputes the decode kernel's
 logits with those. At the kernel's own tile sizes (not `test_decode`'s
 small ones), whole ``W x W`` key blocks, the keys and entries past them,
@@ -20,10 +20,11 @@ import pytest
 from numba import njit
 
 import elastic_np as enp
-from elastic_np.cpu import _config, _decode_plan, _decode_products
-from elastic_np.cpu._halves import bits
-from elastic_np.cpu._products import matmul_nn
-from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu import _decode_plan, _decode_products
+from elastic_np.cpu._runtime import config as _config
+from elastic_np.cpu._tiles.halves import bits
+from elastic_np.cpu._tiles.products import matmul_nn
+from elastic_np.cpu._tiles.simd import compile_for
 
 # (compute dtype, storage dtype)
 STORAGE = [(np.float32, np.float32), (np.float64, np.float64), (np.float32, ml_dtypes.bfloat16),

@@ -43,14 +43,14 @@ SETTINGS = settings(
 
 def tiles(patch, name):
     """Default tiles, or tiles small enough that the problems span several: decode keys, or prefill tiles."""
-    patch.setattr(cpu._config, "SERIAL_WORK", 0)
+    patch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     if name == "decode":
-        patch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
-        patch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
-        patch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
+        patch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 5)
+        patch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 7)
+        patch.setattr(cpu._runtime.config, "DECODE_MIN_TASKS", 64)
     elif name == "prefill":
-        patch.setattr(cpu._config, "BLOCK_Q", 32)
-        patch.setattr(cpu._config, "BLOCK_K", 48)
+        patch.setattr(cpu._runtime.config, "BLOCK_Q", 32)
+        patch.setattr(cpu._runtime.config, "BLOCK_K", 48)
 
 
 # NVM with a scale that is not positive

@@ -329,9 +329,9 @@ def calls_of_forward(monkeypatch):
     """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); counts `cpu._decode.forward`'s calls."""
     from elastic_np import cpu
 
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 16)
-    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 24)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 24)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     calls = []
     forward = cpu._decode.forward
 
@@ -367,7 +367,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
                                            **_sequence_options(options, s))
             wants.append((want[0], want_lse[0].T))
         for threads in (1, 2, 3):
-            monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
+            monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda: threads)
             del calls_of_forward[:]
             out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
                                             return_lse=True, backend="cpu", **options)

@@ -24,7 +24,8 @@ from elastic_np._api import compile_report, dispatch
 from elastic_np._contract import _problem, _validation
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli._progress import first_call_line
-from elastic_np.cpu import _simd, thread_count
+from elastic_np.cpu import thread_count
+from elastic_np.cpu._tiles import simd as _simd
 from elastic_np.reference._attention import _forward as _oracle_forward
 from elastic_np.reference._backward import _backward as _oracle_backward
 

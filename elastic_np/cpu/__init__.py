@@ -37,7 +37,7 @@ contiguous axis of the tile.
 - score modifiers: applied to each tile where its logits are formed
   (`_logits_tile`), before NVM, the temperature's division (already in the
   scaled queries) and the gate: ``tanh`` is the vectorised one of
-  `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
+  `elastic_np.cpu._tiles.exp`, the bias is read tile by tile from its distinct
   entries (no copy when its dtype is the kernel's), whose values the kernel
   plan checks first (`elastic_np._contract._compact.compact_bias`). ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
@@ -85,14 +85,14 @@ Modules
 
 
 from elastic_np._contract import _problem, _validation
-from elastic_np.cpu._numba_private import own_cache
+from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
     from elastic_np.cpu import _decode, _decode_plan, _forward, _forward_amx
     from elastic_np.cpu._backward import backward
     from elastic_np.cpu._double_backward import double_backward
-    from elastic_np.cpu._threads import start_threads, thread_count
+    from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",

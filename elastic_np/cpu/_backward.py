@@ -14,34 +14,20 @@ import numpy as np
 from numba import carray, njit
 
 from elastic_np._contract._ranges import query_range
-from elastic_np.cpu import _config as config
-from elastic_np.cpu import _calls
-from elastic_np.cpu._calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._dbias import (
-    _accumulate_columns,
-    _accumulate_transposed,
-    _DbiasPlan,
-    _pair_head,
-    _store_transposed,
-    _task_pairs,
+    _accumulate_columns, _accumulate_transposed, _DbiasPlan, _pair_head, _store_transposed, _task_pairs,
 )
-from elastic_np.cpu._logits import (
-    _logits_tile,
-    _prefetch_bias,
-    _query_factor,
-    modify_tile,
-)
-from elastic_np.cpu._numba_private import enabled, inner
-from elastic_np.cpu._operands import BHND, head, head_rows, new, operand, shape
-from elastic_np.cpu._plan import (
-    _check_cache,
-    _kernel_array,
-    _options,
-)
-from elastic_np.cpu._scalar import _like
-from elastic_np.cpu._scratch import scratch
-from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, _task_range, _zigzag, claim, task_counter
+from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.numba_private import enabled, inner
+from elastic_np.cpu._runtime.scratch import scratch
+from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range, zigzag
+from elastic_np.cpu._tiles import calls
+from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
+from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
+from elastic_np.cpu._tiles.scalar import scalar_like
+from elastic_np.cpu._tiles.simd import compile_for
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -60,7 +46,7 @@ def backward(problem, dout, out, lse, dlse=None):
     -------
     AttentionGrads
         ``dq``, ``dk``, ``dv`` in the dtype and the layouts of ``q``, ``k``, ``v``
-        (`elastic_np.cpu._operands`).
+        (`elastic_np.cpu._tiles.operands`).
     """
     if problem.dtype != problem.compute_dtype:
         return _from_halves(problem, dout, out, lse, dlse)
@@ -69,7 +55,7 @@ def backward(problem, dout, out, lse, dlse=None):
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
-    lse = _kernel_array(lse)
+    lse = kernel_array(lse)
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
@@ -99,9 +85,9 @@ def backward(problem, dout, out, lse, dlse=None):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        _run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
-                   tasks=task_counter(), work=work)
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
+        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
+                  tasks=task_counter(), work=work)
+        run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
     dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
@@ -130,9 +116,9 @@ def prepared(problem, opt, q, dout, out, dlse):
     q_scaled_t = scratch("q_scaled_t", (B, H, n_qt, D, config.BLOCK_Q), dtype, np.zeros)  # zero padding
     dout_t = scratch("dout_t", (B, H, n_qt, Dv, config.BLOCK_Q), dtype, np.zeros)
     delta = scratch("delta", (B, H, N), np.float64)
-    # the work of the backward it prepares decides the threads (`_run_tasks`)
-    _run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
-               work=B * H * N * M * (3 * D + 2 * Dv))
+    # the work of the backward it prepares decides the threads (`run_tasks`)
+    run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
+              work=B * H * N * M * (3 * D + 2 * Dv))
     if dlse is not None:
         np.subtract(delta, dlse, out=delta)
     return q_scaled, q_scaled_t, dout_t, delta
@@ -172,16 +158,16 @@ def _from_halves(problem, dout, out, lse, dlse):
 def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
     """``outs = (q_scaled, q_scaled_t, dout_t, delta)``: scaled queries (rows and Q^T tiles), dout^T tiles, delta.
 
-    ``q``, ``dout``, ``out``: operands (`elastic_np.cpu._operands`).
+    ``q``, ``dout``, ``out``: operands (`elastic_np.cpu._tiles.operands`).
     """
     q_scaled, q_scaled_t, dout_t, delta = outs
     B, H, N, D = shape(q)
     Dv = shape(dout)[3]
-    for bh in _task_range(B * H, part, parts):
+    for bh in task_range(B * H, part, parts):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
-        logit_factor = _query_factor(opt, h)
+        logit_factor = query_factor(opt, h)
         (q_h, q_col), (dout_h, dout_col), (out_h, out_col) = head(q, b, h), head(dout, b, h), head(out, b, h)
         for i in range(N):
             acc = 0.0
@@ -213,7 +199,7 @@ def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
 
 @inner(fastmath=False)
 def _copy_rows(src, dst):
-    """``src``'s first rows into ``dst = (whole, col)`` (`elastic_np.cpu._operands.head_rows`), element by element.
+    """``src``'s first rows into ``dst = (whole, col)`` (`elastic_np.cpu._tiles.operands.head_rows`), element by element.
 
     (An array slice assignment compiles Numba's shape-mismatch message,
     string formatting, into the caller.)
@@ -247,7 +233,7 @@ def _gated_probabilities(st, pt, lse_t, bk, bq, nvm, log_gate, base):
     """`_probabilities` under the dynamic window: ``st`` holds the scores ``s / tau`` without ``log G``.
 
     ``z = s / tau + log G`` is rounded to the tile's dtype as the forward
-    rounds it (`elastic_np.cpu._logits._remove_in_tile`: the same bits), and
+    rounds it (`elastic_np.cpu._tiles.logits._remove_in_tile`: the same bits), and
     ``p = exp(z - lse)`` goes into ``pt``; ``st`` keeps ``s / tau``, which
     ``z - log G`` would give only to the rounding of ``z`` at ``|log G|``
     (`_dz_tile`). The gate's table is read at ``base + c - r`` for key ``j0
@@ -259,7 +245,7 @@ def _gated_probabilities(st, pt, lse_t, bk, bq, nvm, log_gate, base):
         at = base + c
         for r in range(bq):
             x = st[c, r]
-            z = _like(np.float64(x) + log_gate[at - r], st)
+            z = scalar_like(np.float64(x) + log_gate[at - r], st)
             pt[c, r] = z - lse_t[r] if x >= 0 or not nvm else neg_inf
     exp_inplace(pt, bk, bq)
 
@@ -310,7 +296,7 @@ def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
     start = b * strides[0] + h * strides[1] + i0 * d_i + j0 * d_j
     if params[0] == 1:
         # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
-        _store_transposed(dpt, bk, bq, direct, start, d_i, _like(inv_tau, dpt))
+        _store_transposed(dpt, bk, bq, direct, start, d_i, scalar_like(inv_tau, dpt))
         return
     partial = partials[slot]
     if d_i == 0:
@@ -328,7 +314,7 @@ def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
 
 def _dbias_entry(dpt, d0, d1, params, n_params, strides, n_strides, direct, n_direct, partials, p0, p1,
                  bk, bq, b, h, i0, j0, slot, inv_tau):
-    """The body of the dbias stage's C entry point (`_calls.dbias_tile`'s arguments, flattened)."""
+    """The body of the dbias stage's C entry point (`calls.dbias_tile`'s arguments, flattened)."""
     dbias = (carray(params, (n_params,)), carray(strides, (n_strides,)), carray(direct, (n_direct,)),
              carray(partials, (p0, p1)))
     _dbias_tile(carray(dpt, (d0, d1)), bk, bq, b, h, i0, j0, dbias, slot, inv_tau)
@@ -340,19 +326,19 @@ def ensure_dbias(dtype):
     Nothing to do when the path ``lazy_stages`` is off (`dbias_tile` is linked in).
     """
     if enabled("lazy_stages"):
-        _calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
+        calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
 
 
 def _linked_dbias_tile(dpt, dbias, tile, slot, inv_tau):
-    """`_calls.dbias_tile`'s stage called directly, ``inv_tau`` a double as through the entry point."""
+    """`calls.dbias_tile`'s stage called directly, ``inv_tau`` a double as through the entry point."""
     bk, bq, b, h, i0, j0 = tile
     _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, np.float64(inv_tau))
 
 
 #: What the backward kernel calls for the dbias stage: an entry point compiled on first use, or the stage linked in.
-dbias_tile = _calls.dbias_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_dbias_tile)
+dbias_tile = calls.dbias_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_dbias_tile)
 
-#: What the backward kernel calls of `_calls` (see `elastic_np.cpu._simd.compile_for`).
+#: What the backward kernel calls of `_calls` (see `elastic_np.cpu._tiles.simd.compile_for`).
 _BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 
@@ -421,12 +407,12 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
     dsigma_part)``, ``options = (opt, logits_opt)``: the plan's options and
     those the logits tiles are formed with, the gate left out (it joins
     with the probabilities, `_gated_probabilities`); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
-    (`elastic_np.cpu._operands`), ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
+    (`elastic_np.cpu._tiles.operands`), ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
     + t``. A task covers one key tile of one (batch, kv head) pair, or of the
     pairs of a dbias lane (`_DbiasPlan`), one after the other; the threads
-    claim them from ``tasks`` (`elastic_np.cpu._threads.claim`). Every task
+    claim them from ``tasks`` (`elastic_np.cpu._runtime.threads.claim`). Every task
     writes outputs of its own: its rows of ``dk``, ``dv`` and the dq share,
     its entries of ``dtau_part`` and ``dsigma_part``, and its dbias slot (a
     lane's one slot when the keys are not reduced: then each key tile writes
@@ -453,7 +439,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
         task = claim(tasks)
         if task >= n_tasks:
             break
-        t = _zigzag(task % n_chunk, n_chunk)
+        t = zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
         outer = task // n_chunk // lanes
         kt = kt0 + t
@@ -480,8 +466,8 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                         continue
                     share = dq_shares[t, b, h, i0 : i0 + bq]
                     if opt.has_bias and it + 1 < spans[g, 1]:
-                        _prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
-                    kept, _ = _logits_tile(
+                        prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
+                    kept, _ = logits_tile(
                         st, k_j, q_scaled_t[b, h, it], logits_opt, (b, h, i0, bq, j0), False, cap_slope, no_max,
                         opt.nvm,
                     )
@@ -525,7 +511,7 @@ def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
     """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
     B, H, N, D = dq.shape
     n_qt = (N + block_q - 1) // block_q
-    for task in _task_range(B * H * n_qt, part, parts):
+    for task in task_range(B * H * n_qt, part, parts):
         bh = task // n_qt
         b = bh // H
         h = bh % H

@@ -9,15 +9,10 @@ and name a task's pairs (`_task_pairs`, `_pair_head`).
 
 import numpy as np
 
-from elastic_np.cpu import _config as config
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._transpose import (
-    stream_fence,
-    stream_width,
-    transpose_accumulate,
-    transpose_store,
-    transpose_stream,
-    transpose_width,
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.transpose import (
+    stream_fence, stream_width, transpose_accumulate, transpose_store, transpose_stream, transpose_width,
 )
 
 

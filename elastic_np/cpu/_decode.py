@@ -25,7 +25,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   while the key tile is in cache: the per-query work runs along the SIMD
   lanes, and no key tile is transposed. Each key tile is first read in
   memory order (`_tiles`), which also finds a NaN or inf key or value and
-  converts a half tile to float32 (`elastic_np.cpu._halves`);
+  converts a half tile to float32 (`elastic_np.cpu._tiles.halves`);
 - in a ``(B, N, H, D)`` cache, or a paged one (`forward`'s ``paged``: pages
   ``(num_blocks, block_size, Hkv, D)`` and a block table), a key's rows for
   all kv heads are adjacent and one head's rows ``Hkv * D`` entries apart:
@@ -56,32 +56,24 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._calls import (
-    exp_inplace,
-    exp_shift_sum,
-    matmul_nn,
-    matmul_nn_max,
-    matmul_tn,
-)
-from elastic_np.cpu._config import _FASTMATH
 from elastic_np.cpu._decode_plan import schedule
 from elastic_np.cpu._decode_products import key_scores, query_width, value_products
-from elastic_np.cpu._decode_tiles import (
-    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit,
-)
+from elastic_np.cpu._decode_tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
 from elastic_np.cpu._forward import _load_queries, _online_update
-from elastic_np.cpu._logits import (
-    _logits_tile, _query_factor, logits_factor, modifier_factors, modify_tile, plus_scaled, scale_row,
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
+from elastic_np.cpu._tiles.calls import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._tiles.halves import checked, narrow, widen
+from elastic_np.cpu._tiles.logits import (
+    logits_factor, logits_tile, modifier_factors, modify_tile, plus_scaled, query_factor, scale_row,
 )
-from elastic_np.cpu._halves import checked, narrow, widen
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head, head_rows, new, operand, shape
-from elastic_np.cpu._scalar import _like, _log_add_exp
-from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._tanh import tanh_any
-from elastic_np.cpu._threads import _run_tasks, _task_range, claim, task_counter
+from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
+from elastic_np.cpu._tiles.simd import compile_for
+from elastic_np.cpu._tiles.tanh import tanh_any
 
-#: The typed tile functions each kernel calls (see `elastic_np.cpu._simd.compile_for`).
+#: The typed tile functions each kernel calls (see `elastic_np.cpu._tiles.simd.compile_for`).
 _ROWS_TILES = (exp_inplace,)
 _HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
@@ -119,7 +111,7 @@ def forward(problem, paged=None, entry_splits=None):
     part_acc = np.empty((B, Hkv, plan.most, rows, Dv), dtype=dtype)
     read = np.zeros((B, Hkv, 2), dtype=np.int64)
     suspect = np.zeros((B, Hkv, plan.most), dtype=np.bool_)
-    _run_tasks(
+    run_tasks(
         _decode_heads_kernel if plan.key_major else _decode_kernel, q, k, v, pages, plan.opt, plan.split_start, plan.tiles,
         (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(), work=plan.work,
     )
@@ -149,11 +141,11 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
     return u_lo, max(u_hi, u_lo)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
     """A split's partials of its stacked rows into ``part_*``; returns ``sum(acc * 0)`` (NaN if not finite)."""
-    checksum = _like(0.0, acc)
-    zero = _like(0.0, acc)
+    checksum = scalar_like(0.0, acc)
+    zero = scalar_like(0.0, acc)
     for r in range(acc.shape[0]):
         part_max[r] = row_max[r]
         part_sum[r] = row_sum[r]
@@ -163,16 +155,16 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
     return checksum
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _score_rows(st, tile_max, opt, where, row_span):
     """Turn each stacked row's ``z = st[r, :bk]``, ``z[c] = (q_i scale / tau_h) . k_{j0 + c}``, into its logits.
 
-    (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._logits._query_factor`.)
+    (Under NVM ``z[c] = q_i . k_{j0 + c}``, scaled here: see `elastic_np.cpu._tiles.logits.query_factor`.)
 
     ``where = (b, hk, N, j0, bk)``; row ``r`` is query ``i = r % N`` of head
     ``h = hk * group + r // N``, keeping the keys ``[row_span[0, r],
     row_span[1, r])``. The score modifiers, each divided by ``tau_h`` like
-    the product, with the arithmetic of `elastic_np.cpu._logits._modify_tile`
+    the product, with the arithmetic of `elastic_np.cpu._tiles.logits._modify_tile`
     (each term added by `plus_scaled`: the backward recomputes these logits
     with it, bit for bit); then ``-inf`` outside
     that range (causal, window, ``kv_lengths``, the gate's band) and where
@@ -187,7 +179,7 @@ def _score_rows(st, tile_max, opt, where, row_span):
     b, hk, N, j0, bk = where
     group = st.shape[0] // N
     neg_inf = -np.inf
-    zero = _like(0.0, st)
+    zero = scalar_like(0.0, st)
     check = zero
     for r in range(st.shape[0]):
         z = st[r, :bk]
@@ -198,7 +190,7 @@ def _score_rows(st, tile_max, opt, where, row_span):
         h, i = hk * group + r // N, r % N
         inv_tau_t, tau_over_cap, cap_over_tau, minus_alibi_over_tau = modifier_factors(
             opt.tau[h], opt.softcap, opt.alibi[b, h] if opt.has_alibi else 0.0, z)
-        if opt.nvm:  # the product of unscaled queries (`_query_factor`), scaled as the prefill tiles are
+        if opt.nvm:  # the product of unscaled queries (`query_factor`), scaled as the prefill tiles are
             scale_row(z, logits_factor(opt, h, z))
         if opt.has_softcap:
             for c in range(bk):
@@ -206,7 +198,7 @@ def _score_rows(st, tile_max, opt, where, row_span):
         base = j0 - i - opt.diag_shift[b]  # the offset of key j0 + c is base + c
         if opt.has_alibi:
             for c in range(bk):
-                z[c] = plus_scaled(z[c], _like(abs(np.int32(base + c)), z), minus_alibi_over_tau)
+                z[c] = plus_scaled(z[c], scalar_like(abs(np.int32(base + c)), z), minus_alibi_over_tau)
         if opt.has_bias:
             s_j = opt.bias_strides[3]
             at = b * opt.bias_strides[0] + h * opt.bias_strides[1] + i * opt.bias_strides[2] + j0 * s_j
@@ -248,7 +240,7 @@ def _row_max(z, c_lo, c_hi):
     """
     kept = z[c_lo:c_hi]  # indexed from 0: no wraparound of a negative index to test
     n = kept.shape[0]
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _like(-np.inf, z)
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = scalar_like(-np.inf, z)
     for c in range(0, n - n % 8, 8):
         m0, m1, m2, m3 = max(m0, kept[c]), max(m1, kept[c + 1]), max(m2, kept[c + 2]), max(m3, kept[c + 3])
         m4, m5, m6, m7 = max(m4, kept[c + 4]), max(m5, kept[c + 5]), max(m6, kept[c + 6]), max(m7, kept[c + 7])
@@ -258,11 +250,11 @@ def _row_max(z, c_lo, c_hi):
     return m
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
-    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._operands`); ``pages``:
+    ``q``, ``k``, ``v``: operands (`elastic_np.cpu._tiles.operands`); ``pages``:
     None for a contiguous cache read head by head, else ``(table,
     block_size, together)``: a paged cache when ``block_size > 0``, and
     whether a task takes every kv head, a tile at a time, so that the rows
@@ -299,7 +291,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     b = 0
     n_tasks = (Hkv // heads) * split_start[B]
     for _ in range(n_tasks):
-        task = claim(tasks)  # the next unclaimed (`elastic_np.cpu._threads.claim`); a thread's tasks rise
+        task = claim(tasks)  # the next unclaimed (`elastic_np.cpu._runtime.threads.claim`); a thread's tasks rise
         if task >= n_tasks:
             break
         b, head_group, s, n_split = _locate(task, split_start, Hkv // heads, b)
@@ -345,7 +337,7 @@ def _heads_per_task(pages, Hkv):
     return Hkv if pages[2] else 1
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
@@ -395,7 +387,7 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
                 checksum[t] += checked(rows_at, Dv)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _start_rows(q, opt, b, hk, qs, state):
     """The stacked rows of kv head ``hk`` before its first tile: ``qs`` the scaled queries, ``state`` emptied."""
     acc, row_max, row_sum = state
@@ -403,7 +395,7 @@ def _start_rows(q, opt, b, hk, qs, state):
     group = qs.shape[0] // N
     for g in range(group):
         h = hk * group + g
-        factor = _query_factor(opt, h)
+        factor = query_factor(opt, h)
         q_h, col = head(q, b, h)
         for i in range(N):
             for d in range(D):
@@ -413,7 +405,7 @@ def _start_rows(q, opt, b, hk, qs, state):
     row_sum[:] = 0.0
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _softmax_step(st, bk, shift_by, state):
     """A kv head's logits ``st[:, :bk]`` (`_score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
 
@@ -447,19 +439,19 @@ def _softmax_step(st, bk, shift_by, state):
     exp_inplace(st, rows, bk)
     for r in range(rows):
         z = st[r, :bk]
-        total = _like(0.0, st)
+        total = scalar_like(0.0, st)
         for c in range(bk):
             total += z[c]
         row_sum[r] += total
     return True
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
-    steps (`_logits_tile`, `_online_update`) one head after the other while
+    steps (`logits_tile`, `_online_update`) one head after the other while
     the tile's keys and values are in cache: no transposed keys, and the
     per-query work runs along the SIMD lanes.
     """
@@ -498,14 +490,14 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for g in range(group):
             h = hk * group + g
-            _load_queries(head_rows(q, b, h, 0, N), _query_factor(opt, h), q_t[g])
+            _load_queries(head_rows(q, b, h, 0, N), query_factor(opt, h), q_t[g])
             spans[g, 0], spans[g, 1] = key_range(
                 opt.diag_shift[b], 0, N, opt.band[b, h, 0], opt.band[b, h, 1], opt.kv_lengths[b]
             )
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
-        checksum = _like(0.0, st)
+        checksum = scalar_like(0.0, st)
         for j0 in range(a, e, block_k):
             bk = min(block_k, e - j0)
             k_tile, v_tile, tile_check = _tiles(k, v, pages, b, hk, j0, bk, kv_scratch)
@@ -514,7 +506,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
                 if j0 >= spans[g, 1] or j0 + bk <= spans[g, 0]:
                     continue
                 tile_max[:] = -np.inf
-                kept, maxed = _logits_tile(
+                kept, maxed = logits_tile(
                     st, k_tile, q_t[g], opt, (b, hk * group + g, 0, N, j0), nvm_in_logits, no_cap_slope, tile_max,
                     nvm_in_max,
                 )
@@ -535,14 +527,14 @@ def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, 
 
     ``lse = logaddexp(m + log l, log beta)`` with ``m = max_s m_s``,
     ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``
-    (``out``: an operand, `elastic_np.cpu._operands`).
+    (``out``: an operand, `elastic_np.cpu._tiles.operands`).
     """
     B, Hkv, most, rows = part_max.shape
     Dv = part_acc.shape[4]
     group = rows // N if N > 0 else 0
     weight = np.empty(most)
     x = np.empty(Dv)
-    for task in _task_range(B * Hkv, part, parts):
+    for task in task_range(B * Hkv, part, parts):
         b = task // Hkv
         hk = task % Hkv
         n_split = split_start[b + 1] - split_start[b]
@@ -560,7 +552,7 @@ def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, 
                         total += part_sum[b, hk, s, r] * math.exp(part_max[b, hk, s, r] - m)
             out_h, col = head(out, b, h)
             if total > 0.0:
-                lse_r = _log_add_exp(m + math.log(total), log_beta)
+                lse_r = log_add_exp(m + math.log(total), log_beta)
                 for s in range(n_split):
                     weight[s] = math.exp(part_max[b, hk, s, r] - lse_r)  # 0 for an empty split
                 x[:] = 0.0

@@ -11,10 +11,10 @@ import collections
 import numpy as np
 
 from elastic_np._contract._problem import Kept
-from elastic_np.cpu import _config as config
 from elastic_np.cpu._decode_tiles import _together
-from elastic_np.cpu._operands import BNHD
 from elastic_np.cpu._plan import _options
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._tiles.operands import BNHD
 
 
 def takes(problem):

@@ -6,12 +6,12 @@
     ``acc[r, :Dv] += st[r, s_col:s_col + bk] @ V[:bk, :Dv]``;
 
 where ``K`` and ``V`` are rows of the cache, ``(whole, col)``
-(`elastic_np.cpu._operands.head_rows`), stored as floats of the compute
-dtype or as the bits of a half (`elastic_np.cpu._halves`), widened in
+(`elastic_np.cpu._tiles.operands.head_rows`), stored as floats of the compute
+dtype or as the bits of a half (`elastic_np.cpu._tiles.halves`), widened in
 registers as they are loaded: a half cache is never converted into
 scratch, and no key tile is transposed into memory. ``key_scores`` loads
 ``W x W`` blocks of key rows and transposes them in registers
-(`elastic_np.cpu._transpose.transpose_width`), so that ``W`` keys' dot
+(`elastic_np.cpu._tiles.transpose.transpose_width`), so that ``W`` keys' dot
 products run along the SIMD lanes, one broadcast query entry a step.
 
 As they read row ``c``, both hint row ``row + c`` of ``ahead = (whole, col,
@@ -21,7 +21,7 @@ each key and value once, from memory, and the hints keep that read going
 while the products compute (the hardware prefetchers do not follow the
 key blocks' 16 interleaved rows, nor the pages).
 
-The bits are those of the tile products (`elastic_np.cpu._products`):
+The bits are those of the tile products (`elastic_np.cpu._tiles.products`):
 every entry is ``c + a_0 b_0 + a_1 b_1 + ...`` in the order of the sum's
 index with fused multiply-adds, ``st`` from 0 (`matmul_nn` of ``qs`` and the
 transposed keys) and ``acc`` from its value (``matmul_nn(st, V, acc,
@@ -37,10 +37,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np import numpy_support
 
-from elastic_np.cpu._halves import storage_format, widen, widened
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._simd import _LINE_BYTES, _REGISTERS, _constant_in_jit_code
-from elastic_np.cpu._transpose import _transpose_in_registers, transpose_width
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.halves import storage_format, widen, widened
+from elastic_np.cpu._tiles.simd import LINE_BYTES, REGISTERS, constant_in_jit_code
+from elastic_np.cpu._tiles.transpose import transpose_in_registers, transpose_width
 
 #: The hints' cache level (``llvm.prefetch``'s locality; 2: L2).
 _LOCALITY = 2
@@ -52,17 +52,17 @@ _KEY_ROWS = 4
 _VALUE_KEYS = 16
 
 #: Rows by vectors of ``acc`` a block of `value_products` keeps in registers (as `_products`' blocks).
-_VALUE_ROWS = 4 if _REGISTERS == 32 else 6
-_VALUE_VECTORS = 4 if _REGISTERS == 32 else 2
+_VALUE_ROWS = 4 if REGISTERS == 32 else 6
+_VALUE_VECTORS = 4 if REGISTERS == 32 else 2
 
 #: The sums may not be reordered: products and sums contract into fused multiply-adds, nothing else.
 _CONTRACT = ("contract",)
 
 
-@_constant_in_jit_code
+@constant_in_jit_code
 def line_entries(x):
     """Entries of dtype ``x`` (in jit code, of an array) in a cache line."""
-    return _LINE_BYTES // np.dtype(x).itemsize
+    return LINE_BYTES // np.dtype(x).itemsize
 
 
 def chunk_entries(x):
@@ -87,7 +87,7 @@ def query_width(D):
     return -(-D // _QUERY_ROUND) * _QUERY_ROUND
 
 
-@_constant_in_jit_code
+@constant_in_jit_code
 def key_block(x):
     """Keys (and entries of a key) in a block of `_key_chunk`, for compute dtype ``x`` (in jit code, an array)."""
     return transpose_width(x)
@@ -186,7 +186,7 @@ class _Matrix:
         fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
         fn = cgutils.get_or_insert_function(self.builder.module, fnty, "llvm.prefetch.p0")
         start = self.at(row, col, inbounds=False)
-        for offset in range(0, entries * self.itemsize, _LINE_BYTES):
+        for offset in range(0, entries * self.itemsize, LINE_BYTES):
             ptr = self.builder.gep(start, [ir.Constant(row.type, offset // self.itemsize)])
             address = self.builder.bitcast(ptr, ir.IntType(8).as_pointer())
             # a read (0), into the cache level of _LOCALITY, data (1)
@@ -240,7 +240,7 @@ def _make_key_chunk(masked):
             first = builder.add(a_row_v, c0_v)
             for i in range(width):
                 ahead.hint(builder.add(first, _constant(first, i)), p0_v, 2 * width if half else width)
-        lanes = _transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
+        lanes = transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
         columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] if half else lanes
 
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
@@ -376,7 +376,7 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
     """``st[r, s_col + c] = qs[r, :D] . K[c, :D]`` for ``r < rows``, ``c < bk``, with ``K`` the rows of ``k_tile``.
 
     ``k_tile = (whole, col)``: ``K[c, d] = whole[c, col + d]``
-    (`elastic_np.cpu._operands.head_rows`); ``ahead = (whole, col, row)``:
+    (`elastic_np.cpu._tiles.operands.head_rows`); ``ahead = (whole, col, row)``:
     the rows to hint (the module's docstring). Whole ``W x W`` blocks go
     through `_key_chunk` (the one that starts a cache line hinting), a row's
     entries past its last whole chunk through `_key_tail` when ``qs`` rows

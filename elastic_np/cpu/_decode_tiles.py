@@ -1,9 +1,9 @@
 """How the decode kernels find their key and value rows: in place, from a half, from a paged cache.
 
 `_tiles` gives a kv head's tile to the key-major kernel as the prefill
-products read it (``(whole, col)`` rows, `elastic_np.cpu._operands`), with a
+products read it (``(whole, col)`` rows, `elastic_np.cpu._tiles.operands`), with a
 check of its values: in place from a contiguous cache, converted into
-scratch from a bfloat16 or float16 one (`elastic_np.cpu._halves`), gathered
+scratch from a bfloat16 or float16 one (`elastic_np.cpu._tiles.halves`), gathered
 from the pages of a paged cache (``pages = (block_table, block_size,
 together)``, `elastic_np.cpu._decode.forward`). The stacked-rows kernel reads
 its rows in place, a run at a time (`_run`), in the order `_visit` gives.
@@ -13,11 +13,11 @@ its rows in place, a run at a time (`_run`), in the order `_visit` gives.
 import numpy as np
 from numba import njit
 
-from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._halves import copied_checked, readable_checked
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head, head_rows, shape
-from elastic_np.cpu._scalar import _like
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.halves import copied_checked, readable_checked
+from elastic_np.cpu._tiles.operands import head, head_rows, shape
+from elastic_np.cpu._tiles.scalar import scalar_like
 
 
 #: The block table of a contiguous cache (`_tiles`).
@@ -82,12 +82,12 @@ class _paged_rows:
         return self.pages[self.table[b, keys // block], keys % block, hk]
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     """``(k_tile, v_tile, checksum)``: keys ``j0 .. j0 + bk - 1`` of ``(b, hk)`` as the prefill products read them.
 
     ``k_tile``, ``v_tile`` are ``(whole, col)`` rows
-    (`elastic_np.cpu._operands.head_rows`); ``checksum`` is 0 when their
+    (`elastic_np.cpu._tiles.operands.head_rows`); ``checksum`` is 0 when their
     values are finite, else NaN. The rows of a contiguous cache, or of a tile
     within one page of a paged cache (`forward`'s ``paged``), are read in
     place (half ones converted into ``scratch = (keys, values)``); a tile
@@ -102,7 +102,7 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     at, row, n = _run(pages, b, j0, 0, bk)
     if n == bk:  # in place: one array, or one page
         return _in_place(k, v, (at, hk, row, bk), scratch)
-    check = _like(0.0, scratch[0])
+    check = scalar_like(0.0, scratch[0])
     c = 0
     while c < bk:
         page, row, n = _segment(pages, b, j0 + c, bk - c)
@@ -112,7 +112,7 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _in_place(k, v, rows, scratch):
     """`_tiles`' result for rows ``r0 .. r0 + n - 1`` of ``(at, hk)`` (``rows = (at, hk, r0, n)``), read in place and checked."""
     at, hk, r0, n = rows

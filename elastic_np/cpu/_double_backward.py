@@ -26,24 +26,16 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._compact import compact_bias
-from elastic_np.cpu import _config as config
-from elastic_np.cpu._backward import (
-    _BACKWARD_TILES,
-    _sum_dq_shares,
-    ensure_dbias,
-    halved,
-    prepared,
-    single,
-    widened,
-)
+from elastic_np.cpu._backward import _BACKWARD_TILES, _sum_dq_shares, ensure_dbias, halved, prepared, single, widened
 from elastic_np.cpu._dbias import _DbiasPlan
-from elastic_np.cpu._operands import BHND, head, new, operand, shape
-from elastic_np.cpu._plan import _check_cache, _kernel_array, _options
-from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.threads import run_tasks, task_counter, task_range
 from elastic_np.cpu._tangent_keys import _tangent_keys_kernel
 from elastic_np.cpu._tangent_rows import _tangent_rows_kernel
 from elastic_np.cpu._tangents import Tangents
-from elastic_np.cpu._threads import _run_tasks, _task_range, task_counter
+from elastic_np.cpu._tiles.operands import BHND, head, kernel_array, new, operand, shape
+from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.reference._double_backward import _d2log_gate
 
 
@@ -78,7 +70,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     compile_for(dtype, _BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
-    lse = _kernel_array(lse)
+    lse = kernel_array(lse)
     opt = _options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
@@ -90,7 +82,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
 
     outdot, outdot_operand = new((B, H, N, Dv), dtype, out[1])
     lsedot, deltadot = np.empty((B, H, N)), np.empty((B, H, N))
-    _run_tasks(_tangent_rows_kernel, (k, v, q_t, dout, lse), tan, options, config.BLOCK_Q, config.BLOCK_K,
+    run_tasks(_tangent_rows_kernel, (k, v, q_t, dout, lse), tan, options, config.BLOCK_Q, config.BLOCK_K,
                (outdot_operand, lsedot, deltadot), tasks=task_counter(), work=B * H * N * M * (3 * D + 2 * Dv))
 
     ins = (k, v, q_rows, q_t, dout, dout_t, (lse, delta, lsedot, deltadot))
@@ -129,9 +121,9 @@ def _key_pass(problem, options, ins, tan, q_layout):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (5 * D + 4 * Dv)  # the chunk's
-        _run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
-                   tasks=task_counter(), work=work)
-        _run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
+        run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
+                  tasks=task_counter(), work=work)
+        run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout
     dq = dq_sum if q_layout == BHND else new((B, H, N, D), dtype, q_layout)[0]
@@ -155,8 +147,8 @@ def _tangents(problem, opt, q, q_t, direction):
     tiles = (B, H, n_qt, D, config.BLOCK_Q)
     qdot_t = np.zeros(tiles, dtype)
     q_tan_t = np.zeros(tiles, dtype) if problem.nvm else q_t
-    _run_tasks(_tangent_queries, q, qdot, opt, config.BLOCK_Q, (q_tan_t, qdot_rows, qdot_t),
-               work=B * H * N * M * (5 * D + 4 * Dv))  # the double backward's, which decides the threads
+    run_tasks(_tangent_queries, q, qdot, opt, config.BLOCK_Q, (q_tan_t, qdot_rows, qdot_t),
+              work=B * H * N * M * (5 * D + 4 * Dv))  # the double backward's, which decides the threads
     dlog, d2log = _gate_tangents(problem, opt, d.sigma)
     if problem.bias is None:
         bias, bias_strides = opt.bias, opt.bias_strides  # a dummy, never read
@@ -211,11 +203,11 @@ def _tangent_queries(q, qdot, opt, block_q, outs, part, parts):
     ``q_tan_t`` the queries' ``Q^T`` tiles times ``scale / tau_h``, written
     only under NVM (else it is the logits' own, `prepared`'s); the tangent
     queries times ``scale / tau_h`` as rows and as ``Q^T`` tiles. ``q``,
-    ``qdot``: operands (`elastic_np.cpu._operands`).
+    ``qdot``: operands (`elastic_np.cpu._tiles.operands`).
     """
     q_tan_t, qdot_rows, qdot_t = outs
     B, H, N, D = shape(q)
-    for bh in _task_range(B * H, part, parts):
+    for bh in task_range(B * H, part, parts):
         b, h = bh // H, bh % H
         factor = opt.scale / opt.tau[h]
         (q_h, q_col), (qd_h, qd_col) = head(q, b, h), head(qdot, b, h)

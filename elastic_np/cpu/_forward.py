@@ -8,25 +8,17 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu import _config as config
-from elastic_np.cpu._calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
-from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._logits import (
-    _column_max,
-    _logits_tile,
-    _query_factor,
-    modify_tile,
-)
-from elastic_np.cpu._halves import narrow, readable, scratch_for, widen
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head_rows, new, operand, shape
-from elastic_np.cpu._plan import (
-    _check_cache,
-    _options,
-)
-from elastic_np.cpu._scalar import _log_add_exp
-from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, claim, query_tile, task_counter
+from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
+from elastic_np.cpu._tiles.calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._tiles.halves import narrow, readable, scratch_for, widen
+from elastic_np.cpu._tiles.logits import column_max, logits_tile, modify_tile, query_factor
+from elastic_np.cpu._tiles.operands import head_rows, new, operand, shape
+from elastic_np.cpu._tiles.scalar import log_add_exp
+from elastic_np.cpu._tiles.simd import compile_for
 
 
 def forward(problem):
@@ -39,7 +31,7 @@ def forward(problem):
     Returns
     -------
     out : ndarray, shape (B, H, N, Dv)
-        In the dtype and the layout of ``q`` (`elastic_np.cpu._operands`).
+        In the dtype and the layout of ``q`` (`elastic_np.cpu._tiles.operands`).
     lse : ndarray, shape (B, H, N)
         In the dtype of the computation (float32 for bfloat16 and float16).
     """
@@ -51,8 +43,8 @@ def forward(problem):
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
     opt = _options(problem, with_sigma_grad=False, dtype=dtype)
-    _run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
-               tasks=task_counter(), work=B * H * N * M * (D + Dv))
+    run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
+              tasks=task_counter(), work=B * H * N * M * (D + Dv))
     return out, lse
 
 
@@ -60,14 +52,14 @@ def forward(problem):
 _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._operands`).
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._tiles.operands`).
 
     A task is one query tile of one (batch, head); each thread takes the next
     unclaimed one from the call's counter ``tasks`` (`claim`).
 
-    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time (`elastic_np.cpu._halves`).
+    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time (`elastic_np.cpu._tiles.halves`).
     """
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
@@ -95,7 +87,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
             break
         b, h, hk, qt, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
 
-        _load_queries(head_rows(q, b, h, i0, bq), _query_factor(opt, h), q_t)
+        _load_queries(head_rows(q, b, h, i0, bq), query_factor(opt, h), q_t)
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -110,7 +102,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
             bk = min(block_k, j_hi - j0)
             for r in range(bq):
                 tile_max[r] = -np.inf
-            kept, maxed = _logits_tile(
+            kept, maxed = logits_tile(
                 st, readable(head_rows(k, b, hk, j0, bk), D, k_half), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
                 nvm_in_max,
             )
@@ -121,11 +113,11 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
         _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
-    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`_logits_tile`) and its values ``v_j``.
+    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`logits_tile`) and its values ``v_j``.
 
-    ``v_j = (whole, col)``: the values' rows, as `elastic_np.cpu._operands.head_rows` gives them.
+    ``v_j = (whole, col)``: the values' rows, as `elastic_np.cpu._tiles.operands.head_rows` gives them.
     ``scratch = (tile_max, shift_by, rescale_by, tile_sum)``, each of length
     ``bq`` or more; ``state = (row_max, row_sum, acc)``, the rows' state.
     ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
@@ -136,7 +128,7 @@ def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
     tile_max, shift_by, rescale_by, tile_sum = scratch
     row_max, row_sum, acc = state
     if not maxed:
-        _column_max(st, bk, bq, tile_max, nvm_in_max)
+        column_max(st, bk, bq, tile_max, nvm_in_max)
     _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
     for r in range(bq):
         tile_sum[r] = 0.0
@@ -147,11 +139,11 @@ def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
     matmul_tn(st, 0, v_rows, v_col, acc, bq, acc.shape[1], bk, True)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _load_queries(q_tile, factor, q_t):
-    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`_query_factor`), transposed.
+    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`query_factor`), transposed.
 
-    ``q_tile = (whole, col)``, the ``bq`` queries' rows (`elastic_np.cpu._operands.head_rows`); ``D = q_t.shape[0]``.
+    ``q_tile = (whole, col)``, the ``bq`` queries' rows (`elastic_np.cpu._tiles.operands.head_rows`); ``D = q_t.shape[0]``.
     """
     whole, col = q_tile
     D = q_t.shape[0]
@@ -161,7 +153,7 @@ def _load_queries(q_tile, factor, q_t):
             q_t[d, r] = widen(q_row[d]) * factor
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
     """The online softmax's update of the row maxima by a tile's: ``m' = max(m, m_tile)``.
 
@@ -190,11 +182,11 @@ def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
                 acc[r, d] *= alpha
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
     """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
 
-    ``out_rows = (whole, col)``, the tile's rows of ``out`` (`elastic_np.cpu._operands.head_rows`).
+    ``out_rows = (whole, col)``, the tile's rows of ``out`` (`elastic_np.cpu._tiles.operands.head_rows`).
     A row with nothing kept gets ``out = 0``, ``lse = log beta``.
     """
     whole, col = out_rows
@@ -203,7 +195,7 @@ def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
         out_row = whole[r, col : col + Dv]
         if row_sum[r] > 0.0:
             m = np.float64(row_max[r])
-            lse_r = _log_add_exp(m + math.log(row_sum[r]), log_beta)
+            lse_r = log_add_exp(m + math.log(row_sum[r]), log_beta)
             weight = math.exp(m - lse_r)
             for d in range(Dv):
                 out_row[d] = narrow(acc[r, d] * weight, out_row)

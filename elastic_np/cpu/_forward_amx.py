@@ -1,4 +1,4 @@
-"""The prefill forward of a bfloat16 problem with both products on AMX tiles (`elastic_np.cpu._amx`).
+"""The prefill forward of a bfloat16 problem with both products on AMX tiles (`elastic_np.cpu._tiles.amx`).
 
 The tasks, the key ranges and every step between the products are the
 forward's (`elastic_np.cpu._forward`); the products are the tiles':
@@ -6,7 +6,7 @@ forward's (`elastic_np.cpu._forward`); the products are the tiles':
 - ``S^T = K_j Q^T``: the key rows as they are stored (a tile loads 16 rows
   of 32 bfloat16 in place), the task's queries as pairs of consecutive
   entries (``q_pairs[d // 2, r]``, built once per task), unscaled: the
-  product is multiplied by ``scale / tau_h`` after it (`_scale_logits`), as
+  product is multiplied by ``scale / tau_h`` after it (`scale_logits`), as
   under NVM, so that no rounding of ``q`` comes before it.
 - ``O^T += V_j^T P``: the values transposed once per call (``vt[b, hk, d, j]``,
   `values_transposed`) and the probabilities as pairs of consecutive keys,
@@ -19,7 +19,7 @@ kernels, in the tile unit's order: the bits are not the float32 kernels' (the
 contract's accuracy rule holds them; ``config.AMX = False`` gives those). A task's last keys that do not fill the
 32 a pair of tiles takes are copied into zeroed scratch first, so that no
 tile reads past them. The unit reads a number below float32's smallest
-normal as zero and writes one as zero (`elastic_np.cpu._amx`), so a problem
+normal as zero and writes one as zero (`elastic_np.cpu._tiles.amx`), so a problem
 under NVM, whose ``s >= 0`` test would see a flushed ``-1e-40`` as ``+0``,
 takes the float32 products (`takes`), and a head of tiny values is scaled
 up for the tiles (`values_transposed`). A logit of ``+inf`` can only be an
@@ -34,24 +34,24 @@ from numba import njit
 
 from elastic_np._contract._ranges import key_range
 from elastic_np._contract._validation import dtype_name
-from elastic_np.cpu import _amx
-from elastic_np.cpu import _config as config
 from elastic_np.cpu import _forward
-from elastic_np.cpu._calls import exp_shift_sum
-from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._exp import _float_from_bits
 from elastic_np.cpu._forward import _finish_rows, _rescale_rows
-from elastic_np.cpu._halves import _float32_bits, bits
-from elastic_np.cpu._logits import _column_max, _scale_logits, modify_tile, shape_logits
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._plan import _check_cache, _options
-from elastic_np.cpu._simd import compile_for
-from elastic_np.cpu._threads import _run_tasks, claim, query_tile, task_counter
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
+from elastic_np.cpu._tiles import amx
+from elastic_np.cpu._tiles.calls import exp_shift_sum
+from elastic_np.cpu._tiles.exp import float_from_bits
+from elastic_np.cpu._tiles.halves import bits, float32_bits
+from elastic_np.cpu._tiles.logits import column_max, modify_tile, scale_logits, shape_logits
+from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.simd import compile_for
 
 #: Keys and queries a pair of tiles takes, and entries of a row a tile loads.
-_PAIR = 2 * _amx.ROWS
-_CHUNK = _amx.ROW_BYTES // 2
+_PAIR = 2 * amx.ROWS
+_CHUNK = amx.ROW_BYTES // 2
 
 
 def takes(problem):
@@ -59,7 +59,7 @@ def takes(problem):
     B, H, Hkv, N, M, D, Dv = problem.shape
     return (
         dtype_name(problem.dtype) == "bfloat16" and not problem.nvm and D % _CHUNK == 0 and Dv % _PAIR == 0
-        and config.BLOCK_Q % _PAIR == 0 and config.BLOCK_K % _PAIR == 0 and config.AMX and _amx.permitted()
+        and config.BLOCK_Q % _PAIR == 0 and config.BLOCK_K % _PAIR == 0 and config.AMX and amx.permitted()
     )
 
 
@@ -125,14 +125,14 @@ def forward(problem):
     lse = np.empty((B, H, N), dtype=np.float32)
     opt = _options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
     overflow = np.zeros(1, dtype=np.bool_)
-    _run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
-               tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
+    run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
+              tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
     if overflow[0]:  # a product of the unscaled queries overflowed: the float32 products scale them first
         return _forward.forward(problem)
     return out, lse
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
     """`elastic_np.cpu._forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring).
 
@@ -166,7 +166,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
     n_tasks = B * H * n_qt
     # the tiles' configuration, once a part: loading it costs about 50 ns, and loading it after
     # releasing the tiles slowed each product that followed
-    _amx.configure()
+    amx.configure()
     for _ in range(n_tasks):
         task = claim(tasks)
         if task >= n_tasks:
@@ -186,13 +186,13 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
             bk = min(block_k, j_hi - j0)
             tile = (b, h, i0, bq, j0)
             _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge)
-            _scale_logits(st, bk, bq, opt, h, tile_max[:0])
+            scale_logits(st, bk, bq, opt, h, tile_max[:0])
             kept, _ = shape_logits(st, bk, opt, tile, False, no_cap_slope, tile_max[:0], False)
             if not kept:
                 continue
             for r in range(bq):
                 tile_max[r] = -np.inf
-            _column_max(st, bk, bq, tile_max, False)
+            column_max(st, bk, bq, tile_max, False)
             for r in range(bq):
                 if tile_max[r] == np.inf:
                     overflow[0] = True
@@ -214,7 +214,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
                 acc[r, d] = acc_t[d, r] * back
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
-    _amx.release()
+    amx.release()
 
 
 @inner(fastmath=False)
@@ -233,7 +233,7 @@ def _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge):
 
     ``K[j] = k_rows[j, k_col:]``, bits; a last block of fewer than `_PAIR`
     keys is copied into ``k_edge`` (zeros after them) and read there. The
-    caller has configured the tiles (`_amx.configure`).
+    caller has configured the tiles (`amx.configure`).
     """
     D = 2 * q_pairs.shape[0]
     lead, q_lead, s_lead = k_rows.shape[1], q_pairs.shape[1], st.shape[1]
@@ -246,14 +246,14 @@ def _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge):
                     k_edge[c, d] = k_rows[j0 + c0 + c, k_col + d] if c < n else np.uint16(0)
             keys, at, stride = k_edge, 0, D
         for r0 in range(0, bq_pad, _PAIR):
-            _amx.zero_block()
+            amx.zero_block()
             for d0 in range(0, D, _CHUNK):
-                _amx.load(4, keys, at + d0, stride)
-                _amx.load(5, keys, at + _amx.ROWS * stride + d0, stride)
-                _amx.load(6, q_pairs, (d0 // 2) * q_lead + r0, q_lead)
-                _amx.load(7, q_pairs, (d0 // 2) * q_lead + r0 + _amx.ROWS, q_lead)
-                _amx.dot_block()
-            _amx.store_block(st, c0 * s_lead + r0, s_lead)
+                amx.load(4, keys, at + d0, stride)
+                amx.load(5, keys, at + amx.ROWS * stride + d0, stride)
+                amx.load(6, q_pairs, (d0 // 2) * q_lead + r0, q_lead)
+                amx.load(7, q_pairs, (d0 // 2) * q_lead + r0 + amx.ROWS, q_lead)
+                amx.dot_block()
+            amx.store_block(st, c0 * s_lead + r0, s_lead)
 
 
 @inner(fastmath=False)
@@ -289,16 +289,16 @@ def _pack_probabilities(st, bk, bq, p_hi, p_lo):
 @njit(inline="always", fastmath=False)
 def _round_bits(x):
     """The bits of ``x`` (a float32, finite) rounded to the nearest even bfloat16, as a uint32 below 2**16."""
-    u = np.uint32(_float32_bits(x))
+    u = np.uint32(float32_bits(x))
     return np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
 @njit(inline="always", fastmath=False)
 def _split(x):
     """``(hi, lo)``: bfloat16 bits, ``hi`` the high half of ``x`` (a float32, finite), ``lo`` the rest rounded."""
-    u = np.uint32(_float32_bits(x))
+    u = np.uint32(float32_bits(x))
     hi = np.uint32(u >> np.uint32(16))
-    rest = x - _float_from_bits(np.int32(u & np.uint32(0xFFFF0000)))
+    rest = x - float_from_bits(np.int32(u & np.uint32(0xFFFF0000)))
     return hi, _round_bits(rest)
 
 
@@ -308,7 +308,7 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
 
     ``v_t[d, j] = V[j, d]``, bits; a last block of fewer than `_PAIR` keys
     is copied into ``v_edge`` (zeros after them) and read there. The caller
-    has configured the tiles (`_amx.configure`).
+    has configured the tiles (`amx.configure`).
     """
     Dv, lead, p_lead, a_lead = v_t.shape[0], v_t.shape[1], p_hi.shape[1], acc_t.shape[1]
     last = bk - bk % _PAIR  # the first key of a block of fewer than _PAIR, if any
@@ -319,15 +319,15 @@ def _value_products(v_t, j0, bk, p_hi, p_lo, bq_pad, acc_t, v_edge):
     for d0 in range(0, Dv, _PAIR):
         for r0 in range(0, bq_pad, _PAIR):
             first = d0 * a_lead + r0
-            _amx.load_block(acc_t, first, a_lead)
+            amx.load_block(acc_t, first, a_lead)
             for c0 in range(0, bk, _PAIR):
                 values, at, stride = v_t, d0 * lead + j0 + c0, lead
                 if c0 == last:
                     values, at, stride = v_edge, d0 * _PAIR, _PAIR
-                _amx.load(4, values, at, stride)
-                _amx.load(5, values, at + _amx.ROWS * stride, stride)
+                amx.load(4, values, at, stride)
+                amx.load(5, values, at + amx.ROWS * stride, stride)
                 for p in (p_hi, p_lo):
-                    _amx.load(6, p, (c0 // 2) * p_lead + r0, p_lead)
-                    _amx.load(7, p, (c0 // 2) * p_lead + r0 + _amx.ROWS, p_lead)
-                    _amx.dot_block()
-            _amx.store_block(acc_t, first, a_lead)
+                    amx.load(6, p, (c0 // 2) * p_lead + r0, p_lead)
+                    amx.load(7, p, (c0 // 2) * p_lead + r0 + amx.ROWS, p_lead)
+                    amx.dot_block()
+            amx.store_block(acc_t, first, a_lead)

@@ -16,7 +16,7 @@ from elastic_np._contract import _validation
 from elastic_np._contract._compact import compact_bias, compact_mask
 from elastic_np._contract._problem import Kept
 from elastic_np._contract._ranges import offset_band
-from elastic_np.cpu._logits import ensure_modifiers
+from elastic_np.cpu._tiles.logits import ensure_modifiers
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -50,38 +50,6 @@ _Options = collections.namedtuple(
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
     ],
 )
-
-
-def _kernel_array(a):
-    """``a``'s memory as a C-contiguous writeable array the kernels read: ``a`` itself, a view of it, or a copy.
-
-    A read-only or strided array is another Numba type, and every new type
-    compiles every kernel again: a C-contiguous read-only ``a`` is read in
-    place through a writeable view of its memory (`_ReadOnlyMemory`), any
-    other layout is copied.
-    """
-    if not a.flags.c_contiguous:
-        return np.array(a, order="C", copy=True)
-    if a.flags.writeable:
-        return a
-    view = np.asarray(_ReadOnlyMemory(a))
-    return view if view.dtype == a.dtype else view.view(a.dtype)  # a bfloat16's interface says only "V2"
-
-
-class _ReadOnlyMemory:
-    """A read-only C-contiguous array's ``__array_interface__`` marked writeable, holding the array (and so its memory).
-
-    Safe because the kernels only read their inputs (they write only the
-    arrays the backends allocate for their results), and the view never
-    leaves the call: nothing writes through it, so a read-only mapping
-    (``np.load(..., mmap_mode="r")``) is read where it lies, never faulted on.
-    """
-
-    def __init__(self, array):
-        self.array = array
-        interface = dict(array.__array_interface__)
-        interface["data"] = (interface["data"][0], False)  # (address, read-only flag)
-        self.__array_interface__ = interface
 
 
 #: `_options` of the latest problems with a ``plan_key``, by it: every layer of a model's step repeats one.

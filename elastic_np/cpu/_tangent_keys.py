@@ -27,14 +27,14 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu._backward import _copy_rows, _group_spans, _row_stats, dbias_tile
-from elastic_np.cpu._calls import matmul_nn, matmul_tn
 from elastic_np.cpu._dbias import _pair_head, _task_pairs
-from elastic_np.cpu._logits import _logits_tile
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head_rows, shape
-from elastic_np.cpu._scalar import _like
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.threads import claim, zigzag
 from elastic_np.cpu._tangents import score_tangent, tile_probabilities
-from elastic_np.cpu._threads import _zigzag, claim
+from elastic_np.cpu._tiles.calls import matmul_nn, matmul_tn
+from elastic_np.cpu._tiles.logits import logits_tile
+from elastic_np.cpu._tiles.operands import head_rows, shape
+from elastic_np.cpu._tiles.scalar import scalar_like
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -63,7 +63,7 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, options, block_q, block_k, kt0, 
         task = claim(tasks)
         if task >= n_tasks:
             break
-        t = _zigzag(task % n_chunk, n_chunk)
+        t = zigzag(task % n_chunk, n_chunk)
         lane = task // n_chunk % lanes
         outer = task // n_chunk // lanes
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
@@ -156,7 +156,7 @@ def _key_tile_head(ins, tan, options, scratch, keys, tile, bk, sums):
     b, h, i0, bq, j0 = tile
     Dv = dout_t.shape[3]
     it = i0 // q_t.shape[4]
-    kept, _ = _logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm)
+    kept, _ = logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm)
     if not kept:
         return False
     _row_stats(lse, delta, b, h, i0, bq, rows_t[0], rows_t[1])
@@ -200,9 +200,9 @@ def _dz_tangents(tiles, rows_t, sums, tan, opt, tile, bk):
     st, pt, rdt, dpt, dpdt = tiles
     delta_t, lsedot_t, deltadot_t = rows_t[1], rows_t[2], rows_t[3]
     b, h, i0, bq, j0 = tile
-    zero = _like(0.0, st)
+    zero = scalar_like(0.0, st)
     ratio = tan.tau_ratio[h]
-    ratio_t = _like(ratio, st)
+    ratio_t = scalar_like(ratio, st)
     gated = opt.has_gate
     base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the gate tables' index of (j0, i0)
     gb, gh = (b, h) if gated else (0, 0)  # the tables are 1 x 1 x 1 without a gate
@@ -216,7 +216,7 @@ def _dz_tangents(tiles, rows_t, sums, tan, opt, tile, bk):
             sd = rdt[c, r]
             s = st[c, r]
             if gated:
-                zdot = _like(sd - s * ratio + dlog_dot[at - r], st)
+                zdot = scalar_like(sd - s * ratio + dlog_dot[at - r], st)
             else:
                 zdot = sd - s * ratio_t
             s = s if live else zero

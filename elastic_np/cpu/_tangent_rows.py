@@ -19,13 +19,13 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._calls import matmul_tn
-from elastic_np.cpu._logits import _logits_tile
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._operands import head_rows, shape
-from elastic_np.cpu._scalar import _like
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.threads import claim, query_tile
 from elastic_np.cpu._tangents import score_tangent, tile_probabilities
-from elastic_np.cpu._threads import claim, query_tile
+from elastic_np.cpu._tiles.calls import matmul_tn
+from elastic_np.cpu._tiles.logits import logits_tile
+from elastic_np.cpu._tiles.operands import head_rows, shape
+from elastic_np.cpu._tiles.scalar import scalar_like
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -57,7 +57,7 @@ def _tangent_rows_kernel(ins, tan, options, block_q, block_k, outs, tasks, part,
     no_max = np.empty(0, dtype=dtype)
     n_tasks = B * H * n_qt
     for _ in range(n_tasks):
-        task = claim(tasks)  # each task writes its own rows: `elastic_np.cpu._threads.claim`
+        task = claim(tasks)  # each task writes its own rows: `elastic_np.cpu._runtime.threads.claim`
         if task >= n_tasks:
             break
         b, h, hk, it, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
@@ -72,7 +72,7 @@ def _tangent_rows_kernel(ins, tan, options, block_q, block_k, outs, tasks, part,
             bk = min(block_k, j_hi - j0)
             tile = (b, h, i0, bq, j0)
             k_j = head_rows(k, b, hk, j0, bk)
-            kept, _ = _logits_tile(st, k_j, q_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
+            kept, _ = logits_tile(st, k_j, q_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
             if not kept:
                 continue
             tile_probabilities(st, pt, lse_t, opt, tile, bk)
@@ -96,7 +96,7 @@ def _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk):
     0``, among them the removed entries, whose ``s / tau`` may be ``-inf``.
     """
     b, h, i0, bq, j0 = tile
-    zero = _like(0.0, st)
+    zero = scalar_like(0.0, st)
     if opt.has_gate:
         ratio = tan.tau_ratio[h]
         base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the table's index of (j0, i0)
@@ -106,11 +106,11 @@ def _weighted_logit_tangent(st, pt, rdt, zsum, tan, opt, tile, bk):
             for r in range(bq):
                 p = pt[c, r]
                 zdot = rdt[c, r] - st[c, r] * ratio + dlog_gate[at - r]
-                pz = _like(p * zdot, st) if p != 0 else zero
+                pz = scalar_like(p * zdot, st) if p != 0 else zero
                 rdt[c, r] = pz
                 zsum[r] += pz
     else:
-        ratio_t = _like(tan.tau_ratio[h], st)
+        ratio_t = scalar_like(tan.tau_ratio[h], st)
         for c in range(bk):
             for r in range(bq):
                 p = pt[c, r]

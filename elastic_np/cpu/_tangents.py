@@ -13,13 +13,13 @@ forms a tile's ``p`` from its scores ``s / tau`` and `score_tangent` its
 
 import collections
 
-from elastic_np.cpu import _calls
 from elastic_np.cpu._backward import _gated_probabilities, _probabilities, _softcap_slope
-from elastic_np.cpu._calls import matmul_nn
-from elastic_np.cpu._logits import modify_tile
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._scalar import _like
-from elastic_np.cpu._tanh import tanh_any
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles import calls
+from elastic_np.cpu._tiles.calls import matmul_nn
+from elastic_np.cpu._tiles.logits import modify_tile
+from elastic_np.cpu._tiles.scalar import scalar_like
+from elastic_np.cpu._tiles.tanh import tanh_any
 
 Tangents = collections.namedtuple(
     "Tangents",
@@ -27,7 +27,7 @@ Tangents = collections.namedtuple(
         "q_rows",  # kernel dtype (B, H, N, D): qdot * scale / tau_h
         "q_t",  # kernel dtype (B, H, n_qt, D, block_q): the same, transposed by query tile
         "q_tan_t",  # like q_t: q * scale / tau_h (the logits' own Q^T tiles, unless NVM scales after the product)
-        "k",  # operand of kdot (`elastic_np.cpu._operands`)
+        "k",  # operand of kdot (`elastic_np.cpu._tiles.operands`)
         "v",  # operand of vdot
         "tau_ratio",  # float64 (H,): taudot_h / tau_h
         "beta",  # float64 (H,): betadot_h
@@ -66,7 +66,7 @@ def score_tangent(rdt, k_j, kdot_j, tan, opt, tile, bk, cap_slope, cap_dot):
     ``sdot = c rdot + biasdot``, ``rdot = scale (qdot . k + q . kdot)``,
     ``c`` the soft-cap's slope ``cap_slope`` that `_logits_tile` left (1
     without a soft-cap). ``k_j``, ``kdot_j``: the tile's rows of ``k`` and
-    ``kdot`` (`elastic_np.cpu._operands.head_rows`). With a soft-cap and a
+    ``kdot`` (`elastic_np.cpu._tiles.operands.head_rows`). With a soft-cap and a
     ``cap_dot`` of the tile's shape (the key pass), ``cap_dot`` receives
     ``cdot``, the slope's own tangent (`_cap_tangent`).
     """
@@ -86,14 +86,14 @@ def score_tangent(rdt, k_j, kdot_j, tan, opt, tile, bk, cap_slope, cap_dot):
     if tan.has_bias:
         # biasdot / tau_h added by the modifier stage, as the logits add the bias
         modify_tile(rdt, rdt[:0], rdt[0, :0], tan.bias, tan.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
-                    tile, bk, _calls.HAS_BIAS, opt.softcap)
+                    tile, bk, calls.HAS_BIAS, opt.softcap)
 
 
 @inner(fastmath=False)
 def _cap_tangent(cap_dot, rdt, cap_slope, opt, h, bk, bq):
     """``cap_dot = cdot = -(2 / cap) tanh(r / cap) c rdot`` from ``cap_dot = r / tau`` and ``rdt = rdot / tau``."""
-    tau_over_cap = _like(opt.tau[h] / opt.softcap, cap_dot)
-    factor = _like(-2.0 * opt.tau[h] / opt.softcap, cap_dot)
+    tau_over_cap = scalar_like(opt.tau[h] / opt.softcap, cap_dot)
+    factor = scalar_like(-2.0 * opt.tau[h] / opt.softcap, cap_dot)
     for c in range(bk):
         row, rdot_row, slope_row = cap_dot[c, :bq], rdt[c, :bq], cap_slope[c, :bq]
         for r in range(row.shape[0]):

@@ -4,7 +4,7 @@ An OpenMP runtime's workers, PyTorch's libgomp among them, keep spinning for
 a while after each parallel region, waiting for the next. A kernel call
 that starts within that while shares the cores with them (on two cores,
 right after a PyTorch operation: docs/performance.rst). Before a
-large call runs on the pool (`elastic_np.cpu._threads._run_tasks`), `quiet`
+large call runs on the pool (`elastic_np.cpu._runtime.threads.run_tasks`), `quiet`
 asks every OpenMP runtime loaded in the process for
 ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0): libgomp then ends
 the calling thread's team, LLVM's and Intel's runtimes put their threads to

@@ -17,7 +17,7 @@ In compiled code:
     even half (through float32) for half storage, ``x`` itself for a float
     array (the assignment rounds it);
 `readable(tile, width, scratch)`
-    a tile of rows ``(whole, col)`` (`elastic_np.cpu._operands.head_rows`)
+    a tile of rows ``(whole, col)`` (`elastic_np.cpu._tiles.operands.head_rows`)
     as rows the tile products read: the tile itself for float storage, its
     ``width`` entries a row converted into ``scratch`` for half storage;
 `readable_checked(tile, width, scratch)`
@@ -42,11 +42,11 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from elastic_np._contract._validation import dtype_name
-from elastic_np.cpu._config import _FASTMATH
+from elastic_np.cpu._runtime.config import FASTMATH
 
 #: The compiler flags of the overloads' implementations: those of the kernels' tile code (the float
 #: checks' sums vectorise only with reassociation; Numba compiles an overload without any by default).
-_TILE_CODE = {"fastmath": _FASTMATH}
+_TILE_CODE = {"fastmath": FASTMATH}
 
 #: The half formats, by the name of their NumPy dtype, and the integer type of their bits.
 _BITS = {"bfloat16": np.uint16, "float16": np.int16}
@@ -106,7 +106,7 @@ def _float32_to_float16(typingctx, x):
 
 
 @intrinsic
-def _float32_bits(typingctx, x):
+def float32_bits(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
@@ -116,7 +116,7 @@ def _float32_bits(typingctx, x):
 @njit(inline="always", fastmath=False)
 def _float32_to_bfloat16(x):
     """Round to nearest even, as ``ml_dtypes`` and torch do; a NaN stays a (quiet) NaN of its sign."""
-    u = np.uint32(_float32_bits(x))
+    u = np.uint32(float32_bits(x))
     if x != x:
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     odd = (u >> np.uint32(16)) & np.uint32(1)

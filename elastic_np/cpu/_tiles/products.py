@@ -12,7 +12,7 @@ where ``A = a[:, a_col:]`` and ``B = b[:, b_col:]``: a factor is a block of
 rows of a C-contiguous array starting at a column, its leading dimension
 the array's row length (BLAS's ``lda``). So a tile of one head's rows of a
 ``(B, N, H, D)`` array, ``H * D`` entries apart, is read in place
-(`elastic_np.cpu._operands`); a strided view is a typing error.
+(`elastic_np.cpu._tiles.operands`); a strided view is a typing error.
 
 No BLAS (so no threads of their own): the micro-kernels keep a block of
 ``c`` in SIMD registers (AVX-512, AVX2 or SSE, whichever the host has, with
@@ -26,14 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from elastic_np.cpu._simd import (
-    _DTYPES,
-    _OPTIONS,
-    _REGISTERS,
-    _VECTOR_BYTES,
-    _matrix,
-    _typed,
-)
+from elastic_np.cpu._tiles.simd import _DTYPES, _OPTIONS, _VECTOR_BYTES, REGISTERS, _matrix, _typed
 
 
 def _matmul_signature(dtype, *flags):
@@ -53,10 +46,10 @@ def _a_at(a, a_col, row, col, transposed):
 #: Micro-kernel block: rows of c by vectors of c kept in registers over the k loop.
 #: With 16 registers, 6 x 2 accumulators (the usual AVX2 shape) leave 4 for
 #: the b vectors and the broadcast, as AVX2 matrix-multiply kernels do.
-_MR = 4 if _REGISTERS == 32 else 6
+_MR = 4 if REGISTERS == 32 else 6
 
 
-_NR = 4 if _REGISTERS == 32 else 2
+_NR = 4 if REGISTERS == 32 else 2
 
 
 def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):

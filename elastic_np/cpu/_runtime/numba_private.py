@@ -123,8 +123,9 @@ def _cache_folder(name):
         return None
     if numba.config.CACHE_DIR:  # NUMBA_CACHE_DIR: its other entries are all-paths-on code
         bases = [numba.config.CACHE_DIR]
-    else:  # where Numba caches the package with all paths on, else the user's cache folder
-        bases = [os.path.join(os.path.dirname(__file__), "__pycache__"), os.path.expanduser("~/.cache")]
+    else:  # elastic_np/cpu/__pycache__, else the user's cache folder
+        package = os.path.dirname(os.path.dirname(__file__))
+        bases = [os.path.join(package, "__pycache__"), os.path.expanduser("~/.cache")]
     for base in bases:
         if _writable(os.path.join(base, name)):
             return os.path.join(base, name)
@@ -341,6 +342,11 @@ def register_symbol(symbol, address):
     if symbol not in _LINKED:
         binding.add_symbol(symbol, address)
         _LINKED.add(symbol)
+
+
+def linked(symbol):
+    """Whether `register_symbol` has made ``symbol`` resolve already."""
+    return symbol in _LINKED
 
 
 def flattens(ty):

@@ -2,32 +2,19 @@
 
 ``tanh_inplace(x, m, n)``, ``tanh_any(v)``, ``sech2_any(v)``
     ``tanh`` and ``1 - tanh^2``, from ``expm1(-2|v|)`` by the reduction and
-    polynomials of `elastic_np.cpu._exp`
+    polynomials of `elastic_np.cpu._tiles.exp`
 """
 
 import math
 
 import numpy as np
 
-from elastic_np.cpu._exp import (
-    _LN2_HI,
-    _LN2_HI_F32,
-    _LN2_LO,
-    _LN2_LO_F32,
-    _LOG2E,
-    _LOG2E_F32,
-    _ONE_F32,
-    _exp_f32_scalar,
-    _exp_f64_scalar,
-    _exp_q_f32,
-    _exp_q_f64,
-    _float_bits,
-    _float_from_bits,
-    _pow2_f64,
-    by_dtype,
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.exp import (
+    _LN2_HI, _LN2_HI_F32, _LN2_LO, _LN2_LO_F32, _LOG2E, _LOG2E_F32, _ONE_F32, _exp_f32_scalar, _exp_f64_scalar,
+    _exp_q_f32, _exp_q_f64, _float_bits, _pow2_f64, by_dtype, float_from_bits,
 )
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._simd import _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _typed
+from elastic_np.cpu._tiles.simd import _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _typed
 
 #: Below -64 = -2|v| (|v| > 32) tanh rounds to +-1 in float64 (1 - tanh|v| < 2**-90).
 _TANH_LO_F64 = -64.0
@@ -79,7 +66,7 @@ def _tanh_f32_scalar(v):
     r2 = r * r
     q = _exp_q_f32(r, r2)
     em1_r = q * r2 + r
-    two_t = _float_from_bits(np.int32(_float_bits(k) << 23))
+    two_t = float_from_bits(np.int32(_float_bits(k) << 23))
     u = (two_t - _ONE_F32) + two_t * em1_r
     # |u| / (2 + u) with the sign of v (copysign takes only the magnitude of u)
     return math.copysign(u / (_TWO_F32 + u), v)

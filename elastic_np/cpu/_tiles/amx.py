@@ -27,7 +27,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from elastic_np.cpu._simd import _FEATURES
+from elastic_np.cpu._tiles.simd import _FEATURES
 
 #: Whether LLVM compiles for a CPU with AMX tiles and their bfloat16 products.
 AVAILABLE = {"amx-tile", "amx-bf16"} <= _FEATURES and sys.platform.startswith("linux") \

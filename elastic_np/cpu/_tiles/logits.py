@@ -1,13 +1,13 @@
 """The logits of a tile, as the contract forms them: ``Q K^T``, the score modifiers, NVM, the gate, the mask.
 
-`_logits_tile` is the one pipeline the forward and the backward share; the
+`logits_tile` is the one pipeline the forward and the backward share; the
 rest are its steps (`_modify_tile`, `_softcap_tile`, `_remove_in_tile`,
-`_scale_logits`), the reads of the bias (`_add_transposed`,
-`_prefetch_bias`) and the tile maxima (`_column_max`). The kernels reach the
+`scale_logits`), the reads of the bias (`_add_transposed`,
+`prefetch_bias`) and the tile maxima (`column_max`). The kernels reach the
 modifier stage through `modify_tile`: a C entry point compiled on first use
-(`_calls.modify_tile`, `ensure_modifiers`), so a call without a soft-cap,
+(`calls.modify_tile`, `ensure_modifiers`), so a call without a soft-cap,
 ALiBi or bias never compiles it, or the stage linked in where that private
-path is off (`elastic_np.cpu._numba_private`).
+path is off (`elastic_np.cpu._runtime.numba_private`).
 """
 
 import collections
@@ -15,26 +15,22 @@ import collections
 import numpy as np
 from numba import carray
 
-from elastic_np.cpu import _calls
-from elastic_np.cpu._calls import matmul_nn, matmul_nn_max
-from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._numba_private import enabled, inner
-from elastic_np.cpu._scalar import _like, _removes_nothing
-from elastic_np.cpu._tanh import sech2_any, tanh_any
-from elastic_np.cpu._transpose import (
-    prefetch,
-    transpose_add,
-    transpose_width,
-)
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import enabled, inner
+from elastic_np.cpu._tiles import calls
+from elastic_np.cpu._tiles.calls import matmul_nn, matmul_nn_max
+from elastic_np.cpu._tiles.scalar import _removes_nothing, scalar_like
+from elastic_np.cpu._tiles.tanh import sech2_any, tanh_any
+from elastic_np.cpu._tiles.transpose import prefetch, transpose_add, transpose_width
 
 
-@inner(fastmath=_FASTMATH)
-def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
+@inner(fastmath=FASTMATH)
+def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
     ``tile = (b, h, i0, bq, j0)``: batch entry, head, first query, queries,
     first key; its ``bk`` keys are ``k_j = (whole, col)``, the rows of
-    ``whole`` from column ``col`` (`elastic_np.cpu._operands.head_rows`). The product ``K_j
+    ``whole`` from column ``col`` (`elastic_np.cpu._tiles.operands.head_rows`). The product ``K_j
     Q^T`` (``q_t`` the queries scaled by ``scale / tau_h``, transposed,
     ``(D, bq)`` or wider) gives ``s_raw / tau_h``; the
     score modifiers follow in the contract's order (see `_modify_tile`).
@@ -72,35 +68,35 @@ def _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     else:
         matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
     if opt.nvm:
-        _scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
+        scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
     return shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, fuse_max)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
-    """The steps of `_logits_tile` after the product ``st[:bk, :bq]`` of ``s_raw / tau_h``: the modifiers, then the removals.
+    """The steps of `logits_tile` after the product ``st[:bk, :bq]`` of ``s_raw / tau_h``: the modifiers, then the removals.
 
     ``maxed``: ``tile_max[:bq]`` holds the product's column maxima (which a
-    soft-cap caps too). Returns `_logits_tile`'s ``(kept, maxed)``.
+    soft-cap caps too). Returns `logits_tile`'s ``(kept, maxed)``.
     """
     b, h, i0, bq, j0 = tile
     want_cap_slope = cap_slope.shape[0] > 0
     removes_nothing = _removes_nothing(opt, tile, bk, nvm)
     additive = opt.has_alibi or opt.has_bias
     flags = (
-        (_calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (_calls.HAS_SOFTCAP if opt.has_softcap else 0)
-        + (_calls.HAS_ALIBI if opt.has_alibi else 0) + (_calls.HAS_BIAS if opt.has_bias else 0)
+        (calls.WANT_CAP_SLOPE if want_cap_slope else 0) + (calls.HAS_SOFTCAP if opt.has_softcap else 0)
+        + (calls.HAS_ALIBI if opt.has_alibi else 0) + (calls.HAS_BIAS if opt.has_bias else 0)
     )
     if opt.has_softcap or additive:
         # with maxed, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
-                    tile, bk, flags + (_calls.CAPPED_MAX if maxed else 0), opt.softcap)
+                    tile, bk, flags + (calls.CAPPED_MAX if maxed else 0), opt.softcap)
     if removes_nothing:
         return True, maxed
     return _remove_in_tile(st, bk, opt, tile, nvm), False
 
 
-# What the modifier stage reads of the options (`_calls.modify_tile` passes these alone).
+# What the modifier stage reads of the options (`calls.modify_tile` passes these alone).
 Modifiers = collections.namedtuple(
     "Modifiers", "diag_shift tau softcap has_softcap has_alibi alibi has_bias bias bias_strides"
 )
@@ -108,15 +104,15 @@ Modifiers = collections.namedtuple(
 
 def _modify_entry(st, s0, s1, cs, c0, c1, tm, t0, bias, nb, bst, ns, tau, nt, alibi, a0, a1, ds, nd,
                   b, h, i0, bq, j0, bk, flags, softcap):
-    """The body of the modifier stage's C entry point (`_calls.modify_tile`'s arguments, flattened)."""
+    """The body of the modifier stage's C entry point (`calls.modify_tile`'s arguments, flattened)."""
     opt = Modifiers(
-        carray(ds, (nd,)), carray(tau, (nt,)), softcap, flags & _calls.HAS_SOFTCAP != 0,
-        flags & _calls.HAS_ALIBI != 0, carray(alibi, (a0, a1)), flags & _calls.HAS_BIAS != 0,
+        carray(ds, (nd,)), carray(tau, (nt,)), softcap, flags & calls.HAS_SOFTCAP != 0,
+        flags & calls.HAS_ALIBI != 0, carray(alibi, (a0, a1)), flags & calls.HAS_BIAS != 0,
         carray(bias, (nb,)), carray(bst, (ns,)),
     )
     tile = carray(st, (s0, s1))
-    _modify_tile(tile, opt, (b, h, i0, bq, j0), bk, carray(cs, (c0, c1)), flags & _calls.WANT_CAP_SLOPE != 0)
-    if flags & _calls.CAPPED_MAX:
+    _modify_tile(tile, opt, (b, h, i0, bq, j0), bk, carray(cs, (c0, c1)), flags & calls.WANT_CAP_SLOPE != 0)
+    if flags & calls.CAPPED_MAX:
         _cap_maxima(carray(tm, (t0,)), bq, opt, h, tile)
 
 
@@ -128,26 +124,26 @@ def ensure_modifiers(dtype):
     Nothing to do when the path ``lazy_stages`` is off (`modify_tile` is linked in).
     """
     if enabled("lazy_stages"):
-        _calls.ensure_lazy("modify_tile", dtype, _modify_entry)
+        calls.ensure_lazy("modify_tile", dtype, _modify_entry)
 
 
 def _linked_modify_tile(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
                         softcap):
-    """`_calls.modify_tile`'s stage called directly, its floats as doubles as through the entry point."""
+    """`calls.modify_tile`'s stage called directly, its floats as doubles as through the entry point."""
     opt = Modifiers(
-        diag_shift, tau, np.float64(softcap), flags & _calls.HAS_SOFTCAP != 0, flags & _calls.HAS_ALIBI != 0,
-        alibi, flags & _calls.HAS_BIAS != 0, bias, bias_strides,
+        diag_shift, tau, np.float64(softcap), flags & calls.HAS_SOFTCAP != 0, flags & calls.HAS_ALIBI != 0,
+        alibi, flags & calls.HAS_BIAS != 0, bias, bias_strides,
     )
-    _modify_tile(st, opt, tile, bk, cap_slope, flags & _calls.WANT_CAP_SLOPE != 0)
-    if flags & _calls.CAPPED_MAX:
+    _modify_tile(st, opt, tile, bk, cap_slope, flags & calls.WANT_CAP_SLOPE != 0)
+    if flags & calls.CAPPED_MAX:
         _cap_maxima(tile_max, tile[3], opt, tile[1], st)
 
 
 #: What the kernels call for the modifier stage: an entry point compiled on first use, or the stage linked in.
-modify_tile = _calls.modify_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_modify_tile)
+modify_tile = calls.modify_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_modify_tile)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _cap_maxima(tile_max, bq, opt, h, st):
     """The maxima of a tile soft-capped after them: tanh is odd and increasing, so they are the raw ones capped.
 
@@ -161,10 +157,10 @@ def _cap_maxima(tile_max, bq, opt, h, st):
 
 
 @inner(fastmath=False)
-def _query_factor(opt, h):
+def query_factor(opt, h):
     """What the queries of head ``h`` are multiplied by before ``Q K^T``: ``scale / tau_h``.
 
-    Under NVM, 1: the product is scaled afterwards (`_scale_logits`), so that
+    Under NVM, 1: the product is scaled afterwards (`scale_logits`), so that
     a score ``q . k`` that is exactly 0 stays 0 and is kept (``s >= 0``);
     rounding ``q * scale / tau_h`` first could make it ``-eps``.
     """
@@ -173,7 +169,7 @@ def _query_factor(opt, h):
 
 @inner(fastmath=False)
 def _maxima_scale(opt, h, like):
-    """Whether the product's tile maxima scale to the logits' (`_scale_logits`): no NVM, or a positive factor.
+    """Whether the product's tile maxima scale to the logits' (`scale_logits`): no NVM, or a positive factor.
 
     NVM keeps ``s = scale q . k >= 0``: with ``scale < 0`` the entries
     whose product is ``<= 0``, with ``scale = 0`` every entry. The maxima of
@@ -184,8 +180,8 @@ def _maxima_scale(opt, h, like):
 
 
 @inner(fastmath=False)
-def _scale_logits(st, bk, bq, opt, h, tile_max):
-    """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `_query_factor` is 1).
+def scale_logits(st, bk, bq, opt, h, tile_max):
+    """``st[:bk, :bq] *= scale / tau_h`` and the ``tile_max`` given (when `query_factor` is 1).
 
     ``tile_max``: the maxima of the products ``>= 0``, taken with the
     product, given only when the factor is positive (`_maxima_scale`),
@@ -205,7 +201,7 @@ def _scale_logits(st, bk, bq, opt, h, tile_max):
 @inner(fastmath=False)
 def logits_factor(opt, h, like):
     """``scale / tau_h`` in the dtype of ``like``: what `scale_row` multiplies NVM's unscaled products by."""
-    return _like(opt.scale / opt.tau[h], like)
+    return scalar_like(opt.scale / opt.tau[h], like)
 
 
 @inner(fastmath=False)
@@ -220,7 +216,7 @@ _BIAS_KEYS = 32
 
 
 @inner(fastmath=False)
-def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
+def prefetch_bias(opt, b, h, i0, bq, j0, bk):
     """Prefetch the bias of the tile ``[i0, i0 + bq) x [j0, j0 + bk)``, one line at a time.
 
     A bias laid out along the keys is read by a tile as ``bq`` short runs,
@@ -245,9 +241,9 @@ def _prefetch_bias(opt, b, h, i0, bq, j0, bk):
             prefetch(opt.bias, at + c)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
-    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `_logits_tile`).
+    """The score modifiers on a whole tile ``st[:bk, :bq]`` of ``s_raw / tau_h`` (``tile`` as in `logits_tile`).
 
     ``s = softcap tanh(s_raw / softcap)``, then ``- alibi |off|``, then
     ``+ bias``, each divided by ``tau_h`` like the score and added by
@@ -278,7 +274,7 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
         if opt.has_alibi:
             base = j0 + c - i0 - diag_shift  # off of (j0 + c, i0 + r) is base - r
             for r in range(row.shape[0]):
-                row[r] = plus_scaled(row[r], _like(abs(np.int32(base - r)), st), minus_alibi_over_tau)
+                row[r] = plus_scaled(row[r], scalar_like(abs(np.int32(base - r)), st), minus_alibi_over_tau)
         if by_rows:
             start = b * b_b + h * b_h + (j0 + c) * b_j + i0 * b_i
             if b_i == 0:
@@ -314,8 +310,8 @@ def modifier_factors(tau_h, softcap, slope, like):
     kernel's float64 soft-capped logits were a rounding from the tiles'.
     """
     inv_tau = 1.0 / tau_h
-    return (_like(inv_tau, like), _like(tau_h / softcap, like), _like(softcap * inv_tau, like),
-            _like(-slope * inv_tau, like))
+    return (scalar_like(inv_tau, like), scalar_like(tau_h / softcap, like), scalar_like(softcap * inv_tau, like),
+            scalar_like(-slope * inv_tau, like))
 
 
 @inner(fastmath=False)
@@ -332,8 +328,8 @@ def plus_scaled(x, term, factor):
     return x + term * factor
 
 
-@inner(fastmath=_FASTMATH)
-def _column_max(st, bk, bq, col_max, nonneg):
+@inner(fastmath=FASTMATH)
+def column_max(st, bk, bq, col_max, nonneg):
     """``col_max[r] = st[c, r]`` wherever that is greater (and ``>= 0`` with ``nonneg``), ``c`` in order.
 
     Four rows per load and store of ``col_max``: the same comparisons in the
@@ -366,7 +362,7 @@ def _column_max(st, bk, bq, col_max, nonneg):
             m[r] = x if (x > m[r] and (x >= 0 or not nonneg)) else m[r]
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope):
     """``st[c, r] = cap_over_tau tanh(st[c, r] tau_over_cap)`` on ``st[:bk, :bq]``.
 
@@ -439,9 +435,9 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale):
             row[r] = plus_scaled(row[r], src[start + r * stride + c], scale)
 
 
-@inner(fastmath=_FASTMATH)
+@inner(fastmath=FASTMATH)
 def _remove_in_tile(st, bk, opt, tile, nvm):
-    """The offset band, NVM, gate and mask on the tile's ``bk`` key rows of ``st`` (`_logits_tile`'s ``tile``); True if an entry is kept.
+    """The offset band, NVM, gate and mask on the tile's ``bk`` key rows of ``st`` (`logits_tile`'s ``tile``); True if an entry is kept.
 
     One call for the whole tile: the options are many arguments to pass.
     """

@@ -1,7 +1,7 @@
 """Every tunable of the CPU kernels, in one place.
 
 Host code reads them as ``config.NAME`` at call time, so a test may set one
-with ``monkeypatch.setattr(elastic_np.cpu._config, NAME, value)``.
+with ``monkeypatch.setattr(elastic_np.cpu._runtime.config, NAME, value)``.
 """
 
 # Prefill tiles (`elastic_np.cpu._forward`, `elastic_np.cpu._backward`)
@@ -51,7 +51,7 @@ DECODE_HINT_KEYS = 128
 DECODE_RUN_KEYS = 32
 DECODE_RUN_HINT_KEYS = 32
 
-# Threads (`elastic_np.cpu._threads`)
+# Threads (`elastic_np.cpu._runtime.threads`)
 
 #: Multiply-adds below which a call runs on the calling thread: handing work to
 #: the pool and waiting for it costs about as much as this much arithmetic.
@@ -65,17 +65,17 @@ THREAD_SPIN_SECONDS = 3e-4
 CALLER_SPIN_SECONDS = 2e-3
 #: Multiply-adds from which a call from the main thread runs all its parts on
 #: the pool's workers while the calling thread sleeps, where a signal (Ctrl-C)
-#: reaches it and stops the call's tasks (`elastic_np.cpu._threads`): tens of
+#: reaches it and stops the call's tasks (`elastic_np.cpu._runtime.threads`): tens of
 #: milliseconds of arithmetic on two cores, against about 1 ms that the hand-off
 #: costs (docs/performance.rst); a shorter call ends before Ctrl-C is missed.
 INTERRUPTIBLE_WORK = 1 << 32
 #: Seconds for which calls of up to twice the work of a call a worker was late
-#: for run on the calling thread alone (`elastic_np.cpu._threads._late_for`):
+#: for run on the calling thread alone (`elastic_np.cpu._runtime.threads._late_for`):
 #: on a loaded machine the pool is tried again this often.
 LATE_WORKER_SECONDS = 0.5
 #: Multiply-adds from which a call that runs on the pool first asks the OpenMP
 #: runtimes in the process (PyTorch's) to let their idle workers go
-#: (`elastic_np.cpu._openmp`): they spin for milliseconds after each of their
+#: (`elastic_np.cpu._runtime.openmp`): they spin for milliseconds after each of their
 #: parallel regions, on the cores the parts need. Where they sleep already,
 #: asking, and the library starting its threads again, is pure cost: below this
 #: it would cost more than it can save (docs/performance.rst). ``math.inf``: never.
@@ -86,7 +86,7 @@ QUIET_OPENMP_WORK = 1 << 23
 # removed entry. Numba compiles a function that sets no `fastmath` with the
 # flags of whatever compiles it first (a kernel's, or none from Python), and
 # keeps that version: the kernels' bits then depended on the order things were
-# compiled in. Every njit function of the package states its own: _FASTMATH
+# compiled in. Every njit function of the package states its own: FASTMATH
 # for the forward's tile code (which it had when the forward compiled it
 # first), False elsewhere.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+FASTMATH = {"nsz", "arcp", "contract", "reassoc"}

@@ -15,7 +15,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from elastic_np.cpu._simd import _LINE_BYTES, _VECTOR_BYTES, _constant_in_jit_code
+from elastic_np.cpu._tiles.simd import _VECTOR_BYTES, LINE_BYTES, constant_in_jit_code
 
 
 @intrinsic
@@ -49,7 +49,7 @@ def prefetch(typingctx, arr, index):
 _MIN_TRANSPOSE_WIDTH = 8
 
 
-@_constant_in_jit_code
+@constant_in_jit_code
 def transpose_width(x):
     """Entries per side ``W`` of the square blocks `transpose_add` and co. move.
 
@@ -61,7 +61,7 @@ def transpose_width(x):
     return max(_VECTOR_BYTES // dtype.itemsize, _MIN_TRANSPOSE_WIDTH)
 
 
-def _transpose_in_registers(builder, rows):
+def transpose_in_registers(builder, rows):
     """Transpose ``W`` vectors of ``W`` lanes: ``log2(W)`` rounds of two-source shuffles.
 
     Round ``bit`` pairs rows ``i`` and ``i + bit`` (``bit`` clear in ``i``) and
@@ -86,7 +86,7 @@ def _transpose_in_registers(builder, rows):
     return rows
 
 
-@_constant_in_jit_code
+@constant_in_jit_code
 def stream_width(x):
     """Entries per run ``L`` of `transpose_stream`: whole cache lines, at least ``W``.
 
@@ -94,7 +94,7 @@ def stream_width(x):
     compile-time constant).
     """
     dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
-    return max(_LINE_BYTES // dtype.itemsize, transpose_width(dtype))
+    return max(LINE_BYTES // dtype.itemsize, transpose_width(dtype))
 
 
 def _concatenate(builder, vectors):
@@ -155,7 +155,7 @@ def _make_transpose(mode):
             # entries) is whole cache lines, written with non-temporal stores
             line = stream_width(numpy_support.as_dtype(x_ty.dtype)) if mode == "stream" else width
             blocks = [
-                _transpose_in_registers(
+                transpose_in_registers(
                     builder, [builder.load(x_row(g + c), align=itemsize) for c in range(width)]
                 )
                 for g in range(0, line, width)
@@ -171,13 +171,13 @@ def _make_transpose(mode):
                     builder.store(total, ptr, align=flat_align)
                 elif mode == "stream":
                     ptr = builder.bitcast(flat_run(r), run.type.as_pointer())
-                    out = builder.store(builder.fmul(run, run_splat), ptr, align=_LINE_BYTES)
+                    out = builder.store(builder.fmul(run, run_splat), ptr, align=LINE_BYTES)
                     out.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(i32, 1)]))
                 else:
                     builder.store(builder.fmul(run, splat), flat_run(r), align=itemsize)
             return context.get_dummy_value()
         rows = [builder.load(flat_run(r), align=itemsize) for r in range(width)]
-        for c, row in enumerate(_transpose_in_registers(builder, rows)):
+        for c, row in enumerate(transpose_in_registers(builder, rows)):
             ptr = x_row(c)
             total = builder.fadd(builder.load(ptr, align=itemsize), builder.fmul(row, splat))
             builder.store(total, ptr, align=itemsize)

@@ -8,7 +8,7 @@
 
 The exponentials reduce by Cody-Waite (``ln 2`` in two parts) to a polynomial
 on ``[-ln2/2, ln2/2]`` and scale by ``2^k`` built from the exponent bits;
-the soft-cap's tangent (`elastic_np.cpu._tanh`) reuses them.
+the soft-cap's tangent (`elastic_np.cpu._tiles.tanh`) reuses them.
 """
 
 import numpy as np
@@ -17,15 +17,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from elastic_np.cpu._numba_private import inner
-from elastic_np.cpu._simd import (
-    _DTYPES,
-    _EXP_SIGNATURES,
-    _INNER_OPTIONS,
-    _OPTIONS,
-    _VECTOR_BYTES,
-    _matrix,
-    _typed,
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.simd import (
+    _DTYPES, _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _VECTOR_BYTES, _matrix, _typed,
 )
 
 
@@ -50,15 +44,15 @@ def _bitcast(name, pairs, doc):
     return intrinsic(typer)
 
 
-_float_from_bits = _bitcast(
-    "_float_from_bits",
+float_from_bits = _bitcast(
+    "float_from_bits",
     {types.int64: (types.float64, ir.DoubleType()), types.int32: (types.float32, ir.FloatType())},
     "Reinterpret the bits of an int64 (int32) as a float64 (float32).",
 )
 _float_bits = _bitcast(
     "_float_bits",
     {types.float64: (types.int64, ir.IntType(64)), types.float32: (types.int32, ir.IntType(32))},
-    "The bits of a float64 (float32) as an int64 (int32): the inverse of `_float_from_bits`.",
+    "The bits of a float64 (float32) as an int64 (int32): the inverse of `float_from_bits`.",
 )
 
 
@@ -128,7 +122,7 @@ def _pow2_f64(n):
     Without a float-to-int64 conversion, which AVX2 lacks (LLVM did it
     element by element, a large share of an exp or tanh).
     """
-    return _float_from_bits((_float_bits(n + _ROUND_F64) + 1023) << 52)
+    return float_from_bits((_float_bits(n + _ROUND_F64) + 1023) << 52)
 
 
 @inner(**_INNER_OPTIONS)
@@ -137,8 +131,8 @@ def _pow2_fields_f32(p, t):
     e = np.int32(t)
     e1 = e >> 1
     e2 = e - e1
-    s1 = _float_from_bits(np.int32((e1 + 127) << 23))
-    s2 = _float_from_bits(np.int32((e2 + 127) << 23))
+    s1 = float_from_bits(np.int32((e1 + 127) << 23))
+    s2 = float_from_bits(np.int32((e2 + 127) << 23))
     return p * s1 * s2
 
 

@@ -34,9 +34,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from elastic_np.cpu import _config as config
-from elastic_np.cpu import _openmp
-from elastic_np.cpu._numba_private import inner
+from elastic_np.cpu._runtime import config, openmp
+from elastic_np.cpu._runtime.numba_private import inner
 
 _pool = None
 _pool_lock = threading.Lock()
@@ -66,7 +65,7 @@ def thread_count():
     return numba.config.NUMBA_NUM_THREADS
 
 
-def _run_tasks(kernel, *args, work=None, tasks=None):
+def run_tasks(kernel, *args, work=None, tasks=None):
     """Run ``kernel(*args, part, parts)`` for every ``part`` of ``parts`` = `thread_count` threads.
 
     ``tasks``: the call's `task_counter`, for a kernel whose threads claim
@@ -78,12 +77,12 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
     the pool, on the calling thread alone (``parts = 1``).
 
     Thread ``part`` of ``parts`` runs its contiguous share of the kernel's
-    tasks (`_task_range`), or, in the kernels of the forward, decode,
+    tasks (`task_range`), or, in the kernels of the forward, decode,
     backward and double backward, the tasks it claims first from ``tasks``;
     the kernels release the GIL. Every task writes outputs of its own, so the
     result has the same bits for every thread count. From `QUIET_OPENMP_WORK`
     multiply-adds on, the OpenMP runtimes in the process are first asked to
-    let their idle workers go (`elastic_np.cpu._openmp`). Threads instead of
+    let their idle workers go (`elastic_np.cpu._runtime.openmp`). Threads instead of
     ``prange``: a parallel Numba function compiles its loop body again as a
     gufunc and LLVM optimises it once per level it is linked into, which
     doubled the first compile of these kernels.
@@ -105,7 +104,7 @@ def _run_tasks(kernel, *args, work=None, tasks=None):
             kernel(*args, 0, 1)
         else:
             if work is None or work >= config.QUIET_OPENMP_WORK:
-                _openmp.quiet()  # their spinning workers would share the cores with the parts
+                openmp.quiet()  # their spinning workers would share the cores with the parts
             pool.run(kernel, args, threads, tasks, interruptible, work)
     finally:
         pool.lock.release()
@@ -500,11 +499,11 @@ def _fetch_add(typingctx, flags, i, value):
 
 
 @inner(fastmath=False)
-def _task_range(n, part, parts):
+def task_range(n, part, parts):
     """The tasks of thread ``part`` of ``parts``: a contiguous share of ``range(n)``.
 
     Contiguous, as ``prange`` schedules them: consecutive tasks alternate a
-    cheap and a costly tile under a causal mask (`_zigzag`), so any run of
+    cheap and a costly tile under a causal mask (`zigzag`), so any run of
     them is balanced, where every ``parts``-th task would not be (with two
     threads, one would get every cheap tile).
     """
@@ -515,17 +514,17 @@ def _task_range(n, part, parts):
 def query_tile(task, n_qt, H, group, block_q, N):
     """``(b, h, hk, qt, i0, bq)`` of a task of the kernels with one task per (batch, head, query tile).
 
-    Batch entry, head, its kv head, the query tile (tiles taken in `_zigzag`'s
+    Batch entry, head, its kv head, the query tile (tiles taken in `zigzag`'s
     order within a head), its first query and its queries.
     """
     bh = task // n_qt
     b, h = bh // H, bh % H
-    qt = _zigzag(task % n_qt, n_qt)
+    qt = zigzag(task % n_qt, n_qt)
     i0 = qt * block_q
     return b, h, h // group, qt, i0, min(block_q, N - i0)
 
 
 @inner(fastmath=False)
-def _zigzag(t, n):
+def zigzag(t, n):
     """Visit tiles 0, n-1, 1, n-2, ...: cheap and costly causal tiles alternate."""
     return t // 2 if t % 2 == 0 else n - 1 - t // 2

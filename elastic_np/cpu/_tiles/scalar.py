@@ -9,8 +9,8 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from elastic_np.cpu._config import _FASTMATH
-from elastic_np.cpu._numba_private import inner
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
 
 
 @inner(fastmath=False)
@@ -26,12 +26,12 @@ def _removes_nothing(opt, tile, bk, nvm):
     return inside and not (nvm or opt.has_mask or opt.has_gate)
 
 
-def _like(x, arr):
+def scalar_like(x, arr):
     """``x`` as a scalar of the dtype of the array ``arr`` (jit code only)."""
     raise NotImplementedError("only callable from compiled code")
 
 
-@overload(_like, inline="always")
+@overload(scalar_like, inline="always")
 def _like_overload(x, arr):
     if isinstance(arr, types.Array) and arr.dtype == types.float32:
         return lambda x, arr: np.float32(x)
@@ -40,8 +40,8 @@ def _like_overload(x, arr):
     return None
 
 
-@inner(fastmath=_FASTMATH)
-def _log_add_exp(a, b):
+@inner(fastmath=FASTMATH)
+def log_add_exp(a, b):
     if b == -np.inf:
         return a
     if a == -np.inf:

@@ -2,9 +2,9 @@
 
 The primitives are small dense building blocks that the kernels of
 `elastic_np.cpu` call once per tile, inside a task that one thread runs:
-the products (`elastic_np.cpu._products`), the exponential and the tangent
-(`elastic_np.cpu._exp`) and the block transposes
-(`elastic_np.cpu._transpose`); each module's docstring lists its functions.
+the products (`elastic_np.cpu._tiles.products`), the exponential and the tangent
+(`elastic_np.cpu._tiles.exp`) and the block transposes
+(`elastic_np.cpu._tiles.transpose`); each module's docstring lists its functions.
 
 All arrays are 2-D, C-contiguous and of one dtype (float32 or float64); they may
 be larger than the block used, which is the top-left corner, or for a
@@ -30,14 +30,14 @@ from numba.core import config
 from numba.extending import overload
 from numba.np import numpy_support
 
-from elastic_np.cpu import _numba_private
+from elastic_np.cpu._runtime import numba_private
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
 # measured no faster for the matmuls, and would let LLVM reorder the exponential's
 # Cody-Waite reduction).
 _OPTIONS = dict(cache=True, fastmath={"contract"}, boundscheck=False, error_model="numpy")
-#: The same for their helpers (`elastic_np.cpu._numba_private.inner`).
+#: The same for their helpers (`elastic_np.cpu._runtime.numba_private.inner`).
 _INNER_OPTIONS = {name: value for name, value in _OPTIONS.items() if name != "cache"}
 
 
@@ -89,7 +89,7 @@ def compile_for(dtype, functions=None):
     """Compile (or load from the cache) the signatures of ``dtype`` of the tile functions.
 
     ``functions``: a tuple of the typed tile functions a caller uses (what they call
-    comes with them), or of their C entry points (`elastic_np.cpu._calls`),
+    comes with them), or of their C entry points (`elastic_np.cpu._tiles.calls`),
     which are then built and registered too; all the typed functions by
     default. Call it before the first compiled caller of that dtype is typed
     (the CPU backend's entry points do, each for what its kernels call);
@@ -108,8 +108,8 @@ def compile_for(dtype, functions=None):
                 _COMPILED.add((key[0], dispatcher))
         for call in calls:
             symbol, make_entry = call.entries[element]
-            if symbol not in _numba_private._LINKED:
-                _numba_private.register_symbol(symbol, make_entry().address)
+            if not numba_private.linked(symbol):
+                numba_private.register_symbol(symbol, make_entry().address)
         _READY.add(key)
 
 
@@ -163,10 +163,10 @@ HAS_FMA = "fma" in _FEATURES
 _VECTOR_BYTES = _vector_bytes(_FEATURES)
 
 
-_REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
+REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
 
 
-def _constant_in_jit_code(width_of):
+def constant_in_jit_code(width_of):
     """Give ``width_of(array)`` to jit code too, as a compile-time constant of the array's dtype."""
 
     @overload(width_of, inline="always")
@@ -180,4 +180,4 @@ def _constant_in_jit_code(width_of):
 
 
 #: Bytes of a cache line, the unit in which `transpose_stream` writes.
-_LINE_BYTES = 64
+LINE_BYTES = 64

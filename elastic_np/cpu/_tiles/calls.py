@@ -5,7 +5,7 @@ module and optimises it again, so every kernel would carry, and compile,
 its own copy of the products and the exponential, a large share of its
 code. Instead each primitive is compiled once per dtype behind a C entry
 point (`numba.cfunc`, cached like the rest), whose address
-`elastic_np.cpu._simd.compile_for` registers with LLVM as the symbol
+`elastic_np.cpu._tiles.simd.compile_for` registers with LLVM as the symbol
 ``elastic_np_<name>_<dtype>``; the functions below, called from jit code
 with the primitive's own arguments, emit a call to that symbol. Compiled
 code refers to it by name, so a kernel loaded from the cache in a new
@@ -19,9 +19,9 @@ The three products share one entry point, ``elastic_np_matmul_<dtype>``: a
 factor that starts at a column of its array (a tile of one head of a
 ``(B, N, H, D)`` array) travels as the whole array's pointer and shape and
 that column, so that the entry point's arrays cover exactly what it may read.
-The mechanism is Numba's internals (`elastic_np.cpu._numba_private`); where
+The mechanism is Numba's internals (`elastic_np.cpu._runtime.numba_private`); where
 its paths ``entry_points`` and ``lazy_stages`` are off, the kernels call the
-typed functions and the stages themselves (`_logits.modify_tile`,
+typed functions and the stages themselves (`logits.modify_tile`,
 `_backward.dbias_tile`).
 """
 
@@ -34,9 +34,9 @@ from numba import carray, types
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from elastic_np.cpu import _exp, _products
-from elastic_np.cpu import _numba_private as private
-from elastic_np.cpu._simd import _DTYPES, _signatures
+from elastic_np.cpu._runtime import numba_private as private
+from elastic_np.cpu._tiles import exp, products
+from elastic_np.cpu._tiles.simd import _DTYPES, _signatures
 
 
 def _symbol(name, dtype):
@@ -62,7 +62,7 @@ def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=Non
     point of the dtype (``make_entry()``, a `numba.cfunc`) and registers it.
     An entry point several functions share has its own ``name`` and
     ``c_signatures`` (by dtype); ``arrange`` maps each caller's flattened
-    arguments onto it (see `_numba_private.call_codegen`).
+    arguments onto it (see `numba_private.call_codegen`).
     """
     name = name or public.__name__
     signatures = {sig.args[0].dtype: sig for sig in _signatures(public)}
@@ -83,23 +83,23 @@ def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=Non
 
 def _matmul(a, a0, a1, a_col, b, b0, b1, b_col, c, c0, c1, m, n, k, accumulate, transposed, col_max, n_max,
             max_mode):
-    _products._matmul(
+    products._matmul(
         carray(a, (a0, a1)), a_col, carray(b, (b0, b1)), b_col, carray(c, (c0, c1)), m, n, k, accumulate != 0,
         transposed != 0, carray(col_max, (n_max,)), max_mode,
     )
 
 
 def _exp_inplace(x, x0, x1, m, n):
-    _exp.exp_inplace(carray(x, (x0, x1)), m, n)
+    exp.exp_inplace(carray(x, (x0, x1)), m, n)
 
 
 def _exp_shift_sum(x, x0, x1, m, n, shift, n_shift, nvm, sums, n_sums):
-    _exp.exp_shift_sum(carray(x, (x0, x1)), m, n, carray(shift, (n_shift,)), nvm != 0, carray(sums, (n_sums,)))
+    exp.exp_shift_sum(carray(x, (x0, x1)), m, n, carray(shift, (n_shift,)), nvm != 0, carray(sums, (n_sums,)))
 
 
-# The three products share one entry point (`_products._matmul` takes the
+# The three products share one entry point (`products._matmul` takes the
 # variant as arguments), compiled once per dtype rather than once per variant.
-_MATMUL_C = {sig.args[0].dtype: _c_signature(sig) for sig in _signatures(_products._matmul)}
+_MATMUL_C = {sig.args[0].dtype: _c_signature(sig) for sig in _signatures(products._matmul)}
 
 
 def _with_flags(transposed):
@@ -121,33 +121,33 @@ def _with_maxima(builder, values):
 
 if private.enabled("entry_points"):
     matmul_nn = _entry_points(
-        _products.matmul_nn, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_flags(0)
+        products.matmul_nn, _matmul, (products._matmul,), "matmul", _MATMUL_C, _with_flags(0)
     )
     matmul_tn = _entry_points(
-        _products.matmul_tn, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_flags(1)
+        products.matmul_tn, _matmul, (products._matmul,), "matmul", _MATMUL_C, _with_flags(1)
     )
     matmul_nn_max = _entry_points(
-        _products.matmul_nn_max, _matmul, (_products._matmul,), "matmul", _MATMUL_C, _with_maxima
+        products.matmul_nn_max, _matmul, (products._matmul,), "matmul", _MATMUL_C, _with_maxima
     )
-    exp_inplace = _entry_points(_exp.exp_inplace, _exp_inplace, (_exp.exp_inplace,))
-    exp_shift_sum = _entry_points(_exp.exp_shift_sum, _exp_shift_sum, (_exp.exp_shift_sum,))
+    exp_inplace = _entry_points(exp.exp_inplace, _exp_inplace, (exp.exp_inplace,))
+    exp_shift_sum = _entry_points(exp.exp_shift_sum, _exp_shift_sum, (exp.exp_shift_sum,))
 else:  # the typed functions themselves, linked into each kernel
-    matmul_nn, matmul_tn, matmul_nn_max = _products.matmul_nn, _products.matmul_tn, _products.matmul_nn_max
-    exp_inplace, exp_shift_sum = _exp.exp_inplace, _exp.exp_shift_sum
+    matmul_nn, matmul_tn, matmul_nn_max = products.matmul_nn, products.matmul_tn, products.matmul_nn_max
+    exp_inplace, exp_shift_sum = exp.exp_inplace, exp.exp_shift_sum
 
 
 # ---------------------------------------------------------------------------
 # Stages compiled on first use: the score modifiers and dbias
 # ---------------------------------------------------------------------------
 #
-# The soft-cap, ALiBi and bias stage of a tile (`_logits._modify_tile`) is as
+# The soft-cap, ALiBi and bias stage of a tile (`logits._modify_tile`) is as
 # much code as the rest of the logits pipeline, and the backward's dbias
 # stage (`_backward._dbias_tile`) is a fifth of the backward kernel's. Behind
 # C entry points they are compiled once per dtype instead of inside each
 # kernel, and only when a call first needs them: the kernels call a
 # trampoline (a few instructions, built by llvmlite when `compile_for`
 # registers the symbol) that jumps to the address its slot holds, which
-# `elastic_np.cpu._logits.ensure_modifiers` and
+# `elastic_np.cpu._tiles.logits.ensure_modifiers` and
 # `elastic_np.cpu._backward.ensure_dbias` fill before a kernel needs it.
 
 #: Flags of `modify_tile`, packed into one integer.
@@ -185,12 +185,12 @@ def _registered(name, dtype):
     return pytypes.SimpleNamespace(address=private.trampoline(_symbol(name, dtype), LAZY_SIGNATURES[name](dtype))[0])
 
 
-if private.enabled("lazy_stages"):  # else `_logits` and `_backward` link the stages into the kernels
+if private.enabled("lazy_stages"):  # else `logits` and `_backward` link the stages into the kernels
 
     @intrinsic(prefer_literal=False)
     def modify_tile(typingctx, st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
                     softcap):
-        """`_logits._modify_tile` on ``st`` through ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
+        """`logits._modify_tile` on ``st`` through ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
         sig = types.void(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags, softcap)
         if not all(private.flattens(ty) for ty in sig.args):
             return None
