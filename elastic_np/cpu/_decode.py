@@ -59,7 +59,6 @@ from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._decode_plan import schedule
 from elastic_np.cpu._decode_products import key_scores, query_width, value_products
 from elastic_np.cpu._decode_tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
-from elastic_np.cpu._forward import _load_queries, _online_update
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
@@ -68,6 +67,7 @@ from elastic_np.cpu._tiles.halves import checked, narrow, widen
 from elastic_np.cpu._tiles.logits import (
     logits_factor, logits_tile, modifier_factors, modify_tile, plus_scaled, query_factor, scale_row,
 )
+from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
 from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
@@ -377,7 +377,7 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
             key_scores(qs[t], rows_at, hint, st[t], c, rows, n, D)
     for t in range(heads):
         checksum[t] += _score_rows(st[t], shift_by, opt, (b, hk0 + t, N, j0, bk), row_span[t])
-        kept[t] = _softmax_step(st[t], bk, shift_by, (acc[t], row_max[t], row_sum[t]))
+        kept[t] = query_major_update(st[t], bk, shift_by, (acc[t], row_max[t], row_sum[t]))
     for i in range(n_runs if by_run else heads):
         for j in range(heads if by_run else n_runs):
             t, c, n, rows_at, hint = _visit(v, pages, order, runs, i, j, length)
@@ -405,53 +405,12 @@ def _start_rows(q, opt, b, hk, qs, state):
     row_sum[:] = 0.0
 
 
-@inner(fastmath=FASTMATH)
-def _softmax_step(st, bk, shift_by, state):
-    """A kv head's logits ``st[:, :bk]`` (`_score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
-
-    ``shift_by``: the rows' maxima over the tile, made what each row shifts
-    by; ``state = (acc, row_max, row_sum)``; ``kept``: whether any row
-    keeps a key of the tile (else ``st`` is left as it is). A value that is
-    not finite makes ``acc`` not finite (``p v`` with ``p = 0`` too), which
-    `_store_split` checks.
-    """
-    acc, row_max, row_sum = state
-    rows, Dv = acc.shape
-    any_kept = False
-    for r in range(rows):
-        tile_max = shift_by[r]
-        new_max = max(row_max[r], tile_max)
-        # a row with nothing kept yet shifts by 0: exp(-inf - 0) = 0, not NaN
-        shift_by[r] = new_max if new_max > -np.inf else 0.0
-        if new_max > row_max[r]:
-            alpha = math.exp(row_max[r] - shift_by[r])
-            row_sum[r] *= alpha
-            if alpha != 1.0:
-                for d in range(Dv):
-                    acc[r, d] *= alpha
-        row_max[r] = new_max
-        any_kept = any_kept or tile_max > -np.inf
-        z = st[r, :bk]
-        for c in range(bk):
-            z[c] -= shift_by[r]
-    if not any_kept:
-        return False
-    exp_inplace(st, rows, bk)
-    for r in range(rows):
-        z = st[r, :bk]
-        total = scalar_like(0.0, st)
-        for c in range(bk):
-            total += z[c]
-        row_sum[r] += total
-    return True
-
-
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
-    steps (`logits_tile`, `_online_update`) one head after the other while
+    steps (`logits_tile`, `online_update`) one head after the other while
     the tile's keys and values are in cache: no transposed keys, and the
     per-query work runs along the SIMD lanes.
     """
@@ -469,7 +428,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
     shift_by = np.empty(N, dtype=dtype)
     rescale_by = np.empty(N, dtype=dtype)
     tile_sum = np.empty(N, dtype=dtype)
-    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
+    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `online_update`
     spans = np.empty((group, 2), dtype=np.int64)  # per head: its keys [j_lo, j_hi)
     row_lo = np.empty(group * N, dtype=np.int64)
     row_hi = np.empty(group * N, dtype=np.int64)
@@ -490,7 +449,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for g in range(group):
             h = hk * group + g
-            _load_queries(head_rows(q, b, h, 0, N), query_factor(opt, h), q_t[g])
+            load_queries(head_rows(q, b, h, 0, N), query_factor(opt, h), q_t[g])
             spans[g, 0], spans[g, 1] = key_range(
                 opt.diag_shift[b], 0, N, opt.band[b, h, 0], opt.band[b, h, 1], opt.kv_lengths[b]
             )
@@ -511,7 +470,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
                     nvm_in_max,
                 )
                 if kept:
-                    _online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))
+                    online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))
         checksum += _store_split(
             acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
             part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s],

@@ -11,13 +11,12 @@ from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._plan import _check_cache, _options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
-from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
 from elastic_np.cpu._tiles.calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
-from elastic_np.cpu._tiles.halves import narrow, readable, scratch_for, widen
-from elastic_np.cpu._tiles.logits import column_max, logits_tile, modify_tile, query_factor
+from elastic_np.cpu._tiles.halves import readable, scratch_for
+from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, query_factor
+from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, online_update
 from elastic_np.cpu._tiles.operands import head_rows, new, operand, shape
-from elastic_np.cpu._tiles.scalar import log_add_exp
 from elastic_np.cpu._tiles.simd import compile_for
 
 
@@ -75,7 +74,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
     shift_by = np.empty(block_q, dtype=dtype)
     rescale_by = np.empty(block_q, dtype=dtype)
     tile_sum = np.empty(block_q, dtype=dtype)
-    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `_online_update`
+    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `online_update`
     row_sum = np.empty(block_q)
     k_half = scratch_for(k[0], block_k, D, dtype)
     v_half = scratch_for(v[0], block_k, Dv, dtype)
@@ -87,7 +86,7 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
             break
         b, h, hk, qt, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
 
-        _load_queries(head_rows(q, b, h, i0, bq), query_factor(opt, h), q_t)
+        load_queries(head_rows(q, b, h, i0, bq), query_factor(opt, h), q_t)
         acc[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
@@ -108,99 +107,6 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
             )
             if kept:
                 v_j = readable(head_rows(v, b, hk, j0, bk), Dv, v_half)
-                _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
+                online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
-        _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
-
-
-@inner(fastmath=FASTMATH)
-def _online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
-    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`logits_tile`) and its values ``v_j``.
-
-    ``v_j = (whole, col)``: the values' rows, as `elastic_np.cpu._tiles.operands.head_rows` gives them.
-    ``scratch = (tile_max, shift_by, rescale_by, tile_sum)``, each of length
-    ``bq`` or more; ``state = (row_max, row_sum, acc)``, the rows' state.
-    ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
-    are taken here, of the entries ``>= 0`` with ``nvm_in_max``); the rows
-    are rescaled to the new maxima and the tile's exponentials (0 for the
-    entries ``< 0`` with ``nvm_in_max``) and ``P V`` added.
-    """
-    tile_max, shift_by, rescale_by, tile_sum = scratch
-    row_max, row_sum, acc = state
-    if not maxed:
-        column_max(st, bk, bq, tile_max, nvm_in_max)
-    _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq)
-    for r in range(bq):
-        tile_sum[r] = 0.0
-    exp_shift_sum(st, bk, bq, shift_by, nvm_in_max, tile_sum)
-    for r in range(bq):
-        row_sum[r] += tile_sum[r]
-    v_rows, v_col = v_j
-    matmul_tn(st, 0, v_rows, v_col, acc, bq, acc.shape[1], bk, True)
-
-
-@inner(fastmath=FASTMATH)
-def _load_queries(q_tile, factor, q_t):
-    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`query_factor`), transposed.
-
-    ``q_tile = (whole, col)``, the ``bq`` queries' rows (`elastic_np.cpu._tiles.operands.head_rows`); ``D = q_t.shape[0]``.
-    """
-    whole, col = q_tile
-    D = q_t.shape[0]
-    for r in range(whole.shape[0]):
-        q_row = whole[r, col : col + D]
-        for d in range(D):
-            q_t[d, r] = widen(q_row[d]) * factor
-
-
-@inner(fastmath=FASTMATH)
-def _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, acc, bq):
-    """The online softmax's update of the row maxima by a tile's: ``m' = max(m, m_tile)``.
-
-    ``row_sum`` and ``acc`` are rescaled by ``exp(m - m')`` where the maximum
-    grew; ``shift_by`` receives ``m'``, what the tile's logits are shifted by.
-    """
-    rescale = False
-    for r in range(bq):
-        new_max = max(row_max[r], tile_max[r])
-        # A row with nothing kept yet stays at -inf; shift by 0 so that
-        # exp(-inf - 0) = 0 instead of NaN.
-        shift_by[r] = new_max if new_max > -np.inf else 0.0
-        if new_max > row_max[r]:
-            alpha = math.exp(row_max[r] - shift_by[r])
-            row_sum[r] *= alpha
-            if alpha != 1.0:
-                rescale = True
-            rescale_by[r] = alpha
-        else:
-            rescale_by[r] = 1.0
-        row_max[r] = new_max
-    if rescale:
-        for r in range(bq):
-            alpha = rescale_by[r]
-            for d in range(acc.shape[1]):
-                acc[r, d] *= alpha
-
-
-@inner(fastmath=FASTMATH)
-def _finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
-    """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
-
-    ``out_rows = (whole, col)``, the tile's rows of ``out`` (`elastic_np.cpu._tiles.operands.head_rows`).
-    A row with nothing kept gets ``out = 0``, ``lse = log beta``.
-    """
-    whole, col = out_rows
-    Dv = acc.shape[1]
-    for r in range(whole.shape[0]):
-        out_row = whole[r, col : col + Dv]
-        if row_sum[r] > 0.0:
-            m = np.float64(row_max[r])
-            lse_r = log_add_exp(m + math.log(row_sum[r]), log_beta)
-            weight = math.exp(m - lse_r)
-            for d in range(Dv):
-                out_row[d] = narrow(acc[r, d] * weight, out_row)
-            lse_rows[r] = lse_r
-        else:
-            for d in range(Dv):
-                out_row[d] = narrow(0.0, out_row)
-            lse_rows[r] = log_beta
+        finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])

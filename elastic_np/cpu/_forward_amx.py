@@ -35,7 +35,6 @@ from numba import njit
 from elastic_np._contract._ranges import key_range
 from elastic_np._contract._validation import dtype_name
 from elastic_np.cpu import _forward
-from elastic_np.cpu._forward import _finish_rows, _rescale_rows
 from elastic_np.cpu._plan import _check_cache, _options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
@@ -46,6 +45,7 @@ from elastic_np.cpu._tiles.calls import exp_shift_sum
 from elastic_np.cpu._tiles.exp import float_from_bits
 from elastic_np.cpu._tiles.halves import bits, float32_bits
 from elastic_np.cpu._tiles.logits import column_max, modify_tile, scale_logits, shape_logits
+from elastic_np.cpu._tiles.online_softmax import finish_rows, rescale_rows
 from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
 
@@ -161,7 +161,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
     rescale_by = np.empty(block_q, dtype=np.float32)
     tile_sum = np.empty(block_q, dtype=np.float32)
     row_sum = np.empty(block_q)
-    no_acc = np.empty((block_q, 0), dtype=np.float32)  # `_rescale_rows` rescales acc_t's columns here instead
+    no_acc = np.empty((block_q, 0), dtype=np.float32)  # `rescale_rows` rescales acc_t's columns here instead
     no_cap_slope = np.empty((0, 0), dtype=np.float32)
     n_tasks = B * H * n_qt
     # the tiles' configuration, once a part: loading it costs about 50 ns, and loading it after
@@ -196,7 +196,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
             for r in range(bq):
                 if tile_max[r] == np.inf:
                     overflow[0] = True
-            _rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, no_acc, bq)
+            rescale_rows(tile_max, row_max, row_sum, shift_by, rescale_by, no_acc, bq)
             for d in range(Dv):
                 acc_row = acc_t[d, :bq]
                 for r in range(bq):
@@ -213,7 +213,7 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
             for d in range(Dv):
                 acc[r, d] = acc_t[d, r] * back
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
-        _finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
+        finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
     amx.release()
 
 
