@@ -72,7 +72,7 @@ _NO_TILES = "elastic_np bfloat16, no AMX"
 
 
 def amx_in_use():
-    """Whether a bfloat16 prefill runs on AMX tiles here (`elastic_np.cpu._forward_amx`)."""
+    """Whether a bfloat16 prefill runs on AMX tiles here (`elastic_np.cpu._prefill.forward_amx`)."""
     from elastic_np.cpu._runtime import config as _config
     from elastic_np.cpu._tiles import amx as _amx
 

@@ -24,7 +24,8 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cpu import _backward, _decode, _forward
+from elastic_np.cpu._decode import decode as _decode
+from elastic_np.cpu._prefill import backward as _backward, forward as _forward
 from elastic_np.cpu._runtime import config as _config, threads as _threads
 
 _KERNEL_MODULES = (_decode, _forward, _backward)

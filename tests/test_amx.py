@@ -1,4 +1,4 @@
-"""The bfloat16 prefill forward on AMX tiles (`elastic_np.cpu._forward_amx`), where this CPU has them.
+"""The bfloat16 prefill forward on AMX tiles (`elastic_np.cpu._prefill.forward_amx`), where this CPU has them.
 
 Every call is held to the kit's rule against the float64 oracle, and to the
 float32 products of the same kernels (``config.AMX`` off): ``lse`` to
@@ -13,7 +13,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cpu
-from elastic_np.cpu import _forward_amx
+from elastic_np.cpu._prefill import forward_amx as _forward_amx
 from elastic_np.cpu._tiles import amx as _amx
 from elastic_np.testing._report import worst_error
 from elastic_np.testing._tolerances import kit_allowed, naive_orderings, rounding_allowance

@@ -10,7 +10,7 @@ import pytest
 import elastic_np as enp
 from elastic_np import cpu
 from elastic_np._contract import _grads, _problem
-from elastic_np.cpu._dbias import _store_transposed
+from elastic_np.cpu._prefill.dbias import _store_transposed
 from elastic_np.cpu._tiles.transpose import stream_width
 from oracle_checks import (
     ALIBI_BH,
@@ -127,7 +127,7 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
     line = stream_width(dtype)
     bk, bq, stride = 2 * line + 3, 21, 3 * line
     tile = np.random.default_rng(7).standard_normal((bk + 1, bq + 2)).astype(dtype)
-    dst = cpu._dbias._zeros_on_lines(bq * stride + 2 * line, dtype)
+    dst = cpu._prefill.dbias._zeros_on_lines(bq * stride + 2 * line, dtype)
     assert dst.ctypes.data % 64 == 0
     dst[:] = np.nan
     start = line if on_lines else line + 1
@@ -142,17 +142,17 @@ def test_dbias_plan_lanes():
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = make_inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
     p = _problem.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
     assert plan.params.tolist() == [2, 1, 1, 4, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
     # enough key tiles for the tasks: one lane of the 4 pairs, one float64 partial
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
     assert plan.params.tolist() == [2, 1, 1, 1, 1] and plan.partials.shape == (1, 23 * 31)
     p = _problem.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
     p = _problem.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
     assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
@@ -197,7 +197,7 @@ def test_bias_not_copied(dtype, layout):
     for name in ("full", "nm", "1h1m-keypad", "bhn1"):
         bias = laid_out(BIASES[name].astype(dtype), layout)
         p = _problem.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-        opt = cpu._plan._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
+        opt = cpu._prefill.plan.kernel_options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
         assert np.shares_memory(opt.bias, bias) == (layout != "reversed" or bias.shape[-1] == 1)
         assert not opt.bias.flags.writeable
         # the same entries through the strides
@@ -207,7 +207,7 @@ def test_bias_not_copied(dtype, layout):
         np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
     # another dtype is converted into a copy, never the caller's array written
     other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
-    opt = cpu._plan._options(_problem.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    opt = cpu._prefill.plan.kernel_options(_problem.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
     assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
     np.testing.assert_array_equal(opt.bias.reshape(23, 31), other.astype(dtype))
 
@@ -281,12 +281,12 @@ def test_bias_values_checked_before_conversion():
         cpu.forward(problem)
     bias[3, 4] = -1e300  # -inf once converted: removes the entry, as a float32 score would
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-    cpu._plan._options(problem, False, np.dtype(np.float32))  # no error
+    cpu._prefill.plan.kernel_options(problem, False, np.dtype(np.float32))  # no error
     # no check at all when the caller asks for none
     bias[3, 4] = np.nan
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes, check_finite=False)
     assert not problem.bias_unchecked
-    cpu._plan._options(problem, False, np.dtype(np.float32))  # no error
+    cpu._prefill.plan.kernel_options(problem, False, np.dtype(np.float32))  # no error
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -393,7 +393,7 @@ def _counters_of(monkeypatch, module):
 
 def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
     """The backward claims its tasks (a key tile of a kv head each) from a counter a chunk; the bits of one thread."""
-    counters = _counters_of(monkeypatch, cpu._backward)
+    counters = _counters_of(monkeypatch, cpu._prefill.backward)
     rng = np.random.default_rng(3)
     q, dout = (rng.standard_normal((2, 4, 23, 16)) for _ in range(2))
     k, v = (rng.standard_normal((2, 2, 31, 16)) for _ in range(2))
@@ -411,7 +411,7 @@ def test_the_backward_claims_each_key_tile_once(monkeypatch, small_tiles):
 
 def test_the_double_backward_claims_its_query_and_key_tiles(monkeypatch, small_tiles):
     """Both passes of the double backward claim their tasks from a counter of their own, every task claimed."""
-    counters = _counters_of(monkeypatch, cpu._double_backward)
+    counters = _counters_of(monkeypatch, cpu._double_backward.double_backward)
     rng = np.random.default_rng(4)
     q, dout, ddq = (rng.standard_normal((1, 2, 23, 16)) for _ in range(3))
     k, v, ddk, ddv = (rng.standard_normal((1, 2, 31, 16)) for _ in range(4))

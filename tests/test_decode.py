@@ -1,7 +1,7 @@
 """The CPU decode kernel (few queries against a long cache) against the float64 oracle.
 
 `elastic_np.cpu.forward` hands every problem with ``1 <= N <= 16`` queries
-(and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode`. The
+(and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode.decode`. The
 `decode_tiles` fixture shrinks its key tiles and splits so that small caches
 cross several of both, and runs each case through both of its kernels; the
 backward of these cases runs the prefill kernels.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np.cpu import _decode, _decode_plan
+from elastic_np.cpu._decode import decode as _decode, plan as _decode_plan
 from elastic_np import cpu, reference
 from elastic_np._contract import _problem
 from test_cpu import assert_close, check_case

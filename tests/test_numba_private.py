@@ -49,7 +49,7 @@ FORCED = """
 import numpy as np
 import elastic_np as enp
 from elastic_np.cli import _first_compile
-from elastic_np.cpu import _backward
+from elastic_np.cpu._prefill import dbias as _dbias
 from elastic_np.cpu._runtime import numba_private as _numba_private
 from elastic_np.cpu._tiles import (
     calls as _calls, exp as _exp, logits as _logits, products as _products, scalar as _scalar,
@@ -59,7 +59,7 @@ q, k, v = (rng.standard_normal((1, 2, 12, 8)) for _ in range(3))
 out, lse = enp.attention(q, k, v, causal=True, softcap=3.0, bias=np.ones((12, 12)), return_lse=True)
 enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=3.0, bias=np.ones((12, 12)))
 assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
-assert type(_logits.modify_tile) is type(_backward.dbias_tile) is type(_products.matmul_nn)
+assert type(_logits.modify_tile) is type(_dbias.dbias_tile) is type(_products.matmul_nn)
 assert np.isclose(_scalar.log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python
 assert not _numba_private._LINKED and not _numba_private._LAZY and not _numba_private._TRAMPOLINES
 assert not _first_compile._can_split()
@@ -91,7 +91,7 @@ import numpy as np
 import elastic_np as enp
 from elastic_np import reference
 from elastic_np._api import compile_report
-from elastic_np.cpu import _forward
+from elastic_np.cpu._prefill import forward as _forward
 from elastic_np.cpu._runtime import numba_private as _numba_private
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 24, 8)).astype(np.float32) for _ in range(3))

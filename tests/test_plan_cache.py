@@ -5,7 +5,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np._contract import _problem, _spec
-from elastic_np.cpu import _decode_plan, _plan
+from elastic_np.cpu._decode import plan as _decode_plan
+from elastic_np.cpu._prefill import plan as _plan
 
 
 def _arrays(N, M, dtype=np.float32, seed=0):

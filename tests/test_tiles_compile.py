@@ -96,7 +96,8 @@ def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
 FROM_CACHE = """
 import numpy as np
 import elastic_np as enp
-from elastic_np.cpu import _backward, _decode, _forward
+from elastic_np.cpu._decode import decode as _decode
+from elastic_np.cpu._prefill import backward as _backward, forward as _forward
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(3))
 out1 = enp.attention(q[:, :, :1], k, v, causal=True)

@@ -89,9 +89,10 @@ from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
-    from elastic_np.cpu import _decode, _decode_plan, _forward, _forward_amx
-    from elastic_np.cpu._backward import backward
-    from elastic_np.cpu._double_backward import double_backward
+    from elastic_np.cpu._decode import decode, plan as decode_plan
+    from elastic_np.cpu._double_backward.double_backward import double_backward
+    from elastic_np.cpu._prefill import forward as prefill, forward_amx
+    from elastic_np.cpu._prefill.backward import backward
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
@@ -118,9 +119,9 @@ def prepare(q, k, v, **options):
     """`elastic_np._contract._problem.prepare`, leaving the bias's values, and the keys' and values', to the backend.
 
     The bias's values are checked on its distinct entries only, before and
-    after a conversion to the kernels' dtype (`elastic_np.cpu._plan`), not
+    after a conversion to the kernels' dtype (`elastic_np.cpu._prefill.plan`), not
     on the broadcast view. The decode kernel finds a NaN or inf key or value
-    as it reads them (`elastic_np.cpu._decode`): at decode shapes a separate
+    as it reads them (`elastic_np.cpu._decode.decode`): at decode shapes a separate
     pass over the cache costs as much as the attention; the other paths
     check them first.
     """
@@ -131,8 +132,8 @@ def forward(problem):
     """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
 
     The decode kernel when the problem has a few queries per sequence
-    (`elastic_np.cpu._decode_plan.takes`), the prefill kernel otherwise: on AMX
-    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._forward_amx.takes`).
+    (`elastic_np.cpu._decode.plan.takes`), the prefill kernel otherwise: on AMX
+    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._prefill.forward_amx.takes`).
 
     Parameters
     ----------
@@ -143,8 +144,8 @@ def forward(problem):
     out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
     """
-    if _decode_plan.takes(problem):
-        return _decode.forward(problem)
-    if _forward_amx.takes(problem):
-        return _forward_amx.forward(problem)
-    return _forward.forward(problem)
+    if decode_plan.takes(problem):
+        return decode.forward(problem)
+    if forward_amx.takes(problem):
+        return forward_amx.forward(problem)
+    return prefill.forward(problem)

@@ -4,7 +4,7 @@ Host code reads them as ``config.NAME`` at call time, so a test may set one
 with ``monkeypatch.setattr(elastic_np.cpu._runtime.config, NAME, value)``.
 """
 
-# Prefill tiles (`elastic_np.cpu._forward`, `elastic_np.cpu._backward`)
+# Prefill tiles (`elastic_np.cpu._prefill.forward`, `elastic_np.cpu._prefill.backward`)
 
 #: Queries per tile (the vector axis of every tile) and keys per tile.
 BLOCK_Q = 128
@@ -21,10 +21,10 @@ DBIAS_PARTIALS_BYTES = 1 << 25
 DBIAS_MIN_TASKS = 64
 
 #: Whether a bfloat16 prefill forward runs its products on AMX tiles where the CPU has them
-#: (`elastic_np.cpu._forward_amx`); False: the float32 products, as on every other CPU.
+#: (`elastic_np.cpu._prefill.forward_amx`); False: the float32 products, as on every other CPU.
 AMX = True
 
-# Decoding (`elastic_np.cpu._decode`)
+# Decoding (`elastic_np.cpu._decode.decode`)
 
 #: Queries per sequence up to which `elastic_np.cpu.forward` takes the decode kernel.
 DECODE_MAX_QUERIES = 16
@@ -34,7 +34,7 @@ DECODE_MAX_ROWS = 128
 #: prefill tile of its queries: a multiple of the float32 vector fills its
 #: registers), below which the stacked-rows kernel does.
 DECODE_KEY_MAJOR_QUERIES = 16
-#: Keys per tile (see `elastic_np.cpu._decode_plan.block_keys`).
+#: Keys per tile (see `elastic_np.cpu._decode.plan.block_keys`).
 DECODE_BLOCK_K = 256
 #: Stacked rows up to which a tile holds half of `DECODE_BLOCK_K` keys.
 DECODE_FEW_ROWS = 16
@@ -43,10 +43,10 @@ DECODE_MIN_TASKS = 32
 #: Fewest keys of a split.
 DECODE_MIN_SPLIT_KEYS = 512
 #: Keys ahead of those it reads that the stacked-rows kernel hints into the
-#: cache (`elastic_np.cpu._decode_products`); a whole number of pages in a
+#: cache (`elastic_np.cpu._decode.products`); a whole number of pages in a
 #: paged cache.
 DECODE_HINT_KEYS = 128
-#: Where a task reads its tiles run by run (`elastic_np.cpu._decode_plan.tile_reads`):
+#: Where a task reads its tiles run by run (`elastic_np.cpu._decode.plan.tile_reads`):
 #: the longest run, and the keys ahead that each kv head hints.
 DECODE_RUN_KEYS = 32
 DECODE_RUN_HINT_KEYS = 32

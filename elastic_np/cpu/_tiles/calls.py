@@ -22,7 +22,7 @@ that column, so that the entry point's arrays cover exactly what it may read.
 The mechanism is Numba's internals (`elastic_np.cpu._runtime.numba_private`); where
 its paths ``entry_points`` and ``lazy_stages`` are off, the kernels call the
 typed functions and the stages themselves (`logits.modify_tile`,
-`_backward.dbias_tile`).
+`elastic_np.cpu._prefill.dbias.dbias_tile`).
 """
 
 import functools
@@ -141,14 +141,14 @@ else:  # the typed functions themselves, linked into each kernel
 # ---------------------------------------------------------------------------
 #
 # The soft-cap, ALiBi and bias stage of a tile (`logits._modify_tile`) is as
-# much code as the rest of the logits pipeline, and the backward's dbias
-# stage (`_backward._dbias_tile`) is a fifth of the backward kernel's. Behind
-# C entry points they are compiled once per dtype instead of inside each
-# kernel, and only when a call first needs them: the kernels call a
-# trampoline (a few instructions, built by llvmlite when `compile_for`
-# registers the symbol) that jumps to the address its slot holds, which
+# much code as the rest of the logits pipeline, and the backward's dbias stage
+# (`elastic_np.cpu._prefill.dbias._dbias_tile`) is a fifth of the backward
+# kernel's. Behind C entry points they are compiled once per dtype instead of
+# inside each kernel, and only when a call first needs them: the kernels call a
+# trampoline (a few instructions, built by llvmlite when `compile_for` registers
+# the symbol) that jumps to the address its slot holds, which
 # `elastic_np.cpu._tiles.logits.ensure_modifiers` and
-# `elastic_np.cpu._backward.ensure_dbias` fill before a kernel needs it.
+# `elastic_np.cpu._prefill.dbias.ensure_dbias` fill before a kernel needs it.
 
 #: Flags of `modify_tile`, packed into one integer.
 WANT_CAP_SLOPE, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, CAPPED_MAX = 1, 4, 8, 16, 32
@@ -185,7 +185,7 @@ def _registered(name, dtype):
     return pytypes.SimpleNamespace(address=private.trampoline(_symbol(name, dtype), LAZY_SIGNATURES[name](dtype))[0])
 
 
-if private.enabled("lazy_stages"):  # else `logits` and `_backward` link the stages into the kernels
+if private.enabled("lazy_stages"):  # else `logits` and `elastic_np.cpu._prefill.dbias` link the stages in
 
     @intrinsic(prefer_literal=False)
     def modify_tile(typingctx, st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
@@ -198,7 +198,8 @@ if private.enabled("lazy_stages"):  # else `logits` and `_backward` link the sta
 
     @intrinsic(prefer_literal=False)
     def dbias_tile(typingctx, dpt, dbias, tile, slot, inv_tau):
-        """`_backward._dbias_tile` through ``elastic_np_dbias_tile_<dtype>``; ``tile = (bk, bq, b, h, i0, j0)``."""
+        """`elastic_np.cpu._prefill.dbias._dbias_tile` through ``elastic_np_dbias_tile_<dtype>``; ``tile = (bk, bq, b,
+        h, i0, j0)``."""
         sig = types.void(dpt, dbias, tile, slot, inv_tau)
         if not all(private.flattens(ty) for ty in sig.args):
             return None

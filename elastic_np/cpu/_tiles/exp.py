@@ -18,9 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from elastic_np.cpu._runtime.numba_private import inner
-from elastic_np.cpu._tiles.simd import (
-    _DTYPES, _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, _VECTOR_BYTES, _matrix, _typed,
-)
+from elastic_np.cpu._tiles.simd import _DTYPES, _EXP_SIGNATURES, _INNER_OPTIONS, _OPTIONS, VECTOR_BYTES, _matrix, _typed
 
 
 def _bitcast(name, pairs, doc):
@@ -95,7 +93,7 @@ def _ldexp(typingctx, x, n):
 #: ``llvm.ldexp`` compiles to one vectorised instruction (vscalefps/pd) with
 #: AVX-512; elsewhere it may become a library call per element, so the
 #: exponential builds its power of two from exponent fields instead.
-_HAS_VECTOR_LDEXP = _VECTOR_BYTES == 64
+_HAS_VECTOR_LDEXP = VECTOR_BYTES == 64
 
 
 @inner(**_INNER_OPTIONS)

@@ -68,7 +68,7 @@ def widened(builder, raw, half):
 
     bfloat16 is the high half of a float32 (zero-extend and shift); float16
     converts exactly (``fpext``; F16C's ``vcvtph2ps`` on x86). For the
-    intrinsics here and the kernels' vector code (`elastic_np.cpu._decode_products`).
+    intrinsics here and the kernels' vector code (`elastic_np.cpu._decode.products`).
     """
     def like(element):  # the type of raw's shape with this element type
         return ir.VectorType(element, raw.type.count) if isinstance(raw.type, ir.VectorType) else element
@@ -205,7 +205,7 @@ def copied_checked(tile, width, out):
 @overload(copied_checked, jit_options=_TILE_CODE)
 def _copied_checked(tile, width, out):
     half = storage_format(tile.types[0].dtype)
-    if half is None:  # a float tile is copied only where it spans pages (`elastic_np.cpu._decode_tiles._tiles`)
+    if half is None:  # a float tile is copied only where it spans pages (`elastic_np.cpu._decode.tiles._tiles`)
         def copy_then_check(tile, width, out):
             copied(tile, width, out)
             return checked(tile, width)

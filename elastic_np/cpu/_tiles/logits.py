@@ -321,7 +321,7 @@ def plus_scaled(x, term, factor):
     How every kernel adds a score modifier's term (ALiBi's, the bias's,
     divided by ``tau_h``) to a logit: the prefill tiles (`_modify_tile`,
     whose SIMD blocks, `_add_transposed`, round the same way) and the decode
-    kernel (`elastic_np.cpu._decode._score_rows`). Without fast-math, so
+    kernel (`elastic_np.cpu._decode.decode._score_rows`). Without fast-math, so
     that no caller contracts it: a fused multiply-add in one kernel and not
     in another put the forward's logit and the backward's one rounding apart.
     """
@@ -415,7 +415,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale):
     """``tile[c, r] += scale * src[start + r * stride + c]`` for ``c < bk``, ``r < bq``, as `plus_scaled` adds.
 
     The inverse direction of
-    `elastic_np.cpu._dbias._store_transposed`: square blocks of ``W`` go
+    `elastic_np.cpu._prefill.dbias._store_transposed`: square blocks of ``W`` go
     through SIMD registers (`transpose_add`), the edges
     element by element. Without fast-math: Numba sets a function's flags on
     every instruction of its code, `transpose_add`'s too, and with

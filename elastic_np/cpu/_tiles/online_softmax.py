@@ -123,13 +123,13 @@ def finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
 
 @inner(fastmath=FASTMATH)
 def query_major_update(st, bk, shift_by, state):
-    """A kv head's logits ``st[:, :bk]`` (`elastic_np.cpu._decode._score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
+    """A kv head's logits ``st[:, :bk]`` (`elastic_np.cpu._decode.decode._score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
 
     ``shift_by``: the rows' maxima over the tile, made what each row shifts
     by; ``state = (acc, row_max, row_sum)``; ``kept``: whether any row
     keeps a key of the tile (else ``st`` is left as it is). A value that is
     not finite makes ``acc`` not finite (``p v`` with ``p = 0`` too), which
-    `elastic_np.cpu._decode._store_split` checks.
+    `elastic_np.cpu._decode.decode._store_split` checks.
     """
     acc, row_max, row_sum = state
     rows, Dv = acc.shape

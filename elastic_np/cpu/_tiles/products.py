@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from elastic_np.cpu._tiles.simd import _DTYPES, _OPTIONS, _VECTOR_BYTES, REGISTERS, _matrix, _typed
+from elastic_np.cpu._tiles.simd import _DTYPES, _OPTIONS, REGISTERS, VECTOR_BYTES, _matrix, _typed
 
 
 def _matmul_signature(dtype, *flags):
@@ -72,7 +72,7 @@ def _make_block(rows, vectors, transposed, with_max=False, nonneg=False):
         a_ty, b_ty, c_ty = signature.args[0], signature.args[2], signature.args[4]
         a_val, a_col, b_val, b_col, c_val, i_val, j_val, k_val = args[:8]
         ir_float = context.get_value_type(a_ty.dtype)
-        width = _VECTOR_BYTES // context.get_abi_sizeof(ir_float)
+        width = VECTOR_BYTES // context.get_abi_sizeof(ir_float)
         vec_ty = ir.VectorType(ir_float, width)
         align = context.get_abi_sizeof(ir_float)
         intp = context.get_value_type(types.intp)
@@ -226,7 +226,7 @@ def _vector_width(x):
 @overload(_vector_width, inline="always")
 def _vector_width_overload(x):
     if isinstance(x, types.Array):
-        width = _VECTOR_BYTES * 8 // x.dtype.bitwidth
+        width = VECTOR_BYTES * 8 // x.dtype.bitwidth
         return lambda x: width
     return None
 

@@ -160,10 +160,10 @@ HAS_FMA = "fma" in _FEATURES
 
 
 #: SIMD register width in bytes and the register count that sizes the blocks.
-_VECTOR_BYTES = _vector_bytes(_FEATURES)
+VECTOR_BYTES = _vector_bytes(_FEATURES)
 
 
-REGISTERS = 32 if _VECTOR_BYTES == 64 else 16
+REGISTERS = 32 if VECTOR_BYTES == 64 else 16
 
 
 def constant_in_jit_code(width_of):

@@ -15,7 +15,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from elastic_np.cpu._tiles.simd import _VECTOR_BYTES, LINE_BYTES, constant_in_jit_code
+from elastic_np.cpu._tiles.simd import LINE_BYTES, VECTOR_BYTES, constant_in_jit_code
 
 
 @intrinsic
@@ -58,7 +58,7 @@ def transpose_width(x):
     in jit code, where the width is a compile-time constant).
     """
     dtype = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
-    return max(_VECTOR_BYTES // dtype.itemsize, _MIN_TRANSPOSE_WIDTH)
+    return max(VECTOR_BYTES // dtype.itemsize, _MIN_TRANSPOSE_WIDTH)
 
 
 def transpose_in_registers(builder, rows):

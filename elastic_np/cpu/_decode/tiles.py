@@ -5,7 +5,7 @@ products read it (``(whole, col)`` rows, `elastic_np.cpu._tiles.operands`), with
 check of its values: in place from a contiguous cache, converted into
 scratch from a bfloat16 or float16 one (`elastic_np.cpu._tiles.halves`), gathered
 from the pages of a paged cache (``pages = (block_table, block_size,
-together)``, `elastic_np.cpu._decode.forward`). The stacked-rows kernel reads
+together)``, `elastic_np.cpu._decode.decode.forward`). The stacked-rows kernel reads
 its rows in place, a run at a time (`_run`), in the order `_visit` gives.
 `_check_unread_cache` checks what the kernels did not read.
 """

@@ -3,30 +3,28 @@
 `backward` prepares the scaled queries, ``dout^T`` and ``delta``
 (`_backward_prepare`), runs one task per (batch, kv head, key tile) in
 chunks of key tiles (`_backward_kernel`), then adds the key tiles' shares of
-``dq`` in key-tile order (`_sum_dq_shares`). Where ``dbias`` goes is
-`elastic_np.cpu._dbias`'s. bfloat16 and float16 inputs go through the
+``dq`` in key-tile order (`sum_dq_shares`). Where ``dbias`` goes is
+`elastic_np.cpu._prefill.dbias`'s. bfloat16 and float16 inputs go through the
 float32 kernels (`_from_halves`).
 """
 
 import dataclasses
 
 import numpy as np
-from numba import carray, njit
+from numba import njit
 
-from elastic_np._contract._ranges import query_range
-from elastic_np.cpu._dbias import (
-    _accumulate_columns, _accumulate_transposed, _DbiasPlan, _pair_head, _store_transposed, _task_pairs,
+from elastic_np.cpu._prefill.dbias import _task_pairs, dbias_tile, DbiasPlan, ensure_dbias, pair_head
+from elastic_np.cpu._prefill.key_tiles import (
+    copy_rows, gated_probabilities, group_spans, probabilities, row_stats, softcap_slope, sum_dq_shares,
 )
-from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._runtime import config
-from elastic_np.cpu._runtime.numba_private import enabled, inner
+from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.scratch import scratch
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range, zigzag
-from elastic_np.cpu._tiles import calls
 from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
-from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
 
 
@@ -50,18 +48,18 @@ def backward(problem, dout, out, lse, dlse=None):
     """
     if problem.dtype != problem.compute_dtype:
         return _from_halves(problem, dout, out, lse, dlse)
-    _check_cache(problem)
-    compile_for(problem.dtype, _BACKWARD_TILES)
+    check_cache(problem)
+    compile_for(problem.dtype, BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
     q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
     lse = kernel_array(lse)
-    opt = _options(problem, with_sigma_grad=True, dtype=dtype)
+    opt = kernel_options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
     q_scaled, q_scaled_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
     # the kernel forms the logits tiles without log G and adds it with the probabilities
-    # (`_gated_probabilities`): the tile keeps the score s / tau that dtau needs
+    # (`gated_probabilities`): the tile keeps the score s / tau that dtau needs
     logits_opt = opt._replace(has_gate=False)
 
     # One pass over key tiles gives dk, dv and each key tile's share of dq;
@@ -78,7 +76,7 @@ def backward(problem, dout, out, lse, dlse=None):
     dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
-    plan = _DbiasPlan(problem, dtype, n_kt, chunk)
+    plan = DbiasPlan(problem, dtype, n_kt, chunk)
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
@@ -87,7 +85,7 @@ def backward(problem, dout, out, lse, dlse=None):
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
         run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
                   tasks=task_counter(), work=work)
-        run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
+        run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
     dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
@@ -188,76 +186,13 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
 
 
 @inner(fastmath=False)
-def _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
-    for r in range(bq):
-        value = lse[b, h, i0 + r]
-        # An empty row with beta = 0 has lse = -inf and only -inf logits:
-        # shift by +inf so that exp(z - lse) = 0 rather than NaN.
-        lse_t[r] = np.inf if value == -np.inf else value
-        delta_t[r] = delta[b, h, i0 + r]
-
-
-@inner(fastmath=False)
-def _copy_rows(src, dst):
-    """``src``'s first rows into ``dst = (whole, col)`` (`elastic_np.cpu._tiles.operands.head_rows`), element by element.
-
-    (An array slice assignment compiles Numba's shape-mismatch message,
-    string formatting, into the caller.)
-    """
-    whole, col = dst
-    width = src.shape[1]
-    for c in range(whole.shape[0]):
-        dst_row = whole[c, col : col + width]
-        for d in range(width):
-            dst_row[d] = src[c, d]
-
-
-@inner(fastmath=False)
-def _probabilities(st, pt, lse_t, bk, bq, nvm_in_exp):
-    """``p = exp(z - lse)`` into ``pt`` (``lse_t`` from `_row_stats`); ``s < 0`` removed here with ``nvm_in_exp``."""
-    neg_inf = -np.inf
-    if nvm_in_exp:
-        for c in range(bk):
-            for r in range(bq):
-                x = st[c, r]
-                pt[c, r] = x - lse_t[r] if x >= 0 else neg_inf
-    else:
-        for c in range(bk):
-            for r in range(bq):
-                pt[c, r] = st[c, r] - lse_t[r]
-    exp_inplace(pt, bk, bq)
-
-
-@inner(fastmath=False)
-def _gated_probabilities(st, pt, lse_t, bk, bq, nvm, log_gate, base):
-    """`_probabilities` under the dynamic window: ``st`` holds the scores ``s / tau`` without ``log G``.
-
-    ``z = s / tau + log G`` is rounded to the tile's dtype as the forward
-    rounds it (`elastic_np.cpu._tiles.logits._remove_in_tile`: the same bits), and
-    ``p = exp(z - lse)`` goes into ``pt``; ``st`` keeps ``s / tau``, which
-    ``z - log G`` would give only to the rounding of ``z`` at ``|log G|``
-    (`_dz_tile`). The gate's table is read at ``base + c - r`` for key ``j0
-    + c``, query ``i0 + r``; a closed gate's ``-inf`` and, with ``nvm``, ``s
-    < 0`` remove the entry.
-    """
-    neg_inf = -np.inf
-    for c in range(bk):
-        at = base + c
-        for r in range(bq):
-            x = st[c, r]
-            z = scalar_like(np.float64(x) + log_gate[at - r], st)
-            pt[c, r] = z - lse_t[r] if x >= 0 or not nvm else neg_inf
-    exp_inplace(pt, bk, bq)
-
-
-@inner(fastmath=False)
 def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, dlog_gate, base, bk):
     """``dz = p (dP - delta)`` in place of ``dP``, and the query rows' ``dtau`` and ``dsigma`` sums.
 
     ``dz`` in the working dtype feeds the products; the sums (``sums[0]``,
     ``sums[1]``) take it in float64 against the float64 ``delta_r``, on the
     entries with ``p != 0``: ``dz s`` for ``dtau`` (``st``: ``s / tau``, also
-    under the gate, `_gated_probabilities`), ``dz dlog G / dsigma`` for
+    under the gate, `gated_probabilities`), ``dz dlog G / dsigma`` for
     ``dsigma``, the gate's table read at index ``base + c - r`` for key ``j0
     + c``, query ``i0 + r`` (an empty table: no gate).
     """
@@ -284,72 +219,8 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, dlog_gate, base, bk):
                 dtau[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
 
 
-@inner(fastmath=False)
-def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
-    """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `_DbiasPlan` says.
-
-    Mode 1 stores the tile into ``direct``; mode 2 adds it into the float64
-    ``partials[slot]`` of the task's lane.
-    """
-    params, strides, direct, partials = dbias
-    d_i, d_j = strides[2], strides[3]
-    start = b * strides[0] + h * strides[1] + i0 * d_i + j0 * d_j
-    if params[0] == 1:
-        # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
-        _store_transposed(dpt, bk, bq, direct, start, d_i, scalar_like(inv_tau, dpt))
-        return
-    partial = partials[slot]
-    if d_i == 0:
-        _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
-    elif d_j == 1 and d_i > 1:
-        # keys contiguous in dbias: the tile added transposed
-        _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
-    else:
-        for c in range(bk):
-            row = dpt[c]
-            at = start + c * d_j
-            for r in range(bq):
-                partial[at + r * d_i] += np.float64(row[r]) * inv_tau
-
-
-def _dbias_entry(dpt, d0, d1, params, n_params, strides, n_strides, direct, n_direct, partials, p0, p1,
-                 bk, bq, b, h, i0, j0, slot, inv_tau):
-    """The body of the dbias stage's C entry point (`calls.dbias_tile`'s arguments, flattened)."""
-    dbias = (carray(params, (n_params,)), carray(strides, (n_strides,)), carray(direct, (n_direct,)),
-             carray(partials, (p0, p1)))
-    _dbias_tile(carray(dpt, (d0, d1)), bk, bq, b, h, i0, j0, dbias, slot, inv_tau)
-
-
-def ensure_dbias(dtype):
-    """Compile (or load from the cache) the dbias stage for ``dtype`` before a backward with a bias runs.
-
-    Nothing to do when the path ``lazy_stages`` is off (`dbias_tile` is linked in).
-    """
-    if enabled("lazy_stages"):
-        calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
-
-
-def _linked_dbias_tile(dpt, dbias, tile, slot, inv_tau):
-    """`calls.dbias_tile`'s stage called directly, ``inv_tau`` a double as through the entry point."""
-    bk, bq, b, h, i0, j0 = tile
-    _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, np.float64(inv_tau))
-
-
-#: What the backward kernel calls for the dbias stage: an entry point compiled on first use, or the stage linked in.
-dbias_tile = calls.dbias_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_dbias_tile)
-
 #: What the backward kernel calls of `_calls` (see `elastic_np.cpu._tiles.simd.compile_for`).
-_BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
-
-
-@inner(fastmath=False)
-def _softcap_slope(dpt, cap_slope, bk, bq):
-    """``ds_raw = ds (1 - tanh^2)``: dk and dq take the raw score's gradient."""
-    for c in range(bk):
-        row = dpt[c]
-        slope_row = cap_slope[c]
-        for r in range(bq):
-            row[r] *= slope_row[r]
+BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 
 @inner(fastmath=False)
@@ -374,30 +245,6 @@ def _backward_scratch(k, block_q, block_k, Dv, group, has_softcap):
     )
 
 
-@inner(fastmath=False)
-def _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
-    """What the heads of kv head ``hk``'s group do with keys ``j0 .. j0 + bk - 1`` of batch entry ``b``.
-
-    ``spans[g]`` receives the query tiles ``[it_lo, it_hi)`` where head ``hk
-    group + g`` may keep one of the keys (``0, 0`` when none), ``share_rows[b,
-    h]`` the rows ``[lo, hi)`` of those tiles, where the key tile's share of
-    ``dq`` goes. Returns the union of the spans, ``[it_first, it_last)``.
-    """
-    group = spans.shape[0]
-    N = opt.n_queries
-    it_first, it_last = N, 0
-    for g in range(group):
-        h = hk * group + g
-        i_lo, i_hi = query_range(opt.diag_shift[b], j0, j0 + bk, opt.band[b, h, 0], opt.band[b, h, 1], N)
-        it_lo, it_hi = 0, 0
-        if bk > 0 and i_lo < i_hi:
-            it_lo, it_hi = i_lo // block_q, (i_hi - 1) // block_q + 1
-            it_first, it_last = min(it_first, it_lo), max(it_last, it_hi)
-        spans[g, 0], spans[g, 1] = it_lo, it_hi
-        share_rows[b, h, 0], share_rows[b, h, 1] = it_lo * block_q, min(it_hi * block_q, N)
-    return it_first, it_last
-
-
 @njit(nogil=True, cache=True, fastmath=False)
 def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, tasks, part, parts):
     """Key tiles ``kt0 .. kt1 - 1``: dk, dv, the tile's share of dq, dtau, dsigma and dbias sums.
@@ -406,12 +253,12 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
     dsigma_part)``, ``options = (opt, logits_opt)``: the plan's options and
     those the logits tiles are formed with, the gate left out (it joins
-    with the probabilities, `_gated_probabilities`); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
-    (`elastic_np.cpu._tiles.operands`), ``dbias`` the `_DbiasPlan`'s ``(params, strides, direct,
+    with the probabilities, `gated_probabilities`); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
+    (`elastic_np.cpu._tiles.operands`), ``dbias`` the `DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
     + t``. A task covers one key tile of one (batch, kv head) pair, or of the
-    pairs of a dbias lane (`_DbiasPlan`), one after the other; the threads
+    pairs of a dbias lane (`DbiasPlan`), one after the other; the threads
     claim them from ``tasks`` (`elastic_np.cpu._runtime.threads.claim`). Every task
     writes outputs of its own: its rows of ``dk``, ``dv`` and the dq share,
     its entries of ``dtau_part`` and ``dsigma_part``, and its dbias slot (a
@@ -447,7 +294,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
         bk_all = min(block_k, M - j0)
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
-            b, hk = _pair_head(dbias[0], pair, outer, Hkv)
+            b, hk = pair_head(dbias[0], pair, outer, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
             k_j = head_rows(k, b, hk, j0, bk)
             k_rows, k_col = k_j
@@ -455,7 +302,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
             dk_acc[:bk_all] = 0.0
             dv_acc[:bk_all] = 0.0
             head_sums[:] = 0.0
-            it_first, it_last = _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
+            it_first, it_last = group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
             # query tiles outer, heads inner: a bias tile is read by every head while in cache
             for it in range(it_first, it_last):
                 i0 = it * block_q
@@ -476,12 +323,12 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                         continue
                     # the steps of docs/derivations.rst: p, dv, dP, dz (with the
                     # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
-                    _row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+                    row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
                     base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
                     if opt.has_gate:
-                        _gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
+                        gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
                     else:
-                        _probabilities(st, pt, lse_t, bk, bq, opt.nvm)
+                        probabilities(st, pt, lse_t, bk, bq, opt.nvm)
                     dout_rows, dout_col = head_rows(dout, b, h, i0, bq)
                     matmul_nn(pt, 0, dout_rows, dout_col, dv_acc, bk, Dv, bq, True)
                     matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
@@ -492,7 +339,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                     if dbias_mode > 0:
                         dbias_tile(dpt, dbias, (bk, bq, b, h, i0, j0), slot, 1.0 / opt.tau[h])
                     if opt.has_softcap:
-                        _softcap_slope(dpt, cap_slope, bk, bq)
+                        softcap_slope(dpt, cap_slope, bk, bq)
                     # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
                     matmul_nn(dpt, 0, q_scaled[b, h, i0 : i0 + bq], 0, dk_acc, bk, D, bq, True)
                     # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
@@ -502,24 +349,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)
                 dtau_part[b, h, kt] = -head_sums[g, 0].sum() / opt.tau[h]
                 dsigma_part[b, h, kt] = head_sums[g, 1].sum()
-            _copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
-            _copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
+            copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
+            copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
 
 
-@njit(nogil=True, cache=True, fastmath=False)
-def _sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
-    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
-    B, H, N, D = dq.shape
-    n_qt = (N + block_q - 1) // block_q
-    for task in task_range(B * H * n_qt, part, parts):
-        bh = task // n_qt
-        b = bh // H
-        h = bh % H
-        i0 = (task % n_qt) * block_q
-        i1 = min(i0 + block_q, N)
-        for t in range(n_shares):
-            lo = max(share_rows[t, b, h, 0], i0)
-            hi = min(share_rows[t, b, h, 1], i1)
-            for i in range(lo, hi):
-                for d in range(D):
-                    dq[b, h, i, d] += dq_shares[t, b, h, i, d]

@@ -1,22 +1,25 @@
 """Where the backward writes the bias's gradient, and the writers of its tiles.
 
-`_DbiasPlan` chooses how ``dbias`` is laid out and summed (direct, or float64
+`DbiasPlan` chooses how ``dbias`` is laid out and summed (direct, or float64
 partials per lane of (batch, kv head) pairs); the
 njit helpers write a key-major tile query-major (`_store_transposed`), add
 it into float64 partials (`_accumulate_transposed`, `_accumulate_columns`),
-and name a task's pairs (`_task_pairs`, `_pair_head`).
+and name a task's pairs (`_task_pairs`, `pair_head`).
 """
 
 import numpy as np
+from numba import carray
 
 from elastic_np.cpu._runtime import config
-from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.numba_private import enabled, inner
+from elastic_np.cpu._tiles import calls
+from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.transpose import (
     stream_fence, stream_width, transpose_accumulate, transpose_store, transpose_stream, transpose_width,
 )
 
 
-class _DbiasPlan:
+class DbiasPlan:
     """Where the backward writes ``dbias``, and how the pieces are summed.
 
     ``dbias`` is computed in its compact shape: the full ``(B, H, N, M)`` with
@@ -159,7 +162,7 @@ def _task_pairs(params, B, Hkv):
 
 
 @inner(fastmath=False)
-def _pair_head(params, pair, outer, Hkv):
+def pair_head(params, pair, outer, Hkv):
     """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
     fold_b, fold_h = params[1] != 0, params[2] != 0
     pairs_h = Hkv if fold_h else 1
@@ -188,3 +191,58 @@ def _accumulate_columns(tile, bk, bq, dst, start, stride, scale):
         for r in range(r4, bq):
             a0 += np.float64(row[r])
         dst[start + c * stride] += ((a0 + a1) + (a2 + a3)) * scale
+
+
+@inner(fastmath=False)
+def _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, inv_tau):
+    """``dbias = ds = dz / tau_h`` (before the soft-cap's slope) where `DbiasPlan` says.
+
+    Mode 1 stores the tile into ``direct``; mode 2 adds it into the float64
+    ``partials[slot]`` of the task's lane.
+    """
+    params, strides, direct, partials = dbias
+    d_i, d_j = strides[2], strides[3]
+    start = b * strides[0] + h * strides[1] + i0 * d_i + j0 * d_j
+    if params[0] == 1:
+        # dbias[i0 + r, j0 + c] = dz[c, r] / tau (d_j = 1 for M > 1)
+        _store_transposed(dpt, bk, bq, direct, start, d_i, scalar_like(inv_tau, dpt))
+        return
+    partial = partials[slot]
+    if d_i == 0:
+        _accumulate_columns(dpt, bk, bq, partial, start, d_j, inv_tau)
+    elif d_j == 1 and d_i > 1:
+        # keys contiguous in dbias: the tile added transposed
+        _accumulate_transposed(dpt, bk, bq, partial, start, d_i, inv_tau)
+    else:
+        for c in range(bk):
+            row = dpt[c]
+            at = start + c * d_j
+            for r in range(bq):
+                partial[at + r * d_i] += np.float64(row[r]) * inv_tau
+
+
+def _dbias_entry(dpt, d0, d1, params, n_params, strides, n_strides, direct, n_direct, partials, p0, p1,
+                 bk, bq, b, h, i0, j0, slot, inv_tau):
+    """The body of the dbias stage's C entry point (`calls.dbias_tile`'s arguments, flattened)."""
+    dbias = (carray(params, (n_params,)), carray(strides, (n_strides,)), carray(direct, (n_direct,)),
+             carray(partials, (p0, p1)))
+    _dbias_tile(carray(dpt, (d0, d1)), bk, bq, b, h, i0, j0, dbias, slot, inv_tau)
+
+
+def ensure_dbias(dtype):
+    """Compile (or load from the cache) the dbias stage for ``dtype`` before a backward with a bias runs.
+
+    Nothing to do when the path ``lazy_stages`` is off (`dbias_tile` is linked in).
+    """
+    if enabled("lazy_stages"):
+        calls.ensure_lazy("dbias_tile", dtype, _dbias_entry)
+
+
+def _linked_dbias_tile(dpt, dbias, tile, slot, inv_tau):
+    """`calls.dbias_tile`'s stage called directly, ``inv_tau`` a double as through the entry point."""
+    bk, bq, b, h, i0, j0 = tile
+    _dbias_tile(dpt, bk, bq, b, h, i0, j0, dbias, slot, np.float64(inv_tau))
+
+
+#: What the backward kernel calls for the dbias stage: an entry point compiled on first use, or the stage linked in.
+dbias_tile = calls.dbias_tile if enabled("lazy_stages") else inner(fastmath=False)(_linked_dbias_tile)

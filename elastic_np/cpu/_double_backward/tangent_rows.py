@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
+from elastic_np.cpu._double_backward.tangents import score_tangent, tile_probabilities
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import claim, query_tile
-from elastic_np.cpu._tangents import score_tangent, tile_probabilities
 from elastic_np.cpu._tiles.calls import matmul_tn
 from elastic_np.cpu._tiles.logits import logits_tile
 from elastic_np.cpu._tiles.operands import head_rows, shape

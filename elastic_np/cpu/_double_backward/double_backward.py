@@ -6,13 +6,13 @@ nothing ``N x M``, after the backward's preparation (`prepared`: the
 scaled queries, ``dout^T``, ``delta``) and the tangent queries'
 (`_tangent_queries`):
 
-1. the query pass (`elastic_np.cpu._tangent_rows`), one task per (batch,
+1. the query pass (`elastic_np.cpu._double_backward.tangent_rows`), one task per (batch,
    head, query tile): ``outdot`` (``ddout``), ``lsedot`` (``ddlse``) and
    ``deltadot = dout . outdot``;
-2. the key pass (`elastic_np.cpu._tangent_keys`), one task per (batch, kv
+2. the key pass (`elastic_np.cpu._double_backward.tangent_keys`), one task per (batch, kv
    head, key tile) as the backward's, in chunks of key tiles: the tangents
    of ``dk``, ``dv``, ``dbias`` and each key tile's share of ``dq``'s,
-   added in key-tile order afterwards (`_sum_dq_shares`), and per-task
+   added in key-tile order afterwards (`sum_dq_shares`), and per-task
    float64 sums of ``dtau``'s and ``dsigma``'s; ``dbeta``'s tangent comes
    from the rows' ``deltadot`` and ``lsedot`` (`sink_gradient`).
 
@@ -26,14 +26,15 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._compact import compact_bias
-from elastic_np.cpu._backward import _BACKWARD_TILES, _sum_dq_shares, ensure_dbias, halved, prepared, single, widened
-from elastic_np.cpu._dbias import _DbiasPlan
-from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._double_backward.tangent_keys import _tangent_keys_kernel
+from elastic_np.cpu._double_backward.tangent_rows import _tangent_rows_kernel
+from elastic_np.cpu._double_backward.tangents import Tangents
+from elastic_np.cpu._prefill.backward import BACKWARD_TILES, halved, prepared, single, widened
+from elastic_np.cpu._prefill.dbias import DbiasPlan, ensure_dbias
+from elastic_np.cpu._prefill.key_tiles import sum_dq_shares
+from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.threads import run_tasks, task_counter, task_range
-from elastic_np.cpu._tangent_keys import _tangent_keys_kernel
-from elastic_np.cpu._tangent_rows import _tangent_rows_kernel
-from elastic_np.cpu._tangents import Tangents
 from elastic_np.cpu._tiles.operands import BHND, head, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.reference._double_backward import _d2log_gate
@@ -65,19 +66,19 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     """
     if problem.dtype != problem.compute_dtype:
         return _from_halves(problem, dout, out, lse, dlse, direction)
-    _check_cache(problem)
+    check_cache(problem)
     dtype = problem.dtype
-    compile_for(dtype, _BACKWARD_TILES)
+    compile_for(dtype, BACKWARD_TILES)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
     lse = kernel_array(lse)
-    opt = _options(problem, with_sigma_grad=True, dtype=dtype)
+    opt = kernel_options(problem, with_sigma_grad=True, dtype=dtype)
     if problem.bias is not None:
         ensure_dbias(dtype)
     q_rows, q_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
     tan = _tangents(problem, opt, q, q_t, direction)
     # as the backward: logits tiles without log G, added with the probabilities
-    # (`elastic_np.cpu._tangents.tile_probabilities`), so the tiles keep s / tau
+    # (`elastic_np.cpu._double_backward.tangents.tile_probabilities`), so the tiles keep s / tau
     options = (opt, opt._replace(has_gate=False))
 
     outdot, outdot_operand = new((B, H, N, Dv), dtype, out[1])
@@ -100,7 +101,7 @@ def _key_pass(problem, options, ins, tan, q_layout):
 
     ``options = (opt, logits_opt)`` as `_tangent_keys_kernel` takes them;
     ``dtau`` and ``dsigma`` per ``(b, h)`` (None without a dynamic window),
-    ``dbias`` compact (`_DbiasPlan.result`).
+    ``dbias`` compact (`DbiasPlan.result`).
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
@@ -115,7 +116,7 @@ def _key_pass(problem, options, ins, tan, q_layout):
     dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
     dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
     dtau_part, dsigma_part = np.zeros((B, H, n_kt)), np.zeros((B, H, n_kt))
-    plan = _DbiasPlan(problem, dtype, n_kt, chunk)
+    plan = DbiasPlan(problem, dtype, n_kt, chunk)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
@@ -123,7 +124,7 @@ def _key_pass(problem, options, ins, tan, q_layout):
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (5 * D + 4 * Dv)  # the chunk's
         run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
                   tasks=task_counter(), work=work)
-        run_tasks(_sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
+        run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
     # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout
     dq = dq_sum if q_layout == BHND else new((B, H, N, D), dtype, q_layout)[0]
@@ -188,7 +189,7 @@ def _gate_tangents(problem, opt, sigmadot):
 def _from_halves(problem, dout, out, lse, dlse, direction):
     """`double_backward` of bfloat16 or float16 inputs: the float32 kernels on their values, the results rounded.
 
-    As `elastic_np.cpu._backward._from_halves`: ``ddout``, ``dq``, ``dk``,
+    As `elastic_np.cpu._prefill.backward._from_halves`: ``ddout``, ``dq``, ``dk``,
     ``dv`` and ``dbias`` rounded to the inputs' dtype (to nearest even),
     ``ddlse`` and the parameters' gradients as computed.
     """

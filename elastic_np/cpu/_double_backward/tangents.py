@@ -8,12 +8,12 @@ derivatives times ``sigmadot`` tabulated by offset like the plan's
 ``log_gate``, and ``biasdot``'s distinct entries. `tile_probabilities`
 forms a tile's ``p`` from its scores ``s / tau`` and `score_tangent` its
 ``sdot / tau``, the first steps of both passes of
-`elastic_np.cpu._double_backward`.
+`elastic_np.cpu._double_backward.double_backward`.
 """
 
 import collections
 
-from elastic_np.cpu._backward import _gated_probabilities, _probabilities, _softcap_slope
+from elastic_np.cpu._prefill.key_tiles import gated_probabilities, probabilities, softcap_slope
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles import calls
 from elastic_np.cpu._tiles.calls import matmul_nn
@@ -46,7 +46,7 @@ def tile_probabilities(st, pt, lse_t, opt, tile, bk):
 
     ``st`` is a logits tile formed without the gate (the passes' options
     with ``has_gate`` False): as in the backward, ``log G`` joins here
-    (`elastic_np.cpu._backward._gated_probabilities`, ``z`` the forward's
+    (`elastic_np.cpu._prefill.key_tiles.gated_probabilities`, ``z`` the forward's
     bits) and NVM removes ``s < 0`` here, so that the passes read ``s /
     tau`` itself, not ``z - log G``, which holds it only to the rounding of
     ``z`` at ``|log G|``. ``tile`` as in `score_tangent`.
@@ -54,9 +54,9 @@ def tile_probabilities(st, pt, lse_t, opt, tile, bk):
     b, h, i0, bq, j0 = tile
     if opt.has_gate:
         base = j0 - opt.diag_shift[b] - i0 + opt.n_keys - 1  # the gate's index of (j0, i0)
-        _gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
+        gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
     else:
-        _probabilities(st, pt, lse_t, bk, bq, opt.nvm)
+        probabilities(st, pt, lse_t, bk, bq, opt.nvm)
 
 
 @inner(fastmath=False)
@@ -82,7 +82,7 @@ def score_tangent(rdt, k_j, kdot_j, tan, opt, tile, bk, cap_slope, cap_dot):
             # the raw scores again, for tanh(r / cap): the logits hold them capped and modified
             matmul_nn(k_rows, k_col, tan.q_tan_t[b, h, it], 0, cap_dot, bk, bq, D, False)
             _cap_tangent(cap_dot, rdt, cap_slope, opt, h, bk, bq)
-        _softcap_slope(rdt, cap_slope, bk, bq)
+        softcap_slope(rdt, cap_slope, bk, bq)
     if tan.has_bias:
         # biasdot / tau_h added by the modifier stage, as the logits add the bias
         modify_tile(rdt, rdt[:0], rdt[0, :0], tan.bias, tan.bias_strides, opt.tau, opt.alibi, opt.diag_shift,

@@ -1,7 +1,7 @@
 """The prefill forward of a bfloat16 problem with both products on AMX tiles (`elastic_np.cpu._tiles.amx`).
 
 The tasks, the key ranges and every step between the products are the
-forward's (`elastic_np.cpu._forward`); the products are the tiles':
+forward's (`elastic_np.cpu._prefill.forward`); the products are the tiles':
 
 - ``S^T = K_j Q^T``: the key rows as they are stored (a tile loads 16 rows
   of 32 bfloat16 in place), the task's queries as pairs of consecutive
@@ -34,8 +34,8 @@ from numba import njit
 
 from elastic_np._contract._ranges import key_range
 from elastic_np._contract._validation import dtype_name
-from elastic_np.cpu import _forward
-from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._prefill import forward as prefill
+from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
@@ -115,26 +115,26 @@ def _largest(heads, kv_lengths):
 
 
 def forward(problem):
-    """`elastic_np.cpu._forward.forward` for a problem that `takes` says runs on the tiles: ``(out, lse)``."""
+    """`elastic_np.cpu._prefill.forward.forward` for a problem that `takes` says runs on the tiles: ``(out, lse)``."""
     compile_for(np.dtype(np.float32), (exp_shift_sum, modify_tile))
-    _check_cache(problem)
+    check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k = operand(problem.q), operand(problem.k)
     vt, unscale = values_transposed(problem.v, problem.kv_lengths)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=np.float32)
-    opt = _options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
+    opt = kernel_options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
     overflow = np.zeros(1, dtype=np.bool_)
     run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
               tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
     if overflow[0]:  # a product of the unscaled queries overflowed: the float32 products scale them first
-        return _forward.forward(problem)
+        return prefill.forward(problem)
     return out, lse
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
-    """`elastic_np.cpu._forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring).
+    """`elastic_np.cpu._prefill.forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring).
 
     ``values = (vt, unscale)`` (`values_transposed`); ``outs = (out, lse,
     overflow)``: ``overflow[0]`` is set when a logit came out ``+inf`` (a

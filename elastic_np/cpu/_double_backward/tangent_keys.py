@@ -1,6 +1,6 @@
 """The double backward's key pass: the tangents of the backward's gradients, one task per (batch, kv head, key tile).
 
-The backward's kernel (`elastic_np.cpu._backward`) differentiated along the
+The backward's kernel (`elastic_np.cpu._prefill.backward`) differentiated along the
 direction, with the same tasks, query spans, dq shares and dbias plan: per
 tile, ``p`` from ``lse`` (`tile_probabilities`: the tile keeps ``s / tau``),
 ``sdot / tau`` (`score_tangent`), ``dP = dout v`` and ``dPdot = dout
@@ -26,11 +26,11 @@ The rows of ``dtau``'s and ``dsigma``'s tangents are summed in float64.
 import numpy as np
 from numba import njit
 
-from elastic_np.cpu._backward import _copy_rows, _group_spans, _row_stats, dbias_tile
-from elastic_np.cpu._dbias import _pair_head, _task_pairs
+from elastic_np.cpu._double_backward.tangents import score_tangent, tile_probabilities
+from elastic_np.cpu._prefill.dbias import _task_pairs, dbias_tile, pair_head
+from elastic_np.cpu._prefill.key_tiles import copy_rows, group_spans, row_stats
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import claim, zigzag
-from elastic_np.cpu._tangents import score_tangent, tile_probabilities
 from elastic_np.cpu._tiles.calls import matmul_nn, matmul_tn
 from elastic_np.cpu._tiles.logits import logits_tile
 from elastic_np.cpu._tiles.operands import head_rows, shape
@@ -46,7 +46,7 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, options, block_q, block_k, kt0, 
     lsedot, deltadot)``; ``tan`` the `Tangents`; ``outs = (dk, dv,
     dq_shares, share_rows, dtau_part, dsigma_part)``, ``dbias`` and
     ``options = (opt, logits_opt)`` as the backward's
-    (`elastic_np.cpu._backward._backward_kernel`), whose tasks, each writing
+    (`elastic_np.cpu._prefill.backward._backward_kernel`), whose tasks, each writing
     outputs of its own, its threads claim as these do.
     """
     k, v, q_rows = ins[0], ins[1], ins[2]
@@ -68,7 +68,7 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, options, block_q, block_k, kt0, 
         outer = task // n_chunk // lanes
         slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
         for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
-            b, hk = _pair_head(dbias[0], pair, outer, Hkv)
+            b, hk = pair_head(dbias[0], pair, outer, Hkv)
             _key_tile(ins, tan, outs, dbias, options, scratch, (b, hk, t, kt0 + t, slot), block_q, block_k)
 
 
@@ -114,7 +114,7 @@ def _key_tile(ins, tan, outs, dbias, options, scratch, task, block_q, block_k):
     dk_acc[:bk_all] = 0.0
     dv_acc[:bk_all] = 0.0
     head_sums[:] = 0.0
-    it_first, it_last = _group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
+    it_first, it_last = group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
     for it in range(it_first, it_last):
         i0 = it * block_q
         bq = min(block_q, N - i0)
@@ -140,8 +140,8 @@ def _key_tile(ins, tan, outs, dbias, options, scratch, task, block_q, block_k):
         # dtau's tangent -(1/tau^2) sum (dzdot s + dz sdot) + 2 taudot / tau^3 sum dz s, the sums of s / tau
         dtau_part[b, h, kt] = (2.0 * tan.tau_ratio[h] * sums[1].sum() - sums[0].sum()) * inv_tau
         dsigma_part[b, h, kt] = sums[2].sum()
-    _copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
-    _copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
+    copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
+    copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
 
 
 @inner(fastmath=False)
@@ -159,8 +159,8 @@ def _key_tile_head(ins, tan, options, scratch, keys, tile, bk, sums):
     kept, _ = logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm)
     if not kept:
         return False
-    _row_stats(lse, delta, b, h, i0, bq, rows_t[0], rows_t[1])
-    _row_stats(lsedot, deltadot, b, h, i0, bq, rows_t[2], rows_t[3])
+    row_stats(lse, delta, b, h, i0, bq, rows_t[0], rows_t[1])
+    row_stats(lsedot, deltadot, b, h, i0, bq, rows_t[2], rows_t[3])
     tile_probabilities(st, pt, rows_t[0], opt, tile, bk)
     score_tangent(rdt, keys[0], kdot_j, tan, opt, tile, bk, cap[0], cap[1])
     matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)

@@ -8,7 +8,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._plan import _check_cache, _options
+from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
@@ -36,12 +36,12 @@ def forward(problem):
     """
     dtype = problem.compute_dtype
     compile_for(dtype, _FORWARD_TILES)
-    _check_cache(problem)
+    check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
     q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
     lse = np.empty((B, H, N), dtype=dtype)
-    opt = _options(problem, with_sigma_grad=False, dtype=dtype)
+    opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
     run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
               tasks=task_counter(), work=B * H * N * M * (D + Dv))
     return out, lse

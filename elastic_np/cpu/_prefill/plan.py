@@ -1,4 +1,4 @@
-"""The kernel plan: every option as runtime values the njit kernels read (`_options`).
+"""The kernel plan: every option as runtime values the njit kernels read (`kernel_options`).
 
 Built once per call on the host, from the validated problem: the compact
 mask and bias with their element strides, the dynamic window tabulated by
@@ -52,11 +52,11 @@ _Options = collections.namedtuple(
 )
 
 
-#: `_options` of the latest problems with a ``plan_key``, by it: every layer of a model's step repeats one.
+#: `kernel_options` of the latest problems with a ``plan_key``, by it: every layer of a model's step repeats one.
 _KEPT = Kept()
 
 
-def _options(p, with_sigma_grad, dtype):
+def kernel_options(p, with_sigma_grad, dtype):
     """The `_Options` of problem ``p`` for kernels computing in ``dtype``; looked up when ``p.plan_key`` is set.
 
     A kept one's arrays are shared by the calls that look it up: the kernels only read them.
@@ -202,7 +202,7 @@ def _log_tanh_elasticity(y):
     return w / -math.expm1(-w) * e
 
 
-def _check_cache(problem):
+def check_cache(problem):
     """The check `prepare` deferred, for the paths that do not make it as they read."""
     if problem.kv_unchecked:
         _validation.check_cache_values(problem.k, problem.v, problem.kv_lengths)

@@ -11,8 +11,8 @@ import collections
 import numpy as np
 
 from elastic_np._contract._problem import Kept
-from elastic_np.cpu._decode_tiles import _together
-from elastic_np.cpu._plan import _options
+from elastic_np.cpu._decode.tiles import _together
+from elastic_np.cpu._prefill.plan import kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.operands import BNHD
 
@@ -61,7 +61,7 @@ def splits(B, Hkv, M):
     return max(1, min(wanted, M // config.DECODE_MIN_SPLIT_KEYS))
 
 
-#: What `elastic_np.cpu._decode.forward` runs for a problem, from its fields and layout alone (`schedule`).
+#: What `elastic_np.cpu._decode.decode.forward` runs for a problem, from its fields and layout alone (`schedule`).
 _Plan = collections.namedtuple("_Plan", ["key_major", "opt", "together", "split_start", "most", "tiles", "work"])
 #: The `_Plan` of the latest problems with a ``plan_key``: every layer of a model's step repeats one.
 _PLANS = Kept(64)
@@ -80,7 +80,7 @@ def _made(problem, k_layout, block_size, entry_splits):
     """`schedule`'s `_Plan`, made."""
     B, H, Hkv, N, M, D, Dv = problem.shape
     key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
-    opt = _options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
+    opt = kernel_options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
     together = not key_major and k_layout == BNHD and _together(opt)
     block_k = block_keys((H // Hkv) * N, key_major)
     if entry_splits is None:

@@ -12,7 +12,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   score tiles are query-major, ``st[r, c]`` for key ``j0 + c``: the scores'
   pipeline, the exponential, the row maxima and sums run along the keys.
   ``Q K^T`` and ``P V`` are the products of
-  `elastic_np.cpu._decode_products`, which read the keys and values where
+  `elastic_np.cpu._decode.products`, which read the keys and values where
   they lie, in their own dtype (a bfloat16 or float16 cache is widened in
   registers, never converted or copied), transpose blocks of keys in
   registers, and hint the rows some keys on into the cache as they go: the
@@ -33,7 +33,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   takes every kv head of its key split and reads a tile's runs (the tile,
   or its parts in each page) head after head, or, where pages are shorter
   than a tile, page after page, every head's rows of a page in turn
-  (`_tile_of_heads`, `elastic_np.cpu._decode_plan.tile_reads`). Each head's products, and so its bits,
+  (`_tile_of_heads`, `elastic_np.cpu._decode.plan.tile_reads`). Each head's products, and so its bits,
   are those of a task of its own;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
@@ -56,9 +56,9 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._decode_plan import schedule
-from elastic_np.cpu._decode_products import key_scores, query_width, value_products
-from elastic_np.cpu._decode_tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
+from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.products import key_scores, query_width, value_products
+from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
@@ -89,7 +89,7 @@ def forward(problem, paged=None, entry_splits=None):
     table against ``problem.kv_lengths`` (`elastic_np._api.varlen`).
     ``entry_splits``: int ``(B,)``, the key splits of each batch entry (at
     least 1; default `splits` of the whole shape for all): those of
-    ``_decode_plan.splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
+    ``plan.splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
     of its own on its first ``kv_lengths[b]`` keys, its queries aligned to
     their end.
     """
@@ -263,7 +263,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     `_together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
-    and the longest run (`elastic_np.cpu._decode_plan.tile_reads`). Batch entry ``b`` has the key splits
+    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -341,14 +341,14 @@ def _heads_per_task(pages, Hkv):
 def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
-    ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`elastic_np.cpu._decode_plan.tile_reads`);
+    ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`elastic_np.cpu._decode.plan.tile_reads`);
     ``work = (st, shift_by, kept, runs)``, the thread's scratch (``st`` and
     ``kept`` by head of the task, ``runs`` the tile's runs); ``rows_of =
     (qs, row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by
     head of the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
 
     The keys and values are read where they lie, by the products of
-    `elastic_np.cpu._decode_products`, a run of rows at a time (`_run`: the
+    `elastic_np.cpu._decode.products`, a run of rows at a time (`_run`: the
     whole tile, or a page's part of it, at most ``run_keys`` keys): ``Q
     K^T`` of every head, then the softmax steps, then ``P V`` of every head,
     each pass in `_visit`'s order
