@@ -27,10 +27,10 @@ import numpy as np
 from numba import njit
 
 from elastic_np.cpu._double_backward.tangents import score_tangent, tile_probabilities
-from elastic_np.cpu._prefill.dbias import _task_pairs, dbias_tile, pair_head
-from elastic_np.cpu._prefill.key_tiles import copy_rows, group_spans, row_stats
+from elastic_np.cpu._prefill.dbias import dbias_tile
+from elastic_np.cpu._prefill.key_tiles import copy_rows, group_spans, key_task, key_tasks, pair_head, row_stats
 from elastic_np.cpu._runtime.numba_private import inner
-from elastic_np.cpu._runtime.threads import claim, zigzag
+from elastic_np.cpu._runtime.threads import claim
 from elastic_np.cpu._tiles.calls import matmul_nn, matmul_tn
 from elastic_np.cpu._tiles.logits import logits_tile
 from elastic_np.cpu._tiles.operands import head_rows, shape
@@ -55,19 +55,14 @@ def _tangent_keys_kernel(ins, tan, outs, dbias, options, block_q, block_k, kt0, 
     H, Dv = q_rows.shape[1], shape(v)[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    lanes, slots_per_lane = dbias[0][3], dbias[0][4]
-    n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
+    n_tasks, pairs = key_tasks(dbias[0], B, Hkv, n_chunk)
     scratch = _keys_scratch(k, block_q, block_k, Dv, group, opt.has_softcap)
-    n_tasks = n_outer * lanes * n_chunk
     for _ in range(n_tasks):
         task = claim(tasks)
         if task >= n_tasks:
             break
-        t = zigzag(task % n_chunk, n_chunk)
-        lane = task // n_chunk % lanes
-        outer = task // n_chunk // lanes
-        slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
-        for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
+        t, slot, outer, first, last = key_task(task, n_chunk, dbias[0], pairs)
+        for pair in range(first, last):
             b, hk = pair_head(dbias[0], pair, outer, Hkv)
             _key_tile(ins, tan, outs, dbias, options, scratch, (b, hk, t, kt0 + t, slot), block_q, block_k)
 

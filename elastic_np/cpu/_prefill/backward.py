@@ -13,15 +13,16 @@ import dataclasses
 import numpy as np
 from numba import njit
 
-from elastic_np.cpu._prefill.dbias import _task_pairs, dbias_tile, DbiasPlan, ensure_dbias, pair_head
+from elastic_np.cpu._prefill.dbias import dbias_tile, DbiasPlan, ensure_dbias
 from elastic_np.cpu._prefill.key_tiles import (
-    copy_rows, gated_probabilities, group_spans, probabilities, row_stats, softcap_slope, sum_dq_shares,
+    copy_rows, gated_probabilities, group_spans, key_task, key_tasks, pair_head, probabilities, row_stats,
+    softcap_slope, sum_dq_shares,
 )
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.scratch import scratch
-from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range, zigzag
+from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
 from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
@@ -272,8 +273,8 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
     H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], shape(v)[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    dbias_mode, lanes, slots_per_lane = dbias[0][0], dbias[0][3], dbias[0][4]
-    n_outer, pairs = _task_pairs(dbias[0], B, Hkv)
+    dbias_mode = dbias[0][0]
+    n_tasks, pairs = key_tasks(dbias[0], B, Hkv, n_chunk)
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
         k, block_q, block_k, Dv, group, opt.has_softcap
     )
@@ -281,19 +282,15 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
     no_gate = np.empty(0)
     # NVM tests s, which the logits tile holds (log G comes with p): it joins
     # the pass that forms z - lse (the tile is read only where p != 0).
-    n_tasks = n_outer * lanes * n_chunk
     for _ in range(n_tasks):
         task = claim(tasks)
         if task >= n_tasks:
             break
-        t = zigzag(task % n_chunk, n_chunk)
-        lane = task // n_chunk % lanes
-        outer = task // n_chunk // lanes
+        t, slot, outer, first, last = key_task(task, n_chunk, dbias[0], pairs)
         kt = kt0 + t
         j0 = kt * block_k
         bk_all = min(block_k, M - j0)
-        slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
-        for pair in range(lane * pairs // lanes, (lane + 1) * pairs // lanes):
+        for pair in range(first, last):
             b, hk = pair_head(dbias[0], pair, outer, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
             k_j = head_rows(k, b, hk, j0, bk)

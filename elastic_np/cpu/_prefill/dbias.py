@@ -1,10 +1,11 @@
-"""Where the backward writes the bias's gradient, and the writers of its tiles.
+"""Where the backward writes the bias's gradient: the plan, and the stage that writes a tile of it.
 
 `DbiasPlan` chooses how ``dbias`` is laid out and summed (direct, or float64
-partials per lane of (batch, kv head) pairs); the
-njit helpers write a key-major tile query-major (`_store_transposed`), add
-it into float64 partials (`_accumulate_transposed`, `_accumulate_columns`),
-and name a task's pairs (`_task_pairs`, `pair_head`).
+partials per lane of (batch, kv head) pairs, the lanes the key tiles' tasks
+take: `elastic_np.cpu._prefill.key_tiles.key_tasks`); the stage of a tile
+(`dbias_tile`, compiled on first use behind a C entry point, `ensure_dbias`)
+writes a key-major tile query-major (`_store_transposed`) or adds it into
+float64 partials (`_accumulate_transposed`, `_accumulate_columns`).
 """
 
 import numpy as np
@@ -147,29 +148,6 @@ def _accumulate_transposed(tile, bk, bq, dst, start, stride, scale):
         row = tile[c]
         for r in range(0 if c >= bk_w else bq_w, bq):
             dst[start + r * stride + c] += np.float64(row[r]) * scale
-
-
-@inner(fastmath=False)
-def _task_pairs(params, B, Hkv):
-    """``(n_outer, pairs)``: a task's (batch, kv head) pairs, split over the lanes, and the tasks' outer count.
-
-    Without folding each task has one pair; folding the batch (kv heads) moves
-    that axis from the outer count into the pairs.
-    """
-    fold_b, fold_h = params[1] != 0, params[2] != 0
-    pairs = (B if fold_b else 1) * (Hkv if fold_h else 1)
-    return (1 if fold_b else B) * (1 if fold_h else Hkv), pairs
-
-
-@inner(fastmath=False)
-def pair_head(params, pair, outer, Hkv):
-    """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
-    fold_b, fold_h = params[1] != 0, params[2] != 0
-    pairs_h = Hkv if fold_h else 1
-    outer_h = 1 if fold_h else Hkv
-    b = pair // pairs_h if fold_b else outer // outer_h
-    hk = pair % pairs_h if fold_h else outer % outer_h
-    return b, hk
 
 
 @inner(fastmath=False)

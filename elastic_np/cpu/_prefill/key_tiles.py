@@ -1,14 +1,17 @@
-"""The backward's key tiles: the steps of a tile that the double backward's passes take too, the shares of dq.
+"""The backward's key tiles: their tasks, the steps the double backward's passes share, the shares of dq.
 
-The backward (`elastic_np.cpu._prefill.backward`) and the double backward's key
-pass (`elastic_np.cpu._double_backward.tangent_keys`) run one task per (batch, kv head, key
-tile): the query tiles each head of the group may keep with the tile's keys
+The backward (`elastic_np.cpu._prefill.backward`) and the double
+backward's key pass (`elastic_np.cpu._double_backward.tangent_keys`) run
+the same tasks, one per key tile of a chunk and lane of (batch, kv head)
+pairs (`key_tasks`, `key_task`, `pair_head`), claimed by the threads in
+`elastic_np.cpu._runtime.threads.zigzag`'s order. For each pair they take
+the query tiles each head of the group may keep with the tile's keys
 (`group_spans`), the rows' ``lse`` and ``delta`` (`row_stats`), ``p =
 exp(z - lse)`` (`probabilities`, `gated_probabilities` under the dynamic
-window), the soft-cap's slope (`softcap_slope`), the accumulators written
-out (`copy_rows`); each key tile writes its share of ``dq`` into a buffer of
-its own, which `sum_dq_shares` adds in key-tile order. The double
-backward's query pass takes the probabilities too
+window), the soft-cap's slope (`softcap_slope`), and write their
+accumulators out (`copy_rows`); each key tile writes its share of ``dq``
+into a buffer of its own, which `sum_dq_shares` adds in key-tile order.
+The double backward's query pass takes the probabilities too
 (`elastic_np.cpu._double_backward.tangents.tile_probabilities`).
 """
 
@@ -17,9 +20,60 @@ from numba import njit
 
 from elastic_np._contract._ranges import query_range
 from elastic_np.cpu._runtime.numba_private import inner
-from elastic_np.cpu._runtime.threads import task_range
+from elastic_np.cpu._runtime.threads import task_range, zigzag
 from elastic_np.cpu._tiles.calls import exp_inplace
 from elastic_np.cpu._tiles.scalar import scalar_like
+
+
+@inner(fastmath=False)
+def key_tasks(params, B, Hkv, n_chunk):
+    """``(n_tasks, pairs)``: the tasks of a chunk of ``n_chunk`` key tiles, and the (batch, kv head) pairs of a lane.
+
+    ``params``: the `elastic_np.cpu._prefill.dbias.DbiasPlan`'s, which fold
+    the pairs of a broadcast bias's gradient into ``params[3]`` lanes.
+    """
+    n_outer, pairs = _task_pairs(params, B, Hkv)
+    return n_outer * params[3] * n_chunk, pairs
+
+
+@inner(fastmath=False)
+def key_task(task, n_chunk, params, pairs):
+    """``(t, slot, outer, first, last)`` of a claimed ``task`` of `key_tasks`.
+
+    ``t``: its key tile in the chunk (`elastic_np.cpu._runtime.threads.zigzag`'s
+    order), ``slot``: its lane's dbias slot, ``outer``: the axes its lane
+    does not fold, ``[first, last)``: its lane's pairs, each a (batch, kv
+    head) by `pair_head`.
+    """
+    lanes, slots_per_lane = params[3], params[4]
+    t = zigzag(task % n_chunk, n_chunk)
+    lane = task // n_chunk % lanes
+    outer = task // n_chunk // lanes
+    slot = lane * slots_per_lane + (t if slots_per_lane > 1 else 0)
+    return t, slot, outer, lane * pairs // lanes, (lane + 1) * pairs // lanes
+
+
+@inner(fastmath=False)
+def _task_pairs(params, B, Hkv):
+    """``(n_outer, pairs)``: a task's (batch, kv head) pairs, split over the lanes, and the tasks' outer count.
+
+    Without folding each task has one pair; folding the batch (kv heads) moves
+    that axis from the outer count into the pairs.
+    """
+    fold_b, fold_h = params[1] != 0, params[2] != 0
+    pairs = (B if fold_b else 1) * (Hkv if fold_h else 1)
+    return (1 if fold_b else B) * (1 if fold_h else Hkv), pairs
+
+
+@inner(fastmath=False)
+def pair_head(params, pair, outer, Hkv):
+    """The (batch, kv head) of a task's ``pair`` (its lane's folded axes) and ``outer`` (the others)."""
+    fold_b, fold_h = params[1] != 0, params[2] != 0
+    pairs_h = Hkv if fold_h else 1
+    outer_h = 1 if fold_h else Hkv
+    b = pair // pairs_h if fold_b else outer // outer_h
+    hk = pair % pairs_h if fold_h else outer % outer_h
+    return b, hk
 
 
 @inner(fastmath=False)
@@ -48,6 +102,7 @@ def group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows):
 
 @inner(fastmath=False)
 def row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t):
+    """The ``lse`` and ``delta`` of query rows ``i0 .. i0 + bq - 1`` of head ``(b, h)`` into ``lse_t``, ``delta_t``."""
     for r in range(bq):
         value = lse[b, h, i0 + r]
         # An empty row with beta = 0 has lse = -inf and only -inf logits:
