@@ -1,4 +1,4 @@
-"""Numba CPU decode kernel: a few new queries against a long key/value cache.
+"""The decode kernels and the merge of their key splits: a few new queries against a long key/value cache.
 
 Decoding attends ``N <= DECODE_MAX_QUERIES`` queries per sequence to ``M``
 cached keys; its cost is reading ``K`` and ``V`` once, so the kernel is laid
@@ -260,7 +260,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     whether a task takes every kv head, a tile at a time, so that the rows
     of one key for all heads, adjacent in a ``(B, N, H, D)`` or paged cache,
     are read together (every head's keys then lie in the same range:
-    `_together`). Either way each head's tiles, and so its bits, are the
+    `elastic_np.cpu._decode.tiles._together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
     and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). Batch entry ``b`` has the key splits
@@ -351,10 +351,9 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     `elastic_np.cpu._decode.products`, a run of rows at a time (`_run`: the
     whole tile, or a page's part of it, at most ``run_keys`` keys): ``Q
     K^T`` of every head, then the softmax steps, then ``P V`` of every head,
-    each pass in `_visit`'s order
-    (the passes written here, not in a helper of their own: the kernel ran
-    slower so). Each head's products, and so its bits, are those of a task
-    of its own.
+    each pass in `_visit`'s order (the passes are written here: in a helper
+    of their own the kernel runs slower). Each head's products, and so its
+    bits, are those of a task of its own.
     """
     b, hk0, heads, N, j0, bk, ahead, by_run, run_keys = where
     st, shift_by, kept, runs = work

@@ -24,7 +24,7 @@ def takes(problem):
 
 
 def block_keys(rows, key_major):
-    """Keys per tile for ``rows`` stacked rows: measured, 128 suit a few rows, 256 many."""
+    """Keys per tile for ``rows`` stacked rows: 128 suit a few rows, 256 many (docs/performance.rst)."""
     if key_major:
         return config.DECODE_BLOCK_K
     return max(1, config.DECODE_BLOCK_K // 2) if rows <= config.DECODE_FEW_ROWS else config.DECODE_BLOCK_K

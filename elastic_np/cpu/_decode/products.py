@@ -51,7 +51,7 @@ _KEY_ROWS = 4
 #: Keys a block of `value_products` takes, so that its value rows stay in L1 over the row blocks.
 _VALUE_KEYS = 16
 
-#: Rows by vectors of ``acc`` a block of `value_products` keeps in registers (as `_products`' blocks).
+#: Rows by vectors of ``acc`` a block of `value_products` keeps in registers (as the tile products' blocks).
 _VALUE_ROWS = 4 if REGISTERS == 32 else 6
 _VALUE_VECTORS = 4 if REGISTERS == 32 else 2
 

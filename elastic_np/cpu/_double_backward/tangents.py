@@ -61,10 +61,10 @@ def tile_probabilities(st, pt, lse_t, opt, tile, bk):
 
 @inner(fastmath=False)
 def score_tangent(rdt, k_j, kdot_j, tan, opt, tile, bk, cap_slope, cap_dot):
-    """``rdt[c, r] = sdot / tau_h`` for key ``j0 + c`` and query ``i0 + r`` (``tile`` as in `_logits_tile`).
+    """``rdt[c, r] = sdot / tau_h`` for key ``j0 + c`` and query ``i0 + r`` (``tile`` as in `logits_tile`).
 
     ``sdot = c rdot + biasdot``, ``rdot = scale (qdot . k + q . kdot)``,
-    ``c`` the soft-cap's slope ``cap_slope`` that `_logits_tile` left (1
+    ``c`` the soft-cap's slope ``cap_slope`` that `logits_tile` left (1
     without a soft-cap). ``k_j``, ``kdot_j``: the tile's rows of ``k`` and
     ``kdot`` (`elastic_np.cpu._tiles.operands.head_rows`). With a soft-cap and a
     ``cap_dot`` of the tile's shape (the key pass), ``cap_dot`` receives

@@ -220,7 +220,7 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, dlog_gate, base, bk):
                 dtau[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
 
 
-#: What the backward kernel calls of `_calls` (see `elastic_np.cpu._tiles.simd.compile_for`).
+#: What the backward kernel calls of `elastic_np.cpu._tiles.calls` (see `elastic_np.cpu._tiles.simd.compile_for`).
 BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
 

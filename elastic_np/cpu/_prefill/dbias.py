@@ -118,7 +118,7 @@ def _store_transposed(tile, bk, bq, dst, start, stride, scale):
     line_bytes = line * dst.itemsize
     on_lines = (dst.ctypes.data + start * dst.itemsize) % line_bytes == 0 and stride % line == 0
     bk_s = bk - bk % line if on_lines else 0
-    for rb in range(0, bq_w, width):  # W runs of dst at a time, as in `_add_transposed`
+    for rb in range(0, bq_w, width):  # W runs of dst at a time, as in `elastic_np.cpu._tiles.logits._add_transposed`
         for cb in range(0, bk_s, line):
             transpose_stream(tile, dst, start + rb * stride + cb, stride, cb, rb, scale)
         for cb in range(bk_s, bk_w, width):

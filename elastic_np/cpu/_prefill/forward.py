@@ -53,12 +53,13 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`elastic_np.cpu._tiles.operands`).
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`).
 
     A task is one query tile of one (batch, head); each thread takes the next
     unclaimed one from the call's counter ``tasks`` (`claim`).
 
-    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time (`elastic_np.cpu._tiles.halves`).
+    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time
+    (`elastic_np.cpu._tiles.halves`).
     """
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]

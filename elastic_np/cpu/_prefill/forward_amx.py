@@ -134,7 +134,7 @@ def forward(problem):
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
-    """`elastic_np.cpu._prefill.forward._forward_kernel`'s tasks with the products on the tiles (the module's docstring).
+    """The prefill forward kernel's tasks with the products on the tiles (the module's docstring).
 
     ``values = (vt, unscale)`` (`values_transposed`); ``outs = (out, lse,
     overflow)``: ``overflow[0]`` is set when a logit came out ``+inf`` (a
@@ -164,8 +164,8 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
     no_acc = np.empty((block_q, 0), dtype=np.float32)  # `rescale_rows` rescales acc_t's columns here instead
     no_cap_slope = np.empty((0, 0), dtype=np.float32)
     n_tasks = B * H * n_qt
-    # the tiles' configuration, once a part: loading it costs about 50 ns, and loading it after
-    # releasing the tiles slowed each product that followed
+    # the tiles' configuration, once a part: loaded again after the tiles are released, it slows
+    # each product that follows
     amx.configure()
     for _ in range(n_tasks):
         task = claim(tasks)

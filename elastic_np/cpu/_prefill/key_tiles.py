@@ -161,7 +161,7 @@ def softcap_slope(dpt, cap_slope, bk, bq):
 
 @inner(fastmath=False)
 def copy_rows(src, dst):
-    """``src``'s first rows into ``dst = (whole, col)`` (`elastic_np.cpu._tiles.operands.head_rows`), element by element.
+    """``src``'s first rows into ``dst = (whole, col)`` (`head_rows`' pair), element by element.
 
     (An array slice assignment compiles Numba's shape-mismatch message,
     string formatting, into the caller.)

@@ -57,7 +57,8 @@ DECODE_RUN_HINT_KEYS = 32
 #: the pool and waiting for it costs about as much as this much arithmetic.
 SERIAL_WORK = 1 << 21
 #: Seconds a worker of the pool spins, without the GIL, waiting for its next
-#: part before it sleeps: waking a sleeping thread costs about 0.1 ms.
+#: part before it sleeps: a few times what waking a sleeping thread costs
+#: (docs/performance.rst).
 THREAD_SPIN_SECONDS = 3e-4
 #: Seconds at most a calling thread that has run its part spins, without the
 #: GIL, for the workers' parts before it sleeps: their parts end within a task
@@ -65,9 +66,9 @@ THREAD_SPIN_SECONDS = 3e-4
 CALLER_SPIN_SECONDS = 2e-3
 #: Multiply-adds from which a call from the main thread runs all its parts on
 #: the pool's workers while the calling thread sleeps, where a signal (Ctrl-C)
-#: reaches it and stops the call's tasks (`elastic_np.cpu._runtime.threads`): tens of
-#: milliseconds of arithmetic on two cores, against about 1 ms that the hand-off
-#: costs (docs/performance.rst); a shorter call ends before Ctrl-C is missed.
+#: reaches it and stops the call's tasks (`elastic_np.cpu._runtime.threads`):
+#: far more arithmetic than the hand-off costs (docs/performance.rst); a
+#: shorter call ends before Ctrl-C is missed.
 INTERRUPTIBLE_WORK = 1 << 32
 #: Seconds for which calls of up to twice the work of a call a worker was late
 #: for run on the calling thread alone (`elastic_np.cpu._runtime.threads._late_for`):
@@ -85,8 +86,7 @@ QUIET_OPENMP_WORK = 1 << 23
 # the row sums; no flag that assumes finite values, since -inf marks every
 # removed entry. Numba compiles a function that sets no `fastmath` with the
 # flags of whatever compiles it first (a kernel's, or none from Python), and
-# keeps that version: the kernels' bits then depended on the order things were
+# keeps that version: the kernels' bits would depend on the order things are
 # compiled in. Every njit function of the package states its own: FASTMATH
-# for the forward's tile code (which it had when the forward compiled it
-# first), False elsewhere.
+# for the forward's tile code, False elsewhere.
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}

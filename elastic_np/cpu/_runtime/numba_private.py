@@ -259,14 +259,14 @@ def _inner_cache_class(LinkedLibrary, no_executable):
 
     Numba rebuilds a cached function's library with the codegen's own class,
     which turns it into machine code: code generation rewrites the module in
-    place (CodeGenPrepare), and the callers compiled afterwards linked that
-    rewritten IR. A kernel compiled against a loaded helper then differed in
-    its last bits from the same kernel compiled against a fresh one, so two
-    kernels that give the same bits when compiled in one process (a decode
-    call over every sequence and one per sequence) did not when one of them
-    was compiled in a process that had loaded the helpers. Here a loaded
-    helper is a `LinkedLibrary` holding its cached bitcode untouched, with no
-    machine code, exactly as `inner` compiles it.
+    place (CodeGenPrepare), and the callers compiled afterwards would link
+    that rewritten IR. A kernel compiled against a loaded helper would then
+    differ in its last bits from the same kernel compiled against a fresh
+    one, so two kernels that give the same bits when compiled in one process
+    (a decode call over every sequence and one per sequence) would not when
+    one of them is compiled in a process that has loaded the helpers. Here a
+    loaded helper is a `LinkedLibrary` holding its cached bitcode untouched,
+    with no machine code, exactly as `inner` compiles it.
     """
     from numba.core.caching import CompileResultCacheImpl, FunctionCache
 

@@ -3,10 +3,10 @@
 A fresh array of more than about 128 KiB is mapped fresh by the C library,
 and every page faults on its first write: a small backward's query and
 ``dout`` tiles, padded to `BLOCK_Q` rows (256 KiB each at ``(1, 8, 16,
-64)``), cost about 20 us of its 220 when new on every call (2-core Xeon,
-2026-12-06). A kept array is written in the
-same entries by every call of its shape, so what the first call's ``fill``
-set elsewhere (the zeros of a tile's padding) stays so.
+64)``), would fault anew on every call, a noticeable share of its time. A
+kept array is written in the same entries by every call of its shape, so
+what the first call's ``fill`` set elsewhere (the zeros of a tile's
+padding) stays so.
 """
 
 import math

@@ -1,7 +1,7 @@
 """The CPU kernels' thread pool: a kernel runs as ``threads`` parts, on the pool's workers and the calling thread.
 
-Handing work to a sleeping thread costs the time it takes to wake it, up to
-0.1 ms on a virtual machine, as much as a small decode call's arithmetic. So
+Handing work to a sleeping thread costs the time it takes to wake it, as
+much as a small decode call's arithmetic (docs/performance.rst). So
 a worker that has run a part waits for the next by spinning, without the
 GIL, for `config.THREAD_SPIN_SECONDS` before it sleeps, and a calling thread
 that has run part 0 spins for the workers' parts, for at most
@@ -84,8 +84,8 @@ def run_tasks(kernel, *args, work=None, tasks=None):
     multiply-adds on, the OpenMP runtimes in the process are first asked to
     let their idle workers go (`elastic_np.cpu._runtime.openmp`). Threads instead of
     ``prange``: a parallel Numba function compiles its loop body again as a
-    gufunc and LLVM optimises it once per level it is linked into, which
-    doubled the first compile of these kernels.
+    gufunc, which LLVM optimises once per level it is linked into: the first
+    compile of these kernels would take that much longer.
     """
     if tasks is not None:
         args = (*args, tasks)
@@ -138,7 +138,8 @@ def _interruptible(tasks, work):
     A call of `config.INTERRUPTIBLE_WORK` multiply-adds or more, from the main
     thread (the only one Python runs signal handlers in), of a kernel that
     claims its ``tasks``. A shorter call's calling thread runs a part:
-    waking it after the workers' parts would cost up to 0.1 ms.
+    waking it after the workers' parts would cost as much as a short call's
+    arithmetic.
     """
     return (tasks is not None and work is not None and work >= config.INTERRUPTIBLE_WORK
             and threading.current_thread() is threading.main_thread())
@@ -255,7 +256,7 @@ class _Pool:
         (the caller's, or the first worker's), a part that no worker has
         taken finds no task left and runs on the calling thread. (A share of
         another kernel's tasks would run there after the caller's own: a
-        worker waking, 0.1-1 ms on a virtual machine, is waited for.)
+        worker waking is waited for.)
         """
         late = False
         for i, w in enumerate(posted):

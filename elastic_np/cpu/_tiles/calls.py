@@ -21,7 +21,7 @@ factor that starts at a column of its array (a tile of one head of a
 that column, so that the entry point's arrays cover exactly what it may read.
 The mechanism is Numba's internals (`elastic_np.cpu._runtime.numba_private`); where
 its paths ``entry_points`` and ``lazy_stages`` are off, the kernels call the
-typed functions and the stages themselves (`logits.modify_tile`,
+typed functions and the stages themselves (`elastic_np.cpu._tiles.logits.modify_tile`,
 `elastic_np.cpu._prefill.dbias.dbias_tile`).
 """
 
@@ -62,7 +62,7 @@ def _entry_points(public, body, needs, name=None, c_signatures=None, arrange=Non
     point of the dtype (``make_entry()``, a `numba.cfunc`) and registers it.
     An entry point several functions share has its own ``name`` and
     ``c_signatures`` (by dtype); ``arrange`` maps each caller's flattened
-    arguments onto it (see `numba_private.call_codegen`).
+    arguments onto it (see `elastic_np.cpu._runtime.numba_private.call_codegen`).
     """
     name = name or public.__name__
     signatures = {sig.args[0].dtype: sig for sig in _signatures(public)}
@@ -140,7 +140,7 @@ else:  # the typed functions themselves, linked into each kernel
 # Stages compiled on first use: the score modifiers and dbias
 # ---------------------------------------------------------------------------
 #
-# The soft-cap, ALiBi and bias stage of a tile (`logits._modify_tile`) is as
+# The soft-cap, ALiBi and bias stage of a tile (`elastic_np.cpu._tiles.logits._modify_tile`) is
 # much code as the rest of the logits pipeline, and the backward's dbias stage
 # (`elastic_np.cpu._prefill.dbias._dbias_tile`) is a fifth of the backward
 # kernel's. Behind C entry points they are compiled once per dtype instead of
@@ -185,12 +185,13 @@ def _registered(name, dtype):
     return pytypes.SimpleNamespace(address=private.trampoline(_symbol(name, dtype), LAZY_SIGNATURES[name](dtype))[0])
 
 
-if private.enabled("lazy_stages"):  # else `logits` and `elastic_np.cpu._prefill.dbias` link the stages in
+if private.enabled("lazy_stages"):  # else the kernels link the stages in
 
     @intrinsic(prefer_literal=False)
     def modify_tile(typingctx, st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags,
                     softcap):
-        """`logits._modify_tile` on ``st`` through ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
+        """The modifier stage (`elastic_np.cpu._tiles.logits._modify_tile`) on ``st`` through
+        ``elastic_np_modify_tile_<dtype>`` (flags: the constants above)."""
         sig = types.void(st, cap_slope, tile_max, bias, bias_strides, tau, alibi, diag_shift, tile, bk, flags, softcap)
         if not all(private.flattens(ty) for ty in sig.args):
             return None
@@ -198,8 +199,8 @@ if private.enabled("lazy_stages"):  # else `logits` and `elastic_np.cpu._prefill
 
     @intrinsic(prefer_literal=False)
     def dbias_tile(typingctx, dpt, dbias, tile, slot, inv_tau):
-        """`elastic_np.cpu._prefill.dbias._dbias_tile` through ``elastic_np_dbias_tile_<dtype>``; ``tile = (bk, bq, b,
-        h, i0, j0)``."""
+        """The dbias stage (`elastic_np.cpu._prefill.dbias._dbias_tile`) through ``elastic_np_dbias_tile_<dtype>``;
+        ``tile = (bk, bq, b, h, i0, j0)``."""
         sig = types.void(dpt, dbias, tile, slot, inv_tau)
         if not all(private.flattens(ty) for ty in sig.args):
             return None

@@ -223,7 +223,7 @@ def prefetch_bias(opt, b, h, i0, bq, j0, bk):
     a whole row of the caller's array apart (a bias laid out along the
     queries as ``bk`` runs): too many streams for the hardware prefetcher.
     The backward calls it for its next query tile while it computes the
-    current one; the forward does not (it measured no faster with it).
+    current one; the forward does not (it gains nothing from it).
     """
     N, M = opt.n_queries, opt.n_keys
     s_i, s_j = opt.bias_strides[2], opt.bias_strides[3]
@@ -267,7 +267,7 @@ def _modify_tile(st, opt, tile, bk, cap_slope, want_cap_slope):
     by_rows = opt.has_bias and b_i <= 1
     if opt.has_softcap:
         _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_slope)
-    # Rows are slices of length bq (loops over range(bq) on whole rows did not
+    # Rows are slices of length bq (loops over range(bq) on whole rows do not
     # run vectorised), offsets int32 (int64 to float has no AVX2 instruction).
     for c in range(bk if opt.has_alibi or by_rows else 0):
         row = st[c, :bq]
@@ -307,7 +307,7 @@ def modifier_factors(tau_h, softcap, slope, like):
     Formed in float64 as ``softcap (1 / tau_h)`` and ``-slope (1 / tau_h)``,
     without fast-math: under ``arcp`` a caller may turn ``x (1 / y)`` into
     ``x / y`` (or the converse) as its context suits it, and the decode
-    kernel's float64 soft-capped logits were a rounding from the tiles'.
+    kernel's float64 soft-capped logits would be a rounding from the tiles'.
     """
     inv_tau = 1.0 / tau_h
     return (scalar_like(inv_tau, like), scalar_like(tau_h / softcap, like), scalar_like(softcap * inv_tau, like),
@@ -370,7 +370,7 @@ def _softcap_tile(st, bk, bq, tau_over_cap, cap_over_tau, cap_slope, want_cap_sl
     (``1 - t * t`` cancels once the cap saturates). Rows go four at a
     time: four independent chains of the tangent's arithmetic in flight hide
     its latency; the rows are taken as slices of length ``bq``, without
-    which LLVM's vectorised loop was not the one that ran.
+    which LLVM's vectorised loop is not the one that runs.
     """
     bk4 = bk - bk % 4
     for c in range(0, bk4, 4):
@@ -419,7 +419,7 @@ def _add_transposed(tile, bk, bq, src, start, stride, scale):
     through SIMD registers (`transpose_add`), the edges
     element by element. Without fast-math: Numba sets a function's flags on
     every instruction of its code, `transpose_add`'s too, and with
-    ``contract`` the blocks' products and sums became fused multiply-adds.
+    ``contract`` the blocks' products and sums would become fused multiply-adds.
     """
     width = transpose_width(tile)
     bk_w = bk - bk % width

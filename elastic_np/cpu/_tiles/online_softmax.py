@@ -1,4 +1,4 @@
-"""The online softmax's steps, which every CPU kernel's forward pass runs: one module, so one arithmetic.
+"""The online softmax's steps, shared by every forward kernel (prefill, AMX, decode): one arithmetic for all.
 
 A query tile keeps per query its running maximum ``m``, its sum ``l`` of
 ``exp(z - m)`` and its accumulator ``acc = sum exp(z - m) v`` over the key
@@ -30,9 +30,11 @@ from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
 
 @inner(fastmath=FASTMATH)
 def online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
-    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` (`elastic_np.cpu._tiles.logits.logits_tile`) and its values ``v_j``.
+    """The online softmax's step with a tile of logits ``st[:bk, :bq]`` and its values ``v_j``.
 
-    ``v_j = (whole, col)``: the values' rows, as `elastic_np.cpu._tiles.operands.head_rows` gives them.
+    ``st``: key-major, as `elastic_np.cpu._tiles.logits.logits_tile` leaves
+    it; ``v_j = (whole, col)``: the values' rows, as
+    `elastic_np.cpu._tiles.operands.head_rows` gives them.
     ``scratch = (tile_max, shift_by, rescale_by, tile_sum)``, each of length
     ``bq`` or more; ``state = (row_max, row_sum, acc)``, the rows' state.
     ``tile_max`` holds the tile's column maxima when ``maxed`` (else they
@@ -56,9 +58,11 @@ def online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, state):
 
 @inner(fastmath=FASTMATH)
 def load_queries(q_tile, factor, q_t):
-    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled (`elastic_np.cpu._tiles.logits.query_factor`), transposed.
+    """``q_t[:D, :bq] = (q_tile * factor)^T``: the tile's queries, scaled, transposed.
 
-    ``q_tile = (whole, col)``, the ``bq`` queries' rows (`elastic_np.cpu._tiles.operands.head_rows`); ``D = q_t.shape[0]``.
+    ``factor``: `elastic_np.cpu._tiles.logits.query_factor`'s; ``q_tile =
+    (whole, col)``, the ``bq`` queries' rows
+    (`elastic_np.cpu._tiles.operands.head_rows`); ``D = q_t.shape[0]``.
     """
     whole, col = q_tile
     D = q_t.shape[0]
@@ -123,7 +127,9 @@ def finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
 
 @inner(fastmath=FASTMATH)
 def query_major_update(st, bk, shift_by, state):
-    """A kv head's logits ``st[:, :bk]`` (`elastic_np.cpu._decode.decode._score_rows`) made its tile's ``exp(z - m)``, and ``state`` updated; returns ``kept``.
+    """A kv head's stacked rows of logits ``st[:, :bk]`` made their ``exp(z - m)``, ``state`` updated; returns ``kept``.
+
+    ``st``: query-major, as `elastic_np.cpu._decode.decode._score_rows` leaves it.
 
     ``shift_by``: the rows' maxima over the tile, made what each row shifts
     by; ``state = (acc, row_max, row_sum)``; ``kept``: whether any row

@@ -11,6 +11,7 @@ a head's rows with `head` and `head_rows`: whole rows of ``rows`` (the
 leading dimension ``D``, or ``H * D``) and the column where the head's
 entries start, the form the tile products read in place
 (`elastic_np.cpu._tiles.products`); a row's ``D`` entries are contiguous in both layouts.
+Any other array the kernels read (``lse``, say) goes through `kernel_array`.
 """
 
 import numpy as np

@@ -34,7 +34,7 @@ from elastic_np.cpu._runtime import numba_private
 
 # Only contraction of a*b+c into fused multiply-adds is allowed: IEEE inf/NaN
 # semantics and the written order of every sum are kept (full fastmath=True
-# measured no faster for the matmuls, and would let LLVM reorder the exponential's
+# buys the products nothing, and would let LLVM reorder the exponential's
 # Cody-Waite reduction).
 _OPTIONS = dict(cache=True, fastmath={"contract"}, boundscheck=False, error_model="numpy")
 #: The same for their helpers (`elastic_np.cpu._runtime.numba_private.inner`).
