@@ -17,7 +17,7 @@ import numpy as np
 def machine():
     """`elastic_np.cli._bench.machine_info` with whether a bfloat16 prefill runs on AMX tiles here."""
     from elastic_np.cli import _bench
-    from elastic_np.cpu import _amx
+    from elastic_np.cpu._tiles import amx as _amx
 
     return {**_bench.machine_info(), "amx": bool(_amx.permitted())}
 

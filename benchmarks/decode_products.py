@@ -1,6 +1,6 @@
 """The decode kernel's two products alone, over one tile of keys kept in cache: by layout and stacked rows.
 
-`elastic_np.cpu._decode_products.key_scores` (``Q K^T``) and
+`elastic_np.cpu._decode.products.key_scores` (``Q K^T``) and
 ``value_products`` (``P V``) run ``--reps`` times over one tile of
 ``--keys`` keys (128) of head dim 128 on one thread, the tile's rows
 stored as in a ``(M, Hkv, D)`` cache: contiguous (one head, as in
@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 from numba import njit
 
-from elastic_np.cpu._decode_products import key_scores, value_products
-from elastic_np.cpu._halves import bits
+from elastic_np.cpu._decode.products import key_scores, value_products
+from elastic_np.cpu._tiles.halves import bits
 
 _LINE = 64
 

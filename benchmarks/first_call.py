@@ -15,7 +15,7 @@ function, exclusive of the functions it compiled in turn (Numba's event API,
 ``elastic_np`` package), the runs alternate between them, round by round,
 so that each sees the same load; ``--public SETTING`` (repeatable) runs each
 tree once per value of ``ELASTIC_NP_PUBLIC_NUMBA`` (``""``: every private
-path of ``elastic_np/cpu/_numba_private.py`` on, ``1``: none, or the names of
+path of ``elastic_np/cpu/_runtime/numba_private.py`` on, ``1``: none, or the names of
 those to turn off), alternated the same way. With ``--json PATH``, the seconds of every step
 (wall and CPU) of each round, and their median and range per variant, go to a
 results file (``benchmarks/_record.py``).

@@ -155,15 +155,15 @@ def problem(seed, index):
 @contextlib.contextmanager
 def tiles(small):
     """The CPU kernels' tiles set to `SMALL_TILES` (when ``small``) for the duration."""
-    saved = {name: getattr(cpu._config, name) for name in SMALL_TILES}
+    saved = {name: getattr(cpu._runtime.config, name) for name in SMALL_TILES}
     try:
         if small:
             for name, value in SMALL_TILES.items():
-                setattr(cpu._config, name, value)
+                setattr(cpu._runtime.config, name, value)
         yield
     finally:
         for name, value in saved.items():
-            setattr(cpu._config, name, value)
+            setattr(cpu._runtime.config, name, value)
 
 
 def oracle_results(q, k, v, dout, dlse, options):

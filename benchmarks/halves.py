@@ -72,14 +72,15 @@ _NO_TILES = "elastic_np bfloat16, no AMX"
 
 
 def amx_in_use():
-    """Whether a bfloat16 prefill runs on AMX tiles here (`elastic_np.cpu._forward_amx`)."""
-    from elastic_np.cpu import _amx, _config
+    """Whether a bfloat16 prefill runs on AMX tiles here (`elastic_np.cpu._prefill.forward_amx`)."""
+    from elastic_np.cpu._runtime import config as _config
+    from elastic_np.cpu._tiles import amx as _amx
 
     return _config.AMX and _amx.permitted()
 
 
 def _without_tiles(fn, *args, **kwargs):
-    from elastic_np.cpu import _config
+    from elastic_np.cpu._runtime import config as _config
 
     _config.AMX = False
     try:

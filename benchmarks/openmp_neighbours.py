@@ -11,7 +11,7 @@ threads again if they were let go), in two situations:
 - ``after a gap``: ``--gap`` seconds after it (its workers asleep): what
   asking costs where it cannot help.
 
-In each, with the pool asking (`elastic_np.cpu._openmp.quiet`, the default)
+In each, with the pool asking (`elastic_np.cpu._runtime.openmp.quiet`, the default)
 and with it turned off (``QUIET_OPENMP_WORK = inf``). The four alternate
 call by call over ``--rounds`` rounds; printed: the median milliseconds of
 each, and off / on per situation, the median and range over the rounds.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import elastic_np.torch as enpt
-from elastic_np.cpu import _config
+from elastic_np.cpu._runtime import config as _config
 
 
 def _timed(call, before, gap, quiet):

@@ -2,7 +2,7 @@
 
 The executor is how the kernels ran their parts until 2026-11-28: every
 part submitted to it, the calling thread waiting on the futures. Both run
-the same kernels (each kernel module's ``_run_tasks`` is switched before
+the same kernels (each kernel module's ``run_tasks`` is switched before
 each call): decode calls (bfloat16 over ``--keys`` keys, float32 over the
 last), a causal prefill forward and a backward, each case's two timed side
 by side (best of ``--repeat``, their order alternating, ``--rounds``
@@ -24,13 +24,15 @@ import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
-from elastic_np.cpu import _backward, _config, _decode, _forward, _threads
+from elastic_np.cpu._decode import decode as _decode
+from elastic_np.cpu._prefill import backward as _backward, forward as _forward
+from elastic_np.cpu._runtime import config as _config, threads as _threads
 
 _KERNEL_MODULES = (_decode, _forward, _backward)
 
 
 def executor_runner(threads):
-    """``_run_tasks`` as it was: each part submitted to a ``ThreadPoolExecutor``, the caller waiting."""
+    """``run_tasks`` as it was: each part submitted to a ``ThreadPoolExecutor``, the caller waiting."""
     executor = concurrent.futures.ThreadPoolExecutor(threads)
 
     def run_tasks(kernel, *args, work=None, tasks=None):
@@ -50,7 +52,7 @@ def timed(run_tasks, call, repeat, gap):
     """Seconds of ``call`` with the kernels on ``run_tasks``: the best of ``repeat`` calls, or with a ``gap`` of
     busy Python before each (not timed), their median (every call then finds the worker asleep)."""
     for module in _KERNEL_MODULES:
-        module._run_tasks = run_tasks
+        module.run_tasks = run_tasks
     seconds = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -93,7 +95,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     with _bench.thread_counts(args.threads) as counts:
-        runners = {"executor": executor_runner(args.threads), "pool": _threads._run_tasks}
+        runners = {"executor": executor_runner(args.threads), "pool": _threads.run_tasks}
         calls = make_calls(args.keys)
         times = {case: {label: [] for label in runners} for case in calls}
         try:
@@ -106,7 +108,7 @@ def main(argv=None):
                         times[case][label].append(timed(runners[label], call, args.repeat, args.gap))
         finally:
             for module in _KERNEL_MODULES:
-                module._run_tasks = _threads._run_tasks
+                module.run_tasks = _threads.run_tasks
     print(f"{_bench.describe_threads(counts)}; {args.gap * 1e3:g} ms of Python before each call; "
           f"{args.rounds} rounds, {'median' if args.gap else 'best'} of {args.repeat}")
     print(f"{'case':26s} {'executor ms':>11} {'pool ms':>8}  executor/pool")

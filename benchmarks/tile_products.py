@@ -1,6 +1,6 @@
 """GFLOP/s of the single-threaded tile products of the CPU kernels against ``np.dot``.
 
-Times `elastic_np.cpu._products.matmul_nn` / `matmul_tn` called in a loop on the
+Times `elastic_np.cpu._tiles.products.matmul_nn` / `matmul_tn` called in a loop on the
 shapes the attention kernels use (query and key tiles of 128, head dimension
 64), next to ``np.dot`` on the same shapes with BLAS limited to one thread
 (set ``OPENBLAS_NUM_THREADS=1``/``OMP_NUM_THREADS=1`` before NumPy loads; this
@@ -19,8 +19,8 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np   # noqa: E402
 from numba import njit   # noqa: E402
 
-from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn  # noqa: E402
-from elastic_np.cpu._simd import compile_for  # noqa: E402
+from elastic_np.cpu._tiles.products import matmul_nn, matmul_nn_max, matmul_tn  # noqa: E402
+from elastic_np.cpu._tiles.simd import compile_for  # noqa: E402
 
 for _dtype in (np.float32, np.float64):
     compile_for(_dtype)

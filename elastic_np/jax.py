@@ -10,7 +10,7 @@ so it works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (one kernel call
 per mapped element). The residuals are the inputs, ``out`` and ``lse``: the
 backward never computes the forward again. The callbacks run on the host; jax
 hands them read-only buffers, which the CPU kernels read in place (through a
-writeable view of the same memory, `elastic_np.cpu._plan._kernel_array`).
+writeable view of the same memory, `elastic_np.cpu._tiles.operands.kernel_array`).
 
 The backward is a ``jax.custom_vjp`` function too, whose own backward calls
 `elastic_np.attention_double_backward`: second derivatives work in reverse

@@ -12,7 +12,7 @@ import pytest
 # can leave Numba's cache index pointing at the other's code. Set before any
 # test module imports numba (which reads the variable once). Runs with
 # ELASTIC_NP_PUBLIC_NUMBA set need nothing more: the package caches their
-# kernels in a folder of their own (elastic_np.cpu._numba_private.own_cache).
+# kernels in a folder of their own (elastic_np.cpu._runtime.numba_private.own_cache).
 if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
     _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
     os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
@@ -30,9 +30,9 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def pool_never_late(monkeypatch):
-    """A worker late for a call makes the next like it run on the calling thread (`cpu._threads._late_for`):
+    """A worker late for a call makes the next like it run on the calling thread (`cpu._runtime.threads._late_for`):
     off in the tests, whose calls then use the pool as `SERIAL_WORK` says, whatever the machine's load."""
-    from elastic_np.cpu import _config
+    from elastic_np.cpu._runtime import config as _config
 
     monkeypatch.setattr(_config, "LATE_WORKER_SECONDS", 0.0)
 
@@ -42,6 +42,6 @@ def small_tiles(monkeypatch):
     """Tiles of 8 queries x 5 keys: every test shape spans several of both, on every thread."""
     from elastic_np import cpu
 
-    monkeypatch.setattr(cpu._config, "BLOCK_Q", 8)
-    monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 8)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)

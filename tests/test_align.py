@@ -20,12 +20,12 @@ B, H, Hkv, N, M, D = 4, 4, 2, 7, 19, 8
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(cpu._config, "BLOCK_Q", 4)
-    monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
-    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 4)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_TASKS", 64)
 
 
 def _options(n=N, m=M, seed=0):

@@ -1,4 +1,4 @@
-"""The bfloat16 prefill forward on AMX tiles (`elastic_np.cpu._forward_amx`), where this CPU has them.
+"""The bfloat16 prefill forward on AMX tiles (`elastic_np.cpu._prefill.forward_amx`), where this CPU has them.
 
 Every call is held to the kit's rule against the float64 oracle, and to the
 float32 products of the same kernels (``config.AMX`` off): ``lse`` to
@@ -13,7 +13,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cpu
-from elastic_np.cpu import _amx, _forward_amx
+from elastic_np.cpu._prefill import forward_amx as _forward_amx
+from elastic_np.cpu._tiles import amx as _amx
 from elastic_np.testing._report import worst_error
 from elastic_np.testing._tolerances import kit_allowed, naive_orderings, rounding_allowance
 
@@ -55,10 +56,10 @@ def _both(monkeypatch, q, k, v, rule=True, **options):
     assert calls, "the tiles' path was not taken"
     if rule:
         _assert_within_rule(q, k, v, *tiles, **options)
-    monkeypatch.setattr(cpu._config, "AMX", False)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", False)
     products = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
     assert len(calls) == 1
-    monkeypatch.setattr(cpu._config, "AMX", True)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", True)
     return tiles, products
 
 
@@ -93,8 +94,8 @@ SHAPES = [(1, 2, 1, 64, 64, 64, 64), (2, 4, 2, 70, 150, 32, 32), (1, 4, 2, 200, 
 @pytest.mark.parametrize("tiles", ["default tiles", "32 x 64 tiles"])
 def test_the_tiles_agree_with_the_float32_products(monkeypatch, shape, tiles):
     if tiles != "default tiles":
-        monkeypatch.setattr(cpu._config, "BLOCK_Q", 32)
-        monkeypatch.setattr(cpu._config, "BLOCK_K", 64)
+        monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 32)
+        monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 64)
     B, H, Hkv, N, M, D, Dv = shape
     q, k, v = _draw((B, H, N, D), 1), _draw((B, Hkv, M, D), 2), _draw((B, Hkv, M, Dv), 3)
     _assert_agree(*_both(monkeypatch, q, k, v), v)
@@ -116,8 +117,8 @@ OPTIONS = {
 @needs_amx
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_every_option_on_the_tiles(monkeypatch, name):
-    monkeypatch.setattr(cpu._config, "BLOCK_Q", 32)
-    monkeypatch.setattr(cpu._config, "BLOCK_K", 64)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 32)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 64)
     q, k, v = _draw((2, 4, 70, 32), 1), _draw((2, 2, 150, 32), 2), _draw((2, 2, 150, 32), 3)
     _assert_agree(*_both(monkeypatch, q, k, v, **OPTIONS[name]), v)
 
@@ -195,7 +196,7 @@ def test_empty_problems(monkeypatch, shape):
     B, H, Hkv, N, M, D, Dv = shape
     q, k, v = _draw((B, H, N, D), 1), _draw((B, Hkv, M, D), 2), _draw((B, Hkv, M, Dv), 3)
     out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
-    monkeypatch.setattr(cpu._config, "AMX", False)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", False)
     out32, lse32 = enp.attention(q, k, v, return_lse=True, backend="cpu")
     assert out.shape == out32.shape == (B, H, N, Dv) and out.dtype == BF16
     np.testing.assert_allclose(lse, lse32, rtol=2e-6)
@@ -203,12 +204,12 @@ def test_empty_problems(monkeypatch, shape):
 
 @needs_amx
 def test_the_tiles_bits_do_not_depend_on_the_threads(monkeypatch):
-    monkeypatch.setattr(cpu._config, "BLOCK_Q", 32)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 32)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     q, k, v = _draw((2, 4, 200, 64), 1), _draw((2, 2, 300, 64), 2), _draw((2, 2, 300, 64), 3)
     results = []
     for threads in (1, 2, 3):
-        monkeypatch.setattr(cpu._threads, "thread_count", lambda threads=threads: threads)
+        monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda threads=threads: threads)
         results.append(enp.attention(q, k, v, return_lse=True, backend="cpu", causal=True))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out.view(np.uint16), results[0][0].view(np.uint16))
@@ -231,10 +232,10 @@ def test_which_problems_the_tiles_take(monkeypatch):
     assert not _forward_amx.takes(_problem(Dv=48))
     assert not _forward_amx.takes(_problem(dtype=np.float16))
     assert not _forward_amx.takes(_problem(dtype=np.float32))
-    monkeypatch.setattr(cpu._config, "AMX", False)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", False)
     assert not _forward_amx.takes(_problem())
-    monkeypatch.setattr(cpu._config, "AMX", True)
-    monkeypatch.setattr(cpu._config, "BLOCK_K", 40)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", True)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 40)
     assert not _forward_amx.takes(_problem())
 
 
@@ -260,7 +261,7 @@ def test_concurrent_calls_from_python_threads(monkeypatch):
     """Each thread configures its own tiles: calls from four Python threads at once give the bits of calls one by one."""
     import concurrent.futures
 
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     problems = [(_draw((1, 4, 150, 64), s), _draw((1, 2, 200, 64), s + 10), _draw((1, 2, 200, 64), s + 20))
                 for s in range(4)]
 

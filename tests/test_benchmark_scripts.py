@@ -210,22 +210,22 @@ def test_double_backward_prints_the_ratio_and_each_peak(capsys):
 
 def test_thread_pool_prints_each_case_and_restores_the_pool(capsys, monkeypatch):
     import thread_pool
-    from elastic_np.cpu import _threads
+    from elastic_np.cpu._runtime import threads as _threads
 
     thread_pool.main(["--keys", "64", "128", "--rounds", "2", "--repeat", "1", "--gap", "0.0001"])
     out = capsys.readouterr().out
     for case in ("decode bfloat16 M=64", "decode bfloat16 M=128", "decode float32 M=128", "prefill", "backward"):
         assert f"\n{case}" in out
     assert "median of 1" in out and out.count(" (") >= 5
-    assert all(m._run_tasks is _threads._run_tasks for m in thread_pool._KERNEL_MODULES)
+    assert all(m.run_tasks is _threads.run_tasks for m in thread_pool._KERNEL_MODULES)
     for module in thread_pool._KERNEL_MODULES:
-        monkeypatch.setattr(module, "_run_tasks", module._run_tasks)  # restored after the test
+        monkeypatch.setattr(module, "run_tasks", module.run_tasks)  # restored after the test
     monkeypatch.setattr(_threads, "thread_count", lambda: 2)
     monkeypatch.setattr(_threads.config, "SERIAL_WORK", 0)  # two parts on either
     call = thread_pool.make_calls([64])["decode bfloat16 M=64"]
     want = call()
     assert thread_pool.timed(thread_pool.executor_runner(2), call, 1, 0.0) > 0
-    assert all(m._run_tasks is not _threads._run_tasks for m in thread_pool._KERNEL_MODULES)
+    assert all(m.run_tasks is not _threads.run_tasks for m in thread_pool._KERNEL_MODULES)
     np.testing.assert_array_equal(call().view(np.uint16), want.view(np.uint16))  # the same bits on the executor
 
 
@@ -268,7 +268,7 @@ def test_openmp_neighbours_prints_both_situations_and_restores_the_setting(capsy
     pytest.importorskip("torch")
     import openmp_neighbours
 
-    from elastic_np.cpu import _config
+    from elastic_np.cpu._runtime import config as _config
 
     before = _config.QUIET_OPENMP_WORK
     openmp_neighbours.main(["--cache", "64", "--rounds", "2", "--gap", "0.001"])

@@ -72,7 +72,7 @@ def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     # The quick shapes are small; some must still be too many queries for the
     # CPU decode kernel, or `check --quick` would never run the prefill kernel.
     from elastic_np._contract._problem import prepare
-    from elastic_np.cpu import _decode_plan
+    from elastic_np.cpu._decode import plan as _decode_plan
 
     decode = {}
     for case in _cases.CASES:

@@ -35,7 +35,7 @@ def test_bias_layouts(small_tiles, dtype, bias_name, layout):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dq_shares_in_chunks(small_tiles, monkeypatch, dtype):
     # One key tile per chunk: the dq shares are summed over many chunks.
-    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 1)
     check_case(dtype, CASES["everything"])
 
 

@@ -10,8 +10,8 @@ import pytest
 import elastic_np as enp
 from elastic_np import cpu
 from elastic_np._contract import _grads, _problem
-from elastic_np.cpu._dbias import _store_transposed
-from elastic_np.cpu._transpose import stream_width
+from elastic_np.cpu._prefill.dbias import _store_transposed
+from elastic_np.cpu._tiles.transpose import stream_width
 from oracle_checks import (
     ALIBI_BH,
     ALIBI_H,
@@ -85,9 +85,9 @@ def test_modifiers_default_tiles_odd_sizes(dtype, opts):
 )
 def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_tasks, partial_bytes):
     # one key tile per chunk of dq shares
-    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", min_tasks)
-    monkeypatch.setattr(cpu._config, "DBIAS_PARTIALS_BYTES", partial_bytes)
+    monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", min_tasks)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_PARTIALS_BYTES", partial_bytes)
     check_case(dtype, dict(bias=BIASES[bias_name], softcap=1.5, causal=True))
 
 
@@ -95,7 +95,7 @@ def test_dbias_lanes_and_chunks(small_tiles, monkeypatch, dtype, bias_name, min_
 def test_dbias_summed_over_heads_with_their_own_ranges(small_tiles, monkeypatch, dtype):
     # a task's heads visit different query tiles (a gate per head, lengths
     # per batch) and some tiles none: the sum over heads and pairs
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", 1)
     sigma = np.array([[0.05, 0.5, 0.1, 1.2], [0.6, 0.08, 0.4, 2.0]])
     opts = dict(
         bias=BIASES["nm"], kv_lengths=[9, 31], nvm=True, tau=[0.5, 1.0, 2.0, 0.8],
@@ -110,7 +110,7 @@ def test_dbias_streamed_on_cache_lines(monkeypatch, dtype, layout):
     # 48 keys, whole cache lines in both dtypes: the rows of dbias start on
     # lines and `_store_transposed` streams them (a full bias; the broadcast
     # one goes to float64 partials), the 37 queries leave edges to it
-    monkeypatch.setattr(cpu._config, "DBIAS_MIN_TASKS", 1)
+    monkeypatch.setattr(cpu._runtime.config, "DBIAS_MIN_TASKS", 1)
     bias = random_bias((2, 4, 37, 48), 11) if layout == "full" else random_bias((37, 48), 12)
     check_case(dtype, dict(bias=bias, causal=True, kv_lengths=[48, 29]), N=37, M=48)
 
@@ -127,7 +127,7 @@ def test_store_transposed_on_and_off_cache_lines(dtype, on_lines):
     line = stream_width(dtype)
     bk, bq, stride = 2 * line + 3, 21, 3 * line
     tile = np.random.default_rng(7).standard_normal((bk + 1, bq + 2)).astype(dtype)
-    dst = cpu._dbias._zeros_on_lines(bq * stride + 2 * line, dtype)
+    dst = cpu._prefill.dbias._zeros_on_lines(bq * stride + 2 * line, dtype)
     assert dst.ctypes.data % 64 == 0
     dst[:] = np.nan
     start = line if on_lines else line + 1
@@ -142,17 +142,17 @@ def test_dbias_plan_lanes():
     # broadcast over (b, h): folded pairs split into lanes by DBIAS_MIN_TASKS and memory
     q, k, v, _ = make_inputs(np.float64)  # B=2, H=4, Hkv=2, N=23, M=31
     p = _problem.prepare(q, k, v, bias=BIASES["nm"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=1, chunk=1)
     assert plan.params.tolist() == [2, 1, 1, 4, 1]
     assert plan.shape == (1, 1, 23, 31) and plan.partials.shape == (4, 23 * 31)
     # enough key tiles for the tasks: one lane of the 4 pairs, one float64 partial
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float32), n_kt=64, chunk=8)
     assert plan.params.tolist() == [2, 1, 1, 1, 1] and plan.partials.shape == (1, 23 * 31)
     p = _problem.prepare(q, k, v, bias=BIASES["full"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=7)
     assert plan.params[0] == 1 and plan.direct.shape == (2 * 4 * 23 * 31,)
     p = _problem.prepare(q, k, v, bias=BIASES["bhn1"], dtypes=cpu.dtypes)
-    plan = cpu._dbias._DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
+    plan = cpu._prefill.dbias.DbiasPlan(p, np.dtype(np.float64), n_kt=7, chunk=3)
     assert plan.params.tolist() == [2, 0, 0, 1, 3] and plan.partials.shape == (3, 2 * 4 * 23)
 
 
@@ -177,8 +177,8 @@ def test_every_jit_function_states_its_fastmath():
     # came first, and the kernels' last bits changed with the order (measured:
     # 488 of 1104 float32 entries of `out`). Inlined functions take their caller's.
     jitted = {}
-    for info in pkgutil.iter_modules(cpu.__path__):
-        module = importlib.import_module(f"{cpu.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(cpu.__path__, f"{cpu.__name__}."):
+        module = importlib.import_module(info.name)
         jitted.update({
             f"{info.name}.{name}": f for name, f in vars(module).items()
             if isinstance(f, numba.core.registry.CPUDispatcher) and f.py_func.__module__ == module.__name__
@@ -197,7 +197,7 @@ def test_bias_not_copied(dtype, layout):
     for name in ("full", "nm", "1h1m-keypad", "bhn1"):
         bias = laid_out(BIASES[name].astype(dtype), layout)
         p = _problem.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-        opt = cpu._plan._options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
+        opt = cpu._prefill.plan.kernel_options(p, with_sigma_grad=True, dtype=np.dtype(dtype))
         assert np.shares_memory(opt.bias, bias) == (layout != "reversed" or bias.shape[-1] == 1)
         assert not opt.bias.flags.writeable
         # the same entries through the strides
@@ -207,7 +207,7 @@ def test_bias_not_copied(dtype, layout):
         np.testing.assert_array_equal(opt.bias[idx], np.broadcast_to(bias, (2, 4, 23, 31)))
     # another dtype is converted into a copy, never the caller's array written
     other = BIASES["nm"].astype(np.float32 if dtype == np.float64 else np.float64)
-    opt = cpu._plan._options(_problem.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
+    opt = cpu._prefill.plan.kernel_options(_problem.prepare(q, k, v, bias=other, dtypes=cpu.dtypes), False, np.dtype(dtype))
     assert opt.bias.dtype == dtype and not np.shares_memory(opt.bias, other)
     np.testing.assert_array_equal(opt.bias.reshape(23, 31), other.astype(dtype))
 
@@ -281,18 +281,18 @@ def test_bias_values_checked_before_conversion():
         cpu.forward(problem)
     bias[3, 4] = -1e300  # -inf once converted: removes the entry, as a float32 score would
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes)
-    cpu._plan._options(problem, False, np.dtype(np.float32))  # no error
+    cpu._prefill.plan.kernel_options(problem, False, np.dtype(np.float32))  # no error
     # no check at all when the caller asks for none
     bias[3, 4] = np.nan
     problem = cpu.prepare(q, k, v, bias=bias, dtypes=cpu.dtypes, check_finite=False)
     assert not problem.bias_unchecked
-    cpu._plan._options(problem, False, np.dtype(np.float32))  # no error
+    cpu._prefill.plan.kernel_options(problem, False, np.dtype(np.float32))  # no error
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_name", ["full", "nm", "b11m-keypad", "bhn1", "scalar"])
 def test_modifiers_inputs_unmodified_and_deterministic(small_tiles, monkeypatch, dtype, bias_name):
-    monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
+    monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 4000)  # a few chunks of key tiles
     q, k, v, dout = make_inputs(dtype)
     bias = BIASES[bias_name].astype(dtype)
     slopes = ALIBI_BH.copy()

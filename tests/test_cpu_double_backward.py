@@ -182,7 +182,7 @@ class TestKernel:
                 ddsigma=u["ddsigma"], ddbias=u["ddbias"], dlse=dlse, backend="cpu", **opts)
 
         first = run()
-        monkeypatch.setattr(cpu._config, "DQ_SHARES_BYTES", 1)  # the key tiles one chunk at a time
+        monkeypatch.setattr(cpu._runtime.config, "DQ_SHARES_BYTES", 1)  # the key tiles one chunk at a time
         chunked = run()
         threads = numba.get_num_threads()
         try:

@@ -104,6 +104,6 @@ def test_one_compiled_kernel_per_dtype():
             out, lse = enp.attention(q, k[..., ::1], v, return_lse=True, backend="cpu", **options)
             out.setflags(write=False)
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
-    for kernel in (cpu._forward._forward_kernel, cpu._backward._backward_prepare, cpu._backward._backward_kernel, cpu._backward._sum_dq_shares):
+    for kernel in (cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel, cpu._prefill.key_tiles.sum_dq_shares):
         floats = [sig for sig in kernel.signatures if not holds_half_bits(sig)]  # a half is a dtype of its own
         assert len(floats) <= 2, floats

@@ -92,8 +92,8 @@ def test_decode_same_bits_in_every_layout(dtype, N):
     """The decode kernels (rows stacked below 16 queries, heads key-major from 16), split over the keys."""
     B, M = 2, 1100
     inputs = make_inputs(dtype, B=B, N=N, M=M, D=16, Dv=12, seed=N)
-    assert cpu._decode_plan.takes(cpu.prepare(*inputs[:3], dtypes=cpu.dtypes))
-    assert cpu._decode_plan.splits(B, 2, M) > 1
+    assert cpu._decode.plan.takes(cpu.prepare(*inputs[:3], dtypes=cpu.dtypes))
+    assert cpu._decode.plan.splits(B, 2, M) > 1
     for name, opts in _decode_options(B, N, M).items():
         check_layouts(*inputs, opts, MIXES if name == "plain" else {"all": MIXES["all"]})
 
@@ -112,15 +112,15 @@ def test_one_compiled_kernel_per_dtype_for_both_layouts():
                 out, lse = enp.attention(*arrays[:3], return_lse=True, backend="cpu", causal=True)
                 enp.attention_backward(arrays[3], *arrays[:3], out, lse, backend="cpu", causal=True)
     kernels = (
-        cpu._forward._forward_kernel, cpu._backward._backward_prepare, cpu._backward._backward_kernel,
-        cpu._backward._sum_dq_shares, cpu._decode._decode_kernel, cpu._decode._decode_heads_kernel,
-        cpu._decode._merge_kernel,
+        cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel,
+        cpu._prefill.key_tiles.sum_dq_shares, cpu._decode.decode._decode_kernel, cpu._decode.decode._decode_heads_kernel,
+        cpu._decode.decode._merge_kernel,
     )
     for kernel in kernels:
         # of the float dtypes (a half's bits are other specialisations); the decode kernels have one
         # more per dtype, for a paged cache (the stacked-rows one also for bnhd: `pages` not None)
         ours = [sig for sig in kernel.signatures if not holds_half_bits(sig)]
-        allowed = len(DTYPES) * (2 if kernel in (cpu._decode._decode_kernel, cpu._decode._decode_heads_kernel) else 1)
+        allowed = len(DTYPES) * (2 if kernel in (cpu._decode.decode._decode_kernel, cpu._decode.decode._decode_heads_kernel) else 1)
         assert len(ours) <= allowed, (kernel.py_func.__name__, ours)
 
 

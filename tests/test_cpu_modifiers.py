@@ -8,11 +8,11 @@ import elastic_np as enp
 from elastic_np import cpu
 from elastic_np._contract import _problem
 from elastic_np.cli import _bench
-from elastic_np.cpu._logits import _column_max, _logits_tile
+from elastic_np.cpu._tiles.logits import column_max as _column_max, logits_tile as _logits_tile
 from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
 
 
-# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._numba_private.inner`)
+# the kernels' helpers are only callable from compiled code (`elastic_np.cpu._runtime.numba_private.inner`)
 @numba.njit
 def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     return _logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg)
@@ -53,12 +53,12 @@ def test_logits_tile_maxima_with_the_product(dtype, opts, fused):
     # a separate pass. Elsewhere the maxima are left to the caller.
     q, k, v, _ = make_inputs(dtype)
     p = _problem.prepare(q, k, v, dtypes=cpu.dtypes, **opts)
-    opt = cpu._plan._options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
+    opt = cpu._prefill.plan.kernel_options(p, with_sigma_grad=False, dtype=np.dtype(dtype))
     b, h, hk, D = 1, 2, 1, 8
     i0, bq, j0, bk = 8, 12, 5, 20
     bk = min(bk, int(opt.kv_lengths[b]) - j0)
     # the C entry points the tile calls, registered as the backend's entry points do
-    cpu._simd.compile_for(np.dtype(dtype), cpu._forward._FORWARD_TILES)
+    cpu._tiles.simd.compile_for(np.dtype(dtype), cpu._prefill.forward._FORWARD_TILES)
     nvm_in_logits = opt.nvm and opt.has_gate
     nonneg = opt.nvm and not opt.has_gate
     q_t = np.zeros((D, 16), dtype)
@@ -134,8 +134,8 @@ def test_one_compiled_kernel_per_dtype_with_modifiers():
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
     # one per dtype of the operands: float32 and float64 here, and the bits
     # views of bfloat16 and float16 where other tests of the process ran them
-    for kernel in (cpu._forward._forward_kernel, cpu._backward._backward_prepare, cpu._backward._backward_kernel,
-                   cpu._backward._sum_dq_shares):
+    for kernel in (cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel,
+                   cpu._prefill.key_tiles.sum_dq_shares):
         dtypes = [str(_first_array(signature).dtype) for signature in kernel.signatures]
         assert len(dtypes) == len(set(dtypes)), kernel.signatures
 

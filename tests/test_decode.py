@@ -1,7 +1,7 @@
 """The CPU decode kernel (few queries against a long cache) against the float64 oracle.
 
 `elastic_np.cpu.forward` hands every problem with ``1 <= N <= 16`` queries
-(and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode`. The
+(and at most 128 stacked rows per kv head) to `elastic_np.cpu._decode.decode`. The
 `decode_tiles` fixture shrinks its key tiles and splits so that small caches
 cross several of both, and runs each case through both of its kernels; the
 backward of these cases runs the prefill kernels.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np.cpu import _decode, _decode_plan
+from elastic_np.cpu._decode import decode as _decode, plan as _decode_plan
 from elastic_np import cpu, reference
 from elastic_np._contract import _problem
 from test_cpu import assert_close, check_case
@@ -22,11 +22,11 @@ DTYPES = [np.float64, np.float32]
 @pytest.fixture(params=["stacked-rows", "key-major"])
 def decode_tiles(request, monkeypatch):
     """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks; each of the two kernels."""
-    monkeypatch.setattr(cpu._config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
-    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_TASKS", 64)
 
 
 def _cases(B, H, N, M, seed=0):
@@ -81,8 +81,8 @@ def test_takes_decode_shapes():
 def test_kernel_follows_the_query_count(monkeypatch, N, kernel):
     """Fewer than `DECODE_KEY_MAJOR_QUERIES` queries stack their rows; that many run key-major."""
     called = []
-    run_tasks = _decode._run_tasks
-    monkeypatch.setattr(_decode, "_run_tasks", lambda f, *a, **kw: called.append(f) or run_tasks(f, *a, **kw))
+    run_tasks = _decode.run_tasks
+    monkeypatch.setattr(_decode, "run_tasks", lambda f, *a, **kw: called.append(f) or run_tasks(f, *a, **kw))
     q = np.ones((1, 4, N, 8), np.float32)
     kv = np.ones((1, 2, 40, 8), np.float32)
     out = enp.attention(q, kv, kv, causal=True, backend="cpu")
@@ -149,10 +149,10 @@ def test_same_bits_for_every_thread_count(monkeypatch, dtype, N):
     v = rng.standard_normal((1, 2, 3000, 16)).astype(dtype)
     opts = dict(causal=True, nvm=True, beta=0.5, softcap=2.0)
     assert _decode_plan.splits(1, 2, 3000) > 1
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     results = []
     for threads in (1, 2, 4):
-        monkeypatch.setattr(cpu._threads, "thread_count", lambda threads=threads: threads)
+        monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda threads=threads: threads)
         results.append(enp.attention(q, k, v, return_lse=True, backend="cpu", **opts))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])

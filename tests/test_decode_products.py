@@ -1,8 +1,8 @@
-"""The stacked-rows decode kernel's products (`elastic_np.cpu._decode_products`) and what rests on them.
+"""The stacked-rows decode kernel's products (`elastic_np.cpu._decode.products`) and what rests on them.
 
 The products read the cache where and as it is stored (float32, float64, or
 the bits of bfloat16 and float16 widened in registers) and must give the
-bits of the tile products (`elastic_np.cpu._products.matmul_nn` on the keys
+bits of the tile products (`elastic_np.cpu._tiles.products.matmul_nn` on the keys
 transposed and converted): the backward recomputes the decode kernel's
 logits with those. At the kernel's own tile sizes (not `test_decode`'s
 small ones), whole ``W x W`` key blocks, the keys and entries past them,
@@ -20,10 +20,11 @@ import pytest
 from numba import njit
 
 import elastic_np as enp
-from elastic_np.cpu import _config, _decode_plan, _decode_products
-from elastic_np.cpu._halves import bits
-from elastic_np.cpu._products import matmul_nn
-from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._decode import plan as _decode_plan, products as _decode_products
+from elastic_np.cpu._runtime import config as _config
+from elastic_np.cpu._tiles.halves import bits
+from elastic_np.cpu._tiles.products import matmul_nn
+from elastic_np.cpu._tiles.simd import compile_for
 
 # (compute dtype, storage dtype)
 STORAGE = [(np.float32, np.float32), (np.float64, np.float64), (np.float32, ml_dtypes.bfloat16),
@@ -128,7 +129,7 @@ def test_a_non_finite_entry_anywhere_in_full_tiles_is_found(dtype, name):
 @pytest.mark.parametrize("hint_keys", [0, 40, 128])
 def test_paged_decoding_gives_the_contiguous_bits_whatever_the_hints(monkeypatch, dtype, block_size, hint_keys):
     """Pages of any size, read head by head (float32) or run by run (bfloat16), hints of any distance: the gathered
-    cache's bits (`elastic_np.cpu._decode_plan.tile_reads`; runs of 24 keys here, within pages of 16 and 48 and across
+    cache's bits (`elastic_np.cpu._decode.plan.tile_reads`; runs of 24 keys here, within pages of 16 and 48 and across
     tiles of 128)."""
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     for name in ("DECODE_HINT_KEYS", "DECODE_RUN_HINT_KEYS"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_np.cli import _first_compile
-from elastic_np.cpu import _numba_private
+from elastic_np.cpu._runtime import numba_private as _numba_private
 
 pytest.importorskip("fcntl")
 

@@ -54,7 +54,7 @@ def test_bits_of_the_float32_kernels_rounded(monkeypatch, dtype, shape, options)
 
     With the float32 products: a bfloat16 prefill forward on AMX tiles sums in the unit's order (``tests/test_amx.py``).
     """
-    monkeypatch.setattr(cpu._config, "AMX", False)
+    monkeypatch.setattr(cpu._runtime.config, "AMX", False)
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     B, H, Hkv, N, M, D = shape
     options = _heads(options, H)

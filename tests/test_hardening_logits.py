@@ -43,14 +43,14 @@ SETTINGS = settings(
 
 def tiles(patch, name):
     """Default tiles, or tiles small enough that the problems span several: decode keys, or prefill tiles."""
-    patch.setattr(cpu._config, "SERIAL_WORK", 0)
+    patch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     if name == "decode":
-        patch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
-        patch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
-        patch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
+        patch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 5)
+        patch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 7)
+        patch.setattr(cpu._runtime.config, "DECODE_MIN_TASKS", 64)
     elif name == "prefill":
-        patch.setattr(cpu._config, "BLOCK_Q", 32)
-        patch.setattr(cpu._config, "BLOCK_K", 48)
+        patch.setattr(cpu._runtime.config, "BLOCK_Q", 32)
+        patch.setattr(cpu._runtime.config, "BLOCK_K", 48)
 
 
 # NVM with a scale that is not positive
@@ -237,7 +237,7 @@ def test_a_row_with_one_key_has_p_exactly_one(problem):
         tiles(patch, tile_sizes)
         out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu", **options)
         grads = enp.attention_backward(dout, q, k, v, out, lse, backend="cpu", **options)
-        prefill_lse = cpu._forward.forward(cpu.prepare(q, k, v, dtypes=cpu.dtypes, **options))[1]
+        prefill_lse = cpu._prefill.forward.forward(cpu.prepare(q, k, v, dtypes=cpu.dtypes, **options))[1]
         ddv = np.random.default_rng(1).integers(-3, 4, v.shape).astype(v.dtype)
         second = enp.attention_double_backward(None, None, ddv, dout, q, k, v, out, lse, backend="cpu", **options)
     np.testing.assert_array_equal(lse, prefill_lse)

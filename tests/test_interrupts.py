@@ -25,10 +25,10 @@ def _slow_tasks(owner, task_ns, tasks, part, parts):
     n = owner.shape[0]
     idle = np.zeros(1, dtype=np.int64)
     for _ in range(n):
-        task = cpu._threads.claim(tasks)
+        task = cpu._runtime.threads.claim(tasks)
         if task >= n:
             break
-        cpu._threads._spin_while(idle, 0, 0, task_ns, -1)
+        cpu._runtime.threads._spin_while(idle, 0, 0, task_ns, -1)
         owner[task] = part
 
 
@@ -51,51 +51,51 @@ def _interrupt_after(seconds):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_call_stops_after_the_tasks_it_holds(monkeypatch, sigint_raises_stop, threads):
     """1,000 tasks of 10 ms: stopped within a task or two of the signal; every claimed task ran to its end."""
-    monkeypatch.setattr(cpu._threads, "_pool", None)
-    monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
-    owner, tasks = np.full(1000, -1), cpu._threads.task_counter()
+    monkeypatch.setattr(cpu._runtime.threads, "_pool", None)
+    monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda: threads)
+    owner, tasks = np.full(1000, -1), cpu._runtime.threads.task_counter()
     _slow_tasks(owner[:0], 0, tasks, 0, 1)  # compiled
     timer = _interrupt_after(0.2)
     start = time.perf_counter()
     with pytest.raises(Stop):
-        cpu._threads._run_tasks(_slow_tasks, owner, 10_000_000, tasks=tasks, work=cpu._config.INTERRUPTIBLE_WORK)
+        cpu._runtime.threads.run_tasks(_slow_tasks, owner, 10_000_000, tasks=tasks, work=cpu._runtime.config.INTERRUPTIBLE_WORK)
     elapsed = time.perf_counter() - start
     timer.join()
     assert elapsed < 0.5, elapsed
     ran = np.flatnonzero(owner >= 0)
     assert tasks[1] == 1 and 0 < ran.size < 100
     np.testing.assert_array_equal(ran, np.arange(ran.size))  # the claimed tasks, each to its end
-    owner[:], tasks = -1, cpu._threads.task_counter()
-    cpu._threads._run_tasks(_slow_tasks, owner, 100_000, tasks=tasks, work=cpu._config.INTERRUPTIBLE_WORK)
+    owner[:], tasks = -1, cpu._runtime.threads.task_counter()
+    cpu._runtime.threads.run_tasks(_slow_tasks, owner, 100_000, tasks=tasks, work=cpu._runtime.config.INTERRUPTIBLE_WORK)
     assert (owner >= 0).all() and set(owner) == set(range(threads))  # the pool serves the next call, all workers
 
 
 def test_a_short_call_runs_a_part_on_the_calling_thread(monkeypatch):
     """Below `INTERRUPTIBLE_WORK` part 0 runs on the caller; from it, on a worker, the caller asleep."""
-    monkeypatch.setattr(cpu._threads, "_pool", None)
-    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu._runtime.threads, "_pool", None)
+    monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda: 2)
     callers = []
 
     def record(tasks, part, parts):
         callers.append((part, threading.current_thread() is threading.main_thread()))
 
-    for work, on_caller in ((cpu._config.INTERRUPTIBLE_WORK - 1, True), (cpu._config.INTERRUPTIBLE_WORK, False)):
+    for work, on_caller in ((cpu._runtime.config.INTERRUPTIBLE_WORK - 1, True), (cpu._runtime.config.INTERRUPTIBLE_WORK, False)):
         callers.clear()
-        cpu._threads._run_tasks(record, tasks=cpu._threads.task_counter(), work=work)
+        cpu._runtime.threads.run_tasks(record, tasks=cpu._runtime.threads.task_counter(), work=work)
         assert sorted(part for part, _ in callers) == [0, 1] and (0, on_caller) in callers
 
 
 def test_a_call_from_another_thread_is_not_interruptible(monkeypatch):
     """Python runs signal handlers on the main thread alone: another thread's call keeps its calling thread's part."""
-    monkeypatch.setattr(cpu._threads, "_pool", None)
-    monkeypatch.setattr(cpu._threads, "thread_count", lambda: 2)
+    monkeypatch.setattr(cpu._runtime.threads, "_pool", None)
+    monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda: 2)
     callers = []
 
     def record(tasks, part, parts):
         callers.append((part, threading.current_thread().name))
 
-    thread = threading.Thread(target=cpu._threads._run_tasks, args=(record,), name="caller",
-                              kwargs={"tasks": cpu._threads.task_counter(), "work": cpu._config.INTERRUPTIBLE_WORK})
+    thread = threading.Thread(target=cpu._runtime.threads.run_tasks, args=(record,), name="caller",
+                              kwargs={"tasks": cpu._runtime.threads.task_counter(), "work": cpu._runtime.config.INTERRUPTIBLE_WORK})
     thread.start()
     thread.join()
     assert (0, "caller") in callers

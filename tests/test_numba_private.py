@@ -9,7 +9,7 @@ import sys
 import numba
 import pytest
 
-from elastic_np.cpu import _numba_private as private
+from elastic_np.cpu._runtime import numba_private as private
 
 ALL = frozenset(private.PATHS)
 
@@ -49,14 +49,18 @@ FORCED = """
 import numpy as np
 import elastic_np as enp
 from elastic_np.cli import _first_compile
-from elastic_np.cpu import _backward, _calls, _exp, _logits, _numba_private, _products, _scalar
+from elastic_np.cpu._prefill import dbias as _dbias
+from elastic_np.cpu._runtime import numba_private as _numba_private
+from elastic_np.cpu._tiles import (
+    calls as _calls, exp as _exp, logits as _logits, products as _products, scalar as _scalar,
+)
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 12, 8)) for _ in range(3))
 out, lse = enp.attention(q, k, v, causal=True, softcap=3.0, bias=np.ones((12, 12)), return_lse=True)
 enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=3.0, bias=np.ones((12, 12)))
 assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
-assert type(_logits.modify_tile) is type(_backward.dbias_tile) is type(_products.matmul_nn)
-assert np.isclose(_scalar._log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python
+assert type(_logits.modify_tile) is type(_dbias.dbias_tile) is type(_products.matmul_nn)
+assert np.isclose(_scalar.log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python
 assert not _numba_private._LINKED and not _numba_private._LAZY and not _numba_private._TRAMPOLINES
 assert not _first_compile._can_split()
 print(sorted(_numba_private._ON))
@@ -87,7 +91,8 @@ import numpy as np
 import elastic_np as enp
 from elastic_np import reference
 from elastic_np._api import compile_report
-from elastic_np.cpu import _forward, _numba_private
+from elastic_np.cpu._prefill import forward as _forward
+from elastic_np.cpu._runtime import numba_private as _numba_private
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 24, 8)).astype(np.float32) for _ in range(3))
 with compile_report.watch() as watch:
@@ -102,7 +107,7 @@ print(len(watch.compiled), error < 1e-5, folder is not None)
 @pytest.mark.skipif(private.paths_on(numba.__version__, None) != ALL,
                     reason="outside the tested Numba every setting is the public one")
 def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_path):
-    root = str(pathlib.Path(private.__file__).parents[2])  # this checkout's package
+    root = str(pathlib.Path(private.__file__).parents[3])  # this checkout's package
     pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
 
     def run(setting):
@@ -123,7 +128,7 @@ def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_
 HELPERS = """
 import numpy as np
 from numba import njit
-from elastic_np.cpu._numba_private import inner
+from elastic_np.cpu._runtime.numba_private import inner
 
 @inner(fastmath={"nsz", "arcp", "contract", "reassoc"})
 def scale(z, a):
@@ -157,7 +162,7 @@ def test_a_helper_loaded_from_the_cache_links_as_it_compiled(tmp_path):
     # compiled afterwards linked the rewritten IR and differed in their last bits from the same callers
     # compiled against a fresh helper (a decode over every sequence against one per sequence)
     (tmp_path / "helpers.py").write_text(HELPERS)
-    root = str(pathlib.Path(private.__file__).parents[2])
+    root = str(pathlib.Path(private.__file__).parents[3])
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONHASHSEED="0",  # fastmath's order in names
                PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), root, os.environ.get("PYTHONPATH")])))
 
@@ -176,10 +181,10 @@ PRIVATE_NAMES = r"numba\._dynfunc|_dynfunc|numba\.core\.(compiler|codegen|cachin
 
 
 def test_no_other_module_uses_the_private_internals():
-    package = pathlib.Path(private.__file__).parents[1]
+    package = pathlib.Path(private.__file__).parents[2]
     users = {
         str(path.relative_to(package))
         for path in package.rglob("*.py")
         if re.search(PRIVATE_NAMES, path.read_text())
     }
-    assert users == {"cpu/_numba_private.py"}
+    assert users == {"cpu/_runtime/numba_private.py"}

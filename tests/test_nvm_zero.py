@@ -58,8 +58,8 @@ OPTION_SETS = {
 @pytest.mark.parametrize("name", list(OPTION_SETS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_keeps_exact_zero_scores(monkeypatch, dtype, name, N):
-    monkeypatch.setattr(cpu._config, "BLOCK_Q", 8)  # several query and key tiles
-    monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 8)  # several query and key tiles
+    monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 5)
     opts = dict(OPTION_SETS[name], nvm=True)
     H, Hkv = (4, 2) if name == "gqa window" else (2, 1)
     q64, k64, v64, dout64 = integer_inputs(H=H, Hkv=Hkv, N=N)

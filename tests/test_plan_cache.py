@@ -5,7 +5,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np._contract import _problem, _spec
-from elastic_np.cpu import _decode_plan, _plan
+from elastic_np.cpu._decode import plan as _decode_plan
+from elastic_np.cpu._prefill import plan as _plan
 
 
 def _arrays(N, M, dtype=np.float32, seed=0):
@@ -130,7 +131,7 @@ def test_each_shape_has_its_own_plan_and_the_kept_ones_are_bounded():
 def test_kept_scratch_is_per_thread_and_shape_and_keeps_the_bits():
     import threading
 
-    from elastic_np.cpu import _scratch
+    from elastic_np.cpu._runtime import scratch as _scratch
 
     mine = _scratch.scratch("probe", (2, 3), np.float32, np.zeros)
     assert _scratch.scratch("probe", (2, 3), np.float32) is mine

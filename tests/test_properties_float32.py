@@ -121,8 +121,8 @@ def test_every_float32_quantity_within_the_kits_rule(problem):
     q, k, v, dout, options, small_tiles = problem
     with pytest.MonkeyPatch.context() as patch:
         if small_tiles:  # several tiles of queries and keys, each thread busy
-            patch.setattr(cpu._config, "BLOCK_Q", 8)
-            patch.setattr(cpu._config, "BLOCK_K", 5)
-            patch.setattr(cpu._config, "SERIAL_WORK", 0)
+            patch.setattr(cpu._runtime.config, "BLOCK_Q", 8)
+            patch.setattr(cpu._runtime.config, "BLOCK_K", 5)
+            patch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
         got = kernel_results(q, k, v, dout, options)
     assert_within_the_kits_rule(q, k, v, dout, options, got)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import elastic_np as enp
 from elastic_np import reference
 from elastic_np._contract import _problem, _ranges
-from elastic_np.cpu import _plan
+from elastic_np.cpu._prefill import plan as _plan
 from elastic_np.cuda._launch import options as _cuda_options
 
 
@@ -74,7 +74,7 @@ def test_the_offset_bands_hold_every_kept_entry(options):
     """Every offset the reference keeps lies in the CPU's band and in the CUDA kernels' (whose gate band is wider)."""
     p = _prepared(**options)
     bands = [
-        _plan._options(p, with_sigma_grad=False, dtype=np.dtype(np.float64)).band,
+        _plan.kernel_options(p, with_sigma_grad=False, dtype=np.dtype(np.float64)).band,
         _ranges.offset_band(p, _cuda_options.gate_band(p)),
     ]
     keep = reference.structural_keep(p)

@@ -7,9 +7,9 @@ import numba
 import numpy as np
 import pytest
 
-from elastic_np.cpu import _exp, _products, _simd
-from elastic_np.cpu._exp import exp_inplace, exp_shift_sum
-from elastic_np.cpu._products import matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._tiles import exp as _exp, products as _products, simd as _simd
+from elastic_np.cpu._tiles.exp import exp_inplace, exp_shift_sum
+from elastic_np.cpu._tiles.products import matmul_nn, matmul_nn_max, matmul_tn
 
 DTYPES = [np.float32, np.float64]
 for _dtype in DTYPES:
@@ -422,7 +422,7 @@ def test_compiled_calls_read_columns_and_refuse_strided_views(dtype):
     # through the C entry points (pointer and shape: a strided view would be misread) as
     # called directly, a factor from a column gives the same bits and a strided view is a
     # typing error
-    from elastic_np.cpu import _calls
+    from elastic_np.cpu._tiles import calls as _calls
 
     _simd.compile_for(dtype, (_calls.matmul_nn, _calls.matmul_tn))
     rng = np.random.default_rng(2)

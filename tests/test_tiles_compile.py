@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from elastic_np.cpu import _numba_private
+from elastic_np.cpu._runtime import numba_private as _numba_private
 
 SCRIPT = """
 import numpy as np
 from numba import types
-from elastic_np.cpu import _products, _simd
+from elastic_np.cpu._tiles import products as _products, simd as _simd
 assert all(len(d.overloads) == 0 for d, _, _ in _simd._TYPED), "compiled at import"
 _simd.compile_for(np.float32)
 _simd.compile_for(np.float32)
@@ -41,11 +41,11 @@ def test_compile_for_compiles_only_its_dtype():
 @pytest.mark.skipif(not _numba_private.enabled("inner"), reason="private path inner off: helpers are plain njit")
 def test_kernel_helpers_are_only_callable_from_compiled_code():
     # `_numba_private.inner` builds no Python wrapper: a call from Python raises, never runs a null entry.
-    from elastic_np.cpu import _logits, _scalar
+    from elastic_np.cpu._tiles import logits as _logits, scalar as _scalar
 
     assert isinstance(_logits._remove_in_tile, _numba_private._Inner)
-    with pytest.raises(TypeError, match="`_log_add_exp` is only callable from compiled code"):
-        _scalar._log_add_exp(0.0, 1.0)
+    with pytest.raises(TypeError, match="`log_add_exp` is only callable from compiled code"):
+        _scalar.log_add_exp(0.0, 1.0)
 
 
 def _processes(script, cache_dir, count=1):
@@ -60,7 +60,7 @@ def _processes(script, cache_dir, count=1):
 PATH_FIRST = """
 import numpy as np
 import elastic_np as enp
-from elastic_np.cpu import _products, _simd
+from elastic_np.cpu._tiles import products as _products, simd as _simd
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 4, n, 16)).astype(np.float32) for n in (24, 24, 24))
 for step in {steps!r}:
@@ -96,7 +96,8 @@ def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
 FROM_CACHE = """
 import numpy as np
 import elastic_np as enp
-from elastic_np.cpu import _backward, _decode, _forward
+from elastic_np.cpu._decode import decode as _decode
+from elastic_np.cpu._prefill import backward as _backward, forward as _forward
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(3))
 out1 = enp.attention(q[:, :, :1], k, v, causal=True)
@@ -120,7 +121,7 @@ LAZY = """
 import numpy as np
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np.cpu import _numba_private
+from elastic_np.cpu._runtime import numba_private as _numba_private
 rng = np.random.default_rng(0)
 q, k, v, dout = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(4))
 bias = rng.standard_normal((24, 24)).astype(np.float32)

@@ -8,8 +8,8 @@ import numba
 import numpy as np
 import pytest
 
-from elastic_np.cpu._tanh import tanh_any, tanh_inplace
-from elastic_np.cpu._simd import compile_for
+from elastic_np.cpu._tiles.tanh import tanh_any, tanh_inplace
+from elastic_np.cpu._tiles.simd import compile_for
 
 DTYPES = [np.float32, np.float64]
 for _dtype in DTYPES:

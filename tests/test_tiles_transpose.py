@@ -1,10 +1,10 @@
-"""`elastic_np.cpu._transpose.transpose_add`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
+"""`elastic_np.cpu._tiles.transpose.transpose_add`, `transpose_store`, `transpose_stream` and `prefetch`: exact against NumPy."""
 
 import numpy as np
 import pytest
 from numba import njit
 
-from elastic_np.cpu._transpose import (
+from elastic_np.cpu._tiles.transpose import (
     prefetch, stream_fence, stream_width, transpose_accumulate, transpose_add, transpose_store,
     transpose_stream, transpose_width,
 )

@@ -326,20 +326,20 @@ def _paged_option_sets(rng, S, H):
 
 @pytest.fixture
 def calls_of_forward(monkeypatch):
-    """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); counts `cpu._decode.forward`'s calls."""
+    """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); counts `cpu._decode.decode.forward`'s calls."""
     from elastic_np import cpu
 
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 16)
-    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 24)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 24)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
     calls = []
-    forward = cpu._decode.forward
+    forward = cpu._decode.decode.forward
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(cpu._decode, "forward", counted)
+    monkeypatch.setattr(cpu._decode.decode, "forward", counted)
     return calls
 
 
@@ -355,7 +355,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
     rng = np.random.default_rng(9)
     used = np.array([0, 1, 40, 100, 300, 17])
     H, Hkv = 8, 2
-    assert [cpu._decode_plan.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
+    assert [cpu._decode.plan.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
     (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype, Hkv=Hkv)
     q = rng.standard_normal((used.size * queries, H, 16)).astype(np.float32).astype(dtype)
     cu_q = np.arange(used.size + 1) * queries
@@ -367,7 +367,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
                                            **_sequence_options(options, s))
             wants.append((want[0], want_lse[0].T))
         for threads in (1, 2, 3):
-            monkeypatch.setattr(cpu._threads, "thread_count", lambda: threads)
+            monkeypatch.setattr(cpu._runtime.threads, "thread_count", lambda: threads)
             del calls_of_forward[:]
             out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
                                             return_lse=True, backend="cpu", **options)

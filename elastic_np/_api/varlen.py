@@ -206,12 +206,12 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
                                      batch)
     except (ValueError, TypeError):
         return None
-    if not module._decode_plan.takes(problem):
+    if not module.decode_plan.takes(problem):
         return None
-    entry_splits = [module._decode_plan.splits(1, k.shape[2], n) for n in used]
+    entry_splits = [module.decode_plan.splits(1, k.shape[2], n) for n in used]
     paged = _decode_pools(k, v, table, used)
     with dispatch._reported(module, "forward", problem):
-        out, lse = module._decode.forward(problem, paged=paged, entry_splits=entry_splits)
+        out, lse = module.decode.forward(problem, paged=paged, entry_splits=entry_splits)
     out = problem.as_given(out)  # (S, N, H, Dv)
     return out.reshape(-1, *out.shape[2:]), lse.transpose(0, 2, 1).reshape(-1, lse.shape[1])
 
@@ -220,22 +220,22 @@ def _paged_attention(q, k, v, table, used, options, backend):
     """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]`` (see `_paged_batch`).
 
     The CPU decode kernel reads them from the pages in place where it takes
-    the call (`elastic_np.cpu._decode_plan.takes`: a few queries); otherwise they
+    the call (`elastic_np.cpu._decode.plan.takes`: a few queries); otherwise they
     are gathered into a copy (`_paged_keys`), one sequence at a time.
     """
     module = dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
         problem = dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
-        if module._decode_plan.takes(problem):
+        if module.decode_plan.takes(problem):
             with dispatch._reported(module, "forward", problem):
-                out, lse = module._decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
+                out, lse = module.decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
             return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
     return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 
 def _decode_pools(k, v, table, used):
-    """``(k, v, table)`` as the CPU decode kernel reads them (`elastic_np.cpu._decode.forward`'s ``paged``).
+    """``(k, v, table)`` as the CPU decode kernel reads them (`elastic_np.cpu._decode.decode.forward`'s ``paged``).
 
     C-contiguous pools, writeable or not, are read in place. The kernel
     reads no other layout (pages apart, rows strided or broadcast): then the

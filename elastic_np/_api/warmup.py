@@ -13,7 +13,7 @@ the public functions, once per kernel path and dtype):
 - for bfloat16, the prefill forward on AMX tiles and the one without them
   (NVM, a head dimension the tiles do not take).
 
-The other options are runtime values of the same kernels (`elastic_np.cpu._plan`).
+The other options are runtime values of the same kernels (`elastic_np.cpu._prefill.plan`).
 """
 
 import collections

@@ -24,9 +24,10 @@ from elastic_np._api import compile_report, dispatch
 from elastic_np._contract import _problem, _validation
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np.cli._progress import first_call_line
-from elastic_np.cpu import _simd, thread_count
-from elastic_np.reference._backend import forward as _oracle_forward
+from elastic_np.cpu import thread_count
+from elastic_np.cpu._tiles import simd
 from elastic_np.reference._backend import backward as _oracle_backward
+from elastic_np.reference._backend import forward as _oracle_forward
 
 
 def make_inputs(B, H, N, M, D, *, Hkv=None, Dv=None, dtype=np.float32, seed=0):
@@ -83,7 +84,7 @@ def machine_info():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "simd_bits": 8 * _simd._VECTOR_BYTES, "fma": _simd.HAS_FMA,
+    info = {"cpu": cpu, "simd_bits": 8 * simd.VECTOR_BYTES, "fma": simd.HAS_FMA,
             "cores": os.cpu_count(), "numba_threads": thread_count(),
             "python": platform.python_version(), "elastic_np": enp.__version__,
             "numpy": np.__version__, "numba": numba.__version__}

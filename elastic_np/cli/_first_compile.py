@@ -14,7 +14,7 @@ index, read the data file. Two processes saving different specialisations of
 one function at the same moment could leave the index naming the other's
 code, so while they compile, both hold an exclusive lock on the cache
 folder for each save and load (`locked_cache_index`, which patches Numba's
-private cache classes: only where `elastic_np.cpu._numba_private.enabled`
+private cache classes: only where `elastic_np.cpu._runtime.numba_private.enabled`
 says the path ``two_process_check`` is on; else all compiles here).
 """
 
@@ -28,7 +28,7 @@ from elastic_np import testing
 from elastic_np._api import compile_report
 from elastic_np._contract import _validation
 from elastic_np._contract._errors import CompileWarning
-from elastic_np.cpu._numba_private import enabled, locked_cache_index
+from elastic_np.cpu._runtime.numba_private import enabled, locked_cache_index
 from elastic_np.testing._cases import CASES, draw_inputs
 
 #: The battery's cases that reach every kernel: prefill and decode, forward and backward, every stage.

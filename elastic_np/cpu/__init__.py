@@ -6,7 +6,8 @@ project's contract, section 2): every option (causal, ``window_size``,
 dynamic window, and the score modifiers ``softcap``, ``alibi_slopes`` and an
 additive ``bias`` with its gradient) in float32 or float64, output in the
 input dtype; bfloat16 and float16 are read as they are stored, computed in
-float32 and written back rounded (``_halves``), ``lse`` in float32.
+float32 and written back rounded (`elastic_np.cpu._tiles.halves`), ``lse``
+in float32.
 
 Layout of the work
 ------------------
@@ -27,7 +28,7 @@ contiguous axis of the tile.
   tile's share of ``dq`` into a buffer of its own, together with per-task
   partial sums of ``dtau`` and ``dsigma``; the shares are then added in
   key-tile order (in chunks of key tiles when they would take more than
-  `DQ_SHARES_BYTES`). No two tasks write the same memory and every sum runs
+  ``config.DQ_SHARES_BYTES``). No two tasks write the same memory and every sum runs
   in a fixed order, so results are the same bits on every run and for every
   thread count.
 - double backward (the backward's tangent, `double_backward`): a query pass
@@ -35,64 +36,68 @@ contiguous axis of the tile.
   ``lse``), then a key pass like the backward (its tasks, dq shares and
   dbias plan: the tangents of the gradients).
 - score modifiers: applied to each tile where its logits are formed
-  (`_logits_tile`), before NVM, the temperature's division (already in the
-  scaled queries) and the gate: ``tanh`` is the vectorised one of
-  `elastic_np.cpu._exp`, the bias is read tile by tile from its distinct
-  entries (no copy when its dtype is the kernel's), whose values the kernel
-  plan checks first (`elastic_np._contract._compact.compact_bias`). ``dbias`` is written by
+  (`elastic_np.cpu._tiles.logits.logits_tile`), before NVM, the
+  temperature's division (already in the scaled queries) and the gate:
+  ``tanh`` is the vectorised one of `elastic_np.cpu._tiles.tanh`, the bias
+  is read tile by tile from its distinct entries (no copy when its dtype is
+  the kernel's), whose values the kernel plan checks first
+  (`elastic_np._contract._compact.compact_bias`). ``dbias`` is written by
   the task that owns each of its elements: when the bias is broadcast over
   the batch or the heads, each task walks a fixed range of (batch, kv head)
   pairs (a "lane") and the lanes' float64 partials are summed in order; when
   it is broadcast over the keys, each key tile keeps a partial of its own
-  (like the shares of dq), summed in key-tile order (`_DbiasPlan`).
+  (like the shares of dq), summed in key-tile order
+  (`elastic_np.cpu._prefill.dbias.DbiasPlan`).
 
 The tasks of a kernel run on the calling thread and a pool of Python
-threads (`_run_tasks`; the kernels release the GIL), as many as
-`numba.get_num_threads` says, so the number of threads follows
-`numba.set_num_threads` (`thread_count`).
+threads (`elastic_np.cpu._runtime.threads.run_tasks`; the kernels release
+the GIL), as many as `numba.get_num_threads` says, so the number of threads
+follows `numba.set_num_threads` (`thread_count`).
 
 Modules
 -------
-``_config``
-    every tunable (tile sizes, memory caps, the decode thresholds)
-``_plan``
-    the kernel plan: the options as runtime values (`_options`), kept per ``plan_key``
-``_scratch``
-    scratch arrays kept between the calls of one shape on each thread
-``_operands``
-    ``q``, ``k``, ``v``, ``dout``, ``out`` and the outputs as the kernels read and write them, in place, in
-    either storage layout, ``(B, H, N, D)`` or ``(B, N, H, D)``
-``_halves``
-    bfloat16 and float16 storage: read as float32 (a tile converted, or an element widened), written
-    rounded to nearest even, checked for inf and NaN on its bits
-``_threads``
-    the thread pool and each thread's share of the tasks
-``_scalar``
-    scalar helpers (the key and query ranges are `elastic_np._contract._ranges`, shared with CUDA)
-``_logits``
-    the logits pipeline of a tile, shared by the forward and the backward
-``_forward``, ``_backward``, ``_dbias``, ``_decode``, ``_decode_plan``, ``_decode_products``, ``_decode_tiles``
-    the prefill forward, the backward and its ``dbias`` plan, the decode kernels, their schedule, the
-    products that read the cache in place for the stacked-rows one, and how the key-major one reads its
-    tiles
-``_forward_amx``, ``_amx``
-    the bfloat16 prefill forward with its products on AMX tiles, and the tiles from compiled code
-``_double_backward``, ``_tangents``, ``_tangent_rows``, ``_tangent_keys``
-    the double backward, the direction as its kernels read it, its query pass and its key pass
-``_simd``, ``_products``, ``_exp``, ``_tanh``, ``_transpose``
-    the single-threaded tile primitives and what they share
+Five subpackages, whose ``__init__`` files import nothing: this module
+imports every module that makes a cached function inside
+`elastic_np.cpu._runtime.numba_private.own_cache`.
+
+``_runtime``
+    how the kernels run: ``config`` (every tunable), ``numba_private`` (each
+    use of Numba's internals, the cache folder of each setting),
+    ``threads`` (the pool and each thread's share of the tasks), ``openmp``
+    (the other libraries' OpenMP workers), ``scratch`` (arrays kept between
+    calls)
+``_tiles``
+    what one task does to a tile: the primitives (``simd``, ``products``,
+    ``exp``, ``tanh``, ``transpose``; ``calls``, the same behind C entry
+    points; ``amx``), the arrays as the kernels read and write them
+    (``operands``, ``halves``), the logits of a tile (``logits``,
+    ``scalar``) and the online softmax's steps (``online_softmax``)
+``_prefill``
+    ``plan`` (the options as runtime values, kept per ``plan_key``, for
+    every kernel), ``forward``, ``forward_amx``, ``backward``,
+    ``key_tiles`` (the backward's key tiles, shared with the double
+    backward's key pass), ``dbias`` (where the bias's gradient goes)
+``_decode``
+    ``plan`` (which decode kernel, its tiles and key splits), ``decode``
+    (the kernels and their merge), ``tiles`` and ``products`` (how they read
+    the cache)
+``_double_backward``
+    ``double_backward`` (the host side), ``tangents`` (the direction as the
+    kernels read it), ``tangent_rows`` (the query pass), ``tangent_keys``
+    (the key pass)
 """
 
 
 from elastic_np._contract import _problem, _validation
-from elastic_np.cpu._numba_private import own_cache
+from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
-    from elastic_np.cpu import _decode, _decode_plan, _forward, _forward_amx
-    from elastic_np.cpu._backward import backward
-    from elastic_np.cpu._double_backward import double_backward
-    from elastic_np.cpu._threads import start_threads, thread_count
+    from elastic_np.cpu._decode import decode, plan as decode_plan
+    from elastic_np.cpu._double_backward.double_backward import double_backward
+    from elastic_np.cpu._prefill import forward as prefill, forward_amx
+    from elastic_np.cpu._prefill.backward import backward
+    from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
@@ -118,9 +123,9 @@ def prepare(q, k, v, **options):
     """`elastic_np._contract._problem.prepare`, leaving the bias's values, and the keys' and values', to the backend.
 
     The bias's values are checked on its distinct entries only, before and
-    after a conversion to the kernels' dtype (`elastic_np.cpu._plan`), not
+    after a conversion to the kernels' dtype (`elastic_np.cpu._prefill.plan`), not
     on the broadcast view. The decode kernel finds a NaN or inf key or value
-    as it reads them (`elastic_np.cpu._decode`): at decode shapes a separate
+    as it reads them (`elastic_np.cpu._decode.decode`): at decode shapes a separate
     pass over the cache costs as much as the attention; the other paths
     check them first.
     """
@@ -131,8 +136,8 @@ def forward(problem):
     """Attention forward for a validated problem: ``(out, lse)`` in the input dtype.
 
     The decode kernel when the problem has a few queries per sequence
-    (`elastic_np.cpu._decode_plan.takes`), the prefill kernel otherwise: on AMX
-    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._forward_amx.takes`).
+    (`elastic_np.cpu._decode.plan.takes`), the prefill kernel otherwise: on AMX
+    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._prefill.forward_amx.takes`).
 
     Parameters
     ----------
@@ -143,8 +148,8 @@ def forward(problem):
     out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
     """
-    if _decode_plan.takes(problem):
-        return _decode.forward(problem)
-    if _forward_amx.takes(problem):
-        return _forward_amx.forward(problem)
-    return _forward.forward(problem)
+    if decode_plan.takes(problem):
+        return decode.forward(problem)
+    if forward_amx.takes(problem):
+        return forward_amx.forward(problem)
+    return prefill.forward(problem)

@@ -1,0 +1,176 @@
+"""How the decode kernels find their key and value rows: in place, from a half, from a paged cache.
+
+`_tiles` gives a kv head's tile to the key-major kernel as the prefill
+products read it (``(whole, col)`` rows, `elastic_np.cpu._tiles.operands`), with a
+check of its values: in place from a contiguous cache, converted into
+scratch from a bfloat16 or float16 one (`elastic_np.cpu._tiles.halves`), gathered
+from the pages of a paged cache (``pages = (block_table, block_size,
+together)``, `elastic_np.cpu._decode.decode.forward`). The stacked-rows kernel reads
+its rows in place, a run at a time (`_run`), in the order `_visit` gives.
+`_check_unread_cache` checks what the kernels did not read.
+"""
+
+import numpy as np
+from numba import njit
+
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._tiles.halves import copied_checked, readable_checked
+from elastic_np.cpu._tiles.operands import head, head_rows, shape
+from elastic_np.cpu._tiles.scalar import scalar_like
+
+
+#: The block table of a contiguous cache (`_tiles`).
+_NO_TABLE = np.zeros((0, 0), dtype=np.int64)
+
+
+def _together(opt):
+    """Whether every query head of each batch entry keeps the same offsets, so every kv head the same keys."""
+    return bool((opt.band == opt.band[:, :1]).all())
+
+
+def _check_unread_cache(cache, lengths, read, suspect):
+    """`elastic_np._contract._validation.check_cache_values` for what the kernel did not check as it read.
+
+    ``cache = (k, v)``: ``(B, Hkv, M, D)`` arrays, or `_paged_rows` of a
+    paged cache. A suspect split (a sum that is not finite) is checked again
+    exactly: it was a NaN or inf key or value, or a product that overflowed
+    (no error); the keys below ``lengths[b]`` that no split read are checked
+    here.
+    """
+    if _all_read(read, lengths, suspect):
+        return  # every key below its length was read, and checked, by the kernel
+    ranges = []
+    for b, hk in np.ndindex(*read.shape[:2]):
+        lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b]
+        if suspect[b, hk].any() or hi <= lo:
+            ranges.append((b, hk, 0, length))
+        else:
+            ranges += [(b, hk, 0, lo), (b, hk, hi, length)]
+    for name, a in zip("kv", cache):
+        if not all(np.isfinite(a[b, hk, lo:hi]).all() for b, hk, lo, hi in ranges if hi > lo):
+            raise ValueError(f"`{name}` contains NaN or inf")
+
+
+@njit(nogil=True, cache=True, fastmath=False)
+def _all_read(read, lengths, suspect):
+    """Whether every (batch, kv head) read keys ``[0, lengths[b])`` and no split is suspect (one call: NumPy's
+    reductions cost microseconds each)."""
+    for b in range(read.shape[0]):
+        for hk in range(read.shape[1]):
+            if read[b, hk, 0] > 0 or read[b, hk, 1] < lengths[b]:
+                return False
+            for s in range(suspect.shape[2]):
+                if suspect[b, hk, s]:
+                    return False
+    return True
+
+
+class _paged_rows:
+    """A paged cache's keys (or values) indexed as ``[b, hk, lo:hi]``, like the ``(B, Hkv, M, D)`` array they stand for.
+
+    Gathers just those rows (`forward`'s ``paged`` describes the layout).
+    """
+
+    def __init__(self, pages, table):
+        self.pages, self.table = pages, table
+
+    def __getitem__(self, index):
+        b, hk, rows = index
+        keys = np.arange(rows.start, rows.stop)
+        block = self.pages.shape[1]
+        return self.pages[self.table[b, keys // block], keys % block, hk]
+
+
+@inner(fastmath=FASTMATH)
+def _tiles(k, v, pages, b, hk, j0, bk, scratch):
+    """``(k_tile, v_tile, checksum)``: keys ``j0 .. j0 + bk - 1`` of ``(b, hk)`` as the prefill products read them.
+
+    ``k_tile``, ``v_tile`` are ``(whole, col)`` rows
+    (`elastic_np.cpu._tiles.operands.head_rows`); ``checksum`` is 0 when their
+    values are finite, else NaN. The rows of a contiguous cache, or of a tile
+    within one page of a paged cache (`forward`'s ``paged``), are read in
+    place (half ones converted into ``scratch = (keys, values)``); a tile
+    over several pages is gathered from them into ``scratch``. Either way one
+    pass reads the tile in memory order ahead of the products, which read
+    ``V`` in column strips: those stream from memory far worse than rows in
+    order.
+    """
+    D, Dv = shape(k)[3], shape(v)[3]
+    if pages is None:
+        return _in_place(k, v, (b, hk, j0, bk), scratch)
+    at, row, n = _run(pages, b, j0, 0, bk)
+    if n == bk:  # in place: one array, or one page
+        return _in_place(k, v, (at, hk, row, bk), scratch)
+    check = scalar_like(0.0, scratch[0])
+    c = 0
+    while c < bk:
+        page, row, n = _segment(pages, b, j0 + c, bk - c)
+        check += copied_checked(head_rows(k, page, hk, row, n), D, scratch[0][c : c + n])
+        check += copied_checked(head_rows(v, page, hk, row, n), Dv, scratch[1][c : c + n])
+        c += n
+    return (scratch[0][:bk], c - c), (scratch[1][:bk], c - c), check
+
+
+@inner(fastmath=FASTMATH)
+def _in_place(k, v, rows, scratch):
+    """`_tiles`' result for rows ``r0 .. r0 + n - 1`` of ``(at, hk)`` (``rows = (at, hk, r0, n)``), read in place and checked."""
+    at, hk, r0, n = rows
+    k_tile, k_check = readable_checked(head_rows(k, at, hk, r0, n), shape(k)[3], scratch[0])
+    v_tile, v_check = readable_checked(head_rows(v, at, hk, r0, n), shape(v)[3], scratch[1])
+    return k_tile, v_tile, k_check + v_check
+
+
+@inner(fastmath=False)
+def _run(pages, b, j0, c, bk):
+    """``(at, row, n)``: where key ``j0 + c`` of batch entry ``b`` lies (``at`` the operand's batch entry or page) and how many of the tile's keys follow it there."""
+    if pages is None:
+        return b, j0 + c, bk - c
+    if pages[1] == 0:
+        return b, j0 + c, bk - c
+    return _segment(pages, b, j0 + c, bk - c)
+
+
+@inner(fastmath=False)
+def _segment(pages, b, j, bk_left):
+    """``(page, row, n)``: where key ``j`` of batch entry ``b`` lies, and how many keys of at most ``bk_left`` follow it there."""
+    table, block_size, _ = pages
+    row = j % block_size
+    return table[b, j // block_size], row, min(block_size - row, bk_left)
+
+
+@inner(fastmath=False)
+def _visit(x, pages, order, runs, i, j, length):
+    """``(t, c, n, rows, hint)``: the head and run a pass visits at step ``(i, j)``, its rows and the rows it hints.
+
+    ``order = (b, hk0, heads, j0, ahead, by_run, n_runs)``; ``length``: the
+    keys of batch entry ``b`` (no hint past them). ``by_run``: run
+    after run, every head's rows of a run in turn (in a paged cache they
+    are adjacent: each page is read in one stretch), each head hinting its
+    own rows ``ahead`` keys on; else head after head, each hinting the next
+    head's same rows (in a ``(B, N, H, D)`` or paged cache, the next ``D``
+    entries), the last head the first one's ``ahead`` keys on: what is read
+    next, soon enough to stay in the L2 cache.
+    """
+    b, hk0, heads, j0, ahead, by_run, _ = order
+    r, t = (i, j) if by_run else (j, i)
+    at, row, c, n = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
+    hk = hk0 + t
+    if by_run:
+        hint_head, hint_key = hk, j0 + c + ahead
+    elif t + 1 < heads:
+        hint_head, hint_key = hk + 1, j0 + c
+    else:
+        hint_head, hint_key = hk0, j0 + c + ahead
+    return t, c, n, head_rows(x, at, hk, row, n), _ahead(x, pages, b, hint_head, hint_key, j0 + c, length)
+
+
+@inner(fastmath=False)
+def _ahead(x, pages, b, hk, j, here, length):
+    """``(whole, col, row)``: where key ``j`` of ``(b, hk)`` lies, for the products' hints; key ``here`` (the one read) where ``j`` is past ``length``.
+
+    (A paged cache's table names no page past ``length``.)
+    """
+    at, row, _ = _run(pages, b, here if j >= length else j, 0, 1)
+    whole, col = head(x, at, hk)
+    return whole, col, row

@@ -1,0 +1,113 @@
+"""The prefill forward: one task per (batch, head, query tile), the online softmax over key tiles.
+"""
+
+
+import math
+
+import numpy as np
+from numba import njit
+
+from elastic_np._contract._ranges import key_range
+from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
+from elastic_np.cpu._tiles.calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
+from elastic_np.cpu._tiles.halves import readable, scratch_for
+from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, query_factor
+from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, online_update
+from elastic_np.cpu._tiles.operands import head_rows, new, operand, shape
+from elastic_np.cpu._tiles.simd import compile_for
+
+
+def forward(problem):
+    """The prefill forward (one task per query tile): ``(out, lse)`` in the input dtype.
+
+    Parameters
+    ----------
+    problem : elastic_np._contract._problem.AttentionProblem
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, N, Dv)
+        In the dtype and the layout of ``q`` (`elastic_np.cpu._tiles.operands`).
+    lse : ndarray, shape (B, H, N)
+        In the dtype of the computation (float32 for bfloat16 and float16).
+    """
+    dtype = problem.compute_dtype
+    compile_for(dtype, _FORWARD_TILES)
+    check_cache(problem)
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
+    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
+    lse = np.empty((B, H, N), dtype=dtype)
+    opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
+    run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
+              tasks=task_counter(), work=B * H * N * M * (D + Dv))
+    return out, lse
+
+
+# The typed tile functions each pass calls: a first call compiles only those (`compile_for`).
+_FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts):
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`).
+
+    A task is one query tile of one (batch, head); each thread takes the next
+    unclaimed one from the call's counter ``tasks`` (`claim`).
+
+    The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time
+    (`elastic_np.cpu._tiles.halves`).
+    """
+    B, H, N, D = shape(q)
+    Hkv, Dv = shape(k)[1], shape(v)[3]
+    group = H // Hkv
+    n_qt = (N + block_q - 1) // block_q
+    dtype = lse.dtype
+    # scratch of the thread, reused by its tasks
+    q_t = np.empty((D, block_q), dtype=dtype)  # scaled Q^T of the tile
+    st = np.empty((block_k, block_q), dtype=dtype)
+    acc = np.empty((block_q, Dv), dtype=dtype)
+    row_max = np.empty(block_q, dtype=dtype)
+    tile_max = np.empty(block_q, dtype=dtype)
+    shift_by = np.empty(block_q, dtype=dtype)
+    rescale_by = np.empty(block_q, dtype=dtype)
+    tile_sum = np.empty(block_q, dtype=dtype)
+    scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `online_update`
+    row_sum = np.empty(block_q)
+    k_half = scratch_for(k[0], block_k, D, dtype)
+    v_half = scratch_for(v[0], block_k, Dv, dtype)
+    no_cap_slope = np.empty((0, 0), dtype=dtype)  # the forward takes no tanh slopes
+    n_tasks = B * H * n_qt
+    for _ in range(n_tasks):
+        task = claim(tasks)
+        if task >= n_tasks:
+            break
+        b, h, hk, qt, i0, bq = query_tile(task, n_qt, H, group, block_q, N)
+
+        load_queries(head_rows(q, b, h, i0, bq), query_factor(opt, h), q_t)
+        acc[:] = 0.0
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+
+        # NVM tests s before log G is added: with a gate it stays in the
+        # logits pass, otherwise it joins the row-max and shift passes.
+        nvm_in_logits = opt.nvm and opt.has_gate
+        nvm_in_max = opt.nvm and not opt.has_gate
+        off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
+        j_lo, j_hi = key_range(opt.diag_shift[b], i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
+        for j0 in range(j_lo, j_hi, block_k):
+            bk = min(block_k, j_hi - j0)
+            for r in range(bq):
+                tile_max[r] = -np.inf
+            kept, maxed = logits_tile(
+                st, readable(head_rows(k, b, hk, j0, bk), D, k_half), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
+                nvm_in_max,
+            )
+            if kept:
+                v_j = readable(head_rows(v, b, hk, j0, bk), Dv, v_half)
+                online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
+        log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
+        finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
