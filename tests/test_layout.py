@@ -198,9 +198,9 @@ def test_packages_share_no_private_names_but_the_contract():
 
 def test_the_private_name_check_sees_imports_and_attributes(tmp_path, monkeypatch):
     module = PACKAGE / "torch" / "_probe_module.py"
-    source = ("from elastic_np._api import dispatch\nfrom elastic_np.cpu import _config\n"
+    source = ("from elastic_np._api import dispatch\nfrom elastic_np.cpu import _runtime\n"
               "from elastic_np._contract import _spec\nfrom elastic_np.torch import _arrays\n"
               "dispatch._problem\n_spec._private\n_arrays._x\n")
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == module else "")
     assert private_names_across_packages(module) == [
-        "2: from elastic_np.cpu import _config", "5: dispatch._problem"]
+        "2: from elastic_np.cpu import _runtime", "5: dispatch._problem"]
