@@ -7,6 +7,8 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference
+from elastic_np._api import dispatch
+from elastic_np._contract import _problem
 from elastic_np.testing import _battery, _cases, _tolerances
 from elastic_np.testing import backend_functions, check_attention
 
@@ -18,7 +20,7 @@ def cpu_available():
     if importlib.util.find_spec("elastic_np.cpu") is None:
         return False
     try:
-        enp._dispatch.get_backend("cpu")
+        dispatch.get_backend("cpu")
     except enp.BackendUnavailableError:
         return False
     return True
@@ -328,7 +330,7 @@ def test_inputs_avoid_the_nvm_jump_and_the_window_threshold():
     assert np.min(np.abs(s)) > 1e-5 * np.max(np.abs(s))
     assert q.dtype == np.float64 and np.array_equal(q, q.astype(np.float32))
     window = options["dynamic_window"]
-    p = enp._problem.prepare(q, k, v, **options)
+    p = _problem.prepare(q, k, v, **options)
     f = reference.window_gate(p)[1]
     assert np.min(np.abs(f - window.threshold)) > 1e-3 * window.threshold
 

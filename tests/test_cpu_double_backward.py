@@ -26,6 +26,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import cpu
+from elastic_np._api import dispatch
 from elastic_np._contract._problem import prepare
 from elastic_np.testing import _tolerances
 from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, assert_matches_oracle, make_dlse, make_inputs
@@ -220,7 +221,7 @@ class TestKernel:
 
 
 def test_auto_is_the_cpu_kernels_without_a_gpu():
-    if enp._dispatch._cuda_is_available():
+    if dispatch._cuda_is_available():
         pytest.skip("auto picks the CUDA backend here")
     q, k, v, dout = make_inputs(np.float64, N=9, M=12)
     u = cotangents(q, k, v, {"tau": 0.8}, np.float64)

@@ -13,6 +13,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference as ref
+from elastic_np._api import dispatch
 from elastic_np._contract._problem import prepare
 from elastic_np.reference import _double_backward
 from elastic_np.testing import gradcheck
@@ -308,7 +309,7 @@ def test_the_dispatcher_gives_the_references_bits_and_names_a_backend_without_on
             continue
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * max(1.0, np.abs(b).max()))
     # a backend without one is named
-    module = enp._dispatch.get_backend("cpu")
+    module = dispatch.get_backend("cpu")
     monkeypatch.delattr(module, "double_backward")
     with pytest.raises(enp.BackendUnavailableError, match="backend 'cpu' has no double backward"):
         enp.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, backend="cpu")

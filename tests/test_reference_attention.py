@@ -8,6 +8,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference as ref
+from elastic_np._contract import _problem
 from elastic_np.reference import _backward
 from elastic_np.testing import gradcheck
 
@@ -27,14 +28,14 @@ def make_qkv(seed, B=2, H=4, Hkv=2, N=5, M=7, D=3, Dv=2, nvm_margin=None, option
         v = rng.standard_normal((B, Hkv, M, Dv))
         if nvm_margin is None:
             return q, k, v
-        s = ref.scores(enp._problem.prepare(q, k, v, **(options or {})))[0]
+        s = ref.scores(_problem.prepare(q, k, v, **(options or {})))[0]
         if np.abs(s[np.isfinite(s)]).min() > nvm_margin:
             return q, k, v
 
 
 def threshold_in_gap(sigma, N, M, sharpness=1.0):
     """A bell threshold midway in the widest gap between the window's values, far from every f."""
-    problem = enp._problem.prepare(*make_qkv(0, B=1, H=1, Hkv=1, N=N, M=M),
+    problem = _problem.prepare(*make_qkv(0, B=1, H=1, Hkv=1, N=N, M=M),
                                    dynamic_window=enp.DynamicWindow(sigma, sharpness))
     f = np.unique(ref.window_gate(problem)[1])
     gaps = np.diff(f)
@@ -240,7 +241,7 @@ class TestAttentionBackward:
         with_dlse = ref.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
         without = ref.attention_backward(dout, q, k, v, out, lse, **options)
         np.testing.assert_array_equal(with_dlse.dv, without.dv)
-        p = enp._problem.prepare(q, k, v, **options)
+        p = _problem.prepare(q, k, v, **options)
         probs, delta = _backward._score_gradient(p, dout, out, lse, dlse)[4:6]
         np.testing.assert_allclose(delta, np.sum(dout * out, axis=-1) - dlse, rtol=1e-15)
         lse_only = ref.attention_backward(np.zeros_like(dout), q, k, v, out, lse, dlse=dlse, **options)
@@ -311,7 +312,7 @@ class TestAttentionForward:
         options = CASES[case]
         q, k, v = make_qkv(1)
         out, lse = ref.attention(q, k, v, **options)
-        problem = enp._problem.prepare(q, k, v, **options)
+        problem = _problem.prepare(q, k, v, **options)
         keep = ref.structural_keep(problem)
         kk, vv = (np.repeat(a, 2, axis=1) for a in (k, v))
         s = modified_scores(problem.scale * q @ np.swapaxes(kk, -1, -2), options)
