@@ -7,6 +7,13 @@ import tempfile
 
 import pytest
 
+# The shared helpers (tests/support, on sys.path by setup.cfg's ``pythonpath``) fail with pytest's
+# detailed assertion messages, as the test files do.
+pytest.register_assert_rewrite(
+    "adapter_cases", "double_backward_cases", "float32_rule", "mp_oracle", "oracle_checks", "reference_cases",
+    "transformers_models", "window_edges",
+)
+
 # Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
 # processes saving different specialisations of one function at the same time
 # can leave Numba's cache index pointing at the other's code. Set before any
@@ -45,3 +52,16 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(cpu._config, "BLOCK_Q", 8)
     monkeypatch.setattr(cpu._config, "BLOCK_K", 5)
     monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+
+
+@pytest.fixture(params=["stacked-rows", "key-major"])
+def decode_tiles(request, monkeypatch):
+    """The decode kernels' key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks; each of the two
+    kernels (``test_decode``, ``test_lse_gradient``)."""
+    from elastic_np import cpu
+
+    monkeypatch.setattr(cpu._config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
+    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)

@@ -30,7 +30,7 @@ from elastic_np._api import dispatch
 from elastic_np._contract._problem import prepare
 from elastic_np.testing import _tolerances
 from oracle_checks import ALIBI_H, CASES, DTYPES, SIGMA_BH, assert_matches_oracle, make_dlse, make_inputs
-from test_hardening_window import faint_gate_inputs
+from window_edges import faint_gate_inputs
 
 #: The double backward's outputs, as `DoubleBackwardGrads` names them.
 FIELDS = ("ddout", "ddlse", "dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")

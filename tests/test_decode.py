@@ -14,53 +14,9 @@ import elastic_np as enp
 from elastic_np.cpu import _decode, _decode_plan
 from elastic_np import cpu, reference
 from elastic_np._contract import _problem
-from test_cpu import assert_close, check_case
+from oracle_checks import assert_matches_oracle as assert_close, check_case, decode_cases
 
 DTYPES = [np.float64, np.float32]
-
-
-@pytest.fixture(params=["stacked-rows", "key-major"])
-def decode_tiles(request, monkeypatch):
-    """Key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks; each of the two kernels."""
-    monkeypatch.setattr(cpu._config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
-    monkeypatch.setattr(cpu._config, "DECODE_BLOCK_K", 5)
-    monkeypatch.setattr(cpu._config, "SERIAL_WORK", 0)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_SPLIT_KEYS", 7)
-    monkeypatch.setattr(cpu._config, "DECODE_MIN_TASKS", 64)
-
-
-def _cases(B, H, N, M, seed=0):
-    """Every option alone and combined, with arrays shaped for ``(B, H, N, M)``."""
-    rng = np.random.default_rng(seed)
-    tau = rng.uniform(0.4, 2.0, H)
-    beta = rng.uniform(0.0, 2.0, H)
-    lengths = rng.integers(0, M + 1, B)
-    lengths[0] = M
-    mask = rng.random((B, 1, N, M)) > 0.3
-    bias = rng.standard_normal((B, H, N, M))
-    bias[rng.random((B, H, N, M)) < 0.1] = -np.inf
-    window = enp.DynamicWindow(rng.uniform(0.2, 1.0, (B, H)), sharpness=3.0, threshold=0.05)
-    slopes = rng.uniform(0.0, 0.3, (B, H))
-    return {
-        "plain": {},
-        "causal": dict(causal=True),
-        "window": dict(window_size=(5, 0), causal=True),
-        "window-both": dict(window_size=(3, 2)),
-        "kv-lengths": dict(kv_lengths=lengths),
-        "mask": dict(mask=mask),
-        "nvm-tau-beta": dict(nvm=True, tau=tau, beta=beta),
-        "scale": dict(scale=0.3, nvm=True),
-        "dynamic-window": dict(dynamic_window=window),
-        "softcap": dict(softcap=0.7, scale=2.0),
-        "alibi": dict(alibi_slopes=slopes, causal=True),
-        "bias": dict(bias=bias, nvm=True, beta=0.5),
-        "bias-keys": dict(bias=bias[:1, :1, :1], causal=True),
-        "bias-fortran": dict(bias=np.asfortranarray(bias[0, 0])),
-        "everything": dict(
-            causal=True, window_size=(M // 2, -1), kv_lengths=lengths, mask=mask, nvm=True,
-            tau=tau, beta=beta, dynamic_window=window, softcap=1.3, alibi_slopes=slopes, bias=bias,
-        ),
-    }
 
 
 def test_takes_decode_shapes():
@@ -99,16 +55,16 @@ def test_splits_follow_the_shape():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [1, 2, 7, 16])
-@pytest.mark.parametrize("case", list(_cases(2, 8, 1, 23)))
+@pytest.mark.parametrize("case", list(decode_cases(2, 8, 1, 23)))
 def test_options(decode_tiles, dtype, N, case):
-    check_case(dtype, _cases(2, 8, N, 23)[case], B=2, H=8, Hkv=2, N=N, M=23, D=8, Dv=6)
+    check_case(dtype, decode_cases(2, 8, N, 23)[case], B=2, H=8, Hkv=2, N=N, M=23, D=8, Dv=6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (8, 2), (8, 1), (16, 2)])
 @pytest.mark.parametrize("N", [1, 7, 16])
 def test_group_sizes(decode_tiles, dtype, H, Hkv, N):
-    check_case(dtype, _cases(2, H, N, 29)["everything"], B=2, H=H, Hkv=Hkv, N=N, M=29, D=5, Dv=3)
+    check_case(dtype, decode_cases(2, H, N, 29)["everything"], B=2, H=H, Hkv=Hkv, N=N, M=29, D=5, Dv=3)
 
 
 def _forward_against_oracle(dtype, opts, seed=0, **shape):

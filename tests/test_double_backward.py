@@ -17,7 +17,7 @@ from elastic_np._api import dispatch
 from elastic_np._contract._problem import prepare
 from elastic_np.reference import _double_backward
 from elastic_np.testing import gradcheck
-from test_reference_attention import BIAS_FULL, CASES, SHAPE, SLOPES, make_qkv
+from reference_cases import BIAS_FULL, CASES, SHAPE, SLOPES, make_qkv
 
 #: The backward's outputs, in order; their cotangents are ``dd`` + the name without its ``d``.
 GRADS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")

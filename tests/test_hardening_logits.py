@@ -28,7 +28,7 @@ import elastic_np as enp
 from elastic_np import cpu, reference
 from elastic_np._contract import _problem
 from oracle_checks import assert_matches_oracle
-from test_properties_float32 import assert_within_the_kits_rule, kernel_results, log_uniform, per_head
+from float32_rule import assert_within_the_kits_rule, kernel_results, log_uniform, per_head
 
 DTYPES = [np.float64, np.float32]
 #: One query (the stacked-rows decode kernel), 15, 16 (the key-major one), 17 and 40 (the prefill kernels).

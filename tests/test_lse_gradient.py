@@ -11,9 +11,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np import reference as ref
-from oracle_checks import CASES, DTYPES, check_case, check_results, make_dlse, make_inputs
-from test_decode import _cases as decode_cases
-from test_decode import decode_tiles  # noqa: F401  (a fixture)
+from oracle_checks import CASES, DTYPES, check_case, check_results, decode_cases, make_dlse, make_inputs
 
 GRAD_FIELDS = ("dq", "dk", "dv", "dtau", "dbeta", "dsigma", "dbias")
 
@@ -58,12 +56,12 @@ class TestCpu:
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("N", [1, 7])
     @pytest.mark.parametrize("case", ["plain", "kv-lengths", "nvm-tau-beta", "bias", "everything"])
-    def test_decode_shapes(self, decode_tiles, dtype, N, case):  # noqa: F811
+    def test_decode_shapes(self, decode_tiles, dtype, N, case):
         check_case(dtype, decode_cases(2, 8, N, 23)[case], B=2, H=8, Hkv=2, N=N, M=23, D=8, Dv=6,
                    with_lse=True)
 
     @pytest.mark.parametrize("dtype", DTYPES)
-    def test_decode_aligned_to_kv_lengths(self, decode_tiles, dtype):  # noqa: F811
+    def test_decode_aligned_to_kv_lengths(self, decode_tiles, dtype):
         opts = dict(kv_lengths=[23, 9], align="kv_lengths", causal=True, beta=[0.0, 0.5, 1.0, 0.2])
         check_case(dtype, opts, B=2, H=4, Hkv=2, N=3, M=23, with_lse=True)
 

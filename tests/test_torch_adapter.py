@@ -7,21 +7,9 @@ torch = pytest.importorskip("torch")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
-from adapter_cases import CASES, LEARNED, make_case, numpy_options  # noqa: E402, F401
+from adapter_cases import CASES, LEARNED, make_case, numpy_options, tensors, torch_call  # noqa: E402
 from elastic_np._api import dispatch
 from elastic_np.torch import _arrays  # noqa: E402
-
-def torch_call(arrays, fixed, **extra):
-    """``out`` of elastic_np.torch.attention for tensors ``arrays``."""
-    fixed = dict(fixed)
-    window = enpt.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
-    return enpt.attention(arrays["q"], arrays["k"], arrays["v"], tau=arrays["tau"],
-                          beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window,
-                          **fixed, **extra)
-
-
-def tensors(arrays, requires_grad=LEARNED):
-    return {n: torch.tensor(a, requires_grad=n in requires_grad) for n, a in arrays.items()}
 
 
 class TestGradcheck:

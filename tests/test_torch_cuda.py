@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_adapter import CASES, LEARNED, make_case, tensors, torch_call
+from adapter_cases import CASES, LEARNED, make_case, tensors, torch_call
 
 import elastic_np as enp
 import elastic_np.torch as enpt

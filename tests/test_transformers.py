@@ -13,64 +13,18 @@ token, with a dynamic and a static cache, and packed sequences (transformers'
 padding-free path, ``cu_seq_lens_q``) against each sequence alone.
 """
 
-import copy
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import elastic_np.transformers as enp_transformers  # noqa: E402
-
-enp_transformers.register()
-enp_transformers.register("elastic_np_reference", backend="reference")
-
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2),
-    "gemma2": lambda: transformers.Gemma2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=20.0,
-        final_logit_softcapping=None),
-    "gpt_oss": lambda: transformers.GptOssConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
-        experts_implementation="eager"),  # grouped_mm takes no float64
-}
-
-
-def _models(name, dtype=torch.float32):
-    """One set of random weights under each attention: ``eager``, ``elastic_np`` in ``dtype``, and in float64
-    ``float64`` (elastic_np's oracle) and ``eager64``."""
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    built = {}
-    for key, implementation in (("eager", "eager"), ("elastic_np", "elastic_np"),
-                                ("float64", "elastic_np_reference"), ("eager64", "eager")):
-        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                              attn_implementation=implementation)
-        if built:
-            model.load_state_dict(built["eager"].state_dict())
-        built[key] = model.to(torch.float64 if key in ("float64", "eager64") else dtype)
-    if name == "gpt_oss":  # sinks start at zero: make them differ per head, so their gradient means something
-        with torch.no_grad():
-            for model in built.values():
-                for layer in model.model.layers:
-                    layer.self_attn.sinks.copy_(torch.linspace(-1.0, 1.5, layer.self_attn.sinks.numel()))
-    return built
-
-
-def _within_the_rule(ours, eager, exact, what, dtype=torch.float32, ulps=8):
-    """At most twice eager's error in ``dtype`` (relative, in norm), or ``ulps`` of its epsilon where eager's is below that."""
-    exact = exact.detach()
-    error, naive = (float((a.detach().double() - exact).norm() / exact.norm()) for a in (ours, eager))
-    assert error <= 2 * naive + ulps * torch.finfo(dtype).eps, f"{what}: error {error:.3g}, eager's {naive:.3g}"
+from transformers_models import CONFIGS, tiny_models, within_the_rule  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_with_and_without_padding(name):
-    models = _models(name)
+    models = tiny_models(name)
     ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
     padding = torch.ones_like(ids)
     padding[1, :6] = 0  # left padding, as batched generation has
@@ -79,13 +33,13 @@ def test_logits_with_and_without_padding(name):
         if mask is None:
             torch.testing.assert_close(out["float64"], out["eager64"], rtol=1e-5, atol=1e-6)
         kept = slice(None) if mask is None else mask.bool()
-        _within_the_rule(out["elastic_np"][kept], out["eager"][kept], out["float64"][kept],
+        within_the_rule(out["elastic_np"][kept], out["eager"][kept], out["float64"][kept],
                                  f"{name} logits, mask {mask is not None}")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gradient_of_every_parameter_sinks_included(name):
-    models = _models(name)
+    models = tiny_models(name)
     ids = torch.randint(0, 96, (2, 29), generator=torch.Generator().manual_seed(2))
     for model in models.values():
         model.train()
@@ -95,7 +49,7 @@ def test_gradient_of_every_parameter_sinks_included(name):
     for pname, p in named[0].items():
         if named[2][pname].grad is None:
             continue
-        _within_the_rule(p.grad, named[1][pname].grad, named[2][pname].grad, f"{name} d{pname}")
+        within_the_rule(p.grad, named[1][pname].grad, named[2][pname].grad, f"{name} d{pname}")
         checked += 1
     assert checked == sum(p.requires_grad for p in named[0].values())
     if name == "gpt_oss":
@@ -105,7 +59,7 @@ def test_gradient_of_every_parameter_sinks_included(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_generation_gives_the_same_tokens(name, cache, monkeypatch):
-    models = _models(name)
+    models = tiny_models(name)
     prompt = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(3))
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     calls, attention = [], enp_transformers.enpt.attention
@@ -136,7 +90,7 @@ def test_a_static_cache_decoding_step_reads_only_the_filled_slots():
 
 
 def test_what_the_attention_cannot_honour_is_an_error_naming_it():
-    model = _models("llama")["elastic_np"]
+    model = tiny_models("llama")["elastic_np"]
     ids = torch.randint(0, 96, (1, 5))
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
@@ -176,7 +130,7 @@ def _packed_batch():
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_packed_sequences_give_each_sequence_alone(name, monkeypatch):
-    models = _models(name)
+    models = tiny_models(name)
     sequences, batch = _packed_batch()
     assert batch["cu_seq_lens_q"].tolist() == [0, 7, 20, 30] and batch["position_ids"].shape == (1, 30)
     weights = torch.randn(1, sum(LENGTHS), 96, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -215,15 +169,15 @@ def test_packed_sequences_give_each_sequence_alone(name, monkeypatch):
         for pname, p in models[key].named_parameters():
             if p.grad is not None:
                 _close_in_norm(grads[packed][pname], p.grad, tolerance, f"{name} {packed} d{pname}")
-    _within_the_rule(logits["packed"], logits["eager"], logits["eager64"], f"{name} packed logits")
+    within_the_rule(logits["packed"], logits["eager"], logits["eager64"], f"{name} packed logits")
     assert grads["packed"].keys() == grads["eager"].keys()
     assert len(grads["packed"]) == sum(p.requires_grad for p in models["elastic_np"].parameters())
     for pname, grad in grads["packed"].items():
-        _within_the_rule(grad, grads["eager"][pname], grads["eager64"][pname], f"{name} packed d{pname}")
+        within_the_rule(grad, grads["eager"][pname], grads["eager64"][pname], f"{name} packed d{pname}")
 
 
 def test_a_packed_batch_with_a_padding_mask_is_an_error():
-    model = _models("llama")["elastic_np"]
+    model = tiny_models("llama")["elastic_np"]
     _, batch = _packed_batch()
     batch["attention_mask"] = torch.ones(1, 30, dtype=torch.long)
     model(**batch)  # a mask that pads nothing: the packed sequences
@@ -250,7 +204,7 @@ def test_a_packed_mask_is_checked_within_each_sequence_only():
 
 
 def test_packed_offsets_that_do_not_fit_are_named_with_a_mask_too():
-    module = _models("llama")["elastic_np"].model.layers[0].self_attn
+    module = tiny_models("llama")["elastic_np"].model.layers[0].self_attn
     q = torch.zeros(1, 8, 6, 8)
     k = torch.zeros(1, 2, 6, 8)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
@@ -264,7 +218,7 @@ def test_packed_offsets_that_do_not_fit_are_named_with_a_mask_too():
 def test_packed_sequences_in_bfloat16():
     """A bfloat16 model packed: logits and every gradient within bfloat16's rule against eager on each sequence."""
     pytest.importorskip("ml_dtypes")
-    models = _models("llama", dtype=torch.bfloat16)
+    models = tiny_models("llama", dtype=torch.bfloat16)
     sequences, batch = _packed_batch()
     weights = torch.randn(1, sum(LENGTHS), 96, generator=torch.Generator().manual_seed(5))
     logits, grads = {}, {}

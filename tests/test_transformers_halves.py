@@ -12,16 +12,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("ml_dtypes")
 
-from test_transformers import CONFIGS, _models, _within_the_rule  # noqa: E402
+from transformers_models import CONFIGS, tiny_models, within_the_rule  # noqa: E402
 
 
 def _within_the_bfloat16_rule(ours, eager, exact, what):
-    _within_the_rule(ours, eager, exact, what, dtype=torch.bfloat16, ulps=4)
+    within_the_rule(ours, eager, exact, what, dtype=torch.bfloat16, ulps=4)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_and_gradients(name):
-    models = _models(name, dtype=torch.bfloat16)
+    models = tiny_models(name, dtype=torch.bfloat16)
     ids = torch.randint(0, 96, (2, 29), generator=torch.Generator().manual_seed(2))
     padding = torch.ones_like(ids)
     padding[1, :5] = 0
@@ -48,7 +48,7 @@ def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(name):
     the float64 model's logits of the two tokens must be closer than the
     largest error of eager's bfloat16 logits there.
     """
-    models = _models(name, dtype=torch.bfloat16)
+    models = tiny_models(name, dtype=torch.bfloat16)
     prompt = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(3))
     eager, ours = (models[key].generate(prompt, max_new_tokens=32, do_sample=False)[0]
                    for key in ("eager", "elastic_np"))

@@ -3,7 +3,9 @@
 `make_case` serves the first derivatives (``test_torch_adapter``,
 ``test_jax_adapter`` and the CUDA tests that reuse the torch ones);
 ``double_backward_cases`` draws the second derivatives' cases with
-`case_arrays` and `numpy_options` from here.
+`case_arrays` and `numpy_options` from here. `tensors` and `torch_call` run a
+case through elastic_np.torch (``test_torch_adapter``, ``test_torch_cuda`` and
+``tests/cuda/test_sim_torch.py``); they import torch when called.
 """
 
 import numpy as np
@@ -48,3 +50,21 @@ def numpy_options(arrays, fixed):
     fixed = dict(fixed)
     window = enp.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
     return dict(tau=arrays["tau"], beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window, **fixed)
+
+
+def torch_call(arrays, fixed, **extra):
+    """``out`` of elastic_np.torch.attention for tensors ``arrays``."""
+    import elastic_np.torch as enpt
+
+    fixed = dict(fixed)
+    window = enpt.DynamicWindow(arrays["sigma"], fixed.pop("sharpness"), fixed.pop("threshold"))
+    return enpt.attention(arrays["q"], arrays["k"], arrays["v"], tau=arrays["tau"],
+                          beta=arrays["beta"], bias=arrays["bias"], dynamic_window=window,
+                          **fixed, **extra)
+
+
+def tensors(arrays, requires_grad=LEARNED):
+    """The arrays of a case as torch tensors; those named in ``requires_grad`` require a gradient."""
+    import torch
+
+    return {n: torch.tensor(a, requires_grad=n in requires_grad) for n, a in arrays.items()}

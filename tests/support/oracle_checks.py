@@ -3,7 +3,8 @@
 `assert_matches_oracle` is the accuracy rule of the kernel tests;
 `check_case` runs one option set through a backend (``"cpu"`` by default)
 and checks every output with it. `CASES` holds the option sets every kernel
-is held to; `BIASES` the bias shapes of its ``(2, 4, 23, 31)`` problem.
+is held to; `BIASES` the bias shapes of its ``(2, 4, 23, 31)`` problem;
+`decode_cases` the option sets of the decode kernels' shapes.
 """
 
 import numba
@@ -276,3 +277,38 @@ def holds_half_bits(types):
     """Whether a signature holds an array of a half's bits (uint16 or int16), at any depth of its tuples."""
     return any(holds_half_bits(ty.types) if hasattr(ty, "types") else str(getattr(ty, "dtype", "")) in
                ("uint16", "int16") for ty in types)
+
+
+def decode_cases(B, H, N, M, seed=0):
+    """Every option alone and combined, with arrays shaped for ``(B, H, N, M)``: the decode kernels' cases
+    (``test_decode``, ``test_lse_gradient``)."""
+    rng = np.random.default_rng(seed)
+    tau = rng.uniform(0.4, 2.0, H)
+    beta = rng.uniform(0.0, 2.0, H)
+    lengths = rng.integers(0, M + 1, B)
+    lengths[0] = M
+    mask = rng.random((B, 1, N, M)) > 0.3
+    bias = rng.standard_normal((B, H, N, M))
+    bias[rng.random((B, H, N, M)) < 0.1] = -np.inf
+    window = enp.DynamicWindow(rng.uniform(0.2, 1.0, (B, H)), sharpness=3.0, threshold=0.05)
+    slopes = rng.uniform(0.0, 0.3, (B, H))
+    return {
+        "plain": {},
+        "causal": dict(causal=True),
+        "window": dict(window_size=(5, 0), causal=True),
+        "window-both": dict(window_size=(3, 2)),
+        "kv-lengths": dict(kv_lengths=lengths),
+        "mask": dict(mask=mask),
+        "nvm-tau-beta": dict(nvm=True, tau=tau, beta=beta),
+        "scale": dict(scale=0.3, nvm=True),
+        "dynamic-window": dict(dynamic_window=window),
+        "softcap": dict(softcap=0.7, scale=2.0),
+        "alibi": dict(alibi_slopes=slopes, causal=True),
+        "bias": dict(bias=bias, nvm=True, beta=0.5),
+        "bias-keys": dict(bias=bias[:1, :1, :1], causal=True),
+        "bias-fortran": dict(bias=np.asfortranarray(bias[0, 0])),
+        "everything": dict(
+            causal=True, window_size=(M // 2, -1), kv_lengths=lengths, mask=mask, nvm=True,
+            tau=tau, beta=beta, dynamic_window=window, softcap=1.3, alibi_slopes=slopes, bias=bias,
+        ),
+    }
