@@ -28,7 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
 def pytest_configure(config):
     """The suite's processes never announce a compile (`elastic_np.CompileWarning`, once a process): in a cold
     cache, a test that turns warnings into errors would fail on whichever call compiled first. The tests of the
-    announcement use a notice of their own (tests/test_compile_report.py); the processes tests start have theirs.
+    announcement use a notice of their own (tests/api/test_compile_report.py); the processes tests start have theirs.
     """
     from elastic_np._api import compile_report  # imports no Numba
 

@@ -300,7 +300,7 @@ def test_the_dispatcher_gives_the_references_bits_and_names_a_backend_without_on
     assert isinstance(got, enp.DoubleBackwardGrads)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
-    # the CPU kernels have one (tests/test_cpu_double_backward.py holds them to the oracle)
+    # the CPU kernels have one (tests/cpu/test_cpu_double_backward.py holds them to the oracle)
     kernels = enp.attention_double_backward(ddq, None, None, dout, q, k, v, out, lse, ddtau=0.5,
                                             backend="cpu", tau=0.7, beta=0.3)
     for a, b in zip(kernels, want):

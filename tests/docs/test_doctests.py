@@ -14,7 +14,7 @@ import pytest
 
 import elastic_np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # Every module of the package and its subpackages (``__main__`` would run the tool).

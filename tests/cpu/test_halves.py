@@ -52,7 +52,7 @@ def _heads(options, H):
 def test_bits_of_the_float32_kernels_rounded(monkeypatch, dtype, shape, options):
     """The values of a half are exact in float32: ``out`` is the float32 kernels' on them, rounded to nearest even.
 
-    With the float32 products: a bfloat16 prefill forward on AMX tiles sums in the unit's order (``tests/test_amx.py``).
+    With the float32 products: a bfloat16 prefill forward on AMX tiles sums in the unit's order (``tests/cpu/test_amx.py``).
     """
     monkeypatch.setattr(cpu._config, "AMX", False)
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)

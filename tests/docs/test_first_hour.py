@@ -19,7 +19,7 @@ import elastic_np as enp
 from elastic_np import testing
 from elastic_np.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 FIRST_CALL = """

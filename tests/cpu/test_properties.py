@@ -9,7 +9,7 @@ same accept/reject decision.
 
 CI runs ``ELASTIC_NP_PROPERTY_EXAMPLES`` examples per test (default 300); a
 nightly run takes more: ``ELASTIC_NP_PROPERTY_EXAMPLES=5000 python -m pytest
-tests/test_properties.py``.
+tests/cpu/test_properties.py``.
 """
 
 import os

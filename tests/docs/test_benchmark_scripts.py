@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
 
 import score_modifiers  # noqa: E402
 

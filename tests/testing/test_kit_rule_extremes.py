@@ -33,7 +33,7 @@ from elastic_np import reference
 from elastic_np.testing import _tolerances
 from elastic_np.testing._report import worst_error
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 
 import float32_extremes  # noqa: E402
 

@@ -4,7 +4,7 @@ Every call is held to the kit's rule against the float64 oracle, and to the
 float32 products of the same kernels (``config.AMX`` off): ``lse`` to
 float32 rounding and ``out`` to one unit of bfloat16 in the last place (plus
 what the split of ``p`` may move), for every option, layout and edge of the
-tiles. (The kit's own cases, ``tests/test_halves.py``, have head dims the
+tiles. (The kit's own cases, ``tests/cpu/test_halves.py``, have head dims the
 tiles do not take.)
 """
 

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FIGURES = runpy.run_path(str(ROOT / "docs" / "scripts" / "figures.py"))
 

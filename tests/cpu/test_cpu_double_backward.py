@@ -231,7 +231,7 @@ def test_auto_is_the_cpu_kernels_without_a_gpu():
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-# --- s / tau beside a large log G, as the backward's (tests/test_hardening_window.py) -------------
+# --- s / tau beside a large log G, as the backward's (tests/cpu/test_hardening_window.py) -------------
 
 #: Along ``tau`` alone every output is a sum of terms in ``s / tau``; along every cotangent the
 #: gate's ``sigmadot d log G / d sigma`` dominates all but ``dtau``.
