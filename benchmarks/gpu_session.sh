@@ -23,5 +23,5 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   echo "== 3. backward variants"; timeout 150 $PY benchmarks/cuda_backward_variants.py "$OUT/cuda_backward_variants.json"
   echo "== 4. benchmark"; timeout 200 $PY -m elastic_np.cuda --bench --json "$OUT/cuda-bench.json"
   left=$(( ${SESSION_SECONDS:-480} - SECONDS )); [ $left -lt 60 ] && left=60
-  echo "== 5. tests ($left s left)"; timeout ${TEST_SECONDS:-$left} $PY -m pytest -q -p no:cacheprovider -n 8 tests/cuda tests/test_torch_cuda.py
+  echo "== 5. tests ($left s left)"; timeout ${TEST_SECONDS:-$left} $PY -m pytest -q -p no:cacheprovider -n 8 tests/cuda tests/torch/test_torch_cuda.py
 } 2>&1 | tee "$OUT/gpu_session.log"

@@ -7,6 +7,13 @@ import tempfile
 
 import pytest
 
+# The shared helpers (tests/support, on sys.path by setup.cfg's ``pythonpath``) fail with pytest's
+# detailed assertion messages, as the test files do.
+pytest.register_assert_rewrite(
+    "adapter_cases", "double_backward_cases", "float32_rule", "mp_oracle", "oracle_checks", "reference_cases",
+    "transformers_models", "window_edges",
+)
+
 # Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
 # processes saving different specialisations of one function at the same time
 # can leave Numba's cache index pointing at the other's code. Set before any
@@ -21,7 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
 def pytest_configure(config):
     """The suite's processes never announce a compile (`elastic_np.CompileWarning`, once a process): in a cold
     cache, a test that turns warnings into errors would fail on whichever call compiled first. The tests of the
-    announcement use a notice of their own (tests/test_compile_report.py); the processes tests start have theirs.
+    announcement use a notice of their own (tests/api/test_compile_report.py); the processes tests start have theirs.
     """
     from elastic_np._api import compile_report  # imports no Numba
 
@@ -45,3 +52,16 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(cpu._runtime.config, "BLOCK_Q", 8)
     monkeypatch.setattr(cpu._runtime.config, "BLOCK_K", 5)
     monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
+
+
+@pytest.fixture(params=["stacked-rows", "key-major"])
+def decode_tiles(request, monkeypatch):
+    """The decode kernels' key tiles of 5 and splits of at least 7 keys, into as many as 64 tasks; each of the two
+    kernels (``test_decode``, ``test_lse_gradient``)."""
+    from elastic_np import cpu
+
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_KEY_MAJOR_QUERIES", 1 if request.param == "key-major" else 17)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 5)
+    monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_TASKS", 64)

@@ -16,7 +16,7 @@ how it reads. The processor a figure was measured on is a figure too
     python docs/scripts/figures.py           # rewrite the figures
     python docs/scripts/figures.py --check   # exit 1 when a figure is not its file's
 
-``tests/test_docs_figures.py`` runs the check.
+``tests/docs/test_docs_figures.py`` runs the check.
 """
 
 import json

@@ -13,7 +13,7 @@ the markers is typed by hand::
     python docs/scripts/rendered_blocks.py           # rewrite the blocks
     python docs/scripts/rendered_blocks.py --check   # exit 1 when a block is stale
 
-``tests/test_docs.py`` runs the check.
+``tests/docs/test_docs.py`` runs the check.
 """
 
 import pathlib

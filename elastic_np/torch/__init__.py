@@ -26,7 +26,7 @@ the same device over the memory the kernels wrote, with no host round trip.
 ``tau``, ``beta``, ``sigma``, ``mask``, ``kv_lengths`` and ``alibi_slopes``
 may be on the CPU or that device; the backend reads them on the host (a small
 copy), and ``dtau``, ``dbeta``, ``dsigma`` are moved to their parameter's
-device. This path runs in the tests on an H100 (``tests/test_torch_cuda.py``) and on
+device. This path runs in the tests on an H100 (``tests/torch/test_torch_cuda.py``) and on
 the CUDA simulator.
 """
 
