@@ -2,7 +2,7 @@
 
 Run by ``docs/conf.py`` at build time (``docs/architecture.rst`` includes the
 result), so the map is the checked-out tree's; ``python docs/scripts/module_map.py``
-prints it. `entries` is what ``tests/test_docs_module_map.py`` checks: every
+prints it. `entries` is what ``tests/package/test_module_map.py`` checks: every
 module has a first docstring line.
 """
 
