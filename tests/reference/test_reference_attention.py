@@ -166,7 +166,7 @@ class TestAttentionBackward:
         without = ref.attention_backward(dout, q, k, v, out, lse, **options)
         np.testing.assert_array_equal(with_dlse.dv, without.dv)
         p = _problem.prepare(q, k, v, **options)
-        probs, delta = _backward._score_gradient(p, dout, out, lse, dlse)[4:6]
+        probs, delta = _backward.score_gradient(p, dout, out, lse, dlse)[4:6]
         np.testing.assert_allclose(delta, np.sum(dout * out, axis=-1) - dlse, rtol=1e-15)
         lse_only = ref.attention_backward(np.zeros_like(dout), q, k, v, out, lse, dlse=dlse, **options)
         # d lse_i / d z_ij = p_ij: with dout = 0, dz = p dlse and dbias = dz / tau

@@ -188,7 +188,7 @@ def _window_tables(sigma, sharpness, threshold, N, M, ends, with_grad, log_gate,
 
 @njit(cache=True, fastmath=False)
 def _log_tanh_elasticity(y):
-    """``d log tanh(y) / d log y = 2y / sinh(2y)`` for ``y > 0``, as the oracle's `_log_tanh_elasticity`.
+    """``d log tanh(y) / d log y = 2y / sinh(2y)`` for ``y > 0``, as the oracle's `log_tanh_elasticity`.
 
     ``(w / (1 - e^2)) e`` with ``w = 4y``, ``e = exp(-2y)``, ``1 - e^2`` from
     ``expm1``: no cancellation as ``tanh(y)`` rounds to 1, and no ``1 / y``

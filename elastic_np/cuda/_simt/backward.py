@@ -138,7 +138,7 @@ def _log_tanh_elasticity(y, zero):
     """``d log tanh(y) / d log y = 2y / sinh(2y)`` for ``y > 0`` in ``y``'s dtype (``zero``: a 0 of it).
 
     ``(w / (1 - e^2)) e`` with ``w = 4y``, ``e = exp(-2y)``, ``1 - e^2`` from
-    ``expm1``, as the oracle's `elastic_np.reference._attention._log_tanh_elasticity`:
+    ``expm1``, as the oracle's `elastic_np.reference._attention.log_tanh_elasticity`:
     no cancellation as ``tanh(y)`` rounds to 1, no ``1 / y`` to overflow as
     ``y`` reaches the subnormals (exactly 1 there); 0 where ``e`` underflows.
     """
