@@ -1,9 +1,14 @@
-"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``), a Numba cache per worker,
-no announcement of a compile."""
+"""Fixtures shared by the CPU kernel tests (``tests/cuda`` has its own ``small_tiles``), the Numba caches of the
+pytest-xdist workers (the kernels compiled once, before the workers start), no announcement of a compile."""
 
+import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
+import uuid
 
 import pytest
 
@@ -16,13 +21,137 @@ pytest.register_assert_rewrite(
 
 # Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
 # processes saving different specialisations of one function at the same time
-# can leave Numba's cache index pointing at the other's code. Set before any
-# test module imports numba (which reads the variable once). Runs with
-# ELASTIC_NP_PUBLIC_NUMBA set need nothing more: the package caches their
-# kernels in a folder of their own (elastic_np.cpu._runtime.numba_private.own_cache).
+# can leave Numba's cache index pointing at the other's code. So that the
+# kernels do not compile once in every worker, the controller compiles them
+# before the workers start (`pytest_sessionstart`) into one cache, ``shared``,
+# in processes that save under the package's lock on the index (as ``elastic-np
+# check`` does); each worker's cache starts as a copy of it (hard links: Numba
+# replaces a file it saves, never writes into one), read and added to by that
+# worker alone. Set before any test module imports numba (which reads the
+# variable once). Runs with ELASTIC_NP_PUBLIC_NUMBA set compile into a folder of
+# their own under the same cache (elastic_np.cpu._runtime.numba_private.own_cache).
+CACHE_BASE = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
+SHARED = os.path.join(CACHE_BASE, "shared")
+#: Names what `SHARED` holds: a new name after every fill that compiled something.
+SHARED_ID = os.path.join(CACHE_BASE, "shared.id")
+#: The name of the fill a worker's cache was copied from.
+SEEDED = ".seeded-from"
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _seed_worker_cache(own):
+    """Make ``own`` a copy of `SHARED` unless it is one of the latest fill already (keeping what it added)."""
+    shared_id = _read(SHARED_ID)
+    if shared_id is None or not os.path.isdir(SHARED) or _read(os.path.join(own, SEEDED)) == shared_id:
+        return
+    shutil.rmtree(own, ignore_errors=True)
+    shutil.copytree(SHARED, own, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(".elastic_np.lock"))
+    with open(os.path.join(own, SEEDED), "w") as f:
+        f.write(shared_id)
+
+
 if os.environ.get("PYTEST_XDIST_WORKER") and "numba" not in sys.modules:
-    _base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "elastic_np-numba-cache")
-    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
+    _own = os.path.join(CACHE_BASE, os.environ["PYTEST_XDIST_WORKER"])
+    _seed_worker_cache(_own)
+    os.environ["NUMBA_CACHE_DIR"] = _own
+
+#: A process of the fill, given its number, its dtypes and every dtype: every kernel path of the CPU backend
+#: (`elastic_np.warmup`) side by side with the others, saving and loading under the package's file lock on Numba's
+#: index; where the lock is off (Numba's private internals unused), the first process alone, in every dtype.
+#: Prints how many functions it compiled.
+_FILL = """
+import sys
+import elastic_np
+from elastic_np.cpu._runtime.numba_private import enabled, locked_cache_index
+first, mine, every = sys.argv[1] == "0", sys.argv[2].split(","), sys.argv[3].split(",")
+if enabled("two_process_check"):
+    with locked_cache_index():
+        print(elastic_np.warmup(mine, backend="cpu", second_order=True).compiled)
+else:
+    print(elastic_np.warmup(every, backend="cpu", second_order=True).compiled if first else 0)
+"""
+
+#: The dtypes of each process of the fill (the halves compute in float32); one process where there is one core.
+_FILL_GROUPS = (("float32", "float16"), ("float64", "bfloat16"))
+
+
+def _fill_shared_cache():
+    """Compile the CPU backend's kernels into `SHARED` (`_FILL`), in two processes side by side; a new `SHARED_ID`
+    when anything compiled. Returns a line for the terminal."""
+    spec = importlib.util.find_spec("elastic_np")  # without importing it (and Numba) in this process
+    root = os.path.dirname(os.path.dirname(spec.origin))
+    env = dict(os.environ, NUMBA_CACHE_DIR=SHARED,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    every = sum(_FILL_GROUPS, ())
+    groups = _FILL_GROUPS if cores >= 2 else (every,)
+    start = time.perf_counter()
+    runs = [subprocess.Popen([sys.executable, "-c", _FILL, str(i), ",".join(group), ",".join(every)], cwd=root,
+                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for i, group in enumerate(groups)]
+    results = [run.communicate() + (run.returncode,) for run in runs]
+    seconds = time.perf_counter() - start
+    failed = [err.strip().splitlines()[-1:] for _, err, code in results if code != 0]
+    if failed:
+        return f"elastic_np: compiling the kernels for the workers failed ({failed}); each worker compiles its own"
+    compiled = sum(int(out.split()[-1]) for out, _, _ in results)
+    if compiled or _read(SHARED_ID) is None:
+        with open(SHARED_ID, "w") as f:
+            f.write(uuid.uuid4().hex)
+    return (f"elastic_np: the CPU kernels for the workers in {seconds:.0f} s: {compiled} functions compiled "
+            f"({len(groups)} processes), the rest loaded, in {SHARED}")
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist, before the workers start (xdist starts them last): `_fill_shared_cache`. Not for the
+    CUDA simulator's runs, which hardly call the CPU kernels, nor where nothing runs."""
+    config = session.config
+    if (not config.pluginmanager.has_plugin("dsession") or config.option.collectonly
+            or os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")):
+        return
+    os.makedirs(SHARED, exist_ok=True)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    line = _fill_shared_cache()
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n`` without ``--dist`` (xdist's ``load``): work stealing, so that a worker out of tests takes some of
+    another's queue rather than wait idle for it (the tests take from a millisecond to a minute)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
+#: Files of tests that take from 10 s to a minute each (PTX of every kernel; new processes compiling the kernels
+#: into empty caches, on purpose): run first under pytest-xdist, so that no worker is left running one of them
+#: at the end while the other has run out of tests.
+SLOW_FILES = ("cuda/test_cuda_ptx.py", "cpu/test_tiles_compile.py", "cpu/test_numba_private.py", "docs/test_asv.py",
+              "api/test_compile_report.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests of `SLOW_FILES` first (the workers' collections stay alike)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(SLOW_FILES))
 
 
 def pytest_configure(config):

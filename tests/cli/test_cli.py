@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,16 +32,32 @@ def available(name):
 # ---------------------------------------------------------------------------
 
 
+#: A row of check's tables: case, dtype, quantity, worst error, allowed, result.
+CHECK_ROW = re.compile(r"^  (.+?)\s+(b?float\d+)\s+(\w+)\s+(\S+)\s+(\S+)\s+(pass|FAIL)\b")
+
+
 def test_check_quick_reference(capsys):
     assert cli.main(["check", "--quick", "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "backend 'reference' vs the float64 oracle" in out
     assert "float64 oracle gradients vs central differences" in out
+    against_oracle, against_differences = out.split("backend 'reference' vs the float64 oracle")[1].split(
+        "float64 oracle gradients vs central differences")
     for case in _cases.CASES:
-        assert f"  {case.name} " in out
+        assert f"  {case.name} " in against_oracle
     assert "worst error" in out and "allowed" in out
     assert "FAIL" not in out
-    assert out.strip().splitlines()[-1].startswith("PASS: ")
+    rows = {}
+    for name, table in (("oracle", against_oracle), ("differences", against_differences)):
+        rows[name] = [row.groups() for row in map(CHECK_ROW.match, table.splitlines()) if row]
+        for case, dtype, quantity, error, allowed, result in rows[name]:
+            assert 0 <= float(error) <= float(allowed) and result == "pass", (case, dtype, quantity)
+        assert f"  {len(rows[name])}/{len(rows[name])} passed" in table
+    # the reference is the oracle: not a bit apart, in either dtype
+    assert {float(row[3]) for row in rows["oracle"]} == {0.0}
+    assert {row[1] for row in rows["oracle"]} == {"float32", "float64"}
+    total = len(rows["oracle"]) + len(rows["differences"])
+    assert out.strip().splitlines()[-1].startswith(f"PASS: {total} checks passed")
 
 
 def test_check_quick_all_reports_unavailable_backends_as_skipped(capsys):

@@ -147,12 +147,17 @@ def test_non_finite_cache_values(dtype, N):
 
 
 def test_overflowing_products_are_not_reported_as_bad_values():
-    """A product that overflows float32 is not a NaN or inf input: no ValueError names `k`."""
+    """A product that overflows float32 is not a NaN or inf input: no ValueError names `k`, and the result is
+    the oracle's (logits of 2e38, beside which the log of the 6 keys' sum vanishes: each key's weight is 1)."""
     q = np.full((1, 1, 1, 4), 1e19, np.float32)
     k = np.full((1, 1, 6, 4), 1e19, np.float32)
-    v = np.ones((1, 1, 6, 4), np.float32)
+    v = np.arange(24, dtype=np.float32).reshape(1, 1, 6, 4)
     with np.errstate(all="ignore"):
-        enp.attention(q, k, v, backend="cpu")
+        out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+        want_out, want_lse = reference.attention(q, k, v)
+    assert out.dtype == lse.dtype == np.float32 and np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -11,6 +12,46 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
 
 import score_modifiers  # noqa: E402
+
+#: A printed ratio: its median, then its range over the rounds, ``r [lo-hi]`` or ``r (lo-hi)``.
+RATIO = r"(\d+\.\d+) [\[(](?:range )?(\d+\.\d+)-(\d+\.\d+)[\])]"
+
+
+def _ratio(out, label):
+    """The median, least and largest of the ratio printed after ``label``."""
+    found = re.search(re.escape(label) + r":?\s*" + RATIO, out)
+    assert found, f"no ratio after {label!r} in {out!r}"
+    median, low, high = (float(x) for x in found.groups())
+    assert 0 < low <= median <= high, (label, median, low, high)
+    return median, low, high
+
+
+def _ms(out, label):
+    """The milliseconds printed after ``label`` (the first such line), and their decimals."""
+    found = re.search(re.escape(label) + r"\s+(\d+\.(\d+)) ms", out)
+    assert found, f"no time after {label!r} in {out!r}"
+    return float(found.group(1)), len(found.group(2))
+
+
+def _assert_one_round(ratio):
+    """A ratio of one round: its median is its range."""
+    median, low, high = ratio
+    assert median == low == high, ratio
+
+
+def _assert_two_rounds(ratio, decimals=2):
+    """A ratio of two rounds: its median is the mean of the two, its least and largest."""
+    median, low, high = ratio
+    assert abs(median - (low + high) / 2) <= 10.0**-decimals, ratio
+
+
+def _assert_quotient(ratio, num, den, decimals=2):
+    """``ratio`` (printed to ``decimals`` places) is ``num / den``, two times as printed (value, decimals)."""
+    (n, n_places), (d, d_places) = num, den
+    n_half, d_half, r_half = 0.5 * 10.0**-n_places, 0.5 * 10.0**-d_places, 0.5 * 10.0**-decimals
+    low = (n - n_half) / (d + d_half)
+    high = (n + n_half) / (d - d_half) if d > d_half else np.inf
+    assert low - r_half <= ratio <= high + r_half, (ratio, num, den)
 
 
 def test_score_modifiers_prints_every_case(capsys):
@@ -22,6 +63,14 @@ def test_score_modifiers_prints_every_case(capsys):
     assert "extra / memory" in out
     # a least-disturbed figure on every line: 8 variants x 2 passes, 4 biases x 2 passes
     assert out.count("of the best rounds") == 16 + 8
+    rows = re.findall(r"\n(.{16}) (fwd\+bwd|fwd)\s+(\d+\.\d+)  (\d+\.\d+)-(\d+\.\d+) \(median (\d+\.\d+), 95% "
+                      r"(\d+\.\d+)-(\d+\.\d+)\); of the best rounds (\d+\.\d+)", out)
+    assert len(rows) == 16
+    for variant, kind, seconds, *ratios in rows:
+        # one round: its ratio to plain is the range, the median, the interval and the best round's
+        assert float(seconds) >= 0 and len(set(ratios)) == 1, (variant, kind)
+        if variant.strip() == "plain":
+            assert ratios[0] == "1.000", kind
 
 
 def test_score_modifiers_cases_compute_the_same_work():
@@ -64,9 +113,11 @@ def test_torch_adapter_overhead_prints_both_ratios(capsys):
 
     torch_adapter_overhead.main(["--n", "32", "--heads", "2", "--dim", "8", "--rounds", "2", "--repeat", "1"])
     out = capsys.readouterr().out
-    for variant in ("plain", "tau+beta"):
-        assert f"  {variant:9s} adapter" in out
     assert out.count("adapter/direct median") == 2
+    for variant in ("plain", "tau+beta"):
+        (line,) = [line for line in out.splitlines() if line.startswith(f"  {variant:9s} adapter")]
+        assert _ms(line, "adapter")[0] >= 0 and _ms(line, "direct")[0] >= 0, line
+        _assert_two_rounds(_ratio(line, "adapter/direct median"), decimals=3)
 
 
 def test_dask_scaling_prints_the_ratio_and_each_worker_peak(capsys):
@@ -109,7 +160,9 @@ def test_torch_compile_step_runs(capsys):
 
     torch_compile_step.main(["--seq", "16", "--rounds", "1", "--steps", "1"])
     out = capsys.readouterr().out
-    assert "compiled / eager:" in out and "eager " in out
+    ratio = _ratio(out, "compiled / eager")
+    _assert_one_round(ratio)
+    _assert_quotient(ratio[0], _ms(out, "  compiled"), _ms(out, "  eager"), decimals=3)
 
 
 def test_transformers_decode_runs(capsys):
@@ -118,7 +171,13 @@ def test_transformers_decode_runs(capsys):
 
     transformers_decode.main(["--context", "64", "--llama-context", "32", "--rounds", "1"])
     out = capsys.readouterr().out
-    assert "eager / elastic_np:" in out and "sdpa / elastic_np:" in out and "attention calls" in out
+    gpt_oss, llama, calls = out.split("gpt-oss-style")[1], *out.split("Llama-style")[1].split("attention calls")
+    for block, name in ((gpt_oss, "eager"), (llama, "sdpa"), (calls, "sdpa")):
+        ratio = _ratio(block, f"{name} / elastic_np")
+        _assert_one_round(ratio)
+        _assert_quotient(ratio[0], _ms(block, f"  {name}"), _ms(block, "  elastic_np"))
+    for name in ("elastic_np", "sdpa"):  # a step's attention calls are a part of the step
+        assert _ms(calls, f"  {name}")[0] <= _ms(llama, f"  {name}")[0], name
 
 
 def test_varlen_packed_runs(capsys):
@@ -126,7 +185,21 @@ def test_varlen_packed_runs(capsys):
 
     varlen_packed.main(["--lengths", "40", "24", "16", "--rounds", "1"])
     out = capsys.readouterr().out
-    assert "padded / packed" in out and "forward+backward" in out
+    for what in ("forward", "forward+backward"):
+        (line,) = [line for line in out.splitlines() if line.split()[:1] == [what]]
+        ratio = _ratio(line, "padded / packed")
+        _assert_one_round(ratio)
+        _assert_quotient(ratio[0], _ms(line, "padded"), _ms(line, "packed"))
+    # the two calls compute the same: the packed tokens' outputs are the padded batch's unpadded rows
+    lengths = [40, 24, 16]
+    cases = varlen_packed.calls(lengths, heads=2, dim=8)
+    padded, packed = cases["padded", "forward"](), cases["packed", "forward"]()
+    assert packed.shape == (sum(lengths), 2, 8) and padded.shape == (3, 2, 40, 8)
+    start = 0
+    for s, n in enumerate(lengths):
+        np.testing.assert_allclose(packed[start:start + n], padded[s, :, :n].transpose(1, 0, 2),
+                                   rtol=1e-5, atol=1e-6)
+        start += n
 
 
 def test_layouts_prints_each_case_and_computes_the_same_values(capsys):
@@ -147,8 +220,14 @@ def test_transformers_packed_runs(capsys):
 
     transformers_packed.main(["--lengths", "24", "16", "8", "--layers", "1", "--rounds", "1"])
     out = capsys.readouterr().out
+    packed = _ms(out, "  packed elastic_np")
     for name in ("packed elastic_np", "padded elastic_np", "padded sdpa"):
-        assert f"  {name:<18}" in out and "/ packed elastic_np" in out
+        (line,) = [line for line in out.splitlines() if line.startswith(f"  {name:<18} ")]
+        ratio = _ratio(line, "/ packed elastic_np")
+        _assert_one_round(ratio)
+        _assert_quotient(ratio[0], _ms(line, name), packed)
+        if name == "packed elastic_np":  # its own time
+            assert ratio[0] == 1.0, line
 
 
 def test_halves_prints_every_ratio(capsys):
@@ -159,9 +238,17 @@ def test_halves_prints_every_ratio(capsys):
     halves.main(["--cache", "64", "--n", "32", "--rounds", "2", "--repeat", "1", "--threads", "1"])
     out = capsys.readouterr().out
     for case, ratios in halves.RATIOS.items():
-        assert f"\n{case}:" in out
+        block = out.split(f"\n{case}:")[1]
         for num, den in ratios:
-            assert f"  {num} / {den}: " in out
+            _assert_two_rounds(_ratio(block, f"  {num} / {den}"))
+    # every call of a case computes the same attention, to its dtype's precision
+    for calls in (halves.decode_calls(64), halves.prefill_calls(32, causal=True)):
+        want = np.asarray(calls["elastic_np float32"](), dtype=np.float64)
+        for label, call in calls.items():
+            got = call()
+            got = got.float().numpy() if hasattr(got, "numpy") else np.asarray(got, dtype=np.float32)
+            eps = 2.0**-8 if "bfloat16" in label else 2.0**-11 if "float16" in label else 2.0**-23
+            np.testing.assert_allclose(got, want, rtol=0, atol=8 * eps * np.abs(want).max(), err_msg=label)
 
 
 def test_paged_decode_prints_each_case(capsys):
@@ -172,8 +259,14 @@ def test_paged_decode_prints_each_case(capsys):
     out = capsys.readouterr().out
     for B in (1, 2):
         for block in (16, 128):
-            assert f"\n{B:>3} {block:>6} " in out
-    assert "MiB / " in out
+            (line,) = [line for line in out.splitlines() if line.startswith(f"{B:>3} {block:>6} ")]
+            figures = re.fullmatch(rf"{B:>3} {block:>6}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+{RATIO}\s+(\d+\.\d+) MiB / "
+                                   r"(\d+) MiB", line)
+            contiguous, paged, ratio, low, high, peak, cache = (float(x) for x in figures.groups())
+            assert contiguous >= 0 and paged >= 0, line
+            _assert_two_rounds((ratio, low, high))
+            # the keys and values of B sequences of 256 keys, 8 heads of 128 float32; the pages read in place
+            assert cache == 2 * B * 256 * 8 * 128 * 4 / 2**20 and 0 < peak < cache, line
 
 
 def test_float32_extremes_prints_every_quantity(capsys):
@@ -297,4 +390,15 @@ def test_transformers_generate_prints_both_and_their_ratio(capsys):
 
     transformers_generate.main(["--rounds", "1", "--tokens", "2", "--prompt", "3"])
     out = capsys.readouterr().out
-    assert "elastic_np" in out and "sdpa " in out and out.count("sdpa / elastic_np: ") == 1
+    assert out.count("sdpa / elastic_np: ") == 1
+    ratio = _ratio(out, "sdpa / elastic_np")
+    _assert_one_round(ratio)
+    _assert_quotient(ratio[0], _ms(out, "sdpa"), _ms(out, "elastic_np"))
+    # both ways generate the same tokens: the same work timed
+    import torch
+
+    model = transformers_generate.tiny_llama()
+    prompt = torch.randint(0, 1000, (1, 3), generator=torch.Generator().manual_seed(1))
+    _, ours = transformers_generate.generate(model, "elastic_np", prompt, 2)
+    _, sdpa = transformers_generate.generate(model, "sdpa", prompt, 2)
+    assert ours.shape == (1, 5) and torch.equal(ours, sdpa)
