@@ -19,6 +19,26 @@ pytest.register_assert_rewrite(
     "transformers_models", "window_edges",
 )
 
+#: This folder. Never on sys.path: there its folders torch, jax, dask and transformers would pass for those
+#: packages where they are not installed (``python -m pytest`` run in it puts it there, as does
+#: tests/cuda/test_sim_hardening.py, for a helper that is in tests/support now).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _tests_off_sys_path():
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != TESTS]
+
+
+_tests_off_sys_path()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """`TESTS` off sys.path again after each file's import."""
+    yield
+    _tests_off_sys_path()
+
+
 # Under pytest-xdist (``-n``) each worker keeps a Numba cache of its own: two
 # processes saving different specialisations of one function at the same time
 # can leave Numba's cache index pointing at the other's code. So that the

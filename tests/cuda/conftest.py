@@ -23,21 +23,11 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 # tests by the names of the test files that once held it; that is in tests/support now (on sys.path by
 # setup.cfg's ``pythonpath``), under these names until the files here import it by its own.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_TESTS = os.path.dirname(_HERE)
 if _HERE not in sys.path:
     sys.path.append(_HERE)
 for _old, _new in {"test_hardening_window": "window_edges", "test_properties_float32": "float32_rule",
                    "test_torch_adapter": "adapter_cases"}.items():
     sys.modules.setdefault(_old, importlib.import_module(_new))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):
-    """``test_sim_hardening.py`` puts tests/ on sys.path (for ``mp_oracle``, now in tests/support): taken off
-    again, for there the folders tests/torch, tests/jax and tests/dask would pass for frameworks that are not
-    installed."""
-    yield
-    sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != _TESTS]
 
 
 def _gpu_usable():
