@@ -13,6 +13,7 @@ from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 from elastic_np._api.varlen import varlen_attention, varlen_attention_backward
 from elastic_np._api.warmup import warmup
+from elastic_np._api.plans import Plan, plan
 from elastic_np._contract._grads import DoubleBackwardGrads
 
 __version__ = "0.1.0"
@@ -25,6 +26,8 @@ __all__ = [
     "varlen_attention",
     "varlen_attention_backward",
     "warmup",
+    "plan",
+    "Plan",
     "AttentionGrads",
     "DoubleBackwardGrads",
     "DynamicWindow",

@@ -9,7 +9,7 @@ import contextlib
 import functools
 import importlib
 
-from elastic_np._api import compile_report
+from elastic_np._api import compile_report, plans
 from elastic_np._contract import _grads, _spec, _validation
 from elastic_np._contract._backend import Backend
 from elastic_np._contract._errors import BackendUnavailableError
@@ -36,7 +36,7 @@ def get_backend(name) -> Backend:
     return module
 
 
-def _problem(module, q, k, v, options):
+def validated(module, q, k, v, options):
     """The backend's validated problem: its ``prepare``, then `_spec.check_support` (once per ``plan_key``)."""
     problem = module.prepare(q, k, v, dtypes=module.dtypes, **options)
     kernel_dtype = None if module.dtypes is None else problem.compute_dtype
@@ -151,11 +151,20 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
+    call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
+                                   alibi_slopes, bias, precision, layout, return_lse, backend),
+                         (scale, tau, beta, softcap), window_size)
+    if call_key is not None:
+        plan = plans.PLANS.get(call_key)
+        if plan is not None:
+            return plan.run_checked(q, k, v)
+    options = _spec.gathered(locals())
     return_lse = _validation.boolean(return_lse, "return_lse")
     module = get_backend(backend)
-    problem = _problem(module, q, k, v, _spec.gathered(locals()))
+    problem = validated(module, q, k, v, options)
     with _reported(module, "forward", problem):
         out, lse = module.forward(problem)
+    plans.keep(call_key, module, problem, {**options, "return_lse": return_lse, "backend": backend})
     out = problem.as_given(out)
     return (out, lse) if return_lse else out
 
@@ -236,7 +245,7 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     module = get_backend(backend)
-    problem = _problem(module, q, k, v, _spec.gathered(locals()))
+    problem = validated(module, q, k, v, _spec.gathered(locals()))
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     with _reported(module, "backward", problem):
@@ -307,7 +316,7 @@ def attention_double_backward(ddq, ddk, ddv, dout, q, k, v, out, lse, *, ddtau=N
         name = module.__name__.rsplit(".", 1)[-1]
         raise BackendUnavailableError(
             f"backend {name!r} has no double backward; use backend='cpu' or backend='reference'")
-    problem = _problem(module, q, k, v, options)
+    problem = validated(module, q, k, v, options)
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     direction = _grads.direction(problem, (ddq, ddk, ddv), (ddtau, ddbeta, ddsigma, ddbias), check_finite=True)

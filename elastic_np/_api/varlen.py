@@ -202,7 +202,7 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     count, N = lengths.size, int(lengths[0])
     batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
     try:
-        problem = dispatch._problem(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
+        problem = dispatch.validated(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
                                      batch)
     except (ValueError, TypeError):
         return None
@@ -225,7 +225,7 @@ def _paged_attention(q, k, v, table, used, options, backend):
     """
     module = dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
-        problem = dispatch._problem(module, q, *_stand_ins(k, v, 1, used), options)
+        problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), options)
         if module.decode_plan.takes(problem):
             with dispatch._reported(module, "forward", problem):
                 out, lse = module.decode.forward(problem, paged=_decode_pools(k, v, table, [used]))

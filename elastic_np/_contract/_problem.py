@@ -75,6 +75,12 @@ class AttentionProblem:
 
     as_given = as_bhnd  # swapping axes 1 and 2 is its own inverse
 
+    def with_arrays(self, q, k, v):
+        """This problem for other ``(B, H, N, D)`` arrays ``q``, ``k``, ``v`` of its shapes and dtype (nothing checked)."""
+        problem = object.__new__(AttentionProblem)
+        problem.__dict__.update(self.__dict__, q=q, k=k, v=v)
+        return problem
+
     def grads_as_given(self, grads):
         """``grads`` with ``dq``, ``dk``, ``dv`` in the caller's ``layout`` (views)."""
         if self.layout == "bhnd":

@@ -100,7 +100,8 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
-    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
+    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "planned_forward",
+    "backward",
     "double_backward", "thread_count", "start_threads",
 ]
 
@@ -153,3 +154,20 @@ def forward(problem):
     if forward_amx.takes(problem):
         return forward_amx.forward(problem)
     return prefill.forward(problem)
+
+
+def planned_forward(problem):
+    """`forward` of ``problem`` as ``run(q, k, v) -> (out, lse)``, for any ``(B, H, N, D)`` arrays of its shapes
+    and dtype whose ``q`` is checked (`elastic_np._api.plans`): what `forward` derives from the problem's
+    fields alone is derived once. The kernel is chosen on every run, as `forward` chooses it.
+    """
+    decode_run = decode.planned(problem)
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    rows = (H // Hkv) * N
+
+    def run(q, k, v):
+        if decode_plan.takes_rows(N, rows):
+            return decode_run(q, k, v)
+        return forward(problem.with_arrays(q, k, v))
+
+    return run

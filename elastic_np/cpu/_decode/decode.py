@@ -60,7 +60,7 @@ from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
 from elastic_np.cpu._runtime.config import FASTMATH
-from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
 from elastic_np.cpu._tiles.calls import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._tiles.halves import checked, narrow, widen
@@ -93,35 +93,69 @@ def forward(problem, paged=None, entry_splits=None):
     of its own on its first ``kv_lengths[b]`` keys, its queries aligned to
     their end.
     """
-    B, H, Hkv, N, M, D, Dv = problem.shape
-    dtype = problem.compute_dtype
     q = operand(problem.q)
     if paged is None:
         k, v = operand(problem.k), operand(problem.v)
-        table, block_size = _NO_TABLE, 0
+        table, block_size, cache = _NO_TABLE, 0, (problem.k, problem.v)
     else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
         k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
         table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
+        cache = [_paged_rows(a, paged[2]) for a in paged[:2]] if problem.kv_unchecked else None
     plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
-    compile_for(problem.compute_dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
     pages = (table, block_size, plan.together) if paged is not None or plan.together else None
+    return _launcher(problem, plan)(q, k, v, pages, cache)
+
+
+def planned(problem):
+    """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
+    shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
+    the schedule and what the kernels' call derives from it made once per layout of the keys."""
+    launchers = {}
+
+    def run(q, k, v):
+        q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
+        launch = launchers.get(k_operand[1])
+        if launch is None:
+            plan = schedule(problem, k_operand[1], None, None)
+            launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None)
+        return launch(q_operand, k_operand, v_operand, None, (k, v))
+
+    return run
+
+
+def _launcher(problem, plan, pages=None):
+    """``launch(q, k, v, pages, cache) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``, ``v`` with
+    `schedule`'s ``plan`` and ``pages`` (the ``pages`` given here when None), ``cache`` the keys and values
+    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``)."""
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    dtype, out_dtype = problem.compute_dtype, problem.dtype
+    compile_for(dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
+    kernel = _decode_heads_kernel if plan.key_major else _decode_kernel
     rows = (H // Hkv) * N
-    part_max = np.empty((B, Hkv, plan.most, rows))
-    part_sum = np.empty((B, Hkv, plan.most, rows))
-    part_acc = np.empty((B, Hkv, plan.most, rows, Dv), dtype=dtype)
-    read = np.zeros((B, Hkv, 2), dtype=np.int64)
-    suspect = np.zeros((B, Hkv, plan.most), dtype=np.bool_)
-    run_tasks(
-        _decode_heads_kernel if plan.key_major else _decode_kernel, q, k, v, pages, plan.opt, plan.split_start, plan.tiles,
-        (part_max, part_sum, part_acc, read, suspect), tasks=task_counter(), work=plan.work,
-    )
-    if problem.kv_unchecked:
-        cache = (problem.k, problem.v) if paged is None else [_paged_rows(a, paged[2]) for a in paged[:2]]
-        _check_unread_cache(cache, problem.kv_lengths, read, suspect)
-    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
-    lse = np.empty((B, H, N), dtype=dtype)
-    _merge_kernel(part_max, part_sum, part_acc, plan.split_start, plan.opt.beta, N, out_operand, lse, 0, 1)  # small
-    return out, lse
+    sums, accs, reads, splits = (B, Hkv, plan.most, rows), (B, Hkv, plan.most, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
+    opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
+    unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
+    planned_pages = pages
+    calls = [kernel, _merge_kernel]  # the dispatchers, then their entry points once called (`direct_call`)
+
+    def launch(q, k, v, pages, cache):
+        part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
+        read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
+        args = (q, k, v, planned_pages if pages is None else pages, opt, split_start, tiles,
+                (part_max, part_sum, part_acc, read, suspect))
+        tasks = task_counter()
+        run_tasks(calls[0], *args, tasks=tasks, work=work)
+        if unchecked:
+            _check_unread_cache(cache, lengths, read, suspect)
+        out, out_operand = new((B, H, N, Dv), out_dtype, q[1])
+        lse = np.empty((B, H, N), dtype=dtype)
+        merge_args = (part_max, part_sum, part_acc, split_start, beta, N, out_operand, lse, 0, 1)
+        calls[1](*merge_args)  # small
+        if calls[0] is kernel:
+            calls[:] = direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args)
+        return out, lse
+
+    return launch
 
 
 @inner(fastmath=False)

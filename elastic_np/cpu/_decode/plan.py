@@ -20,7 +20,12 @@ from elastic_np.cpu._tiles.operands import BNHD
 def takes(problem):
     """True when the decode kernel computes this problem's forward."""
     B, H, Hkv, N, M, D, Dv = problem.shape
-    return 1 <= N <= config.DECODE_MAX_QUERIES and (H // Hkv) * N <= config.DECODE_MAX_ROWS
+    return takes_rows(N, (H // Hkv) * N)
+
+
+def takes_rows(N, rows):
+    """`takes` for ``N`` queries, ``rows`` of them stacked a kv head."""
+    return 1 <= N <= config.DECODE_MAX_QUERIES and rows <= config.DECODE_MAX_ROWS
 
 
 def block_keys(rows, key_major):

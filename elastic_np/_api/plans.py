@@ -1,0 +1,230 @@
+"""Plans: what a call of one layout derives from its shapes, dtype and options, made once and run many times.
+
+`plan` makes one for an engine that calls the same layout again and again
+(every layer of a model's step); `Plan.run` then checks only what may
+differ between the arrays of two such calls (their type, shapes, dtype and
+values) and runs the kernels. `attention` keeps the plans of the layouts it
+met last (`lookup`, `keep`), and runs a call of a layout it has seen
+through its plan: a call is looked up when ``q``, ``k``, ``v`` are NumPy
+arrays and every option is a Python scalar (a call with an array option,
+a mask or a bias, say, is validated in full every time).
+
+A plan runs through the backend's ``planned_forward`` where it has one (the
+CPU kernels); elsewhere `Plan.run` is the whole call.
+"""
+
+import math
+import operator
+
+import numpy as np
+
+from elastic_np._api import compile_report
+from elastic_np._contract import _spec, _validation
+from elastic_np._contract._problem import Kept
+
+#: The types of option values a call is looked up by (window_size's tuple is checked on its own).
+_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
+class Plan:
+    """`elastic_np.attention` of one layout (shapes, dtype, options), its validation and schedule made once.
+
+    Made by `elastic_np.plan`. ``run(q, k, v)`` returns what
+    ``attention(q, k, v, **options)`` returns, with the same bits and the
+    same errors for the arrays' values; arrays of another shape or dtype are
+    a `ValueError` or `TypeError` naming the array.
+
+    Attributes
+    ----------
+    shapes : tuple of tuple
+        The shapes of ``q``, ``k``, ``v`` it runs, in its ``layout``.
+    dtype : numpy.dtype
+        Their dtype.
+    options : dict
+        The options of `elastic_np.attention` it was made with (``return_lse``
+        and ``backend`` included).
+    """
+
+    __slots__ = ("shapes", "dtype", "options", "_module", "_problem", "_forward", "_reported", "_bnhd", "_lse")
+
+    def __init__(self, module, problem, shapes, options):
+        self.shapes, self.dtype, self.options = shapes, problem.dtype, options
+        self._module, self._bnhd, self._lse = module, problem.layout == "bnhd", options["return_lse"]
+        planned = getattr(module, "planned_forward", None)
+        # the plan keeps stand-ins of the arrays it was made with, not the arrays
+        self._problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
+        self._forward = None if planned is None else planned(self._problem)
+        self._reported = set()  # the arrays' strides of the runs that reported their compiles
+
+    def __repr__(self):
+        q, k, v = self.shapes
+        options = ", ".join(f"{name}={value!r}" for name, value in self.options.items()
+                            if value is not _spec.DEFAULTS.get(name, _DEFAULTS.get(name)))
+        return f"Plan(q {q}, k {k}, v {v}, {self.dtype}{', ' if options else ''}{options})"
+
+    def run(self, q, k, v):
+        """``attention(q, k, v, **self.options)`` for arrays of the plan's shapes and dtype.
+
+        Returns
+        -------
+        out : ndarray
+        lse : ndarray
+            With ``return_lse=True``.
+
+        Raises
+        ------
+        ValueError
+            For an array of another shape, or a NaN or inf in ``q``, ``k`` or
+            ``v`` (as `elastic_np.attention` raises it).
+        TypeError
+            For an array of another dtype.
+        """
+        arrays = (np.asarray(q), np.asarray(k), np.asarray(v))
+        for name, a, shape in zip("qkv", arrays, self.shapes):
+            if a.shape != shape:
+                raise ValueError(f"`{name}` has shape {a.shape}; this plan runs {shape}")
+            if a.dtype != self.dtype:
+                raise TypeError(f"`{name}` has dtype {a.dtype}; this plan runs {self.dtype}")
+        if self._forward is None:
+            return _call(*arrays, self.options)
+        return self.run_checked(*arrays)
+
+    def run_checked(self, q, k, v):
+        """`run` for NumPy arrays known to have the plan's shapes and dtype (`lookup`'s)."""
+        strides = (q.strides, k.strides, v.strides)
+        if strides in self._reported:
+            return self._run(q, k, v)
+        # the first run of a memory layout may compile (or load) a kernel of its own: reported as the calls are
+        with compile_report.reported(self._module.__name__.rsplit(".", 1)[-1], "forward", self.dtype):
+            result = self._run(q, k, v)
+        self._reported.add(strides)
+        return result
+
+    def _run(self, q, k, v):
+        if self._bnhd:
+            q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        if not np.isfinite(q).all():
+            raise ValueError("`q` contains NaN or inf")
+        out, lse = self._forward(q, k, v)
+        if self._bnhd:
+            out = out.swapaxes(1, 2)
+        return (out, lse) if self._lse else out
+
+
+#: The keyword parameters of `plan` besides the options.
+_DEFAULTS = {"return_lse": False, "backend": "auto"}
+
+
+def plan(q_shape, k_shape, v_shape=None, *, dtype=np.float32, return_lse=False, backend="auto", **options):
+    """A `Plan` of `elastic_np.attention` for arrays of these shapes and ``dtype``, and these options.
+
+    Everything a call derives from its shapes, dtype and options (the
+    options' validation and arrays, the kernel's tiles and key splits) is
+    derived here, once; ``plan.run(q, k, v)`` then checks the arrays alone.
+    `elastic_np.attention` keeps plans of its own for the calls it can look
+    up: a plan made here serves an engine that wants no lookup at all.
+
+    Parameters
+    ----------
+    q_shape, k_shape : tuple of int
+        ``(B, H, N, D)`` and ``(B, Hkv, M, D)`` (``(B, N, H, D)`` and
+        ``(B, M, Hkv, D)`` with ``layout="bnhd"``).
+    v_shape : tuple of int, optional
+        Default ``k_shape``.
+    dtype : dtype, optional
+        Of ``q``, ``k``, ``v``; default float32.
+    return_lse, backend, **options
+        As `elastic_np.attention` takes them; array options (a mask, a
+        bias, per-head ``tau``) are taken as they are now: the plan keeps a
+        copy of what it derives from them.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `elastic_np.attention` raises them for these shapes and options.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> step = enp.plan((1, 8, 1, 64), (1, 2, 128, 64), causal=True, backend="cpu")
+    >>> q, k = np.ones((1, 8, 1, 64), np.float32), np.ones((1, 2, 128, 64), np.float32)
+    >>> step.run(q, k, k).shape
+    (1, 8, 1, 64)
+    """
+    from elastic_np._api import dispatch
+
+    options = _spec.complete(options, "plan")
+    dtype = np.dtype(dtype)
+    shapes = tuple(tuple(_index(n, name) for n in shape) for name, shape in
+                   zip(("q_shape", "k_shape", "v_shape"), (q_shape, k_shape, k_shape if v_shape is None else v_shape)))
+    options = {**options, "return_lse": _validation.boolean(return_lse, "return_lse"), "backend": backend}
+    module = dispatch.get_backend(backend)
+    if module.dtypes is None:
+        raise ValueError("backend 'reference' has no plans: it computes every call in full, in float64")
+    stand_ins = [_stand_in(shape, dtype) for shape in shapes]
+    problem = dispatch.validated(module, *stand_ins, _spec.gathered(options))
+    return Plan(module, problem, shapes, options)
+
+
+def _index(n, name):
+    """``n`` as an int, or a `TypeError` naming ``name``."""
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise TypeError(f"`{name}` must be a tuple of ints, got {n!r} in it") from None
+
+
+def _stand_in(shape, dtype):
+    """Zeros of ``shape`` and ``dtype`` in one element's memory (a view that is never written)."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
+
+
+def _call(q, k, v, options):
+    from elastic_np._api.dispatch import attention
+
+    return attention(q, k, v, **options)
+
+
+def key(q, k, v, values, floats, window_size):
+    """The key `attention` looks a call up by, or None where it is not looked up.
+
+    ``values``: the value of every option but ``window_size``, and
+    ``return_lse`` and ``backend``; ``floats``: those that may be a float.
+    ``window_size`` is keyed when it is a tuple of two ints. The values
+    enter with their types (``1``, ``1.0`` and ``True`` are told apart), and
+    a negative float zero, whose sign ``==`` does not see, is not keyed.
+    """
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    types = tuple(map(type, values))
+    if not _SCALARS.issuperset(types):
+        return None
+    if type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int \
+            or type(window_size[1]) is not int:
+        return None
+    for x in floats:
+        if x == 0 and type(x) is float and math.copysign(1.0, x) < 0:
+            return None
+    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype, values, types,
+            window_size)
+
+
+#: `Plan`s of `attention`'s latest layouts, by `key`.
+PLANS = Kept(64)
+
+
+def keep(call_key, module, problem, options):
+    """Keep a `Plan` of ``problem`` (validated for a call of key ``call_key``), if its backend has plans."""
+    if call_key is None or getattr(module, "planned_forward", None) is None:
+        return
+    shapes = tuple(a.shape for a in (problem.q, problem.k, problem.v))
+    if problem.layout == "bnhd":
+        shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
+    made = Plan(module, problem, shapes, options)
+    made._reported.add((call_key[1], call_key[4], call_key[7]))  # the call that made it reported its compiles
+    PLANS.get_or_make(call_key, lambda: made)

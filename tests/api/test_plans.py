@@ -1,0 +1,189 @@
+"""Plans: `elastic_np.plan` and the plans `attention` keeps give the bits and the errors of a call in full."""
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+from elastic_np._api import plans
+from elastic_np.cpu._runtime import config
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+# (H, Hkv, N, M, D, options): the decode kernel (1 and 16 queries), the prefill, every kind of option a call is keyed by
+CASES = [
+    (8, 2, 1, 64, 16, {}),
+    (8, 8, 16, 16, 8, {"causal": True}),
+    (4, 2, 40, 33, 8, {"causal": True, "window_size": (5, 0), "scale": 0.3}),
+    (4, 4, 3, 70, 8, {"tau": 0.7, "beta": 0.5, "softcap": 20.0, "nvm": True, "align": "kv_lengths"}),
+    (2, 1, 2, 9, 8, {"precision": None, "layout": "bnhd"}),
+]
+DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16]
+
+
+def arrays(H, Hkv, N, M, D, dtype, layout="bhnd", seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(2, H, N, D), (2, Hkv, M, D), (2, Hkv, M, D)]
+    if layout == "bnhd":
+        shapes = [(B, n, h, d) for B, h, n, d in shapes]
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+@pytest.fixture(autouse=True)
+def no_kept_plans():
+    plans.PLANS.clear()
+    yield
+    plans.PLANS.clear()
+
+
+def in_full(q, k, v, **options):
+    """`attention` validated and run in full: the plans it keeps cleared first."""
+    plans.PLANS.clear()
+    return enp.attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_a_plan_runs_the_bits_of_a_call(case, dtype):
+    H, Hkv, N, M, D, options = case
+    q, k, v = arrays(H, Hkv, N, M, D, dtype, options.get("layout", "bhnd"))
+    made = enp.plan(q.shape, k.shape, v.shape, dtype=dtype, return_lse=True, backend="cpu", **options)
+    for seed in range(2):
+        q, k, v = arrays(H, Hkv, N, M, D, dtype, options.get("layout", "bhnd"), seed)
+        out, lse = made.run(q, k, v)
+        want, want_lse = in_full(q, k, v, return_lse=True, backend="cpu", **options)
+        assert out.shape == want.shape and out.dtype == want.dtype and out.strides == want.strides
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_runs_a_layout_it_has_met_through_its_plan_with_the_same_bits(case, monkeypatch):
+    from elastic_np._api import dispatch
+
+    H, Hkv, N, M, D, options = case
+    layout = options.get("layout", "bhnd")
+    validated = []
+    monkeypatch.setattr(dispatch, "validated", lambda *a, run=dispatch.validated: validated.append(1) or run(*a))
+    enp.attention(*arrays(H, Hkv, N, M, D, np.float32, layout), backend="cpu", **options)
+    q, k, v = arrays(H, Hkv, N, M, D, np.float32, layout, seed=1)
+    got = enp.attention(q, k, v, backend="cpu", **options)
+    assert len(validated) == 1 and len(plans.PLANS) == 1  # the second call was looked up
+    np.testing.assert_array_equal(got, in_full(q, k, v, backend="cpu", **options))
+
+
+def test_the_call_key_tells_apart_what_the_call_does():
+    q, k, v = arrays(4, 2, 1, 20, 8, np.float32)
+    key = lambda *a, **o: plans.key(*a, **o)  # noqa: E731
+    base = (None, False, None, "array", None, False, 1.0, 0.0, None, None, None, None, None, "bhnd", False, "cpu")
+    floats = (None, 1.0, 0.0, None)
+    one = key(q, k, v, base, floats, (-1, -1))
+    assert one is not None and one == key(q.copy(), k.copy(), v.copy(), base, floats, (-1, -1))
+    changed = base[:1] + (1,) + base[2:]  # causal=1 is not causal=True: it is an error
+    assert key(q, k, v, changed, floats, (-1, -1)) != key(q, k, v, base[:1] + (True,) + base[2:], floats, (-1, -1))
+    assert key(q, k, v, base, (-0.0, 1.0, 0.0, None), (-1, -1)) is None  # a negative zero scale
+    assert key(q, k, v, base, floats, (-1.0, -1)) is None and key(q, k, v, base, floats, [-1, -1]) is None
+    assert key(q, k, v, base[:4] + (np.ones((1, 1, 1, 20), bool),) + base[5:], floats, (-1, -1)) is None
+    assert key(q.tolist(), k, v, base, floats, (-1, -1)) is None
+    assert key(q.astype(">f4"), k, v, base, floats, (-1, -1)) != one
+    assert key(np.asfortranarray(q), k, v, base, floats, (-1, -1)) != one
+
+
+def test_a_kept_plan_raises_what_a_call_in_full_raises():
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    enp.attention(q, k, v, backend="cpu", causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        enp.attention(q, k, v, backend="cpu", causal=1)
+    for name, at in (("q", 0), ("k", 1), ("v", 2)):
+        bad = [q, k, v]
+        bad[at] = bad[at].copy()
+        bad[at][0, 1, 0, 3] = np.nan
+        with pytest.raises(ValueError, match=f"`{name}` contains NaN or inf"):
+            enp.attention(*bad, backend="cpu", causal=True)
+    assert len(plans.PLANS) == 1
+
+
+def test_a_plan_checks_the_arrays_that_change():
+    made = enp.plan((1, 4, 1, 8), (1, 2, 30, 8), backend="cpu")
+    q, k, v = arrays(4, 2, 1, 30, 8, np.float32)
+    with pytest.raises(ValueError, match=r"`k` has shape \(2, 2, 30, 8\); this plan runs \(1, 2, 30, 8\)"):
+        made.run(q[:1], k, v[:1])
+    with pytest.raises(TypeError, match="`v` has dtype float64; this plan runs float32"):
+        made.run(q[:1], k[:1], v[:1].astype(np.float64))
+    q = q[:1].copy()
+    q[0, 0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="`q` contains NaN or inf"):
+        made.run(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="query heads H=3"):
+        enp.plan((1, 3, 1, 8), (1, 2, 30, 8), backend="cpu")
+    with pytest.raises(TypeError, match="`q_shape` must be a tuple of ints"):
+        enp.plan((1, 4.0, 1, 8), (1, 2, 30, 8), backend="cpu")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'is_causal'"):
+        enp.plan((1, 4, 1, 8), (1, 2, 30, 8), is_causal=True)
+    with pytest.raises(ValueError, match="reference"):
+        enp.plan((1, 4, 1, 8), (1, 2, 30, 8), backend="reference")
+
+
+def test_a_plan_reads_any_memory_layout_of_its_shapes():
+    made = enp.plan((2, 4, 3, 8), (2, 2, 30, 8), backend="cpu", causal=True, align="kv_lengths")
+    q, k, v = arrays(4, 2, 3, 30, 8, np.float32)
+    want = in_full(q, k, v, backend="cpu", causal=True, align="kv_lengths")
+    strided = [np.asfortranarray(a) for a in (q, k, v)]
+    bnhd = [np.ascontiguousarray(a.swapaxes(1, 2)).swapaxes(1, 2) for a in (q, k, v)]
+    read_only = [a.copy() for a in (q, k, v)]
+    for a in read_only:
+        a.flags.writeable = False
+    for given in (strided, bnhd, read_only):
+        np.testing.assert_array_equal(made.run(*given), want)
+
+
+def test_a_plan_keeps_no_array_of_a_call():
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    gone = [weakref.ref(a) for a in (q, k, v)]
+    enp.attention(q, k, v, backend="cpu")
+    del q, k, v
+    gc.collect()
+    assert plans.PLANS and all(ref() is None for ref in gone)
+
+
+def test_threads_running_one_plan_get_the_bits_of_calls_one_by_one():
+    made = enp.plan((1, 8, 1, 16), (1, 2, 200, 16), backend="cpu", return_lse=True)
+    inputs = [arrays(8, 2, 1, 200, 16, np.float32, seed=s) for s in range(8)]
+    inputs = [[a[:1] for a in arrays_] for arrays_ in inputs]
+    want = [in_full(*a, backend="cpu", return_lse=True) for a in inputs]
+    got = [None] * len(inputs)
+
+    def work(at):
+        for _ in range(50):
+            got[at] = made.run(*inputs[at])
+
+    threads = [threading.Thread(target=work, args=(at,)) for at in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (out, lse), (want_out, want_lse) in zip(got, want):
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_a_kept_plan_chooses_its_kernel_on_every_call(monkeypatch):
+    from elastic_np.cpu._prefill import forward as prefill
+
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    want = enp.attention(q, k, v, backend="cpu")
+    ran = []
+    monkeypatch.setattr(prefill, "forward", lambda problem, run=prefill.forward: ran.append(1) or run(problem))
+    monkeypatch.setattr(config, "DECODE_MAX_QUERIES", 0)
+    got = enp.attention(q, k, v, backend="cpu")
+    assert ran and len(plans.PLANS) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the prefill's rounding, not the decode's
+
+
+def test_a_plan_says_what_it_runs():
+    made = enp.plan((1, 4, 1, 8), (1, 2, 30, 8), dtype=np.float64, backend="cpu", causal=True)
+    assert repr(made) == "Plan(q (1, 4, 1, 8), k (1, 2, 30, 8), v (1, 2, 30, 8), float64, causal=True, backend='cpu')"
+    assert made.shapes == ((1, 4, 1, 8), (1, 2, 30, 8), (1, 2, 30, 8)) and made.dtype == np.float64
