@@ -45,15 +45,16 @@ class Plan:
         and ``backend`` included).
     """
 
-    __slots__ = ("shapes", "dtype", "options", "_module", "_problem", "_forward", "_reported", "_bnhd", "_lse")
+    __slots__ = ("shapes", "dtype", "options", "_module", "_problem", "_make", "_forward", "_reported", "_bnhd",
+                 "_lse")
 
     def __init__(self, module, problem, shapes, options):
         self.shapes, self.dtype, self.options = shapes, problem.dtype, options
         self._module, self._bnhd, self._lse = module, problem.layout == "bnhd", options["return_lse"]
-        planned = getattr(module, "planned_forward", None)
         # the plan keeps stand-ins of the arrays it was made with, not the arrays
         self._problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
-        self._forward = None if planned is None else planned(self._problem)
+        self._make = getattr(module, "planned_forward", None)
+        self._forward = None  # the problem's planned forward, made on the first run
         self._reported = set()  # the arrays' strides of the runs that reported their compiles
 
     def __repr__(self):
@@ -85,7 +86,7 @@ class Plan:
                 raise ValueError(f"`{name}` has shape {a.shape}; this plan runs {shape}")
             if a.dtype != self.dtype:
                 raise TypeError(f"`{name}` has dtype {a.dtype}; this plan runs {self.dtype}")
-        if self._forward is None:
+        if self._make is None:
             return _call(*arrays, self.options)
         return self.run_checked(*arrays)
 
@@ -101,11 +102,14 @@ class Plan:
         return result
 
     def _run(self, q, k, v):
+        forward = self._forward
+        if forward is None:
+            forward = self._forward = self._make(self._problem)
         if self._bnhd:
             q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         if not np.isfinite(q).all():
             raise ValueError("`q` contains NaN or inf")
-        out, lse = self._forward(q, k, v)
+        out, lse = forward(q, k, v)
         if self._bnhd:
             out = out.swapaxes(1, 2)
         return (out, lse) if self._lse else out
@@ -180,8 +184,12 @@ def _index(n, name):
 
 
 def _stand_in(shape, dtype):
-    """Zeros of ``shape`` and ``dtype`` in one element's memory (a view that is never written)."""
-    return np.broadcast_to(np.zeros((), dtype), shape)
+    """Zeros of ``shape`` and ``dtype`` in one element's memory, read-only (NumPy's ``broadcast_to`` takes
+    microseconds more, on every call that makes a plan)."""
+    return np.ndarray(shape, dtype, buffer=_ZEROS, strides=(0,) * len(shape))
+
+
+_ZEROS = bytes(16)  # one element of any dtype
 
 
 def _call(q, k, v, options):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numba
+import numpy as np
 import pytest
 
 from elastic_np.cpu._runtime import numba_private as private
@@ -188,3 +189,24 @@ def test_no_other_module_uses_the_private_internals():
         if re.search(PRIVATE_NAMES, path.read_text())
     }
     assert users == {"cpu/_runtime/numba_private.py"}
+
+
+def test_direct_call_is_the_entry_point_of_the_arguments_types_once_compiled(monkeypatch):
+    from numba import njit
+
+    f = njit(cache=False, fastmath=False)(lambda a, t: a.sum() + t[0])
+    a = np.ones(3)
+    assert private.direct_call(f, (a, (1.0,))) is f  # nothing compiled yet
+    f(a, (1.0,))
+    entry = private.direct_call(f, (a, (1.0,)))
+    assert entry is not f and entry(a, (2.0,)) == 5.0
+    b = np.ones(3, np.float32)
+    assert private.direct_call(f, (b, (1.0,))) is f  # float32 arrays: another type, not compiled
+    f(b, (1.0,))
+    assert private.direct_call(f, (b, (1.0,))) not in (f, entry)
+    read_only = np.ones(3)
+    read_only.flags.writeable = False
+    assert private.direct_call(f, (read_only, (1.0,))) is f  # a read-only array is another type
+    assert private.direct_call(f, (a, (1,))) is f  # so is an int in the tuple
+    monkeypatch.setattr(private, "_ON", private._ON - {"direct_calls"})
+    assert private.direct_call(f, (a, (1.0,))) is f

@@ -117,16 +117,19 @@ def planned(problem):
         launch = launchers.get(k_operand[1])
         if launch is None:
             plan = schedule(problem, k_operand[1], None, None)
-            launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None)
+            launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
+                                                          direct=True)
         return launch(q_operand, k_operand, v_operand, None, (k, v))
 
     return run
 
 
-def _launcher(problem, plan, pages=None):
+def _launcher(problem, plan, pages=None, direct=False):
     """``launch(q, k, v, pages, cache) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``, ``v`` with
     `schedule`'s ``plan`` and ``pages`` (the ``pages`` given here when None), ``cache`` the keys and values
-    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``)."""
+    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``). ``direct``: a
+    launcher run again and again calls the kernels through their entry points after its first run
+    (`direct_call`)."""
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype, out_dtype = problem.compute_dtype, problem.dtype
     compile_for(dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
@@ -151,7 +154,7 @@ def _launcher(problem, plan, pages=None):
         lse = np.empty((B, H, N), dtype=dtype)
         merge_args = (part_max, part_sum, part_acc, split_start, beta, N, out_operand, lse, 0, 1)
         calls[1](*merge_args)  # small
-        if calls[0] is kernel:
+        if calls[0] is kernel and direct:
             calls[:] = direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args)
         return out, lse
 
