@@ -244,12 +244,21 @@ def attention_backward(
     >>> grads.dk.shape, isinstance(grads.dtau, float)
     ((1, 1, 4, 8), True)
     """
+    call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
+                                   alibi_slopes, bias, precision, layout, "backward", backend),
+                         (scale, tau, beta, softcap), window_size)
+    if call_key is not None:
+        plan = plans.PLANS.get(call_key)
+        if plan is not None:
+            return plan.backward(dout, q, k, v, out, lse, dlse)
+    options = _spec.gathered(locals())
     module = get_backend(backend)
-    problem = validated(module, q, k, v, _spec.gathered(locals()))
+    problem = validated(module, q, k, v, options)
     dtype = None if module.dtypes is not None else problem.dtype
     dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
     with _reported(module, "backward", problem):
         grads = module.backward(problem, dout, out, lse, dlse)
+    plans.keep_backward(call_key, module, problem)
     return problem.grads_as_given(grads)
 
 

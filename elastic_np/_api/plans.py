@@ -236,3 +236,42 @@ def keep(call_key, module, problem, options):
     made = Plan(module, problem, shapes, options)
     made._reported.add((call_key[1], call_key[4], call_key[7]))  # the call that made it reported its compiles
     PLANS.get_or_make(call_key, lambda: made)
+
+
+class BackwardPlan:
+    """`elastic_np.attention_backward` of one layout, its ``q``, ``k``, ``v`` and options validated once (`keep_backward`).
+
+    ``backward(dout, q, k, v, out, lse, dlse)`` checks ``q`` and the arrays
+    of the backward (their shapes, dtypes and values, as a call in full does)
+    and runs the backend's backward on the kept problem.
+    """
+
+    __slots__ = ("_module", "_problem", "_bnhd", "_reported")
+
+    def __init__(self, module, problem):
+        self._module, self._bnhd, self._reported = module, problem.layout == "bnhd", False
+        self._problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
+
+    def backward(self, dout, q, k, v, out, lse, dlse):
+        """`elastic_np.attention_backward` of these arrays (``q``, ``k``, ``v`` of the plan's key)."""
+        if self._bnhd:
+            q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        if not np.isfinite(q).all():
+            raise ValueError("`q` contains NaN or inf")
+        problem = self._problem.with_arrays(q, k, v)
+        module = self._module
+        dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dlse=dlse)
+        if self._reported:
+            grads = module.backward(problem, dout, out, lse, dlse)
+        else:  # a plan's first run may compile what the call that made it did not (a dlse, say)
+            with compile_report.reported(module.__name__.rsplit(".", 1)[-1], "backward", self._problem.dtype):
+                grads = module.backward(problem, dout, out, lse, dlse)
+            self._reported = True
+        return problem.grads_as_given(grads)
+
+
+def keep_backward(call_key, module, problem):
+    """Keep a `BackwardPlan` of ``problem`` (validated for a backward of key ``call_key``), if its backend has plans."""
+    if call_key is not None and getattr(module, "planned_forward", None) is not None:
+        made = BackwardPlan(module, problem)
+        PLANS.get_or_make(call_key, lambda: made)

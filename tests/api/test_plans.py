@@ -187,3 +187,52 @@ def test_a_plan_says_what_it_runs():
     made = enp.plan((1, 4, 1, 8), (1, 2, 30, 8), dtype=np.float64, backend="cpu", causal=True)
     assert repr(made) == "Plan(q (1, 4, 1, 8), k (1, 2, 30, 8), v (1, 2, 30, 8), float64, causal=True, backend='cpu')"
     assert made.shapes == ((1, 4, 1, 8), (1, 2, 30, 8), (1, 2, 30, 8)) and made.dtype == np.float64
+
+
+def backward_in_full(*arrays, **options):
+    plans.PLANS.clear()
+    return enp.attention_backward(*arrays, **options)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_a_backward_of_a_layout_met_before_is_looked_up_with_the_same_bits(case, dtype, monkeypatch):
+    from elastic_np._api import dispatch
+
+    H, Hkv, N, M, D, options = case
+    layout = options.get("layout", "bhnd")
+    calls = []
+    for seed in range(3):
+        q, k, v = arrays(H, Hkv, N, M, D, dtype, layout, seed)
+        out, lse = in_full(q, k, v, return_lse=True, backend="cpu", **options)
+        rng = np.random.default_rng(seed)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        dlse = None if seed < 2 else rng.standard_normal(lse.shape).astype(lse.dtype)  # a first dlse at the end
+        calls.append(((dout, q, k, v, out, lse), dlse, backward_in_full(dout, q, k, v, out, lse, dlse=dlse,
+                                                                        backend="cpu", **options)))
+    plans.PLANS.clear()
+    validated = []
+    monkeypatch.setattr(dispatch, "validated", lambda *a, run=dispatch.validated: validated.append(1) or run(*a))
+    for given, dlse, want in calls:
+        got = enp.attention_backward(*given, dlse=dlse, backend="cpu", **options)
+        for name in ("dq", "dk", "dv", "dtau", "dbeta"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        assert got.dq.strides == want.dq.strides
+    assert len(validated) == 1  # the first call in full, the others looked up
+
+
+def test_a_backward_looked_up_raises_what_a_call_in_full_raises():
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    dout = np.ones_like(out)
+    enp.attention_backward(dout, q, k, v, out, lse, backend="cpu")
+    assert len(plans.PLANS) == 2
+    bad = dout.copy()
+    bad[0, 0, 0, 0] = np.nan
+    for args, match in (((bad, q, k, v, out, lse), "`dout` contains NaN"),
+                        ((dout, q, k, v, out, lse[..., :0]), "`lse`"),
+                        ((dout, q, k, v, out.astype(np.float64), lse), "`out`")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            enp.attention_backward(*args, backend="cpu")
+        with pytest.raises((ValueError, TypeError), match=match):
+            backward_in_full(*args, backend="cpu")
