@@ -155,7 +155,7 @@ def attention(
                                    alibi_slopes, bias, precision, layout, return_lse, backend),
                          (scale, tau, beta, softcap), window_size)
     if call_key is not None:
-        plan = plans.PLANS.get(call_key)
+        plan = plans.lookup(call_key, k, v)
         if plan is not None:
             return plan.run_checked(q, k, v)
     options = _spec.gathered(locals())

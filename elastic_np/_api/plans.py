@@ -20,6 +20,7 @@ import numpy as np
 
 from elastic_np._api import compile_report
 from elastic_np._contract import _spec, _validation
+from elastic_np._contract import _problem
 from elastic_np._contract._problem import Kept
 
 #: The types of option values a call is looked up by (window_size's tuple is checked on its own).
@@ -45,16 +46,18 @@ class Plan:
         and ``backend`` included).
     """
 
-    __slots__ = ("shapes", "dtype", "options", "_module", "_problem", "_make", "_forward", "_reported", "_bnhd",
-                 "_lse")
+    __slots__ = ("shapes", "dtype", "options", "_module", "_problem", "_make", "_forward", "_like", "_reported",
+                 "_bnhd", "_lse")
 
-    def __init__(self, module, problem, shapes, options):
+    def __init__(self, module, problem, shapes, options, stand_ins=False):
         self.shapes, self.dtype, self.options = shapes, problem.dtype, options
         self._module, self._bnhd, self._lse = module, problem.layout == "bnhd", options["return_lse"]
-        # the plan keeps stand-ins of the arrays it was made with, not the arrays
-        self._problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
+        if not stand_ins:  # the plan keeps stand-ins of the arrays it was made with, not the arrays
+            problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
+        self._problem = problem
         self._make = getattr(module, "planned_forward", None)
         self._forward = None  # the problem's planned forward, made on the first run
+        self._like = None  # the planned forward of a plan that differs in its number of keys alone
         self._reported = set()  # the arrays' strides of the runs that reported their compiles
 
     def __repr__(self):
@@ -62,6 +65,17 @@ class Plan:
         options = ", ".join(f"{name}={value!r}" for name, value in self.options.items()
                             if value is not _spec.DEFAULTS.get(name, _DEFAULTS.get(name)))
         return f"Plan(q {q}, k {k}, v {v}, {self.dtype}{', ' if options else ''}{options})"
+
+    def resized(self, M):
+        """This plan for ``k`` and ``v`` of ``M`` keys (`elastic_np._contract._problem.resized`)."""
+        problem = self._problem
+        k, v = (_stand_in(a.shape[:2] + (M,) + a.shape[3:], a.dtype) for a in (problem.k, problem.v))
+        at = 2 if problem.layout == "bhnd" else 1
+        shapes = (self.shapes[0], *(s[:at] + (M,) + s[at + 1:] for s in self.shapes[1:]))
+        made = Plan(self._module, _problem.resized(problem, self.options, k, v), shapes, self.options, stand_ins=True)
+        made._reported = self._reported  # the same kernels: the memory layouts that reported them did
+        made._like = self._forward
+        return made
 
     def run(self, q, k, v):
         """``attention(q, k, v, **self.options)`` for arrays of the plan's shapes and dtype.
@@ -104,7 +118,8 @@ class Plan:
     def _run(self, q, k, v):
         forward = self._forward
         if forward is None:
-            forward = self._forward = self._make(self._problem)
+            forward = self._forward = self._make(self._problem, self._like)
+            self._like = None
         if self._bnhd:
             q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         if not np.isfinite(q).all():
@@ -224,6 +239,32 @@ def key(q, k, v, values, floats, window_size):
 
 #: `Plan`s of `attention`'s latest layouts, by `key`.
 PLANS = Kept(64)
+#: The latest `Plan` of each layout that differs from others in its number of keys only, by `_family`.
+FAMILIES = Kept(64)
+
+
+def lookup(call_key, k, v):
+    """The `Plan` of ``call_key``, or one made from a plan of the same layout but for another number of keys
+    (a growing cache: every decoding step has one more), or None."""
+    plan = PLANS.get(call_key)
+    if plan is None and call_key is not None:
+        family = _family(call_key, k, v)
+        kin = None if family is None else FAMILIES.get(family)
+        if kin is not None:
+            plan = kin.resized(k.shape[2 if kin._problem.layout == "bhnd" else 1])
+            PLANS.get_or_make(call_key, lambda: plan)
+            FAMILIES[family] = plan
+    return plan
+
+
+def _family(call_key, k, v):
+    """``call_key`` without the number of keys, for C-contiguous ``k`` and ``v`` of one length; else None."""
+    at = 2 if call_key[-3][13] == "bhnd" else 1  # layout, among the keyed values
+    if k.shape[at] != v.shape[at] or not (k.flags.c_contiguous and v.flags.c_contiguous):
+        return None
+    without = lambda shape: shape[:at] + shape[at + 1:]  # noqa: E731
+    return (call_key[0], call_key[1], call_key[2], without(k.shape), k.dtype, without(v.shape), v.dtype,
+            *call_key[9:])
 
 
 def keep(call_key, module, problem, options):
@@ -236,6 +277,10 @@ def keep(call_key, module, problem, options):
     made = Plan(module, problem, shapes, options)
     made._reported.add((call_key[1], call_key[4], call_key[7]))  # the call that made it reported its compiles
     PLANS.get_or_make(call_key, lambda: made)
+    family = _family(call_key, problem.k, problem.v) if problem.layout == "bhnd" else \
+        _family(call_key, problem.k.swapaxes(1, 2), problem.v.swapaxes(1, 2))
+    if family is not None:
+        FAMILIES[family] = made
 
 
 class BackwardPlan:

@@ -48,6 +48,7 @@ FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_
 #: What a backend may have besides: ``double_backward(problem, dout, out, lse, dlse, direction)``,
 #: ``(ddout, ddlse, AttentionGrads)``, the second-order VJP along ``direction``
 #: (`elastic_np._contract._grads.Direction`, the cotangents of the backward's outputs).
-#: ``planned_forward(problem)``, ``run(q, k, v) -> (out, lse)``: ``forward`` of the problem for any arrays of its
-#: shapes and dtype, ``q`` checked, what it derives from the fields derived once (`elastic_np._api.plans`).
+#: ``planned_forward(problem, like)``, ``run(q, k, v) -> (out, lse)``: ``forward`` of the problem for any arrays of
+#: its shapes and dtype, ``q`` checked, what it derives from the fields derived once (`elastic_np._api.plans`);
+#: ``like``, None or the ``run`` of a problem that differs in its number of keys alone.
 OPTIONAL = ("double_backward", "planned_forward")

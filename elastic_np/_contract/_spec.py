@@ -264,6 +264,8 @@ OPTIONS = (
 
 #: The option names, in order.
 NAMES = tuple(option.name for option in OPTIONS)
+#: Each `Option` by its name.
+OPTION = {option.name: option for option in OPTIONS}
 #: The defaults, by name.
 DEFAULTS = {option.name: option.default for option in OPTIONS}
 #: The options with a gradient.

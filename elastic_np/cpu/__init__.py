@@ -156,12 +156,13 @@ def forward(problem):
     return prefill.forward(problem)
 
 
-def planned_forward(problem):
+def planned_forward(problem, like=None):
     """`forward` of ``problem`` as ``run(q, k, v) -> (out, lse)``, for any ``(B, H, N, D)`` arrays of its shapes
     and dtype whose ``q`` is checked (`elastic_np._api.plans`): what `forward` derives from the problem's
-    fields alone is derived once. The kernel is chosen on every run, as `forward` chooses it.
+    fields alone is derived once. The kernel is chosen on every run, as `forward` chooses it. ``like``: the
+    ``run`` of a problem that differs from this one in its number of keys alone (`decode.planned`).
     """
-    decode_run = decode.planned(problem)
+    decode_run = decode.planned(problem, None if like is None else like.decode)
     B, H, Hkv, N, M, D, Dv = problem.shape
     rows = (H // Hkv) * N
 
@@ -170,4 +171,5 @@ def planned_forward(problem):
             return decode_run(q, k, v)
         return forward(problem.with_arrays(q, k, v))
 
+    run.decode = decode_run
     return run

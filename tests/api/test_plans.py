@@ -34,14 +34,24 @@ def arrays(H, Hkv, N, M, D, dtype, layout="bhnd", seed=0):
 
 @pytest.fixture(autouse=True)
 def no_kept_plans():
-    plans.PLANS.clear()
+    cleared()
     yield
-    plans.PLANS.clear()
+    cleared()
+
+
+def cleared():
+    """Every plan and everything the backends keep by a problem's ``plan_key``: nothing a plan derived is reused."""
+    from elastic_np._contract import _problem
+    from elastic_np.cpu._decode import plan as decode_plan
+    from elastic_np.cpu._prefill import plan as prefill_plan
+
+    for kept in (plans.PLANS, plans.FAMILIES, _problem._FIELDS, prefill_plan._KEPT, decode_plan._PLANS):
+        kept.clear()
 
 
 def in_full(q, k, v, **options):
-    """`attention` validated and run in full: the plans it keeps cleared first."""
-    plans.PLANS.clear()
+    """`attention` validated and run in full: the plans it keeps, and what they derived, cleared first."""
+    cleared()
     return enp.attention(q, k, v, **options)
 
 
@@ -190,7 +200,7 @@ def test_a_plan_says_what_it_runs():
 
 
 def backward_in_full(*arrays, **options):
-    plans.PLANS.clear()
+    cleared()
     return enp.attention_backward(*arrays, **options)
 
 
@@ -210,7 +220,7 @@ def test_a_backward_of_a_layout_met_before_is_looked_up_with_the_same_bits(case,
         dlse = None if seed < 2 else rng.standard_normal(lse.shape).astype(lse.dtype)  # a first dlse at the end
         calls.append(((dout, q, k, v, out, lse), dlse, backward_in_full(dout, q, k, v, out, lse, dlse=dlse,
                                                                         backend="cpu", **options)))
-    plans.PLANS.clear()
+    cleared()
     validated = []
     monkeypatch.setattr(dispatch, "validated", lambda *a, run=dispatch.validated: validated.append(1) or run(*a))
     for given, dlse, want in calls:
@@ -236,3 +246,48 @@ def test_a_backward_looked_up_raises_what_a_call_in_full_raises():
             enp.attention_backward(*args, backend="cpu")
         with pytest.raises((ValueError, TypeError), match=match):
             backward_in_full(*args, backend="cpu")
+
+
+# (H, Hkv, N, D, options): the options whose fields depend on the number of keys, around their edges
+GROWING = [
+    (8, 2, 1, 16, {}),
+    (4, 2, 3, 8, {"causal": True, "window_size": (5, 0)}),
+    (4, 4, 2, 8, {"causal": True, "window_size": (0, 3), "align": "kv_lengths", "tau": 0.5, "beta": 1.0}),
+    (4, 2, 16, 8, {"causal": True, "layout": "bnhd", "softcap": 5.0, "nvm": True, "scale": -0.5}),
+    (2, 1, 20, 8, {"causal": True}),  # the prefill
+]
+
+
+@pytest.mark.parametrize("case", GROWING)
+def test_a_growing_cache_runs_through_the_plans_of_its_earlier_lengths_with_the_same_bits(case, monkeypatch):
+    from elastic_np._api import dispatch
+
+    H, Hkv, N, D, options = case
+    layout = options.get("layout", "bhnd")
+    lengths = [0, 1, 2, 3, 5, 8, 9, 17, 40, 129, 300]
+    calls = []
+    for M in lengths:
+        q, k, v = arrays(H, Hkv, N, M, D, np.float32, layout, seed=M)
+        calls.append(((q, k, v), in_full(q, k, v, return_lse=True, backend="cpu", **options)))
+    cleared()
+    validated = []
+    monkeypatch.setattr(dispatch, "validated", lambda *a, run=dispatch.validated: validated.append(1) or run(*a))
+    for given, (want, want_lse) in calls:
+        out, lse = enp.attention(*given, return_lse=True, backend="cpu", **options)
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(lse, want_lse)
+    assert len(validated) == 1  # the first length in full, every other from the plan before it
+
+
+def test_a_growing_cache_raises_what_a_call_in_full_raises():
+    q, k, v = arrays(8, 2, 1, 30, 16, np.float32)
+    enp.attention(q, k, v, backend="cpu", window_size=(4, 0))
+    _, k, v = arrays(8, 2, 1, 31, 16, np.float32)
+    for bad, match in (((q, k, v[:, :, :30]), "`v` heads and length"),
+                       ((q, k, v.astype(np.float64)), "share one dtype")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            enp.attention(*bad, backend="cpu", window_size=(4, 0))
+    k = k.copy()
+    k[0, 1, 30, 0] = np.inf
+    with pytest.raises(ValueError, match="`k` contains NaN or inf"):
+        enp.attention(q, k, v, backend="cpu", window_size=(4, 0))

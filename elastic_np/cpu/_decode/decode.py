@@ -106,10 +106,14 @@ def forward(problem, paged=None, entry_splits=None):
     return _launcher(problem, plan)(q, k, v, pages, cache)
 
 
-def planned(problem):
+def planned(problem, like=None):
     """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
     shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
-    the schedule and what the kernels' call derives from it made once per layout of the keys."""
+    the schedule and what the kernels' call derives from it made once per layout of the keys.
+
+    ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
+    kernels' entry points, the same for both, this one takes over (`_launcher`).
+    """
     launchers = {}
 
     def run(q, k, v):
@@ -117,19 +121,24 @@ def planned(problem):
         launch = launchers.get(k_operand[1])
         if launch is None:
             plan = schedule(problem, k_operand[1], None, None)
+            kin = None if like is None else like.launchers.get(k_operand[1])
             launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
-                                                          direct=True)
+                                                          direct=True, like=kin)
         return launch(q_operand, k_operand, v_operand, None, (k, v))
 
+    run.launchers = launchers
     return run
 
 
-def _launcher(problem, plan, pages=None, direct=False):
+def _launcher(problem, plan, pages=None, direct=False, like=None):
     """``launch(q, k, v, pages, cache) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``, ``v`` with
     `schedule`'s ``plan`` and ``pages`` (the ``pages`` given here when None), ``cache`` the keys and values
-    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``). ``direct``: a
-    launcher run again and again calls the kernels through their entry points after its first run
-    (`direct_call`)."""
+    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``).
+
+    ``direct``: a launcher run again and again calls the kernels through their entry points from its
+    second run on (`direct_call`), or from its first where ``like``, the launcher of a problem that differs
+    in its number of keys alone (so its arguments have the same types), found them already.
+    """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype, out_dtype = problem.compute_dtype, problem.dtype
     compile_for(dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
@@ -139,7 +148,13 @@ def _launcher(problem, plan, pages=None, direct=False):
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
     planned_pages = pages
-    calls = [kernel, _merge_kernel]  # the dispatchers, then their entry points once called (`direct_call`)
+    # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
+    # runs once, a plan's first, skips the fingerprint of its arguments)
+    calls, runs, kind = [kernel, _merge_kernel], [0], (plan.key_major, plan.together)
+    # the like launcher's lists alone, which hold no launcher: a growing cache's plans make no chain
+    like_calls, like_runs = (like.calls, like.runs) if like is not None and like.kind == kind else ([], [0])
+    if like_runs[0] >= 2:
+        calls[:], runs[0] = like_calls, 2
 
     def launch(q, k, v, pages, cache):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
@@ -154,10 +169,14 @@ def _launcher(problem, plan, pages=None, direct=False):
         lse = np.empty((B, H, N), dtype=dtype)
         merge_args = (part_max, part_sum, part_acc, split_start, beta, N, out_operand, lse, 0, 1)
         calls[1](*merge_args)  # small
-        if calls[0] is kernel and direct:
-            calls[:] = direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args)
+        if direct and runs[0] < 2:
+            runs[0] += 1
+            if runs[0] == 2:
+                calls[:] = like_calls if like_runs[0] >= 2 else (
+                    direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args))
         return out, lse
 
+    launch.calls, launch.runs, launch.kind = calls, runs, kind
     return launch
 
 
