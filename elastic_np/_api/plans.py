@@ -73,7 +73,6 @@ class Plan:
         at = 2 if problem.layout == "bhnd" else 1
         shapes = (self.shapes[0], *(s[:at] + (M,) + s[at + 1:] for s in self.shapes[1:]))
         made = Plan(self._module, _problem.resized(problem, self.options, k, v), shapes, self.options, stand_ins=True)
-        made._reported = self._reported  # the same kernels: the memory layouts that reported them did
         made._like = self._forward
         return made
 
@@ -252,6 +251,7 @@ def lookup(call_key, k, v):
         kin = None if family is None else FAMILIES.get(family)
         if kin is not None:
             plan = kin.resized(k.shape[2 if kin._problem.layout == "bhnd" else 1])
+            plan._reported.add((call_key[1], call_key[4], call_key[7]))  # its kin's kernels, which have run
             PLANS.get_or_make(call_key, lambda: plan)
             FAMILIES[family] = plan
     return plan

@@ -9,6 +9,7 @@ import pytest
 
 import elastic_np as enp
 from elastic_np._api import plans
+from elastic_np._contract._problem import AttentionProblem
 from elastic_np.cpu._runtime import config
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -291,3 +292,18 @@ def test_a_growing_cache_raises_what_a_call_in_full_raises():
     k[0, 1, 30, 0] = np.inf
     with pytest.raises(ValueError, match="`k` contains NaN or inf"):
         enp.attention(q, k, v, backend="cpu", window_size=(4, 0))
+
+
+def test_the_plans_of_a_growing_cache_hold_no_chain_of_earlier_ones():
+    q = arrays(8, 2, 1, 1, 16, np.float32)[0]
+    for M in range(1, 150):
+        k = np.ones((2, 2, M, 16), np.float32)
+        for _ in range(2):  # two layers a step: the second runs the plan the first made
+            enp.attention(q, k, k, backend="cpu")
+    gc.collect()
+    kept = len(plans.PLANS) + len(plans.FAMILIES)
+    assert sum(type(o) is plans.Plan for o in gc.get_objects()) <= kept
+    assert sum(type(o) is AttentionProblem for o in gc.get_objects()) <= kept
+    cleared()
+    gc.collect()
+    assert not any(type(o) in (plans.Plan, AttentionProblem) for o in gc.get_objects())

@@ -115,13 +115,14 @@ def planned(problem, like=None):
     kernels' entry points, the same for both, this one takes over (`_launcher`).
     """
     launchers = {}
+    kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
 
     def run(q, k, v):
         q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
         launch = launchers.get(k_operand[1])
         if launch is None:
             plan = schedule(problem, k_operand[1], None, None)
-            kin = None if like is None else like.launchers.get(k_operand[1])
+            kin = kin_launchers.get(k_operand[1])
             launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
                                                           direct=True, like=kin)
         return launch(q_operand, k_operand, v_operand, None, (k, v))
