@@ -88,10 +88,13 @@ def _made(problem, k_layout, block_size, entry_splits):
     opt = kernel_options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
     together = not key_major and k_layout == BNHD and _together(opt)
     block_k = block_keys((H // Hkv) * N, key_major)
-    if entry_splits is None:
-        entry_splits = np.full(B, splits(B, Hkv, M))
-    split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
+    if entry_splits is None:  # every entry the same count: one NumPy call, not three (every new shape makes one)
+        most = splits(B, Hkv, M)
+        split_start = np.arange(0, (B + 1) * most, most, dtype=np.int64)
+    else:
+        split_start = np.concatenate(([0], np.cumsum(entry_splits))).astype(np.int64)  # entry b's splits start here
+        most = int(np.max(entry_splits, initial=1))
     tiles = block_k if key_major else (
         block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
-    return _Plan(key_major, opt, together, split_start,
-                 int(np.max(entry_splits, initial=1)), tiles, H * N * int(problem.kv_lengths.sum()) * (D + Dv))
+    return _Plan(key_major, opt, together, split_start, max(most, 1), tiles,
+                 H * N * int(problem.kv_lengths.sum()) * (D + Dv))
