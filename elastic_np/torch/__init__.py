@@ -39,7 +39,7 @@ import torch
 from elastic_np._api import adapters as common
 from elastic_np._api import varlen
 from elastic_np._contract import _spec
-from elastic_np.torch import _arrays, _ops, _varlen
+from elastic_np.torch import _arrays, _fast, _ops, _varlen
 from elastic_np._api.adapters import DynamicWindow
 
 __all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
@@ -112,6 +112,9 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
+    short = _fast.attention(q, k, v, dropout_p, backend, options)  # no gradient, scalar options
+    if short is not None:
+        return short if return_lse else short[0]
     _check_dropout(dropout_p)
     fixed, learnable = common.split(_spec.complete(options, "attention"))
     for name, x in (("q", q), ("k", k), ("v", v)):

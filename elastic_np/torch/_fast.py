@@ -1,0 +1,114 @@
+"""The short way of `elastic_np.torch.attention` for a call that records no gradient and has scalar options.
+
+Such a call (eager; plain CPU tensors ``q``, ``k``, ``v`` of one dtype that
+record no gradient; every option a Python scalar) needs nothing of the
+adapter but the tensors' NumPy views and the options as
+`elastic_np.attention` takes them. `attention` derives the latter once per
+option set (`_Call`, kept by the options' values with their types) and
+looks the call up in `elastic_np.attention`'s own plans
+(`elastic_np._api.plans`), so that a repeated call runs its plan directly.
+Any other call, and any call that the full path would reject, is left to it
+(`attention` returns None): the errors are the full path's.
+"""
+
+import math
+
+import torch
+
+from elastic_np._api import adapters as common
+from elastic_np._api import dispatch, plans
+from elastic_np._contract import _spec
+from elastic_np._contract._problem import Kept
+from elastic_np.torch import _arrays as arrays
+
+#: The dtypes taken; bfloat16 goes through `arrays.to_numpy` and `arrays.from_numpy`.
+_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+#: The types of option values a call is keyed by (a tuple, window_size's, when it holds ints).
+_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
+class _Call:
+    """What a call derives from its options alone: `elastic_np.attention`'s keywords and their plan key part."""
+
+    __slots__ = ("kwargs", "options_key")
+
+    def __init__(self, backend, options):
+        fixed, learnable = common.split(_spec.complete(options, "attention"))
+        fixed["backend"] = common.kernel_backend(backend)
+        self.kwargs = {**common.numpy_options(fixed, learnable), "return_lse": True}
+        self.options_key = plans.options_key(tuple(self.kwargs[name] for name in plans.KEYED),
+                                             tuple(self.kwargs[name] for name in plans.FLOATS),
+                                             self.kwargs["window_size"])
+
+
+#: `_Call`s of the latest option sets, by `_key`.
+_CALLS = Kept(64)
+
+
+def _key(backend, options):
+    """The key of a call's options (with their types), or None where the short way does not take them."""
+    if type(backend) is not str or backend == "cuda":
+        return None
+    values = tuple(options.values())
+    types = tuple(map(type, values))
+    for value, kind in zip(values, types):
+        if kind is float:
+            if value == 0 and math.copysign(1.0, value) < 0:  # -0.0 == 0.0: not keyed
+                return None
+        elif kind is tuple:
+            if any(type(part) is not int for part in value):
+                return None
+        elif kind not in _SCALARS:
+            return None
+    return backend, tuple(options), values, types
+
+
+def attention(q, k, v, dropout_p, backend, options):
+    """``(out, lse)`` of `elastic_np.torch.attention` the short way, or None for a call it leaves to the full path.
+
+    The same bits as the full path (`_ops._host_forward`): the same NumPy
+    call on the same views.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # first: nothing else for torch.compile to trace
+        return None
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return None
+    dtype = q.dtype
+    if k.dtype is not dtype or v.dtype is not dtype or dtype not in _DTYPES:
+        return None
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or arrays._cuda_bridge.device_type == "cpu":
+        return None  # (a test's bridge takes CPU tensors for CUDA tensors)
+    if q.is_neg() or k.is_neg() or v.is_neg():
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        if torch.is_grad_enabled():
+            return None
+        q, k, v = q.detach(), k.detach(), v.detach()
+    if type(dropout_p) not in (float, int) or dropout_p != 0:
+        return None
+    key = _key(backend, options)
+    if key is None:
+        return None
+    call = _CALLS.get(key)
+    if call is None:
+        call = _CALLS.get_or_make(key, lambda: _Call(backend, options))
+    half = dtype is torch.bfloat16
+    if half:
+        q, k, v = arrays.to_numpy(q), arrays.to_numpy(k), arrays.to_numpy(v)
+    else:
+        q, k, v = q.numpy(), k.numpy(), v.numpy()
+    plan = None if call.options_key is None else plans.PLANS.get(plans.with_arrays(q, k, v, call.options_key))
+    if plan is None:
+        out, lse = dispatch.attention(q, k, v, **call.kwargs)
+    else:
+        out, lse = plan.run_checked(q, k, v)
+    if half:
+        out, lse = arrays.from_numpy(out), arrays.from_numpy(lse)
+    else:
+        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+    if out.dtype is not dtype:
+        out = out.to(dtype)
+    lse_dtype = arrays.lse_dtype(dtype)
+    if lse.dtype is not lse_dtype:
+        lse = lse.to(lse_dtype)
+    return out.contiguous(), lse.contiguous()
