@@ -7,8 +7,10 @@ torch = pytest.importorskip("torch")
 
 import elastic_np as enp  # noqa: E402
 import elastic_np.torch as enpt  # noqa: E402
+from elastic_np._api import adapters as common  # noqa: E402
 from elastic_np._api import dispatch, plans  # noqa: E402
-from elastic_np.torch import _arrays, _fast  # noqa: E402
+from elastic_np._contract import _spec  # noqa: E402
+from elastic_np.torch import _arrays, _fast, _ops  # noqa: E402
 
 #: Option sets the short way takes (every value a Python scalar), each with a layout of its own.
 OPTION_SETS = [
@@ -109,11 +111,24 @@ def test_a_call_the_short_way_takes_up_raises_the_full_paths_error(options, erro
 
 def test_what_the_short_way_leaves_to_the_full_path(monkeypatch):
     q, k, v = _tensors(torch.float32)
-    assert _fast.attention(q.requires_grad_(), k, v, 0.0, "cpu", {}) is None  # a gradient to record
+    assert type(_fast.attention(q.requires_grad_(), k, v, 0.0, "cpu", {})[0].grad_fn).__name__ == "_TrainedBackward"
+    seen = []
+
+    def loss(q):
+        seen.append(_fast.attention(q, k, v, 0.0, "cpu", {}))
+        return q.sum()
+
+    torch.func.grad(loss)(q.detach())  # torch.func's wrapped tensors
+    assert seen == [None]
     with torch.no_grad():
         assert _fast.attention(q, k, v, 0.0, "cpu", {}) is not None  # detached
         q = q.detach()
-        assert _fast.attention(torch.nn.Parameter(q), k, v, 0.0, "cpu", {}) is None  # a subclass
+        assert _fast.attention(torch.nn.Parameter(q), k, v, 0.0, "cpu", {}) is not None  # a model's weights
+
+        class Other(torch.Tensor):
+            pass
+
+        assert _fast.attention(q.as_subclass(Other), k, v, 0.0, "cpu", {}) is None  # another subclass
         assert _fast.attention(q, k.double(), v, 0.0, "cpu", {}) is None  # mixed dtypes: the full path's error
         assert _fast.attention(q, k, v, 0.0, "cpu", {"tau": torch.tensor(1.0)}) is None
         assert _fast.attention(q, k, v, 0.0, "cuda", {}) is None
@@ -124,3 +139,51 @@ def test_what_the_short_way_leaves_to_the_full_path(monkeypatch):
         with monkeypatch.context() as m:  # CPU tensors that a bridge takes for the device's
             m.setattr(_arrays._CudaBridge, "device_type", "cpu")
             assert _fast.attention(q, k, v, 0.0, "cpu", {}) is None
+
+
+def _through_the_operator(q, k, v, options):
+    fixed, learnable = common.split(_spec.complete(options, "test"))
+    return torch.ops.elastic_np.attention(q, k, v, *_ops.op_arguments(fixed, learnable), "cpu")
+
+
+def _loss(out, lse, which):
+    gen = torch.Generator().manual_seed(2)
+    parts = {"out": (out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum(),
+             "lse": (lse * torch.randn(lse.shape, generator=gen).to(lse.dtype)).sum()}
+    return sum(parts[w] for w in which)
+
+
+@pytest.mark.parametrize("which", [("out",), ("lse",), ("out", "lse")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", OPTION_SETS, ids=repr)
+def test_a_call_that_records_a_gradient_gives_the_operators_bits(options, dtype, which):
+    q, k, v = (x.requires_grad_() for x in _tensors(dtype, options.get("layout", "bhnd"), contiguous=False))
+    want = _through_the_operator(q, k, v, options)
+    wants = torch.autograd.grad(_loss(*want, which), (q, k, v))
+    for _ in range(2):
+        out, lse = enpt.attention(q, k, v, return_lse=True, backend="cpu", **options)
+        assert type(out.grad_fn).__name__ == "_TrainedBackward"
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        got = torch.autograd.grad(_loss(out, lse, which), (q, k, v))
+        assert all(g.dtype == w.dtype and g.is_contiguous() and torch.equal(g, w) for g, w in zip(got, wants))
+
+
+def test_only_the_tensors_that_require_grad_get_one_and_parameters_train():
+    q, k, v = _tensors(torch.float32)
+    weights = torch.nn.Parameter(k.clone())
+    enpt.attention(q, weights, v, causal=True).sum().backward()
+    assert weights.grad is not None and q.grad is None and v.grad is None
+    want = torch.autograd.grad(_through_the_operator(q, k.requires_grad_(), v, {"causal": True})[0].sum(), k)[0]
+    assert torch.equal(weights.grad, want)
+
+
+@pytest.mark.parametrize("options", [{"causal": True, "tau": 0.7, "beta": 0.5}, {"layout": "bnhd"}], ids=repr)
+def test_a_second_derivative_through_the_short_way_gives_the_operators_bits(options):
+    def second(attend):
+        q, k, v = (x.double().requires_grad_() for x in _tensors(torch.float32, options.get("layout", "bhnd")))
+        grads = torch.autograd.grad(_loss(*attend(q, k, v), ("out", "lse")), (q, k, v), create_graph=True)
+        return torch.autograd.grad(sum((g * g).sum() for g in grads), (q, k, v))
+
+    wants = second(lambda q, k, v: _through_the_operator(q, k, v, options))
+    got = second(lambda q, k, v: enpt.attention(q, k, v, return_lse=True, backend="cpu", **options))
+    assert all(torch.equal(g, w) for g, w in zip(got, wants))
