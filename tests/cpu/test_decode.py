@@ -210,7 +210,8 @@ def test_row_max_of_every_range(dtype):
 def test_a_launch_types_its_arguments_for_the_entry_points_only_when_it_runs_again(monkeypatch):
     # the typing costs some 400 us: an unplanned call, whose launch runs once, must not pay it
     typed = []
-    monkeypatch.setattr(_decode, "direct_call", lambda d, args, run=_decode.direct_call: typed.append(d) or run(d, args))
+    run = _decode.direct_call
+    monkeypatch.setattr(_decode, "direct_call", lambda d, args: typed.append(d) or run(d, args))
     rng = np.random.default_rng(0)
     q, k = rng.standard_normal((1, 4, 1, 8)), rng.standard_normal((1, 2, 20, 8))
     tau = np.array([1.0, 0.5, 2.0, 1.5])  # an array option: not planned

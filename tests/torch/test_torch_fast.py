@@ -27,7 +27,8 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _tensors(dtype, layout="bhnd", N=3, M=17, contiguous=True):
     rng = np.random.default_rng(3)
     shapes = ((1, 4, N, 8), (1, 2, M, 8)) if layout == "bhnd" else ((1, N, 4, 8), (1, M, 2, 8))
-    q, k, v = (torch.tensor(rng.standard_normal(s), dtype=torch.float32).to(dtype) for s in (shapes[0], *shapes[1:] * 2))
+    q, k, v = (torch.tensor(rng.standard_normal(s), dtype=torch.float32).to(dtype)
+               for s in (shapes[0], shapes[1], shapes[1]))
     if not contiguous:  # the same values, other strides
         q, k, v = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v))
     return q, k, v
