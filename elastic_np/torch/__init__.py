@@ -12,7 +12,13 @@ computed again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``,
 ``dsigma`` and ``dbias`` to autograd. ``torch.compile`` keeps a call in its
 graph. CPU tensors reach the kernels through ``Tensor.numpy()``, without a
 copy when they are C-contiguous, and the results come back through
-``torch.from_numpy`` (``elastic_np.torch._arrays``). The backward operator
+``torch.from_numpy`` (``elastic_np.torch._arrays``). An eager call on CPU
+tensors (plain or parameters) runs the same code without the operators'
+dispatch, which would be most of a small call (``elastic_np.torch._fast``
+for scalar options, through `elastic_np.attention`'s plans; else
+``_ops._EagerAttention``): the same bits, the same errors; ``torch.compile``,
+``torch.func`` transforms, other tensor subclasses and CUDA tensors go
+through the operators. The backward operator
 is differentiable in turn (``elastic_np::attention_double_backward``, which
 calls `elastic_np.attention_double_backward`): a gradient penalty or a
 Hessian-vector product works eagerly on CPU tensors; the packed
