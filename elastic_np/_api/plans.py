@@ -216,13 +216,32 @@ def key(q, k, v, values, floats, window_size):
     """The key `attention` looks a call up by, or None where it is not looked up.
 
     ``values``: the value of every option but ``window_size``, and
-    ``return_lse`` and ``backend``; ``floats``: those that may be a float.
-    ``window_size`` is keyed when it is a tuple of two ints. The values
-    enter with their types (``1``, ``1.0`` and ``True`` are told apart), and
-    a negative float zero, whose sign ``==`` does not see, is not keyed.
+    ``return_lse`` and ``backend`` (in the order of `KEYED`); ``floats``:
+    those that may be a float. ``window_size`` is keyed when it is a tuple
+    of two ints. The values enter with their types (``1``, ``1.0`` and
+    ``True`` are told apart), and a negative float zero, whose sign ``==``
+    does not see, is not keyed. The key is `with_arrays` of `options_key`.
     """
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return None
+    options = options_key(values, floats, window_size)
+    return None if options is None else with_arrays(q, k, v, options)
+
+
+#: The names of `key`'s ``values``, in order: every option but ``window_size``, then ``return_lse`` and ``backend``.
+KEYED = tuple(name for name in _spec.NAMES if name != "window_size") + ("return_lse", "backend")
+#: The place of ``layout`` among them.
+_LAYOUT = KEYED.index("layout")
+#: The names among them whose values may be floats (`key`'s ``floats``).
+FLOATS = ("scale", "tau", "beta", "softcap")
+
+
+def options_key(values, floats, window_size):
+    """The options' part of `key` (see there), or None where they are not keyed.
+
+    An adapter that calls one layout with the same options again and again
+    makes it once and looks each call up by `with_arrays`.
+    """
     types = tuple(map(type, values))
     if not _SCALARS.issuperset(types):
         return None
@@ -232,8 +251,12 @@ def key(q, k, v, values, floats, window_size):
     for x in floats:
         if x == 0 and type(x) is float and math.copysign(1.0, x) < 0:
             return None
-    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype, values, types,
-            window_size)
+    return values, types, window_size
+
+
+def with_arrays(q, k, v, options):
+    """`key` of NumPy arrays ``q``, ``k``, ``v`` and the options' part ``options`` (`options_key`, not None)."""
+    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype, options)
 
 
 #: `Plan`s of `attention`'s latest layouts, by `key`.
@@ -259,12 +282,11 @@ def lookup(call_key, k, v):
 
 def _family(call_key, k, v):
     """``call_key`` without the number of keys, for C-contiguous ``k`` and ``v`` of one length; else None."""
-    at = 2 if call_key[-3][13] == "bhnd" else 1  # layout, among the keyed values
+    at = 2 if call_key[9][0][_LAYOUT] == "bhnd" else 1
     if k.shape[at] != v.shape[at] or not (k.flags.c_contiguous and v.flags.c_contiguous):
         return None
     without = lambda shape: shape[:at] + shape[at + 1:]  # noqa: E731
-    return (call_key[0], call_key[1], call_key[2], without(k.shape), k.dtype, without(v.shape), v.dtype,
-            *call_key[9:])
+    return call_key[0], call_key[1], call_key[2], without(k.shape), k.dtype, without(v.shape), v.dtype, call_key[9]
 
 
 def keep(call_key, module, problem, options):

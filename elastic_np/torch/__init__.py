@@ -12,7 +12,13 @@ computed again) and hands ``dq``, ``dk``, ``dv``, ``dtau``, ``dbeta``,
 ``dsigma`` and ``dbias`` to autograd. ``torch.compile`` keeps a call in its
 graph. CPU tensors reach the kernels through ``Tensor.numpy()``, without a
 copy when they are C-contiguous, and the results come back through
-``torch.from_numpy`` (``elastic_np.torch._arrays``). The backward operator
+``torch.from_numpy`` (``elastic_np.torch._arrays``). An eager call on CPU
+tensors (plain or parameters) runs the same code without the operators'
+dispatch, which would be most of a small call (``elastic_np.torch._fast``
+for scalar options, through `elastic_np.attention`'s plans; else
+``_ops._EagerAttention``): the same bits, the same errors; ``torch.compile``,
+``torch.func`` transforms, other tensor subclasses and CUDA tensors go
+through the operators. The backward operator
 is differentiable in turn (``elastic_np::attention_double_backward``, which
 calls `elastic_np.attention_double_backward`): a gradient penalty or a
 Hessian-vector product works eagerly on CPU tensors; the packed
@@ -39,7 +45,7 @@ import torch
 from elastic_np._api import adapters as common
 from elastic_np._api import varlen
 from elastic_np._contract import _spec
-from elastic_np.torch import _arrays, _ops, _varlen
+from elastic_np.torch import _arrays, _fast, _ops, _varlen
 from elastic_np._api.adapters import DynamicWindow
 
 __all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
@@ -112,6 +118,9 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
+    short = _fast.attention(q, k, v, dropout_p, backend, options)  # no gradient, scalar options
+    if short is not None:
+        return short if return_lse else short[0]
     _check_dropout(dropout_p)
     fixed, learnable = common.split(_spec.complete(options, "attention"))
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -117,9 +117,7 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
     fixed, learnable = _options(options, device)
     fixed["backend"] = backend
     if device is None:
-        host = {name: arrays._host(value, name) for name, value in learnable.items()}
-        grads = dispatch.attention_backward(*_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
-                                             **common.numpy_options(fixed, host))
+        grads = _host_backward(dout, dlse, q, k, v, out, lse, fixed, learnable)
         as_grad = arrays._as_grad
     else:
         grads = arrays._cuda_backward(fixed, device, (dout, q, k, v, out, lse), dlse, learnable)
@@ -127,6 +125,14 @@ def _backward(dout, dlse, q, k, v, out, lse, *args):
     likes = (q, k, v) + tuple(learnable[name] for name in common.LEARNABLE)
     return tuple(q.new_empty(0) if like is None else as_grad(getattr(grads, name), like).contiguous()
                  for name, like in zip(_GRADS, likes))
+
+
+def _host_backward(dout, dlse, q, k, v, out, lse, fixed, learnable):
+    """`elastic_np.AttentionGrads` of CPU tensors (``fixed`` with ``backend``; its array options tensors or not)."""
+    fixed = {**fixed, **{name: arrays._host(fixed[name], name) for name in _spec.TENSOR_OPTIONS}}
+    host = {name: arrays._host(value, name) for name, value in learnable.items()}
+    return dispatch.attention_backward(*_hosted(dout, q, k, v, out, lse), dlse=arrays._host(dlse, "dlse"),
+                                       **common.numpy_options(fixed, host))
 
 
 @_backward.register_fake
@@ -232,28 +238,92 @@ _backward.register_autograd(_second_gradients, setup_context=_backward_setup_con
 def attention(q, k, v, fixed, learnable):
     """``(out, lse)`` through ``elastic_np::attention``, from `common.split`'s options (``fixed`` with ``backend``).
 
-    An eager call that records no gradient, on plain CPU tensors, runs the
-    operator's forward directly (`_host_forward`, the same code and bits):
-    the operator's dispatch would be most of a small model's decoding
-    step. Anything else (``torch.compile`` tracing, a
-    gradient to record, a tensor subclass, CUDA tensors) goes through the
-    operator.
+    An eager call on CPU tensors skips the operator, whose dispatch would be
+    most of a small call: one that records no gradient (plain tensors) runs
+    the operator's forward directly (`_host_forward`, the same code and
+    bits), one that records a gradient (plain tensors or parameters) runs it
+    in `_EagerAttention`, whose backward is the operator's (see there).
+    Anything else (``torch.compile`` tracing, a ``torch.func`` transform, any
+    other tensor subclass, CUDA tensors) goes through the operator.
     """
     if _plain_inference(q, k, v, fixed, learnable):
         return _host_forward(q, k, v, fixed, learnable)
+    if _on_host(q, k, v, fixed, learnable, _TRAINED) is not None:
+        return _EagerAttention.apply(q, k, v, tuple(fixed), *fixed.values(),
+                                     *(learnable[name] for name in common.LEARNABLE))
     backend = fixed["backend"]
     args = op_arguments({n: x for n, x in fixed.items() if n != "backend"}, learnable)
     return torch.ops.elastic_np.attention(q, k, v, *args, backend)
 
 
-def _plain_inference(q, k, v, fixed, learnable):
-    """Whether the call may skip the operator: eager, no gradient recorded, plain CPU tensors (`attention`)."""
+#: The tensor types an eager call without gradient, and one with, takes past the operator (`_on_host`).
+_PLAIN, _TRAINED = (torch.Tensor,), (torch.Tensor, torch.nn.Parameter)
+
+
+def _on_host(q, k, v, fixed, learnable, kinds):
+    """The call's tensors if it may skip the operator (eager, CPU tensors of types ``kinds``), else None."""
     tensors = [x for x in (q, k, v, *learnable.values(), *(fixed[n] for n in _spec.TENSOR_OPTIONS))
                if isinstance(x, torch.Tensor)]
     if fixed.get("backend") == "cuda" or _device(q) is not None:  # the CUDA backend's tensors
-        return False
-    if any(type(x) is not torch.Tensor or x.device.type != "cpu" for x in tensors):
-        return False
+        return None
+    if any(type(x) not in kinds or x.device.type != "cpu" for x in tensors):
+        return None
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+        return None
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # torch.func's tensors are wrapped
+        return None
+    return tensors
+
+
+def _plain_inference(q, k, v, fixed, learnable):
+    """Whether the call may skip the operator: eager, no gradient recorded, plain CPU tensors (`attention`)."""
+    tensors = _on_host(q, k, v, fixed, learnable, _PLAIN)
+    return tensors is not None and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``elastic_np::attention`` and its gradients for an eager call on CPU tensors, without the operators.
+
+    ``apply(q, k, v, names, *values)``: ``names`` those of ``fixed``, then
+    its values and those of `common.LEARNABLE`, as `attention` takes them
+    (Python scalars stay scalars, so that the forward runs through
+    `elastic_np.attention`'s plan). The forward is `_host_forward`, the
+    backward `_host_backward`, with the operators' bits; a backward that
+    records its own graph (``create_graph=True``) calls
+    ``elastic_np::attention_backward``, whose derivative is the double
+    backward. An unused ``out`` or ``lse`` gets no cotangent (None), as
+    through the operator.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, names, *values):
+        fixed, learnable = _unpacked(names, values)
+        out, lse = _host_forward(q, k, v, fixed, learnable)
+        ctx.set_materialize_grads(False)
+        ctx.names = names
+        _keep(ctx, (q, k, v, out, lse), values)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        (q, k, v, out, lse), values = _kept(ctx)
+        fixed, learnable = _unpacked(ctx.names, values)
+        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
+        dlse = None if dlse is None else dlse.to(lse.dtype)
+        likes = (q, k, v) + tuple(learnable[name] for name in common.LEARNABLE)
+        if torch.is_grad_enabled():  # create_graph: the operator, differentiable
+            args = op_arguments({n: x for n, x in fixed.items() if n != "backend"}, learnable)
+            grads = torch.ops.elastic_np.attention_backward(dout, dlse, q, k, v, out, lse, *args, fixed["backend"])
+        else:
+            result = _host_backward(dout, dlse, q, k, v, out, lse, fixed, learnable)
+            grads = [arrays._as_grad(getattr(result, name), like).contiguous() if isinstance(like, torch.Tensor)
+                     else None for name, like in zip(_GRADS, likes)]
+        needs = ctx.needs_input_grad
+        return (*(g if need else None for g, need in zip(grads[:3], needs)), None, *(None,) * len(fixed),
+                *(g if need else None for g, need in zip(grads[3:], needs[4 + len(fixed):])))
+
+
+def _unpacked(names, values):
+    """``(fixed, learnable)`` from `_EagerAttention`'s ``names`` and ``values``."""
+    fixed = dict(zip(names, values))
+    return fixed, dict(zip(common.LEARNABLE, values[len(names):]))

@@ -205,3 +205,74 @@ def test_a_third_derivative_is_refused_naming_the_operator():
     (ddq,) = torch.autograd.grad(dq.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="elastic_np.attention_double_backward"):
         torch.autograd.grad(ddq.sum(), q)
+
+
+def _losses(out, lse, which):
+    """A loss of ``out``, of ``lse`` or of both, with weights of their own."""
+    gen = torch.Generator().manual_seed(5)
+    parts = {"out": (out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum(),
+             "lse": (lse * torch.randn(lse.shape, generator=gen).to(lse.dtype)).sum()}
+    return sum(parts[w] for w in which)
+
+
+@pytest.mark.parametrize("which", [("out",), ("lse",), ("out", "lse")])
+@pytest.mark.parametrize("name", CASES)
+def test_training_without_the_operator_gives_its_bits(name, which):
+    """An eager call that records a gradient skips the operator, with its forward and gradients."""
+    q, k, v, args, options = _arguments(name, torch.float32)
+    leaves = [q, k, v] + [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    want, want_lse = torch.ops.elastic_np.attention(q, k, v, *args, "cpu")
+    wants = torch.autograd.grad(_losses(want, want_lse, which), leaves)
+    out, lse = enpt.attention(q, k, v, return_lse=True, backend="cpu", **options)
+    # scalar options: elastic_np.torch._fast's, else _EagerAttention
+    assert type(out.grad_fn).__name__ in ("_EagerAttentionBackward", "_TrainedBackward")
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and out.is_contiguous()
+    for got, wanted in zip(torch.autograd.grad(_losses(out, lse, which), leaves), wants):
+        assert got.dtype == wanted.dtype and got.shape == wanted.shape and torch.equal(got, wanted)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_training_without_the_operator_in_every_dtype(dtype):
+    q, k, v, args, options = _arguments("combined", dtype)
+    leaves = [q, k, v] + [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    wants = torch.autograd.grad(_losses(*torch.ops.elastic_np.attention(q, k, v, *args, "cpu"), ("out", "lse")), leaves)
+    got = torch.autograd.grad(_losses(*enpt.attention(q, k, v, return_lse=True, backend="cpu", **options),
+                                      ("out", "lse")), leaves)
+    assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, wants))
+
+
+@pytest.mark.parametrize("name", ["combined", "dynamic_window", "plain"])
+def test_a_second_derivative_without_the_operator_gives_its_bits(name):
+    """``create_graph=True``: `_EagerAttention`'s backward calls the backward operator, differentiable."""
+    def second(attend):
+        q, k, v, args, options = _arguments(name)
+        leaves = [q, k, v] + [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads = torch.autograd.grad(_losses(*attend(q, k, v, args, options), ("out", "lse")), leaves,
+                                    create_graph=True)
+        return torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+
+    wants = second(lambda q, k, v, args, options: torch.ops.elastic_np.attention(q, k, v, *args, "cpu"))
+    got = second(lambda q, k, v, args, options: enpt.attention(q, k, v, return_lse=True, backend="cpu", **options))
+    assert all(torch.equal(g, w) for g, w in zip(got, wants))
+
+
+def test_what_trains_through_the_operator():
+    q, k, v, _, options = _arguments("combined", torch.float32)
+    fixed, learnable = common.split(_spec.complete(options, "test"))
+    assert _ops._on_host(q, k, v, fixed, learnable, _ops._TRAINED) is not None
+    parameter = torch.nn.Parameter(q.detach())  # a model's weights: past the operator
+    assert type(enpt.attention(parameter, k, v, **options).grad_fn).__name__ == "_EagerAttentionBackward"
+
+    class Other(torch.Tensor):
+        pass
+
+    assert _ops._on_host(q.detach().as_subclass(Other), k, v, fixed, learnable, _ops._TRAINED) is None
+    assert _ops._on_host(q, k, v, {**fixed, "backend": "cuda"}, learnable, _ops._TRAINED) is None
+    seen = []
+
+    def loss(q):
+        seen.append(_ops._on_host(q, k, v, fixed, learnable, _ops._TRAINED))
+        return q.sum()
+
+    torch.func.grad(loss)(q.detach())  # torch.func's wrapped tensors: through the operator
+    assert seen == [None]
