@@ -209,6 +209,8 @@ def _mask_options(mask, B, N, M):
                          f"{mask.dtype} and shape {tuple(mask.shape)}; a model with a mask of its own needs "
                          "attn_implementation='eager'")
     if N == 1 and mask.shape[1] == 1:
+        if bool(mask.all()):  # every key (a decoding step without padding): no option at all, the same
+            return {}  # problem, whose call can run the plan of its layout
         keep = mask[:, 0, 0, :].expand(B, M)
         lengths = keep.sum(dim=-1)
         prefix = torch.arange(M, device=mask.device) < lengths[:, None]

@@ -75,7 +75,10 @@ def test_greedy_generation_gives_the_same_tokens(name, cache, monkeypatch):
     steps = [(n, m, used) for n, m, used in calls if n == 1]
     assert len(steps) == 31 * models["elastic_np"].config.num_hidden_layers
     if cache == "static" and name == "llama":  # the empty slots of the static cache are never read
-        assert all("kv_lengths" in used and "mask" not in used for _, m, used in steps)
+        layers = models["elastic_np"].config.num_hidden_layers
+        assert all("mask" not in used for _, m, used in steps)
+        # kv_lengths until the cache is full (its last step, every slot filled, needs no option)
+        assert all("kv_lengths" in used for _, m, used in steps[:-layers])
         assert {m for _, m, _ in steps} == {max(m for _, m, _ in steps)}  # the whole preallocated cache
 
 
@@ -87,6 +90,8 @@ def test_a_static_cache_decoding_step_reads_only_the_filled_slots():
     assert options.keys() == {"kv_lengths"} and options["kv_lengths"].tolist() == [17, 30]
     mask[1, ..., 3] = False  # a hole (left padding, a window): the mask itself
     assert enp_transformers._mask_options(mask, B=2, N=1, M=50).keys() == {"mask"}
+    mask[:] = True  # every key (a dynamic cache's step): no option, the call of the same problem
+    assert enp_transformers._mask_options(mask, B=2, N=1, M=50) == {}
 
 
 def test_what_the_attention_cannot_honour_is_an_error_naming_it():
