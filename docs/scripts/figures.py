@@ -87,6 +87,7 @@ def _figures():
         "fig-compile-cpu": (step, *cpu),
         "fig-compile-step": (step, _summary("compiled/eager"), RATIO),
         "fig-compile-rounds": (step, lambda record: record["rounds"], "{}"),
+        **_fixed_cost_figures(),
         "fig-generate": ("runs/transformers-generate.json", _summary("sdpa/ours"), RATIO),
         "fig-generate-before": ("runs/transformers-generate-before.json", _summary("sdpa/ours"), RATIO),
         "fig-h100-fwd": (h100, lambda record: record["speed_ratio"]["forward"], "{:.2f}"),
@@ -99,6 +100,23 @@ def _figures():
         "fig-h200-tf32-fwd": (h200, lambda record: _cuda_run(record, precision="tf32", D=64)["speed_ratio"]["forward"],
                               "{:.2f}"),
     }
+
+
+#: The calls of ``benchmarks/call_overhead.py``, by the short names of their figures.
+_CALLS = {"decode64": "decode, 8/2 heads, 64 keys", "decode1024": "decode, 8/2 heads, 1,024 keys",
+          "causal16": "16 x 16 causal", "causal16-bwd": "16 x 16 causal, fwd + bwd",
+          "decode4096": "decode, 32/8 heads, 4,096 keys, D=128"}
+
+
+def _fixed_cost_figures():
+    """``fig-fixed-<call>-<way>[-before]``: the medians (us) of the fixed-cost records, before and after plans."""
+    figures = {"fig-fixed-cpu": ("runs/call-overhead-plans.json", lambda record: describe_cpu(record["machine"]),
+                                 "{}")}
+    for short, call in _CALLS.items():
+        for way, column in (("numpy", "numpy"), ("torch", "torch op"), ("sdpa", "sdpa")):
+            for suffix, path in (("", "runs/call-overhead-plans.json"), ("-before", "runs/call-overhead-plans-before.json")):
+                figures[f"fig-fixed-{short}-{way}{suffix}"] = (path, _summary(f"{call}: {column} us"), "{median:.1f}")
+    return figures
 
 
 #: Name -> (results file under docs/performance/, record -> value, how the value reads).
