@@ -245,13 +245,9 @@ def _fields(options, shape, compute_dtype, shapes):
     return plan_key, _FIELDS.get_or_make(plan_key, lambda: _checked_fields(options, shape, compute_dtype))
 
 
-#: The options whose fields depend on the number of keys ``M`` (`resized`).
-_KEY_COUNT_OPTIONS = ("window_size", "kv_lengths", "mask", "bias", "dynamic_window")
-
-
 def resized(problem, options, k, v):
     """``problem`` for the stand-ins ``k`` and ``v`` of another number of keys ``M`` (nothing else changed):
-    the fields of the options that depend on ``M`` made again (`_KEY_COUNT_OPTIONS`), and its ``plan_key``.
+    the fields of the options that depend on ``M`` made again (`_spec.KEY_COUNT`), and its ``plan_key``.
 
     For a problem whose options were keyed (its ``plan_key`` set): the others' fields, and their checks,
     do not depend on ``M``; ``options`` holds the call's value of every option (other keys are ignored).
@@ -259,8 +255,8 @@ def resized(problem, options, k, v):
     shape, (q_shape, _, _), compute_dtype, options_key = problem.plan_key
     shape = shape._replace(M=k.shape[2])
     fields = {}
-    for name in _KEY_COUNT_OPTIONS:
-        fields.update(_spec.OPTION[name].fields(options[name], shape))
+    for option in _spec.KEY_COUNT:
+        fields.update(option.fields(options[option.name], shape))
     made = problem.with_arrays(problem.q, k, v)
     made.__dict__.update(fields, plan_key=(shape, (q_shape, k.shape, v.shape), compute_dtype, options_key))
     return made

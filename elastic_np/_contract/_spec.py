@@ -79,6 +79,9 @@ class Option:
     dtypes : tuple of str
         The dtypes the kernels take it in (the reference computes in
         float64 whatever the inputs' dtype, and takes every option).
+    key_count : bool
+        Whether its fields depend on the number of keys ``M`` (a plan of
+        another cache length makes them again: `elastic_np._contract._problem.resized`).
     in_kit : bool
         Whether the conformance kit's cases exercise it (and a function under
         test must take it to run them): not for how the arrays are laid out
@@ -97,6 +100,7 @@ class Option:
     gradient: Optional[str] = None
     tensor: bool = False
     per_call: bool = False
+    key_count: bool = False
     backends: tuple = BACKENDS
     dtypes: tuple = KERNEL_DTYPES
     in_kit: bool = True
@@ -211,11 +215,11 @@ OPTIONS = (
            schema="bool causal"),
     Option("window_size", (-1, -1), "(int, int), optional",
            "``(left, right)``: keep ``i + M - N - left <= j <= i + M - N + right``; ``-1`` leaves a "
-           "side unbounded.", _window, schema="int[] window_size"),
+           "side unbounded.", _window, key_count=True, schema="int[] window_size"),
     Option("kv_lengths", None, "array_like of int, shape (B,), optional",
            "Keep ``j < kv_lengths[b]``; the keys past it (a preallocated cache's padding) are never read.",
            lambda value, shape: {"kv_lengths": _validation.kv_lengths_array(value, shape.B, shape.M)},
-           tensor=True, per_call=True, schema="Tensor? kv_lengths"),
+           tensor=True, per_call=True, key_count=True, schema="Tensor? kv_lengths"),
     Option("align", "array", '{"array", "kv_lengths"}, optional',
            'Where the last query sits: at the array\'s last key (``"array"``, query ``i`` at position '
            '``i + M - N``) or at each sequence\'s last key (``"kv_lengths"``, at ``i + kv_lengths[b] - N``), '
@@ -225,7 +229,7 @@ OPTIONS = (
     Option("mask", None, "array_like of bool, optional",
            "Broadcastable to ``(B, H, N, M)``; True keeps.",
            lambda value, shape: {"mask": _validation.broadcast_mask(value, (shape.B, shape.H, shape.N, shape.M))},
-           tensor=True, per_call=True, schema="Tensor? mask"),
+           tensor=True, per_call=True, key_count=True, schema="Tensor? mask"),
     Option("nvm", False, "bool, optional", "Negative Value Masking: drop scores below 0.", _boolean("nvm"),
            schema="bool nvm"),
     Option("tau", 1.0, "float or array_like of shape (H,), optional",
@@ -236,7 +240,7 @@ OPTIONS = (
            _per_head("beta", positive=False), gradient="dbeta", tensor=True, schema="Tensor? beta"),
     Option("dynamic_window", None, "DynamicWindow, optional",
            "Learnable bell-curve window gate (its ``sigma`` is learnable).", _dynamic_window,
-           gradient="dsigma", tensor=True, schema="Tensor? sigma, float sharpness, float threshold"),
+           gradient="dsigma", tensor=True, key_count=True, schema="Tensor? sigma, float sharpness, float threshold"),
     Option("softcap", None, "float, optional",
            "Soft-capping: the score becomes ``softcap * tanh(score / softcap)`` (``> 0``; None for none), "
            "before ALiBi, bias, NVM and temperature.", _softcap, schema="float? softcap"),
@@ -247,7 +251,7 @@ OPTIONS = (
     Option("bias", None, "array_like of float, optional",
            "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
            "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
-           _bias, gradient="dbias", tensor=True, per_call=True, schema="Tensor? bias"),
+           _bias, gradient="dbias", tensor=True, per_call=True, key_count=True, schema="Tensor? bias"),
     Option("precision", None, '{None, "tf32"}, optional',
            "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
            "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "
@@ -266,6 +270,8 @@ OPTIONS = (
 NAMES = tuple(option.name for option in OPTIONS)
 #: Each `Option` by its name.
 OPTION = {option.name: option for option in OPTIONS}
+#: The options whose fields depend on the number of keys.
+KEY_COUNT = tuple(option for option in OPTIONS if option.key_count)
 #: The defaults, by name.
 DEFAULTS = {option.name: option.default for option in OPTIONS}
 #: The options with a gradient.
