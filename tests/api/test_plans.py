@@ -307,3 +307,16 @@ def test_the_plans_of_a_growing_cache_hold_no_chain_of_earlier_ones():
     cleared()
     gc.collect()
     assert not any(type(o) in (plans.Plan, AttentionProblem) for o in gc.get_objects())
+
+
+def test_a_plan_that_calls_its_kernels_directly_reads_unaligned_and_read_only_arrays_of_its_key():
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    want = in_full(q, k, v, backend="cpu")
+    for _ in range(3):  # from the plan's second run on, its kernels' entry points (of aligned, writeable arrays)
+        enp.attention(q, k, v, backend="cpu")
+    unaligned = np.frombuffer(bytearray(k.nbytes + 1), dtype=np.float32, count=k.size, offset=1).reshape(k.shape)
+    unaligned[...] = k
+    read_only = v.copy()
+    read_only.flags.writeable = False
+    assert not unaligned.flags.aligned and unaligned.strides == k.strides
+    np.testing.assert_array_equal(enp.attention(q, unaligned, read_only, backend="cpu"), want)

@@ -26,12 +26,15 @@ BHND, BNHD = 0, 1
 def kernel_array(a):
     """``a``'s memory as a C-contiguous writeable array the kernels read: ``a`` itself, a view of it, or a copy.
 
-    A read-only or strided array is another Numba type, and every new type
-    compiles every kernel again: a C-contiguous read-only ``a`` is read in
-    place through a writeable view of its memory (`_ReadOnlyMemory`), any
-    other layout is copied.
+    A read-only, strided or unaligned array is another Numba type, and every
+    new type compiles every kernel again (and a kernel called through its
+    entry point, `elastic_np.cpu._runtime.numba_private.direct_call`, must
+    get the types it was compiled for): a C-contiguous read-only ``a`` is
+    read in place through a writeable view of its memory
+    (`_ReadOnlyMemory`), any other layout, or memory not aligned to the
+    dtype, is copied.
     """
-    if not a.flags.c_contiguous:
+    if not (a.flags.c_contiguous and a.flags.aligned):
         return np.array(a, order="C", copy=True)
     if a.flags.writeable:
         return a
@@ -74,7 +77,7 @@ def operand(a):
     as `kernel_array` copies it.
     """
     flags = a.flags
-    if flags.c_contiguous and flags.writeable and a.dtype.char in "fd":  # the common case, in a small call's time
+    if flags.c_contiguous and flags.writeable and flags.aligned and a.dtype.char in "fd":  # the common case, fast
         B, H, N, D = a.shape
         return a.reshape(B * H, N, D), BHND, (B, H, N, D)
     if not flags.c_contiguous:
