@@ -23,7 +23,7 @@ from elastic_np.cli import _bench
 from elastic_np import reference as ref
 
 ASV_DIR = pathlib.Path(__file__).resolve().parents[2] / "asv_benchmarks"
-MODULES = ["bench_vector", "bench_reference", "bench_cpu", "bench_compare", "bench_cuda"]
+MODULES = ["bench_vector", "bench_reference", "bench_cpu", "bench_compare", "bench_cuda", "bench_fixed_cost"]
 KINDS = ("time_", "peakmem_", "track_")
 
 
