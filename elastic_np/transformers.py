@@ -208,7 +208,7 @@ def _mask_options(mask, B, N, M):
         raise ValueError(f"elastic_np attention takes transformers' boolean (B, 1, N, M) mask, got dtype "
                          f"{mask.dtype} and shape {tuple(mask.shape)}; a model with a mask of its own needs "
                          "attn_implementation='eager'")
-    if N == 1 and mask.shape[1] == 1:
+    if N == 1 and mask.shape[1] == 1 and mask.shape[0] in (1, B):
         if bool(mask.all()):  # every key (a decoding step without padding): no option at all, the same
             return {}  # problem, whose call can run the plan of its layout
         keep = mask[:, 0, 0, :].expand(B, M)

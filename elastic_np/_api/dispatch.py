@@ -151,9 +151,9 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
-    call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
-                                   alibi_slopes, bias, precision, layout, return_lse, backend),
-                         (scale, tau, beta, softcap), window_size)
+    call_key = None if type(return_lse) is not bool else plans.key(  # (a backward's key has "backward" there)
+        q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap, alibi_slopes, bias,
+                  precision, layout, return_lse, backend), (scale, tau, beta, softcap), window_size)
     if call_key is not None:
         plan = plans.lookup(call_key, k, v)
         if plan is not None:

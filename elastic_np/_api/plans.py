@@ -111,6 +111,8 @@ class Plan:
         # the first run of a memory layout may compile (or load) a kernel of its own: reported as the calls are
         with compile_report.reported(self._module.__name__.rsplit(".", 1)[-1], "forward", self.dtype):
             result = self._run(q, k, v)
+        if len(self._reported) >= 64:  # a plan run with ever other strides keeps no growing set
+            self._reported.clear()
         self._reported.add(strides)
         return result
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
+from elastic_np._api import plans
 from elastic_np._contract import _problem, _spec
 from elastic_np.cpu._decode import plan as _decode_plan
 from elastic_np.cpu._prefill import plan as _plan
@@ -17,6 +18,8 @@ def _arrays(N, M, dtype=np.float32, seed=0):
 
 
 def _forget():
+    plans.PLANS.clear()
+    plans.FAMILIES.clear()
     _problem._FIELDS.clear()
     _plan._KEPT.clear()
     _decode_plan._PLANS.clear()

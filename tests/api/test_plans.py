@@ -320,3 +320,22 @@ def test_a_plan_that_calls_its_kernels_directly_reads_unaligned_and_read_only_ar
     read_only.flags.writeable = False
     assert not unaligned.flags.aligned and unaligned.strides == k.strides
     np.testing.assert_array_equal(enp.attention(q, unaligned, read_only, backend="cpu"), want)
+
+
+def test_a_forward_never_finds_a_backward_plan():
+    q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
+    out, lse = enp.attention(q, k, v, return_lse=True, backend="cpu")
+    enp.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="cpu")
+    with pytest.raises(TypeError, match="return_lse"):
+        enp.attention(q, k, v, return_lse="backward", backend="cpu")
+
+
+def test_a_plan_follows_the_config_set_at_run_time(monkeypatch):
+    q, k, v = arrays(2, 1, 1, 4096, 16, np.float32)
+    q, k, v = q[:1], k[:1], v[:1]
+    for _ in range(3):
+        enp.attention(q, k, v, backend="cpu")
+    monkeypatch.setattr(config, "DECODE_MIN_TASKS", 1)  # one key split instead of several: other bits
+    got = enp.attention(q, k, v, backend="cpu")
+    want = in_full(q, k, v, backend="cpu")
+    np.testing.assert_array_equal(got, want)

@@ -92,6 +92,8 @@ def test_a_static_cache_decoding_step_reads_only_the_filled_slots():
     assert enp_transformers._mask_options(mask, B=2, N=1, M=50).keys() == {"mask"}
     mask[:] = True  # every key (a dynamic cache's step): no option, the call of the same problem
     assert enp_transformers._mask_options(mask, B=2, N=1, M=50) == {}
+    wrong_batch = torch.ones(3, 1, 1, 50, dtype=torch.bool)  # neither 1 nor B: the mask, which the call rejects
+    assert enp_transformers._mask_options(wrong_batch, B=2, N=1, M=50).keys() == {"mask"}
 
 
 def test_what_the_attention_cannot_honour_is_an_error_naming_it():

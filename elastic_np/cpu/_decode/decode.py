@@ -59,6 +59,7 @@ from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
+from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
@@ -119,12 +120,13 @@ def planned(problem, like=None):
 
     def run(q, k, v):
         q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
-        launch = launchers.get(k_operand[1])
+        key = (k_operand[1], config.GENERATION)  # the schedule follows the config
+        launch = launchers.get(key)
         if launch is None:
             plan = schedule(problem, k_operand[1], None, None)
-            kin = kin_launchers.get(k_operand[1])
-            launch = launchers[k_operand[1]] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
-                                                          direct=True, like=kin)
+            kin = kin_launchers.get(key)
+            launch = launchers[key] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
+                                                direct=True, like=kin)
         return launch(q_operand, k_operand, v_operand, None, (k, v))
 
     run.launchers = launchers

@@ -77,7 +77,7 @@ def schedule(problem, k_layout, block_size, entry_splits):
     keys (None: no pages) and ``entry_splits``; looked up when neither varies beyond the problem's key."""
     key = None
     if problem.plan_key is not None and entry_splits is None:
-        key = (problem.plan_key, problem.dtype, k_layout, block_size)
+        key = (problem.plan_key, problem.dtype, k_layout, block_size, config.GENERATION)
     return _PLANS.get_or_make(key, lambda: _made(problem, k_layout, block_size, entry_splits))
 
 

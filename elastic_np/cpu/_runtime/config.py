@@ -2,7 +2,25 @@
 
 Host code reads them as ``config.NAME`` at call time, so a test may set one
 with ``monkeypatch.setattr(elastic_np.cpu._runtime.config, NAME, value)``.
+What is derived from them and kept (the decode schedules, a plan's kernel
+launches) is kept per `GENERATION`, which every such setting counts.
 """
+
+import sys
+import types
+
+
+class _Config(types.ModuleType):
+    """This module: setting a value at run time counts a `GENERATION`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name != "GENERATION":
+            super().__setattr__("GENERATION", self.GENERATION + 1)
+
+
+#: How many times a value was set at run time: what is kept from them is kept per generation.
+GENERATION = 0
 
 # Prefill tiles (`elastic_np.cpu._prefill.forward`, `elastic_np.cpu._prefill.backward`)
 
@@ -90,3 +108,6 @@ QUIET_OPENMP_WORK = 1 << 23
 # compiled in. Every njit function of the package states its own: FASTMATH
 # for the forward's tile code, False elsewhere.
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+
+
+sys.modules[__name__].__class__ = _Config
