@@ -15,7 +15,7 @@ import operator
 
 import numpy as np
 
-from elastic_np._api import dispatch
+from elastic_np._api import dispatch, paged_plans
 from elastic_np._contract import _spec
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 
@@ -184,7 +184,7 @@ def _check_distinct(table, read):
 
 
 def _paged_batch(q, k, v, cu_q, table, used, options, backend):
-    """Packed ``(out, lse)`` of every sequence of a paged cache in one call of the CPU decode kernel, or None.
+    """``(out, lse, run)``, every sequence of a paged cache in one call of the CPU decode kernel, or None.
 
     Each sequence keeps the key splits of a call of its own (`_paged_attention`'s
     stand-in problem, ``splits(1, Hkv, used[s])``) and so its bits; the tasks
@@ -192,7 +192,9 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     sequence, unless the backend is the CPU, every sequence has the same
     number of queries, no `PER_SEQUENCE` option is given, and the batch is a
     problem the decode kernel takes (one that `prepare` rejects, the
-    sequences' own calls raise about).
+    sequences' own calls raise about). ``run(q, k, v)``: the same call for
+    other arrays of the same shapes and dtype, the same table and lengths
+    (`elastic_np._api.paged_plans`), where the pools are C-contiguous (else None).
     """
     module = dispatch.get_backend(backend)
     lengths = np.diff(cu_q)
@@ -209,11 +211,18 @@ def _paged_batch(q, k, v, cu_q, table, used, options, backend):
     if not module.decode_plan.takes(problem):
         return None
     entry_splits = [module.decode_plan.splits(1, k.shape[2], n) for n in used]
-    paged = _decode_pools(k, v, table, used)
+    decode = module.planned.paged(problem, k.shape[1], entry_splits)
+    k_pool, v_pool, pool_table = _decode_pools(k, v, table, used)
+    pool_table = np.array(pool_table, dtype=np.int64, order="C")
+
+    def run(q, k_pool, v_pool):
+        out, lse = decode(q.reshape(count, N, *q.shape[1:]).swapaxes(1, 2), k_pool, v_pool, pool_table)
+        return out.swapaxes(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]), lse.transpose(0, 2, 1).reshape(
+            -1, lse.shape[1])
+
     with dispatch._reported(module, "forward", problem):
-        out, lse = module.decode.forward(problem, paged=paged, entry_splits=entry_splits)
-    out = problem.as_given(out)  # (S, N, H, Dv)
-    return out.reshape(-1, *out.shape[2:]), lse.transpose(0, 2, 1).reshape(-1, lse.shape[1])
+        out, lse = run(q, k_pool, v_pool)
+    return out, lse, run if k_pool is k and v_pool is v else None
 
 
 def _paged_attention(q, k, v, table, used, options, backend):
@@ -425,12 +434,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     True
     """
     options = _spec.complete(options, "varlen_attention")
+    call_key = None if block_table is None else paged_plans.key(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, return_lse, backend, options)
+    if call_key is not None:
+        run = paged_plans.PLANS.get(call_key)
+        if run is not None:
+            return paged_plans.run(run, q, k, v, return_lse)
     q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
                                                  seqused_k, options)
     count = cu_q.size - 1
     batched = None if block_table is None else _paged_batch(q, k, v, cu_q, cu_k, used, options, backend)
     if batched is not None:
-        return batched if return_lse else batched[0]
+        paged_plans.keep(call_key, batched[2])
+        return batched[:2] if return_lse else batched[0]
     out = lse = None
     for s in range(count):
         rows = slice(cu_q[s], cu_q[s + 1])

@@ -93,7 +93,7 @@ from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
 with own_cache():  # every module of the package that makes a cached function is imported here
-    from elastic_np.cpu._decode import decode, plan as decode_plan
+    from elastic_np.cpu._decode import decode, plan as decode_plan, planned
     from elastic_np.cpu._double_backward.double_backward import double_backward
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward
@@ -160,9 +160,9 @@ def planned_forward(problem, like=None):
     """`forward` of ``problem`` as ``run(q, k, v) -> (out, lse)``, for any ``(B, H, N, D)`` arrays of its shapes
     and dtype whose ``q`` is checked (`elastic_np._api.plans`): what `forward` derives from the problem's
     fields alone is derived once. The kernel is chosen on every run, as `forward` chooses it. ``like``: the
-    ``run`` of a problem that differs from this one in its number of keys alone (`decode.planned`).
+    ``run`` of a problem that differs from this one in its number of keys alone (`planned.contiguous`).
     """
-    decode_run = decode.planned(problem, None if like is None else like.decode)
+    decode_run = planned.contiguous(problem, None if like is None else like.decode)
     B, H, Hkv, N, M, D, Dv = problem.shape
     rows = (H // Hkv) * N
 

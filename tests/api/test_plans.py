@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from elastic_np._api import plans
+from elastic_np._api import paged_plans, plans
 from elastic_np._contract._problem import AttentionProblem
 from elastic_np.cpu._runtime import config
 
@@ -46,7 +46,8 @@ def cleared():
     from elastic_np.cpu._decode import plan as decode_plan
     from elastic_np.cpu._prefill import plan as prefill_plan
 
-    for kept in (plans.PLANS, plans.FAMILIES, _problem._FIELDS, prefill_plan._KEPT, decode_plan._PLANS):
+    for kept in (plans.PLANS, plans.FAMILIES, paged_plans.PLANS, _problem._FIELDS, prefill_plan._KEPT,
+                 decode_plan._PLANS):
         kept.clear()
 
 

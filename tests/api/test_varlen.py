@@ -326,20 +326,29 @@ def _paged_option_sets(rng, S, H):
 
 @pytest.fixture
 def calls_of_forward(monkeypatch):
-    """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); counts `cpu._decode.decode.forward`'s calls."""
+    """Small decode splits (of 16 keys or more) and tiles (12 or 24 keys); the batch size of each decode kernel's
+    launch (`cpu._decode.decode._launcher`'s, a call in full or a paged plan's)."""
     from elastic_np import cpu
+    from elastic_np._api import paged_plans
 
     monkeypatch.setattr(cpu._runtime.config, "DECODE_MIN_SPLIT_KEYS", 16)
     monkeypatch.setattr(cpu._runtime.config, "DECODE_BLOCK_K", 24)
     monkeypatch.setattr(cpu._runtime.config, "SERIAL_WORK", 0)
+    paged_plans.PLANS.clear()  # their launches made before the count
     calls = []
-    forward = cpu._decode.decode.forward
+    launcher = cpu._decode.decode._launcher
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return forward(*args, **kwargs)
+    def counted(problem, *args, **kwargs):
+        launch = launcher(problem, *args, **kwargs)
 
-    monkeypatch.setattr(cpu._decode.decode, "forward", counted)
+        def counted_launch(*launch_args):
+            calls.append(problem.shape[0])
+            return launch(*launch_args)
+
+        counted_launch.calls, counted_launch.runs, counted_launch.kind = launch.calls, launch.runs, launch.kind
+        return counted_launch
+
+    monkeypatch.setattr(cpu._decode.decode, "_launcher", counted)
     return calls
 
 

@@ -402,3 +402,18 @@ def test_transformers_generate_prints_both_and_their_ratio(capsys):
     _, ours = transformers_generate.generate(model, "elastic_np", prompt, 2)
     _, sdpa = transformers_generate.generate(model, "sdpa", prompt, 2)
     assert ours.shape == (1, 5) and torch.equal(ours, sdpa)
+
+
+def test_paged_step_prints_both_times_and_their_ratio(capsys):
+    import paged_step
+
+    from elastic_np._api import paged_plans
+
+    paged_step.main(["--rounds", "2", "--calls", "3", "--sequences", "3"])
+    line = capsys.readouterr().out.strip()
+    figures = re.fullmatch(r"paged decoding step, 3 sequences: in full (\d+\.\d) us, looked up (\d+\.\d) us; "
+                           r"in full / looked up (\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\)", line)
+    assert figures, line
+    full, looked, ratio, low, high = (float(x) for x in figures.groups())
+    assert full > 0 and looked > 0 and low <= ratio <= high, line
+    assert paged_plans.PLANS  # the looked-up calls had a plan to look up

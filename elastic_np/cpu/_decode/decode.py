@@ -59,7 +59,6 @@ from elastic_np._contract._ranges import key_range
 from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
-from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
@@ -105,32 +104,6 @@ def forward(problem, paged=None, entry_splits=None):
     plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
     pages = (table, block_size, plan.together) if paged is not None or plan.together else None
     return _launcher(problem, plan)(q, k, v, pages, cache)
-
-
-def planned(problem, like=None):
-    """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
-    shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
-    the schedule and what the kernels' call derives from it made once per layout of the keys.
-
-    ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
-    kernels' entry points, the same for both, this one takes over (`_launcher`).
-    """
-    launchers = {}
-    kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
-
-    def run(q, k, v):
-        q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
-        key = (k_operand[1], config.GENERATION)  # the schedule follows the config
-        launch = launchers.get(key)
-        if launch is None:
-            plan = schedule(problem, k_operand[1], None, None)
-            kin = kin_launchers.get(key)
-            launch = launchers[key] = _launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
-                                                direct=True, like=kin)
-        return launch(q_operand, k_operand, v_operand, None, (k, v))
-
-    run.launchers = launchers
-    return run
 
 
 def _launcher(problem, plan, pages=None, direct=False, like=None):

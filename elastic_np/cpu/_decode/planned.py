@@ -1,0 +1,55 @@
+"""The decode kernels' calls kept by a plan (`elastic_np._api.plans`, `elastic_np._api.paged_plans`): the schedule
+and the launch made once per layout of the keys, and again only when the config changes
+(`elastic_np.cpu._runtime.config.GENERATION`)."""
+
+from elastic_np.cpu._decode import decode
+from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._tiles.operands import operand
+
+
+def contiguous(problem, like=None):
+    """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
+    shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
+    the schedule and what the kernels' call derives from it made once per layout of the keys.
+
+    ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
+    kernels' entry points, the same for both, this one takes over (`_launcher`).
+    """
+    launchers = {}
+    kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
+
+    def run(q, k, v):
+        q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
+        key = (k_operand[1], config.GENERATION)  # the schedule follows the config
+        launch = launchers.get(key)
+        if launch is None:
+            plan = schedule(problem, k_operand[1], None, None)
+            kin = kin_launchers.get(key)
+            launch = launchers[key] = decode._launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
+                                                direct=True, like=kin)
+        return launch(q_operand, k_operand, v_operand, None, (k, v))
+
+    run.launchers = launchers
+    return run
+
+
+def paged(problem, block_size, entry_splits):
+    """`forward` of ``problem`` over pages of ``block_size`` keys with ``entry_splits``, as
+    ``run(q, k_pages, v_pages, table) -> (out, lse)``, for any ``q`` and pools of its shapes and dtype and
+    the int64 C-contiguous ``table`` it was checked with (`elastic_np._api.paged_plans`)."""
+    launchers = {}
+
+    def run(q, k_pages, v_pages, table):
+        q_operand = operand(q)
+        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in (k_pages, v_pages))
+        key = (k[1], config.GENERATION)
+        launch = launchers.get(key)
+        if launch is None:
+            plan = schedule(problem, k[1], block_size, entry_splits)
+            launch = launchers[key] = decode._launcher(problem, plan, direct=True)
+        cache = [_paged_rows(a, table) for a in (k_pages, v_pages)] if problem.kv_unchecked else None
+        return launch(q_operand, k, v, (table, block_size, launch.kind[1]), cache)
+
+    return run
