@@ -84,7 +84,7 @@ def schedule(problem, k_layout, block_size, entry_splits):
 def _made(problem, k_layout, block_size, entry_splits):
     """`schedule`'s `_Plan`, made."""
     B, H, Hkv, N, M, D, Dv = problem.shape
-    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
+    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES and problem.quantized is None  # bytes: the stacked rows
     opt = kernel_options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
     together = not key_major and k_layout == BNHD and _together(opt)
     block_k = block_keys((H // Hkv) * N, key_major)

@@ -39,6 +39,7 @@ from numba.np import numpy_support
 
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import storage_format, widen, widened
+from elastic_np.cpu._tiles.quantized import byte_format, widened as widened_bytes
 from elastic_np.cpu._tiles.simd import LINE_BYTES, REGISTERS, constant_in_jit_code
 from elastic_np.cpu._tiles.transpose import transpose_in_registers, transpose_width
 
@@ -72,8 +73,11 @@ def chunk_entries(x):
 
 @overload(chunk_entries, inline="always")
 def _chunk_entries(x):
-    entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
-        numpy_support.as_dtype(x.dtype))
+    if byte_format(x.dtype):  # a quantized cache: widened to float32, then transposed as floats
+        entries = transpose_width(np.float32)
+    else:
+        entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
+            numpy_support.as_dtype(x.dtype))
     return lambda x: entries
 
 
@@ -108,7 +112,7 @@ def _first(builder, entries, n):
 
 def _masked(builder, operation, vec_ty, entries):
     """``llvm.masked.load`` or ``.store`` of ``vec_ty`` and the mask of its first ``entries`` lanes."""
-    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
+    element = {ir.IntType(8): "i8", ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
     mask = _first(builder, entries, vec_ty.count)
     ptr_ty, i32 = vec_ty.as_pointer(), ir.IntType(32)
     fnty = ir.FunctionType(vec_ty, [ptr_ty, i32, mask.type, vec_ty]) if operation == "load" else \
@@ -139,9 +143,13 @@ def _load_widened(builder, ptr, stored, vec_ty, align, entries=None):
     """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty`` (``entries``: `_load_row`'s).
 
     ``stored``: the Numba type of the stored entries (a float of ``vec_ty``'s,
-    or a half's bits, `storage_format`); ``align`` the float's size.
+    or a half's bits, `storage_format`, or a quantized cache's bytes,
+    `byte_format`); ``align`` the float's size.
     """
-    half = storage_format(stored)
+    half, byte = storage_format(stored), byte_format(stored)
+    if byte is not None:
+        return widened_bytes(builder, _load_row(builder, ptr, ir.VectorType(ir.IntType(8), vec_ty.count), 1, entries),
+                             byte)
     if half is None:
         return _load_row(builder, ptr, vec_ty, align, entries)
     return widened(builder, _load_row(builder, ptr, ir.VectorType(ir.IntType(16), vec_ty.count), 2, entries), half)
@@ -173,7 +181,7 @@ class _Matrix:
         self.builder = builder
         self.data = arr.data if col is None else builder.gep(arr.data, [col], inbounds=True)
         self.lead = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
-        self.itemsize = context.get_abi_sizeof(context.get_value_type(ty.dtype))
+        self.itemsize = context.get_abi_sizeof(context.get_data_type(ty.dtype))  # a record's data, not a pointer
 
     def at(self, row, col, inbounds=True):
         """The element pointer of ``[row, col]`` (``inbounds=False``: it may lie past the array, for a hint)."""
@@ -229,12 +237,16 @@ def _make_key_chunk(masked):
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
         queries = _Matrix(context, builder, qs_ty, qs_v)
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
-        half = storage_format(k_ty.dtype) is not None
+        half, byte = storage_format(k_ty.dtype) is not None, byte_format(k_ty.dtype)
         lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
         stored_ty = ir.VectorType(ir.IntType(16), 2 * width) if half else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            loaded.append(builder.bitcast(_load_row(builder, ptr, stored_ty, 2 if half else align, entries), lanes_ty))
+            if byte is not None:  # W bytes widened to a float row: transposed as floats
+                loaded.append(_load_widened(builder, ptr, k_ty.dtype, vec_ty, 1, entries))
+            else:
+                loaded.append(builder.bitcast(_load_row(builder, ptr, stored_ty, 2 if half else align, entries),
+                                              lanes_ty))
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
