@@ -301,14 +301,7 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd", quantized=False):
     cache (`elastic_np._contract._quantized.check_cache`), kept in their dtype."""
     arrays = {"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)}
     for name, a in arrays.items():
-        stored = quantized and name != "q"
-        if not stored:
-            _validation.check_real_float_dtype(a, name)
-        if a.ndim != 4:
-            raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
-                             f"got shape {a.shape}")
-        if dtypes is not None:
-            _check_kernel_dtype(a.dtype, name, (_validation.dtype_name(a.dtype),) if stored else dtypes)
+        _check_array(a, name, dtypes, layout, stored=quantized and name != "q")
     given = tuple(a.shape for a in arrays.values())
     if layout == "bnhd":
         arrays = {name: np.swapaxes(a, 1, 2) for name, a in arrays.items()}
@@ -325,6 +318,16 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd", quantized=False):
         raise ValueError(f"{exc}; read as layout={layout!r}, {_AXES[layout]}, from shapes q {given[0]}, "
                          f"k {given[1]}, v {given[2]}") from None
     return q, k, v
+
+
+def _check_array(a, name, dtypes, layout, stored):
+    """The checks of one of ``q, k, v``: its dtype (``stored``: a quantized cache's, taken as it is) and its axes."""
+    if not stored:
+        _validation.check_real_float_dtype(a, name)
+    if a.ndim != 4:
+        raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), got shape {a.shape}")
+    if dtypes is not None:
+        _check_kernel_dtype(a.dtype, name, (_validation.dtype_name(a.dtype),) if stored else dtypes)
 
 
 def _check_kernel_dtype(dtype, name, dtypes):

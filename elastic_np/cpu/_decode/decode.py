@@ -35,6 +35,10 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   than a tile, page after page, every head's rows of a page in turn
   (`_tile_of_heads`, `elastic_np.cpu._decode.plan.tile_reads`). Each head's products, and so its bits,
   are those of a task of its own;
+- a quantized cache (int8, float8) is read in place by the stacked-rows
+  kernel, its bytes widened in registers by the same products; the scales
+  are folded in (`elastic_np.cpu._decode.plan.cache_scales`): ``k_scale``
+  into the scaled queries, ``v_scale`` into each split's sums;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -56,7 +60,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.plan import cache_scales, schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
 from elastic_np.cpu._runtime.config import FASTMATH
@@ -69,7 +73,6 @@ from elastic_np.cpu._tiles.logits import (
 )
 from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
 from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
-from elastic_np.cpu._tiles.quantized import UNIT
 from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.cpu._tiles.tanh import tanh_any
@@ -213,25 +216,6 @@ def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum, v_scale):
             part_acc[r, d] = acc[r, d] * v_scale
             checksum += acc[r, d] * zero
     return checksum
-
-
-def cache_scales(problem):
-    """The stacked-rows kernel's ``(Hkv, 2)`` factors of the keys and values read, in the compute dtype.
-
-    A quantized cache's ``(k_scale, v_scale)`` over the `UNIT` its bytes widen
-    to (`elastic_np.cpu._tiles.quantized`); ones for a float cache. The key
-    factor multiplies the scaled queries (`_start_rows`), the value factor a
-    split's sums (`_store_split`): the cache is never dequantized.
-    """
-    Hkv = problem.k.shape[1]
-    if problem.quantized is None:
-        return np.ones((Hkv, 2), dtype=problem.compute_dtype)
-    unit = UNIT[problem.quantized]
-    scales = np.stack([problem.k_scale / unit, problem.v_scale / unit], axis=1).astype(problem.compute_dtype)
-    if not (np.isfinite(scales).all() and (scales >= np.finfo(scales.dtype).tiny).all()):
-        raise ValueError(f"`k_scale` and `v_scale` over {unit} (the {problem.quantized} bytes' unit) must be "
-                         f"normal {scales.dtype} numbers, got {problem.k_scale} and {problem.v_scale}")
-    return scales
 
 
 @inner(fastmath=FASTMATH)
