@@ -143,8 +143,9 @@ def test_decode_matches_the_oracle(small_tiles, fmt, N, case):
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_layouts_and_scales(small_tiles, fmt, layout, granularity):
-    """16 queries (the stacked-rows kernel, for a quantized cache), grouped heads, head dim 64 and 33."""
-    q, kd, vd, ks, vs = _quantized_case(fmt, granularity, B=1, H=8, Hkv=2, N=16, M=150, D=64, Dv=33)
+    """16 queries (the stacked-rows kernel, for a quantized cache), grouped heads, head dims 100 (whole chunks of
+    bytes and a masked one) and 33."""
+    q, kd, vd, ks, vs = _quantized_case(fmt, granularity, B=1, H=8, Hkv=2, N=16, M=150, D=100, Dv=33)
     _check_against_oracle(q, kd, vd, ks, vs, dict(causal=True, tau=0.7, beta=0.3), layout)
 
 

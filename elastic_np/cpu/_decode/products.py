@@ -73,16 +73,16 @@ def chunk_entries(x):
 
 @overload(chunk_entries, inline="always")
 def _chunk_entries(x):
-    if byte_format(x.dtype):  # a quantized cache: widened to float32, then transposed as floats
-        entries = transpose_width(np.float32)
+    if byte_format(x.dtype):  # a quantized cache: four bytes a 32-bit lane
+        entries = 4 * transpose_width(np.float32)
     else:
         entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
             numpy_support.as_dtype(x.dtype))
     return lambda x: entries
 
 
-#: Entries a row of `key_scores`' queries must hold: ``D`` rounded up to the widest chunk (``2 W`` halves).
-_QUERY_ROUND = 2 * transpose_width(np.float32)
+#: Entries a row of `key_scores`' queries must hold: ``D`` rounded up to the widest chunk (``4 W`` bytes).
+_QUERY_ROUND = 4 * transpose_width(np.float32)
 
 
 @inner(fastmath=False)
@@ -168,6 +168,13 @@ def _pair_widened(builder, pairs, stored):
     return [builder.bitcast(x, ir.VectorType(ir.FloatType(), i32.count)) for x in (low, high)]
 
 
+def _bytes_widened(builder, packs, fmt):
+    """The four vectors of the bytes of ``packs`` (32-bit lanes, each four stored bytes, lowest first), widened."""
+    i8 = ir.VectorType(ir.IntType(8), packs.type.count)
+    return [widened_bytes(builder, builder.trunc(builder.lshr(packs, ir.Constant(packs.type, [8 * b] * packs.type.count)),
+                                                 i8), fmt) for b in range(4)]
+
+
 def _matrices(*arrays):
     """Whether the arrays are 2-D and C-contiguous: the intrinsics address them from pointer and row length."""
     return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
@@ -223,7 +230,9 @@ def _make_key_chunk(masked):
     ``E = chunk_entries(k)``: ``W`` entries of a float, ``2 W`` of a half,
     whose rows are transposed as pairs of halves (32-bit lanes, half the
     shuffles an entry) and widened after: the low half of each lane is entry
-    ``p0 + 2 j``, the high half ``p0 + 2 j + 1``. ``masked``: only the first
+    ``p0 + 2 j``, the high half ``p0 + 2 j + 1``; ``4 W`` of a quantized
+    cache's bytes, transposed as packs of four (a quarter of the shuffles),
+    byte ``b`` of lane ``j`` entry ``p0 + 4 j + b``. ``masked``: only the first
     ``entries < E`` of each row are read and added (the tail of a row whose
     length is not a whole number of chunks), ``qs`` read to ``p0 + E``.
     """
@@ -237,23 +246,25 @@ def _make_key_chunk(masked):
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
         queries = _Matrix(context, builder, qs_ty, qs_v)
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
-        half, byte = storage_format(k_ty.dtype) is not None, byte_format(k_ty.dtype)
-        lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
-        stored_ty = ir.VectorType(ir.IntType(16), 2 * width) if half else vec_ty
+        byte = byte_format(k_ty.dtype)
+        packed = 4 if byte else 2 if storage_format(k_ty.dtype) else 1  # stored entries a 32-bit lane
+        lanes_ty = ir.VectorType(ir.IntType(32), width) if packed > 1 else vec_ty
+        stored_ty = ir.VectorType(ir.IntType(32 // packed), packed * width) if packed > 1 else vec_ty
         loaded, ptr = [], keys.at(c0_v, p0_v)
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            if byte is not None:  # W bytes widened to a float row: transposed as floats
-                loaded.append(_load_widened(builder, ptr, k_ty.dtype, vec_ty, 1, entries))
-            else:
-                loaded.append(builder.bitcast(_load_row(builder, ptr, stored_ty, 2 if half else align, entries),
-                                              lanes_ty))
+            row = _load_row(builder, ptr, stored_ty, 4 // packed if packed > 1 else align, entries)
+            loaded.append(builder.bitcast(row, lanes_ty))
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
             for i in range(width):
-                ahead.hint(builder.add(first, _constant(first, i)), p0_v, 2 * width if half else width)
-        lanes = transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
-        columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] if half else lanes
+                ahead.hint(builder.add(first, _constant(first, i)), p0_v, packed * width)
+        lanes = transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pack from p0 + 2 j
+        if byte:
+            columns = [column for j in lanes for column in _bytes_widened(builder, j, byte)]
+        else:
+            columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] \
+                if packed > 1 else lanes
 
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
             ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())

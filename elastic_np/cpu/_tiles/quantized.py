@@ -64,14 +64,11 @@ def widened(builder, raw, fmt):
     f32, i16 = ir.FloatType(), ir.IntType(16)
     if fmt == "int8":
         return builder.sitofp(raw, like(f32))
-    wide = builder.zext(raw, like(i16))
     if fmt == "float8_e5m2":
-        half = builder.shl(wide, const(i16, 8))
-    else:
-        sign = builder.shl(builder.and_(wide, const(i16, 0x80)), const(i16, 8))
-        magnitude = builder.and_(wide, const(i16, 0x7F))
-        half = builder.or_(sign, builder.shl(magnitude, const(i16, 7)))
-        nan = builder.icmp_unsigned("==", magnitude, const(i16, 0x7F))
+        half = builder.shl(builder.zext(raw, like(i16)), const(i16, 8))
+    else:  # the sign extended to bits 15 and 14, the magnitude to 13 .. 7: bit 14 cleared
+        half = builder.and_(builder.shl(builder.sext(raw, like(i16)), const(i16, 7)), const(i16, 0xBF80))
+        nan = builder.icmp_unsigned("==", builder.and_(half, const(i16, 0x3F80)), const(i16, 0x3F80))
         half = builder.select(nan, const(i16, 0x7E00), half)
     return builder.fpext(builder.bitcast(half, like(ir.HalfType())), like(f32))
 
