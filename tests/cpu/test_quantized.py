@@ -262,3 +262,13 @@ def test_what_is_not_supported_yet_says_so():
     with pytest.raises(ValueError, match="packed and paged ones are not supported yet"):
         enp.varlen_attention(q[0].transpose(1, 0, 2), kd[0].transpose(1, 0, 2), vd[0].transpose(1, 0, 2),
                              k_scale=ks, **packed)
+
+
+def test_the_torch_adapter_reads_an_int8_cache():
+    torch = pytest.importorskip("torch")
+    import elastic_np.torch as enp_torch
+
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=40)
+    got = enp_torch.attention(*(torch.from_numpy(a) for a in (q, kd, vd)), k_scale=torch.from_numpy(ks),
+                              v_scale=torch.from_numpy(vs))
+    np.testing.assert_array_equal(got.numpy(), enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu"))
