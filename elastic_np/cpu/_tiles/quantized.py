@@ -51,8 +51,12 @@ def byte_format(ty):
     return None
 
 
-def widened(builder, raw, fmt):
-    """LLVM IR: the bytes ``raw`` of format ``fmt``, an ``i8`` or a vector of them, as float32 times ``UNIT[fmt]``."""
+def widened(builder, raw, fmt, nan=True):
+    """LLVM IR: the bytes ``raw`` of format ``fmt``, an ``i8`` or a vector of them, as float32 times ``UNIT[fmt]``.
+
+    ``nan=False``: a float8_e4m3fn NaN byte may widen to a finite number (the
+    caller finds it with `nan_bytes`, on many bytes at once).
+    """
     vector = isinstance(raw.type, ir.VectorType)
 
     def like(element):
@@ -68,9 +72,26 @@ def widened(builder, raw, fmt):
         half = builder.shl(builder.zext(raw, like(i16)), const(i16, 8))
     else:  # the sign extended to bits 15 and 14, the magnitude to 13 .. 7: bit 14 cleared
         half = builder.and_(builder.shl(builder.sext(raw, like(i16)), const(i16, 7)), const(i16, 0xBF80))
-        nan = builder.icmp_unsigned("==", builder.and_(half, const(i16, 0x3F80)), const(i16, 0x3F80))
-        half = builder.select(nan, const(i16, 0x7E00), half)
+        if nan:
+            found = builder.icmp_unsigned("==", builder.and_(half, const(i16, 0x3F80)), const(i16, 0x3F80))
+            half = builder.select(found, const(i16, 0x7E00), half)
     return builder.fpext(builder.bitcast(half, like(ir.HalfType())), like(f32))
+
+
+#: The formats whose NaN `widened` finds only when asked (``nan=True``), and the NaN's bits but the sign.
+HIDDEN_NAN = {"float8_e4m3fn": 0x7F}
+
+
+def nan_bytes(builder, raw, fmt):
+    """LLVM IR: the ``i1`` lanes of the bytes ``raw`` (a vector of ``i8``) that are NaNs of ``fmt`` (`HIDDEN_NAN`)."""
+    mask = ir.Constant(raw.type, [HIDDEN_NAN[fmt]] * raw.type.count)
+    return builder.icmp_unsigned("==", builder.and_(raw, mask), mask)
+
+
+def any_lane(builder, lanes):
+    """LLVM IR: whether any lane of the ``i1`` vector ``lanes`` is set."""
+    packed = builder.bitcast(lanes, ir.IntType(lanes.type.count))
+    return builder.icmp_unsigned("!=", packed, ir.Constant(packed.type, 0))
 
 
 def _make_scalar(fmt):
