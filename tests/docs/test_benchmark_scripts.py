@@ -402,3 +402,16 @@ def test_transformers_generate_prints_both_and_their_ratio(capsys):
     _, ours = transformers_generate.generate(model, "elastic_np", prompt, 2)
     _, sdpa = transformers_generate.generate(model, "sdpa", prompt, 2)
     assert ours.shape == (1, 5) and torch.equal(ours, sdpa)
+
+
+def test_quantized_decode_prints_every_goal(capsys):
+    import quantized_decode
+
+    quantized_decode.main(["--cache", "64", "--rounds", "2", "--repeat", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    for num, den, goal in quantized_decode.GOALS:
+        _assert_two_rounds(_ratio(out, f"{num} / {den}"))
+        assert f"(goal >= {goal})" in out
+    for label in ("bfloat16", "float32", "int8", "float8_e4m3fn"):
+        _ms(out, label)
+    assert "peak extra memory (tracemalloc): int8" in out
