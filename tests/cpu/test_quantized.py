@@ -273,3 +273,16 @@ def test_the_torch_adapter_reads_an_int8_cache():
     got = enp_torch.attention(*(torch.from_numpy(a) for a in (q, kd, vd)), k_scale=torch.from_numpy(ks),
                               v_scale=torch.from_numpy(vs))
     np.testing.assert_array_equal(got.numpy(), enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu"))
+
+
+def test_planned_calls_keep_each_format_apart():
+    """Repeated calls with scalar scales go through `attention`'s plans, a growing cache through their resized kin:
+    each format of the same shapes has its own."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 8, 1, 32)).astype(np.float32)
+    for M in (100, 101, 101, 102):
+        for fmt in FORMATS:
+            kd, _ = enp.quantize_kv(rng.standard_normal((1, 2, M, 32)), fmt, scale="tensor")
+            got = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="cpu")
+            want = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="reference")
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
