@@ -15,6 +15,7 @@ from elastic_np._api.varlen import varlen_attention, varlen_attention_backward
 from elastic_np._api.warmup import warmup
 from elastic_np._api.plans import Plan, plan
 from elastic_np._contract._grads import DoubleBackwardGrads
+from elastic_np._contract._quantized import quantize_kv
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "varlen_attention",
     "varlen_attention_backward",
     "warmup",
+    "quantize_kv",
     "plan",
     "Plan",
     "AttentionGrads",

@@ -88,6 +88,8 @@ def attention(
     softcap=None,
     alibi_slopes=None,
     bias=None,
+    k_scale=None,
+    v_scale=None,
     precision=None,
     layout="bhnd",
     return_lse=False,
@@ -153,7 +155,7 @@ def attention(
     """
     call_key = None if type(return_lse) is not bool else plans.key(  # (a backward's key has "backward" there)
         q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap, alibi_slopes, bias,
-                  precision, layout, return_lse, backend), (scale, tau, beta, softcap), window_size)
+                  k_scale, v_scale, precision, layout, return_lse, backend), (scale, tau, beta, softcap), window_size)
     if call_key is not None:
         plan = plans.lookup(call_key, k, v)
         if plan is not None:
@@ -193,6 +195,8 @@ def attention_backward(
     softcap=None,
     alibi_slopes=None,
     bias=None,
+    k_scale=None,
+    v_scale=None,
     precision=None,
     layout="bhnd",
     backend="auto",
@@ -245,7 +249,7 @@ def attention_backward(
     ((1, 1, 4, 8), True)
     """
     call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
-                                   alibi_slopes, bias, precision, layout, "backward", backend),
+                                   alibi_slopes, bias, k_scale, v_scale, precision, layout, "backward", backend),
                          (scale, tau, beta, softcap), window_size)
     if call_key is not None:
         plan = plans.PLANS.get(call_key)

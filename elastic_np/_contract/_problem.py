@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from elastic_np._contract import _spec, _validation
+from elastic_np._contract import _quantized, _spec, _validation
 from elastic_np._contract._grads import reduce_to_shape, sink_gradient, sum_to_shape
 from elastic_np._contract._types import AttentionGrads
 
@@ -34,6 +34,10 @@ class AttentionProblem:
     is True when its values are still to be checked, by the backend (see
     `prepare`'s ``defer_bias_check``); ``kv_unchecked`` likewise for the
     keys and values below ``kv_lengths`` (`check_cache_values`).
+    ``quantized``: the name of a quantized cache's dtype
+    (`elastic_np._contract._quantized`), else None; ``k_scale`` and
+    ``v_scale`` its float64 ``(Hkv,)`` scales. The reference's ``k`` and
+    ``v`` are then the dequantized float64 values, the kernels' the stored ones.
     ``plan_key``: hashable, the same for every call whose fields are the
     same (shape, dtype, checks and option values; `_spec.fields_key`), or
     None (an option given as an array): a backend may key what it derives
@@ -68,6 +72,9 @@ class AttentionProblem:
     precision: Optional[str] = None
     layout: str = "bhnd"
     plan_key: Optional[tuple] = None
+    k_scale: Optional[np.ndarray] = None
+    v_scale: Optional[np.ndarray] = None
+    quantized: Optional[str] = None
 
     def as_bhnd(self, a):
         """A 4-D array of the caller's ``layout`` as ``(B, H, N, ·)``, or the reverse: a view, no copy."""
@@ -176,13 +183,21 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     """
     options = _spec.complete(options, "prepare")
     check_finite = _validation.boolean(check_finite, "check_finite")
-    q, k, v = _checked_arrays(q, k, v, dtypes, _spec.check_layout(options["layout"]))
+    quantized = _quantized.check_cache(np.asarray(q), np.asarray(k), np.asarray(v), options["k_scale"],
+                                       options["v_scale"])
+    q, k, v = _checked_arrays(q, k, v, dtypes, _spec.check_layout(options["layout"]), quantized)
     B, H, N, D = q.shape
     if check_finite and not np.isfinite(q).all():
         raise ValueError("`q` contains NaN or inf")
-    shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check)
+    shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check,
+                        Hkv=k.shape[1])
     compute_dtype = np.dtype(np.float64) if dtypes is None else _validation.compute_dtype(q.dtype)
     plan_key, fields = _fields(options, shape, compute_dtype, (q.shape, k.shape, v.shape))
+    if quantized:
+        fields = {**fields, "quantized": _validation.dtype_name(k.dtype)}
+        plan_key = None if plan_key is None else (*plan_key, k.dtype)
+        if dtypes is None:  # the reference reads the dequantized values
+            k, v = _quantized.dequantized(k, fields["k_scale"]), _quantized.dequantized(v, fields["v_scale"])
     if check_finite and not defer_kv_check:
         _validation.check_cache_values(k, v, fields["kv_lengths"])
     return _new_problem(
@@ -252,13 +267,13 @@ def resized(problem, options, k, v):
     For a problem whose options were keyed (its ``plan_key`` set): the others' fields, and their checks,
     do not depend on ``M``; ``options`` holds the call's value of every option (other keys are ignored).
     """
-    shape, (q_shape, _, _), compute_dtype, options_key = problem.plan_key
+    shape, (q_shape, _, _), compute_dtype, options_key, *kv_dtype = problem.plan_key
     shape = shape._replace(M=k.shape[2])
     fields = {}
     for option in _spec.KEY_COUNT:
         fields.update(option.fields(options[option.name], shape))
     made = problem.with_arrays(problem.q, k, v)
-    made.__dict__.update(fields, plan_key=(shape, (q_shape, k.shape, v.shape), compute_dtype, options_key))
+    made.__dict__.update(fields, plan_key=(shape, (q_shape, k.shape, v.shape), compute_dtype, options_key, *kv_dtype))
     return made
 
 
@@ -280,24 +295,22 @@ _RANGE_FIELDS = ("scale", "tau", "beta", "softcap", "alibi", "sigma", "sharpness
 _AXES = {"bhnd": "(B, heads, length, dim)", "bnhd": "(B, length, heads, dim)"}
 
 
-def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
+def _checked_arrays(q, k, v, dtypes, layout="bhnd", quantized=False):
     """``q, k, v`` as ``(B, H, N, D)`` arrays (views for ``layout="bnhd"``) of one accepted dtype
-    (float64 for ``dtypes=None``) and consistent shapes."""
+    (float64 for ``dtypes=None``) and consistent shapes; ``quantized``: ``k`` and ``v`` hold a quantized
+    cache (`elastic_np._contract._quantized.check_cache`), kept in their dtype."""
     arrays = {"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)}
     for name, a in arrays.items():
-        _validation.check_real_float_dtype(a, name)
-        if a.ndim != 4:
-            raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), "
-                             f"got shape {a.shape}")
-        if dtypes is not None:
-            _check_kernel_dtype(a.dtype, name, dtypes)
+        _check_array(a, name, dtypes, layout, stored=quantized and name != "q")
     given = tuple(a.shape for a in arrays.values())
     if layout == "bnhd":
         arrays = {name: np.swapaxes(a, 1, 2) for name, a in arrays.items()}
     q, k, v = arrays.values()
     if dtypes is None:
-        q, k, v = (a.astype(np.float64, copy=False) for a in (q, k, v))
-    elif not q.dtype == k.dtype == v.dtype:
+        q = q.astype(np.float64, copy=False)
+        if not quantized:
+            k, v = (a.astype(np.float64, copy=False) for a in (k, v))
+    elif not quantized and not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     try:
         _check_shapes(q.shape, k.shape, v.shape)
@@ -305,6 +318,16 @@ def _checked_arrays(q, k, v, dtypes, layout="bhnd"):
         raise ValueError(f"{exc}; read as layout={layout!r}, {_AXES[layout]}, from shapes q {given[0]}, "
                          f"k {given[1]}, v {given[2]}") from None
     return q, k, v
+
+
+def _check_array(a, name, dtypes, layout, stored):
+    """The checks of one of ``q, k, v``: its dtype (``stored``: a quantized cache's, taken as it is) and its axes."""
+    if not stored:
+        _validation.check_real_float_dtype(a, name)
+    if a.ndim != 4:
+        raise ValueError(f"`{name}` must have 4 dimensions {_AXES[layout]} (layout={layout!r}), got shape {a.shape}")
+    if dtypes is not None:
+        _check_kernel_dtype(a.dtype, name, (_validation.dtype_name(a.dtype),) if stored else dtypes)
 
 
 def _check_kernel_dtype(dtype, name, dtypes):

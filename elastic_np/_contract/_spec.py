@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from elastic_np._contract import _validation
+from elastic_np._contract import _quantized, _validation
 from elastic_np._contract._types import WINDOW_MAX, DynamicWindow
 
 #: The values of ``align``: where the last query sits (see ``AttentionProblem.kv_ends``).
@@ -45,6 +45,7 @@ class Shape(NamedTuple):
     M: int
     D: int
     check_bias_values: bool
+    Hkv: Optional[int] = None  # None: H (a problem without grouped heads, or no cache scale to check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +177,13 @@ def _softcap(value, shape):
     return {"softcap": None if value is None else _validation.positive_scalar(value, "softcap")}
 
 
+def _cache_scale(name):
+    def fields(value, shape):
+        return {name: _quantized.scale_values(value, name, shape.H if shape.Hkv is None else shape.Hkv)}
+
+    return fields
+
+
 def _bias(value, shape):
     bias, given = _validation.broadcast_bias(value, (shape.B, shape.H, shape.N, shape.M), shape.check_bias_values)
     return {"bias": bias, "bias_shape": given}
@@ -252,6 +260,16 @@ OPTIONS = (
            "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
            "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
            _bias, gradient="dbias", tensor=True, per_call=True, key_count=True, schema="Tensor? bias"),
+    Option("k_scale", None, "float or array_like of shape (Hkv,), optional",
+           "The scale of a quantized ``k`` (int8, ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2``): the keys "
+           "read are ``k * k_scale``, one scale for the tensor or one per kv head, finite and ``> 0`` "
+           "(`elastic_np.quantize_kv` makes them). Only with a quantized ``k``; no gradient.",
+           _cache_scale("k_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
+           schema="Tensor? k_scale"),
+    Option("v_scale", None, "float or array_like of shape (Hkv,), optional",
+           "The scale of a quantized ``v``, as ``k_scale``: the values read are ``v * v_scale``.",
+           _cache_scale("v_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
+           schema="Tensor? v_scale"),
     Option("precision", None, '{None, "tf32"}, optional',
            "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
            "as 3xTF32, three TF32 products per float32 product). ``\"tf32\"``: one TF32 product (10 bits of "

@@ -88,7 +88,9 @@ imports every module that makes a cached function inside
 """
 
 
-from elastic_np._contract import _problem, _validation
+import numpy as np
+
+from elastic_np._contract import _problem, _quantized, _validation
 from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
@@ -130,7 +132,11 @@ def prepare(q, k, v, **options):
     pass over the cache costs as much as the attention; the other paths
     check them first.
     """
-    return _problem.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
+    problem = _problem.prepare(q, k, v, defer_bias_check=True, defer_kv_check=True, **options)
+    if problem.quantized is not None and problem.compute_dtype != np.float32:
+        raise TypeError(f"the cpu kernels read a quantized cache ({problem.quantized}) with `q` in float32, bfloat16 "
+                        f"or float16, not {problem.dtype}")
+    return problem
 
 
 def forward(problem):
@@ -151,9 +157,25 @@ def forward(problem):
     """
     if decode_plan.takes(problem):
         return decode.forward(problem)
+    if problem.quantized is not None:
+        return prefill.forward(_dequantized(problem))
     if forward_amx.takes(problem):
         return forward_amx.forward(problem)
     return prefill.forward(problem)
+
+
+def _dequantized(problem):
+    """``problem`` with its quantized cache dequantized into float32 copies, for the prefill kernel.
+
+    Prefill reads every key for many queries, so the copy (``M x (D + Dv)``
+    floats a kv head) costs little beside the products; the decode kernel,
+    bound by reading the cache, reads the bytes in place instead.
+    """
+    k, v = (_quantized.dequantized(a, s).astype(np.float32) for a, s in
+            ((problem.k, problem.k_scale), (problem.v, problem.v_scale)))
+    made = problem.with_arrays(problem.q, k, v)
+    made.__dict__.update(quantized=None, k_scale=None, v_scale=None, plan_key=None)
+    return made
 
 
 def planned_forward(problem, like=None):

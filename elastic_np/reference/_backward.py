@@ -92,6 +92,9 @@ def check_backward_arrays(p, dout, out, lse, dtype=None, dlse=None):
     reference). Returns ``(dout, out, lse, dlse)``, ``dout`` and ``out`` as
     ``(B, H, N, Dv)`` (views), ``dlse`` None when it was.
     """
+    if p.quantized:
+        raise TypeError(f"no gradient through a quantized cache: `k` and `v` are {p.quantized} (with `k_scale`, "
+                        "`v_scale`); the backward takes float `k` and `v`")
     named = list(zip(p.backward_shapes, (dout, out, lse)))
     if dlse is not None:
         named.append((("dlse", p.backward_shapes[2][1]), dlse))

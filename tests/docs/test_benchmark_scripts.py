@@ -417,3 +417,16 @@ def test_paged_step_prints_both_times_and_their_ratio(capsys):
     full, looked, ratio, low, high = (float(x) for x in figures.groups())
     assert full > 0 and looked > 0 and low <= ratio <= high, line
     assert paged_plans.PLANS  # the looked-up calls had a plan to look up
+
+
+def test_quantized_decode_prints_every_goal(capsys):
+    import quantized_decode
+
+    quantized_decode.main(["--cache", "64", "--rounds", "2", "--repeat", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    for num, den, goal in quantized_decode.GOALS:
+        _assert_two_rounds(_ratio(out, f"{num} / {den}"))
+        assert f"(goal >= {goal})" in out
+    for label in ("bfloat16", "float32", "int8", "float8_e4m3fn"):
+        _ms(out, label)
+    assert "peak extra memory (tracemalloc): int8" in out

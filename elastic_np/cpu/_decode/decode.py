@@ -35,6 +35,10 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   than a tile, page after page, every head's rows of a page in turn
   (`_tile_of_heads`, `elastic_np.cpu._decode.plan.tile_reads`). Each head's products, and so its bits,
   are those of a task of its own;
+- a quantized cache (int8, float8) is read in place by the stacked-rows
+  kernel, its bytes widened in registers by the same products; the scales
+  are folded in (`elastic_np.cpu._decode.plan.cache_scales`): ``k_scale``
+  into the scaled queries, ``v_scale`` into each split's sums;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -56,7 +60,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.plan import cache_scales, schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
 from elastic_np.cpu._runtime.config import FASTMATH
@@ -122,6 +126,7 @@ def _launcher(problem, plan, pages=None, direct=False, like=None):
     rows = (H // Hkv) * N
     sums, accs, reads, splits = (B, Hkv, plan.most, rows), (B, Hkv, plan.most, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
+    scales = () if plan.key_major else (cache_scales(problem),)  # the stacked-rows kernel's (Hkv, 2) scales
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
     planned_pages = pages
     # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
@@ -135,7 +140,7 @@ def _launcher(problem, plan, pages=None, direct=False, like=None):
     def launch(q, k, v, pages, cache):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
         read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
-        args = (q, k, v, planned_pages if pages is None else pages, opt, split_start, tiles,
+        args = (q, k, v, planned_pages if pages is None else pages, opt, *scales, split_start, tiles,
                 (part_max, part_sum, part_acc, read, suspect))
         tasks = task_counter()
         run_tasks(calls[0], *args, tasks=tasks, work=work)
@@ -174,15 +179,16 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
 
 
 @inner(fastmath=FASTMATH)
-def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum):
-    """A split's partials of its stacked rows into ``part_*``; returns ``sum(acc * 0)`` (NaN if not finite)."""
+def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum, v_scale):
+    """A split's partials of its stacked rows into ``part_*``, ``acc`` times ``v_scale`` (a quantized cache's;
+    1 for a float cache, which changes no bit); returns ``sum(acc * 0)`` (NaN if not finite)."""
     checksum = scalar_like(0.0, acc)
     zero = scalar_like(0.0, acc)
     for r in range(acc.shape[0]):
         part_max[r] = row_max[r]
         part_sum[r] = row_sum[r]
         for d in range(acc.shape[1]):
-            part_acc[r, d] = acc[r, d]
+            part_acc[r, d] = acc[r, d] * v_scale
             checksum += acc[r, d] * zero
     return checksum
 
@@ -283,7 +289,7 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, parts):
+def _decode_kernel(q, k, v, pages, opt, scales, split_start, tiles, outs, tasks, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
     ``q``, ``k``, ``v``: operands (`elastic_np.cpu._tiles.operands`); ``pages``:
@@ -295,7 +301,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
     `elastic_np.cpu._decode.tiles._together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
-    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). Batch entry ``b`` has the key splits
+    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`. Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -331,7 +337,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
         for t in range(heads):
             u_lo, u_hi = _row_ranges(opt, b, hk0 + t, group, N, row_span[t, 0], row_span[t, 1])
             read[b, hk0 + t, 0], read[b, hk0 + t, 1] = u_lo, u_hi
-            _start_rows(q, opt, b, hk0 + t, qs[t], (acc[t], row_max[t], row_sum[t]))
+            _start_rows(q, opt, b, hk0 + t, scales[hk0 + t, 0], qs[t], (acc[t], row_max[t], row_sum[t]))
         checksum[:] = 0.0
         u_lo, u_hi = read[b, hk0, 0], read[b, hk0, 1]  # the same for every head of the task
         a = u_lo + (u_hi - u_lo) * s // n_split
@@ -342,7 +348,7 @@ def _decode_kernel(q, k, v, pages, opt, split_start, tiles, outs, tasks, part, p
         for t in range(heads):
             hk = hk0 + t
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
-                                               part_max[b, hk, s], part_sum[b, hk, s])
+                                               part_max[b, hk, s], part_sum[b, hk, s], scales[hk, 1])
             suspect[b, hk, s] = not check == 0.0
 
 
@@ -419,14 +425,15 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
 
 
 @inner(fastmath=FASTMATH)
-def _start_rows(q, opt, b, hk, qs, state):
-    """The stacked rows of kv head ``hk`` before its first tile: ``qs`` the scaled queries, ``state`` emptied."""
+def _start_rows(q, opt, b, hk, k_scale, qs, state):
+    """The stacked rows of kv head ``hk`` before its first tile: ``qs`` the queries scaled (by ``k_scale`` too, the
+    keys' factor of `cache_scales`), ``state`` emptied."""
     acc, row_max, row_sum = state
     N, D = shape(q)[2], shape(q)[3]
     group = qs.shape[0] // N
     for g in range(group):
         h = hk * group + g
-        factor = query_factor(opt, h)
+        factor = query_factor(opt, h) * k_scale
         q_h, col = head(q, b, h)
         for i in range(N):
             for d in range(D):
@@ -504,7 +511,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
                     online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))
         checksum += _store_split(
             acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
-            part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s],
+            part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s], scalar_like(1.0, st),
         )
         suspect[b, hk, s] = not checksum == 0.0
 

@@ -15,6 +15,7 @@ from elastic_np.cpu._decode.tiles import _together
 from elastic_np.cpu._prefill.plan import kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.operands import BNHD
+from elastic_np.cpu._tiles.quantized import UNIT
 
 
 def takes(problem):
@@ -84,7 +85,7 @@ def schedule(problem, k_layout, block_size, entry_splits):
 def _made(problem, k_layout, block_size, entry_splits):
     """`schedule`'s `_Plan`, made."""
     B, H, Hkv, N, M, D, Dv = problem.shape
-    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES
+    key_major = N >= config.DECODE_KEY_MAJOR_QUERIES and problem.quantized is None  # bytes: the stacked rows
     opt = kernel_options(problem, with_sigma_grad=False, dtype=problem.compute_dtype)
     together = not key_major and k_layout == BNHD and _together(opt)
     block_k = block_keys((H // Hkv) * N, key_major)
@@ -98,3 +99,22 @@ def _made(problem, k_layout, block_size, entry_splits):
         block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
     return _Plan(key_major, opt, together, split_start, max(most, 1), tiles,
                  H * N * int(problem.kv_lengths.sum()) * (D + Dv))
+
+
+def cache_scales(problem):
+    """The stacked-rows kernel's ``(Hkv, 2)`` factors of the keys and values read, in the compute dtype.
+
+    A quantized cache's ``(k_scale, v_scale)`` over the `UNIT` its bytes widen
+    to (`elastic_np.cpu._tiles.quantized`); ones for a float cache. The key
+    factor multiplies the scaled queries (`elastic_np.cpu._decode.decode._start_rows`), the value factor a
+    split's sums (`elastic_np.cpu._decode.decode._store_split`): the cache is never dequantized.
+    """
+    Hkv = problem.k.shape[1]
+    if problem.quantized is None:
+        return np.ones((Hkv, 2), dtype=problem.compute_dtype)
+    unit = UNIT[problem.quantized]
+    scales = np.stack([problem.k_scale / unit, problem.v_scale / unit], axis=1).astype(problem.compute_dtype)
+    if not (np.isfinite(scales).all() and (scales >= np.finfo(scales.dtype).tiny).all()):
+        raise ValueError(f"`k_scale` and `v_scale` over {unit} (the {problem.quantized} bytes' unit) must be "
+                         f"normal {scales.dtype} numbers, got {problem.k_scale} and {problem.v_scale}")
+    return scales

@@ -39,6 +39,7 @@ from numba.np import numpy_support
 
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import storage_format, widen, widened
+from elastic_np.cpu._tiles.quantized import HIDDEN_NAN, any_lane, byte_format, nan_bytes, widened as widened_bytes
 from elastic_np.cpu._tiles.simd import LINE_BYTES, REGISTERS, constant_in_jit_code
 from elastic_np.cpu._tiles.transpose import transpose_in_registers, transpose_width
 
@@ -72,13 +73,16 @@ def chunk_entries(x):
 
 @overload(chunk_entries, inline="always")
 def _chunk_entries(x):
-    entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
-        numpy_support.as_dtype(x.dtype))
+    if byte_format(x.dtype):  # a quantized cache: four bytes a 32-bit lane
+        entries = 4 * transpose_width(np.float32)
+    else:
+        entries = 2 * transpose_width(np.float32) if storage_format(x.dtype) else transpose_width(
+            numpy_support.as_dtype(x.dtype))
     return lambda x: entries
 
 
-#: Entries a row of `key_scores`' queries must hold: ``D`` rounded up to the widest chunk (``2 W`` halves).
-_QUERY_ROUND = 2 * transpose_width(np.float32)
+#: Entries a row of `key_scores`' queries must hold: ``D`` rounded up to the widest chunk (``4 W`` bytes).
+_QUERY_ROUND = 4 * transpose_width(np.float32)
 
 
 @inner(fastmath=False)
@@ -108,7 +112,7 @@ def _first(builder, entries, n):
 
 def _masked(builder, operation, vec_ty, entries):
     """``llvm.masked.load`` or ``.store`` of ``vec_ty`` and the mask of its first ``entries`` lanes."""
-    element = {ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
+    element = {ir.IntType(8): "i8", ir.IntType(16): "i16", ir.FloatType(): "f32", ir.DoubleType(): "f64"}[vec_ty.element]
     mask = _first(builder, entries, vec_ty.count)
     ptr_ty, i32 = vec_ty.as_pointer(), ir.IntType(32)
     fnty = ir.FunctionType(vec_ty, [ptr_ty, i32, mask.type, vec_ty]) if operation == "load" else \
@@ -135,13 +139,17 @@ def _store_row(builder, value, ptr, align, entries=None):
     builder.call(fn, [value, vec_ptr, ir.Constant(ir.IntType(32), align), mask])
 
 
-def _load_widened(builder, ptr, stored, vec_ty, align, entries=None):
+def _load_widened(builder, ptr, stored, vec_ty, align, entries=None, nan=True):
     """The ``vec_ty.count`` stored entries at element pointer ``ptr`` as a vector of ``vec_ty`` (``entries``: `_load_row`'s).
 
     ``stored``: the Numba type of the stored entries (a float of ``vec_ty``'s,
-    or a half's bits, `storage_format`); ``align`` the float's size.
+    or a half's bits, `storage_format`, or a quantized cache's bytes,
+    `byte_format`; ``nan``: `widened_bytes`'); ``align`` the float's size.
     """
-    half = storage_format(stored)
+    half, byte = storage_format(stored), byte_format(stored)
+    if byte is not None:
+        return widened_bytes(builder, _load_row(builder, ptr, ir.VectorType(ir.IntType(8), vec_ty.count), 1, entries),
+                             byte, nan)
     if half is None:
         return _load_row(builder, ptr, vec_ty, align, entries)
     return widened(builder, _load_row(builder, ptr, ir.VectorType(ir.IntType(16), vec_ty.count), 2, entries), half)
@@ -160,6 +168,14 @@ def _pair_widened(builder, pairs, stored):
     return [builder.bitcast(x, ir.VectorType(ir.FloatType(), i32.count)) for x in (low, high)]
 
 
+def _bytes_widened(builder, packs, fmt, nan):
+    """The four vectors of the bytes of ``packs`` (32-bit lanes, each four stored bytes, lowest first), widened
+    (``nan``: `widened_bytes`')."""
+    i8 = ir.VectorType(ir.IntType(8), packs.type.count)
+    return [widened_bytes(builder, builder.trunc(builder.lshr(packs, ir.Constant(packs.type, [8 * b] * packs.type.count)),
+                                                 i8), fmt, nan) for b in range(4)]
+
+
 def _matrices(*arrays):
     """Whether the arrays are 2-D and C-contiguous: the intrinsics address them from pointer and row length."""
     return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
@@ -173,7 +189,7 @@ class _Matrix:
         self.builder = builder
         self.data = arr.data if col is None else builder.gep(arr.data, [col], inbounds=True)
         self.lead = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
-        self.itemsize = context.get_abi_sizeof(context.get_value_type(ty.dtype))
+        self.itemsize = context.get_abi_sizeof(context.get_data_type(ty.dtype))  # a record's data, not a pointer
 
     def at(self, row, col, inbounds=True):
         """The element pointer of ``[row, col]`` (``inbounds=False``: it may lie past the array, for a hint)."""
@@ -215,7 +231,9 @@ def _make_key_chunk(masked):
     ``E = chunk_entries(k)``: ``W`` entries of a float, ``2 W`` of a half,
     whose rows are transposed as pairs of halves (32-bit lanes, half the
     shuffles an entry) and widened after: the low half of each lane is entry
-    ``p0 + 2 j``, the high half ``p0 + 2 j + 1``. ``masked``: only the first
+    ``p0 + 2 j``, the high half ``p0 + 2 j + 1``; ``4 W`` of a quantized
+    cache's bytes, transposed as packs of four (a quarter of the shuffles),
+    byte ``b`` of lane ``j`` entry ``p0 + 4 j + b``. ``masked``: only the first
     ``entries < E`` of each row are read and added (the tail of a row whose
     length is not a whole number of chunks), ``qs`` read to ``p0 + E``.
     """
@@ -229,19 +247,29 @@ def _make_key_chunk(masked):
         ahead = _Matrix(context, builder, a_ty, a_v, a_col_v)
         queries = _Matrix(context, builder, qs_ty, qs_v)
         scores = _Matrix(context, builder, st_ty, st_v, s_col_v)
-        half = storage_format(k_ty.dtype) is not None
-        lanes_ty = ir.VectorType(ir.IntType(32), width) if half else vec_ty
-        stored_ty = ir.VectorType(ir.IntType(16), 2 * width) if half else vec_ty
-        loaded, ptr = [], keys.at(c0_v, p0_v)
+        byte = byte_format(k_ty.dtype)
+        packed = 4 if byte else 2 if storage_format(k_ty.dtype) else 1  # stored entries a 32-bit lane
+        lanes_ty = ir.VectorType(ir.IntType(32), width) if packed > 1 else vec_ty
+        stored_ty = ir.VectorType(ir.IntType(32 // packed), packed * width) if packed > 1 else vec_ty
+        loaded, ptr, nans = [], keys.at(c0_v, p0_v), None
         for _ in range(width):  # row after row, a step of the row length each: no address kept per row
-            loaded.append(builder.bitcast(_load_row(builder, ptr, stored_ty, 2 if half else align, entries), lanes_ty))
+            row = _load_row(builder, ptr, stored_ty, 4 // packed if packed > 1 else align, entries)
+            if byte in HIDDEN_NAN:  # a NaN byte widens to a number: found on the whole row (a sum made NaN)
+                found = nan_bytes(builder, row, byte)
+                nans = found if nans is None else builder.or_(nans, found)
+            loaded.append(builder.bitcast(row, lanes_ty))
             ptr = builder.gep(ptr, [keys.lead], inbounds=True)
+        nan_found = None if nans is None else any_lane(builder, nans)
         with builder.if_then(hint_v):
             first = builder.add(a_row_v, c0_v)
             for i in range(width):
-                ahead.hint(builder.add(first, _constant(first, i)), p0_v, 2 * width if half else width)
-        lanes = transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pair from p0 + 2 j
-        columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] if half else lanes
+                ahead.hint(builder.add(first, _constant(first, i)), p0_v, packed * width)
+        lanes = transpose_in_registers(builder, loaded)  # lanes[j][i]: K[c0 + i, p0 + j], or the pack from p0 + 2 j
+        if byte:
+            columns = [column for j in lanes for column in _bytes_widened(builder, j, byte, nan_found is None)]
+        else:
+            columns = [column for j in lanes for column in _pair_widened(builder, j, k_ty.dtype)] \
+                if packed > 1 else lanes
 
         def rows_from(first, count):  # rows first .. first + count - 1, their sums' steps interleaved
             ptrs = [builder.bitcast(scores.at(builder.add(first, _constant(first, r)), c0_v), vec_ty.as_pointer())
@@ -259,7 +287,10 @@ def _make_key_chunk(masked):
                         product = builder.fmul(_splat(builder, q, vec_ty), columns[j], flags=_CONTRACT)
                         builder.store(builder.fadd(builder.load(totals[r]), product, flags=_CONTRACT), totals[r])
             for ptr, total in zip(ptrs, totals):
-                builder.store(builder.load(total), ptr, align=align)
+                total = builder.load(total)
+                if nan_found is not None:
+                    total = builder.select(nan_found, ir.Constant(vec_ty, [float("nan")] * width), total)
+                builder.store(total, ptr, align=align)
 
         groups = builder.udiv(rows_v, _constant(rows_v, _KEY_ROWS))
         with cgutils.for_range(builder, groups) as loop:
@@ -327,10 +358,18 @@ def _make_value_block(rows, vectors, masked=False):
         for r in range(rows):
             for t in range(vectors):
                 builder.store(_load_row(builder, out_ptr(r, t), vec_ty, align, entries), accs[r][t])
+        byte = byte_format(v_ty.dtype)
+        hidden = byte in HIDDEN_NAN  # a NaN byte widens to a number: found on the row's bytes, its sums made NaN
+        wide_ty = ir.VectorType(ir.IntType(8), vectors * width)
+        nans = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.IntType(1), vectors * width), None)) \
+            if hidden else None
         with cgutils.for_range(builder, n_v) as loop:
             key = builder.add(c0_v, loop.index)
-            loaded = [_load_widened(builder, values.at(key, column(t)), v_ty.dtype, vec_ty, align, entries)
+            loaded = [_load_widened(builder, values.at(key, column(t)), v_ty.dtype, vec_ty, align, entries, not hidden)
                       for t in range(vectors)]
+            if hidden:
+                found = nan_bytes(builder, _load_row(builder, values.at(key, column(0)), wide_ty, 1, entries), byte)
+                builder.store(builder.or_(builder.load(nans), found), nans)
             with builder.if_then(hint_v):
                 ahead.hint(builder.add(a_row_v, key), d0_v, vectors * width)
             for r in range(rows):
@@ -338,9 +377,13 @@ def _make_value_block(rows, vectors, masked=False):
                 for t in range(vectors):
                     product = builder.fmul(p, loaded[t], flags=_CONTRACT)
                     builder.store(builder.fadd(builder.load(accs[r][t]), product, flags=_CONTRACT), accs[r][t])
+        nan_found = any_lane(builder, builder.load(nans)) if hidden else None
         for r in range(rows):
             for t in range(vectors):
-                _store_row(builder, builder.load(accs[r][t]), out_ptr(r, t), align, entries)
+                total = builder.load(accs[r][t])
+                if hidden:
+                    total = builder.select(nan_found, ir.Constant(vec_ty, [float("nan")] * width), total)
+                _store_row(builder, total, out_ptr(r, t), align, entries)
         return context.get_dummy_value()
 
     intp = types.intp

@@ -11,7 +11,7 @@ In compiled code:
 
 `widen(x)`
     a stored element as the number it holds: float32 for a half, a float
-    unchanged;
+    unchanged (a quantized cache's byte as `elastic_np.cpu._tiles.quantized` widens it);
 `narrow(x, like)`
     a float as an element of the array ``like``: rounded to the nearest
     even half (through float32) for half storage, ``x`` itself for a float
@@ -43,6 +43,7 @@ from numba.extending import intrinsic, overload
 
 from elastic_np._contract._validation import dtype_name
 from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._tiles import quantized
 
 #: The compiler flags of the overloads' implementations: those of the kernels' tile code (the float
 #: checks' sums vectorise only with reassociation; Numba compiles an overload without any by default).
@@ -55,7 +56,7 @@ _BITS = {"bfloat16": np.uint16, "float16": np.int16}
 def bits(a):
     """``a`` as compiled code takes it: a half array as the integer view of its bits, a float array itself."""
     name = dtype_name(a.dtype)
-    return a.view(_BITS[name]) if name in _BITS else a
+    return a.view(_BITS[name]) if name in _BITS else quantized.bits(a)
 
 
 def storage_format(ty):
@@ -137,6 +138,8 @@ def _widen(x):
         return lambda x: _float16_to_float32(x)
     if isinstance(x, types.Float):
         return lambda x: x
+    if quantized.byte_format(x) is not None:  # a quantized cache's byte (`elastic_np.cpu._tiles.quantized`)
+        return lambda x: quantized.widen_byte(x)
     return None
 
 
@@ -254,6 +257,8 @@ def checked(tile, width):
 @overload(checked, jit_options=_TILE_CODE)
 def _checked(tile, width):
     half = storage_format(tile.types[0].dtype)
+    if quantized.byte_format(tile.types[0].dtype) is not None:
+        return lambda tile, width: quantized.finite_check(tile, width)
     if half is None:
         def float_check(tile, width):
             whole, col = tile

@@ -1,0 +1,288 @@
+"""Quantized caches (int8, float8): `quantize_kv`, the checks of a call, and the CPU kernels against the oracle.
+
+The oracle reads the dequantized cache in float64; a kernel may be at most
+twice as far from it as a naive float32 evaluation on the same dequantized
+cache, plus the kit's rounding allowance, as for a float cache
+(`elastic_np.testing._tolerances.float32_allowed`, the issue's rule).
+The `small_tiles` fixture cuts the decode kernel's tiles and splits small, so
+that short caches cross several of both.
+"""
+
+import tracemalloc
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+import elastic_np as enp
+from elastic_np import reference
+from elastic_np._contract import _spec
+from elastic_np.cpu._runtime import config
+from elastic_np.cpu._tiles.halves import bits, widen
+from elastic_np.cpu._tiles.quantized import UNIT
+from elastic_np.testing import _tolerances
+from oracle_checks import assert_matches_oracle, decode_cases, make_inputs
+
+FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Decode tiles of 37 keys (a few rows) and splits of at least 7 keys, into as many as 64 tasks."""
+    monkeypatch.setattr(config, "DECODE_BLOCK_K", 74)
+    monkeypatch.setattr(config, "SERIAL_WORK", 0)
+    monkeypatch.setattr(config, "DECODE_MIN_SPLIT_KEYS", 7)
+    monkeypatch.setattr(config, "DECODE_MIN_TASKS", 64)
+
+
+def _dequantized(data, scale):
+    """``(B, Hkv, M, D)`` bytes times a scalar or ``(Hkv,)`` scale, in float64."""
+    return data.astype(np.float64) * np.asarray(scale, dtype=np.float64).reshape(-1, 1, 1)
+
+
+def _quantized_case(fmt, granularity="head", seed=0, **shape):
+    """``q`` (float32) and a quantized ``(k, v, k_scale, v_scale)`` of `make_inputs`' arrays, in ``(B, H, N, D)``."""
+    q, k, v, _ = make_inputs(np.float32, seed=seed, **shape)
+    k, v = 3.0 * k, 0.5 * v  # scales away from 1
+    (kd, ks), (vd, vs) = enp.quantize_kv(k, fmt, scale=granularity), enp.quantize_kv(v, fmt, scale=granularity)
+    return q, kd, vd, ks, vs
+
+
+def _check_against_oracle(q, kd, vd, ks, vs, opts, layout="bhnd"):
+    """The cpu kernels' ``out`` and ``lse`` of a quantized cache within the rule; ``q, kd, vd`` in (B, H, N, D)."""
+    given = [a if layout == "bhnd" else np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, kd, vd)]
+    out, lse = enp.attention(*given, k_scale=ks, v_scale=vs, layout=layout, return_lse=True, backend="cpu", **opts)
+    if layout == "bnhd":
+        out = out.transpose(0, 2, 1, 3)
+    kf, vf = _dequantized(kd, ks), _dequantized(vd, vs)
+    want_out, want_lse = reference.attention(q.astype(np.float64), kf, vf, **opts)
+    naive = _tolerances.naive_orderings(q, kf, vf, None, opts, np.float32, backward=False)
+    # the kit's allowance for what no reordering samples (the logits' rounding), as for a float cache
+    rounding = _tolerances.rounding_allowance(q, kf, vf, np.ones(want_out.shape), opts)
+    assert_matches_oracle("out", out, want_out, np.float32, [n["out"] for n in naive], rounding.get("out"))
+    assert_matches_oracle("lse", lse, want_lse, np.float32, [n["lse"] for n in naive], rounding.get("lse"))
+    return out, lse
+
+
+class TestQuantizeKv:
+    def test_int8_rounds_to_nearest_even_with_the_largest_magnitude_at_127(self):
+        x = np.array([127.0, 2.5, 3.5, -2.5, -127.0, 0.4], dtype=np.float32).reshape(1, 1, 1, 6)
+        data, scale = enp.quantize_kv(x, "int8")
+        assert data.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (1,)
+        assert scale[0] == 1.0
+        assert data.ravel().tolist() == [127, 2, 4, -2, -127, 0]
+
+    @pytest.mark.parametrize("fmt, largest", [("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)])
+    def test_float8_maps_the_largest_magnitude_to_the_largest_finite(self, fmt, largest):
+        x = np.random.default_rng(1).standard_normal((2, 3, 5, 8)).astype(np.float32)
+        data, scale = enp.quantize_kv(x, fmt)
+        assert data.dtype == getattr(ml_dtypes, fmt) and scale.shape == (3,)
+        per_head = np.abs(data.astype(np.float64)).max(axis=(0, 2, 3))
+        np.testing.assert_array_equal(per_head, largest)
+        half_spacing = 2.0 ** -4 if fmt == "float8_e4m3fn" else 2.0 ** -3  # 3 or 2 bits of mantissa
+        err = np.abs(_dequantized(data, scale) - x)
+        # relative to the value, or to the smallest normal's spacing below it (subnormals)
+        assert (err <= half_spacing * np.maximum(np.abs(x), scale[None, :, None, None] * largest * 2.0 ** -12)).all()
+
+    def test_per_tensor_and_bnhd_scales(self):
+        x = np.random.default_rng(2).standard_normal((2, 3, 5, 8)).astype(np.float32)
+        x[:, 1] *= 10.0
+        data, scale = enp.quantize_kv(x, "int8", scale="tensor")
+        assert scale.shape == () and scale == np.float32(np.abs(x).max() / 127)
+        bhnd, per_head = enp.quantize_kv(x, "int8")
+        bnhd, per_head_bnhd = enp.quantize_kv(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), "int8", layout="bnhd")
+        np.testing.assert_array_equal(per_head, per_head_bnhd)
+        np.testing.assert_array_equal(bhnd, bnhd.transpose(0, 2, 1, 3))
+        assert per_head[1] > 5 * per_head[0]
+
+    def test_a_head_of_zeros_has_scale_one(self):
+        data, scale = enp.quantize_kv(np.zeros((1, 2, 3, 4)), "float8_e4m3fn")
+        assert scale.tolist() == [1.0, 1.0] and not data.astype(np.float32).any()
+
+    @pytest.mark.parametrize("args, kwargs, error, match", [
+        ((np.ones((1, 1, 2, 2)), "int4"), {}, TypeError, "`dtype` must be one of int8"),
+        ((np.ones((1, 1, 2, 2)), "int8"), {"scale": "token"}, ValueError, "per-token and per-group"),
+        ((np.ones((1, 2, 2)), "int8"), {}, ValueError, "4 dimensions"),
+        ((np.full((1, 1, 2, 2), np.nan), "int8"), {}, ValueError, "NaN or inf"),
+        ((np.ones((1, 1, 2, 2)), "int8"), {"layout": "nhd"}, ValueError, "`layout`"),
+    ])
+    def test_bad_arguments(self, args, kwargs, error, match):
+        with pytest.raises(error, match=match):
+            enp.quantize_kv(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_stored_byte_widens_to_its_value(fmt):
+    """Every byte of each format, through the kernels' scalar widening, against ``ml_dtypes``."""
+    dtype = np.dtype(np.int8) if fmt == "int8" else np.dtype(getattr(ml_dtypes, fmt))
+    stored = np.arange(256, dtype=np.uint8).view(dtype)
+
+    @njit
+    def widened(a):
+        out = np.empty(a.shape[0], dtype=np.float32)
+        for i in range(a.shape[0]):
+            out[i] = widen(a[i])
+        return out
+
+    got = widened(bits(stored)).astype(np.float64) / UNIT[fmt]
+    np.testing.assert_array_equal(got, stored.astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("N", [1, 5])
+@pytest.mark.parametrize("case", list(decode_cases(2, 4, 5, 97)))
+def test_decode_matches_the_oracle(small_tiles, fmt, N, case):
+    opts = decode_cases(2, 4, N, 97)[case]
+    q, kd, vd, ks, vs = _quantized_case(fmt, N=N, M=97, D=20, Dv=12)
+    _check_against_oracle(q, kd, vd, ks, vs, opts)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_layouts_and_scales(small_tiles, fmt, layout, granularity):
+    """16 queries (the stacked-rows kernel, for a quantized cache), grouped heads, head dims 100 (whole chunks of
+    bytes and a masked one) and 33."""
+    q, kd, vd, ks, vs = _quantized_case(fmt, granularity, B=1, H=8, Hkv=2, N=16, M=150, D=100, Dv=33)
+    _check_against_oracle(q, kd, vd, ks, vs, dict(causal=True, tau=0.7, beta=0.3), layout)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("opts", [{}, dict(causal=True, softcap=2.0), dict(window_size=(9, 3), tau=1.5, beta=1.0)],
+                         ids=["plain", "causal-softcap", "window-tau-beta"])
+def test_prefill_matches_the_oracle(fmt, opts):
+    q, kd, vd, ks, vs = _quantized_case(fmt, N=40, M=61, D=16, Dv=16)
+    _check_against_oracle(q, kd, vd, ks, vs, opts)
+
+
+def test_the_reference_reads_the_dequantized_cache():
+    q, kd, vd, ks, vs = _quantized_case("float8_e4m3fn", N=3, M=11)
+    got = enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, causal=True, backend="reference")
+    want = reference.attention(q.astype(np.float64), _dequantized(kd, ks), _dequantized(vd, vs), causal=True)[0]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_a_half_query_reads_a_quantized_cache(half):
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=300, D=32, Dv=32)
+    q_half = q.astype(ml_dtypes.bfloat16 if half == "bfloat16" else np.float16)
+    out = enp.attention(q_half, kd, vd, k_scale=ks, v_scale=vs, backend="cpu")
+    assert out.dtype == q_half.dtype
+    want = enp.attention(q_half.astype(np.float32), kd, vd, k_scale=ks, v_scale=vs, backend="cpu")
+    np.testing.assert_array_equal(out, want.astype(q_half.dtype))  # the float32 result, rounded once
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bits_do_not_depend_on_the_thread_count(fmt):
+    q, kd, vd, ks, vs = _quantized_case(fmt, B=1, H=8, Hkv=2, N=2, M=4100, D=64, Dv=64)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for threads in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(threads)
+            results.append(enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, causal=True, backend="cpu"))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_decode_makes_no_dequantized_copy():
+    """A decoding step on a 16 MiB int8 cache allocates far less than the 64 MiB of a float32 copy."""
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, H=32, Hkv=8, N=1, M=8192, D=128, Dv=128)
+    enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu")  # compiled, planned
+    tracemalloc.start()
+    try:
+        enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, f"peak {peak / 2**20:.2f} MiB"
+
+
+@pytest.mark.parametrize("fmt, byte", [("float8_e4m3fn", 0x7F), ("float8_e5m2", 0x7C), ("float8_e5m2", 0xFE)])
+@pytest.mark.parametrize("N, D, at", [(1, 8, 3), (1, 128, 70), (40, 8, 3)])
+def test_a_nan_or_inf_in_a_float8_cache_is_an_error(fmt, byte, N, D, at):
+    """Head dim 8: the tails' scalar and masked paths; 128: whole chunks of key bytes and blocks of values."""
+    q, kd, vd, ks, vs = _quantized_case(fmt, B=1, N=N, M=50, D=D, Dv=D)
+    for name in ("k", "v"):
+        bad = {"k": kd.copy(), "v": vd.copy()}
+        bad[name].view(np.uint8)[0, 1, 17, at] = byte
+        with pytest.raises(ValueError, match=f"`{name}` contains NaN or inf"):
+            enp.attention(q, bad["k"], bad["v"], k_scale=ks, v_scale=vs, backend="cpu")
+
+
+def _error_cases():
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=9)
+    k, v = kd.astype(np.float32), vd.astype(np.float32)
+    e4m3 = kd.astype(ml_dtypes.float8_e4m3fn)
+    return [
+        ("k without its scale", (q, kd, vd), dict(v_scale=vs), ValueError, "pass its scale `k_scale`"),
+        ("v without its scale", (q, kd, vd), dict(k_scale=ks), ValueError, "pass its scale `v_scale`"),
+        ("a scale with a float cache", (q, k, v), dict(k_scale=1.0), ValueError, "`k_scale` is given but `k`"),
+        ("a scale of the wrong shape", (q, kd, vd), dict(k_scale=np.ones(3), v_scale=vs), ValueError,
+         r"shape \(Hkv,\) = \(2,\)"),
+        ("a per-token scale", (q, kd, vd), dict(k_scale=ks, v_scale=np.ones((1, 2, 9))), ValueError,
+         "per-token .* not supported yet"),
+        ("a zero scale", (q, kd, vd), dict(k_scale=0.0, v_scale=vs), ValueError, "`k_scale` must be finite and > 0"),
+        ("a negative scale", (q, kd, vd), dict(k_scale=ks, v_scale=-vs), ValueError, "`v_scale` must be finite"),
+        ("a NaN scale", (q, kd, vd), dict(k_scale=np.array([1.0, np.nan]), v_scale=vs), ValueError,
+         "`k_scale` must be finite"),
+        ("an inf scale", (q, kd, vd), dict(k_scale=ks, v_scale=np.inf), ValueError, "`v_scale` must be finite"),
+        ("mixed quantized and float", (q, kd, v), dict(k_scale=ks), TypeError, "both be quantized"),
+        ("two quantized dtypes", (q, kd, e4m3), dict(k_scale=ks, v_scale=vs), TypeError, "both be quantized"),
+        ("a quantized q", (kd[:, :1].repeat(4, axis=1), kd, vd), dict(k_scale=ks, v_scale=vs), TypeError,
+         "`q` has the quantized dtype"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("label, arrays, scales, error, match", _error_cases(), ids=[c[0] for c in _error_cases()])
+def test_bad_calls_are_errors_that_mutate_nothing(backend, label, arrays, scales, error, match):
+    copies = [a.copy() for a in arrays] + [np.copy(s) for s in scales.values()]
+    with pytest.raises(error, match=match):
+        enp.attention(*arrays, backend=backend, **scales)
+    for before, after in zip(copies, list(arrays) + list(scales.values())):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_what_is_not_supported_yet_says_so():
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=9)
+    out, lse = enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, return_lse=True, backend="cpu")
+    for backend in ("cpu", "reference"):
+        with pytest.raises(TypeError, match="no gradient through a quantized cache"):
+            enp.attention_backward(np.ones_like(out), q, kd, vd, out, lse, k_scale=ks, v_scale=vs, backend=backend)
+    with pytest.raises(TypeError, match="`q` in float32, bfloat16 or float16"):
+        enp.attention(q.astype(np.float64), kd, vd, k_scale=ks, v_scale=vs, backend="cpu")
+    with pytest.raises(ValueError, match="backend 'cuda' does not take `k_scale`"):
+        _spec.check_support(dict(k_scale=ks), "cuda")
+    packed = dict(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 9])
+    with pytest.raises(TypeError, match="quantized cache yet"):
+        enp.varlen_attention(q[0].transpose(1, 0, 2), kd[0].transpose(1, 0, 2), vd[0].transpose(1, 0, 2), **packed)
+    with pytest.raises(ValueError, match="packed and paged ones are not supported yet"):
+        enp.varlen_attention(q[0].transpose(1, 0, 2), kd[0].transpose(1, 0, 2), vd[0].transpose(1, 0, 2),
+                             k_scale=ks, **packed)
+
+
+def test_the_torch_adapter_reads_an_int8_cache():
+    torch = pytest.importorskip("torch")
+    import elastic_np.torch as enp_torch
+
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=40)
+    got = enp_torch.attention(*(torch.from_numpy(a) for a in (q, kd, vd)), k_scale=torch.from_numpy(ks),
+                              v_scale=torch.from_numpy(vs))
+    np.testing.assert_array_equal(got.numpy(), enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu"))
+
+
+def test_planned_calls_keep_each_format_apart():
+    """Repeated calls with scalar scales go through `attention`'s plans, a growing cache through their resized kin:
+    each format of the same shapes has its own."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 8, 1, 32)).astype(np.float32)
+    for M in (100, 101, 101, 102):
+        for fmt in FORMATS:
+            kd, _ = enp.quantize_kv(rng.standard_normal((1, 2, M, 32)), fmt, scale="tensor")
+            got = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="cpu")
+            want = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="reference")
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
