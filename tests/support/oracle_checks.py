@@ -274,9 +274,15 @@ LAYOUTS = ["C", "F", "queries-contiguous", "strided", "reversed"]
 
 
 def holds_half_bits(types):
-    """Whether a signature holds an array of a half's bits (uint16 or int16), at any depth of its tuples."""
-    return any(holds_half_bits(ty.types) if hasattr(ty, "types") else str(getattr(ty, "dtype", "")) in
-               ("uint16", "int16") for ty in types)
+    """Whether a signature holds an array of stored bits, a half's (uint16 or int16) or a quantized cache's
+    (int8 or uint8), at any depth of its tuples: the specialisations of the other storage dtypes."""
+    return any(holds_half_bits(ty.types) if hasattr(ty, "types") else _stored_bits(str(getattr(ty, "dtype", "")))
+               for ty in types)
+
+
+def _stored_bits(dtype):
+    """Whether a Numba dtype's name is that of stored bits: a half's integers, int8, or a float8's record."""
+    return dtype in ("uint16", "int16", "int8", "uint8") or dtype.startswith("Record(")
 
 
 def decode_cases(B, H, N, M, seed=0):
