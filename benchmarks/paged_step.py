@@ -5,7 +5,8 @@
 keys, one new query per sequence: the call as every layer of a step after
 the first makes it (the plan of the step's layout looked up,
 `elastic_np._api.paged_plans`), and as the first makes it (checked in full:
-the plans cleared before each call), interleaved in one process. Prints the
+the plans cleared as each timed call starts, a dictionary's ``clear``),
+interleaved in one process (`call_overhead.timed`). Prints the
 median of each round's median in microseconds, and in full / looked up,
 median and range.
 
@@ -13,12 +14,13 @@ Usage: ``python benchmarks/paged_step.py [--rounds R] [--calls N] [--sequences S
 """
 
 import argparse
-import time
 
 import numpy as np
 
 import elastic_np as enp
 from elastic_np._api import paged_plans
+
+from call_overhead import timed  # a script beside this one
 
 
 def make_step(sequences, seed=0):
@@ -33,17 +35,6 @@ def make_step(sequences, seed=0):
     return lambda: enp.varlen_attention(q, k, v, cu, None, block_table=table, seqused_k=used, backend="cpu")
 
 
-def timed(call, n, clear):
-    times = []
-    for _ in range(n):
-        if clear:
-            paged_plans.PLANS.clear()
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -53,10 +44,14 @@ def main(argv=None):
     call = make_step(args.sequences)
     call()
     call()  # the plan made, its kernels' entry points found
+    def in_full():
+        paged_plans.PLANS.clear()
+        call()
+
     full, looked = [], []
     for _ in range(args.rounds):
-        full.append(timed(call, args.calls, clear=True))
-        looked.append(timed(call, args.calls, clear=False))
+        full.append(timed(in_full, args.calls))
+        looked.append(timed(call, args.calls))
     ratio = np.array(full) / np.array(looked)
     print(f"paged decoding step, {args.sequences} sequences: in full {np.median(full):.1f} us, looked up "
           f"{np.median(looked):.1f} us; in full / looked up {np.median(ratio):.2f} "

@@ -5,7 +5,8 @@
 ``double_backward_cases`` draws the second derivatives' cases with
 `case_arrays` and `numpy_options` from here. `tensors` and `torch_call` run a
 case through elastic_np.torch (``test_torch_adapter``, ``test_torch_cuda`` and
-``tests/cuda/test_sim_torch.py``); they import torch when called.
+``tests/cuda/test_sim_torch.py``), and `weighted_loss` makes a loss of its
+results (``test_torch_op``, ``test_torch_fast``); they import torch when called.
 """
 
 import numpy as np
@@ -68,3 +69,13 @@ def tensors(arrays, requires_grad=LEARNED):
     import torch
 
     return {n: torch.tensor(a, requires_grad=n in requires_grad) for n, a in arrays.items()}
+
+
+def weighted_loss(out, lse, which, seed):
+    """A loss of ``out``, of ``lse`` or of both (``which``), each weighted by random tensors drawn from ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    parts = {"out": (out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum(),
+             "lse": (lse * torch.randn(lse.shape, generator=gen).to(lse.dtype)).sum()}
+    return sum(parts[w] for w in which)

@@ -11,6 +11,7 @@ from elastic_np._api import adapters as common  # noqa: E402
 from elastic_np._api import dispatch, plans  # noqa: E402
 from elastic_np._contract import _spec  # noqa: E402
 from elastic_np.torch import _arrays, _fast, _ops  # noqa: E402
+from adapter_cases import weighted_loss  # noqa: E402
 
 #: Option sets the short way takes (every value a Python scalar), each with a layout of its own.
 OPTION_SETS = [
@@ -148,10 +149,7 @@ def _through_the_operator(q, k, v, options):
 
 
 def _loss(out, lse, which):
-    gen = torch.Generator().manual_seed(2)
-    parts = {"out": (out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum(),
-             "lse": (lse * torch.randn(lse.shape, generator=gen).to(lse.dtype)).sum()}
-    return sum(parts[w] for w in which)
+    return weighted_loss(out, lse, which, seed=2)
 
 
 @pytest.mark.parametrize("which", [("out",), ("lse",), ("out", "lse")])

@@ -10,6 +10,7 @@ import elastic_np.torch as enpt  # noqa: E402
 from elastic_np._api import adapters as common  # noqa: E402
 from elastic_np._contract import _spec
 from elastic_np.torch import _ops  # noqa: E402
+from adapter_cases import weighted_loss  # noqa: E402
 
 
 def _options(H, N, M, rng):
@@ -210,10 +211,7 @@ def test_a_third_derivative_is_refused_naming_the_operator():
 
 def _losses(out, lse, which):
     """A loss of ``out``, of ``lse`` or of both, with weights of their own."""
-    gen = torch.Generator().manual_seed(5)
-    parts = {"out": (out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum(),
-             "lse": (lse * torch.randn(lse.shape, generator=gen).to(lse.dtype)).sum()}
-    return sum(parts[w] for w in which)
+    return weighted_loss(out, lse, which, seed=5)
 
 
 @pytest.mark.parametrize("which", [("out",), ("lse",), ("out", "lse")])
