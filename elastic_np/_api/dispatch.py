@@ -166,7 +166,7 @@ def attention(
     problem = validated(module, q, k, v, options)
     with _reported(module, "forward", problem):
         out, lse = module.forward(problem)
-    plans.keep(call_key, module, problem, {**options, "return_lse": return_lse, "backend": backend})
+    plans.keep(call_key, module, problem, {**options, "return_lse": return_lse, "backend": backend}, k, v)
     out = problem.as_given(out)
     return (out, lse) if return_lse else out
 

@@ -52,9 +52,7 @@ class Plan:
     def __init__(self, module, problem, shapes, options, stand_ins=False):
         self.shapes, self.dtype, self.options = shapes, problem.dtype, options
         self._module, self._bnhd, self._lse = module, problem.layout == "bnhd", options["return_lse"]
-        if not stand_ins:  # the plan keeps stand-ins of the arrays it was made with, not the arrays
-            problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
-        self._problem = problem
+        self._problem = problem if stand_ins else _without_arrays(problem)
         self._make = getattr(module, "planned_forward", None)
         self._forward = None  # the problem's planned forward, made on the first run
         self._like = None  # the planned forward of a plan that differs in its number of keys alone
@@ -276,7 +274,7 @@ def lookup(call_key, k, v):
         kin = None if family is None else FAMILIES.get(family)
         if kin is not None:
             plan = kin.resized(k.shape[2 if kin._problem.layout == "bhnd" else 1])
-            plan._reported.add((call_key[1], call_key[4], call_key[7]))  # its kin's kernels, which have run
+            plan._reported.add(_strides(call_key))  # its kin's kernels, which have run
             PLANS.get_or_make(call_key, lambda: plan)
             FAMILIES[family] = plan
     return plan
@@ -291,20 +289,27 @@ def _family(call_key, k, v):
     return call_key[0], call_key[1], call_key[2], without(k.shape), k.dtype, without(v.shape), v.dtype, call_key[9]
 
 
-def keep(call_key, module, problem, options):
-    """Keep a `Plan` of ``problem`` (validated for a call of key ``call_key``), if its backend has plans."""
+def keep(call_key, module, problem, options, k, v):
+    """Keep a `Plan` of ``problem``, validated for a call of key ``call_key`` on ``k`` and ``v`` (as given), if its
+    backend has plans."""
     if call_key is None or getattr(module, "planned_forward", None) is None:
         return
-    shapes = tuple(a.shape for a in (problem.q, problem.k, problem.v))
-    if problem.layout == "bnhd":
-        shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
-    made = Plan(module, problem, shapes, options)
-    made._reported.add((call_key[1], call_key[4], call_key[7]))  # the call that made it reported its compiles
+    made = Plan(module, problem, (call_key[0], call_key[3], call_key[6]), options)  # the shapes as given
+    made._reported.add(_strides(call_key))  # the call that made it reported its compiles
     PLANS.get_or_make(call_key, lambda: made)
-    family = _family(call_key, problem.k, problem.v) if problem.layout == "bhnd" else \
-        _family(call_key, problem.k.swapaxes(1, 2), problem.v.swapaxes(1, 2))
+    family = _family(call_key, k, v)
     if family is not None:
         FAMILIES[family] = made
+
+
+def _strides(call_key):
+    """The strides of ``q``, ``k``, ``v`` in a `key`."""
+    return call_key[1], call_key[4], call_key[7]
+
+
+def _without_arrays(problem):
+    """``problem`` with stand-ins of its ``q``, ``k``, ``v``: a plan keeps no array of the call that made it."""
+    return problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
 
 
 class BackwardPlan:
@@ -319,7 +324,7 @@ class BackwardPlan:
 
     def __init__(self, module, problem):
         self._module, self._bnhd, self._reported = module, problem.layout == "bnhd", False
-        self._problem = problem.with_arrays(*(_stand_in(a.shape, a.dtype) for a in (problem.q, problem.k, problem.v)))
+        self._problem = _without_arrays(problem)
 
     def backward(self, dout, q, k, v, out, lse, dlse):
         """`elastic_np.attention_backward` of these arrays (``q``, ``k``, ``v`` of the plan's key)."""

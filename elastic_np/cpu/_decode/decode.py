@@ -110,10 +110,11 @@ def forward(problem, paged=None, entry_splits=None):
     return _launcher(problem, plan)(q, k, v, pages, cache)
 
 
-def _launcher(problem, plan, pages=None, direct=False, like=None):
+def _launcher(problem, plan, direct=False, like=None):
     """``launch(q, k, v, pages, cache) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``, ``v`` with
-    `schedule`'s ``plan`` and ``pages`` (the ``pages`` given here when None), ``cache`` the keys and values
-    `_check_unread_cache` reads where the kernel did not (where ``problem.kv_unchecked``).
+    `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and whether a task takes every
+    kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
+    ``problem.kv_unchecked``).
 
     ``direct``: a launcher run again and again calls the kernels through their entry points from its
     second run on (`direct_call`), or from its first where ``like``, the launcher of a problem that differs
@@ -128,7 +129,6 @@ def _launcher(problem, plan, pages=None, direct=False, like=None):
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
     scales = () if plan.key_major else (cache_scales(problem),)  # the stacked-rows kernel's (Hkv, 2) scales
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
-    planned_pages = pages
     # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
     # runs once, a plan's first, skips the fingerprint of its arguments)
     calls, runs, kind = [kernel, _merge_kernel], [0], (plan.key_major, plan.together)
@@ -140,7 +140,7 @@ def _launcher(problem, plan, pages=None, direct=False, like=None):
     def launch(q, k, v, pages, cache):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
         read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
-        args = (q, k, v, planned_pages if pages is None else pages, opt, *scales, split_start, tiles,
+        args = (q, k, v, pages, opt, *scales, split_start, tiles,
                 (part_max, part_sum, part_acc, read, suspect))
         tasks = task_counter()
         run_tasks(calls[0], *args, tasks=tasks, work=work)

@@ -9,6 +9,10 @@ from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.operands import operand
 
 
+#: `decode.forward`'s ``pages`` of a contiguous cache whose tasks take every kv head (``plan.together``).
+_EVERY_HEAD = (_NO_TABLE, 0, True)
+
+
 def contiguous(problem, like=None):
     """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
     shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
@@ -27,9 +31,8 @@ def contiguous(problem, like=None):
         if launch is None:
             plan = schedule(problem, k_operand[1], None, None)
             kin = kin_launchers.get(key)
-            launch = launchers[key] = decode._launcher(problem, plan, (_NO_TABLE, 0, True) if plan.together else None,
-                                                direct=True, like=kin)
-        return launch(q_operand, k_operand, v_operand, None, (k, v))
+            launch = launchers[key] = decode._launcher(problem, plan, direct=True, like=kin)
+        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if launch.kind[1] else None, (k, v))
 
     run.launchers = launchers
     return run
