@@ -191,6 +191,7 @@ def test_no_other_module_uses_the_private_internals():
     assert users == {"cpu/_runtime/numba_private.py"}
 
 
+@pytest.mark.skipif(not private.enabled("direct_calls"), reason="calls go through the dispatchers")
 def test_direct_call_is_the_entry_point_of_the_arguments_types_once_compiled(monkeypatch):
     from numba import njit
 
