@@ -187,7 +187,7 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
                                        options["v_scale"])
     q, k, v = _checked_arrays(q, k, v, dtypes, _spec.check_layout(options["layout"]), quantized)
     B, H, N, D = q.shape
-    if check_finite and not np.isfinite(q).all():
+    if check_finite and not _validation.all_finite(q):
         raise ValueError("`q` contains NaN or inf")
     shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check,
                         Hkv=k.shape[1])

@@ -284,6 +284,31 @@ def broadcast_bias(bias, shape, check_values):
 BIAS_VALUES_ERROR = "`bias` contains NaN or +inf (-inf is allowed: it removes the entry)"
 
 
+#: Entries `all_finite` checks at a time: the temporary its check makes stays this small.
+FINITE_CHUNK = 1 << 18
+
+
+def all_finite(a):
+    """Whether every entry of the float array ``a`` is finite, checked in slabs of about `FINITE_CHUNK` entries.
+
+    A slab is a range of the axis of ``a``'s longest stride (of a C-contiguous
+    ``a``, of its entries in order), so that each is read in memory order;
+    where one index of that axis holds more entries, each is checked so in turn.
+    """
+    if a.size <= FINITE_CHUNK or a.ndim == 1 and not a.flags.c_contiguous:
+        return bool(np.isfinite(a).all())
+    if a.flags.c_contiguous:
+        flat = a.reshape(-1)
+        return all(np.isfinite(flat[i:i + FINITE_CHUNK]).all() for i in range(0, flat.size, FINITE_CHUNK))
+    outer = max(range(a.ndim), key=lambda i: abs(a.strides[i]) if a.shape[i] > 1 else -1)
+    a = np.moveaxis(a, outer, 0)
+    per_index = a.size // a.shape[0]
+    if per_index > FINITE_CHUNK:
+        return all(all_finite(part) for part in a)
+    step = FINITE_CHUNK // per_index
+    return all(np.isfinite(a[i:i + step]).all() for i in range(0, a.shape[0], step))
+
+
 def check_cache_values(k, v, kv_lengths):
     """Raise ValueError naming ``k`` or ``v`` when a key below ``kv_lengths[b]`` holds NaN or inf.
 
@@ -294,9 +319,9 @@ def check_cache_values(k, v, kv_lengths):
     whole = bool((kv_lengths == M).all())
     for name, a in (("k", k), ("v", v)):
         if whole:
-            finite = np.isfinite(a).all()
+            finite = all_finite(a)
         else:
-            finite = all(np.isfinite(a[b, :, :n]).all() for b, n in enumerate(kv_lengths))
+            finite = all(all_finite(a[b, :, :n]) for b, n in enumerate(kv_lengths))
         if not finite:
             raise ValueError(f"`{name}` contains NaN or inf")
 
