@@ -57,7 +57,7 @@ def _index(arrays):
 
 
 def keep(call_key, run):
-    """Keep ``run`` (`elastic_np._api.varlen._paged_batch`'s) for calls of ``call_key``."""
+    """Keep ``run`` (`elastic_np._api.paged.batch`'s) for calls of ``call_key``."""
     if call_key is not None and run is not None:
         PLANS.get_or_make(call_key, lambda: run)
 

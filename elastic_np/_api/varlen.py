@@ -16,6 +16,7 @@ import operator
 import numpy as np
 
 from elastic_np._api import dispatch, paged_plans
+from elastic_np._api import paged as paged_cache
 from elastic_np._contract import _quantized, _spec
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 
@@ -115,178 +116,10 @@ def _check_keys_and_values(q, k, v, paged):
     if heads == 0:
         raise ValueError("`k` and `v` must have one head or more, got 0")
     if q.shape[1] % heads and paged:
-        raise _page_shape_error(q.shape[1], k, f"`q`'s {q.shape[1]} heads must be a multiple of its Hkv (axis 2), "
-                                               f"{heads}")
+        raise paged_cache.page_shape_error(q.shape[1], k, f"`q`'s {q.shape[1]} heads must be a multiple of its Hkv "
+                                           f"(axis 2), {heads}")
     if q.shape[1] % heads:
         raise ValueError(f"`q`'s {q.shape[1]} heads must be a multiple of `k`'s {heads}")
-
-
-def _page_shape_error(heads, k, why):
-    """The `ValueError` for pages ``k`` that do not fit ``heads`` query heads, saying ``why``.
-
-    It names the per-head order, ``(num_blocks, Hkv, block_size, D)``
-    (vLLM's paged attention), where the pages could be in it (`_per_head_order`).
-    """
-    message = (f"with `block_table`, `k` and `v` must be pages of shape (num_blocks, block_size, Hkv, D), got `k` "
-               f"of shape {tuple(k.shape)}: {why}")
-    if _per_head_order(heads, k):
-        message += (f"; these look like pages in the per-head order (num_blocks, Hkv, block_size, D) of "
-                    f"vLLM's paged attention, {k.shape[1]} heads of {k.shape[2]} keys: pass `k.swapaxes(1, 2)` "
-                    "and `v.swapaxes(1, 2)` (views; a call then copies the pages it reads)")
-    return ValueError(message)
-
-
-def _per_head_order(heads, k):
-    """Whether pages ``k`` could be in vLLM's per-head order: their axis 1 divides the ``heads`` query heads."""
-    return k.shape[1] != k.shape[2] and k.shape[1] > 0 and heads % k.shape[1] == 0
-
-
-def _pages(k, block_table, seqused_k, count, heads):
-    """``(table, used)`` of a paged cache, checked: each sequence's pages, and the keys it uses of them.
-
-    ``heads`` is ``q``'s number of heads: pages too small for ``seqused_k``
-    that would hold it in vLLM's per-head order are a `_page_shape_error`.
-    """
-    table, used = np.asarray(block_table), None if seqused_k is None else np.asarray(seqused_k)
-    if table.ndim != 2 or table.shape[0] != count or not np.issubdtype(table.dtype, np.integer):
-        raise ValueError(f"`block_table` must be an integer array (sequences, max_blocks) = ({count}, ...), "
-                         f"got {table.dtype} {table.shape}")
-    valid = used is not None and used.shape == (count,) and np.issubdtype(used.dtype, np.integer) \
-        and (used >= 0).all()
-    if valid and (used > table.shape[1] * k.shape[1]).any() and (used <= table.shape[1] * k.shape[2]).all() \
-            and _per_head_order(heads, k):
-        raise _page_shape_error(heads, k, f"{table.shape[1]} pages of {k.shape[1]} keys (axis 1) a sequence hold "
-                                          f"fewer than `seqused_k` {used.tolist()}")
-    if not valid or (used > table.shape[1] * k.shape[1]).any():
-        raise ValueError(f"a paged cache needs `seqused_k`, the keys each of the {count} sequences uses, from 0 "
-                         f"to its {table.shape[1]} pages of {k.shape[1]}, got {seqused_k!r}")
-    read = _read_pages(table, used, k.shape[1])
-    if ((table < 0) | (table >= k.shape[0]))[read].any():
-        raise ValueError(f"`block_table` names a page outside the {k.shape[0]} of the cache (`k` and `v`)")
-    _check_distinct(table, read)
-    return table, used
-
-
-def _read_pages(table, used, block_size):
-    """Which entries of ``table`` hold keys the sequences use: ``(S, max_blocks)`` bools."""
-    return np.arange(table.shape[1]) * block_size < np.asarray(used).reshape(-1, 1)
-
-
-def _check_distinct(table, read):
-    """A `ValueError` naming the first row of ``table`` whose pages that are ``read`` repeat one.
-
-    One sort of every row, the pages not read replaced by negative numbers
-    of their own (the pages read are at least 0, checked before).
-    """
-    pages = np.sort(np.where(read, table, -1 - np.arange(table.shape[1])), axis=1)
-    repeats = pages[:, 1:] == pages[:, :-1]
-    if repeats.any():
-        s = int(np.argmax(repeats.any(axis=1)))
-        page = pages[s, 1:][repeats[s]][0]
-        raise ValueError(f"`block_table` row {s} names page {page} twice: a sequence's pages must differ")
-
-
-def _paged_batch(q, k, v, cu_q, table, used, options, backend):
-    """``(out, lse, run)``, every sequence of a paged cache in one call of the CPU decode kernel, or None.
-
-    Each sequence keeps the key splits of a call of its own (`_paged_attention`'s
-    stand-in problem, ``splits(1, Hkv, used[s])``) and so its bits; the tasks
-    of all of them share the threads. None, for the caller to go sequence by
-    sequence, unless the backend is the CPU, every sequence has the same
-    number of queries, no `PER_SEQUENCE` option is given, and the batch is a
-    problem the decode kernel takes (one that `prepare` rejects, the
-    sequences' own calls raise about). ``run(q, k, v)``: the same call for
-    other arrays of the same shapes and dtype, the same table and lengths
-    (`elastic_np._api.paged_plans`), where the pools are C-contiguous (else None).
-    """
-    module = dispatch.get_backend(backend)
-    lengths = np.diff(cu_q)
-    if module.__name__ != "elastic_np.cpu" or (lengths != lengths[0]).any() \
-            or any(options[name] is not None for name in PER_SEQUENCE):
-        return None
-    count, N = lengths.size, int(lengths[0])
-    batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
-    try:
-        problem = dispatch.validated(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
-                                     batch)
-    except (ValueError, TypeError):
-        return None
-    if not module.decode_plan.takes(problem):
-        return None
-    entry_splits = [module.decode_plan.splits(1, k.shape[2], n) for n in used]
-    decode = module.planned.paged(problem, k.shape[1], entry_splits)
-    k_pool, v_pool, pool_table = _decode_pools(k, v, table, used)
-    pool_table = np.array(pool_table, dtype=np.int64, order="C")
-
-    def run(q, k_pool, v_pool):
-        out, lse = decode(q.reshape(count, N, *q.shape[1:]).swapaxes(1, 2), k_pool, v_pool, pool_table)
-        return out.swapaxes(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]), lse.transpose(0, 2, 1).reshape(
-            -1, lse.shape[1])
-
-    with dispatch._reported(module, "forward", problem):
-        out, lse = run(q, k_pool, v_pool)
-    return out, lse, run if k_pool is k and v_pool is v else None
-
-
-def _paged_attention(q, k, v, table, used, options, backend):
-    """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]`` (see `_paged_batch`).
-
-    The CPU decode kernel reads them from the pages in place where it takes
-    the call (`elastic_np.cpu._decode.plan.takes`: a few queries); otherwise they
-    are gathered into a copy (`_paged_keys`), one sequence at a time.
-    """
-    module = dispatch.get_backend(backend)
-    if module.__name__ == "elastic_np.cpu":
-        problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), options)
-        if module.decode_plan.takes(problem):
-            with dispatch._reported(module, "forward", problem):
-                out, lse = module.decode.forward(problem, paged=_decode_pools(k, v, table, [used]))
-            return problem.as_given(out), lse
-    k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
-    return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
-
-
-def _decode_pools(k, v, table, used):
-    """``(k, v, table)`` as the CPU decode kernel reads them (`elastic_np.cpu._decode.decode.forward`'s ``paged``).
-
-    C-contiguous pools, writeable or not, are read in place. The kernel
-    reads no other layout (pages apart, rows strided or broadcast): then the
-    pages the call reads, and only those, are copied into compact pools, the
-    table renumbered to them.
-    """
-    if k.flags.c_contiguous and v.flags.c_contiguous:
-        return k, v, table
-    read = _read_pages(table, used, k.shape[1])
-    pages, renumbered = np.unique(table[read], return_inverse=True)
-    compact_table = np.zeros(table.shape, dtype=np.int64)  # the entries not read: any page
-    compact_table[read] = renumbered
-    return _take_pages(k, pages), _take_pages(v, pages), compact_table
-
-
-def _take_pages(pool, pages):
-    """``pool[pages]``, C-contiguous whatever ``pool``'s layout.
-
-    Indexing, not `numpy.take`, which first copies the whole of a pool that
-    is not C-contiguous. The result is C-contiguous already unless a page's
-    own axes are laid out otherwise (a Fortran-ordered pool): copied once
-    more then.
-    """
-    return np.ascontiguousarray(pool[pages])
-
-
-def _stand_ins(k, v, count, keys):
-    """Zero-strided ``(count, keys, Hkv, D)`` keys and values (layout "bnhd") standing in for the gathered ones.
-
-    They give a problem its shapes; the decode kernel reads the pages.
-    """
-    shape = (count, int(keys), k.shape[2])
-    return [np.broadcast_to(np.zeros((), dtype=a.dtype), shape + a.shape[3:]) for a in (k, v)]
-
-
-def _paged_keys(k, v, table, used, s):
-    """Sequence ``s``'s used keys and values gathered from their pages, ``(1, used, Hkv, D)`` each (a copy)."""
-    pages = table[s, : -(-used[s] // k.shape[1])]
-    return tuple(a[pages].reshape(-1, *a.shape[2:])[None, :used[s]] for a in (k, v))
 
 
 def check_options(options):
@@ -337,18 +170,46 @@ def _batched(value, count):
     return isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == count
 
 
-def _per_sequence(value, s, count):
-    """An option's value for sequence ``s``: a `_batched` array sliced, else as it is."""
+def _per_sequence(value, which, count):
+    """An option's value for the sequences ``which`` (a slice or indices): a `_batched` array's rows, else as it is."""
     if isinstance(value, DynamicWindow):
-        return dataclasses.replace(value, sigma=_per_sequence(value.sigma, s, count))
-    return value[s:s + 1] if _batched(value, count) else value
+        return dataclasses.replace(value, sigma=_per_sequence(value.sigma, which, count))
+    return value[which] if _batched(value, count) else value
+
+
+def _subset_options(options, which, count):
+    """``options`` for the sequences ``which`` of ``count``: the rows of its per-sequence arrays taken."""
+    return {**options, **{name: _per_sequence(options[name], which, count) for name in ("alibi_slopes",
+                                                                                          "dynamic_window")}}
 
 
 def _sequence_options(options, used, s, count):
-    per = {name: _per_sequence(options[name], s, count) for name in ("alibi_slopes", "dynamic_window")}
+    per = _subset_options(options, slice(s, s + 1), count)
     per.update({name: options[name][s] for name in PER_SEQUENCE if options[name] is not None})
     extra = {} if used is None else {"kv_lengths": used[s:s + 1], "align": "kv_lengths"}
-    return {**options, **per, **extra, "layout": "bnhd"}
+    return {**per, **extra, "layout": "bnhd"}
+
+
+def _decode_groups(q, k, v, cu_q, table, used, options, backend):
+    """``{s: (out_s, lse_s)}`` for the sequences of a paged batch that share their decode's few queries' count with
+    others: each such group in one call of the CPU decode kernel (`paged_cache.batch`), with the bits of its sequences'
+    own calls. A mixed batch's other sequences (prefill chunks) are left to their calls."""
+    module = dispatch.get_backend(backend)
+    if module.__name__ != "elastic_np.cpu":
+        return {}
+    lengths, count, group = np.diff(cu_q), cu_q.size - 1, q.shape[1] // k.shape[2]
+    done = {}
+    for n in np.unique(lengths).tolist():
+        seqs = np.flatnonzero(lengths == n)
+        if seqs.size < 2 or not module.decode_plan.takes_rows(n, group * n):
+            continue
+        rows = (cu_q[seqs, None] + np.arange(n)).ravel()
+        got = paged_cache.batch(q[rows], k, v, np.arange(seqs.size + 1) * n, table[seqs], used[seqs],
+                          _subset_options(options, seqs, count), backend)
+        for i, s in enumerate(seqs.tolist() if got is not None else []):
+            part = slice(i * n, (i + 1) * n)
+            done[s] = got[0][None, part], got[1][part].T[None]
+    return done
 
 
 def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, options):
@@ -362,7 +223,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
         lengths_k = np.diff(cu_k)
     else:
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
-        cu_k, used = _pages(k, block_table, seqused_k, cu_q.size - 1, q.shape[1])
+        cu_k, used = paged_cache.checked_pages(k, block_table, seqused_k, cu_q.size - 1, q.shape[1])
         _check_longest(used, "max_k", max_k, "the most keys a sequence uses (`seqused_k`)")
         lengths_k = used
     _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
@@ -396,14 +257,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         A paged cache: ``k`` and ``v`` are then pages of shape
         ``(num_blocks, block_size, Hkv, D)`` and sequence ``s`` uses the
         first ``seqused_k[s]`` keys of the pages ``block_table[s]``: the
-        CPU decode kernel reads them in place (up to 16 queries a sequence),
-        in one call over every sequence where they have as many queries and
-        no ``mask`` or ``bias``, else a call per sequence; otherwise they
-        are gathered (a copy of that sequence's keys, one sequence at a time)
-        before its attention. ``k`` and ``v`` have as many pages, of as
-        many keys and heads. Read in place where C-contiguous, read-only or
-        not; of any other layout, the decode kernel first copies the pages
-        the call reads (only those). ``cu_seqlens_k`` is then ignored (it
+        CPU kernels read them in place, the decode kernel for up to 16
+        queries a sequence (in one call over the sequences with as many
+        queries, where none has a ``mask`` or ``bias``), the prefill kernel
+        for a longer chunk, so that one call takes a server's mixed step;
+        the other backends (and a bfloat16 chunk on AMX tiles) gather a
+        copy of each sequence's keys first. ``k`` and ``v`` have as many
+        pages, of as many keys and heads. Read in place where C-contiguous,
+        read-only or not; of any other layout, the pages the call reads
+        (only those) are copied first. ``cu_seqlens_k`` is then ignored (it
         may be None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
@@ -448,26 +310,45 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
             return paged_plans.run(run, q, k, v, return_lse)
     q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
                                                  seqused_k, options)
-    count = cu_q.size - 1
-    batched = None if block_table is None else _paged_batch(q, k, v, cu_q, cu_k, used, options, backend)
+    grouped = block_table is not None and all(options[name] is None for name in PER_SEQUENCE)
+    batched = paged_cache.batch(q, k, v, cu_q, cu_k, used, options, backend) if grouped else None
     if batched is not None:
         paged_plans.keep(call_key, batched[2])
         return batched[:2] if return_lse else batched[0]
-    out = lse = None
-    for s in range(count):
-        rows = slice(cu_q[s], cu_q[s + 1])
-        if block_table is None:
-            keys = slice(cu_k[s], cu_k[s + 1])
-            out_s, lse_s = dispatch.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True,
-                                               backend=backend, **_sequence_options(options, used, s, count))
-        else:  # exactly the used keys: the queries sit before the last of them
-            per = _sequence_options(options, None, s, count)
-            out_s, lse_s = _paged_attention(q[None, rows], k, v, cu_k[s:s + 1], used[s], per, backend)
-        if out is None:
-            out = np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_s.dtype)
-            lse = np.empty(q.shape[:2], dtype=lse_s.dtype)
-        out[rows], lse[rows] = out_s[0], lse_s[0].T
+    done = _decode_groups(q, k, v, cu_q, cu_k, used, options, backend) if grouped else {}
+    if block_table is None:
+        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
+            q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
+            backend=backend, **_sequence_options(options, used, s, cu_q.size - 1)), None)
+    else:  # exactly the used keys: the queries sit before the last of them
+        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
+            q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, cu_q.size - 1),
+            backend, into=into), _cpu_output(q, v, backend))
     return (out, lse) if return_lse else out
+
+
+def _cpu_output(q, v, backend):
+    """``(out, lse)`` of a paged call on the CPU, allocated ahead for its kernels to write into, else None."""
+    if q.dtype != v.dtype or dispatch.get_backend(backend).__name__ != "elastic_np.cpu":
+        return None
+    return (np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype),  # the kernels' output dtype
+            np.empty(q.shape[:2], dtype=np.float64 if q.dtype == np.float64 else np.float32))
+
+
+def _sequence_by_sequence(q, cu_q, done, attend, output):
+    """The packed ``(out, lse)`` of ``attend(s, rows, into) -> (out_s, lse_s)`` for each sequence ``s`` not in
+    ``done`` (those its results); ``output``: the packed arrays, or None (made as the first result's)."""
+    out, lse = (None, None) if output is None else output
+    for s in range(cu_q.size - 1):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        out_s, lse_s = done[s] if s in done else attend(s, rows, None if out is None else out[None, rows])
+        if out is None:
+            out = np.empty((q.shape[0], *out_s.shape[2:]), dtype=out_s.dtype)
+            lse = np.empty(q.shape[:2], dtype=lse_s.dtype)
+        if not np.may_share_memory(out, out_s):  # else written in place (``into``)
+            out[rows] = out_s[0]
+        lse[rows] = lse_s[0].T
+    return out, lse
 
 
 @_spec.takes_options(own=(), names=OPTIONS)

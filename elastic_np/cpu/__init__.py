@@ -102,7 +102,7 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
-    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "planned_forward",
+    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward", "planned_forward",
     "backward",
     "double_backward", "thread_count", "start_threads",
 ]
@@ -162,6 +162,34 @@ def forward(problem):
     if forward_amx.takes(problem):
         return forward_amx.forward(problem)
     return prefill.forward(problem)
+
+
+def paged_forward(problem, paged, into=None):
+    """`forward` of a problem whose keys and values are a paged cache's: read from the pages in place.
+
+    ``paged = (k_pages, v_pages, block_table)``, ``(num_blocks, block_size,
+    Hkv, D)`` pools and the pages of each batch entry; ``problem``'s ``k``
+    and ``v`` stand in for the gathered ``(B, Hkv, M, D)`` arrays (shapes
+    only), its ``kv_lengths`` the keys each entry uses. The decode kernel
+    or the prefill kernel, as `forward` chooses, with the bits `forward`
+    gives on the gathered arrays; a bfloat16 problem that `forward` runs on
+    AMX tiles gathers its keys and values first (that kernel transposes the
+    values into a copy of its own anyway). ``into``: where the prefill kernel may write ``out``
+    (`elastic_np.cpu._prefill.forward.forward`'s).
+    """
+    if decode_plan.takes(problem):
+        return decode.forward(problem, paged=paged)
+    if forward_amx.takes(problem):
+        k, v = (_gathered(pool, paged[2], problem.k.shape[2]) for pool in paged[:2])
+        return forward_amx.forward(problem.with_arrays(problem.q, k, v))
+    return prefill.forward(problem, paged=paged, into=into)
+
+
+def _gathered(pool, table, keys):
+    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` copy)."""
+    size = pool.shape[1]
+    rows = pool[table[:, : -(-keys // size)]]  # (B, pages, size, Hkv, D)
+    return rows.reshape(table.shape[0], -1, *pool.shape[2:])[:, :keys].transpose(0, 2, 1, 3)
 
 
 def _dequantized(problem):

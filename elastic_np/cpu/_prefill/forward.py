@@ -8,24 +8,36 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._prefill.plan import check_cache, check_paged_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
 from elastic_np.cpu._tiles.calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
-from elastic_np.cpu._tiles.halves import readable, scratch_for
+from elastic_np.cpu._tiles.halves import scratch_for
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, query_factor
 from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, online_update
-from elastic_np.cpu._tiles.operands import head_rows, new, operand, shape
+from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.pages import NO_PAGES, paged as paged_pages, tile_rows
 from elastic_np.cpu._tiles.simd import compile_for
 
 
-def forward(problem):
+def forward(problem, paged=None, into=None):
     """The prefill forward (one task per query tile): ``(out, lse)`` in the input dtype.
 
     Parameters
     ----------
     problem : elastic_np._contract._problem.AttentionProblem
+    paged : tuple, optional
+        ``(k_pages, v_pages, block_table)``: the keys and values are read
+        from a paged cache, ``(num_blocks, block_size, Hkv, D)`` pools, in
+        place (`elastic_np.cpu._tiles.pages`); ``problem``'s ``k`` and ``v``
+        then give only the shapes, its ``kv_lengths`` the keys each batch
+        entry's pages hold (their values are checked here, as `check_cache`
+        checks a contiguous cache's).
+    into : ndarray, optional
+        A C-contiguous writeable ``(B, N, H, Dv)`` array of ``problem``'s
+        dtype to write ``out`` into, where ``q`` is read in that layout
+        (`elastic_np.cpu._tiles.operands.BNHD`; else a new array is returned).
 
     Returns
     -------
@@ -36,13 +48,19 @@ def forward(problem):
     """
     dtype = problem.compute_dtype
     compile_for(dtype, _FORWARD_TILES)
-    check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
-    q, k, v = (operand(a) for a in (problem.q, problem.k, problem.v))
-    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
+    q = operand(problem.q)
+    if paged is None:
+        check_cache(problem)
+        k, v, pages = operand(problem.k), operand(problem.v), NO_PAGES
+    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
+        check_paged_cache(paged, problem)
+        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
+        pages = paged_pages(paged[2], paged[0].shape[1])
+    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=dtype)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
-    run_tasks(_forward_kernel, q, k, v, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
+    run_tasks(_forward_kernel, q, k, v, pages, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
               tasks=task_counter(), work=B * H * N * M * (D + Dv))
     return out, lse
 
@@ -52,8 +70,9 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`).
+def _forward_kernel(q, k, v, pages, opt, block_q, block_k, out, lse, tasks, part, parts):
+    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`), ``k`` and ``v``
+    those of a paged cache's pools where ``pages`` is not `NO_PAGES` (`elastic_np.cpu._tiles.pages`).
 
     A task is one query tile of one (batch, head); each thread takes the next
     unclaimed one from the call's counter ``tasks`` (`claim`).
@@ -79,6 +98,9 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
     row_sum = np.empty(block_q)
     k_half = scratch_for(k[0], block_k, D, dtype)
     v_half = scratch_for(v[0], block_k, Dv, dtype)
+    # a paged tile over several pages is gathered into these (a half's into its scratch)
+    k_gathered = k_half if k_half.shape[0] > 0 or pages[1] == 0 else np.empty((block_k, D), dtype=dtype)
+    v_gathered = v_half if v_half.shape[0] > 0 or pages[1] == 0 else np.empty((block_k, Dv), dtype=dtype)
     no_cap_slope = np.empty((0, 0), dtype=dtype)  # the forward takes no tanh slopes
     n_tasks = B * H * n_qt
     for _ in range(n_tasks):
@@ -103,11 +125,11 @@ def _forward_kernel(q, k, v, opt, block_q, block_k, out, lse, tasks, part, parts
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = logits_tile(
-                st, readable(head_rows(k, b, hk, j0, bk), D, k_half), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
+                st, tile_rows(k, pages, b, hk, j0, bk, D, k_half, k_gathered), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
                 nvm_in_max,
             )
             if kept:
-                v_j = readable(head_rows(v, b, hk, j0, bk), Dv, v_half)
+                v_j = tile_rows(v, pages, b, hk, j0, bk, Dv, v_half, v_gathered)
                 online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])

@@ -206,3 +206,17 @@ def check_cache(problem):
     """The check `prepare` deferred, for the paths that do not make it as they read."""
     if problem.kv_unchecked:
         _validation.check_cache_values(problem.k, problem.v, problem.kv_lengths)
+
+
+def check_paged_cache(paged, problem):
+    """`check_cache` for a paged cache ``(k_pages, v_pages, block_table)``: batch entry ``b``'s first
+    ``kv_lengths[b]`` keys and values, page by page, in place (the pages no entry uses are never read)."""
+    if not problem.kv_unchecked:
+        return
+    k_pages, v_pages, table = paged
+    size = k_pages.shape[1]
+    for name, pool in (("k", k_pages), ("v", v_pages)):
+        for b, n in enumerate(problem.kv_lengths.tolist()):
+            for i in range(-(-n // size)):
+                if not _validation.all_finite(pool[table[b, i], : min(size, n - i * size)]):
+                    raise ValueError(f"`{name}` contains NaN or inf")

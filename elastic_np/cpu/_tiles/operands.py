@@ -87,16 +87,18 @@ def operand(a):
     return _operand(kernel_array(a), BHND)
 
 
-def new(shape, dtype, layout, fill=np.empty):
+def new(shape, dtype, layout, fill=np.empty, storage=None):
     """A new ``(B, H, N, D)`` array stored in ``layout``: ``(array, operand)``.
 
-    ``fill`` makes the storage (`numpy.empty` or `numpy.zeros`).
+    ``fill`` makes the storage (`numpy.empty` or `numpy.zeros`); ``storage``,
+    where given, is the caller's C-contiguous writeable array to use instead,
+    of the layout's storage shape and ``dtype``.
     """
     B, H, N, D = shape
     if layout == BNHD:
-        storage = fill((B, N, H, D), dtype=dtype)
+        storage = fill((B, N, H, D), dtype=dtype) if storage is None else storage
         return storage.transpose(0, 2, 1, 3), _operand(storage, BNHD)
-    storage = fill((B, H, N, D), dtype=dtype)
+    storage = fill((B, H, N, D), dtype=dtype) if storage is None else storage
     return storage, _operand(storage, BHND)
 
 
