@@ -17,7 +17,7 @@ import numpy as np
 
 from elastic_np._api import dispatch, paged_plans
 from elastic_np._api import paged as paged_cache
-from elastic_np._contract import _quantized, _spec
+from elastic_np._contract import _quantized, _spec, _validation
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 
 #: The options that describe a padded batch (`_spec.PER_CALL`) that a packed batch takes one per sequence:
@@ -205,7 +205,7 @@ def _decode_groups(q, k, v, cu_q, table, used, options, backend):
             continue
         rows = (cu_q[seqs, None] + np.arange(n)).ravel()
         got = paged_cache.batch(q[rows], k, v, np.arange(seqs.size + 1) * n, table[seqs], used[seqs],
-                          _subset_options(options, seqs, count), backend)
+                                _subset_options(options, seqs, count), backend)
         for i, s in enumerate(seqs.tolist() if got is not None else []):
             part = slice(i * n, (i + 1) * n)
             done[s] = got[0][None, part], got[1][part].T[None]
@@ -332,7 +332,7 @@ def _cpu_output(q, v, backend):
     if q.dtype != v.dtype or dispatch.get_backend(backend).__name__ != "elastic_np.cpu":
         return None
     return (np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype),  # the kernels' output dtype
-            np.empty(q.shape[:2], dtype=np.float64 if q.dtype == np.float64 else np.float32))
+            np.empty(q.shape[:2], dtype=_validation.compute_dtype(q.dtype)))
 
 
 def _sequence_by_sequence(q, cu_q, done, attend, output):

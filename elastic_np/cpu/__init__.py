@@ -102,8 +102,8 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 __all__ = [
-    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward", "planned_forward",
-    "backward",
+    "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
+    "planned_forward", "backward",
     "double_backward", "thread_count", "start_threads",
 ]
 
@@ -174,8 +174,8 @@ def paged_forward(problem, paged, into=None):
     or the prefill kernel, as `forward` chooses, with the bits `forward`
     gives on the gathered arrays; a bfloat16 problem that `forward` runs on
     AMX tiles gathers its keys and values first (that kernel transposes the
-    values into a copy of its own anyway). ``into``: where the prefill kernel may write ``out``
-    (`elastic_np.cpu._prefill.forward.forward`'s).
+    values into a copy of its own anyway). ``into``: where the prefill
+    kernel may write ``out`` (`elastic_np.cpu._prefill.forward.forward`'s).
     """
     if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged)
@@ -186,7 +186,8 @@ def paged_forward(problem, paged, into=None):
 
 
 def _gathered(pool, table, keys):
-    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` copy)."""
+    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)``: a view of a ``(B, keys, Hkv, D)``
+    copy."""
     size = pool.shape[1]
     rows = pool[table[:, : -(-keys // size)]]  # (B, pages, size, Hkv, D)
     return rows.reshape(table.shape[0], -1, *pool.shape[2:])[:, :keys].transpose(0, 2, 1, 3)

@@ -125,8 +125,8 @@ def _forward_kernel(q, k, v, pages, opt, block_q, block_k, out, lse, tasks, part
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = logits_tile(
-                st, tile_rows(k, pages, b, hk, j0, bk, D, k_half, k_gathered), q_t, opt, (b, h, i0, bq, j0), nvm_in_logits, no_cap_slope, tile_max,
-                nvm_in_max,
+                st, tile_rows(k, pages, b, hk, j0, bk, D, k_half, k_gathered), q_t, opt, (b, h, i0, bq, j0),
+                nvm_in_logits, no_cap_slope, tile_max, nvm_in_max,
             )
             if kept:
                 v_j = tile_rows(v, pages, b, hk, j0, bk, Dv, v_half, v_gathered)

@@ -25,7 +25,8 @@ def paged(block_table, block_size):
 
 @inner(fastmath=False)
 def page_of(pages, b, j, left):
-    """``(page, row, n)``: where key ``j`` of batch entry ``b`` lies, and how many keys of at most ``left`` follow it there."""
+    """``(page, row, n)``: where key ``j`` of batch entry ``b`` lies, and how many keys of at most ``left`` follow
+    it there."""
     table, block_size = pages
     row = j % block_size
     return table[b, j // block_size], row, min(block_size - row, left)
