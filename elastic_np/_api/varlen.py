@@ -89,6 +89,16 @@ def _check_longest(lengths, name, limit, what):
         raise ValueError(f"`{name}`={limit} is below {what}, {lengths.max()}")
 
 
+def _check_chunks(lengths_q, used):
+    """A `ValueError` unless each paged sequence's queries are among its ``seqused_k`` keys (its newest tokens)."""
+    over = np.flatnonzero(lengths_q > used)
+    if over.size:
+        s = over[0]
+        raise ValueError(f"with `block_table`, a sequence's queries are its last tokens, so at most its "
+                         f"`seqused_k`: sequence {s} has {lengths_q[s]} queries (`cu_seqlens_q`) and "
+                         f"{used[s]} keys (`seqused_k`)")
+
+
 def _arrays(q, k, v, paged=False):
     arrays = [np.asarray(a) for a in (q, k, v)]
     for name, a in zip("qkv", arrays):
@@ -225,6 +235,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
         cu_q, _, _ = _sequences(q, q, cu_seqlens_q, cu_seqlens_q, max_q, None, None)
         cu_k, used = paged_cache.checked_pages(k, block_table, seqused_k, cu_q.size - 1, q.shape[1])
         _check_longest(used, "max_k", max_k, "the most keys a sequence uses (`seqused_k`)")
+        _check_chunks(np.diff(cu_q), used)
         lengths_k = used
     _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
     window, slopes = options["dynamic_window"], options["alibi_slopes"]
@@ -270,7 +281,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with
         ``block_table``); its queries are the last ones before them
-        (causality and windows align there).
+        (causality and windows align there), so with ``block_table`` a
+        sequence has at most ``seqused_k[s]`` queries.
     %(options)s
         ``alibi_slopes`` of shape ``(S, H)`` and a window's ``sigma`` of shape
         ``(S, H)`` or ``(S, 1)`` go per sequence. ``mask`` and ``bias`` go

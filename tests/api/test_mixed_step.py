@@ -74,7 +74,7 @@ def test_a_mixed_step_gives_each_sequence_the_bits_of_its_gathered_keys(dtype, b
     dtype = _dtype(dtype)
     rng = np.random.default_rng(12)
     lengths_q = [1, 700, 1, 0, 37, 1, 3, 3, 129]
-    used = [2000, 900, 0, 5, 37, 1, 300, 40, 129]  # a chunk over no prefix, one over its whole sequence
+    used = [2000, 900, 2, 5, 37, 1, 300, 40, 129]  # chunks over no prefix (37, 129), a decode over its own key
     q, cu_q, k_pages, v_pages, table, gathered = _step(rng, lengths_q, used, block_size, dtype)
     S, H = len(used), q.shape[1]
     for options in _option_sets(rng, S, H):
@@ -159,9 +159,24 @@ def test_the_decodes_of_a_mixed_step_share_one_call_per_query_count(monkeypatch)
 
     monkeypatch.setattr(cpu._decode.decode, "_launcher", counted)
     rng = np.random.default_rng(16)
-    lengths_q, used = [1, 60, 2, 1, 2, 1, 5], [100, 80, 30, 0, 64, 17, 5]
+    lengths_q, used = [1, 60, 2, 1, 2, 1, 5], [100, 80, 30, 3, 64, 17, 5]
     q, cu_q, k_pages, v_pages, table, _ = _step(rng, lengths_q, used, 16, np.float32)
     enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used, causal=True,
                          backend="cpu")
     # (sequences, queries) of each decode launch: the three of 1 query, the two of 2, the one of 5
     assert sorted(launches) == [(1, 5), (2, 2), (3, 1)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("lengths_q, used", [([3, 40], [200, 39]), ([1, 1], [0, 5]), ([0, 17], [4, 16])])
+def test_a_chunk_of_more_queries_than_its_sequences_keys_is_an_error(backend, lengths_q, used):
+    """With pages, a sequence's queries are its newest tokens, whose keys are in its pages: at most seqused_k."""
+    rng = np.random.default_rng(17)
+    q, cu_q, k_pages, v_pages, table, _ = _step(rng, lengths_q, np.maximum(used, lengths_q), 16, np.float32)
+    before = [a.copy() for a in (q, k_pages, v_pages, table)]
+    s = int(np.flatnonzero(np.greater(lengths_q, used))[0])
+    with pytest.raises(ValueError, match=rf"sequence {s} has {lengths_q[s]} queries \(`cu_seqlens_q`\) and "
+                                         rf"{used[s]} keys \(`seqused_k`\)"):
+        enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used, backend=backend)
+    for a, b in zip(before, (q, k_pages, v_pages, table)):
+        assert np.array_equal(a, b, equal_nan=True)  # the spare pages are NaN

@@ -197,7 +197,7 @@ def test_paged_decoding_reads_the_pages_in_place(dtype, block_size, queries):
     """The decode kernel over the pages: the gathered keys' bits, and no copy of them in the peak memory."""
     dtype = _dtype(dtype)
     rng = np.random.default_rng(7)
-    used = np.array([700, 1, 0, 128])
+    used = np.array([700, queries, queries + 1, 128])  # two sequences of no more keys than queries
     (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype)
     H, D = 8, 16
     q = rng.standard_normal((4 * queries, H, D)).astype(np.float32).astype(dtype)
@@ -362,7 +362,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
 
     dtype = _dtype(dtype)
     rng = np.random.default_rng(9)
-    used = np.array([0, 1, 40, 100, 300, 17])
+    used = np.array([queries, queries + 1, 40, 100, 300, 17])  # the shortest: as many keys as queries, one more
     H, Hkv = 8, 2
     assert [cpu._decode.plan.splits(1, Hkv, n) for n in used] == [1, 1, 2, 6, 16, 1]
     (k_pages, v_pages), table, gathered = _paged_cache(rng, used, block_size, dtype, Hkv=Hkv)
@@ -390,7 +390,7 @@ def test_one_call_over_every_sequence_keeps_each_sequences_bits(dtype, block_siz
 def test_sequences_one_call_cannot_hold_go_one_by_one(calls_of_forward):
     """A bias per sequence: a decode call per sequence; different numbers of queries: a call per count."""
     rng = np.random.default_rng(10)
-    used = np.array([50, 0, 33])
+    used = np.array([50, 2, 33])
     (k_pages, v_pages), table, gathered = _paged_cache(rng, used, 16, np.float32)
     for lengths_q, bias in (([1, 2, 1], None), ([1, 1, 1], [rng.standard_normal((1, 1, n)) for n in used])):
         cu_q = np.concatenate([[0], np.cumsum(lengths_q)])

@@ -63,7 +63,7 @@ V_CHANGES = [None, (0, -1), (0, 2), (1, -1), (1, 3), (2, -1), (2, 1), (3, 3)]
 def test_k_and_v_pages_that_disagree_are_an_error_else_the_gathered_answer(seed, block_size, Hkv, group, lengths,
                                                                           queries, spare, change, backend):
     rng = np.random.default_rng(seed)
-    used = np.array(lengths)
+    used = np.array(lengths) + queries  # a sequence's queries are among its keys
     num_blocks = int((-(-used // block_size)).max()) + spare
     table = _table(rng, used, block_size, num_blocks)
     k_shape = v_shape = [num_blocks, block_size, Hkv, 4]
@@ -155,7 +155,7 @@ def test_max_q_and_max_k_are_integers_at_least_the_longest(value, name, paged):
     cu_q = [0, 7, 9]
     if paged:
         k = v = rng.standard_normal((6, 4, 2, 4))
-        keys = dict(cu_seqlens_k=None, block_table=[[0, 1, 2], [3, 4, 5]], seqused_k=[5, 11])
+        keys = dict(cu_seqlens_k=None, block_table=[[0, 1, 2], [3, 4, 5]], seqused_k=[7, 11])
     else:
         k = v = rng.standard_normal((16, 2, 4))
         keys = dict(cu_seqlens_k=[0, 5, 16])
