@@ -9,7 +9,7 @@ order alternating; printed per case: the median times and contiguous / paged
 (above 1: paged is faster), median and range over the rounds, and the peak
 of NumPy allocations of one paged call (``tracemalloc``) beside the cache's size.
 
-Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B ...] [--block-sizes S ...] [--dtype float32]``
+Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B ...] [--block-sizes S ...] [--dtype float32] [--per-head]``
 """
 
 import argparse
@@ -23,8 +23,9 @@ from elastic_np._contract import _validation
 from elastic_np.cli import _bench
 
 
-def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0):
-    """``(contiguous, paged)``: two calls over the same keys and values."""
+def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0, per_head=False):
+    """``(contiguous, paged)``: two calls over the same keys and values (``per_head``: the pages stored
+    ``(num_blocks, Hkv, block_size, D)``, vLLM's CPU order, and given as their ``transpose(0, 2, 1, 3)``)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, 1, D)).astype(np.float32).astype(dtype)
     k, v = (rng.standard_normal((B, Hkv, M, D)).astype(np.float32).astype(dtype) for _ in range(2))
@@ -36,6 +37,8 @@ def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0):
             rows = slice(p * block_size, min((p + 1) * block_size, M))
             for cache, a in zip(pages, (k, v)):
                 cache[table[b, p], : rows.stop - rows.start] = a[b, :, rows].transpose(1, 0, 2)
+    if per_head:
+        pages = [np.ascontiguousarray(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for a in pages]
     q_packed = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, H, D)
     cu_q = np.arange(B + 1)
     used = np.full(B, M)
@@ -59,10 +62,12 @@ def main(argv=None):
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-head", action="store_true", help="pages stored (num_blocks, Hkv, block_size, D)")
     args = parser.parse_args(argv)
     dtype = _validation.numpy_dtype(args.dtype)
     with _bench.thread_counts(args.threads) as counts:
-        cases = {(B, s): make_case(B, args.cache, s, dtype) for B in args.batch for s in args.block_sizes}
+        cases = {(B, s): make_case(B, args.cache, s, dtype, per_head=args.per_head)
+                 for B in args.batch for s in args.block_sizes}
         peaks = {}
         for key, (contiguous, paged, nbytes) in cases.items():
             # B > 1: the paged call keeps each sequence's own key splits, the contiguous one splits the batch's
@@ -75,7 +80,8 @@ def main(argv=None):
             tracemalloc.stop()
         calls = {key: {"contiguous": contiguous, "paged": paged} for key, (contiguous, paged, _) in cases.items()}
         times = _bench.interleaved(calls, args.rounds, args.repeat)
-    print(f"decode 32/8 heads, 1 query, {args.cache} keys of 128, {dtype.name}; {_bench.describe_threads(counts)}; "
+    print(f"decode 32/8 heads, 1 query, {args.cache} keys of 128, {dtype.name}"
+          f"{', pages stored per head' if args.per_head else ''}; {_bench.describe_threads(counts)}; "
           f"{args.rounds} rounds, best of {args.repeat}")
     print(f"{'B':>3} {'block':>6} {'contiguous ms':>14} {'paged ms':>9}  contiguous/paged   paged peak / cache")
     for (B, s), by_label in times.items():

@@ -139,18 +139,24 @@ def sequence(q, k, v, table, used, options, backend, into=None):
 def _kernel_pools(k, v, table, used):
     """``(k, v, table)`` as the CPU kernels read them (`elastic_np.cpu.paged_forward`'s ``paged``).
 
-    C-contiguous pools, writeable or not, are read in place. The kernels
-    read no other layout (pages apart, rows strided or broadcast): then the
-    pages the call reads, and only those, are copied into compact pools, the
-    table renumbered to them.
+    C-contiguous pools, writeable or not, are read in place, and so are pools
+    stored per head (`_per_head`). The kernels read no other layout (pages
+    apart, rows strided or broadcast): then the pages the call reads, and
+    only those, are copied into compact pools, the table renumbered to them.
     """
-    if k.flags.c_contiguous and v.flags.c_contiguous:
+    if all(a.flags.c_contiguous or _per_head(a) for a in (k, v)):
         return k, v, table
     read = _read_pages(table, used, k.shape[1])
     pages, renumbered = np.unique(table[read], return_inverse=True)
     compact_table = np.zeros(table.shape, dtype=np.int64)  # the entries not read: any page
     compact_table[read] = renumbered
     return _take_pages(k, pages), _take_pages(v, pages), compact_table
+
+
+def _per_head(pool):
+    """Whether ``pool`` is the ``(num_blocks, block_size, Hkv, D)`` view of a C-contiguous ``(num_blocks, Hkv,
+    block_size, D)`` one (the page order of vLLM's CPU backend): each page's keys of one head contiguous."""
+    return pool.transpose(0, 2, 1, 3).flags.c_contiguous
 
 
 def _take_pages(pool, pages):

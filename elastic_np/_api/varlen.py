@@ -275,8 +275,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         the other backends (and a bfloat16 chunk on AMX tiles) gather a
         copy of each sequence's keys first. ``k`` and ``v`` have as many
         pages, of as many keys and heads. Read in place where C-contiguous,
-        read-only or not; of any other layout, the pages the call reads
-        (only those) are copied first. ``cu_seqlens_k`` is then ignored (it
+        read-only or not, or stored per head (``(num_blocks, Hkv,
+        block_size, D)`` given as its ``transpose(0, 2, 1, 3)``); of any
+        other layout, the pages the call reads (only those) are copied first. ``cu_seqlens_k`` is then ignored (it
         may be None). The forward only.
     seqused_k : array_like of int, shape (S,), optional
         Keys each sequence uses (a cache's filled part; required with

@@ -55,13 +55,15 @@ def _with_layout(pool, layout, rng):
         return np.ascontiguousarray(pool[::-1])[::-1]
     if layout == "fortran":
         return np.asfortranarray(pool)
+    if layout == "per head":  # vLLM's CPU page order, (num_blocks, Hkv, block_size, D), in our axes' order
+        return np.ascontiguousarray(pool.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     if layout == "some heads of a wider pool":
         return np.concatenate([pool, rng.standard_normal(pool.shape).astype(pool.dtype)], axis=2)[:, :, :pool.shape[2]]
     raise AssertionError(layout)
 
 
 LAYOUTS = ["read-only", "every other page", "read-only, every other page", "pages reversed", "fortran",
-           "some heads of a wider pool"]
+           "some heads of a wider pool", "per head"]
 
 
 @FUZZ
@@ -109,6 +111,23 @@ def test_a_read_only_pool_is_not_copied():
                                                    seqused_k=used, backend="cpu"))
     assert np.array_equal(got, want)
     assert peak < 1 << 20, peak  # the pools are 64 MiB, the pages read 4 MiB
+
+
+@pytest.mark.parametrize("queries", [1, 40], ids=["decode", "prefill chunk"])
+def test_a_pool_stored_per_head_is_read_in_place(queries):
+    """Pages stored ``(num_blocks, Hkv, block_size, D)`` (vLLM's CPU order), given in our axes' order as a view."""
+    rng = np.random.default_rng(5)
+    k, v, table, used, _ = _pools(rng)
+    q = rng.standard_normal((2 * queries, 32, 64), dtype=np.float32)
+    cu_q = [0, queries, 2 * queries]
+    call = dict(block_table=table, seqused_k=used, causal=True, backend="cpu")
+    enp.varlen_attention(q, k, v, cu_q, None, **call)  # compiled, planned before the peaks are taken
+    want, contiguous_peak = _peak(lambda: enp.varlen_attention(q, k, v, cu_q, None, **call))
+    k_h, v_h = (_read_only(np.ascontiguousarray(a.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3) for a in (k, v))
+    enp.varlen_attention(q, k_h, v_h, cu_q, None, **call)
+    got, peak = _peak(lambda: enp.varlen_attention(q, k_h, v_h, cu_q, None, **call))
+    assert np.array_equal(got, want)
+    assert peak < contiguous_peak + (64 << 10), (peak, contiguous_peak)  # the pages read are 4 MiB
 
 
 def test_a_strided_pool_copies_only_the_pages_it_reads():

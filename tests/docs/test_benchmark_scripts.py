@@ -251,12 +251,14 @@ def test_halves_prints_every_ratio(capsys):
             np.testing.assert_allclose(got, want, rtol=0, atol=8 * eps * np.abs(want).max(), err_msg=label)
 
 
-def test_paged_decode_prints_each_case(capsys):
+@pytest.mark.parametrize("per_head", [[], ["--per-head"]], ids=["pages", "pages stored per head"])
+def test_paged_decode_prints_each_case(capsys, per_head):
     import paged_decode
 
     paged_decode.main(["--cache", "256", "--batch", "1", "2", "--block-sizes", "16", "128", "--rounds", "2",
-                       "--repeat", "1", "--threads", "1"])
+                       "--repeat", "1", "--threads", "1", *per_head])
     out = capsys.readouterr().out
+    assert ("pages stored per head" in out) == bool(per_head)
     for B in (1, 2):
         for block in (16, 128):
             (line,) = [line for line in out.splitlines() if line.startswith(f"{B:>3} {block:>6} ")]
