@@ -310,6 +310,26 @@ def test_the_plans_of_a_growing_cache_hold_no_chain_of_earlier_ones():
     assert not any(type(o) in (plans.Plan, AttentionProblem) for o in gc.get_objects())
 
 
+def test_a_growing_cache_called_once_a_length_finds_its_kernels_entry_points_from_its_second_length(monkeypatch):
+    """One layer a step: every length's plan runs once, and the family's launchers share their entry points."""
+    from numba.core.registry import CPUDispatcher
+
+    from elastic_np.cpu._decode import decode
+
+    launchers = []
+    make = decode._launcher
+    monkeypatch.setattr(decode, "_launcher", lambda *a, **kw: launchers.append(make(*a, **kw)) or launchers[-1])
+    q = arrays(8, 2, 1, 1, 16, np.float32)[0]
+    keys = [arrays(8, 2, 1, M, 16, np.float32, seed=M)[1] for M in range(20, 26)]
+    wants = [in_full(q, k, k, backend="cpu") for k in keys]
+    cleared()
+    launchers.clear()
+    for k, want in zip(keys, wants):
+        np.testing.assert_array_equal(enp.attention(q, k, k, backend="cpu"), want)
+    direct = [not any(isinstance(call, CPUDispatcher) for call in launch.calls) for launch in launchers]
+    assert direct[-3:] == [True] * 3, direct
+
+
 def test_a_plan_that_calls_its_kernels_directly_reads_unaligned_and_read_only_arrays_of_its_key():
     q, k, v = arrays(8, 2, 1, 64, 16, np.float32)
     want = in_full(q, k, v, backend="cpu")

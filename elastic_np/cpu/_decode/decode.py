@@ -117,8 +117,9 @@ def _launcher(problem, plan, direct=False, like=None):
     ``problem.kv_unchecked``).
 
     ``direct``: a launcher run again and again calls the kernels through their entry points from its
-    second run on (`direct_call`), or from its first where ``like``, the launcher of a problem that differs
-    in its number of keys alone (so its arguments have the same types), found them already.
+    second run on (`direct_call`). ``like``: the launcher of a problem that differs in its number of keys
+    alone (so its arguments have the same types), whose entry points and count of runs this one shares:
+    a growing cache, whose every step is a new launcher run once, finds them from the family's second run.
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype, out_dtype = problem.compute_dtype, problem.dtype
@@ -132,10 +133,8 @@ def _launcher(problem, plan, direct=False, like=None):
     # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
     # runs once, a plan's first, skips the fingerprint of its arguments)
     calls, runs, kind = [kernel, _merge_kernel], [0], (plan.key_major, plan.together)
-    # the like launcher's lists alone, which hold no launcher: a growing cache's plans make no chain
-    like_calls, like_runs = (like.calls, like.runs) if like is not None and like.kind == kind else ([], [0])
-    if like_runs[0] >= 2:
-        calls[:], runs[0] = like_calls, 2
+    if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
+        calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
     def launch(q, k, v, pages, cache):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
@@ -153,8 +152,7 @@ def _launcher(problem, plan, direct=False, like=None):
         if direct and runs[0] < 2:
             runs[0] += 1
             if runs[0] == 2:
-                calls[:] = like_calls if like_runs[0] >= 2 else (
-                    direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args))
+                calls[:] = direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args)
         return out, lse
 
     launch.calls, launch.runs, launch.kind = calls, runs, kind
