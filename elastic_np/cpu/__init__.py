@@ -173,24 +173,17 @@ def paged_forward(problem, paged, into=None):
     only), its ``kv_lengths`` the keys each entry uses. The decode kernel
     or the prefill kernel, as `forward` chooses, with the bits `forward`
     gives on the gathered arrays; a bfloat16 problem that `forward` runs on
-    AMX tiles gathers its keys and values first (that kernel transposes the
-    values into a copy of its own anyway). ``into``: where the prefill
-    kernel may write ``out`` (`elastic_np.cpu._prefill.forward.forward`'s).
+    AMX tiles reads its keys from the pages too, and transposes its values
+    from them into the copy that kernel makes of them in any case
+    (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`).
+    ``into``: where the prefill kernels may write ``out``
+    (`elastic_np.cpu._prefill.forward.forward`'s).
     """
     if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged)
     if forward_amx.takes(problem):
-        k, v = (_gathered(pool, paged[2], problem.k.shape[2]) for pool in paged[:2])
-        return forward_amx.forward(problem.with_arrays(problem.q, k, v))
+        return forward_amx.forward(problem, paged=paged, into=into)
     return prefill.forward(problem, paged=paged, into=into)
-
-
-def _gathered(pool, table, keys):
-    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)``: a view of a ``(B, keys, Hkv, D)``
-    copy."""
-    size = pool.shape[1]
-    rows = pool[table[:, : -(-keys // size)]]  # (B, pages, size, Hkv, D)
-    return rows.reshape(table.shape[0], -1, *pool.shape[2:])[:, :keys].transpose(0, 2, 1, 3)
 
 
 def _dequantized(problem):

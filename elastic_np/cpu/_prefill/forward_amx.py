@@ -35,7 +35,7 @@ from numba import njit
 from elastic_np._contract._ranges import key_range
 from elastic_np._contract._validation import dtype_name
 from elastic_np.cpu._prefill import forward as prefill
-from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._prefill.plan import check_cache, check_paged_cache, kernel_options
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
@@ -46,7 +46,8 @@ from elastic_np.cpu._tiles.exp import float_from_bits
 from elastic_np.cpu._tiles.halves import bits, float32_bits
 from elastic_np.cpu._tiles.logits import column_max, modify_tile, scale_logits, shape_logits
 from elastic_np.cpu._tiles.online_softmax import finish_rows, rescale_rows
-from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.operands import BNHD, head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.pages import NO_PAGES, page_of, paged as paged_pages
 from elastic_np.cpu._tiles.simd import compile_for
 
 #: Keys and queries a pair of tiles takes, and entries of a row a tile loads.
@@ -83,59 +84,99 @@ def values_transposed(v, kv_lengths):
     largest value, a key, far under the rule's floor.
     """
     B, Hkv, M, Dv = v.shape
+    vt = _zeroed(B, Hkv, Dv, M)
     heads = bits(v)
-    vt = np.zeros((B, Hkv, Dv, -(-M // 64) * 64 + 32), dtype=np.uint16)
-    vt[..., :M] = heads.transpose(0, 1, 3, 2)
+    # a block of keys at a time: NumPy transposed the whole of a (B, M, Hkv, Dv) array's view 10 times slower
+    for j0 in range(0, M, _PAIR):
+        vt[..., j0 : min(j0 + _PAIR, M)] = heads[:, :, j0 : j0 + _PAIR].transpose(0, 1, 3, 2)
+    return _scaled(vt, kv_lengths, M)
+
+
+def paged_values_transposed(pool, table, kv_lengths, M):
+    """`values_transposed` of the values of a paged cache: entry ``b``'s first ``kv_lengths[b]`` keys of the
+    ``(num_blocks, block_size, Hkv, Dv)`` ``pool``'s pages ``table[b]``, transposed from the pages a page at a
+    time (zeros past them, never read); ``M``: the most keys an entry uses."""
+    B, (size, Hkv, Dv) = table.shape[0], pool.shape[1:]
+    vt = _zeroed(B, Hkv, Dv, M)
+    pages = bits(pool)
+    for b, n in enumerate(kv_lengths.tolist()):
+        for i in range(-(-n // size)):
+            j0 = i * size
+            vt[b, :, :, j0 : min(j0 + size, n)] = pages[table[b, i], : min(size, n - j0)].transpose(1, 2, 0)
+    return _scaled(vt, kv_lengths, M)
+
+
+def _zeroed(B, Hkv, Dv, M):
+    """`values_transposed`'s zeros, ``(B, Hkv, Dv, row)``, bits."""
+    return np.zeros((B, Hkv, Dv, -(-M // 64) * 64 + 32), dtype=np.uint16)
+
+
+def _scaled(vt, kv_lengths, M):
+    """``(vt, unscale)`` of `values_transposed`: the heads of tiny values scaled up in ``vt``, in place."""
+    B, Hkv = vt.shape[:2]
     unscale = np.ones((B, Hkv), dtype=np.float32)
-    largest = _largest(heads, kv_lengths)
+    largest = _largest(vt, kv_lengths)
     for b, hk in zip(*np.nonzero((largest > 0) & (largest < _TINY_VALUES))):
         shift = -int(np.floor(np.log2(largest[b, hk])))  # the largest times 2**shift lies in [1, 2)
-        wide = (heads[b, hk].astype(np.uint32) << np.uint32(16)).view(np.float32)
+        wide = (vt[b, hk, :, :M].astype(np.uint32) << np.uint32(16)).view(np.float32)
         with np.errstate(over="ignore"):  # past kv_lengths[b] anything may overflow: never read
             scaled = np.ldexp(wide, shift).view(np.uint32) >> np.uint32(16)  # exact: no low bits
-        vt[b, hk, :, :M] = scaled.astype(np.uint16).T
+        vt[b, hk, :, :M] = scaled.astype(np.uint16)
         unscale[b, hk] = np.ldexp(np.float32(1.0), -shift)
-    return vt.reshape(B * Hkv, Dv, vt.shape[3]), unscale.reshape(B * Hkv)
+    return vt.reshape(B * Hkv, vt.shape[2], vt.shape[3]), unscale.reshape(B * Hkv)
 
 
-def _largest(heads, kv_lengths):
-    """The largest magnitude of each ``(b, hk)`` head's values, float32, over its first ``kv_lengths[b]`` keys.
+def _largest(vt, kv_lengths):
+    """The largest magnitude of each ``(b, hk)`` head's values, float32, over its first ``kv_lengths[b]`` keys
+    (``vt[b, hk, d, j]``, bits).
 
     A bfloat16's bits without the sign order like its magnitude. Keys past
     a sequence's length may hold anything, so they are left out.
     """
-    B, M = heads.shape[0], heads.shape[2]
-    if (kv_lengths >= M).all():
-        magnitude = (heads & np.uint16(0x7FFF)).max(axis=(2, 3), initial=0)
-    else:
-        magnitude = np.empty(heads.shape[:2], dtype=np.uint16)
-        for b in range(B):
-            magnitude[b] = (heads[b, :, : kv_lengths[b]] & np.uint16(0x7FFF)).max(axis=(1, 2), initial=0)
+    B, Hkv, Dv = vt.shape[:3]
+    magnitude = np.zeros((B, Hkv), dtype=np.uint16)
+    for b, hk in np.ndindex(B, Hkv):
+        for d in range(0, Dv, 16):  # a slab of 16 rows at a time: no temporary the size of the values
+            slab = vt[b, hk, d : d + 16, : kv_lengths[b]] & np.uint16(0x7FFF)
+            magnitude[b, hk] = max(magnitude[b, hk], slab.max(initial=0))
     return (magnitude.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def forward(problem):
-    """`elastic_np.cpu._prefill.forward.forward` for a problem that `takes` says runs on the tiles: ``(out, lse)``."""
+def forward(problem, paged=None, into=None):
+    """`elastic_np.cpu._prefill.forward.forward` for a problem that `takes` says runs on the tiles: ``(out, lse)``.
+
+    ``paged = (k_pages, v_pages, block_table)``: the keys are read from the
+    pages in place, and the values transposed from them
+    (`paged_values_transposed`); ``paged`` and ``into`` as
+    `elastic_np.cpu._prefill.forward.forward` takes them.
+    """
     compile_for(np.dtype(np.float32), (exp_shift_sum, modify_tile))
-    check_cache(problem)
     B, H, Hkv, N, M, D, Dv = problem.shape
-    q, k = operand(problem.q), operand(problem.k)
-    vt, unscale = values_transposed(problem.v, problem.kv_lengths)
-    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1])
+    q = operand(problem.q)
+    if paged is None:
+        check_cache(problem)
+        k, pages = operand(problem.k), NO_PAGES
+        vt, unscale = values_transposed(problem.v, problem.kv_lengths)
+    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
+        check_paged_cache(paged, problem)
+        k, pages = operand(paged[0].transpose(0, 2, 1, 3)), paged_pages(paged[2], paged[0].shape[1])
+        vt, unscale = paged_values_transposed(paged[1], pages[0], problem.kv_lengths, M)
+    out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=np.float32)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=np.dtype(np.float32))
     overflow = np.zeros(1, dtype=np.bool_)
-    run_tasks(_amx_kernel, q, k, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K, (out_operand, lse, overflow),
-              tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
+    run_tasks(_amx_kernel, q, k, pages, (vt, unscale), opt, config.BLOCK_Q, config.BLOCK_K,
+              (out_operand, lse, overflow), tasks=task_counter(), work=B * H * N * M * (D + Dv) // 16)
     if overflow[0]:  # a product of the unscaled queries overflowed: the float32 products scale them first
-        return prefill.forward(problem)
+        return prefill.forward(problem, paged=paged, into=into)
     return out, lse
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
+def _amx_kernel(q, k, pages, values, opt, block_q, block_k, outs, tasks, part, parts):
     """The prefill forward kernel's tasks with the products on the tiles (the module's docstring).
 
+    ``k`` a paged cache's pool where ``pages`` is not `NO_PAGES` (`elastic_np.cpu._tiles.pages`);
     ``values = (vt, unscale)`` (`values_transposed`); ``outs = (out, lse,
     overflow)``: ``overflow[0]`` is set when a logit came out ``+inf`` (a
     product of the unscaled queries beyond float32's range; the inputs are
@@ -178,14 +219,13 @@ def _amx_kernel(q, k, values, opt, block_q, block_k, outs, tasks, part, parts):
         acc_t[:] = 0.0
         row_max[:] = -np.inf
         row_sum[:] = 0.0
-        k_rows, k_col = head(k, b, hk)
         v_t = vt[b * Hkv + hk]
         off_lo, off_hi = opt.band[b, h, 0], opt.band[b, h, 1]
         j_lo, j_hi = key_range(opt.diag_shift[b], i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
             tile = (b, h, i0, bq, j0)
-            _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge)
+            _key_products((k, pages, b, hk), j0, bk, q_pairs, bq_pad, st, k_edge)
             scale_logits(st, bk, bq, opt, h, tile_max[:0])
             kept, _ = shape_logits(st, bk, opt, tile, False, no_cap_slope, tile_max[:0], False)
             if not kept:
@@ -228,32 +268,67 @@ def _query_pairs(q_tile, q_pairs):
 
 
 @inner(fastmath=False)
-def _key_products(k_rows, k_col, j0, bk, q_pairs, bq_pad, st, k_edge):
+def _key_products(keys, j0, bk, q_pairs, bq_pad, st, k_edge):
     """``st[c, r] = K[j0 + c] . Q[r]`` for ``c < bk`` rounded up to `_PAIR`, ``r < bq_pad``, on the tiles.
 
-    ``K[j] = k_rows[j, k_col:]``, bits; a last block of fewer than `_PAIR`
-    keys is copied into ``k_edge`` (zeros after them) and read there. The
+    ``keys = (k, pages, b, hk)``: the keys of ``(b, hk)`` of operand ``k``,
+    bits (`_key_rows`). A tile's 16 rows are read in place where they lie in
+    one page (or the cache is contiguous), else copied into ``k_edge``, as
+    is a last block of fewer than `_PAIR` keys (zeros after them). The
     caller has configured the tiles (`amx.configure`).
     """
     D = 2 * q_pairs.shape[0]
-    lead, q_lead, s_lead = k_rows.shape[1], q_pairs.shape[1], st.shape[1]
+    q_lead, s_lead = q_pairs.shape[1], st.shape[1]
     for c0 in range(0, bk, _PAIR):
         n = min(_PAIR, bk - c0)
-        keys, at, stride = k_rows, (j0 + c0) * lead + k_col, lead
-        if n < _PAIR:
-            for c in range(_PAIR):
-                for d in range(D):
-                    k_edge[c, d] = k_rows[j0 + c0 + c, k_col + d] if c < n else np.uint16(0)
-            keys, at, stride = k_edge, 0, D
+        if n == _PAIR:
+            rows_a, at_a, lead_a = _key_rows(keys, j0 + c0, k_edge, 0)
+            rows_b, at_b, lead_b = _key_rows(keys, j0 + c0 + amx.ROWS, k_edge, amx.ROWS)
+        else:
+            for c in range(n):
+                _copy_key(keys, j0 + c0 + c, k_edge[c])
+            k_edge[n:] = 0
+            rows_a, at_a, lead_a = k_edge, 0, D
+            rows_b, at_b, lead_b = k_edge, amx.ROWS * D, D
         for r0 in range(0, bq_pad, _PAIR):
             amx.zero_block()
             for d0 in range(0, D, _CHUNK):
-                amx.load(4, keys, at + d0, stride)
-                amx.load(5, keys, at + amx.ROWS * stride + d0, stride)
+                amx.load(4, rows_a, at_a + d0, lead_a)
+                amx.load(5, rows_b, at_b + d0, lead_b)
                 amx.load(6, q_pairs, (d0 // 2) * q_lead + r0, q_lead)
                 amx.load(7, q_pairs, (d0 // 2) * q_lead + r0 + amx.ROWS, q_lead)
                 amx.dot_block()
             amx.store_block(st, c0 * s_lead + r0, s_lead)
+
+
+@inner(fastmath=False)
+def _key_rows(keys, j, k_edge, r0):
+    """``(rows, at, lead)``: keys ``j .. j + 15`` of ``keys = (k, pages, b, hk)`` as a tile loads them, from
+    ``rows.flat[at]`` on, ``lead`` entries apart: in place where they lie in one page (or the cache is
+    contiguous), else copied into rows ``r0 .. r0 + 15`` of ``k_edge``."""
+    k, pages, b, hk = keys
+    if pages[1] == 0:
+        rows, col = head(k, b, hk)
+        return rows, j * rows.shape[1] + col, rows.shape[1]
+    page, row, m = page_of(pages, b, j, amx.ROWS)
+    if m == amx.ROWS:
+        rows, col = head(k, page, hk)
+        return rows, row * rows.shape[1] + col, rows.shape[1]
+    for c in range(amx.ROWS):
+        _copy_key(keys, j + c, k_edge[r0 + c])
+    return k_edge, r0 * k_edge.shape[1], k_edge.shape[1]
+
+
+@inner(fastmath=False)
+def _copy_key(keys, j, into):
+    """Key ``j`` of ``keys = (k, pages, b, hk)`` (`_key_rows`) into ``into``, bits."""
+    k, pages, b, hk = keys
+    at, row = b, j
+    if pages[1] != 0:
+        at, row, _ = page_of(pages, b, j, 1)
+    rows, col = head(k, at, hk)
+    for d in range(into.shape[0]):
+        into[d] = rows[row, col + d]
 
 
 @inner(fastmath=False)
