@@ -271,9 +271,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         CPU kernels read them in place, the decode kernel for up to 16
         queries a sequence (in one call over the sequences with as many
         queries, where none has a ``mask`` or ``bias``), the prefill kernel
-        for a longer chunk, so that one call takes a server's mixed step;
-        the other backends (and a bfloat16 chunk on AMX tiles) gather a
-        copy of each sequence's keys first. ``k`` and ``v`` have as many
+        for a longer chunk (on AMX tiles, a bfloat16 one, its values
+        transposed from the pages into that kernel's copy), so that one
+        call takes a server's mixed step; the other backends gather a copy
+        of each sequence's keys first. ``k`` and ``v`` have as many
         pages, of as many keys and heads. Read in place where C-contiguous,
         read-only or not, or stored per head (``(num_blocks, Hkv,
         block_size, D)`` given as its ``transpose(0, 2, 1, 3)``); of any

@@ -106,8 +106,8 @@ def test_a_float64_mixed_step_is_within_1e_12_of_the_oracle():
 def test_a_prefill_chunk_reads_its_pages_in_place(dtype, monkeypatch):
     """No copy of the sequence's keys in the peak memory (the output, twice, is a quarter of them here).
 
-    Without the AMX tiles: their kernel transposes the values into a copy of its own, so a chunk it
-    takes gathers its keys first (`elastic_np.cpu.paged_forward`).
+    Without the AMX tiles: their kernel transposes the values into a copy of its own (a chunk it takes:
+    tests/cpu/test_amx_pages.py).
     """
     from elastic_np import cpu
 
