@@ -9,7 +9,8 @@ order alternating; printed per case: the median times and contiguous / paged
 (above 1: paged is faster), median and range over the rounds, and the peak
 of NumPy allocations of one paged call (``tracemalloc``) beside the cache's size.
 
-Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B ...] [--block-sizes S ...] [--dtype float32] [--per-head]``
+Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B ...] [--block-sizes S ...]
+[--dtype float32 | bfloat16 | int8 | float8_e4m3fn ...] [--per-head]``
 """
 
 import argparse
@@ -23,12 +24,24 @@ from elastic_np._contract import _validation
 from elastic_np.cli import _bench
 
 
+def _quantized(dtype):
+    """Whether ``dtype`` is a quantized cache's (int8, float8)."""
+    return dtype.kind in "iu" or "float8" in dtype.name
+
+
 def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0, per_head=False):
     """``(contiguous, paged)``: two calls over the same keys and values (``per_head``: the pages stored
-    ``(num_blocks, Hkv, block_size, D)``, vLLM's CPU order, and given as their ``transpose(0, 2, 1, 3)``)."""
+    ``(num_blocks, Hkv, block_size, D)``, vLLM's CPU order, and given as their ``transpose(0, 2, 1, 3)``); a
+    quantized ``dtype`` (int8, float8): `elastic_np.quantize_kv`'s cache and scales, float32 queries."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, 1, D)).astype(np.float32).astype(dtype)
-    k, v = (rng.standard_normal((B, Hkv, M, D)).astype(np.float32).astype(dtype) for _ in range(2))
+    scales = {}
+    if _quantized(dtype):  # a quantized cache beside float32 queries
+        q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+        (k, scales["k_scale"]), (v, scales["v_scale"]) = (
+            enp.quantize_kv(rng.standard_normal((B, Hkv, M, D)).astype(np.float32), dtype) for _ in range(2))
+    else:
+        q = rng.standard_normal((B, H, 1, D)).astype(np.float32).astype(dtype)
+        k, v = (rng.standard_normal((B, Hkv, M, D)).astype(np.float32).astype(dtype) for _ in range(2))
     per_sequence = -(-M // block_size)
     table = rng.permutation(B * per_sequence).reshape(B, per_sequence)
     pages = [np.zeros((B * per_sequence, block_size, Hkv, D), dtype=dtype) for _ in range(2)]
@@ -44,11 +57,11 @@ def make_case(B, M, block_size, dtype, H=32, Hkv=8, D=128, seed=0, per_head=Fals
     used = np.full(B, M)
 
     def contiguous():
-        return enp.attention(q, k, v, backend="cpu")
+        return enp.attention(q, k, v, backend="cpu", **scales)
 
     def paged():
         return enp.varlen_attention(q_packed, *pages, cu_q, None, block_table=table, seqused_k=used,
-                                    backend="cpu")
+                                    backend="cpu", **scales)
 
     return contiguous, paged, 2 * k.nbytes
 
@@ -71,7 +84,7 @@ def main(argv=None):
         peaks = {}
         for key, (contiguous, paged, nbytes) in cases.items():
             # B > 1: the paged call keeps each sequence's own key splits, the contiguous one splits the batch's
-            rounding = max(1e-5, 2 * float(ml_dtypes.finfo(dtype).eps))
+            rounding = 1e-5 if _quantized(dtype) else max(1e-5, 2 * float(ml_dtypes.finfo(dtype).eps))
             np.testing.assert_allclose(contiguous()[:, :, 0].astype(np.float64), paged().astype(np.float64),
                                        rtol=rounding, atol=rounding / 10)
             tracemalloc.start()

@@ -17,19 +17,20 @@ import numpy as np
 
 from elastic_np._api import dispatch, paged_plans
 from elastic_np._api import paged as paged_cache
-from elastic_np._contract import _quantized, _spec, _validation
+from elastic_np._contract import _spec, _validation
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
 
 #: The options that describe a padded batch (`_spec.PER_CALL`) that a packed batch takes one per sequence:
 #: a list of ``S`` arrays, the ``s``-th broadcastable to sequence ``s``'s ``(H, N_s, M_s)``.
 PER_SEQUENCE = ("mask", "bias")
 
-#: The options a packed batch takes, those its functions' signatures list: the padded batch's others are refused.
-OPTIONS = tuple(name for name in _spec.NAMES if name not in _spec.PER_CALL or name in PER_SEQUENCE)
+#: The options of `_spec.PER_CALL` a packed batch takes as a padded one does, for every sequence: a quantized
+#: cache's scales (one for the tensor or one per kv head).
+CACHE_SCALES = ("k_scale", "v_scale")
 
-#: Why a packed batch does not take a quantized cache (`k_scale`, `v_scale`).
-_NOT_YET = ("quantized caches are read by `elastic_np.attention` on a padded (B, Hkv, M, D) or (B, M, Hkv, D) "
-            "cache, with `k_scale` and `v_scale`; packed and paged ones are not supported yet")
+#: The options a packed batch takes, those its functions' signatures list: the padded batch's others are refused.
+OPTIONS = tuple(name for name in _spec.NAMES
+                if name not in _spec.PER_CALL or name in PER_SEQUENCE or name in CACHE_SCALES)
 #: Why a packed batch does not take the other options that describe a padded batch.
 _NOT_TAKEN = ("the packed arrays are (total, heads, dim) and each sequence's used keys are `seqused_k`, "
               "which also aligns its queries to its last used key")
@@ -141,6 +142,8 @@ def check_options(options):
     """
     for name in _spec.PER_CALL:
         value = options[name]
+        if name in CACHE_SCALES:
+            continue
         if name in PER_SEQUENCE:
             if value is not None and not isinstance(value, (list, tuple)):
                 raise ValueError(
@@ -150,8 +153,7 @@ def check_options(options):
                     f"blocks: [{name}[..., cu_seqlens_q[s]:cu_seqlens_q[s + 1], "
                     f"cu_seqlens_k[s]:cu_seqlens_k[s + 1]] for s in range(S)]")
         elif not _spec._is_default(value, _spec._BY_NAME[name]):
-            why = _NOT_YET if name in ("k_scale", "v_scale") else _NOT_TAKEN
-            raise ValueError(f"varlen attention does not take `{name}`: {why}")
+            raise ValueError(f"varlen attention does not take `{name}`: {_NOT_TAKEN}")
 
 
 def _per_sequence_shapes(options, heads, lengths_q, lengths_k):
@@ -225,8 +227,6 @@ def _decode_groups(q, k, v, cu_q, table, used, options, backend):
 def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, options):
     """The checked ``(q, k, v, cu_q, cu_k, used, options)`` of a packed call."""
     check_options(options)
-    if any(_quantized.is_quantized(np.asarray(a).dtype) for a in (k, v)):
-        raise TypeError(f"varlen attention does not take a quantized cache yet (packed or paged): {_NOT_YET}")
     q, k, v = _arrays(q, k, v, paged=block_table is not None)
     if block_table is None:
         cu_q, cu_k, used = _sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_k)

@@ -175,15 +175,28 @@ def paged_forward(problem, paged, into=None):
     gives on the gathered arrays; a bfloat16 problem that `forward` runs on
     AMX tiles reads its keys from the pages too, and transposes its values
     from them into the copy that kernel makes of them in any case
-    (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`).
+    (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`); a
+    quantized cache's chunk, the prefill kernel's float32 copies of its
+    gathered keys and values, as `forward` reads a quantized cache.
     ``into``: where the prefill kernels may write ``out``
     (`elastic_np.cpu._prefill.forward.forward`'s).
     """
     if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged)
+    if problem.quantized is not None:  # prefill reads float32 copies of a quantized cache (`forward`)
+        return forward(problem.with_arrays(problem.q, *(_gathered(pool, paged[2], problem.k.shape[2])
+                                                        for pool in paged[:2])))
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)
     return prefill.forward(problem, paged=paged, into=into)
+
+
+def _gathered(pool, table, keys):
+    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)``: a view of a ``(B, keys, Hkv, D)``
+    copy."""
+    size = pool.shape[1]
+    rows = pool[table[:, : -(-keys // size)]]  # (B, pages, size, Hkv, D)
+    return rows.reshape(table.shape[0], -1, *pool.shape[2:])[:, :keys].transpose(0, 2, 1, 3)
 
 
 def _dequantized(problem):

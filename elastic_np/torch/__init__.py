@@ -143,7 +143,7 @@ def _check_dropout(dropout_p):
 
 
 @_varlen.taking_our_names
-@_spec.takes_options(own=_spec.LEARNABLE, names=varlen.OPTIONS)
+@_spec.takes_options(own=_spec.LEARNABLE, names=tuple(n for n in varlen.OPTIONS if n not in varlen.CACHE_SCALES))
 def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=None, *, return_aux=None,
                      enable_gqa=False, seqused_k=None, block_table=None, num_splits=None, dropout_p=0.0,
                      return_lse=False, backend="auto", **options):
@@ -252,6 +252,7 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     _varlen.check_num_splits(num_splits)
     options = _spec.complete(options, "varlen_attention")
     varlen.check_options(options)
+    _varlen.check_no_cache_scales(options)
     fixed, learnable = common.split(options)
     q, k, v = query, key, value
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -207,6 +207,15 @@ def wants_aux_lse(return_aux, return_lse):
     return bool(return_aux.lse)
 
 
+def check_no_cache_scales(options):
+    """A `ValueError` for a quantized cache's scales, which the operators do not take yet."""
+    given = [name for name in varlen.CACHE_SCALES if options[name] is not None]
+    if given:
+        raise ValueError(f"elastic_np.torch.varlen_attention does not take a quantized cache yet (`{given[0]}`): "
+                         "elastic_np.varlen_attention does, on the tensors' NumPy arrays (no gradient flows "
+                         "through a quantized cache)")
+
+
 def check_num_splits(num_splits):
     """A `ValueError` for a ``num_splits`` other than None or 1 (torch's split-KV count on a GPU)."""
     if num_splits is not None and (isinstance(num_splits, bool) or num_splits != 1):

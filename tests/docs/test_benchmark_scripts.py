@@ -251,14 +251,16 @@ def test_halves_prints_every_ratio(capsys):
             np.testing.assert_allclose(got, want, rtol=0, atol=8 * eps * np.abs(want).max(), err_msg=label)
 
 
-@pytest.mark.parametrize("per_head", [[], ["--per-head"]], ids=["pages", "pages stored per head"])
-def test_paged_decode_prints_each_case(capsys, per_head):
+@pytest.mark.parametrize("per_head, dtype, size, keys", [([], "float32", 4, 256), (["--per-head"], "float32", 4, 256),
+                                                         ([], "int8", 1, 1024)],
+                         ids=["pages", "pages stored per head", "int8"])
+def test_paged_decode_prints_each_case(capsys, per_head, dtype, size, keys):
     import paged_decode
 
-    paged_decode.main(["--cache", "256", "--batch", "1", "2", "--block-sizes", "16", "128", "--rounds", "2",
-                       "--repeat", "1", "--threads", "1", *per_head])
+    paged_decode.main(["--cache", str(keys), "--batch", "1", "2", "--block-sizes", "16", "128", "--rounds", "2",
+                       "--repeat", "1", "--threads", "1", "--dtype", dtype, *per_head])
     out = capsys.readouterr().out
-    assert ("pages stored per head" in out) == bool(per_head)
+    assert ("pages stored per head" in out) == bool(per_head) and dtype in out
     for B in (1, 2):
         for block in (16, 128):
             (line,) = [line for line in out.splitlines() if line.startswith(f"{B:>3} {block:>6} ")]
@@ -267,8 +269,8 @@ def test_paged_decode_prints_each_case(capsys, per_head):
             contiguous, paged, ratio, low, high, peak, cache = (float(x) for x in figures.groups())
             assert contiguous >= 0 and paged >= 0, line
             _assert_two_rounds((ratio, low, high))
-            # the keys and values of B sequences of 256 keys, 8 heads of 128 float32; the pages read in place
-            assert cache == 2 * B * 256 * 8 * 128 * 4 / 2**20 and 0 < peak < cache, line
+            # the keys and values of B sequences, 8 heads of 128 entries; the pages read in place
+            assert cache == 2 * B * keys * 8 * 128 * size / 2**20 and 0 < peak < cache, line
 
 
 def test_float32_extremes_prints_every_quantity(capsys):

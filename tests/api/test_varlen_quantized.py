@@ -1,0 +1,138 @@
+"""Quantized (int8, float8) caches in `varlen_attention`: packed and paged, with ``k_scale`` and ``v_scale``.
+
+Each sequence gets the bits of `attention` on its own quantized keys (whose
+kernels `tests/cpu/test_quantized.py` holds to the oracle): a paged step's
+decodes in one call of the decode kernel, reading the pages' bytes in place
+with the scales folded in, its prefill chunks through float32 copies, as
+`attention` reads a quantized cache; the reference backend reads the
+dequantized cache.
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import elastic_np as enp
+
+pytest.importorskip("ml_dtypes")
+FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _cache(rng, fmt, M, Hkv, D, scale):
+    """``(k, v, k_scale, v_scale)``: a quantized ``(1, M, Hkv, D)`` cache and its scales."""
+    k, v = (rng.standard_normal((1, Hkv, M, D)).astype(np.float32) * s for s in (3.0, 0.5))
+    (kd, ks), (vd, vs) = (enp.quantize_kv(a, fmt, scale=scale) for a in (k, v))
+    return kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3), ks, vs
+
+
+def _paged(rng, k, v, used, block_size):
+    """Sequence ``s`` = the first ``used[s]`` keys of ``k``, ``v`` ``(1, M, Hkv, D)``, each in pages of its own, in
+    shuffled order; the spare pages' bytes drawn too: ``(k_pages, v_pages, table)``."""
+    blocks = -(-np.asarray(used) // block_size)
+    order = rng.permutation(int(blocks.sum()) + 3)
+    pages = [np.zeros((order.size, block_size, *k.shape[2:]), k.dtype) for _ in "kv"]
+    for pool, a in zip(pages, (k, v)):
+        pool.view(np.uint8)[...] = rng.integers(0, 256, pool.view(np.uint8).shape, dtype=np.uint8) & 0x3F
+    table = np.zeros((len(used), int(blocks.max())), np.int64)
+    taken = 0
+    for s, n in enumerate(used):
+        table[s, : blocks[s]] = order[taken : taken + blocks[s]]
+        for i, page in enumerate(table[s, : blocks[s]]):
+            rows = slice(i * block_size, min((i + 1) * block_size, n))
+            for pool, a in zip(pages, (k, v)):
+                pool[page, : rows.stop - rows.start] = a[0, rows]
+        taken += blocks[s]
+    return (*pages, table)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", ["head", "tensor"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_paged_step_over_a_quantized_cache_has_each_sequences_bits(fmt, scale, block_size):
+    rng = np.random.default_rng(1)
+    H, Hkv, D = 8, 2, 64
+    k, v, ks, vs = _cache(rng, fmt, 700, Hkv, D, scale)
+    used, lengths_q = [300, 47, 129, 700], [1, 40, 1, 3]  # decodes of 1 and 3 queries, a chunk of 40
+    k_pages, v_pages, table = _paged(rng, k, v, used, block_size)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    q = rng.standard_normal((cu_q[-1], H, D)).astype(np.float32)
+    options = dict(causal=True, k_scale=ks, v_scale=vs, softcap=30.0)
+    out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                                    return_lse=True, backend="cpu", **options)
+    for s, n in enumerate(used):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        want, want_lse = enp.attention(q[None, rows], k[:, :n], v[:, :n], layout="bnhd", kv_lengths=[n],
+                                       align="kv_lengths", return_lse=True, backend="cpu", **options)
+        assert np.array_equal(out[rows], want[0]), s
+        assert np.array_equal(lse[rows], want_lse[0].T), s
+    ref = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                               backend="reference", **options)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_packed_batch_over_a_quantized_cache_has_each_sequences_bits(fmt):
+    rng = np.random.default_rng(2)
+    k, v, ks, vs = _cache(rng, fmt, 240, 2, 32, "head")
+    cu_k, cu_q = np.array([0, 100, 101, 240]), np.array([0, 1, 2, 50])
+    q = rng.standard_normal((50, 4, 32)).astype(np.float32)
+    out = enp.varlen_attention(q, k[0], v[0], cu_q, cu_k, causal=True, k_scale=ks, v_scale=vs, backend="cpu")
+    for s in range(3):
+        keys = slice(cu_k[s], cu_k[s + 1])
+        want = enp.attention(q[None, cu_q[s]:cu_q[s + 1]], k[:, keys], v[:, keys], layout="bnhd", causal=True,
+                             k_scale=ks, v_scale=vs, backend="cpu")
+        assert np.array_equal(out[cu_q[s]:cu_q[s + 1]], want[0]), s
+
+
+def test_a_quantized_paged_decode_reads_the_pages_in_place():
+    rng = np.random.default_rng(3)
+    k, v, ks, vs = _cache(rng, "int8", 8192, 8, 128, "head")
+    k_pages, v_pages, table = _paged(rng, k, v, [8192, 8192], 16)
+    q = rng.standard_normal((2, 32, 128)).astype(np.float32)
+    call = dict(block_table=table, seqused_k=[8192, 8192], k_scale=ks, v_scale=vs, backend="cpu")
+    enp.varlen_attention(q, k_pages, v_pages, [0, 1, 2], None, **call)  # compiled before the peak is taken
+    tracemalloc.start()
+    enp.varlen_attention(q, k_pages, v_pages, [0, 1, 2], None, **call)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < k_pages.nbytes / 16, (peak, k_pages.nbytes)  # its keys and values, gathered, are 4 MiB
+
+
+def test_the_scales_of_a_quantized_paged_cache_are_checked_by_name():
+    rng = np.random.default_rng(4)
+    k, v, ks, vs = _cache(rng, "int8", 64, 2, 16, "head")
+    k_pages, v_pages, table = _paged(rng, k, v, [64], 16)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    call = dict(block_table=table, seqused_k=[64], backend="cpu")
+    with pytest.raises(ValueError, match="k_scale"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, v_scale=vs, **call)
+    with pytest.raises(ValueError, match="k_scale"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, k_scale=np.ones(3), v_scale=vs, **call)
+
+
+def test_a_nan_float8_byte_in_a_used_page_is_an_error_one_in_a_spare_page_is_not():
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    k, v, ks, vs = _cache(rng, "float8_e4m3fn", 100, 2, 16, "head")
+    k_pages, v_pages, table = _paged(rng, k, v, [100], 16)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    call = dict(block_table=table, seqused_k=[100], k_scale=ks, v_scale=vs, backend="cpu")
+    spare = sorted(set(range(k_pages.shape[0])) - set(table[0].tolist()))
+    k_pages[spare[0]] = np.float32(np.nan)
+    enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, **call)
+    assert np.isnan(k_pages[spare[0]].astype(np.float32)).all() and k_pages.dtype == ml_dtypes.float8_e4m3fn
+    k_pages[table[0, 6], 3, 1, 5] = np.float32(np.nan)  # key 99, the last one used
+    with pytest.raises(ValueError, match="NaN or inf"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, **call)
+
+
+def test_the_torch_adapter_says_it_does_not_take_a_quantized_packed_cache_yet():
+    torch = pytest.importorskip("torch")
+    import elastic_np.torch as enpt
+
+    k = torch.zeros((9, 2, 16), dtype=torch.int8)
+    q = torch.zeros((2, 4, 16))
+    with pytest.raises(ValueError, match=r"does not take a quantized cache yet \(`k_scale`\)"):
+        enpt.varlen_attention(q, k, k, torch.tensor([0, 2]), torch.tensor([0, 9]), k_scale=1.0, v_scale=1.0)
