@@ -46,8 +46,10 @@ def _option_functions():
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        # a packed batch's signature lists the options it takes (`varlen.OPTIONS`)
-        found += [(f"{module_name}.{n}", getattr(module, n), varlen.OPTIONS if "varlen" in n else _spec.NAMES)
+        # a packed batch's signature lists the options it takes (`varlen.OPTIONS`; the torch operators' no scales
+        # of a quantized cache)
+        torch_varlen = tuple(n for n in varlen.OPTIONS if n not in varlen.CACHE_SCALES)
+        found += [(f"{module_name}.{n}", getattr(module, n), torch_varlen if "varlen" in n else _spec.NAMES)
                   for n in names]
         if module_name == "elastic_np.torch":
             model = tuple(n for n in _spec.NAMES if n not in _spec.PER_CALL + _spec.LEARNABLE)
