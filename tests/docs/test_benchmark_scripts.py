@@ -408,6 +408,24 @@ def test_transformers_generate_prints_both_and_their_ratio(capsys):
     assert ours.shape == (1, 5) and torch.equal(ours, sdpa)
 
 
+def test_transformers_generate_times_each_attention_call_and_restores_the_registry(capsys):
+    transformers = pytest.importorskip("transformers")
+    import transformers_generate
+
+    registry = transformers.AttentionInterface._global_mapping
+    transformers_generate.main(["--rounds", "1", "--tokens", "2", "--prompt", "3"])  # registers elastic_np
+    before = {way: registry[way] for way in ("elastic_np", "sdpa")}
+    capsys.readouterr()
+    transformers_generate.main(["--rounds", "2", "--tokens", "2", "--prompt", "3", "--per-call"])
+    out = capsys.readouterr().out
+    calls = re.findall(r"(\d+\.\d) us an attention call \(median of (\d+)\), (\d+)% of the generation", out)
+    # 2 rounds of 2 tokens, a prefill and a decoding step, through 2 layers: 8 calls each way
+    assert len(calls) == 2 and all(float(us) > 0 and n == "8" and 0 < int(share) < 100 for us, n, share in calls)
+    # not the timers: transformers' own sdpa, and the function `register` made (each main registers its own)
+    assert registry["sdpa"] is before["sdpa"]
+    assert registry["elastic_np"].__qualname__ == before["elastic_np"].__qualname__ == "register.<locals>.attention"
+
+
 def test_paged_step_prints_both_times_and_their_ratio(capsys):
     import paged_step
 
