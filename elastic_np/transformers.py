@@ -66,16 +66,39 @@ def register(name=NAME, backend="auto"):
 
 
 def boolean_mask(*args, **kwargs):
-    """transformers' boolean mask ``(B, 1, N, M)`` (True keeps), never skipped for a causal pattern.
+    """transformers' boolean mask ``(B, 1, N, M)`` (True keeps), or None where causality alone masks.
 
     transformers' SDPA mask may be None where torch's ``is_causal`` (top-left
-    aligned) stands in for it; the kernels align causality bottom-right, so
-    the mask is always formed, and None only where nothing is masked.
+    aligned) stands in for it, a static cache's empty slots included; the
+    kernels align causality bottom-right, so the mask is skipped only where
+    the two alignments agree and nothing else is masked (`_causal_alone`):
+    then the attention runs causal, as the module is (a decoding step's
+    queries see every key), with no mask to form or read. transformers
+    allows no skip for a cache of fixed size (``allow_is_causal_skip``):
+    its empty slots are masked.
     """
     from transformers.masking_utils import sdpa_mask
 
-    kwargs.pop("allow_is_causal_skip", None)
+    if kwargs.pop("allow_is_causal_skip", True) and _causal_alone(*args, **kwargs):  # never with a static cache
+        return None
     return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+
+
+def _causal_alone(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, local_size=None, **_):
+    """Whether `sdpa_mask`'s arguments describe plain causality over every key, aligned alike top-left and
+    bottom-right: one query, or as many queries as keys, no padding, no window or chunks, not compiling (where
+    reading the padding would break the graph)."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function not in (None, causal_mask_function) or local_size is not None or not isinstance(q_length, int):
+        return False
+    if not (q_length == 1 or q_length == kv_length) or torch.compiler.is_compiling():
+        return False
+    if attention_mask is None:
+        return True
+    return attention_mask.shape[-1] >= kv_offset + kv_length and bool(
+        attention_mask[:, kv_offset : kv_offset + kv_length].all())
 
 
 def attention_forward(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
