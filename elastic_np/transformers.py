@@ -7,10 +7,11 @@ it to transformers' registries; a model built with
 that function takes them). Scaling, grouped-query heads, soft-capping and
 gpt-oss's per-head sinks (``s_aux``, the logarithm of ``beta``, with their
 gradient) map to the options of the same names; causality, sliding windows
-and padding arrive as transformers' boolean mask, which is never dropped:
-a decoding step's mask that keeps a prefix of the keys (a static cache's
-empty slots, right padding) becomes ``kv_lengths``, so that the keys past
-it are never read. Packed sequences (transformers' padding-free path, where
+and padding arrive as transformers' boolean mask, formed wherever it masks
+more than causality does (bottom-right aligned, as the kernels align it;
+`boolean_mask`): a decoding step's mask that keeps a prefix of the keys (a
+static cache's empty slots, right padding) becomes ``kv_lengths``, so that
+the keys past it are never read. Packed sequences (transformers' padding-free path, where
 ``cu_seq_lens_q`` and ``cu_seq_lens_k`` reach the attention, as
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them) go
 through `elastic_np.torch.varlen_attention`, each sequence on its own. What
