@@ -5,9 +5,11 @@ whose optional package is missing is skipped; any other import error fails.
 """
 
 import doctest
+import gc
 import importlib
 import pathlib
 import pkgutil
+import sys
 
 import numpy as np
 import pytest
@@ -122,5 +124,11 @@ def test_documentation_page_examples(page):
     test = parser.get_doctest(text, {}, page, str(DOCS / page), 0)
     absent = [flag for flag, package in EXAMPLE_NEEDS.items() if _missing(package)]
     test.examples = [e for e in test.examples if not any(e.options.get(flag) for flag in absent)]
-    result = _run([test])
+    try:
+        result = _run([test])
+    finally:  # the page's objects released here: a model torch.compile traced, collected later, runs dynamo's
+        if "torch._dynamo" in sys.modules:  # weakref callbacks in whatever test then runs (one raised
+            sys.modules["torch._dynamo"].reset()  # inside another test's ast.parse, a SystemError there)
+        test.globs.clear()
+        gc.collect()
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in docs/{page}"
