@@ -177,26 +177,34 @@ def paged_forward(problem, paged, into=None):
     from them into the copy that kernel makes of them in any case
     (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`); a
     quantized cache's chunk, the prefill kernel's float32 copies of its
-    gathered keys and values, as `forward` reads a quantized cache.
+    keys and values, dequantized from the pages as `forward` dequantizes a
+    quantized cache.
     ``into``: where the prefill kernels may write ``out``
     (`elastic_np.cpu._prefill.forward.forward`'s).
     """
     if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged)
     if problem.quantized is not None:  # prefill reads float32 copies of a quantized cache (`forward`)
-        return forward(problem.with_arrays(problem.q, *(_gathered(pool, paged[2], problem.k.shape[2])
-                                                        for pool in paged[:2])))
+        copies = [_dequantized_pages(pool, paged[2], problem.kv_lengths, problem.k.shape[2], scale)
+                  for pool, scale in ((paged[0], problem.k_scale), (paged[1], problem.v_scale))]
+        return prefill.forward(_with_float_copies(problem, *copies), into=into)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)
     return prefill.forward(problem, paged=paged, into=into)
 
 
-def _gathered(pool, table, keys):
-    """The first ``keys`` rows of each batch entry's pages, ``(B, Hkv, keys, D)``: a view of a ``(B, keys, Hkv, D)``
-    copy."""
+def _dequantized_pages(pool, table, lengths, keys, scale):
+    """`_dequantized`'s float32 copy of a paged cache's first ``lengths[b]`` keys of each batch entry,
+    ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` array; zeros past them), dequantized a page at
+    a time: the same arithmetic, and so the same bits, with no gathered copy of the bytes."""
     size = pool.shape[1]
-    rows = pool[table[:, : -(-keys // size)]]  # (B, pages, size, Hkv, D)
-    return rows.reshape(table.shape[0], -1, *pool.shape[2:])[:, :keys].transpose(0, 2, 1, 3)
+    out = np.zeros((table.shape[0], keys, *pool.shape[2:]), dtype=np.float32)
+    by_head = np.asarray(scale, dtype=np.float64)[:, None]
+    for b, n in enumerate(lengths.tolist()):
+        for i in range(-(-n // size)):
+            rows = pool[table[b, i], : min(size, n - i * size)]
+            out[b, i * size : i * size + rows.shape[0]] = (rows.astype(np.float64) * by_head).astype(np.float32)
+    return out.transpose(0, 2, 1, 3)
 
 
 def _dequantized(problem):
@@ -206,8 +214,21 @@ def _dequantized(problem):
     floats a kv head) costs little beside the products; the decode kernel,
     bound by reading the cache, reads the bytes in place instead.
     """
-    k, v = (_quantized.dequantized(a, s).astype(np.float32) for a, s in
-            ((problem.k, problem.k_scale), (problem.v, problem.v_scale)))
+    k, v = (_float_copy(a, s) for a, s in ((problem.k, problem.k_scale), (problem.v, problem.v_scale)))
+    return _with_float_copies(problem, k, v)
+
+
+def _float_copy(a, scale):
+    """``(a * scale)`` of a ``(B, Hkv, M, D)`` quantized cache in float32, through float64 a head at a time (the
+    reference's product, rounded; no float64 temporary of the whole cache)."""
+    out = np.empty(a.shape, dtype=np.float32)
+    for b, hk in np.ndindex(*a.shape[:2]):
+        out[b, hk] = _quantized.dequantized(a[b, hk][None, None], scale[hk : hk + 1])[0, 0]
+    return out
+
+
+def _with_float_copies(problem, k, v):
+    """``problem`` of a quantized cache with ``k`` and ``v``, its float32 copies, instead."""
     made = problem.with_arrays(problem.q, k, v)
     made.__dict__.update(quantized=None, k_scale=None, v_scale=None, plan_key=None)
     return made

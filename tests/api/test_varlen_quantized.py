@@ -136,3 +136,22 @@ def test_the_torch_adapter_says_it_does_not_take_a_quantized_packed_cache_yet():
     q = torch.zeros((2, 4, 16))
     with pytest.raises(ValueError, match=r"does not take a quantized cache yet \(`k_scale`\)"):
         enpt.varlen_attention(q, k, k, torch.tensor([0, 2]), torch.tensor([0, 9]), k_scale=1.0, v_scale=1.0)
+
+
+def test_a_quantized_prefill_chunk_over_pages_dequantizes_from_the_pages():
+    """Its float32 copies alone: no gathered copy of the bytes, no float64 temporary of the whole cache."""
+    rng = np.random.default_rng(6)
+    k, v, ks, vs = _cache(rng, "int8", 4096, 8, 64, "head")
+    k_pages, v_pages, table = _paged(rng, k, v, [4096], 16)
+    q = rng.standard_normal((64, 16, 64)).astype(np.float32)
+    call = dict(block_table=table, seqused_k=[4096], causal=True, k_scale=ks, v_scale=vs, backend="cpu")
+    want = enp.attention(q[None], k, v, layout="bnhd", kv_lengths=[4096], align="kv_lengths",
+                         backend="cpu", **{n: call[n] for n in ("causal", "k_scale", "v_scale")})
+    enp.varlen_attention(q, k_pages, v_pages, [0, 64], None, **call)  # compiled before the peak is taken
+    tracemalloc.start()
+    got = enp.varlen_attention(q, k_pages, v_pages, [0, 64], None, **call)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert np.array_equal(got, want[0])
+    copies = 2 * 4096 * 8 * 64 * 4  # the keys and values in float32: 16 MiB
+    assert copies < peak < copies + (1 << 20), (peak, copies)  # a gathered copy would add 4 MiB
