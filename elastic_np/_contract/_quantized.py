@@ -78,9 +78,12 @@ def check_cache(q, k, v, k_scale, v_scale):
     return quantized[0]
 
 
-def dequantized(a, scale):
-    """The ``(B, Hkv, M, D)`` cache ``a`` times its ``(Hkv,)`` scale, in float64 (the reference's values)."""
-    return a.astype(np.float64) * scale[:, None, None]
+def dequantized(a, scale, head_axis=1):
+    """The cache ``a`` (``(B, Hkv, M, D)``, the heads along ``head_axis``) times its ``(Hkv,)`` scale, in float64
+    (the reference's values)."""
+    shape = [1] * a.ndim
+    shape[head_axis] = -1
+    return a.astype(np.float64) * np.reshape(scale, shape)
 
 
 def quantize_kv(x, dtype, *, scale="head", layout="bhnd"):

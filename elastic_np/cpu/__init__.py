@@ -100,6 +100,7 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
+    from elastic_np.cpu._tiles.pages import used_pages
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
@@ -197,13 +198,9 @@ def _dequantized_pages(pool, table, lengths, keys, scale):
     """`_dequantized`'s float32 copy of a paged cache's first ``lengths[b]`` keys of each batch entry,
     ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` array; zeros past them), dequantized a page at
     a time: the same arithmetic, and so the same bits, with no gathered copy of the bytes."""
-    size = pool.shape[1]
     out = np.zeros((table.shape[0], keys, *pool.shape[2:]), dtype=np.float32)
-    by_head = np.asarray(scale, dtype=np.float64)[:, None]
-    for b, n in enumerate(lengths.tolist()):
-        for i in range(-(-n // size)):
-            rows = pool[table[b, i], : min(size, n - i * size)]
-            out[b, i * size : i * size + rows.shape[0]] = (rows.astype(np.float64) * by_head).astype(np.float32)
+    for b, j0, page, n in used_pages(table, lengths, pool.shape[1]):
+        out[b, j0 : j0 + n] = _quantized.dequantized(pool[page, :n], scale, head_axis=1)  # (n, Hkv, D)
     return out.transpose(0, 2, 1, 3)
 
 
@@ -223,7 +220,7 @@ def _float_copy(a, scale):
     reference's product, rounded; no float64 temporary of the whole cache)."""
     out = np.empty(a.shape, dtype=np.float32)
     for b, hk in np.ndindex(*a.shape[:2]):
-        out[b, hk] = _quantized.dequantized(a[b, hk][None, None], scale[hk : hk + 1])[0, 0]
+        out[b, hk : hk + 1] = _quantized.dequantized(a[b, hk : hk + 1], scale[hk : hk + 1], head_axis=0)
     return out
 
 

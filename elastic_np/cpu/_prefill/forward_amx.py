@@ -47,7 +47,7 @@ from elastic_np.cpu._tiles.halves import bits, float32_bits
 from elastic_np.cpu._tiles.logits import column_max, modify_tile, scale_logits, shape_logits
 from elastic_np.cpu._tiles.online_softmax import finish_rows, rescale_rows
 from elastic_np.cpu._tiles.operands import BNHD, head, head_rows, new, operand, shape
-from elastic_np.cpu._tiles.pages import NO_PAGES, page_of, paged as paged_pages
+from elastic_np.cpu._tiles.pages import NO_PAGES, page_of, paged as paged_pages, used_pages
 from elastic_np.cpu._tiles.simd import compile_for
 
 #: Keys and queries a pair of tiles takes, and entries of a row a tile loads.
@@ -96,13 +96,10 @@ def paged_values_transposed(pool, table, kv_lengths, M):
     """`values_transposed` of the values of a paged cache: entry ``b``'s first ``kv_lengths[b]`` keys of the
     ``(num_blocks, block_size, Hkv, Dv)`` ``pool``'s pages ``table[b]``, transposed from the pages a page at a
     time (zeros past them, never read); ``M``: the most keys an entry uses."""
-    B, (size, Hkv, Dv) = table.shape[0], pool.shape[1:]
-    vt = _zeroed(B, Hkv, Dv, M)
+    vt = _zeroed(table.shape[0], *pool.shape[2:], M)
     pages = bits(pool)
-    for b, n in enumerate(kv_lengths.tolist()):
-        for i in range(-(-n // size)):
-            j0 = i * size
-            vt[b, :, :, j0 : min(j0 + size, n)] = pages[table[b, i], : min(size, n - j0)].transpose(1, 2, 0)
+    for b, j0, page, n in used_pages(table, kv_lengths, pool.shape[1]):
+        vt[b, :, :, j0 : j0 + n] = pages[page, :n].transpose(1, 2, 0)
     return _scaled(vt, kv_lengths, M)
 
 

@@ -17,6 +17,7 @@ from elastic_np._contract._compact import compact_bias, compact_mask
 from elastic_np._contract._problem import Kept
 from elastic_np._contract._ranges import offset_band
 from elastic_np.cpu._tiles.logits import ensure_modifiers
+from elastic_np.cpu._tiles.pages import used_pages
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -214,9 +215,7 @@ def check_paged_cache(paged, problem):
     if not problem.kv_unchecked:
         return
     k_pages, v_pages, table = paged
-    size = k_pages.shape[1]
     for name, pool in (("k", k_pages), ("v", v_pages)):
-        for b, n in enumerate(problem.kv_lengths.tolist()):
-            for i in range(-(-n // size)):
-                if not _validation.all_finite(pool[table[b, i], : min(size, n - i * size)]):
-                    raise ValueError(f"`{name}` contains NaN or inf")
+        for _, _, page, n in used_pages(table, problem.kv_lengths, pool.shape[1]):
+            if not _validation.all_finite(pool[page, :n]):
+                raise ValueError(f"`{name}` contains NaN or inf")

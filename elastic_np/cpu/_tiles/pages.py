@@ -23,6 +23,15 @@ def paged(block_table, block_size):
     return np.array(block_table, dtype=np.int64, order="C"), int(block_size)
 
 
+def used_pages(table, lengths, block_size):
+    """``(b, j0, page, n)`` of every page batch entry ``b`` uses: keys ``j0 .. j0 + n - 1`` of its first
+    ``lengths[b]`` lie in the first ``n`` rows of page ``page`` (host code: the checks and copies made a page
+    at a time)."""
+    for b, length in enumerate(np.asarray(lengths).tolist()):
+        for j0 in range(0, length, block_size):
+            yield b, j0, table[b, j0 // block_size], min(block_size, length - j0)
+
+
 @inner(fastmath=False)
 def page_of(pages, b, j, left):
     """``(page, row, n)``: where key ``j`` of batch entry ``b`` lies, and how many keys of at most ``left`` follow
