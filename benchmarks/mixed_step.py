@@ -22,7 +22,6 @@ Usage: ``python benchmarks/mixed_step.py [--rounds R] [--repeat N] [--dtypes flo
 import argparse
 import pathlib
 import sys
-import tracemalloc
 
 import numpy as np
 
@@ -94,10 +93,7 @@ def main(argv=None):
         for key, (contiguous, paged, out_bytes) in cases.items():
             a, b = contiguous(), paged()
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{key}: the paged step differs"
-            tracemalloc.start()
-            paged()
-            peaks[key] = max(0, tracemalloc.get_traced_memory()[1] - out_bytes)
-            tracemalloc.stop()
+            peaks[key] = max(0, _bench.traced_peak_bytes(paged) - out_bytes)
         calls = {key: {"contiguous": c, "paged": p} for key, (c, p, _) in cases.items()}
         times = _bench.interleaved(calls, args.rounds, args.repeat)
     print(f"step: {args.decodes} decodes of 1 query over {args.decode_keys} keys, {args.chunks} chunks of "

@@ -14,7 +14,6 @@ Usage: ``python benchmarks/paged_decode.py [--rounds R] [--repeat N] [--batch B 
 """
 
 import argparse
-import tracemalloc
 
 import ml_dtypes
 import numpy as np
@@ -87,10 +86,7 @@ def main(argv=None):
             rounding = 1e-5 if _quantized(dtype) else max(1e-5, 2 * float(ml_dtypes.finfo(dtype).eps))
             np.testing.assert_allclose(contiguous()[:, :, 0].astype(np.float64), paged().astype(np.float64),
                                        rtol=rounding, atol=rounding / 10)
-            tracemalloc.start()
-            paged()
-            peaks[key] = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
+            peaks[key] = _bench.traced_peak_bytes(paged)
         calls = {key: {"contiguous": contiguous, "paged": paged} for key, (contiguous, paged, _) in cases.items()}
         times = _bench.interleaved(calls, args.rounds, args.repeat)
     print(f"decode 32/8 heads, 1 query, {args.cache} keys of 128, {dtype.name}"

@@ -19,7 +19,6 @@ Usage: ``python benchmarks/quantized_decode.py [--rounds R] [--repeat N] [--cach
 """
 
 import argparse
-import tracemalloc
 
 import ml_dtypes
 import numpy as np
@@ -51,12 +50,7 @@ def decode_calls(cache):
 def peak_extra_mib(fn):
     """The peak of what ``fn()`` allocates through Python's allocator (NumPy's arrays), in MiB."""
     fn()
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1] / 2**20
-    finally:
-        tracemalloc.stop()
+    return _bench.traced_peak_bytes(fn) / 2**20
 
 
 def report(cache, seconds, sizes):

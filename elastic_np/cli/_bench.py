@@ -279,6 +279,16 @@ def _release_free_heap():
         pass
 
 
+def traced_peak_bytes(fn):
+    """The peak of what one call of ``fn()`` allocates through Python's allocator (NumPy's arrays), in bytes."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def peak_memory_mib(fn, interval=2e-4):
     """Approximate peak memory of one call of ``fn()``, in MiB.
 
