@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
+import paged_cases
 
 pytest.importorskip("ml_dtypes")
 FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
@@ -27,23 +28,11 @@ def _cache(rng, fmt, M, Hkv, D, scale):
 
 
 def _paged(rng, k, v, used, block_size):
-    """Sequence ``s`` = the first ``used[s]`` keys of ``k``, ``v`` ``(1, M, Hkv, D)``, each in pages of its own, in
-    shuffled order; the spare pages' bytes drawn too: ``(k_pages, v_pages, table)``."""
-    blocks = -(-np.asarray(used) // block_size)
-    order = rng.permutation(int(blocks.sum()) + 3)
-    pages = [np.zeros((order.size, block_size, *k.shape[2:]), k.dtype) for _ in "kv"]
-    for pool, a in zip(pages, (k, v)):
+    """`paged_cases.paged`, the spare pages' bytes drawn (small: no float8 NaN)."""
+    def fill(pool):
         pool.view(np.uint8)[...] = rng.integers(0, 256, pool.view(np.uint8).shape, dtype=np.uint8) & 0x3F
-    table = np.zeros((len(used), int(blocks.max())), np.int64)
-    taken = 0
-    for s, n in enumerate(used):
-        table[s, : blocks[s]] = order[taken : taken + blocks[s]]
-        for i, page in enumerate(table[s, : blocks[s]]):
-            rows = slice(i * block_size, min((i + 1) * block_size, n))
-            for pool, a in zip(pages, (k, v)):
-                pool[page, : rows.stop - rows.start] = a[0, rows]
-        taken += blocks[s]
-    return (*pages, table)
+
+    return paged_cases.paged(rng, k, v, used, block_size, fill=fill)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

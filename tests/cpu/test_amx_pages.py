@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
+import paged_cases
 from elastic_np.cpu._prefill import forward_amx as _forward_amx
 from elastic_np.cpu._tiles import amx as _amx
 
@@ -27,14 +28,7 @@ def _chunk(seed, N, M, block_size, H=4, Hkv=2, D=64, scale=1.0, v_scale=1.0):
     rng = np.random.default_rng(seed)
     draw = lambda shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32).astype(BF16)  # noqa: E731
     q, k, v = draw((N, H, D), scale), draw((1, M, Hkv, D), scale), draw((1, M, Hkv, D), v_scale)
-    blocks = -(-M // block_size)
-    order = rng.permutation(blocks + 3)
-    pages = [np.full((order.size, block_size, Hkv, D), np.nan, np.float32).astype(BF16) for _ in "kv"]
-    for i, page in enumerate(order[:blocks]):
-        rows = slice(i * block_size, min((i + 1) * block_size, M))
-        for pool, a in zip(pages, (k, v)):
-            pool[page, : rows.stop - rows.start] = a[0, rows]
-    return q, k, v, *pages, order[:blocks][None]
+    return q, k, v, *paged_cases.paged(rng, k, v, [M], block_size, fill=lambda pool: pool.fill(np.nan))
 
 
 def _paged_on_the_tiles(monkeypatch):
