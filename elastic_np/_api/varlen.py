@@ -343,9 +343,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
 
 def _cpu_output(q, v, backend):
     """``(out, lse)`` of a paged call on the CPU, allocated ahead for its kernels to write into, else None."""
-    if q.dtype != v.dtype or dispatch.get_backend(backend).__name__ != "elastic_np.cpu":
+    if dispatch.get_backend(backend).__name__ != "elastic_np.cpu":
         return None
-    return (np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype),  # the kernels' output dtype
+    return (np.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype),  # q's dtype, a quantized cache's too
             np.empty(q.shape[:2], dtype=_validation.compute_dtype(q.dtype)))
 
 
