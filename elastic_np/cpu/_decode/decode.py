@@ -73,6 +73,7 @@ from elastic_np.cpu._tiles.logits import (
 )
 from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
 from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.pages import paged as paged_pages, pool_operand
 from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.cpu._tiles.tanh import tanh_any
@@ -101,9 +102,9 @@ def forward(problem, paged=None, entry_splits=None):
     if paged is None:
         k, v = operand(problem.k), operand(problem.v)
         table, block_size, cache = _NO_TABLE, 0, (problem.k, problem.v)
-    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
-        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
-        table, block_size = np.array(paged[2], dtype=np.int64, order="C"), paged[0].shape[1]
+    else:
+        k, v = pool_operand(paged[0]), pool_operand(paged[1])
+        table, block_size = paged_pages(paged[2], paged[0].shape[1])
         cache = [_paged_rows(a, paged[2]) for a in paged[:2]] if problem.kv_unchecked else None
     plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
     pages = (table, block_size, plan.together) if paged is not None or plan.together else None

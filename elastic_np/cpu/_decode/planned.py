@@ -7,6 +7,7 @@ from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.operands import operand
+from elastic_np.cpu._tiles.pages import pool_operand
 
 
 #: `decode.forward`'s ``pages`` of a contiguous cache whose tasks take every kv head (``plan.together``).
@@ -46,7 +47,7 @@ def paged(problem, block_size, entry_splits):
 
     def run(q, k_pages, v_pages, table):
         q_operand = operand(q)
-        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in (k_pages, v_pages))
+        k, v = pool_operand(k_pages), pool_operand(v_pages)
         key = (k[1], config.GENERATION)
         launch = launchers.get(key)
         if launch is None:

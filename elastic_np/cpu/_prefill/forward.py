@@ -17,7 +17,7 @@ from elastic_np.cpu._tiles.halves import scratch_for
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, query_factor
 from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, online_update
 from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
-from elastic_np.cpu._tiles.pages import NO_PAGES, paged as paged_pages, tile_rows
+from elastic_np.cpu._tiles.pages import NO_PAGES, paged as paged_pages, pool_operand, tile_rows
 from elastic_np.cpu._tiles.simd import compile_for
 
 
@@ -53,9 +53,9 @@ def forward(problem, paged=None, into=None):
     if paged is None:
         check_cache(problem)
         k, v, pages = operand(problem.k), operand(problem.v), NO_PAGES
-    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
+    else:
         check_paged_cache(paged, problem)
-        k, v = (operand(a.transpose(0, 2, 1, 3)) for a in paged[:2])
+        k, v = pool_operand(paged[0]), pool_operand(paged[1])
         pages = paged_pages(paged[2], paged[0].shape[1])
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=dtype)

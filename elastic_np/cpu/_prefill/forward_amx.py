@@ -47,7 +47,7 @@ from elastic_np.cpu._tiles.halves import bits, float32_bits
 from elastic_np.cpu._tiles.logits import column_max, modify_tile, scale_logits, shape_logits
 from elastic_np.cpu._tiles.online_softmax import finish_rows, rescale_rows
 from elastic_np.cpu._tiles.operands import BNHD, head, head_rows, new, operand, shape
-from elastic_np.cpu._tiles.pages import NO_PAGES, page_of, paged as paged_pages, used_pages
+from elastic_np.cpu._tiles.pages import NO_PAGES, page_of, paged as paged_pages, pool_operand, used_pages
 from elastic_np.cpu._tiles.simd import compile_for
 
 #: Keys and queries a pair of tiles takes, and entries of a row a tile loads.
@@ -154,9 +154,9 @@ def forward(problem, paged=None, into=None):
         check_cache(problem)
         k, pages = operand(problem.k), NO_PAGES
         vt, unscale = values_transposed(problem.v, problem.kv_lengths)
-    else:  # the pages' (num_blocks, block_size, Hkv, D) storage is a (B, N, H, D) one
+    else:
         check_paged_cache(paged, problem)
-        k, pages = operand(paged[0].transpose(0, 2, 1, 3)), paged_pages(paged[2], paged[0].shape[1])
+        k, pages = pool_operand(paged[0]), paged_pages(paged[2], paged[0].shape[1])
         vt, unscale = paged_values_transposed(paged[1], pages[0], problem.kv_lengths, M)
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=np.float32)

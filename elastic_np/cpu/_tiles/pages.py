@@ -12,7 +12,7 @@ import numpy as np
 
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import copied, readable
-from elastic_np.cpu._tiles.operands import head_rows
+from elastic_np.cpu._tiles.operands import head_rows, operand
 
 #: ``pages`` of a contiguous operand.
 NO_PAGES = (np.zeros((0, 0), dtype=np.int64), 0)
@@ -21,6 +21,12 @@ NO_PAGES = (np.zeros((0, 0), dtype=np.int64), 0)
 def paged(block_table, block_size):
     """``pages`` of a paged operand: the table as the kernels read it (int64, C-contiguous)."""
     return np.array(block_table, dtype=np.int64, order="C"), int(block_size)
+
+
+def pool_operand(pool):
+    """The operand of a paged cache's pool: its ``(num_blocks, block_size, Hkv, D)`` storage read as a
+    ``(B, N, H, D)`` one whose batch entries are the pages."""
+    return operand(pool.transpose(0, 2, 1, 3))
 
 
 def used_pages(table, lengths, block_size):
