@@ -10,7 +10,7 @@ import pytest
 import elastic_np as enp
 from elastic_np._api import paged_plans, plans
 from elastic_np._contract._problem import AttentionProblem
-from elastic_np.cpu._runtime import config
+from elastic_np.cpu._runtime import config, numba_private
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -310,6 +310,7 @@ def test_the_plans_of_a_growing_cache_hold_no_chain_of_earlier_ones():
     assert not any(type(o) in (plans.Plan, AttentionProblem) for o in gc.get_objects())
 
 
+@pytest.mark.skipif(not numba_private.enabled("direct_calls"), reason="calls go through the dispatchers")
 def test_a_growing_cache_called_once_a_length_finds_its_kernels_entry_points_from_its_second_length(monkeypatch):
     """One layer a step: every length's plan runs once, and the family's launchers share their entry points."""
     from numba.core.registry import CPUDispatcher
