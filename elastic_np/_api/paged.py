@@ -10,7 +10,7 @@ few queries in one call (`batch`), any other one sequence at a time
 
 import numpy as np
 
-from elastic_np._api import dispatch
+from elastic_np._api import cache_scales, dispatch
 
 
 def page_shape_error(heads, k, why):
@@ -96,6 +96,7 @@ def batch(q, k, v, cu_q, table, used, options, backend):
     if module.__name__ != "elastic_np.cpu" or (lengths != lengths[0]).any():
         return None
     count, N = lengths.size, int(lengths[0])
+    options, scale_pages = cache_scales.stand_ins(options, count, used.max())
     batch = {**options, "kv_lengths": used, "align": "kv_lengths", "layout": "bnhd"}
     try:
         problem = dispatch.validated(module, q.reshape(count, N, *q.shape[1:]), *_stand_ins(k, v, count, used.max()),
@@ -108,9 +109,10 @@ def batch(q, k, v, cu_q, table, used, options, backend):
     decode = module.planned.paged(problem, k.shape[1], entry_splits)
     k_pool, v_pool, pool_table = _kernel_pools(k, v, table, used)
     pool_table = np.array(pool_table, dtype=np.int64, order="C")
+    scale_pages = _kernel_scale_pools(scale_pages, k_pool is k and v_pool is v, table, used)
 
     def run(q, k_pool, v_pool):
-        out, lse = decode(q.reshape(count, N, *q.shape[1:]).swapaxes(1, 2), k_pool, v_pool, pool_table)
+        out, lse = decode(q.reshape(count, N, *q.shape[1:]).swapaxes(1, 2), k_pool, v_pool, pool_table, scale_pages)
         return out.swapaxes(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]), lse.transpose(0, 2, 1).reshape(
             -1, lse.shape[1])
 
@@ -128,11 +130,15 @@ def sequence(q, k, v, table, used, options, backend, into=None):
     """
     module = dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
-        problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), options)
+        kernel_options, scale_pages = cache_scales.stand_ins(options, 1, used)
+        problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), kernel_options)
+        pools = _kernel_pools(k, v, table, [used])
+        scale_pages = _kernel_scale_pools(scale_pages, pools[0] is k and pools[1] is v, table, [used])
         with dispatch._reported(module, "forward", problem):
-            out, lse = module.paged_forward(problem, _kernel_pools(k, v, table, [used]), into=into)
+            out, lse = module.paged_forward(problem, pools, into=into, scale_pages=scale_pages)
         return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
+    options = cache_scales.gathered(options, table, np.array([used]), 0)
     return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 
@@ -151,6 +157,15 @@ def _kernel_pools(k, v, table, used):
     compact_table = np.zeros(table.shape, dtype=np.int64)  # the entries not read: any page
     compact_table[read] = renumbered
     return _take_pages(k, pages), _take_pages(v, pages), compact_table
+
+
+def _kernel_scale_pools(scale_pages, in_place, table, used):
+    """Fine scale pages as the CPU kernels read them, with the pools of `_kernel_pools`: in place where those are
+    (``in_place``), else the same pages taken (that function renumbers the table the same way)."""
+    if scale_pages is None or in_place:
+        return scale_pages
+    pages = np.unique(table[_read_pages(table, used, scale_pages[0].shape[1])])
+    return tuple(_take_pages(pool, pages) for pool in scale_pages)
 
 
 def _per_head(pool):

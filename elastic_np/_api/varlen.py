@@ -15,7 +15,7 @@ import operator
 
 import numpy as np
 
-from elastic_np._api import dispatch, paged_plans
+from elastic_np._api import cache_scales, dispatch, paged_plans
 from elastic_np._api import paged as paged_cache
 from elastic_np._contract import _spec, _validation
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
@@ -195,8 +195,11 @@ def _subset_options(options, which, count):
                                                                                           "dynamic_window")}}
 
 
-def _sequence_options(options, used, s, count):
-    per = _subset_options(options, slice(s, s + 1), count)
+def _sequence_options(options, used, s, count, cu_k=None):
+    """``options`` for sequence ``s`` alone, its keys in a batch entry of their own (``cu_k``: packed keys, whose
+    fine scales are taken too)."""
+    per = _subset_options(options if cu_k is None else cache_scales.sequence(options, s, cu_k), slice(s, s + 1),
+                          count)
     per.update({name: options[name][s] for name in PER_SEQUENCE if options[name] is not None})
     extra = {} if used is None else {"kv_lengths": used[s:s + 1], "align": "kv_lengths"}
     return {**per, **extra, "layout": "bnhd"}
@@ -237,6 +240,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
         _check_longest(used, "max_k", max_k, "the most keys a sequence uses (`seqused_k`)")
         _check_chunks(np.diff(cu_q), used)
         lengths_k = used
+    options = cache_scales.checked(options, k, v, None if block_table is None else cu_k, used)
     _per_sequence_shapes(options, q.shape[1], np.diff(cu_q), lengths_k)
     window, slopes = options["dynamic_window"], options["alibi_slopes"]
     if isinstance(window, DynamicWindow):
@@ -333,7 +337,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     if block_table is None:
         out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
             q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
-            backend=backend, **_sequence_options(options, used, s, cu_q.size - 1)), None)
+            backend=backend, **_sequence_options(options, used, s, cu_q.size - 1, cu_k)), None)
     else:  # exactly the used keys: the queries sit before the last of them
         out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
             q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, cu_q.size - 1),

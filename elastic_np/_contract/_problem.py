@@ -36,7 +36,8 @@ class AttentionProblem:
     keys and values below ``kv_lengths`` (`check_cache_values`).
     ``quantized``: the name of a quantized cache's dtype
     (`elastic_np._contract._quantized`), else None; ``k_scale`` and
-    ``v_scale`` its float64 ``(Hkv,)`` scales. The reference's ``k`` and
+    ``v_scale`` its scales: float64 ``(Hkv,)``, or a per-token or per-group
+    scale as `elastic_np._contract._quantized.fine_scale` gives it. The reference's ``k`` and
     ``v`` are then the dequantized float64 values, the kernels' the stored ones.
     ``plan_key``: hashable, the same for every call whose fields are the
     same (shape, dtype, checks and option values; `_spec.fields_key`), or
@@ -185,7 +186,8 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     check_finite = _validation.boolean(check_finite, "check_finite")
     quantized = _quantized.check_cache(np.asarray(q), np.asarray(k), np.asarray(v), options["k_scale"],
                                        options["v_scale"])
-    q, k, v = _checked_arrays(q, k, v, dtypes, _spec.check_layout(options["layout"]), quantized)
+    k_given, v_given = np.asarray(k), np.asarray(v)
+    q, k, v = _checked_arrays(q, k_given, v_given, dtypes, _spec.check_layout(options["layout"]), quantized)
     B, H, N, D = q.shape
     if check_finite and not _validation.all_finite(q):
         raise ValueError("`q` contains NaN or inf")
@@ -194,7 +196,11 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     compute_dtype = np.dtype(np.float64) if dtypes is None else _validation.compute_dtype(q.dtype)
     plan_key, fields = _fields(options, shape, compute_dtype, (q.shape, k.shape, v.shape))
     if quantized:
-        fields = {**fields, "quantized": _validation.dtype_name(k.dtype)}
+        layout = options["layout"]
+        fields = {**fields, "quantized": _validation.dtype_name(k.dtype),
+                  **{name: _quantized.fine_scale(fields[name], name, given.shape, layout)
+                     for name, given in (("k_scale", k_given), ("v_scale", v_given))}}
+        _quantized.check_same_kind(fields["k_scale"], fields["v_scale"])
         plan_key = None if plan_key is None else (*plan_key, k.dtype)
         if dtypes is None:  # the reference reads the dequantized values
             k, v = _quantized.dequantized(k, fields["k_scale"]), _quantized.dequantized(v, fields["v_scale"])

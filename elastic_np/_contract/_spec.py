@@ -260,13 +260,16 @@ OPTIONS = (
            "Additive score bias broadcastable to ``(B, H, N, M)``, added after the soft-cap and before "
            "NVM; ``-inf`` removes an entry. Learnable: the backward returns ``dbias`` in its shape.",
            _bias, gradient="dbias", tensor=True, per_call=True, key_count=True, schema="Tensor? bias"),
-    Option("k_scale", None, "float or array_like of shape (Hkv,), optional",
+    Option("k_scale", None, "float or array_like, optional",
            "The scale of a quantized ``k`` (int8, ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2``): the keys "
-           "read are ``k * k_scale``, one scale for the tensor or one per kv head, finite and ``> 0`` "
-           "(`elastic_np.quantize_kv` makes them). Only with a quantized ``k``; no gradient.",
+           "read are ``k * k_scale``, finite and ``> 0``: one scale for the tensor, one per kv head "
+           "(``(Hkv,)``), one per token (float32 or float16 of ``k``'s shape without its last axis, "
+           "``(B, Hkv, M)`` or, in the ``bnhd`` layout, ``(B, M, Hkv)``) or one per group of ``G`` columns "
+           "(that shape and ``D // G``) (`elastic_np.quantize_kv` makes them). Only with a quantized ``k``; "
+           "no gradient.",
            _cache_scale("k_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
            schema="Tensor? k_scale"),
-    Option("v_scale", None, "float or array_like of shape (Hkv,), optional",
+    Option("v_scale", None, "float or array_like, optional",
            "The scale of a quantized ``v``, as ``k_scale``: the values read are ``v * v_scale``.",
            _cache_scale("v_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
            schema="Tensor? v_scale"),

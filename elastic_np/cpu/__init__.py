@@ -165,7 +165,7 @@ def forward(problem):
     return prefill.forward(problem)
 
 
-def paged_forward(problem, paged, into=None):
+def paged_forward(problem, paged, into=None, scale_pages=None):
     """`forward` of a problem whose keys and values are a paged cache's: read from the pages in place.
 
     ``paged = (k_pages, v_pages, block_table)``, ``(num_blocks, block_size,
@@ -181,13 +181,17 @@ def paged_forward(problem, paged, into=None):
     keys and values, dequantized from the pages as `forward` dequantizes a
     quantized cache.
     ``into``: where the prefill kernels may write ``out``
-    (`elastic_np.cpu._prefill.forward.forward`'s).
+    (`elastic_np.cpu._prefill.forward.forward`'s). ``scale_pages``: a
+    quantized cache's per-token or per-group scales, ``(num_blocks,
+    block_size, Hkv, D // G)`` for ``k`` and for ``v`` (``problem``'s
+    scales stand in for them), or None.
     """
     if decode_plan.takes(problem):
-        return decode.forward(problem, paged=paged)
+        return decode.forward(problem, paged=paged, scale_pages=scale_pages)
     if problem.quantized is not None:  # prefill reads float32 copies of a quantized cache (`forward`)
+        scales = (problem.k_scale, problem.v_scale) if scale_pages is None else scale_pages
         copies = [_dequantized_pages(pool, paged[2], problem.kv_lengths, problem.k.shape[2], scale)
-                  for pool, scale in ((paged[0], problem.k_scale), (paged[1], problem.v_scale))]
+                  for pool, scale in zip(paged[:2], scales)]
         return prefill.forward(_with_float_copies(problem, *copies), into=into)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)
@@ -197,10 +201,13 @@ def paged_forward(problem, paged, into=None):
 def _dequantized_pages(pool, table, lengths, keys, scale):
     """`_dequantized`'s float32 copy of a paged cache's first ``lengths[b]`` keys of each batch entry,
     ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` array; zeros past them), dequantized a page at
-    a time: the same arithmetic, and so the same bits, with no gathered copy of the bytes."""
+    a time: the same arithmetic, and so the same bits, with no gathered copy of the bytes. ``scale``: per
+    head, or pages of fine scales (`paged_forward`'s ``scale_pages``)."""
     out = np.zeros((table.shape[0], keys, *pool.shape[2:]), dtype=np.float32)
+    fine = _quantized.is_fine(scale)
     for b, j0, page, n in used_pages(table, lengths, pool.shape[1]):
-        out[b, j0 : j0 + n] = _quantized.dequantized(pool[page, :n], scale, head_axis=1)  # (n, Hkv, D)
+        page_scale = scale[page, :n] if fine else scale
+        out[b, j0 : j0 + n] = _quantized.dequantized(pool[page, :n], page_scale, head_axis=1)  # (n, Hkv, D)
     return out.transpose(0, 2, 1, 3)
 
 
@@ -217,10 +224,12 @@ def _dequantized(problem):
 
 def _float_copy(a, scale):
     """``(a * scale)`` of a ``(B, Hkv, M, D)`` quantized cache in float32, through float64 a head at a time (the
-    reference's product, rounded; no float64 temporary of the whole cache)."""
+    reference's product, rounded; no float64 temporary of the whole cache); ``scale`` per head or fine
+    (`elastic_np._contract._quantized.fine_scale`)."""
     out = np.empty(a.shape, dtype=np.float32)
     for b, hk in np.ndindex(*a.shape[:2]):
-        out[b, hk : hk + 1] = _quantized.dequantized(a[b, hk : hk + 1], scale[hk : hk + 1], head_axis=0)
+        head_scale = scale[b, hk : hk + 1] if _quantized.is_fine(scale) else scale[hk : hk + 1]
+        out[b, hk : hk + 1] = _quantized.dequantized(a[b, hk : hk + 1], head_scale, head_axis=0)
     return out
 
 

@@ -21,10 +21,23 @@ FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def _cache(rng, fmt, M, Hkv, D, scale):
-    """``(k, v, k_scale, v_scale)``: a quantized ``(1, M, Hkv, D)`` cache and its scales."""
-    k, v = (rng.standard_normal((1, Hkv, M, D)).astype(np.float32) * s for s in (3.0, 0.5))
-    (kd, ks), (vd, vs) = (enp.quantize_kv(a, fmt, scale=scale) for a in (k, v))
-    return kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3), ks, vs
+    """``(k, v, k_scale, v_scale)``: a quantized ``(1, M, Hkv, D)`` cache and its scales (per token ``(1, M,
+    Hkv)``, per group of 16 columns ``(1, M, Hkv, D // 16)``)."""
+    k, v = (rng.standard_normal((1, M, Hkv, D)).astype(np.float32) * s for s in (3.0, 0.5))
+    group = 16 if scale == "group" else None
+    (kd, ks), (vd, vs) = (enp.quantize_kv(a, fmt, scale=scale, group_size=group, layout="bnhd") for a in (k, v))
+    return kd, vd, ks, vs
+
+
+def _scale_pages(scale, table, used, block_size, n_pages):
+    """A per-token or per-group ``scale`` (``(1, M, Hkv, ...)``) in the pages of ``table`` (`_paged`'s), zeros in
+    every row no sequence uses (never read, never checked)."""
+    pool = np.zeros((n_pages, block_size, *scale.shape[2:]), dtype=scale.dtype)
+    for s, n in enumerate(used):
+        for i in range(-(-n // block_size)):
+            rows = slice(i * block_size, min((i + 1) * block_size, n))
+            pool[table[s, i], : rows.stop - rows.start] = scale[0, rows]
+    return pool
 
 
 def _paged(rng, k, v, used, block_size):
@@ -61,17 +74,71 @@ def test_a_paged_step_over_a_quantized_cache_has_each_sequences_bits(fmt, scale,
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_packed_batch_over_a_quantized_cache_has_each_sequences_bits(fmt):
+@pytest.mark.parametrize("scale", ["token", "group"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_per_token_and_per_group_scale_pages(fmt, scale, block_size):
+    """Scale pages ``(num_blocks, block_size, Hkv[, D // G])`` read through the block table: each sequence the
+    bits of `attention` on its own keys and scales, the oracle within float32's reach."""
+    rng = np.random.default_rng(7)
+    H, Hkv, D = 8, 2, 64
+    k, v, ks, vs = _cache(rng, fmt, 400, Hkv, D, scale)
+    used, lengths_q = [300, 47, 129, 400], [1, 40, 1, 3]
+    k_pages, v_pages, table = _paged(rng, k, v, used, block_size)
+    ks_pages, vs_pages = (_scale_pages(a, table, used, block_size, k_pages.shape[0]) for a in (ks, vs))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    q = rng.standard_normal((cu_q[-1], H, D)).astype(np.float32)
+    options = dict(causal=True, softcap=30.0)
+    call = dict(block_table=table, seqused_k=used, k_scale=ks_pages, v_scale=vs_pages, **options)
+    out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, return_lse=True, backend="cpu", **call)
+    for s, n in enumerate(used):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        want, want_lse = enp.attention(q[None, rows], k[:, :n], v[:, :n], layout="bnhd", k_scale=ks[:, :n],
+                                       v_scale=vs[:, :n], return_lse=True, backend="cpu", **options)
+        assert np.array_equal(out[rows], want[0]), s
+        assert np.array_equal(lse[rows], want_lse[0].T), s
+    ref = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, backend="reference", **call)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_scale_pages_are_checked_where_they_are_read():
+    rng = np.random.default_rng(8)
+    k, v, ks, vs = _cache(rng, "int8", 40, 2, 32, "token")
+    k_pages, v_pages, table = _paged(rng, k, v, [40], 16)
+    ks_pages, vs_pages = (_scale_pages(a, table, [40], 16, k_pages.shape[0]) for a in (ks, vs))
+    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    call = dict(block_table=table, seqused_k=[40], backend="cpu")
+    with pytest.raises(ValueError, match=r"`v_scale` of shape \(6, 16, 2, 5\) is neither per token, \(6, 16, 2\)"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, k_scale=ks_pages,
+                             v_scale=np.ones((6, 16, 2, 5), np.float32), **call)
+    bad = ks_pages.copy()
+    bad[table[0, 2], 7, 1] = -1.0  # key 39, the last one used
+    with pytest.raises(ValueError, match=r"`k_scale` must be finite and > 0 everywhere, got -1.0"):
+        enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, k_scale=bad, v_scale=vs_pages, **call)
+    bad[table[0, 2], 7, 1] = ks_pages[table[0, 2], 7, 1]
+    bad[table[0, 2], 8, 1] = -1.0  # past the keys used: never read
+    got = enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, k_scale=bad, v_scale=vs_pages, **call)
+    want = enp.varlen_attention(q, k_pages, v_pages, [0, 1], None, k_scale=ks_pages, v_scale=vs_pages, **call)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", ["head", "token", "group"])
+def test_a_packed_batch_over_a_quantized_cache_has_each_sequences_bits(fmt, scale):
     rng = np.random.default_rng(2)
-    k, v, ks, vs = _cache(rng, fmt, 240, 2, 32, "head")
+    k, v, ks, vs = _cache(rng, fmt, 240, 2, 32, scale)
     cu_k, cu_q = np.array([0, 100, 101, 240]), np.array([0, 1, 2, 50])
     q = rng.standard_normal((50, 4, 32)).astype(np.float32)
-    out = enp.varlen_attention(q, k[0], v[0], cu_q, cu_k, causal=True, k_scale=ks, v_scale=vs, backend="cpu")
+    fine = scale != "head"
+    packed = dict(k_scale=ks[0] if fine else ks, v_scale=vs[0] if fine else vs)  # (total_k, Hkv[, D // G])
+    out = enp.varlen_attention(q, k[0], v[0], cu_q, cu_k, causal=True, backend="cpu", **packed)
     for s in range(3):
         keys = slice(cu_k[s], cu_k[s + 1])
+        scales = {name: a[:, keys] if fine else a for name, a in (("k_scale", ks), ("v_scale", vs))}
         want = enp.attention(q[None, cu_q[s]:cu_q[s + 1]], k[:, keys], v[:, keys], layout="bnhd", causal=True,
-                             k_scale=ks, v_scale=vs, backend="cpu")
+                             backend="cpu", **scales)
         assert np.array_equal(out[cu_q[s]:cu_q[s + 1]], want[0]), s
+    with pytest.raises(ValueError, match="`k_scale` of shape"):
+        enp.varlen_attention(q, k[0], v[0], cu_q, cu_k, k_scale=np.ones((239, 2), np.float32), v_scale=vs)
 
 
 def test_a_quantized_paged_decode_reads_the_pages_in_place():

@@ -18,7 +18,7 @@ from numba import njit
 
 import elastic_np as enp
 from elastic_np import reference
-from elastic_np._contract import _spec
+from elastic_np._contract import _quantized, _spec
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.halves import bits, widen
 from elastic_np.cpu._tiles.quantized import UNIT
@@ -38,22 +38,42 @@ def small_tiles(monkeypatch):
 
 
 def _dequantized(data, scale):
-    """``(B, Hkv, M, D)`` bytes times a scalar or ``(Hkv,)`` scale, in float64."""
-    return data.astype(np.float64) * np.asarray(scale, dtype=np.float64).reshape(-1, 1, 1)
+    """``(B, Hkv, M, D)`` bytes times a scalar, ``(Hkv,)``, per-token ``(B, Hkv, M)`` or per-group ``(B, Hkv, M,
+    D // G)`` scale, in float64 (written out here, apart from the library's)."""
+    scale = np.asarray(scale, dtype=np.float64)
+    if scale.ndim <= 1:
+        return data.astype(np.float64) * scale.reshape(-1, 1, 1)
+    if scale.ndim == 3:
+        scale = scale[..., None]
+    return data.astype(np.float64) * np.repeat(scale, data.shape[-1] // scale.shape[-1], axis=-1)
+
+
+def _group_size(dim):
+    """A group size for a head dim: the largest of 32, 16, 4, 3, 2, 1 below it that divides it."""
+    return max(g for g in (32, 16, 4, 3, 2, 1) if dim % g == 0 and g < max(dim, 2))
 
 
 def _quantized_case(fmt, granularity="head", seed=0, **shape):
-    """``q`` (float32) and a quantized ``(k, v, k_scale, v_scale)`` of `make_inputs`' arrays, in ``(B, H, N, D)``."""
+    """``q`` (float32) and a quantized ``(k, v, k_scale, v_scale)`` of `make_inputs`' arrays, in ``(B, H, N, D)``;
+    ``granularity`` "group": groups of `_group_size` columns."""
     q, k, v, _ = make_inputs(np.float32, seed=seed, **shape)
     k, v = 3.0 * k, 0.5 * v  # scales away from 1
-    (kd, ks), (vd, vs) = enp.quantize_kv(k, fmt, scale=granularity), enp.quantize_kv(v, fmt, scale=granularity)
+    (kd, ks), (vd, vs) = (enp.quantize_kv(a, fmt, scale=granularity, group_size=_group_size(a.shape[-1])
+                                          if granularity == "group" else None) for a in (k, v))
     return q, kd, vd, ks, vs
+
+
+def _in_layout(scale, layout):
+    """A scale of a ``(B, Hkv, M, D)`` cache for the cache stored in ``layout``."""
+    return scale.swapaxes(1, 2) if layout == "bnhd" and np.ndim(scale) >= 3 else scale
 
 
 def _check_against_oracle(q, kd, vd, ks, vs, opts, layout="bhnd"):
     """The cpu kernels' ``out`` and ``lse`` of a quantized cache within the rule; ``q, kd, vd`` in (B, H, N, D)."""
     given = [a if layout == "bhnd" else np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, kd, vd)]
-    out, lse = enp.attention(*given, k_scale=ks, v_scale=vs, layout=layout, return_lse=True, backend="cpu", **opts)
+    scales = [np.ascontiguousarray(_in_layout(s, layout)) for s in (ks, vs)]
+    out, lse = enp.attention(*given, k_scale=scales[0], v_scale=scales[1], layout=layout, return_lse=True,
+                             backend="cpu", **opts)
     if layout == "bnhd":
         out = out.transpose(0, 2, 1, 3)
     kf, vf = _dequantized(kd, ks), _dequantized(vd, vs)
@@ -97,13 +117,37 @@ class TestQuantizeKv:
         np.testing.assert_array_equal(bhnd, bnhd.transpose(0, 2, 1, 3))
         assert per_head[1] > 5 * per_head[0]
 
+    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("granularity, group", [("token", 8), ("group", 4), ("group", None)])
+    def test_per_token_and_per_group_scales(self, fmt, granularity, group):
+        """One scale per token and head (or per group of its columns): each one's largest magnitude at the
+        format's largest finite, in either layout; 32 columns a group by default."""
+        x = np.random.default_rng(3).standard_normal((2, 3, 5, 64 if group is None else 8)).astype(np.float32)
+        x[:, :, 2] *= 100.0
+        size = None if granularity == "token" else group
+        data, scale = enp.quantize_kv(x, fmt, scale=granularity, group_size=size)
+        G = group or 32
+        assert scale.dtype == np.float32
+        assert scale.shape == ((2, 3, 5) if granularity == "token" else (2, 3, 5, x.shape[-1] // G))
+        largest = np.abs(data.astype(np.float64)).reshape(*x.shape[:3], -1, G).max(axis=-1)
+        np.testing.assert_array_equal(largest, _quantized.LARGEST[fmt])
+        amax = np.abs(x.astype(np.float64)).reshape(*x.shape[:3], -1, G).max(axis=-1)
+        np.testing.assert_array_equal(scale.reshape(amax.shape), (amax / _quantized.LARGEST[fmt]).astype(np.float32))
+        bnhd, bnhd_scale = enp.quantize_kv(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), fmt, scale=granularity,
+                                           group_size=size, layout="bnhd")
+        assert np.array_equal(bnhd.view(np.uint8), data.transpose(0, 2, 1, 3).view(np.uint8))
+        np.testing.assert_array_equal(bnhd_scale, scale.swapaxes(1, 2))
+
     def test_a_head_of_zeros_has_scale_one(self):
         data, scale = enp.quantize_kv(np.zeros((1, 2, 3, 4)), "float8_e4m3fn")
         assert scale.tolist() == [1.0, 1.0] and not data.astype(np.float32).any()
 
     @pytest.mark.parametrize("args, kwargs, error, match", [
         ((np.ones((1, 1, 2, 2)), "int4"), {}, TypeError, "`dtype` must be one of int8"),
-        ((np.ones((1, 1, 2, 2)), "int8"), {"scale": "token"}, ValueError, "per-token and per-group"),
+        ((np.ones((1, 1, 2, 2)), "int8"), {"scale": "token", "group_size": 2}, ValueError, "goes with scale='group'"),
+        ((np.ones((1, 1, 2, 6)), "int8"), {"scale": "group", "group_size": 4}, ValueError, "must divide"),
+        ((np.ones((1, 1, 2, 6)), "int8"), {"scale": "group", "group_size": 0}, ValueError, "positive int"),
+        ((np.ones((1, 1, 2, 2)), "int8"), {"scale": "channel"}, ValueError, "`scale` must be one of"),
         ((np.ones((1, 2, 2)), "int8"), {}, ValueError, "4 dimensions"),
         ((np.full((1, 1, 2, 2), np.nan), "int8"), {}, ValueError, "NaN or inf"),
         ((np.ones((1, 1, 2, 2)), "int8"), {"layout": "nhd"}, ValueError, "`layout`"),
@@ -140,8 +184,18 @@ def test_decode_matches_the_oracle(small_tiles, fmt, N, case):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("granularity", ["token", "group"])
+@pytest.mark.parametrize("case", ["plain", "window", "kv-lengths", "nvm-tau-beta", "bias", "everything"])
+def test_decode_with_per_token_and_per_group_scales_matches_the_oracle(small_tiles, fmt, granularity, case):
+    """Head dims 20 (groups of 4) and 12 (groups of 4), 1 and 5 queries: tiles across splits, grouped heads."""
+    for N in (1, 5):
+        q, kd, vd, ks, vs = _quantized_case(fmt, granularity, N=N, M=97, D=20, Dv=12)
+        _check_against_oracle(q, kd, vd, ks, vs, decode_cases(2, 4, N, 97)[case])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("granularity", ["tensor", "head"])
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token", "group"])
 def test_layouts_and_scales(small_tiles, fmt, layout, granularity):
     """16 queries (the stacked-rows kernel, for a quantized cache), grouped heads, head dims 100 (whole chunks of
     bytes and a masked one) and 33."""
@@ -152,8 +206,9 @@ def test_layouts_and_scales(small_tiles, fmt, layout, granularity):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("opts", [{}, dict(causal=True, softcap=2.0), dict(window_size=(9, 3), tau=1.5, beta=1.0)],
                          ids=["plain", "causal-softcap", "window-tau-beta"])
-def test_prefill_matches_the_oracle(fmt, opts):
-    q, kd, vd, ks, vs = _quantized_case(fmt, N=40, M=61, D=16, Dv=16)
+@pytest.mark.parametrize("granularity", ["head", "token", "group"])
+def test_prefill_matches_the_oracle(fmt, opts, granularity):
+    q, kd, vd, ks, vs = _quantized_case(fmt, granularity, N=40, M=61, D=16, Dv=16)
     _check_against_oracle(q, kd, vd, ks, vs, opts)
 
 
@@ -188,9 +243,10 @@ def test_bits_do_not_depend_on_the_thread_count(fmt):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_decode_makes_no_dequantized_copy():
+@pytest.mark.parametrize("granularity", ["head", "token", "group"])
+def test_decode_makes_no_dequantized_copy(granularity):
     """A decoding step on a 16 MiB int8 cache allocates far less than the 64 MiB of a float32 copy."""
-    q, kd, vd, ks, vs = _quantized_case("int8", B=1, H=32, Hkv=8, N=1, M=8192, D=128, Dv=128)
+    q, kd, vd, ks, vs = _quantized_case("int8", granularity, B=1, H=32, Hkv=8, N=1, M=8192, D=128, Dv=128)
     enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, backend="cpu")  # compiled, planned
     tracemalloc.start()
     try:
@@ -215,6 +271,20 @@ def test_a_nan_or_inf_in_a_float8_cache_is_an_error(fmt, byte, N, D, at):
 
 def _error_cases():
     q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=9)
+
+    def ones(shape):
+        return np.ones(shape, dtype=np.float32)
+
+    def zero_at(shape):
+        scale = ones(shape)
+        scale.flat[-1] = 0.0
+        return scale
+
+    def nan_at(shape):
+        scale = ones(shape).astype(np.float16)
+        scale.flat[3] = np.nan
+        return scale
+
     k, v = kd.astype(np.float32), vd.astype(np.float32)
     e4m3 = kd.astype(ml_dtypes.float8_e4m3fn)
     return [
@@ -223,8 +293,18 @@ def _error_cases():
         ("a scale with a float cache", (q, k, v), dict(k_scale=1.0), ValueError, "`k_scale` is given but `k`"),
         ("a scale of the wrong shape", (q, kd, vd), dict(k_scale=np.ones(3), v_scale=vs), ValueError,
          r"shape \(Hkv,\) = \(2,\)"),
-        ("a per-token scale", (q, kd, vd), dict(k_scale=ks, v_scale=np.ones((1, 2, 9))), ValueError,
-         "per-token .* not supported yet"),
+        ("a per-token scale of the wrong shape", (q, kd, vd), dict(k_scale=ones((1, 2, 8)), v_scale=ones((1, 2, 9))),
+         ValueError, r"`k_scale` of shape \(1, 2, 8\) is neither per token, \(1, 2, 9\)"),
+        ("groups that do not divide D", (q, kd, vd), dict(k_scale=ones((1, 2, 9, 3)), v_scale=ones((1, 2, 9))),
+         ValueError, "G dividing D = 8"),
+        ("a float64 per-token scale", (q, kd, vd), dict(k_scale=np.ones((1, 2, 9)), v_scale=ones((1, 2, 9))),
+         TypeError, "must be float32 or float16, got float64"),
+        ("a zero per-token scale", (q, kd, vd), dict(k_scale=ones((1, 2, 9)), v_scale=zero_at((1, 2, 9))),
+         ValueError, "`v_scale` must be finite and > 0 everywhere, got 0.0"),
+        ("a NaN per-group scale", (q, kd, vd), dict(k_scale=nan_at((1, 2, 9, 2)), v_scale=ones((1, 2, 9, 4))),
+         ValueError, "`k_scale` must be finite and > 0 everywhere, got nan"),
+        ("per-token keys, per-head values", (q, kd, vd), dict(k_scale=ones((1, 2, 9)), v_scale=vs), ValueError,
+         "both be per token or per group, or neither"),
         ("a zero scale", (q, kd, vd), dict(k_scale=0.0, v_scale=vs), ValueError, "`k_scale` must be finite and > 0"),
         ("a negative scale", (q, kd, vd), dict(k_scale=ks, v_scale=-vs), ValueError, "`v_scale` must be finite"),
         ("a NaN scale", (q, kd, vd), dict(k_scale=np.array([1.0, np.nan]), v_scale=vs), ValueError,

@@ -60,9 +60,12 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._decode.plan import cache_scales, schedule
+from elastic_np.cpu._decode.plan import cache_scales, fine_operands, schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
-from elastic_np.cpu._decode.tiles import _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit
+from elastic_np.cpu._decode.tiles import (
+    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit, fine_key_rows, fine_value_rows, key_groups,
+    token_scaled_keys, token_scaled_values, value_groups,
+)
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
@@ -83,7 +86,7 @@ _ROWS_TILES = (exp_inplace,)
 _HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
 
 
-def forward(problem, paged=None, entry_splits=None):
+def forward(problem, paged=None, entry_splits=None, scale_pages=None):
     """Attention forward through the decode kernel: ``(out, lse)`` in the input dtype, ``out`` in ``q``'s layout.
 
     ``paged = (k_pages, v_pages, block_table)``: the keys and values from a
@@ -96,7 +99,10 @@ def forward(problem, paged=None, entry_splits=None):
     least 1; default `splits` of the whole shape for all): those of
     ``plan.splits(1, Hkv, kv_lengths[b])`` give entry ``b`` the bits of a call
     of its own on its first ``kv_lengths[b]`` keys, its queries aligned to
-    their end.
+    their end. ``scale_pages``: a paged quantized cache's per-token or
+    per-group scales, ``(num_blocks, block_size, Hkv, D // G)`` for ``k`` and
+    for ``v`` (``problem``'s stand in for them); a contiguous cache's are
+    ``problem``'s own.
     """
     q = operand(problem.q)
     if paged is None:
@@ -108,14 +114,14 @@ def forward(problem, paged=None, entry_splits=None):
         cache = [_paged_rows(a, paged[2]) for a in paged[:2]] if problem.kv_unchecked else None
     plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
     pages = (table, block_size, plan.together) if paged is not None or plan.together else None
-    return _launcher(problem, plan)(q, k, v, pages, cache)
+    return _launcher(problem, plan)(q, k, v, pages, cache, fine_operands(problem, scale_pages))
 
 
 def _launcher(problem, plan, direct=False, like=None):
-    """``launch(q, k, v, pages, cache) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``, ``v`` with
-    `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and whether a task takes every
-    kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
-    ``problem.kv_unchecked``).
+    """``launch(q, k, v, pages, cache, fine=None) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``,
+    ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and whether a task
+    takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
+    ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales (`fine_operands`).
 
     ``direct``: a launcher run again and again calls the kernels through their entry points from its
     second run on (`direct_call`). ``like``: the launcher of a problem that differs in its number of keys
@@ -137,10 +143,10 @@ def _launcher(problem, plan, direct=False, like=None):
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
-    def launch(q, k, v, pages, cache):
+    def launch(q, k, v, pages, cache, fine=None):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
         read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
-        args = (q, k, v, pages, opt, *scales, split_start, tiles,
+        args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
                 (part_max, part_sum, part_acc, read, suspect))
         tasks = task_counter()
         run_tasks(calls[0], *args, tasks=tasks, work=work)
@@ -288,7 +294,7 @@ def _row_max(z, c_lo, c_hi):
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _decode_kernel(q, k, v, pages, opt, scales, split_start, tiles, outs, tasks, part, parts):
+def _decode_kernel(q, k, v, pages, opt, scales, fine, split_start, tiles, outs, tasks, part, parts):
     """Tasks (batch, kv head, split), or (batch, split) over every kv head: partial ``(max, sum, acc)`` of every stacked row.
 
     ``q``, ``k``, ``v``: operands (`elastic_np.cpu._tiles.operands`); ``pages``:
@@ -300,7 +306,8 @@ def _decode_kernel(q, k, v, pages, opt, scales, split_start, tiles, outs, tasks,
     `elastic_np.cpu._decode.tiles._together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
-    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`. Batch entry ``b`` has the key splits
+    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`; ``fine``: None, or
+    the operands of a quantized cache's per-token or per-group scales (`_tile_of_heads`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
     receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
@@ -325,6 +332,8 @@ def _decode_kernel(q, k, v, pages, opt, scales, split_start, tiles, outs, tasks,
     row_sum = np.empty((heads, rows))
     row_span = np.empty((heads, 2, rows), dtype=np.int64)  # the keys [lo, hi) each row may keep
     checksum = np.empty(heads, dtype=dtype)
+    fine_keys = block_k if key_groups(fine) > 1 or value_groups(fine) > 1 else 0
+    fine_scratch = np.empty((fine_keys, D), dtype=np.float32), np.empty((fine_keys, Dv), dtype=np.float32)
     b = 0
     n_tasks = (Hkv // heads) * split_start[B]
     for _ in range(n_tasks):
@@ -343,7 +352,8 @@ def _decode_kernel(q, k, v, pages, opt, scales, split_start, tiles, outs, tasks,
         e = u_lo + (u_hi - u_lo) * (s + 1) // n_split
         for j0 in range(a, e, block_k):
             _tile_of_heads(k, v, pages, (b, hk0, heads, N, j0, min(block_k, e - j0), ahead, by_run, run_keys),
-                           (st, shift_by, kept, runs), (qs, row_span, checksum), opt, (acc, row_max, row_sum))
+                           (st, shift_by, kept, runs, fine_scratch), (qs, row_span, checksum), opt,
+                           (acc, row_max, row_sum), fine)
         for t in range(heads):
             hk = hk0 + t
             check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
@@ -375,14 +385,20 @@ def _heads_per_task(pages, Hkv):
 
 
 @inner(fastmath=FASTMATH)
-def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
+def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state, fine):
     """The online softmax's step of the stacked rows of kv heads ``hk0 .. hk0 + heads - 1`` with keys ``j0 .. j0 + bk - 1``.
 
     ``where = (b, hk0, heads, N, j0, bk, ahead, by_run, run_keys)`` (`elastic_np.cpu._decode.plan.tile_reads`);
-    ``work = (st, shift_by, kept, runs)``, the thread's scratch (``st`` and
+    ``work = (st, shift_by, kept, runs, fine_scratch)``, the thread's scratch (``st`` and
     ``kept`` by head of the task, ``runs`` the tile's runs); ``rows_of =
     (qs, row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by
     head of the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
+    ``fine``: None, or a quantized cache's per-token or per-group scales
+    (`elastic_np.cpu._decode.tiles`): per group, a run's rows are
+    dequantized into ``fine_scratch`` (float32 ``(block_k, D)`` and
+    ``(block_k, Dv)``, in L1) as the products read them; per token, the
+    products read the bytes and a key's scale multiplies its scores, a
+    value's its probabilities (after the row sums took them).
 
     The keys and values are read where they lie, by the products of
     `elastic_np.cpu._decode.products`, a run of rows at a time (`_run`: the
@@ -393,7 +409,7 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
     bits, are those of a task of its own.
     """
     b, hk0, heads, N, j0, bk, ahead, by_run, run_keys = where
-    st, shift_by, kept, runs = work
+    st, shift_by, kept, runs, fine_scratch = work
     qs, row_span, checksum = rows_of
     acc, row_max, row_sum = state
     n_runs = 0
@@ -410,16 +426,28 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state):
         for j in range(heads if by_run else n_runs):
             t, c, n, rows_at, hint = _visit(k, pages, order, runs, i, j, length)
             # the sums of the prefill tiles: the backward recomputes these logits bit for bit
-            key_scores(qs[t], rows_at, hint, st[t], c, rows, n, D)
+            if key_groups(fine) > 1:  # per group: the rows dequantized
+                keys = fine_key_rows(fine, order, runs, i, j, rows_at, fine_scratch[0])
+                key_scores(qs[t], keys, hint, st[t], c, rows, n, D)
+            else:  # per token: the scores scaled
+                key_scores(qs[t], rows_at, hint, st[t], c, rows, n, D)
+                token_scaled_keys(fine, order, runs, i, j, st[t], c, rows)
     for t in range(heads):
         checksum[t] += _score_rows(st[t], shift_by, opt, (b, hk0 + t, N, j0, bk), row_span[t])
         kept[t] = query_major_update(st[t], bk, shift_by, (acc[t], row_max[t], row_sum[t]))
     for i in range(n_runs if by_run else heads):
         for j in range(heads if by_run else n_runs):
             t, c, n, rows_at, hint = _visit(v, pages, order, runs, i, j, length)
-            if kept[t]:
+            if value_groups(fine) > 1:  # per group: the rows dequantized
+                values = fine_value_rows(fine, order, runs, i, j, rows_at, fine_scratch[1])
+                if kept[t]:
+                    value_products(st[t], c, values, hint, acc[t], rows, n, Dv)
+                else:  # the values are not multiplied: checked alone
+                    checksum[t] += checked(values, Dv)
+            elif kept[t]:  # per token: the probabilities scaled
+                token_scaled_values(fine, order, runs, i, j, st[t], c, rows)
                 value_products(st[t], c, rows_at, hint, acc[t], rows, n, Dv)
-            else:  # the values are not multiplied: checked alone
+            else:
                 checksum[t] += checked(rows_at, Dv)
 
 

@@ -3,7 +3,7 @@ and the launch made once per layout of the keys, and again only when the config 
 (`elastic_np.cpu._runtime.config.GENERATION`)."""
 
 from elastic_np.cpu._decode import decode
-from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.plan import fine_operands, schedule
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.operands import operand
@@ -41,11 +41,12 @@ def contiguous(problem, like=None):
 
 def paged(problem, block_size, entry_splits):
     """`forward` of ``problem`` over pages of ``block_size`` keys with ``entry_splits``, as
-    ``run(q, k_pages, v_pages, table) -> (out, lse)``, for any ``q`` and pools of its shapes and dtype and
-    the int64 C-contiguous ``table`` it was checked with (`elastic_np._api.paged_plans`)."""
+    ``run(q, k_pages, v_pages, table, scale_pages=None) -> (out, lse)``, for any ``q`` and pools of its shapes
+    and dtype and the int64 C-contiguous ``table`` it was checked with (`elastic_np._api.paged_plans`);
+    ``scale_pages``: `decode.forward`'s."""
     launchers = {}
 
-    def run(q, k_pages, v_pages, table):
+    def run(q, k_pages, v_pages, table, scale_pages=None):
         q_operand = operand(q)
         k, v = pool_operand(k_pages), pool_operand(v_pages)
         key = (k[1], config.GENERATION)
@@ -54,6 +55,7 @@ def paged(problem, block_size, entry_splits):
             plan = schedule(problem, k[1], block_size, entry_splits)
             launch = launchers[key] = decode._launcher(problem, plan, direct=True)
         cache = [_paged_rows(a, table) for a in (k_pages, v_pages)] if problem.kv_unchecked else None
-        return launch(q_operand, k, v, (table, block_size, launch.kind[1]), cache)
+        return launch(q_operand, k, v, (table, block_size, launch.kind[1]), cache,
+                      fine_operands(problem, scale_pages))
 
     return run

@@ -6,17 +6,21 @@ check of its values: in place from a contiguous cache, converted into
 scratch from a bfloat16 or float16 one (`elastic_np.cpu._tiles.halves`), gathered
 from the pages of a paged cache (``pages = (block_table, block_size,
 together)``, `elastic_np.cpu._decode.decode.forward`). The stacked-rows kernel reads
-its rows in place, a run at a time (`_run`), in the order `_visit` gives.
-`_check_unread_cache` checks what the kernels did not read.
+its rows in place, a run at a time (`_run`), in the order `_visit` gives;
+those of a quantized cache with per-token or per-group scales, dequantized
+into the thread's scratch as they are read (`fine_key_rows`,
+`fine_value_rows`). `_check_unread_cache` checks what the kernels did not read.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
-from elastic_np.cpu._tiles.halves import copied_checked, readable_checked
+from elastic_np.cpu._tiles.halves import copied_checked, readable_checked, widen
 from elastic_np.cpu._tiles.operands import head, head_rows, shape
+from elastic_np.cpu._tiles.quantized import widen_byte
 from elastic_np.cpu._tiles.scalar import scalar_like
 
 
@@ -153,9 +157,7 @@ def _visit(x, pages, order, runs, i, j, length):
     next, soon enough to stay in the L2 cache.
     """
     b, hk0, heads, j0, ahead, by_run, _ = order
-    r, t = (i, j) if by_run else (j, i)
-    at, row, c, n = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
-    hk = hk0 + t
+    t, c, at, hk, row, n = _visited(order, runs, i, j)
     if by_run:
         hint_head, hint_key = hk, j0 + c + ahead
     elif t + 1 < heads:
@@ -174,3 +176,87 @@ def _ahead(x, pages, b, hk, j, here, length):
     at, row, _ = _run(pages, b, here if j >= length else j, 0, 1)
     whole, col = head(x, at, hk)
     return whole, col, row
+
+
+@inner(fastmath=False)
+def _visited(order, runs, i, j):
+    """``(t, c, at, hk, row, n)``: the head and run `_visit` visits at step ``(i, j)``, and where its rows lie."""
+    hk0, by_run = order[1], order[5]
+    r, t = (i, j) if by_run else (j, i)
+    return t, runs[r, 2], runs[r, 0], hk0 + t, runs[r, 1], runs[r, 3]
+
+
+def _make_fine(which):
+    """The three jit-code steps of a quantized cache's per-token or per-group scales for ``k`` (``which`` 0) or
+    ``v`` (1), ``fine = (k_scales, v_scales)`` (operands of ``D // G`` entries a row:
+    `elastic_np._contract._quantized.fine_scale`) or None: ``(groups, rows, scaled)``."""
+
+    def groups(fine):
+        """``D // G`` of the scales, 0 for ``fine`` None (jit code only)."""
+        raise NotImplementedError("only callable from compiled code")
+
+    def rows(fine, order, runs, i, j, x_rows, into):
+        """The rows the products read at `_visit`'s step ``(i, j)``: ``x_rows`` themselves for ``fine`` None,
+        else times their per-group scales, in float32 in ``into``: ``(into[:n], 0)`` (jit code only)."""
+        raise NotImplementedError("only callable from compiled code")
+
+    def scaled(fine, order, runs, i, j, st, s_col, n_rows):
+        """``st[r, s_col + c] *= scale of key c`` of the run at step ``(i, j)``, ``r < n_rows``: per-token
+        scales applied to the scores (keys) or the probabilities (values) instead of the rows; nothing for
+        ``fine`` None (jit code only)."""
+        raise NotImplementedError("only callable from compiled code")
+
+    def none(fine):
+        return isinstance(fine, (types.NoneType, types.Omitted))
+
+    @overload(groups, inline="always")
+    def _groups(fine):
+        if none(fine):
+            return lambda fine: 0
+        return lambda fine: shape(fine[which])[3]
+
+    @overload(rows, jit_options={"fastmath": FASTMATH})
+    def _rows(fine, order, runs, i, j, x_rows, into):
+        if none(fine):
+            return lambda fine, order, runs, i, j, x_rows, into: x_rows
+
+        def dequantized(fine, order, runs, i, j, x_rows, into):
+            scales = fine[which]
+            _, _, at, hk, row, n = _visited(order, runs, i, j)
+            s_whole, s_col = head_rows(scales, at, hk, row, n)
+            whole, col = x_rows
+            width = into.shape[1]
+            n_groups = shape(scales)[3]
+            G = width // n_groups
+            for c in range(n):
+                src, dst, factors = whole[c, col : col + width], into[c], s_whole[c, s_col : s_col + n_groups]
+                for g in range(n_groups):
+                    factor = widen(factors[g])
+                    group_src, group_dst = src[g * G : (g + 1) * G], dst[g * G : (g + 1) * G]  # (vectorises)
+                    for d in range(G):
+                        group_dst[d] = widen_byte(group_src[d]) * factor
+            return into[:n], 0
+
+        return dequantized
+
+    @overload(scaled, jit_options={"fastmath": FASTMATH})
+    def _scaled(fine, order, runs, i, j, st, s_col, n_rows):
+        if none(fine):
+            return lambda fine, order, runs, i, j, st, s_col, n_rows: None
+
+        def per_key(fine, order, runs, i, j, st, s_col, n_rows):
+            scales = fine[which]
+            _, _, at, hk, row, n = _visited(order, runs, i, j)
+            s_whole, s_c = head_rows(scales, at, hk, row, n)
+            for r in range(n_rows):
+                st_row = st[r, s_col : s_col + n]
+                for c in range(n):
+                    st_row[c] *= widen(s_whole[c, s_c])
+
+        return per_key
+
+    return groups, rows, scaled
+
+
+key_groups, fine_key_rows, token_scaled_keys = _make_fine(0)
+value_groups, fine_value_rows, token_scaled_values = _make_fine(1)
