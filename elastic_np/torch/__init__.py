@@ -45,10 +45,11 @@ import torch
 from elastic_np._api import adapters as common
 from elastic_np._api import varlen
 from elastic_np._contract import _spec
+from elastic_np._contract._quantized import quantize_kv as _quantize_kv
 from elastic_np.torch import _arrays, _fast, _ops, _varlen
 from elastic_np._api.adapters import DynamicWindow
 
-__all__ = ["attention", "varlen_attention", "ElasticAttention", "DynamicWindow"]
+__all__ = ["attention", "varlen_attention", "quantize_kv", "ElasticAttention", "DynamicWindow"]
 
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **options):
@@ -62,6 +63,11 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
         (float32 or float64 on a GPU; the same for all three), any
         strides, all on the CPU or all on one CUDA device; gradients flow to
         those that require them.
+        On the CPU ``k`` and ``v`` may also be a quantized cache, int8,
+        float8_e4m3fn or float8_e5m2 (`quantize_kv`), with ``k_scale`` and
+        ``v_scale``: read without a copy (float8 as the ``ml_dtypes`` type of
+        its name), and no gradient flows through them (a backward is a
+        `TypeError`).
     tau, beta : float or torch.Tensor of shape () or (H,), optional
         Temperature (``> 0``) and the sink, the denominator's offset (``>= 0``);
         a tensor that requires grad gets ``dtau`` or ``dbeta``. With CUDA
@@ -129,10 +135,76 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     device = _arrays._cuda_device(q, k, v, backend)
     # before the operator, which would take tensors on "meta" for their shapes alone
     _arrays.check_devices(device, (("q", q), ("k", k), ("v", v), *learnable.items(),
-                                         *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS)))
+                                         *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS)), caches=_arrays.CACHES)
     fixed["backend"] = common.kernel_backend(backend) if device is None else "cuda"
     out, lse = _ops.attention(q, k, v, fixed, learnable)
     return (out, lse) if return_lse else out
+
+
+def quantize_kv(x, dtype, *, scale="head", group_size=None, layout="bhnd"):
+    """`elastic_np.quantize_kv` on a torch tensor: a key or value cache quantized, and its scale.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The cache, a CPU tensor of float32, float64, bfloat16 or float16, of
+        the shapes `elastic_np.quantize_kv` takes. bfloat16 and float16 are
+        read as float32, which holds each of their values exactly; float32
+        and float64 as they are. No gradient flows.
+    dtype : {torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}
+        The storage format, or its name ("int8", "float8_e4m3fn",
+        "float8_e5m2").
+    scale, group_size, layout
+        As in `elastic_np.quantize_kv`.
+
+    Returns
+    -------
+    data : torch.Tensor
+        Of ``dtype`` and the shape of ``x``: the bits of `elastic_np.quantize_kv`.
+    scale : torch.Tensor of float32
+        Its scale, for `attention`'s ``k_scale`` or ``v_scale``.
+
+    Raises
+    ------
+    TypeError
+        For ``x`` not a CPU tensor of those dtypes, another ``dtype``, and as
+        `elastic_np.quantize_kv`.
+    ValueError
+        As `elastic_np.quantize_kv`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import elastic_np.torch as enpt
+    >>> k = torch.tensor([[[[0.5, -1.0], [0.25, 2.0]]]])
+    >>> data, k_scale = enpt.quantize_kv(k, torch.int8)
+    >>> data[0, 0].tolist(), k_scale.tolist()
+    ([[32, -64], [16, 127]], [0.015748031437397003])
+    >>> data, k_scale = enpt.quantize_kv(k, torch.float8_e4m3fn, scale="token")
+    >>> data.dtype, k_scale.shape
+    (torch.float8_e4m3fn, torch.Size([1, 1, 2]))
+    >>> enpt.attention(torch.ones(1, 1, 3, 2), data, data, k_scale=k_scale, v_scale=k_scale).shape
+    torch.Size([1, 1, 3, 2])
+    """
+    name = _storage_name(dtype)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
+    _arrays.check_on_cpu(x, "x")
+    if not x.is_floating_point():
+        raise TypeError(f"`x` has dtype {x.dtype}; quantize_kv takes a float cache")
+    x = x.detach()
+    array = _arrays.to_numpy((x.float() if x.dtype in (torch.bfloat16, torch.float16) else x).resolve_neg())
+    data, factor = _quantize_kv(array, name, scale=scale, group_size=group_size, layout=layout)
+    return _arrays.from_numpy(data), torch.from_numpy(factor)
+
+
+def _storage_name(dtype):
+    """The name of a quantized storage dtype: a torch dtype of `_arrays.QUANTIZED`, or its name."""
+    name = _arrays.QUANTIZED.get(dtype) if isinstance(dtype, torch.dtype) else dtype
+    if not isinstance(name, str) or name not in _arrays.QUANTIZED.values():
+        names = ", ".join(f"torch.{n}" for n in _arrays.QUANTIZED.values())
+        raise TypeError(f"`dtype` must be one of {names} (or its name), got {dtype!r}")
+    return name
 
 
 def _check_dropout(dropout_p):

@@ -2,7 +2,9 @@
 
 CPU tensors reach the kernels through ``Tensor.numpy()``, without a copy when
 they are C-contiguous, and the results come back through
-``torch.from_numpy`` (bfloat16 through ``ml_dtypes.bfloat16``: `to_numpy`,
+``torch.from_numpy`` (bfloat16 through ``ml_dtypes.bfloat16``, and the float8
+of a quantized ``k`` and ``v`` through ``ml_dtypes.float8_e4m3fn`` and
+``ml_dtypes.float8_e5m2``, each as a view of its bits: `to_numpy`,
 `from_numpy`). CUDA tensors (``q``, ``k``, ``v`` and a tensor ``bias``
 on one device) go through the CUDA backend in place (`_CudaBridge`), and the
 results come back as tensors on that device over the memory the kernels
@@ -17,11 +19,19 @@ import torch
 
 from elastic_np._api import adapters as common
 from elastic_np._api import dispatch
-from elastic_np._contract import _validation
+from elastic_np._contract import _quantized, _validation
 
 #: The dtypes of tensors on the CPU (the CPU kernels compute in float32 for the halves) and on a GPU.
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.float64)
+#: The float8 dtypes of a quantized cache, by the name of their ``ml_dtypes`` dtype (viewed through uint8).
+_FLOAT8 = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+#: The quantized dtypes of ``k`` and ``v`` by their names (`elastic_np.quantize_kv`'s ``dtype``).
+QUANTIZED = {torch.int8: "int8", **_FLOAT8}
+#: The dtypes of ``k`` and ``v`` on the CPU: those of `_CPU_DTYPES` and float8 (int8 is no float: never refused).
+_CACHE_DTYPES = _CPU_DTYPES + tuple(_FLOAT8)
+#: The tensors that may be a quantized cache (with their scales ``k_scale`` and ``v_scale``).
+CACHES = ("k", "v")
 
 
 def _check_dtype(value, name, taken=_CPU_DTYPES):
@@ -37,50 +47,56 @@ def lse_dtype(dtype):
 
 
 def to_numpy(tensor):
-    """A CPU tensor as a NumPy array over its memory (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    """A CPU tensor as a NumPy array over its memory (bfloat16 and float8 as their ``ml_dtypes`` dtypes)."""
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_validation.numpy_dtype("bfloat16"))
+    if tensor.dtype in _FLOAT8:
+        return tensor.view(torch.uint8).numpy().view(_quantized.storage_dtype(_FLOAT8[tensor.dtype]))
     return tensor.numpy()
 
 
 def from_numpy(array):
-    """A NumPy array as a CPU tensor over its memory (``ml_dtypes.bfloat16`` as torch.bfloat16)."""
-    if _validation.dtype_name(array.dtype) == "bfloat16":
+    """A NumPy array as a CPU tensor over its memory (``ml_dtypes.bfloat16`` and float8 as torch's dtypes)."""
+    name = _validation.dtype_name(array.dtype)
+    if name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if name in _FLOAT8.values():
+        return torch.from_numpy(array.view(np.uint8)).view(getattr(torch, name))
     return torch.from_numpy(array)
 
 
-def check_on_cpu(value, name):
-    """``value`` if it is no tensor or a CPU tensor of a kernel dtype, else a `TypeError` naming it."""
+def check_on_cpu(value, name, taken=_CPU_DTYPES):
+    """``value`` if it is no tensor or a CPU tensor of a dtype of ``taken``, else a `TypeError` naming it."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise TypeError(
                 f"`{name}` is on device {value.device}; elastic_np.torch takes CPU tensors, or CUDA "
                 "tensors with q, k, v (and bias) on one device: move it with .cpu()"
             )
-        _check_dtype(value, name)
+        _check_dtype(value, name, taken)
     return value
 
 
-def check_devices(device, named):
+def check_devices(device, named, caches=()):
     """Raise a `TypeError` naming a tensor of ``named`` (``(name, value)`` pairs) that the backend cannot read.
 
     ``device`` is None for the CPU backends (every tensor on the CPU), else
     the CUDA device of ``q``: ``bias`` must be on it, the other options on it
-    or the CPU.
+    or the CPU. The tensors named in ``caches`` (`CACHES` where the call
+    takes a quantized cache) may also be float8 on the CPU.
     """
     for name, value in named:
         if device is not None and name == "bias":
             _device_tensor(value, name, device)
         elif device is None or (isinstance(value, torch.Tensor) and value.device != device):
-            check_on_cpu(value, name)
+            check_on_cpu(value, name, _CACHE_DTYPES if name in caches else _CPU_DTYPES)
 
 
 def _host(value, name):
-    """A CPU tensor as a NumPy view (no copy), anything else as it is."""
+    """A CPU tensor as a NumPy view (no copy), anything else as it is (``k`` and ``v`` may be float8)."""
     if not isinstance(value, torch.Tensor):
         return value
-    check_on_cpu(value, name)
+    check_on_cpu(value, name, _CACHE_DTYPES if name in CACHES else _CPU_DTYPES)
     return to_numpy(value.detach().resolve_neg())
 
 
