@@ -421,7 +421,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         parts.append(dispatch.attention_backward(
             dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[rows].T[None],
             dlse=None if dlse is None else dlse[rows].T[None], backend=backend,
-            **_sequence_options(options, used, s, count)))
+            **_sequence_options(options, used, s, count, cu_k)))
     return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
 
 

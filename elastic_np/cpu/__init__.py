@@ -90,7 +90,7 @@ imports every module that makes a cached function inside
 
 import numpy as np
 
-from elastic_np._contract import _problem, _quantized, _validation
+from elastic_np._contract import _problem, _validation
 from elastic_np.cpu._runtime.numba_private import own_cache
 from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays in the problem's dtype
 
@@ -100,7 +100,6 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
-    from elastic_np.cpu._tiles.pages import used_pages
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
@@ -145,7 +144,9 @@ def forward(problem):
 
     The decode kernel when the problem has a few queries per sequence
     (`elastic_np.cpu._decode.plan.takes`), the prefill kernel otherwise: on AMX
-    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._prefill.forward_amx.takes`).
+    tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._prefill.forward_amx.takes`)
+    and its cache is not quantized (the float32 products dequantize a quantized cache's tiles into
+    scratch as they read them: `elastic_np.cpu._tiles.pages.cache_tile`).
 
     Parameters
     ----------
@@ -159,7 +160,7 @@ def forward(problem):
     if decode_plan.takes(problem):
         return decode.forward(problem)
     if problem.quantized is not None:
-        return prefill.forward(_dequantized(problem))
+        return prefill.forward(problem)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem)
     return prefill.forward(problem)
@@ -177,9 +178,8 @@ def paged_forward(problem, paged, into=None, scale_pages=None):
     AMX tiles reads its keys from the pages too, and transposes its values
     from them into the copy that kernel makes of them in any case
     (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`); a
-    quantized cache's chunk, the prefill kernel's float32 copies of its
-    keys and values, dequantized from the pages as `forward` dequantizes a
-    quantized cache.
+    quantized cache's chunk is the prefill kernel's, its tiles dequantized
+    from the pages as they are read.
     ``into``: where the prefill kernels may write ``out``
     (`elastic_np.cpu._prefill.forward.forward`'s). ``scale_pages``: a
     quantized cache's per-token or per-group scales, ``(num_blocks,
@@ -188,56 +188,11 @@ def paged_forward(problem, paged, into=None, scale_pages=None):
     """
     if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged, scale_pages=scale_pages)
-    if problem.quantized is not None:  # prefill reads float32 copies of a quantized cache (`forward`)
-        scales = (problem.k_scale, problem.v_scale) if scale_pages is None else scale_pages
-        copies = [_dequantized_pages(pool, paged[2], problem.kv_lengths, problem.k.shape[2], scale)
-                  for pool, scale in zip(paged[:2], scales)]
-        return prefill.forward(_with_float_copies(problem, *copies), into=into)
+    if problem.quantized is not None:
+        return prefill.forward(problem, paged=paged, into=into, scale_pages=scale_pages)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)
     return prefill.forward(problem, paged=paged, into=into)
-
-
-def _dequantized_pages(pool, table, lengths, keys, scale):
-    """`_dequantized`'s float32 copy of a paged cache's first ``lengths[b]`` keys of each batch entry,
-    ``(B, Hkv, keys, D)`` (a view of a ``(B, keys, Hkv, D)`` array; zeros past them), dequantized a page at
-    a time: the same arithmetic, and so the same bits, with no gathered copy of the bytes. ``scale``: per
-    head, or pages of fine scales (`paged_forward`'s ``scale_pages``)."""
-    out = np.zeros((table.shape[0], keys, *pool.shape[2:]), dtype=np.float32)
-    fine = _quantized.is_fine(scale)
-    for b, j0, page, n in used_pages(table, lengths, pool.shape[1]):
-        page_scale = scale[page, :n] if fine else scale
-        out[b, j0 : j0 + n] = _quantized.dequantized(pool[page, :n], page_scale, head_axis=1)  # (n, Hkv, D)
-    return out.transpose(0, 2, 1, 3)
-
-
-def _dequantized(problem):
-    """``problem`` with its quantized cache dequantized into float32 copies, for the prefill kernel.
-
-    Prefill reads every key for many queries, so the copy (``M x (D + Dv)``
-    floats a kv head) costs little beside the products; the decode kernel,
-    bound by reading the cache, reads the bytes in place instead.
-    """
-    k, v = (_float_copy(a, s) for a, s in ((problem.k, problem.k_scale), (problem.v, problem.v_scale)))
-    return _with_float_copies(problem, k, v)
-
-
-def _float_copy(a, scale):
-    """``(a * scale)`` of a ``(B, Hkv, M, D)`` quantized cache in float32, through float64 a head at a time (the
-    reference's product, rounded; no float64 temporary of the whole cache); ``scale`` per head or fine
-    (`elastic_np._contract._quantized.fine_scale`)."""
-    out = np.empty(a.shape, dtype=np.float32)
-    for b, hk in np.ndindex(*a.shape[:2]):
-        head_scale = scale[b, hk : hk + 1] if _quantized.is_fine(scale) else scale[hk : hk + 1]
-        out[b, hk : hk + 1] = _quantized.dequantized(a[b, hk : hk + 1], head_scale, head_axis=0)
-    return out
-
-
-def _with_float_copies(problem, k, v):
-    """``problem`` of a quantized cache with ``k`` and ``v``, its float32 copies, instead."""
-    made = problem.with_arrays(problem.q, k, v)
-    made.__dict__.update(quantized=None, k_scale=None, v_scale=None, plan_key=None)
-    return made
 
 
 def planned_forward(problem, like=None):

@@ -220,8 +220,9 @@ def test_the_reference_reads_the_dequantized_cache():
 
 
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
-def test_a_half_query_reads_a_quantized_cache(half):
-    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=2, M=300, D=32, Dv=32)
+@pytest.mark.parametrize("N", [2, 40])
+def test_a_half_query_reads_a_quantized_cache(half, N):
+    q, kd, vd, ks, vs = _quantized_case("int8", B=1, N=N, M=300, D=32, Dv=32)
     q_half = q.astype(ml_dtypes.bfloat16 if half == "bfloat16" else np.float16)
     out = enp.attention(q_half, kd, vd, k_scale=ks, v_scale=vs, backend="cpu")
     assert out.dtype == q_half.dtype
@@ -255,6 +256,21 @@ def test_decode_makes_no_dequantized_copy(granularity):
     finally:
         tracemalloc.stop()
     assert peak < 2 * 2**20, f"peak {peak / 2**20:.2f} MiB"
+
+
+@pytest.mark.parametrize("granularity", ["head", "group"])
+def test_prefill_makes_no_dequantized_copy(granularity):
+    """Prefill dequantizes a key tile at a time into its scratch: 64 queries on an 8,192-key int8 cache allocate
+    their output (0.125 MiB) and little else, not the 16 MiB of float32 keys and values."""
+    q, kd, vd, ks, vs = _quantized_case("int8", granularity, B=1, H=8, Hkv=2, N=64, M=8192, D=64, Dv=64)
+    enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, causal=True, backend="cpu")
+    tracemalloc.start()
+    try:
+        enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, causal=True, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"peak {peak / 2**20:.2f} MiB"
 
 
 @pytest.mark.parametrize("fmt, byte", [("float8_e4m3fn", 0x7F), ("float8_e5m2", 0x7C), ("float8_e5m2", 0xFE)])
@@ -340,6 +356,11 @@ def test_what_is_not_supported_yet_says_so():
     packed = dict(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 9])  # they are taken: tests/api/test_varlen_quantized.py
     with pytest.raises(ValueError, match="`k_scale`"):
         enp.varlen_attention(q[0].transpose(1, 0, 2), kd[0].transpose(1, 0, 2), vd[0].transpose(1, 0, 2), **packed)
+    kf = kd[0].transpose(1, 0, 2).copy()
+    with pytest.raises(TypeError, match="no gradient through a quantized cache"):
+        enp.varlen_attention_backward(np.ones((2, 4, 8)), q[0].transpose(1, 0, 2), kf, kf, np.ones((2, 4, 8)),
+                                      np.zeros((2, 4)), **packed, k_scale=np.ones((9, 2), np.float32),
+                                      v_scale=np.ones((9, 2), np.float32), backend="cpu")
 
 
 def test_the_torch_adapter_reads_an_int8_cache():

@@ -37,8 +37,9 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   are those of a task of its own;
 - a quantized cache (int8, float8) is read in place by the stacked-rows
   kernel, its bytes widened in registers by the same products; the scales
-  are folded in (`elastic_np.cpu._decode.plan.cache_scales`): ``k_scale``
-  into the scaled queries, ``v_scale`` into each split's sums;
+  are folded in (`elastic_np.cpu._tiles.cache_scales.cache_scales`): ``k_scale``
+  into the scaled queries, ``v_scale`` into each split's sums; per-token
+  and per-group scales as `_tile_of_heads` reads the rows;
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
@@ -60,7 +61,7 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
-from elastic_np.cpu._decode.plan import cache_scales, fine_operands, schedule
+from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import (
     _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit, fine_key_rows, fine_value_rows, key_groups,
@@ -69,6 +70,7 @@ from elastic_np.cpu._decode.tiles import (
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
+from elastic_np.cpu._tiles.cache_scales import cache_scales, fine_operands
 from elastic_np.cpu._tiles.calls import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._tiles.halves import checked, narrow, widen
 from elastic_np.cpu._tiles.logits import (

@@ -11,13 +11,10 @@ import collections
 import numpy as np
 
 from elastic_np._contract._problem import Kept
-from elastic_np._contract._quantized import is_fine
 from elastic_np.cpu._decode.tiles import _together
 from elastic_np.cpu._prefill.plan import kernel_options
 from elastic_np.cpu._runtime import config
-from elastic_np.cpu._tiles.operands import BNHD, operand
-from elastic_np.cpu._tiles.pages import pool_operand
-from elastic_np.cpu._tiles.quantized import UNIT
+from elastic_np.cpu._tiles.operands import BNHD
 
 
 def takes(problem):
@@ -101,35 +98,4 @@ def _made(problem, k_layout, block_size, entry_splits):
         block_k, *tile_reads(together, problem.dtype.itemsize == 2, block_size or 0, block_k))
     return _Plan(key_major, opt, together, split_start, max(most, 1), tiles,
                  H * N * int(problem.kv_lengths.sum()) * (D + Dv))
-
-
-def cache_scales(problem):
-    """The stacked-rows kernel's ``(Hkv, 2)`` factors of the keys and values read, in the compute dtype.
-
-    A quantized cache's ``(k_scale, v_scale)`` over the `UNIT` its bytes widen
-    to (`elastic_np.cpu._tiles.quantized`); ones for a float cache. The key
-    factor multiplies the scaled queries (`elastic_np.cpu._decode.decode._start_rows`), the value factor a
-    split's sums (`elastic_np.cpu._decode.decode._store_split`): the cache is never dequantized. (Per-token and
-    per-group scales are the kernel's ``fine`` ones, applied as the rows are read; here only the unit.)
-    """
-    Hkv = problem.k.shape[1]
-    if problem.quantized is None:
-        return np.ones((Hkv, 2), dtype=problem.compute_dtype)
-    unit = UNIT[problem.quantized]
-    k_scale, v_scale = (np.ones(Hkv) if is_fine(s) else s for s in (problem.k_scale, problem.v_scale))
-    scales = np.stack([k_scale / unit, v_scale / unit], axis=1).astype(problem.compute_dtype)
-    if not (np.isfinite(scales).all() and (scales >= np.finfo(scales.dtype).tiny).all()):
-        raise ValueError(f"`k_scale` and `v_scale` over {unit} (the {problem.quantized} bytes' unit) must be "
-                         f"normal {scales.dtype} numbers, got {problem.k_scale} and {problem.v_scale}")
-    return scales
-
-
-def fine_operands(problem, scale_pages=None):
-    """The kernel's ``fine``: None, or the operands of a quantized cache's per-token or per-group scales (those of
-    ``scale_pages`` for a paged cache, `elastic_np.cpu._decode.decode.forward`'s)."""
-    if not is_fine(problem.k_scale):
-        return None
-    if scale_pages is not None:
-        return tuple(pool_operand(pool) for pool in scale_pages)
-    return operand(problem.k_scale), operand(problem.v_scale)
 

@@ -3,9 +3,10 @@ and the launch made once per layout of the keys, and again only when the config 
 (`elastic_np.cpu._runtime.config.GENERATION`)."""
 
 from elastic_np.cpu._decode import decode
-from elastic_np.cpu._decode.plan import fine_operands, schedule
+from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
 from elastic_np.cpu._runtime import config
+from elastic_np.cpu._tiles.cache_scales import fine_operands
 from elastic_np.cpu._tiles.operands import operand
 from elastic_np.cpu._tiles.pages import pool_operand
 

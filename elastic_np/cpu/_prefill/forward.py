@@ -12,16 +12,17 @@ from elastic_np.cpu._prefill.plan import check_cache, check_paged_cache, kernel_
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.threads import claim, query_tile, run_tasks, task_counter
+from elastic_np.cpu._tiles.cache_scales import cache_scales, fine_operands
 from elastic_np.cpu._tiles.calls import exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
 from elastic_np.cpu._tiles.halves import scratch_for
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, query_factor
 from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, online_update
 from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
-from elastic_np.cpu._tiles.pages import NO_PAGES, paged as paged_pages, pool_operand, tile_rows
+from elastic_np.cpu._tiles.pages import NO_PAGES, cache_tile, key_quant, paged as paged_pages, pool_operand, value_quant
 from elastic_np.cpu._tiles.simd import compile_for
 
 
-def forward(problem, paged=None, into=None):
+def forward(problem, paged=None, into=None, scale_pages=None):
     """The prefill forward (one task per query tile): ``(out, lse)`` in the input dtype.
 
     Parameters
@@ -38,6 +39,12 @@ def forward(problem, paged=None, into=None):
         A C-contiguous writeable ``(B, N, H, Dv)`` array of ``problem``'s
         dtype to write ``out`` into, where ``q`` is read in that layout
         (`elastic_np.cpu._tiles.operands.BNHD`; else a new array is returned).
+    scale_pages : tuple, optional
+        A paged quantized cache's per-token or per-group scales,
+        ``(num_blocks, block_size, Hkv, D // G)`` for ``k`` and for ``v``
+        (``problem``'s stand in for them). A quantized cache is read in
+        place, a key tile's bytes dequantized into the thread's scratch
+        (`elastic_np.cpu._tiles.pages.cache_tile`).
 
     Returns
     -------
@@ -60,9 +67,18 @@ def forward(problem, paged=None, into=None):
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=dtype)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
-    run_tasks(_forward_kernel, q, k, v, pages, opt, config.BLOCK_Q, config.BLOCK_K, out_operand, lse,
-              tasks=task_counter(), work=B * H * N * M * (D + Dv))
+    run_tasks(_forward_kernel, q, k, v, pages, opt, _quant(problem, scale_pages), config.BLOCK_Q, config.BLOCK_K,
+              out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
     return out, lse
+
+
+def _quant(problem, scale_pages):
+    """The kernel's ``quant``: None for a float cache, else `cache_tile`'s ``quant`` of ``k`` and of ``v``."""
+    if problem.quantized is None:
+        return None
+    factors = cache_scales(problem)
+    fine = fine_operands(problem, scale_pages)
+    return tuple((np.ascontiguousarray(factors[:, i]), None if fine is None else fine[i]) for i in (0, 1))
 
 
 # The typed tile functions each pass calls: a first call compiles only those (`compile_for`).
@@ -70,9 +86,10 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _forward_kernel(q, k, v, pages, opt, block_q, block_k, out, lse, tasks, part, parts):
+def _forward_kernel(q, k, v, pages, opt, quant, block_q, block_k, out, lse, tasks, part, parts):
     """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`), ``k`` and ``v``
-    those of a paged cache's pools where ``pages`` is not `NO_PAGES` (`elastic_np.cpu._tiles.pages`).
+    those of a paged cache's pools where ``pages`` is not `NO_PAGES` (`elastic_np.cpu._tiles.pages`), and
+    those of a quantized cache with ``quant = (k's, v's)`` `cache_tile` scales (else None).
 
     A task is one query tile of one (batch, head); each thread takes the next
     unclaimed one from the call's counter ``tasks`` (`claim`).
@@ -96,8 +113,9 @@ def _forward_kernel(q, k, v, pages, opt, block_q, block_k, out, lse, tasks, part
     tile_sum = np.empty(block_q, dtype=dtype)
     scratch = (tile_max, shift_by, rescale_by, tile_sum)  # of `online_update`
     row_sum = np.empty(block_q)
-    k_half = scratch_for(k[0], block_k, D, dtype)
+    k_half = scratch_for(k[0], block_k, D, dtype)  # (a quantized cache's rows dequantized there)
     v_half = scratch_for(v[0], block_k, Dv, dtype)
+    k_quant, v_quant = key_quant(quant), value_quant(quant)
     # a paged tile over several pages is gathered into these (a half's into its scratch)
     k_gathered = k_half if k_half.shape[0] > 0 or pages[1] == 0 else np.empty((block_k, D), dtype=dtype)
     v_gathered = v_half if v_half.shape[0] > 0 or pages[1] == 0 else np.empty((block_k, Dv), dtype=dtype)
@@ -125,11 +143,11 @@ def _forward_kernel(q, k, v, pages, opt, block_q, block_k, out, lse, tasks, part
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = logits_tile(
-                st, tile_rows(k, pages, b, hk, j0, bk, D, k_half, k_gathered), q_t, opt, (b, h, i0, bq, j0),
+                st, cache_tile(k, pages, b, hk, j0, bk, D, k_half, k_gathered, k_quant), q_t, opt, (b, h, i0, bq, j0),
                 nvm_in_logits, no_cap_slope, tile_max, nvm_in_max,
             )
             if kept:
-                v_j = tile_rows(v, pages, b, hk, j0, bk, Dv, v_half, v_gathered)
+                v_j = cache_tile(v, pages, b, hk, j0, bk, Dv, v_half, v_gathered, v_quant)
                 online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])

@@ -317,6 +317,6 @@ def scratch_for(x, rows, width, dtype):
 
 @overload(scratch_for, inline="always")
 def _scratch_for(x, rows, width, dtype):
-    if storage_format(x.dtype) is None:
+    if storage_format(x.dtype) is None and quantized.byte_format(x.dtype) is None:  # (bytes: dequantized there)
         return lambda x, rows, width, dtype: np.empty((0, width), dtype=dtype)
     return lambda x, rows, width, dtype: np.empty((rows, width), dtype=dtype)

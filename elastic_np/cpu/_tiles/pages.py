@@ -5,14 +5,19 @@ in the ``(B, N, H, D)`` layout whose batch entries are the pages
 (`elastic_np.cpu._tiles.operands`); ``pages = (block_table, block_size)``
 maps key ``j`` of batch entry ``b`` to row ``j % block_size`` of page
 ``block_table[b, j // block_size]``. A contiguous operand has `NO_PAGES`
-(``block_size`` 0), so both are one compiled type.
+(``block_size`` 0), so both are one compiled type. `cache_tile` reads a
+quantized cache's rows too, dequantized into scratch a tile at a time.
 """
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
+from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
-from elastic_np.cpu._tiles.halves import copied, readable
-from elastic_np.cpu._tiles.operands import head_rows, operand
+from elastic_np.cpu._tiles.halves import copied, readable, widen
+from elastic_np.cpu._tiles.operands import head_rows, operand, shape
+from elastic_np.cpu._tiles.quantized import widen_byte
 
 #: ``pages`` of a contiguous operand.
 NO_PAGES = (np.zeros((0, 0), dtype=np.int64), 0)
@@ -66,3 +71,86 @@ def tile_rows(x, pages, b, hk, j0, n, width, half_scratch, gathered):
         copied(head_rows(x, page, hk, row, m), width, gathered[c : c + m])
         c += m
     return gathered[:n], c - c
+
+
+def _make_part(which):
+    def part(quant):
+        """``quant[which]``, None for ``quant`` None (jit code only)."""
+        raise NotImplementedError("only callable from compiled code")
+
+    @overload(part, inline="always")
+    def _part(quant):
+        if isinstance(quant, (types.NoneType, types.Omitted)):
+            return lambda quant: None
+        return lambda quant: quant[which]
+
+    return part
+
+
+#: A kernel's ``quant`` (None, or ``(k's, v's)`` of `cache_tile`) for ``k`` and for ``v``.
+key_quant, value_quant = _make_part(0), _make_part(1)
+
+
+def cache_tile(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
+    """`tile_rows` of a float cache (``quant`` None); of a quantized one, its bytes times their scales in float32
+    in ``scratch`` (``(n, width)`` at least), run by run (jit code only).
+
+    ``quant = (factors, fine)``: the cache's per-head factors, ``(Hkv,)``
+    (its scale over `elastic_np.cpu._tiles.quantized.UNIT`), and None or
+    the operand of its per-token or per-group scales
+    (`elastic_np.cpu._tiles.cache_scales`).
+    """
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(cache_tile, jit_options={"fastmath": FASTMATH})
+def _cache_tile(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
+    if isinstance(quant, (types.NoneType, types.Omitted)):
+        return lambda x, pages, b, hk, j0, n, width, scratch, gathered, quant: tile_rows(
+            x, pages, b, hk, j0, n, width, scratch, gathered)
+
+    def dequantized(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
+        c = 0
+        while c < n:
+            at, row, m = (b, j0 + c, n - c) if pages[1] == 0 else page_of(pages, b, j0 + c, n - c)
+            _dequantized_rows(quant, head_rows(x, at, hk, row, m), (at, hk, row, m), width, scratch[c : c + m])
+            c += m
+        return scratch[:n], c - c
+
+    return dequantized
+
+
+def _dequantized_rows(quant, tile, where, width, out):
+    """``out[:m] = `` the byte rows of ``tile`` times their scales, ``where = (at, hk, row, m)`` (jit code only)."""
+    raise NotImplementedError("only callable from compiled code")
+
+
+@overload(_dequantized_rows, inline="always")
+def _dequantized_rows_impl(quant, tile, where, width, out):
+    if isinstance(quant.types[1], types.NoneType):
+        def per_head(quant, tile, where, width, out):
+            factor = quant[0][where[1]]
+            whole, col = tile
+            for c in range(whole.shape[0]):
+                src, dst = whole[c, col : col + width], out[c]
+                for d in range(width):
+                    dst[d] = widen_byte(src[d]) * factor
+
+        return per_head
+
+    def per_group(quant, tile, where, width, out):
+        factors, fine = quant
+        at, hk, row, m = where
+        s_whole, s_col = head_rows(fine, at, hk, row, m)
+        n_groups = shape(fine)[3]
+        G = width // n_groups
+        whole, col = tile
+        for c in range(m):
+            src, dst, scales = whole[c, col : col + width], out[c], s_whole[c, s_col : s_col + n_groups]
+            for g in range(n_groups):
+                factor = widen(scales[g]) * factors[hk]
+                group_src, group_dst = src[g * G : (g + 1) * G], dst[g * G : (g + 1) * G]  # (vectorises)
+                for d in range(G):
+                    group_dst[d] = widen_byte(group_src[d]) * factor
+
+    return per_group
