@@ -238,7 +238,10 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     key, value : torch.Tensor, shape (total_k, Hkv, D) and (total_k, Hkv, Dv)
         float32, float64, bfloat16 or float16 (the same for all three), CPU
         tensors, any strides; gradients flow to those that require them. With
-        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``. By
+        ``block_table``, pages ``(num_blocks, block_size, Hkv, D)``. ``key``
+        and ``value`` may be a quantized cache (int8, float8_e4m3fn,
+        float8_e5m2) with ``k_scale`` and ``v_scale``, as in
+        `elastic_np.varlen_attention` (no gradient through them). By
         keyword also ``q``, ``k``, ``v``.
     cu_seq_q, cu_seq_k : torch.Tensor or array_like of int, shape (S + 1,)
         Where each of the ``S`` sequences starts, from 0 to the packed length
@@ -324,7 +327,6 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     _varlen.check_num_splits(num_splits)
     options = _spec.complete(options, "varlen_attention")
     varlen.check_options(options)
-    _varlen.check_no_cache_scales(options)
     fixed, learnable = common.split(options)
     q, k, v = query, key, value
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -340,7 +342,7 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q=None, max_k=No
     lists = [(f"{name}[{s}]", x) for name in varlen.PER_SEQUENCE for s, x in enumerate(options[name] or ())]
     _arrays.check_devices(None, (("q", q), ("k", k), ("v", v), *batch.items(), *learnable.items(), *lists,
                                        *((n, fixed[n]) for n in _spec.TENSOR_OPTIONS
-                                         if n not in varlen.PER_SEQUENCE)))
+                                         if n not in varlen.PER_SEQUENCE)), caches=_arrays.CACHES)
     fixed["backend"] = common.kernel_backend(backend)
     out, lse = _varlen.varlen_attention(q, k, v, batch, fixed, learnable)
     if aux_lse:

@@ -5,7 +5,8 @@ The packed counterpart of ``elastic_np.torch._ops``: the operators call
 NumPy views of CPU tensors. Their option arguments are those of
 ``elastic_np::attention`` (built from the option table) less the ones a
 packed batch does not take, with the per-sequence ``mask`` and ``bias``
-(`elastic_np._api.varlen.PER_SEQUENCE`) as lists of tensors, ``Tensor[]?``. The
+(`elastic_np._api.varlen.PER_SEQUENCE`) as lists of tensors, ``Tensor[]?``, and a quantized cache's
+``k_scale`` and ``v_scale`` (`elastic_np._api.varlen.CACHE_SCALES`). The
 backward's results are the gradients of ``q``, ``k``, ``v``, ``tau``,
 ``beta``, ``sigma`` (an empty tensor where an option is absent) and the list
 of the biases' gradients.
@@ -24,7 +25,7 @@ from elastic_np.torch import _arrays as arrays
 #: The operators' option arguments in schema order, ``(name, schema type)``.
 OPTION_ARGS = tuple(
     (name, "Tensor[]?" if name in varlen.PER_SEQUENCE else kind) for name, kind in _ops.OPTION_ARGS
-    if name not in _spec.PER_CALL or name in varlen.PER_SEQUENCE
+    if name not in _spec.PER_CALL or name in varlen.PER_SEQUENCE or name in varlen.CACHE_SCALES
 )
 _NAMES = tuple(name for name, _ in OPTION_ARGS)
 _OPTIONS = ", ".join(f"{kind} {name}" for name, kind in OPTION_ARGS)
@@ -205,15 +206,6 @@ def wants_aux_lse(return_aux, return_lse):
         raise ValueError("give `return_aux=AuxRequest(lse=True)` (torch's lse, (H, total_q)) or `return_lse=True` "
                          "(elastic_np's, (total_q, H)), not both")
     return bool(return_aux.lse)
-
-
-def check_no_cache_scales(options):
-    """A `ValueError` for a quantized cache's scales, which the operators do not take yet."""
-    given = [name for name in varlen.CACHE_SCALES if options[name] is not None]
-    if given:
-        raise ValueError(f"elastic_np.torch.varlen_attention does not take a quantized cache yet (`{given[0]}`): "
-                         "elastic_np.varlen_attention does, on the tensors' NumPy arrays (no gradient flows "
-                         "through a quantized cache)")
 
 
 def check_num_splits(num_splits):

@@ -268,8 +268,10 @@ def test_bad_input_names_the_argument_and_mutates_nothing():
                                                                                                     15, 0])])
     with pytest.raises(ValueError, match="`seqused_k`"):
         enpt.varlen_attention(q, k, v, cu_q, cu_k, seqused_k=torch.tensor([10, 0, 0, 0, 0]))
-    with pytest.raises(TypeError, match="`k` has dtype torch.float8_e4m3fn"):
+    with pytest.raises(TypeError, match="`k` and `v` must both be quantized"):
         enpt.varlen_attention(q, k.to(torch.float8_e4m3fn), v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="`q` has dtype torch.float8_e4m3fn"):
+        enpt.varlen_attention(q.to(torch.float8_e4m3fn), k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="`q` is on device meta.*CPU tensors"):
         enpt.varlen_attention(q.to("meta"), k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="`mask\\[0\\]` is on device meta"):
