@@ -16,7 +16,10 @@ Every call of a cache length is timed in each round (best of ``--repeat``),
 the order alternating from round to round; printed per length: each call's
 median milliseconds, the cache's bytes over that time (its read rate), and
 the ratios the issue sets goals on (> 1: the quantized cache is faster),
-their median and range over the rounds; then the peak memory a quantized
+their median and range over the rounds; a streaming read of the int8
+cache's bytes on the same threads (``read``, timed with the rest) and the
+fraction of it each cache's call reaches (its bytes over its time, over the
+read's rate: 1 is the memory's limit); then the peak memory a quantized
 call allocates (``tracemalloc``: NumPy's arrays, the kernels' scratch is
 Numba's) against the 2 MiB the issue allows.
 
@@ -25,12 +28,14 @@ Usage: ``python benchmarks/quantized_decode.py [--rounds R] [--repeat N] [--cach
 """
 
 import argparse
+import contextlib
 
 import ml_dtypes
 import numpy as np
 
 import elastic_np as enp
 from elastic_np.cli import _bench
+from elastic_np.cli._bench_decode import StreamingRead
 
 #: The quantized formats timed, and the float caches they are held against.
 QUANTIZED = ("int8", "float8_e4m3fn")
@@ -65,11 +70,14 @@ def peak_extra_mib(fn):
 
 
 def report(cache, seconds, sizes):
-    """Print one cache length's times, read rates and goal ratios."""
+    """Print one cache length's times, read rates, fractions of the streaming read and goal ratios."""
     print(f"decode (1, 32/8, 1, {cache}, 128):")
+    read_rate = sizes["read"] / np.array(seconds["read"])
     for label, times in seconds.items():
         ms = np.median(times) * 1e3
-        print(f"  {label:<14} {ms:9.3f} ms  {sizes[label] / 2**20:7.1f} MiB  {sizes[label] / ms / 1e6:6.2f} GB/s")
+        fraction = sizes[label] / np.array(times) / read_rate
+        print(f"  {label:<14} {ms:9.3f} ms  {sizes[label] / 2**20:7.1f} MiB  {sizes[label] / ms / 1e6:6.2f} GB/s  "
+              f"{np.median(fraction):.2f} ({fraction.min():.2f}-{fraction.max():.2f}) of the read")
     extra = [("int8/head", "int8", None)] if "int8/head" in seconds else []
     for num, den, goal in GOALS + extra:
         ratio = np.array(seconds[num]) / np.array(seconds[den])
@@ -88,8 +96,11 @@ def main(argv=None):
                         help="the quantized caches' scales: per kv head, per token, per group of 32 columns")
     args = parser.parse_args(argv)
     lengths = [args.cache] + ([32768] if args.long else [])
-    with _bench.thread_counts(args.threads) as counts:
+    with _bench.thread_counts(args.threads) as counts, contextlib.ExitStack() as reads:
         cases = {cache: decode_calls(cache, args.scale) for cache in lengths}
+        for calls in cases.values():
+            nbytes = calls["int8"][1]
+            calls["read"] = (reads.enter_context(StreamingRead(nbytes, args.threads, np.float32)), nbytes)
         times = _bench.interleaved({cache: {label: fn for label, (fn, _) in calls.items()}
                                     for cache, calls in cases.items()}, args.rounds, args.repeat)
         peaks = {cache: {name: peak_extra_mib(cases[cache][name][0]) for name in QUANTIZED} for cache in lengths}

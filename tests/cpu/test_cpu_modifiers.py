@@ -134,10 +134,19 @@ def test_one_compiled_kernel_per_dtype_with_modifiers():
             enp.attention_backward(out, q, k, v, out, lse, backend="cpu", **options)
     # one per dtype of the operands: float32 and float64 here, and the bits
     # views of bfloat16 and float16 where other tests of the process ran them
+    # (and, for the forward, the bytes of a quantized cache, with or without
+    # per-token or per-group scales: tests/cpu/test_quantized.py)
     for kernel in (cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel,
                    cpu._prefill.key_tiles.sum_dq_shares):
-        dtypes = [str(_first_array(signature).dtype) for signature in kernel.signatures]
+        dtypes = [_operand_dtypes(signature) for signature in kernel.signatures]
         assert len(dtypes) == len(set(dtypes)), kernel.signatures
+
+
+def _operand_dtypes(signature):
+    """The types of a kernel's first three arguments (its operands ``q``, ``k``, ``v``, or what stands first) and,
+    for the forward, of its quantized cache's scales (``quant``: None for a float cache)."""
+    quant = signature[5] if len(signature) == 13 else None  # `_forward_kernel`'s (q, k, v, pages, opt, quant, ...)
+    return tuple(str(t) for t in signature[:3]), str(quant)
 
 
 def _first_array(types):

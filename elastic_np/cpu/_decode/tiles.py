@@ -20,7 +20,7 @@ from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import copied_checked, readable_checked, widen
 from elastic_np.cpu._tiles.operands import head, head_rows, shape
-from elastic_np.cpu._tiles.quantized import widen_byte
+from elastic_np.cpu._tiles.quantized import scaled_bytes
 from elastic_np.cpu._tiles.scalar import scalar_like
 
 
@@ -231,10 +231,7 @@ def _make_fine(which):
             for c in range(n):
                 src, dst, factors = whole[c, col : col + width], into[c], s_whole[c, s_col : s_col + n_groups]
                 for g in range(n_groups):
-                    factor = widen(factors[g])
-                    group_src, group_dst = src[g * G : (g + 1) * G], dst[g * G : (g + 1) * G]  # (vectorises)
-                    for d in range(G):
-                        group_dst[d] = widen_byte(group_src[d]) * factor
+                    scaled_bytes(src, dst, g * G, (g + 1) * G, widen(factors[g]))
             return into[:n], 0
 
         return dequantized

@@ -17,7 +17,7 @@ from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import copied, readable, widen
 from elastic_np.cpu._tiles.operands import head_rows, operand, shape
-from elastic_np.cpu._tiles.quantized import widen_byte
+from elastic_np.cpu._tiles.quantized import scaled_bytes
 
 #: ``pages`` of a contiguous operand.
 NO_PAGES = (np.zeros((0, 0), dtype=np.int64), 0)
@@ -132,9 +132,7 @@ def _dequantized_rows_impl(quant, tile, where, width, out):
             factor = quant[0][where[1]]
             whole, col = tile
             for c in range(whole.shape[0]):
-                src, dst = whole[c, col : col + width], out[c]
-                for d in range(width):
-                    dst[d] = widen_byte(src[d]) * factor
+                scaled_bytes(whole[c, col : col + width], out[c], 0, width, factor)
 
         return per_head
 
@@ -148,9 +146,6 @@ def _dequantized_rows_impl(quant, tile, where, width, out):
         for c in range(m):
             src, dst, scales = whole[c, col : col + width], out[c], s_whole[c, s_col : s_col + n_groups]
             for g in range(n_groups):
-                factor = widen(scales[g]) * factors[hk]
-                group_src, group_dst = src[g * G : (g + 1) * G], dst[g * G : (g + 1) * G]  # (vectorises)
-                for d in range(G):
-                    group_dst[d] = widen_byte(group_src[d]) * factor
+                scaled_bytes(src, dst, g * G, (g + 1) * G, widen(scales[g]) * factors[hk])
 
     return per_group

@@ -19,15 +19,19 @@ of them) into float32 in LLVM IR, exactly, times `UNIT` ``[fmt]``:
   format has no inf) becomes a NaN.
 
 `finite_check(tile, width)` (jit code): 0 when a tile's rows hold no NaN or
-inf, NaN otherwise (always 0 for int8).
+inf, NaN otherwise (always 0 for int8). `scaled_bytes` dequantizes a run
+of a row's bytes, a vector of them at a time, for the kernels that read a
+quantized tile from scratch.
 """
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from elastic_np._contract._validation import dtype_name
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._tiles.simd import VECTOR_BYTES
 
 #: The record dtype of each float8 format's bytes (the field named after the format).
 _RECORDS = {name: np.dtype([(name, np.uint8)]) for name in ("float8_e4m3fn", "float8_e5m2")}
@@ -152,3 +156,45 @@ def _finite_check(tile, width):
         return total
 
     return check
+
+
+#: float32 lanes of a vector: the entries `scaled_bytes` widens at once.
+_LANES = VECTOR_BYTES // 4
+
+
+@intrinsic
+def _scaled_vector(typingctx, src, at, dst, factor):
+    """``dst[at : at + _LANES] = `` the bytes ``src[at : at + _LANES]`` widened, times ``factor`` (float32)."""
+    fmt = byte_format(getattr(src, "dtype", None))
+    one_dim = all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (src, dst))
+    if fmt is None or not one_dim or dst.dtype != types.float32 or factor != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        target = context.make_array(signature.args[2])(context, builder, args[2])
+        bytes_ty, floats_ty = ir.VectorType(ir.IntType(8), _LANES), ir.VectorType(ir.FloatType(), _LANES)
+        start = builder.gep(source.data, [args[1]], inbounds=True)
+        raw = builder.load(builder.bitcast(start, bytes_ty.as_pointer()), align=1)
+        splat = builder.insert_element(ir.Constant(floats_ty, None), args[3], ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(splat, ir.Constant(floats_ty, None), ir.Constant(ir.VectorType(
+            ir.IntType(32), _LANES), [0] * _LANES))
+        value = builder.fmul(widened(builder, raw, fmt), splat)
+        builder.store(value, builder.bitcast(builder.gep(target.data, [args[1]], inbounds=True),
+                                             floats_ty.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, at, dst, factor), codegen
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def scaled_bytes(src, dst, start, stop, factor):
+    """``dst[d] = `` the byte ``src[d]`` widened (times `UNIT`), times the float32 ``factor``, for ``start <= d <
+    stop``: whole vectors at once, the rest one at a time (jit code only; 1-D C-contiguous arrays)."""
+    d = start
+    while d + _LANES <= stop:
+        _scaled_vector(src, d, dst, factor)
+        d += _LANES
+    while d < stop:
+        dst[d] = widen_byte(src[d]) * factor
+        d += 1
