@@ -274,10 +274,12 @@ def test_prefill_makes_no_dequantized_copy(granularity):
 
 
 @pytest.mark.parametrize("fmt, byte", [("float8_e4m3fn", 0x7F), ("float8_e5m2", 0x7C), ("float8_e5m2", 0xFE)])
-@pytest.mark.parametrize("N, D, at", [(1, 8, 3), (1, 128, 70), (40, 8, 3)])
-def test_a_nan_or_inf_in_a_float8_cache_is_an_error(fmt, byte, N, D, at):
-    """Head dim 8: the tails' scalar and masked paths; 128: whole chunks of key bytes and blocks of values."""
-    q, kd, vd, ks, vs = _quantized_case(fmt, B=1, N=N, M=50, D=D, Dv=D)
+@pytest.mark.parametrize("N, D, at", [(1, 8, 3), (1, 128, 70), (40, 8, 3), (40, 128, 70)])
+@pytest.mark.parametrize("granularity", ["head", "group"])
+def test_a_nan_or_inf_in_a_float8_cache_is_an_error(fmt, byte, N, D, at, granularity):
+    """Head dim 8: the tails' scalar and masked paths; 128: whole chunks of key bytes and blocks of values; per
+    group (of 4 and of 32 columns), the bytes dequantized into scratch, one at a time and a vector at a time."""
+    q, kd, vd, ks, vs = _quantized_case(fmt, granularity, B=1, N=N, M=50, D=D, Dv=D)
     for name in ("k", "v"):
         bad = {"k": kd.copy(), "v": vd.copy()}
         bad[name].view(np.uint8)[0, 1, 17, at] = byte
