@@ -267,11 +267,11 @@ OPTIONS = (
            "``(B, Hkv, M)`` or, in the ``bnhd`` layout, ``(B, M, Hkv)``) or one per group of ``G`` columns "
            "(that shape and ``D // G``) (`elastic_np.quantize_kv` makes them). Only with a quantized ``k``; "
            "no gradient.",
-           _cache_scale("k_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
+           _cache_scale("k_scale"), tensor=True, per_call=True, backends=("reference", "cpu"),
            schema="Tensor? k_scale"),
     Option("v_scale", None, "float or array_like, optional",
            "The scale of a quantized ``v``, as ``k_scale``: the values read are ``v * v_scale``.",
-           _cache_scale("v_scale"), tensor=True, per_call=True, backends=("reference", "cpu"), in_kit=False,
+           _cache_scale("v_scale"), tensor=True, per_call=True, backends=("reference", "cpu"),
            schema="Tensor? v_scale"),
     Option("precision", None, '{None, "tf32"}, optional',
            "Products of the CUDA kernels. None: float32 inputs keep float32 accuracy (on the tensor cores "
@@ -307,6 +307,11 @@ MODIFIERS = ("softcap", "alibi_slopes", "bias")
 IN_KIT = tuple(option.name for option in OPTIONS if option.in_kit)
 
 _BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def taken_by(backend):
+    """The names of the options ``backend`` takes (`Option.backends`)."""
+    return tuple(option.name for option in OPTIONS if backend in option.backends)
 
 
 #: Keywords of PyTorch's SDPA and of FlashAttention that are not ours, with what to use instead.

@@ -36,14 +36,14 @@ import numpy as np
 
 from elastic_np import reference, testing
 from elastic_np._api import compile_report, dispatch
-from elastic_np._contract import _validation
+from elastic_np._contract import _spec, _validation
 from elastic_np._api.warmup import warmup
 from elastic_np._contract._errors import BackendUnavailableError, CompileWarning
 from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
 from elastic_np.cli._progress import Progress, first_call_line
 from elastic_np.testing._battery import check_oracle_gradients, run_battery
-from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, select_cases
+from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, case_dtypes, select_cases
 
 
 def _example(args):
@@ -174,13 +174,14 @@ def _check_backends(choice):
 def _run_checks(modules, args):
     """The battery of each backend (after its first calls) and the oracles' gradients: reports, first calls' `Watch`."""
     dtypes = [_validation.numpy_dtype(d) for d in args.dtype]
-    supported = OPTION_NAMES + CAPABILITIES
-    cases, _ = select_cases(supported)
-    steps = len(modules) * len(cases) * len(dtypes) + sum(c.oracle_gradients for c in CASES)
+    backend_dtypes = {name: [d for d in dtypes if module.dtypes is None or d.name in module.dtypes]
+                      for name, module in modules.items()}
+    steps = sum(len(case_dtypes(case, backend_dtypes[name])) for name in modules
+                for case in select_cases(_supported(name))[0]) + sum(c.oracle_gradients for c in CASES)
     reports, first_calls = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
-            backend_dtypes = [d for d in dtypes if module.dtypes is None or d.name in module.dtypes]
+            supported, backend_dtypes = _supported(name), backend_dtypes[name]
             if name != "reference":
                 try:
                     first_calls[name] = _compile(name, backend_dtypes, progress)
@@ -195,6 +196,12 @@ def _run_checks(modules, args):
         reports.append(check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
     return reports, first_calls
+
+
+def _supported(backend):
+    """The options (of the kit's, `OPTION_NAMES`) ``backend`` takes, and the capabilities."""
+    taken = _spec.taken_by(backend)
+    return tuple(name for name in OPTION_NAMES if name in taken) + CAPABILITIES
 
 
 def _check_verdict(reports, modules, skipped):

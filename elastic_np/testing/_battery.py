@@ -29,7 +29,9 @@ from elastic_np._contract import _spec
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._types import DynamicWindow
 from elastic_np.reference._backend import forward as _oracle_forward
-from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, draw_inputs, select_cases
+from elastic_np.testing._cases import (
+    CAPABILITIES, CASES, OPTION_NAMES, case_dtypes, draw_inputs, quantized_cache, select_cases,
+)
 from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, worst_error
 from elastic_np._contract._validation import numpy_dtype
@@ -112,7 +114,7 @@ def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float
     cases, skipped = select_cases(supported)
     report = ConformanceReport(title=title, skipped=[(c.name, needs) for c, needs in skipped])
     for case in cases:
-        for dtype in dtypes:
+        for dtype in case_dtypes(case, dtypes):
             _run_case(report, case, dtype, fn, backward, quick, seed)
             if progress is not None:
                 progress(f"{case.name} {dtype.name}")
@@ -121,13 +123,13 @@ def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float
 
 def _run_case(report, case, dtype, fn, backward, quick, seed):
     q, k, v, dout, options = draw_inputs(case, dtype, quick=quick, seed=seed)
+    k, v, stored = quantized_cache(case, k, v)  # the oracle and the naive evaluations read the values
+    backward = None if stored is not None else backward  # no gradient through a quantized cache
     out_ref, lse_ref = reference.attention(q, k, v, **options)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         naive = naive_orderings(q, k, v, dout, options, dtype, backward=backward is not None)
         rounding = rounding_allowance(q, k, v, dout, options, dtype=dtype)
-    args = [np.array(a, dtype=dtype) for a in (q, k, v)]
-    if "bias" in options:  # the implementation gets the bias in the dtype under test
-        options = dict(options, bias=options["bias"].astype(dtype))
+    args, options = _implementation_inputs((q, k, v), options, dtype, stored)
     try:
         out, lse = _unpack_forward(fn(*args, **options))
     except Exception as exc:  # the implementation under test failed: report, go on
@@ -156,6 +158,17 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
             if _GRAD_OPTION[name] not in options or got is None:
                 continue
         _compare(report, case.name, dtype, name, got, want, [n[name] for n in naive], rounding.get(name, 0.0))
+
+
+def _implementation_inputs(arrays, options, dtype, stored):
+    """``(args, options)`` the implementation under test gets: ``q, k, v`` and the bias in the dtype under test,
+    a quantized cache's bytes and scales (`quantized_cache`'s ``stored``) for its ``k`` and ``v``."""
+    args = [np.array(a, dtype=dtype) for a in arrays]
+    if "bias" in options:
+        options = dict(options, bias=options["bias"].astype(dtype))
+    if stored is not None:
+        args[1:], options = stored[:2], {**options, **stored[2]}
+    return args, options
 
 
 def check_oracle_gradients(*, quick=True, seed=0, progress=None):

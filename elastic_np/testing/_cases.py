@@ -1,18 +1,24 @@
 """The battery's cases: the options and capabilities, the seeded shapes and options, `draw_inputs`."""
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
 from elastic_np import reference
 from elastic_np._contract import _spec
 from elastic_np._contract._problem import prepare
+from elastic_np._contract._quantized import dequantized, fine_scale, quantize_kv
 
 from elastic_np._contract._types import DynamicWindow
 
 #: Keyword options of the attention that the cases exercise, in the order of the contract
 #: (`elastic_np._contract._spec.IN_KIT`: not ``layout`` or ``precision``).
 OPTION_NAMES = _spec.IN_KIT
+#: The options of a quantized cache (its cases' own, in no combined case).
+CACHE_SCALES = ("k_scale", "v_scale")
+#: The dtypes of ``q`` a quantized cache's cases run in (the CPU kernels read one with ``q`` in these).
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
 #: The score modifiers among them (a case combining them needs all three).
 MODIFIER_NAMES = _spec.MODIFIERS
 #: Capabilities that are not keyword options and are only declared via ``options``:
@@ -31,7 +37,9 @@ class Case:
     run; ``make_options(rng, shape)`` returns the keyword options.
     ``oracle_gradients``: False for a case that repeats another at more
     queries, which the float64 oracle's own gradient check skips (its code
-    does not depend on the shape).
+    does not depend on the shape). ``cache``: None, or ``(format,
+    granularity)`` of a quantized ``k`` and ``v`` (`quantized_cache`; such a
+    case runs forward only, with ``q`` in `CACHE_DTYPES`).
     """
 
     name: str
@@ -40,6 +48,7 @@ class Case:
     full: tuple
     make_options: object
     oracle_gradients: bool = True
+    cache: Optional[tuple] = None
 
     def shape(self, quick):
         return self.quick if quick else self.full
@@ -134,9 +143,9 @@ def _modifiers_combined(rng, shape):
     }
 
 
-def _case(name, requires, sizes, make_options, oracle_gradients=True):
+def _case(name, requires, sizes, make_options, oracle_gradients=True, cache=None):
     quick, full = sizes
-    return Case(name, frozenset(requires), quick, full, make_options, oracle_gradients)
+    return Case(name, frozenset(requires), quick, full, make_options, oracle_gradients, cache)
 
 
 CASES = (
@@ -167,7 +176,7 @@ CASES = (
           _sizes(B=3, N=5, M=11),
           lambda rng, s: {"causal": True, "window_size": (4, -1), "align": "kv_lengths",
                           "kv_lengths": np.array([s[4], s[4] - 4, 3])}),
-    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align"} | set(CAPABILITIES),
+    _case("combined", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align", *CACHE_SCALES} | set(CAPABILITIES),
           _sizes(B=3, H=4, Hkv=2, N=7, M=13), _combined),
     _case("softcap", ("softcap",), _sizes(), lambda rng, s: {"softcap": 0.8}),
     _case("alibi", ("alibi_slopes",), _sizes(N=7, M=13),  # N != M: the offset is aligned
@@ -190,11 +199,19 @@ CASES = (
     # too; the full battery's shapes have them already, and at five times
     # these sizes no draw keeps every NVM score away from 0 (`draw_inputs`)
     _case("plain, N=20", (), _sizes(N=20, M=24, full_scale=1), lambda rng, s: {}, oracle_gradients=False),
-    _case("combined, N=20", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align"} | set(CAPABILITIES),
+    _case("combined, N=20", set(OPTION_NAMES) - set(MODIFIER_NAMES) - {"align", *CACHE_SCALES} | set(CAPABILITIES),
           _sizes(B=3, H=4, Hkv=2, N=20, M=26, full_scale=1), _combined, oracle_gradients=False),
     _case("modifiers combined, N=20", ("causal", "window_size", "nvm", "tau", "beta", "gqa",
                                        "bottom_right_causal") + MODIFIER_NAMES,
           _sizes(B=2, H=4, Hkv=2, N=20, M=26, full_scale=1), _modifiers_combined, oracle_gradients=False),
+    # a quantized cache, read as its values times their scales (the oracle's: dequantized in float64)
+    _case("int8 cache", CACHE_SCALES + ("gqa",), _sizes(H=4, Hkv=2, N=5, M=13), lambda rng, s: {},
+          oracle_gradients=False, cache=("int8", "head")),
+    _case("float8_e4m3fn cache per token, causal", CACHE_SCALES + ("gqa", "causal", "bottom_right_causal"),
+          _sizes(H=4, Hkv=2, N=5, M=13), lambda rng, s: {"causal": True}, oracle_gradients=False,
+          cache=("float8_e4m3fn", "token")),
+    _case("int8 cache per group, N=20", CACHE_SCALES + ("softcap",), _sizes(N=20, M=24, full_scale=1),
+          lambda rng, s: {"softcap": 2.0}, oracle_gradients=False, cache=("int8", "group")),
 )
 
 
@@ -230,6 +247,54 @@ def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
             return q, k, v, dout, options
     raise RuntimeError(  # pragma: no cover
         f"could not draw inputs away from the NVM jump for case {case.name!r}")
+
+
+def quantized_cache(case, k, v):
+    """``(k, v, stored)``: a quantized cache's case's ``k`` and ``v`` quantized (`elastic_np.quantize_kv`, groups
+    of half the head dim) and, as the oracle reads them, `dequantize`'d back in float64, with ``stored =
+    (k_data, v_data, scales)`` what the implementation gets (``scales`` its ``k_scale`` and ``v_scale``);
+    ``(k, v, None)`` for any other case."""
+    if case.cache is None:
+        return k, v, None
+    fmt, granularity = case.cache
+    (kd, ks), (vd, vs) = (quantize_kv(a, fmt, scale=granularity, group_size=a.shape[-1] // 2
+                                      if granularity == "group" else None) for a in (k, v))
+    return dequantize(kd, ks), dequantize(vd, vs), (kd, vd, {"k_scale": ks, "v_scale": vs})
+
+
+def dequantize(data, scale):
+    """A quantized ``(B, Hkv, M, D)`` cache times its scale, in float64: what `elastic_np.attention` reads with
+    ``k_scale=scale``.
+
+    Parameters
+    ----------
+    data : ndarray, shape (B, Hkv, M, D)
+        int8, ``ml_dtypes.float8_e4m3fn`` or ``ml_dtypes.float8_e5m2``.
+    scale : float or ndarray
+        A scalar, ``(Hkv,)``, per token ``(B, Hkv, M)`` or per group ``(B, Hkv, M, D // G)``, as
+        `elastic_np.quantize_kv` makes them.
+
+    Returns
+    -------
+    ndarray of float64, shape (B, Hkv, M, D)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import elastic_np as enp
+    >>> data, scale = enp.quantize_kv(np.array([[[[0.5, -1.0]]]]), "int8", scale="token")
+    >>> enp.testing.dequantize(data, scale).round(3).tolist()
+    [[[[0.504, -1.0]]]]
+    """
+    scale = np.asarray(scale)
+    if scale.ndim >= 2:
+        return dequantized(data, fine_scale(scale, "scale", data.shape))
+    return dequantized(data, np.broadcast_to(scale.astype(np.float64), (data.shape[1],)))
+
+
+def case_dtypes(case, dtypes):
+    """The dtypes of ``dtypes`` ``case`` runs in (a quantized cache's: those of `CACHE_DTYPES`)."""
+    return [d for d in dtypes if case.cache is None or np.dtype(d).name in CACHE_DTYPES]
 
 
 def select_cases(supported):

@@ -94,7 +94,7 @@ def test_an_unknown_option_names_the_function(label, fn, names):
 def test_the_kit_lists_the_table():
     assert _cases.OPTION_NAMES == _spec.IN_KIT
     # the kit's cases hold float caches: a quantized one is held to the oracle in tests/cpu/test_quantized.py
-    assert set(_spec.NAMES) - set(_spec.IN_KIT) == {"layout", "precision", "k_scale", "v_scale"}
+    assert set(_spec.NAMES) - set(_spec.IN_KIT) == {"layout", "precision"}
     assert set(testing.ConformanceReport.__module__.split(".")) >= {"elastic_np"}
 
 

@@ -54,7 +54,9 @@ def test_cpu_backend_passes_every_case():
 
 def test_naive_float32_evaluation_passes_and_float64_one_matches_oracle():
     # The baseline itself is an honest float32 implementation (error 1x naive).
-    def naive(q, k, v, **options):
+    def naive(q, k, v, k_scale=None, v_scale=None, **options):
+        if k_scale is not None:  # a quantized cache's case: its values, in q's dtype
+            k, v = (enp.testing.dequantize(a, s).astype(q.dtype) for a, s in ((k, k_scale), (v, v_scale)))
         out, lse, _ = _tolerances.naive_forward(q, k, v, options, q.dtype)
         return out, lse
 
@@ -389,3 +391,25 @@ def test_a_tenth_of_a_percent_in_a_cancelling_sum_is_caught(name):
     report = check_attention(fn, backward=off, options=ALL, dtypes=[np.float32])
     rows = [r for r in report.rows if r.quantity == name]
     assert rows and all(not r.passed for r in rows), [(r.case, r.error, r.allowed) for r in rows if r.passed]
+
+
+def test_quantized_cache_cases_hold_a_kernel_to_the_dequantized_values():
+    """The kit's quantized caches (int8 per head, float8 per token, int8 per group): the reference passes, a
+    kernel that reads a per-group scale as the first group's for the whole row fails, forward only."""
+    import elastic_np as enp
+
+    def fn(q, k, v, **options):
+        return enp.attention(q, k, v, return_lse=True, backend="reference", **options)
+
+    def first_group(q, k, v, k_scale=None, v_scale=None, **options):
+        if np.ndim(v_scale) == 4:
+            v_scale = np.ascontiguousarray(np.repeat(v_scale[..., :1], v_scale.shape[-1], axis=-1))
+        return fn(q, k, v, k_scale=k_scale, v_scale=v_scale, **options)
+
+    cases = {"int8 cache", "float8_e4m3fn cache per token, causal", "int8 cache per group, N=20"}
+    for impl, passes in ((fn, True), (first_group, False)):
+        report = check_attention(impl, options=ALL, dtypes=[np.float32, np.float64])
+        rows = [row for row in report.rows if row.case in cases]
+        assert {row.case for row in rows} == cases and {row.dtype for row in rows} == {"float32"}
+        failed = {row.case for row in rows if not row.passed}
+        assert failed == (set() if passes else {"int8 cache per group, N=20"}), str(report)
