@@ -11,7 +11,10 @@ the public functions, once per kernel path and dtype):
 - stages compiled on first use: the score modifiers (soft-cap, ALiBi, the
   bias), the bias's gradient, the dynamic window's tables;
 - for bfloat16, the prefill forward on AMX tiles and the one without them
-  (NVM, a head dimension the tiles do not take).
+  (NVM, a head dimension the tiles do not take);
+- the forwards of a quantized cache, per format and kind of scale (per
+  head; float32 and float16 per-token or per-group ones), when asked
+  (``caches``).
 
 The other options are runtime values of the same kernels (`elastic_np.cpu._prefill.plan`).
 """
@@ -22,7 +25,7 @@ import time
 import numpy as np
 
 from elastic_np._api import compile_report, dispatch, varlen
-from elastic_np._contract import _spec, _validation
+from elastic_np._contract import _quantized, _spec, _validation
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np._contract._types import DynamicWindow
 
@@ -76,7 +79,7 @@ def _stages(names):
     return stages
 
 
-def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False):
+def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False, caches=()):
     """Compile, or load from Numba's on-disk cache, every kernel that later calls of ``dtypes`` will run.
 
     A kernel compiles on its first call in a process: seconds for each dtype
@@ -122,13 +125,21 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
         Also compile the double backward (`attention_double_backward`), for
         second derivatives (gradient penalties, Hessian-vector products):
         its own kernels, about as long again to compile. Default False.
+    caches : sequence of str, optional
+        The quantized cache formats later calls read (``"int8"``,
+        ``"float8_e4m3fn"``, ``"float8_e5m2"``): each one's forwards (decode
+        and prefill, contiguous in both layouts and paged), with per-head
+        scales and with float32 and float16 per-token or per-group ones,
+        for the dtypes of ``q`` among ``dtypes`` that read one (float32,
+        bfloat16, float16). Default none.
 
     Returns
     -------
     Warmup
         ``seconds``: ``{(dtype name, path): seconds}`` for each path
         (``"prefill"``, ``"decode"``, ``"decode, 16 queries"``, ``"packed"``,
-        ``"paged"``, and ``"double backward"`` with ``second_order``);
+        ``"paged"``, ``"double backward"`` with ``second_order``, and
+        ``"int8 cache"`` and so on with ``caches``);
         ``compiled``: how many functions Numba compiled (0 when everything
         came from the cache or was already loaded).
 
@@ -160,17 +171,58 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     paths += [("packed", _packed_calls), ("paged", _paged_calls)]
     if second_order:
         paths.append(("double backward", _double_backward_calls))
+    cache_paths = [(f"{fmt} cache", _cache_calls(fmt)) for fmt in _cache_formats(caches, name)]
     seconds = {}
     with compile_report.watch() as everything, compile_report.unannounced():
         if hasattr(module, "start_threads"):  # else the first call that goes parallel starts them
             module.start_threads()
         for dtype in dtypes:
-            for path, calls in paths:
+            for path, calls in paths + (cache_paths if dtype.name in _CACHE_QUERIES else []):
                 start = time.perf_counter()
-                for stage in _stages(names):
+                for stage in _stages(names) if path in dict(paths) else [{}]:
                     calls(_Inputs(dtype, head_dim), dict(stage, backend=name))
                 seconds[(dtype.name, path)] = time.perf_counter() - start
     return Warmup(seconds, len(everything.compiled))
+
+
+#: The dtypes of ``q`` the CPU kernels read a quantized cache with.
+_CACHE_QUERIES = ("float32", "bfloat16", "float16")
+
+
+def _cache_formats(caches, backend):
+    """``caches`` checked: quantized formats (a `ValueError` naming another), none for a backend without them."""
+    caches = (caches,) if isinstance(caches, str) else tuple(caches)
+    unknown = [c for c in caches if c not in _quantized.QUANTIZED_DTYPES]
+    if unknown:
+        raise ValueError(f"`caches` must name quantized formats ({', '.join(_quantized.QUANTIZED_DTYPES)}); got "
+                         f"{', '.join(map(str, unknown))}")
+    return caches if backend == "cpu" else ()
+
+
+def _cache_calls(fmt):
+    """The forwards of a quantized cache of ``fmt``: decode and prefill in both layouts, and paged, with a scale
+    per kv head, float32 per-token scales and float16 per-group ones."""
+
+    def calls(inputs, options):
+        for scale, scale_dtype in (("head", np.float32), ("token", np.float32), ("group", np.float16)):
+            def quantized(a, layout):
+                data, factor = _quantized.quantize_kv(a, fmt, scale=scale, layout=layout,
+                                                      group_size=a.shape[-1] // 2 if scale == "group" else None)
+                return data, factor.astype(scale_dtype)
+
+            for shape in (_PADDED["decode"], _PADDED["prefill"]):
+                for layout in _spec.LAYOUTS:
+                    q, k, v = inputs.padded(*shape, layout)
+                    (kd, ks), (vd, vs) = quantized(k, layout), quantized(v, layout)
+                    dispatch.attention(q, kd, vd, k_scale=ks, v_scale=vs, layout=layout, **options)
+            table, used, pages = _paged_table(inputs)
+            (kd, ks), (vd, vs) = (quantized(a, "bnhd") for a in pages)
+            for queries in (1, 20):  # the decode kernel, the prefill kernel (more than 16 queries)
+                q = inputs(used.size * queries, _HEADS[0])
+                varlen.varlen_attention(q, kd, vd, np.arange(used.size + 1) * queries, None, block_table=table,
+                                         seqused_k=used, k_scale=ks, v_scale=vs, **options)
+
+    return calls
 
 
 def _checked_dtypes(module, dtypes):
@@ -239,14 +291,19 @@ def _packed_calls(inputs, options):
     varlen.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k, **options)
 
 
-def _paged_calls(inputs, options):
-    """`varlen_attention` over a paged cache, with each of `_PAGED`'s numbers of queries a sequence."""
+def _paged_table(inputs):
+    """``(table, used, (k, v))``: `_PAGED`'s sequences, their pages in order, and pages of ``inputs``."""
     used, block = np.array(_PAGED["used"]), _PAGED["block"]
     blocks = -(-used // block)
     table = np.zeros((used.size, blocks.max()), dtype=np.int64)
     for s, first in enumerate(np.cumsum([0, *blocks[:-1]])):
         table[s, :blocks[s]] = first + np.arange(blocks[s])
-    k, v = inputs(blocks.sum(), block, _HEADS[1]), inputs(blocks.sum(), block, _HEADS[1])
+    return table, used, (inputs(blocks.sum(), block, _HEADS[1]), inputs(blocks.sum(), block, _HEADS[1]))
+
+
+def _paged_calls(inputs, options):
+    """`varlen_attention` over a paged cache, with each of `_PAGED`'s numbers of queries a sequence."""
+    table, used, (k, v) = _paged_table(inputs)
     options = _per_sequence(options, used.size)
     for queries in _PAGED["queries"]:
         q = inputs(used.size * queries, _HEADS[0])

@@ -15,7 +15,7 @@ Subcommands:
   [--repeat R] [--json FILE]``: the CUDA kernels against torch SDPA on one GPU,
   float32 unless told (what ``python -m elastic_np.cuda --bench`` runs;
   `elastic_np.cli._cuda_bench.run`).
-- ``elastic-np warmup [--dtype ...] [--options NAME ...] [--backend ...] [--second-order]``:
+- ``elastic-np warmup [--dtype ...] [--options NAME ...] [--backend ...] [--second-order] [--caches FORMAT ...]``:
   compile (or load from the cache) the kernels ahead of the first call.
 - ``elastic-np example`` (also with no subcommand): a worked example.
 
@@ -95,7 +95,7 @@ def _warmup(args):
     """`elastic_np.warmup` with the command's arguments; a line per kernel path and what compiled."""
     try:
         report = warmup(dtypes=args.dtype, options=args.options, backend=args.backend,
-                        second_order=args.second_order)
+                        second_order=args.second_order, caches=args.caches or ())
     except (ValueError, BackendUnavailableError) as exc:
         return _usage_error("warmup", str(exc))
     for (dtype, path), seconds in report.seconds.items():
@@ -439,6 +439,9 @@ def _add_warmup(sub):
                       help="backend to warm up (default: auto, as attention picks it)")
     warm.add_argument("--second-order", action="store_true",
                       help="also compile the double backward (second derivatives)")
+    warm.add_argument("--caches", nargs="+", metavar="FORMAT", choices=("int8", "float8_e4m3fn", "float8_e5m2"),
+                      help="also compile the forwards of quantized caches of these formats (int8, float8_e4m3fn, "
+                           "float8_e5m2) for the float32 and half dtypes")
     return warm
 
 

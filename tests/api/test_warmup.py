@@ -97,6 +97,41 @@ print(len(recorder.buffer))
 """
 
 
+# The same for quantized caches after ``warmup(caches=...)``: int8 and float8_e4m3fn, every kind of scale (per
+# head, float32 per token, float16 per group; float32 per group and float16 per token share their kernels), decode
+# and prefill, both layouts, and pages.
+LATER_CACHE_CALLS = r"""
+import sys
+import numpy as np
+from numba.core import event
+import elastic_np as enp
+
+if sys.argv[1] == "warm":
+    enp.warmup(dtypes=["float32"], options=["causal"], caches=["int8", "float8_e4m3fn"])
+rng = np.random.default_rng(1)
+with event.install_recorder("numba:compiler_lock") as recorder:
+    for fmt in ("int8", "float8_e4m3fn"):
+        for scale, scale_dtype in (("head", "float32"), ("token", "float32"), ("group", "float16"),
+                                   ("group", "float32"), ("token", "float16")):
+            for layout, (N, M) in (("bhnd", (1, 900)), ("bnhd", (3, 900)), ("bhnd", (60, 90)), ("bnhd", (40, 70))):
+                q = rng.standard_normal((2, N, 4, 64) if layout == "bnhd" else (2, 4, N, 64)).astype(np.float32)
+                cache = rng.standard_normal((2, M, 2, 64) if layout == "bnhd" else (2, 2, M, 64))
+                data, factor = enp.quantize_kv(cache, fmt, scale=scale, layout=layout,
+                                               group_size=16 if scale == "group" else None)
+                factor = factor.astype(scale_dtype)
+                enp.attention(q, data, data, k_scale=factor, v_scale=factor, causal=True, layout=layout)
+            pages = rng.standard_normal((30, 16, 2, 64))
+            data, factor = enp.quantize_kv(pages, fmt, scale=scale, layout="bnhd",
+                                           group_size=16 if scale == "group" else None)
+            factor = factor.astype(scale_dtype)
+            for n in (1, 30):
+                enp.varlen_attention(rng.standard_normal((2 * n, 4, 64)).astype(np.float32), data, data,
+                                     np.arange(3) * n, None, block_table=np.arange(30).reshape(2, 15),
+                                     seqused_k=[200, 37], k_scale=factor, v_scale=factor)
+print(len(recorder.buffer))
+"""
+
+
 def _compiler_lock_events(mode, script=LATER_CALLS):
     run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
@@ -115,6 +150,20 @@ def test_without_warmup_the_same_calls_load_or_compile():
 def test_after_a_second_order_warmup_later_double_backwards_neither_compile_nor_load():
     assert _compiler_lock_events("warm", LATER_SECOND_ORDER_CALLS) == 0
     assert _compiler_lock_events("cold", LATER_SECOND_ORDER_CALLS) > 0  # the control
+
+
+def test_after_a_cache_warmup_later_quantized_calls_neither_compile_nor_load():
+    assert _compiler_lock_events("warm", LATER_CACHE_CALLS) == 0
+    assert _compiler_lock_events("cold", LATER_CACHE_CALLS) > 0  # the control
+
+
+def test_a_cache_warmup_reports_a_path_per_format_and_checks_them():
+    report = enp.warmup(dtypes=["float64", "float32"], options=["causal"], backend="cpu", caches="int8")
+    assert ("float32", "int8 cache") in report.seconds and ("float64", "int8 cache") not in report.seconds
+    assert "int8 cache" not in {path for _, path in enp.warmup(dtypes=["float32"], backend="reference",
+                                                                caches=["int8"]).seconds}
+    with pytest.raises(ValueError, match="`caches` must name quantized formats.*int4"):
+        enp.warmup(dtypes=["float32"], caches=["int4"])
 
 
 def test_second_order_warmup_reports_its_path_and_needs_a_double_backward(monkeypatch):
@@ -168,6 +217,8 @@ def test_cli_warmup(capsys):
     assert "compiled" in out or "nothing compiled" in out
     assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu", "--second-order"]) == 0
     assert "float32  double backward" in capsys.readouterr().out
+    assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu", "--caches", "int8"]) == 0
+    assert "float32  int8 cache" in capsys.readouterr().out
     assert main(["warmup", "--options", "dropout_p"]) == 2
     assert "`options` must name options" in capsys.readouterr().err
 
