@@ -26,31 +26,40 @@ import warnings
 
 from elastic_np import testing
 from elastic_np._api import compile_report
-from elastic_np._contract import _validation
+from elastic_np._contract import _spec, _validation
 from elastic_np._contract._errors import CompileWarning
 from elastic_np.cpu._runtime.numba_private import enabled, locked_cache_index
-from elastic_np.testing._cases import CASES, draw_inputs
+from elastic_np.testing._cases import CASES, case_dtypes, draw_inputs, quantized_cache
 
-#: The battery's cases that reach every kernel: prefill and decode, forward and backward, every stage.
-WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20")
+#: The backends that read a quantized cache.
+_CACHE_BACKENDS = tuple(b for b in _spec.BACKENDS if "k_scale" in _spec.taken_by(b))
+
+#: The battery's cases that reach every kernel: prefill and decode, forward and backward, every stage, and
+#: the quantized caches' forwards (a float32 one: compiled while a second process compiles float64).
+WARMUP_CASES = ("plain", "combined", "modifiers combined", "combined, N=20", *(c.name for c in CASES if c.cache))
 
 
 def run_cases(name, dtypes, step=None):
-    """Run backend ``name`` forward and backward on the `WARMUP_CASES`, in each of ``dtypes``.
+    """Run backend ``name`` forward and backward on the `WARMUP_CASES`, in each of ``dtypes`` (a quantized
+    cache's case forward only, in the dtypes it runs in: `elastic_np.testing._cases.case_dtypes`).
 
     ``step(text)``, if given, is told what runs next (``"float32 'plain', forward"``).
     """
     fn, backward = testing.backend_functions(name)
-    warmup = [c for c in CASES if c.name in WARMUP_CASES]
+    warmup = [c for c in CASES if c.name in WARMUP_CASES and (c.cache is None or name in _CACHE_BACKENDS)]
     step = step or (lambda text: None)
     for dtype in dtypes:
-        for case in warmup:
+        for case in (c for c in warmup if case_dtypes(c, [dtype])):
             q, k, v, dout, options = draw_inputs(case, dtype)
+            k, v, stored = quantized_cache(case, k, v)
             q, k, v, dout = (a.astype(dtype) for a in (q, k, v, dout))
+            if stored is not None:
+                k, v, options = stored[0], stored[1], {**options, **stored[2]}
             step(f"{dtype.name} {case.name!r}, forward")
             fn(q, k, v, **options)
-            step(f"{dtype.name} {case.name!r}, backward")
-            backward(dout, q, k, v, **options)
+            if stored is None:
+                step(f"{dtype.name} {case.name!r}, backward")
+                backward(dout, q, k, v, **options)
 
 
 def _cores():
