@@ -29,7 +29,7 @@ from elastic_np._api import compile_report
 from elastic_np._contract import _spec, _validation
 from elastic_np._contract._errors import CompileWarning
 from elastic_np.cpu._runtime.numba_private import enabled, locked_cache_index
-from elastic_np.testing._cases import CASES, case_dtypes, draw_inputs, quantized_cache
+from elastic_np.testing._cases import CASES, case_dtypes, draw_inputs, quantized_cache, unavailable
 
 #: The backends that read a quantized cache.
 _CACHE_BACKENDS = tuple(b for b in _spec.BACKENDS if "k_scale" in _spec.taken_by(b))
@@ -46,7 +46,8 @@ def run_cases(name, dtypes, step=None):
     ``step(text)``, if given, is told what runs next (``"float32 'plain', forward"``).
     """
     fn, backward = testing.backend_functions(name)
-    warmup = [c for c in CASES if c.name in WARMUP_CASES and (c.cache is None or name in _CACHE_BACKENDS)]
+    warmup = [c for c in CASES if c.name in WARMUP_CASES and (c.cache is None or name in _CACHE_BACKENDS)
+              and not unavailable(c)]
     step = step or (lambda text: None)
     for dtype in dtypes:
         for case in (c for c in warmup if case_dtypes(c, [dtype])):

@@ -1,6 +1,7 @@
 """The battery's cases: the options and capabilities, the seeded shapes and options, `draw_inputs`."""
 
 import dataclasses
+import importlib.util
 from typing import Optional
 
 import numpy as np
@@ -297,9 +298,18 @@ def case_dtypes(case, dtypes):
     return [d for d in dtypes if case.cache is None or np.dtype(d).name in CACHE_DTYPES]
 
 
+def unavailable(case):
+    """What ``case`` needs that this environment lacks: ``["ml_dtypes"]`` for a float8 cache without that
+    package (an optional dependency, in the test extra), else nothing."""
+    if case.cache is not None and case.cache[0] != "int8" and importlib.util.find_spec("ml_dtypes") is None:
+        return ["ml_dtypes"]
+    return []
+
+
 def select_cases(supported):
-    """Split `CASES` into those whose requirements ``supported`` covers and the rest."""
+    """Split `CASES` into those whose requirements ``supported`` covers (and that are not `unavailable`) and the
+    rest, each with what it lacks."""
     supported = frozenset(supported)
-    run = [c for c in CASES if c.requires <= supported]
-    skipped = [(c, sorted(c.requires - supported)) for c in CASES if not c.requires <= supported]
+    run = [c for c in CASES if c.requires <= supported and not unavailable(c)]
+    skipped = [(c, sorted(c.requires - supported) + unavailable(c)) for c in CASES if c not in run]
     return run, skipped

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_np.cli import _first_compile
+from elastic_np.testing import _cases
 from elastic_np.cpu._runtime import numba_private as _numba_private
 
 pytest.importorskip("fcntl")
@@ -133,7 +134,15 @@ def test_run_cases_says_what_runs_next(monkeypatch):
     steps = []
     _first_compile.run_cases("cpu", [np.dtype(np.float64)], step=lambda text: steps.append((text, len(calls))))
     assert steps[:2] == [("float64 'plain', forward", 0), ("float64 'plain', backward", 1)]
-    assert len(steps) == 2 * len(_first_compile.WARMUP_CASES) == len(calls)
+    float_cases = [c for c in _cases.CASES if c.name in _first_compile.WARMUP_CASES and c.cache is None]
+    assert len(steps) == 2 * len(float_cases) == len(calls)  # a quantized cache's cases: q in float32 or a half
+    steps.clear()
+    calls.clear()
+    _first_compile.run_cases("cpu", [np.dtype(np.float32)], step=lambda text: steps.append((text, len(calls))))
+    caches = [c for c in _cases.CASES if c.name in _first_compile.WARMUP_CASES and c.cache is not None
+              and not _cases.unavailable(c)]
+    assert caches and [text for text, _ in steps[-len(caches):]] == [f"float32 {c.name!r}, forward" for c in caches]
+    assert len(steps) == 2 * len(float_cases) + len(caches) == len(calls)  # forward only
 
 
 def test_the_child_command_runs_the_module_as_a_script_cleanly(tmp_path):

@@ -396,7 +396,7 @@ def test_a_tenth_of_a_percent_in_a_cancelling_sum_is_caught(name):
 def test_quantized_cache_cases_hold_a_kernel_to_the_dequantized_values():
     """The kit's quantized caches (int8 per head, float8 per token, int8 per group): the reference passes, a
     kernel that reads a per-group scale as the first group's for the whole row fails, forward only."""
-    import elastic_np as enp
+    pytest.importorskip("ml_dtypes")
 
     def fn(q, k, v, **options):
         return enp.attention(q, k, v, return_lse=True, backend="reference", **options)
@@ -413,3 +413,16 @@ def test_quantized_cache_cases_hold_a_kernel_to_the_dequantized_values():
         assert {row.case for row in rows} == cases and {row.dtype for row in rows} == {"float32"}
         failed = {row.case for row in rows if not row.passed}
         assert failed == (set() if passes else {"int8 cache per group, N=20"}), str(report)
+
+
+def test_without_ml_dtypes_a_float8_cache_case_is_skipped_saying_so(monkeypatch):
+    """ml_dtypes is optional (the test extra): without it the kit's float8 cache case is listed as skipped,
+    needing it, and the int8 ones run."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ml_dtypes" else
+                        find_spec(name, *a))
+    run, skipped = _cases.select_cases(ALL)
+    assert ("float8_e4m3fn cache per token, causal", ["ml_dtypes"]) in [(c.name, needs) for c, needs in skipped]
+    assert {"int8 cache", "int8 cache per group, N=20"} <= {c.name for c in run}
