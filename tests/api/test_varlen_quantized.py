@@ -73,12 +73,13 @@ def test_a_paged_step_over_a_quantized_cache_has_each_sequences_bits(fmt, scale,
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("scale", ["token", "group"])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_per_token_and_per_group_scale_pages(fmt, scale, block_size):
     """Scale pages ``(num_blocks, block_size, Hkv[, D // G])`` read through the block table: each sequence the
-    bits of `attention` on its own keys and scales, the oracle within float32's reach."""
+    bits of `attention` on its own keys and scales, the oracle within float32's reach (float8_e5m2's bytes
+    with these scales: tests/cpu/test_quantized.py, whose kernels are these)."""
     rng = np.random.default_rng(7)
     H, Hkv, D = 8, 2, 64
     k, v, ks, vs = _cache(rng, fmt, 400, Hkv, D, scale)

@@ -11,6 +11,7 @@ from numba import njit
 
 import elastic_np as enp
 from elastic_np._api import compile_report
+from elastic_np._api.warmup import Warmup as _Report
 from elastic_np.cli import main
 
 # Later calls of a warmed configuration must neither compile nor load from
@@ -210,15 +211,20 @@ def test_a_compile_is_one_info_line_naming_it(caplog):
     assert "no compile" in compile_report.Watch().summary()
 
 
-def test_cli_warmup(capsys):
+def test_cli_warmup(capsys, monkeypatch):
     assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "float32  prefill" in out and "decode, 16 queries" in out
     assert "compiled" in out or "nothing compiled" in out
     assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu", "--second-order"]) == 0
     assert "float32  double backward" in capsys.readouterr().out
-    assert main(["warmup", "--dtype", "float32", "--options", "causal", "--backend", "cpu", "--caches", "int8"]) == 0
-    assert "float32  int8 cache" in capsys.readouterr().out
+    import elastic_np.cli as cli
+
+    asked = []
+    monkeypatch.setattr(cli, "warmup", lambda **kw: asked.append(kw) or _Report({("float32", "int8 cache"): 1.0}, 0))
+    assert main(["warmup", "--dtype", "float32", "--backend", "cpu", "--caches", "int8", "float8_e5m2"]) == 0
+    assert asked[-1]["caches"] == ["int8", "float8_e5m2"] and "float32  int8 cache" in capsys.readouterr().out
+    monkeypatch.undo()
     assert main(["warmup", "--options", "dropout_p"]) == 2
     assert "`options` must name options" in capsys.readouterr().err
 
