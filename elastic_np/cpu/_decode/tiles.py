@@ -13,14 +13,14 @@ into the thread's scratch as they are read (`fine_key_rows`,
 """
 
 import numpy as np
-from numba import njit, types
+from numba import njit
 from numba.extending import overload
 
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import copied_checked, readable_checked, widen
 from elastic_np.cpu._tiles.operands import head, head_rows, shape
-from elastic_np.cpu._tiles.quantized import scaled_bytes
+from elastic_np.cpu._tiles.pages import is_none, scaled_rows
 from elastic_np.cpu._tiles.scalar import scalar_like
 
 
@@ -206,39 +206,29 @@ def _make_fine(which):
         ``fine`` None (jit code only)."""
         raise NotImplementedError("only callable from compiled code")
 
-    def none(fine):
-        return isinstance(fine, (types.NoneType, types.Omitted))
-
     @overload(groups, inline="always")
     def _groups(fine):
-        if none(fine):
+        if is_none(fine):
             return lambda fine: 0
         return lambda fine: shape(fine[which])[3]
 
     @overload(rows, jit_options={"fastmath": FASTMATH})
     def _rows(fine, order, runs, i, j, x_rows, into):
-        if none(fine):
+        if is_none(fine):
             return lambda fine, order, runs, i, j, x_rows, into: x_rows
 
         def dequantized(fine, order, runs, i, j, x_rows, into):
             scales = fine[which]
             _, _, at, hk, row, n = _visited(order, runs, i, j)
-            s_whole, s_col = head_rows(scales, at, hk, row, n)
-            whole, col = x_rows
-            width = into.shape[1]
-            n_groups = shape(scales)[3]
-            G = width // n_groups
-            for c in range(n):
-                src, dst, factors = whole[c, col : col + width], into[c], s_whole[c, s_col : s_col + n_groups]
-                for g in range(n_groups):
-                    scaled_bytes(src, dst, g * G, (g + 1) * G, widen(factors[g]))
+            scaled_rows(x_rows, head_rows(scales, at, hk, row, n), shape(scales)[3], np.float32(1.0),
+                        into.shape[1], into)
             return into[:n], 0
 
         return dequantized
 
     @overload(scaled, jit_options={"fastmath": FASTMATH})
     def _scaled(fine, order, runs, i, j, st, s_col, n_rows):
-        if none(fine):
+        if is_none(fine):
             return lambda fine, order, runs, i, j, st, s_col, n_rows: None
 
         def per_key(fine, order, runs, i, j, st, s_col, n_rows):

@@ -10,7 +10,7 @@ quantized cache's rows too, dequantized into scratch a tile at a time.
 """
 
 import numpy as np
-from numba import types
+from numba import njit, types
 from numba.extending import overload
 
 from elastic_np.cpu._runtime.config import FASTMATH
@@ -73,6 +73,11 @@ def tile_rows(x, pages, b, hk, j0, n, width, half_scratch, gathered):
     return gathered[:n], c - c
 
 
+def is_none(ty):
+    """Whether the Numba type ``ty`` is None's (an argument given as None, or left out): an overload's test."""
+    return isinstance(ty, (types.NoneType, types.Omitted))
+
+
 def _make_part(which):
     def part(quant):
         """``quant[which]``, None for ``quant`` None (jit code only)."""
@@ -80,7 +85,7 @@ def _make_part(which):
 
     @overload(part, inline="always")
     def _part(quant):
-        if isinstance(quant, (types.NoneType, types.Omitted)):
+        if is_none(quant):
             return lambda quant: None
         return lambda quant: quant[which]
 
@@ -105,7 +110,7 @@ def cache_tile(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
 
 @overload(cache_tile, jit_options={"fastmath": FASTMATH})
 def _cache_tile(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
-    if isinstance(quant, (types.NoneType, types.Omitted)):
+    if is_none(quant):
         return lambda x, pages, b, hk, j0, n, width, scratch, gathered, quant: tile_rows(
             x, pages, b, hk, j0, n, width, scratch, gathered)
 
@@ -139,13 +144,20 @@ def _dequantized_rows_impl(quant, tile, where, width, out):
     def per_group(quant, tile, where, width, out):
         factors, fine = quant
         at, hk, row, m = where
-        s_whole, s_col = head_rows(fine, at, hk, row, m)
-        n_groups = shape(fine)[3]
-        G = width // n_groups
-        whole, col = tile
-        for c in range(m):
-            src, dst, scales = whole[c, col : col + width], out[c], s_whole[c, s_col : s_col + n_groups]
-            for g in range(n_groups):
-                scaled_bytes(src, dst, g * G, (g + 1) * G, widen(scales[g]) * factors[hk])
+        scaled_rows(tile, head_rows(fine, at, hk, row, m), shape(fine)[3], factors[hk], width, out)
 
     return per_group
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def scaled_rows(tile, scales, n_groups, factor, width, out):
+    """``out[:m] = `` the ``m`` byte rows of ``tile`` widened, each group of ``width // n_groups`` columns times
+    ``factor`` and its row's scale in ``scales`` (``(whole, col)`` rows of ``n_groups`` entries, float or a
+    half's bits), a vector of bytes at a time (`scaled_bytes`) (jit code only)."""
+    whole, col = tile
+    s_whole, s_col = scales
+    G = width // n_groups
+    for c in range(whole.shape[0]):
+        src, dst, row_scales = whole[c, col : col + width], out[c], s_whole[c, s_col : s_col + n_groups]
+        for g in range(n_groups):
+            scaled_bytes(src, dst, g * G, (g + 1) * G, widen(row_scales[g]) * factor)
