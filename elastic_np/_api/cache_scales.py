@@ -30,15 +30,16 @@ def checked(options, k, v, table=None, used=None):
         if scale is not None:
             if table is not None:
                 for s in range(table.shape[0]):
-                    _quantized.check_fine_values(_used_rows(scale, table, used, s), name)
+                    _quantized.check_fine_values(used_rows(scale, table, used, s), name)
             made[name] = scale
     if made:
         _quantized.check_same_kind(*(made.get(name) for name, _ in _SCALED))
     return {**options, **made} if made else options
 
 
-def _used_rows(pool, table, used, s):
-    """Sequence ``s``'s rows of the scale pages ``pool``, ``(used[s], Hkv, D // G)`` (a copy)."""
+def used_rows(pool, table, used, s):
+    """Sequence ``s``'s rows of the pages ``pool`` (keys, values or their scales): the first ``used[s]`` rows of
+    its pages ``table[s]``, ``(used[s], ...)`` (a copy)."""
     block = pool.shape[1]
     pages = table[s, : -(-int(used[s]) // block)]
     return pool[pages].reshape(-1, *pool.shape[2:])[: used[s]]
@@ -46,18 +47,14 @@ def _used_rows(pool, table, used, s):
 
 def has_fine(options):
     """Whether ``options`` (`checked`) hold a fine scale."""
-    return any(_quantized.is_fine(_as_array(options[name])) for name, _ in _SCALED)
-
-
-def _as_array(value):
-    return value if isinstance(value, np.ndarray) else None
+    return any(_quantized.is_fine(options[name]) for name, _ in _SCALED)
 
 
 def sequence(options, s, cu_k):
     """``options`` for packed sequence ``s`` (keys ``cu_k[s]:cu_k[s + 1]``, one batch entry, ``bnhd``): its
     rows of each fine scale."""
     return {**options, **{name: options[name][None, cu_k[s]:cu_k[s + 1]] for name, _ in _SCALED
-                          if _quantized.is_fine(_as_array(options[name]))}}
+                          if _quantized.is_fine(options[name])}}
 
 
 def stand_ins(options, count, keys):
@@ -75,5 +72,5 @@ def stand_ins(options, count, keys):
 def gathered(options, table, used, s):
     """``options`` for paged sequence ``s`` with its keys gathered (`elastic_np._api.paged._paged_keys`): its
     rows of each fine scale's pages, ``(1, used[s], Hkv, D // G)``."""
-    return {**options, **{name: _used_rows(options[name], table, used, s)[None] for name, _ in _SCALED
-                          if _quantized.is_fine(_as_array(options[name]))}}
+    return {**options, **{name: used_rows(options[name], table, used, s)[None] for name, _ in _SCALED
+                          if _quantized.is_fine(options[name])}}

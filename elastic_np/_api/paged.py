@@ -107,9 +107,8 @@ def batch(q, k, v, cu_q, table, used, options, backend):
         return None
     entry_splits = [module.decode_plan.splits(1, k.shape[2], n) for n in used]
     decode = module.planned.paged(problem, k.shape[1], entry_splits)
-    k_pool, v_pool, pool_table = _kernel_pools(k, v, table, used)
+    (k_pool, v_pool, pool_table), scale_pages = _kernel_pools(k, v, table, used, scale_pages)
     pool_table = np.array(pool_table, dtype=np.int64, order="C")
-    scale_pages = _kernel_scale_pools(scale_pages, k_pool is k and v_pool is v, table, used)
 
     def run(q, k_pool, v_pool):
         out, lse = decode(q.reshape(count, N, *q.shape[1:]).swapaxes(1, 2), k_pool, v_pool, pool_table, scale_pages)
@@ -132,8 +131,7 @@ def sequence(q, k, v, table, used, options, backend, into=None):
     if module.__name__ == "elastic_np.cpu":
         kernel_options, scale_pages = cache_scales.stand_ins(options, 1, used)
         problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), kernel_options)
-        pools = _kernel_pools(k, v, table, [used])
-        scale_pages = _kernel_scale_pools(scale_pages, pools[0] is k and pools[1] is v, table, [used])
+        pools, scale_pages = _kernel_pools(k, v, table, [used], scale_pages)
         with dispatch._reported(module, "forward", problem):
             out, lse = module.paged_forward(problem, pools, into=into, scale_pages=scale_pages)
         return problem.as_given(out), lse
@@ -142,30 +140,24 @@ def sequence(q, k, v, table, used, options, backend, into=None):
     return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 
-def _kernel_pools(k, v, table, used):
-    """``(k, v, table)`` as the CPU kernels read them (`elastic_np.cpu.paged_forward`'s ``paged``).
+def _kernel_pools(k, v, table, used, scale_pages=None):
+    """``((k, v, table), scale_pages)`` as the CPU kernels read them (`elastic_np.cpu.paged_forward`'s ``paged``
+    and ``scale_pages``: a quantized cache's per-token or per-group scale pages, or None).
 
     C-contiguous pools, writeable or not, are read in place, and so are pools
     stored per head (`_per_head`). The kernels read no other layout (pages
     apart, rows strided or broadcast): then the pages the call reads, and
-    only those, are copied into compact pools, the table renumbered to them.
+    only those, are copied into compact pools, the table renumbered to them,
+    and the scale pages' same pages with them.
     """
     if all(a.flags.c_contiguous or _per_head(a) for a in (k, v)):
-        return k, v, table
+        return (k, v, table), scale_pages
     read = _read_pages(table, used, k.shape[1])
     pages, renumbered = np.unique(table[read], return_inverse=True)
     compact_table = np.zeros(table.shape, dtype=np.int64)  # the entries not read: any page
     compact_table[read] = renumbered
-    return _take_pages(k, pages), _take_pages(v, pages), compact_table
-
-
-def _kernel_scale_pools(scale_pages, in_place, table, used):
-    """Fine scale pages as the CPU kernels read them, with the pools of `_kernel_pools`: in place where those are
-    (``in_place``), else the same pages taken (that function renumbers the table the same way)."""
-    if scale_pages is None or in_place:
-        return scale_pages
-    pages = np.unique(table[_read_pages(table, used, scale_pages[0].shape[1])])
-    return tuple(_take_pages(pool, pages) for pool in scale_pages)
+    taken = tuple(_take_pages(pool, pages) for pool in (k, v, *(scale_pages or ())))
+    return (*taken[:2], compact_table), taken[2:] or None
 
 
 def _per_head(pool):
@@ -196,5 +188,4 @@ def _stand_ins(k, v, count, keys):
 
 def _paged_keys(k, v, table, used, s):
     """Sequence ``s``'s used keys and values gathered from their pages, ``(1, used, Hkv, D)`` each (a copy)."""
-    pages = table[s, : -(-used[s] // k.shape[1])]
-    return tuple(a[pages].reshape(-1, *a.shape[2:])[None, :used[s]] for a in (k, v))
+    return tuple(cache_scales.used_rows(a, table, used, s)[None] for a in (k, v))
