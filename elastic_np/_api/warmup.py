@@ -167,26 +167,23 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     name = module.__name__.rsplit(".", 1)[-1]
     if second_order and not hasattr(module, "double_backward"):
         raise BackendUnavailableError(f"backend {name!r} has no double backward to warm up (`second_order`)")
-    paths = [(path, _padded_calls(shape)) for path, shape in _PADDED.items()]
-    paths += [("packed", _packed_calls), ("paged", _paged_calls)]
+    stages = _stages(names)
+    paths = [(path, _padded_calls(shape), stages) for path, shape in _PADDED.items()]
+    paths += [("packed", _packed_calls, stages), ("paged", _paged_calls, stages)]
     if second_order:
-        paths.append(("double backward", _double_backward_calls))
-    cache_paths = [(f"{fmt} cache", _cache_calls(fmt)) for fmt in _cache_formats(caches, name)]
+        paths.append(("double backward", _double_backward_calls, stages))
+    cache_paths = [(f"{fmt} cache", _cache_calls(fmt), [{}]) for fmt in _cache_formats(caches, name)]
     seconds = {}
     with compile_report.watch() as everything, compile_report.unannounced():
         if hasattr(module, "start_threads"):  # else the first call that goes parallel starts them
             module.start_threads()
         for dtype in dtypes:
-            for path, calls in paths + (cache_paths if dtype.name in _CACHE_QUERIES else []):
+            for path, calls, path_stages in paths + (cache_paths if dtype.name in _quantized.QUERY_DTYPES else []):
                 start = time.perf_counter()
-                for stage in _stages(names) if path in dict(paths) else [{}]:
+                for stage in path_stages:
                     calls(_Inputs(dtype, head_dim), dict(stage, backend=name))
                 seconds[(dtype.name, path)] = time.perf_counter() - start
     return Warmup(seconds, len(everything.compiled))
-
-
-#: The dtypes of ``q`` the CPU kernels read a quantized cache with.
-_CACHE_QUERIES = ("float32", "bfloat16", "float16")
 
 
 def _cache_formats(caches, backend):

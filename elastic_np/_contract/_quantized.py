@@ -30,6 +30,8 @@ LARGEST = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 GRANULARITIES = ("tensor", "head", "token", "group")
 #: The dtypes of a per-token or per-group scale.
 FINE_DTYPES = ("float32", "float16")
+#: The dtypes of ``q`` the CPU kernels read a quantized cache with (they compute in float32).
+QUERY_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def is_quantized(dtype):
@@ -60,7 +62,7 @@ def scale_values(value, name, Hkv):
     """
     if value is None:
         return None
-    if np.ndim(value) >= 2:
+    if is_fine(value):
         return _fine_values(value, name)
     try:
         scale = np.asarray(value, dtype=np.float64)
@@ -100,14 +102,14 @@ def check_fine_values(scale, name):
 def fine_array(value, name, stored_shape, check_values=True):
     """``value`` as a fine scale of a cache of ``stored_shape`` (any number of axes, the last ``D``): an array of
     that shape with ``D // G`` last; None where ``value`` is not a fine scale (None, or a per-head one)."""
-    if value is None or np.ndim(value) < 2:
+    if not is_fine(value):
         return None
     return fine_scale(_fine_values(value, name, check_values), name, stored_shape)
 
 
 def is_fine(scale):
-    """Whether a problem's scale (`scale_values`' result) is per token or per group."""
-    return scale is not None and scale.ndim >= 2
+    """Whether a scale (an option's value, or `scale_values`' result) is per token or per group."""
+    return np.ndim(scale) >= 2
 
 
 def fine_scale(scale, name, stored_shape, layout="bhnd"):
@@ -135,11 +137,6 @@ def check_same_kind(k_scale, v_scale):
     if is_fine(k_scale) != is_fine(v_scale):
         raise ValueError("`k_scale` and `v_scale` must both be per token or per group, or neither, got shapes "
                          f"{np.shape(k_scale)} and {np.shape(v_scale)}")
-
-
-def groups_of(scale):
-    """The ``D // G`` groups of a fine scale as the problem holds it, 0 for a per-head one (or None)."""
-    return scale.shape[-1] if is_fine(scale) else 0
 
 
 def check_cache(q, k, v, k_scale, v_scale):

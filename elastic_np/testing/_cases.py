@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 
 from elastic_np import reference
-from elastic_np._contract import _spec
+from elastic_np._contract import _quantized, _spec
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._quantized import dequantized, fine_scale, quantize_kv
 
@@ -19,7 +19,7 @@ OPTION_NAMES = _spec.IN_KIT
 #: The options of a quantized cache (its cases' own, in no combined case).
 CACHE_SCALES = ("k_scale", "v_scale")
 #: The dtypes of ``q`` a quantized cache's cases run in (the CPU kernels read one with ``q`` in these).
-CACHE_DTYPES = ("float32", "bfloat16", "float16")
+CACHE_DTYPES = _quantized.QUERY_DTYPES
 #: The score modifiers among them (a case combining them needs all three).
 MODIFIER_NAMES = _spec.MODIFIERS
 #: Capabilities that are not keyword options and are only declared via ``options``:
