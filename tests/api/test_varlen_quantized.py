@@ -29,17 +29,6 @@ def _cache(rng, fmt, M, Hkv, D, scale):
     return kd, vd, ks, vs
 
 
-def _scale_pages(scale, table, used, block_size, n_pages):
-    """A per-token or per-group ``scale`` (``(1, M, Hkv, ...)``) in the pages of ``table`` (`_paged`'s), zeros in
-    every row no sequence uses (never read, never checked)."""
-    pool = np.zeros((n_pages, block_size, *scale.shape[2:]), dtype=scale.dtype)
-    for s, n in enumerate(used):
-        for i in range(-(-n // block_size)):
-            rows = slice(i * block_size, min((i + 1) * block_size, n))
-            pool[table[s, i], : rows.stop - rows.start] = scale[0, rows]
-    return pool
-
-
 def _paged(rng, k, v, used, block_size):
     """`paged_cases.paged`, the spare pages' bytes drawn (small: no float8 NaN)."""
     def fill(pool):
@@ -85,7 +74,7 @@ def test_per_token_and_per_group_scale_pages(fmt, scale, block_size):
     k, v, ks, vs = _cache(rng, fmt, 400, Hkv, D, scale)
     used, lengths_q = [300, 47, 129, 400], [1, 40, 1, 3]
     k_pages, v_pages, table = _paged(rng, k, v, used, block_size)
-    ks_pages, vs_pages = (_scale_pages(a, table, used, block_size, k_pages.shape[0]) for a in (ks, vs))
+    ks_pages, vs_pages = (paged_cases.in_pages(a, table, used, block_size, k_pages.shape[0]) for a in (ks, vs))
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
     q = rng.standard_normal((cu_q[-1], H, D)).astype(np.float32)
     options = dict(causal=True, softcap=30.0)
@@ -105,7 +94,7 @@ def test_scale_pages_are_checked_where_they_are_read():
     rng = np.random.default_rng(8)
     k, v, ks, vs = _cache(rng, "int8", 40, 2, 32, "token")
     k_pages, v_pages, table = _paged(rng, k, v, [40], 16)
-    ks_pages, vs_pages = (_scale_pages(a, table, [40], 16, k_pages.shape[0]) for a in (ks, vs))
+    ks_pages, vs_pages = (paged_cases.in_pages(a, table, [40], 16, k_pages.shape[0]) for a in (ks, vs))
     q = rng.standard_normal((1, 4, 32)).astype(np.float32)
     call = dict(block_table=table, seqused_k=[40], backend="cpu")
     with pytest.raises(ValueError, match=r"`v_scale` of shape \(6, 16, 2, 5\) is neither per token, \(6, 16, 2\)"):
@@ -206,7 +195,7 @@ def test_the_torch_adapter_takes_a_quantized_packed_or_paged_cache(fmt, scale):
     assert np.array_equal(got.numpy(), want)
     used = [40, 100]
     k_pages, v_pages, table = _paged(rng, k, v, used, 16)
-    paged = {n: _scale_pages(a, table, used, 16, k_pages.shape[0]) if fine else a
+    paged = {n: paged_cases.in_pages(a, table, used, 16, k_pages.shape[0]) if fine else a
              for n, a in (("k_scale", ks), ("v_scale", vs))}
     call = dict(block_table=table, seqused_k=used, causal=True)
     got = enpt.varlen_attention(*(_arrays.from_numpy(a) for a in (q, k_pages, v_pages)), torch.from_numpy(cu_q),

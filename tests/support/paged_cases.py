@@ -12,17 +12,23 @@ def paged(rng, k, v, used, block_size, spare=3, fill=None):
     """
     blocks = -(-np.asarray(used) // block_size)
     order = rng.permutation(int(blocks.sum()) + spare)
-    pages = [np.zeros((order.size, block_size, *a.shape[2:]), a.dtype) for a in (k, v)]
-    for pool in pages:
-        if fill is not None:
-            fill(pool)
     table = np.zeros((len(used), max(int(blocks.max()), 1)), np.int64)
     taken = 0
-    for s, n in enumerate(used):
+    for s in range(len(used)):
         table[s, : blocks[s]] = order[taken : taken + blocks[s]]
-        for i, page in enumerate(table[s, : blocks[s]]):
-            rows = slice(i * block_size, min((i + 1) * block_size, n))
-            for pool, a in zip(pages, (k, v)):
-                pool[page, : rows.stop - rows.start] = a[0, rows]
         taken += blocks[s]
+    pages = [in_pages(a, table, used, block_size, order.size, fill) for a in (k, v)]
     return (*pages, table)
+
+
+def in_pages(a, table, used, block_size, n_pages, fill=None):
+    """``a`` (``(1, M, ...)``) in ``n_pages`` pages of ``block_size`` rows: sequence ``s``'s first ``used[s]`` rows
+    in its pages ``table[s]``, the other rows zeros or what ``fill(pool)`` wrote."""
+    pool = np.zeros((n_pages, block_size, *a.shape[2:]), a.dtype)
+    if fill is not None:
+        fill(pool)
+    for s, n in enumerate(used):
+        for i in range(-(-n // block_size)):
+            rows = slice(i * block_size, min((i + 1) * block_size, n))
+            pool[table[s, i], : rows.stop - rows.start] = a[0, rows]
+    return pool
