@@ -258,6 +258,20 @@ def test_decode_makes_no_dequantized_copy(granularity):
     assert peak < 2 * 2**20, f"peak {peak / 2**20:.2f} MiB"
 
 
+@pytest.mark.parametrize("granularity", ["token", "group"])
+@pytest.mark.parametrize("B, N, M", [(1, 1, 0), (0, 1, 5), (1, 0, 5), (2, 20, 0), (1, 20, 1)])
+def test_empty_batches_rows_and_caches_with_fine_scales(granularity, B, N, M):
+    """No keys (every row empty: zeros, ``lse`` -inf), no queries, no batch entries, a single key, decode and
+    prefill: the reference's results, the scales' shapes following the cache's."""
+    q, kd, vd, ks, vs = _quantized_case("int8", granularity, B=B, H=4, Hkv=2, N=N, M=M, D=8, Dv=8)
+    assert ks.shape[:3] == (B, 2, M)
+    got = enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, return_lse=True, backend="cpu")
+    want = enp.attention(q, kd, vd, k_scale=ks, v_scale=vs, return_lse=True, backend="reference")
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("granularity", ["head", "group"])
 def test_prefill_makes_no_dequantized_copy(granularity):
     """Prefill dequantizes a key tile at a time into its scratch: 64 queries on an 8,192-key int8 cache allocate
