@@ -451,4 +451,42 @@ def test_quantized_decode_prints_every_goal(capsys):
         assert f"(goal >= {goal})" in out
     for label in ("bfloat16", "float32", "int8", "float8_e4m3fn"):
         _ms(out, label)
+        _assert_two_rounds(_fraction_of_read(out, label))
     assert "peak extra memory (tracemalloc): int8" in out
+
+
+def _fraction_of_read(out, label):
+    """The fraction of the streaming read printed on ``label``'s line."""
+    found = re.search(r"^\s+" + re.escape(label) + r"\s.*GB/s\s+" + RATIO + " of the read", out, re.M)
+    assert found, f"no fraction of the read for {label!r} in {out!r}"
+    median, low, high = (float(x) for x in found.groups())
+    assert 0 < low <= median <= high, (label, median, low, high)
+    return median, low, high
+
+
+def test_quantized_decode_with_group_scales_sets_them_beside_per_head_ones(capsys):
+    import quantized_decode
+
+    quantized_decode.main(["--cache", "64", "--rounds", "2", "--repeat", "1", "--threads", "1", "--scale", "group"])
+    out = capsys.readouterr().out
+    _assert_two_rounds(_ratio(out, "int8/head / int8"))
+    _ms(out, "int8/head")
+    assert _fraction_of_read(out, "read") == (1.0, 1.0, 1.0)  # the read against itself
+
+
+def test_quantized_prefill_prints_each_cache_against_float32(capsys):
+    import quantized_prefill
+
+    quantized_prefill.main(["--queries", "20", "--keys", "40", "--rounds", "2", "--repeat", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    for label in ("float32", "int8/head", "int8/group"):
+        _ms(out, label)
+        _assert_two_rounds(_prefill_ratio(out, label))
+    assert _prefill_ratio(out, "float32") == (1.0, 1.0, 1.0)
+
+
+def _prefill_ratio(out, label):
+    """The time over the float32 call's printed on ``label``'s line."""
+    found = re.search(r"^\s+" + re.escape(label) + r"\s.*/ float32: " + RATIO, out, re.M)
+    assert found, f"no ratio for {label!r} in {out!r}"
+    return tuple(float(x) for x in found.groups())
