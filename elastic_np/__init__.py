@@ -16,6 +16,7 @@ from elastic_np._api.warmup import warmup
 from elastic_np._api.plans import Plan, plan
 from elastic_np._contract._grads import DoubleBackwardGrads
 from elastic_np._contract._quantized import quantize_kv
+from elastic_np._variants.block_mask import BlockMask, create_block_mask
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,8 @@ __all__ = [
     "varlen_attention_backward",
     "warmup",
     "quantize_kv",
+    "create_block_mask",
+    "BlockMask",
     "plan",
     "Plan",
     "AttentionGrads",

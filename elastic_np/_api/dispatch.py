@@ -14,6 +14,7 @@ from elastic_np._contract import _grads, _spec, _validation
 from elastic_np._contract._backend import Backend
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np._contract._problem import Kept
+from elastic_np._variants.variant import make_variant
 from elastic_np.reference._merge import check_partials, merge_partials
 
 BACKENDS = _spec.BACKENDS
@@ -92,6 +93,10 @@ def attention(
     v_scale=None,
     precision=None,
     layout="bhnd",
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    captures=(),
     return_lse=False,
     backend="auto",
 ):
@@ -118,6 +123,18 @@ def attention(
         ``H`` must be a multiple of ``Hkv`` (grouped-query attention); with
         ``layout="bnhd"``, ``(B, N, H, D)``, ``(B, M, Hkv, D)``, ``(B, M, Hkv, Dv)``.
     %(options)s
+    score_mod : callable, optional
+        A user's score modifier ``score_mod(score, b, h, q_idx, kv_idx,
+        *captures) -> score``, applied after the built-in ones (see the page
+        "Your own attention variant"); compiled by Numba on the CPU.
+    mask_mod : callable, optional
+        A user's mask ``mask_mod(b, h, q_idx, kv_idx, *captures) -> bool``,
+        True where the entry is kept, with the built-in masks.
+    block_mask : BlockMask, optional
+        `create_block_mask`'s evaluation of ``mask_mod`` per block: the
+        kernels skip the empty blocks and evaluate no mask on the full ones.
+    captures : tuple of ndarray, optional
+        The arrays both functions take after the indices.
     return_lse : bool, optional
         Also return the log-denominator ``lse`` of shape ``(B, H, N)``; a
         loss may use it (`attention_backward` takes its cotangent ``dlse``).
@@ -153,6 +170,9 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
+    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+        variant = make_variant(score_mod, mask_mod, block_mask, captures)
+        return _variant_forward(q, k, v, _spec.gathered(locals()), variant, return_lse, backend)
     call_key = None if type(return_lse) is not bool else plans.key(  # (a backward's key has "backward" there)
         q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap, alibi_slopes, bias,
                   k_scale, v_scale, precision, layout, return_lse, backend), (scale, tau, beta, softcap), window_size)
@@ -199,6 +219,10 @@ def attention_backward(
     v_scale=None,
     precision=None,
     layout="bhnd",
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    captures=(),
     backend="auto",
 ):
     """Gradients of `attention` for ``q, k, v, tau, beta``, the window's ``sigma`` and ``bias``.
@@ -218,7 +242,7 @@ def attention_backward(
         for zeros. Real floats without NaN or inf, in the dtype of ``dout``
         (for the kernels that of ``q``). A row with ``lse = -inf`` (nothing
         kept, ``beta = 0``) takes no gradient from it.
-    %(other_names)s
+    %(other_names)s, score_mod, mask_mod, block_mask, captures
         The options given to `attention`.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
@@ -228,7 +252,8 @@ def attention_backward(
         ``dq``, ``dk``, ``dv`` in the input dtype (float64 for "reference");
         ``dtau``, ``dbeta``, ``dsigma``, ``dbias`` in the shapes of ``tau``,
         ``beta``, ``sigma``, ``bias`` (``dsigma`` None without a dynamic
-        window, ``dbias`` None without a bias; ``dbias`` in the dtype of ``dq``).
+        window, ``dbias`` None without a bias; ``dbias`` in the dtype of ``dq``);
+        with a ``score_mod``, ``dcaptures``: the floating captures' gradients.
 
     Raises
     ------
@@ -248,6 +273,9 @@ def attention_backward(
     >>> grads.dk.shape, isinstance(grads.dtau, float)
     ((1, 1, 4, 8), True)
     """
+    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+        variant = make_variant(score_mod, mask_mod, block_mask, captures)
+        return _variant_backward((dout, q, k, v, out, lse, dlse), _spec.gathered(locals()), variant, backend)
     call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
                                    alibi_slopes, bias, k_scale, v_scale, precision, layout, "backward", backend),
                          (scale, tau, beta, softcap), window_size)
@@ -263,6 +291,43 @@ def attention_backward(
     with _reported(module, "backward", problem):
         grads = module.backward(problem, dout, out, lse, dlse)
     plans.keep_backward(call_key, module, problem)
+    return problem.grads_as_given(grads)
+
+
+def _no_captures(captures):
+    """Whether ``captures`` is the default, no captures."""
+    return type(captures) is tuple and not captures
+
+
+def _variant_module(backend):
+    """The backend of a call with a user's variant: "auto" is "cpu"; one that takes none is an error."""
+    module = get_backend("cpu" if backend == "auto" else backend)
+    if not getattr(module, "takes_variants", False):
+        raise ValueError(f"backend {backend!r} does not take `score_mod`, `mask_mod`, `block_mask` or `captures`; "
+                         "use backend='cpu' or backend='reference'")
+    return module
+
+
+def _variant_forward(q, k, v, options, variant, return_lse, backend):
+    """`attention` with a user's ``variant`` (`elastic_np._variants.variant.Variant`): no plan is kept."""
+    return_lse = _validation.boolean(return_lse, "return_lse")
+    module = _variant_module(backend)
+    problem = validated(module, q, k, v, options).with_variant(variant)
+    with _reported(module, "forward", problem):
+        out, lse = module.forward(problem)
+    out = problem.as_given(out)
+    return (out, lse) if return_lse else out
+
+
+def _variant_backward(arrays, options, variant, backend):
+    """`attention_backward` with a user's ``variant``; ``arrays = (dout, q, k, v, out, lse, dlse)``."""
+    dout, q, k, v, out, lse, dlse = arrays
+    module = _variant_module(backend)
+    problem = validated(module, q, k, v, options).with_variant(variant)
+    dtype = None if module.dtypes is not None else problem.dtype
+    dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dtype=dtype, dlse=dlse)
+    with _reported(module, "backward", problem):
+        grads = module.backward(problem, dout, out, lse, dlse)
     return problem.grads_as_given(grads)
 
 

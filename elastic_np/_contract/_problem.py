@@ -39,6 +39,8 @@ class AttentionProblem:
     ``v_scale`` its scales: float64 ``(Hkv,)``, or a per-token or per-group
     scale as `elastic_np._contract._quantized.fine_scale` gives it. The reference's ``k`` and
     ``v`` are then the dequantized float64 values, the kernels' the stored ones.
+    ``variant``: a user's ``score_mod``, ``mask_mod``, ``block_mask`` and
+    ``captures`` (`elastic_np._variants.variant.Variant`), or None.
     ``plan_key``: hashable, the same for every call whose fields are the
     same (shape, dtype, checks and option values; `_spec.fields_key`), or
     None (an option given as an array): a backend may key what it derives
@@ -76,6 +78,7 @@ class AttentionProblem:
     k_scale: Optional[np.ndarray] = None
     v_scale: Optional[np.ndarray] = None
     quantized: Optional[str] = None
+    variant: Optional[object] = None
 
     def as_bhnd(self, a):
         """A 4-D array of the caller's ``layout`` as ``(B, H, N, ·)``, or the reverse: a view, no copy."""
@@ -87,6 +90,16 @@ class AttentionProblem:
         """This problem for other ``(B, H, N, D)`` arrays ``q``, ``k``, ``v`` of its shapes and dtype (nothing checked)."""
         problem = object.__new__(AttentionProblem)
         problem.__dict__.update(self.__dict__, q=q, k=k, v=v)
+        return problem
+
+    def with_variant(self, variant):
+        """This problem with a user's ``variant`` (`elastic_np._variants.variant.Variant`), checked against its shape.
+
+        Without a ``plan_key``: what a backend derives for a key holds no variant.
+        """
+        B, H, Hkv, N, M, D, Dv = self.shape
+        problem = self.with_arrays(self.q, self.k, self.v)
+        problem.__dict__.update(variant=variant.for_problem(B, H, N, M), plan_key=None)
         return problem
 
     def grads_as_given(self, grads):
@@ -144,13 +157,14 @@ class AttentionProblem:
             return sink_gradient(delta, lse)
         return sink_gradient(delta, lse, per_head=False).reshape(1)
 
-    def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias=None):
+    def reduce_grads(self, dq, dk, dv, dtau_h, dbeta_h, dsigma_bh, dbias=None, dcaptures=None):
         """Build `AttentionGrads` from per-head ``dtau``, ``dbeta`` and per-(b, h) ``dsigma``.
 
         ``dbias`` is the gradient of the score in any shape that broadcasts
         to the bias's 4-D shape (``(B, H, N, M)``, or already summed over the
         axes the bias is broadcast along); it is summed to ``bias_shape`` and
-        returned in the dtype of ``dq``.
+        returned in the dtype of ``dq``. ``dcaptures``: the captures' gradients of a
+        variant's ``score_mod``, as `AttentionGrads` holds them.
         """
         if self.bias is not None:
             dbias = reduce_to_shape(dbias, self.bias_shape).astype(dq.dtype, copy=False)
@@ -164,6 +178,7 @@ class AttentionProblem:
             dbeta=sum_to_shape(dbeta_h, self.beta_shape),
             dsigma=None if self.sigma is None else sum_to_shape(dsigma_bh, self.sigma_shape),
             dbias=dbias,
+            dcaptures=dcaptures,
         )
 
 

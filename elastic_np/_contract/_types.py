@@ -112,6 +112,10 @@ class AttentionGrads:
         Gradient of the additive ``bias`` in the shape it was given in (the
         sum over the axes it was broadcast along), in the dtype of ``dq``; None
         without a bias.
+    dcaptures : tuple or None
+        With a user's ``score_mod``: per capture, the gradient of a floating
+        one in its shape and dtype (None for an integer or bool one); None
+        without a ``score_mod``.
 
     Examples
     --------
@@ -131,6 +135,7 @@ class AttentionGrads:
     dbeta: object
     dsigma: Optional[object] = None
     dbias: Optional[np.ndarray] = None
+    dcaptures: Optional[tuple] = None
 
     def __repr__(self):
         """One line per field: its shape and dtype (arrays), value (scalars), or None; never every entry."""
@@ -139,6 +144,9 @@ class AttentionGrads:
             value = getattr(self, field.name)
             if value is None or isinstance(value, float):
                 lines.append(f"  {field.name}={value!r},")
+            elif isinstance(value, tuple):
+                parts = ", ".join("None" if a is None else f"<shape={a.shape} dtype={a.dtype}>" for a in value)
+                lines.append(f"  {field.name}=({parts}),")
             else:
                 lines.append(f"  {field.name}=<{type(value).__name__} shape={tuple(value.shape)} dtype={value.dtype}>,")
         return "AttentionGrads(\n" + "\n".join(lines) + "\n)"

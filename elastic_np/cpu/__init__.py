@@ -101,6 +101,9 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._prefill.backward import backward
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
+#: Takes a user's ``score_mod``, ``mask_mod`` and ``block_mask`` (`elastic_np._variants`).
+takes_variants = True
+
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
     "planned_forward", "backward",
@@ -146,7 +149,8 @@ def forward(problem):
     (`elastic_np.cpu._decode.plan.takes`), the prefill kernel otherwise: on AMX
     tiles for a bfloat16 problem where the CPU has them (`elastic_np.cpu._prefill.forward_amx.takes`)
     and its cache is not quantized (the float32 products dequantize a quantized cache's tiles into
-    scratch as they read them: `elastic_np.cpu._tiles.pages.cache_tile`).
+    scratch as they read them: `elastic_np.cpu._tiles.pages.cache_tile`). A problem with a user's
+    ``score_mod`` or ``mask_mod`` runs on the prefill kernel whatever its shape (`elastic_np.cpu._tiles.variant`).
 
     Parameters
     ----------
@@ -157,6 +161,8 @@ def forward(problem):
     out : ndarray, shape (B, H, N, Dv)
     lse : ndarray, shape (B, H, N)
     """
+    if problem.variant is not None:
+        return prefill.forward(problem)
     if decode_plan.takes(problem):
         return decode.forward(problem)
     if problem.quantized is not None:

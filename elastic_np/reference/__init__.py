@@ -31,6 +31,7 @@ from elastic_np.reference._backend import (  # noqa: F401  (the backend's face, 
     forward,
     is_available,
     prepare,
+    takes_variants,
 )
 from elastic_np.reference._backward import attention_backward
 from elastic_np._contract._grads import DoubleBackwardGrads  # noqa: F401

@@ -12,6 +12,8 @@ import numpy as np
 
 from elastic_np._contract import _spec
 from elastic_np._contract._problem import prepare
+from elastic_np._variants.variant import make_variant
+from elastic_np.reference import _variant as variant
 
 
 def scores(p):
@@ -56,7 +58,11 @@ def _attention_logits(p):
     """
     s, cap_slope = scores(p)
     t = s.dtype.type
+    if variant.has_score(p):
+        s = variant.modified_scores(p, s)
     s, keep = kept_scores(p, s)
+    if variant.has_score(p):
+        variant.check_modified(p, s, keep)
     with np.errstate(over="ignore"):
         z = s / p.tau.astype(s.dtype)[:, None, None]
     if not (np.where(keep, z, t(0)) < np.inf).all():  # +inf or NaN where kept
@@ -84,6 +90,9 @@ def kept_scores(p, s):
     keep = structural_keep(p)
     if p.bias is not None:
         keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
+    if variant.has_score(p):
+        keep = keep & (s > -np.inf)  # as does a user's score_mod returning -inf
+    if p.bias is not None or variant.has_score(p):
         s = np.where(keep, s, s.dtype.type(0))  # and stays out of the dtau sum
     if p.nvm:
         keep = keep & (s >= 0)
@@ -117,6 +126,8 @@ def structural_keep(p):
     keep = np.broadcast_to(keep, (B, H, N, M))
     if p.mask is not None:
         keep = keep & p.mask
+    if variant.has_mask(p):
+        keep = keep & variant.mask_keep(p, (B, H, N, M))
     return keep
 
 
@@ -177,7 +188,7 @@ def window_gate(p):
 
 
 @_spec.takes_options()
-def attention(q, k, v, *, check_finite=True, **options):
+def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captures=(), check_finite=True, **options):
     r"""Float64 attention oracle: ``(out, lse)`` for every option of the contract.
 
     For batch ``b``, head ``h``, query ``i`` and key ``j``:
@@ -240,9 +251,16 @@ def attention(q, k, v, *, check_finite=True, **options):
     >>> lse.round(6)
     array([[[2.      , 2.693147]]])
     """
-    p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention"))
+    p = with_variant(prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention")),
+                     score_mod, mask_mod, block_mask, captures)
     out, lse = _forward(p)
     return p.as_given(out), lse
+
+
+def with_variant(p, score_mod, mask_mod, block_mask, captures):
+    """Problem ``p`` with a user's functions (`elastic_np._variants.variant.make_variant`), if any."""
+    made = make_variant(score_mod, mask_mod, block_mask, captures)
+    return p if made is None else p.with_variant(made)
 
 
 def without_padding(p):

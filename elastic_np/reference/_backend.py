@@ -16,6 +16,9 @@ from elastic_np.reference._double_backward import _double_backward
 #: Any real float dtype, computed in float64 (the kernels list theirs).
 dtypes = None
 
+#: Takes a user's ``score_mod``, ``mask_mod`` and ``block_mask`` (`elastic_np._variants`).
+takes_variants = True
+
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "backward",
     "double_backward",

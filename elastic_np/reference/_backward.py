@@ -4,11 +4,15 @@ import numpy as np
 
 from elastic_np._contract import _spec, _validation
 from elastic_np._contract._problem import prepare
-from elastic_np.reference._attention import _attention_logits, log_tanh_elasticity, without_padding
+from elastic_np.reference import _variant as variant
+from elastic_np.reference._attention import (
+    _attention_logits, log_tanh_elasticity, scores, with_variant, without_padding,
+)
 
 
 @_spec.takes_options()
-def attention_backward(dout, q, k, v, out, lse, *, dlse=None, check_finite=True, **options):
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, score_mod=None, mask_mod=None, block_mask=None,
+                       captures=(), check_finite=True, **options):
     r"""Hand-derived backward of `attention`: gradients for ``q, k, v, tau, beta, sigma, bias``.
 
     With :math:`p_{ij} = e^{z_{ij} - \mathrm{lse}_i}` on kept entries:
@@ -78,7 +82,8 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, check_finite=True,
     >>> g.dq.shape, type(g.dbeta).__name__
     ((1, 2, 3, 4), 'float')
     """
-    p = prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_backward"))
+    p = with_variant(prepare(q, k, v, check_finite=check_finite, **_spec.complete(options, "attention_backward")),
+                     score_mod, mask_mod, block_mask, captures)
     dout, out, lse, dlse = check_backward_arrays(p, dout, out, lse, dtype=np.float64, dlse=dlse)
     return p.grads_as_given(_backward(p, dout, out, lse, dlse))
 
@@ -127,6 +132,9 @@ def _backward(p, dout, out, lse, dlse=None):
     s, keep, gate, cap_slope, probs, delta, dz = score_gradient(p, dout, out, lse, dlse)
     k = np.repeat(p.k, p.group_size, axis=1)
     ds = dz / p.tau.astype(dtype)[:, None, None]  # d loss / d s, the final score: also dbias
+    dcaptures = None
+    if variant.has_score(p):  # ds of the score before score_mod: the bias's, and the soft-cap's input
+        ds, dcaptures = variant.score_gradient(p, scores(p)[0], ds)
     ds_raw = ds if cap_slope is None else ds * cap_slope
 
     dq = t(p.scale) * ds_raw @ k
@@ -141,7 +149,7 @@ def _backward(p, dout, out, lse, dlse=None):
     dsigma = None
     if gate is not None:
         dsigma = np.sum(dz * np.where(keep, dlog_gate(p, *gate), t(0)), axis=(2, 3))
-    return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds)
+    return p.reduce_grads(dq, dk, dv, dtau, dbeta, dsigma, dbias=ds, dcaptures=dcaptures)
 
 
 def score_gradient(p, dout, out, lse, dlse=None):

@@ -3,7 +3,7 @@
 - `elastic_np.reference`, `elastic_np.cpu` and `elastic_np.cuda` show the
   dispatcher the same functions (`FACE`).
 - A backend imports, from the rest of the package, only the contract
-  (`SHARED`, ``elastic_np._contract``) and, for the kernels, the reference (its
+  (`SHARED`, ``elastic_np._contract`` and the user variants of ``elastic_np._variants``) and, for the kernels, the reference (its
   check of ``dout``, ``out`` and ``lse``); checked by parsing every module's
   imports, so no import inside a function escapes.
 - The tools (`elastic_np.cli`) use the library from the top: nothing of the
@@ -28,8 +28,8 @@ from elastic_np.cli import _cuda_bench
 PACKAGE = pathlib.Path(elastic_np.__file__).resolve().parent
 REPO_ROOT = PACKAGE.parent
 
-#: The package every backend may import: the contract.
-SHARED = {"elastic_np._contract"}
+#: The packages every backend may import: the contract, and the user variants it carries (`elastic_np._variants`).
+SHARED = {"elastic_np._contract", "elastic_np._variants"}
 #: What each backend may import besides its own package and `SHARED`.
 BACKEND_EXTRA = {"reference": set(), "cpu": {"elastic_np.reference"}, "cuda": {"elastic_np.reference"}}
 #: Library files that import the tools: the entry scripts, and the deprecated `elastic_np.cuda.bench`.

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 from numba import njit
 
+from elastic_np.cpu._prefill.capture_grads import CaptureGradients
 from elastic_np.cpu._prefill.dbias import dbias_tile, DbiasPlan, ensure_dbias
 from elastic_np.cpu._prefill.key_tiles import (
     copy_rows, gated_probabilities, group_spans, key_task, key_tasks, pair_head, probabilities, row_stats,
@@ -27,6 +28,7 @@ from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, m
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
+from elastic_np.cpu._tiles.variant import EMPTY, saved_score_stage, score_gradient, tile_state
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -78,16 +80,20 @@ def backward(problem, dout, out, lse, dlse=None):
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
     plan = DbiasPlan(problem, dtype, n_kt, chunk)
+    captures = CaptureGradients(problem, plan.params, chunk)
+    if captures.gradient is not None:  # the logits tiles without the score_mod, which the kernel applies itself
+        logits_opt = logits_opt._replace(variant=problem.variant.kernel_variant(dtype, with_score=False))
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt), config.BLOCK_Q, block_k, kt0, kt1,
-                  tasks=task_counter(), work=work)
+        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient), config.BLOCK_Q,
+                  block_k, kt0, kt1, tasks=task_counter(), work=work)
         run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
+        captures.after_chunk(kt1 - kt0)
     # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
     dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
     factor = (problem.scale / problem.tau)[None, :, None, None]
@@ -98,6 +104,7 @@ def backward(problem, dout, out, lse, dlse=None):
         problem.sink_gradient(delta, lse),
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
         dbias=plan.result(),
+        dcaptures=captures.result(),
     )
 
 
@@ -220,6 +227,54 @@ def _dz_tile(pt, dpt, st, delta_t, delta_r, sums, dlog_gate, base, bk):
                 dtau[r] += np.float64(p) * (np.float64(dp) - delta_r[r]) * s
 
 
+@inner(fastmath=False)
+def _head_tile(ins, dq_shares, dbias, options, scratch, at, sums, kv_j):
+    """Head ``h``'s query tile ``it`` against the task's key tile: its shares of dk, dv and dq, its sums.
+
+    ``at = (t, slot, task, b, h, it, i0, bq, j0, bk)``: the key tile's index
+    in the chunk, its dbias slot, the claimed task, and the tile; ``sums``:
+    the head's ``dtau`` and ``dsigma`` sums by query; ``kv_j``: the key
+    tile's keys and values (`head_rows`); the rest as `_backward_kernel` has them.
+    """
+    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
+    opt, logits_opt, gradient = options
+    st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, pre, no_max, no_gate = scratch
+    t, slot, task, b, h, it, i0, bq, j0, bk = at
+    (k_rows, k_col), (v_rows, v_col) = kv_j
+    M, D, Dv = shape(k)[2], shape(k)[3], shape(v)[3]
+    share = dq_shares[t, b, h, i0 : i0 + bq]
+    tile = (b, h, i0, bq, j0)
+    kept = tile_state(opt.variant, b, h, i0, bq, j0, bk) != EMPTY
+    if kept:  # NVM tests s, which the logits tile holds: it joins the pass that forms z - lse
+        kept, _ = logits_tile(st, kv_j[0], q_scaled_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
+    if not kept:
+        share[:, :] = 0.0
+        return
+    saved_score_stage(st, pre, bk, bq, opt.variant, tile, opt.tau[h])
+    # the steps of docs/derivations.rst: p, dv, dP, dz (with the dtau and dsigma
+    # sums), a user's score_mod's input, dbias = ds, the soft-cap's slope, dk, dq
+    row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
+    base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
+    if opt.has_gate:
+        gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
+    else:
+        probabilities(st, pt, lse_t, bk, bq, opt.nvm)
+    dout_rows, dout_col = head_rows(dout, b, h, i0, bq)
+    matmul_nn(pt, 0, dout_rows, dout_col, dv_acc, bk, Dv, bq, True)
+    matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
+    _dz_tile(pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], sums,
+             opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk)
+    score_gradient(dpt, pre, bk, bq, gradient, tile, opt.tau[h], task)
+    if dbias[0][0] > 0:
+        dbias_tile(dpt, dbias, (bk, bq, b, h, i0, j0), slot, 1.0 / opt.tau[h])
+    if opt.has_softcap:
+        softcap_slope(dpt, cap_slope, bk, bq)
+    # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
+    matmul_nn(dpt, 0, q_scaled[b, h, i0 : i0 + bq], 0, dk_acc, bk, D, bq, True)
+    # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
+    matmul_tn(dpt, 0, k_rows, k_col, share, bq, D, bk, False)
+
+
 #: What the backward kernel calls of `elastic_np.cpu._tiles.calls` (see `elastic_np.cpu._tiles.simd.compile_for`).
 BACKWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_inplace, modify_tile, dbias_tile)
 
@@ -252,9 +307,12 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
-    dsigma_part)``, ``options = (opt, logits_opt)``: the plan's options and
+    dsigma_part)``, ``options = (opt, logits_opt, gradient)``: the plan's options,
     those the logits tiles are formed with, the gate left out (it joins
-    with the probabilities, `gated_probabilities`); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
+    with the probabilities, `gated_probabilities`), and a user's
+    ``score_mod``'s `CaptureGradients.gradient` (None without one; with
+    one the kernel applies it to the tiles itself, the scores before it
+    kept for its gradient); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
     (`elastic_np.cpu._tiles.operands`), ``dbias`` the `DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0
@@ -266,22 +324,20 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
     lane's one slot when the keys are not reduced: then each key tile writes
     columns of its own).
     """
-    k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
+    k, v, q_scaled = ins[0], ins[1], ins[2]
     dk, dv, dq_shares, share_rows, dtau_part, dsigma_part = outs
-    opt, logits_opt = options
+    opt, gradient = options[0], options[2]
     B, Hkv, M, D = shape(k)
     H, N, Dv = q_scaled.shape[1], q_scaled.shape[2], shape(v)[3]
     group = H // Hkv
     n_chunk = kt1 - kt0
-    dbias_mode = dbias[0][0]
     n_tasks, pairs = key_tasks(dbias[0], B, Hkv, n_chunk)
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, head_sums, spans = _backward_scratch(
         k, block_q, block_k, Dv, group, opt.has_softcap
     )
-    no_max = np.empty(0, dtype=lse.dtype)  # the backward takes no tile maxima
-    no_gate = np.empty(0)
-    # NVM tests s, which the logits tile holds (log G comes with p): it joins
-    # the pass that forms z - lse (the tile is read only where p != 0).
+    pre = np.empty((block_k, block_q) if gradient is not None else (0, 0), dtype=st.dtype)
+    no_max, no_gate = np.empty(0, dtype=lse_t.dtype), np.empty(0)  # the backward takes no tile maxima
+    scratch = (st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, pre, no_max, no_gate)
     for _ in range(n_tasks):
         task = claim(tasks)
         if task >= n_tasks:
@@ -293,9 +349,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
         for pair in range(first, last):
             b, hk = pair_head(dbias[0], pair, outer, Hkv)
             bk = max(min(bk_all, opt.kv_lengths[b] - j0), 0)  # keys past kv_lengths get 0
-            k_j = head_rows(k, b, hk, j0, bk)
-            k_rows, k_col = k_j
-            v_rows, v_col = head_rows(v, b, hk, j0, bk)
+            k_j, v_j = head_rows(k, b, hk, j0, bk), head_rows(v, b, hk, j0, bk)
             dk_acc[:bk_all] = 0.0
             dv_acc[:bk_all] = 0.0
             head_sums[:] = 0.0
@@ -308,39 +362,10 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                     h = hk * group + g
                     if it < spans[g, 0] or it >= spans[g, 1]:
                         continue
-                    share = dq_shares[t, b, h, i0 : i0 + bq]
                     if opt.has_bias and it + 1 < spans[g, 1]:
                         prefetch_bias(opt, b, h, i0 + block_q, block_q, j0, bk_all)
-                    kept, _ = logits_tile(
-                        st, k_j, q_scaled_t[b, h, it], logits_opt, (b, h, i0, bq, j0), False, cap_slope, no_max,
-                        opt.nvm,
-                    )
-                    if not kept:
-                        share[:, :] = 0.0
-                        continue
-                    # the steps of docs/derivations.rst: p, dv, dP, dz (with the
-                    # dtau and dsigma sums), dbias = ds, the soft-cap's slope, dk, dq
-                    row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
-                    base = j0 - opt.diag_shift[b] - i0 + M - 1  # the gate's index of (j0, i0)
-                    if opt.has_gate:
-                        gated_probabilities(st, pt, lse_t, bk, bq, opt.nvm, opt.log_gate[b, h], base)
-                    else:
-                        probabilities(st, pt, lse_t, bk, bq, opt.nvm)
-                    dout_rows, dout_col = head_rows(dout, b, h, i0, bq)
-                    matmul_nn(pt, 0, dout_rows, dout_col, dv_acc, bk, Dv, bq, True)
-                    matmul_nn(v_rows, v_col, dout_t[b, h, it], 0, dpt, bk, bq, Dv, False)
-                    _dz_tile(
-                        pt, dpt, st, delta_t, delta[b, h, i0 : i0 + bq], head_sums[g],
-                        opt.dlog_gate[b, h] if opt.has_gate else no_gate, base, bk,
-                    )
-                    if dbias_mode > 0:
-                        dbias_tile(dpt, dbias, (bk, bq, b, h, i0, j0), slot, 1.0 / opt.tau[h])
-                    if opt.has_softcap:
-                        softcap_slope(dpt, cap_slope, bk, bq)
-                    # dk_j = scale/tau_h sum_i dz_ij q_i = sum_i dz_ij q_scaled_i
-                    matmul_nn(dpt, 0, q_scaled[b, h, i0 : i0 + bq], 0, dk_acc, bk, D, bq, True)
-                    # this key tile's share of dq_i = scale/tau_h sum_j dz_ij k_j
-                    matmul_tn(dpt, 0, k_rows, k_col, share, bq, D, bk, False)
+                    _head_tile(ins, dq_shares, dbias, options, scratch, (t, slot, task, b, h, it, i0, bq, j0, bk),
+                               head_sums[g], (k_j, v_j))
             for g in range(group):
                 h = hk * group + g
                 # dtau_h = -(1/tau^2) sum dz s = -(1/tau) sum dz (s / tau)

@@ -20,6 +20,7 @@ from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, onli
 from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import NO_PAGES, cache_tile, key_quant, paged as paged_pages, pool_operand, value_quant
 from elastic_np.cpu._tiles.simd import compile_for
+from elastic_np.cpu._tiles.variant import EMPTY, tile_state
 
 
 def forward(problem, paged=None, into=None, scale_pages=None):
@@ -69,7 +70,16 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
     run_tasks(_forward_kernel, q, k, v, pages, opt, _quant(problem, scale_pages), config.BLOCK_Q, config.BLOCK_K,
               out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
+    if problem.variant is not None:
+        check_variant_rows(lse)
     return out, lse
+
+
+def check_variant_rows(lse):
+    """A `ValueError` where a user's ``score_mod`` gave a NaN or ``+inf`` logit: its row's ``lse`` is NaN or inf."""
+    if not (lse < np.inf).all():
+        raise ValueError("`score_mod` returned NaN or +inf for an entry that is kept: every kept score must be "
+                         "finite (return -inf to remove an entry)")
 
 
 def _quant(problem, scale_pages):
@@ -140,6 +150,8 @@ def _forward_kernel(q, k, v, pages, opt, quant, block_q, block_k, out, lse, task
         j_lo, j_hi = key_range(opt.diag_shift[b], i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
+            if tile_state(opt.variant, b, h, i0, bq, j0, bk) == EMPTY:
+                continue
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = logits_tile(

@@ -49,7 +49,9 @@ _Options = collections.namedtuple(
         "has_bias",  # bool
         "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
+        "variant",  # a user's score_mod and mask_mod: `elastic_np._variants.variant.KernelVariant`, or None
     ],
+    defaults=(None,),
 )
 
 
@@ -120,6 +122,7 @@ def _built_options(p, with_sigma_grad, dtype):
         has_bias=p.bias is not None,
         bias=bias,
         bias_strides=bias_strides,
+        variant=None if p.variant is None else p.variant.kernel_variant(dtype),
     )
 
 

@@ -22,6 +22,7 @@ from elastic_np.cpu._tiles.calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._tiles.scalar import _removes_nothing, scalar_like
 from elastic_np.cpu._tiles.tanh import sech2_any, tanh_any
 from elastic_np.cpu._tiles.transpose import prefetch, transpose_add, transpose_width
+from elastic_np.cpu._tiles.variant import changes_logits, mask_stage, score_stage
 
 
 @inner(fastmath=FASTMATH)
@@ -61,7 +62,7 @@ def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     # ten times the naive error in ``out``).
     fuse_max = (
         tile_max.shape[0] > 0 and _removes_nothing(opt, tile, bk, nvm) and not (opt.has_alibi or opt.has_bias)
-        and _maxima_scale(opt, h, st)
+        and _maxima_scale(opt, h, st) and not changes_logits(opt.variant)
     )
     if fuse_max:
         matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
@@ -77,7 +78,9 @@ def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
     """The steps of `logits_tile` after the product ``st[:bk, :bq]`` of ``s_raw / tau_h``: the modifiers, then the removals.
 
     ``maxed``: ``tile_max[:bq]`` holds the product's column maxima (which a
-    soft-cap caps too). Returns `logits_tile`'s ``(kept, maxed)``.
+    soft-cap caps too). A user's ``score_mod`` follows the built-in modifiers
+    and its ``mask_mod`` the removals (`elastic_np.cpu._tiles.variant`; a
+    tile under either is never ``maxed``). Returns `logits_tile`'s ``(kept, maxed)``.
     """
     b, h, i0, bq, j0 = tile
     want_cap_slope = cap_slope.shape[0] > 0
@@ -91,9 +94,11 @@ def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
         # with maxed, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
                     tile, bk, flags + (calls.CAPPED_MAX if maxed else 0), opt.softcap)
-    if removes_nothing:
+    score_stage(st, bk, bq, opt.variant, tile, opt.tau[h])
+    if removes_nothing and not changes_logits(opt.variant):
         return True, maxed
-    return _remove_in_tile(st, bk, opt, tile, nvm), False
+    kept = True if removes_nothing else _remove_in_tile(st, bk, opt, tile, nvm)
+    return mask_stage(st, bk, bq, opt.variant, tile, kept), False
 
 
 # What the modifier stage reads of the options (`calls.modify_tile` passes these alone).

@@ -1,0 +1,1 @@
+"""User attention variants: score_mod / mask_mod functions and their derivatives."""

@@ -1,0 +1,185 @@
+"""A user's ``score_mod`` and ``mask_mod`` on a tile (`elastic_np._variants`), and the score's gradient.
+
+The kernels read the variant from their options (``opt.variant``, a
+`elastic_np._variants.variant.KernelVariant` or None). Every function here
+is chosen when the kernel compiles, by the variant's type: for None (every
+call without a variant) each is a no-op or a constant, so those kernels
+compile to the code they had; for a variant, a kernel is compiled for its
+functions (once per process: Numba cannot cache code that calls a
+function passed in).
+
+- `tile_state`: whether a tile is empty (skipped), full or partial
+  under the block mask;
+- `score_stage`: ``s <- score_mod(s, b, h, i, j, *captures)`` on the tile's
+  logits ``s / tau_h``, entries already removed (``-inf``) left alone;
+- `mask_stage`: ``mask_mod`` on a partial tile's entries;
+- `score_gradient`: the backward's ``dz`` taken through ``score_mod`` to its
+  input, and the captures' gradients (the derivative's ``vjp``,
+  `elastic_np._variants.derivative`).
+"""
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from elastic_np._variants.functions import scalar_of
+
+#: A tile's states under a block mask (`elastic_np._variants.block_mask`).
+EMPTY, FULL, PARTIAL = 0, 1, 2
+
+
+def _absent(value):
+    """Whether a variant (or one of its fields) is absent: typed None."""
+    return isinstance(value, (types.NoneType, types.Omitted)) or value is None
+
+
+def changes_logits(variant):
+    """Whether ``variant`` may change a tile's logits after the product (a constant when compiled)."""
+    return variant is not None
+
+
+@overload(changes_logits, jit_options={"fastmath": False})
+def _changes_logits(variant):
+    constant = not _absent(variant)
+    return lambda variant: constant
+
+
+def tile_state(variant, b, h, i0, bq, j0, bk):
+    """`EMPTY`, `FULL` or `PARTIAL`: the tile ``[i0, i0 + bq) x [j0, j0 + bk)`` of ``(b, h)`` under ``variant``."""
+
+
+@overload(tile_state, jit_options={"fastmath": False})
+def _tile_state(variant, b, h, i0, bq, j0, bk):
+    if _absent(variant) or (_absent(variant.types[1]) and _absent(variant.types[3])):
+        return lambda variant, b, h, i0, bq, j0, bk: FULL
+    if _absent(variant.types[3]):
+        return lambda variant, b, h, i0, bq, j0, bk: PARTIAL
+    return _block_state
+
+
+def _block_state(variant, b, h, i0, bq, j0, bk):
+    """The state of the tile from the block mask's blocks it overlaps: empty or full if all are."""
+    blocks = variant.blocks
+    if bq <= 0 or bk <= 0:
+        return EMPTY
+    bb = b if blocks.shape[0] > 1 else 0
+    hh = h if blocks.shape[1] > 1 else 0
+    all_empty, all_full = True, True
+    for qb in range(i0 // variant.block_q, (i0 + bq - 1) // variant.block_q + 1):
+        for kb in range(j0 // variant.block_k, (j0 + bk - 1) // variant.block_k + 1):
+            state = blocks[bb, hh, qb, kb]
+            all_empty = all_empty and state == EMPTY
+            all_full = all_full and state == FULL
+    return EMPTY if all_empty else (FULL if all_full else PARTIAL)
+
+
+def score_stage(st, bk, bq, variant, tile, tau_h):
+    """``st[c, r] = score_mod(st[c, r] tau_h, b, h, i0 + r, j0 + c, *captures) / tau_h`` where ``> -inf``."""
+
+
+@overload(score_stage, jit_options={"fastmath": False})
+def _score_stage(st, bk, bq, variant, tile, tau_h):
+    if _absent(variant) or _absent(variant.types[0]):
+        return lambda st, bk, bq, variant, tile, tau_h: None
+
+    def stage(st, bk, bq, variant, tile, tau_h):
+        score, captures = variant.score, variant.captures
+        b, h, i0, _, j0 = tile
+        for c in range(bk):
+            row = st[c]
+            for r in range(bq):
+                x = row[r]
+                if x > -np.inf:
+                    row[r] = scalar_of(score(x * tau_h, b, h, i0 + r, j0 + c, *captures)) / tau_h
+
+    return stage
+
+
+def mask_stage(st, bk, bq, variant, tile, kept):
+    """``mask_mod`` on a partial tile: ``-inf`` where False; returns whether an entry is kept (``kept``: before)."""
+
+
+@overload(mask_stage, jit_options={"fastmath": False})
+def _mask_stage(st, bk, bq, variant, tile, kept):
+    if _absent(variant) or _absent(variant.types[1]):
+        return lambda st, bk, bq, variant, tile, kept: kept
+
+    def stage(st, bk, bq, variant, tile, kept):
+        b, h, i0, _, j0 = tile
+        if not kept or tile_state(variant, b, h, i0, bq, j0, bk) != PARTIAL:
+            return kept
+        mask, captures = variant.mask, variant.captures
+        any_kept = False
+        for c in range(bk):
+            row = st[c]
+            for r in range(bq):
+                if row[r] > -np.inf:
+                    if scalar_of(mask(b, h, i0 + r, j0 + c, *captures)):
+                        any_kept = True
+                    else:
+                        row[r] = -np.inf
+        return any_kept
+
+    return stage
+
+
+def score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
+    """``dz`` (in ``dpt``) taken to the input of ``score_mod``; the captures' gradients into their ``slot``.
+
+    ``pre``: the tile's logits before `score_stage` (``s / tau_h``);
+    ``gradient = (vjp, parts, captures)``, the derivative's ``vjp`` and
+    per-slot float64 sums of the captures' gradients. With ``s' =
+    score_mod(s)`` and ``z = s' / tau_h``: ``dL/ds' = dz / tau_h``, and the
+    tile's next steps want ``dL/d(s / tau_h) = tau_h dL/ds``. Entries with
+    ``dz = 0`` (removed, or ``p = 0``) are skipped.
+    """
+
+
+@overload(score_gradient, jit_options={"fastmath": False})
+def _score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
+    if _absent(gradient):
+        return lambda dpt, pre, bk, bq, gradient, tile, tau_h, slot: None
+
+    def stage(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
+        vjp, parts, captures = gradient
+        dcaptures = slot_views(parts, slot)
+        b, h, i0, _, j0 = tile
+        for c in range(bk):
+            row, pre_row = dpt[c], pre[c]
+            for r in range(bq):
+                dz = row[r]
+                if dz != 0:
+                    ds = vjp(pre_row[r] * tau_h, b, h, i0 + r, j0 + c, captures, dz / tau_h, dcaptures)
+                    row[r] = ds * tau_h
+
+    return stage
+
+
+def slot_views(parts, slot):
+    """``(parts[0][slot], parts[1][slot], ...)``: one slot of each capture's gradient sums."""
+
+
+@overload(slot_views, jit_options={"fastmath": False})
+def _slot_views(parts, slot):
+    items = "".join(f"parts[{i}][slot], " for i in range(len(parts.types)))
+    namespace = {}
+    exec(f"def views(parts, slot):\n    return ({items})\n", namespace)
+    return namespace["views"]
+
+
+def saved_score_stage(st, pre, bk, bq, variant, tile, tau_h):
+    """`score_stage`, the tile's logits before it kept in ``pre`` (the backward's, for `score_gradient`)."""
+
+
+@overload(saved_score_stage, jit_options={"fastmath": False})
+def _saved_score_stage(st, pre, bk, bq, variant, tile, tau_h):
+    if _absent(variant) or _absent(variant.types[0]):
+        return lambda st, pre, bk, bq, variant, tile, tau_h: None
+
+    def stage(st, pre, bk, bq, variant, tile, tau_h):
+        for c in range(bk):
+            for r in range(bq):
+                pre[c, r] = st[c, r]
+        score_stage(st, bk, bq, variant, tile, tau_h)
+
+    return stage
