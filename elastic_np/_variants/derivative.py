@@ -352,16 +352,16 @@ class Derivative:
 _CACHE = weakref.WeakKeyDictionary()  # score_mod -> {captures' (dtype, shape)s: Derivative}
 
 
-def _derive(score_mod, captures):
+def _derive(score_mod, captures, names):
     graph = trace(score_mod, captures)
     label = getattr(score_mod, "__qualname__", type(score_mod).__name__)
     vjp, evaluate = vjp_source(graph), numpy_source(graph)
-    jitted = njit(**_JIT)(_compiled(vjp, "vjp", NJIT_NAMES, graph, label))
+    jitted = njit(**_JIT)(_compiled(vjp, "vjp", {**NJIT_NAMES, **(names or {})}, graph, label))
     reads = tuple(n for n in _plan(graph)[0] if n.op == "read")
     return Derivative(jitted, graph, reads, vjp, evaluate, _compiled(evaluate, "evaluate", NUMPY_NAMES, graph, label))
 
 
-def differentiate(score_mod, captures=()):
+def differentiate(score_mod, captures=(), names=None):
     """The `Derivative` of ``score_mod(score, b, h, q_idx, kv_idx, *captures)``, exact (reverse mode).
 
     Parameters
@@ -375,14 +375,18 @@ def differentiate(score_mod, captures=()):
         Bool, integer, float32 or float64 arrays. Their dtypes and shapes are
         constants of the derivative, which is kept per function and per
         dtypes and shapes.
+    names : dict, optional
+        Functions the generated ``vjp`` calls instead of those of
+        `NJIT_NAMES` of the same names (a backend's vectorised ``exp`` and
+        ``tanh``); the derivative is kept per mapping too.
     """
     captures = tuple(np.asarray(c) for c in captures)
-    key = tuple((c.dtype.str, c.shape) for c in captures)
+    key = (tuple((c.dtype.str, c.shape) for c in captures), None if names is None else id(names))
     try:
         per_function = _CACHE.setdefault(score_mod, {})
     except TypeError:  # not weakly referable: not kept
         per_function = {}
     found = per_function.get(key)
     if found is None:
-        found = per_function[key] = _derive(score_mod, captures)
+        found = per_function[key] = _derive(score_mod, captures, names)
     return found

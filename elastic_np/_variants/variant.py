@@ -44,10 +44,13 @@ class Variant:
             self.block_mask.check_call(B, H, N, M, None, self.captures)
         return self
 
-    def kernel_variant(self, dtype, with_score=True):
-        """The `KernelVariant` of kernels computing in ``dtype`` (``with_score=False``: no ``score``)."""
-        score = compiled_score(self.score_mod, self.captures, dtype) if with_score and self.score_mod else None
-        mask = compiled_mask(self.mask_mod, self.captures) if self.mask_mod is not None else None
+    def kernel_variant(self, dtype, with_score=True, replacements=None):
+        """The `KernelVariant` of kernels computing in ``dtype`` (``with_score=False``: no ``score``), the
+        functions compiled with ``replacements`` (`elastic_np._variants.functions.jitted`)."""
+        score = None
+        if with_score and self.score_mod is not None:
+            score = compiled_score(self.score_mod, self.captures, dtype, replacements)
+        mask = None if self.mask_mod is None else compiled_mask(self.mask_mod, self.captures, replacements)
         blocks, block_q, block_k = None, 0, 0
         if self.block_mask is not None:
             blocks = self.block_mask.states

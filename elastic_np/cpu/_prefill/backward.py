@@ -28,6 +28,7 @@ from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, m
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
+from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
 from elastic_np.cpu._tiles.variant import EMPTY, saved_score_stage, score_gradient, tile_state
 
 
@@ -82,7 +83,8 @@ def backward(problem, dout, out, lse, dlse=None):
     plan = DbiasPlan(problem, dtype, n_kt, chunk)
     captures = CaptureGradients(problem, plan.params, chunk)
     if captures.gradient is not None:  # the logits tiles without the score_mod, which the kernel applies itself
-        logits_opt = logits_opt._replace(variant=problem.variant.kernel_variant(dtype, with_score=False))
+        logits_opt = logits_opt._replace(
+            variant=problem.variant.kernel_variant(dtype, with_score=False, replacements=REPLACEMENTS))
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)

@@ -7,9 +7,15 @@ after each chunk of key tiles the slots are added in task order. The
 result has the same bits for every thread count and run.
 """
 
+import collections
+
 import numpy as np
 
 from elastic_np._variants.derivative import differentiate
+from elastic_np.cpu._tiles.vector_math import VJP_NAMES
+
+#: What the backward's kernel takes (a named tuple: Numba calls a function in a plain tuple through a pointer).
+Gradient = collections.namedtuple("Gradient", "vjp slots captures")
 
 #: The most the slots may take; more is an error that says to pass the array as ``bias``.
 SLOT_BYTES_MAX = 1 << 30
@@ -29,7 +35,7 @@ class CaptureGradients:
 
     Attributes
     ----------
-    gradient : tuple or None
+    gradient : Gradient or None
         What the kernel takes, ``(vjp, slots, captures)``: the derivative's
         ``vjp`` (`elastic_np._variants.derivative`), per capture a float64
         ``(tasks, *shape)`` array of slots (``(tasks, 1)``, never written,
@@ -54,7 +60,8 @@ class CaptureGradients:
         self.slots = tuple(np.zeros((slots, *c.shape) if f else (slots, 1))
                            for c, f in zip(variant.captures, variant.floating))
         self.totals = [np.zeros(c.shape) if f else None for c, f in zip(variant.captures, variant.floating)]
-        self.gradient = (differentiate(variant.score_mod, variant.captures).vjp, self.slots, self.captures)
+        vjp = differentiate(variant.score_mod, variant.captures, names=VJP_NAMES).vjp
+        self.gradient = Gradient(vjp, self.slots, self.captures)
 
     def after_chunk(self, n_chunk):
         """Add the slots of a run over ``n_chunk`` key tiles to the totals, in task order; clear them."""

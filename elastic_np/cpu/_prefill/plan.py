@@ -18,6 +18,7 @@ from elastic_np._contract._problem import Kept
 from elastic_np._contract._ranges import offset_band
 from elastic_np.cpu._tiles.logits import ensure_modifiers
 from elastic_np.cpu._tiles.pages import used_pages
+from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -122,7 +123,7 @@ def _built_options(p, with_sigma_grad, dtype):
         has_bias=p.bias is not None,
         bias=bias,
         bias_strides=bias_strides,
-        variant=None if p.variant is None else p.variant.kernel_variant(dtype),
+        variant=None if p.variant is None else p.variant.kernel_variant(dtype, replacements=REPLACEMENTS),
     )
 
 

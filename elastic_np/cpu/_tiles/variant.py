@@ -86,11 +86,18 @@ def _score_stage(st, bk, bq, variant, tile, tau_h):
         score, captures = variant.score, variant.captures
         b, h, i0, _, j0 = tile
         for c in range(bk):
-            row = st[c]
-            for r in range(bq):
-                x = row[r]
-                if x > -np.inf:
-                    row[r] = scalar_of(score(x * tau_h, b, h, i0 + r, j0 + c, *captures)) / tau_h
+            row = st[c, :bq]  # a slice of length bq: the loops below run vectorised where the function allows
+            j = j0 + c
+            if tau_h == 1.0:  # (the common case: no product, no quotient)
+                for r in range(row.shape[0]):
+                    x = row[r]
+                    y = scalar_of(score(x, b, h, i0 + r, j, *captures))
+                    row[r] = y if x > -np.inf else x
+            else:
+                for r in range(row.shape[0]):
+                    x = row[r]
+                    y = scalar_of(score(x * tau_h, b, h, i0 + r, j, *captures)) / tau_h
+                    row[r] = y if x > -np.inf else x
 
     return stage
 
@@ -130,8 +137,9 @@ def score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
     ``gradient = (vjp, parts, captures)``, the derivative's ``vjp`` and
     per-slot float64 sums of the captures' gradients. With ``s' =
     score_mod(s)`` and ``z = s' / tau_h``: ``dL/ds' = dz / tau_h``, and the
-    tile's next steps want ``dL/d(s / tau_h) = tau_h dL/ds``. Entries with
-    ``dz = 0`` (removed, or ``p = 0``) are skipped.
+    tile's next steps want ``dL/d(s / tau_h) = tau_h dL/ds``. An entry with
+    ``dz = 0`` (removed, or ``p = 0``) gets 0 and gives the captures 0: the
+    derivative never multiplies a zero adjoint through.
     """
 
 
@@ -141,16 +149,18 @@ def _score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
         return lambda dpt, pre, bk, bq, gradient, tile, tau_h, slot: None
 
     def stage(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
-        vjp, parts, captures = gradient
-        dcaptures = slot_views(parts, slot)
+        vjp, captures = gradient.vjp, gradient.captures
+        dcaptures = slot_views(gradient.slots, slot)
         b, h, i0, _, j0 = tile
         for c in range(bk):
-            row, pre_row = dpt[c], pre[c]
-            for r in range(bq):
-                dz = row[r]
-                if dz != 0:
-                    ds = vjp(pre_row[r] * tau_h, b, h, i0 + r, j0 + c, captures, dz / tau_h, dcaptures)
-                    row[r] = ds * tau_h
+            row, pre_row = dpt[c, :bq], pre[c, :bq]  # slices: the loops run vectorised where the vjp allows
+            j = j0 + c
+            if tau_h == 1.0:
+                for r in range(row.shape[0]):
+                    row[r] = vjp(pre_row[r], b, h, i0 + r, j, captures, row[r], dcaptures)
+            else:
+                for r in range(row.shape[0]):
+                    row[r] = vjp(pre_row[r] * tau_h, b, h, i0 + r, j, captures, row[r] / tau_h, dcaptures) * tau_h
 
     return stage
 
