@@ -301,7 +301,7 @@ def _no_captures(captures):
 
 def _variant_module(backend):
     """The backend of a call with a user's variant: "auto" is "cpu"; one that takes none is an error."""
-    module = get_backend("cpu" if backend == "auto" else backend)
+    module = None if backend == "cuda" else get_backend("cpu" if backend == "auto" else backend)
     if not getattr(module, "takes_variants", False):
         raise ValueError(f"backend {backend!r} does not take `score_mod`, `mask_mod`, `block_mask` or `captures`; "
                          "use backend='cpu' or backend='reference'")

@@ -36,11 +36,11 @@ def checked_captures(captures):
     for at, value in enumerate(captures):
         a = np.asarray(value)
         name = f"`captures[{at}]`"
-        if a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and a.dtype not in FLOAT_DTYPES):
-            raise TypeError(f"{name} has dtype {a.dtype}; captures are bool, integer, float32 or float64 arrays")
         if not a.dtype.isnative:
             raise TypeError(f"{name} is not in the machine's byte order ({a.dtype.str}): pass "
                             f"`a.astype(a.dtype.newbyteorder('='))`")
+        if a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and a.dtype not in FLOAT_DTYPES):
+            raise TypeError(f"{name} has dtype {a.dtype}; captures are bool, integer, float32 or float64 arrays")
         if a.ndim == 0:
             raise ValueError(f"{name} is a scalar: pass an array with at least one axis (shape (1,) for one "
                              "value), or write a constant into the function")

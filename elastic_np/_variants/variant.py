@@ -11,11 +11,14 @@ import collections
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from elastic_np._variants.block_mask import BlockMask
 from elastic_np._variants.functions import checked_captures, compiled_mask, compiled_score, floating
 
 #: What the CPU kernels read of a variant (`elastic_np.cpu._tiles.variant`): each entry None when absent.
-KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k")
+#: ``flags[0]`` becomes 1 where ``score`` gave a NaN or ``+inf`` to an entry the masks keep (a call's own array).
+KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k flags")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,7 +58,7 @@ class Variant:
         if self.block_mask is not None:
             blocks = self.block_mask.states
             block_q, block_k = self.block_mask.block_size
-        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k)
+        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, np.zeros(1, dtype=np.int64))
 
 
 def make_variant(score_mod=None, mask_mod=None, block_mask=None, captures=()):

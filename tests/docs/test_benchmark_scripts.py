@@ -490,3 +490,13 @@ def _prefill_ratio(out, label):
     found = re.search(r"^\s+" + re.escape(label) + r"\s.*/ float32: " + RATIO, out, re.M)
     assert found, f"no ratio for {label!r} in {out!r}"
     return tuple(float(x) for x in found.groups())
+
+
+def test_variants_prints_every_comparison(capsys):
+    import variants
+
+    variants.main(["--length", "40", "--doc-length", "48", "--rounds", "1", "--repeat", "1", "--threads", "1"])
+    printed = capsys.readouterr().out
+    for case in ("softcap (1, 8, 40, 40)", "window (1, 8, 40, 40)", "documents (1, 8, 48, 48)"):
+        assert case in printed
+    assert printed.count("user / ") == 4 and printed.count("built-in / ") == 2

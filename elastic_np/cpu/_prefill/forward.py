@@ -70,14 +70,14 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
     run_tasks(_forward_kernel, q, k, v, pages, opt, _quant(problem, scale_pages), config.BLOCK_Q, config.BLOCK_K,
               out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
-    if problem.variant is not None:
-        check_variant_rows(lse)
+    if opt.variant is not None:
+        check_variant_scores(opt.variant)
     return out, lse
 
 
-def check_variant_rows(lse):
-    """A `ValueError` where a user's ``score_mod`` gave a NaN or ``+inf`` logit: its row's ``lse`` is NaN or inf."""
-    if not (lse < np.inf).all():
+def check_variant_scores(variant):
+    """A `ValueError` where a user's ``score_mod`` gave a NaN or ``+inf`` to an entry the masks keep."""
+    if variant.flags[0]:
         raise ValueError("`score_mod` returned NaN or +inf for an entry that is kept: every kept score must be "
                          "finite (return -inf to remove an entry)")
 

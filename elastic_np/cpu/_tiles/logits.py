@@ -22,7 +22,7 @@ from elastic_np.cpu._tiles.calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._tiles.scalar import _removes_nothing, scalar_like
 from elastic_np.cpu._tiles.tanh import sech2_any, tanh_any
 from elastic_np.cpu._tiles.transpose import prefetch, transpose_add, transpose_width
-from elastic_np.cpu._tiles.variant import changes_logits, mask_stage, score_stage
+from elastic_np.cpu._tiles.variant import changes_logits, check_scores, mask_stage, score_stage
 
 
 @inner(fastmath=FASTMATH)
@@ -98,7 +98,9 @@ def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
     if removes_nothing and not changes_logits(opt.variant):
         return True, maxed
     kept = True if removes_nothing else _remove_in_tile(st, bk, opt, tile, nvm)
-    return mask_stage(st, bk, bq, opt.variant, tile, kept), False
+    kept = mask_stage(st, bk, bq, opt.variant, tile, kept)
+    check_scores(st, bk, bq, opt.variant)
+    return kept, False
 
 
 # What the modifier stage reads of the options (`calls.modify_tile` passes these alone).
