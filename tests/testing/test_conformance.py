@@ -373,7 +373,7 @@ def test_attention_grads_print_a_summary():
     out, lse = enp.reference.attention(q, k, v, tau=np.array([1.0, 2.0]))
     text = repr(enp.reference.attention_backward(out, q, k, v, out, lse, tau=np.array([1.0, 2.0])))
     assert "dq=<ndarray shape=(1, 2, 3, 4) dtype=float64>" in text and "dtau=<ndarray shape=(2,)" in text
-    assert "dsigma=None" in text and "dbias=None" in text and text.count("\n") == 8
+    assert "dsigma=None" in text and "dbias=None" in text and "dcaptures=None" in text and text.count("\n") == 9
 
 
 @pytest.mark.parametrize("name", ["dtau", "dsigma", "dbias"])

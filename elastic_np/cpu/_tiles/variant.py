@@ -121,13 +121,12 @@ def _mask_stage(st, bk, bq, variant, tile, kept):
         mask, captures = variant.mask, variant.captures
         any_kept = False
         for c in range(bk):
-            row = st[c]
-            for r in range(bq):
-                if row[r] != -np.inf:
-                    if scalar_of(mask(b, h, i0 + r, j0 + c, *captures)):
-                        any_kept = True
-                    else:
-                        row[r] = -np.inf
+            row = st[c, :bq]  # branch-free over a slice: vectorised where the function allows
+            j = j0 + c
+            for r in range(row.shape[0]):
+                row[r] = row[r] if scalar_of(mask(b, h, i0 + r, j, *captures)) else -np.inf
+            for r in range(row.shape[0]):
+                any_kept = any_kept or row[r] != -np.inf
         return any_kept
 
     return stage
