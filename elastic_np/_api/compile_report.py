@@ -118,18 +118,18 @@ class _Notice:
     """The announcement of a process's first compile: ``due`` until made (a test suite may clear it).
 
     ``blocks``: the open `reported` blocks that would announce one, each
-    ``[backend, what, dtype, caller's frame, deferred exception]``;
+    ``[backend, what, dtype, caller's frame, deferred exception, cached]``;
     ``quiet``: how many `unannounced` blocks are open (in any thread).
     """
 
     def __init__(self):
         self.due, self.blocks, self.quiet, self.lock = True, [], 0, threading.Lock()
 
-    def opened(self, backend, what, dtype):
+    def opened(self, backend, what, dtype, cached=True):
         """A block's entry, or None when nothing is due: the caller is the first frame outside the package."""
         if not self.due:
             return None
-        entry = [backend, what, dtype, sys._getframe(1), None]  # walked out of the package by `announce`, if ever
+        entry = [backend, what, dtype, sys._getframe(1), None, cached]  # frame walked out by `announce`, if ever
         with self.lock:
             self.blocks.append(entry)
         return entry
@@ -150,13 +150,16 @@ class _Notice:
                 return
             self.due = False
             entry = self.blocks[-1]
-            backend, what, dtype, frame, _ = entry
+            backend, what, dtype, frame = entry[:4]
+            cached = entry[5]
         while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL:
             frame = frame.f_back
-        message = (f"elastic_np is compiling the {backend} backend's {what} for {dtype}: seconds, once (Numba saves "
-                   "it to its cache, from which later processes load it); compile ahead with elastic_np.warmup() or "
-                   "`elastic-np warmup`, silence this with warnings.filterwarnings('ignore', "
-                   "category=elastic_np.CompileWarning); logging at INFO level on the 'elastic_np' logger has details")
+        once = ("once (Numba saves it to its cache, from which later processes load it); compile ahead with "
+                "elastic_np.warmup() or `elastic-np warmup`" if cached else
+                "once a process (a kernel specialised on a user's function is not cached)")
+        message = (f"elastic_np is compiling the {backend} backend's {what} for {dtype}: seconds, {once}, silence this "
+                   "with warnings.filterwarnings('ignore', category=elastic_np.CompileWarning); logging at INFO level "
+                   "on the 'elastic_np' logger has details")
         where = {"filename": "elastic_np", "lineno": 0} if frame is None else {
             "filename": frame.f_code.co_filename, "lineno": frame.f_lineno, "module": frame.f_globals.get("__name__"),
             "registry": frame.f_globals.setdefault("__warningregistry__", {}),
@@ -186,26 +189,27 @@ def unannounced():
             NOTICE.quiet -= 1
 
 
-def reported(backend, what, dtype):
-    """`watch` the block; when it compiled, one INFO line: ``backend``, ``what``, ``dtype``, functions, seconds.
+def reported(backend, what, dtype, cached=True):
+    """`watch` the block; when it compiled, one INFO line: ``backend``, ``what``, ``dtype``, functions, seconds;
+    ``cached``: whether Numba caches what it compiles (not a kernel specialised on a user's function).
 
     The first compile of the process (outside `unannounced` blocks) is also
     announced as it starts: a `~elastic_np.CompileWarning` pointing at the
     first caller outside the package.
     """
-    return _Reported(backend, what, dtype)
+    return _Reported(backend, what, dtype, cached)
 
 
 class _Reported:
     """`reported`'s block."""
 
-    __slots__ = ("backend", "what", "dtype", "entry", "watching", "seen")
+    __slots__ = ("backend", "what", "dtype", "cached", "entry", "watching", "seen")
 
-    def __init__(self, backend, what, dtype):
-        self.backend, self.what, self.dtype = backend, what, dtype
+    def __init__(self, backend, what, dtype, cached):
+        self.backend, self.what, self.dtype, self.cached = backend, what, dtype, cached
 
     def __enter__(self):
-        self.entry = NOTICE.opened(self.backend, self.what, self.dtype)
+        self.entry = NOTICE.opened(self.backend, self.what, self.dtype, self.cached)
         self.watching = _Watching()
         self.seen = self.watching.__enter__()
         return self.seen
@@ -220,8 +224,9 @@ class _Reported:
         seen = self.seen
         if seen.compiled:
             logger.info(
-                "%s backend: %s for %s: %s in %.1f s (saved to Numba's cache; later processes load it)",
-                self.backend, self.what, self.dtype, seen.describe(), seen.seconds,
+                "%s backend: %s for %s: %s in %.1f s (%s)", self.backend, self.what, self.dtype, seen.describe(),
+                seen.seconds, "saved to Numba's cache; later processes load it" if self.cached else
+                "specialised on a user's function: not cached, compiled again in each process",
             )
             logger.debug("compiled: %s", ", ".join(sorted(str(name) for name in seen.compiled)))
         return False

@@ -55,6 +55,9 @@ def _reported(module, what, problem):
     """`compile_report.reported` for a kernel backend (the reference compiles nothing)."""
     if module.dtypes is None:
         return contextlib.nullcontext()
+    if problem.variant is not None:
+        return compile_report.reported(module.__name__.rsplit(".", 1)[-1], f"{what} with a user's function",
+                                       problem.dtype, cached=False)
     return compile_report.reported(module.__name__.rsplit(".", 1)[-1], what, problem.dtype)
 
 
@@ -172,7 +175,7 @@ def attention(
     """
     if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
         variant = make_variant(score_mod, mask_mod, block_mask, captures)
-        return _variant_forward(q, k, v, _spec.gathered(locals()), variant, return_lse, backend)
+        return variant_forward(q, k, v, _spec.gathered(locals()), variant, return_lse, backend)
     call_key = None if type(return_lse) is not bool else plans.key(  # (a backward's key has "backward" there)
         q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap, alibi_slopes, bias,
                   k_scale, v_scale, precision, layout, return_lse, backend), (scale, tau, beta, softcap), window_size)
@@ -275,7 +278,7 @@ def attention_backward(
     """
     if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
         variant = make_variant(score_mod, mask_mod, block_mask, captures)
-        return _variant_backward((dout, q, k, v, out, lse, dlse), _spec.gathered(locals()), variant, backend)
+        return variant_backward((dout, q, k, v, out, lse, dlse), _spec.gathered(locals()), variant, backend)
     call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
                                    alibi_slopes, bias, k_scale, v_scale, precision, layout, "backward", backend),
                          (scale, tau, beta, softcap), window_size)
@@ -308,7 +311,7 @@ def _variant_module(backend):
     return module
 
 
-def _variant_forward(q, k, v, options, variant, return_lse, backend):
+def variant_forward(q, k, v, options, variant, return_lse, backend):
     """`attention` with a user's ``variant`` (`elastic_np._variants.variant.Variant`): no plan is kept."""
     return_lse = _validation.boolean(return_lse, "return_lse")
     module = _variant_module(backend)
@@ -319,7 +322,7 @@ def _variant_forward(q, k, v, options, variant, return_lse, backend):
     return (out, lse) if return_lse else out
 
 
-def _variant_backward(arrays, options, variant, backend):
+def variant_backward(arrays, options, variant, backend):
     """`attention_backward` with a user's ``variant``; ``arrays = (dout, q, k, v, out, lse, dlse)``."""
     dout, q, k, v, out, lse, dlse = arrays
     module = _variant_module(backend)

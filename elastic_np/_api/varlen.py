@@ -19,6 +19,7 @@ from elastic_np._api import cache_scales, dispatch, paged_plans
 from elastic_np._api import paged as paged_cache
 from elastic_np._contract import _spec, _validation
 from elastic_np._contract._types import AttentionGrads, DynamicWindow
+from elastic_np._variants.variant import make_variant
 
 #: The options that describe a padded batch (`_spec.PER_CALL`) that a packed batch takes one per sequence:
 #: a list of ``S`` arrays, the ``s``-th broadcastable to sequence ``s``'s ``(H, N_s, M_s)``.
@@ -252,7 +253,8 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
 
 @_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
-                     seqused_k=None, return_lse=False, backend="auto", **options):
+                     seqused_k=None, score_mod=None, mask_mod=None, captures=(), return_lse=False, backend="auto",
+                     **options):
     """`elastic_np.attention` over a packed batch of sequences of different lengths, with no padding.
 
     The layout of ``torch.nn.attention.varlen.varlen_attn``, the offsets
@@ -297,6 +299,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         ``block_table``, its used keys). ``kv_lengths``, ``align`` and
         ``layout``, which describe a padded batch, are not taken (see
         ``seqused_k``).
+    score_mod, mask_mod, captures : optional
+        A user's variant (`elastic_np.attention`'s), applied sequence by
+        sequence: its ``b`` is the sequence, its indices count from each
+        sequence's first query and key. Not with ``block_table``; no block mask.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(total_q, H)``.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
@@ -320,7 +326,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     True
     """
     options = _spec.complete(options, "varlen_attention")
-    call_key = None if block_table is None else paged_plans.key(
+    variant = _variant(score_mod, mask_mod, captures, block_table)
+    call_key = None if block_table is None or variant is not None else paged_plans.key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, return_lse, backend, options)
     if call_key is not None:
         run = paged_plans.PLANS.get(call_key)
@@ -334,7 +341,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         paged_plans.keep(call_key, batched[2])
         return batched[:2] if return_lse else batched[0]
     done = _decode_groups(q, k, v, cu_q, cu_k, used, options, backend) if grouped else {}
-    if block_table is None:
+    if variant is not None:
+        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.variant_forward(
+            q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]],
+            _spec.complete(_sequence_options(options, used, s, cu_q.size - 1, cu_k), "varlen_attention"),
+            dataclasses.replace(variant, batch_offset=s), True, backend), None)
+    elif block_table is None:
         out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
             q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
             backend=backend, **_sequence_options(options, used, s, cu_q.size - 1, cu_k)), None)
@@ -343,6 +355,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
             q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, cu_q.size - 1),
             backend, into=into), _cpu_output(q, v, backend))
     return (out, lse) if return_lse else out
+
+
+def _variant(score_mod, mask_mod, captures, block_table):
+    """A packed call's `elastic_np._variants.variant.Variant` (None without one); not with ``block_table``."""
+    variant = make_variant(score_mod, mask_mod, None, captures)
+    if variant is not None and block_table is not None:
+        raise ValueError("varlen attention with `block_table` does not take `score_mod` or `mask_mod`; a packed "
+                         "batch without pages does")
+    return variant
 
 
 def _cpu_output(q, v, backend):
@@ -371,7 +392,8 @@ def _sequence_by_sequence(q, cu_q, done, attend, output):
 
 @_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, dlse=None, max_q=None,
-                              max_k=None, seqused_k=None, backend="auto", **options):
+                              max_k=None, seqused_k=None, score_mod=None, mask_mod=None, captures=(),
+                              backend="auto", **options):
     """Gradients of `varlen_attention`, sequence by sequence (`elastic_np.attention_backward`'s bits).
 
     Parameters
@@ -385,14 +407,16 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         Cotangent of ``lse``.
     %(options)s
         As given to `varlen_attention`.
+    score_mod, mask_mod, captures : optional
+        As given to `varlen_attention`.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
     Returns
     -------
     AttentionGrads
         ``dq``, ``dk``, ``dv`` packed like ``q``, ``k``, ``v``; ``dtau``,
-        ``dbeta`` and a shared ``sigma``'s ``dsigma`` summed over the
-        sequences in order; a per-sequence ``sigma``'s ``dsigma`` per sequence;
+        ``dbeta``, a shared ``sigma``'s ``dsigma`` and the captures'
+        ``dcaptures`` summed over the sequences in order; a per-sequence ``sigma``'s ``dsigma`` per sequence;
         ``dbias`` a list, each sequence's in the shape of its ``bias``.
 
     Examples
@@ -415,13 +439,18 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dlse = None if dlse is None else np.asarray(dlse)
     _check_rows(q, v, dout=dout, out=out, lse=lse, dlse=dlse)
     count = cu_q.size - 1
+    variant = _variant(score_mod, mask_mod, captures, None)
     parts = []
     for s in range(count):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        parts.append(dispatch.attention_backward(
-            dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[rows].T[None],
-            dlse=None if dlse is None else dlse[rows].T[None], backend=backend,
-            **_sequence_options(options, used, s, count, cu_k)))
+        arrays = (dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows], lse[rows].T[None],
+                  None if dlse is None else dlse[rows].T[None])
+        sequence = _sequence_options(options, used, s, count, cu_k)
+        if variant is None:
+            parts.append(dispatch.attention_backward(*arrays[:6], dlse=arrays[6], backend=backend, **sequence))
+        else:
+            parts.append(dispatch.variant_backward(arrays, _spec.complete(sequence, "varlen_attention_backward"),
+                                                   dataclasses.replace(variant, batch_offset=s), backend))
     return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
 
 
@@ -460,4 +489,8 @@ def _packed_grads(parts, q, k, v, cu_q, cu_k, options):
         else:  # in sequence order
             totals[name] = functools.reduce(operator.add, values)
     dbias = None if options["bias"] is None else [g.dbias for g in parts]
-    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, **totals)
+    dcaptures = None
+    if parts[0].dcaptures is not None:  # in sequence order
+        dcaptures = tuple(None if d[0] is None else functools.reduce(operator.add, d)
+                          for d in zip(*(g.dcaptures for g in parts)))
+    return AttentionGrads(dq=dq, dk=dk, dv=dv, dbias=dbias, dcaptures=dcaptures, **totals)

@@ -58,7 +58,9 @@ class BlockMask:
                 f"full={counts[1]}, partial={counts[2]}, mask_mod={getattr(self.mask_mod, '__name__', '?')})")
 
     def check_call(self, B, H, N, M, mask_mod, captures):
-        """Raise a `ValueError` naming ``block_mask`` unless it was made for this call."""
+        """Raise a `ValueError` naming ``block_mask`` unless it was made for this call's shape, ``mask_mod`` and
+        number of captures (their values are not compared: a block mask holds what ``mask_mod`` kept when it
+        was made, and a call that passes other values to a ``mask_mod`` that reads them gets that mask's blocks)."""
         Bm, Hm, Nm, Mm = self.shape
         if Nm != N or Mm != M or Bm not in (1, B) or Hm not in (1, H):
             raise ValueError(f"`block_mask` was made for (B, H, N, M) = {self.shape}; this call has "
@@ -66,9 +68,9 @@ class BlockMask:
         if mask_mod is not None and mask_mod is not self.mask_mod:
             raise ValueError("`mask_mod` is not the function `block_mask` was made from: pass one of them, "
                              "or the same function to both")
-        if len(captures) != len(self.captures) or any(a is not b for a, b in zip(captures, self.captures)):
-            raise ValueError("`block_mask` was made with other `captures` than this call's: make it with "
-                             "`create_block_mask(..., captures=captures)` from the same arrays")
+        if len(captures) != len(self.captures):
+            raise ValueError(f"`block_mask` was made with {len(self.captures)} `captures` and this call passes "
+                             f"{len(captures)}: `mask_mod` takes the call's captures")
 
 
 def create_block_mask(mask_mod, B, H, N, M, *, captures=(), block_size=128):
@@ -88,7 +90,9 @@ def create_block_mask(mask_mod, B, H, N, M, *, captures=(), block_size=128):
         Queries and keys.
     captures : tuple of ndarray, optional
         The arrays passed to ``mask_mod`` after the indices; the calls that
-        take the block mask pass the same arrays.
+        take the block mask pass as many, to ``mask_mod`` and ``score_mod``
+        alike (the values it reads should be the same: the blocks are not
+        evaluated again).
     block_size : int or (int, int), optional
         Queries and keys per block (default 128, the kernels' tile).
 

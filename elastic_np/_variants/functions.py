@@ -13,8 +13,7 @@ import numba
 import numpy as np
 from numba import njit, types
 from numba.core import errors as numba_errors
-from numba.core.registry import CPUDispatcher
-from numba.extending import overload
+from numba.extending import is_jitted, overload
 
 #: The dtypes a floating capture may have (the kernels read it as it is).
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -66,7 +65,7 @@ def jitted(fn, name, replacements=None, narrow=False):
     then stays float32 through ``score / 30.0``. A `TypeError` if ``fn`` is
     no function. A numba.njit function is taken as it is.
     """
-    if isinstance(fn, CPUDispatcher):
+    if is_jitted(fn):
         return fn
     if not callable(fn) or not hasattr(fn, "__code__"):
         raise TypeError(f"`{name}` must be a Python function (or a numba.njit one), got {type(fn).__name__}")

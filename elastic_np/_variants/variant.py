@@ -17,8 +17,9 @@ from elastic_np._variants.block_mask import BlockMask
 from elastic_np._variants.functions import checked_captures, compiled_mask, compiled_score, floating
 
 #: What the CPU kernels read of a variant (`elastic_np.cpu._tiles.variant`): each entry None when absent.
-#: ``flags[0]`` becomes 1 where ``score`` gave a NaN or ``+inf`` to an entry the masks keep (a call's own array).
-KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k flags")
+#: ``flags[0]`` becomes 1 where ``score`` gave a NaN or ``+inf`` to an entry the masks keep (a call's own array);
+#: ``batch`` is added to the kernels' batch index before the functions see it (a packed batch's sequence).
+KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k flags batch")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -28,13 +29,16 @@ class Variant:
     ``score_mod`` and ``mask_mod``: the user's functions or None (``mask_mod``
     is the block mask's when only ``block_mask`` is given); ``block_mask``:
     a `BlockMask` or None; ``captures``: the checked tuple of arrays both
-    functions take after their indices.
+    functions take after their indices; ``batch_offset``: what is added to a
+    problem's batch index ``b`` before the functions see it (a packed batch's
+    sequence, its problem's only batch entry).
     """
 
     score_mod: Optional[object]
     mask_mod: Optional[object]
     block_mask: Optional[BlockMask]
     captures: tuple
+    batch_offset: int = 0
 
     @property
     def floating(self):
@@ -58,7 +62,8 @@ class Variant:
         if self.block_mask is not None:
             blocks = self.block_mask.states
             block_q, block_k = self.block_mask.block_size
-        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, np.zeros(1, dtype=np.int64))
+        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, np.zeros(1, dtype=np.int64),
+                             self.batch_offset)
 
 
 def make_variant(score_mod=None, mask_mod=None, block_mask=None, captures=()):

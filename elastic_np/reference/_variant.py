@@ -22,10 +22,10 @@ def has_mask(p):
     return p.variant is not None and p.variant.mask_mod is not None
 
 
-def _indices(shape):
-    """Broadcastable ``b, h, i, j`` index arrays of a ``(B, H, N, M)`` problem."""
+def _indices(shape, batch_offset=0):
+    """Broadcastable ``b, h, i, j`` index arrays of a ``(B, H, N, M)`` problem (``b`` from ``batch_offset``)."""
     B, H, N, M = shape
-    return (np.arange(B).reshape(B, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1),
+    return (np.arange(batch_offset, batch_offset + B).reshape(B, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1),
             np.arange(N).reshape(1, 1, N, 1), np.arange(M).reshape(1, 1, 1, M))
 
 
@@ -33,7 +33,7 @@ def modified_scores(p, s):
     """``score_mod`` on every score ``s`` ``(B, H, N, M)`` above ``-inf`` (a ``-inf`` bias's stay removed)."""
     fn, captures = p.variant.score_mod, p.variant.captures
     ufunc = np.frompyfunc(lambda x, b, h, i, j: fn(x, b, h, i, j, *captures), 5, 1)
-    values = ufunc(s, *_indices(s.shape))
+    values = ufunc(s, *_indices(s.shape, p.variant.batch_offset))
     try:
         values = values.astype(s.dtype)
     except (TypeError, ValueError):
@@ -46,7 +46,7 @@ def mask_keep(p, shape):
     """Boolean ``shape = (B, H, N, M)``: ``mask_mod`` on every entry."""
     fn, captures = p.variant.mask_mod, p.variant.captures
     ufunc = np.frompyfunc(lambda b, h, i, j: fn(b, h, i, j, *captures), 4, 1)
-    values = np.broadcast_to(ufunc(*_indices(shape)), shape)
+    values = np.broadcast_to(ufunc(*_indices(shape, p.variant.batch_offset)), shape)
     if not all(_is_bool(x) for x in values.flat):
         kinds = sorted({type(x).__name__ for x in values.flat if not _is_bool(x)})
         raise TypeError(f"`mask_mod` must return a bool (True keeps the entry); it returned {', '.join(kinds)}")
@@ -69,7 +69,7 @@ def score_gradient(p, s_before, ds):
     derivative = differentiate(variant.score_mod, variant.captures)
     where = ds != 0
     at = np.nonzero(where)
-    index = _indices(ds.shape)
+    index = _indices(ds.shape, variant.batch_offset)
     picked = [np.broadcast_to(a, ds.shape)[at] for a in index]
     value, d_before, dcaptures = derivative.numpy(
         s_before[at].astype(np.float64), *picked, variant.captures, ds[at].astype(np.float64))

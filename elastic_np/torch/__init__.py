@@ -46,13 +46,19 @@ from elastic_np._api import adapters as common
 from elastic_np._api import varlen
 from elastic_np._contract import _spec
 from elastic_np._contract._quantized import quantize_kv as _quantize_kv
-from elastic_np.torch import _arrays, _fast, _ops, _varlen
+from elastic_np.torch import _arrays, _fast, _ops, _variant, _varlen
 from elastic_np._api.adapters import DynamicWindow
 
 __all__ = ["attention", "varlen_attention", "quantize_kv", "ElasticAttention", "DynamicWindow"]
 
+def _no_captures(captures):
+    """Whether ``captures`` is the default, no captures."""
+    return type(captures) is tuple and not captures
+
+
 @_spec.takes_options(own=_spec.LEARNABLE)
-def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **options):
+def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captures=(), dropout_p=0.0,
+              return_lse=False, backend="auto", **options):
     """`elastic_np.attention` on torch tensors, differentiable in every learnable input.
 
     Parameters
@@ -80,6 +86,14 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
         device; gets ``dbias`` in its own shape.
     %(other_names)s
         As in `elastic_np.attention` (tensors are accepted); no gradient.
+    score_mod, mask_mod, block_mask : optional
+        A user's variant, as in `elastic_np.attention` (the page "Your own
+        attention variant"), on CPU tensors; the call then runs through an
+        autograd function rather than the ``torch.library`` operator, which
+        ``torch.compile`` does not trace into.
+    captures : tuple of torch.Tensor or ndarray, optional
+        The arrays ``score_mod`` and ``mask_mod`` take; a floating tensor that
+        requires grad gets its gradient.
     dropout_p : float, optional
         SDPA's attention dropout: 0 only (it changes nothing); any other value
         is a `ValueError`, attention dropout not being supported.
@@ -124,6 +138,11 @@ def attention(q, k, v, *, dropout_p=0.0, return_lse=False, backend="auto", **opt
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
+    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+        _check_dropout(dropout_p)
+        fixed, learnable = common.split(_spec.complete(options, "attention"))
+        fixed["backend"] = common.kernel_backend(backend)
+        return _variant.attention(q, k, v, (score_mod, mask_mod, block_mask, captures), fixed, learnable, return_lse)
     short = _fast.attention(q, k, v, dropout_p, backend, options)  # no gradient, scalar options
     if short is not None:
         return short if return_lse else short[0]

@@ -534,7 +534,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
                 tile_max[:] = -np.inf
                 kept, maxed = logits_tile(
                     st, k_tile, q_t[g], opt, (b, hk * group + g, 0, N, j0), nvm_in_logits, no_cap_slope, tile_max,
-                    nvm_in_max,
+                    nvm_in_max, None,
                 )
                 if kept:
                     online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))

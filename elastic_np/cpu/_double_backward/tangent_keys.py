@@ -151,7 +151,8 @@ def _key_tile_head(ins, tan, options, scratch, keys, tile, bk, sums):
     b, h, i0, bq, j0 = tile
     Dv = dout_t.shape[3]
     it = i0 // q_t.shape[4]
-    kept, _ = logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm)
+    kept, _ = logits_tile(st, keys[0], q_t[b, h, it], logits_opt, tile, False, cap[0], rows_t[0, :0], opt.nvm,
+                          None)
     if not kept:
         return False
     row_stats(lse, delta, b, h, i0, bq, rows_t[0], rows_t[1])

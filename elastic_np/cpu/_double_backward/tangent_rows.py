@@ -72,7 +72,7 @@ def _tangent_rows_kernel(ins, tan, options, block_q, block_k, outs, tasks, part,
             bk = min(block_k, j_hi - j0)
             tile = (b, h, i0, bq, j0)
             k_j = head_rows(k, b, hk, j0, bk)
-            kept, _ = logits_tile(st, k_j, q_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
+            kept, _ = logits_tile(st, k_j, q_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm, None)
             if not kept:
                 continue
             tile_probabilities(st, pt, lse_t, opt, tile, bk)

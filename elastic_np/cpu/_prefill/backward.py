@@ -28,8 +28,7 @@ from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, m
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
-from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
-from elastic_np.cpu._tiles.variant import EMPTY, saved_score_stage, score_gradient, tile_state
+from elastic_np.cpu._tiles.variant import EMPTY, kernel_variant, saved_score_stage, score_gradient, tile_state
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -82,16 +81,15 @@ def backward(problem, dout, out, lse, dlse=None):
     dsigma_part = np.zeros((B, H, n_kt))
     plan = DbiasPlan(problem, dtype, n_kt, chunk)
     captures = CaptureGradients(problem, plan.params, chunk)
-    if captures.gradient is not None:  # the logits tiles without the score_mod, which the kernel applies itself
-        logits_opt = logits_opt._replace(
-            variant=problem.variant.kernel_variant(dtype, with_score=False, replacements=REPLACEMENTS))
+    # the logits tiles without a score_mod, which the kernel applies itself (`saved_score_stage`)
+    variants = (kernel_variant(problem, dtype), kernel_variant(problem, dtype, with_score=False))
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient), config.BLOCK_Q,
+        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient, variants), config.BLOCK_Q,
                   block_k, kt0, kt1, tasks=task_counter(), work=work)
         run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
@@ -239,20 +237,21 @@ def _head_tile(ins, dq_shares, dbias, options, scratch, at, sums, kv_j):
     tile's keys and values (`head_rows`); the rest as `_backward_kernel` has them.
     """
     k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta = ins
-    opt, logits_opt, gradient = options
+    opt, logits_opt, gradient, (variant, logits_variant) = options
     st, pt, dpt, cap_slope, lse_t, delta_t, dk_acc, dv_acc, pre, no_max, no_gate = scratch
     t, slot, task, b, h, it, i0, bq, j0, bk = at
     (k_rows, k_col), (v_rows, v_col) = kv_j
     M, D, Dv = shape(k)[2], shape(k)[3], shape(v)[3]
     share = dq_shares[t, b, h, i0 : i0 + bq]
     tile = (b, h, i0, bq, j0)
-    kept = tile_state(opt.variant, b, h, i0, bq, j0, bk) != EMPTY
+    kept = tile_state(variant, b, h, i0, bq, j0, bk) != EMPTY
     if kept:  # NVM tests s, which the logits tile holds: it joins the pass that forms z - lse
-        kept, _ = logits_tile(st, kv_j[0], q_scaled_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm)
+        kept, _ = logits_tile(st, kv_j[0], q_scaled_t[b, h, it], logits_opt, tile, False, cap_slope, no_max, opt.nvm,
+                              logits_variant)
     if not kept:
         share[:, :] = 0.0
         return
-    saved_score_stage(st, pre, bk, bq, opt.variant, tile, opt.tau[h])
+    saved_score_stage(st, pre, bk, bq, variant, tile, opt.tau[h])
     # the steps of docs/derivations.rst: p, dv, dP, dz (with the dtau and dsigma
     # sums), a user's score_mod's input, dbias = ds, the soft-cap's slope, dk, dq
     row_stats(lse, delta, b, h, i0, bq, lse_t, delta_t)
@@ -309,12 +308,14 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
 
     ``ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)`` (see
     `backward`), ``outs = (dk, dv, dq_shares, share_rows, dtau_part,
-    dsigma_part)``, ``options = (opt, logits_opt, gradient)``: the plan's options,
-    those the logits tiles are formed with, the gate left out (it joins
-    with the probabilities, `gated_probabilities`), and a user's
-    ``score_mod``'s `CaptureGradients.gradient` (None without one; with
-    one the kernel applies it to the tiles itself, the scores before it
-    kept for its gradient); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
+    dsigma_part)``, ``options = (opt, logits_opt, gradient, (variant,
+    logits_variant))``: the plan's options, those the logits tiles are
+    formed with, the gate left out (it joins with the probabilities,
+    `gated_probabilities`), a user's ``score_mod``'s
+    `CaptureGradients.gradient` (None without one; with one the kernel
+    applies it to the tiles itself, the scores before it kept for its
+    gradient), and the user's functions with and without the ``score_mod``
+    (`kernel_variant`, or None); ``k``, ``v``, ``dout``, ``dk``, ``dv`` are operands
     (`elastic_np.cpu._tiles.operands`), ``dbias`` the `DbiasPlan`'s ``(params, strides, direct,
     partials)``. ``dq_shares[t, b, h]`` receives, for rows ``share_rows[t, b,
     h]`` (whole query tiles), ``sum_j dz_ij k_j`` over the keys of tile ``kt0

@@ -15,7 +15,7 @@ from elastic_np._variants.derivative import differentiate
 from elastic_np.cpu._tiles.vector_math import VJP_NAMES
 
 #: What the backward's kernel takes (a named tuple: Numba calls a function in a plain tuple through a pointer).
-Gradient = collections.namedtuple("Gradient", "vjp slots captures")
+Gradient = collections.namedtuple("Gradient", "vjp slots captures batch")
 
 #: The most the slots may take; more is an error that says to pass the array as ``bias``.
 SLOT_BYTES_MAX = 1 << 30
@@ -36,7 +36,7 @@ class CaptureGradients:
     Attributes
     ----------
     gradient : Gradient or None
-        What the kernel takes, ``(vjp, slots, captures)``: the derivative's
+        What the kernel takes, ``(vjp, slots, captures, batch)``: the derivative's
         ``vjp`` (`elastic_np._variants.derivative`), per capture a float64
         ``(tasks, *shape)`` array of slots (``(tasks, 1)``, never written,
         for an integer or bool capture); None without a ``score_mod``.
@@ -61,7 +61,7 @@ class CaptureGradients:
                            for c, f in zip(variant.captures, variant.floating))
         self.totals = [np.zeros(c.shape) if f else None for c, f in zip(variant.captures, variant.floating)]
         vjp = differentiate(variant.score_mod, variant.captures, names=VJP_NAMES).vjp
-        self.gradient = Gradient(vjp, self.slots, self.captures)
+        self.gradient = Gradient(vjp, self.slots, self.captures, variant.batch_offset)
 
     def after_chunk(self, n_chunk):
         """Add the slots of a run over ``n_chunk`` key tiles to the totals, in task order; clear them."""

@@ -20,7 +20,7 @@ from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, onli
 from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import NO_PAGES, cache_tile, key_quant, paged as paged_pages, pool_operand, value_quant
 from elastic_np.cpu._tiles.simd import compile_for
-from elastic_np.cpu._tiles.variant import EMPTY, tile_state
+from elastic_np.cpu._tiles.variant import EMPTY, kernel_variant, tile_state
 
 
 def forward(problem, paged=None, into=None, scale_pages=None):
@@ -68,10 +68,11 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     out, out_operand = new((B, H, N, Dv), problem.dtype, q[1], storage=into if q[1] == BNHD else None)
     lse = np.empty((B, H, N), dtype=dtype)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
-    run_tasks(_forward_kernel, q, k, v, pages, opt, _quant(problem, scale_pages), config.BLOCK_Q, config.BLOCK_K,
-              out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
-    if opt.variant is not None:
-        check_variant_scores(opt.variant)
+    variant = kernel_variant(problem, dtype)
+    run_tasks(_forward_kernel, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
+              config.BLOCK_K, out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
+    if variant is not None:
+        check_variant_scores(variant)
     return out, lse
 
 
@@ -96,8 +97,9 @@ _FORWARD_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_til
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _forward_kernel(q, k, v, pages, opt, quant, block_q, block_k, out, lse, tasks, part, parts):
-    """Query tiles: ``out`` and ``lse``; ``q``, ``k``, ``v`` and ``out`` are operands (`operand`), ``k`` and ``v``
+def _forward_kernel(q, k, v, pages, options, quant, block_q, block_k, out, lse, tasks, part, parts):
+    """Query tiles: ``out`` and ``lse``; ``options = (opt, variant)``, the plan's options and a user's functions
+    (`kernel_variant`, or None); ``q``, ``k``, ``v`` and ``out`` are operands (`operand`), ``k`` and ``v``
     those of a paged cache's pools where ``pages`` is not `NO_PAGES` (`elastic_np.cpu._tiles.pages`), and
     those of a quantized cache with ``quant = (k's, v's)`` `cache_tile` scales (else None).
 
@@ -107,6 +109,7 @@ def _forward_kernel(q, k, v, pages, opt, quant, block_q, block_k, out, lse, task
     The kernel computes in ``lse``'s dtype; half storage is converted a key tile at a time
     (`elastic_np.cpu._tiles.halves`).
     """
+    opt, variant = options
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
@@ -150,13 +153,13 @@ def _forward_kernel(q, k, v, pages, opt, quant, block_q, block_k, out, lse, task
         j_lo, j_hi = key_range(opt.diag_shift[b], i0, i0 + bq, off_lo, off_hi, opt.kv_lengths[b])
         for j0 in range(j_lo, j_hi, block_k):
             bk = min(block_k, j_hi - j0)
-            if tile_state(opt.variant, b, h, i0, bq, j0, bk) == EMPTY:
+            if tile_state(variant, b, h, i0, bq, j0, bk) == EMPTY:
                 continue
             for r in range(bq):
                 tile_max[r] = -np.inf
             kept, maxed = logits_tile(
                 st, cache_tile(k, pages, b, hk, j0, bk, D, k_half, k_gathered, k_quant), q_t, opt, (b, h, i0, bq, j0),
-                nvm_in_logits, no_cap_slope, tile_max, nvm_in_max,
+                nvm_in_logits, no_cap_slope, tile_max, nvm_in_max, variant,
             )
             if kept:
                 v_j = cache_tile(v, pages, b, hk, j0, bk, Dv, v_half, v_gathered, v_quant)

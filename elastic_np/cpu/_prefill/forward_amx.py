@@ -224,7 +224,7 @@ def _amx_kernel(q, k, pages, values, opt, block_q, block_k, outs, tasks, part, p
             tile = (b, h, i0, bq, j0)
             _key_products((k, pages, b, hk), j0, bk, q_pairs, bq_pad, st, k_edge)
             scale_logits(st, bk, bq, opt, h, tile_max[:0])
-            kept, _ = shape_logits(st, bk, opt, tile, False, no_cap_slope, tile_max[:0], False)
+            kept, _ = shape_logits(st, bk, opt, tile, False, no_cap_slope, tile_max[:0], False, None)
             if not kept:
                 continue
             for r in range(bq):

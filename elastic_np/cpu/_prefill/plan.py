@@ -18,7 +18,6 @@ from elastic_np._contract._problem import Kept
 from elastic_np._contract._ranges import offset_band
 from elastic_np.cpu._tiles.logits import ensure_modifiers
 from elastic_np.cpu._tiles.pages import used_pages
-from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
 
 # Everything the njit code needs to know about the options, as runtime values:
 # one compiled specialisation per dtype whatever the options are.
@@ -50,9 +49,7 @@ _Options = collections.namedtuple(
         "has_bias",  # bool
         "bias",  # kernel dtype, 1-D read-only: the bias's distinct entries (a 1-element dummy when off)
         "bias_strides",  # int64 (4,): element strides of (b, h, i, j) into `bias`, 0 when broadcast
-        "variant",  # a user's score_mod and mask_mod: `elastic_np._variants.variant.KernelVariant`, or None
     ],
-    defaults=(None,),
 )
 
 
@@ -123,7 +120,6 @@ def _built_options(p, with_sigma_grad, dtype):
         has_bias=p.bias is not None,
         bias=bias,
         bias_strides=bias_strides,
-        variant=None if p.variant is None else p.variant.kernel_variant(dtype, replacements=REPLACEMENTS),
     )
 
 

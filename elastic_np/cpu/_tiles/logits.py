@@ -26,7 +26,7 @@ from elastic_np.cpu._tiles.variant import changes_logits, check_scores, mask_sta
 
 
 @inner(fastmath=FASTMATH)
-def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
+def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg, variant):
     """The logits of a tile: ``st[c, r]`` for key ``j0 + c`` and query ``i0 + r``.
 
     ``tile = (b, h, i0, bq, j0)``: batch entry, head, first query, queries,
@@ -49,6 +49,10 @@ def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     is added after the product. Both are told by the arrays, not by flags:
     a literal flag would compile this function once per value.
 
+    ``variant``: a user's functions (`elastic_np._variants.variant.KernelVariant`),
+    or None: a separate argument, so that a new function recompiles only the
+    functions that read it (`shape_logits`).
+
     Returns ``(kept, maxed)``: ``kept`` is False when the mask leaves
     nothing in the tile (so the caller may skip it); ``maxed`` is True when
     ``tile_max[:bq]`` holds the maxima.
@@ -62,7 +66,7 @@ def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
     # ten times the naive error in ``out``).
     fuse_max = (
         tile_max.shape[0] > 0 and _removes_nothing(opt, tile, bk, nvm) and not (opt.has_alibi or opt.has_bias)
-        and _maxima_scale(opt, h, st) and not changes_logits(opt.variant)
+        and _maxima_scale(opt, h, st) and not changes_logits(variant)
     )
     if fuse_max:
         matmul_nn_max(k_rows, k_col, q_t, 0, st, bk, bq, D, tile_max, nonneg, False)
@@ -70,11 +74,11 @@ def logits_tile(st, k_j, q_t, opt, tile, nvm, cap_slope, tile_max, nonneg):
         matmul_nn(k_rows, k_col, q_t, 0, st, bk, bq, D, False)
     if opt.nvm:
         scale_logits(st, bk, bq, opt, h, tile_max[:bq] if fuse_max else tile_max[:0])
-    return shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, fuse_max)
+    return shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, fuse_max, variant)
 
 
 @inner(fastmath=FASTMATH)
-def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
+def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed, variant):
     """The steps of `logits_tile` after the product ``st[:bk, :bq]`` of ``s_raw / tau_h``: the modifiers, then the removals.
 
     ``maxed``: ``tile_max[:bq]`` holds the product's column maxima (which a
@@ -94,12 +98,12 @@ def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed):
         # with maxed, the soft-cap alone: the maxima are capped too (`_cap_maxima`)
         modify_tile(st, cap_slope, tile_max, opt.bias, opt.bias_strides, opt.tau, opt.alibi, opt.diag_shift,
                     tile, bk, flags + (calls.CAPPED_MAX if maxed else 0), opt.softcap)
-    score_stage(st, bk, bq, opt.variant, tile, opt.tau[h])
-    if removes_nothing and not changes_logits(opt.variant):
+    score_stage(st, bk, bq, variant, tile, opt.tau[h])
+    if removes_nothing and not changes_logits(variant):
         return True, maxed
     kept = True if removes_nothing else _remove_in_tile(st, bk, opt, tile, nvm)
-    kept = mask_stage(st, bk, bq, opt.variant, tile, kept)
-    check_scores(st, bk, bq, opt.variant)
+    kept = mask_stage(st, bk, bq, variant, tile, kept)
+    check_scores(st, bk, bq, variant)
     return kept, False
 
 

@@ -1,7 +1,8 @@
 """A user's ``score_mod`` and ``mask_mod`` on a tile (`elastic_np._variants`), and the score's gradient.
 
-The kernels read the variant from their options (``opt.variant``, a
-`elastic_np._variants.variant.KernelVariant` or None). Every function here
+The kernels take the variant as an argument of its own (`kernel_variant`: a
+`elastic_np._variants.variant.KernelVariant` or None), apart from their
+options, so that a new function recompiles only what reads it. Every function here
 is chosen when the kernel compiles, by the variant's type: for None (every
 call without a variant) each is a no-op or a constant, so those kernels
 compile to the code they had; for a variant, a kernel is compiled for its
@@ -23,9 +24,19 @@ from numba import types
 from numba.extending import overload
 
 from elastic_np._variants.functions import scalar_of
+from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
 
 #: A tile's states under a block mask (`elastic_np._variants.block_mask`).
 EMPTY, FULL, PARTIAL = 0, 1, 2
+
+
+def kernel_variant(problem, dtype, with_score=True):
+    """What the kernels computing in ``dtype`` take of ``problem``'s variant (None without one): its
+    `KernelVariant`, the functions compiled with the tiles' vectorised ``exp`` and ``tanh`` (`REPLACEMENTS`);
+    ``with_score=False``: without its ``score_mod`` (the backward's logits tiles, which it applies itself)."""
+    if problem.variant is None:
+        return None
+    return problem.variant.kernel_variant(dtype, with_score=with_score, replacements=REPLACEMENTS)
 
 
 def _absent(value):
@@ -88,6 +99,7 @@ def _score_stage(st, bk, bq, variant, tile, tau_h):
     def stage(st, bk, bq, variant, tile, tau_h):
         score, captures = variant.score, variant.captures
         b, h, i0, _, j0 = tile
+        b = b + variant.batch
         for c in range(bk):
             row = st[c, :bq]  # a slice of length bq: the loops below run vectorised where the function allows
             j = j0 + c
@@ -119,12 +131,13 @@ def _mask_stage(st, bk, bq, variant, tile, kept):
         if not kept or tile_state(variant, b, h, i0, bq, j0, bk) != PARTIAL:
             return kept
         mask, captures = variant.mask, variant.captures
+        seen_b = b + variant.batch
         any_kept = False
         for c in range(bk):
             row = st[c, :bq]  # branch-free over a slice: vectorised where the function allows
             j = j0 + c
             for r in range(row.shape[0]):
-                row[r] = row[r] if scalar_of(mask(b, h, i0 + r, j, *captures)) else -np.inf
+                row[r] = row[r] if scalar_of(mask(seen_b, h, i0 + r, j, *captures)) else -np.inf
             for r in range(row.shape[0]):
                 any_kept = any_kept or row[r] != -np.inf
         return any_kept
@@ -176,6 +189,7 @@ def _score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
         vjp, captures = gradient.vjp, gradient.captures
         dcaptures = slot_views(gradient.slots, slot)
         b, h, i0, _, j0 = tile
+        b = b + gradient.batch
         for c in range(bk):
             row, pre_row = dpt[c, :bq], pre[c, :bq]  # slices: the loops run vectorised where the vjp allows
             j = j0 + c
