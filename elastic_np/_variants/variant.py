@@ -11,15 +11,12 @@ import collections
 import dataclasses
 from typing import Optional
 
-import numpy as np
-
 from elastic_np._variants.block_mask import BlockMask
 from elastic_np._variants.functions import checked_captures, compiled_mask, compiled_score, floating
 
 #: What the CPU kernels read of a variant (`elastic_np.cpu._tiles.variant`): each entry None when absent.
-#: ``flags[0]`` becomes 1 where ``score`` gave a NaN or ``+inf`` to an entry the masks keep (a call's own array);
 #: ``batch`` is added to the kernels' batch index before the functions see it (a packed batch's sequence).
-KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k flags batch")
+KernelVariant = collections.namedtuple("KernelVariant", "score mask captures blocks block_q block_k batch")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,8 +59,7 @@ class Variant:
         if self.block_mask is not None:
             blocks = self.block_mask.states
             block_q, block_k = self.block_mask.block_size
-        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, np.zeros(1, dtype=np.int64),
-                             self.batch_offset)
+        return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, self.batch_offset)
 
 
 def make_variant(score_mod=None, mask_mod=None, block_mask=None, captures=()):

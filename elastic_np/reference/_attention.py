@@ -60,8 +60,9 @@ def _attention_logits(p):
     t = s.dtype.type
     if variant.has_score(p):
         s = variant.modified_scores(p, s)
-        variant.check_modified(p, s, structural_keep(p))
     s, keep = kept_scores(p, s)
+    if variant.has_score(p):
+        variant.check_modified(p, s, keep)
     with np.errstate(over="ignore"):
         z = s / p.tau.astype(s.dtype)[:, None, None]
     if not (np.where(keep, z, t(0)) < np.inf).all():  # +inf or NaN where kept
@@ -90,7 +91,7 @@ def kept_scores(p, s):
     if p.bias is not None:
         keep = keep & (p.bias > -np.inf)  # a -inf bias removes the entry, like a mask
     if variant.has_score(p):
-        keep = keep & (s != -np.inf)  # as does a user's score_mod returning -inf (NaN is found below)
+        keep = keep & (s != -np.inf)  # as does a user's score_mod returning -inf (a NaN kept is an error)
     if p.bias is not None or variant.has_score(p):
         s = np.where(keep, s, s.dtype.type(0))  # and stays out of the dtau sum
     if p.nvm:

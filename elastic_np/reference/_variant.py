@@ -80,10 +80,8 @@ def score_gradient(p, s_before, ds):
 
 
 def check_modified(p, s, keep):
-    """A `ValueError` where ``score_mod`` gave NaN or ``+inf`` to an entry the masks keep (``keep``, NVM aside).
-
-    ``-inf`` removes an entry; NVM does not make a NaN a removed entry.
-    """
+    """A `ValueError` where ``score_mod`` gave NaN or ``+inf`` to an entry ``keep`` keeps (NVM's ``s >= 0``, which
+    a NaN fails, included; ``-inf`` removes an entry)."""
     if not (np.where(keep, s, s.dtype.type(0)) < np.inf).all():
         raise ValueError("`score_mod` returned NaN or +inf for an entry that is kept: every kept score must be "
                          "finite (return -inf to remove an entry)")

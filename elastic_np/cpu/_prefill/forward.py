@@ -72,13 +72,13 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     run_tasks(_forward_kernel, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
               config.BLOCK_K, out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
     if variant is not None:
-        check_variant_scores(variant)
+        check_variant_rows(lse)
     return out, lse
 
 
-def check_variant_scores(variant):
-    """A `ValueError` where a user's ``score_mod`` gave a NaN or ``+inf`` to an entry the masks keep."""
-    if variant.flags[0]:
+def check_variant_rows(lse):
+    """A `ValueError` where a user's ``score_mod`` gave a NaN or ``+inf`` to an entry kept: its row's ``lse`` is NaN."""
+    if np.isnan(lse).any():
         raise ValueError("`score_mod` returned NaN or +inf for an entry that is kept: every kept score must be "
                          "finite (return -inf to remove an entry)")
 

@@ -22,7 +22,7 @@ from elastic_np.cpu._tiles.calls import matmul_nn, matmul_nn_max
 from elastic_np.cpu._tiles.scalar import _removes_nothing, scalar_like
 from elastic_np.cpu._tiles.tanh import sech2_any, tanh_any
 from elastic_np.cpu._tiles.transpose import prefetch, transpose_add, transpose_width
-from elastic_np.cpu._tiles.variant import changes_logits, check_scores, mask_stage, score_stage
+from elastic_np.cpu._tiles.variant import changes_logits, mask_stage, score_stage
 
 
 @inner(fastmath=FASTMATH)
@@ -102,9 +102,7 @@ def shape_logits(st, bk, opt, tile, nvm, cap_slope, tile_max, maxed, variant):
     if removes_nothing and not changes_logits(variant):
         return True, maxed
     kept = True if removes_nothing else _remove_in_tile(st, bk, opt, tile, nvm)
-    kept = mask_stage(st, bk, bq, variant, tile, kept)
-    check_scores(st, bk, bq, variant)
-    return kept, False
+    return mask_stage(st, bk, bq, variant, tile, kept), False
 
 
 # What the modifier stage reads of the options (`calls.modify_tile` passes these alone).

@@ -106,7 +106,8 @@ def finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
     """``lse = m + log(l + beta exp(-m)) = logaddexp(m + log l, log beta)`` and ``out = acc exp(m - lse)``.
 
     ``out_rows = (whole, col)``, the tile's rows of ``out`` (`elastic_np.cpu._tiles.operands.head_rows`).
-    A row with nothing kept gets ``out = 0``, ``lse = log beta``.
+    A row with nothing kept gets ``out = 0``, ``lse = log beta``; a row whose sum is NaN (a NaN or ``+inf``
+    logit, which only a user's ``score_mod`` can give) gets ``lse = NaN``, never the empty row's result.
     """
     whole, col = out_rows
     Dv = acc.shape[1]
@@ -122,7 +123,7 @@ def finish_rows(acc, row_max, row_sum, log_beta, out_rows, lse_rows):
         else:
             for d in range(Dv):
                 out_row[d] = narrow(0.0, out_row)
-            lse_rows[r] = log_beta
+            lse_rows[r] = log_beta if row_sum[r] == row_sum[r] else np.nan
 
 
 @inner(fastmath=FASTMATH)

@@ -87,7 +87,9 @@ def _block_state(variant, b, h, i0, bq, j0, bk):
 def score_stage(st, bk, bq, variant, tile, tau_h):
     """``st[c, r] = score_mod(st[c, r] tau_h, b, h, i0 + r, j0 + c, *captures) / tau_h`` where ``> -inf``.
 
-    A NaN or ``+inf`` that the masks keep is flagged by `check_scores`.
+    A NaN or ``+inf`` that the masks keep makes its row's sum NaN, which
+    `elastic_np.cpu._tiles.online_softmax.finish_rows` gives ``lse`` and the
+    forward reports (`elastic_np.cpu._prefill.forward.check_variant_rows`).
     """
 
 
@@ -143,28 +145,6 @@ def _mask_stage(st, bk, bq, variant, tile, kept):
         return any_kept
 
     return stage
-
-
-def check_scores(st, bk, bq, variant):
-    """``variant.flags[0] = 1`` where an entry of the tile is NaN or ``+inf``: what ``score_mod`` gave an entry kept."""
-
-
-@overload(check_scores, jit_options={"fastmath": False})
-def _check_scores(st, bk, bq, variant):
-    if _absent(variant) or _absent(variant.types[0]):
-        return lambda st, bk, bq, variant: None
-
-    def check(st, bk, bq, variant):
-        bad = False
-        for c in range(bk):
-            row = st[c, :bq]
-            for r in range(row.shape[0]):
-                x = row[r]
-                bad = bad or x != x or x == np.inf
-        if bad:
-            variant.flags[0] = 1
-
-    return check
 
 
 def score_gradient(dpt, pre, bk, bq, gradient, tile, tau_h, slot):
