@@ -34,6 +34,7 @@ import weakref
 import numpy as np
 from numba import njit
 
+from elastic_np._variants.functions import narrowed, rebound
 from elastic_np._variants.trace import FLOAT, UNARY, trace
 
 #: Binary and prefix ops written as Python operators; every other op calls the function of its name.
@@ -122,6 +123,11 @@ def _rtoi(x):
 @njit(fastmath=False, nogil=True, error_model="numpy")
 def _tofloat(x):
     return np.float64(x)
+
+
+@njit(**_JIT)
+def _tofloat32(x):
+    return np.float32(x)
 
 
 @njit(fastmath=False, nogil=True, error_model="numpy")
@@ -296,13 +302,18 @@ def numpy_source(graph):
 _COUNT = itertools.count()
 
 
-def _compiled(source, name, names, graph, label):
-    """The function ``name`` of ``source``, its globals ``names`` and the graph's constants."""
-    namespace = {**names, **{f"k{n.index}": n.attr for n in graph.nodes if n.op == "const"}}
+def _compiled(source, name, names, graph, label, narrow=False):
+    """The function ``name`` of ``source``, its globals ``names`` and the graph's constants (``narrow``:
+    its float constants float32 where float32 holds them, `elastic_np._variants.functions.narrowed`)."""
+    constants = {f"k{n.index}": n.attr for n in graph.nodes if n.op == "const"}
+    if narrow:
+        constants = {key: narrowed(value) for key, value in constants.items()}
+    namespace = {**names, **constants}
     filename = f"<derivative of {label} #{next(_COUNT)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
+    made = namespace[name]
+    return rebound(made, {}, narrow=True) if narrow else made
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -352,16 +363,17 @@ class Derivative:
 _CACHE = weakref.WeakKeyDictionary()  # score_mod -> {captures' (dtype, shape)s: Derivative}
 
 
-def _derive(score_mod, captures, names):
+def _derive(score_mod, captures, names, narrow):
     graph = trace(score_mod, captures)
     label = getattr(score_mod, "__qualname__", type(score_mod).__name__)
     vjp, evaluate = vjp_source(graph), numpy_source(graph)
-    jitted = njit(**_JIT)(_compiled(vjp, "vjp", {**NJIT_NAMES, **(names or {})}, graph, label))
+    vjp_names = {**NJIT_NAMES, **(names or {}), **({"tofloat": _tofloat32} if narrow else {})}
+    jitted = njit(**_JIT)(_compiled(vjp, "vjp", vjp_names, graph, label, narrow))
     reads = tuple(n for n in _plan(graph)[0] if n.op == "read")
     return Derivative(jitted, graph, reads, vjp, evaluate, _compiled(evaluate, "evaluate", NUMPY_NAMES, graph, label))
 
 
-def differentiate(score_mod, captures=(), names=None):
+def differentiate(score_mod, captures=(), names=None, narrow=False):
     """The `Derivative` of ``score_mod(score, b, h, q_idx, kv_idx, *captures)``, exact (reverse mode).
 
     Parameters
@@ -379,14 +391,18 @@ def differentiate(score_mod, captures=(), names=None):
         Functions the generated ``vjp`` calls instead of those of
         `NJIT_NAMES` of the same names (a backend's vectorised ``exp`` and
         ``tanh``); the derivative is kept per mapping too.
+    narrow : bool, optional
+        The ``vjp`` computes in float32, its constants float32 where float32
+        holds them (what the float32 kernels take: their scores and
+        ``score_mod`` are float32 too); the derivative is kept per setting.
     """
     captures = tuple(np.asarray(c) for c in captures)
-    key = (tuple((c.dtype.str, c.shape) for c in captures), None if names is None else id(names))
+    key = (tuple((c.dtype.str, c.shape) for c in captures), None if names is None else id(names), narrow)
     try:
         per_function = _CACHE.setdefault(score_mod, {})
     except TypeError:  # not weakly referable: not kept
         per_function = {}
     found = per_function.get(key)
     if found is None:
-        found = per_function[key] = _derive(score_mod, captures, names)
+        found = per_function[key] = _derive(score_mod, captures, names, narrow)
     return found

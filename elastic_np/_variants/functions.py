@@ -73,12 +73,12 @@ def jitted(fn, name, replacements=None, narrow=False):
     by_replacements = _JITTED.setdefault(fn, {})
     dispatcher = by_replacements.get(key)
     if dispatcher is None:
-        source = fn if replacements is None and not narrow else _rebound(fn, replacements or {}, narrow)
+        source = fn if replacements is None and not narrow else rebound(fn, replacements or {}, narrow)
         dispatcher = by_replacements[key] = njit(fastmath=False, error_model="numpy")(source)
     return dispatcher
 
 
-def _narrowed(value):
+def narrowed(value):
     """A float constant as float32 where float32 holds it (finite, and nonzero unless it is 0)."""
     if type(value) is not float:
         return value
@@ -86,7 +86,7 @@ def _narrowed(value):
     return value if narrow is None or (narrow == 0 and value != 0) else narrow
 
 
-def _rebound(fn, replacements, narrow=False):
+def rebound(fn, replacements, narrow=False):
     """``fn`` with the globals and closure cells that ``replacements`` names replaced, its float constants
     float32 with ``narrow`` (its code otherwise unchanged)."""
     def swap(value):
@@ -101,7 +101,7 @@ def _rebound(fn, replacements, narrow=False):
     code = fn.__code__
     if narrow:
         with np.errstate(over="ignore"):
-            code = code.replace(co_consts=tuple(_narrowed(c) for c in code.co_consts))
+            code = code.replace(co_consts=tuple(narrowed(c) for c in code.co_consts))
     made = types_module.FunctionType(code, namespace, fn.__name__, fn.__defaults__, closure)
     made.__kwdefaults__ = fn.__kwdefaults__
     return made

@@ -80,7 +80,7 @@ def backward(problem, dout, out, lse, dlse=None):
     dtau_part = np.zeros((B, H, n_kt))
     dsigma_part = np.zeros((B, H, n_kt))
     plan = DbiasPlan(problem, dtype, n_kt, chunk)
-    captures = CaptureGradients(problem, plan.params, chunk)
+    captures = CaptureGradients(problem, plan.params, chunk, dtype)
     # the logits tiles without a score_mod, which the kernel applies itself (`saved_score_stage`)
     variants = (kernel_variant(problem, dtype), kernel_variant(problem, dtype, with_score=False))
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)

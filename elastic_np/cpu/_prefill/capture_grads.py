@@ -32,6 +32,8 @@ class CaptureGradients:
         say how many tasks a key tile has.
     chunk : int
         Key tiles per kernel run.
+    dtype : numpy.dtype
+        The kernels' (float32: the derivative computes in float32, as they do).
 
     Attributes
     ----------
@@ -42,7 +44,7 @@ class CaptureGradients:
         for an integer or bool capture); None without a ``score_mod``.
     """
 
-    def __init__(self, problem, params, chunk):
+    def __init__(self, problem, params, chunk, dtype):
         variant = problem.variant
         self.gradient = None
         if variant is None or variant.score_mod is None:
@@ -60,7 +62,8 @@ class CaptureGradients:
         self.slots = tuple(np.zeros((slots, *c.shape) if f else (slots, 1))
                            for c, f in zip(variant.captures, variant.floating))
         self.totals = [np.zeros(c.shape) if f else None for c, f in zip(variant.captures, variant.floating)]
-        vjp = differentiate(variant.score_mod, variant.captures, names=VJP_NAMES).vjp
+        narrow = np.dtype(dtype) == np.float32
+        vjp = differentiate(variant.score_mod, variant.captures, names=VJP_NAMES, narrow=narrow).vjp
         self.gradient = Gradient(vjp, self.slots, self.captures, variant.batch_offset)
 
     def after_chunk(self, n_chunk):
