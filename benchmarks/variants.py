@@ -20,7 +20,7 @@ in a fresh process, twice (Numba does not cache a kernel specialised on
 a function passed in, so the second process compiles again).
 
 Usage: ``python benchmarks/variants.py [--rounds R] [--repeat N] [--length N] [--doc-length N] [--flex]
-[--compile] [--threads T]``
+[--compile] [--cases softcap window documents] [--threads T]``
 """
 
 import argparse
@@ -69,20 +69,25 @@ def _passes(q, k, v, dout, variant, builtin):
             "fwd+bwd user": lambda: both(variant), "fwd+bwd built-in": lambda: both(builtin)}
 
 
-def comparisons(length, doc_length):
-    """``{case: {label: fn}}`` of the three comparisons."""
+CASES = ("softcap", "window", "documents")
+
+
+def comparisons(length, doc_length, cases=CASES):
+    """``{case: {label: fn}}`` of the comparisons named in ``cases``."""
     q, k, v, dout = _inputs(length, 3)
-    window = enp.create_block_mask(sliding, None, None, length, length)
-    cases = {
-        "softcap": _passes(q, k, v, dout, dict(score_mod=softcap), dict(softcap=30.0)),
-        "window": _passes(q, k, v, dout, dict(block_mask=window), dict(causal=True, window_size=(WINDOW, 0))),
-    }
-    doc = np.repeat(np.arange(DOCUMENTS), -(-doc_length // DOCUMENTS))[:doc_length]
-    qd, kd, vd, dd = _inputs(doc_length, 4)
-    documents = enp.create_block_mask(same_document, None, None, doc_length, doc_length, captures=(doc,))
-    cases["documents"] = _passes(qd, kd, vd, dd, dict(block_mask=documents, captures=(doc,)),
-                                 dict(mask=doc[:, None] == doc[None, :]))
-    return cases
+    made = {}
+    if "softcap" in cases:
+        made["softcap"] = _passes(q, k, v, dout, dict(score_mod=softcap), dict(softcap=30.0))
+    if "window" in cases:
+        window = enp.create_block_mask(sliding, None, None, length, length)
+        made["window"] = _passes(q, k, v, dout, dict(block_mask=window), dict(causal=True, window_size=(WINDOW, 0)))
+    if "documents" in cases:
+        doc = np.repeat(np.arange(DOCUMENTS), -(-doc_length // DOCUMENTS))[:doc_length]
+        qd, kd, vd, dd = _inputs(doc_length, 4)
+        documents = enp.create_block_mask(same_document, None, None, doc_length, doc_length, captures=(doc,))
+        made["documents"] = _passes(qd, kd, vd, dd, dict(block_mask=documents, captures=(doc,)),
+                                    dict(mask=doc[:, None] == doc[None, :]))
+    return made
 
 
 def flex_calls(length):
@@ -139,9 +144,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flex", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
     args = parser.parse_args(argv)
     with _bench.thread_counts(args.threads) as counts:
-        groups = comparisons(args.length, args.doc_length)
+        groups = comparisons(args.length, args.doc_length, args.cases)
         if args.flex:
             groups["flex"] = flex_calls(args.length)
         start = time.perf_counter()
@@ -149,6 +155,8 @@ def main(argv=None):
     print(f"{_bench.describe_threads(counts)}; {args.rounds} rounds, best of {args.repeat} "
           f"({time.perf_counter() - start:.0f} s); float32, 8 heads, head dim 64")
     for case, length in (("softcap", args.length), ("window", args.length), ("documents", args.doc_length)):
+        if case not in groups:
+            continue
         print(f"{case} (1, 8, {length}, {length}):")
         pairs = [(f"{p} user", f"{p} built-in") for p in ("fwd", "fwd+bwd")]
         _print_ratios(times[case], [(b, a) for a, b in pairs] if case == "documents" else pairs)

@@ -58,7 +58,7 @@ from elastic_np.cpu._tiles import (
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 12, 8)) for _ in range(3))
 out, lse = enp.attention(q, k, v, causal=True, softcap=3.0, bias=np.ones((12, 12)), return_lse=True)
-enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=3.0, bias=np.ones((12, 12)))
+# (the backward through public Numba alone: CI's stage with ELASTIC_NP_PUBLIC_NUMBA=1)
 assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
 assert type(_logits.modify_tile) is type(_dbias.dbias_tile) is type(_products.matmul_nn)
 assert np.isclose(_scalar.log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python

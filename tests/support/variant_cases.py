@@ -27,17 +27,26 @@ def add_bias(score, b, h, q_idx, kv_idx, bias):
     return score + bias[b, h, q_idx, kv_idx]
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx + (M - N) >= kv_idx
+def rule_mask(b, h, q_idx, kv_idx, rule):
+    """One ``mask_mod`` for every mask of the tests (one compile): ``rule[0]`` says which, the rest its numbers.
 
-
-def sliding(b, h, q_idx, kv_idx):
+    0: causal, bottom-right aligned; 1: the window ``(rule[1], rule[2])`` so aligned; 2: ``kv_idx < rule[1 + b]``
+    (``kv_lengths``); 3: the same document, ``rule[1 + i]`` the document of position ``i`` (N = M).
+    """
     off = kv_idx - q_idx - (M - N)
-    return -5 <= off and off <= 3
+    kind = rule[0]
+    if kind == 0:
+        return off <= 0
+    if kind == 1:
+        return -rule[1] <= off and off <= rule[2]
+    if kind == 2:
+        return kv_idx < rule[1 + b]
+    return rule[1 + q_idx] == rule[1 + kv_idx]
 
 
-def lengths(b, h, q_idx, kv_idx, kv_lengths):
-    return kv_idx < kv_lengths[b]
+def rel_bias(score, b, h, q_idx, kv_idx, table):
+    """A relative-position bias, read at ``kv_idx - q_idx + N - 1`` (a table of ``N + M - 1`` columns, or wider)."""
+    return score + table[h, kv_idx - q_idx + N - 1]
 
 
 BIAS = np.random.default_rng(3).standard_normal((B, H, N, M)).astype(np.float32).astype(np.float64)
@@ -49,8 +58,10 @@ SCORE_CASES = {
     "alibi": (dict(score_mod=alibi, captures=(SLOPES,)), dict(alibi_slopes=SLOPES)),
     "bias": (dict(score_mod=add_bias, captures=(BIAS,)), dict(bias=BIAS)),
 }
+CAUSAL, SLIDING = np.array([0]), np.array([1, 5, 3])
+LENGTHS = np.concatenate([[2], KV_LENGTHS])
 MASK_CASES = {
-    "causal": (dict(mask_mod=causal), dict(causal=True)),
-    "sliding": (dict(mask_mod=sliding), dict(window_size=(5, 3))),
-    "kv_lengths": (dict(mask_mod=lengths, captures=(KV_LENGTHS,)), dict(kv_lengths=KV_LENGTHS)),
+    "causal": (dict(mask_mod=rule_mask, captures=(CAUSAL,)), dict(causal=True)),
+    "sliding": (dict(mask_mod=rule_mask, captures=(SLIDING,)), dict(window_size=(5, 3))),
+    "kv_lengths": (dict(mask_mod=rule_mask, captures=(LENGTHS,)), dict(kv_lengths=KV_LENGTHS)),
 }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import elastic_np as enp
-from variant_cases import B, H, M, N, causal, inputs, softcap
+from variant_cases import B, H, M, N, inputs, rel_bias, rule_mask, softcap
 
 BACKENDS = ["cpu", "reference"]
 
@@ -20,14 +20,11 @@ def returns_tuple(score, b, h, q_idx, kv_idx):
     return score, score
 
 
-def raises(score, b, h, q_idx, kv_idx):
-    if kv_idx == 3:
+def misbehaves(score, b, h, q_idx, kv_idx, how):
+    """Raises (``how[0] == 1``) or gives NaN (``how[0] == 2``) at key 3: one function, one compile."""
+    if kv_idx == 3 and how[0] == 1:
         raise ValueError("this score_mod refuses")
-    return score
-
-
-def makes_nan(score, b, h, q_idx, kv_idx):
-    return score if kv_idx != 3 else math.nan
+    return score if kv_idx != 3 or how[0] != 2 else math.nan
 
 
 def float_mask(b, h, q_idx, kv_idx):
@@ -43,13 +40,13 @@ def test_a_score_mod_returning_no_number_is_a_type_error_naming_it(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_score_mod_that_raises_raises_its_error(backend):
     with pytest.raises(ValueError, match="this score_mod refuses"):
-        forward(backend, score_mod=raises)
+        forward(backend, score_mod=misbehaves, captures=(np.array([1]),))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_score_mod_giving_nan_to_a_kept_entry_is_an_error(backend):
     with pytest.raises(ValueError, match="score_mod.*NaN"):
-        forward(backend, score_mod=makes_nan)
+        forward(backend, score_mod=misbehaves, captures=(np.array([2]),))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,18 +84,19 @@ def test_captures_without_a_function_and_functions_that_are_not_functions_are_er
 
 
 def test_a_block_mask_of_another_shape_function_or_captures_is_an_error_naming_it():
-    other_shape = enp.create_block_mask(causal, B, H, N + 1, M)
+    causal = (np.array([0]),)
+    other_shape = enp.create_block_mask(rule_mask, B, H, N + 1, M, captures=causal)
     with pytest.raises(ValueError, match="block_mask.*made for"):
-        forward("cpu", block_mask=other_shape)
+        forward("cpu", block_mask=other_shape, captures=causal)
 
-    def other(b, h, q_idx, kv_idx):
+    def other(b, h, q_idx, kv_idx, rule):
         return True
 
-    block_mask = enp.create_block_mask(causal, B, H, N, M)
+    block_mask = enp.create_block_mask(rule_mask, B, H, N, M, captures=causal)
     with pytest.raises(ValueError, match="mask_mod.*not the function"):
-        forward("cpu", block_mask=block_mask, mask_mod=other)
-    with pytest.raises(ValueError, match="block_mask. was made with 0 .captures. and this call passes 1"):
-        forward("cpu", block_mask=block_mask, score_mod=softcap, captures=(np.ones(2),))
+        forward("cpu", block_mask=block_mask, mask_mod=other, captures=causal)
+    with pytest.raises(ValueError, match="block_mask. was made with 1 .captures. and this call passes 2"):
+        forward("cpu", block_mask=block_mask, captures=(*causal, np.ones(2)))
 
 
 def test_the_cuda_backend_refuses_a_variant_naming_it_and_auto_runs_it_on_the_cpu():
@@ -112,9 +110,7 @@ def test_nothing_is_mutated_and_the_double_backward_refuses_a_variant():
     table = np.random.default_rng(0).standard_normal((H, N + M - 1))
     given = [a.copy() for a in (q, k, v, table)]
 
-    def rel(score, b, h, q_idx, kv_idx, table):
-        return score + table[h, kv_idx - q_idx + N - 1]
-
+    rel = rel_bias
     out, lse = enp.attention(q, k, v, score_mod=rel, captures=(table,), return_lse=True, backend="cpu")
     dout = np.ones_like(out)
     enp.attention_backward(dout, q, k, v, out, lse, score_mod=rel, captures=(table,), backend="cpu")

@@ -10,7 +10,7 @@ from elastic_np._variants.variant import make_variant
 from elastic_np.reference import _attention
 from elastic_np.testing import _tolerances
 from oracle_checks import assert_matches_oracle
-from variant_cases import BIAS, MASK_CASES, SCORE_CASES, B, H, M, N, causal, inputs, softcap
+from variant_cases import BIAS, MASK_CASES, SCORE_CASES, B, H, M, N, inputs, rule_mask, softcap
 
 
 def naive_float32(q, k, v, options, variant):
@@ -65,14 +65,11 @@ def test_a_mask_mod_with_its_block_mask_gives_the_built_ins_result_at_every_bloc
 
 
 def test_a_score_mod_follows_the_built_in_modifiers_and_nvm_tests_its_result():
-    """score_mod after soft-cap and bias; NVM removes what score_mod makes negative."""
-    def shift(score, b, h, q_idx, kv_idx):
-        return score - 0.3
-
+    """score_mod after the soft-cap and the bias; NVM removes what score_mod makes negative."""
     q, k, v = inputs()
-    options = dict(softcap=1.5, bias=BIAS, nvm=True, tau=np.array([0.5, 1.0, 2.0, 0.8]), beta=0.2)
-    got = enp.attention(q, k, v, score_mod=shift, backend="cpu", **options)
-    want = enp.attention(q, k, v, score_mod=shift, backend="reference", **options)
+    options = dict(softcap=1.5, bias=BIAS - 0.3, nvm=True, tau=np.array([0.5, 1.0, 2.0, 0.8]), beta=0.2)
+    got = enp.attention(q, k, v, score_mod=softcap, backend="cpu", **options)
+    want = enp.attention(q, k, v, score_mod=softcap, backend="reference", **options)
     assert_matches_oracle("out", got, want, np.float64)
     without = enp.attention(q, k, v, backend="reference", **options)
     assert np.abs(want - without).max() > 1e-3
@@ -93,17 +90,14 @@ def test_a_score_mod_returning_minus_inf_removes_the_entry_and_a_minus_inf_bias_
 
 
 def test_a_document_mask_with_a_block_mask_skips_blocks_and_equals_a_dense_boolean_mask():
-    n = 300
+    n = 300  # (N = M: rule_mask's documents)
     docs = np.repeat(np.arange(6), 50)
-
-    def same_doc(b, h, q_idx, kv_idx, doc):
-        return doc[q_idx] == doc[kv_idx] and q_idx >= kv_idx
-
-    block_mask = enp.create_block_mask(same_doc, None, None, n, n, captures=(docs,), block_size=32)
+    rule = np.concatenate([[3], docs])
+    block_mask = enp.create_block_mask(rule_mask, None, None, n, n, captures=(rule,), block_size=32)
     assert 0.5 < block_mask.sparsity < 1.0
     q, k, v = inputs(n=n, m=n)
-    dense = (docs[:, None] == docs[None, :]) & np.tri(n, dtype=bool)
-    got = enp.attention(q, k, v, block_mask=block_mask, captures=(docs,), backend="cpu")
+    dense = docs[:, None] == docs[None, :]
+    got = enp.attention(q, k, v, block_mask=block_mask, captures=(rule,), backend="cpu")
     want = enp.attention(q, k, v, mask=dense, backend="cpu")
     np.testing.assert_array_equal(got, want)
 
@@ -122,7 +116,7 @@ def test_float32_bfloat16_and_the_bnhd_layout_take_a_score_mod():
 
 
 def test_the_block_mask_reports_its_blocks():
-    block_mask = enp.create_block_mask(causal, None, 2, N, M, block_size=16)
+    block_mask = enp.create_block_mask(rule_mask, None, 2, N, M, captures=(np.array([0]),), block_size=16)
     assert block_mask.shape == (1, 2, N, M) and block_mask.block_size == (16, 16)
     assert block_mask.states.shape == (1, 2, 3, 3)
     assert not block_mask.states.flags.writeable
