@@ -31,8 +31,10 @@ def _indices(shape, batch_offset=0):
 
 def modified_scores(p, s):
     """``score_mod`` on every score ``s`` ``(B, H, N, M)`` above ``-inf`` (a ``-inf`` bias's stay removed)."""
-    fn, captures = p.variant.score_mod, p.variant.captures
-    ufunc = np.frompyfunc(lambda x, b, h, i, j: fn(x, b, h, i, j, *captures), 5, 1)
+    fn, captures, t = p.variant.score_mod, p.variant.captures, s.dtype.type
+    # the score as a NumPy scalar of the computation's dtype: a Python float would take a float32 capture's
+    # dtype in NumPy's promotion (a float64 oracle computing in float32)
+    ufunc = np.frompyfunc(lambda x, b, h, i, j: fn(t(x), b, h, i, j, *captures), 5, 1)
     values = ufunc(s, *_indices(s.shape, p.variant.batch_offset))
     try:
         values = values.astype(s.dtype)

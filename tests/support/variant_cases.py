@@ -19,12 +19,10 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 2.0 * math.tanh(score / 2.0)
 
 
-def alibi(score, b, h, q_idx, kv_idx, slopes):
-    return score - slopes[h] * abs(q_idx + (M - N) - kv_idx)
-
-
-def add_bias(score, b, h, q_idx, kv_idx, bias):
-    return score + bias[b, h, q_idx, kv_idx]
+def alibi_and_bias(score, b, h, q_idx, kv_idx, slopes, bias):
+    """ALiBi and an additive bias, as the contract adds them: with zero slopes the bias alone, with a zero
+    bias ALiBi alone (one function for both cases: one compile)."""
+    return score - slopes[h] * abs(q_idx + (M - N) - kv_idx) + bias[b, h, q_idx, kv_idx]
 
 
 def rule_mask(b, h, q_idx, kv_idx, rule):
@@ -55,8 +53,8 @@ KV_LENGTHS = np.array([45, 20])
 # (user's variant, the built-in options it rewrites)
 SCORE_CASES = {
     "softcap": (dict(score_mod=softcap), dict(softcap=2.0)),
-    "alibi": (dict(score_mod=alibi, captures=(SLOPES,)), dict(alibi_slopes=SLOPES)),
-    "bias": (dict(score_mod=add_bias, captures=(BIAS,)), dict(bias=BIAS)),
+    "alibi": (dict(score_mod=alibi_and_bias, captures=(SLOPES, np.zeros_like(BIAS))), dict(alibi_slopes=SLOPES)),
+    "bias": (dict(score_mod=alibi_and_bias, captures=(np.zeros_like(SLOPES), BIAS)), dict(bias=BIAS)),
 }
 CAUSAL, SLIDING = np.array([0]), np.array([1, 5, 3])
 LENGTHS = np.concatenate([[2], KV_LENGTHS])
