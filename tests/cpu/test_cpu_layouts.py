@@ -119,7 +119,8 @@ def test_one_compiled_kernel_per_dtype_for_both_layouts():
     for kernel in kernels:
         # of the float dtypes (a half's bits are other specialisations); the decode kernels have one
         # more per dtype, for a paged cache (the stacked-rows one also for bnhd: `pages` not None)
-        ours = [sig for sig in kernel.signatures if not holds_half_bits(sig)]
+        # (a user's functions compile kernels of their own: tests/variants)
+        ours = [sig for sig in kernel.signatures if not holds_half_bits(sig) and "KernelVariant" not in str(sig)]
         allowed = len(DTYPES) * (2 if kernel in (cpu._decode.decode._decode_kernel, cpu._decode.decode._decode_heads_kernel) else 1)
         assert len(ours) <= allowed, (kernel.py_func.__name__, ours)
 

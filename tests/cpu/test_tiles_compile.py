@@ -79,18 +79,17 @@ print(" ".join(compiled))
 _ALL_PRODUCTS = "" if _numba_private.enabled("entry_points") else " matmul_nn matmul_nn_max matmul_tn"
 
 
-@pytest.mark.parametrize(
-    "steps, compiled",
-    [
-        (("decode",), "_exp_f32 exp_inplace"),  # its products are its own (`_decode_products`)
-        (("forward", "backward"), "_exp_f32 _matmul exp_inplace exp_shift_sum" + _ALL_PRODUCTS),
-    ],
-)
-def test_each_path_compiles_what_it_calls(steps, compiled, tmp_path):
-    """A first call compiles the tile functions its kernels call (the products behind their C entry points), and only those."""
-    (result,) = _processes(PATH_FIRST.format(steps=steps), tmp_path)
+#: What a first forward and backward compile of the tile functions (`test_kernels_from_the_cache_call_the_tile_functions`
+#: checks it: its first process runs them, with a decode, whose own are a part of these).
+FORWARD_BACKWARD = "_exp_f32 _matmul exp_inplace exp_shift_sum" + _ALL_PRODUCTS
+
+
+def test_a_decode_compiles_what_it_calls(tmp_path):
+    """A first call compiles the tile functions its kernels call (the products behind their C entry points), and only
+    those: a decode's (its products are its own, `_decode_products`)."""
+    (result,) = _processes(PATH_FIRST.format(steps=("decode",)), tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == compiled
+    assert result.stdout.strip() == "_exp_f32 exp_inplace"
 
 
 FROM_CACHE = """
@@ -98,6 +97,7 @@ import numpy as np
 import elastic_np as enp
 from elastic_np.cpu._decode import decode as _decode
 from elastic_np.cpu._prefill import backward as _backward, forward as _forward
+from elastic_np.cpu._tiles import simd as _simd
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(3))
 out1 = enp.attention(q[:, :, :1], k, v, causal=True)
@@ -105,16 +105,19 @@ out, lse = enp.attention(q, k, v, causal=True, return_lse=True)
 grads = enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
 kernels = (_decode._decode_kernel, _forward._forward_kernel, _backward._backward_kernel)
 print(sum(sum(f.stats.cache_hits.values()) for f in kernels), float(out1.sum()), float(out.sum()), float(grads.dq.sum() + grads.dk.sum() + grads.dv.sum()))
+print(" ".join(sorted(d.py_func.__name__ for d, _, _ in _simd._TYPED if d.overloads)))
 """
 
 
 def test_kernels_from_the_cache_call_the_tile_functions(tmp_path):
-    """A new process loads the kernels from the cache; their calls of the tile functions resolve there too."""
+    """A new process loads the kernels from the cache; their calls of the tile functions resolve there too. The
+    first process, which compiles, compiles the tile functions a forward and a backward call, and only those."""
     runs = _processes(FROM_CACHE, tmp_path, count=2)
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr
-    (first_hits, *first), (second_hits, *second) = (run.stdout.split() for run in runs)
+    (first_hits, *first), (second_hits, *second) = (run.stdout.split("\n")[0].split() for run in runs)
     assert first_hits == "0" and second_hits == "3"
     assert first == second
+    assert runs[0].stdout.split("\n")[1].strip() == FORWARD_BACKWARD
 
 
 LAZY = """
