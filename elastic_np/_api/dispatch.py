@@ -14,7 +14,7 @@ from elastic_np._contract import _grads, _spec, _validation
 from elastic_np._contract._backend import Backend
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np._contract._problem import Kept
-from elastic_np._variants.variant import make_variant
+from elastic_np._variants.variant import given as variant_given, make_variant
 from elastic_np.reference._merge import check_partials, merge_partials
 
 BACKENDS = _spec.BACKENDS
@@ -173,7 +173,7 @@ def attention(
     >>> enp.attention(q, k, v, causal=True, backend="reference").shape
     (1, 1, 3, 8)
     """
-    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+    if variant_given(score_mod, mask_mod, block_mask, captures):
         variant = make_variant(score_mod, mask_mod, block_mask, captures)
         return variant_forward(q, k, v, _spec.gathered(locals()), variant, return_lse, backend)
     call_key = None if type(return_lse) is not bool else plans.key(  # (a backward's key has "backward" there)
@@ -276,7 +276,7 @@ def attention_backward(
     >>> grads.dk.shape, isinstance(grads.dtau, float)
     ((1, 1, 4, 8), True)
     """
-    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+    if variant_given(score_mod, mask_mod, block_mask, captures):
         variant = make_variant(score_mod, mask_mod, block_mask, captures)
         return variant_backward((dout, q, k, v, out, lse, dlse), _spec.gathered(locals()), variant, backend)
     call_key = plans.key(q, k, v, (scale, causal, kv_lengths, align, mask, nvm, tau, beta, dynamic_window, softcap,
@@ -295,11 +295,6 @@ def attention_backward(
         grads = module.backward(problem, dout, out, lse, dlse)
     plans.keep_backward(call_key, module, problem)
     return problem.grads_as_given(grads)
-
-
-def _no_captures(captures):
-    """Whether ``captures`` is the default, no captures."""
-    return type(captures) is tuple and not captures
 
 
 def _variant_module(backend):

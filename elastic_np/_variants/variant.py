@@ -62,14 +62,19 @@ class Variant:
         return KernelVariant(score, mask, self.captures, blocks, block_q, block_k, self.batch_offset)
 
 
+def given(score_mod, mask_mod, block_mask, captures):
+    """Whether a call gives any of a variant's arguments (``captures`` other than an empty tuple)."""
+    return not (score_mod is None and mask_mod is None and block_mask is None
+                and isinstance(captures, tuple) and not captures)
+
+
 def make_variant(score_mod=None, mask_mod=None, block_mask=None, captures=()):
     """The `Variant` of a call's arguments, or None when it gives none of them; errors name the argument."""
-    if score_mod is None and mask_mod is None and block_mask is None:
-        if isinstance(captures, tuple) and not captures:
-            return None
-        checked_captures(captures)
-        raise ValueError("`captures` are given without `score_mod`, `mask_mod` or `block_mask` to take them")
+    if not given(score_mod, mask_mod, block_mask, captures):
+        return None
     captures = checked_captures(captures)
+    if score_mod is None and mask_mod is None and block_mask is None:
+        raise ValueError("`captures` are given without `score_mod`, `mask_mod` or `block_mask` to take them")
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"`{name}` must be a function, got {type(fn).__name__}")

@@ -48,13 +48,9 @@ from elastic_np._contract import _spec
 from elastic_np._contract._quantized import quantize_kv as _quantize_kv
 from elastic_np.torch import _arrays, _fast, _ops, _variant, _varlen
 from elastic_np._api.adapters import DynamicWindow
+from elastic_np._variants.variant import given as variant_given
 
 __all__ = ["attention", "varlen_attention", "quantize_kv", "ElasticAttention", "DynamicWindow"]
-
-def _no_captures(captures):
-    """Whether ``captures`` is the default, no captures."""
-    return type(captures) is tuple and not captures
-
 
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captures=(), dropout_p=0.0,
@@ -138,7 +134,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captur
     >>> beta.grad.shape, q.grad.shape
     (torch.Size([2]), torch.Size([1, 2, 5, 8]))
     """
-    if score_mod is not None or mask_mod is not None or block_mask is not None or not _no_captures(captures):
+    if variant_given(score_mod, mask_mod, block_mask, captures):
         _check_dropout(dropout_p)
         fixed, learnable = common.split(_spec.complete(options, "attention"))
         fixed["backend"] = common.kernel_backend(backend)

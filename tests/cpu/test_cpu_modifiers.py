@@ -9,7 +9,7 @@ from elastic_np import cpu
 from elastic_np._contract import _problem
 from elastic_np.cli import _bench
 from elastic_np.cpu._tiles.logits import column_max as _column_max, logits_tile as _logits_tile
-from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, make_inputs
+from oracle_checks import ALIBI_BH, ALIBI_H, BIASES, DTYPES, MASK_NM, holds_user_variant, make_inputs
 
 
 # the kernels' helpers are only callable from compiled code (`elastic_np.cpu._runtime.numba_private.inner`)
@@ -139,13 +139,8 @@ def test_one_compiled_kernel_per_dtype_with_modifiers():
     # functions compile their own (tests/variants)
     for kernel in (cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel,
                    cpu._prefill.key_tiles.sum_dq_shares):
-        dtypes = [_operand_dtypes(signature) for signature in kernel.signatures if not _has_variant(signature)]
+        dtypes = [_operand_dtypes(signature) for signature in kernel.signatures if not holds_user_variant(signature)]
         assert len(dtypes) == len(set(dtypes)), kernel.signatures
-
-
-def _has_variant(signature):
-    """Whether a kernel's signature holds a user's functions (`elastic_np.cpu._tiles.variant`: one compile each)."""
-    return "KernelVariant" in str(signature)
 
 
 def _operand_dtypes(signature):

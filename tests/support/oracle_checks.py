@@ -273,6 +273,11 @@ def laid_out(bias, layout):
 LAYOUTS = ["C", "F", "queries-contiguous", "strided", "reversed"]
 
 
+def holds_user_variant(signature):
+    """Whether a kernel's signature holds a user's functions (`elastic_np.cpu._tiles.variant`: a compile each)."""
+    return "KernelVariant" in str(signature)
+
+
 def holds_half_bits(types):
     """Whether a signature holds an array of stored bits, a half's (uint16 or int16) or a quantized cache's
     (int8 or uint8), at any depth of its tuples: the specialisations of the other storage dtypes."""
