@@ -166,12 +166,27 @@ def pytest_xdist_make_scheduler(config, log):
 #: at the end while the other has run out of tests.
 SLOW_FILES = ("cuda/test_cuda_ptx.py", "cpu/test_tiles_compile.py", "cpu/test_numba_private.py", "docs/test_asv.py",
               "api/test_compile_report.py")
+#: Tests that compile the same kernels the fill leaves out (a quantized cache's, one per format and kind of scale;
+#: a user's variant's, which Numba caches in the process only): next, together, so that the worker that takes
+#: them compiles each kernel once. xdist's work stealing hands each worker a contiguous half of the order and
+#: moves tests from the end of a worker's queue, far from these.
+SHARED_COMPILES = ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "variants/",
+                   "torch/test_torch_variants.py")
+
+
+def _order(item):
+    """0 for the tests of `SLOW_FILES`, 1 for those of `SHARED_COMPILES`, 2 for the rest."""
+    path = item.nodeid.split("::")[0]
+    if path.endswith(SLOW_FILES):
+        return 0
+    return 1 if any(part in path for part in SHARED_COMPILES) else 2
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests of `SLOW_FILES` first (the workers' collections stay alike)."""
+    """Under pytest-xdist, the tests in `_order` (the workers' collections stay alike; a stable sort keeps each
+    group in file order)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(SLOW_FILES))
+        items.sort(key=_order)
 
 
 def pytest_configure(config):

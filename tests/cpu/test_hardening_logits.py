@@ -39,6 +39,9 @@ SETTINGS = settings(
     derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+#: A third of those for the one-key property, whose every example runs a forward, backward, prefill forward and
+#: double backward (about 0.1 s each).
+ONE_KEY_SETTINGS = settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 3))
 
 
 def tiles(patch, name):
@@ -225,7 +228,7 @@ def one_key_problems(draw):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@SETTINGS
+@ONE_KEY_SETTINGS
 @given(one_key_problems())
 def test_a_row_with_one_key_has_p_exactly_one(problem):
     """``dv`` of every key is the sum of ``dout`` over the rows that keep it; the forward's ``lse`` is the

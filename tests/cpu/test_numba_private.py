@@ -46,28 +46,39 @@ def test_this_process_follows_the_installed_numba_and_the_variable():
         private.enabled("no such path")
 
 
-FORCED = """
-import numpy as np
-import elastic_np as enp
+#: What a process with every private path off has (Numba's public API alone), after a forward with a modifier and a
+#: bias: its helpers are plain njit functions, callable from Python, and nothing is registered, linked or loaded
+#: lazily (the backward through public Numba alone: CI's stage with ELASTIC_NP_PUBLIC_NUMBA=1).
+FORCED_CHECKS = """
 from elastic_np.cli import _first_compile
 from elastic_np.cpu._prefill import dbias as _dbias
-from elastic_np.cpu._runtime import numba_private as _numba_private
 from elastic_np.cpu._tiles import (
     calls as _calls, exp as _exp, logits as _logits, products as _products, scalar as _scalar,
 )
+assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
+assert type(_logits.modify_tile) is type(_dbias.dbias_tile) is type(_products.matmul_nn)
+assert np.isclose(_scalar.log_add_exp(0.0, 0.0), np.log(2.0))
+assert not _numba_private._LINKED and not _numba_private._LAZY and not _numba_private._TRAMPOLINES
+assert not _first_compile._can_split()
+"""
+
+FORCED = """
+import numpy as np
+import elastic_np as enp
+from elastic_np.cpu._runtime import numba_private as _numba_private
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 12, 8)) for _ in range(3))
 out, lse = enp.attention(q, k, v, causal=True, softcap=3.0, bias=np.ones((12, 12)), return_lse=True)
-# (the backward through public Numba alone: CI's stage with ELASTIC_NP_PUBLIC_NUMBA=1)
-assert _calls.matmul_nn is _products.matmul_nn and _calls.exp_shift_sum is _exp.exp_shift_sum
-assert type(_logits.modify_tile) is type(_dbias.dbias_tile) is type(_products.matmul_nn)
-assert np.isclose(_scalar.log_add_exp(0.0, 0.0), np.log(2.0))  # a plain njit helper: callable from Python
-assert not _numba_private._LINKED and not _numba_private._LAZY and not _numba_private._TRAMPOLINES
-assert not _first_compile._can_split()
+""" + FORCED_CHECKS + """
 print(sorted(_numba_private._ON))
 """
 
+#: Whether this Numba is the tested one (`test_the_settings_share_a_cache_folder_without_loading_each_others_code`
+#: runs, and checks `FORCED_CHECKS` in its public setting's process).
+TESTED = private.paths_on(numba.__version__, None) == ALL
 
+
+@pytest.mark.skipif(TESTED, reason="the public setting's process of the shared-cache test checks the same")
 def test_forced_fallback_uses_public_numba_alone(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **{private.ENV_VAR: "1"})
     run = subprocess.run([sys.executable, "-c", FORCED], capture_output=True, text=True, timeout=900, env=env)
@@ -96,17 +107,18 @@ from elastic_np.cpu._prefill import forward as _forward
 from elastic_np.cpu._runtime import numba_private as _numba_private
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 24, 8)).astype(np.float32) for _ in range(3))
+bias = np.ones((24, 24), dtype=np.float32)
 with compile_report.watch() as watch:
-    out = enp.attention(q, k, v, causal=True, softcap=3.0, backend="cpu")
-error = np.abs(out - reference.attention(q, k, v, causal=True, softcap=3.0)[0]).max()
+    out = enp.attention(q, k, v, causal=True, softcap=3.0, bias=bias, backend="cpu")
+error = np.abs(out - reference.attention(q, k, v, causal=True, softcap=3.0, bias=bias)[0]).max()
 folder = _numba_private.cache_folder()
 assert folder is None or _forward._forward_kernel._cache.cache_path.startswith(folder), folder
 print(len(watch.compiled), error < 1e-5, folder is not None)
-"""
+if not _numba_private._ON:
+""" + "\n".join("    " + line for line in FORCED_CHECKS.strip().splitlines()) + "\n"
 
 
-@pytest.mark.skipif(private.paths_on(numba.__version__, None) != ALL,
-                    reason="outside the tested Numba every setting is the public one")
+@pytest.mark.skipif(not TESTED, reason="outside the tested Numba every setting is the public one")
 def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_path):
     root = str(pathlib.Path(private.__file__).parents[3])  # this checkout's package
     pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

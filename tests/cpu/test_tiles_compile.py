@@ -57,90 +57,42 @@ def _processes(script, cache_dir, count=1):
     ]
 
 
-PATH_FIRST = """
-import numpy as np
-import elastic_np as enp
-from elastic_np.cpu._tiles import products as _products, simd as _simd
-rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((1, 4, n, 16)).astype(np.float32) for n in (24, 24, 24))
-for step in {steps!r}:
-    if step == "decode":
-        enp.attention(q[:, :, :1], k, v, causal=True, softcap=20.0, beta=0.5)
-    elif step == "forward":
-        out, lse = enp.attention(q, k, v, causal=True, softcap=20.0, beta=0.5, return_lse=True)
-    else:
-        enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, softcap=20.0, beta=0.5)
-compiled = sorted(d.py_func.__name__ for d, _, _ in _simd._TYPED if d.overloads)
-print(" ".join(compiled))
-"""
-
-
 # The products' public names compile too where the kernels call them, not their shared C entry point.
 _ALL_PRODUCTS = "" if _numba_private.enabled("entry_points") else " matmul_nn matmul_nn_max matmul_tn"
 
 
 #: What a first forward and backward compile of the tile functions (`test_kernels_from_the_cache_call_the_tile_functions`
-#: checks it: its first process runs them, with a decode, whose own are a part of these).
+#: checks it: its first process runs them, after a decode, whose own are a part of these).
 FORWARD_BACKWARD = "_exp_f32 _matmul exp_inplace exp_shift_sum" + _ALL_PRODUCTS
-
-
-def test_a_decode_compiles_what_it_calls(tmp_path):
-    """A first call compiles the tile functions its kernels call (the products behind their C entry points), and only
-    those: a decode's (its products are its own, `_decode_products`)."""
-    (result,) = _processes(PATH_FIRST.format(steps=("decode",)), tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "_exp_f32 exp_inplace"
-
+#: What a first decode compiles of them (its products are its own, `_decode_products`).
+DECODE = "_exp_f32 exp_inplace"
+#: The stages that compile on first use, after each step of `FROM_CACHE`'s float32 calls: none without a modifier
+#: or a bias.
+LAZY_STAGES = ["plain -", "softcap modify_tile", "bias dbias_tile,modify_tile"]
 
 FROM_CACHE = """
+import hashlib
 import numpy as np
 import elastic_np as enp
+from elastic_np import reference
 from elastic_np.cpu._decode import decode as _decode
 from elastic_np.cpu._prefill import backward as _backward, forward as _forward
+from elastic_np.cpu._runtime import numba_private as _numba_private
 from elastic_np.cpu._tiles import simd as _simd
+
+def tile_functions():
+    return " ".join(sorted(d.py_func.__name__ for d, _, _ in _simd._TYPED if d.overloads))
+
 rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(3))
+q, k, v, dout = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(4))
 out1 = enp.attention(q[:, :, :1], k, v, causal=True)
+after_decode = tile_functions()
 out, lse = enp.attention(q, k, v, causal=True, return_lse=True)
 grads = enp.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
 kernels = (_decode._decode_kernel, _forward._forward_kernel, _backward._backward_kernel)
 print(sum(sum(f.stats.cache_hits.values()) for f in kernels), float(out1.sum()), float(out.sum()), float(grads.dq.sum() + grads.dk.sum() + grads.dv.sum()))
-print(" ".join(sorted(d.py_func.__name__ for d, _, _ in _simd._TYPED if d.overloads)))
-import hashlib
-q64 = rng.standard_normal((2, 4, 1, 8))
-k64 = rng.standard_normal((2, 2, 31, 8))
-v64 = rng.standard_normal((2, 2, 31, 6))
-out64 = enp.attention(q64, k64, v64, softcap=0.9, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5])
-print(hashlib.sha256(out64.tobytes()).hexdigest())
-"""
-
-
-def test_kernels_from_the_cache_call_the_tile_functions(tmp_path):
-    """A new process loads the kernels from the cache; their calls of the tile functions resolve there too. The
-    first process, which compiles, compiles the tile functions a forward and a backward call, and only those.
-
-    And a kernel calls its own copy of each helper, not one compiled apart: the process that compiles gets the
-    bits of the processes that load (a float64 decode; when the helpers had machine code of their own, the
-    compiling process's decode kernel called it and differed in the last bit). Without the private path
-    ``inner``, the compiling process may call a helper's own machine code: that check is left out.
-    """
-    runs = _processes(FROM_CACHE, tmp_path, count=2)
-    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
-    (first_hits, *first), (second_hits, *second) = (run.stdout.split("\n")[0].split() for run in runs)
-    assert first_hits == "0" and second_hits == "3"
-    assert first == second
-    assert runs[0].stdout.split("\n")[1].strip() == FORWARD_BACKWARD
-    if _numba_private.enabled("inner"):
-        assert runs[0].stdout.split("\n")[2] == runs[1].stdout.split("\n")[2]
-
-
-LAZY = """
-import numpy as np
-import elastic_np as enp
-from elastic_np import reference
-from elastic_np.cpu._runtime import numba_private as _numba_private
-rng = np.random.default_rng(0)
-q, k, v, dout = (rng.standard_normal((1, 4, 24, 16)).astype(np.float32) for _ in range(4))
+print(after_decode)
+print(tile_functions())
 bias = rng.standard_normal((24, 24)).astype(np.float32)
 steps = [("plain", {}), ("softcap", dict(softcap=5.0)), ("bias", dict(bias=bias, alibi_slopes=[0.1, 0.2, 0.3, 0.4]))]
 for name, opts in steps:
@@ -153,14 +105,35 @@ for name, opts in steps:
     if "bias" in opts:
         assert np.allclose(grads.dbias, want.dbias, atol=1e-4)
     print(name, ",".join(sorted(symbol.split("_", 2)[2].rsplit("_", 1)[0] for symbol in _numba_private._LAZY)) or "-")
+q64 = rng.standard_normal((2, 4, 1, 8))
+k64 = rng.standard_normal((2, 2, 31, 8))
+v64 = rng.standard_normal((2, 2, 31, 6))
+out64 = enp.attention(q64, k64, v64, softcap=0.9, tau=[0.5, 1.0, 2.0, 0.8], beta=[0.0, 0.3, 1.0, 2.5])
+print(hashlib.sha256(out64.tobytes()).hexdigest())
 """
 
 
-@pytest.mark.skipif(not _numba_private.enabled("lazy_stages"), reason="private path lazy_stages off: stages linked in")
-def test_modifier_and_dbias_stages_compile_on_first_use(tmp_path):
-    """A call without a modifier or bias compiles neither stage; kernels loaded from the cache call them too."""
-    runs = _processes(LAZY, tmp_path, count=2)
-    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
-    for run in runs:
-        assert run.stdout.split("\n")[:3] == ["plain -", "softcap modify_tile", "bias dbias_tile,modify_tile"]
+def test_kernels_from_the_cache_call_the_tile_functions(tmp_path):
+    """A new process loads the kernels from the cache; their calls of the tile functions resolve there too. The
+    first process, which compiles, compiles the tile functions its calls call, and only those: a decode's
+    (`DECODE`), then a forward's and a backward's (`FORWARD_BACKWARD`).
 
+    The score modifiers' and the bias gradient's stages compile on first use (`LAZY_STAGES`), and kernels loaded
+    from the cache call them too (with the private path ``lazy_stages``; without it they are linked in).
+
+    And a kernel calls its own copy of each helper, not one compiled apart: the process that compiles gets the
+    bits of the processes that load (a float64 decode; when the helpers had machine code of their own, the
+    compiling process's decode kernel called it and differed in the last bit). Without the private path
+    ``inner``, the compiling process may call a helper's own machine code: that check is left out.
+    """
+    runs = _processes(FROM_CACHE, tmp_path, count=2)
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
+    lines = [run.stdout.split("\n") for run in runs]
+    (first_hits, *first), (second_hits, *second) = (line[0].split() for line in lines)
+    assert first_hits == "0" and second_hits == "3"
+    assert first == second
+    assert lines[0][1:3] == [DECODE, FORWARD_BACKWARD]
+    if _numba_private.enabled("lazy_stages"):
+        assert lines[0][3:6] == lines[1][3:6] == LAZY_STAGES
+    if _numba_private.enabled("inner"):
+        assert lines[0][6] == lines[1][6]
