@@ -14,7 +14,10 @@ the public functions, once per kernel path and dtype):
   (NVM, a head dimension the tiles do not take);
 - the forwards of a quantized cache, per format and kind of scale (per
   head; float32 and float16 per-token or per-group ones), when asked
-  (``caches``).
+  (``caches``);
+- a user's variant (``score_mod``, ``mask_mod``, a block mask), whose
+  kernels compile per function and are kept in the process only, when
+  given.
 
 The other options are runtime values of the same kernels (`elastic_np.cpu._prefill.plan`).
 """
@@ -28,6 +31,8 @@ from elastic_np._api import compile_report, dispatch, varlen
 from elastic_np._contract import _quantized, _spec, _validation
 from elastic_np._contract._errors import BackendUnavailableError
 from elastic_np._contract._types import DynamicWindow
+from elastic_np._variants.block_mask import create_block_mask
+from elastic_np._variants.variant import given, make_variant
 
 #: ``(H, Hkv, N, M)`` of the padded calls of each path (batch 1): the prefill, and both decode kernels (one
 #: new query per sequence; 16, the key-major kernel's). Two kv heads: with one, a ``(B, M, Hkv, D)`` cache
@@ -79,7 +84,8 @@ def _stages(names):
     return stages
 
 
-def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False, caches=()):
+def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim=64, second_order=False, caches=(),
+           *, score_mod=None, mask_mod=None, block_mask=None, captures=()):
     """Compile, or load from Numba's on-disk cache, every kernel that later calls of ``dtypes`` will run.
 
     A kernel compiles on its first call in a process: seconds for each dtype
@@ -132,6 +138,15 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
         scales and with float32 and float16 per-token or per-group ones,
         for the dtypes of ``q`` among ``dtypes`` that read one (float32,
         bfloat16, float16). Default none.
+    score_mod, mask_mod, block_mask, captures : optional
+        A user's variant, as later calls of `attention` pass it: its
+        kernels (the forward and the backward, padded in both layouts and
+        packed), which compile per function and which Numba keeps in the
+        process only, compiled here (the path ``"variant"``). They run on a
+        problem of one query and one key, where ``b``, ``h``, ``q_idx`` and
+        ``kv_idx`` are 0: the functions must take those indices. A block
+        mask stands for every block mask of its ``mask_mod`` (they share
+        the kernels). The CPU backend only.
 
     Returns
     -------
@@ -146,8 +161,8 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     Raises
     ------
     ValueError
-        For an unknown option name, a dtype the backend does not take, or a
-        bad ``head_dim``.
+        For an unknown option name, a dtype the backend does not take, a
+        bad ``head_dim``, or a variant for a backend without user variants.
     BackendUnavailableError
         When the backend is not usable here, or has no double backward and
         ``second_order`` is true.
@@ -173,6 +188,9 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
     if second_order:
         paths.append(("double backward", _double_backward_calls, stages))
     cache_paths = [(f"{fmt} cache", _cache_calls(fmt), [{}]) for fmt in _cache_formats(caches, name)]
+    variant = _variant(module, name, score_mod, mask_mod, block_mask, captures)
+    if variant is not None:
+        paths.append(("variant", _variant_calls, [variant]))
     seconds = {}
     with compile_report.watch() as everything, compile_report.unannounced():
         if hasattr(module, "start_threads"):  # else the first call that goes parallel starts them
@@ -184,6 +202,35 @@ def warmup(dtypes=("float32", "float64"), options=None, backend="auto", head_dim
                     calls(_Inputs(dtype, head_dim), dict(stage, backend=name))
                 seconds[(dtype.name, path)] = time.perf_counter() - start
     return Warmup(seconds, len(everything.compiled))
+
+
+def _variant(module, name, score_mod, mask_mod, block_mask, captures):
+    """The options of a user's variant's calls (a block mask remade for one query and one key), or None."""
+    if not given(score_mod, mask_mod, block_mask, captures):
+        return None
+    made = make_variant(score_mod, mask_mod, block_mask, captures)  # checked as a call checks it
+    if not getattr(module, "takes_variants", False):
+        raise ValueError(f"backend {name!r} does not take a user's `score_mod`, `mask_mod` or `block_mask`")
+    options = {"score_mod": made.score_mod, "captures": made.captures}
+    if block_mask is not None:
+        options["block_mask"] = create_block_mask(made.mask_mod, 1, 1, 1, 1, captures=made.captures)
+    else:
+        options["mask_mod"] = made.mask_mod
+    return options
+
+
+def _variant_calls(inputs, options):
+    """A user's variant: the forward and backward of `attention` at one query and one key in both layouts, and of
+    `varlen_attention` on one such sequence (without a block mask, which it does not take)."""
+    for layout in _spec.LAYOUTS:
+        q, k, v = inputs.padded(1, 1, 1, 1, layout)
+        out, lse = dispatch.attention(q, k, v, return_lse=True, layout=layout, **options)
+        dispatch.attention_backward(np.ones_like(out), q, k, v, out, lse, layout=layout, **options)
+    if "block_mask" not in options:
+        cu = np.array([0, 1])
+        q, k, v = inputs(1, 1), inputs(1, 1), inputs(1, 1)
+        out, lse = varlen.varlen_attention(q, k, v, cu, cu, return_lse=True, **options)
+        varlen.varlen_attention_backward(np.ones_like(out), q, k, v, out, lse, cu, cu, **options)
 
 
 def _cache_formats(caches, backend):

@@ -43,7 +43,9 @@ from elastic_np.cli import _bench, _bench_decode
 from elastic_np.cli import _cuda_bench as cuda_bench
 from elastic_np.cli._progress import Progress, first_call_line
 from elastic_np.testing._battery import check_oracle_gradients, run_battery
-from elastic_np.testing._cases import CAPABILITIES, CASES, OPTION_NAMES, case_dtypes, select_cases
+from elastic_np.testing._cases import (
+    CAPABILITIES, CASES, OPTION_NAMES, VARIANT_NAMES, case_dtypes, select_cases, variant_cases,
+)
 
 
 def _example(args):
@@ -176,12 +178,14 @@ def _run_checks(modules, args):
     dtypes = [_validation.numpy_dtype(d) for d in args.dtype]
     backend_dtypes = {name: [d for d in dtypes if module.dtypes is None or d.name in module.dtypes]
                       for name, module in modules.items()}
+    cases = variant_cases(args.variants)
     steps = sum(len(case_dtypes(case, backend_dtypes[name])) for name in modules
-                for case in select_cases(_supported(name))[0]) + sum(c.oracle_gradients for c in CASES)
+                for case in select_cases(_supported(name, modules[name]), cases)[0])
+    steps += sum(c.oracle_gradients for c in CASES)
     reports, first_calls = [], {}
     with Progress(steps, "elastic-np check", delay=args.progress_delay) as progress:
         for name, module in modules.items():
-            supported, backend_dtypes = _supported(name), backend_dtypes[name]
+            supported, backend_dtypes = _supported(name, module), backend_dtypes[name]
             if name != "reference":
                 try:
                     first_calls[name] = _compile(name, backend_dtypes, progress)
@@ -191,17 +195,19 @@ def _run_checks(modules, args):
             reports.append(run_battery(
                 fn, backward=backward, supported=supported, dtypes=backend_dtypes,
                 quick=args.quick, seed=args.seed, title=f"backend {name!r} vs the float64 oracle",
-                progress=progress.update,
+                progress=progress.update, cases=cases,
             ))
         reports.append(check_oracle_gradients(
             quick=args.quick, seed=args.seed, progress=progress.update))
     return reports, first_calls
 
 
-def _supported(backend):
-    """The options (of the kit's, `OPTION_NAMES`) ``backend`` takes, and the capabilities."""
+def _supported(backend, module):
+    """The options (of the kit's, `OPTION_NAMES`) ``backend`` takes, the arguments of a user's variant where its
+    ``module`` takes them, and the capabilities."""
     taken = _spec.taken_by(backend)
-    return tuple(name for name in OPTION_NAMES if name in taken) + CAPABILITIES
+    variants = VARIANT_NAMES if getattr(module, "takes_variants", False) else ()
+    return tuple(name for name in OPTION_NAMES if name in taken) + variants + CAPABILITIES
 
 
 def _check_verdict(reports, modules, skipped):
@@ -460,6 +466,10 @@ def _add_check(sub):
     check.add_argument("--quick", action="store_true", help="tiny sizes (well under a minute)")
     _add_dtypes(check, "dtypes to check (bfloat16 needs ml_dtypes; the CUDA kernels take neither half)")
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    check.add_argument("--variants", action="store_true",
+                       help="also the cases of a user's variant (a score_mod with a learnable bias table, a "
+                            "document mask as a mask_mod and as a block mask) where the backend takes them; "
+                            "their kernels compile per function and are not cached: seconds more per dtype")
     return check
 
 

@@ -30,7 +30,8 @@ from elastic_np._contract._problem import prepare
 from elastic_np._contract._types import DynamicWindow
 from elastic_np.reference._backend import forward as _oracle_forward
 from elastic_np.testing._cases import (
-    CAPABILITIES, CASES, OPTION_NAMES, case_dtypes, draw_inputs, quantized_cache, select_cases,
+    CAPABILITIES, CASES, OPTION_NAMES, VARIANT_NAMES, case_dtypes, draw_inputs, in_dtype, quantized_cache,
+    select_cases,
 )
 from elastic_np.testing._gradcheck import gradcheck
 from elastic_np.testing._report import ConformanceReport, Row, worst_error
@@ -49,8 +50,9 @@ _GRAD_NAMES = ("dq", "dk", "dv", *_GRAD_OPTION)
 
 
 def supported_options(fn, options=None):
-    """Option and capability names ``fn`` takes: its keyword parameters plus ``options``."""
-    known = set(OPTION_NAMES) | set(CAPABILITIES)
+    """Option, variant and capability names ``fn`` takes: its keyword parameters plus ``options``."""
+    taken = set(OPTION_NAMES) | set(VARIANT_NAMES)
+    known = taken | set(CAPABILITIES)
     declared = set(options or ())
     unknown = declared - known
     if unknown:
@@ -63,7 +65,7 @@ def supported_options(fn, options=None):
         params = {}
     from_signature = {
         name for name, param in params.items()
-        if name in OPTION_NAMES and param.kind is not inspect.Parameter.VAR_KEYWORD
+        if name in taken and param.kind is not inspect.Parameter.VAR_KEYWORD
     }
     return from_signature | declared
 
@@ -78,14 +80,15 @@ def _unpack_forward(result):
 
 
 def _unpack_backward(result):
+    names = (*_GRAD_NAMES, "dcaptures")
     if isinstance(result, dict):
-        return {name: result.get(name) for name in _GRAD_NAMES}
+        return {name: result.get(name) for name in names}
     if isinstance(result, (tuple, list)):
         if not 3 <= len(result) <= 6:
             raise TypeError(
                 f"backward returned {len(result)} items; expected 3 to 6 (dq, dk, dv, ...)")
         return dict(zip(_GRAD_NAMES, result))
-    return {name: getattr(result, name, None) for name in _GRAD_NAMES}
+    return {name: getattr(result, name, None) for name in names}
 
 
 def _compare(report, case, dtype, quantity, got, want, naive, rounding=0.0):
@@ -101,8 +104,8 @@ def _fail(report, case, dtype, quantity, exc):
 
 
 def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float64),
-                quick=True, seed=0, title="conformance", progress=None):
-    """Run every case ``supported`` covers through ``fn`` (and ``backward``).
+                quick=True, seed=0, title="conformance", progress=None, cases=None):
+    """Run every case of ``cases`` (default: all) that ``supported`` covers through ``fn`` (and ``backward``).
 
     See `elastic_np.testing.check_attention` for the calling conventions.
     ``progress`` is called as ``progress(step_label)`` after each case and dtype.
@@ -111,7 +114,7 @@ def run_battery(fn, *, backward=None, supported=(), dtypes=(np.float32, np.float
     for d in dtypes:
         if d.name not in FLOOR:
             raise ValueError(f"`dtypes` may hold {', '.join(FLOOR)}, got {d}")
-    cases, skipped = select_cases(supported)
+    cases, skipped = select_cases(supported, cases)
     report = ConformanceReport(title=title, skipped=[(c.name, needs) for c, needs in skipped])
     for case in cases:
         for dtype in case_dtypes(case, dtypes):
@@ -158,14 +161,28 @@ def _run_case(report, case, dtype, fn, backward, quick, seed):
             if _GRAD_OPTION[name] not in options or got is None:
                 continue
         _compare(report, case.name, dtype, name, got, want, [n[name] for n in naive], rounding.get(name, 0.0))
+    _compare_captures(report, case.name, dtype, grads.get("dcaptures"), grads_ref.dcaptures, naive, rounding)
+
+
+def _compare_captures(report, case, dtype, got, want, naive, rounding):
+    """The gradient of each floating capture (``dcaptures[i]``), when the implementation returns them."""
+    if got is None or want is None:
+        return
+    for i, wanted in enumerate(want):
+        if wanted is not None:
+            _compare(report, case, dtype, f"dcaptures[{i}]", got[i], wanted, [n["dcaptures"][i] for n in naive],
+                     rounding["dcaptures"][i])
 
 
 def _implementation_inputs(arrays, options, dtype, stored):
-    """``(args, options)`` the implementation under test gets: ``q, k, v`` and the bias in the dtype under test,
-    a quantized cache's bytes and scales (`quantized_cache`'s ``stored``) for its ``k`` and ``v``."""
+    """``(args, options)`` the implementation under test gets: ``q, k, v`` and the bias in the dtype under test
+    (floating captures in the dtype it computes in), a quantized cache's bytes and scales (`quantized_cache`'s
+    ``stored``) for its ``k`` and ``v``."""
     args = [np.array(a, dtype=dtype) for a in arrays]
     if "bias" in options:
         options = dict(options, bias=options["bias"].astype(dtype))
+    if "captures" in options:
+        options = dict(options, captures=tuple(in_dtype(c, dtype) for c in options["captures"]))
     if stored is not None:
         args[1:], options = stored[:2], {**options, **stored[2]}
     return args, options
@@ -266,9 +283,13 @@ def check_attention(fn, *, backward=None, options=None, dtypes=(np.float32, np.f
         ``dtau, dbeta, dsigma, dbias``, or an object or dict with those
         names, such as `elastic_np.AttentionGrads`.
     options : iterable of str, optional
-        Options ``fn`` takes besides its signature's keyword parameters, and
-        the capabilities ``"gqa"`` and ``"bottom_right_causal"``. A case runs
-        only when ``fn`` has every option it needs.
+        Options ``fn`` takes besides its signature's keyword parameters, the
+        arguments of a user's variant (``"score_mod"``, ``"mask_mod"``,
+        ``"block_mask"``, ``"captures"``: their cases hold a relative-position
+        bias table and a document mask to the oracle, ``dcaptures`` included
+        when ``backward`` returns it), and the capabilities ``"gqa"`` and
+        ``"bottom_right_causal"``. A case runs only when ``fn`` has every
+        option it needs.
     dtypes : sequence of dtypes, optional
         Any of float32, float64, float16 and bfloat16.
     seed : int, optional

@@ -8,6 +8,8 @@ import numpy as np
 
 from elastic_np import reference
 from elastic_np._contract import _quantized, _spec
+from elastic_np._contract._validation import compute_dtype
+from elastic_np._variants.block_mask import create_block_mask
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._quantized import dequantized, fine_scale, quantize_kv
 
@@ -27,6 +29,9 @@ MODIFIER_NAMES = _spec.MODIFIERS
 #: ``"bottom_right_causal"``: causal with ``N != M``, aligned bottom-right as in
 #: the contract (torch's ``is_causal`` is top-left aligned, so it must not declare it).
 CAPABILITIES = ("gqa", "bottom_right_causal")
+#: The arguments of a user's attention variant (`elastic_np.attention`'s ``score_mod``, ``mask_mod``,
+#: ``block_mask`` and ``captures``), which the variant cases need; declared as the options are.
+VARIANT_NAMES = ("score_mod", "mask_mod", "block_mask", "captures")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Case:
     run; ``make_options(rng, shape)`` returns the keyword options.
     ``oracle_gradients``: False for a case that repeats another at more
     queries, which the float64 oracle's own gradient check skips (its code
-    does not depend on the shape). ``cache``: None, or ``(format,
+    does not depend on the shape), and for a user's variant. ``cache``: None, or ``(format,
     granularity)`` of a quantized ``k`` and ``v`` (`quantized_cache`; such a
     case runs forward only, with ``q`` in `CACHE_DTYPES`).
     """
@@ -144,6 +149,43 @@ def _modifiers_combined(rng, shape):
     }
 
 
+def distance_bias(score, b, h, q_idx, kv_idx, table, documents):
+    """The variant cases' ``score_mod``: a learnable bias of head ``h`` and the distance ``kv_idx - q_idx``
+    clipped to [-4, 4], ``table`` ``(H, 9)``."""
+    return score + table[h, min(max(kv_idx - q_idx, -4), 4) + 4]
+
+
+def same_document(b, h, q_idx, kv_idx, table, documents):
+    """The variant cases' ``mask_mod``: keys of the query's own document (``documents[b, i]``, that of position
+    ``i`` of sequence ``b``), causal."""
+    return documents[b, q_idx] == documents[b, kv_idx] and kv_idx <= q_idx
+
+
+def _variant(block_mask):
+    """The options of a variant case: `distance_bias` and `same_document` (N = M), as a block mask of blocks of
+    8 (empty, full and partial ones) with ``block_mask``."""
+
+    def make_options(rng, shape):
+        B, H, Hkv, N, M, D, Dv = shape
+        splits = ([N // 2, N // 2 + N // 5], [N // 4])  # three documents, then two
+        documents = np.stack([np.searchsorted(splits[b % 2], np.arange(N), side="right") for b in range(B)])
+        captures = (rng.standard_normal((H, 9)), documents)
+        options = {"score_mod": distance_bias, "captures": captures}
+        if block_mask:
+            options["block_mask"] = create_block_mask(same_document, B, H, N, M, captures=captures, block_size=8)
+        else:
+            options["mask_mod"] = same_document
+        return options
+
+    return make_options
+
+
+def variant_arguments(options):
+    """``(options, variant)``: ``options`` less the `VARIANT_NAMES`, and those (as keyword arguments)."""
+    variant = {name: options[name] for name in VARIANT_NAMES if name in options}
+    return {name: value for name, value in options.items() if name not in variant}, variant
+
+
 def _case(name, requires, sizes, make_options, oracle_gradients=True, cache=None):
     quick, full = sizes
     return Case(name, frozenset(requires), quick, full, make_options, oracle_gradients, cache)
@@ -213,6 +255,13 @@ CASES = (
           cache=("float8_e4m3fn", "token")),
     _case("int8 cache per group, N=20", CACHE_SCALES + ("softcap",), _sizes(N=20, M=24, full_scale=1),
           lambda rng, s: {"softcap": 2.0}, oracle_gradients=False, cache=("int8", "group")),
+    # a user's variant: a relative-position bias table (a capture with a gradient) and a document mask, as a
+    # mask_mod and as a block mask (the oracle's gradients of the captures are held to finite differences in
+    # the package's tests, not by `check_oracle_gradients`)
+    _case("score_mod, mask_mod", ("score_mod", "mask_mod", "captures"), _sizes(N=20, full_scale=1),
+          _variant(block_mask=False), oracle_gradients=False),
+    _case("score_mod, block_mask", ("score_mod", "block_mask", "captures"), _sizes(N=20, full_scale=1),
+          _variant(block_mask=True), oracle_gradients=False),
 )
 
 
@@ -239,6 +288,8 @@ def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
         options = case.make_options(rng, shape)
         if "bias" in options:
             options["bias"] = options["bias"].astype(dtype).astype(np.float64)
+        if "captures" in options:
+            options["captures"] = tuple(in_dtype(c, dtype, np.float64) for c in options["captures"])
         if not options.get("nvm"):
             return q, k, v, dout, options
         # NVM jumps where the final score (after soft-cap, ALiBi, bias) is 0
@@ -248,6 +299,15 @@ def draw_inputs(case, dtype, *, quick=True, seed=0, margin=1e-5, dims=None):
             return q, k, v, dout, options
     raise RuntimeError(  # pragma: no cover
         f"could not draw inputs away from the NVM jump for case {case.name!r}")
+
+
+def in_dtype(capture, dtype, to=None):
+    """A floating ``capture`` rounded to ``dtype`` (as the implementation under test gets it: in float32 for
+    bfloat16 and float16, which captures are not taken in), then cast ``to``; any other capture as it is."""
+    if not np.issubdtype(capture.dtype, np.floating):
+        return capture
+    rounded = capture.astype(dtype)
+    return rounded.astype(to if to is not None else compute_dtype(dtype))
 
 
 def quantized_cache(case, k, v):
@@ -306,10 +366,15 @@ def unavailable(case):
     return []
 
 
-def select_cases(supported):
-    """Split `CASES` into those whose requirements ``supported`` covers (and that are not `unavailable`) and the
-    rest, each with what it lacks."""
-    supported = frozenset(supported)
-    run = [c for c in CASES if c.requires <= supported and not unavailable(c)]
-    skipped = [(c, sorted(c.requires - supported) + unavailable(c)) for c in CASES if c not in run]
+def select_cases(supported, cases=None):
+    """Split ``cases`` (default `CASES`) into those whose requirements ``supported`` covers (and that are not
+    `unavailable`) and the rest, each with what it lacks."""
+    supported, cases = frozenset(supported), CASES if cases is None else cases
+    run = [c for c in cases if c.requires <= supported and not unavailable(c)]
+    skipped = [(c, sorted(c.requires - supported) + unavailable(c)) for c in cases if c not in run]
     return run, skipped
+
+
+def variant_cases(chosen):
+    """`CASES` with those of a user's variant (needing one of `VARIANT_NAMES`) when ``chosen``, else without."""
+    return tuple(c for c in CASES if chosen or not c.requires & set(VARIANT_NAMES))

@@ -82,12 +82,13 @@ class ConformanceReport:
 
     def __str__(self):
         width = max([len(r.case) for r in self.rows] + [4])
+        named = max([len(r.quantity) for r in self.rows] + [8])
         lines = [self.title,
-                 f"  {'case':<{width}}  {'dtype':<7}  {'quantity':<8}  {'worst error':>11}  "
+                 f"  {'case':<{width}}  {'dtype':<7}  {'quantity':<{named}}  {'worst error':>11}  "
                  f"{'allowed':>9}  result"]
         for r in self.rows:
             lines.append(
-                f"  {r.case:<{width}}  {r.dtype:<7}  {r.quantity:<8}  {r.error:>11.2e}  "
+                f"  {r.case:<{width}}  {r.dtype:<7}  {r.quantity:<{named}}  {r.error:>11.2e}  "
                 f"{r.allowed:>9.2e}  {'pass' if r.passed else 'FAIL'}"
                 + (f"  ({r.note})" if r.note else "")
             )

@@ -15,11 +15,16 @@ from elastic_np import reference
 from elastic_np._contract._grads import direction, reduce_to_shape, sum_to_shape
 from elastic_np._contract._problem import prepare
 from elastic_np._contract._validation import HALF_DTYPES, compute_dtype
-from elastic_np.reference._attention import kept_scores, log_tanh_elasticity, modify_scores, window_gate, without_padding
+from elastic_np.reference._variant import has_score, modified_scores
+from elastic_np.reference._variant import score_gradient as variant_gradient
+from elastic_np.reference._attention import (
+    kept_scores, log_tanh_elasticity, modify_scores, scores, window_gate, with_variant, without_padding,
+)
 from elastic_np.reference._backend import double_backward as oracle_double_backward
 from elastic_np.reference._backend import forward as oracle_forward
 from elastic_np.reference._backward import dlog_gate, dtau_terms, score_gradient
 from elastic_np.reference._double_backward import d2log_gate, tangent_terms
+from elastic_np.testing._cases import variant_arguments
 from elastic_np.testing._report import _magnitude, worst_error
 
 #: Relative floor of the allowed error, scaled by the largest magnitude of the oracle, by dtype name:
@@ -48,13 +53,16 @@ def naive_forward(q, k, v, options, dtype):
     """
     dtype = compute_dtype(dtype)
     t = dtype.type
-    p = prepare(*(np.asarray(a, dtype=dtype) for a in (q, k, v)), dtypes=(dtype,), **options)
+    p = _prepared(options, *(np.asarray(a, dtype=dtype) for a in (q, k, v)), dtypes=(dtype,))
     B, H, Hkv, N, M, D, Dv = p.shape
     kk = np.repeat(p.k, p.group_size, axis=1)
     vv = np.repeat(p.v, p.group_size, axis=1)
-    # the score modifiers and the keep mask are the oracle's; the product, the
-    # gate and the normalisation are the plain forms whose rounding sets the rule
+    # the score modifiers, a user's score_mod (called on scalars of dtype) and the keep mask are the oracle's;
+    # the product, the gate and the normalisation are the plain forms whose rounding sets the rule
     s, cap_slope = modify_scores(p, (p.q @ np.swapaxes(kk, -1, -2)) * t(p.scale))
+    s_before = s
+    if has_score(p):
+        s = modified_scores(p, s)
     s, keep = kept_scores(p, s)
     tau = p.tau.astype(dtype)[:, None, None]
     z = s / tau
@@ -76,7 +84,14 @@ def naive_forward(q, k, v, options, dtype):
         lse = (m + np.log(l))[..., 0]
     probs = np.divide(e, l, out=np.zeros_like(e), where=l > 0)
     out = probs @ vv
-    return out, lse, (p, s, z, keep, kk, vv, gate, cap_slope)
+    return out, lse, (p, s, z, keep, kk, vv, gate, cap_slope, s_before)
+
+
+def _prepared(options, q, k, v, **kwargs):
+    """The problem of ``q, k, v`` and ``options``, a user's variant among them (`VARIANT_NAMES`)."""
+    fixed, given = variant_arguments(options)
+    return with_variant(prepare(q, k, v, **kwargs, **fixed), given.get("score_mod"), given.get("mask_mod"),
+                        given.get("block_mask"), given.get("captures", ()))
 
 
 def _naive_gate(p, dtype):
@@ -122,7 +137,7 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
     """
     dtype = compute_dtype(dtype)
     t = dtype.type
-    p, s, z, keep, kk, vv, gate, cap_slope = cache
+    p, s, z, keep, kk, vv, gate, cap_slope, s_before = cache
     with np.errstate(invalid="ignore", over="ignore"):
         probs = np.where(keep, np.exp(z - np.asarray(lse, dtype=dtype)[..., None]), t(0))
     B, H, Hkv, N, M, D, Dv = p.shape
@@ -134,6 +149,9 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
         delta = delta - np.asarray(dlse, dtype=dtype)
     dz = probs * (dP - delta[..., None])
     ds = dz / tau
+    dcaptures = None
+    if has_score(p):  # through score_mod (its exact derivative, as the oracle takes it)
+        ds, dcaptures = variant_gradient(p, s_before, ds)
     ds_raw = ds if cap_slope is None else ds * cap_slope
     dq = t(p.scale) * (ds_raw @ kk)
     dk = t(p.scale) * (np.swapaxes(ds_raw, -1, -2) @ p.q)
@@ -155,6 +173,8 @@ def naive_backward(dout, out, lse, cache, dtype, dlse=None):
         grads["dsigma"] = sum_to_shape(dsigma, p.sigma_shape)
     if p.bias is not None:
         grads["dbias"] = reduce_to_shape(ds, p.bias_shape)
+    if dcaptures is not None:
+        grads["dcaptures"] = dcaptures
     return grads
 
 
@@ -342,7 +362,7 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
         computes in (float32's for float32, bfloat16 and float16).
     """
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
-    p = prepare(q, k, v, **options)
+    p = _prepared(options, q, k, v)
     B, H, Hkv, N, M, D, Dv = p.shape
     out, lse = oracle_forward(p)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -361,6 +381,10 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
             dlogg = dlog_gate(p, *gate)
             dsigma = np.sum(np.abs(np.where(keep, dz_mag * dlogg, 0.0)), axis=(2, 3))
         ds_mag = dz_mag / p.tau[:, None, None]
+        dcaptures = None
+        if has_score(p):  # magnitudes through score_mod's derivative
+            ds_mag, dcaptures = variant_gradient(p, scores(p)[0], ds_mag)
+            ds_mag = np.abs(ds_mag)
         ds_raw_mag = ds_mag if cap_slope is None else ds_mag * cap_slope * (1 + _slope_condition(p) / cond[..., None])
         dq = abs(p.scale) * ds_raw_mag @ np.abs(np.repeat(p.k, p.group_size, axis=1))
         dk = (abs(p.scale) * np.swapaxes(ds_raw_mag, -1, -2) @ np.abs(p.q)).reshape(B, Hkv, p.group_size, M, D)
@@ -370,7 +394,11 @@ def rounding_allowance(q, k, v, dout, options, dlse=None, dtype=np.float32):
     terms.update({name: getattr(bounds, name) for name in ("dq", "dk", "dv", "dtau", "dsigma")})
     if p.bias is not None:
         terms["dbias"] = reduce_to_shape(ds_mag, p.bias_shape)
-    return dict(_allowances(terms, dtype), dbeta=dbeta)
+    allowances = dict(_allowances(terms, dtype), dbeta=dbeta)
+    if dcaptures is not None:
+        allowances["dcaptures"] = tuple(None if d is None else _allowances({"d": np.abs(d)}, dtype)["d"]
+                                        for d in dcaptures)
+    return allowances
 
 
 def kit_allowed(want, naive, dtype, rounding=0.0):
@@ -451,7 +479,7 @@ def double_backward_rounding(q, k, v, dout, cotangents, options, dlse=None, dtyp
         the gradients the options produce.
     """
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
-    p = prepare(q, k, v, **options)
+    p = _prepared(options, q, k, v)
     B, H, Hkv, N, M, D, Dv = p.shape
     out, lse = oracle_forward(p)
     d = direction(p, cotangents[:3], cotangents[3:], True)

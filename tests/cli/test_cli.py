@@ -33,11 +33,11 @@ def available(name):
 
 
 #: A row of check's tables: case, dtype, quantity, worst error, allowed, result.
-CHECK_ROW = re.compile(r"^  (.+?)\s+(b?float\d+)\s+(\w+)\s+(\S+)\s+(\S+)\s+(pass|FAIL)\b")
+CHECK_ROW = re.compile(r"^  (.+?)\s+(b?float\d+)\s+([\w\[\]]+)\s+(\S+)\s+(\S+)\s+(pass|FAIL)\b")
 
 
 def test_check_quick_reference(capsys):
-    assert cli.main(["check", "--quick", "--backend", "reference"]) == 0
+    assert cli.main(["check", "--quick", "--backend", "reference", "--variants"]) == 0
     out = capsys.readouterr().out
     assert "backend 'reference' vs the float64 oracle" in out
     assert "float64 oracle gradients vs central differences" in out
@@ -58,6 +58,15 @@ def test_check_quick_reference(capsys):
     assert {row[1] for row in rows["oracle"]} == {"float32", "float64"}
     total = len(rows["oracle"]) + len(rows["differences"])
     assert out.strip().splitlines()[-1].startswith(f"PASS: {total} checks passed")
+
+
+def test_a_users_variant_is_checked_when_asked(capsys):
+    """Without ``--variants`` (test_check_quick_reference passes it), no case of a user's variant runs."""
+    assert cli.main(["check", "--quick", "--backend", "reference", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert "  plain " in out and "score_mod" not in out  # neither run nor listed as skipped
+    assert cli.main(["check", "--help"]) == 0
+    assert "--variants" in capsys.readouterr().out
 
 
 def test_check_quick_all_reports_unavailable_backends_as_skipped(capsys):
@@ -92,7 +101,7 @@ def test_check_quick_reaches_the_decode_and_the_prefill_kernels():
     from elastic_np.cpu._decode import plan as _decode_plan
 
     decode = {}
-    for case in _cases.CASES:
+    for case in (c for c in _cases.CASES if not c.requires & set(_cases.VARIANT_NAMES)):
         q, k, v, dout, options = _cases.draw_inputs(case, np.float32)
         decode[case.name] = _decode_plan.takes(prepare(q, k, v, **options))
     assert decode["plain"] and decode["combined"] and decode["modifiers combined"]

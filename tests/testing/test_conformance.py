@@ -12,7 +12,10 @@ from elastic_np._contract import _problem
 from elastic_np.testing import _battery, _cases, _tolerances
 from elastic_np.testing import backend_functions, check_attention
 
-ALL = _cases.OPTION_NAMES + _cases.CAPABILITIES
+ALL = _cases.OPTION_NAMES + _cases.VARIANT_NAMES + _cases.CAPABILITIES
+#: Without a user's variant's cases, whose CPU kernels compile per function (tests/variants/test_variant_kit.py
+#: runs the CPU backend through one of them).
+BUILT_IN = _cases.OPTION_NAMES + _cases.CAPABILITIES
 
 
 
@@ -47,9 +50,9 @@ def test_reference_backend_passes_every_case():
 @pytest.mark.skipif(not cpu_available(), reason="the cpu backend is not available")
 def test_cpu_backend_passes_every_case():
     fn, backward = backend_functions("cpu")
-    report = check_attention(fn, backward=backward, options=ALL)
+    report = check_attention(fn, backward=backward, options=BUILT_IN)
     assert report, str(report)
-    assert len({row.case for row in report.rows}) == len(_cases.CASES)
+    assert {row.case for row in report.rows} == {c.name for c in _cases.CASES if c.requires <= set(BUILT_IN)}
 
 
 def test_naive_float32_evaluation_passes_and_float64_one_matches_oracle():
@@ -311,6 +314,28 @@ def test_wrong_shape_is_a_failure():
 # ---------------------------------------------------------------------------
 # Options, inputs and the oracle's gradients
 # ---------------------------------------------------------------------------
+
+
+def test_a_variant_ignored_or_a_captures_gradient_off_is_caught():
+    fn, backward = backend_functions("reference")
+
+    def without_variant(q, k, v, score_mod=None, mask_mod=None, block_mask=None, captures=(), **options):
+        return fn(q, k, v, **options)
+
+    def bad_dcaptures(dout, q, k, v, **options):
+        g = backward(dout, q, k, v, **options)
+        return {"dq": g.dq, "dk": g.dk, "dv": g.dv, "dcaptures": tuple(
+            None if d is None else d * 1.001 for d in g.dcaptures or ())}
+
+    variant_cases = {c.name for c in _cases.CASES if c.requires & set(_cases.VARIANT_NAMES)}
+    assert variant_cases == {"score_mod, mask_mod", "score_mod, block_mask"}
+    report = check_attention(without_variant)
+    assert {r.case for r in report.failures} == variant_cases
+    report = check_attention(fn, backward=bad_dcaptures, options=ALL)
+    assert {(r.case, r.quantity) for r in report.failures} == {(c, "dcaptures[0]") for c in variant_cases}
+    assert {r.dtype for r in report.failures} == {"float32", "float64"}
+    skipped = dict(check_attention(fn, options=BUILT_IN).skipped)
+    assert skipped["score_mod, block_mask"] == ["block_mask", "captures", "score_mod"]
 
 
 def test_supported_options_from_signature_and_declared():
