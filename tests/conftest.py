@@ -166,12 +166,13 @@ def pytest_xdist_make_scheduler(config, log):
 #: at the end while the other has run out of tests.
 SLOW_FILES = ("cuda/test_cuda_ptx.py", "cpu/test_tiles_compile.py", "cpu/test_numba_private.py", "docs/test_asv.py",
               "api/test_compile_report.py")
-#: Tests that compile the same kernels the fill leaves out (a quantized cache's, one per format and kind of scale;
-#: a user's variant's, which Numba caches in the process only): next, together, so that the worker that takes
-#: them compiles each kernel once. xdist's work stealing hands each worker a contiguous half of the order and
-#: moves tests from the end of a worker's queue, far from these.
-SHARED_COMPILES = ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "variants/",
-                   "torch/test_torch_variants.py")
+#: Tests that compile the same kernels the fill leaves out (a quantized cache's, one per format and kind of scale,
+#: which the kit's cases, the benchmark scripts and the command line's checks reach too; a user's variant's, which
+#: Numba caches in the process only): next, together, so that the worker that takes them compiles each kernel once
+#: (into its own cache, which the processes it starts read). xdist's work stealing hands each worker a contiguous
+#: half of the order and moves tests from the end of a worker's queue, far from these.
+SHARED_COMPILES = ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "cpu/test_halves.py",
+                   "docs/test_benchmark_scripts.py", "variants/", "torch/test_torch_variants.py")
 
 
 def _order(item):
