@@ -166,28 +166,56 @@ def pytest_xdist_make_scheduler(config, log):
 #: at the end while the other has run out of tests.
 SLOW_FILES = ("cuda/test_cuda_ptx.py", "cpu/test_tiles_compile.py", "cpu/test_numba_private.py", "docs/test_asv.py",
               "api/test_compile_report.py")
-#: Tests that compile the same kernels the fill leaves out (a quantized cache's, one per format and kind of scale,
-#: which the kit's cases, the benchmark scripts and the command line's checks reach too; a user's variant's, which
-#: Numba caches in the process only): next, together, so that the worker that takes them compiles each kernel once
-#: (into its own cache, which the processes it starts read). xdist's work stealing hands each worker a contiguous
-#: half of the order and moves tests from the end of a worker's queue, far from these.
-SHARED_COMPILES = ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "cpu/test_halves.py",
-                   "docs/test_benchmark_scripts.py", "variants/", "torch/test_torch_variants.py")
+#: Tests that compile the same kernels the fill leaves out, in groups matched against their node ids: a quantized
+#: cache's (one per format and kind of scale, which the kit's cases, the benchmark scripts and the decoding page
+#: reach too), and a user's variants' (which Numba caches in the process only). Each group starts the share of the
+#: tests one worker gets first (`_order`), so that it compiles each of those kernels once, while the other worker
+#: compiles the other group's.
+SHARED_COMPILES = (
+    ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "cpu/test_halves.py",
+     "docs/test_benchmark_scripts.py", "testing/test_conformance.py", "cli/test_cli.py", "[decoding.rst]"),
+    ("variants/", "torch/test_torch_variants.py", "[variants.rst]"),
+)
 
 
-def _order(item):
-    """0 for the tests of `SLOW_FILES`, 1 for those of `SHARED_COMPILES`, 2 for the rest."""
-    path = item.nodeid.split("::")[0]
-    if path.endswith(SLOW_FILES):
-        return 0
-    return 1 if any(part in path for part in SHARED_COMPILES) else 2
+def _group(item):
+    """The index of the `SHARED_COMPILES` group ``item`` belongs to, or None."""
+    return next((n for n, group in enumerate(SHARED_COMPILES) if any(part in item.nodeid for part in group)), None)
+
+
+def _order(items, workers):
+    """``items`` in the order xdist's work stealing should hand them out: it gives worker ``w`` a contiguous share
+    (``len(pending) // workers left``) and moves tests from the end of a worker's queue to a worker out of tests.
+    The first share starts with `SLOW_FILES` (so that no worker is left running one of them at the end while the
+    other has run out of tests), the shares then with a group of `SHARED_COMPILES` each (the last takes those
+    left), each filled up with the other tests, in collection order."""
+    slow = [item for item in items if item.nodeid.split("::")[0].endswith(SLOW_FILES)]
+    groups = [[] for _ in range(max(workers, 1))]
+    rest = []
+    for item in items:
+        if item in slow:
+            continue
+        n = _group(item)
+        if n is None:
+            rest.append(item)
+        else:
+            groups[min(n, len(groups) - 1)].append(item)
+    groups[0][:0] = slow
+    ordered, pending = [], len(items)
+    for w, share in enumerate(groups):
+        size = pending // (len(groups) - w)
+        fill = max(size - len(share), 0) if w < len(groups) - 1 else len(rest)
+        share = share + rest[:fill]
+        rest = rest[fill:]
+        ordered += share
+        pending -= len(share)
+    return ordered
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests in `_order` (the workers' collections stay alike; a stable sort keeps each
-    group in file order)."""
+    """Under pytest-xdist, the tests in `_order` (the workers' collections stay alike)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=_order)
+        items[:] = _order(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_configure(config):

@@ -24,11 +24,12 @@ def _bits(a):
 
 @pytest.mark.parametrize("dtype", half_ids)
 def test_every_kit_case_within_the_rule(dtype):
-    """Forward, backward and decode of every case of the kit, in the dtype's rule (twice a naive float32 evaluation's error)."""
+    """Forward, backward and decode of every case of the kit, in the dtype's rule (twice a naive float32 evaluation's
+    error); a user's variant's cases aside (tests/variants/test_variant_kit.py, float32 computing the halves' tiles)."""
     fn, backward = testing.backend_functions("cpu")
     report = _battery.run_battery(fn, backward=backward, supported=set(OPTION_NAMES) | set(CAPABILITIES),
                                   dtypes=[dtype])
-    assert not report.skipped
+    assert {name for name, _ in report.skipped} == {"score_mod, mask_mod", "score_mod, block_mask"}
     assert report, str(report)
     assert {row.dtype for row in report.rows} == {dtype}
 
