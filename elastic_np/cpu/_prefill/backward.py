@@ -28,7 +28,9 @@ from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, m
 from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
-from elastic_np.cpu._tiles.variant import EMPTY, kernel_variant, saved_score_stage, score_gradient, tile_state
+from elastic_np.cpu._tiles.variant import (
+    EMPTY, kernel_variant, saved_score_stage, score_gradient, tile_state, uncached,
+)
 
 
 def backward(problem, dout, out, lse, dlse=None):
@@ -89,7 +91,8 @@ def backward(problem, dout, out, lse, dlse=None):
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        run_tasks(_backward_kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient, variants), config.BLOCK_Q,
+        kernel = _backward_kernel if variants[0] is None else _VARIANT_KERNEL
+        run_tasks(kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient, variants), config.BLOCK_Q,
                   block_k, kt0, kt1, tasks=task_counter(), work=work)
         run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
         plan.after_chunk()
@@ -378,3 +381,7 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
             copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
 
 
+
+
+#: `_backward_kernel` for the calls with a user's variant, compiled per function, never saved to Numba's cache.
+_VARIANT_KERNEL = uncached(_backward_kernel, False)

@@ -20,7 +20,7 @@ from elastic_np.cpu._tiles.online_softmax import finish_rows, load_queries, onli
 from elastic_np.cpu._tiles.operands import BNHD, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import NO_PAGES, cache_tile, key_quant, paged as paged_pages, pool_operand, value_quant
 from elastic_np.cpu._tiles.simd import compile_for
-from elastic_np.cpu._tiles.variant import EMPTY, kernel_variant, tile_state
+from elastic_np.cpu._tiles.variant import EMPTY, kernel_variant, tile_state, uncached
 
 
 def forward(problem, paged=None, into=None, scale_pages=None):
@@ -69,7 +69,7 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     lse = np.empty((B, H, N), dtype=dtype)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
     variant = kernel_variant(problem, dtype)
-    run_tasks(_forward_kernel, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
+    run_tasks(_forward_kernel if variant is None else _VARIANT_KERNEL, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
               config.BLOCK_K, out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
     if variant is not None:
         check_variant_rows(lse)
@@ -166,3 +166,7 @@ def _forward_kernel(q, k, v, pages, options, quant, block_q, block_k, out, lse, 
                 online_update(st, v_j, bk, bq, maxed, nvm_in_max, scratch, (row_max, row_sum, acc))
         log_beta = math.log(opt.beta[h]) if opt.beta[h] > 0 else -np.inf
         finish_rows(acc, row_max, row_sum, log_beta, head_rows(out, b, h, i0, bq), lse[b, h, i0 : i0 + bq])
+
+
+#: `_forward_kernel` for the calls with a user's variant, compiled per function, never saved to Numba's cache.
+_VARIANT_KERNEL = uncached(_forward_kernel, FASTMATH)
