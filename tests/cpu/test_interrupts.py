@@ -137,9 +137,18 @@ assert np.array_equal(call(*small), want)
 
 @pytest.mark.parametrize("threads, kind", [(1, "forward"), (2, "forward"), (2, "backward")])
 def test_ctrl_c_stops_a_long_kernel_call(threads, kind):
-    """SIGINT half a second into a call of about 20 s: KeyboardInterrupt within a second; the next call's bits."""
-    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_LONG_CALL), str(threads), kind],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = process.communicate(timeout=600)
-    assert process.returncode == 0, out + err
-    assert out.split()[0] == "interrupted" and float(out.split()[1]) < 1.0, out + err
+    """SIGINT half a second into a call of about 20 s: KeyboardInterrupt within a second; the next call's bits.
+
+    A second try where the first took longer: on two cores, the other pytest-xdist worker compiling halves
+    what a two-thread call gets (1.15-1.25 s measured then); a call that is always late fails both."""
+    latencies = []
+    for _ in range(2):
+        process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_LONG_CALL), str(threads), kind],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, out + err
+        assert out.split()[0] == "interrupted", out + err
+        latencies.append(float(out.split()[1]))
+        if latencies[-1] < 1.0:
+            return
+    raise AssertionError(f"KeyboardInterrupt after {latencies} s, not within a second")
