@@ -88,10 +88,10 @@ def backward(problem, dout, out, lse, dlse=None):
     ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
     outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
     dbias = (plan.params, plan.strides, plan.direct, plan.partials)
+    kernel = _backward_kernel if variants[0] is None else _VARIANT_KERNEL
     for kt0 in range(0, n_kt, chunk):
         kt1 = min(kt0 + chunk, n_kt)
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        kernel = _backward_kernel if variants[0] is None else _VARIANT_KERNEL
         run_tasks(kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient, variants), config.BLOCK_Q,
                   block_k, kt0, kt1, tasks=task_counter(), work=work)
         run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
@@ -379,8 +379,6 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
                 dsigma_part[b, h, kt] = head_sums[g, 1].sum()
             copy_rows(dk_acc, head_rows(dk, b, hk, j0, bk_all))
             copy_rows(dv_acc, head_rows(dv, b, hk, j0, bk_all))
-
-
 
 
 #: `_backward_kernel` for the calls with a user's variant, compiled per function, never saved to Numba's cache.

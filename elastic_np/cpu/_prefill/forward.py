@@ -69,7 +69,8 @@ def forward(problem, paged=None, into=None, scale_pages=None):
     lse = np.empty((B, H, N), dtype=dtype)
     opt = kernel_options(problem, with_sigma_grad=False, dtype=dtype)
     variant = kernel_variant(problem, dtype)
-    run_tasks(_forward_kernel if variant is None else _VARIANT_KERNEL, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
+    kernel = _forward_kernel if variant is None else _VARIANT_KERNEL
+    run_tasks(kernel, q, k, v, pages, (opt, variant), _quant(problem, scale_pages), config.BLOCK_Q,
               config.BLOCK_K, out_operand, lse, tasks=task_counter(), work=B * H * N * M * (D + Dv))
     if variant is not None:
         check_variant_rows(lse)
