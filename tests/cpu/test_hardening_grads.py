@@ -88,6 +88,39 @@ def test_dbeta_that_fits_float64_survives_an_overflowing_factor():
     np.testing.assert_allclose(sink_gradient(delta, lse), [-1e-10 * np.exp(360.0) * np.exp(360.0)], rtol=1e-13)
 
 
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("lse_dtype", [np.float32, np.float64])
+def test_the_compiled_sink_gradient_is_the_contracts(shared, lse_dtype):
+    """`elastic_np.cpu._prefill.sink` against `elastic_np._contract._grads.sink_gradient`: rows without a key
+    (``lse = -inf``) or without a cotangent, rows whose ``exp(-lse)`` overflows, a head without a live row."""
+    from elastic_np._contract._grads import sink_gradient
+    from elastic_np.cpu._prefill import sink
+
+    rng = np.random.default_rng(4)
+    B, H, N = 2, 4, 37
+    delta = rng.standard_normal((B, H, N))
+    lse = (rng.standard_normal((B, H, N)) * 30).astype(lse_dtype)
+    lse[rng.random((B, H, N)) < 0.2] = -np.inf
+    delta[rng.random((B, H, N)) < 0.2] = 0.0
+    lse[:, 1, :3] = -800.0  # exp(800) overflows float64: head 1's sum is +-inf
+    delta[:, 2] = 0.0  # head 2 has no live row: 0
+    lse[:, 3] = -720.0  # head 3: delta e^720 overflows termwise, the sum 1e-10 e^720 fits
+    delta[:, 3] = 0.0
+    delta[0, 3, 0] = 1e-10
+
+    class Problem:
+        beta_shape = (1,) if shared else (H,)
+
+    got = sink.sink_gradient(Problem(), delta, lse)
+    want = sink_gradient(delta, lse, per_head=not shared).reshape(-1)
+    assert got.shape == want.shape and got.dtype == np.float64
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite])
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-13, atol=0)
+    if not shared:
+        assert got[2] == 0.0 and np.isinf(got[1]) and np.isfinite(got[3]) and got[3] < -1e300
+
 # --- empty batches and key sets with every bias broadcast shape ---------------------------
 
 EMPTY_SHAPES = {  # (B, H, Hkv, N, M)

@@ -33,6 +33,7 @@ from elastic_np.cpu._prefill.backward import BACKWARD_TILES, halved, prepared, s
 from elastic_np.cpu._prefill.dbias import DbiasPlan, ensure_dbias
 from elastic_np.cpu._prefill.key_tiles import sum_dq_shares
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._prefill.sink import sink_gradient
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.threads import run_tasks, task_counter, task_range
 from elastic_np.cpu._tiles.operands import BHND, head, kernel_array, new, operand, shape
@@ -90,7 +91,7 @@ def double_backward(problem, dout, out, lse, dlse, direction):
     dq, dk, dv, dtau, dsigma, dbias = _key_pass(problem, options, ins, tan, q[1])
     grads = problem.reduce_grads(
         dq, dk, dv, dtau,
-        problem.sink_gradient(deltadot - delta * lsedot, lse),  # dbeta = -sum delta exp(-lse), differentiated
+        sink_gradient(problem, deltadot - delta * lsedot, lse),  # dbeta = -sum delta exp(-lse), differentiated
         dsigma, dbias=dbias,
     )
     return outdot, lsedot.astype(problem.compute_dtype), grads

@@ -20,6 +20,7 @@ from elastic_np.cpu._prefill.key_tiles import (
     softcap_slope, sum_dq_shares,
 )
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._prefill.sink import sink_gradient
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.scratch import scratch
@@ -104,7 +105,7 @@ def backward(problem, dout, out, lse, dlse=None):
     return problem.reduce_grads(
         dq, dk, dv,
         dtau_part.sum(axis=2),
-        problem.sink_gradient(delta, lse),
+        sink_gradient(problem, delta, lse),
         dsigma_part.sum(axis=2) if problem.sigma is not None else None,
         dbias=plan.result(),
         dcaptures=captures.result(),
