@@ -241,13 +241,27 @@ def test_a_backward_looked_up_raises_what_a_call_in_full_raises():
     assert len(plans.PLANS) == 2
     bad = dout.copy()
     bad[0, 0, 0, 0] = np.nan
+    inf_out, nan_lse, inf_lse = out.copy(), lse.copy(), lse.copy()
+    inf_out[0, 1, 0, 3], nan_lse[0, 2, 0], inf_lse[0, 3, 0] = np.inf, np.nan, np.inf
     for args, match in (((bad, q, k, v, out, lse), "`dout` contains NaN"),
+                        ((dout, q, k, v, inf_out, lse), "`out` contains NaN or inf"),
+                        ((dout, q, k, v, out, nan_lse), "`lse` contains NaN or inf"),
+                        ((dout, q, k, v, out, inf_lse), "`lse` contains NaN or inf"),
                         ((dout, q, k, v, out, lse[..., :0]), "`lse`"),
+                        ((dout, q, k, v, out, lse.astype(np.float64)), "`lse` has dtype float64"),
                         ((dout, q, k, v, out.astype(np.float64), lse), "`out`")):
         with pytest.raises((ValueError, TypeError), match=match):
             enp.attention_backward(*args, backend="cpu")
         with pytest.raises((ValueError, TypeError), match=match):
             backward_in_full(*args, backend="cpu")
+    # an lse of -inf (a row without a key) passes, and a strided dout is read, as in full
+    empty_row = lse.copy()
+    empty_row[0, 4, 0] = -np.inf
+    strided = np.asfortranarray(np.random.default_rng(2).standard_normal(dout.shape).astype(np.float32))
+    for args in ((dout, q, k, v, out, empty_row), (strided, q, k, v, out, lse)):
+        looked_up, full = enp.attention_backward(*args, backend="cpu"), backward_in_full(*args, backend="cpu")
+        for name in ("dq", "dk", "dv", "dtau", "dbeta"):
+            np.testing.assert_array_equal(getattr(looked_up, name), getattr(full, name))
 
 
 # (H, Hkv, N, D, options): the options whose fields depend on the number of keys, around their edges
