@@ -118,6 +118,19 @@ def _fixed_cost_figures():
                 if not (way == "sdpa" and suffix):  # SDPA's column is the later run's
                     figures[f"fig-fixed-{short}-{way}{suffix}"] = (path, _summary(f"{call}: {column} us"),
                                                                    "{median:.1f}")
+    epyc = "runs/call-overhead-epyc.json"
+    figures["fig-fixed-epyc-cpu"] = (epyc, lambda record: describe_cpu(record["machine"]), "{}")
+    for short, call in _CALLS.items():
+        for way, column in (("numpy", "numpy"), ("torch", "torch op"), ("sdpa", "sdpa")):
+            figures[f"fig-fixed-epyc-{short}-{way}"] = (epyc, _summary(f"{call}: {column} us"), "{median:.1f}")
+    backward = "runs/backward-overhead.json"
+    figures["fig-backward-cpu"] = (backward, lambda record: describe_cpu(record["machine"]), "{}")
+    for short, call in (("16", "8 heads, 16 x 16, D = 64"), ("64", "8 heads, 64 x 64, D = 64")):
+        for part, name in (("bwd", "backward"), ("fwdbwd", "forward + backward")):
+            for way in ("off", "on"):
+                figures[f"fig-backward-{short}-{part}-{way}"] = (backward, _summary(f"{call}: {name}: {way} us"),
+                                                                 "{median:.0f}")
+            figures[f"fig-backward-{short}-{part}-ratio"] = (backward, _summary(f"{call}: {name}: off / on"), RATIO)
     return figures
 
 
