@@ -1,5 +1,6 @@
 """The ``elastic-np`` command line: check, bench, example, argument errors."""
 
+import copy
 import importlib.util
 import io
 import json
@@ -30,6 +31,32 @@ def available(name):
 # ---------------------------------------------------------------------------
 # check
 # ---------------------------------------------------------------------------
+
+
+#: `check`'s report of the oracle's gradients against central differences, by ``(quick, seed)`` (`oracle_gradients_once`).
+_ORACLE_GRADIENTS = {}
+
+
+@pytest.fixture(autouse=True)
+def oracle_gradients_once(monkeypatch):
+    """`check`'s float64 oracle gradients against central differences computed once in this process and replayed
+    (its progress steps included) on the later checks: the report depends only on ``quick`` and ``seed`` (seeded
+    float64 inputs, no backend), and takes about 10 s of every check. The first check of a process computes it, and
+    the tests that read its rows (test_check_quick_reference) see them as computed; test_check_subprocess runs the
+    whole check in a process of its own."""
+    real = cli.check_oracle_gradients
+
+    def once(*, quick=True, seed=0, progress=None):
+        key = (quick, seed)
+        if key not in _ORACLE_GRADIENTS:
+            _ORACLE_GRADIENTS[key] = real(quick=quick, seed=seed)
+        report = copy.deepcopy(_ORACLE_GRADIENTS[key])
+        for case in dict.fromkeys(row.case for row in report.rows):
+            if progress is not None:
+                progress(case)
+        return report
+
+    monkeypatch.setattr(cli, "check_oracle_gradients", once)
 
 
 #: A row of check's tables: case, dtype, quantity, worst error, allowed, result.
