@@ -15,9 +15,9 @@ Usage: ``python benchmarks/backward_overhead.py [--rounds R] [--calls N] [--json
 """
 
 import argparse
-import time
 
 import numpy as np
+from call_overhead import timed
 
 import elastic_np as enp
 from elastic_np._api import plans
@@ -48,16 +48,6 @@ def calls(H, N, D):
 
     return {"backward": lambda: enp.attention_backward(dout, q, k, v, out, lse, causal=True, backend="cpu"),
             "forward + backward": both}
-
-
-def timed(call, n):
-    """The median of ``n`` timed calls, in microseconds."""
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
 
 
 def main(argv=None):
