@@ -88,7 +88,6 @@ def test_dbeta_that_fits_float64_survives_an_overflowing_factor():
     np.testing.assert_allclose(sink_gradient(delta, lse), [-1e-10 * np.exp(360.0) * np.exp(360.0)], rtol=1e-13)
 
 
-
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("lse_dtype", [np.float32, np.float64])
 def test_the_compiled_sink_gradient_is_the_contracts(shared, lse_dtype):
@@ -120,6 +119,7 @@ def test_the_compiled_sink_gradient_is_the_contracts(shared, lse_dtype):
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-13, atol=0)
     if not shared:
         assert got[2] == 0.0 and np.isinf(got[1]) and np.isfinite(got[3]) and got[3] < -1e300
+
 
 # --- empty batches and key sets with every bias broadcast shape ---------------------------
 

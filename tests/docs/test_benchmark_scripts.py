@@ -388,7 +388,6 @@ def test_call_overhead_prints_each_way_and_the_ratio(capsys, tmp_path):
     assert set(json.loads(path.read_text())["rounds"]["decode, 8/2 heads, 64 keys"]) == {"numpy", "torch op", "sdpa"}
 
 
-
 def test_backward_overhead_times_both_ways_and_puts_the_backwards_own_back(capsys, tmp_path):
     import backward_overhead
     from elastic_np._api import plans
@@ -405,6 +404,7 @@ def test_backward_overhead_times_both_ways_and_puts_the_backwards_own_back(capsy
         assert float(ratio) == pytest.approx(float(off) / float(on), abs=0.01) and span.startswith("(")
     assert set(json.loads(path.read_text())["rounds"]["8 heads, 16 x 16, D = 64: backward"]) == {"on", "off"}
     assert backward.sink_gradient is sink and plans.BackwardPlan._expected is expected
+
 
 def test_transformers_generate_prints_both_and_their_ratio(capsys):
     pytest.importorskip("transformers")

@@ -383,4 +383,4 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
 
 
 #: `_backward_kernel` for the calls with a user's variant, compiled per function, never saved to Numba's cache.
-_VARIANT_KERNEL = uncached(_backward_kernel, False)
+_VARIANT_KERNEL = uncached(_backward_kernel)

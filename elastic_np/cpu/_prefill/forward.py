@@ -170,4 +170,4 @@ def _forward_kernel(q, k, v, pages, options, quant, block_q, block_k, out, lse, 
 
 
 #: `_forward_kernel` for the calls with a user's variant, compiled per function, never saved to Numba's cache.
-_VARIANT_KERNEL = uncached(_forward_kernel, FASTMATH)
+_VARIANT_KERNEL = uncached(_forward_kernel)

@@ -20,7 +20,7 @@ function passed in).
 """
 
 import numpy as np
-from numba import njit, types
+from numba import jit, types
 from numba.extending import overload
 
 from elastic_np._variants.functions import scalar_of
@@ -39,12 +39,12 @@ def kernel_variant(problem, dtype, with_score=True):
     return problem.variant.kernel_variant(dtype, with_score=with_score, replacements=REPLACEMENTS)
 
 
-def uncached(kernel, fastmath):
-    """``kernel``'s code in a dispatcher that never saves to Numba's cache: the one a call with a user's variant
-    runs. A signature holding a function cannot be loaded by another process, and its entry in the cache's
-    index would outlive the function: saving the index again once the function is gone fails
-    (``ReferenceError``), and every later compile of the kernel with it."""
-    return njit(nogil=True, cache=False, fastmath=fastmath)(kernel.py_func)
+def uncached(kernel):
+    """``kernel``'s code, with its options (``fastmath``, ``nogil``), in a dispatcher that never saves to Numba's
+    cache: the one a call with a user's variant runs. A signature holding a function cannot be loaded by another
+    process, and its entry in the cache's index would outlive the function: saving the index again once the
+    function is gone fails (``ReferenceError``), and every later compile of the kernel with it."""
+    return jit(cache=False, **kernel.targetoptions)(kernel.py_func)
 
 
 def _absent(value):
