@@ -30,7 +30,7 @@ from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.cpu._tiles.variant import (
-    EMPTY, kernel_variant, saved_score_stage, score_gradient, tile_state, uncached,
+    EMPTY, kernel_variant, narrow_spans, saved_score_stage, score_gradient, tile_state, uncached,
 )
 
 
@@ -360,7 +360,10 @@ def _backward_kernel(ins, outs, dbias, options, block_q, block_k, kt0, kt1, task
             dk_acc[:bk_all] = 0.0
             dv_acc[:bk_all] = 0.0
             head_sums[:] = 0.0
-            it_first, it_last = group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t])
+            it_first, it_last = narrow_spans(
+                options[3][0], b, hk, j0, bk, block_q, N, spans, share_rows[t],
+                group_spans(opt, b, hk, j0, bk, block_q, spans, share_rows[t]),
+            )
             # query tiles outer, heads inner: a bias tile is read by every head while in cache
             for it in range(it_first, it_last):
                 i0 = it * block_q

@@ -92,6 +92,41 @@ def _block_state(variant, b, h, i0, bq, j0, bk):
     return EMPTY if all_empty else (FULL if all_full else PARTIAL)
 
 
+def narrow_spans(variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_last):
+    """The backward's query tiles of a key tile (`elastic_np.cpu._prefill.key_tiles.group_spans`'s ``spans``,
+    ``share_rows`` and their union ``first_last``) with the tiles that the block mask makes `EMPTY` at either end
+    of each head's span left out: their shares of ``dq`` are neither zeroed nor summed (``N`` queries). Returns
+    the union."""
+
+
+@overload(narrow_spans, jit_options={"fastmath": False})
+def _narrow_spans(variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_last):
+    if _absent(variant) or _absent(variant.types[3]):
+        return lambda variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_last: first_last
+
+    def narrow(variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_last):
+        group = spans.shape[0]
+        it_first, it_last = N, 0  # (`group_spans`' empty union)
+        for g in range(group):
+            h = hk * group + g
+            lo, hi = spans[g, 0], spans[g, 1]
+            while lo < hi and tile_state(variant, b, h, lo * block_q, min(block_q, N - lo * block_q), j0, bk) == EMPTY:
+                lo += 1
+            while hi > lo and tile_state(
+                variant, b, h, (hi - 1) * block_q, min(block_q, N - (hi - 1) * block_q), j0, bk
+            ) == EMPTY:
+                hi -= 1
+            if lo == hi:
+                lo, hi = 0, 0
+            else:
+                it_first, it_last = min(it_first, lo), max(it_last, hi)
+            spans[g, 0], spans[g, 1] = lo, hi
+            share_rows[b, h, 0], share_rows[b, h, 1] = lo * block_q, min(hi * block_q, N)
+        return it_first, it_last
+
+    return narrow
+
+
 def score_stage(st, bk, bq, variant, tile, tau_h):
     """``st[c, r] = score_mod(st[c, r] tau_h, b, h, i0 + r, j0 + c, *captures) / tau_h`` where ``> -inf``.
 
