@@ -163,13 +163,20 @@ def _score_stage(st, bk, bq, variant, tile, tau_h):
 
 
 def mask_stage(st, bk, bq, variant, tile, kept):
-    """``mask_mod`` on a partial tile: ``-inf`` where False; returns whether an entry is kept (``kept``: before)."""
+    """``mask_mod`` on a partial tile: ``-inf`` where False; returns whether an entry is kept (``kept``: before).
+
+    With a block mask, a tile it calls partial holds a kept entry (its blocks
+    were made from the same function), so the entries are not scanned: a
+    tile found empty would only be skipped, and computing it gives the same
+    result (a row with nothing kept stays at ``-inf``).
+    """
 
 
 @overload(mask_stage, jit_options={"fastmath": False})
 def _mask_stage(st, bk, bq, variant, tile, kept):
     if _absent(variant) or _absent(variant.types[1]):
         return lambda st, bk, bq, variant, tile, kept: kept
+    scan = _absent(variant.types[3])
 
     def stage(st, bk, bq, variant, tile, kept):
         b, h, i0, _, j0 = tile
@@ -183,9 +190,10 @@ def _mask_stage(st, bk, bq, variant, tile, kept):
             j = j0 + c
             for r in range(row.shape[0]):
                 row[r] = row[r] if scalar_of(mask(seen_b, h, i0 + r, j, *captures)) else -np.inf
-            for r in range(row.shape[0]):
-                any_kept = any_kept or row[r] != -np.inf
-        return any_kept
+            if scan:
+                for r in range(row.shape[0]):
+                    any_kept = any_kept or row[r] != -np.inf
+        return any_kept or not scan
 
     return stage
 
