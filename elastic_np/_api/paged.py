@@ -11,6 +11,7 @@ few queries in one call (`batch`), any other one sequence at a time
 import numpy as np
 
 from elastic_np._api import cache_scales, dispatch
+from elastic_np._contract import _spec
 
 
 def page_shape_error(heads, k, why):
@@ -120,23 +121,27 @@ def batch(q, k, v, cu_q, table, used, options, backend):
     return out, lse, run if k_pool is k and v_pool is v else None
 
 
-def sequence(q, k, v, table, used, options, backend, into=None):
+def sequence(q, k, v, table, used, options, backend, into=None, variant=None):
     """``(out, lse)`` of one sequence of a paged cache: its first ``used`` keys, pages ``table[0]`` (see `batch`).
 
     The CPU kernels read them from the pages in place (`elastic_np.cpu.paged_forward`), and may write
     ``out`` into ``into`` (the sequence's rows of the packed output, ``(1, N, H, Dv)``); the other backends
-    get them gathered into a copy (`_paged_keys`), one sequence at a time.
+    get them gathered into a copy (`_paged_keys`), one sequence at a time. ``variant``: a user's
+    (`elastic_np._variants.variant.Variant`, on the prefill kernel), or None.
     """
     module = dispatch.get_backend(backend)
     if module.__name__ == "elastic_np.cpu":
         kernel_options, scale_pages = cache_scales.stand_ins(options, 1, used)
         problem = dispatch.validated(module, q, *_stand_ins(k, v, 1, used), kernel_options)
+        problem = problem if variant is None else problem.with_variant(variant)
         pools, scale_pages = _kernel_pools(k, v, table, [used], scale_pages)
         with dispatch._reported(module, "forward", problem):
             out, lse = module.paged_forward(problem, pools, into=into, scale_pages=scale_pages)
         return problem.as_given(out), lse
     k_s, v_s = _paged_keys(k, v, table, np.array([used]), 0)
     options = cache_scales.gathered(options, table, np.array([used]), 0)
+    if variant is not None:
+        return dispatch.variant_forward(q, k_s, v_s, _spec.complete(options, "attention"), variant, True, backend)
     return dispatch.attention(q, k_s, v_s, return_lse=True, backend=backend, **options)
 
 

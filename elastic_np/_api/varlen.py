@@ -302,7 +302,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     score_mod, mask_mod, captures : optional
         A user's variant (`elastic_np.attention`'s), applied sequence by
         sequence: its ``b`` is the sequence, its indices count from each
-        sequence's first query and key. Not with ``block_table``; no block mask.
+        sequence's first query and key (with ``block_table``, its first used
+        key: on the CPU read from the pages in place). No block mask.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(total_q, H)``.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
@@ -326,7 +327,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     True
     """
     options = _spec.complete(options, "varlen_attention")
-    variant = _variant(score_mod, mask_mod, captures, block_table)
+    variant = make_variant(score_mod, mask_mod, None, captures)
     call_key = None if block_table is None or variant is not None else paged_plans.key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, return_lse, backend, options)
     if call_key is not None:
@@ -335,13 +336,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
             return paged_plans.run(run, q, k, v, return_lse)
     q, k, v, cu_q, cu_k, used, options = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
                                                  seqused_k, options)
-    grouped = block_table is not None and all(options[name] is None for name in PER_SEQUENCE)
+    grouped = block_table is not None and variant is None and all(options[name] is None for name in PER_SEQUENCE)
     batched = paged_cache.batch(q, k, v, cu_q, cu_k, used, options, backend) if grouped else None
     if batched is not None:
         paged_plans.keep(call_key, batched[2])
         return batched[:2] if return_lse else batched[0]
     done = _decode_groups(q, k, v, cu_q, cu_k, used, options, backend) if grouped else {}
-    if variant is not None:
+    if variant is not None and block_table is None:
         out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.variant_forward(
             q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]],
             _spec.complete(_sequence_options(options, used, s, cu_q.size - 1, cu_k), "varlen_attention"),
@@ -353,17 +354,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     else:  # exactly the used keys: the queries sit before the last of them
         out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
             q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, cu_q.size - 1),
-            backend, into=into), _cpu_output(q, v, backend))
+            backend, into=into, variant=None if variant is None else dataclasses.replace(variant, batch_offset=s)),
+            _cpu_output(q, v, backend))
     return (out, lse) if return_lse else out
-
-
-def _variant(score_mod, mask_mod, captures, block_table):
-    """A packed call's `elastic_np._variants.variant.Variant` (None without one); not with ``block_table``."""
-    variant = make_variant(score_mod, mask_mod, None, captures)
-    if variant is not None and block_table is not None:
-        raise ValueError("varlen attention with `block_table` does not take `score_mod` or `mask_mod`; a packed "
-                         "batch without pages does")
-    return variant
 
 
 def _cpu_output(q, v, backend):
@@ -439,7 +432,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dlse = None if dlse is None else np.asarray(dlse)
     _check_rows(q, v, dout=dout, out=out, lse=lse, dlse=dlse)
     count = cu_q.size - 1
-    variant = _variant(score_mod, mask_mod, captures, None)
+    variant = make_variant(score_mod, mask_mod, None, captures)
     parts = []
     for s in range(count):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])

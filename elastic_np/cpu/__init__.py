@@ -185,16 +185,16 @@ def paged_forward(problem, paged, into=None, scale_pages=None):
     from them into the copy that kernel makes of them in any case
     (`elastic_np.cpu._prefill.forward_amx.paged_values_transposed`); a
     quantized cache's chunk is the prefill kernel's, its tiles dequantized
-    from the pages as they are read.
+    from the pages as they are read; so is a problem with a user's variant.
     ``into``: where the prefill kernels may write ``out``
     (`elastic_np.cpu._prefill.forward.forward`'s). ``scale_pages``: a
     quantized cache's per-token or per-group scales, ``(num_blocks,
     block_size, Hkv, D // G)`` for ``k`` and for ``v`` (``problem``'s
     scales stand in for them), or None.
     """
-    if decode_plan.takes(problem):
+    if problem.variant is None and decode_plan.takes(problem):
         return decode.forward(problem, paged=paged, scale_pages=scale_pages)
-    if problem.quantized is not None:
+    if problem.variant is not None or problem.quantized is not None:
         return prefill.forward(problem, paged=paged, into=into, scale_pages=scale_pages)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)

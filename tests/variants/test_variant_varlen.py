@@ -43,9 +43,41 @@ def test_a_packed_batchs_score_mod_sees_each_sequence_as_b_and_gives_the_per_seq
     assert "dcaptures=(<shape=(3, 2) dtype=float32>, None)" in repr(grads)
 
 
-def test_a_paged_batch_refuses_a_variant_naming_it():
-    q = np.ones((2, 1, 4))
-    pages = np.ones((2, 4, 1, 4))
-    with pytest.raises(ValueError, match="block_table. does not take .score_mod."):
-        enp.varlen_attention(q, pages, pages, [0, 1, 2], None, block_table=[[0], [1]], seqused_k=[2, 3],
-                             score_mod=per_sequence, captures=(np.ones((2, 1)), np.zeros(1, dtype=np.int64)))
+def windowed(b, h, q_idx, kv_idx, offsets, heads):
+    return kv_idx > q_idx - 6
+
+
+@pytest.mark.parametrize("backend, dtype", [("cpu", np.float64), ("cpu", np.float32), ("reference", np.float64)])
+def test_a_paged_batchs_variant_gives_each_sequence_its_gathered_keys_bits(backend, dtype):
+    """Pages of 4 keys, shuffled, the unused ones NaN: a decode, a chunk and a whole prompt, each the bits of
+    `attention` with the variant on its own gathered keys (the queries the last before its used keys)."""
+    rng = np.random.default_rng(1)
+    used, n_q, page = np.array([9, 13, 6]), np.array([1, 5, 6]), 4
+    table = rng.permutation(12).reshape(3, 4)
+    k_pages, v_pages = (np.full((12, page, 1, 4), np.nan, dtype=dtype) for _ in range(2))
+    gathered = []
+    for s in range(3):
+        k_s, v_s = (rng.standard_normal((used[s], 1, 4)).astype(dtype) for _ in range(2))
+        for j in range(used[s]):
+            k_pages[table[s, j // page], j % page], v_pages[table[s, j // page], j % page] = k_s[j], v_s[j]
+        gathered.append((k_s, v_s))
+    cu_q = np.concatenate([[0], np.cumsum(n_q)])
+    q = rng.standard_normal((cu_q[-1], H, 4)).astype(dtype)
+    offsets = rng.standard_normal((3, H)).astype(dtype)
+    variant = dict(score_mod=per_sequence, mask_mod=windowed, captures=(offsets, np.array([1, 0])))
+    out, lse = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used,
+                                    causal=True, return_lse=True, backend=backend, **variant)
+    for s, (k_s, v_s) in enumerate(gathered):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        bias = np.broadcast_to(offsets[s, [1, 0]][:, None, None], (H, n_q[s], used[s]))
+        in_window = np.arange(used[s])[None, :] > np.arange(n_q[s])[:, None] - 6
+        want, want_lse = enp.attention(q[None, rows], k_s[None], v_s[None], causal=True, layout="bnhd",
+                                       bias=bias, mask=in_window, return_lse=True, backend="reference")
+        if dtype == np.float64:
+            assert_matches_oracle("out", out[rows], want[0], dtype)
+        else:  # (the float32 rule's cap: the bits are held to the unpaged call's below)
+            np.testing.assert_allclose(out[rows], want[0], rtol=0, atol=1e-5)
+        one = enp.varlen_attention(q[rows], k_s, v_s, [0, n_q[s]], [0, used[s]], causal=True, backend=backend,
+                                   **{**variant, "captures": (offsets[s:s + 1], np.array([1, 0]))})
+        assert np.array_equal(out[rows], one), s  # (b = 0 here: the offsets of sequence s alone)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
