@@ -24,6 +24,7 @@ from numba import jit, types
 from numba.extending import overload
 
 from elastic_np._variants.functions import scalar_of
+from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.vector_math import REPLACEMENTS
 
 #: A tile's states under a block mask (`elastic_np._variants.block_mask`).
@@ -145,21 +146,39 @@ def _score_stage(st, bk, bq, variant, tile, tau_h):
         score, captures = variant.score, variant.captures
         b, h, i0, _, j0 = tile
         b = b + variant.batch
-        for c in range(bk):
-            row = st[c, :bq]  # a slice of length bq: the loops below run vectorised where the function allows
+        unit = tau_h == 1.0  # (the common case: no product, no quotient)
+        removed = scalar_like(-np.inf, st)
+        # Key rows four at a time, as slices of length bq: four independent
+        # chains of the function's arithmetic in flight, in SIMD registers
+        # where it allows (`elastic_np.cpu._tiles.logits._softcap_tile`).
+        bk4 = bk - bk % 4
+        for c in range(0, bk4, 4):
+            r0, r1, r2, r3 = st[c, :bq], st[c + 1, :bq], st[c + 2, :bq], st[c + 3, :bq]
             j = j0 + c
-            if tau_h == 1.0:  # (the common case: no product, no quotient)
-                for r in range(row.shape[0]):
-                    x = row[r]
-                    y = scalar_of(score(x, b, h, i0 + r, j, *captures))
-                    row[r] = y if x > -np.inf else x
-            else:
-                for r in range(row.shape[0]):
-                    x = row[r]
-                    y = scalar_of(score(x * tau_h, b, h, i0 + r, j, *captures)) / tau_h
-                    row[r] = y if x > -np.inf else x
+            for r in range(r0.shape[0]):
+                i = i0 + r
+                r0[r] = _scored(score, captures, r0[r], b, h, i, j, tau_h, unit, removed)
+                r1[r] = _scored(score, captures, r1[r], b, h, i, j + 1, tau_h, unit, removed)
+                r2[r] = _scored(score, captures, r2[r], b, h, i, j + 2, tau_h, unit, removed)
+                r3[r] = _scored(score, captures, r3[r], b, h, i, j + 3, tau_h, unit, removed)
+        for c in range(bk4, bk):
+            row = st[c, :bq]
+            for r in range(row.shape[0]):
+                row[r] = _scored(score, captures, row[r], b, h, i0 + r, j0 + c, tau_h, unit, removed)
 
     return stage
+
+
+@jit(nopython=True, inline="always", fastmath=False)
+def _scored(score, captures, x, b, h, i, j, tau_h, unit, removed):
+    """`score_stage`'s entry: ``score_mod(x tau_h, ...) / tau_h`` (``unit``: ``tau_h == 1``, neither), or
+    ``removed`` (``-inf`` in the tile's dtype) where ``x`` is ``-inf``. Not ``x`` itself: storing ``x`` back
+    makes the loop's store a masked one, which costs many cycles on some CPUs (AMD's)."""
+    if unit:
+        y = scalar_of(score(x, b, h, i, j, *captures))
+    else:
+        y = scalar_of(score(x * tau_h, b, h, i, j, *captures)) / tau_h
+    return y if x != -np.inf else removed
 
 
 def mask_stage(st, bk, bq, variant, tile, kept):
