@@ -253,8 +253,8 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, sequ
 
 @_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=None, block_table=None,
-                     seqused_k=None, score_mod=None, mask_mod=None, captures=(), return_lse=False, backend="auto",
-                     **options):
+                     seqused_k=None, score_mod=None, mask_mod=None, block_mask=None, captures=(), return_lse=False,
+                     backend="auto", **options):
     """`elastic_np.attention` over a packed batch of sequences of different lengths, with no padding.
 
     The layout of ``torch.nn.attention.varlen.varlen_attn``, the offsets
@@ -299,11 +299,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         ``block_table``, its used keys). ``kv_lengths``, ``align`` and
         ``layout``, which describe a padded batch, are not taken (see
         ``seqused_k``).
-    score_mod, mask_mod, captures : optional
+    score_mod, mask_mod, block_mask, captures : optional
         A user's variant (`elastic_np.attention`'s), applied sequence by
         sequence: its ``b`` is the sequence, its indices count from each
         sequence's first query and key (with ``block_table``, its first used
-        key: on the CPU read from the pages in place). No block mask.
+        key: on the CPU read from the pages in place). A block mask is made
+        for ``(S, H, max_q, max_k)`` (or with ``None`` for ``S`` or ``H``:
+        the same for each), ``b`` the sequence: each sequence takes its
+        first blocks.
     return_lse : bool, optional
         Also return ``lse`` of shape ``(total_q, H)``.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
@@ -327,7 +330,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
     True
     """
     options = _spec.complete(options, "varlen_attention")
-    variant = make_variant(score_mod, mask_mod, None, captures)
+    variant = make_variant(score_mod, mask_mod, block_mask, captures)
     call_key = None if block_table is None or variant is not None else paged_plans.key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k, return_lse, backend, options)
     if call_key is not None:
@@ -342,21 +345,52 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         paged_plans.keep(call_key, batched[2])
         return batched[:2] if return_lse else batched[0]
     done = _decode_groups(q, k, v, cu_q, cu_k, used, options, backend) if grouped else {}
-    if variant is not None and block_table is None:
-        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.variant_forward(
-            q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]],
-            _spec.complete(_sequence_options(options, used, s, cu_q.size - 1, cu_k), "varlen_attention"),
-            dataclasses.replace(variant, batch_offset=s), True, backend), None)
-    elif block_table is None:
-        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
-            q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
-            backend=backend, **_sequence_options(options, used, s, cu_q.size - 1, cu_k)), None)
-    else:  # exactly the used keys: the queries sit before the last of them
-        out, lse = _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
-            q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, cu_q.size - 1),
-            backend, into=into, variant=None if variant is None else dataclasses.replace(variant, batch_offset=s)),
-            _cpu_output(q, v, backend))
+    _check_block_mask(variant, q, cu_q, cu_k if block_table is None else used)
+    out, lse = _sequence_calls((q, k, v), cu_q, cu_k, used, block_table is not None, options, variant, done,
+                               backend)
     return (out, lse) if return_lse else out
+
+
+def _sequence_calls(qkv, cu_q, cu_k, used, paged, options, variant, done, backend):
+    """The packed ``(out, lse)`` of `varlen_attention`'s sequences not in ``done``, one call each: a user's
+    variant's, `attention`'s, or a paged cache's (``paged``: ``cu_k`` holds the block table)."""
+    q, k, v = qkv
+    count = cu_q.size - 1
+    if paged:  # exactly the used keys: the queries sit before the last of them
+        return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
+            q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, count), backend,
+            into=into, variant=_sequence_variant(variant, s, cu_q, used)), _cpu_output(q, v, backend))
+    if variant is not None:
+        return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.variant_forward(
+            q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]],
+            _spec.complete(_sequence_options(options, used, s, count, cu_k), "varlen_attention"),
+            _sequence_variant(variant, s, cu_q, cu_k), True, backend), None)
+    return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
+        q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
+        backend=backend, **_sequence_options(options, used, s, count, cu_k)), None)
+
+
+def _sequence_variant(variant, s, cu_q, keys):
+    """Sequence ``s``'s variant (None without one): ``b = s``, the block mask's blocks of its queries ``cu_q[s] ..
+    cu_q[s + 1]`` and its keys (``keys``: the packed offsets ``cu_k``, or ``used``, a paged cache's counts)."""
+    if variant is None:
+        return None
+    block_mask = variant.block_mask
+    if block_mask is not None:
+        block_mask = block_mask.sequence(s, int(cu_q[s + 1] - cu_q[s]), int(_key_counts(cu_q, keys)[s]))
+    return dataclasses.replace(variant, batch_offset=s, block_mask=block_mask)
+
+
+def _key_counts(cu_q, keys):
+    """Each sequence's keys: ``keys`` the packed offsets ``cu_k`` (one more than the sequences), or the counts."""
+    return np.diff(keys) if keys.size == cu_q.size else keys
+
+
+def _check_block_mask(variant, q, cu_q, keys):
+    """A `ValueError` naming ``block_mask`` unless the variant's (if any) covers the packed batch's sequences."""
+    if variant is not None and variant.block_mask is not None:
+        variant.block_mask.for_sequences(cu_q.size - 1, q.shape[1], int(np.diff(cu_q).max(initial=0)),
+                                         int(np.max(_key_counts(cu_q, keys), initial=0)))
 
 
 def _cpu_output(q, v, backend):
@@ -385,8 +419,8 @@ def _sequence_by_sequence(q, cu_q, done, attend, output):
 
 @_spec.takes_options(own=(), names=OPTIONS)
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, dlse=None, max_q=None,
-                              max_k=None, seqused_k=None, score_mod=None, mask_mod=None, captures=(),
-                              backend="auto", **options):
+                              max_k=None, seqused_k=None, score_mod=None, mask_mod=None, block_mask=None,
+                              captures=(), backend="auto", **options):
     """Gradients of `varlen_attention`, sequence by sequence (`elastic_np.attention_backward`'s bits).
 
     Parameters
@@ -400,7 +434,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         Cotangent of ``lse``.
     %(options)s
         As given to `varlen_attention`.
-    score_mod, mask_mod, captures : optional
+    score_mod, mask_mod, block_mask, captures : optional
         As given to `varlen_attention`.
     backend : {"auto", "reference", "cpu", "cuda"}, optional
 
@@ -432,7 +466,8 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dlse = None if dlse is None else np.asarray(dlse)
     _check_rows(q, v, dout=dout, out=out, lse=lse, dlse=dlse)
     count = cu_q.size - 1
-    variant = make_variant(score_mod, mask_mod, None, captures)
+    variant = make_variant(score_mod, mask_mod, block_mask, captures)
+    _check_block_mask(variant, q, cu_q, cu_k)
     parts = []
     for s in range(count):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
@@ -443,7 +478,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             parts.append(dispatch.attention_backward(*arrays[:6], dlse=arrays[6], backend=backend, **sequence))
         else:
             parts.append(dispatch.variant_backward(arrays, _spec.complete(sequence, "varlen_attention_backward"),
-                                                   dataclasses.replace(variant, batch_offset=s), backend))
+                                                   _sequence_variant(variant, s, cu_q, cu_k), backend))
     return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
 
 

@@ -57,6 +57,23 @@ class BlockMask:
         return (f"BlockMask(shape={self.shape}, block_size={self.block_size}, empty={counts[0]}, "
                 f"full={counts[1]}, partial={counts[2]}, mask_mod={getattr(self.mask_mod, '__name__', '?')})")
 
+    def for_sequences(self, S, H, N, M):
+        """Raise a `ValueError` naming ``block_mask`` unless it covers a packed batch of ``S`` sequences of at most
+        ``N`` queries over ``M`` keys (made for ``(S or 1, H or 1, N or more, M or more)``: ``b`` the sequence)."""
+        Bm, Hm, Nm, Mm = self.shape
+        if Nm < N or Mm < M or Bm not in (1, S) or Hm not in (1, H):
+            raise ValueError(f"`block_mask` was made for (B, H, N, M) = {self.shape}; a packed batch of {S} "
+                             f"sequences with {H} heads, at most {N} queries and {M} keys each, takes one made for "
+                             f"({S} or 1, {H} or 1, {N} or more, {M} or more)")
+
+    def sequence(self, s, N, M):
+        """The blocks of sequence ``s`` of a packed batch (`for_sequences`), ``N`` queries over ``M`` keys, as a
+        block mask of its own: a block is empty or full for the sequence where it is for the whole block."""
+        bq, bk = self.block_size
+        states = self.states[s if self.states.shape[0] > 1 else 0, :, : -(-N // bq), : -(-M // bk)]
+        return BlockMask(np.ascontiguousarray(states[None]), self.block_size, (1, self.shape[1], N, M),
+                         self.mask_mod, self.captures)
+
     def check_call(self, B, H, N, M, mask_mod, captures):
         """Raise a `ValueError` naming ``block_mask`` unless it was made for this call's shape, ``mask_mod`` and
         number of captures (their values are not compared: a block mask holds what ``mask_mod`` kept when it

@@ -81,3 +81,38 @@ def test_a_paged_batchs_variant_gives_each_sequence_its_gathered_keys_bits(backe
                                    **{**variant, "captures": (offsets[s:s + 1], np.array([1, 0]))})
         assert np.array_equal(out[rows], one), s  # (b = 0 here: the offsets of sequence s alone)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def causal_per_sequence(b, h, q_idx, kv_idx, offsets, heads):
+    return q_idx >= kv_idx + 4 * b  # each sequence its own rule: the first 4 b queries keep nothing
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_packed_batchs_block_mask_gives_the_bits_of_its_mask_mod(backend, small_tiles):
+    """One block mask made for (S, H, max_q, max_k), ``b`` the sequence, blocks of 8 x 5 on tiles of 8 x 5 (10
+    keys in the backward): each sequence takes its own first blocks (a block full for the first sequence is partial
+    for the third), and forward and backward give the bits of the ``mask_mod`` alone."""
+    cu = np.array([0, 5, 12, 36])
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal((36, H, 4)) for _ in range(4))
+    captures = (rng.standard_normal((3, H)), np.arange(H))
+    block_mask = enp.create_block_mask(causal_per_sequence, 3, None, 24, 24, captures=captures, block_size=(8, 5))
+    results = []
+    for variant in (dict(mask_mod=causal_per_sequence), dict(block_mask=block_mask)):
+        out, lse = enp.varlen_attention(q, k, v, cu, cu, return_lse=True, backend=backend, captures=captures,
+                                        score_mod=per_sequence, **variant)
+        grads = enp.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, backend=backend, captures=captures,
+                                              score_mod=per_sequence, **variant)
+        results.append((out, lse, grads.dq, grads.dk, grads.dv, grads.dcaptures[0]))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert np.isneginf(results[0][1][12:20]).all() and np.isfinite(results[0][1][20:]).all()
+
+
+def test_a_packed_batchs_block_mask_must_cover_every_sequence():
+    q = np.ones((20, H, 4))
+    captures = (np.ones((3, H)), np.arange(H))
+    for shape in ((3, None, 7, 8), (2, None, 8, 8), (3, 3, 8, 8)):
+        block_mask = enp.create_block_mask(causal_per_sequence, *shape, captures=captures)
+        with pytest.raises(ValueError, match="`block_mask` was made for"):
+            enp.varlen_attention(q, q, q, CU, CU, block_mask=block_mask, captures=captures, backend="cpu")
