@@ -88,25 +88,25 @@ def causal_per_sequence(b, h, q_idx, kv_idx, offsets, heads):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_a_packed_batchs_block_mask_gives_the_bits_of_its_mask_mod(backend, small_tiles):
+def test_a_packed_batchs_block_mask_gives_its_mask_mods_result(backend, small_tiles):
     """One block mask made for (S, H, max_q, max_k), ``b`` the sequence, blocks of 8 x 5 on tiles of 8 x 5 (10
     keys in the backward): each sequence takes its own first blocks (a block full for the first sequence is partial
-    for the third), and forward and backward give the bits of the ``mask_mod`` alone."""
+    for the third); forward and backward give the oracle's result with the ``mask_mod`` alone."""
     cu = np.array([0, 5, 12, 36])
     rng = np.random.default_rng(2)
     q, k, v, dout = (rng.standard_normal((36, H, 4)) for _ in range(4))
     captures = (rng.standard_normal((3, H)), np.arange(H))
     block_mask = enp.create_block_mask(causal_per_sequence, 3, None, 24, 24, captures=captures, block_size=(8, 5))
     results = []
-    for variant in (dict(mask_mod=causal_per_sequence), dict(block_mask=block_mask)):
-        out, lse = enp.varlen_attention(q, k, v, cu, cu, return_lse=True, backend=backend, captures=captures,
+    for variant, on in ((dict(mask_mod=causal_per_sequence), "reference"), (dict(block_mask=block_mask), backend)):
+        out, lse = enp.varlen_attention(q, k, v, cu, cu, return_lse=True, backend=on, captures=captures,
                                         score_mod=per_sequence, **variant)
-        grads = enp.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, backend=backend, captures=captures,
+        grads = enp.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, backend=on, captures=captures,
                                               score_mod=per_sequence, **variant)
-        results.append((out, lse, grads.dq, grads.dk, grads.dv, grads.dcaptures[0]))
-    for got, want in zip(*results):
-        np.testing.assert_array_equal(got, want)
-    assert np.isneginf(results[0][1][12:20]).all() and np.isfinite(results[0][1][20:]).all()
+        results.append(dict(out=out, lse=lse, dq=grads.dq, dk=grads.dk, dv=grads.dv, dcaptures=grads.dcaptures[0]))
+    for name, want in results[0].items():
+        assert_matches_oracle(name, results[1][name], want, np.float64)
+    assert np.isneginf(results[1]["lse"][12:20]).all() and np.isfinite(results[1]["lse"][20:]).all()
 
 
 def test_a_packed_batchs_block_mask_must_cover_every_sequence():
