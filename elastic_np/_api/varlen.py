@@ -345,7 +345,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_q=None, max_k=N
         paged_plans.keep(call_key, batched[2])
         return batched[:2] if return_lse else batched[0]
     done = _decode_groups(q, k, v, cu_q, cu_k, used, options, backend) if grouped else {}
-    _check_block_mask(variant, q, cu_q, cu_k if block_table is None else used)
+    _check_block_mask(variant, q, cu_q, np.diff(cu_k) if block_table is None else used)
     out, lse = _sequence_calls((q, k, v), cu_q, cu_k, used, block_table is not None, options, variant, done,
                                backend)
     return (out, lse) if return_lse else out
@@ -359,38 +359,35 @@ def _sequence_calls(qkv, cu_q, cu_k, used, paged, options, variant, done, backen
     if paged:  # exactly the used keys: the queries sit before the last of them
         return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: paged_cache.sequence(
             q[None, rows], k, v, cu_k[s:s + 1], used[s], _sequence_options(options, None, s, count), backend,
-            into=into, variant=_sequence_variant(variant, s, cu_q, used)), _cpu_output(q, v, backend))
+            into=into, variant=_sequence_variant(variant, s, cu_q[s + 1] - cu_q[s], used[s])),
+            _cpu_output(q, v, backend))
     if variant is not None:
         return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.variant_forward(
             q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]],
             _spec.complete(_sequence_options(options, used, s, count, cu_k), "varlen_attention"),
-            _sequence_variant(variant, s, cu_q, cu_k), True, backend), None)
+            _sequence_variant(variant, s, cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]), True, backend), None)
     return _sequence_by_sequence(q, cu_q, done, lambda s, rows, into: dispatch.attention(
         q[None, rows], k[None, cu_k[s]:cu_k[s + 1]], v[None, cu_k[s]:cu_k[s + 1]], return_lse=True,
         backend=backend, **_sequence_options(options, used, s, count, cu_k)), None)
 
 
-def _sequence_variant(variant, s, cu_q, keys):
-    """Sequence ``s``'s variant (None without one): ``b = s``, the block mask's blocks of its queries ``cu_q[s] ..
-    cu_q[s + 1]`` and its keys (``keys``: the packed offsets ``cu_k``, or ``used``, a paged cache's counts)."""
+def _sequence_variant(variant, s, n_q, n_k):
+    """Sequence ``s``'s variant (None without one): ``b = s``, and the block mask's blocks of its ``n_q`` queries
+    over its ``n_k`` keys."""
     if variant is None:
         return None
     block_mask = variant.block_mask
     if block_mask is not None:
-        block_mask = block_mask.sequence(s, int(cu_q[s + 1] - cu_q[s]), int(_key_counts(cu_q, keys)[s]))
+        block_mask = block_mask.sequence(s, int(n_q), int(n_k))
     return dataclasses.replace(variant, batch_offset=s, block_mask=block_mask)
 
 
-def _key_counts(cu_q, keys):
-    """Each sequence's keys: ``keys`` the packed offsets ``cu_k`` (one more than the sequences), or the counts."""
-    return np.diff(keys) if keys.size == cu_q.size else keys
-
-
-def _check_block_mask(variant, q, cu_q, keys):
-    """A `ValueError` naming ``block_mask`` unless the variant's (if any) covers the packed batch's sequences."""
+def _check_block_mask(variant, q, cu_q, key_counts):
+    """A `ValueError` naming ``block_mask`` unless the variant's (if any) covers the packed batch's sequences, of
+    ``key_counts`` keys each."""
     if variant is not None and variant.block_mask is not None:
         variant.block_mask.for_sequences(cu_q.size - 1, q.shape[1], int(np.diff(cu_q).max(initial=0)),
-                                         int(np.max(_key_counts(cu_q, keys), initial=0)))
+                                         int(np.max(key_counts, initial=0)))
 
 
 def _cpu_output(q, v, backend):
@@ -467,7 +464,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _check_rows(q, v, dout=dout, out=out, lse=lse, dlse=dlse)
     count = cu_q.size - 1
     variant = make_variant(score_mod, mask_mod, block_mask, captures)
-    _check_block_mask(variant, q, cu_q, cu_k)
+    _check_block_mask(variant, q, cu_q, np.diff(cu_k))
     parts = []
     for s in range(count):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
@@ -478,7 +475,8 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             parts.append(dispatch.attention_backward(*arrays[:6], dlse=arrays[6], backend=backend, **sequence))
         else:
             parts.append(dispatch.variant_backward(arrays, _spec.complete(sequence, "varlen_attention_backward"),
-                                                   _sequence_variant(variant, s, cu_q, cu_k), backend))
+                                                   _sequence_variant(variant, s, cu_q[s + 1] - cu_q[s],
+                                                                     cu_k[s + 1] - cu_k[s]), backend))
     return _packed_grads(parts, q, k, v, cu_q, cu_k, options)
 
 

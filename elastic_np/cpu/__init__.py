@@ -192,9 +192,11 @@ def paged_forward(problem, paged, into=None, scale_pages=None):
     block_size, Hkv, D // G)`` for ``k`` and for ``v`` (``problem``'s
     scales stand in for them), or None.
     """
-    if problem.variant is None and decode_plan.takes(problem):
+    if problem.variant is not None:
+        return prefill.forward(problem, paged=paged, into=into, scale_pages=scale_pages)
+    if decode_plan.takes(problem):
         return decode.forward(problem, paged=paged, scale_pages=scale_pages)
-    if problem.variant is not None or problem.quantized is not None:
+    if problem.quantized is not None:
         return prefill.forward(problem, paged=paged, into=into, scale_pages=scale_pages)
     if forward_amx.takes(problem):
         return forward_amx.forward(problem, paged=paged, into=into)

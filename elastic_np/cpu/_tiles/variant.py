@@ -111,11 +111,9 @@ def _narrow_spans(variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_l
         for g in range(group):
             h = hk * group + g
             lo, hi = spans[g, 0], spans[g, 1]
-            while lo < hi and tile_state(variant, b, h, lo * block_q, min(block_q, N - lo * block_q), j0, bk) == EMPTY:
+            while lo < hi and _empty_query_tile(variant, b, h, lo, block_q, N, j0, bk):
                 lo += 1
-            while hi > lo and tile_state(
-                variant, b, h, (hi - 1) * block_q, min(block_q, N - (hi - 1) * block_q), j0, bk
-            ) == EMPTY:
+            while hi > lo and _empty_query_tile(variant, b, h, hi - 1, block_q, N, j0, bk):
                 hi -= 1
             if lo == hi:
                 lo, hi = 0, 0
@@ -126,6 +124,13 @@ def _narrow_spans(variant, b, hk, j0, bk, block_q, N, spans, share_rows, first_l
         return it_first, it_last
 
     return narrow
+
+
+@jit(nopython=True, inline="always", fastmath=False)
+def _empty_query_tile(variant, b, h, it, block_q, N, j0, bk):
+    """Whether query tile ``it`` (of ``N`` queries) of head ``(b, h)`` is `EMPTY` against keys ``j0 .. j0 + bk - 1``."""
+    i0 = it * block_q
+    return tile_state(variant, b, h, i0, min(block_q, N - i0), j0, bk) == EMPTY
 
 
 def score_stage(st, bk, bq, variant, tile, tau_h):
