@@ -90,6 +90,30 @@ def test_per_token_and_per_group_scale_pages(fmt, scale, block_size):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def halved_past_the_diagonal(score, b, h, q_idx, kv_idx):
+    return score * 0.5 if kv_idx > q_idx else score
+
+
+def test_a_users_variant_over_quantized_scale_pages_has_each_sequences_bits():
+    """A ``score_mod`` over an int8 cache with per-token scale pages: the prefill kernel reads the pages and their
+    scales in place, each sequence the bits of `attention` with the variant on its own keys and scales."""
+    rng = np.random.default_rng(8)
+    H, Hkv, D = 4, 2, 32
+    k, v, ks, vs = _cache(rng, "int8", 90, Hkv, D, "token")
+    used, lengths_q = [90, 33], [1, 6]
+    k_pages, v_pages, table = _paged(rng, k, v, used, 16)
+    ks_pages, vs_pages = (paged_cases.in_pages(a, table, used, 16, k_pages.shape[0]) for a in (ks, vs))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    q = rng.standard_normal((cu_q[-1], H, D)).astype(np.float32)
+    out = enp.varlen_attention(q, k_pages, v_pages, cu_q, None, block_table=table, seqused_k=used, k_scale=ks_pages,
+                               v_scale=vs_pages, score_mod=halved_past_the_diagonal, backend="cpu")
+    for s, n in enumerate(used):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        want = enp.attention(q[None, rows], k[:, :n], v[:, :n], layout="bnhd", k_scale=ks[:, :n], v_scale=vs[:, :n],
+                             score_mod=halved_past_the_diagonal, backend="cpu")
+        assert np.array_equal(out[rows], want[0]), s
+
+
 def test_scale_pages_are_checked_where_they_are_read():
     rng = np.random.default_rng(8)
     k, v, ks, vs = _cache(rng, "int8", 40, 2, 32, "token")
