@@ -32,7 +32,7 @@ import contextlib
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np import numpy_support
@@ -407,6 +407,8 @@ def _make_value_block(rows, vectors, masked=False):
 
 
 _value_block = _make_value_block(_VALUE_ROWS, _VALUE_VECTORS)
+_value_four = _make_value_block(4, _VALUE_VECTORS)
+_value_two = _make_value_block(2, _VALUE_VECTORS)
 _value_row = _make_value_block(1, _VALUE_VECTORS)
 _value_vector = _make_value_block(_VALUE_ROWS, 1)
 _value_one = _make_value_block(1, 1)
@@ -451,14 +453,37 @@ def key_scores(qs, k_tile, ahead, st, s_col, rows, bk, D):
                 st[r, s_col + c] += qs[r, p] * x
 
 
+@njit(inline="always", fastmath={"contract"})  # a call per block of keys and panel would cost more than it
+def _value_panel(st, s_col, whole, col, acc, rows, keys, ahead):
+    """`value_products`' block of keys ``keys = (c0, n, d0)`` over one panel of `_VALUE_VECTORS` vectors from
+    column ``d0``, for every row: blocks of `_VALUE_ROWS` rows, then of 4 and 2 rows, then one, so that a few
+    rows (4, the stacked rows of a common grouped-query decode) keep several sums in flight; the first block
+    hints. Every sum is the same whichever block computes it.
+    """
+    c0, n, d0 = keys
+    a, a_col, a_row = ahead
+    rows_b = rows - rows % _VALUE_ROWS
+    for r0 in range(0, rows_b, _VALUE_ROWS):
+        _value_block(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0)
+    r = rows_b
+    if _VALUE_ROWS > 4 and rows - r >= 4:
+        _value_four(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+        r += 4
+    if rows - r >= 2:
+        _value_two(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+        r += 2
+    if r < rows:
+        _value_row(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+
+
 @inner(fastmath={"contract"})
 def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
     """``acc[r, :Dv] += st[r, s_col:s_col + bk] @ V[:bk, :Dv]`` for ``r < rows``, with ``V`` the rows of ``v_tile``.
 
     ``ahead``: the rows to hint, as `key_scores`'. Blocks of `_VALUE_KEYS`
     keys, each read from memory once for all the row blocks and column
-    panels that use it; the columns past the last whole vector as one
-    masked vector.
+    panels that use it (`_value_panel`); the columns past the last whole
+    vector as one masked vector.
     """
     whole, col = v_tile
     a, a_col, a_row = ahead
@@ -468,12 +493,8 @@ def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
     rows_b = rows - rows % _VALUE_ROWS
     for c0 in range(0, bk, _VALUE_KEYS):
         n = min(_VALUE_KEYS, bk - c0)
-        for t0 in range(0, n_panel, _VALUE_VECTORS):  # the first row block over a panel hints
-            d0 = t0 * width
-            for r0 in range(0, rows_b, _VALUE_ROWS):
-                _value_block(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0)
-            for r in range(rows_b, rows):
-                _value_row(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0)
+        for t0 in range(0, n_panel, _VALUE_VECTORS):
+            _value_panel(st, s_col, whole, col, acc, rows, (c0, n, t0 * width), ahead)
         for t in range(n_panel, n_vec):
             d0 = t * width
             for r0 in range(0, rows_b, _VALUE_ROWS):
@@ -487,3 +508,4 @@ def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
                 _value_tail(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0, tail)
             for r in range(rows_b, rows):
                 _value_tail_one(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0, tail)
+
