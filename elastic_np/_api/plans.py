@@ -121,9 +121,7 @@ class Plan:
             self._like = None
         if self._bnhd:
             q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
-        if not np.isfinite(q).all():
-            raise ValueError("`q` contains NaN or inf")
-        out, lse = forward(q, k, v)
+        out, lse = forward(q, k, v)  # which checks the values of q, k, v (`planned_forward`)
         if self._bnhd:
             out = out.swapaxes(1, 2)
         return (out, lse) if self._lse else out

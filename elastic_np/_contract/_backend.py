@@ -49,6 +49,7 @@ FACE = ("dtypes", "is_available", "check_available", "prepare", "check_backward_
 #: ``(ddout, ddlse, AttentionGrads)``, the second-order VJP along ``direction``
 #: (`elastic_np._contract._grads.Direction`, the cotangents of the backward's outputs).
 #: ``planned_forward(problem, like)``, ``run(q, k, v) -> (out, lse)``: ``forward`` of the problem for any arrays of
-#: its shapes and dtype, ``q`` checked, what it derives from the fields derived once (`elastic_np._api.plans`);
+#: its shapes and dtype, their values checked as a call in full checks them, what it derives from the fields derived
+#: once (`elastic_np._api.plans`);
 #: ``like``, None or the ``run`` of a problem that differs in its number of keys alone.
 OPTIONAL = ("double_backward", "planned_forward")

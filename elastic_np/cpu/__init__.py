@@ -96,6 +96,7 @@ from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays
 
 with own_cache():  # every module of the package that makes a cached function is imported here
     from elastic_np.cpu._decode import decode, plan as decode_plan, planned
+    from elastic_np.cpu._decode.tiles import check_queries
     from elastic_np.cpu._double_backward.double_backward import double_backward
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward
@@ -205,8 +206,9 @@ def paged_forward(problem, paged, into=None, scale_pages=None):
 
 def planned_forward(problem, like=None):
     """`forward` of ``problem`` as ``run(q, k, v) -> (out, lse)``, for any ``(B, H, N, D)`` arrays of its shapes
-    and dtype whose ``q`` is checked (`elastic_np._api.plans`): what `forward` derives from the problem's
-    fields alone is derived once. The kernel is chosen on every run, as `forward` chooses it. ``like``: the
+    and dtype, their values checked as a call in full checks them (`elastic_np._api.plans`; the decode kernels
+    check what they read: `planned.contiguous`): what `forward` derives from the problem's fields alone is
+    derived once. The kernel is chosen on every run, as `forward` chooses it. ``like``: the
     ``run`` of a problem that differs from this one in its number of keys alone (`planned.contiguous`).
     """
     decode_run = planned.contiguous(problem, None if like is None else like.decode)
@@ -216,6 +218,7 @@ def planned_forward(problem, like=None):
     def run(q, k, v):
         if decode_plan.takes_rows(N, rows):
             return decode_run(q, k, v)
+        check_queries(q)
         return forward(problem.with_arrays(q, k, v))
 
     run.decode = decode_run

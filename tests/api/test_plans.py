@@ -118,6 +118,30 @@ def test_a_kept_plan_raises_what_a_call_in_full_raises():
     assert len(plans.PLANS) == 1
 
 
+@pytest.mark.parametrize("N, M, layout", [(1, 40, "bhnd"), (3, 40, "bnhd"), (1, 0, "bhnd"), (16, 40, "bhnd"),
+                                          (40, 40, "bhnd")])
+def test_a_plan_finds_every_bad_query(N, M, layout):
+    """The stacked-rows decode kernel checks ``q`` through its raw products (`_check_unread_cache`); the others,
+    and a cache of no keys, in Python: every NaN and inf, wherever it lies, is the error a call in full gives."""
+    q, k, v = arrays(4, 2, N, M, 8, np.float32, layout)
+    made = enp.plan(q.shape, k.shape, backend="cpu", layout=layout)
+    made.run(q, k, v)
+    zero_entry = k.copy()
+    zero_entry[..., 5] = 0.0  # inf q . k there: a NaN product, not an inf one
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in ((0, 0, 0, 0), (1, 3, N - 1, 5), (1, 2, N // 2, 3)):  # (b, h, i, d)
+            for keys in (k, zero_entry):
+                q_bad = q.copy()
+                (q_bad.swapaxes(1, 2) if layout == "bnhd" else q_bad)[at] = bad
+                with pytest.raises(ValueError, match="`q` contains NaN or inf"):
+                    made.run(q_bad, keys, v)
+    if M:
+        k_bad = k.copy()
+        k_bad[0, 0, 0, 0] = np.nan
+        with pytest.raises(ValueError, match="`q` contains NaN or inf"):  # q's before the keys', as a call in full
+            made.run(q_bad, k_bad, v)
+
+
 def test_a_plan_checks_the_arrays_that_change():
     made = enp.plan((1, 4, 1, 8), (1, 2, 30, 8), backend="cpu")
     q, k, v = arrays(4, 2, 1, 30, 8, np.float32)

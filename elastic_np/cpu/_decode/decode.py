@@ -120,10 +120,12 @@ def forward(problem, paged=None, entry_splits=None, scale_pages=None):
 
 
 def _launcher(problem, plan, direct=False, like=None):
-    """``launch(q, k, v, pages, cache, fine=None) -> (out, lse)``: `forward`'s kernels on the operands ``q``, ``k``,
-    ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and whether a task
-    takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
-    ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales (`fine_operands`).
+    """``launch(q, k, v, pages, cache, fine=None, q_values=None) -> (out, lse)``: `forward`'s kernels on the operands
+    ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and
+    whether a task takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel
+    did not (where ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales
+    (`fine_operands`); ``q_values``: ``q``'s storage, for the stacked-rows kernel of a caller that left ``q``'s
+    check to it (`_check_unread_cache`).
 
     ``direct``: a launcher run again and again calls the kernels through their entry points from its
     second run on (`direct_call`). ``like``: the launcher of a problem that differs in its number of keys
@@ -145,15 +147,15 @@ def _launcher(problem, plan, direct=False, like=None):
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
-    def launch(q, k, v, pages, cache, fine=None):
+    def launch(q, k, v, pages, cache, fine=None, q_values=None):
         part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
         read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
         args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
                 (part_max, part_sum, part_acc, read, suspect))
         tasks = task_counter()
         run_tasks(calls[0], *args, tasks=tasks, work=work)
-        if unchecked:
-            _check_unread_cache(cache, lengths, read, suspect)
+        if unchecked or q_values is not None:
+            _check_unread_cache(cache if unchecked else None, lengths, read, suspect, q_values)
         out, out_operand = new((B, H, N, Dv), out_dtype, q[1])
         lse = np.empty((B, H, N), dtype=dtype)
         merge_args = (part_max, part_sum, part_acc, split_start, beta, N, out_operand, lse, 0, 1)

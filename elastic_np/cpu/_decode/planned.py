@@ -4,7 +4,7 @@ and the launch made once per layout of the keys, and again only when the config 
 
 from elastic_np.cpu._decode import decode
 from elastic_np.cpu._decode.plan import schedule
-from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
+from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows, check_queries
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.cache_scales import fine_operands
 from elastic_np.cpu._tiles.operands import operand
@@ -17,8 +17,9 @@ _EVERY_HEAD = (_NO_TABLE, 0, True)
 
 def contiguous(problem, like=None):
     """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
-    shapes and dtype (``q`` checked, the keys' and values' check left to the kernel as `forward` leaves it):
-    the schedule and what the kernels' call derives from it made once per layout of the keys.
+    shapes and dtype, their values checked (those of the keys and values left to the kernel as `forward` leaves
+    them, and ``q``'s to the stacked-rows kernel: `_check_unread_cache`): the schedule and what the kernels'
+    call derives from it made once per layout of the keys.
 
     ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
     kernels' entry points, the same for both, this one takes over (`_launcher`).
@@ -34,7 +35,11 @@ def contiguous(problem, like=None):
             plan = schedule(problem, k_operand[1], None, None)
             kin = kin_launchers.get(key)
             launch = launchers[key] = decode._launcher(problem, plan, direct=True, like=kin)
-        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if launch.kind[1] else None, (k, v))
+        key_major, together = launch.kind
+        if key_major:  # its products are not checked: q is, here
+            check_queries(q)
+        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v),
+                      q_values=None if key_major else q_operand[0])
 
     run.launchers = launchers
     return run

@@ -33,17 +33,33 @@ def _together(opt):
     return bool((opt.band == opt.band[:, :1]).all())
 
 
-def _check_unread_cache(cache, lengths, read, suspect):
+def check_queries(q):
+    """A `ValueError` for a NaN or inf in ``q``, as a call in full gives it."""
+    if not np.isfinite(q).all():
+        raise ValueError("`q` contains NaN or inf")
+
+
+def _check_unread_cache(cache, lengths, read, suspect, q=None):
     """`elastic_np._contract._validation.check_cache_values` for what the kernel did not check as it read.
 
     ``cache = (k, v)``: ``(B, Hkv, M, D)`` arrays, or `_paged_rows` of a
-    paged cache. A suspect split (a sum that is not finite) is checked again
-    exactly: it was a NaN or inf key or value, or a product that overflowed
-    (no error); the keys below ``lengths[b]`` that no split read are checked
-    here.
+    paged cache, or None where they were checked before. A suspect split (a
+    sum that is not finite) is checked again exactly: it was a NaN or inf
+    key or value, or a product that overflowed (no error); the keys below
+    ``lengths[b]`` that no split read are checked here.
+
+    ``q``: the queries' values, where the caller left their check to the
+    stacked-rows kernel: its raw products ``q . k`` are checked before any
+    mask, so a NaN or inf in ``q`` makes a split suspect wherever its rows
+    met a key; where some kv head read none, or a split is suspect, ``q``
+    is checked here, first, as a call in full checks it.
     """
     if _all_read(read, lengths, suspect):
-        return  # every key below its length was read, and checked, by the kernel
+        return  # every key below its length was read, and checked, by the kernel (q with them)
+    if q is not None:
+        check_queries(q)
+    if cache is None:
+        return
     ranges = []
     for b, hk in np.ndindex(*read.shape[:2]):
         lo, hi, length = read[b, hk, 0], read[b, hk, 1], lengths[b]
@@ -58,11 +74,11 @@ def _check_unread_cache(cache, lengths, read, suspect):
 
 @njit(nogil=True, cache=True, fastmath=False)
 def _all_read(read, lengths, suspect):
-    """Whether every (batch, kv head) read keys ``[0, lengths[b])`` and no split is suspect (one call: NumPy's
-    reductions cost microseconds each)."""
+    """Whether every (batch, kv head) read keys ``[0, lengths[b])``, at least one, and no split is suspect (one
+    call: NumPy's reductions cost microseconds each)."""
     for b in range(read.shape[0]):
         for hk in range(read.shape[1]):
-            if read[b, hk, 0] > 0 or read[b, hk, 1] < lengths[b]:
+            if read[b, hk, 0] > 0 or read[b, hk, 1] < lengths[b] or read[b, hk, 1] == 0:
                 return False
             for s in range(suspect.shape[2]):
                 if suspect[b, hk, s]:
