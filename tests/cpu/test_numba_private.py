@@ -118,6 +118,7 @@ if not _numba_private._ON:
 
 
 @pytest.mark.skipif(not TESTED, reason="outside the tested Numba every setting is the public one")
+@pytest.mark.skipif(private._ON != ALL, reason="it sets each setting itself: it runs once, where all paths are on")
 def test_the_settings_share_a_cache_folder_without_loading_each_others_code(tmp_path):
     root = str(pathlib.Path(private.__file__).parents[3])  # this checkout's package
     pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
