@@ -79,8 +79,9 @@ imports every module that makes a cached function inside
     backward's key pass), ``dbias`` (where the bias's gradient goes)
 ``_decode``
     ``plan`` (which decode kernel, its tiles and key splits), ``decode``
-    (the kernels and their merge), ``tiles`` and ``products`` (how they read
-    the cache)
+    (the kernels), ``merge`` (a task's result: its rows of the output, or
+    its split's partials and their merge), ``tiles`` and ``products`` (how
+    they read the cache)
 ``_double_backward``
     ``double_backward`` (the host side), ``tangents`` (the direction as the
     kernels read it), ``tangent_rows`` (the query pass), ``tangent_keys``

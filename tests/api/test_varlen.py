@@ -341,9 +341,9 @@ def calls_of_forward(monkeypatch):
     def counted(problem, *args, **kwargs):
         launch = launcher(problem, *args, **kwargs)
 
-        def counted_launch(*launch_args):
+        def counted_launch(*launch_args, **launch_kwargs):
             calls.append(problem.shape[0])
-            return launch(*launch_args)
+            return launch(*launch_args, **launch_kwargs)
 
         counted_launch.calls, counted_launch.runs, counted_launch.kind = launch.calls, launch.runs, launch.kind
         return counted_launch

@@ -114,7 +114,7 @@ def test_one_compiled_kernel_per_dtype_for_both_layouts():
     kernels = (
         cpu._prefill.forward._forward_kernel, cpu._prefill.backward._backward_prepare, cpu._prefill.backward._backward_kernel,
         cpu._prefill.key_tiles.sum_dq_shares, cpu._decode.decode._decode_kernel, cpu._decode.decode._decode_heads_kernel,
-        cpu._decode.decode._merge_kernel,
+        cpu._decode.merge._merge_kernel,
     )
     for kernel in kernels:
         # of the float dtypes (a half's bits are other specialisations); the decode kernels have one

@@ -219,4 +219,11 @@ def test_a_launch_types_its_arguments_for_the_entry_points_only_when_it_runs_aga
     assert np.array_equal(enp.attention(q, k, k, tau=tau, backend="cpu"), first) and typed == []
     step = enp.plan(q.shape, k.shape, dtype=q.dtype, tau=tau, backend="cpu")
     runs = [step.run(q, k, k) for _ in range(3)]
-    assert len(typed) == 2 and all(np.array_equal(r, first) for r in runs)
+    # one split a kv head: the kernel finishes the rows, and no merge runs
+    assert typed == [_decode._decode_kernel] and all(np.array_equal(r, first) for r in runs)
+    typed.clear()
+    k = rng.standard_normal((1, 2, 2 * cpu._runtime.config.DECODE_MIN_SPLIT_KEYS, 8))  # two splits: their merge too
+    first = enp.attention(q, k, k, tau=tau, backend="cpu")
+    step = enp.plan(q.shape, k.shape, dtype=q.dtype, tau=tau, backend="cpu")
+    runs = [step.run(q, k, k) for _ in range(3)]
+    assert typed == [_decode._decode_kernel, _decode._merge_kernel] and all(np.array_equal(r, first) for r in runs)

@@ -18,7 +18,7 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
   registers, and hint the rows some keys on into the cache as they go: the
   cache is read once, from memory, while the products compute. A NaN or inf
   key makes the tile's products so, a value the split's sums: both are
-  found there (`_score_rows`, `_store_split`);
+  found there (`_score_rows`, `elastic_np.cpu._decode.merge.store_split`);
 - with `DECODE_KEY_MAJOR_QUERIES` or more (`_decode_heads_kernel`), each
   head of the group is a prefill tile of its ``N`` queries, key-major
   (``st[c, i]``), through the prefill's own steps, one head after the other
@@ -43,7 +43,8 @@ out for memory, not for the products of `elastic_np.cpu`'s prefill tiles:
 - split-KV: when (batch x kv head) pairs are fewer than `DECODE_MIN_TASKS`,
   the keys each pair may keep are cut into ``n_split`` ranges, one task
   each, whose partial ``(max, sum, unnormalised out)`` are merged in split
-  order (`_merge_kernel`). ``n_split`` depends on the shape only, so the
+  order (`elastic_np.cpu._decode.merge`; an entry of one split is
+  finished by its task). ``n_split`` depends on the shape only, so the
   result has the same bits for every thread count. A batch entry may have
   a count of its own (`forward`'s ``entry_splits``): the tasks of every
   entry then run together, each entry with the splits, and so the bits, of
@@ -55,12 +56,11 @@ backward, which recomputes them with the prefill tiles, then sees the
 ``lse`` it would have computed itself.
 """
 
-import math
-
 import numpy as np
 from numba import njit
 
 from elastic_np._contract._ranges import key_range
+from elastic_np.cpu._decode.merge import _merge_kernel, one_split, task_result
 from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import (
@@ -69,17 +69,17 @@ from elastic_np.cpu._decode.tiles import (
 )
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
-from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
+from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter
 from elastic_np.cpu._tiles.cache_scales import cache_scales, fine_operands
 from elastic_np.cpu._tiles.calls import exp_inplace, exp_shift_sum, matmul_nn, matmul_nn_max, matmul_tn
-from elastic_np.cpu._tiles.halves import checked, narrow, widen
+from elastic_np.cpu._tiles.halves import checked, widen
 from elastic_np.cpu._tiles.logits import (
     logits_factor, logits_tile, modifier_factors, modify_tile, plus_scaled, query_factor, scale_row,
 )
 from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
 from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import paged as paged_pages, pool_operand
-from elastic_np.cpu._tiles.scalar import log_add_exp, scalar_like
+from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.cpu._tiles.tanh import tanh_any
 
@@ -137,7 +137,10 @@ def _launcher(problem, plan, direct=False, like=None):
     compile_for(dtype, _HEADS_TILES if plan.key_major else _ROWS_TILES)
     kernel = _decode_heads_kernel if plan.key_major else _decode_kernel
     rows = (H // Hkv) * N
-    sums, accs, reads, splits = (B, Hkv, plan.most, rows), (B, Hkv, plan.most, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
+    merged = plan.most > 1  # else every task finishes its rows: no partials, no merge
+    stored = plan.most if merged else 0
+    sums, accs, reads, splits = (B, Hkv, stored, rows), (B, Hkv, stored, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
+    no_parts = None if merged else (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype))  # never written
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
     scales = () if plan.key_major else (cache_scales(problem),)  # the stacked-rows kernel's (Hkv, 2) scales
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
@@ -148,26 +151,37 @@ def _launcher(problem, plan, direct=False, like=None):
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
     def launch(q, k, v, pages, cache, fine=None, q_values=None):
-        part_max, part_sum, part_acc = np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)
+        parts = (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)) if merged else no_parts
         read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
+        out, out_operand = new((B, H, N, Dv), out_dtype, q[1])
+        lse = np.empty((B, H, N), dtype=dtype)
         args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
-                (part_max, part_sum, part_acc, read, suspect))
+                (*parts, read, suspect, out_operand, lse))
         tasks = task_counter()
         run_tasks(calls[0], *args, tasks=tasks, work=work)
         if unchecked or q_values is not None:
             _check_unread_cache(cache if unchecked else None, lengths, read, suspect, q_values)
-        out, out_operand = new((B, H, N, Dv), out_dtype, q[1])
-        lse = np.empty((B, H, N), dtype=dtype)
-        merge_args = (part_max, part_sum, part_acc, split_start, beta, N, out_operand, lse, 0, 1)
-        calls[1](*merge_args)  # small
-        if direct and runs[0] < 2:
-            runs[0] += 1
-            if runs[0] == 2:
-                calls[:] = direct_call(kernel, (*args, tasks, 0, 1)), direct_call(_merge_kernel, merge_args)
+        merge_args = (*parts, split_start, beta, N, out_operand, lse, 0, 1)
+        if merged or runs[0] == 0:  # small; unmerged, it does nothing, and its first call compiles it with the kernel
+            calls[1](*merge_args)
+        if direct and (runs[0] < 2 or merged and calls[1] is _merge_kernel):
+            _go_direct(calls, runs, kernel, (*args, tasks, 0, 1), merge_args if merged else None)
         return out, lse
 
     launch.calls, launch.runs, launch.kind = calls, runs, kind
     return launch
+
+
+def _go_direct(calls, runs, kernel, kernel_args, merge_args):
+    """A launch family's ``calls`` through their entry points (`direct_call`) from its second run on: the decode
+    kernel's, and the merge's from its first run that merges (``merge_args`` not None)."""
+    if runs[0] < 2:
+        runs[0] += 1
+        if runs[0] < 2:
+            return
+        calls[0] = direct_call(kernel, kernel_args)
+    if merge_args is not None and calls[1] is _merge_kernel:
+        calls[1] = direct_call(_merge_kernel, merge_args)
 
 
 @inner(fastmath=False)
@@ -185,21 +199,6 @@ def _row_ranges(opt, b, hk, group, N, row_lo, row_hi):
             if hi > lo:
                 u_lo, u_hi = min(u_lo, lo), max(u_hi, hi)
     return u_lo, max(u_hi, u_lo)
-
-
-@inner(fastmath=FASTMATH)
-def _store_split(acc, row_max, row_sum, part_acc, part_max, part_sum, v_scale):
-    """A split's partials of its stacked rows into ``part_*``, ``acc`` times ``v_scale`` (a quantized cache's;
-    1 for a float cache, which changes no bit); returns ``sum(acc * 0)`` (NaN if not finite)."""
-    checksum = scalar_like(0.0, acc)
-    zero = scalar_like(0.0, acc)
-    for r in range(acc.shape[0]):
-        part_max[r] = row_max[r]
-        part_sum[r] = row_sum[r]
-        for d in range(acc.shape[1]):
-            part_acc[r, d] = acc[r, d] * v_scale
-            checksum += acc[r, d] * zero
-    return checksum
 
 
 @inner(fastmath=FASTMATH)
@@ -313,12 +312,14 @@ def _decode_kernel(q, k, v, pages, opt, scales, fine, split_start, tiles, outs, 
     and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`; ``fine``: None, or
     the operands of a quantized cache's per-token or per-group scales (`_tile_of_heads`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
-    ``outs = (part_max, part_sum, part_acc, read, suspect)``. ``read[b, hk]``
-    receives the keys ``[lo, hi)`` the splits of ``(b, hk)`` read;
-    ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
+    ``outs = (part_max, part_sum, part_acc, read, suspect, out, lse)``: a
+    task of an entry of several splits leaves its partials, one of a single
+    split its rows of ``out`` and ``lse`` (`elastic_np.cpu._decode.merge`).
+    ``read[b, hk]`` receives the keys ``[lo, hi)`` the splits of ``(b, hk)``
+    read; ``suspect[b, hk, s]`` is set when a NaN or inf key or value (or an
     overflow) may have reached split ``s``'s sums.
     """
-    part_max, part_sum, part_acc, read, suspect = outs
+    part_acc, read, suspect = outs[2:5]
     block_k, ahead, by_run, run_keys = tiles
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
@@ -338,6 +339,7 @@ def _decode_kernel(q, k, v, pages, opt, scales, fine, split_start, tiles, outs, 
     checksum = np.empty(heads, dtype=dtype)
     fine_keys = block_k if key_groups(fine) > 1 or value_groups(fine) > 1 else 0
     fine_scratch = np.empty((fine_keys, D), dtype=np.float32), np.empty((fine_keys, Dv), dtype=np.float32)
+    one = one_split(rows, Dv, dtype)
     b = 0
     n_tasks = (Hkv // heads) * split_start[B]
     for _ in range(n_tasks):
@@ -360,8 +362,8 @@ def _decode_kernel(q, k, v, pages, opt, scales, fine, split_start, tiles, outs, 
                            (acc, row_max, row_sum), fine)
         for t in range(heads):
             hk = hk0 + t
-            check = checksum[t] + _store_split(acc[t], row_max[t], row_sum[t], part_acc[b, hk, s],
-                                               part_max[b, hk, s], part_sum[b, hk, s], scales[hk, 1])
+            check = checksum[t] + task_result(acc[t], row_max[t], row_sum[t], scales[hk, 1],
+                                              (b, hk, s, n_split, N, opt.beta), outs, one)
             suspect[b, hk, s] = not check == 0.0
 
 
@@ -483,7 +485,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
     the tile's keys and values are in cache: no transposed keys, and the
     per-query work runs along the SIMD lanes.
     """
-    part_max, part_sum, part_acc, read, suspect = outs
+    part_acc, read, suspect = outs[2:5]
     B, H, N, D = shape(q)
     Hkv, Dv = shape(k)[1], shape(v)[3]
     group = H // Hkv
@@ -505,6 +507,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
     no_cap_slope = np.empty((0, 0), dtype=dtype)
     nvm_in_logits = opt.nvm and opt.has_gate  # as in the prefill forward
     nvm_in_max = opt.nvm and not opt.has_gate
+    one = one_split(group * N, Dv, dtype)
     b = 0
     n_tasks = Hkv * split_start[B]
     for _ in range(n_tasks):
@@ -540,58 +543,6 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
                 )
                 if kept:
                     online_update(st, v_tile, bk, N, maxed, nvm_in_max, scratch, (row_max[g], row_sum[g], acc[g]))
-        checksum += _store_split(
-            acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
-            part_acc[b, hk, s], part_max[b, hk, s], part_sum[b, hk, s], scalar_like(1.0, st),
-        )
+        checksum += task_result(acc.reshape(group * N, Dv), row_max.reshape(group * N), row_sum.reshape(group * N),
+                                scalar_like(1.0, st), (b, hk, s, n_split, N, opt.beta), outs, one)
         suspect[b, hk, s] = not checksum == 0.0
-
-
-@njit(nogil=True, cache=True, fastmath=False)
-def _merge_kernel(part_max, part_sum, part_acc, split_start, beta, N, out, lse, part, parts):
-    """Merge the splits of each stacked row in split order, with ``beta_h`` added once.
-
-    Batch entry ``b`` has ``split_start[b + 1] - split_start[b]`` splits.
-
-    ``lse = logaddexp(m + log l, log beta)`` with ``m = max_s m_s``,
-    ``l = sum_s l_s exp(m_s - m)``, and ``out = sum_s acc_s exp(m_s - lse)``
-    (``out``: an operand, `elastic_np.cpu._tiles.operands`).
-    """
-    B, Hkv, most, rows = part_max.shape
-    Dv = part_acc.shape[4]
-    group = rows // N if N > 0 else 0
-    weight = np.empty(most)
-    x = np.empty(Dv)
-    for task in task_range(B * Hkv, part, parts):
-        b = task // Hkv
-        hk = task % Hkv
-        n_split = split_start[b + 1] - split_start[b]
-        for r in range(rows):
-            h = hk * group + r // N
-            i = r % N
-            log_beta = math.log(beta[h]) if beta[h] > 0 else -np.inf
-            m = -np.inf
-            for s in range(n_split):
-                m = max(m, part_max[b, hk, s, r])
-            total = 0.0
-            if m > -np.inf:
-                for s in range(n_split):
-                    if part_max[b, hk, s, r] > -np.inf:
-                        total += part_sum[b, hk, s, r] * math.exp(part_max[b, hk, s, r] - m)
-            out_h, col = head(out, b, h)
-            if total > 0.0:
-                lse_r = log_add_exp(m + math.log(total), log_beta)
-                for s in range(n_split):
-                    weight[s] = math.exp(part_max[b, hk, s, r] - lse_r)  # 0 for an empty split
-                x[:] = 0.0
-                for s in range(n_split):  # each x[d] summed in split order; the loop over d vectorises
-                    acc_s, w = part_acc[b, hk, s, r], weight[s]
-                    for d in range(Dv):
-                        x[d] += np.float64(acc_s[d]) * w
-                for d in range(Dv):
-                    out_h[i, col + d] = narrow(x[d], out_h)
-                lse[b, h, i] = lse_r
-            else:
-                for d in range(Dv):
-                    out_h[i, col + d] = narrow(0.0, out_h)
-                lse[b, h, i] = log_beta

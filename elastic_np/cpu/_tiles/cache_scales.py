@@ -24,7 +24,7 @@ def cache_scales(problem):
     and per-group scales are `fine_operands`; here only the unit). The decode
     kernel multiplies its scaled queries by the key factor
     (`elastic_np.cpu._decode.decode._start_rows`) and a split's sums by the
-    value factor (`elastic_np.cpu._decode.decode._store_split`): the cache
+    value factor (`elastic_np.cpu._decode.merge.store_split`): the cache
     is never dequantized; the prefill kernel dequantizes a tile with them
     (`elastic_np.cpu._tiles.pages.cache_tile`).
     """

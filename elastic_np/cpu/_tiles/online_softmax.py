@@ -136,7 +136,7 @@ def query_major_update(st, bk, shift_by, state):
     by; ``state = (acc, row_max, row_sum)``; ``kept``: whether any row
     keeps a key of the tile (else ``st`` is left as it is). A value that is
     not finite makes ``acc`` not finite (``p v`` with ``p = 0`` too), which
-    `elastic_np.cpu._decode.decode._store_split` checks.
+    `elastic_np.cpu._decode.merge.store_split` checks.
     """
     acc, row_max, row_sum = state
     rows, Dv = acc.shape
