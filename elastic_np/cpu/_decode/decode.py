@@ -146,7 +146,7 @@ def _launcher(problem, plan, direct=False, like=None):
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
     # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
     # runs once, a plan's first, skips the fingerprint of its arguments)
-    calls, runs, kind = [kernel, _merge_kernel], [0], (plan.key_major, plan.together)
+    calls, runs, kind = [kernel, _merge_kernel], [0, False], (plan.key_major, plan.together)
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
@@ -164,7 +164,7 @@ def _launcher(problem, plan, direct=False, like=None):
         merge_args = (*parts, split_start, beta, N, out_operand, lse, 0, 1)
         if merged or runs[0] == 0:  # small; unmerged, it does nothing, and its first call compiles it with the kernel
             calls[1](*merge_args)
-        if direct and (runs[0] < 2 or merged and calls[1] is _merge_kernel):
+        if direct and (runs[0] < 2 or merged and not runs[1]):
             _go_direct(calls, runs, kernel, (*args, tasks, 0, 1), merge_args if merged else None)
         return out, lse
 
@@ -174,13 +174,15 @@ def _launcher(problem, plan, direct=False, like=None):
 
 def _go_direct(calls, runs, kernel, kernel_args, merge_args):
     """A launch family's ``calls`` through their entry points (`direct_call`) from its second run on: the decode
-    kernel's, and the merge's from its first run that merges (``merge_args`` not None)."""
+    kernel's, and the merge's from its first run that merges (``merge_args`` not None). ``runs = [runs,
+    whether the merge's entry point was looked up]``: each is looked up once."""
     if runs[0] < 2:
         runs[0] += 1
         if runs[0] < 2:
             return
         calls[0] = direct_call(kernel, kernel_args)
-    if merge_args is not None and calls[1] is _merge_kernel:
+    if merge_args is not None and not runs[1]:
+        runs[1] = True
         calls[1] = direct_call(_merge_kernel, merge_args)
 
 
