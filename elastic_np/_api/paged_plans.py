@@ -16,6 +16,7 @@ not Python scalars is checked in full every time.
 import numpy as np
 
 from elastic_np._api import plans
+from elastic_np._contract import _validation
 from elastic_np._contract._problem import Kept
 
 #: The most entries of an index array a call is looked up by (its bytes enter the key).
@@ -64,7 +65,6 @@ def keep(call_key, run):
 
 def run(planned, q, k, v, return_lse):
     """A looked-up call: ``q`` checked as a call in full checks it, then the plan's kernel."""
-    if not np.isfinite(q).all():
-        raise ValueError("`q` contains NaN or inf")
+    _validation.check_finite(q, "q")
     out, lse = planned(q, k, v)
     return (out, lse) if return_lse else out

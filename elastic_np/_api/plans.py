@@ -331,8 +331,7 @@ class BackwardPlan:
         """`elastic_np.attention_backward` of these arrays (``q``, ``k``, ``v`` of the plan's key)."""
         if self._bnhd:
             q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
-        if not np.isfinite(q).all():
-            raise ValueError("`q` contains NaN or inf")
+        _validation.check_finite(q, "q")
         problem = self._problem.with_arrays(q, k, v)
         module = self._module
         if dlse is None and self._expected(dout, out, lse):

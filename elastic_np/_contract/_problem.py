@@ -204,8 +204,8 @@ def prepare(q, k, v, *, dtypes=None, check_finite=True, defer_bias_check=False, 
     k_given, v_given = np.asarray(k), np.asarray(v)
     q, k, v = _checked_arrays(q, k_given, v_given, dtypes, _spec.check_layout(options["layout"]), quantized)
     B, H, N, D = q.shape
-    if check_finite and not _validation.all_finite(q):
-        raise ValueError("`q` contains NaN or inf")
+    if check_finite:
+        _validation.check_finite(q, "q")
     shape = _spec.Shape(B, H, N, k.shape[2], D, check_bias_values=check_finite and not defer_bias_check,
                         Hkv=k.shape[1])
     compute_dtype = np.dtype(np.float64) if dtypes is None else _validation.compute_dtype(q.dtype)

@@ -309,6 +309,12 @@ def all_finite(a):
     return all(np.isfinite(a[i:i + step]).all() for i in range(0, a.shape[0], step))
 
 
+def check_finite(a, name):
+    """Raise a `ValueError` naming ``name`` where the float array ``a`` holds a NaN or an inf (`all_finite`)."""
+    if not all_finite(a):
+        raise ValueError(f"`{name}` contains NaN or inf")
+
+
 def check_cache_values(k, v, kv_lengths):
     """Raise ValueError naming ``k`` or ``v`` when a key below ``kv_lengths[b]`` holds NaN or inf.
 

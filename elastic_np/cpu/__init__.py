@@ -97,7 +97,6 @@ from elastic_np.reference._backward import check_backward_arrays  # NumPy arrays
 
 with own_cache():  # every module of the package that makes a cached function is imported here
     from elastic_np.cpu._decode import decode, plan as decode_plan, planned
-    from elastic_np.cpu._decode.tiles import check_queries
     from elastic_np.cpu._double_backward.double_backward import double_backward
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward
@@ -219,7 +218,7 @@ def planned_forward(problem, like=None):
     def run(q, k, v):
         if decode_plan.takes_rows(N, rows):
             return decode_run(q, k, v)
-        check_queries(q)
+        _validation.check_finite(q, "q")
         return forward(problem.with_arrays(q, k, v))
 
     run.decode = decode_run

@@ -2,9 +2,10 @@
 and the launch made once per layout of the keys, and again only when the config changes
 (`elastic_np.cpu._runtime.config.GENERATION`)."""
 
+from elastic_np._contract import _validation
 from elastic_np.cpu._decode import decode
 from elastic_np.cpu._decode.plan import schedule
-from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows, check_queries
+from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.cache_scales import fine_operands
 from elastic_np.cpu._tiles.operands import operand
@@ -37,7 +38,7 @@ def contiguous(problem, like=None):
             launch = launchers[key] = decode._launcher(problem, plan, direct=True, like=kin)
         key_major, together = launch.kind
         if key_major:  # its products are not checked: q is, here
-            check_queries(q)
+            _validation.check_finite(q, "q")
         return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v),
                       q_values=None if key_major else q_operand[0])
 

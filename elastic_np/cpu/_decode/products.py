@@ -508,4 +508,3 @@ def value_products(st, s_col, v_tile, ahead, acc, rows, bk, Dv):
                 _value_tail(st, s_col, whole, col, acc, r0, c0, n, d0, a, a_col, a_row, r0 == 0, tail)
             for r in range(rows_b, rows):
                 _value_tail_one(st, s_col, whole, col, acc, r, c0, n, d0, a, a_col, a_row, r == 0, tail)
-

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 from numba.extending import overload
 
+from elastic_np._contract import _validation
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._tiles.halves import copied_checked, readable_checked, widen
@@ -31,12 +32,6 @@ _NO_TABLE = np.zeros((0, 0), dtype=np.int64)
 def _together(opt):
     """Whether every query head of each batch entry keeps the same offsets, so every kv head the same keys."""
     return bool((opt.band == opt.band[:, :1]).all())
-
-
-def check_queries(q):
-    """A `ValueError` for a NaN or inf in ``q``, as a call in full gives it."""
-    if not np.isfinite(q).all():
-        raise ValueError("`q` contains NaN or inf")
 
 
 def _check_unread_cache(cache, lengths, read, suspect, q=None):
@@ -57,7 +52,7 @@ def _check_unread_cache(cache, lengths, read, suspect, q=None):
     if _all_read(read, lengths, suspect):
         return  # every key below its length was read, and checked, by the kernel (q with them)
     if q is not None:
-        check_queries(q)
+        _validation.check_finite(q, "q")
     if cache is None:
         return
     ranges = []
