@@ -63,6 +63,7 @@ SECONDS = "{median:.0f} s ({min:.0f}-{max:.0f} s)"
 def _figures():
     check, cvt, step = "runs/first-check.json", "runs/cpu-vs-torch.json", "runs/torch-compile-step.json"
     first, h100, h200 = "runs/first-call.json", "h100-cuda.json", "h200-cuda.json"
+    continuous = "runs/transformers-continuous-%s.json"
     cpu = (lambda record: describe_cpu(record["machine"]), "{}")
     return {
         "fig-check-cpu": (check, *cpu),
@@ -89,6 +90,10 @@ def _figures():
         "fig-compile-rounds": (step, lambda record: record["rounds"], "{}"),
         **_fixed_cost_figures(),
         "fig-generate": ("runs/transformers-generate.json", _summary("sdpa/ours"), RATIO),
+        "fig-continuous-f32": (continuous % "float32", _summary("ours/sdpa tokens per second"), RATIO),
+        "fig-continuous-bf16": (continuous % "bfloat16", _summary("ours/sdpa tokens per second"), RATIO),
+        "fig-continuous-rounds": (continuous % "float32", _summary("ours/sdpa tokens per second", "n"), "{}"),
+        "fig-continuous-cpu": (continuous % "float32", *cpu),
         "fig-generate-before": ("runs/transformers-generate-before.json", _summary("sdpa/ours"), RATIO),
         "fig-h100-fwd": (h100, lambda record: record["speed_ratio"]["forward"], "{:.2f}"),
         "fig-h100-fwdbwd": (h100, lambda record: record["speed_ratio"]["forward+backward"], "{:.2f}"),

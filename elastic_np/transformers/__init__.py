@@ -18,6 +18,14 @@ through `elastic_np.torch.varlen_attention`, each sequence on its own. What
 the function cannot honour (attention dropout while training, attention
 weights as an output) is an error naming it.
 
+transformers' continuous batching (``generate_batch``, the manager behind
+``transformers serve``) takes only its own implementations or a
+FlashAttention: `register` also offers elastic_np's FlashAttention functions
+(`elastic_np.transformers.flash`) as a kernel of the ``kernels`` package,
+which transformers loads, as it loads FlashAttention from the Hub, for
+``attn_implementation=CONTINUOUS_BATCHING``. Its packed sequences then go
+through `elastic_np.torch.varlen_attention`, each sequence on its own.
+
 Examples
 --------
 >>> import torch, transformers
@@ -30,6 +38,8 @@ Examples
 torch.Size([1, 3, 64])
 """
 
+import os
+import pathlib
 import weakref
 
 import torch
@@ -39,6 +49,12 @@ from elastic_np import torch as enpt
 #: The name `register` gives the attention by default.
 NAME = "elastic_np"
 
+#: The ``attn_implementation`` of elastic_np's FlashAttention functions, for every model (`register` first) and
+#: for continuous batching: a name of the Hub's form, which the ``kernels`` package resolves to `KERNEL_PATH`.
+CONTINUOUS_BATCHING = "elastic-np/flash-attn"
+#: The kernel's folder: a build of it, ``torch-universal``, imports `elastic_np.transformers.flash`.
+KERNEL_PATH = pathlib.Path(__file__).parent / "hub_kernel"
+
 #: Keyword arguments transformers passes that change nothing here.
 _IGNORED = frozenset({"position_ids", "cache_position", "num_items_in_batch", "output_hidden_states",
                       "output_router_logits", "use_cache", "past_key_values", "seq_idx"})
@@ -47,7 +63,13 @@ _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def register(name=NAME, backend="auto"):
-    """Register the attention and its mask function under ``name`` with transformers.
+    """Register the attention and its mask function under ``name`` with transformers, and offer `CONTINUOUS_BATCHING`.
+
+    The ``kernels`` package (which transformers requires) then finds
+    `CONTINUOUS_BATCHING` in this package (`offer_kernel`), and a model made
+    with that ``attn_implementation`` runs transformers' FlashAttention path
+    over `elastic_np.transformers.flash` (on the "auto" backend), continuous
+    batching included.
 
     Parameters
     ----------
@@ -64,6 +86,21 @@ def register(name=NAME, backend="auto"):
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, boolean_mask)
+    offer_kernel()
+
+
+def offer_kernel():
+    """Add `CONTINUOUS_BATCHING`, at `KERNEL_PATH`, to the ``kernels`` package's local overrides.
+
+    The overrides are the environment variable ``LOCAL_KERNELS``
+    (``repo_id=path`` entries joined by ``:``); those it holds for other
+    kernels are kept. Child processes inherit it.
+    """
+    if ":" in str(KERNEL_PATH):
+        raise RuntimeError(f"the kernels package cannot take a path with ':' in LOCAL_KERNELS: {KERNEL_PATH}")
+    entries = [entry for entry in os.environ.get("LOCAL_KERNELS", "").split(":")
+               if entry and not entry.startswith(CONTINUOUS_BATCHING + "=")]
+    os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{CONTINUOUS_BATCHING}={KERNEL_PATH}"])
 
 
 def boolean_mask(*args, **kwargs):
