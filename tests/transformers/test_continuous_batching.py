@@ -84,12 +84,15 @@ def test_a_model_that_lists_its_flash_kernels_takes_its_own():
     assert transformers.GptOssForCausalLM._compatible_flash_implementations[0] == "kernels-community/vllm-flash-attn3"
 
 
-def test_generate_with_padding_gives_eager_tokens():
-    """FlashAttention's path of ``generate``: a padded batch unpadded into packed sequences, then decoding."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_gives_eager_tokens(padded):
+    """FlashAttention's paths of ``generate``: ``flash_attn_func`` without padding; with left padding, the batch
+    unpadded into packed sequences (``flash_attn_varlen_func``) at every step."""
     ours, eager = _models("llama", enp_transformers.CONTINUOUS_BATCHING, "eager")
     ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
+    if padded:
+        mask[1, :4] = 0
     with torch.no_grad():
         tokens = [model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
                   for model in (ours, eager)]
