@@ -6,12 +6,18 @@ in its order and conventions: tensors ``(batch, seqlen, heads, head_dim)``
 (packed ``(total, heads, head_dim)``), ``causal`` aligned bottom-right,
 ``window_size=(left, right)`` with -1 for no bound, ``softcap=0.0`` for none,
 ``alibi_slopes`` of shape ``(H,)`` or ``(B, H)``; and FlashAttention 3's
-``s_aux`` (gpt-oss's per-head sink logits, ``beta = exp(s_aux)`` here). They
-run `elastic_np.torch.attention` and `elastic_np.torch.varlen_attention`
-(differentiable, CPU or CUDA tensors as those take them), so each is, bit for
-bit, those functions' result. Attention dropout (``dropout_p > 0``) and the
-attention probabilities (``return_attn_probs=True``) are errors naming them;
-``deterministic`` changes nothing (every elastic_np kernel is).
+``s_aux`` (gpt-oss's per-head sink logits, ``beta = exp(s_aux)`` here, taken
+in float32 or float64). They run `elastic_np.torch.attention` and
+`elastic_np.torch.varlen_attention` on CPU tensors (differentiable), so each
+is, bit for bit, those functions' result. Attention dropout (``dropout_p >
+0``) is an error naming it; ``deterministic`` changes nothing (every
+elastic_np kernel is). ``return_attn_probs=True`` returns ``(out, lse,
+None)``: FlashAttention's third value, its dropout pattern for testing, does
+not exist here.
+
+With ALiBi, ``lse`` is that of elastic_np's bias ``-slope |i + M - N - j|``;
+FlashAttention 2's causal kernels add ``slope j`` instead, which leaves
+``out`` the same and shifts a row's ``lse`` by ``slope (i + M - N)``.
 
 transformers loads these functions as a kernel (`elastic_np.transformers`'
 `register`), the way it loads FlashAttention from the Hub, which makes the
@@ -29,12 +35,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, s_aux=None):
     """Attention of ``q`` ``(B, N, H, D)`` over ``k``, ``v`` ``(B, M, Hkv, D)``: ``out`` ``(B, N, H, Dv)``.
 
-    ``H`` a multiple of ``Hkv`` (grouped-query heads). Returns ``out`` alone,
-    as FlashAttention 2 does.
+    ``H`` a multiple of ``Hkv`` (grouped-query heads). Returns ``out``, or
+    with ``return_attn_probs`` ``(out, lse of shape (B, H, N), None)``.
     """
-    options = _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, s_aux)
-    return enpt.attention(q, k, v, layout="bnhd", **options)
+    options = _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
+    result = enpt.attention(q, k, v, layout="bnhd", return_lse=return_attn_probs, **options)
+    return (*result, None) if return_attn_probs else result
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
@@ -49,24 +55,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     cache, ``(num_blocks, block_size, Hkv, D)``, read in place: sequence
     ``s`` uses ``seqused_k[s]`` keys, or without ``seqused_k``
     ``cu_seqlens_k[s + 1] - cu_seqlens_k[s]``, as FlashAttention 2 reads
-    them. Rows of ``q``, ``k`` and ``v`` past the last offset (a batch padded
-    to a fixed size, as transformers pads some) are not read, and the rows of
-    ``out`` past it are zeros. Returns ``out`` ``(total_q, H, Dv)``.
+    them; a sequence's queries are then its last tokens, at most as many as
+    its keys (else an error naming them). Rows of ``q``, ``k`` and ``v``
+    past the last offset (a batch padded to a fixed size, as transformers
+    pads some) are not read; the rows of ``out`` past it are zeros (``lse``
+    -inf). Returns ``out`` ``(total_q, H, Dv)``, or with
+    ``return_attn_probs`` ``(out, lse of shape (H, total_q), None)``.
     """
-    options = _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, s_aux)
+    options = _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
     if block_table is not None:
         if seqused_k is None:
             seqused_k = torch.as_tensor(cu_seqlens_k).diff()
         cu_seqlens_k = None
     else:
         k, v = _packed(k, cu_seqlens_k), _packed(v, cu_seqlens_k)
-    out = enpt.varlen_attention(_packed(q, cu_seqlens_q), k, v, cu_seqlens_q, cu_seqlens_k,
-                                max_q=_as_int(max_seqlen_q), max_k=_as_int(max_seqlen_k), block_table=block_table,
-                                seqused_k=seqused_k, **options)
-    if out.shape[0] == q.shape[0]:
-        return out
-    return torch.cat([out, out.new_zeros((q.shape[0] - out.shape[0], *out.shape[1:]))])
+    result = enpt.varlen_attention(_packed(q, cu_seqlens_q), k, v, cu_seqlens_q, cu_seqlens_k,
+                                   max_q=_as_int(max_seqlen_q), max_k=_as_int(max_seqlen_k), block_table=block_table,
+                                   seqused_k=seqused_k, return_lse=return_attn_probs, **options)
+    out, lse = result if return_attn_probs else (result, None)
+    padding = q.shape[0] - out.shape[0]
+    if padding:
+        out = torch.cat([out, out.new_zeros((padding, *out.shape[1:]))])
+        lse = None if lse is None else torch.cat([lse, lse.new_full((padding, *lse.shape[1:]), -torch.inf)])
+    return (out, lse.T.contiguous(), None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -83,7 +94,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     all; default: the whole cache); ``k`` and ``v`` ``(B, N_new, Hkv, D)``,
     when given, are written in place after them, as FlashAttention does, and
     the queries attend to the ``cache_seqlens[b] + N_new`` keys, read in
-    place, ``causal`` aligned to the last of them. Rotary embeddings
+    place, ``causal`` aligned to the last of them (``N`` at most that many,
+    else an error naming them). A call that fails leaves the cache as it
+    was. Rotary embeddings
     (``rotary_cos``, ``rotary_sin``) and ``cache_leftpad`` are not taken:
     errors naming them. ``num_splits`` changes nothing (the kernels' plan
     splits the keys). Returns ``out`` ``(B, N, H, Dv)``, and ``lse`` ``(B, H,
@@ -93,30 +106,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if value is not None:
             raise ValueError(f"flash_attn_with_kvcache: elastic_np does not take `{name}`; apply rotary embeddings "
                              "and left padding before the call")
-    options = _options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, s_aux)
+    options = _options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux)
     B, N, H, _ = q.shape
     pages, capacity = _cache_pages(k_cache, v_cache, B, cache_batch_idx, block_table)
-    cached = _cache_lengths(cache_seqlens, B, capacity, q.device)
+    cached = _cache_lengths(cache_seqlens, B, capacity)
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache takes the new keys `k` and values `v` together, or neither")
-    if k is not None:
-        cached = _append(k_cache, v_cache, k, v, pages, cached, capacity)
-    cu_q = torch.arange(B + 1, dtype=torch.int32) * N
-    out = enpt.varlen_attention(q.reshape(B * N, H, q.shape[-1]), k_cache, v_cache, cu_q, None, block_table=pages,
-                                seqused_k=cached, return_lse=return_softmax_lse, **options)
+    written = None if k is None else _append(k_cache, v_cache, k, v, pages, cached, capacity)
+    try:
+        out = enpt.varlen_attention(q.reshape(B * N, H, q.shape[-1]), k_cache, v_cache,
+                                    torch.arange(B + 1, dtype=torch.int32) * N, None, block_table=pages,
+                                    seqused_k=cached if written is None else written[0],
+                                    return_lse=return_softmax_lse, **options)
+    except Exception:
+        if written is not None:  # put back what the new keys and values overwrote
+            _, where, kept_k, kept_v = written
+            with torch.no_grad():
+                k_cache[where], v_cache[where] = kept_k, kept_v
+        raise
     if not return_softmax_lse:
         return out.view(B, N, H, out.shape[-1])
     out, lse = out
     return out.view(B, N, H, out.shape[-1]), lse.view(B, N, H).transpose(1, 2)
 
 
-def _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, s_aux):
-    """elastic_np's options for FlashAttention's arguments; a `ValueError` for those it does not take."""
+def _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, s_aux):
+    """elastic_np's options for FlashAttention's arguments; a `ValueError` for dropout, which it does not apply."""
     if dropout_p:
         raise ValueError(f"elastic_np applies no attention dropout: got dropout_p={dropout_p} (pass 0.0, as "
                          "transformers does when not training)")
-    if return_attn_probs:
-        raise ValueError("elastic_np never forms the attention probabilities: return_attn_probs=True is not taken")
     left, right = window_size
     options = {"scale": softmax_scale, "causal": bool(causal), "window_size": (int(left), int(right))}
     if softcap:
@@ -124,7 +142,7 @@ def _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_sl
     if alibi_slopes is not None:
         options["alibi_slopes"] = alibi_slopes
     if s_aux is not None:
-        options["beta"] = torch.exp(s_aux.to(q.dtype))
+        options["beta"] = torch.exp(s_aux.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
     return options
 
 
@@ -165,7 +183,7 @@ def _cache_pages(k_cache, v_cache, B, cache_batch_idx, block_table):
     return rows[:, None].to(torch.int32), k_cache.shape[1]
 
 
-def _cache_lengths(cache_seqlens, B, capacity, device):
+def _cache_lengths(cache_seqlens, B, capacity):
     """``cache_seqlens`` as an int32 tensor of ``B`` counts from 0 to ``capacity`` (None: ``capacity`` each)."""
     if cache_seqlens is None:
         return torch.full((B,), capacity, dtype=torch.int32)
@@ -180,10 +198,15 @@ def _cache_lengths(cache_seqlens, B, capacity, device):
 
 
 def _append(k_cache, v_cache, k, v, pages, cached, capacity):
-    """Write ``k``, ``v`` ``(B, N_new, Hkv, D)`` into the cache after each sequence's ``cached`` keys; the new counts."""
-    B, new = k.shape[:2]
-    if k.shape[0] != pages.shape[0] or k.shape[2:] != k_cache.shape[2:] or v.shape[:3] != k.shape[:3] \
-            or v.shape[3:] != v_cache.shape[3:]:
+    """Write ``k``, ``v`` ``(B, N_new, Hkv, D)`` into the cache after each sequence's ``cached`` keys.
+
+    Returns ``(the new counts, where the rows went, the rows they replaced in
+    k_cache and in v_cache)``; checks everything first, so that nothing is
+    written where a check fails.
+    """
+    new = k.shape[1]
+    if k.dim() != 4 or k.shape[0] != pages.shape[0] or k.shape[2:] != k_cache.shape[2:] \
+            or v.shape[:3] != k.shape[:3] or v.shape[3:] != v_cache.shape[3:]:
         raise ValueError(f"`k` and `v` must be (B, N_new, Hkv, D) with the cache's Hkv and D, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)} for caches {tuple(k_cache.shape)}")
     total = cached + new
@@ -192,9 +215,13 @@ def _append(k_cache, v_cache, k, v, pages, cached, capacity):
                          "keys (`cache_seqlens`)")
     positions = cached[:, None].long() + torch.arange(new)
     size = k_cache.shape[1]
-    page = pages.long().gather(1, positions // size).to(k_cache.device)
-    slot = (positions % size).to(k_cache.device)
+    page = pages.long().gather(1, positions // size)
+    if bool(((page < 0) | (page >= k_cache.shape[0])).any()):
+        raise ValueError(f"`block_table` names no page of the cache's {k_cache.shape[0]} where the new keys go "
+                         f"(pages {page.tolist()})")
+    where = (page.to(k_cache.device), (positions % size).to(k_cache.device))
+    kept_k, kept_v = k_cache[where].clone(), v_cache[where].clone()
     with torch.no_grad():
-        k_cache[page, slot] = k.to(k_cache.dtype)
-        v_cache[page, slot] = v.to(v_cache.dtype)
-    return total
+        k_cache[where] = k.to(k_cache.dtype)
+        v_cache[where] = v.to(v_cache.dtype)
+    return total, where, kept_k, kept_v

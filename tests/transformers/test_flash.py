@@ -173,8 +173,6 @@ def test_what_elastic_np_does_not_take_is_an_error_naming_it():
     cache = torch.zeros(1, 4, 2, 4)
     with pytest.raises(ValueError, match="dropout_p=0.1"):
         flash.flash_attn_func(q, q, q, dropout_p=0.1)
-    with pytest.raises(ValueError, match="return_attn_probs"):
-        flash.flash_attn_varlen_func(q[0], q[0], q[0], [0, 2], [0, 2], 2, 2, return_attn_probs=True)
     with pytest.raises(ValueError, match="`rotary_cos`"):
         flash.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(4, 2))
     with pytest.raises(ValueError, match="`cache_leftpad`"):
@@ -201,3 +199,65 @@ def test_rows_past_the_last_offset_are_not_read_and_give_zeros():
     out = flash.flash_attn_varlen_func(q, k, k, [0, 2, 6], [0, 3, 5], 4, 3, causal=True)
     assert out.shape == (9, 4, 8) and not out[6:].any()
     _close(out[2:6], fa_naive(q[2:6], k[3:5], k[3:5], causal=True)[0])
+
+
+def test_return_attn_probs_gives_flash_attentions_lse():
+    g = torch.Generator().manual_seed(5)
+    q, k = _randn(2, 3, 4, 8, generator=g), _randn(2, 5, 2, 8, generator=g)
+    out, lse, probs = flash.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    assert probs is None and lse.shape == (2, 4, 3)
+    _close(lse[1], fa_naive(q[1], k[1], k[1], causal=True)[1])
+    packed, packed_lse, _ = flash.flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(10, 2, 8), k.reshape(10, 2, 8),
+                                                         [0, 3, 6], [0, 5, 10], 3, 5, causal=True,
+                                                         return_attn_probs=True)
+    assert packed_lse.shape == (4, 6) and packed_lse.is_contiguous()
+    _close(packed_lse, lse.transpose(0, 1).reshape(4, 6))
+    assert torch.equal(packed.view(2, 3, 4, 8), out)
+
+
+@pytest.mark.parametrize("cached", [3, [0, 2]])
+def test_new_keys_unlike_the_queries_in_number_and_slopes_per_batch_entry(cached):
+    """Three new keys for one query each (an int ``cache_seqlens`` too), ALiBi of shape (B, H)."""
+    g = torch.Generator().manual_seed(6)
+    q, k_new, v_new = _randn(2, 1, 4, 8, generator=g), _randn(2, 3, 2, 8, generator=g), _randn(2, 3, 2, 8,
+                                                                                             generator=g)
+    k_cache, v_cache = _randn(2, 8, 2, 8, generator=g), _randn(2, 8, 2, 8, generator=g)
+    slopes = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    out = flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached, causal=True,
+                                        alibi_slopes=slopes)
+    lengths = [cached] * 2 if isinstance(cached, int) else cached
+    for b in range(2):
+        n = lengths[b] + 3
+        assert torch.equal(k_cache[b, n - 3:n], k_new[b])
+        _close(out[b], fa_naive(q[b], k_cache[b, :n], v_cache[b, :n], causal=True, alibi_slopes=slopes[b])[0])
+
+
+@pytest.mark.parametrize("bad", ["slopes", "page", "queries"])
+def test_a_call_that_fails_leaves_the_cache_as_it_was(bad):
+    g = torch.Generator().manual_seed(7)
+    q, new = _randn(1, 1, 4, 8, generator=g), _randn(1, 1, 2, 8, generator=g)
+    k_cache, v_cache = _randn(3, 4, 2, 8, generator=g), _randn(3, 4, 2, 8, generator=g)
+    before = k_cache.clone(), v_cache.clone()
+    kwargs = {"cache_seqlens": 4, "block_table": torch.tensor([[2, -1]])}
+    if bad == "slopes":
+        kwargs["alibi_slopes"], kwargs["block_table"] = torch.ones(3), torch.tensor([[2, 0]])
+    elif bad == "queries":  # five queries over two keys: a paged sequence's queries are its last tokens
+        q, kwargs = _randn(1, 5, 4, 8, generator=g), {"cache_seqlens": 1, "block_table": torch.tensor([[2, 0]])}
+    with pytest.raises(ValueError, match={"slopes": "alibi_slopes", "page": "`block_table` names no page",
+                                          "queries": "seqused_k"}[bad]):
+        flash.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, **kwargs)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_half_precision_within_its_rounding():
+    """bfloat16 inputs: ``out`` in bfloat16 within a few of its ulps of the float64 result on the same values;
+    sink logits past float16's range of ``exp`` are taken (``beta`` in float32)."""
+    g = torch.Generator().manual_seed(8)
+    q, k = _randn(1, 6, 4, 16, generator=g).bfloat16(), _randn(1, 9, 2, 16, generator=g).bfloat16()
+    s_aux = torch.tensor([12.0, -3.0, 0.5, 1.0])
+    out = flash.flash_attn_func(q, k, k, causal=True, s_aux=s_aux)
+    assert out.dtype == torch.bfloat16
+    exact = fa_naive(q[0].double(), k[0].double(), k[0].double(), causal=True, s_aux=s_aux.double())[0]
+    assert float((out[0].double() - exact).abs().max()) <= 4 * 2.0 ** -8 * float(exact.abs().max())
+    half = flash.flash_attn_func(q.half(), k.half(), k.half(), causal=True, s_aux=s_aux)
+    assert half.dtype == torch.float16 and bool(half.isfinite().all())
