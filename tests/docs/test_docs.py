@@ -18,7 +18,7 @@ DOCS = ROOT / "docs"
 PUBLIC_MODULES = ("elastic_np", "elastic_np.reference", "elastic_np.testing")
 #: Documented modules that need an optional extra, and the package each imports.
 OPTIONAL_MODULES = {"elastic_np.torch": "torch", "elastic_np.jax": "jax", "elastic_np.dask": "dask",
-                    "elastic_np.transformers": "transformers"}
+                    "elastic_np.transformers": "transformers", "elastic_np.transformers.flash": "transformers"}
 
 
 def _api_names():
