@@ -118,8 +118,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     torch.arange(B + 1, dtype=torch.int32) * N, None, block_table=pages,
                                     seqused_k=cached if written is None else written[0],
                                     return_lse=return_softmax_lse, **options)
-    except Exception:
-        if written is not None:  # put back what the new keys and values overwrote
+    except BaseException:  # an error, or Ctrl-C: put back what the new keys and values overwrote
+        if written is not None:
             _, where, kept_k, kept_v = written
             with torch.no_grad():
                 k_cache[where], v_cache[where] = kept_k, kept_v
