@@ -68,8 +68,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             seqused_k = torch.as_tensor(cu_seqlens_k).diff()
         cu_seqlens_k = None
     else:
-        k, v = _packed(k, cu_seqlens_k), _packed(v, cu_seqlens_k)
-    result = enpt.varlen_attention(_packed(q, cu_seqlens_q), k, v, cu_seqlens_q, cu_seqlens_k,
+        k, v = _packed(cu_seqlens_k, k, v)
+    (q_read,) = _packed(cu_seqlens_q, q)
+    result = enpt.varlen_attention(q_read, k, v, cu_seqlens_q, cu_seqlens_k,
                                    max_q=_as_int(max_seqlen_q), max_k=_as_int(max_seqlen_k), block_table=block_table,
                                    seqused_k=seqused_k, return_lse=return_attn_probs, **options)
     out, lse = result if return_attn_probs else (result, None)
@@ -146,13 +147,14 @@ def _options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_sl
     return options
 
 
-def _packed(x, cu_seqlens):
-    """The rows of ``x`` up to the last of ``cu_seqlens`` (all where that is not a 1-D tensor of offsets within)."""
+def _packed(cu_seqlens, *arrays):
+    """Each of ``arrays``' rows up to the last of ``cu_seqlens`` (all where that is not a 1-D tensor of offsets
+    within), the offsets read once."""
     offsets = torch.as_tensor(cu_seqlens)
     if offsets.dim() != 1 or offsets.numel() == 0 or offsets.dtype.is_floating_point:
-        return x  # varlen_attention's checks name the argument
+        return arrays  # varlen_attention's checks name the argument
     last = int(offsets[-1])
-    return x[:last] if 0 <= last < x.shape[0] else x
+    return tuple(x[:last] if 0 <= last < x.shape[0] else x for x in arrays)
 
 
 def _as_int(value):
