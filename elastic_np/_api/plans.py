@@ -318,11 +318,15 @@ class BackwardPlan:
     and runs the backend's backward on the kept problem.
     """
 
-    __slots__ = ("_module", "_problem", "_bnhd", "_reported", "_rows", "_lse")
+    __slots__ = ("_module", "_problem", "_bnhd", "_reported", "_rows", "_lse", "_run", "_finite", "_below_inf")
 
     def __init__(self, module, problem):
         self._module, self._bnhd, self._reported = module, problem.layout == "bnhd", False
         self._problem = _without_arrays(problem)
+        self._run = None  # the backend's planned backward, made on the first run (else its backward)
+        # the backend's compiled checks of an array's values where it has them
+        self._finite = getattr(module, "finite", _validation.all_finite)
+        self._below_inf = getattr(module, "below_inf", lambda a: bool((a < np.inf).all()))
         (_, rows), _, (_, lse_shape) = problem.backward_shapes
         self._rows = (rows, problem.dtype)  # the shape and dtype of dout and out, as given
         self._lse = (lse_shape, problem.compute_dtype)
@@ -331,18 +335,23 @@ class BackwardPlan:
         """`elastic_np.attention_backward` of these arrays (``q``, ``k``, ``v`` of the plan's key)."""
         if self._bnhd:
             q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
-        _validation.check_finite(q, "q")
+        if not self._finite(q):
+            _validation.check_finite(q, "q")  # which names it
         problem = self._problem.with_arrays(q, k, v)
         module = self._module
         if dlse is None and self._expected(dout, out, lse):
             dout, out = problem.as_bhnd(dout), problem.as_bhnd(out)
         else:  # what the check takes as given, converts or rejects, as a call in full does
             dout, out, lse, dlse = module.check_backward_arrays(problem, dout, out, lse, dlse=dlse)
+        run = self._run
+        if run is None:
+            made = getattr(module, "planned_backward", None)
+            run = self._run = module.backward if made is None else made(self._problem)
         if self._reported:
-            grads = module.backward(problem, dout, out, lse, dlse)
+            grads = run(problem, dout, out, lse, dlse)
         else:  # a plan's first run may compile what the call that made it did not (a dlse, say)
             with compile_report.reported(module.__name__.rsplit(".", 1)[-1], "backward", self._problem.dtype):
-                grads = module.backward(problem, dout, out, lse, dlse)
+                grads = run(problem, dout, out, lse, dlse)
             self._reported = True
         return problem.grads_as_given(grads)
 
@@ -353,7 +362,7 @@ class BackwardPlan:
         return (type(dout) is np.ndarray and type(out) is np.ndarray and type(lse) is np.ndarray
                 and dout.shape == rows and out.shape == rows and lse.shape == lse_shape
                 and dout.dtype == dtype and out.dtype == dtype and lse.dtype == lse_dtype
-                and bool(np.isfinite(dout).all()) and bool(np.isfinite(out).all()) and bool((lse < np.inf).all()))
+                and self._finite(dout) and self._finite(out) and self._below_inf(lse))
 
 
 def keep_backward(call_key, module, problem):

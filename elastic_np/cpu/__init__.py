@@ -99,7 +99,8 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._decode import decode, plan as decode_plan, planned
     from elastic_np.cpu._double_backward.double_backward import double_backward
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
-    from elastic_np.cpu._prefill.backward import backward
+    from elastic_np.cpu._prefill.backward import backward, planned as planned_backward
+    from elastic_np.cpu._prefill.values import below_inf, finite
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
 #: Takes a user's ``score_mod``, ``mask_mod`` and ``block_mask`` (`elastic_np._variants`).
@@ -107,7 +108,7 @@ takes_variants = True
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
-    "planned_forward", "backward",
+    "planned_forward", "backward", "planned_backward", "finite", "below_inf",
     "double_backward", "thread_count", "start_threads",
 ]
 
@@ -223,3 +224,4 @@ def planned_forward(problem, like=None):
 
     run.decode = decode_run
     return run
+

@@ -273,7 +273,12 @@ def test_a_backward_looked_up_raises_what_a_call_in_full_raises():
     bad[0, 0, 0, 0] = np.nan
     inf_out, nan_lse, inf_lse = out.copy(), lse.copy(), lse.copy()
     inf_out[0, 1, 0, 3], nan_lse[0, 2, 0], inf_lse[0, 3, 0] = np.inf, np.nan, np.inf
-    for args, match in (((bad, q, k, v, out, lse), "`dout` contains NaN"),
+    nan_q, inf_k, nan_v = q.copy(), k.copy(), v.copy()
+    nan_q[1, 3, 0, 5], inf_k[1, 1, 63, 2], nan_v[0, 0, 7, 15] = np.nan, -np.inf, np.nan
+    for args, match in (((dout, nan_q, k, v, out, lse), "`q` contains NaN or inf"),
+                        ((dout, q, inf_k, v, out, lse), "`k` contains NaN or inf"),
+                        ((dout, q, k, nan_v, out, lse), "`v` contains NaN or inf"),
+                        ((bad, q, k, v, out, lse), "`dout` contains NaN"),
                         ((dout, q, k, v, inf_out, lse), "`out` contains NaN or inf"),
                         ((dout, q, k, v, out, nan_lse), "`lse` contains NaN or inf"),
                         ((dout, q, k, v, out, inf_lse), "`lse` contains NaN or inf"),

@@ -109,3 +109,21 @@ def test_one_compiled_kernel_per_dtype():
         # a half is a dtype of its own; a user's variant compiles kernels of its own
         floats = [sig for sig in kernel.signatures if not holds_half_bits(sig) and not holds_user_variant(sig)]
         assert len(floats) <= 2, floats
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_value_checks_find_every_nan_and_inf(dtype):
+    """`finite` and `below_inf` (the backward plan's and `check_cache`'s checks) against NumPy's, wherever the bad
+    entry sits, on C-contiguous arrays (compiled) and strided ones (NumPy's path)."""
+    from elastic_np.cpu._prefill.values import below_inf, finite
+
+    a = np.random.default_rng(0).standard_normal((2, 3, 37, 5)).astype(dtype)
+    assert finite(a) and below_inf(a) and finite(a[:, :, :0]) and below_inf(a[:, :, :0])
+    for at in ((0, 0, 0, 0), (1, 2, 36, 4), (0, 1, 17, 3)):
+        for bad in (np.nan, np.inf, -np.inf):
+            b = a.copy()
+            b[at] = bad
+            for view in (b, b[:, :, ::2] if at[2] % 2 == 0 else b[:, :, 1::2], b.transpose(0, 2, 1, 3)):
+                assert finite(view) == bool(np.isfinite(view).all())
+                assert below_inf(view) == bool((view < np.inf).all())
+            assert not finite(b) and below_inf(b) == (bad == -np.inf)

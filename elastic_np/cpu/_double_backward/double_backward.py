@@ -114,6 +114,11 @@ def _key_pass(problem, options, ins, tan, q_layout):
     dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
     share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
     dq_sum = np.zeros((B, H, N, D), dtype=dtype)
+    # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout
+    # (`sum_dq_shares` of the last chunk; no keys, no chunk: zeros)
+    dq, dq_operand = new((B, H, N, D), dtype, q_layout, np.zeros, storage=dq_sum if q_layout == BHND else None)
+    factor = np.ascontiguousarray(problem.scale / problem.tau, dtype=np.float64)
+    scaled = (factor, dq_operand)
     dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
     dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
     dtau_part, dsigma_part = np.zeros((B, H, n_kt)), np.zeros((B, H, n_kt))
@@ -125,11 +130,9 @@ def _key_pass(problem, options, ins, tan, q_layout):
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (5 * D + 4 * Dv)  # the chunk's
         run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
                   tasks=task_counter(), work=work)
-        run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
+        last = scaled if kt1 == n_kt else (factor[:0], scaled[1])
+        run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, last, work=work)
         plan.after_chunk()
-    # dqdot = (scale / tau_h) sum_j (Adot k_j + A kdot_j), in float64 then rounded, in q's layout
-    dq = dq_sum if q_layout == BHND else new((B, H, N, D), dtype, q_layout)[0]
-    np.multiply(dq_sum, (problem.scale / problem.tau)[None, :, None, None], out=dq, casting="unsafe")
     dsigma = dsigma_part.sum(axis=2) if problem.sigma is not None else None
     return dq, dk, dv, dtau_part.sum(axis=2), dsigma, plan.result()
 

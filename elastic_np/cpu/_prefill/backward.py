@@ -20,15 +20,17 @@ from elastic_np.cpu._prefill.key_tiles import (
     softcap_slope, sum_dq_shares,
 )
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
+from elastic_np.cpu._prefill import values
 from elastic_np.cpu._prefill.sink import sink_gradient
 from elastic_np.cpu._runtime import config
-from elastic_np.cpu._runtime.numba_private import inner
+from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.scratch import scratch
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter, task_range
 from elastic_np.cpu._tiles.calls import exp_inplace, matmul_nn, matmul_nn_max, matmul_tn
-from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias, query_factor
+from elastic_np.cpu._tiles.logits import logits_tile, modify_tile, prefetch_bias
 from elastic_np.cpu._tiles.operands import BHND, head, head_rows, kernel_array, new, operand, shape
 from elastic_np.cpu._tiles.simd import compile_for
+from elastic_np.cpu._tiles.transpose import transpose_store, transpose_width
 from elastic_np.cpu._tiles.variant import (
     EMPTY, kernel_variant, narrow_spans, saved_score_stage, score_gradient, tile_state, uncached,
 )
@@ -54,70 +56,136 @@ def backward(problem, dout, out, lse, dlse=None):
     """
     if problem.dtype != problem.compute_dtype:
         return _from_halves(problem, dout, out, lse, dlse)
-    check_cache(problem)
-    compile_for(problem.dtype, BACKWARD_TILES)
-    B, H, Hkv, N, M, D, Dv = problem.shape
-    dtype = problem.dtype
-    q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
-    lse = kernel_array(lse)
-    opt = kernel_options(problem, with_sigma_grad=True, dtype=dtype)
-    if problem.bias is not None:
-        ensure_dbias(dtype)
-    q_scaled, q_scaled_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse)
-    # the kernel forms the logits tiles without log G and adds it with the probabilities
-    # (`gated_probabilities`): the tile keeps the score s / tau that dtau needs
-    logits_opt = opt._replace(has_gate=False)
-
-    # One pass over key tiles gives dk, dv and each key tile's share of dq;
-    # the shares are summed in key-tile order afterwards (no racing writes).
-    # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
-    block_k = config.BLOCK_K * config.BACKWARD_K_FACTOR
-    n_kt = -(-M // block_k)
-    share_bytes = max(B * H * N * D * np.dtype(dtype).itemsize, 1)
-    chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
-    dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
-    share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
-    dq_sum = np.zeros((B, H, N, D), dtype=dtype)  # sum_j ds_ij k_j, (B, H, N, D) in every layout
-    dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
-    dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
-    dtau_part = np.zeros((B, H, n_kt))
-    dsigma_part = np.zeros((B, H, n_kt))
-    plan = DbiasPlan(problem, dtype, n_kt, chunk)
-    captures = CaptureGradients(problem, plan.params, chunk, dtype)
-    # the logits tiles without a score_mod, which the kernel applies itself (`saved_score_stage`)
-    variants = (kernel_variant(problem, dtype), kernel_variant(problem, dtype, with_score=False))
-    ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
-    outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
-    dbias = (plan.params, plan.strides, plan.direct, plan.partials)
-    kernel = _backward_kernel if variants[0] is None else _VARIANT_KERNEL
-    for kt0 in range(0, n_kt, chunk):
-        kt1 = min(kt0 + chunk, n_kt)
-        work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
-        run_tasks(kernel, ins, outs, dbias, (opt, logits_opt, captures.gradient, variants), config.BLOCK_Q,
-                  block_k, kt0, kt1, tasks=task_counter(), work=work)
-        run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, work=work)
-        plan.after_chunk()
-        captures.after_chunk(kt1 - kt0)
-    # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
-    dq = dq_sum if q[1] == BHND else new((B, H, N, D), dtype, q[1])[0]
-    factor = (problem.scale / problem.tau)[None, :, None, None]
-    np.multiply(dq_sum, factor, out=dq, casting="unsafe")
-    return problem.reduce_grads(
-        dq, dk, dv,
-        dtau_part.sum(axis=2),
-        sink_gradient(problem, delta, lse),
-        dsigma_part.sum(axis=2) if problem.sigma is not None else None,
-        dbias=plan.result(),
-        dcaptures=captures.result(),
-    )
+    return Backward(problem).run(problem, dout, out, lse, dlse)
 
 
-def prepared(problem, opt, q, dout, out, dlse):
+def planned(problem):
+    """`backward` of ``problem``'s shapes, dtype and options as ``run(problem, dout, out, lse, dlse)`` for problems of
+    them: a `Backward` made once, and again only when the config changes (`config.GENERATION`); bfloat16 and
+    float16 inputs: `backward` itself."""
+    if problem.dtype != problem.compute_dtype:
+        return backward
+    made = {}
+
+    def run(given, dout, out, lse, dlse):
+        schedule = made.get(config.GENERATION)
+        if schedule is None:
+            made.clear()
+            schedule = made[config.GENERATION] = Backward(problem)
+        return schedule.run(given, dout, out, lse, dlse)
+
+    return run
+
+
+#: `sum_dq_shares`'s factor of a chunk before the last: none.
+_NO_FACTOR = np.empty(0)
+
+
+class Backward:
+    """`backward` of one problem's shapes, dtype and options, what it derives from them made once.
+
+    ``run(problem, dout, out, lse, dlse)`` takes a problem of those shapes,
+    dtype and options (its arrays may change from run to run: a plan's,
+    `elastic_np._api.plans.BackwardPlan`). A `Backward` run again and
+    again calls its kernels through their entry points from its second run
+    on (`direct_call`), and keeps the bias's and the captures' plans where
+    they hold nothing of a run (no bias, no ``score_mod``).
+    """
+
+    def __init__(self, problem):
+        compile_for(problem.dtype, BACKWARD_TILES)
+        values.compile_for(problem.dtype)  # the checks of a plan's runs (`elastic_np._api.plans.BackwardPlan`)
+        B, H, Hkv, N, M, D, Dv = self.shape = problem.shape
+        dtype = self.dtype = problem.dtype
+        self.opt = kernel_options(problem, with_sigma_grad=True, dtype=dtype)
+        if problem.bias is not None:
+            ensure_dbias(dtype)
+        # the kernel forms the logits tiles without log G and adds it with the probabilities
+        # (`gated_probabilities`): the tile keeps the score s / tau that dtau needs
+        self.logits_opt = self.opt._replace(has_gate=False)
+        # One pass over key tiles gives dk, dv and each key tile's share of dq;
+        # the shares are summed in key-tile order afterwards (no racing writes).
+        # Key tiles go in chunks so that the shares take at most DQ_SHARES_BYTES.
+        self.block_k = block_k = config.BLOCK_K * config.BACKWARD_K_FACTOR
+        self.n_kt = n_kt = -(-M // block_k)
+        share_bytes = max(B * H * N * D * np.dtype(dtype).itemsize, 1)
+        self.chunk = int(min(max(config.DQ_SHARES_BYTES // share_bytes, 1), max(n_kt, 1)))
+        # the logits tiles without a score_mod, which the kernel applies itself (`saved_score_stage`)
+        self.variants = (kernel_variant(problem, dtype), kernel_variant(problem, dtype, with_score=False))
+        self.factor = np.ascontiguousarray(problem.scale / problem.tau, dtype=np.float64)  # (H,)
+        self.kept = problem.bias is None and (problem.variant is None or problem.variant.score_mod is None)
+        self.plans = self._plans(problem) if self.kept else None
+        kernel = _backward_kernel if self.variants[0] is None else _VARIANT_KERNEL
+        self.calls = [_backward_prepare, kernel, sum_dq_shares]  # each its entry point from the second run on
+        self.runs = 0
+
+    def _plans(self, problem):
+        """The bias's and the captures' plans of a run: `DbiasPlan`, `CaptureGradients`."""
+        plan = DbiasPlan(problem, self.dtype, self.n_kt, self.chunk)
+        return plan, CaptureGradients(problem, plan.params, self.chunk, self.dtype)
+
+    def run(self, problem, dout, out, lse, dlse):
+        """`backward` of ``problem`` (of this one's shapes, dtype and options)."""
+        check_cache(problem)
+        B, H, Hkv, N, M, D, Dv = self.shape
+        dtype, opt, block_k, n_kt, chunk, calls = self.dtype, self.opt, self.block_k, self.n_kt, self.chunk, self.calls
+        q, k, v, dout, out = (operand(a) for a in (problem.q, problem.k, problem.v, dout, out))
+        lse = kernel_array(lse)
+        q_scaled, q_scaled_t, dout_t, delta = prepared(problem, opt, q, dout, out, dlse, calls[0])
+        dq_shares = np.empty((chunk, B, H, N, D), dtype=dtype)
+        share_rows = np.zeros((chunk, B, H, 2), dtype=np.int64)
+        dq_sum = np.zeros((B, H, N, D), dtype=dtype)  # sum_j ds_ij k_j, (B, H, N, D) in every layout
+        dk, dk_operand = new((B, Hkv, M, D), dtype, k[1])
+        dv, dv_operand = new((B, Hkv, M, Dv), dtype, v[1])
+        dtau_part = np.zeros((B, H, n_kt))
+        dsigma_part = np.zeros((B, H, n_kt))
+        plan, captures = self.plans if self.kept else self._plans(problem)
+        ins = (k, v, q_scaled, q_scaled_t, dout, dout_t, lse, delta)
+        outs = (dk_operand, dv_operand, dq_shares, share_rows, dtau_part, dsigma_part)
+        dbias = (plan.params, plan.strides, plan.direct, plan.partials)
+        options = (opt, self.logits_opt, captures.gradient, self.variants)
+        # dq = (scale / tau_h) * sum_j ds_ij k_j, in float64 then rounded, as a kernel would, in q's layout
+        # (`sum_dq_shares` of the last chunk; no keys, no chunk: zeros)
+        dq, dq_operand = new((B, H, N, D), dtype, q[1], np.zeros, storage=dq_sum if q[1] == BHND else None)
+        scaled = (self.factor, dq_operand)
+        for kt0 in range(0, n_kt, chunk):
+            kt1 = min(kt0 + chunk, n_kt)
+            work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
+            tasks = task_counter()
+            run_tasks(calls[1], ins, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1, tasks=tasks, work=work)
+            last = scaled if kt1 == n_kt else (_NO_FACTOR, scaled[1])
+            sums = (dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, last)
+            run_tasks(calls[2], *sums, work=work)
+            plan.after_chunk()
+            captures.after_chunk(kt1 - kt0)
+        if self.runs < 2 and n_kt > 0:
+            self._go_direct((ins, outs, dbias, options, config.BLOCK_Q, block_k, 0, 1, tasks, 0, 1),
+                            (*sums, 0, 1), (q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
+                                            0, 1))
+        return problem.reduce_grads(
+            dq, dk, dv,
+            dtau_part.sum(axis=2),
+            sink_gradient(problem, delta, lse),
+            dsigma_part.sum(axis=2) if problem.sigma is not None else None,
+            dbias=plan.result(),
+            dcaptures=captures.result(),
+        )
+
+    def _go_direct(self, kernel_args, sum_args, prepare_args):
+        """The kernels through their entry points (`direct_call`) from the second run on, looked up once."""
+        self.runs += 1
+        if self.runs == 2:
+            self.calls[:] = (direct_call(self.calls[0], prepare_args), direct_call(self.calls[1], kernel_args),
+                             direct_call(self.calls[2], sum_args))
+
+
+def prepared(problem, opt, q, dout, out, dlse, prepare=None):
     """``(q_scaled, q_scaled_t, dout_t, delta)``, what the backward's key tiles read (`_backward_prepare`).
 
     Per-head scaled queries ``q * scale / tau_h``, row-major and as ``Q^T``
     tiles, ``dout^T`` tiles, and ``delta_i = dout_i . out_i - dlse_i`` in
-    float64 (``dlse`` None: zeros). ``q``, ``dout``, ``out``: operands.
+    float64 (``dlse`` None: zeros). ``q``, ``dout``, ``out``: operands;
+    ``prepare``: `_backward_prepare` or its entry point (None: the former).
     """
     B, H, Hkv, N, M, D, Dv = problem.shape
     dtype = problem.dtype
@@ -127,7 +195,7 @@ def prepared(problem, opt, q, dout, out, dlse):
     dout_t = scratch("dout_t", (B, H, n_qt, Dv, config.BLOCK_Q), dtype, np.zeros)
     delta = scratch("delta", (B, H, N), np.float64)
     # the work of the backward it prepares decides the threads (`run_tasks`)
-    run_tasks(_backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
+    run_tasks(prepare or _backward_prepare, q, dout, out, opt, config.BLOCK_Q, (q_scaled, q_scaled_t, dout_t, delta),
               work=B * H * N * M * (3 * D + 2 * Dv))
     if dlse is not None:
         np.subtract(delta, dlse, out=delta)
@@ -169,6 +237,8 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
     """``outs = (q_scaled, q_scaled_t, dout_t, delta)``: scaled queries (rows and Q^T tiles), dout^T tiles, delta.
 
     ``q``, ``dout``, ``out``: operands (`elastic_np.cpu._tiles.operands`).
+    The ``Q^T`` tiles are the scaled rows transposed (the logits' factor is
+    the rows' own, `elastic_np.cpu._tiles.logits.query_factor`, but under NVM, where it is 1: ``q``'s).
     """
     q_scaled, q_scaled_t, dout_t, delta = outs
     B, H, N, D = shape(q)
@@ -177,24 +247,62 @@ def _backward_prepare(q, dout, out, opt, block_q, outs, part, parts):
         b = bh // H
         h = bh % H
         factor = opt.scale / opt.tau[h]
-        logit_factor = query_factor(opt, h)
         (q_h, q_col), (dout_h, dout_col), (out_h, out_col) = head(q, b, h), head(dout, b, h), head(out, b, h)
+        _row_dots(dout_h, dout_col, out_h, out_col, Dv, delta[b, h])
+        rows = q_scaled[b, h]
         for i in range(N):
-            acc = 0.0
-            for d in range(Dv):
-                acc += np.float64(dout_h[i, dout_col + d]) * np.float64(out_h[i, out_col + d])
-            delta[b, h, i] = acc
+            src, dst = q_h[i, q_col : q_col + D], rows[i]
             for d in range(D):
-                q_scaled[b, h, i, d] = q_h[i, q_col + d] * factor
-        # the tiles a query tile at a time, each of their rows written in order (not one entry a row apart)
+                dst[d] = src[d] * factor
+        logits_rows, logits_col = (q_h, q_col) if opt.nvm else (rows, 0)
         for i0 in range(0, N, block_q):
             it, bq = i0 // block_q, min(block_q, N - i0)
-            for d in range(Dv):
-                for r in range(bq):
-                    dout_t[b, h, it, d, r] = dout_h[i0 + r, dout_col + d]
-            for d in range(D):
-                for r in range(bq):
-                    q_scaled_t[b, h, it, d, r] = q_h[i0 + r, q_col + d] * logit_factor
+            transposed(dout_h, dout_col, i0, bq, Dv, dout_t[b, h, it])
+            transposed(logits_rows, logits_col, i0, bq, D, q_scaled_t[b, h, it])
+
+
+@inner(fastmath=False)
+def _row_dots(a, a_col, c, c_col, n, dots):
+    """``dots[i] = sum_d a[i, a_col + d] c[i, c_col + d]`` over ``d < n`` in order, in float64: four rows at a time
+    (four sums in flight), each row's sum in the order of ``d``."""
+    rows = dots.shape[0]
+    i = 0
+    while i + 4 <= rows:
+        s0 = s1 = s2 = s3 = 0.0
+        a0, a1, a2, a3 = a[i, a_col : a_col + n], a[i + 1, a_col : a_col + n], a[i + 2, a_col : a_col + n], \
+            a[i + 3, a_col : a_col + n]
+        c0, c1, c2, c3 = c[i, c_col : c_col + n], c[i + 1, c_col : c_col + n], c[i + 2, c_col : c_col + n], \
+            c[i + 3, c_col : c_col + n]
+        for d in range(n):
+            s0 += np.float64(a0[d]) * np.float64(c0[d])
+            s1 += np.float64(a1[d]) * np.float64(c1[d])
+            s2 += np.float64(a2[d]) * np.float64(c2[d])
+            s3 += np.float64(a3[d]) * np.float64(c3[d])
+        dots[i], dots[i + 1], dots[i + 2], dots[i + 3] = s0, s1, s2, s3
+        i += 4
+    for i in range(i, rows):
+        total = 0.0
+        for d in range(n):
+            total += np.float64(a[i, a_col + d]) * np.float64(c[i, c_col + d])
+        dots[i] = total
+
+
+@inner(fastmath=False)
+def transposed(x, col, i0, bq, n, dst):
+    """``dst[d, r] = x[i0 + r, col + d]`` for ``d < n``, ``r < bq``: ``W x W`` blocks through SIMD registers
+    (`transpose_store`), the edges entry by entry. ``x`` and ``dst``: 2-D C-contiguous arrays of one dtype."""
+    width = transpose_width(dst)
+    stride = dst.shape[1]
+    flat = dst.reshape(-1)
+    one = dst.dtype.type(1.0)
+    n_w, bq_w = n - n % width, bq - bq % width
+    for d0 in range(0, n_w, width):
+        for r0 in range(0, bq_w, width):
+            transpose_store(x, flat, d0 * stride + r0, stride, i0 + r0, col + d0, one)
+    for d in range(n):
+        row = dst[d]
+        for r in range(bq_w if d < n_w else 0, bq):
+            row[r] = x[i0 + r, col + d]
 
 
 @inner(fastmath=False)

@@ -22,6 +22,7 @@ from elastic_np._contract._ranges import query_range
 from elastic_np.cpu._runtime.numba_private import inner
 from elastic_np.cpu._runtime.threads import task_range, zigzag
 from elastic_np.cpu._tiles.calls import exp_inplace
+from elastic_np.cpu._tiles.operands import head_rows
 from elastic_np.cpu._tiles.scalar import scalar_like
 
 
@@ -175,8 +176,11 @@ def copy_rows(src, dst):
 
 
 @njit(nogil=True, cache=True, fastmath=False)
-def sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
-    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``."""
+def sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, scaled, part, parts):
+    """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``; then, with ``scaled = (factor,
+    out)`` holding a factor per head (the last chunk; else an empty one), ``out = factor[h] dq`` in float64,
+    rounded, into the operand ``out`` (which may be ``dq``'s own operand)."""
+    factor, out = scaled
     B, H, N, D = dq.shape
     n_qt = (N + block_q - 1) // block_q
     for task in task_range(B * H * n_qt, part, parts):
@@ -191,3 +195,10 @@ def sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, part, parts):
             for i in range(lo, hi):
                 for d in range(D):
                     dq[b, h, i, d] += dq_shares[t, b, h, i, d]
+        if factor.shape[0] > 0:
+            rows, col = head_rows(out, b, h, i0, i1 - i0)
+            f = factor[h]
+            for r in range(i1 - i0):
+                row, dq_row = rows[r, col : col + D], dq[b, h, i0 + r]
+                for d in range(D):
+                    row[d] = dq_row[d] * f

@@ -16,6 +16,7 @@ from elastic_np._contract import _validation
 from elastic_np._contract._compact import compact_bias, compact_mask
 from elastic_np._contract._problem import Kept
 from elastic_np._contract._ranges import offset_band
+from elastic_np.cpu._prefill.values import finite
 from elastic_np.cpu._tiles.logits import ensure_modifiers
 from elastic_np.cpu._tiles.pages import used_pages
 
@@ -204,8 +205,12 @@ def _log_tanh_elasticity(y):
 
 
 def check_cache(problem):
-    """The check `prepare` deferred, for the paths that do not make it as they read."""
-    if problem.kv_unchecked:
+    """The check `prepare` deferred, for the paths that do not make it as they read.
+
+    Every key and value finite passes at once (`finite`); else the keys below ``kv_lengths`` alone are checked,
+    and the error named (`elastic_np._contract._validation.check_cache_values`).
+    """
+    if problem.kv_unchecked and not (finite(problem.k) and finite(problem.v)):
         _validation.check_cache_values(problem.k, problem.v, problem.kv_lengths)
 
 
