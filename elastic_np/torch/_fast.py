@@ -15,6 +15,7 @@ full path's.
 
 import math
 
+import numpy as np
 import torch
 
 from elastic_np._api import adapters as common
@@ -39,16 +40,20 @@ class _Call:
     ``backend``), for the backward operator of a second derivative.
     """
 
-    __slots__ = ("fixed", "learnable", "kwargs", "backward_kwargs", "options_key")
+    __slots__ = ("fixed", "learnable", "kwargs", "backward_kwargs", "options_key", "backward_key")
 
     def __init__(self, backend, options):
         self.fixed, self.learnable = common.split(_spec.complete(options, "attention"))
         self.fixed["backend"] = common.kernel_backend(backend)
         self.backward_kwargs = common.numpy_options(self.fixed, self.learnable)
         self.kwargs = {**self.backward_kwargs, "return_lse": True}
-        self.options_key = plans.options_key(tuple(self.kwargs[name] for name in plans.KEYED),
-                                             tuple(self.kwargs[name] for name in plans.FLOATS),
+        floats = tuple(self.kwargs[name] for name in plans.FLOATS)
+        self.options_key = plans.options_key(tuple(self.kwargs[name] for name in plans.KEYED), floats,
                                              self.kwargs["window_size"])
+        # `elastic_np.attention_backward`'s: "backward" where the forward has return_lse
+        self.backward_key = plans.options_key(
+            tuple("backward" if name == "return_lse" else self.kwargs[name] for name in plans.KEYED), floats,
+            self.kwargs["window_size"])
 
 
 #: `_Call`s of the latest option sets, by `_key`.
@@ -172,8 +177,30 @@ class _Trained(torch.autograd.Function):
             grads = torch.ops.elastic_np.attention_backward(dout, dlse, q, k, v, out, lse, *args,
                                                             call.fixed["backend"])[:3]
         else:
-            result = dispatch.attention_backward(*map(_numpy, (dout, q, k, v, out, lse)),
-                                                 dlse=None if dlse is None else _numpy(dlse), **call.backward_kwargs)
-            grads = [arrays._as_grad(g, like).contiguous() for g, like in zip((result.dq, result.dk, result.dv),
-                                                                              (q, k, v))]
+            given = tuple(map(_numpy, (dout, q, k, v, out, lse)))
+            result = _backward(call, given, None if dlse is None else _numpy(dlse))
+            grads = [_grad(g, like) for g, like in zip((result.dq, result.dk, result.dv), (q, k, v))]
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
+
+
+def _backward(call, given, dlse):
+    """`elastic_np.attention_backward` of the NumPy views ``given = (dout, q, k, v, out, lse)`` and ``dlse``: the
+    plan of their layout where `elastic_np.attention_backward` would find one (looked up by ``call``'s key part,
+    made once), else the call itself."""
+    plan = None if call.backward_key is None else plans.PLANS.get(plans.with_arrays(*given[1:4], call.backward_key))
+    if plan is not None:
+        return plan.backward(*given, dlse)
+    return dispatch.attention_backward(*given, dlse=dlse, **call.backward_kwargs)
+
+
+#: The NumPy dtypes of the tensors whose gradients are handed over as they are (`_grad`).
+_AS_THEY_ARE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
+def _grad(grad, like):
+    """A NumPy gradient as a contiguous tensor of ``like``'s dtype and shape: over its memory when it is one
+    already (C-contiguous, of that shape and dtype), else `arrays._as_grad`'s."""
+    if (type(grad) is np.ndarray and grad.dtype == _AS_THEY_ARE.get(like.dtype) and grad.flags.c_contiguous
+            and grad.shape == like.shape):
+        return torch.from_numpy(grad)
+    return arrays._as_grad(grad, like).contiguous()
