@@ -100,6 +100,7 @@ with own_cache():  # every module of the package that makes a cached function is
     from elastic_np.cpu._double_backward.double_backward import double_backward
     from elastic_np.cpu._prefill import forward as prefill, forward_amx
     from elastic_np.cpu._prefill.backward import backward, planned as planned_backward
+    from elastic_np.cpu._prefill import values
     from elastic_np.cpu._prefill.values import below_inf, finite
     from elastic_np.cpu._runtime.threads import start_threads, thread_count
 
@@ -108,7 +109,7 @@ takes_variants = True
 
 __all__ = [
     "dtypes", "is_available", "check_available", "prepare", "check_backward_arrays", "forward", "paged_forward",
-    "planned_forward", "backward", "planned_backward", "finite", "below_inf",
+    "planned_forward", "backward", "planned_backward", "finite", "below_inf", "load",
     "double_backward", "thread_count", "start_threads",
 ]
 
@@ -120,6 +121,14 @@ dtypes = ("float32", "float64", *_validation.HALF_DTYPES)
 def is_available():
     """True: the CPU kernels need only NumPy and Numba."""
     return True
+
+
+def load():
+    """Load what any first call of the kernels loads before its own: Numba's CPU target (its typing and lowering
+    registries, about half a second once per process) and the value checks' loops (`values.compile_for`, from
+    Numba's cache where they are there). `elastic_np.torch` calls it as it is imported, so that a first call's time
+    is its own kernels' (docs/performance.rst, "The first call")."""
+    values.compile_for(np.dtype(np.float32))
 
 
 def check_available():

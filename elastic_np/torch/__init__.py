@@ -52,6 +52,17 @@ from elastic_np._variants.variant import given as variant_given
 
 __all__ = ["attention", "varlen_attention", "quantize_kv", "ElasticAttention", "DynamicWindow"]
 
+
+def _load_cpu_backend():
+    """The CPU backend, loaded with this module: the half second of Numba's first load goes to the import, not to
+    a first call (`elastic_np.cpu.load`)."""
+    from elastic_np import cpu
+
+    cpu.load()
+
+
+_load_cpu_backend()
+
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captures=(), dropout_p=0.0,
               return_lse=False, backend="auto", **options):
