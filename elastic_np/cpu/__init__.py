@@ -76,7 +76,8 @@ imports every module that makes a cached function inside
     ``plan`` (the options as runtime values, kept per ``plan_key``, for
     every kernel), ``forward``, ``forward_amx``, ``backward``,
     ``key_tiles`` (the backward's key tiles, shared with the double
-    backward's key pass), ``dbias`` (where the bias's gradient goes)
+    backward's key pass), ``dbias`` (where the bias's gradient goes),
+    ``values`` (compiled checks of arrays' values)
 ``_decode``
     ``plan`` (which decode kernel, its tiles and key splits), ``decode``
     (the kernels), ``merge`` (a task's result: its rows of the output, or
