@@ -200,7 +200,8 @@ _AS_THEY_ARE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.
 def _grad(grad, like):
     """A NumPy gradient as a contiguous tensor of ``like``'s dtype and shape: over its memory when it is one
     already (C-contiguous, of that shape and dtype), else `arrays._as_grad`'s."""
-    if (type(grad) is np.ndarray and grad.dtype == _AS_THEY_ARE.get(like.dtype) and grad.flags.c_contiguous
+    dtype = _AS_THEY_ARE.get(like.dtype)  # (NumPy's float64 equals None: not compared with it)
+    if (dtype is not None and type(grad) is np.ndarray and grad.dtype == dtype and grad.flags.c_contiguous
             and grad.shape == like.shape):
         return torch.from_numpy(grad)
     return arrays._as_grad(grad, like).contiguous()

@@ -169,6 +169,19 @@ def test_a_call_that_records_a_gradient_gives_the_operators_bits(options, dtype,
         assert all(g.dtype == w.dtype and g.is_contiguous() and torch.equal(g, w) for g, w in zip(got, wants))
 
 
+def test_a_repeated_backward_runs_its_numpy_plan_without_the_entry_point(monkeypatch):
+    """The backward of a layout met before finds its `BackwardPlan` by the key part its `_Call` made once; the
+    gradients are the first call's bits, handed over without a copy where they are the inputs' dtype."""
+    q, k, v = (x.requires_grad_() for x in _tensors(torch.float32))
+    enpt.attention(q, k, v, causal=True, tau=0.7).sum().backward()  # in full: its plan kept
+    want = [x.grad.clone() for x in (q, k, v)]
+    monkeypatch.setattr(dispatch, "attention_backward", lambda *args, **options: pytest.fail("not looked up"))
+    for x in (q, k, v):
+        x.grad = None
+    enpt.attention(q, k, v, causal=True, tau=0.7).sum().backward()
+    assert all(torch.equal(x.grad, w) and x.grad.dtype == torch.float32 for x, w in zip((q, k, v), want))
+
+
 def test_only_the_tensors_that_require_grad_get_one_and_parameters_train():
     q, k, v = _tensors(torch.float32)
     weights = torch.nn.Parameter(k.clone())
