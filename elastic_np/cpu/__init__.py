@@ -234,4 +234,3 @@ def planned_forward(problem, like=None):
 
     run.decode = decode_run
     return run
-

@@ -63,6 +63,7 @@ def _load_cpu_backend():
 
 _load_cpu_backend()
 
+
 @_spec.takes_options(own=_spec.LEARNABLE)
 def attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, captures=(), dropout_p=0.0,
               return_lse=False, backend="auto", **options):

@@ -31,7 +31,7 @@ from elastic_np.cpu._double_backward.tangent_rows import _tangent_rows_kernel
 from elastic_np.cpu._double_backward.tangents import Tangents
 from elastic_np.cpu._prefill.backward import BACKWARD_TILES, halved, prepared, single, widened
 from elastic_np.cpu._prefill.dbias import DbiasPlan, ensure_dbias
-from elastic_np.cpu._prefill.key_tiles import sum_dq_shares
+from elastic_np.cpu._prefill.key_tiles import NO_FACTOR, sum_dq_shares
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._prefill.sink import sink_gradient
 from elastic_np.cpu._runtime import config
@@ -130,7 +130,7 @@ def _key_pass(problem, options, ins, tan, q_layout):
         work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (5 * D + 4 * Dv)  # the chunk's
         run_tasks(_tangent_keys_kernel, ins, tan, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1,
                   tasks=task_counter(), work=work)
-        last = scaled if kt1 == n_kt else (factor[:0], scaled[1])
+        last = scaled if kt1 == n_kt else (NO_FACTOR, scaled[1])
         run_tasks(sum_dq_shares, dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, last, work=work)
         plan.after_chunk()
     dsigma = dsigma_part.sum(axis=2) if problem.sigma is not None else None

@@ -17,7 +17,7 @@ from elastic_np.cpu._prefill.capture_grads import CaptureGradients
 from elastic_np.cpu._prefill.dbias import dbias_tile, DbiasPlan, ensure_dbias
 from elastic_np.cpu._prefill.key_tiles import (
     copy_rows, gated_probabilities, group_spans, key_task, key_tasks, pair_head, probabilities, row_stats,
-    softcap_slope, sum_dq_shares,
+    NO_FACTOR, softcap_slope, sum_dq_shares,
 )
 from elastic_np.cpu._prefill.plan import check_cache, kernel_options
 from elastic_np.cpu._prefill import values
@@ -75,10 +75,6 @@ def planned(problem):
         return schedule.run(given, dout, out, lse, dlse)
 
     return run
-
-
-#: `sum_dq_shares`'s factor of a chunk before the last: none.
-_NO_FACTOR = np.empty(0)
 
 
 class Backward:
@@ -153,7 +149,7 @@ class Backward:
             work = B * H * N * (min(M, kt1 * block_k) - kt0 * block_k) * (3 * D + 2 * Dv)  # the chunk's
             tasks = task_counter()
             run_tasks(calls[1], ins, outs, dbias, options, config.BLOCK_Q, block_k, kt0, kt1, tasks=tasks, work=work)
-            last = scaled if kt1 == n_kt else (_NO_FACTOR, scaled[1])
+            last = scaled if kt1 == n_kt else (NO_FACTOR, scaled[1])
             sums = (dq_shares, share_rows, kt1 - kt0, config.BLOCK_Q, dq_sum, last)
             run_tasks(calls[2], *sums, work=work)
             plan.after_chunk()

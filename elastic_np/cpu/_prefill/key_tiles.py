@@ -175,6 +175,10 @@ def copy_rows(src, dst):
             dst_row[d] = src[c, d]
 
 
+#: `sum_dq_shares`'s ``factor`` of a chunk before the last: none.
+NO_FACTOR = np.empty(0)
+
+
 @njit(nogil=True, cache=True, fastmath=False)
 def sum_dq_shares(dq_shares, share_rows, n_shares, block_q, dq, scaled, part, parts):
     """``dq += sum_t dq_shares[t]`` over each share's rows, in the order of ``t``; then, with ``scaled = (factor,

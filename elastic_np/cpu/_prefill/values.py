@@ -12,11 +12,9 @@ import numpy as np
 from numba import njit
 
 from elastic_np._contract import _validation
+from elastic_np.cpu._runtime.config import FASTMATH
+from elastic_np.cpu._tiles.halves import checked
 from elastic_np.cpu._tiles.operands import kernel_array
-
-#: Reassociation alone: the sums below may be vectorised, and ``x * 0`` is still NaN for a NaN or an inf ``x``
-#: (folding it to 0 would take ``nnan`` and ``ninf``).
-_REASSOC = {"reassoc"}
 
 
 def finite(a):
@@ -45,19 +43,19 @@ def compile_for(dtype):
 _COMPILED = set()
 
 
-@njit(nogil=True, cache=True, fastmath=_REASSOC)
+@njit(nogil=True, cache=True, fastmath=False)
 def _finite(a):
-    """Whether the 1-D array ``a`` holds no NaN and no inf: its sum of ``x * 0`` is 0, not NaN."""
-    zero = a.dtype.type(0.0)
-    check = zero
-    for i in range(a.shape[0]):
-        check += a[i] * zero
-    return check == 0
+    """Whether the 1-D array ``a`` holds no NaN and no inf: the decode kernels' check of a tile's rows (`checked`,
+    the sum of ``x * 0``), of ``a`` as one row."""
+    return checked((a.reshape((1, a.shape[0])), 0), a.shape[0]) == 0
 
 
-@njit(nogil=True, cache=True, fastmath=_REASSOC)
+# ``FASTMATH`` leaves out ``nnan`` and ``ninf``: ``x * 0`` stays NaN for a NaN or an inf ``x``, and the sum may be
+# vectorised.
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _below_inf(a):
-    """Whether the 1-D array ``a`` holds no NaN and no ``+inf``: `_finite` of its entries, the negative ones as 0."""
+    """Whether the 1-D array ``a`` holds no NaN and no ``+inf``: `checked`'s sum of ``x * 0``, the negative entries
+    taken as 0."""
     zero = a.dtype.type(0.0)
     check = zero
     for i in range(a.shape[0]):
