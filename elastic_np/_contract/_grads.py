@@ -68,7 +68,16 @@ def sink_from_terms(top, scaled):
 
 def sum_to_shape(grad, shape):
     """Sum a broadcast gradient back to ``shape``; a Python float for ``shape == ()``."""
-    out = reduce_to_shape(np.asarray(grad, dtype=np.float64), shape)
+    grad = np.asarray(grad, dtype=np.float64)
+    # the common cases of a backward without the axes' bookkeeping, a few microseconds a call: a C-contiguous
+    # gradient summed to a shared scalar (NumPy sums its reduced axes as one run over the memory: the sum over
+    # its memory has the same bits; one entry is kept as it is, -0.0 included), and a gradient already of the
+    # parameter's shape
+    if shape == () and grad.ndim and grad.flags.c_contiguous:
+        return float(np.add.reduce(grad.reshape(-1)) if grad.size != 1 else grad.reshape(-1)[0])
+    if grad.shape == shape and shape != ():
+        return grad
+    out = reduce_to_shape(grad, shape)
     return float(out) if shape == () else out
 
 
