@@ -167,13 +167,14 @@ def pytest_xdist_make_scheduler(config, log):
 SLOW_FILES = ("cuda/test_cuda_ptx.py", "cpu/test_tiles_compile.py", "cpu/test_numba_private.py", "docs/test_asv.py",
               "api/test_compile_report.py")
 #: Tests that compile the same kernels the fill leaves out, in groups matched against their node ids: a quantized
-#: cache's (one per format and kind of scale, which the kit's cases, the benchmark scripts and the decoding page
-#: reach too), and a user's variants' (which Numba caches in the process only). Each group starts the share of the
-#: tests one worker gets first (`_order`), so that it compiles each of those kernels once, while the other worker
-#: compiles the other group's.
+#: cache's (one per format and kind of scale, which the kit's cases, the torch adapter's, the benchmark scripts and
+#: the decoding page reach too), and a user's variants' (which Numba caches in the process only). Each group starts
+#: the share of the tests one worker gets first (`_order`), so that it compiles each of those kernels once, while
+#: the other worker compiles the other group's.
 SHARED_COMPILES = (
-    ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "api/test_warmup.py", "cpu/test_halves.py",
-     "docs/test_benchmark_scripts.py", "testing/test_conformance.py", "cli/test_cli.py", "[decoding.rst]"),
+    ("cpu/test_quantized.py", "api/test_varlen_quantized.py", "torch/test_torch_quantized.py", "api/test_warmup.py",
+     "cpu/test_halves.py", "docs/test_benchmark_scripts.py", "testing/test_conformance.py", "cli/test_cli.py",
+     "[decoding.rst]"),
     ("variants/", "torch/test_torch_variants.py", "[variants.rst]"),
 )
 
