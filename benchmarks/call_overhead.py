@@ -6,7 +6,10 @@ a row, the median kept): a 64-key and a 1,024-key decode (8 query heads over
 2 kv heads, D = 64), 16 queries over 16 keys causal (forward, and forward +
 backward), and a 4,096-key decode (32 over 8 heads, D = 128). Prints per
 call the median over the rounds of each way's median, in microseconds, and
-SDPA's time / ours (above 1: ours is faster), median and range.
+SDPA's time / ours (above 1: ours is faster), median and range. Beside a
+forward + backward, "floor" times an ``autograd.Function`` shaped like the
+torch operator's short way that computes nothing (`autograd_floor`): what a
+step through autograd costs before any attention.
 
 Usage: ``python benchmarks/call_overhead.py [--rounds R] [--calls N] [--threads T] [--only TEXT] [--json PATH]``
 """
@@ -63,7 +66,34 @@ def calls(case, torch):
     ways["torch op"] = torch_call(lambda: enpt.attention(qt, kt, vt, causal=causal, backend="cpu"))
     ways["sdpa"] = torch_call(lambda: torch.nn.functional.scaled_dot_product_attention(
         qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv))
+    if backward:
+        floor = autograd_floor(torch, (q, np.zeros((1, H, N), np.float32)), (q, k, v))
+        ways["floor"] = torch_call(lambda: floor.apply(qt, kt, vt, None)[0])
     return ways
+
+
+def autograd_floor(torch, outputs, grads):
+    """An ``autograd.Function`` shaped like the short way's (`elastic_np.torch._fast._Trained`) that computes
+    nothing: the inputs' NumPy views, ``(out, lse)`` from NumPy arrays, five saved tensors, the gradients from NumPy
+    arrays. What autograd and the tensors' handling cost a forward + backward with no attention in it."""
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, call):
+            q.detach().numpy(), k.detach().numpy(), v.detach().numpy()
+            out, lse = (torch.from_numpy(a) for a in outputs)
+            ctx.set_materialize_grads(False)
+            ctx.call = call
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            for x in (dout, *ctx.saved_tensors):
+                x.detach().numpy()
+            return (*(torch.from_numpy(g) for g in grads), None)
+
+    return Floor
 
 
 def timed(call, n):
@@ -111,14 +141,15 @@ def main(argv=None):
         _record.write(args.json, "benchmarks/call_overhead.py", argv, figures, rounds=rounds, threads=threads,
                       ours=thread_count(), calls=args.calls, measured=_record.measured())
     print(f"float32, B = 1, {thread_count()} threads (torch's: {threads}); medians over {args.rounds} rounds of {args.calls} calls, us")
-    print(f"{'call':40s} {'numpy':>8} {'torch op':>9} {'sdpa':>8}  sdpa / torch op")
+    print(f"{'call':40s} {'numpy':>8} {'torch op':>9} {'sdpa':>8} {'floor':>8}  sdpa / torch op")
     for name, times in rounds.items():
-        row = [f"{np.median(times[way]):8.1f}" if way in times else f"{'-':>8}" for way in ("numpy", "torch op", "sdpa")]
+        row = [f"{np.median(times[way]):8.1f}" if way in times else f"{'-':>8}"
+               for way in ("numpy", "torch op", "sdpa", "floor")]
         ratio = ""
         if "sdpa" in times:
             r = np.array(times["sdpa"]) / np.array(times["torch op"])
             ratio = f"{np.median(r):.2f} ({r.min():.2f}-{r.max():.2f})"
-        print(f"{name:40s} {row[0]} {row[1]:>9} {row[2]}  {ratio}")
+        print(f"{name:40s} {row[0]} {row[1]:>9} {row[2]} {row[3]}  {ratio}")
 
 
 if __name__ == "__main__":

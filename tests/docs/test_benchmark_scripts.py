@@ -384,8 +384,27 @@ def test_call_overhead_prints_each_way_and_the_ratio(capsys, tmp_path):
     call_overhead.main(["--rounds", "1", "--calls", "2", "--only", "64 keys", "--threads", "1", "--json", str(path)])
     out = capsys.readouterr().out
     (row,) = [line for line in out.splitlines() if line.startswith("decode, 8/2 heads, 64 keys")]
-    assert len(row.split()) == 10  # the name's 5 words, three times and the ratio with its range
+    assert row.split()[8] == "-"  # no floor for a forward alone
+    assert len(row.split()) == 11  # the name's 5 words, four times and the ratio with its range
     assert set(json.loads(path.read_text())["rounds"]["decode, 8/2 heads, 64 keys"]) == {"numpy", "torch op", "sdpa"}
+    call_overhead.main(["--rounds", "1", "--calls", "2", "--only", "fwd + bwd", "--threads", "1", "--json", str(path)])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("16 x 16 causal, fwd + bwd")]
+    assert float(row.split()[-3]) > 0  # the floor's time
+    assert set(json.loads(path.read_text())["rounds"]["16 x 16 causal, fwd + bwd"]) == {
+        "numpy", "torch op", "sdpa", "floor"}
+
+
+def test_the_autograd_floor_hands_back_gradients_of_the_inputs_shapes():
+    torch = pytest.importorskip("torch")
+    import call_overhead
+
+    q, k, v = (np.full((1, 2, 3, 4), value, np.float32) for value in (1.0, 2.0, 3.0))
+    floor = call_overhead.autograd_floor(torch, (q, np.zeros((1, 2, 3), np.float32)), (q, k, v))
+    qt, kt, vt = (torch.zeros(1, 2, 3, 4, requires_grad=True) for _ in range(3))
+    out, lse = floor.apply(qt, kt, vt, None)
+    out.sum().backward()
+    assert out.shape == (1, 2, 3, 4) and lse.shape == (1, 2, 3)
+    assert [float(t.grad[0, 0, 0, 0]) for t in (qt, kt, vt)] == [1.0, 2.0, 3.0]
 
 
 def test_backward_overhead_times_both_ways_and_puts_the_backwards_own_back(capsys, tmp_path):
