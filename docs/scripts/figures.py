@@ -128,6 +128,10 @@ def _fixed_cost_figures():
     for short, call in _CALLS.items():
         for way, column in (("numpy", "numpy"), ("torch", "torch op"), ("sdpa", "sdpa")):
             figures[f"fig-fixed-epyc-{short}-{way}"] = (epyc, _summary(f"{call}: {column} us"), "{median:.1f}")
+    floor = "runs/call-overhead-floor.json"
+    figures["fig-floor-cpu"] = (floor, lambda record: describe_cpu(record["machine"]), "{}")
+    for way, column in (("numpy", "numpy"), ("torch", "torch op"), ("sdpa", "sdpa"), ("floor", "floor")):
+        figures[f"fig-floor-{way}"] = (floor, _summary(f"{_CALLS['causal16-bwd']}: {column} us"), "{median:.0f}")
     backward = "runs/backward-overhead.json"
     figures["fig-backward-cpu"] = (backward, lambda record: describe_cpu(record["machine"]), "{}")
     for short, call in (("16", "8 heads, 16 x 16, D = 64"), ("64", "8 heads, 64 x 64, D = 64")):
