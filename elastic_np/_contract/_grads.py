@@ -73,9 +73,11 @@ def sum_to_shape(grad, shape):
     # gradient summed to a shared scalar (NumPy sums its reduced axes as one run over the memory: the sum over
     # its memory has the same bits; one entry is kept as it is, -0.0 included), and a gradient already of the
     # parameter's shape
-    if shape == () and grad.ndim and grad.flags.c_contiguous:
-        return float(np.add.reduce(grad.reshape(-1)) if grad.size != 1 else grad.reshape(-1)[0])
-    if grad.shape == shape and shape != ():
+    if shape == ():
+        if grad.ndim and grad.flags.c_contiguous:
+            flat = grad.reshape(-1)
+            return float(flat[0] if flat.size == 1 else np.add.reduce(flat))
+    elif grad.shape == shape:
         return grad
     out = reduce_to_shape(grad, shape)
     return float(out) if shape == () else out
