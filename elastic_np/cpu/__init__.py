@@ -222,15 +222,8 @@ def planned_forward(problem, like=None):
     derived once. The kernel is chosen on every run, as `forward` chooses it. ``like``: the
     ``run`` of a problem that differs from this one in its number of keys alone (`planned.contiguous`).
     """
-    decode_run = planned.contiguous(problem, None if like is None else like.decode)
-    B, H, Hkv, N, M, D, Dv = problem.shape
-    rows = (H // Hkv) * N
-
-    def run(q, k, v):
-        if decode_plan.takes_rows(N, rows):
-            return decode_run(q, k, v)
+    def otherwise(q, k, v):  # the prefill kernels'
         _validation.check_finite(q, "q")
         return forward(problem.with_arrays(q, k, v))
 
-    run.decode = decode_run
-    return run
+    return planned.contiguous(problem, like, otherwise)

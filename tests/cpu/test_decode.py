@@ -13,6 +13,7 @@ import pytest
 import elastic_np as enp
 from elastic_np.cpu._decode import decode as _decode, plan as _decode_plan
 from elastic_np import cpu, reference
+from elastic_np._api import plans
 from elastic_np._contract import _problem
 from oracle_checks import assert_matches_oracle as assert_close, check_case, decode_cases
 
@@ -37,12 +38,15 @@ def test_takes_decode_shapes():
 def test_kernel_follows_the_query_count(monkeypatch, N, kernel):
     """Fewer than `DECODE_KEY_MAJOR_QUERIES` queries stack their rows; that many run key-major."""
     called = []
-    run_tasks = _decode.run_tasks
-    monkeypatch.setattr(_decode, "run_tasks", lambda f, *a, **kw: called.append(f) or run_tasks(f, *a, **kw))
+    for kept in ("PLANS", "FAMILIES"):  # no launch of an earlier call's plan, which holds the kernels it found
+        monkeypatch.setattr(plans, kept, _problem.Kept(64))
+    for name in ("_decode_kernel", "_decode_heads_kernel"):  # a launch's first run calls them as found here
+        dispatcher = getattr(_decode, name)
+        monkeypatch.setattr(_decode, name, lambda *a, _f=dispatcher: called.append(_f.py_func.__name__) or _f(*a))
     q = np.ones((1, 4, N, 8), np.float32)
     kv = np.ones((1, 2, 40, 8), np.float32)
     out = enp.attention(q, kv, kv, causal=True, backend="cpu")
-    assert [f.py_func.__name__ for f in called] == [kernel]
+    assert called == [kernel]
     np.testing.assert_allclose(out, 1.0)
 
 
@@ -220,10 +224,11 @@ def test_a_launch_types_its_arguments_for_the_entry_points_only_when_it_runs_aga
     step = enp.plan(q.shape, k.shape, dtype=q.dtype, tau=tau, backend="cpu")
     runs = [step.run(q, k, k) for _ in range(3)]
     # one split a kv head: the kernel finishes the rows, and no merge runs
-    assert typed == [_decode._decode_kernel] and all(np.array_equal(r, first) for r in runs)
+    assert typed == [_decode._decode_kernel, _decode._all_read] and all(np.array_equal(r, first) for r in runs)
     typed.clear()
     k = rng.standard_normal((1, 2, 2 * cpu._runtime.config.DECODE_MIN_SPLIT_KEYS, 8))  # two splits: their merge too
     first = enp.attention(q, k, k, tau=tau, backend="cpu")
     step = enp.plan(q.shape, k.shape, dtype=q.dtype, tau=tau, backend="cpu")
     runs = [step.run(q, k, k) for _ in range(3)]
-    assert typed == [_decode._decode_kernel, _decode._merge_kernel] and all(np.array_equal(r, first) for r in runs)
+    assert typed == [_decode._decode_kernel, _decode._all_read, _decode._merge_kernel]
+    assert all(np.array_equal(r, first) for r in runs)

@@ -64,9 +64,10 @@ from elastic_np.cpu._decode.merge import _merge_kernel, one_split, task_result
 from elastic_np.cpu._decode.plan import schedule
 from elastic_np.cpu._decode.products import key_scores, query_width, value_products
 from elastic_np.cpu._decode.tiles import (
-    _NO_TABLE, _check_unread_cache, _paged_rows, _run, _tiles, _visit, fine_key_rows, fine_value_rows, key_groups,
+    _NO_TABLE, _all_read, _check_unread_cache, _paged_rows, _run, _tiles, _visit, fine_key_rows, fine_value_rows, key_groups,
     token_scaled_keys, token_scaled_values, value_groups,
 )
+from elastic_np.cpu._runtime import config
 from elastic_np.cpu._runtime.config import FASTMATH
 from elastic_np.cpu._runtime.numba_private import direct_call, inner
 from elastic_np.cpu._runtime.threads import claim, run_tasks, task_counter
@@ -77,7 +78,7 @@ from elastic_np.cpu._tiles.logits import (
     logits_factor, logits_tile, modifier_factors, modify_tile, plus_scaled, query_factor, scale_row,
 )
 from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
-from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.operands import BHND, head, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import paged as paged_pages, pool_operand
 from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
@@ -140,47 +141,55 @@ def _launcher(problem, plan, direct=False, like=None):
     merged = plan.most > 1  # else every task finishes its rows: no partials, no merge
     stored = plan.most if merged else 0
     sums, accs, reads, splits = (B, Hkv, stored, rows), (B, Hkv, stored, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
+    out_shape, lse_shape, out_rows, floats = (B, H, N, Dv), (B, H, N), (B * H, N, Dv), out_dtype.char in "fd"
     no_parts = None if merged else (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype))  # never written
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
     scales = () if plan.key_major else (cache_scales(problem),)  # the stacked-rows kernel's (Hkv, 2) scales
     unchecked, lengths = problem.kv_unchecked, problem.kv_lengths
-    # the dispatchers, then, from a launch's second run, their entry points (`direct_call`: a launch that
-    # runs once, a plan's first, skips the fingerprint of its arguments)
-    calls, runs, kind = [kernel, _merge_kernel], [0, False], (plan.key_major, plan.together)
+    # the dispatchers (the kernel's, the merge's, `_all_read`), then, from a launch's second run, their entry points
+    # (`direct_call`: a launch that runs once, a plan's first, skips the fingerprint of its arguments)
+    calls, runs, kind = [kernel, _merge_kernel, _all_read], [0, False], (plan.key_major, plan.together)
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
     def launch(q, k, v, pages, cache, fine=None, q_values=None):
         parts = (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)) if merged else no_parts
-        read, suspect = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_)
-        out, out_operand = new((B, H, N, Dv), out_dtype, q[1])
-        lse = np.empty((B, H, N), dtype=dtype)
+        read, suspect, tasks = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_), task_counter()
+        if q[1] == BHND and floats:  # `new`'s, without its calls
+            out = np.empty(out_shape, dtype=out_dtype)
+            out_operand = (out.reshape(out_rows), BHND, out_shape)
+        else:
+            out, out_operand = new(out_shape, out_dtype, q[1])
+        lse = np.empty(lse_shape, dtype=dtype)
         args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
-                (*parts, read, suspect, out_operand, lse))
-        tasks = task_counter()
-        run_tasks(calls[0], *args, tasks=tasks, work=work)
-        if unchecked or q_values is not None:
+                (*parts, read, suspect, out_operand, lse), tasks)
+        if work < config.SERIAL_WORK:  # `run_tasks`' own test, without its call
+            calls[0](*args, 0, 1)
+        else:
+            run_tasks(calls[0], *args[:-1], tasks=tasks, work=work)
+        if (unchecked or q_values is not None) and not calls[2](read, lengths, suspect):
             _check_unread_cache(cache if unchecked else None, lengths, read, suspect, q_values)
         merge_args = (*parts, split_start, beta, N, out_operand, lse, 0, 1)
         if merged or runs[0] == 0:  # small; unmerged, it does nothing, and its first call compiles it with the kernel
             calls[1](*merge_args)
         if direct and (runs[0] < 2 or merged and not runs[1]):
-            _go_direct(calls, runs, kernel, (*args, tasks, 0, 1), merge_args if merged else None)
+            _go_direct(calls, runs, kernel, (*args, 0, 1), merge_args if merged else None, (read, lengths, suspect))
         return out, lse
 
     launch.calls, launch.runs, launch.kind = calls, runs, kind
     return launch
 
 
-def _go_direct(calls, runs, kernel, kernel_args, merge_args):
+def _go_direct(calls, runs, kernel, kernel_args, merge_args, read_args):
     """A launch family's ``calls`` through their entry points (`direct_call`) from its second run on: the decode
-    kernel's, and the merge's from its first run that merges (``merge_args`` not None). ``runs = [runs,
-    whether the merge's entry point was looked up]``: each is looked up once."""
+    kernel's and `_all_read`'s, and the merge's from its first run that merges (``merge_args`` not None). ``runs =
+    [runs, whether the merge's entry point was looked up]``: each is looked up once."""
     if runs[0] < 2:
         runs[0] += 1
         if runs[0] < 2:
             return
         calls[0] = direct_call(kernel, kernel_args)
+        calls[2] = direct_call(_all_read, read_args)
     if merge_args is not None and not runs[1]:
         runs[1] = True
         calls[1] = direct_call(_merge_kernel, merge_args)

@@ -4,7 +4,7 @@ and the launch made once per layout of the keys, and again only when the config 
 
 from elastic_np._contract import _validation
 from elastic_np.cpu._decode import decode
-from elastic_np.cpu._decode.plan import schedule
+from elastic_np.cpu._decode.plan import schedule, takes_rows
 from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.cache_scales import fine_operands
@@ -16,19 +16,25 @@ from elastic_np.cpu._tiles.pages import pool_operand
 _EVERY_HEAD = (_NO_TABLE, 0, True)
 
 
-def contiguous(problem, like=None):
+def contiguous(problem, like=None, otherwise=None):
     """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
     shapes and dtype, their values checked (those of the keys and values left to the kernel as `forward` leaves
     them, and ``q``'s to the stacked-rows kernel: `_check_unread_cache`): the schedule and what the kernels'
     call derives from it made once per layout of the keys.
 
     ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
-    kernels' entry points, the same for both, this one takes over (`_launcher`).
+    kernels' entry points, the same for both, this one takes over (`_launcher`). ``otherwise``: ``run(q, k,
+    v)`` of the prefill kernels, which a run calls where the decode kernels do not take the problem
+    (`elastic_np.cpu._decode.plan.takes_rows`, asked on every run: the config may change).
     """
     launchers = {}
     kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
+    B, H, Hkv, N, M, D, Dv = problem.shape
+    rows = (H // Hkv) * N
 
     def run(q, k, v):
+        if otherwise is not None and not takes_rows(N, rows):
+            return otherwise(q, k, v)
         q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
         key = (k_operand[1], config.GENERATION)  # the schedule follows the config
         launch = launchers.get(key)
@@ -39,8 +45,8 @@ def contiguous(problem, like=None):
         key_major, together = launch.kind
         if key_major:  # its products are not checked: q is, here
             _validation.check_finite(q, "q")
-        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v),
-                      q_values=None if key_major else q_operand[0])
+            return launch(q_operand, k_operand, v_operand, None, (k, v))
+        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v), None, q_operand[0])
 
     run.launchers = launchers
     return run
