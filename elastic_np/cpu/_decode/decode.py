@@ -152,14 +152,16 @@ def _launcher(problem, plan, direct=False, like=None):
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
+    def new_out(layout):  # `new`'s ``out``, without its calls for a float array in `BHND`
+        if layout == BHND and floats:
+            out = np.empty(out_shape, dtype=out_dtype)
+            return out, (out.reshape(out_rows), BHND, out_shape)
+        return new(out_shape, out_dtype, layout)
+
     def launch(q, k, v, pages, cache, fine=None, q_values=None):
         parts = (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)) if merged else no_parts
         read, suspect, tasks = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_), task_counter()
-        if q[1] == BHND and floats:  # `new`'s, without its calls
-            out = np.empty(out_shape, dtype=out_dtype)
-            out_operand = (out.reshape(out_rows), BHND, out_shape)
-        else:
-            out, out_operand = new(out_shape, out_dtype, q[1])
+        out, out_operand = new_out(q[1])
         lse = np.empty(lse_shape, dtype=dtype)
         args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
                 (*parts, read, suspect, out_operand, lse), tasks)
