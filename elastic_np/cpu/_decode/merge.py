@@ -109,11 +109,17 @@ def write_rows(parts, beta, scratch, final, where):
         total = 0.0
         if m > -np.inf:
             for s in range(n_split):
-                if part_max[s, r] > -np.inf:
-                    total += part_sum[s, r] * math.exp(part_max[s, r] - m)
+                if part_max[s, r] > -np.inf:  # exp(0) is 1 exactly: not called for the split of the maximum
+                    total += part_sum[s, r] * (1.0 if part_max[s, r] == m else math.exp(part_max[s, r] - m))
         out_h, col = head(out, b, h)
         if total > 0.0:
             lse_r = log_add_exp(m + math.log(total), log_beta)
+            if n_split == 1:  # the loops below in one: x[d] = 0 + acc[d] w (a zero's sign as they leave it)
+                w = math.exp(part_max[0, r] - lse_r)
+                for d in range(Dv):
+                    out_h[i, col + d] = narrow(0.0 + np.float64(part_acc[0, r, d]) * w, out_h)
+                lse[b, h, i] = lse_r
+                continue
             for s in range(n_split):
                 weight[s] = math.exp(part_max[s, r] - lse_r)  # 0 for an empty split
             for d in range(Dv):
