@@ -60,6 +60,9 @@ _IGNORED = frozenset({"position_ids", "cache_position", "num_items_in_batch", "o
                       "output_router_logits", "use_cache", "past_key_values", "seq_idx"})
 #: Those that describe packed sequences: their attention goes through `elastic_np.torch.varlen_attention`.
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_PACKED_NAMES = frozenset(_PACKED)  # (a set test first: most calls pass none of them)
+#: Every keyword the attention takes besides its named parameters.
+_TAKEN = _IGNORED | _PACKED_NAMES | {"output_attentions", "is_causal"}
 
 
 def register(name=NAME, backend="auto"):
@@ -161,7 +164,7 @@ def attention_forward(module, query, key, value, attention_mask, *, scaling=None
     options = {"scale": scaling, "softcap": softcap, "backend": backend}
     if s_aux is not None:
         options["beta"] = torch.exp(s_aux.to(query.dtype))
-    if any(kwargs.get(name) is not None for name in _PACKED):
+    if not _PACKED_NAMES.isdisjoint(kwargs) and any(kwargs.get(name) is not None for name in _PACKED):
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
         window = (int(sliding_window) - 1, 0) if sliding_window is not None and causal else (-1, -1)
         return _packed_attention(query, key, value, attention_mask, kwargs, causal, window, options), None
@@ -183,9 +186,8 @@ def _check_kwargs(module, dropout, kwargs):
     if kwargs.get("output_attentions"):
         raise ValueError("elastic_np attention never forms the attention weights: output_attentions=True "
                          "needs attn_implementation='eager'")
-    unknown = sorted(set(kwargs) - _IGNORED - set(_PACKED) - {"output_attentions", "is_causal"})
-    if unknown:
-        raise TypeError(f"elastic_np attention cannot honour {', '.join(unknown)}")
+    if not kwargs.keys() <= _TAKEN:
+        raise TypeError(f"elastic_np attention cannot honour {', '.join(sorted(kwargs.keys() - _TAKEN))}")
 
 
 #: The masks `_check_packed_mask` found right: ``id(mask) -> (weak reference to it, what it was checked for)``.

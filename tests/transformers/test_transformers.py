@@ -115,6 +115,9 @@ def test_what_the_attention_cannot_honour_is_an_error_naming_it():
                                            cu_seq_lens_q=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="boolean \\(B, 1, N, M\\) mask"):
         enp_transformers.attention_forward(model.model.layers[0].self_attn, q, q, q, torch.zeros(1, 1, 3, 3))
+    with pytest.raises(TypeError, match="^elastic_np attention cannot honour head_mask, sinks$"):  # sorted
+        enp_transformers.attention_forward(model.model.layers[0].self_attn, q, q, q, None, use_cache=True,
+                                           sinks=None, head_mask=None)
 
 
 def _close_in_norm(ours, want, tolerance, what):
