@@ -226,4 +226,4 @@ def planned_forward(problem, like=None):
         _validation.check_finite(q, "q")
         return forward(problem.with_arrays(q, k, v))
 
-    return planned.contiguous(problem, like, otherwise)
+    return planned.contiguous(problem, otherwise, like)

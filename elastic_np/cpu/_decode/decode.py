@@ -78,7 +78,7 @@ from elastic_np.cpu._tiles.logits import (
     logits_factor, logits_tile, modifier_factors, modify_tile, plus_scaled, query_factor, scale_row,
 )
 from elastic_np.cpu._tiles.online_softmax import load_queries, online_update, query_major_update
-from elastic_np.cpu._tiles.operands import BHND, head, head_rows, new, operand, shape
+from elastic_np.cpu._tiles.operands import head, head_rows, new, operand, shape
 from elastic_np.cpu._tiles.pages import paged as paged_pages, pool_operand
 from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
@@ -141,7 +141,7 @@ def _launcher(problem, plan, direct=False, like=None):
     merged = plan.most > 1  # else every task finishes its rows: no partials, no merge
     stored = plan.most if merged else 0
     sums, accs, reads, splits = (B, Hkv, stored, rows), (B, Hkv, stored, rows, Dv), (B, Hkv, 2), (B, Hkv, plan.most)
-    out_shape, lse_shape, out_rows, floats = (B, H, N, Dv), (B, H, N), (B * H, N, Dv), out_dtype.char in "fd"
+    out_shape, lse_shape = (B, H, N, Dv), (B, H, N)
     no_parts = None if merged else (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype))  # never written
     opt, split_start, tiles, work, beta = plan.opt, plan.split_start, plan.tiles, plan.work, plan.opt.beta
     scales = () if plan.key_major else (cache_scales(problem),)  # the stacked-rows kernel's (Hkv, 2) scales
@@ -152,16 +152,10 @@ def _launcher(problem, plan, direct=False, like=None):
     if like is not None and like.kind == kind:  # the like launcher's lists alone, which hold no launcher:
         calls, runs = like.calls, like.runs  # a growing cache's plans make no chain
 
-    def new_out(layout):  # `new`'s ``out``, without its calls for a float array in `BHND`
-        if layout == BHND and floats:
-            out = np.empty(out_shape, dtype=out_dtype)
-            return out, (out.reshape(out_rows), BHND, out_shape)
-        return new(out_shape, out_dtype, layout)
-
     def launch(q, k, v, pages, cache, fine=None, q_values=None):
         parts = (np.empty(sums), np.empty(sums), np.empty(accs, dtype=dtype)) if merged else no_parts
         read, suspect, tasks = np.zeros(reads, dtype=np.int64), np.zeros(splits, dtype=np.bool_), task_counter()
-        out, out_operand = new_out(q[1])
+        out, out_operand = new(out_shape, out_dtype, q[1])
         lse = np.empty(lse_shape, dtype=dtype)
         args = (q, k, v, pages, opt, *((*scales, fine) if scales else ()), split_start, tiles,
                 (*parts, read, suspect, out_operand, lse), tasks)

@@ -16,16 +16,16 @@ from elastic_np.cpu._tiles.pages import pool_operand
 _EVERY_HEAD = (_NO_TABLE, 0, True)
 
 
-def contiguous(problem, like=None, otherwise=None):
+def contiguous(problem, otherwise, like=None):
     """`forward` of ``problem`` (no pages) as ``run(q, k, v) -> (out, lse)``, for any ``q``, ``k``, ``v`` of its
     shapes and dtype, their values checked (those of the keys and values left to the kernel as `forward` leaves
     them, and ``q``'s to the stacked-rows kernel: `_check_unread_cache`): the schedule and what the kernels'
     call derives from it made once per layout of the keys.
 
+    ``otherwise``: ``run(q, k, v)`` of the prefill kernels, which a run calls where the decode kernels do not
+    take the problem (`elastic_np.cpu._decode.plan.takes_rows`, asked on every run: the config may change).
     ``like``: the ``run`` of a problem that differs from this one in its number of keys alone, whose
-    kernels' entry points, the same for both, this one takes over (`_launcher`). ``otherwise``: ``run(q, k,
-    v)`` of the prefill kernels, which a run calls where the decode kernels do not take the problem
-    (`elastic_np.cpu._decode.plan.takes_rows`, asked on every run: the config may change).
+    kernels' entry points, the same for both, this one takes over (`_launcher`).
     """
     launchers = {}
     kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
@@ -33,7 +33,7 @@ def contiguous(problem, like=None, otherwise=None):
     rows = (H // Hkv) * N
 
     def run(q, k, v):
-        if otherwise is not None and not takes_rows(N, rows):
+        if not takes_rows(N, rows):
             return otherwise(q, k, v)
         q_operand, k_operand, v_operand = operand(q), operand(k), operand(v)
         key = (k_operand[1], config.GENERATION)  # the schedule follows the config

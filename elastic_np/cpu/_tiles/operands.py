@@ -60,8 +60,7 @@ class _ReadOnlyMemory:
 
 def _operand(storage, layout):
     """The operand of a storage array in ``layout``."""
-    if storage.dtype.char not in "fd":  # (a float array is its own bits: `bits` takes a microsecond to say so)
-        storage = bits(storage)
+    storage = bits(storage)
     if layout == BNHD:
         B, N, H, D = storage.shape
         return storage.reshape(B, N, H * D), BNHD, (B, H, N, D)
