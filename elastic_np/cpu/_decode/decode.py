@@ -116,14 +116,15 @@ def forward(problem, paged=None, entry_splits=None, scale_pages=None):
         table, block_size = paged_pages(paged[2], paged[0].shape[1])
         cache = [_paged_rows(a, paged[2]) for a in paged[:2]] if problem.kv_unchecked else None
     plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
-    pages = (table, block_size, plan.together) if paged is not None or plan.together else None
+    # the key-major kernel always takes a table, empty for a contiguous cache: one specialisation for both
+    pages = (table, block_size, plan.together) if paged is not None or plan.together or plan.key_major else None
     return _launcher(problem, plan)(q, k, v, pages, cache, fine_operands(problem, scale_pages))
 
 
 def _launcher(problem, plan, direct=False, like=None):
     """``launch(q, k, v, pages, cache, fine=None, q_values=None) -> (out, lse)``: `forward`'s kernels on the operands
-    ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, page size and
-    whether a task takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel
+    ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, the page
+    size or 0 for a contiguous cache, and whether a task takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel
     did not (where ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales
     (`fine_operands`); ``q_values``: ``q``'s storage, for the stacked-rows kernel of a caller that left ``q``'s
     check to it (`_check_unread_cache`).
@@ -486,6 +487,9 @@ def _start_rows(q, opt, b, hk, k_scale, qs, state):
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks, part, parts):
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
+
+    ``pages = (table, block_size, together)`` as `_decode_kernel`'s, never None: ``block_size = 0`` for a
+    contiguous cache, whose call then has the paged cache's types (one specialisation for both).
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
     steps (`logits_tile`, `online_update`) one head after the other while

@@ -14,6 +14,8 @@ from elastic_np.cpu._tiles.pages import pool_operand
 
 #: `decode.forward`'s ``pages`` of a contiguous cache whose tasks take every kv head (``plan.together``).
 _EVERY_HEAD = (_NO_TABLE, 0, True)
+#: `decode.forward`'s ``pages`` of a contiguous cache for the key-major kernel, which always takes a table.
+_KEY_MAJOR = (_NO_TABLE, 0, False)
 
 
 def contiguous(problem, otherwise, like=None):
@@ -45,7 +47,7 @@ def contiguous(problem, otherwise, like=None):
         key_major, together = launch.kind
         if key_major:  # its products are not checked: q is, here
             _validation.check_finite(q, "q")
-            return launch(q_operand, k_operand, v_operand, None, (k, v))
+            return launch(q_operand, k_operand, v_operand, _KEY_MAJOR, (k, v))
         return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v), None, q_operand[0])
 
     run.launchers = launchers

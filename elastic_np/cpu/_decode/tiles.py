@@ -112,8 +112,6 @@ def _tiles(k, v, pages, b, hk, j0, bk, scratch):
     order.
     """
     D, Dv = shape(k)[3], shape(v)[3]
-    if pages is None:
-        return _in_place(k, v, (b, hk, j0, bk), scratch)
     at, row, n = _run(pages, b, j0, 0, bk)
     if n == bk:  # in place: one array, or one page
         return _in_place(k, v, (at, hk, row, bk), scratch)
