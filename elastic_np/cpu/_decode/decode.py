@@ -84,6 +84,13 @@ from elastic_np.cpu._tiles.scalar import scalar_like
 from elastic_np.cpu._tiles.simd import compile_for
 from elastic_np.cpu._tiles.tanh import tanh_any
 
+#: ``pages`` of a contiguous cache, by a launch's ``kind = (key_major, together)``: the key-major kernel always takes
+#: a table, empty (page size 0), so that a contiguous and a paged cache share its one specialisation; the
+#: stacked-rows kernel takes one where a task takes every kv head, else None (given the empty table too, its
+#: contiguous calls ran slower: docs/architecture.rst, "One specialisation where two did the same work").
+CONTIGUOUS_PAGES = {(key_major, together): (_NO_TABLE, 0, together) if key_major or together else None
+                    for key_major in (False, True) for together in (False, True)}
+
 #: The typed tile functions each kernel calls (see `elastic_np.cpu._tiles.simd.compile_for`).
 _ROWS_TILES = (exp_inplace,)
 _HEADS_TILES = (matmul_nn, matmul_nn_max, matmul_tn, exp_shift_sum, modify_tile)
@@ -110,24 +117,26 @@ def forward(problem, paged=None, entry_splits=None, scale_pages=None):
     q = operand(problem.q)
     if paged is None:
         k, v = operand(problem.k), operand(problem.v)
-        table, block_size, cache = _NO_TABLE, 0, (problem.k, problem.v)
+        cache = (problem.k, problem.v)
+        plan = schedule(problem, k[1], None, entry_splits)
+        pages = CONTIGUOUS_PAGES[plan.key_major, plan.together]
     else:
         k, v = pool_operand(paged[0]), pool_operand(paged[1])
         table, block_size = paged_pages(paged[2], paged[0].shape[1])
         cache = [_paged_rows(a, paged[2]) for a in paged[:2]] if problem.kv_unchecked else None
-    plan = schedule(problem, k[1], block_size if paged is not None else None, entry_splits)
-    # the key-major kernel always takes a table, empty for a contiguous cache: one specialisation for both
-    pages = (table, block_size, plan.together) if paged is not None or plan.together or plan.key_major else None
+        plan = schedule(problem, k[1], block_size, entry_splits)
+        pages = (table, block_size, plan.together)
     return _launcher(problem, plan)(q, k, v, pages, cache, fine_operands(problem, scale_pages))
 
 
 def _launcher(problem, plan, direct=False, like=None):
     """``launch(q, k, v, pages, cache, fine=None, q_values=None) -> (out, lse)``: `forward`'s kernels on the operands
-    ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: None, or the table, the page
-    size or 0 for a contiguous cache, and whether a task takes every kv head), ``cache`` the keys and values `_check_unread_cache` reads where the kernel
-    did not (where ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales
-    (`fine_operands`); ``q_values``: ``q``'s storage, for the stacked-rows kernel of a caller that left ``q``'s
-    check to it (`_check_unread_cache`).
+    ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: the table, the page size and
+    whether a task takes every kv head, or for a contiguous cache `CONTIGUOUS_PAGES` ``[launch.kind]``),
+    ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
+    ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales (`fine_operands`);
+    ``q_values``: ``q``'s storage, for the stacked-rows kernel of a caller that left ``q``'s check to it
+    (`_check_unread_cache`).
 
     ``direct``: a launcher run again and again calls the kernels through their entry points from its
     second run on (`direct_call`). ``like``: the launcher of a problem that differs in its number of keys
@@ -489,7 +498,7 @@ def _decode_heads_kernel(q, k, v, pages, opt, split_start, block_k, outs, tasks,
     """`_decode_kernel`'s tasks and partials, each head of the group a prefill tile of its ``N`` queries.
 
     ``pages = (table, block_size, together)`` as `_decode_kernel`'s, never None: ``block_size = 0`` for a
-    contiguous cache, whose call then has the paged cache's types (one specialisation for both).
+    contiguous cache, whose call then has the paged cache's types (`CONTIGUOUS_PAGES`).
 
     The key tiles are key-major, ``st[c, i]``, and go through the prefill's
     steps (`logits_tile`, `online_update`) one head after the other while

@@ -5,17 +5,11 @@ and the launch made once per layout of the keys, and again only when the config 
 from elastic_np._contract import _validation
 from elastic_np.cpu._decode import decode
 from elastic_np.cpu._decode.plan import schedule, takes_rows
-from elastic_np.cpu._decode.tiles import _NO_TABLE, _paged_rows
+from elastic_np.cpu._decode.tiles import _paged_rows
 from elastic_np.cpu._runtime import config
 from elastic_np.cpu._tiles.cache_scales import fine_operands
 from elastic_np.cpu._tiles.operands import operand
 from elastic_np.cpu._tiles.pages import pool_operand
-
-
-#: `decode.forward`'s ``pages`` of a contiguous cache whose tasks take every kv head (``plan.together``).
-_EVERY_HEAD = (_NO_TABLE, 0, True)
-#: `decode.forward`'s ``pages`` of a contiguous cache for the key-major kernel, which always takes a table.
-_KEY_MAJOR = (_NO_TABLE, 0, False)
 
 
 def contiguous(problem, otherwise, like=None):
@@ -44,11 +38,11 @@ def contiguous(problem, otherwise, like=None):
             plan = schedule(problem, k_operand[1], None, None)
             kin = kin_launchers.get(key)
             launch = launchers[key] = decode._launcher(problem, plan, direct=True, like=kin)
-        key_major, together = launch.kind
-        if key_major:  # its products are not checked: q is, here
+        kind = launch.kind
+        if kind[0]:  # key-major: its products are not checked: q is, here
             _validation.check_finite(q, "q")
-            return launch(q_operand, k_operand, v_operand, _KEY_MAJOR, (k, v))
-        return launch(q_operand, k_operand, v_operand, _EVERY_HEAD if together else None, (k, v), None, q_operand[0])
+            return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v))
+        return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v), None, q_operand[0])
 
     run.launchers = launchers
     return run
