@@ -134,7 +134,7 @@ def _launcher(problem, plan, direct=False, like=None):
     ``q``, ``k``, ``v`` with `schedule`'s ``plan`` and ``pages`` (`forward`'s: the table, the page size and
     whether a task takes every kv head, or for a contiguous cache `CONTIGUOUS_PAGES` ``[launch.kind]``),
     ``cache`` the keys and values `_check_unread_cache` reads where the kernel did not (where
-    ``problem.kv_unchecked``), ``fine`` the operands of per-token or per-group scales (`fine_operands`);
+    ``problem.kv_unchecked``), ``fine`` a quantized cache's scales' operands (`fine_operands`; None for a float cache);
     ``q_values``: ``q``'s storage, for the stacked-rows kernel of a caller that left ``q``'s check to it
     (`_check_unread_cache`).
 
@@ -326,8 +326,9 @@ def _decode_kernel(q, k, v, pages, opt, scales, fine, split_start, tiles, outs, 
     `elastic_np.cpu._decode.tiles._together`). Either way each head's tiles, and so its bits, are the
     same. ``tiles = (block_k, ahead, by_run, run_keys)``: keys per tile, how
     far ahead the products hint, in which order a task's heads read a tile
-    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`; ``fine``: None, or
-    the operands of a quantized cache's per-token or per-group scales (`_tile_of_heads`). Batch entry ``b`` has the key splits
+    and the longest run (`elastic_np.cpu._decode.plan.tile_reads`). ``scales``: `cache_scales`; ``fine``: None for a float
+    cache, else the operands of a quantized cache's per-token or per-group scales, of none for per-head ones
+    (`_tile_of_heads`, `elastic_np.cpu._tiles.cache_scales.fine_operands`). Batch entry ``b`` has the key splits
     ``split_start[b] .. split_start[b + 1] - 1`` (`_locate`).
     ``outs = (part_max, part_sum, part_acc, read, suspect, out, lse)``: a
     task of an entry of several splits leaves its partials, one of a single
@@ -416,8 +417,8 @@ def _tile_of_heads(k, v, pages, where, work, rows_of, opt, state, fine):
     ``kept`` by head of the task, ``runs`` the tile's runs); ``rows_of =
     (qs, row_span, checksum)`` and ``state = (acc, row_max, row_sum)`` by
     head of the task (``row_span``: `_row_ranges`' ``(row_lo, row_hi)``).
-    ``fine``: None, or a quantized cache's per-token or per-group scales
-    (`elastic_np.cpu._decode.tiles`): per group, a run's rows are
+    ``fine``: None, or a quantized cache's per-token or per-group scales (none
+    a row for per-head ones: `elastic_np.cpu._decode.tiles`): per group, a run's rows are
     dequantized into ``fine_scratch`` (float32 ``(block_k, D)`` and
     ``(block_k, Dv)``, in L1) as the products read them; per token, the
     products read the bytes and a key's scale multiplies its scores, a

@@ -27,6 +27,7 @@ def contiguous(problem, otherwise, like=None):
     kin_launchers = {} if like is None else like.launchers  # not ``like``, whose problem and kin would stay
     B, H, Hkv, N, M, D, Dv = problem.shape
     rows = (H // Hkv) * N
+    fine = fine_operands(problem)  # None, or `NO_FINE`: per-token and per-group scales are arrays, never planned
 
     def run(q, k, v):
         if not takes_rows(N, rows):
@@ -41,8 +42,8 @@ def contiguous(problem, otherwise, like=None):
         kind = launch.kind
         if kind[0]:  # key-major: its products are not checked: q is, here
             _validation.check_finite(q, "q")
-            return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v))
-        return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v), None, q_operand[0])
+            return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v), fine)
+        return launch(q_operand, k_operand, v_operand, decode.CONTIGUOUS_PAGES[kind], (k, v), fine, q_operand[0])
 
     run.launchers = launchers
     return run

@@ -198,10 +198,11 @@ def _visited(order, runs, i, j):
 def _make_fine(which):
     """The three jit-code steps of a quantized cache's per-token or per-group scales for ``k`` (``which`` 0) or
     ``v`` (1), ``fine = (k_scales, v_scales)`` (operands of ``D // G`` entries a row:
-    `elastic_np._contract._quantized.fine_scale`) or None: ``(groups, rows, scaled)``."""
+    `elastic_np._contract._quantized.fine_scale`; of none for per-head scales) or None for a float cache:
+    ``(groups, rows, scaled)``."""
 
     def groups(fine):
-        """``D // G`` of the scales, 0 for ``fine`` None (jit code only)."""
+        """``D // G`` of the scales, 0 for ``fine`` None or per-head scales (jit code only)."""
         raise NotImplementedError("only callable from compiled code")
 
     def rows(fine, order, runs, i, j, x_rows, into):
@@ -212,7 +213,7 @@ def _make_fine(which):
     def scaled(fine, order, runs, i, j, st, s_col, n_rows):
         """``st[r, s_col + c] *= scale of key c`` of the run at step ``(i, j)``, ``r < n_rows``: per-token
         scales applied to the scores (keys) or the probabilities (values) instead of the rows; nothing for
-        ``fine`` None (jit code only)."""
+        ``fine`` None or per-head scales (jit code only)."""
         raise NotImplementedError("only callable from compiled code")
 
     @overload(groups, inline="always")
@@ -242,6 +243,8 @@ def _make_fine(which):
 
         def per_key(fine, order, runs, i, j, st, s_col, n_rows):
             scales = fine[which]
+            if shape(scales)[3] == 0:  # per-head scales (`elastic_np.cpu._tiles.cache_scales.NO_FINE`)
+                return
             _, _, at, hk, row, n = _visited(order, runs, i, j)
             s_whole, s_c = head_rows(scales, at, hk, row, n)
             for r in range(n_rows):

@@ -90,7 +90,7 @@ def _quant(problem, scale_pages):
         return None
     factors = cache_scales(problem)
     fine = fine_operands(problem, scale_pages)
-    return tuple((np.ascontiguousarray(factors[:, i]), None if fine is None else fine[i]) for i in (0, 1))
+    return tuple((np.ascontiguousarray(factors[:, i]), fine[i]) for i in (0, 1))
 
 
 # The typed tile functions each pass calls: a first call compiles only those (`compile_for`).

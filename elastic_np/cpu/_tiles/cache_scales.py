@@ -40,11 +40,20 @@ def cache_scales(problem):
     return scales
 
 
+#: `fine_operands` of a cache with per-head scales: operands of no scale a row (``D // G`` = 0), which the kernels
+#: read as "per head" where they run. Not None: a quantized cache's kernels then compile once for per-head, per-token
+#: and per-group scales (of float32), not once for the first and again for the others.
+NO_FINE = (operand(np.empty((0, 0, 0, 0), dtype=np.float32)),) * 2
+
+
 def fine_operands(problem, scale_pages=None):
-    """The kernel's ``fine``: None, or the operands of a quantized cache's per-token or per-group scales (those of
-    ``scale_pages`` for a paged cache, `elastic_np.cpu._decode.decode.forward`'s)."""
-    if not is_fine(problem.k_scale):
+    """The kernel's ``fine``: None for a float cache; for a quantized one, the operands of its per-token or
+    per-group scales (those of ``scale_pages`` for a paged cache, `elastic_np.cpu._decode.decode.forward`'s), or
+    `NO_FINE` for per-head scales."""
+    if problem.quantized is None:
         return None
+    if not is_fine(problem.k_scale):
+        return NO_FINE
     if scale_pages is not None:
         return tuple(pool_operand(pool) for pool in scale_pages)
     return operand(problem.k_scale), operand(problem.v_scale)

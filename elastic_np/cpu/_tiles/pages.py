@@ -101,9 +101,9 @@ def cache_tile(x, pages, b, hk, j0, n, width, scratch, gathered, quant):
     in ``scratch`` (``(n, width)`` at least), run by run (jit code only).
 
     ``quant = (factors, fine)``: the cache's per-head factors, ``(Hkv,)``
-    (its scale over `elastic_np.cpu._tiles.quantized.UNIT`), and None or
-    the operand of its per-token or per-group scales
-    (`elastic_np.cpu._tiles.cache_scales`).
+    (its scale over `elastic_np.cpu._tiles.quantized.UNIT`), and the
+    operand of its per-token or per-group scales, of none for per-head
+    scales (`elastic_np.cpu._tiles.cache_scales.fine_operands`).
     """
     raise NotImplementedError("only callable from compiled code")
 
@@ -132,21 +132,17 @@ def _dequantized_rows(quant, tile, where, width, out):
 
 @overload(_dequantized_rows, inline="always")
 def _dequantized_rows_impl(quant, tile, where, width, out):
-    if isinstance(quant.types[1], types.NoneType):
-        def per_head(quant, tile, where, width, out):
-            factor = quant[0][where[1]]
-            whole, col = tile
-            for c in range(whole.shape[0]):
-                scaled_bytes(whole[c, col : col + width], out[c], 0, width, factor)
-
-        return per_head
-
-    def per_group(quant, tile, where, width, out):
+    def dequantized_rows(quant, tile, where, width, out):
         factors, fine = quant
         at, hk, row, m = where
-        scaled_rows(tile, head_rows(fine, at, hk, row, m), shape(fine)[3], factors[hk], width, out)
+        if shape(fine)[3] == 0:  # per-head scales (`elastic_np.cpu._tiles.cache_scales.NO_FINE`)
+            whole, col = tile
+            for c in range(whole.shape[0]):
+                scaled_bytes(whole[c, col : col + width], out[c], 0, width, factors[hk])
+        else:
+            scaled_rows(tile, head_rows(fine, at, hk, row, m), shape(fine)[3], factors[hk], width, out)
 
-    return per_group
+    return dequantized_rows
 
 
 @njit(inline="always", fastmath=FASTMATH)
