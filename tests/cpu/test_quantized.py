@@ -400,3 +400,24 @@ def test_planned_calls_keep_each_format_apart():
             got = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="cpu")
             want = enp.attention(q, kd, kd, k_scale=0.01, v_scale=0.02, backend="reference")
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_every_kind_of_scale_shares_one_compiled_kernel():
+    # per-head scales reach the kernels as operands of no scale a row (`cache_scales.NO_FINE`), never as None: a
+    # kernel compiled for per-head scales serves per-token and per-group ones (of float32) too
+    from elastic_np.cpu._decode.decode import _decode_kernel
+    from elastic_np.cpu._prefill.forward import _forward_kernel
+
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((1, 64, 2, 32)).astype(np.float32) for _ in range(2))
+    for scale in ("head", "tensor", "token", "group"):
+        group = 16 if scale == "group" else None
+        (kd, ks), (vd, vs) = (enp.quantize_kv(a, "int8", scale=scale, group_size=group, layout="bnhd") for a in (k, v))
+        for N in (1, 40):  # the decode kernel, the prefill kernel
+            q = rng.standard_normal((1, N, 4, 32)).astype(np.float32)
+            enp.attention(q, kd, vd, layout="bnhd", k_scale=ks, v_scale=vs, backend="cpu")
+    decode_fine = [sig[6] for sig in _decode_kernel.signatures if "int8" in str(sig[1])]
+    prefill_quant = [sig[5] for sig in _forward_kernel.signatures if "int8" in str(sig[1])]
+    assert decode_fine and prefill_quant
+    assert not any(isinstance(fine, numba.types.NoneType) for fine in decode_fine), decode_fine
+    assert not any("none" in str(quant) for quant in prefill_quant), prefill_quant
